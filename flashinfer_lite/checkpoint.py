@@ -1,0 +1,400 @@
+"""Model files in, canonical float32 tensors out: Hugging Face directories (safetensors) and GGUF files.
+
+Tensors are read one at a time by name, never a whole checkpoint at once. Canonical names (weight [out, in]):
+  embed.weight, pos_embed.weight (OPT), lm_head.weight (absent when tied), norm.{weight,bias}
+  layers.{i}.attn_norm.*, layers.{i}.attn.{q,k,v,o}.{weight,bias}, layers.{i}.ffn_norm.*
+  layers.{i}.ffn.{gate,up,down}.{weight,bias}   (OPT: fc1 -> up, fc2 -> down)
+Model files are untrusted: nothing is unpickled, header sizes are bounded, offsets are checked against the file size,
+and every path stays inside the model directory.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+
+from .errors import UserError
+from .model import ModelConfig
+from .tokenizer import Tokenizer
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_JSON_BYTES = 50 * 1024 * 1024
+
+
+def read_json(path: Path, what: str) -> dict:
+    try:
+        if path.stat().st_size > MAX_JSON_BYTES:
+            raise UserError(f"{what} is too large ({path.stat().st_size} bytes): {path}")
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"missing {what}: {path}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{what} is not valid JSON: {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{what} is not a JSON object: {path}")
+    return data
+
+
+def inside(root: Path, name: str, what: str) -> Path:
+    """root/name, refusing names that escape root (absolute paths, '..', symlinks out)."""
+    p = (root / name).resolve()
+    if not p.is_relative_to(root.resolve()):
+        raise UserError(f"{what} names a path outside the model directory: {name!r}")
+    return p
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# safetensors
+
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
+              "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+
+
+class SafetensorsFile:
+    """A safetensors file read tensor by tensor with os.pread.
+
+    Written here rather than through the safetensors package because its numpy reader cannot return bfloat16,
+    the dtype most Llama-family checkpoints ship in; we widen bf16 to float32 ourselves.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self.fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise UserError(f"cannot open {path}: {e.strerror}") from None
+        size = os.fstat(self.fd).st_size
+        head = os.pread(self.fd, 8, 0)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 2 or n > MAX_HEADER_BYTES or 8 + n > size:
+            raise UserError(f"not a valid safetensors file (bad header length): {path}")
+        try:
+            header = json.loads(os.pread(self.fd, n, 8).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise UserError(f"not a valid safetensors file (corrupt header): {path}") from None
+        header.pop("__metadata__", None)
+        data_size = size - 8 - n
+        self.entries: dict[str, tuple[bool, np.dtype, tuple, int]] = {}  # name -> (is_bf16, raw dtype, shape, offset)
+        for name, e in header.items():
+            try:
+                dtype = np.dtype(_ST_DTYPES[e["dtype"]])
+                shape = tuple(int(s) for s in e["shape"])
+                begin, end = (int(o) for o in e["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise UserError(f"unsupported or corrupt tensor entry '{name}' in {path}") from None
+            if end > data_size:
+                raise UserError(f"truncated safetensors file {path}: tensor '{name}' ends at byte {8 + n + end} "
+                                f"but the file has {size}")
+            if begin < 0 or end - begin != int(np.prod(shape)) * dtype.itemsize:
+                raise UserError(f"corrupt safetensors file {path}: size of tensor '{name}' does not match its shape")
+            self.entries[name] = (e["dtype"] == "BF16", dtype, shape, 8 + n + begin)
+
+    def read(self, name: str) -> np.ndarray:
+        bf16, raw_dtype, shape, offset = self.entries[name]
+        nbytes = int(np.prod(shape)) * raw_dtype.itemsize
+        buf = bytearray(nbytes)
+        view, done = memoryview(buf), 0
+        while done < nbytes:
+            got = os.preadv(self.fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise UserError(f"short read in {self.path} at tensor '{name}'")
+            done += got
+        a = np.frombuffer(buf, dtype=raw_dtype).reshape(shape)
+        if bf16:  # bf16 is the top half of a float32
+            return (a.astype(np.uint32) << 16).view(np.float32)
+        return a.astype(np.float32) if a.dtype != np.float32 else a
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Hugging Face directories
+
+SUPPORTED_HF = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "OPTForCausalLM")
+
+_LLAMA_NAMES = [
+    (r"model\.embed_tokens\.weight", "embed.weight"),
+    (r"lm_head\.weight", "lm_head.weight"),
+    (r"model\.norm\.weight", "norm.weight"),
+    (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"layers.\1.attn_norm.weight"),
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"layers.\1.ffn_norm.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.(weight|bias)", r"layers.\1.attn.\2.\3"),
+    (r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.(weight|bias)", r"layers.\1.ffn.\2.\3"),
+]
+_OPT_NAMES = [
+    (r"(?:model\.)?decoder\.embed_tokens\.weight", "embed.weight"),
+    (r"(?:model\.)?decoder\.embed_positions\.weight", "pos_embed.weight"),
+    (r"lm_head\.weight", "lm_head.weight"),
+    (r"(?:model\.)?decoder\.final_layer_norm\.(weight|bias)", r"norm.\1"),
+    (r"(?:model\.)?decoder\.layers\.(\d+)\.self_attn_layer_norm\.(weight|bias)", r"layers.\1.attn_norm.\2"),
+    (r"(?:model\.)?decoder\.layers\.(\d+)\.final_layer_norm\.(weight|bias)", r"layers.\1.ffn_norm.\2"),
+    (r"(?:model\.)?decoder\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)", r"layers.\1.attn.\2.\3"),
+    (r"(?:model\.)?decoder\.layers\.(\d+)\.self_attn\.out_proj\.(weight|bias)", r"layers.\1.attn.o.\2"),
+    (r"(?:model\.)?decoder\.layers\.(\d+)\.fc1\.(weight|bias)", r"layers.\1.ffn.up.\2"),
+    (r"(?:model\.)?decoder\.layers\.(\d+)\.fc2\.(weight|bias)", r"layers.\1.ffn.down.\2"),
+]
+
+
+def _get(cfg: dict, key: str, default=None, required: bool = False):
+    if key in cfg and cfg[key] is not None:
+        return cfg[key]
+    if required:
+        raise UserError(f"config.json lacks required field '{key}'")
+    return default
+
+
+def _act(name: str, arch: str) -> str:
+    acts = {"silu": "silu", "swish": "silu", "relu": "relu"}
+    if name not in acts:
+        raise UserError(f"unsupported activation '{name}' for {arch} (supported: silu, relu)")
+    return acts[name]
+
+
+def _eos_ids(*values) -> list[int]:
+    ids: list[int] = []
+    for v in values:
+        for i in (v if isinstance(v, list) else [v]):
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return ids
+
+
+def hf_config(cfg: dict, generation: dict | None = None) -> ModelConfig:
+    """ModelConfig from a Hugging Face config.json, refusing fields whose math we do not implement."""
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in SUPPORTED_HF:
+        raise UserError(f"unsupported architecture {arch!r} in config.json (supported: {', '.join(SUPPORTED_HF)})")
+    gen = generation or {}
+    eos = _eos_ids(cfg.get("eos_token_id"), gen.get("eos_token_id"))
+    dim = _get(cfg, "hidden_size", required=True)
+    heads = _get(cfg, "num_attention_heads", required=True)
+    common = dict(vocab_size=_get(cfg, "vocab_size", required=True), dim=dim,
+                  n_layers=_get(cfg, "num_hidden_layers", required=True), n_heads=heads,
+                  max_pos=_get(cfg, "max_position_embeddings", 2048), bos_id=cfg.get("bos_token_id"), eos_ids=eos)
+    if arch == "OPTForCausalLM":
+        if _get(cfg, "word_embed_proj_dim", dim) != dim:
+            raise UserError("unsupported OPT field word_embed_proj_dim != hidden_size (project_in/out, as in OPT-350m)")
+        if not _get(cfg, "layer_norm_elementwise_affine", True):
+            raise UserError("unsupported OPT field layer_norm_elementwise_affine=false")
+        bias = _get(cfg, "enable_bias", True)
+        pre = _get(cfg, "do_layer_norm_before", True)
+        return ModelConfig(arch="opt", n_kv_heads=heads, head_dim=dim // heads, ffn_dim=_get(cfg, "ffn_dim", required=True),
+                           glu=False, act=_act(_get(cfg, "activation_function", "relu"), arch), norm="layer",
+                           norm_eps=1e-5, pos_offset=2, tie_embeddings=_get(cfg, "tie_word_embeddings", True),
+                           qkv_bias=bias, o_bias=bias, mlp_bias=bias, pre_norm=pre, **common)
+    rope = dict(cfg.get("rope_parameters") or {})
+    theta = rope.pop("rope_theta", None) or _get(cfg, "rope_theta", 10000.0)
+    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    window = None
+    if arch == "MistralForCausalLM":
+        window = cfg.get("sliding_window")
+    elif arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
+        raise UserError("unsupported Qwen2 field use_sliding_window=true")
+    qkv_bias = arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
+    cfg_out = ModelConfig(arch="llama", n_kv_heads=_get(cfg, "num_key_value_heads", heads),
+                          head_dim=_get(cfg, "head_dim", dim // heads), ffn_dim=_get(cfg, "intermediate_size", required=True),
+                          glu=True, act=_act(_get(cfg, "hidden_act", "silu"), arch), norm="rms",
+                          norm_eps=_get(cfg, "rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
+                          tie_embeddings=bool(_get(cfg, "tie_word_embeddings", False)), qkv_bias=qkv_bias,
+                          o_bias=bool(cfg.get("attention_bias", False)), mlp_bias=bool(cfg.get("mlp_bias", False)),
+                          sliding_window=window, **common)
+    from .model import rope_inv_freq
+    rope_inv_freq(cfg_out)  # refuse unsupported rope scalings now, not at the first token
+    return cfg_out
+
+
+class Checkpoint:
+    """Lazy access to a model's tensors under canonical names. Subclasses fill config, _index and read."""
+
+    config: ModelConfig
+    path: Path
+
+    def names(self) -> list[str]:
+        return list(self._index)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._index
+
+    def tensor(self, name: str) -> np.ndarray:
+        if name not in self._index:
+            raise UserError(f"{self.path}: missing tensor '{name}'")
+        return self._read(name)
+
+    def tokenizer(self) -> Tokenizer:
+        raise NotImplementedError
+
+    def check_complete(self) -> None:
+        """Every tensor the math needs is present (a clear error now instead of a KeyError mid-load)."""
+        c, need = self.config, ["embed.weight"]
+        if not c.tie_embeddings:
+            need.append("lm_head.weight")
+        if c.pos_offset is not None:
+            need.append("pos_embed.weight")
+        for i in range(c.n_layers):
+            need += [f"layers.{i}.attn.{p}.weight" for p in "qkvo"]
+            need += [f"layers.{i}.ffn.{p}.weight" for p in (("gate", "up", "down") if c.glu else ("up", "down"))]
+            need += [f"layers.{i}.attn_norm.weight", f"layers.{i}.ffn_norm.weight"]
+        missing = [n for n in need if n not in self._index]
+        if missing:
+            raise UserError(f"{self.path}: checkpoint lacks {len(missing)} tensors, e.g. '{missing[0]}'")
+
+
+class HFCheckpoint(Checkpoint):
+    def __init__(self, path: Path):
+        self.path = path
+        raw = read_json(path / "config.json", "config.json")
+        gen = read_json(path / "generation_config.json", "generation_config.json") \
+            if (path / "generation_config.json").exists() else None
+        self.config = hf_config(raw, gen)
+        rules = [(re.compile(a + r"\Z"), b) for a, b in (_OPT_NAMES if self.config.arch == "opt" else _LLAMA_NAMES)]
+        index_path = path / "model.safetensors.index.json"
+        if index_path.exists():
+            weight_map = read_json(index_path, "model.safetensors.index.json").get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise UserError(f"model.safetensors.index.json has no weight_map: {index_path}")
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in path.glob("*.safetensors"))
+        if not files:
+            pickled = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
+            hint = f" (found {pickled[0]}: pickled checkpoints are not loaded; convert to safetensors)" if pickled else ""
+            raise UserError(f"no .safetensors weights in {path}{hint}")
+        self._files = [SafetensorsFile(inside(path, f, "model.safetensors.index.json")) for f in files]
+        self._index: dict[str, tuple[SafetensorsFile, str]] = {}
+        for f in self._files:
+            for hf_name in f.entries:
+                for rx, repl in rules:
+                    if rx.match(hf_name):
+                        self._index[rx.sub(repl, hf_name)] = (f, hf_name)
+                        break
+        if self.config.tie_embeddings:
+            self._index.pop("lm_head.weight", None)
+        self.check_complete()
+
+    def _read(self, name: str) -> np.ndarray:
+        f, hf_name = self._index[name]
+        return f.read(hf_name)
+
+    def tokenizer(self) -> Tokenizer:
+        return Tokenizer.from_dir(self.path, self.config)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# GGUF (llama architecture)
+
+_GGUF_NAMES = [
+    (r"token_embd\.weight", "embed.weight"),
+    (r"output\.weight", "lm_head.weight"),
+    (r"output_norm\.weight", "norm.weight"),
+    (r"blk\.(\d+)\.attn_norm\.weight", r"layers.\1.attn_norm.weight"),
+    (r"blk\.(\d+)\.ffn_norm\.weight", r"layers.\1.ffn_norm.weight"),
+    (r"blk\.(\d+)\.attn_q\.(weight|bias)", r"layers.\1.attn.q.\2"),
+    (r"blk\.(\d+)\.attn_k\.(weight|bias)", r"layers.\1.attn.k.\2"),
+    (r"blk\.(\d+)\.attn_v\.(weight|bias)", r"layers.\1.attn.v.\2"),
+    (r"blk\.(\d+)\.attn_output\.(weight|bias)", r"layers.\1.attn.o.\2"),
+    (r"blk\.(\d+)\.ffn_(gate|up|down)\.(weight|bias)", r"layers.\1.ffn.\2.\3"),
+]
+
+
+def gguf_field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row interleaving (GGUF pairs rotary dims adjacently; HF math splits them in halves)."""
+    # llama.cpp wrote w.reshape(H, 2, r, ...).swapaxes(1, 2); this is its inverse.
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFCheckpoint(Checkpoint):
+    def __init__(self, path: Path):
+        import gguf  # imported here: only GGUF users pay for it
+        self.path = path
+        try:
+            self.reader = gguf.GGUFReader(str(path), "r")
+        except Exception as e:  # the reader raises many types on corrupt input
+            raise UserError(f"not a valid GGUF file: {path} ({type(e).__name__}: {e})") from None
+        r = self.reader
+        arch = gguf_field(r, "general.architecture")
+        if arch != "llama":
+            raise UserError(f"unsupported GGUF architecture {arch!r} (supported: llama)")
+        need = lambda k: _required_field(r, f"llama.{k}")  # noqa: E731
+        dim, heads = int(need("embedding_length")), int(need("attention.head_count"))
+        self._index = {}
+        rules = [(re.compile(a + r"\Z"), b) for a, b in _GGUF_NAMES]
+        for t in r.tensors:
+            for rx, repl in rules:
+                if rx.match(t.name):
+                    self._index[rx.sub(repl, t.name)] = t
+                    break
+        tokens = gguf_field(r, "tokenizer.ggml.tokens") or []
+        kv_heads = int(gguf_field(r, "llama.attention.head_count_kv", heads))
+        head_dim = int(gguf_field(r, "llama.attention.key_length", dim // heads))
+        if int(gguf_field(r, "llama.rope.dimension_count", head_dim)) != head_dim:
+            raise UserError("unsupported GGUF field llama.rope.dimension_count != head dim (partial rotary)")
+        scaling = None
+        stype = gguf_field(r, "llama.rope.scaling.type")
+        if stype not in (None, "none"):
+            if stype != "linear":
+                raise UserError(f"unsupported GGUF rope scaling '{stype}' (supported: linear)")
+            scaling = {"rope_type": "linear", "factor": float(gguf_field(r, "llama.rope.scaling.factor", 1.0))}
+        bos = gguf_field(r, "tokenizer.ggml.bos_token_id")
+        eos = gguf_field(r, "tokenizer.ggml.eos_token_id")
+        ffn_dim = int(need("feed_forward_length"))
+        self.config = ModelConfig(
+            arch="llama", vocab_size=int(gguf_field(r, "llama.vocab_size", len(tokens))), dim=dim,
+            n_layers=int(need("block_count")), n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim, ffn_dim=ffn_dim,
+            glu=True, act="silu", norm="rms", norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(gguf_field(r, "llama.rope.freq_base", 10000.0)), rope_scaling=scaling,
+            max_pos=int(gguf_field(r, "llama.context_length", 2048)),
+            tie_embeddings="lm_head.weight" not in self._index,
+            qkv_bias="layers.0.attn.q.bias" in self._index, o_bias="layers.0.attn.o.bias" in self._index,
+            mlp_bias="layers.0.ffn.up.bias" in self._index,
+            bos_id=None if bos is None else int(bos), eos_ids=[] if eos is None else [int(eos)])
+        self.check_complete()
+
+    def _read(self, name: str) -> np.ndarray:
+        import gguf
+        t = self._index[name]
+        try:
+            a = gguf.quants.dequantize(t.data, t.tensor_type)
+        except Exception as e:
+            raise UserError(f"cannot dequantize GGUF tensor {t.name} ({t.tensor_type.name}): {e}") from None
+        a = np.asarray(a, dtype=np.float32).reshape(tuple(int(s) for s in reversed(t.shape)))
+        if name.endswith("attn.q.weight") or name.endswith("attn.q.bias"):
+            a = unpermute_qk(a, self.config.n_heads)
+        elif name.endswith("attn.k.weight") or name.endswith("attn.k.bias"):
+            a = unpermute_qk(a, self.config.n_kv_heads)
+        return a
+
+    def tokenizer(self) -> Tokenizer:
+        return Tokenizer.from_gguf(self.reader, self.config)
+
+
+def _required_field(reader, key: str):
+    v = gguf_field(reader, key)
+    if v is None:
+        raise UserError(f"GGUF file lacks required field '{key}'")
+    return v
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+
+def open_checkpoint(path) -> Checkpoint:
+    """An HF directory or a .gguf file (a flash directory is opened by storage.format.FlashCheckpoint)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise UserError(f"model not found: {p}")
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise UserError(f"not a Hugging Face model directory (no config.json): {p}")
+        return HFCheckpoint(p)
+    if p.suffix.lower() == ".gguf":
+        return GGUFCheckpoint(p)
+    raise UserError(f"unrecognised model path (expected an HF directory or a .gguf file): {p}")

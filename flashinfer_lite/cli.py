@@ -1,0 +1,52 @@
+"""The `flashinfer-lite` command: one subcommand per module, each with add_arguments(parser) and run(args)."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from .errors import UserError
+
+# name -> (module, help). Modules are imported only for the command that runs, so `generate` never pays for torch.
+COMMANDS = {
+    "generate": ("flashinfer_lite.generate", "generate text from one prompt"),
+    "fetch": ("flashinfer_lite.fetch", "download the default model (SmolLM2-135M-Instruct) into the cache"),
+}
+
+
+def build_parser(command: str | None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashinfer-lite", description="Run LLMs whose FFN weights stay on flash.")
+    from . import __version__
+    parser.add_argument("--version", action="version", version=f"flashinfer-lite {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        if name == command:  # only the chosen command's module is imported
+            importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in COMMANDS else None)
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    try:
+        return importlib.import_module(COMMANDS[args.command][0]).run(args) or 0
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `| head` closed the pipe: not an error worth a traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""`flashinfer-lite generate`: one prompt in, streamed text out, llama.cpp-style timings at the end."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import UserError
+from .model import Transformer
+from .tokenizer import StreamDecoder, Tokenizer, check_utf8
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Sampling (llama.cpp's default chain: top-k, top-p, temperature, then draw)
+
+@dataclass
+class Sampler:
+    temp: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    seed: int = -1
+    rng: np.random.Generator = field(init=False)
+
+    def __post_init__(self):
+        self.rng = np.random.default_rng(None if self.seed < 0 else self.seed)
+
+    def __call__(self, logits: np.ndarray) -> int:
+        if self.temp <= 0:
+            return int(np.argmax(logits))
+        idx = np.argsort(-logits, kind="stable")
+        if self.top_k > 0:
+            idx = idx[: self.top_k]
+        z = logits[idx].astype(np.float64)
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        if 0 < self.top_p < 1:
+            keep = int(np.searchsorted(np.cumsum(p), self.top_p) + 1)
+            idx, z = idx[:keep], z[:keep]
+        z = z / self.temp
+        p = np.exp(z - z.max())
+        return int(idx[self.rng.choice(len(idx), p=p / p.sum())])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Timings
+
+@dataclass
+class Timings:
+    load_ms: float = 0.0
+    prompt_tokens: int = 0
+    prompt_ms: float = 0.0
+    token_ms: list[float] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        n, ms = len(self.token_ms), float(sum(self.token_ms))
+        q = (lambda p: float(np.percentile(self.token_ms, p))) if n else (lambda p: 0.0)
+        return {"load_ms": round(self.load_ms, 3), "prompt_tokens": self.prompt_tokens,
+                "prompt_ms": round(self.prompt_ms, 3),
+                "prompt_tokens_per_second": round(self.prompt_tokens / self.prompt_ms * 1e3, 3) if self.prompt_ms else 0,
+                "eval_tokens": n, "eval_ms": round(ms, 3), "ms_per_token": round(ms / n, 3) if n else 0,
+                "tokens_per_second": round(n / ms * 1e3, 3) if ms else 0, "p50_ms": round(q(50), 3),
+                "p99_ms": round(q(99), 3)}
+
+    def report(self, out=sys.stderr) -> None:
+        """The perf lines as llama.cpp prints them (llama_perf_context_print)."""
+        d = self.as_dict()
+        w = "flashinfer_lite_perf"
+        pt, pm = d["prompt_tokens"], d["prompt_ms"]
+        print(f"{w}:        load time = {d['load_ms']:10.2f} ms", file=out)
+        print(f"{w}: prompt eval time = {pm:10.2f} ms / {pt:5d} tokens ({pm / max(pt, 1):8.2f} ms per token, "
+              f"{d['prompt_tokens_per_second']:8.2f} tokens per second)", file=out)
+        print(f"{w}:        eval time = {d['eval_ms']:10.2f} ms / {d['eval_tokens']:5d} runs   "
+              f"({d['ms_per_token']:8.2f} ms per token, {d['tokens_per_second']:8.2f} tokens per second, "
+              f"P50 {d['p50_ms']:.2f} ms, P99 {d['p99_ms']:.2f} ms)", file=out)
+        print(f"{w}:       total time = {d['load_ms'] + pm + d['eval_ms']:10.2f} ms / {pt + d['eval_tokens']:5d} tokens",
+              file=out)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The generation loop
+
+class Session:
+    """A model, its tokenizer and one KV cache: the state a chat keeps across turns."""
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, ctx: int):
+        self.model, self.tokenizer = model, tokenizer
+        self.kv = model.new_cache(ctx)
+        self.timings = Timings()
+
+    @property
+    def ctx(self) -> int:
+        return self.kv.capacity
+
+    def generate(self, prompt_ids: list[int], n_predict: int, sampler: Sampler, ignore_eos: bool = False):
+        """Feed prompt_ids at the end of the cache, then yield sampled ids until EOS, n_predict, or a full context."""
+        if self.kv.length + len(prompt_ids) > self.ctx:
+            raise UserError(f"prompt is too long ({self.kv.length + len(prompt_ids)} tokens, context is {self.ctx}); "
+                            f"raise -c or shorten the prompt")
+        t0 = time.perf_counter()
+        logits = self.model.forward(prompt_ids, self.kv)
+        self.timings.prompt_ms += (time.perf_counter() - t0) * 1e3
+        self.timings.prompt_tokens += len(prompt_ids)
+        produced = 0
+        while n_predict < 0 or produced < n_predict:
+            tok = sampler(logits)
+            produced += 1
+            if tok in self.tokenizer.eos_ids and not ignore_eos:
+                return
+            yield tok
+            if produced == n_predict:
+                return
+            if self.kv.length >= self.ctx:
+                raise ContextFull(self.ctx)
+            t0 = time.perf_counter()
+            logits = self.model.forward([tok], self.kv)
+            self.timings.token_ms.append((time.perf_counter() - t0) * 1e3)
+
+
+class ContextFull(Exception):
+    def __init__(self, ctx: int):
+        super().__init__(f"context is full ({ctx} tokens); raise -c for longer output")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Command
+
+def add_model_arguments(p) -> None:
+    """Flags shared by generate and chat, named as llama.cpp names them."""
+    p.add_argument("-m", "--model", help="HF directory or .gguf file (default: SmolLM2-135M-Instruct, fetched on first use)")
+    p.add_argument("-n", "--n-predict", type=int, default=256, help="tokens to generate, -1 = until EOS (default 256)")
+    p.add_argument("-c", "--ctx-size", type=int, default=0, help="context size (default: the model's, at most 4096)")
+    p.add_argument("--temp", type=float, default=0.8, help="temperature, 0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=40, help="top-k sampling, 0 = off (default 40)")
+    p.add_argument("--top-p", type=float, default=0.95, help="top-p sampling, 1.0 = off (default 0.95)")
+    p.add_argument("-s", "--seed", type=int, default=-1, help="RNG seed, -1 = random (default -1)")
+    p.add_argument("-sys", "--system-prompt", default=None, help="system prompt for the chat template")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+
+
+def add_arguments(p) -> None:
+    add_model_arguments(p)
+    p.add_argument("-p", "--prompt", help="prompt text")
+    p.add_argument("-f", "--file", help="read the prompt from a UTF-8 text file")
+    p.add_argument("--ignore-chat-template", action="store_true",
+                   help="feed the prompt as is, even when the model has a chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object (tokens, text, timings) instead of text")
+
+
+def open_model(args):
+    """(model, tokenizer, load_ms) for -m, or the default model."""
+    from .default_model import ensure_default_model
+    from .loader import load
+    t0 = time.perf_counter()
+    path = args.model or ensure_default_model()
+    model, tokenizer = load(path, progress=sys.stderr.isatty())
+    return model, tokenizer, (time.perf_counter() - t0) * 1e3
+
+
+def context_size(args, model: Transformer) -> int:
+    ctx = args.ctx_size or min(model.cfg.max_pos, 4096)
+    if ctx <= 0:
+        raise UserError(f"context size must be positive, got {ctx}")
+    if ctx > model.cfg.max_pos:
+        raise UserError(f"context size {ctx} exceeds the model's maximum of {model.cfg.max_pos}")
+    return ctx
+
+
+def read_prompt(args) -> str:
+    if args.file:
+        try:
+            raw = open(args.file, "rb").read()
+        except OSError as e:
+            raise UserError(f"cannot read prompt file {args.file}: {e.strerror}") from None
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"prompt file {args.file} is not valid UTF-8 (byte {e.start})") from None
+    if args.prompt is None:
+        raise UserError("no prompt: pass -p TEXT or -f FILE")
+    check_utf8(args.prompt, "prompt")
+    return args.prompt
+
+
+def prompt_ids(tokenizer: Tokenizer, text: str, system: str | None, use_template: bool) -> list[int]:
+    if use_template and tokenizer.chat_template:
+        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        return tokenizer.encode_chat(msgs)
+    return tokenizer.encode(text)
+
+
+def run(args) -> int:
+    text = read_prompt(args)
+    model, tokenizer, load_ms = open_model(args)
+    session = Session(model, tokenizer, context_size(args, model))
+    session.timings.load_ms = load_ms
+    ids = prompt_ids(tokenizer, text, args.system_prompt, not args.ignore_chat_template)
+    sampler = Sampler(args.temp, args.top_k, args.top_p, args.seed)
+    out, stream = [], StreamDecoder(tokenizer)
+    note = None
+    if not args.json and (args.ignore_chat_template or not tokenizer.chat_template):
+        sys.stdout.write(text)  # a raw prompt is echoed, as llama.cpp does, so the output reads as one text
+    try:
+        for tok in session.generate(ids, args.n_predict, sampler, args.ignore_eos):
+            out.append(tok)
+            if not args.json:
+                sys.stdout.write(stream.push(tok))
+                sys.stdout.flush()
+    except ContextFull as e:
+        note = str(e)
+    except KeyboardInterrupt:
+        note = "interrupted"
+    if args.json:
+        print(json.dumps({"tokens": out, "text": tokenizer.decode(out), "prompt_tokens": ids,
+                          "timings": session.timings.as_dict(), **({"stopped": note} if note else {})}))
+    else:
+        sys.stdout.write("\n")
+        if note:
+            print(f"[{note}]", file=sys.stderr)
+        session.timings.report()
+    return 130 if note == "interrupted" else 0

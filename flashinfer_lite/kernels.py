@@ -1,0 +1,307 @@
+"""Sparse FFN kernels (Numba) over a bundle matrix: only the active neurons' rows are touched.
+
+A bundle matrix B is uint8[rows, stride]; row r holds one neuron (contract layout):
+  GLU: [gate_i | up_i | down_i], MLP (OPT): [up_i (fc1 row) | down_i (fc2 column)], each d values of the
+  storage dtype, then float32 scalars at `scalars_offset` (int8 scales per vector, then bias_gate, bias_up).
+
+  GLU: y = sum_j act(gate_j.x + bg_j) * (up_j.x + bu_j) * down_j     (dReLU: relu(gate) * relu(up))
+  MLP: y = sum_j act(up_j.x + bu_j) * down_j
+The per-output down bias is not in the bundles: the caller adds it. FATReLU: an activation act(.) <= threshold
+counts as zero, and then the neuron's remaining vectors are not read at all (for ReLU the default threshold 0
+is exactly ReLU; for SiLU the default is -inf, i.e. no threshold).
+
+Parallel layout: neurons are split into one contiguous chunk per thread, each thread accumulates into its own
+row of `acc` (float32[threads, d], L1/L2 resident), then the rows are summed into y. bench/sparse_ffn.py
+measures this against splitting the output dimension instead (phase 1: coefficients, phase 2: output chunks).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+import llvmlite.binding as llvm_binding
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic, overload
+
+from flashinfer_lite.errors import UserError
+
+ACT_RELU, ACT_SILU, ACT_DRELU = 0, 1, 2
+ACT_CODES = {"relu": ACT_RELU, "silu": ACT_SILU, "drelu": ACT_DRELU}
+STORAGE_VIEWS = {"f32": np.float32, "f16": np.uint16, "int8": np.int8}  # dtype name -> view of B the kernel reads
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fp16 bits -> float32. Numba has no CPU float16, so f16 weights are read as uint16 and converted here.
+# Two exact implementations: the F16C instruction (vcvtph2ps, ~4x faster in the dot loops) when the host has it,
+# else portable bit arithmetic. Both are checked over all 65536 inputs in tests/test_kernels.py.
+
+
+@intrinsic
+def _bits_as_f32(typingctx, bits):
+    """Reinterpret the low 32 bits of an integer as a float32 (no conversion)."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = args[0]
+        if v.type.width > 32:
+            v = builder.trunc(v, ir.IntType(32))
+        elif v.type.width < 32:
+            v = builder.zext(v, ir.IntType(32))
+        return builder.bitcast(v, ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def _f32_bits(typingctx, f):
+    """Reinterpret a float32 as uint32 bits."""
+    if f != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(f), codegen
+
+
+@intrinsic
+def _half_bits_fpext(typingctx, h):
+    """LLVM `fpext half -> float` of the low 16 bits: one vcvtph2ps per 8-16 values on F16C hardware."""
+    if not isinstance(h, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = args[0]
+        if v.type.width > 16:
+            v = builder.trunc(v, ir.IntType(16))
+        return builder.fpext(builder.bitcast(v, ir.HalfType()), ir.FloatType())
+
+    return types.float32(h), codegen
+
+
+@njit(cache=True)
+def f16_bits_to_f32_portable(h):
+    """IEEE half bits (uint16) -> float32 with integer arithmetic only; exact for normals, subnormals, +-0,
+    +-inf and NaN (payload kept). Branch-free (both cases computed, then selected) so loops vectorise."""
+    # every intermediate is cast back to uint32: Numba widens integer ops to 64 bits, and the casts let LLVM
+    # narrow them again (twice the SIMD lanes)
+    h32 = np.uint32(h)
+    sign = np.uint32((h32 & np.uint32(0x8000)) << np.uint32(16))
+    em = np.uint32(h32 & np.uint32(0x7FFF))  # exponent + mantissa
+    exp = np.uint32(em & np.uint32(0x7C00))
+    shifted = np.uint32(em << np.uint32(13))
+    # normal: exponent/mantissa moved into place and rebiased 15 -> 127; inf/NaN: all-ones exponent, payload kept
+    normal = np.uint32(shifted + np.uint32(112 << 23))
+    special = np.uint32(shifted | np.uint32(0x7F800000))
+    bits = special if exp == np.uint32(0x7C00) else normal
+    # subnormal (and zero): mantissa * 2^-24 is exact in float32 and never itself subnormal
+    sub = np.float32(np.int32(em)) * np.float32(5.9604644775390625e-08)
+    mag = sub if exp == np.uint32(0) else _bits_as_f32(bits)
+    return _bits_as_f32(np.uint32(_f32_bits(mag) | sign))
+
+
+@njit(cache=True)
+def f16_bits_to_f32_f16c(h):
+    """IEEE half bits (uint16) -> float32 by the F16C instruction (exact; signalling NaNs come out quiet)."""
+    return _half_bits_fpext(h)
+
+
+HAS_F16C = "+f16c" in llvm_binding.get_host_cpu_features().flatten().split(",")
+f16_bits_to_f32 = f16_bits_to_f32_f16c if HAS_F16C else f16_bits_to_f32_portable
+
+
+def _load(w, i):
+    """Element i of a weight view as float32 (f32, f16 bits or int8); resolved per dtype at compile time."""
+
+
+@overload(_load)
+def _load_impl(w, i):
+    if w.dtype == types.uint16:
+        return lambda w, i: f16_bits_to_f32(w[i])
+    return lambda w, i: np.float32(w[i])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Building blocks over one vector: `v` is a 1-D typed slice of d elements. (Slices, not row + offset: with a
+# runtime offset Numba's negative-index wraparound check stays in the loop and blocks vectorisation.)
+
+
+@njit(cache=True, fastmath=True)
+def _dot(v, x, d):
+    acc = np.float32(0.0)
+    for k in range(d):
+        acc += _load(v, k) * x[k]
+    return acc
+
+
+@njit(cache=True, fastmath=True)
+def _axpy(out, a, v, d):
+    for k in range(d):
+        out[k] += a * _load(v, k)
+
+
+@njit(cache=True)
+def _scalar(f, idx, default):
+    """float32 scalar of a row (scale or bias) or `default` when the layout has none (idx < 0)."""
+    return f[idx] if idx >= 0 else np.float32(default)
+
+
+@njit(cache=True, fastmath=True)
+def _act(code, v):
+    if code == ACT_SILU:
+        return v / (np.float32(1.0) + math.exp(-v))
+    return v if v > np.float32(0.0) else np.float32(0.0)  # relu and drelu
+
+
+@njit(cache=True, fastmath=True)
+def _coefficient(wr, fr, x, d, glu, act, threshold, scale0, bg_idx, bu_idx):
+    """act(gate.x + bg) * (up.x + bu) for GLU, act(up.x + bu) for MLP; 0 when the activation is <= threshold."""
+    if glu:
+        g = _dot(wr[:d], x, d) * _scalar(fr, scale0, 1.0) + _scalar(fr, bg_idx, 0.0)
+        a = _act(act, g)
+        if not a > threshold:  # also true for NaN-free silu when threshold is -inf -> never
+            return np.float32(0.0)
+        u = _dot(wr[d:2 * d], x, d) * _scalar(fr, scale0 + 1 if scale0 >= 0 else -1, 1.0) + _scalar(fr, bu_idx, 0.0)
+        if act == ACT_DRELU and not u > np.float32(0.0):
+            return np.float32(0.0)
+        return a * u
+    u = _dot(wr[:d], x, d) * _scalar(fr, scale0, 1.0) + _scalar(fr, bu_idx, 0.0)
+    a = _act(act, u)
+    if not a > threshold:
+        return np.float32(0.0)
+    return a
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernels
+
+
+@njit(cache=True, parallel=True, fastmath=True)
+def sparse_ffn_kernel(W, F, slots, x, y, acc, coef, d, glu, act, threshold, scale0, bg_idx, bu_idx):
+    """y[d] = sum over j of coef_j * down(slots[j]); coef[j] receives the coefficient (0 = neuron was inactive).
+
+    W: typed view of the bundle matrix [rows, stride // itemsize]; F: its float32 view [rows, stride // 4];
+    slots: int[n] rows to use; x: float32[d]; y: float32[d] (overwritten); acc: float32[T, >=d] per-thread
+    scratch (T chunks of neurons); coef: float32[>=n]. scale0: float index of the first int8 scale or -1;
+    bg_idx / bu_idx: float index of the gate / up bias or -1.
+    """
+    n = slots.shape[0]
+    T = acc.shape[0]
+    down = 2 * d if glu else d
+    scale_down = (scale0 + (2 if glu else 1)) if scale0 >= 0 else -1
+    for t in prange(T):
+        a = acc[t]
+        for k in range(d):
+            a[k] = np.float32(0.0)
+        for j in range(t * n // T, (t + 1) * n // T):
+            r = slots[j]
+            wr = W[r]
+            fr = F[r]
+            c = _coefficient(wr, fr, x, d, glu, act, threshold, scale0, bg_idx, bu_idx)
+            coef[j] = c
+            if c != np.float32(0.0):
+                _axpy(a, c * _scalar(fr, scale_down, 1.0), wr[down:down + d], d)
+    for k in prange(d):
+        s = np.float32(0.0)
+        for t in range(T):
+            s += acc[t, k]
+        y[k] = s
+
+
+@njit(cache=True, parallel=True, fastmath=True)
+def sparse_ffn_kernel_outsplit(W, F, slots, x, y, coef, d, glu, act, threshold, scale0, bg_idx, bu_idx, block):
+    """Same result as sparse_ffn_kernel, parallelised differently (kept for the bench comparison):
+    phase 1 computes all coefficients in parallel over neurons, phase 2 splits the output into blocks."""
+    n = slots.shape[0]
+    down = 2 * d if glu else d
+    scale_down = (scale0 + (2 if glu else 1)) if scale0 >= 0 else -1
+    for j in prange(n):
+        r = slots[j]
+        c = _coefficient(W[r], F[r], x, d, glu, act, threshold, scale0, bg_idx, bu_idx)
+        coef[j] = c * _scalar(F[r], scale_down, 1.0)
+    nb = (d + block - 1) // block
+    for b in prange(nb):
+        lo = b * block
+        hi = min(d, lo + block)
+        for k in range(lo, hi):
+            y[k] = np.float32(0.0)
+        for j in range(n):
+            c = coef[j]
+            if c != np.float32(0.0):
+                v = W[slots[j], down + lo:down + hi]
+                yb = y[lo:hi]
+                for k in range(hi - lo):
+                    yb[k] += c * _load(v, k)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Python entry point: geometry bound once, scratch allocated once, no allocation per call.
+
+
+class SparseFFN:
+    """The sparse FFN of one model geometry. Create once; call per layer per token.
+
+    ffn = SparseFFN(d=4096, dtype="f16", glu=True, act="relu", stride=24576, scalars_offset=24576)
+    ffn(B, slots, x, y)   # y[:] = sum over slots of the neuron outputs (down bias not included)
+    """
+
+    def __init__(self, d: int, dtype: str, glu: bool, act: str, stride: int, scalars_offset: int,
+                 bias_gate_index: int | None = None, bias_up_index: int | None = None,
+                 threshold: float | None = None, max_active: int = 0, threads: int | None = None):
+        if dtype not in STORAGE_VIEWS:
+            raise UserError(f"unsupported FFN storage dtype {dtype!r} (expected one of {sorted(STORAGE_VIEWS)})")
+        if act not in ACT_CODES:
+            raise UserError(f"unsupported FFN activation {act!r} (expected one of {sorted(ACT_CODES)})")
+        if act == "drelu" and not glu:
+            raise UserError("dReLU needs a gated (GLU) FFN")
+        if scalars_offset % 4 or stride % 4:
+            raise UserError("bundle stride and scalars_offset must be multiples of 4")
+        n_vec = 3 if glu else 2
+        self.d, self.dtype, self.glu, self.act, self.stride = d, dtype, glu, act, stride
+        self.n_vec = n_vec
+        self.act_code = ACT_CODES[act]
+        if threshold is None:
+            threshold = -np.inf if act == "silu" else 0.0
+        self.threshold = np.float32(threshold)
+        s0 = scalars_offset // 4
+        self.scale0 = s0 if dtype == "int8" else -1
+        # scalar indices in the layout are relative to the scalars block
+        self.bg_idx = s0 + bias_gate_index if bias_gate_index is not None else -1
+        self.bu_idx = s0 + bias_up_index if bias_up_index is not None else -1
+        self.threads = threads or numba.get_num_threads()
+        self.acc = np.zeros((self.threads, d), np.float32)  # per-thread partial sums
+        self.coef = np.zeros(max(max_active, 1), np.float32)  # per-call activation coefficients
+
+    @classmethod
+    def from_layout(cls, layout, act: str | None = None, threshold: float | None = None, **kw) -> "SparseFFN":
+        """Bind to a storage.format.FlashLayout; act defaults to the model config's FFN activation."""
+        scalars = layout.scalars
+        return cls(d=layout.d, dtype=layout.dtype, glu=layout.n_vec == 3, act=act or layout.config["act"],
+                   stride=layout.stride, scalars_offset=layout.scalars_offset,
+                   bias_gate_index=scalars.index("bias.gate") if "bias.gate" in scalars else None,
+                   bias_up_index=scalars.index("bias.up") if "bias.up" in scalars else None,
+                   threshold=threshold, **kw)
+
+    def views(self, B: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(typed weight view, float32 scalar view) of a bundle matrix uint8[rows, stride]."""
+        if B.dtype != np.uint8 or B.ndim != 2 or B.shape[1] != self.stride:
+            raise UserError(f"bundle matrix must be uint8[rows, {self.stride}], got {B.dtype}{list(B.shape)}")
+        return B.view(STORAGE_VIEWS[self.dtype]), B.view(np.float32)
+
+    def __call__(self, B: np.ndarray, slots: np.ndarray, x: np.ndarray, y: np.ndarray,
+                 coef: np.ndarray | None = None) -> np.ndarray:
+        """y[:] = sparse FFN of x over bundle rows `slots`; coef (float32[>= len(slots)]), if given, receives each
+        neuron's coefficient, so `coef != 0` is the set that actually fired (after ReLU / FATReLU)."""
+        W, F = self.views(B)
+        n = len(slots)
+        if coef is None:
+            if self.coef.shape[0] < n:  # grows once to the largest active set seen, then reused
+                self.coef = np.zeros(n, np.float32)
+            coef = self.coef
+        sparse_ffn_kernel(W, F, slots, x, y, self.acc, coef, self.d, self.glu, self.act_code, self.threshold,
+                          self.scale0, self.bg_idx, self.bu_idx)
+        return y

@@ -1,0 +1,297 @@
+"""The model math, in numpy: one config, functions named after the math, shapes in comments.
+
+Compute is float32 whatever the weights were stored in. Shapes: T tokens in flight, S positions in the KV cache,
+d = dim, H = heads, Hkv = KV heads, hd = head_dim, n = ffn_dim, V = vocab.
+The FFN is a pluggable callable so that the sparse flash runtime can replace the dense one layer by layer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import numpy as np
+
+from .errors import UserError
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Config
+
+@dataclass
+class ModelConfig:
+    arch: str                      # "llama" (Llama, Mistral, Qwen2 share its math) or "opt"
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    glu: bool = True               # act(gate) * up -> down; False: OPT's fc1 -> act -> fc2
+    act: str = "silu"              # silu | relu | drelu (relu on gate and up, TurboSparse)
+    norm: str = "rms"              # rms | layer
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_pos: int = 2048
+    pos_offset: int | None = None  # OPT: learned positions, row = pos + offset; None: RoPE
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    pre_norm: bool = True          # False: OPT-350m style post-norm blocks
+    sliding_window: int | None = None
+    bos_id: int | None = None
+    eos_ids: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "ModelConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise UserError(f"unknown model config fields: {', '.join(sorted(unknown))}")
+        return cls(**d)
+
+
+ACTIVATIONS = ("silu", "relu", "drelu")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Building blocks
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    # x [T, d] -> [T, d]
+    return x * (1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)) * w
+
+
+def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
+    mu = x.mean(axis=-1, keepdims=True)
+    xc = x - mu
+    return xc / np.sqrt(np.mean(xc * xc, axis=-1, keepdims=True) + eps) * w + b
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    # Written via exp(-|x|) so large |x| neither overflows nor loses the tail.
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, x / (1.0 + e), x * e / (1.0 + e))
+
+
+def relu(x: np.ndarray) -> np.ndarray:
+    return np.maximum(x, 0.0)
+
+
+def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+    # x [T, in] @ w [out, in]^T -> [T, out]
+    y = x @ w.T
+    return y if b is None else y + b
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [hd/2] of rotary embeddings, with the scalings that change them."""
+    hd = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    sc = cfg.rope_scaling or {}
+    kind = sc.get("rope_type", sc.get("type", "default"))
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / float(sc["factor"])
+    if kind == "llama3":
+        factor, lo, hi = float(sc["factor"]), float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+        old_ctx = float(sc["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > old_ctx / lo, inv / factor, inv)
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        medium = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
+        return np.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    raise UserError(f"unsupported rope_scaling type '{kind}' (supported: default, linear, llama3)")
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    # x [T, H, hd]; cos, sin [T, 1, hd/2]. Half-split pairing (HF "rotate_half"), the layout HF checkpoints use.
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h], x[..., h:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# KV cache: preallocated for the whole context, so decoding never reallocates
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, capacity: int):
+        shape = (cfg.n_layers, capacity, cfg.n_kv_heads, cfg.head_dim)  # [L, S, Hkv, hd]
+        self.k = np.zeros(shape, np.float32)
+        self.v = np.zeros(shape, np.float32)
+        self.capacity = capacity
+        self.length = 0  # positions filled
+
+    @staticmethod
+    def nbytes_for(cfg: ModelConfig, capacity: int) -> int:
+        return 2 * cfg.n_layers * capacity * cfg.n_kv_heads * cfg.head_dim * 4
+
+    def reset(self, length: int = 0) -> None:
+        self.length = length
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Attention and feed-forward
+
+class Attention:
+    def __init__(self, cfg: ModelConfig, w: Mapping[str, np.ndarray], layer: int):
+        p = f"layers.{layer}.attn."
+        self.cfg, self.layer = cfg, layer
+        self.wq, self.wk, self.wv, self.wo = (w[p + n + ".weight"] for n in "qkvo")
+        self.bq, self.bk, self.bv, self.bo = (w.get(p + n + ".bias") for n in "qkvo")
+
+    def __call__(self, x: np.ndarray, kv: KVCache, pos0: int, rope: tuple | None) -> np.ndarray:
+        cfg, T = self.cfg, x.shape[0]
+        H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        q = linear(x, self.wq, self.bq).reshape(T, H, hd)
+        k = linear(x, self.wk, self.bk).reshape(T, Hkv, hd)
+        v = linear(x, self.wv, self.bv).reshape(T, Hkv, hd)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        S = pos0 + T
+        kv.k[self.layer, pos0:S] = k
+        kv.v[self.layer, pos0:S] = v
+        K = kv.k[self.layer, :S].transpose(1, 2, 0)            # [Hkv, hd, S]
+        Vv = kv.v[self.layer, :S].transpose(1, 0, 2)           # [Hkv, S, hd]
+        g = H // Hkv
+        qg = q.reshape(T, Hkv, g, hd).transpose(1, 2, 0, 3)    # [Hkv, g, T, hd]
+        scores = (qg @ K[:, None]) * (1.0 / math.sqrt(hd))     # [Hkv, g, T, S]
+        scores = scores + attention_mask(pos0, T, cfg.sliding_window)
+        out = softmax(scores) @ Vv[:, None]                    # [Hkv, g, T, hd]
+        out = out.transpose(2, 0, 1, 3).reshape(T, H * hd)
+        return linear(out, self.wo, self.bo)
+
+
+def attention_mask(pos0: int, T: int, window: int | None) -> np.ndarray:
+    # [T, S] additive mask: query at position pos0+i sees keys j <= pos0+i (and j > pos0+i-window for Mistral).
+    qpos = np.arange(pos0, pos0 + T)[:, None]
+    kpos = np.arange(pos0 + T)[None, :]
+    ok = kpos <= qpos
+    if window is not None:
+        ok &= kpos > qpos - window
+    return np.where(ok, 0.0, -np.inf).astype(np.float32)
+
+
+def ffn_activation(act: str, gate: np.ndarray, up: np.ndarray | None) -> np.ndarray:
+    """The per-neuron activation a_i: act(gate)*up for GLU, act(fc1) for MLP (up is None)."""
+    if up is None:
+        return relu(gate) if act in ("relu", "drelu") else silu(gate)
+    if act == "silu":
+        return silu(gate) * up
+    if act == "relu":
+        return relu(gate) * up
+    if act == "drelu":
+        return relu(gate) * relu(up)
+    raise UserError(f"unsupported FFN activation '{act}'")
+
+
+class FeedForward:
+    """Dense FFN: GLU y = a(x) Wd^T + bd with a = act(x Wg^T + bg) * (x Wu^T + bu); MLP y = act(x W1^T + b1) W2^T + b2."""
+
+    def __init__(self, cfg: ModelConfig, w: Mapping[str, np.ndarray], layer: int):
+        p = f"layers.{layer}.ffn."
+        self.cfg = cfg
+        self.w_gate, self.b_gate = w.get(p + "gate.weight"), w.get(p + "gate.bias")
+        self.w_up, self.b_up = w[p + "up.weight"], w.get(p + "up.bias")
+        self.w_down, self.b_down = w[p + "down.weight"], w.get(p + "down.bias")
+
+    def activations(self, x: np.ndarray) -> np.ndarray:
+        # x [T, d] -> a [T, n]; what a sparse FFN predicts and skips where it is zero
+        if self.cfg.glu:
+            return ffn_activation(self.cfg.act, linear(x, self.w_gate, self.b_gate), linear(x, self.w_up, self.b_up))
+        return ffn_activation(self.cfg.act, linear(x, self.w_up, self.b_up), None)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return linear(self.activations(x), self.w_down, self.b_down)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Transformer
+
+FFNFn = Callable[[int, np.ndarray], np.ndarray]  # (layer, x [T, d]) -> y [T, d]
+
+
+class Transformer:
+    """Decoder-only transformer over canonical weight names (see checkpoint.py).
+
+    `weights` maps canonical names to float32 arrays. `ffn` replaces the dense FFN (the flash runtime plugs in here);
+    it receives the normed FFN input of a layer and returns that layer's FFN output.
+    """
+
+    def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray], ffn: FFNFn | None = None):
+        self.cfg = cfg
+        w = weights
+        self.embed = w["embed.weight"]                                          # [V, d]
+        self.pos_embed = w.get("pos_embed.weight")                              # [P, d] (OPT)
+        self.lm_head = self.embed if cfg.tie_embeddings else w["lm_head.weight"]  # [V, d]
+        self.norm_w, self.norm_b = w.get("norm.weight"), w.get("norm.bias")
+        self.attn = [Attention(cfg, w, i) for i in range(cfg.n_layers)]
+        self.attn_norm = [(w.get(f"layers.{i}.attn_norm.weight"), w.get(f"layers.{i}.attn_norm.bias"))
+                          for i in range(cfg.n_layers)]
+        self.ffn_norm = [(w.get(f"layers.{i}.ffn_norm.weight"), w.get(f"layers.{i}.ffn_norm.bias"))
+                         for i in range(cfg.n_layers)]
+        self.dense_ffn = None
+        if ffn is None:
+            self.dense_ffn = [FeedForward(cfg, w, i) for i in range(cfg.n_layers)]
+            ffn = lambda layer, x: self.dense_ffn[layer](x)  # noqa: E731
+        self.ffn = ffn
+        self.inv_freq = rope_inv_freq(cfg) if cfg.pos_offset is None else None
+
+    def new_cache(self, capacity: int) -> KVCache:
+        return KVCache(self.cfg, capacity)
+
+    def _norm(self, x: np.ndarray, wb: tuple) -> np.ndarray:
+        w, b = wb
+        if self.cfg.norm == "rms":
+            return rms_norm(x, w, self.cfg.norm_eps)
+        return layer_norm(x, w, b, self.cfg.norm_eps)
+
+    def _rope(self, pos0: int, T: int) -> tuple | None:
+        if self.inv_freq is None:
+            return None
+        ang = np.arange(pos0, pos0 + T, dtype=np.float64)[:, None] * self.inv_freq[None, :]  # [T, hd/2]
+        return np.cos(ang).astype(np.float32)[:, None, :], np.sin(ang).astype(np.float32)[:, None, :]
+
+    def block(self, i: int, x: np.ndarray, kv: KVCache, pos0: int, rope) -> np.ndarray:
+        if self.cfg.pre_norm:
+            h = x + self.attn[i](self._norm(x, self.attn_norm[i]), kv, pos0, rope)
+            return h + self.ffn(i, self._norm(h, self.ffn_norm[i]))
+        h = self._norm(x + self.attn[i](x, kv, pos0, rope), self.attn_norm[i])
+        return self._norm(h + self.ffn(i, h), self.ffn_norm[i])
+
+    def forward(self, tokens, kv: KVCache, all_logits: bool = False) -> np.ndarray:
+        """Run tokens [T] at positions kv.length.. and append them to the cache. Returns logits [T, V] or [V]."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        T, pos0 = len(tokens), kv.length
+        if T == 0:
+            raise UserError("empty input: nothing to evaluate")
+        if pos0 + T > kv.capacity:
+            raise UserError(f"context overflow: {pos0 + T} tokens do not fit the context of {kv.capacity}")
+        if tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size:
+            raise UserError(f"token id out of range for vocabulary of {self.cfg.vocab_size}")
+        x = self.embed[tokens].astype(np.float32)                                # [T, d]
+        if self.pos_embed is not None:
+            x = x + self.pos_embed[pos0 + self.cfg.pos_offset: pos0 + T + self.cfg.pos_offset]
+        rope = self._rope(pos0, T)
+        for i in range(self.cfg.n_layers):
+            x = self.block(i, x, kv, pos0, rope)
+        kv.length = pos0 + T
+        if not all_logits:
+            x = x[-1:]
+        if self.norm_w is not None:
+            x = self._norm(x, (self.norm_w, self.norm_b))
+        logits = x @ self.lm_head.T                                              # [T, V]
+        return logits if all_logits else logits[0]

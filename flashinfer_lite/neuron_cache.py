@@ -1,0 +1,318 @@
+"""NeuronCache: which FFN neurons sit in DRAM, in which row, and fetching the missing ones from flash.
+
+Per layer one preallocated page-aligned bundle matrix uint8[n_hot + capacity, stride]:
+  rows [0, n_hot)              static hot region (PowerInfer): the most frequently active neurons, read once at
+                               start and never again;
+  rows [n_hot, n_hot + n_win)  sliding window (LLM in a Flash §3.3): a cold neuron stays while it was active in any
+                               of the last `window` tokens. Newcomers are appended; a neuron leaving the window is
+                               deleted by moving the last row into its hole, so the rows stay dense, nothing is
+                               reallocated and only one row is copied per deletion.
+Overflow policy: if a token's misses do not fit in `capacity`, whole groups of the oldest tokens are evicted early
+(the window shrinks for that layer, never below the current token). Only if the current token's cold neurons alone
+exceed `capacity` does fetch() raise UserError. So at any time, for each layer,
+  resident cold neurons == union of the active sets of tokens max(horizon, t - window + 1) .. t, minus the pinned,
+where `horizon` only moves forward when the window overflows.
+
+Ids here are bundle ids (file positions in the layer region, as the reader takes them); a profile indexed by
+original neuron id maps to bundle ids with `freq[layout.order[layer]]`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit
+
+from flashinfer_lite.errors import UserError
+from storage.format import aligned_empty
+
+# per-layer scalar state, int64[4]
+_T, _HORIZON, _NWIN, _CALL = 0, 1, 2, 3
+# codes returned by _admit
+_OK, _BAD_ID, _DUPLICATE, _TOO_MANY = 0, -1, -2, -3
+
+
+@dataclass
+class TokenStats:
+    """What the cache did for one token (summed over layers)."""
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0          # rows deleted (window expiry + overflow)
+    bytes_requested: int = 0    # misses x stride
+    bytes_read: int = 0         # what the reader fetched (requested + coalescing over-read)
+    lookup_s: float = 0.0       # bookkeeping: slot lookup, evictions, row moves
+    read_s: float = 0.0         # reader calls
+    compute_s: float = 0.0      # sparse FFN kernels (added by the caller that runs them)
+
+    @property
+    def hit_rate(self) -> float:
+        n = self.hits + self.misses
+        return self.hits / n if n else 1.0
+
+
+def select_hot(freqs: list[np.ndarray], stride: int | list[int], budget_bytes: int) -> list[np.ndarray]:
+    """Greedy PowerInfer placement: neurons of all layers by activation frequency per byte, highest first, until
+    `budget_bytes` is full. freqs[layer][bundle_id] -> float. Returns per layer the sorted pinned bundle ids."""
+    strides = [stride] * len(freqs) if np.isscalar(stride) else list(stride)
+    layer = np.concatenate([np.full(len(f), i, np.int32) for i, f in enumerate(freqs)])
+    ident = np.concatenate([np.arange(len(f)) for f in freqs])
+    size = np.asarray(strides, np.int64)[layer]
+    score = np.concatenate([np.asarray(f, np.float64) for f in freqs]) / size
+    order = np.argsort(-score, kind="stable")
+    # Take the best-scoring neurons while they fit; with equal strides this is an exact top-N prefix.
+    fits = np.cumsum(size[order]) <= budget_bytes
+    chosen = order[fits]
+    return [np.sort(ident[chosen[layer[chosen] == i]]) for i in range(len(freqs))]
+
+
+@njit(cache=True)
+def _remove(slot, M, slot_of, neuron_at, state, n_hot):
+    """Delete the neuron in window row `slot`: the last window row moves into the hole."""
+    last = n_hot + state[_NWIN] - 1
+    gone = neuron_at[slot]
+    if slot != last:
+        moved = neuron_at[last]
+        M[slot, :] = M[last, :]
+        neuron_at[slot] = moved
+        slot_of[moved] = slot
+    neuron_at[last] = -1
+    slot_of[gone] = -1
+    state[_NWIN] -= 1
+
+
+@njit(cache=True)
+def _evict_group(s, ring, ring_len, k, last_used, M, slot_of, neuron_at, state, n_hot):
+    """Evict the neurons whose latest activity was token s (their entry in s's ring list is the live one)."""
+    g = s % k
+    n = 0
+    for j in range(ring_len[g]):
+        i = ring[g, j]
+        if last_used[i] == s and slot_of[i] >= n_hot:
+            _remove(slot_of[i], M, slot_of, neuron_at, state, n_hot)
+            n += 1
+    return n
+
+
+@njit(cache=True)
+def _admit(ids, M, slot_of, neuron_at, last_used, seen, ring, ring_len, state, n_hot, cap, k,
+           out_slots, miss_ids, miss_slots, counts):
+    """One token of one layer: make every id resident, return its row in out_slots.
+
+    Misses get rows appended at the end of the window and are listed in miss_ids / miss_slots for the caller to
+    read. counts <- [n_miss, n_evicted]. Returns _OK or an error code (the state is untouched on error).
+    """
+    n_ids = ids.shape[0]
+    n_neurons = slot_of.shape[0]
+    # Pass 0, read-only: validate and count the cold neurons this token needs.
+    state[_CALL] += 1
+    call = state[_CALL]
+    n_cold = 0
+    for j in range(n_ids):
+        i = ids[j]
+        if i < 0 or i >= n_neurons:
+            return _BAD_ID
+        if seen[i] == call:
+            return _DUPLICATE
+        seen[i] = call
+        if not (0 <= slot_of[i] < n_hot):
+            n_cold += 1
+    if n_cold > cap:
+        counts[0] = n_cold
+        return _TOO_MANY
+    t = state[_T] + 1
+    state[_T] = t
+    # Pass 1: mark activity first, so that expiry below spares neurons active again now.
+    for j in range(n_ids):
+        last_used[ids[j]] = t
+    evicted = 0
+    if t - k >= state[_HORIZON]:
+        evicted += _evict_group(t - k, ring, ring_len, k, last_used, M, slot_of, neuron_at, state, n_hot)
+    g = t % k
+    n = 0
+    n_miss = 0
+    for j in range(n_ids):
+        i = ids[j]
+        if not (0 <= slot_of[i] < n_hot):
+            ring[g, n] = i
+            n += 1
+            if slot_of[i] < 0:
+                n_miss += 1
+    ring_len[g] = n
+    # Overflow: drop whole oldest token groups until the misses fit (the current token always fits: n_cold <= cap).
+    s = max(state[_HORIZON], t - k + 1)
+    while state[_NWIN] + n_miss > cap:
+        evicted += _evict_group(s, ring, ring_len, k, last_used, M, slot_of, neuron_at, state, n_hot)
+        s += 1
+        state[_HORIZON] = s
+    m = 0
+    for j in range(n_ids):
+        i = ids[j]
+        if slot_of[i] < 0:
+            r = n_hot + state[_NWIN]
+            state[_NWIN] += 1
+            slot_of[i] = r
+            neuron_at[r] = i
+            miss_ids[m] = i
+            miss_slots[m] = r
+            m += 1
+    # Rows are final only now: evictions above may have moved hits.
+    for j in range(n_ids):
+        out_slots[j] = slot_of[ids[j]]
+    counts[0] = n_miss
+    counts[1] = evicted
+    return _OK
+
+
+class _Layer:
+    """Arrays of one layer (see module docstring)."""
+
+    def __init__(self, n_neurons: int, stride: int, hot: np.ndarray, capacity: int, window: int):
+        self.n_hot = len(hot)
+        self.capacity = capacity
+        self.matrix = aligned_empty((self.n_hot + capacity, stride), np.uint8)  # [rows, stride]
+        self.slot_of = np.full(n_neurons, -1, np.int32)          # bundle id -> row, -1 absent
+        self.neuron_at = np.full(self.n_hot + capacity, -1, np.int32)  # row -> bundle id, -1 empty
+        self.last_used = np.full(n_neurons, -(1 << 40), np.int64)  # token of last activity
+        self.seen = np.zeros(n_neurons, np.int64)                # duplicate check stamp
+        self.ring = np.zeros((window, max(capacity, 1)), np.int32)  # cold ids active at each of the last k tokens
+        self.ring_len = np.zeros(window, np.int64)
+        self.state = np.zeros(4, np.int64)                       # t, horizon, n_win, call counter
+        self.out_slots = np.zeros(n_neurons, np.int32)
+        self.miss_ids = np.zeros(max(capacity, 1), np.int64)
+        self.miss_slots = np.zeros(max(capacity, 1), np.int64)
+        self.counts = np.zeros(2, np.int64)
+        self.hot = np.asarray(hot, np.int64)
+        self.slot_of[self.hot] = np.arange(self.n_hot, dtype=np.int32)
+        self.neuron_at[: self.n_hot] = self.hot
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.matrix, self.slot_of, self.neuron_at, self.last_used, self.seen,
+                                      self.ring, self.ring_len, self.out_slots, self.miss_ids, self.miss_slots))
+
+
+class NeuronCache:
+    """Bundle rows of all layers of one model, with sliding-window + hot/cold placement.
+
+    cache = NeuronCache(layout.n_neurons, layout.stride, reader, capacity=plan.window_rows, window=5, hot=hot_ids)
+    stats = cache.new_token()
+    for layer ...: slots = cache.fetch(layer, active_bundle_ids); kernel(cache.matrix(layer), slots, x, y)
+
+    reader: anything with `read(layer, bundle_ids, dest=..., slots=...)` returning an object with `read_bytes`
+    and `requested_bytes` (storage.reader.BundleReader).
+    """
+
+    def __init__(self, n_neurons: list[int], stride: int, reader, capacity: int | list[int], window: int = 5,
+                 hot: list[np.ndarray] | None = None):
+        if window < 1:
+            raise UserError(f"window must be at least 1 token, got {window}")
+        n_layers = len(n_neurons)
+        caps = [int(capacity)] * n_layers if np.isscalar(capacity) else [int(c) for c in capacity]
+        hot = hot if hot is not None else [np.zeros(0, np.int64)] * n_layers
+        if len(caps) != n_layers or len(hot) != n_layers:
+            raise UserError(f"capacity and hot sets must be given for each of the {n_layers} layers")
+        self.stride, self.window, self.reader = stride, window, reader
+        self.layers = []
+        for i in range(n_layers):
+            h = np.unique(np.asarray(hot[i], np.int64))
+            if h.size and (h[0] < 0 or h[-1] >= n_neurons[i]):
+                raise UserError(f"hot neuron ids of layer {i} out of range 0..{n_neurons[i] - 1}")
+            if caps[i] < 0:
+                raise UserError(f"window capacity of layer {i} is negative")
+            self.layers.append(_Layer(n_neurons[i], stride, h, caps[i], window))
+        self.stats = TokenStats()
+        self._load_hot()
+
+    def _load_hot(self) -> None:
+        """The one and only read of the pinned neurons: one batched call per layer."""
+        for i, L in enumerate(self.layers):
+            if L.n_hot:
+                self.reader.read(i, L.hot, dest=L.matrix, slots=np.arange(L.n_hot))
+
+    # -- per token ---------------------------------------------------------------------------------------------------
+    def new_token(self) -> TokenStats:
+        """Start a token: returns the fresh stats object that fetch() (and the caller's compute) fill in."""
+        self.stats = TokenStats()
+        return self.stats
+
+    def fetch(self, layer: int, ids) -> np.ndarray:
+        """Make the neurons `ids` (unique bundle ids) of `layer` resident; one token of that layer's window.
+
+        Returns int32 rows of matrix(layer), aligned with ids (a view valid until the next fetch of this layer).
+        Misses are read with ONE reader call, straight into their rows.
+        """
+        t0 = time.perf_counter()
+        L = self.layers[layer]
+        ids = np.asarray(ids, np.int64).ravel()
+        rc = _admit(ids, L.matrix, L.slot_of, L.neuron_at, L.last_used, L.seen, L.ring, L.ring_len, L.state,
+                    L.n_hot, L.capacity, self.window, L.out_slots, L.miss_ids, L.miss_slots, L.counts)
+        if rc != _OK:
+            if rc == _TOO_MANY:
+                raise UserError(f"layer {layer}: one token needs {int(L.counts[0])} cold neuron rows but the window "
+                                f"holds {L.capacity}; raise --dram-budget or lower the predictor's active count")
+            what = "duplicate" if rc == _DUPLICATE else "out-of-range"
+            raise ValueError(f"layer {layer}: {what} neuron id in fetch()")
+        n_miss, n_evicted = int(L.counts[0]), int(L.counts[1])
+        t1 = time.perf_counter()
+        st = self.stats
+        st.hits += ids.size - n_miss
+        st.misses += n_miss
+        st.evictions += n_evicted
+        st.lookup_s += t1 - t0
+        if n_miss:
+            try:
+                rs = self.reader.read(layer, L.miss_ids[:n_miss], dest=L.matrix, slots=L.miss_slots[:n_miss])
+            except BaseException:
+                self._forget_misses(L, n_miss)
+                raise
+            st.bytes_requested += rs.requested_bytes
+            st.bytes_read += rs.read_bytes
+            st.read_s += time.perf_counter() - t1
+        return L.out_slots[: ids.size]
+
+    @staticmethod
+    def _forget_misses(L: _Layer, n_miss: int) -> None:
+        """A failed read leaves its rows undefined: drop the just-appended rows (they are the last ones)."""
+        rows = L.miss_slots[:n_miss]
+        L.slot_of[L.neuron_at[rows]] = -1
+        L.neuron_at[rows] = -1
+        L.state[_NWIN] -= n_miss
+
+    # -- inspection --------------------------------------------------------------------------------------------------
+    def matrix(self, layer: int) -> np.ndarray:
+        """The bundle matrix uint8[n_hot + capacity, stride] the kernels read (rows from fetch())."""
+        return self.layers[layer].matrix
+
+    def resident(self, layer: int) -> np.ndarray:
+        """Bundle ids in DRAM now (pinned first, then window rows in row order)."""
+        L = self.layers[layer]
+        return L.neuron_at[: L.n_hot + int(L.state[_NWIN])].copy()
+
+    def hot(self, layer: int) -> np.ndarray:
+        return self.layers[layer].hot
+
+    def window_rows(self, layer: int) -> int:
+        return int(self.layers[layer].state[_NWIN])
+
+    def slot_of(self, layer: int) -> np.ndarray:
+        """Read-only view: bundle id -> row (-1 absent)."""
+        v = self.layers[layer].slot_of.view()
+        v.flags.writeable = False
+        return v
+
+    @property
+    def nbytes(self) -> int:
+        """DRAM held by the cache: matrices plus bookkeeping arrays."""
+        return sum(L.nbytes for L in self.layers)
+
+    def reset(self) -> None:
+        """Forget the window (a new sequence); the hot region stays."""
+        for L in self.layers:
+            L.slot_of[:] = -1
+            L.slot_of[L.hot] = np.arange(L.n_hot, dtype=np.int32)
+            L.neuron_at[L.n_hot:] = -1
+            L.last_used[:] = -(1 << 40)
+            L.ring_len[:] = 0
+            L.state[_T] = L.state[_HORIZON] = L.state[_NWIN] = 0

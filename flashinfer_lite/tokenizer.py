@@ -1,0 +1,231 @@
+"""Tokenizer and chat template: `tokenizers` does the text <-> ids work, jinja2 renders Hugging Face chat templates.
+
+A GGUF file carries its vocabulary as metadata; we rebuild an equivalent `tokenizers` object from it so that every model,
+whatever it came from, ends up with a standard tokenizer.json next to it.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from datetime import datetime
+from pathlib import Path
+
+from .errors import UserError
+
+MAX_TOKENIZER_BYTES = 64 * 1024 * 1024
+
+# Pre-tokenizer regexes by GGUF `tokenizer.ggml.pre` name: the splits each vocabulary's merges were learned on.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GGUF_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+                "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+_GGUF_CONTROL, _GGUF_USER_DEFINED, _GGUF_BYTE = 3, 4, 6
+
+
+def _token_text(t) -> str | None:
+    if t is None:
+        return None
+    if isinstance(t, dict):
+        return t.get("content")
+    return str(t)
+
+
+class Tokenizer:
+    def __init__(self, tok, *, bos_id: int | None, eos_ids: list[int], chat_template: str | None):
+        self.tok = tok
+        self.bos_id = bos_id
+        self.eos_ids = list(eos_ids)
+        self.chat_template = chat_template
+        self.bos_token = tok.id_to_token(bos_id) if bos_id is not None else None
+        self.eos_token = tok.id_to_token(self.eos_ids[0]) if self.eos_ids else None
+
+    # -- loading and saving ------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_dir(cls, path: Path, config=None) -> "Tokenizer":
+        """tokenizer.json (+ tokenizer_config.json, chat_template.jinja) as Hugging Face saves them."""
+        from tokenizers import Tokenizer as HFTokenizer
+        path = Path(path)
+        tj = path / "tokenizer.json"
+        if not tj.exists():
+            raise UserError(f"no tokenizer.json in {path}")
+        if tj.stat().st_size > MAX_TOKENIZER_BYTES:
+            raise UserError(f"tokenizer.json is too large: {tj}")
+        try:
+            tok = HFTokenizer.from_file(str(tj))
+        except Exception as e:
+            raise UserError(f"cannot read {tj}: {e}") from None
+        tc = {}
+        if (path / "tokenizer_config.json").exists():
+            from .checkpoint import read_json
+            tc = read_json(path / "tokenizer_config.json", "tokenizer_config.json")
+        template = tc.get("chat_template")
+        if isinstance(template, list):  # named templates: use the default one
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+        if (path / "chat_template.jinja").exists():
+            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        bos_id = config.bos_id if config is not None else None
+        eos_ids = list(config.eos_ids) if config is not None else []
+        for key, ids in (("bos_token", None), ("eos_token", eos_ids)):
+            tid = tok.token_to_id(_token_text(tc.get(key)) or "")
+            if tid is None:
+                continue
+            if key == "bos_token" and bos_id is None:
+                bos_id = tid
+            if ids is not None and tid not in ids:
+                ids.append(tid)
+        return cls(tok, bos_id=bos_id, eos_ids=eos_ids, chat_template=template)
+
+    @classmethod
+    def from_gguf(cls, reader, config) -> "Tokenizer":
+        from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+        from tokenizers import Tokenizer as HFTokenizer
+        from .checkpoint import gguf_field
+        kind = gguf_field(reader, "tokenizer.ggml.model")
+        tokens = list(gguf_field(reader, "tokenizer.ggml.tokens") or [])
+        types = list(gguf_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens))
+        if not tokens:
+            raise UserError("GGUF file has no tokenizer.ggml.tokens")
+        vocab = {t: i for i, t in enumerate(tokens)}
+        if kind == "gpt2":
+            merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges") or []]
+            tok = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False))
+            pre = gguf_field(reader, "tokenizer.ggml.pre", "default")
+            if pre in _GGUF_SPLITS:
+                tok.pre_tokenizer = pre_tokenizers.Sequence([
+                    pre_tokenizers.Split(Regex(_GGUF_SPLITS[pre]), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+            elif pre == "smollm":  # llama.cpp: each digit alone, then GPT-2's split
+                tok.pre_tokenizer = pre_tokenizers.Sequence([
+                    pre_tokenizers.Digits(individual_digits=True),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+            else:
+                if pre not in ("default", "gpt2"):
+                    print(f"note: GGUF pre-tokenizer '{pre}' unknown, using GPT-2's split", file=sys.stderr)
+                tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+            tok.decoder = decoders.ByteLevel()
+            add_bos_default = False
+        elif kind == "llama":
+            scores = list(gguf_field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens))
+            merges = spm_merges(tokens, scores, types)
+            unk = gguf_field(reader, "tokenizer.ggml.unknown_token_id", 0)
+            tok = HFTokenizer(models.BPE(vocab, merges, unk_token=tokens[int(unk)], fuse_unk=True, byte_fallback=True))
+            prefix = bool(gguf_field(reader, "tokenizer.ggml.add_space_prefix", True))
+            steps = [normalizers.Prepend("\u2581")] if prefix else []
+            tok.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "\u2581")])
+            tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                            + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+            add_bos_default = True
+        else:
+            raise UserError(f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama)")
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, ty in zip(tokens, types) if ty == _GGUF_CONTROL])
+        tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, ty in zip(tokens, types) if ty == _GGUF_USER_DEFINED])
+        bos = config.bos_id
+        if bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", add_bos_default)) and bos is not None:
+            tok.post_processor = processors.TemplateProcessing(
+                single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B",
+                special_tokens=[(tokens[bos], bos)])
+        eos_ids = list(config.eos_ids)
+        eot = gguf_field(reader, "tokenizer.ggml.eot_token_id")
+        if eot is not None and int(eot) not in eos_ids:
+            eos_ids.append(int(eot))
+        return cls(tok, bos_id=bos, eos_ids=eos_ids, chat_template=gguf_field(reader, "tokenizer.chat_template"))
+
+    def save(self, path: Path) -> None:
+        """tokenizer.json + tokenizer_config.json, readable back by from_dir and by Hugging Face."""
+        path = Path(path)
+        self.tok.save(str(path / "tokenizer.json"))
+        cfg = {"bos_token": self.bos_token, "eos_token": self.eos_token, "chat_template": self.chat_template,
+               "tokenizer_class": "PreTrainedTokenizerFast"}
+        (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1, ensure_ascii=False), encoding="utf-8")
+
+    # -- text <-> ids ----------------------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        check_utf8(text, "input text")
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise UserError("this model has no chat template (use `generate` with a plain prompt)")
+        return render_chat_template(self.chat_template, messages, add_generation_prompt,
+                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        # The rendered template already spells BOS where the model wants it, as Hugging Face does.
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+
+def check_utf8(text: str, what: str) -> None:
+    """Text from argv or a file read with surrogateescape keeps undecodable bytes as lone surrogates: refuse them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UserError(f"{what} is not valid UTF-8 (bad byte at character {e.start})") from None
+
+
+def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece vocabulary: every split of a token into two known tokens, best score first."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    found = []
+    for t, score, ty in zip(tokens, scores, types):
+        if ty in (_GGUF_CONTROL, _GGUF_BYTE) or len(t) < 2:
+            continue
+        for k in range(1, len(t)):
+            a, b = t[:k], t[k:]
+            if a in vocab and b in vocab:
+                found.append((-score, vocab[a], vocab[b], a, b))
+    found.sort()
+    return [(a, b) for _, _, _, a, b in found]
+
+
+def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool, **special) -> str:
+    """Render a Hugging Face chat template in a sandbox, with the globals and filters HF templates rely on."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(msg):
+        raise UserError(f"chat template: {msg}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, **kw: json.dumps(
+        x, indent=indent, ensure_ascii=ensure_ascii, **kw)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                **special)
+    except jinja2.TemplateError as e:
+        raise UserError(f"chat template failed: {e}") from None
+
+
+class StreamDecoder:
+    """Turns ids into text deltas as they arrive, holding back bytes of a character that is not complete yet."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        dec = self.tokenizer.decode
+        prefix = dec(self.ids[self.prefix_offset:self.read_offset])
+        text = dec(self.ids[self.prefix_offset:])
+        if len(text) > len(prefix) and not text.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return text[len(prefix):]
+        return ""

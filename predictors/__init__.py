@@ -1,0 +1,1 @@
+"""Predictor pipeline: activation collection, low-rank predictor training, thresholds, evaluation."""

@@ -1,0 +1,96 @@
+"""The dense numpy path against transformers, the independent oracle, for every architecture we import."""
+import numpy as np
+import pytest
+
+from flashinfer_lite.checkpoint import open_checkpoint
+from flashinfer_lite.loader import load, load_weights
+from flashinfer_lite.model import Transformer
+
+from conftest import STORIES, TINY, transformers_model
+
+
+def incremental_logits(model: Transformer, ids: list[int], prefill: int) -> np.ndarray:
+    """Logits for every position: a batched prefill of `prefill` tokens, then one-token decode steps."""
+    kv = model.new_cache(64)
+    rows = [model.forward(ids[:prefill], kv, all_logits=True)]
+    rows += [model.forward([t], kv)[None] for t in ids[prefill:]]
+    return np.concatenate(rows)
+
+
+@pytest.mark.parametrize("kind", sorted(TINY))
+def test_tiny_random_models_match_transformers(tiny_model, kind):
+    import torch
+    path = tiny_model(kind)
+    ckpt = open_checkpoint(path)
+    ours = Transformer(ckpt.config, load_weights(ckpt))
+    ids = np.random.default_rng(1).integers(3, 512, size=16).tolist()
+    got = incremental_logits(ours, ids, prefill=7)
+    with torch.no_grad():
+        want = transformers_model(path)(torch.tensor([ids])).logits[0].numpy()
+    assert np.abs(want).max() > 0.1  # the oracle says something, so agreement means something
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+
+
+def test_mistral_sliding_window_is_exercised(tiny_model):
+    # The window (6) is shorter than the prompt (16): without the window mask the last logits must differ.
+    path = tiny_model("mistral")
+    ckpt = open_checkpoint(path)
+    cfg = ckpt.config
+    assert cfg.sliding_window == 6
+    w = load_weights(ckpt)
+    ids = np.random.default_rng(1).integers(3, 512, size=16).tolist()
+    windowed = Transformer(cfg, w).forward(ids, Transformer(cfg, w).new_cache(32), all_logits=True)
+    cfg.sliding_window = None
+    full = Transformer(cfg, w)
+    unwindowed = full.forward(ids, full.new_cache(32), all_logits=True)
+    assert np.abs(windowed[-1] - unwindowed[-1]).max() > 1e-3
+
+
+@pytest.mark.skipif(not STORIES.exists(), reason="../shared/models/stories260K not present")
+def test_stories260k_greedy_100_tokens_equal_transformers():
+    import torch
+    model, tok = load(STORIES)
+    ids = tok.encode("Once upon a time")
+    kv = model.new_cache(256)
+    out, logits = list(ids), model.forward(ids, kv)
+    for _ in range(100):
+        out.append(int(np.argmax(logits)))
+        logits = model.forward([out[-1]], kv)
+    hf = transformers_model(STORIES)
+    want = hf.generate(torch.tensor([ids]), max_new_tokens=100, min_new_tokens=100, do_sample=False)[0].tolist()
+    assert out == want
+    assert tok.decode(out).startswith("Once upon a time, there was a little girl named Lily.")
+
+
+def test_smollm2_gguf_matches_transformers(smollm2_gguf):
+    import torch
+    model, tok = load(smollm2_gguf)
+    hf = transformers_model(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    ids = tok.encode("The capital of France is")
+    kv = model.new_cache(128)
+    logits = model.forward(ids, kv, all_logits=True)
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].numpy()
+    # Both sides dequantize the same Q4_1 weights; what is left is float32 summation order.
+    np.testing.assert_allclose(logits, want, rtol=0, atol=5e-4)
+    out, last = list(ids), logits[-1]
+    for _ in range(32):
+        out.append(int(np.argmax(last)))
+        if out[-1] in tok.eos_ids:
+            break
+        last = model.forward([out[-1]], kv)
+    ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0].tolist()
+    assert out == ref
+    assert "Paris" in tok.decode(out[len(ids):])
+
+
+def test_smollm2_tokenizer_and_template_match_transformers(smollm2_gguf):
+    from transformers import AutoTokenizer
+    _, tok = load(smollm2_gguf)
+    hf = AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    for text in ["The capital of France is", "Hello world, it's  a test!\n\nNew line éà 日本 <|im_end|>"]:
+        assert tok.encode(text) == hf(text).input_ids
+        assert tok.decode(tok.encode(text)) == hf.decode(hf(text).input_ids, skip_special_tokens=True)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Name?"}]
+    assert tok.apply_chat_template(msgs) == hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
