@@ -11,6 +11,7 @@ from .errors import UserError
 # name -> (module, help). Modules are imported only for the command that runs, so `generate` never pays for torch.
 COMMANDS = {
     "generate": ("flashinfer_lite.generate", "generate text from one prompt"),
+    "chat": ("flashinfer_lite.chat", "chat with a model, keeping the conversation across turns"),
     "fetch": ("flashinfer_lite.fetch", "download the default model (SmolLM2-135M-Instruct) into the cache"),
 }
 

@@ -83,26 +83,45 @@ class Timings:
 # The generation loop
 
 class Session:
-    """A model, its tokenizer and one KV cache: the state a chat keeps across turns."""
+    """A model, its tokenizer and one KV cache: the state a chat keeps across turns.
+
+    `cached` mirrors the ids whose keys and values sit in the cache, so a new turn only evaluates what the
+    conversation added since (the rendered template of the whole conversation shares a prefix with the last one).
+    """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, ctx: int):
         self.model, self.tokenizer = model, tokenizer
         self.kv = model.new_cache(ctx)
+        self.cached: list[int] = []
         self.timings = Timings()
 
     @property
     def ctx(self) -> int:
         return self.kv.capacity
 
-    def generate(self, prompt_ids: list[int], n_predict: int, sampler: Sampler, ignore_eos: bool = False):
-        """Feed prompt_ids at the end of the cache, then yield sampled ids until EOS, n_predict, or a full context."""
-        if self.kv.length + len(prompt_ids) > self.ctx:
-            raise UserError(f"prompt is too long ({self.kv.length + len(prompt_ids)} tokens, context is {self.ctx}); "
+    def reset(self) -> None:
+        self.kv.reset()
+        self.cached = []
+
+    def generate(self, ids: list[int], n_predict: int, sampler: Sampler, ignore_eos: bool = False):
+        """Bring the cache to `ids` (reusing the common prefix), then yield sampled ids until EOS, n_predict, or a
+        full context."""
+        if len(ids) > self.ctx:
+            raise UserError(f"prompt is too long ({len(ids)} tokens, context is {self.ctx}); "
                             f"raise -c or shorten the prompt")
+        keep = 0
+        for a, b in zip(self.cached, ids[:-1]):  # at least one new token must be evaluated to get logits
+            if a != b:
+                break
+            keep += 1
+        self.kv.reset(keep)
+        self.cached = list(ids[:keep])
+        new = ids[keep:]
         t0 = time.perf_counter()
-        logits = self.model.forward(prompt_ids, self.kv)
+        logits = self.model.forward(new, self.kv)
+        self.cached += new
         self.timings.prompt_ms += (time.perf_counter() - t0) * 1e3
-        self.timings.prompt_tokens += len(prompt_ids)
+        self.timings.prompt_tokens += len(new)
         produced = 0
         while n_predict < 0 or produced < n_predict:
             tok = sampler(logits)
@@ -116,6 +135,7 @@ class Session:
                 raise ContextFull(self.ctx)
             t0 = time.perf_counter()
             logits = self.model.forward([tok], self.kv)
+            self.cached.append(tok)
             self.timings.token_ms.append((time.perf_counter() - t0) * 1e3)
 
 
@@ -138,6 +158,8 @@ def add_model_arguments(p) -> None:
     p.add_argument("-s", "--seed", type=int, default=-1, help="RNG seed, -1 = random (default -1)")
     p.add_argument("-sys", "--system-prompt", default=None, help="system prompt for the chat template")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    p.add_argument("--ffn", default="dense", choices=("dense", "oracle", "predicted"),
+                   help="FFN neurons to compute: all, the truly active ones, or the predicted ones (default dense)")
 
 
 def add_arguments(p) -> None:
@@ -150,13 +172,13 @@ def add_arguments(p) -> None:
 
 
 def open_model(args):
-    """(model, tokenizer, load_ms) for -m, or the default model."""
+    """(model, tokenizer, runtime, load_ms) for -m, or the default model."""
     from .default_model import ensure_default_model
-    from .loader import load
+    from .runtime import load_runtime
     t0 = time.perf_counter()
     path = args.model or ensure_default_model()
-    model, tokenizer = load(path, progress=sys.stderr.isatty())
-    return model, tokenizer, (time.perf_counter() - t0) * 1e3
+    model, tokenizer, runtime = load_runtime(path, args.ffn, progress=sys.stderr.isatty())
+    return model, tokenizer, runtime, (time.perf_counter() - t0) * 1e3
 
 
 def context_size(args, model: Transformer) -> int:
@@ -193,7 +215,7 @@ def prompt_ids(tokenizer: Tokenizer, text: str, system: str | None, use_template
 
 def run(args) -> int:
     text = read_prompt(args)
-    model, tokenizer, load_ms = open_model(args)
+    model, tokenizer, _, load_ms = open_model(args)
     session = Session(model, tokenizer, context_size(args, model))
     session.timings.load_ms = load_ms
     ids = prompt_ids(tokenizer, text, args.system_prompt, not args.ignore_chat_template)

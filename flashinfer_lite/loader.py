@@ -1,4 +1,4 @@
-"""`load(path) -> (Transformer, Tokenizer)`: the one entry point from a model path to something that generates."""
+"""From a model path to something that generates: `open_any(path)` and `load(path) -> (Transformer, Tokenizer)`."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,14 +10,28 @@ from .model import Transformer
 from .tokenizer import Tokenizer
 
 
-def load_weights(ckpt: Checkpoint, progress: bool = False) -> dict:
-    """Every tensor as float32, read one by one (the dense path; the flash runtime keeps FFN weights on flash)."""
-    names = ckpt.names()
+def is_flashdir(path) -> bool:
+    p = Path(path)
+    return p.is_dir() and (p / "manifest.json").exists()
+
+
+def open_any(path) -> Checkpoint:
+    """A checkpoint over an HF directory, a .gguf file, or a FLASHDIR made by `flashinfer-lite convert`."""
+    if is_flashdir(path):
+        from storage.format import FlashCheckpoint
+        return FlashCheckpoint(path)
+    return open_checkpoint(Path(path))
+
+
+def load_weights(ckpt: Checkpoint, progress: bool = False, skip=lambda name: False) -> dict:
+    """Tensors as float32, read one by one; `skip(name)` leaves some on flash (the sparse runtime's FFN)."""
+    names = [n for n in ckpt.names() if not skip(n)]
     it = tqdm(names, desc="loading", unit="tensor", disable=not progress, leave=False)
     return {n: ckpt.tensor(n) for n in it}
 
 
 def load(path, progress: bool = False) -> tuple[Transformer, Tokenizer]:
-    ckpt = open_checkpoint(Path(path))
+    """The dense model: every weight in DRAM."""
+    ckpt = open_any(path)
     tokenizer = ckpt.tokenizer()
     return Transformer(ckpt.config, load_weights(ckpt, progress)), tokenizer

@@ -1,0 +1,127 @@
+"""Chat as a person drives it (through a pty), and the KV cache kept across turns against fresh recomputation."""
+import json
+import os
+import pty
+import select
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import STORIES
+from flashinfer_lite.generate import Sampler, Session
+from flashinfer_lite.loader import load
+
+TEMPLATE = ("{% for m in messages %}{{ bos_token if loop.first else '' }}[{{ m['role'] }}] {{ m['content'] }}\n"
+            "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def stories_chat(tmp_path_factory):
+    if not STORIES.exists():
+        pytest.skip("../shared/models/stories260K not present")
+    d = shutil.copytree(STORIES, tmp_path_factory.mktemp("chat") / "m")
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = TEMPLATE
+    os.chmod(d / "tokenizer_config.json", 0o644)
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_second_turn_reuses_the_cache_and_equals_a_fresh_run(stories_chat):
+    model, tok = load(stories_chat)
+    chat = Session(model, tok, ctx=512)
+    msgs = [{"role": "user", "content": "Once upon a time"}]
+    first = list(chat.generate(tok.encode_chat(msgs), 20, Sampler(temp=0)))
+    msgs += [{"role": "assistant", "content": tok.decode(first)}, {"role": "user", "content": "The dog ran"}]
+    ids = tok.encode_chat(msgs)
+    evaluated_before = chat.timings.prompt_tokens
+    second = list(chat.generate(ids, 20, Sampler(temp=0)))
+    reused = len(ids) - (chat.timings.prompt_tokens - evaluated_before)
+    assert reused > len(tok.encode_chat(msgs[:1])) - 1  # the whole first turn came from the cache
+    fresh = Session(model, tok, ctx=512)
+    assert list(fresh.generate(ids, 20, Sampler(temp=0))) == second
+
+
+def run_pty(args, steps, timeout=240):
+    """Drive the CLI through a pseudo-terminal: steps are (wait_for_text, keys_to_send). Returns (output, code)."""
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.execv(sys.executable, [sys.executable, "-m", "flashinfer_lite", *args])
+    out, deadline = b"", time.time() + timeout
+    try:
+        for wait_for, keys in steps:
+            while wait_for.encode() not in out:
+                if time.time() > deadline:
+                    raise AssertionError(f"timed out waiting for {wait_for!r}; got:\n{out.decode(errors='replace')}")
+                r, _, _ = select.select([fd], [], [], 1.0)
+                if r:
+                    try:
+                        out += os.read(fd, 4096)
+                    except OSError:
+                        break
+            if callable(keys):
+                keys = keys(out)
+            os.write(fd, keys.encode())
+            out += b"\x00"  # a marker, so the next wait only matches new text
+        while True:
+            r, _, _ = select.select([fd], [], [], 1.0)
+            if time.time() > deadline:
+                break
+            if r:
+                try:
+                    chunk = os.read(fd, 4096)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                out += chunk
+    finally:
+        _, status = os.waitpid(pid, 0)
+    return out.decode(errors="replace"), os.waitstatus_to_exitcode(status)
+
+
+def after_marker(out: bytes) -> bytes:
+    return out.rsplit(b"\x00", 1)[-1]
+
+
+def test_chat_through_a_terminal(stories_chat):
+    steps = [
+        ("> ", "Once upon a time\n"),
+        ("> ", "/stats\n"),
+        ("eval time", "/reset\n"),
+        ("(conversation reset)", "Lily had a big red ball and she\n"),
+        ("> ", "\x04"),  # Ctrl-D
+    ]
+    out, code = run_pty(["chat", "-m", str(stories_chat), "--temp", "0", "-n", "30"], steps)
+    assert code == 0, out
+    assert "Lily" in out and "prompt eval time" in out
+
+
+def test_ctrl_c_stops_the_answer_not_the_session(stories_chat):
+    steps = [
+        ("> ", "Once upon a time\n"),
+        ("Once upon a time\r\n", lambda out: time.sleep(1.5) or "\x03"),  # Ctrl-C mid-answer (-n -1: endless)
+        ("[answer stopped]", "/exit\n"),
+    ]
+    out, code = run_pty(["chat", "-m", str(stories_chat), "--temp", "0", "-n", "-1", "--ignore-eos", "-c", "512"],
+                        steps)
+    assert code == 0, out
+    assert "[answer stopped]" in out and "eval time" in out
+
+
+def test_chat_context_overflow_is_reported_and_survivable(stories_chat):
+    steps = [("> ", "Once upon a time " * 30 + "\n"), ("/reset to start over", "/exit\n")]
+    out, code = run_pty(["chat", "-m", str(stories_chat), "--temp", "0", "-c", "32"], steps)
+    assert code == 0 and "prompt is too long" in out, out
+
+
+def test_chat_refuses_a_model_without_template():
+    if not STORIES.exists():
+        pytest.skip("../shared/models/stories260K not present")
+    r = subprocess.run([sys.executable, "-m", "flashinfer_lite", "chat", "-m", str(STORIES)], capture_output=True,
+                       stdin=subprocess.DEVNULL, timeout=120)
+    assert r.returncode == 1 and b"no chat template" in r.stderr
