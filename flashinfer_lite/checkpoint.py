@@ -38,11 +38,14 @@ def read_json(path: Path, what: str) -> dict:
     return data
 
 
-def inside(root: Path, name: str, what: str) -> Path:
-    """root/name, refusing names that escape root (absolute paths, '..', symlinks out)."""
-    p = (root / name).resolve()
-    if not p.is_relative_to(root.resolve()):
-        raise UserError(f"{what} names a path outside the model directory: {name!r}")
+def inside(root: Path, name, what: str) -> Path:
+    """root/name, refusing names that escape root (absolute paths, '..', symlinks out) or name root itself."""
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise UserError(f"{what}: invalid path {name!r}")
+    base = root.resolve()
+    p = (base / name).resolve()
+    if Path(name).is_absolute() or p == base or base not in p.parents:
+        raise UserError(f"{what} names a path outside the directory {root}: {name!r}")
     return p
 
 
@@ -134,6 +137,18 @@ _OPT_NAMES = [
     (r"(?:model\.)?decoder\.layers\.(\d+)\.fc1\.(weight|bias)", r"layers.\1.ffn.up.\2"),
     (r"(?:model\.)?decoder\.layers\.(\d+)\.fc2\.(weight|bias)", r"layers.\1.ffn.down.\2"),
 ]
+
+
+def canonical_names(names, rules) -> dict[str, str]:
+    """{canonical name: file's name} for the names a rule table (regex, replacement) recognises."""
+    compiled = [(re.compile(a + r"\Z"), b) for a, b in rules]
+    out = {}
+    for name in names:
+        for rx, repl in compiled:
+            if rx.match(name):
+                out[rx.sub(repl, name)] = name
+                break
+    return out
 
 
 def _get(cfg: dict, key: str, default=None, required: bool = False):
@@ -248,7 +263,6 @@ class HFCheckpoint(Checkpoint):
         gen = read_json(path / "generation_config.json", "generation_config.json") \
             if (path / "generation_config.json").exists() else None
         self.config = hf_config(raw, gen)
-        rules = [(re.compile(a + r"\Z"), b) for a, b in (_OPT_NAMES if self.config.arch == "opt" else _LLAMA_NAMES)]
         index_path = path / "model.safetensors.index.json"
         if index_path.exists():
             weight_map = read_json(index_path, "model.safetensors.index.json").get("weight_map")
@@ -262,13 +276,10 @@ class HFCheckpoint(Checkpoint):
             hint = f" (found {pickled[0]}: pickled checkpoints are not loaded; convert to safetensors)" if pickled else ""
             raise UserError(f"no .safetensors weights in {path}{hint}")
         self._files = [SafetensorsFile(inside(path, f, "model.safetensors.index.json")) for f in files]
+        rules = _OPT_NAMES if self.config.arch == "opt" else _LLAMA_NAMES
         self._index: dict[str, tuple[SafetensorsFile, str]] = {}
         for f in self._files:
-            for hf_name in f.entries:
-                for rx, repl in rules:
-                    if rx.match(hf_name):
-                        self._index[rx.sub(repl, hf_name)] = (f, hf_name)
-                        break
+            self._index.update({c: (f, n) for c, n in canonical_names(f.entries, rules).items()})
         if self.config.tie_embeddings:
             self._index.pop("lm_head.weight", None)
         self.check_complete()
@@ -326,13 +337,8 @@ class GGUFCheckpoint(Checkpoint):
             raise UserError(f"unsupported GGUF architecture {arch!r} (supported: llama)")
         need = lambda k: _required_field(r, f"llama.{k}")  # noqa: E731
         dim, heads = int(need("embedding_length")), int(need("attention.head_count"))
-        self._index = {}
-        rules = [(re.compile(a + r"\Z"), b) for a, b in _GGUF_NAMES]
-        for t in r.tensors:
-            for rx, repl in rules:
-                if rx.match(t.name):
-                    self._index[rx.sub(repl, t.name)] = t
-                    break
+        by_name = {t.name: t for t in r.tensors}
+        self._index = {c: by_name[n] for c, n in canonical_names(by_name, _GGUF_NAMES).items()}
         tokens = gguf_field(r, "tokenizer.ggml.tokens") or []
         kv_heads = int(gguf_field(r, "llama.attention.head_count_kv", heads))
         head_dim = int(gguf_field(r, "llama.attention.key_length", dim // heads))

@@ -12,6 +12,9 @@ from .errors import UserError
 COMMANDS = {
     "generate": ("flashinfer_lite.generate", "generate text from one prompt"),
     "chat": ("flashinfer_lite.chat", "chat with a model, keeping the conversation across turns"),
+    "convert": ("storage.convert", "convert an HF directory or GGUF file into the flash layout"),
+    "verify": ("storage.verify", "check a flash directory's checksums"),
+    "flash-bench": ("storage.flash_bench", "profile flash read bandwidth (chunk size x threads) and tune the reader"),
     "fetch": ("flashinfer_lite.fetch", "download the default model (SmolLM2-135M-Instruct) into the cache"),
 }
 

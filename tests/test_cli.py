@@ -102,7 +102,7 @@ def test_corrupt_safetensors_header(tmp_path):
 def test_index_naming_a_file_outside_the_model_dir(tmp_path):
     d = shutil.copytree(STORIES, tmp_path / "m")
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "../../etc/passwd"}}))
-    assert_one_line_error(cli("generate", "-m", str(d), "-p", "hi"), "outside the model directory")
+    assert_one_line_error(cli("generate", "-m", str(d), "-p", "hi"), "path outside the directory")
 
 
 @needs_stories

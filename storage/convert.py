@@ -1,0 +1,162 @@
+"""`flashinfer-lite convert MODEL -o FLASHDIR [--dtype f32|f16|int8] [--force]`: write the on-flash format.
+
+Everything is written into a temp directory next to the output, fsynced, and renamed into place last, so an
+interrupted convert never leaves a directory that read_layout would accept.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from flashinfer_lite.errors import UserError
+
+from .format import (DTYPES, MANIFEST, FlashLayout, file_checksum, ffn_tensor_names, new_checksum, pack_bundles,
+                     write_manifest)
+
+PACK_NEURONS = 4096   # neurons packed at a time: bounds the extra memory for wide FFNs
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="Hugging Face model directory or .gguf file")
+    parser.add_argument("-o", "--output", required=True, help="flash directory to create")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="f16",
+                        help="storage type of the FFN bundles (default f16; int8 = symmetric per-vector scale)")
+    parser.add_argument("--force", action="store_true", help="replace an existing flash directory")
+
+
+def run(args) -> int:
+    out = convert(args.model, args.output, dtype=args.dtype, force=args.force)
+    from .format import read_layout
+    L = read_layout(out)
+    print(f"wrote {out}: {L.n_layers} layers x {L.n_neurons[0]} neurons, {L.dtype} bundles of {L.stride} bytes, "
+          f"ffn.bin {L.ffn_size / 2**20:.1f} MiB")
+    return 0
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def plan_layout(ckpt, dtype: str, orders=None) -> FlashLayout:
+    """The layout of a checkpoint: which biases travel in the bundles, and the neuron count of every layer."""
+    cfg = ckpt.config
+    names = set(ckpt.names())
+    biases = [b for b, part in (("bias.gate", "gate"), ("bias.up", "up"))
+              if (cfg.glu or part == "up") and f"layers.0.ffn.{part}.bias" in names]
+    layout = FlashLayout.plan(cfg.dim, [cfg.ffn_dim] * cfg.n_layers, dtype, cfg.glu, biases, orders,
+                              config=cfg.to_dict())
+    for i in range(cfg.n_layers):
+        missing = [n for n in ffn_tensor_names(layout, i) if n not in names]
+        if missing:
+            raise UserError(f"{ckpt.path}: layer {i} lacks {missing[0]} (layer 0 has it)")
+    return layout
+
+
+def _layer_vectors(ckpt, layout: FlashLayout, layer: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per vector the [n, d] matrix whose row i goes into bundle of neuron i; per bias the [n] vector."""
+    n, d = layout.n_neurons[layer], layout.d
+    mats = []
+    for v in layout.vectors:
+        w = ckpt.tensor(f"layers.{layer}.ffn.{v}.weight")
+        want = (d, n) if v == "down" else (n, d)
+        if w.shape != want:
+            raise UserError(f"{ckpt.path}: layers.{layer}.ffn.{v}.weight has shape {w.shape}, expected {want}")
+        mats.append(w.T if v == "down" else w)          # down: column i of [d, n] is neuron i
+    bs = []
+    for b in layout.biases:
+        t = ckpt.tensor(f"layers.{layer}.ffn.{b.split('.')[1]}.bias")
+        if t.shape != (n,):
+            raise UserError(f"{ckpt.path}: layers.{layer}.ffn.{b.split('.')[1]}.bias has shape {t.shape}, want ({n},)")
+        bs.append(t)
+    return mats, bs
+
+
+def write_flashdir(ckpt, layout: FlashLayout, dest: Path, progress: bool = True) -> None:
+    """Write ffn.bin, resident.safetensors, tokenizer/ and (last) manifest.json into the empty directory dest."""
+    from safetensors.numpy import save_file
+    bundle_names = {n for i in range(layout.n_layers) for n in ffn_tensor_names(layout, i)}
+    resident_names = [n for n in ckpt.names() if n not in bundle_names]
+    steps = tqdm(total=layout.n_layers + 2, desc="convert", unit="step", disable=not progress, file=sys.stderr)
+    layout.checksum = []
+    with steps, open(dest / layout.files["ffn"], "wb") as f:
+        for i in range(layout.n_layers):
+            steps.set_postfix_str(f"layer {i}")
+            f.write(b"\0" * (layout.offset[i] - f.tell()))  # pad to the 4096-aligned region start
+            mats, bs = _layer_vectors(ckpt, layout, i)
+            order = layout.order[i]
+            h = new_checksum()
+            for a in range(0, layout.n_neurons[i], PACK_NEURONS):
+                idx = order[a:a + PACK_NEURONS]               # bundle a+j holds original neuron order[a+j]
+                vecs = np.stack([m[idx] for m in mats], axis=1).astype(np.float32, copy=False)  # [c, n_vec, d]
+                bias = np.stack([b[idx] for b in bs], axis=1) if bs else None                   # [c, n_bias]
+                packed = pack_bundles(layout, vecs, bias)
+                h.update(packed)
+                f.write(packed.tobytes())
+            layout.checksum.append(h.hexdigest())
+            steps.update()
+        f.write(b"\0" * (layout.ffn_size - f.tell()))
+        f.flush()
+        os.fsync(f.fileno())
+
+        steps.set_postfix_str("resident")
+        res_path = dest / layout.files["resident"]
+        save_file({n: np.ascontiguousarray(ckpt.tensor(n), dtype=np.float32) for n in resident_names}, str(res_path))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(res_path, 0o666 & ~umask)   # safetensors creates it 0600; the runtime may run as another user
+        with open(res_path, "rb") as r:
+            os.fsync(r.fileno())
+        layout.resident_checksum = file_checksum(res_path)
+        steps.update()
+
+        steps.set_postfix_str("tokenizer")
+        tok_dir = dest / layout.files["tokenizer"]
+        tok_dir.mkdir()
+        ckpt.tokenizer().save(tok_dir)
+        steps.update()
+    write_manifest(layout, dest)
+    _fsync_dir(dest)
+
+
+def convert(model, output, dtype: str = "f16", force: bool = False, progress: bool = True) -> Path:
+    from flashinfer_lite.checkpoint import open_checkpoint
+    out = Path(output).expanduser()
+    if out.exists() or out.is_symlink():
+        if not force:
+            raise UserError(f"{out} already exists (use --force to replace it)")
+        if out.is_dir() and not out.is_symlink() and any(out.iterdir()) and not (out / MANIFEST).exists():
+            # --force replaces flash directories, not arbitrary folders someone pointed -o at by mistake.
+            raise UserError(f"{out} is a non-empty directory that is not a flash directory; refusing to replace it")
+    ckpt = open_checkpoint(model)
+    layout = plan_layout(ckpt, dtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        write_flashdir(ckpt, layout, tmp, progress)
+        if out.exists() or out.is_symlink():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            os.replace(out, old)
+            os.replace(tmp, out)
+            if old.is_dir() and not old.is_symlink():
+                shutil.rmtree(old)
+            else:
+                old.unlink()
+        else:
+            os.replace(tmp, out)
+        _fsync_dir(out.parent)
+    except BaseException:   # includes Ctrl-C: no half-written directory survives
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

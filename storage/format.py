@@ -1,0 +1,455 @@
+"""The on-flash format: FlashLayout (bundle geometry + per-layer regions), the manifest, bundle packing, FlashCheckpoint.
+
+FLASHDIR/
+  manifest.json          format name + version, model config, dtype, bundle geometry, per-layer regions, checksums
+  resident.safetensors   every non-FFN tensor (+ ffn.down.bias, ffn_norm) in canonical names, float32
+  ffn.bin                per layer a 4096-aligned region of n_neurons bundles, `stride` bytes each
+  tokenizer/             tokenizer.json + tokenizer_config.json
+
+A bundle holds everything one neuron needs, so one read fetches it (row-column bundling, LLM in a Flash):
+  n_vec vectors of length d in `dtype` (vector k at byte k*d*itemsize), then float32 scalars at `scalars_offset`
+  (int8: one symmetric scale per vector; then per-neuron biases), zero padding up to `stride` (a multiple of 512,
+  so every run of bundles is an O_DIRECT-aligned read that lands directly in a cache row).
+See docs/FORMAT.md.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from flashinfer_lite.errors import UserError
+from flashinfer_lite.checkpoint import inside
+
+FORMAT_NAME = "flashinfer-lite-flash"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+MAX_MANIFEST_BYTES = 64 << 20     # a permutation per layer of a 70B model is ~10 MB of JSON; anything past this is not ours
+BUNDLE_ALIGN = 512                # O_DIRECT granularity of offset, length and buffer address
+REGION_ALIGN = 4096               # layer regions start on a page
+CHECKSUM_ALGO = "blake2b-128"
+
+DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "int8": np.dtype("i1")}
+GLU_VECTORS = ("gate", "up", "down")
+MLP_VECTORS = ("up", "down")
+BIAS_NAMES = ("bias.gate", "bias.up")
+
+
+def align_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def aligned_empty(shape, dtype=np.uint8, align: int = 4096) -> np.ndarray:
+    """An uninitialised C-contiguous array whose first byte sits on an `align` boundary (O_DIRECT needs this)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    start = (-raw.ctypes.data) % align
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def new_checksum():
+    return hashlib.blake2b(digest_size=16)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Layout
+
+@dataclass
+class FlashLayout:
+    """Bundle geometry and where each layer's bundles live in ffn.bin.
+
+    Per layer i: offset[i] (byte offset of bundle 0), n_neurons[i], order[i] (int64 [n]: bundle index -> original
+    neuron id), checksum[i] (hex digest of the region's n_neurons*stride bytes).
+    """
+    d: int
+    dtype: str                       # f32 | f16 | int8
+    vectors: tuple[str, ...]         # ("gate", "up", "down") for GLU, ("up", "down") for OPT-style MLPs
+    biases: tuple[str, ...]          # subset of BIAS_NAMES, stored as float32 scalars after the scales
+    stride: int
+    offset: list[int]
+    n_neurons: list[int]
+    order: list[np.ndarray]
+    checksum: list[str] = field(default_factory=list)
+    ffn_size: int = 0
+    config: dict = field(default_factory=dict)
+    files: dict = field(default_factory=lambda: {"ffn": "ffn.bin", "resident": "resident.safetensors",
+                                                 "tokenizer": "tokenizer"})
+    resident_checksum: str = ""
+    flashdir: Path | None = None     # set when read from disk
+
+    # -- geometry --------------------------------------------------------------------------------------------------
+    @property
+    def n_layers(self) -> int:
+        return len(self.offset)
+
+    @property
+    def n_vec(self) -> int:
+        return len(self.vectors)
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        return self.np_dtype.itemsize
+
+    @property
+    def scalars_offset(self) -> int:
+        return align_up(self.n_vec * self.d * self.itemsize, 4)
+
+    @property
+    def scalars(self) -> tuple[str, ...]:
+        """Names of the float32 scalars at scalars_offset, in order: `scale.<vector>` (int8 only), then biases."""
+        scales = tuple(f"scale.{v}" for v in self.vectors) if self.dtype == "int8" else ()
+        return scales + tuple(self.biases)
+
+    def scalar_index(self, name: str) -> int:
+        """j such that the scalar sits at B.view(np.float32)[:, scalars_offset // 4 + j]."""
+        return self.scalars.index(name)
+
+    def vector_index(self, name: str) -> int:
+        return self.vectors.index(name)
+
+    def region_bytes(self, layer: int) -> int:
+        return self.n_neurons[layer] * self.stride
+
+    @property
+    def ffn_path(self) -> Path:
+        return self.flashdir / self.files["ffn"]
+
+    @classmethod
+    def plan(cls, d: int, n_neurons: list[int], dtype: str, glu: bool, biases=(), orders=None, **kw) -> "FlashLayout":
+        """Compute stride and region offsets for a model; checksums are filled in by the writer."""
+        if dtype not in DTYPES:
+            raise UserError(f"unknown flash dtype '{dtype}' (choose f32, f16 or int8)")
+        vectors = GLU_VECTORS if glu else MLP_VECTORS
+        biases = tuple(b for b in BIAS_NAMES if b in biases)
+        n_scalars = (len(vectors) if dtype == "int8" else 0) + len(biases)
+        payload = align_up(len(vectors) * d * DTYPES[dtype].itemsize, 4) + 4 * n_scalars
+        stride = align_up(payload, BUNDLE_ALIGN)
+        offsets, pos = [], 0
+        for n in n_neurons:
+            pos = align_up(pos, REGION_ALIGN)
+            offsets.append(pos)
+            pos += n * stride
+        orders = [np.arange(n, dtype=np.int64) for n in n_neurons] if orders is None else \
+            [np.asarray(o, dtype=np.int64) for o in orders]
+        return cls(d=d, dtype=dtype, vectors=vectors, biases=biases, stride=stride, offset=offsets,
+                   n_neurons=list(n_neurons), order=orders, ffn_size=align_up(pos, REGION_ALIGN), **kw)
+
+    # -- manifest ----------------------------------------------------------------------------------------------------
+    def to_manifest(self) -> dict:
+        layers = []
+        for i in range(self.n_layers):
+            o = self.order[i]
+            identity = bool(np.array_equal(o, np.arange(len(o))))
+            layers.append({"offset": self.offset[i], "n_neurons": self.n_neurons[i],
+                           "order": "identity" if identity else [int(x) for x in o],
+                           "checksum": self.checksum[i]})
+        return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "config": self.config, "dtype": self.dtype,
+                "bundle": {"d": self.d, "vectors": list(self.vectors), "itemsize": self.itemsize,
+                           "stride": self.stride, "scalars_offset": self.scalars_offset,
+                           "scalars": list(self.scalars)},
+                "files": dict(self.files), "ffn_size": self.ffn_size, "checksum_algo": CHECKSUM_ALGO,
+                "resident_checksum": self.resident_checksum, "layers": layers}
+
+
+def write_manifest(layout: FlashLayout, flashdir: Path) -> None:
+    """Write manifest.json atomically (temp file + fsync + rename)."""
+    path = Path(flashdir) / MANIFEST
+    tmp = path.with_suffix(".json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(layout.to_manifest(), f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _int(x, what: str, src: Path, lo: int = 0) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or x < lo:
+        raise UserError(f"{src}: manifest field {what} must be an integer >= {lo}, got {x!r}")
+    return x
+
+
+def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
+    """Parse and validate FLASHDIR/manifest.json; with check_size also that ffn.bin has the recorded size.
+
+    Everything in the manifest is checked before use: it comes from disk and may be damaged or hostile.
+    """
+    flashdir = Path(flashdir)
+    src = flashdir / MANIFEST
+    if not flashdir.is_dir():
+        raise UserError(f"{flashdir}: not a directory (expected a flash directory written by `flashinfer-lite convert`)")
+    try:
+        size = src.stat().st_size
+    except FileNotFoundError:
+        raise UserError(f"{flashdir}: no {MANIFEST} (not a converted flash directory, or the convert did not finish)")
+    if size > MAX_MANIFEST_BYTES:
+        raise UserError(f"{src}: manifest is {size} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
+    try:
+        m = json.loads(src.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{src}: manifest is not valid JSON ({e})")
+    if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
+        raise UserError(f"{src}: not a {FORMAT_NAME} manifest")
+    if m.get("version") != FORMAT_VERSION:
+        raise UserError(f"{src}: format version {m.get('version')!r} is not supported (this build reads version "
+                        f"{FORMAT_VERSION}); re-run `flashinfer-lite convert`")
+    try:
+        b, layers, files, cfg = m["bundle"], m["layers"], m["files"], m["config"]
+        dtype, ffn_size = m["dtype"], m["ffn_size"]
+    except KeyError as e:
+        raise UserError(f"{src}: manifest lacks field {e}")
+    if not (isinstance(b, dict) and isinstance(layers, list) and isinstance(files, dict) and isinstance(cfg, dict)):
+        raise UserError(f"{src}: manifest fields have the wrong types")
+    if dtype not in DTYPES:
+        raise UserError(f"{src}: unknown dtype {dtype!r}")
+    if m.get("checksum_algo") != CHECKSUM_ALGO:
+        raise UserError(f"{src}: unknown checksum algorithm {m.get('checksum_algo')!r}")
+    for key in ("ffn", "resident", "tokenizer"):
+        if key not in files:
+            raise UserError(f"{src}: manifest names no {key} file")
+        inside(flashdir, files[key], f"{src}: {key} file")
+    vectors = tuple(b.get("vectors") or ())
+    if vectors not in (GLU_VECTORS, MLP_VECTORS):
+        raise UserError(f"{src}: bundle vectors {list(vectors)} are neither {list(GLU_VECTORS)} nor {list(MLP_VECTORS)}")
+    scalars = tuple(b.get("scalars") or ())
+    n_scales = len(vectors) if dtype == "int8" else 0
+    biases = scalars[n_scales:]
+    if not set(biases) <= set(BIAS_NAMES) or len(set(biases)) != len(biases):
+        raise UserError(f"{src}: unknown bundle scalars {list(scalars)}")
+    layout = FlashLayout(d=_int(b.get("d"), "bundle.d", src, 1), dtype=dtype, vectors=vectors,
+                         biases=tuple(x for x in BIAS_NAMES if x in biases),
+                         stride=_int(b.get("stride"), "bundle.stride", src, BUNDLE_ALIGN),
+                         offset=[], n_neurons=[], order=[], ffn_size=_int(ffn_size, "ffn_size", src),
+                         config=cfg, files=dict(files), resident_checksum=str(m.get("resident_checksum", "")),
+                         flashdir=flashdir)
+    # The geometry the readers and kernels will rely on must be exactly what this build would compute.
+    if layout.scalars != scalars or b.get("scalars_offset") != layout.scalars_offset \
+            or b.get("itemsize") != layout.itemsize:
+        raise UserError(f"{src}: bundle scalars/offsets do not match dtype {dtype} and vectors {list(vectors)}")
+    if layout.stride % BUNDLE_ALIGN or layout.stride < layout.scalars_offset + 4 * len(scalars):
+        raise UserError(f"{src}: bundle stride {layout.stride} is not a multiple of {BUNDLE_ALIGN} holding the payload")
+    end = 0
+    for i, L in enumerate(layers):
+        if not isinstance(L, dict):
+            raise UserError(f"{src}: layer {i} entry is not an object")
+        off = _int(L.get("offset"), f"layers[{i}].offset", src)
+        n = _int(L.get("n_neurons"), f"layers[{i}].n_neurons", src, 1)
+        if off % REGION_ALIGN or off < end:
+            raise UserError(f"{src}: layer {i} region at offset {off} is unaligned or overlaps the previous layer")
+        end = off + n * layout.stride
+        if end > layout.ffn_size:
+            raise UserError(f"{src}: layer {i} region ends at byte {end}, past ffn_size {layout.ffn_size}")
+        o = L.get("order")
+        if o == "identity":
+            order = np.arange(n, dtype=np.int64)
+        else:
+            if not isinstance(o, list) or len(o) != n or not all(isinstance(x, int) for x in o):
+                raise UserError(f"{src}: layer {i} neuron order is not a list of {n} integers")
+            order = np.asarray(o, dtype=np.int64)
+            if not np.array_equal(np.sort(order), np.arange(n)):
+                raise UserError(f"{src}: layer {i} neuron order is not a permutation of 0..{n - 1}")
+        ck = L.get("checksum")
+        if not isinstance(ck, str) or len(ck) != 32:
+            raise UserError(f"{src}: layer {i} has no valid checksum")
+        layout.offset.append(off)
+        layout.n_neurons.append(n)
+        layout.order.append(order)
+        layout.checksum.append(ck)
+    if not layers:
+        raise UserError(f"{src}: manifest lists no layers")
+    if cfg.get("n_layers") not in (None, len(layers)) or cfg.get("dim") not in (None, layout.d):
+        raise UserError(f"{src}: config (n_layers={cfg.get('n_layers')}, dim={cfg.get('dim')}) disagrees with the "
+                        f"{len(layers)} layers of width {layout.d} in the manifest")
+    if check_size:
+        ffn = flashdir / files["ffn"]
+        try:
+            actual = ffn.stat().st_size
+        except FileNotFoundError:
+            raise UserError(f"{ffn}: FFN file is missing")
+        if actual != layout.ffn_size:
+            raise UserError(f"{ffn}: size is {actual} bytes but the manifest says {layout.ffn_size} "
+                            f"({'truncated' if actual < layout.ffn_size else 'extra bytes'}); re-run convert")
+    return layout
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Bundles
+
+def pack_bundles(layout: FlashLayout, vecs: np.ndarray, biases: np.ndarray | None = None) -> np.ndarray:
+    """vecs float32 [n, n_vec, d], biases float32 [n, len(layout.biases)] -> bundles uint8 [n, stride]."""
+    n = vecs.shape[0]
+    assert vecs.shape == (n, layout.n_vec, layout.d), vecs.shape
+    out = np.zeros((n, layout.stride), np.uint8)
+    payload = layout.n_vec * layout.d * layout.itemsize
+    scalars = []
+    if layout.dtype == "int8":
+        # Symmetric per-vector scale: q = round(v / s), s = max|v| / 127, so |v - q*s| <= s/2.
+        scale = np.abs(vecs).max(axis=2).astype(np.float32) / np.float32(127.0)           # [n, n_vec]
+        safe = np.where(scale > 0, scale, np.float32(1.0))
+        q = np.clip(np.rint(vecs / safe[:, :, None]), -127, 127).astype(np.int8)
+        out[:, :payload] = q.reshape(n, -1).view(np.uint8)
+        scalars.append(scale)
+    else:
+        with np.errstate(over="ignore"):   # reported below as one clear error
+            packed = vecs.astype(layout.np_dtype)
+        if not np.isfinite(packed).all():
+            raise UserError(f"weights do not fit in {layout.dtype} (non-finite values after conversion)")
+        out[:, :payload] = packed.reshape(n, -1).view(np.uint8)
+    if layout.biases:
+        assert biases is not None and biases.shape == (n, len(layout.biases)), None if biases is None else biases.shape
+        scalars.append(biases.astype(np.float32))
+    if scalars:
+        s = np.ascontiguousarray(np.concatenate(scalars, axis=1), dtype="<f4")
+        so = layout.scalars_offset
+        out[:, so:so + s.shape[1] * 4] = s.view(np.uint8)
+    return out
+
+
+def unpack_bundles(layout: FlashLayout, bundles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """bundles uint8 [n, stride] -> (vecs float32 [n, n_vec, d], biases float32 [n, len(layout.biases)])."""
+    n = bundles.shape[0]
+    assert bundles.dtype == np.uint8 and bundles.shape[1] == layout.stride
+    payload = layout.n_vec * layout.d * layout.itemsize
+    raw = np.ascontiguousarray(bundles[:, :payload]).view(layout.np_dtype).reshape(n, layout.n_vec, layout.d)
+    so = layout.scalars_offset
+    s = np.ascontiguousarray(bundles[:, so:so + 4 * len(layout.scalars)]).view("<f4").astype(np.float32)
+    vecs = raw.astype(np.float32)
+    if layout.dtype == "int8":
+        vecs *= s[:, :layout.n_vec, None]
+        s = s[:, layout.n_vec:]
+    return vecs, s
+
+
+def ffn_tensor_names(layout: FlashLayout, layer: int) -> list[str]:
+    """Canonical names of the tensors that live in this layer's bundles."""
+    names = [f"layers.{layer}.ffn.{v}.weight" for v in layout.vectors]
+    names += [f"layers.{layer}.ffn.{b.split('.')[1]}.bias" for b in layout.biases]
+    return names
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Checksums
+
+def region_checksum(f, offset: int, nbytes: int, chunk: int = 8 << 20, progress=None) -> str:
+    h = new_checksum()
+    pos, end = offset, offset + nbytes
+    while pos < end:
+        buf = os.pread(f.fileno(), min(chunk, end - pos), pos)
+        if not buf:
+            break   # truncated: the digest will not match
+        h.update(buf)
+        pos += len(buf)
+        if progress is not None:
+            progress.update(len(buf))
+    return h.hexdigest()
+
+
+def file_checksum(path: Path) -> str:
+    with open(path, "rb") as f:
+        return region_checksum(f, 0, os.fstat(f.fileno()).st_size)
+
+
+def verify(flashdir, progress: bool = True) -> FlashLayout:
+    """Check the manifest, the file sizes and every checksum; raise UserError naming the first bad layer or file.
+
+    Reads the whole directory once: call it at load or from `flashinfer-lite verify`, never on the hot path.
+    """
+    from tqdm import tqdm
+    layout = read_layout(flashdir)
+    total = sum(layout.region_bytes(i) for i in range(layout.n_layers))
+    with open(layout.ffn_path, "rb") as f, tqdm(total=total, unit="B", unit_scale=True, desc="verify",
+                                                disable=not progress, leave=False) as bar:
+        for i in range(layout.n_layers):
+            if region_checksum(f, layout.offset[i], layout.region_bytes(i), progress=bar) != layout.checksum[i]:
+                raise UserError(f"{layout.ffn_path}: checksum mismatch in layer {i} (bytes {layout.offset[i]}.."
+                                f"{layout.offset[i] + layout.region_bytes(i)}): the file is damaged; re-run convert")
+    res = layout.flashdir / layout.files["resident"]
+    if not res.is_file():
+        raise UserError(f"{res}: resident weights file is missing")
+    if file_checksum(res) != layout.resident_checksum:
+        raise UserError(f"{res}: checksum mismatch in the resident weights: the file is damaged; re-run convert")
+    return layout
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# FlashCheckpoint: a converted directory seen through the same API as flashinfer_lite.checkpoint.Checkpoint
+
+class FlashCheckpoint:
+    """Read a FLASHDIR as a checkpoint: `.config`, `.names()`, `.tensor(name)` (float32, canonical names, FFN
+    matrices reassembled in original neuron order), `.tokenizer()`.
+
+    Loads a layer region whole and checks its checksum while it is in memory, so it never returns damaged weights.
+    This is the load/convert path; the runtime reads bundles with storage.reader.BundleReader.
+    """
+
+    def __init__(self, flashdir):
+        from flashinfer_lite.model import ModelConfig
+        self.layout = read_layout(flashdir)
+        self.flashdir = self.path = self.layout.flashdir
+        self.config = ModelConfig.from_dict(self.layout.config)
+        self._resident_path = self.flashdir / self.layout.files["resident"]
+        self._resident_names = self._read_resident_names()
+        self._ffn_names = {}
+        for i in range(self.layout.n_layers):
+            for name in ffn_tensor_names(self.layout, i):
+                self._ffn_names[name] = i
+        self._cached_layer: tuple[int, dict] | None = None
+
+    def _read_resident_names(self) -> list[str]:
+        from safetensors import safe_open
+        try:
+            with safe_open(str(self._resident_path), framework="numpy") as f:
+                return list(f.keys())
+        except Exception as e:  # safetensors raises its own error types for damaged headers
+            raise UserError(f"{self._resident_path}: cannot read resident weights ({e})")
+
+    def names(self) -> list[str]:
+        return self._resident_names + list(self._ffn_names)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._ffn_names or name in self._resident_names
+
+    def tensor(self, name: str) -> np.ndarray:
+        if name in self._ffn_names:
+            return self._layer_tensors(self._ffn_names[name])[name]
+        if name not in self._resident_names:
+            raise UserError(f"{self.flashdir}: no tensor named {name!r}")
+        from safetensors import safe_open
+        with safe_open(str(self._resident_path), framework="numpy") as f:
+            return f.get_tensor(name).astype(np.float32, copy=False)
+
+    def _layer_tensors(self, layer: int) -> dict[str, np.ndarray]:
+        if self._cached_layer is not None and self._cached_layer[0] == layer:
+            return self._cached_layer[1]
+        L, off, n = self.layout, self.layout.offset[layer], self.layout.n_neurons[layer]
+        with open(L.ffn_path, "rb") as f:
+            raw = os.pread(f.fileno(), L.region_bytes(layer), off)
+        h = new_checksum()
+        h.update(raw)
+        if len(raw) != L.region_bytes(layer) or h.hexdigest() != L.checksum[layer]:
+            raise UserError(f"{L.ffn_path}: checksum mismatch in layer {layer}: the file is damaged; re-run convert")
+        vecs, biases = unpack_bundles(L, np.frombuffer(raw, np.uint8).reshape(n, L.stride))
+        # Bundle b holds original neuron order[b]: scatter back to original rows.
+        inv = np.empty(n, np.int64)
+        inv[L.order[layer]] = np.arange(n)
+        vecs, biases = vecs[inv], biases[inv]
+        out = {}
+        for k, v in enumerate(L.vectors):
+            w = vecs[:, k, :]                                      # [n, d]
+            out[f"layers.{layer}.ffn.{v}.weight"] = np.ascontiguousarray(w.T if v == "down" else w)
+        for j, b in enumerate(L.biases):
+            out[f"layers.{layer}.ffn.{b.split('.')[1]}.bias"] = np.ascontiguousarray(biases[:, j])
+        self._cached_layer = (layer, out)
+        return out
+
+    def tokenizer(self):
+        from flashinfer_lite.tokenizer import Tokenizer
+        return Tokenizer.from_dir(self.flashdir / self.layout.files["tokenizer"], self.config)

@@ -1,0 +1,79 @@
+"""The device profile: best reader threads and coalescing gap per request size, measured by `flashinfer-lite flash-bench`.
+
+Stored as JSON in the user cache dir ($FLASHINFER_LITE_CACHE, else $XDG_CACHE_HOME/flashinfer-lite, else
+~/.cache/flashinfer-lite), one entry per block device (st_dev), so a profile of the SSD is not applied to tmpfs.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+PROFILE_NAME = "device_profile.json"
+MAX_PROFILE_BYTES = 1 << 20
+
+# Used when no profile exists for the device: enough requests in flight for an SSD, and a gap small enough that the
+# over-read (a few tens of KiB at ~1 GB/s) costs less than the ~100 us of one more request.
+DEFAULT_THREADS = 8
+DEFAULT_GAP_BYTES = 16 << 10
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("FLASHINFER_LITE_CACHE")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "flashinfer-lite"
+
+
+def profile_path() -> Path:
+    return cache_dir() / PROFILE_NAME
+
+
+def device_key(path) -> str:
+    st = os.stat(path)
+    return f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+
+
+def load_profiles() -> dict:
+    """{device_key: {"dir": ..., "entries": [{"chunk", "threads", "gap_bytes", ...}]}}; {} if absent or unreadable."""
+    p = profile_path()
+    try:
+        if p.stat().st_size > MAX_PROFILE_BYTES:
+            raise ValueError("too large")
+        data = json.loads(p.read_text())
+        if not isinstance(data, dict) or not isinstance(data.get("devices"), dict):
+            raise ValueError("no devices")
+        return data["devices"]
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        print(f"flashinfer-lite: ignoring unreadable device profile {p} ({e})", file=sys.stderr)
+        return {}
+
+
+def save_profile(path_on_device, entry: dict) -> Path:
+    """Store `entry` as the profile of the device holding `path_on_device` (atomic write)."""
+    devices = load_profiles()
+    devices[device_key(path_on_device)] = entry
+    p = profile_path()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"devices": devices}, indent=1))
+    os.replace(tmp, p)
+    return p
+
+
+def reader_defaults(path, request_bytes: int) -> tuple[int, int]:
+    """(threads, coalescing gap in bytes) for requests of `request_bytes` on the device holding `path`."""
+    try:
+        prof = load_profiles().get(device_key(path))
+        entries = [e for e in prof["entries"] if int(e["chunk"]) > 0] if prof else []
+    except (OSError, KeyError, TypeError, ValueError):
+        entries = []
+    if not entries:
+        return DEFAULT_THREADS, DEFAULT_GAP_BYTES
+    best = min(entries, key=lambda e: abs(math.log(int(e["chunk"]) / max(request_bytes, 1))))
+    return max(1, int(best["threads"])), max(0, int(best["gap_bytes"]))

@@ -1,0 +1,120 @@
+"""convert: the flash directory, read back through FlashCheckpoint and BundleReader, equals the source checkpoint."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flash_fixtures import STORIES, RandomCheckpoint, bundle_vectors, int8_bound, write_random_flashdir
+from flashinfer_lite.checkpoint import open_checkpoint
+from flashinfer_lite.errors import UserError
+from storage import convert as convert_mod
+from storage.convert import convert
+from storage.format import FlashCheckpoint, aligned_empty, read_layout, unpack_bundles, verify
+from storage.reader import BundleReader
+
+needs_stories = pytest.mark.skipif(not STORIES.is_dir(), reason="shared/models/stories260K is absent")
+
+
+def assert_same_tensors(src, flash, dtype):
+    assert sorted(flash.names()) == sorted(src.names())
+    for name in src.names():
+        a, b = src.tensor(name), flash.tensor(name)
+        assert b.dtype == np.float32 and b.shape == a.shape, name
+        in_bundles = ".ffn." in name and not name.endswith("down.bias")
+        if dtype == "f32" or not in_bundles or name.endswith(".bias"):
+            assert np.array_equal(a, b), name                      # resident tensors and biases are float32
+        elif dtype == "f16":
+            assert np.array_equal(b, a.astype(np.float16).astype(np.float32)), name
+        else:
+            vec_axis = 0 if name.endswith("down.weight") else 1    # a bundle vector is a row, or a column of down
+            assert (np.abs(a - b) <= int8_bound(np.moveaxis(a, vec_axis, -1)).swapaxes(-1, vec_axis)).all(), name
+
+
+@needs_stories
+@pytest.mark.parametrize("dtype", ["f32", "f16", "int8"])
+def test_stories260k_round_trip(tmp_path, dtype):
+    out = convert(STORIES, tmp_path / "flash", dtype=dtype, progress=False)
+    verify(out, progress=False)
+    src, flash = open_checkpoint(STORIES), FlashCheckpoint(out)
+    assert flash.config == src.config
+    assert_same_tensors(src, flash, dtype)
+    text = "Once upon a time, a little dog"
+    assert flash.tokenizer().encode(text) == src.tokenizer().encode(text)
+
+
+@pytest.mark.parametrize("kind, dtype, vectors, biases", [
+    ("opt", "f32", ("up", "down"), ("bias.up",)),                  # [fc1_i, b1_i | fc2_i]
+    ("opt-postnorm", "int8", ("up", "down"), ("bias.up",)),
+    ("llama-bias-untied", "f16", ("gate", "up", "down"), ("bias.gate", "bias.up")),
+])
+def test_transformers_models_round_trip(tmp_path, tiny_model, kind, dtype, vectors, biases):
+    pytest.importorskip("transformers")
+    src_path = tiny_model(kind)
+    out = convert(src_path, tmp_path / "flash", dtype=dtype, progress=False)
+    L = read_layout(out)
+    assert (L.vectors, L.biases) == (vectors, biases)
+    flash = FlashCheckpoint(out)
+    assert "layers.0.ffn.down.bias" in flash._resident_names         # per output, not per neuron: stays resident
+    assert_same_tensors(open_checkpoint(src_path), flash, dtype)
+
+
+def test_permuted_neuron_order(tmp_path):
+    """Bundle b holds neuron order[b]: FlashCheckpoint undoes the permutation, BundleReader reads file positions."""
+    rng = np.random.default_rng(3)
+    orders = [rng.permutation(300), rng.permutation(300)]
+    ckpt = write_random_flashdir(tmp_path / "f", "f32", orders=orders)
+    flash = FlashCheckpoint(tmp_path / "f")
+    assert [list(o) for o in flash.layout.order] == [list(o) for o in orders]
+    for name in ckpt.names():
+        assert np.array_equal(flash.tensor(name), ckpt.tensor(name)), name
+    with BundleReader(tmp_path / "f", threads=2) as r:
+        dest = aligned_empty((3, r.layout.stride), np.uint8)
+        r.read(1, [0, 1, 299], dest, [0, 1, 2])
+        vecs, _ = unpack_bundles(r.layout, dest)
+    assert np.array_equal(vecs, np.stack([bundle_vectors(ckpt, 1, orders[1][b]) for b in (0, 1, 299)]))
+
+
+def test_refuses_to_overwrite_without_force(tmp_path):
+    out = tmp_path / "flash"
+    convert("model", out, dtype="f16", progress=False)
+    with pytest.raises(UserError, match="already exists .*--force"):
+        convert("model", out, dtype="f16", progress=False)
+    convert("model", out, dtype="int8", force=True, progress=False)
+    assert read_layout(out).dtype == "int8"
+    (tmp_path / "precious").mkdir()
+    (tmp_path / "precious" / "thesis.tex").write_text("years of work")
+    with pytest.raises(UserError, match="not a flash directory"):
+        convert("model", tmp_path / "precious", force=True, progress=False)
+    assert (tmp_path / "precious" / "thesis.tex").exists()
+
+
+@pytest.fixture(autouse=True)
+def _random_checkpoint(monkeypatch):
+    """convert() on the path "model" opens a random in-memory checkpoint (keeps these tests off the loader)."""
+    import flashinfer_lite.checkpoint as ck
+    real_open = ck.open_checkpoint
+    monkeypatch.setattr(ck, "open_checkpoint", lambda p: RandomCheckpoint() if str(p) == "model" else real_open(p))
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_interrupted_convert_leaves_no_accepted_directory(tmp_path, monkeypatch, existing):
+    out = tmp_path / "flash"
+    if existing:
+        convert("model", out, dtype="f16", progress=False)
+    real_pack, calls = convert_mod.pack_bundles, {"n": 0}
+
+    def pack_then_interrupt(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:                                   # mid-way: layer 0 written, layer 1 not
+            raise KeyboardInterrupt
+        return real_pack(*a, **k)
+
+    monkeypatch.setattr(convert_mod, "pack_bundles", pack_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        convert("model", out, dtype="int8", force=True, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["flash"] if existing else [])
+    if existing:   # the previous directory is intact, not half-replaced
+        assert verify(out, progress=False).dtype == "f16"
+    else:
+        with pytest.raises(UserError):
+            FlashCheckpoint(out)

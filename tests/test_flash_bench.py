@@ -1,0 +1,104 @@
+"""flash-bench: the profile it derives follows the cost model, the run cleans up, and BundleReader picks it up."""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+
+import pytest
+
+from flash_fixtures import write_random_flashdir
+from flashinfer_lite.errors import UserError
+from storage import flash_bench
+from storage.profile import DEFAULT_GAP_BYTES, DEFAULT_THREADS, reader_defaults
+from storage.reader import BundleReader
+
+CHUNKS = [4096, 16384, 65536, 262144, 1 << 20]
+
+
+def rows_from(iops_of, threads=(1, 4, 16)):
+    return [{"chunk": c, "threads": t, "IOPS": iops_of(c, t), "MBps": iops_of(c, t) * c / 1e6} for c in CHUNKS
+            for t in threads]
+
+
+def test_latency_bound_device_reads_through_wide_gaps():
+    # Every request up to the largest measured chunk costs the same: reading through is free up to there.
+    prof = flash_bench.derive_profile(rows_from(lambda c, t: 1000.0 * min(t, 4)))
+    assert all(e["gap_bytes"] >= 64 * e["chunk"] for e in prof if e["chunk"] <= 16384)
+    assert all(e["threads"] == 4 for e in prof)           # fewest threads within 5% of the best
+
+
+def test_bandwidth_bound_device_never_reads_through():
+    # Time is proportional to bytes: reading a gap only adds time, so no gap pays off.
+    prof = flash_bench.derive_profile(rows_from(lambda c, t: 1e9 / c))
+    assert [e["gap_bytes"] for e in prof] == [0] * len(CHUNKS)
+
+
+def test_mixed_device_gap_matches_the_cost_model():
+    # time(s) = 100 us + s / 1 GB/s: merging pays while 100us + (2c+g)/1e9 <= 2 (100us + c/1e9), i.e. g <= 100 KB.
+    # Between measured chunks the profile interpolates in log2(size), so check the rule at the measured points only.
+    prof = flash_bench.derive_profile(rows_from(lambda c, t: 1.0 / (100e-6 + c / 1e9)))
+    e4k = next(e for e in prof if e["chunk"] == 4096)
+    assert 0 < e4k["gap_bytes"] <= 100_000 and e4k["gap_bytes"] % 4096 == 0
+    assert next(e for e in prof if e["chunk"] == 1 << 20)["gap_bytes"] == 0
+
+
+def test_tiny_run_writes_results_and_a_profile_the_reader_uses(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(tmp_path / "cache"))
+    flashdir = tmp_path / "model"
+    write_random_flashdir(flashdir, "f16", d=200, n=64, n_layers=2)   # stride 1536 bytes
+    work = tmp_path / "work"
+    work.mkdir()
+    p = argparse.ArgumentParser()
+    flash_bench.add_arguments(p)
+    args = p.parse_args(["--dir", str(work), "--size", "2MiB", "--chunks", "1K,64K", "--threads", "1,2",
+                         "--seconds", "0.05", "-m", str(flashdir), "--out", str(tmp_path / "out")])
+    try:
+        assert flash_bench.run(args) == 0
+    except UserError as e:
+        if "O_DIRECT is refused" in str(e):
+            pytest.skip(str(e))
+        raise
+    assert list(work.iterdir()) == []                                   # scratch file removed
+    rows = list(csv.DictReader(open(tmp_path / "out" / "flash_bench.csv")))
+    assert {(int(r["chunk"]), int(r["threads"])) for r in rows} == {(1024, 1), (1024, 2), (65536, 1), (65536, 2)}
+    result = json.loads((tmp_path / "out" / "flash_bench.json").read_text())
+    assert len(result["model"]["reads"]) == 8
+    entry = next(e for e in result["profile"] if e["chunk"] == 1024)
+    # The reader on the same device now defaults to the profile of the nearest chunk size (1 KiB for 1.5 KiB bundles).
+    assert reader_defaults(flashdir / "ffn.bin", 1536) == (entry["threads"], entry["gap_bytes"])
+    with BundleReader(flashdir) as r:
+        assert (r.threads, r.coalesce_gap) == (entry["threads"], entry["gap_bytes"] // 1536)
+    assert "device profile saved" in capsys.readouterr().out
+
+
+def test_scratch_file_removed_on_interrupt(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(tmp_path / "cache"))
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(flash_bench, "bench_grid", interrupted)
+    p = argparse.ArgumentParser()
+    flash_bench.add_arguments(p)
+    with pytest.raises(KeyboardInterrupt):
+        flash_bench.run(p.parse_args(["--dir", str(tmp_path), "--size", "1MiB", "--chunks", "4K", "--threads", "1",
+                                      "--out", str(tmp_path / "out")]))
+    assert not list(tmp_path.glob(".flashinfer-lite-bench-*"))
+
+
+def test_without_profile_reader_uses_builtin_defaults(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(tmp_path / "empty"))
+    assert reader_defaults(tmp_path, 4096) == (DEFAULT_THREADS, DEFAULT_GAP_BYTES)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--chunks", "1000"], "multiples of 512"),
+    (["--threads", "a"], "comma-separated"),
+    (["--size", "lots"], "cannot parse size"),
+])
+def test_bad_arguments(tmp_path, argv, message):
+    p = argparse.ArgumentParser()
+    flash_bench.add_arguments(p)
+    with pytest.raises(UserError, match=message):
+        flash_bench.run(p.parse_args(["--dir", str(tmp_path)] + argv))

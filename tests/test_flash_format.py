@@ -1,0 +1,183 @@
+"""The on-flash format: bundle packing against numpy oracles, and damaged or hostile directories refused clearly."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from flash_fixtures import int8_bound, write_random_flashdir
+from flashinfer_lite.errors import UserError
+from storage import format as fmt
+from storage import verify as verify_cmd
+from storage.format import FlashCheckpoint, FlashLayout, aligned_empty, pack_bundles, read_layout, unpack_bundles, verify
+from storage.reader import BundleReader
+
+
+@given(shape=st.tuples(st.integers(1, 5), st.integers(1, 4)), align=st.sampled_from([512, 4096]),
+       dtype=st.sampled_from([np.uint8, np.float32]))
+def test_aligned_empty(shape, align, dtype):
+    a = aligned_empty(shape, dtype, align)
+    assert a.ctypes.data % align == 0 and a.shape == shape and a.dtype == dtype and a.flags.c_contiguous
+
+
+@settings(max_examples=60, deadline=None)
+@given(d=st.integers(1, 70), glu=st.booleans(), dtype=st.sampled_from(["f32", "f16", "int8"]),
+       biases=st.sampled_from([(), ("bias.up",), ("bias.gate", "bias.up")]), data=st.data())
+def test_pack_unpack_round_trip(d, glu, dtype, biases, data):
+    if not glu:
+        biases = tuple(b for b in biases if b == "bias.up")
+    L = FlashLayout.plan(d, [1], dtype, glu, biases)
+    assert L.stride % 512 == 0 and L.stride >= L.scalars_offset + 4 * len(L.scalars)
+    n = data.draw(st.integers(1, 6))
+    finite = st.floats(-1e4, 1e4, width=32)
+    vecs = data.draw(hnp.arrays(np.float32, (n, L.n_vec, d), elements=finite))
+    b = data.draw(hnp.arrays(np.float32, (n, len(L.biases)), elements=finite)) if L.biases else None
+    packed = pack_bundles(L, vecs, b)
+    assert packed.shape == (n, L.stride) and not packed[:, L.scalars_offset + 4 * len(L.scalars):].any()
+    out, out_b = unpack_bundles(L, packed)
+    if dtype == "f32":
+        assert np.array_equal(out, vecs)
+    elif dtype == "f16":
+        assert np.array_equal(out, vecs.astype(np.float16).astype(np.float32))
+    else:
+        assert (np.abs(out - vecs) <= int8_bound(vecs)).all()
+        # The scale the kernels read from the documented place is max|v| / 127.
+        f = packed.view(np.float32)
+        for k, v in enumerate(L.vectors):
+            np.testing.assert_allclose(f[:, L.scalars_offset // 4 + L.scalar_index(f"scale.{v}")],
+                                       np.abs(vecs[:, k]).max(axis=1) / 127, rtol=1e-6)
+    if L.biases:
+        assert np.array_equal(out_b, b)
+        f = packed.view(np.float32)
+        for j, name in enumerate(L.biases):
+            assert np.array_equal(f[:, L.scalars_offset // 4 + L.scalar_index(name)], b[:, j])
+
+
+def test_f16_overflow_is_refused():
+    L = FlashLayout.plan(4, [1], "f16", True)
+    with pytest.raises(UserError, match="do not fit in f16"):
+        pack_bundles(L, np.full((1, 3, 4), 1e6, np.float32))
+
+
+def test_layer_regions_are_page_aligned(tmp_path):
+    write_random_flashdir(tmp_path / "f", "f16", d=40, n=301, n_layers=3)
+    L = read_layout(tmp_path / "f")
+    assert all(o % 4096 == 0 for o in L.offset) and L.ffn_size == os.path.getsize(tmp_path / "f" / "ffn.bin")
+    assert L.offset[1] >= L.offset[0] + 301 * L.stride
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Damaged and hostile directories
+
+@pytest.fixture
+def flashdir(tmp_path):
+    write_random_flashdir(tmp_path / "f", "int8", n=200, n_layers=3)
+    return tmp_path / "f"
+
+
+def edit_manifest(flashdir, change):
+    m = json.loads((flashdir / "manifest.json").read_text())
+    change(m)
+    (flashdir / "manifest.json").write_text(json.dumps(m))
+
+
+def test_intact_directory_verifies(flashdir):
+    class Args:
+        pass
+    a = Args()
+    a.flashdir = str(flashdir)
+    assert verify_cmd.run(a) == 0
+
+
+def test_flipped_byte_is_caught_by_verify_and_by_the_checkpoint(flashdir):
+    L = read_layout(flashdir)
+    pos = L.offset[2] + 37 * L.stride + 5
+    with open(flashdir / "ffn.bin", "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x10]))
+    with pytest.raises(UserError, match="checksum mismatch in layer 2"):
+        verify(flashdir, progress=False)
+    ck = FlashCheckpoint(flashdir)
+    ck.tensor("layers.0.ffn.up.weight")                             # other layers are still readable
+    with pytest.raises(UserError, match="checksum mismatch in layer 2"):
+        ck.tensor("layers.2.ffn.down.weight")
+
+
+def test_flipped_byte_in_resident_weights_is_caught(flashdir):
+    p = flashdir / "resident.safetensors"
+    data = bytearray(p.read_bytes())
+    data[-3] ^= 1
+    p.write_bytes(bytes(data))
+    with pytest.raises(UserError, match="resident weights"):
+        verify(flashdir, progress=False)
+
+
+def test_truncated_ffn_file_is_refused_at_open(flashdir):
+    os.truncate(flashdir / "ffn.bin", os.path.getsize(flashdir / "ffn.bin") - 512)
+    for opener in (read_layout, FlashCheckpoint, BundleReader, lambda p: verify(p, progress=False)):
+        with pytest.raises(UserError, match=r"ffn\.bin: size is \d+ bytes but the manifest says \d+ \(truncated\)"):
+            opener(flashdir)
+
+
+@pytest.mark.parametrize("name", ["../outside.bin", "/etc/passwd", "sub/../../x", "."])
+def test_manifest_path_outside_flashdir_is_refused(flashdir, name):
+    edit_manifest(flashdir, lambda m: m["files"].__setitem__("ffn", name))
+    with pytest.raises(UserError, match="path outside the directory"):
+        read_layout(flashdir)
+
+
+def test_symlink_out_of_flashdir_is_refused(flashdir, tmp_path):
+    (tmp_path / "elsewhere.bin").write_bytes((flashdir / "ffn.bin").read_bytes())
+    os.symlink(tmp_path / "elsewhere.bin", flashdir / "link.bin")
+    edit_manifest(flashdir, lambda m: m["files"].__setitem__("ffn", "link.bin"))
+    with pytest.raises(UserError, match="path outside the directory"):
+        read_layout(flashdir)
+
+
+@pytest.mark.parametrize("version", [0, 2, "1", None])
+def test_wrong_version_is_refused(flashdir, version):
+    edit_manifest(flashdir, lambda m: m.__setitem__("version", version))
+    with pytest.raises(UserError, match="version .* is not supported"):
+        FlashCheckpoint(flashdir)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda m: m.__setitem__("format", "gguf"), "not a flashinfer-lite-flash manifest"),
+    (lambda m: m["bundle"].__setitem__("stride", 1000), "stride"),
+    (lambda m: m["bundle"].__setitem__("scalars_offset", 4), "scalars"),
+    (lambda m: m["layers"][1].__setitem__("offset", 4096 + 1), "unaligned or overlaps"),
+    (lambda m: m["layers"][1].__setitem__("offset", 0), "unaligned or overlaps"),
+    (lambda m: m["layers"][2].__setitem__("n_neurons", 10**6), "past ffn_size"),
+    (lambda m: m["layers"][0].__setitem__("order", [0] * 200), "not a permutation"),
+    (lambda m: m["layers"][0].__setitem__("order", list(range(199))), "not a list of 200"),
+    (lambda m: m["layers"][0].__setitem__("n_neurons", -3), "must be an integer >= 1"),
+    (lambda m: m.__setitem__("dtype", "q4"), "unknown dtype"),
+    (lambda m: m["config"].__setitem__("n_layers", 7), "disagrees"),
+    (lambda m: m.pop("layers"), "lacks field"),
+])
+def test_inconsistent_manifests_are_refused(flashdir, change, message):
+    edit_manifest(flashdir, change)
+    with pytest.raises(UserError, match=message):
+        read_layout(flashdir)
+
+
+def test_garbage_and_oversized_manifests_are_refused(flashdir, monkeypatch):
+    (flashdir / "manifest.json").write_bytes(b"\xff{not json")
+    with pytest.raises(UserError, match="not valid JSON"):
+        read_layout(flashdir)
+    monkeypatch.setattr(fmt, "MAX_MANIFEST_BYTES", 5)
+    with pytest.raises(UserError, match="more than the 5 allowed"):
+        read_layout(flashdir)
+
+
+def test_missing_manifest_is_refused(tmp_path):
+    (tmp_path / "half").mkdir()
+    with pytest.raises(UserError, match="no manifest.json"):
+        FlashCheckpoint(tmp_path / "half")

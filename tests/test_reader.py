@@ -1,0 +1,191 @@
+"""BundleReader: any set of bundles lands in the right destination rows, bit-exact with the file and equal to the
+source weights (f32/f16 exactly, int8 within half a quantisation step); errors name file, offset and layer."""
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from flash_fixtures import bundle_vectors, int8_bound, write_random_flashdir
+from flashinfer_lite.errors import UserError
+from storage import reader as reader_mod
+from storage.format import aligned_empty, read_layout, unpack_bundles
+from storage.reader import BundleReader
+
+N = 300
+
+
+@pytest.fixture(scope="module")
+def flashdirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("flash")
+    return {dt: (root / dt, write_random_flashdir(root / dt, dt, n=N)) for dt in ("f32", "f16", "int8")}
+
+
+@pytest.fixture(scope="module")
+def readers(flashdirs):
+    rs = {}
+    for dt, (path, _) in flashdirs.items():
+        for gap in (-1, 0, 2, 40):
+            for threads in (1, 3):
+                rs[dt, gap, threads] = BundleReader(path, threads=threads, coalesce_gap=gap, max_read_bytes=16 << 10)
+    yield rs
+    for r in rs.values():
+        r.close()
+
+
+# Bundle id sets built from runs (start, length) and single ids: covers adjacent runs, short gaps and long gaps.
+id_sets = st.lists(st.tuples(st.integers(0, N - 1), st.integers(1, 40)), min_size=1, max_size=8).map(
+    lambda runs: np.unique(np.concatenate([np.arange(s, min(s + n, N)) for s, n in runs])))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ids=id_sets, dtype=st.sampled_from(["f32", "f16", "int8"]), gap=st.sampled_from([-1, 0, 2, 40]),
+       threads=st.sampled_from([1, 3]), layer=st.integers(0, 1), seed=st.integers(0, 2**32 - 1))
+def test_any_bundle_set_reads_back_the_source_weights(flashdirs, readers, ids, dtype, gap, threads, layer, seed):
+    path, ckpt = flashdirs[dtype]
+    r = readers[dtype, gap, threads]
+    L = r.layout
+    rng = np.random.default_rng(seed)
+    ids = rng.permutation(ids)                                  # request order is arbitrary
+    dest = aligned_empty((len(ids) + 5, L.stride), np.uint8)
+    dest[:] = 0xA5
+    slots = rng.permutation(dest.shape[0])[:len(ids)]           # arbitrary rows, some contiguous by chance
+    stats = r.read(layer, ids, dest, slots)
+
+    # Bit-exact against the file, read independently with plain buffered I/O.
+    raw = np.fromfile(path / "ffn.bin", np.uint8)[L.offset[layer]:L.offset[layer] + N * L.stride].reshape(N, L.stride)
+    assert np.array_equal(dest[slots], raw[ids])
+    # Rows nobody asked for are untouched: coalesced gap bundles went to scratch.
+    untouched = np.setdiff1d(np.arange(dest.shape[0]), slots)
+    assert (dest[untouched] == 0xA5).all()
+
+    # Equal to the source weights (identity order: bundle id == neuron id).
+    vecs, biases = unpack_bundles(L, dest[slots])
+    src = np.stack([bundle_vectors(ckpt, layer, i) for i in ids])
+    if dtype == "f32":
+        assert np.array_equal(vecs, src)
+    elif dtype == "f16":
+        assert np.array_equal(vecs, src.astype(np.float16).astype(np.float32))
+    else:
+        assert (np.abs(vecs - src) <= int8_bound(src)).all()
+    src_b = np.stack([ckpt.tensors[f"layers.{layer}.ffn.{v}.bias"][ids] for v in ("gate", "up")], axis=1)
+    assert np.array_equal(biases, src_b)                         # biases are always float32
+
+    assert stats.requested_bytes == len(ids) * L.stride
+    assert stats.read_bytes >= stats.requested_bytes
+    if gap < 0:
+        assert stats.read_bytes == stats.requested_bytes and stats.n_reads == len(ids)
+    else:
+        holes = np.diff(np.sort(ids)) - 1
+        over = holes[(holes > 0) & (holes <= gap)].sum() * L.stride
+        # Every hole within the gap is read through, unless a read was split at max_read_bytes / IOV_MAX there.
+        assert stats.read_bytes <= stats.requested_bytes + over
+
+
+def test_iov_max_and_many_rows(tmp_path):
+    """3000 bundles with 1-bundle holes and scattered rows need > IOV_MAX iovecs per run: the reader must split."""
+    path = tmp_path / "f"
+    ckpt = write_random_flashdir(path, "f32", d=8, n=6200, n_layers=1, bias=False)
+    ids = np.arange(0, 6000, 2)
+    rng = np.random.default_rng(0)
+    slots = rng.permutation(len(ids))
+    with BundleReader(path, threads=2, coalesce_gap=1, max_read_bytes=1 << 30) as r:
+        dest = aligned_empty((len(ids), r.layout.stride), np.uint8)
+        ops, _, _ = r.plan(0, ids, dest, slots)
+        # Each bundle needs two iovecs (its row, the hole after it): runs must be cut just below IOV_MAX.
+        assert max(len(iov) for _, iov, _ in ops) <= reader_mod.IOV_MAX
+        assert len(ops) >= -(-2 * len(ids) // reader_mod.IOV_MAX)
+        stats = r.read(0, ids, dest, slots)
+        assert stats.n_reads == len(ops)
+        vecs, _ = unpack_bundles(r.layout, dest[slots])
+    assert np.array_equal(vecs, np.stack([bundle_vectors(ckpt, 0, i) for i in ids]))
+
+
+def test_bad_requests_are_refused(flashdirs):
+    path, _ = flashdirs["f32"]
+    with BundleReader(path, threads=1) as r:
+        dest = aligned_empty((4, r.layout.stride), np.uint8)
+        with pytest.raises(ValueError, match="duplicate"):
+            r.read(0, [3, 3], dest, [0, 1])
+        with pytest.raises(ValueError, match="bundle ids"):
+            r.read(0, [N], dest, [0])
+        with pytest.raises(ValueError, match="slots"):
+            r.read(0, [1], dest, [4])
+        with pytest.raises(ValueError, match="512-byte"):
+            r.read(0, [1], aligned_empty((5 * r.layout.stride + 64,), np.uint8)[64:].reshape(5, -1), [0])
+        assert r.read(0, [], dest, []).read_bytes == 0
+
+
+def test_buffered_fallback_when_o_direct_is_refused(flashdirs, monkeypatch, capsys):
+    """Filesystems that refuse O_DIRECT (tmpfs before Linux 6.6, some FUSE) get buffered reads + DONTNEED."""
+    path, ckpt = flashdirs["f16"]
+    real_open, advised = os.open, []
+
+    def open_refusing_direct(p, flags, *a):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(p, flags, *a)
+
+    monkeypatch.setattr(reader_mod, "_warned_buffered", False)
+    monkeypatch.setattr(reader_mod.os, "open", open_refusing_direct)
+    monkeypatch.setattr(reader_mod.os, "posix_fadvise", lambda fd, off, n, adv: advised.append((off, n, adv)))
+    r1, r2 = BundleReader(path, threads=2), BundleReader(path, threads=1)
+    assert not r1.direct and not r2.direct
+    assert capsys.readouterr().err.count("O_DIRECT refused") == 1     # said once, not per reader
+    ids = np.array([0, 1, 5, 299])
+    dest = aligned_empty((4, r1.layout.stride), np.uint8)
+    stats = r1.read(1, ids, dest, np.arange(4))
+    vecs, _ = unpack_bundles(r1.layout, dest)
+    src = np.stack([bundle_vectors(ckpt, 1, i) for i in ids])
+    assert np.array_equal(vecs, src.astype(np.float16).astype(np.float32))
+    assert sum(n for _, n, _ in advised) == stats.read_bytes            # every byte read is dropped from the cache
+    assert {a for _, _, a in advised} == {os.POSIX_FADV_DONTNEED}
+    r1.close(), r2.close()
+
+
+def test_truncated_file_under_a_reader_names_file_offset_and_layer(tmp_path):
+    path = tmp_path / "f"
+    write_random_flashdir(path, "f32", n=N)
+    with BundleReader(path, threads=1, coalesce_gap=-1) as r:
+        L = r.layout
+        os.truncate(path / "ffn.bin", L.offset[1] + 10 * L.stride)
+        dest = aligned_empty((1, L.stride), np.uint8)
+        r.read(1, [9], dest, [0])                                  # still inside the file
+        with pytest.raises(UserError, match=rf"ffn\.bin.*offset {L.offset[1] + 20 * L.stride}.*layer 1"):
+            r.read(1, [20], dest, [0])
+
+
+def test_eio_is_retried_once_then_reported(flashdirs, monkeypatch):
+    path, ckpt = flashdirs["f32"]
+    real = os.preadv
+    failures = {"left": 1}
+
+    def flaky(fd, iov, off):
+        if failures["left"] > 0:
+            failures["left"] -= 1
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, iov, off)
+
+    with BundleReader(path, threads=1) as r:
+        dest = aligned_empty((1, r.layout.stride), np.uint8)
+        monkeypatch.setattr(reader_mod.os, "preadv", flaky)
+        stats = r.read(0, [5], dest, [0])                          # one EIO: the retry succeeds
+        assert stats.n_reads == 2
+        assert np.array_equal(unpack_bundles(r.layout, dest)[0][0], bundle_vectors(ckpt, 0, 5))
+        failures["left"] = 2
+        with pytest.raises(UserError, match=r"offset \d+ \(layer 0\) failed: Input/output error"):
+            r.read(0, [5], dest, [0])
+
+
+def test_reader_refuses_a_truncated_flashdir_at_open(tmp_path):
+    path = tmp_path / "f"
+    write_random_flashdir(path, "f16", n=N)
+    size = os.path.getsize(path / "ffn.bin")
+    os.truncate(path / "ffn.bin", size - 4096)
+    with pytest.raises(UserError, match="truncated"):
+        BundleReader(path)
+    assert read_layout(path, check_size=False).ffn_size == size
