@@ -114,7 +114,9 @@ class SafetensorsFile:
 # ----------------------------------------------------------------------------------------------------------------------
 # Hugging Face directories
 
-SUPPORTED_HF = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "OPTForCausalLM")
+# SparseLlamaForCausalLM: ProSparse's Llama with FATReLU (hidden_act "fatrelu", threshold in hidden_act_param).
+SUPPORTED_HF = ("LlamaForCausalLM", "SparseLlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                "OPTForCausalLM")
 
 _LLAMA_NAMES = [
     (r"model\.embed_tokens\.weight", "embed.weight"),
@@ -160,9 +162,9 @@ def _get(cfg: dict, key: str, default=None, required: bool = False):
 
 
 def _act(name: str, arch: str) -> str:
-    acts = {"silu": "silu", "swish": "silu", "relu": "relu"}
+    acts = {"silu": "silu", "swish": "silu", "relu": "relu", "fatrelu": "relu"}
     if name not in acts:
-        raise UserError(f"unsupported activation '{name}' for {arch} (supported: silu, relu)")
+        raise UserError(f"unsupported activation '{name}' for {arch} (supported: silu, relu, fatrelu)")
     return acts[name]
 
 
@@ -210,7 +212,9 @@ def hf_config(cfg: dict, generation: dict | None = None) -> ModelConfig:
     qkv_bias = arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
     cfg_out = ModelConfig(arch="llama", n_kv_heads=_get(cfg, "num_key_value_heads", heads),
                           head_dim=_get(cfg, "head_dim", dim // heads), ffn_dim=_get(cfg, "intermediate_size", required=True),
-                          glu=True, act=_act(_get(cfg, "hidden_act", "silu"), arch), norm="rms",
+                          glu=True, act=_act(_get(cfg, "hidden_act", "silu"), arch),
+                          relu_threshold=float(cfg.get("hidden_act_param") or 0.0)
+                          if cfg.get("hidden_act") == "fatrelu" else 0.0, norm="rms",
                           norm_eps=_get(cfg, "rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
                           tie_embeddings=bool(_get(cfg, "tie_word_embeddings", False)), qkv_bias=qkv_bias,
                           o_bias=bool(cfg.get("attention_bias", False)), mlp_bias=bool(cfg.get("mlp_bias", False)),

@@ -31,6 +31,7 @@ class ModelConfig:
     ffn_dim: int
     glu: bool = True               # act(gate) * up -> down; False: OPT's fc1 -> act -> fc2
     act: str = "silu"              # silu | relu | drelu (relu on gate and up, TurboSparse)
+    relu_threshold: float = 0.0    # FATReLU (ProSparse): relu gate values <= t count as zero
     norm: str = "rms"              # rms | layer
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
@@ -185,16 +186,21 @@ def attention_mask(pos0: int, T: int, window: int | None) -> np.ndarray:
     return np.where(ok, 0.0, -np.inf).astype(np.float32)
 
 
-def ffn_activation(act: str, gate: np.ndarray, up: np.ndarray | None) -> np.ndarray:
+def fatrelu(x: np.ndarray, t: float) -> np.ndarray:
+    # relu with a threshold: values <= t count as zero (t = 0 is plain relu)
+    return np.where(x > t, x, 0.0).astype(x.dtype)
+
+
+def ffn_activation(act: str, gate: np.ndarray, up: np.ndarray | None, t: float = 0.0) -> np.ndarray:
     """The per-neuron activation a_i: act(gate)*up for GLU, act(fc1) for MLP (up is None)."""
     if up is None:
-        return relu(gate) if act in ("relu", "drelu") else silu(gate)
+        return fatrelu(gate, t) if act in ("relu", "drelu") else silu(gate)
     if act == "silu":
         return silu(gate) * up
     if act == "relu":
-        return relu(gate) * up
+        return fatrelu(gate, t) * up
     if act == "drelu":
-        return relu(gate) * relu(up)
+        return fatrelu(gate, t) * relu(up)
     raise UserError(f"unsupported FFN activation '{act}'")
 
 
@@ -210,9 +216,11 @@ class FeedForward:
 
     def activations(self, x: np.ndarray) -> np.ndarray:
         # x [T, d] -> a [T, n]; what a sparse FFN predicts and skips where it is zero
-        if self.cfg.glu:
-            return ffn_activation(self.cfg.act, linear(x, self.w_gate, self.b_gate), linear(x, self.w_up, self.b_up))
-        return ffn_activation(self.cfg.act, linear(x, self.w_up, self.b_up), None)
+        c = self.cfg
+        if c.glu:
+            return ffn_activation(c.act, linear(x, self.w_gate, self.b_gate), linear(x, self.w_up, self.b_up),
+                                  c.relu_threshold)
+        return ffn_activation(c.act, linear(x, self.w_up, self.b_up), None, c.relu_threshold)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         return linear(self.activations(x), self.w_down, self.b_down)

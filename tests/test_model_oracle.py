@@ -94,3 +94,28 @@ def test_smollm2_tokenizer_and_template_match_transformers(smollm2_gguf):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
             {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Name?"}]
     assert tok.apply_chat_template(msgs) == hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
+def test_prosparse_fatrelu_matches_transformers_with_the_same_activation(tiny_model, tmp_path):
+    """ProSparse ships SparseLlamaForCausalLM with hidden_act "fatrelu": relu that zeroes gate values <= t."""
+    import json
+    import shutil
+    import torch
+    src = tiny_model("llama-relu")
+    d = shutil.copytree(src, tmp_path / "prosparse")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(architectures=["SparseLlamaForCausalLM"], hidden_act="fatrelu", hidden_act_param=0.3)
+    (d / "config.json").write_text(json.dumps(cfg))
+    ckpt = open_checkpoint(d)
+    assert ckpt.config.act == "relu" and ckpt.config.relu_threshold == 0.3
+    ours = Transformer(ckpt.config, load_weights(ckpt))
+    ids = np.random.default_rng(2).integers(3, 512, size=16).tolist()
+    got = incremental_logits(ours, ids, prefill=5)
+    hf = transformers_model(src)  # same weights, plain relu; give it FATReLU as the oracle's activation
+    for layer in hf.model.layers:
+        layer.mlp.act_fn = torch.nn.Threshold(0.3, 0.0)
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].numpy()
+        plain = transformers_model(src)(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+    assert np.abs(want - plain).max() > 1e-3  # the threshold changed the output, so the check has teeth
