@@ -10,6 +10,7 @@ import numpy as np
 
 from .errors import UserError
 from .model import Transformer
+from .sizes import parse_size
 from .tokenizer import StreamDecoder, Tokenizer, check_utf8
 
 
@@ -160,6 +161,10 @@ def add_model_arguments(p) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     p.add_argument("--ffn", default="dense", choices=("dense", "oracle", "predicted"),
                    help="FFN neurons to compute: all, the truly active ones, or the predicted ones (default dense)")
+    p.add_argument("--dram-budget", default=None,
+                   help="bytes the process may keep (e.g. 300M, 2GiB): weights, KV cache, neuron cache, buffers")
+    p.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: all cores)")
+    p.add_argument("-v", "--verbose", action="store_true", help="print the budget split and runtime decisions")
 
 
 def add_arguments(p) -> None:
@@ -177,7 +182,12 @@ def open_model(args):
     from .runtime import load_runtime
     t0 = time.perf_counter()
     path = args.model or ensure_default_model()
-    model, tokenizer, runtime = load_runtime(path, args.ffn, progress=sys.stderr.isatty())
+    if args.threads:
+        import numba
+        numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
+    budget = parse_size(args.dram_budget) if args.dram_budget else None
+    model, tokenizer, runtime = load_runtime(path, args.ffn, dram_budget=budget, ctx=args.ctx_size or None,
+                                             progress=sys.stderr.isatty(), verbose=args.verbose)
     return model, tokenizer, runtime, (time.perf_counter() - t0) * 1e3
 
 

@@ -142,8 +142,8 @@ def _admit(ids, M, slot_of, neuron_at, last_used, seen, ring, ring_len, state, n
     ring_len[g] = n
     # Overflow: drop whole oldest token groups until the misses fit (the current token always fits: n_cold <= cap).
     s = max(state[_HORIZON], t - k + 1)
-    while state[_NWIN] + n_miss > cap:
-        evicted += _evict_group(s + 1, ring, ring_len, k, last_used, M, slot_of, neuron_at, state, n_hot)
+    while state[_NWIN] + n_miss > cap and s < t:
+        evicted += _evict_group(s, ring, ring_len, k, last_used, M, slot_of, neuron_at, state, n_hot)
         s += 1
         state[_HORIZON] = s
     m = 0

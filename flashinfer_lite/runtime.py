@@ -1,13 +1,21 @@
-"""The runtime: a Transformer whose FFN computes only the active neurons, chosen by `--ffn`.
+"""The flash runtime: a Transformer whose FFN weights stay on flash and whose FFN computes only the active neurons.
 
-  dense      every neuron (the reference)
-  oracle     neurons whose true activation clears the layer's threshold (0 for ReLU models): exact for ReLU
-  predicted  neurons the low-rank predictor selects, then the same threshold on what was computed
+Per layer, per token: the active set (by `--ffn`), a cache lookup, one batched read of the misses straight into
+their cache rows, and the Numba sparse FFN over those rows.
 
-`load_runtime()` is the one way generation, chat and eval build a model, so that they all run the same code path.
+  dense      every neuron, weights in DRAM (the reference path; needs the whole model in memory)
+  oracle     the neurons whose true activation is nonzero (ReLU) or clears the calibrated threshold (SwiGLU);
+             needs the dense gate/up weights to know that, so it is a test mode, not a memory-saving one
+  predicted  the neurons the low-rank predictor selects: the product
+
+A prompt of many tokens touches most neurons, so prefill can instead stream each layer's whole FFN with large
+sequential reads; the runtime picks whichever moves fewer bytes.
+`load_runtime()` is the one way generate, chat and eval build a model, so they all run the same code path.
 """
 from __future__ import annotations
 
+import re
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -15,20 +23,32 @@ import numpy as np
 
 from .errors import UserError
 from .loader import is_flashdir, load_weights, open_any
-from .model import FeedForward, Transformer, linear
+from .model import FeedForward, ModelConfig, Transformer, ffn_activation
 from .tokenizer import Tokenizer
 
 FFN_MODES = ("dense", "oracle", "predicted")
+# FFN tensors that live in the bundles on flash; everything else (including ffn.down.bias) stays resident.
+_BUNDLED = re.compile(r"layers\.\d+\.ffn\.(gate|up|down)\.weight|layers\.\d+\.ffn\.(gate|up)\.bias")
+STREAM_CHUNK_BYTES = 8 << 20   # prefill streaming reads a layer in chunks of this size
 
 
 @dataclass
 class RuntimeStats:
-    """Counters accumulated over every FFN call; per layer where it matters."""
+    """Counters over every FFN call since load."""
     n_layers: int
     n_neurons: int
-    rows: np.ndarray = field(init=False)       # [L] token rows seen by each layer's FFN
+    rows: np.ndarray = field(init=False)       # [L] token rows through each layer's FFN
     active: np.ndarray = field(init=False)     # [L] active neurons summed over those rows
+    tokens: int = 0                            # decode-path tokens (row by row through the cache)
+    streamed_layers: int = 0                   # layer passes served by prefill streaming
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0                        # from flash, including coalescing over-read
+    bytes_requested: int = 0
     predictor_s: float = 0.0
+    lookup_s: float = 0.0
+    read_s: float = 0.0
+    compute_s: float = 0.0
 
     def __post_init__(self):
         self.rows = np.zeros(self.n_layers, np.int64)
@@ -37,33 +57,181 @@ class RuntimeStats:
     def active_share(self) -> np.ndarray:
         return self.active / np.maximum(self.rows * self.n_neurons, 1)
 
+    def hit_rate(self) -> float:
+        return self.hits / max(self.hits + self.misses, 1)
 
-class FlashRuntime:
-    """Chooses each layer's active set and computes the FFN on it."""
+    def as_dict(self) -> dict:
+        tok = max(self.tokens, 1)
+        return {"active_share": round(float(self.active_share().mean()), 4), "hit_rate": round(self.hit_rate(), 4),
+                "mb_read": round(self.bytes_read / 2**20, 3), "mb_read_per_token": round(self.bytes_read / 2**20 / tok, 3),
+                "read_mb_per_s": round(self.bytes_read / 2**20 / self.read_s, 1) if self.read_s else 0.0,
+                "predictor_ms": round(self.predictor_s * 1e3, 3), "lookup_ms": round(self.lookup_s * 1e3, 3),
+                "read_ms": round(self.read_s * 1e3, 3), "compute_ms": round(self.compute_s * 1e3, 3),
+                "decode_tokens": self.tokens, "streamed_layers": self.streamed_layers}
 
-    def __init__(self, cfg, weights: dict, mode: str, predictors=None):
-        self.cfg, self.mode, self.predictors = cfg, mode, predictors
+
+class FlashFFN:
+    """The FFN of every layer, computed from bundles on flash through the neuron cache."""
+
+    def __init__(self, cfg: ModelConfig, layout, weights: dict, mode: str, predictors, plan, window: int,
+                 threads: int | None, verbose: bool, dense_gate_up=None):
+        from storage.reader import BundleReader
+        from .kernels import SparseFFN
+        from .neuron_cache import NeuronCache
+        self.cfg, self.layout, self.mode, self.predictors, self.plan = cfg, layout, mode, predictors, plan
+        self.verbose = verbose
         self.stats = RuntimeStats(cfg.n_layers, cfg.ffn_dim)
-        self.ffns = [FeedForward(cfg, weights, i) for i in range(cfg.n_layers)]
-        self.act_threshold = [predictors.act_threshold(i) if predictors is not None else 0.0
+        self.down_bias = [weights.get(f"layers.{i}.ffn.down.bias") for i in range(cfg.n_layers)]
+        # bundle id -> original neuron id is layout.order; predictors speak original ids.
+        self.bundle_of = [np.argsort(o).astype(np.int64) for o in layout.order]
+        self.mag_threshold = [predictors.act_threshold(i) if predictors is not None else 0.0
                               for i in range(cfg.n_layers)]
+        self.dense = dense_gate_up  # oracle mode only: FeedForward per layer, to know the true activations
+        self.reader = BundleReader(layout, threads=threads)
+        freqs = None
+        if predictors is not None:
+            freqs = [predictors.neuron_freq(i)[layout.order[i]] for i in range(cfg.n_layers)]
+        hot = plan.hot_neurons(freqs) if freqs is not None and plan.hot_bytes else None
+        self.cache = NeuronCache(layout.n_neurons, layout.stride, self.reader, capacity=plan.window_rows,
+                                 window=window, hot=hot)
+        self.kernel = SparseFFN.from_layout(layout, act=cfg.act, threshold=self._kernel_threshold(),
+                                            max_active=max(layout.n_neurons))
+        self.y_row = np.zeros(cfg.dim, np.float32)
+        self._chunk = None  # prefill streaming buffer, allocated on first use (counted in the plan's buffers)
 
-    def active_mask(self, layer: int, x: np.ndarray, a: np.ndarray) -> np.ndarray:
-        # x [T, d], a [T, n] true activations -> bool [T, n]
-        mask = np.abs(a) > self.act_threshold[layer]
-        if self.mode == "predicted":
-            t0 = time.perf_counter()
-            mask &= self.predictors.predict(layer, x)
+    def _kernel_threshold(self) -> float | None:
+        if self.cfg.act == "silu":
+            return None
+        return self.cfg.relu_threshold
+
+    # -- choosing neurons ---------------------------------------------------------------------------------------------
+    def active_ids(self, layer: int, x: np.ndarray) -> list[np.ndarray]:
+        """Per row of x [T, d]: sorted bundle ids to compute."""
+        t0 = time.perf_counter()
+        if self.mode == "oracle":
+            a = self.dense[layer].activations(x)
+            mask = np.abs(a) > self.mag_threshold[layer]
+        else:
+            mask = self.predictors.predict(layer, x)
             self.stats.predictor_s += time.perf_counter() - t0
-        return mask
+        return [np.sort(self.bundle_of[layer][np.flatnonzero(m)]) for m in mask]
 
+    # -- the FFN ----------------------------------------------------------------------------------------------------
     def __call__(self, layer: int, x: np.ndarray) -> np.ndarray:
-        f = self.ffns[layer]
-        a = f.activations(x)
-        mask = self.active_mask(layer, x, a)
-        self.stats.rows[layer] += x.shape[0]
-        self.stats.active[layer] += int(mask.sum())
-        return linear(np.where(mask, a, 0.0), f.w_down, f.b_down)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        T = x.shape[0]
+        ids = self.active_ids(layer, x)
+        y = np.empty_like(x)
+        if T > 1 and self.prefer_streaming(layer, ids):
+            self.stream_layer(layer, x, y)
+            self.stats.streamed_layers += 1
+            n_active = T * self.layout.n_neurons[layer]
+        else:
+            n_active = 0
+            for t in range(T):
+                n_active += self.decode_row(layer, x[t], ids[t], y[t])
+        if self.down_bias[layer] is not None:
+            y += self.down_bias[layer]
+        self.stats.rows[layer] += T
+        self.stats.active[layer] += n_active
+        return y
+
+    def decode_row(self, layer: int, x: np.ndarray, ids: np.ndarray, out: np.ndarray) -> int:
+        """out[:] = sparse FFN of one token over `ids`; returns how many neurons actually fired."""
+        if layer == 0:
+            self.cache.new_token()
+        out[:] = 0.0
+        fired = 0
+        cap = self.plan.window_rows
+        # A set larger than the window is computed in window-sized pieces: slower, never wrong.
+        for start in range(0, max(len(ids), 1), cap):
+            part = ids[start:start + cap]
+            if not len(part):
+                break
+            slots = self.cache.fetch(layer, part)
+            t0 = time.perf_counter()
+            self.kernel(self.cache.matrix(layer), slots, x, self.y_row)
+            c = self.kernel.coef[: len(part)]  # each neuron's activation; 0 = did not fire
+            if self.mag_threshold[layer] > 0:
+                # SwiGLU: neurons under the calibrated magnitude threshold are skipped, as calibrated.
+                self._remove_small(layer, slots, c)
+            out += self.y_row
+            fired += int(np.count_nonzero(c))
+            self.stats.compute_s += time.perf_counter() - t0
+        if layer == self.cfg.n_layers - 1:
+            self._close_token()
+        return fired
+
+    def _remove_small(self, layer: int, slots: np.ndarray, coef: np.ndarray) -> None:
+        small = np.flatnonzero((coef != 0) & (np.abs(coef) <= self.mag_threshold[layer]))
+        if small.size:
+            down = self.layout.vector_index("down")
+            B = self.cache.matrix(layer)[slots[small]]
+            vecs, _ = unpack_rows(self.layout, B)
+            self.y_row -= coef[small] @ vecs[:, down, :]
+            coef[small] = 0.0
+
+    def _close_token(self) -> None:
+        st = self.cache.stats
+        s = self.stats
+        if st.hits or st.misses:
+            s.tokens += 1
+        s.hits += st.hits
+        s.misses += st.misses
+        s.bytes_read += st.bytes_read
+        s.bytes_requested += st.bytes_requested
+        s.lookup_s += st.lookup_s
+        s.read_s += st.read_s
+
+    # -- prefill streaming ------------------------------------------------------------------------------------------
+    def prefer_streaming(self, layer: int, ids: list[np.ndarray]) -> bool:
+        """Stream the whole layer when the rows' distinct uncached neurons exceed a third of it: random bundle reads
+        move bytes 2-3x slower than large sequential ones on the SSDs measured here."""
+        union = np.unique(np.concatenate(ids)) if ids else np.zeros(0, np.int64)
+        resident = self.cache.slot_of(layer)[union] >= 0 if union.size else np.zeros(0, bool)
+        uncached = int(union.size - np.count_nonzero(resident))
+        choice = uncached > self.layout.n_neurons[layer] / 3
+        if self.verbose and layer == 0:
+            how = "streaming whole layers" if choice else "through the neuron cache"
+            print(f"prefill of {len(ids)} tokens: {uncached} uncached neurons in layer 0 -> {how}", file=sys.stderr)
+        return choice
+
+    def stream_layer(self, layer: int, x: np.ndarray, y: np.ndarray) -> None:
+        """Dense FFN of all rows of x, reading the layer's bundles in large sequential chunks."""
+        L = self.layout
+        rows_per_chunk = max(1, STREAM_CHUNK_BYTES // L.stride)
+        if self._chunk is None:
+            from storage.format import aligned_empty
+            self._chunk = aligned_empty((rows_per_chunk, L.stride), np.uint8)
+        y[:] = 0.0
+        n = L.n_neurons[layer]
+        names = L.vectors
+        for start in range(0, n, rows_per_chunk):
+            m = min(rows_per_chunk, n - start)
+            t0 = time.perf_counter()
+            rs = self.reader.read(layer, np.arange(start, start + m), dest=self._chunk, slots=np.arange(m))
+            t1 = time.perf_counter()
+            self.stats.read_s += t1 - t0
+            self.stats.bytes_read += rs.read_bytes
+            self.stats.bytes_requested += rs.requested_bytes
+            vecs, biases = unpack_rows(L, self._chunk[:m])                  # [m, n_vec, d], [m, n_bias]
+            b = {name: biases[:, j] for j, name in enumerate(L.biases)}
+            if "gate" in names:
+                gate = x @ vecs[:, names.index("gate"), :].T + b.get("bias.gate", 0.0)
+                up = x @ vecs[:, names.index("up"), :].T + b.get("bias.up", 0.0)
+                a = ffn_activation(self.cfg.act, gate, up, self.cfg.relu_threshold)
+            else:
+                a = ffn_activation(self.cfg.act, x @ vecs[:, names.index("up"), :].T + b.get("bias.up", 0.0), None,
+                                   self.cfg.relu_threshold)
+            if self.mag_threshold[layer] > 0:
+                a = np.where(np.abs(a) > self.mag_threshold[layer], a, 0.0)
+            y += a @ vecs[:, names.index("down"), :]
+            self.stats.compute_s += time.perf_counter() - t1
+
+
+def unpack_rows(layout, B: np.ndarray):
+    from storage.format import unpack_bundles
+    return unpack_bundles(layout, B)
 
 
 def load_predictor_set(path):
@@ -71,19 +239,73 @@ def load_predictor_set(path):
     return load_predictors(path)
 
 
-def load_runtime(path, ffn: str = "dense", progress: bool = False):
-    """(model, tokenizer, runtime) for a model path and an FFN mode; runtime is None for dense."""
+def flashdir_for(path, progress: bool) -> str:
+    """A FLASHDIR for any model path: itself, or a conversion cached under the user cache dir (made on first use)."""
+    from pathlib import Path
+    if is_flashdir(path):
+        return str(path)
+    import hashlib
+    from storage.convert import convert
+    from .default_model import cache_dir
+    p = Path(path).expanduser().resolve()
+    if not p.exists():
+        raise UserError(f"model not found: {p}")
+    files = sorted(p.rglob("*")) if p.is_dir() else [p]
+    key = hashlib.sha256(repr([(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()])
+                         .encode()).hexdigest()[:12]
+    dest = cache_dir() / "flash" / f"{p.stem}-{key}"
+    if not is_flashdir(dest):
+        print(f"converting {p.name} into the flash layout at {dest} (first use)", file=sys.stderr)
+        convert(p, dest, dtype="f16", force=False, progress=progress)
+    return str(dest)
+
+
+def load_runtime(path, ffn: str = "dense", dram_budget: int | None = None, ctx: int | None = None, window: int = 5,
+                 threads: int | None = None, progress: bool = False, verbose: bool = False, verify: bool = True):
+    """(model, tokenizer, runtime) for a model path and an FFN mode; runtime is None for dense.
+
+    A model that is not a FLASHDIR is converted into the cache on first use for the sparse modes.
+    dram_budget: bytes for everything the process keeps (default: room for the whole model).
+    """
     if ffn not in FFN_MODES:
         raise UserError(f"unknown --ffn mode '{ffn}' (choose from {', '.join(FFN_MODES)})")
-    ckpt = open_any(path)
-    tokenizer: Tokenizer = ckpt.tokenizer()
-    weights = load_weights(ckpt, progress)
     if ffn == "dense":
-        return Transformer(ckpt.config, weights), tokenizer, None
-    if not is_flashdir(path):
-        raise UserError(f"--ffn {ffn} needs a flash directory made by `flashinfer-lite convert` (got {path})")
+        if dram_budget is not None:
+            raise UserError("--dram-budget applies to --ffn predicted/oracle; --ffn dense keeps every weight in DRAM")
+        ckpt = open_any(path)
+        return Transformer(ckpt.config, load_weights(ckpt, progress)), ckpt.tokenizer(), None
+    from storage.format import FlashCheckpoint, verify as verify_flashdir
+    from .budget import plan_budget, resident_bytes_for
+    path = flashdir_for(path, progress)
+    if verify:
+        verify_flashdir(path, progress=progress)
+    ckpt = FlashCheckpoint(path)
+    cfg, layout = ckpt.config, ckpt.layout
+    tokenizer: Tokenizer = ckpt.tokenizer()
     predictors = load_predictor_set(path)
     if ffn == "predicted" and predictors is None:
         raise UserError(f"{path} has no predictors: run `flashinfer-lite collect` and `flashinfer-lite train-predictor`")
-    runtime = FlashRuntime(ckpt.config, weights, ffn, predictors)
-    return Transformer(ckpt.config, weights, ffn=runtime), tokenizer, runtime
+    weights = load_weights(ckpt, progress, skip=lambda n: bool(_BUNDLED.fullmatch(n)))
+    ctx = ctx or min(cfg.max_pos, 4096)
+    max_active = expected_max_active(cfg, predictors)
+    full = resident_bytes_for(cfg) + sum(layout.n_neurons) * layout.stride * 2 + (64 << 20)
+    plan = plan_budget(cfg, layout, dram_budget if dram_budget is not None else full, ctx, window,
+                       max_active=max_active)
+    if verbose or dram_budget is not None:
+        print(plan.table(), file=sys.stderr)
+    dense = None
+    if ffn == "oracle":
+        full_w = {n: ckpt.tensor(n) for n in ckpt.names() if _BUNDLED.fullmatch(n) and ".down." not in n}
+        dense = [FeedForward(cfg, {**full_w, f"layers.{i}.ffn.down.weight": None}, i) for i in range(cfg.n_layers)]
+    runtime = FlashFFN(cfg, layout, weights, ffn, predictors, plan, window, threads, verbose, dense_gate_up=dense)
+    model = Transformer(cfg, weights, ffn=runtime)
+    return model, tokenizer, runtime
+
+
+def expected_max_active(cfg: ModelConfig, predictors) -> int:
+    """The window's per-token row reservation: twice the mean active count when the profile says it, else half."""
+    n = cfg.ffn_dim
+    if predictors is None:
+        return max(1, n // 2)
+    mean = max(float(predictors.neuron_freq(i).sum()) for i in range(cfg.n_layers))
+    return int(min(n, max(16, 2 * mean)))

@@ -25,29 +25,13 @@ from tqdm import tqdm
 from flashinfer_lite.errors import UserError
 
 from .format import BUNDLE_ALIGN, FlashLayout, aligned_empty, read_layout
+from flashinfer_lite.sizes import human, parse_size  # noqa: F401  (re-exported for bench scripts)
+
 from .profile import cache_dir, device_key, save_profile
 from .reader import BundleReader
 
 DEST_BYTES = 64 << 20          # destination buffer per measurement
 OPS_PER_THREAD = 32            # reads per thread per call: amortises the hand-off to the pool
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "mb": 1 << 20,
-          "g": 1 << 30, "gib": 1 << 30, "gb": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise UserError(f"cannot parse size {text!r} (examples: 4K, 64KiB, 1M, 2GiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def human(n: int) -> str:
-    for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
-        if n >= size and n % size == 0:
-            return f"{n // size}{unit}"
-    return str(n)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", default=".", help="directory on the device to measure (scratch file goes here)")
     parser.add_argument("--size", default="2GiB", help="scratch file size (default 2GiB)")

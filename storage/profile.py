@@ -11,6 +11,8 @@ import os
 import sys
 from pathlib import Path
 
+from flashinfer_lite.default_model import cache_dir
+
 PROFILE_NAME = "device_profile.json"
 MAX_PROFILE_BYTES = 1 << 20
 
@@ -18,14 +20,6 @@ MAX_PROFILE_BYTES = 1 << 20
 # over-read (a few tens of KiB at ~1 GB/s) costs less than the ~100 us of one more request.
 DEFAULT_THREADS = 8
 DEFAULT_GAP_BYTES = 16 << 10
-
-
-def cache_dir() -> Path:
-    env = os.environ.get("FLASHINFER_LITE_CACHE")
-    if env:
-        return Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "flashinfer-lite"
 
 
 def profile_path() -> Path:

@@ -18,15 +18,12 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
+from flashinfer_lite.errors import UserError  # noqa: E402
+from flashinfer_lite.sizes import parse_size  # noqa: E402
+
 ROOT = Path("/sys/fs/cgroup/memory")
 UNAVAILABLE = 3
-
-
-def parse_size(text: str) -> int:
-    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = t[-1] if t and t[-1] in units else ""
-    return int(float(t[: len(t) - len(unit)]) * units[unit])
 
 
 def available() -> str | None:
@@ -56,7 +53,10 @@ def main() -> int:
     if why:
         print(f"memcap: {why}", file=sys.stderr)
         return UNAVAILABLE
-    limit = parse_size(args.limit)
+    try:
+        limit = parse_size(args.limit)
+    except UserError as e:
+        ap.error(str(e))
     cg = ROOT / f"flashinfer-lite-{os.getpid()}"
     cg.mkdir()
     try:

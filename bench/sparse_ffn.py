@@ -1,0 +1,87 @@
+"""Sparse FFN kernel speed on a Llama-7B layer shape (d 4096, n 11008, GLU ReLU), printed as JSON.
+
+Each call uses a different random active set drawn from a bundle matrix far larger than the L3 cache, as a real
+layer would find it (the other layers have evicted it). "gbps" counts the weight bytes the call actually reads
+(gate + up + down of every active neuron, plus int8 scales).
+
+  PYTHONPATH=. python bench/sparse_ffn.py [--frac 0.1] [--calls 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numba
+import numpy as np
+
+from flashinfer_lite.kernels import SparseFFN, sparse_ffn_kernel_outsplit
+
+
+def build_matrix(n: int, d: int, dtype: str, rng: np.random.Generator) -> tuple[np.ndarray, int, int]:
+    """Random bundle matrix uint8[n, stride] in the contract layout; returns (B, stride, scalars_offset)."""
+    itemsize = {"f16": 2, "int8": 1}[dtype]
+    scalars_offset = -(-3 * d * itemsize // 4) * 4
+    n_scalars = 3 if dtype == "int8" else 0
+    stride = -(-(scalars_offset + 4 * n_scalars) // 512) * 512
+    B = np.zeros((n, stride), np.uint8)
+    for lo in range(0, n, 1024):  # in blocks: keeps the float32 temporaries small
+        hi = min(n, lo + 1024)
+        w = rng.standard_normal((hi - lo, 3 * d), dtype=np.float32) * 0.02
+        if dtype == "f16":
+            B[lo:hi, : 3 * d * 2] = w.astype(np.float16).view(np.uint8)
+        else:
+            q = rng.integers(-127, 128, size=(hi - lo, 3 * d), dtype=np.int8)
+            B[lo:hi, : 3 * d] = q.view(np.uint8)
+            B[lo:hi].view(np.float32)[:, scalars_offset // 4: scalars_offset // 4 + 3] = 0.02 / 127
+    return B, stride, scalars_offset
+
+
+def time_calls(fn, sets: list[np.ndarray], calls: int) -> float:
+    fn(sets[0])  # warm-up (compilation is cached, but first-call dispatch is not)
+    t0 = time.perf_counter()
+    for c in range(calls):
+        fn(sets[c % len(sets)])
+    return (time.perf_counter() - t0) / calls
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--d", type=int, default=4096)
+    ap.add_argument("--n", type=int, default=11008)
+    ap.add_argument("--frac", type=float, default=0.1)
+    ap.add_argument("--calls", type=int, default=50)
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    d, n = args.d, args.n
+    k = int(round(args.frac * n))
+    max_threads = numba.config.NUMBA_NUM_THREADS
+    x = rng.standard_normal(d, dtype=np.float32)
+    y = np.zeros(d, np.float32)
+    results = []
+    for dtype in ("f16", "int8"):
+        B, stride, soff = build_matrix(n, d, dtype, rng)
+        sets = [np.sort(rng.choice(n, k, replace=False)).astype(np.int32) for _ in range(16)]
+        itemsize = 2 if dtype == "f16" else 1
+        touched = k * 3 * d * itemsize + (k * 12 if dtype == "int8" else 0)
+        for threads in sorted({1, min(2, max_threads)}):
+            numba.set_num_threads(threads)
+            # threshold -inf: every chosen neuron contributes (the worst case: all of gate, up and down are read)
+            ffn = SparseFFN(d, dtype, glu=True, act="relu", stride=stride, scalars_offset=soff,
+                            threshold=-np.inf, max_active=k, threads=threads)
+            W, F = ffn.views(B)
+            coef = np.zeros(k, np.float32)
+            ms_acc = 1e3 * time_calls(lambda s: ffn(B, s, x, y), sets, args.calls)
+            ms_out = 1e3 * time_calls(
+                lambda s: sparse_ffn_kernel_outsplit(W, F, s, x, y, coef, d, True, ffn.act_code, ffn.threshold,
+                                                     ffn.scale0, -1, -1, 512), sets, args.calls)
+            for name, ms in (("per_thread_acc", ms_acc), ("output_split", ms_out)):
+                results.append({"dtype": dtype, "threads": threads, "strategy": name, "active": k,
+                                "ms_per_call": round(ms, 3), "weight_mb_touched": round(touched / 1e6, 2),
+                                "gbps": round(touched / ms / 1e6, 2)})
+    print(json.dumps({"shape": {"d": d, "n": n, "frac": args.frac}, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

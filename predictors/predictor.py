@@ -1,0 +1,135 @@
+"""`load_predictors(flashdir) -> PredictorSet | None`: what the runtime asks about each layer's neurons. Numpy only.
+
+FLASHDIR/predictors/
+  manifest.json           format + version, model fingerprint, per layer act_threshold, settings
+  weights.safetensors     layers.{i}.w_in float16 [r, d], layers.{i}.w_out float16 [n, r], layers.{i}.bias float32 [n]
+                          (absent after `train-predictor --thresholds-only`)
+  profile.safetensors     layers.{i}.freq float32 [n]: how often each neuron is active on the calibration text
+  (no weights for the `dense_layers` listed in the manifest: every neuron is predicted there)
+  layer_000.json ...      one card per layer: rank, recall, precision, predicted/true ratio, bytes (for people)
+A neuron is predicted active when x W_in^T W_out^T + bias > 0: the sigmoid is monotone, so it is never computed, and
+the tuned decision threshold (a logit cut per neuron) is already subtracted from the bias.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from flashinfer_lite.errors import UserError
+
+PREDICTOR_DIR = "predictors"
+MANIFEST = "manifest.json"
+WEIGHTS_FILE = "weights.safetensors"
+PROFILE_FILE = "profile.safetensors"
+CARD_FMT = "layer_{:03d}.json"
+PRED_FORMAT = "flashinfer-lite-predictors"
+PRED_VERSION = 1
+MAX_MANIFEST_BYTES = 16 << 20
+
+
+def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+    try:
+        return load_file(str(path))
+    except Exception as e:   # safetensors raises its own types for damaged files
+        raise UserError(f"cannot read {path}: {e}") from None
+
+
+class PredictorSet:
+    """Per layer: the activation threshold, the neuron frequencies and (optionally) a low-rank predictor."""
+
+    def __init__(self, path: Path, manifest: dict, weights: dict | None, profile: dict):
+        self.path, self.manifest = path, manifest
+        self.n_layers, self.dim, self.ffn_dim = manifest["n_layers"], manifest["dim"], manifest["ffn_dim"]
+        self.has_predictors = weights is not None
+        self._thresholds = [float(t) for t in manifest["act_threshold"]]
+        self._freq = []
+        for i in range(self.n_layers):
+            f = profile.get(f"layers.{i}.freq")
+            if f is None or f.shape != (self.ffn_dim,):
+                raise UserError(f"{path}: neuron frequencies of layer {i} are missing or misshapen")
+            self._freq.append(f.astype(np.float32))
+        self.predicted = np.zeros(self.n_layers, np.int64)   # [L] neurons predicted (= read from flash), summed
+        self.rows = np.zeros(self.n_layers, np.int64)        # [L] token rows predicted for
+        self._w = []
+        if weights is not None:
+            dense = set(manifest.get("dense_layers", []))
+            for i in range(self.n_layers):
+                if i in dense:
+                    self._w.append(None)
+                    continue
+                try:
+                    w_in, w_out, b = (weights[f"layers.{i}.{k}"] for k in ("w_in", "w_out", "bias"))
+                except KeyError:
+                    raise UserError(f"{path}: predictor of layer {i} is missing") from None
+                r = w_in.shape[0]
+                if w_in.shape != (r, self.dim) or w_out.shape != (self.ffn_dim, r) or b.shape != (self.ffn_dim,):
+                    raise UserError(f"{path}: predictor of layer {i} has the wrong shape for this model")
+                # float32 and pre-transposed once here: per token the work is two small GEMVs
+                self._w.append((np.ascontiguousarray(w_in.astype(np.float32).T),     # [d, r]
+                                np.ascontiguousarray(w_out.astype(np.float32).T),    # [r, n]
+                                b.astype(np.float32)))
+
+    def predict(self, layer: int, x: np.ndarray) -> np.ndarray:
+        """x float32 [T, d] -> bool [T, n]: neurons (original ids) predicted to clear the activation threshold."""
+        if not self.has_predictors:
+            raise UserError(f"{self.path} holds thresholds only: run `flashinfer-lite train-predictor` without "
+                            f"--thresholds-only")
+        if self._w[layer] is None:                      # a dense layer: every neuron
+            mask = np.ones((x.shape[0], self.ffn_dim), bool)
+        else:
+            a, b, c = self._w[layer]
+            mask = (x @ a) @ b + c > 0
+        self.predicted[layer] += int(mask.sum())
+        self.rows[layer] += x.shape[0]
+        return mask
+
+    def predicted_share(self) -> np.ndarray:
+        """[L] share of neurons predicted active so far: what a flash runtime has to read (before thresholding)."""
+        return self.predicted / np.maximum(self.rows * self.ffn_dim, 1)
+
+    def act_threshold(self, layer: int) -> float:
+        return self._thresholds[layer]
+
+    def neuron_freq(self, layer: int) -> np.ndarray:
+        return self._freq[layer]
+
+    def rank(self, layer: int) -> int:
+        return self._w[layer][0].shape[1] if self.has_predictors and self._w[layer] is not None else 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the predictors take in memory (float32 at inference)."""
+        return int(sum(sum(v.nbytes for v in w) for w in self._w if w is not None))
+
+
+def load_predictors(flashdir) -> PredictorSet | None:
+    """The predictors (or thresholds and frequencies only) stored in FLASHDIR; None when it has none."""
+    root = Path(flashdir) / PREDICTOR_DIR
+    mpath = root / MANIFEST
+    if not mpath.is_file():
+        return None
+    if mpath.stat().st_size > MAX_MANIFEST_BYTES:
+        raise UserError(f"{mpath} is too large to be a predictor manifest")
+    try:
+        m = json.loads(mpath.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{mpath} is not valid JSON: {e}") from None
+    if not isinstance(m, dict) or m.get("format") != PRED_FORMAT:
+        raise UserError(f"{mpath} is not a predictor manifest")
+    if m.get("version") != PRED_VERSION:
+        raise UserError(f"{mpath}: unsupported predictor version {m.get('version')} (expected {PRED_VERSION})")
+    try:
+        L = int(m["n_layers"])
+        if len(m["act_threshold"]) != L:
+            raise ValueError
+    except (KeyError, TypeError, ValueError):
+        raise UserError(f"{mpath}: malformed predictor manifest") from None
+    from storage.format import read_layout
+    cfg = read_layout(flashdir, check_size=False).config
+    if (cfg.get("n_layers"), cfg.get("dim"), cfg.get("ffn_dim")) != (L, m.get("dim"), m.get("ffn_dim")):
+        raise UserError(f"{root} was trained for another model (layers/dim/ffn_dim differ): re-run train-predictor")
+    weights = _read_safetensors(root / WEIGHTS_FILE) if m.get("has_predictors") else None
+    return PredictorSet(root, m, weights, _read_safetensors(root / PROFILE_FILE))

@@ -1,0 +1,218 @@
+"""Sparse FFN kernels against the dense FFN math of the contract, computed in float64 from the weight matrices.
+
+Bundles are packed with storage.format.pack_bundles; for f16/int8 the oracle uses the dequantized weights
+(storage.format.unpack_bundles), so the comparison isolates the kernel from quantization error.
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+from numba import njit
+
+from flashinfer_lite.errors import UserError
+from flashinfer_lite.kernels import (HAS_F16C, SparseFFN, f16_bits_to_f32_f16c, f16_bits_to_f32_portable,
+                                     sparse_ffn_kernel_outsplit)
+from storage.format import FlashLayout, aligned_empty, pack_bundles, unpack_bundles
+
+RTOL = 1e-5
+
+
+@njit(cache=True)
+def _convert_all_portable(h, out):
+    for i in range(h.size):
+        out[i] = f16_bits_to_f32_portable(h[i])
+
+
+@njit(cache=True)
+def _convert_all_f16c(h, out):
+    for i in range(h.size):
+        out[i] = f16_bits_to_f32_f16c(h[i])
+
+
+@pytest.mark.parametrize("impl", ["portable", "f16c"])
+def test_f16_conversion_exact_for_every_bit_pattern(impl):
+    if impl == "f16c" and not HAS_F16C:
+        pytest.skip("host has no F16C")
+    h = np.arange(1 << 16, dtype=np.uint16)
+    out = np.empty(h.size, np.float32)
+    (_convert_all_portable if impl == "portable" else _convert_all_f16c)(h, out)
+    ref = h.view(np.float16).astype(np.float32)
+    nan = np.isnan(ref)
+    assert np.array_equal(np.isnan(out), nan)
+    # every non-NaN value bit-exact: normals, subnormals (0x0001..0x03ff), +-0, +-inf
+    assert np.array_equal(out.view(np.uint32)[~nan], ref.view(np.uint32)[~nan])
+    if impl == "portable":  # the bit arithmetic also keeps NaN payloads
+        assert np.array_equal(out.view(np.uint32), ref.view(np.uint32))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Oracle: dense FFN in float64 on the (dequantized) weights.
+
+def make_model(rng, d, n, glu, biased):
+    """Source weights in canonical orientation: gate/up [n, d], down [d, n], per-neuron biases [n]."""
+    mag = np.exp(rng.uniform(-1, 1, (n, 1))).astype(np.float32) / np.sqrt(d)
+    w = {"up": (rng.standard_normal((n, d)) * mag).astype(np.float32),
+         "down": (rng.standard_normal((d, n)) * mag.T).astype(np.float32)}
+    if glu:
+        w["gate"] = (rng.standard_normal((n, d)) * mag).astype(np.float32)
+    if biased:
+        w["bias.up"] = (rng.standard_normal(n) * 0.3).astype(np.float32)
+        if glu:
+            w["bias.gate"] = (rng.standard_normal(n) * 0.3).astype(np.float32)
+    return w
+
+
+def pack(w, dtype, glu):
+    """-> layout, bundles uint8[n, stride], dequantized weights (same dict shape as w)."""
+    vec_names = ("gate", "up", "down") if glu else ("up", "down")
+    n, d = w["up"].shape
+    biases = tuple(b for b in ("bias.gate", "bias.up") if b in w)
+    layout = FlashLayout.plan(d, [n], dtype, glu, biases)
+    vecs = np.stack([w[v].T if v == "down" else w[v] for v in vec_names], axis=1)  # [n, n_vec, d]
+    bias = np.stack([w[b] for b in biases], axis=1) if biases else None
+    bundles = pack_bundles(layout, vecs, bias)
+    dq_vecs, dq_bias = unpack_bundles(layout, bundles)
+    dq = {v: (dq_vecs[:, k].T if v == "down" else dq_vecs[:, k]) for k, v in enumerate(vec_names)}
+    dq.update({b: dq_bias[:, j] for j, b in enumerate(biases)})
+    return layout, bundles, dq
+
+
+def dense_coefficients(w, x, glu, act, threshold):
+    """Per neuron the factor multiplying down_i (float64), the contract's dense math with FATReLU."""
+    w = {k: v.astype(np.float64) for k, v in w.items()}
+    x = x.astype(np.float64)
+    pre = w["gate" if glu else "up"] @ x + w.get("bias.gate" if glu else "bias.up", 0.0)
+    a = pre / (1 + np.exp(-pre)) if act == "silu" else np.maximum(pre, 0)
+    if threshold is not None:
+        a = np.where(a > threshold, a, 0.0)
+    if not glu:
+        return a
+    up = w["up"] @ x + w.get("bias.up", 0.0)
+    return a * (np.maximum(up, 0) if act == "drelu" else up)
+
+
+def dense_ffn(w, h):
+    return w["down"].astype(np.float64) @ h
+
+
+def rel_err(y, ref):
+    return np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30)
+
+
+def scatter_rows(rng, bundles, extra):
+    """Place the bundles at random rows of a bigger page-aligned matrix; return it and row of each neuron."""
+    n = bundles.shape[0]
+    M = aligned_empty((n + extra, bundles.shape[1]), np.uint8)
+    M[:] = rng.integers(0, 256, M.shape, dtype=np.uint8)  # junk in unused rows must never be read
+    rows = rng.permutation(n + extra)[:n]
+    M[rows] = bundles
+    return M, rows.astype(np.int32)
+
+
+CASES = [(glu, act) for glu, act in ((True, "relu"), (True, "drelu"), (True, "silu"), (False, "relu"), (False, "silu"))]
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "int8"])
+@pytest.mark.parametrize("glu,act", CASES)
+@pytest.mark.parametrize("biased", [False, True])
+@pytest.mark.parametrize("threshold", [None, 0.05])
+def test_sparse_equals_dense(dtype, glu, act, biased, threshold):
+    rng = np.random.default_rng(zlib.crc32(repr((dtype, glu, act, biased, threshold)).encode()))
+    d, n = 96, 257
+    w = make_model(rng, d, n, glu, biased)
+    layout, bundles, dq = pack(w, dtype, glu)
+    M, rows = scatter_rows(rng, bundles, extra=31)
+    ffn = SparseFFN.from_layout(layout, act=act, threshold=threshold, threads=3)
+    x = rng.standard_normal(d).astype(np.float32)
+    h = dense_coefficients(dq, x, glu, act, threshold)
+    y_dense = dense_ffn(dq, h)
+    y = np.full(d, np.nan, np.float32)
+    coef = np.zeros(n, np.float32)
+
+    # 1. all neurons: the full dense FFN; coef says exactly which neurons fired
+    ffn(M, rows, x, y, coef)
+    assert rel_err(y, y_dense) < RTOL
+    assert np.array_equal(coef != 0, h != 0)
+    np.testing.assert_allclose(coef, h, rtol=1e-4, atol=1e-6 * np.abs(h).max())
+
+    if act != "silu" or threshold is not None:
+        # 2. the true active set from the dense activations: same result, zero activations contribute nothing
+        active = np.flatnonzero(h)
+        assert 0 < active.size < n
+        ffn(M, rows[active], x, y)
+        assert rel_err(y, y_dense) < RTOL
+    # 3. any chosen set S (a predictor's guess): the dense math restricted to S
+    S = np.sort(rng.choice(n, n // 3, replace=False))
+    h_S = np.zeros(n)
+    h_S[S] = h[S]
+    ffn(M, rows[S], x, y)
+    assert rel_err(y, dense_ffn(dq, h_S)) < RTOL
+
+
+def test_quantized_storage_tracks_source_weights():
+    """The f16/int8 paths end to end against the float32 source weights (quantization error only)."""
+    rng = np.random.default_rng(1)
+    d, n = 128, 200
+    w = make_model(rng, d, n, True, False)
+    x = rng.standard_normal(d).astype(np.float32)
+    y_src = dense_ffn(w, dense_coefficients(w, x, True, "relu", None))
+    for dtype, tol in (("f16", 2e-3), ("int8", 5e-2)):
+        layout, bundles, _ = pack(w, dtype, True)
+        y = np.zeros(d, np.float32)
+        SparseFFN.from_layout(layout, act="relu")(bundles, np.arange(n, dtype=np.int32), x, y)
+        assert rel_err(y, y_src) < tol, dtype
+
+
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_chunking_edge_cases(threads):
+    """Fewer active neurons than chunks, no active neuron, int64 slots: same math."""
+    rng = np.random.default_rng(2)
+    d, n = 64, 40
+    w = make_model(rng, d, n, True, True)
+    layout, bundles, dq = pack(w, "f16", True)
+    ffn = SparseFFN.from_layout(layout, act="silu", threads=threads)
+    x = rng.standard_normal(d).astype(np.float32)
+    h = dense_coefficients(dq, x, True, "silu", None)
+    y = np.full(d, np.nan, np.float32)
+    for S in (np.array([], np.int64), np.array([3]), np.array([5, 17, 30]), np.arange(n)):
+        ffn(bundles, S.astype(np.int64), x, y)
+        h_S = np.zeros(n)
+        h_S[S] = h[S]
+        ref = dense_ffn(dq, h_S)
+        if S.size == 0:
+            assert not y.any()
+        else:
+            assert rel_err(y, ref) < RTOL
+
+
+def test_output_split_kernel_matches():
+    """The alternative parallel layout kept for the bench computes the same thing."""
+    rng = np.random.default_rng(3)
+    d, n = 200, 90
+    w = make_model(rng, d, n, True, False)
+    layout, bundles, dq = pack(w, "int8", True)
+    ffn = SparseFFN.from_layout(layout, act="relu")
+    W, F = ffn.views(bundles)
+    x = rng.standard_normal(d).astype(np.float32)
+    y = np.zeros(d, np.float32)
+    coef = np.zeros(n, np.float32)
+    S = np.arange(0, n, 2, dtype=np.int32)
+    sparse_ffn_kernel_outsplit(W, F, S, x, y, coef, d, True, ffn.act_code, ffn.threshold, ffn.scale0, -1, -1, 64)
+    h = dense_coefficients(dq, x, True, "relu", None)
+    h_S = np.zeros(n)
+    h_S[S] = h[S]
+    assert rel_err(y, dense_ffn(dq, h_S)) < RTOL
+
+
+def test_bad_configuration_is_a_user_error():
+    with pytest.raises(UserError):
+        SparseFFN(16, "bf16", True, "relu", 512, 96)
+    with pytest.raises(UserError):
+        SparseFFN(16, "f16", False, "drelu", 512, 64)
+    with pytest.raises(UserError):
+        SparseFFN(16, "f16", True, "gelu", 512, 96)
+    ffn = SparseFFN(16, "f16", True, "relu", 512, 96)
+    with pytest.raises(UserError):
+        ffn(np.zeros((4, 1024), np.uint8), np.arange(2), np.zeros(16, np.float32), np.zeros(16, np.float32))

@@ -1,0 +1,99 @@
+"""The flash runtime against the dense path: same weights, so the oracle FFN must reproduce dense logits."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from flashinfer_lite.errors import UserError
+from flashinfer_lite.runtime import load_runtime
+from storage.convert import convert
+
+
+@pytest.fixture(scope="module")
+def flashdirs(tiny_model, tmp_path_factory):
+    """Converted tiny ReLU Llama and OPT models, in f32 and f16."""
+    root = tmp_path_factory.mktemp("flash")
+    out = {}
+    for kind in ("llama-relu", "opt"):
+        for dtype in ("f32", "f16"):
+            out[kind, dtype] = convert(tiny_model(kind), root / f"{kind}-{dtype}", dtype=dtype, progress=False)
+    return out
+
+
+def logits_token_by_token(model, ids, ctx=64):
+    kv = model.new_cache(ctx)
+    return np.stack([model.forward([t], kv) for t in ids])
+
+
+@pytest.mark.parametrize("kind", ["llama-relu", "opt"])
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_oracle_ffn_reproduces_dense_logits(flashdirs, kind, dtype):
+    path = flashdirs[kind, dtype]
+    dense, _, _ = load_runtime(path, "dense")
+    oracle, _, rt = load_runtime(path, "oracle")
+    ids = np.random.default_rng(3).integers(3, 512, size=24).tolist()
+    want = logits_token_by_token(dense, ids)
+    np.testing.assert_allclose(logits_token_by_token(oracle, ids), want, rtol=0, atol=2e-5)
+    share = rt.stats.active_share()
+    assert 0.2 < share.mean() < 0.8  # ReLU: only part of the neurons fired, so sparsity was really used
+    assert rt.stats.bytes_read > 0 and rt.stats.tokens == len(ids)
+    # A batched prompt takes the prefill path (streaming or cache) and must agree too.
+    kv = oracle.new_cache(64)
+    np.testing.assert_allclose(oracle.forward(ids, kv, all_logits=True), want, rtol=0, atol=2e-5)
+
+
+def test_small_budget_still_exact_and_reads_more(flashdirs):
+    path = flashdirs["llama-relu", "f32"]
+    dense, _, _ = load_runtime(path, "dense")
+    ids = np.random.default_rng(4).integers(3, 512, size=20).tolist()
+    want = logits_token_by_token(dense, ids)
+    _, _, probe = load_runtime(path, "oracle")
+    minimum = probe.plan.minimum_bytes
+    reads = {}
+    for extra in (0, 4 << 20):
+        model, _, rt = load_runtime(path, "oracle", dram_budget=minimum + extra)
+        np.testing.assert_allclose(logits_token_by_token(model, ids), want, rtol=0, atol=2e-5)
+        reads[extra] = rt.stats.bytes_read
+        assert rt.cache.nbytes <= rt.plan.window_bytes + rt.plan.hot_bytes + rt.plan.buffer_bytes
+    assert reads[0] > reads[4 << 20]  # a bigger window re-reads less
+
+
+def test_budget_below_minimum_is_one_clear_error(flashdirs):
+    with pytest.raises(UserError, match="below the minimum"):
+        load_runtime(flashdirs["llama-relu", "f32"], "oracle", dram_budget=1 << 16)
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "flashinfer_lite", *args], capture_output=True, timeout=300)
+
+
+@pytest.mark.parametrize("kind", ["llama-relu", "opt"])
+def test_generate_oracle_tokens_equal_dense(flashdirs, kind):
+    path = str(flashdirs[kind, "f16"])
+    runs = {}
+    for mode in ("dense", "oracle"):
+        r = cli("generate", "-m", path, "-p", "Once upon a time there was", "-n", "24", "--temp", "0", "--json",
+                "--ffn", mode)
+        assert r.returncode == 0, r.stderr.decode()
+        runs[mode] = json.loads(r.stdout.decode().splitlines()[-1])["tokens"]
+    assert runs["oracle"] == runs["dense"] and len(runs["dense"]) == 24
+
+
+def test_cli_budget_too_small_and_corrupt_flashdir(flashdirs, tmp_path):
+    import shutil
+    path = flashdirs["llama-relu", "f16"]
+    r = cli("generate", "-m", str(path), "-p", "hi", "--ffn", "oracle", "--dram-budget", "64K")
+    err = r.stderr.decode().strip()
+    assert r.returncode == 1 and len(err.splitlines()) == 1 and "below the minimum" in err, err
+    bad = shutil.copytree(path, tmp_path / "bad")
+    with open(bad / "ffn.bin", "r+b") as f:
+        f.seek(1000)
+        b = f.read(1)
+        f.seek(1000)
+        f.write(bytes([b[0] ^ 0xFF]))
+    r = cli("generate", "-m", str(bad), "-p", "hi", "--ffn", "oracle")
+    err = r.stderr.decode().strip()
+    assert r.returncode == 1 and "checksum" in err and "Traceback" not in err, err
