@@ -278,9 +278,12 @@ class SparseFFN:
 
     @classmethod
     def from_layout(cls, layout, act: str | None = None, threshold: float | None = None, **kw) -> "SparseFFN":
-        """Bind to a storage.format.FlashLayout; act defaults to the model config's FFN activation."""
+        """Bind to a storage.format.FlashLayout; act and the FATReLU threshold default to the model config's."""
         scalars = layout.scalars
-        return cls(d=layout.d, dtype=layout.dtype, glu=layout.n_vec == 3, act=act or layout.config["act"],
+        act = act or layout.config["act"]
+        if threshold is None and act != "silu":
+            threshold = layout.config.get("relu_threshold")
+        return cls(d=layout.d, dtype=layout.dtype, glu=layout.n_vec == 3, act=act,
                    stride=layout.stride, scalars_offset=layout.scalars_offset,
                    bias_gate_index=scalars.index("bias.gate") if "bias.gate" in scalars else None,
                    bias_up_index=scalars.index("bias.up") if "bias.up" in scalars else None,

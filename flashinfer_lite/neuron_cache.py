@@ -146,6 +146,8 @@ def _admit(ids, M, slot_of, neuron_at, last_used, seen, ring, ring_len, state, n
         evicted += _evict_group(s, ring, ring_len, k, last_used, M, slot_of, neuron_at, state, n_hot)
         s += 1
         state[_HORIZON] = s
+    if state[_NWIN] + n_miss > cap:  # cannot happen (n_cold <= cap); guards the unchecked row writes below
+        return _TOO_MANY
     m = 0
     for j in range(n_ids):
         i = ids[j]
