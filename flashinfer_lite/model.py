@@ -212,7 +212,7 @@ class FeedForward:
         self.cfg = cfg
         self.w_gate, self.b_gate = w.get(p + "gate.weight"), w.get(p + "gate.bias")
         self.w_up, self.b_up = w[p + "up.weight"], w.get(p + "up.bias")
-        self.w_down, self.b_down = w[p + "down.weight"], w.get(p + "down.bias")
+        self.w_down, self.b_down = w.get(p + "down.weight"), w.get(p + "down.bias")  # absent: activations only
 
     def activations(self, x: np.ndarray) -> np.ndarray:
         # x [T, d] -> a [T, n]; what a sparse FFN predicts and skips where it is zero

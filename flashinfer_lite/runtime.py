@@ -296,7 +296,7 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | None = None, ctx: 
     dense = None
     if ffn == "oracle":
         full_w = {n: ckpt.tensor(n) for n in ckpt.names() if _BUNDLED.fullmatch(n) and ".down." not in n}
-        dense = [FeedForward(cfg, {**full_w, f"layers.{i}.ffn.down.weight": None}, i) for i in range(cfg.n_layers)]
+        dense = [FeedForward(cfg, full_w, i) for i in range(cfg.n_layers)]  # gate/up only: the true activations
     runtime = FlashFFN(cfg, layout, weights, ffn, predictors, plan, window, threads, verbose, dense_gate_up=dense)
     model = Transformer(cfg, weights, ffn=runtime)
     return model, tokenizer, runtime
