@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""Write a seeded random HF-layout model of a real large shape, streamingly, for the flash benchmarks.
+
+    python tools/make_large_model.py OUT_DIR [--layers 32] [--dim 4096] [--ffn 11008] [--heads 32] [--kv-heads H]
+                                             [--head-dim 128] [--vocab 512] [--active 0.10] [--seed 0]
+
+Default: Llama-2-7B shape (32 layers, dim 4096, ffn 11008, 32 heads of 128), f16, ProSparse convention
+(architecture SparseLlamaForCausalLM, hidden_act "fatrelu", threshold in hidden_act_param).
+
+Why the threshold works: with RMSNorm'ed input (|x|^2 = d, norm weights 1) and gate weights ~ N(0, s^2), each
+gate pre-activation is N(0, s^2 d), so t = z_(1-active) * s * sqrt(d) leaves `active` of the neurons above t.
+The realised share is measured with the dense math (flashinfer_lite.model) on a few tokens and printed.
+
+The tokenizer is stories260K's (vocab 512): the vocabulary size does not change the FFN I/O being measured.
+Tensors are generated row-chunk by row-chunk into one safetensors file whose header is written first, so memory
+stays at one chunk whatever the model size. Written to a temp name and renamed at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from statistics import NormalDist
+
+import numpy as np
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+STORIES = REPO.parent / "shared" / "models" / "stories260K"
+CHUNK_ELEMS = 32 << 20          # values generated per step (128 MiB of float32)
+
+
+def tensor_plan(a) -> list[tuple[str, tuple[int, ...], float]]:
+    """(HF name, shape, init std) of every tensor, in file order. std 0 means ones (norm weights)."""
+    d, n, q, kv = a.dim, a.ffn, a.heads * a.head_dim, a.kv_heads * a.head_dim
+    s = a.dim ** -0.5
+    plan = [("model.embed_tokens.weight", (a.vocab, d), 1.0)]
+    for i in range(a.layers):
+        p = f"model.layers.{i}."
+        plan += [(p + "input_layernorm.weight", (d,), 0.0),
+                 (p + "self_attn.q_proj.weight", (q, d), s),
+                 (p + "self_attn.k_proj.weight", (kv, d), s),
+                 (p + "self_attn.v_proj.weight", (kv, d), s),
+                 (p + "self_attn.o_proj.weight", (d, q), q ** -0.5),
+                 (p + "post_attention_layernorm.weight", (d,), 0.0),
+                 (p + "mlp.gate_proj.weight", (n, d), s),
+                 (p + "mlp.up_proj.weight", (n, d), s),
+                 # down scaled so that the ~active*n firing neurons add O(1) to the residual stream
+                 (p + "mlp.down_proj.weight", (d, n), (a.active * n) ** -0.5)]
+    plan += [("model.norm.weight", (d,), 0.0), ("lm_head.weight", (a.vocab, d), s)]
+    return plan
+
+
+def fatrelu_threshold(active: float, gate_std: float, dim: int) -> float:
+    return NormalDist().inv_cdf(1.0 - active) * gate_std * dim ** 0.5
+
+
+def write_safetensors(path: Path, plan, seed: int) -> int:
+    """Stream every tensor of `plan` as F16 into one safetensors file; returns its size."""
+    header, pos = {}, 0
+    for name, shape, _ in plan:
+        nbytes = int(np.prod(shape)) * 2
+        header[name] = {"dtype": "F16", "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        pos += nbytes
+    header["__metadata__"] = {"format": "pt", "generator": "flashinfer-lite tools/make_large_model.py",
+                              "seed": str(seed)}
+    hb = json.dumps(header).encode()
+    hb += b" " * (-len(hb) % 8)
+    total = 8 + len(hb) + pos
+    with open(path, "wb") as f, tqdm(total=total, unit="B", unit_scale=True, desc="weights", file=sys.stderr) as bar:
+        f.write(len(hb).to_bytes(8, "little") + hb)
+        for k, (name, shape, std) in enumerate(plan):
+            # one generator per tensor: a tensor's values do not depend on the others' sizes
+            rng = np.random.default_rng([seed, k])
+            n = int(np.prod(shape))
+            for lo in range(0, n, CHUNK_ELEMS):
+                m = min(CHUNK_ELEMS, n - lo)
+                v = np.ones(m, np.float32) if std == 0 else rng.standard_normal(m, dtype=np.float32) * np.float32(std)
+                f.write(v.astype(np.float16).tobytes())
+                bar.update(2 * m)
+        f.flush()
+        os.fsync(f.fileno())
+    return total
+
+
+def hf_config(a, threshold: float) -> dict:
+    return {"architectures": ["SparseLlamaForCausalLM"], "model_type": "llama", "vocab_size": a.vocab,
+            "hidden_size": a.dim, "intermediate_size": a.ffn, "num_hidden_layers": a.layers,
+            "num_attention_heads": a.heads, "num_key_value_heads": a.kv_heads, "head_dim": a.head_dim,
+            "hidden_act": "fatrelu", "hidden_act_param": threshold, "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "attention_bias": False, "mlp_bias": False,
+            "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float16",
+            "flashinfer_lite_bench": {"seed": a.seed, "target_active": a.active}}
+
+
+def measure_active_share(model_dir: Path, n_tokens: int, n_layers: int, seed: int) -> list[float]:
+    """Run n_tokens random tokens through the first n_layers with the dense math, one layer's weights at a time;
+    per layer the share of neurons whose FATReLU activation is nonzero."""
+    from flashinfer_lite.checkpoint import open_checkpoint
+    from flashinfer_lite.model import Attention, FeedForward, KVCache, rms_norm, rope_inv_freq
+    ck = open_checkpoint(model_dir)
+    cfg = ck.config
+    rng = np.random.default_rng(seed + 1)
+    tokens = rng.integers(3, cfg.vocab_size, n_tokens)
+    x = ck.tensor("embed.weight")[tokens]                                                   # [T, d]
+    kv = KVCache(cfg, n_tokens)
+    ang = np.arange(n_tokens, dtype=np.float64)[:, None] * rope_inv_freq(cfg)[None, :]
+    rope = np.cos(ang).astype(np.float32)[:, None, :], np.sin(ang).astype(np.float32)[:, None, :]
+    shares = []
+    for i in tqdm(range(n_layers), desc="active share", unit="layer", file=sys.stderr):
+        w = {n: ck.tensor(n) for n in ck.names() if n.startswith(f"layers.{i}.")}
+        h = x + Attention(cfg, w, i)(rms_norm(x, w[f"layers.{i}.attn_norm.weight"], cfg.norm_eps), kv, 0, rope)
+        f = FeedForward(cfg, w, i)
+        xn = rms_norm(h, w[f"layers.{i}.ffn_norm.weight"], cfg.norm_eps)
+        a = f.activations(xn)                                                                   # [T, n]
+        shares.append(float((a != 0).mean()))
+        x = h + f(xn)
+        del w, f, a
+    return shares
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path, help="output directory (under /work/bigmodels/, not the repo)")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--dim", type=int, default=4096)
+    ap.add_argument("--ffn", type=int, default=11008)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=None, help="default: --heads (multi-head attention)")
+    ap.add_argument("--head-dim", type=int, default=None, help="default: dim / heads")
+    ap.add_argument("--vocab", type=int, default=512, help="512 uses stories260K's tokenizer")
+    ap.add_argument("--active", type=float, default=0.10, help="target share of neurons active per token")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--check-tokens", type=int, default=8, help="tokens for the active-share check (0: skip)")
+    ap.add_argument("--check-layers", type=int, default=4, help="layers for the active-share check")
+    ap.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    a = ap.parse_args(argv)
+    a.kv_heads = a.kv_heads or a.heads
+    a.head_dim = a.head_dim or a.dim // a.heads
+    if a.vocab != 512:
+        sys.exit("make_large_model: only --vocab 512 is supported (stories260K's tokenizer)")
+    if not 0 < a.active < 1:
+        sys.exit("make_large_model: --active must be in (0, 1)")
+    out = a.out.expanduser().resolve()
+    if out.exists():
+        if not a.force:
+            sys.exit(f"make_large_model: {out} exists (use --force)")
+        shutil.rmtree(out)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        t = fatrelu_threshold(a.active, a.dim ** -0.5, a.dim)
+        plan = tensor_plan(a)
+        size = write_safetensors(tmp / "model.safetensors", plan, a.seed)
+        (tmp / "config.json").write_text(json.dumps(hf_config(a, t), indent=1))
+        (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (STORIES / name).exists():
+                shutil.copy(STORIES / name, tmp / name)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    ffn_bytes = 3 * a.layers * a.dim * a.ffn * 2
+    info = {"dir": str(out), "bytes": size, "ffn_bytes": ffn_bytes, "fatrelu_threshold": t,
+            "target_active": a.active}
+    if a.check_tokens > 0:
+        shares = measure_active_share(out, a.check_tokens, min(a.check_layers, a.layers), a.seed)
+        info["active_share_per_layer"] = [round(s, 4) for s in shares]
+        info["active_share_mean"] = round(float(np.mean(shares)), 4)
+    print(json.dumps(info))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
