@@ -39,39 +39,11 @@ sys.path.insert(0, str(REPO))
 
 from numba import njit, prange  # noqa: E402
 
-from flashinfer_lite.kernels import _axpy, _dot  # noqa: E402
 
 MEMCAP = REPO / "tools" / "memcap.py"
 PROMPT = "Once upon a time, there was a little"
 WINDOW = 5                                      # sliding window of the neuron cache, tokens
 CAP_SLACK = 640 << 20                           # interpreter + numba + numpy beyond the DRAM budget
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Dense FFN over bundle rows: every neuron, all three vectors (what a dense matmul reads)
-
-@njit(cache=True, parallel=True, fastmath=True)
-def dense_ffn_kernel(W, x, y, acc, coef, d, threshold):
-    """W: f16-bits (or f32) view [n, stride/itemsize] of GLU bundles [gate|up|down]; y[d] = sum_j a_j down_j with
-    a_j = fatrelu(gate_j.x, threshold) * up_j.x; coef[j] <- a_j. acc: float32 [T, d] per-thread partial sums."""
-    n = W.shape[0]
-    T = acc.shape[0]
-    for t in prange(T):
-        a = acc[t]
-        for k in range(d):
-            a[k] = np.float32(0.0)
-        for j in range(t * n // T, (t + 1) * n // T):
-            wr = W[j]
-            g = _dot(wr[:d], x, d)
-            u = _dot(wr[d:2 * d], x, d)
-            c = g * u if g > threshold else np.float32(0.0)
-            coef[j] = c
-            _axpy(a, c, wr[2 * d:3 * d], d)
-    for k in prange(d):
-        s = np.float32(0.0)
-        for t in range(T):
-            s += acc[t, k]
-        y[k] = s
 
 
 def proc_read_bytes() -> int:
@@ -102,10 +74,11 @@ class Worker:
         self.resident_bytes = sum(w.nbytes for w in weights.values())
         self.prompt_ids = ck.tokenizer().encode(PROMPT)
         self.model = Transformer(self.cfg, weights, ffn=self.ffn)
-        self.views = {"f16": np.uint16, "f32": np.float32}
-        self.threads = self._threads()
-        self.acc = np.zeros((self.threads, L.d), np.float32)
-        self.coef = np.zeros(max(L.n_neurons), np.float32)
+        from flashinfer_lite.kernels import SparseFFN
+        # Dense = the runtime's own kernel over every row: the modes differ only in where the rows come from.
+        self.dense_kernel = SparseFFN.from_layout(L, threshold=self.cfg.relu_threshold, max_active=max(L.n_neurons))
+        self.all_rows = np.arange(max(L.n_neurons), dtype=np.int32)
+        self.coef = self.dense_kernel.coef
         self.t = 0                          # index of the token being decoded
         self.ffn_s = self.read_s = self.lookup_s = self.compute_s = 0.0
         self.flash_bytes = 0                # bytes read by our own readers (mmap: from /proc/self/io)
@@ -121,16 +94,10 @@ class Worker:
         L = self.layout
         B = np.zeros((2, L.stride), np.uint8)
         x = np.zeros(L.d, np.float32)
-        dense_ffn_kernel(B.view(self.views[L.dtype]), x, np.empty(L.d, np.float32), self.acc, self.coef, L.d,
-                         np.float32(0.0))
+        self.dense_kernel(B, self.all_rows[:2], x, np.empty(L.d, np.float32))
         if hasattr(self, "sparse"):
             self.sparse(B, np.zeros(1, np.int32), x, np.empty(L.d, np.float32))
         self.compute_s = 0.0
-
-    @staticmethod
-    def _threads() -> int:
-        import numba
-        return numba.get_num_threads()
 
     def region(self, B_file, layer):
         L = self.layout
@@ -142,8 +109,7 @@ class Worker:
         L = self.layout
         y = np.empty(L.d, np.float32)
         t0 = time.perf_counter()
-        dense_ffn_kernel(B.view(self.views[L.dtype]), np.ascontiguousarray(x[0], np.float32), y, self.acc,
-                         self.coef, L.d, np.float32(self.cfg.relu_threshold))
+        self.dense_kernel(B, self.all_rows[:B.shape[0]], np.ascontiguousarray(x[0], np.float32), y)
         self.compute_s += time.perf_counter() - t0
         return y[None, :]
 

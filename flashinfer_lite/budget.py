@@ -20,7 +20,6 @@ import numpy as np
 from flashinfer_lite.errors import UserError
 from flashinfer_lite.model import KVCache, ModelConfig
 from flashinfer_lite.neuron_cache import select_hot
-from flashinfer_lite.sizes import human, parse_size  # noqa: F401
 from storage.profile import DEFAULT_GAP_BYTES
 
 # per neuron per layer: slot_of int32 + last_used int64 + seen int64 + out_slots int32 (neuron_cache._Layer)

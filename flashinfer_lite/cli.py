@@ -15,6 +15,9 @@ COMMANDS = {
     "convert": ("storage.convert", "convert an HF directory or GGUF file into the flash layout"),
     "verify": ("storage.verify", "check a flash directory's checksums"),
     "flash-bench": ("storage.flash_bench", "profile flash read bandwidth (chunk size x threads) and tune the reader"),
+    "collect": ("predictors.collect", "record FFN inputs and activations of a model over a corpus"),
+    "train-predictor": ("predictors.train", "calibrate thresholds and train low-rank activation predictors"),
+    "eval": ("predictors.evaluate", "perplexity, agreement with dense and active share of an FFN mode"),
     "fetch": ("flashinfer_lite.fetch", "download the default model (SmolLM2-135M-Instruct) into the cache"),
 }
 

@@ -283,7 +283,7 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | None = None, ctx: 
     cfg, layout = ckpt.config, ckpt.layout
     tokenizer: Tokenizer = ckpt.tokenizer()
     predictors = load_predictor_set(path)
-    if ffn == "predicted" and predictors is None:
+    if ffn == "predicted" and (predictors is None or not predictors.has_predictors):
         raise UserError(f"{path} has no predictors: run `flashinfer-lite collect` and `flashinfer-lite train-predictor`")
     weights = load_weights(ckpt, progress, skip=lambda n: bool(_BUNDLED.fullmatch(n)))
     ctx = ctx or min(cfg.max_pos, 4096)

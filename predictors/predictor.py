@@ -12,11 +12,11 @@ the tuned decision threshold (a logit cut per neuron) is already subtracted from
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
+from flashinfer_lite.checkpoint import read_json
 from flashinfer_lite.errors import UserError
 
 PREDICTOR_DIR = "predictors"
@@ -26,7 +26,6 @@ PROFILE_FILE = "profile.safetensors"
 CARD_FMT = "layer_{:03d}.json"
 PRED_FORMAT = "flashinfer-lite-predictors"
 PRED_VERSION = 1
-MAX_MANIFEST_BYTES = 16 << 20
 
 
 def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
@@ -111,13 +110,8 @@ def load_predictors(flashdir) -> PredictorSet | None:
     mpath = root / MANIFEST
     if not mpath.is_file():
         return None
-    if mpath.stat().st_size > MAX_MANIFEST_BYTES:
-        raise UserError(f"{mpath} is too large to be a predictor manifest")
-    try:
-        m = json.loads(mpath.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"{mpath} is not valid JSON: {e}") from None
-    if not isinstance(m, dict) or m.get("format") != PRED_FORMAT:
+    m = read_json(mpath, "predictor manifest")
+    if m.get("format") != PRED_FORMAT:
         raise UserError(f"{mpath} is not a predictor manifest")
     if m.get("version") != PRED_VERSION:
         raise UserError(f"{mpath}: unsupported predictor version {m.get('version')} (expected {PRED_VERSION})")

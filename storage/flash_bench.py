@@ -12,7 +12,6 @@ import csv
 import json
 import math
 import os
-import re
 import shutil
 import signal
 import sys

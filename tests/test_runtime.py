@@ -1,6 +1,5 @@
 """The flash runtime against the dense path: same weights, so the oracle FFN must reproduce dense logits."""
 import json
-import os
 import subprocess
 import sys
 

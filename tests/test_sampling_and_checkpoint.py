@@ -53,7 +53,6 @@ def test_sharded_checkpoint_reads_like_the_single_file(tiny_model, tmp_path):
 
 
 def test_missing_tensor_is_named(tiny_model, tmp_path):
-    import torch
     from safetensors.torch import load_file, save_file
     src = tiny_model("llama-relu")
     for f in ("config.json",):

@@ -1,0 +1,218 @@
+"""The predictor pipeline end to end: collect -> train-predictor -> eval, on stories260K (SwiGLU, thresholds) and on a
+transformers-built random ReLU Llama (recall checked against the dense math on text the predictors never saw)."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+from flashinfer_lite.errors import UserError
+from conftest import CORPUS, STORIES, build_tiny
+
+TINYSTORIES = CORPUS / "tinystories_cased_197KB.txt"
+needs_shared = pytest.mark.skipif(not (STORIES.exists() and TINYSTORIES.exists()),
+                                  reason="../shared models/corpus not present")
+
+
+def corpus_slices(tmp_path, cal_bytes=60_000, eval_bytes=20_000):
+    """Calibration text and held-out text: disjoint slices of TinyStories, written into tmp (never into the repo)."""
+    data = TINYSTORIES.read_bytes()
+    cal, held = tmp_path / "cal.txt", tmp_path / "heldout.txt"
+    cal.write_bytes(data[:cal_bytes])
+    held.write_bytes(data[-eval_bytes:])
+    return cal, held
+
+
+def parse(module, argv):
+    p = argparse.ArgumentParser()
+    module.add_arguments(p)
+    return p.parse_args(argv)
+
+
+@pytest.fixture(scope="module")
+def stories(tmp_path_factory):
+    """stories260K converted to a FLASHDIR, activations collected on calibration text, predictors trained."""
+    if not (STORIES.exists() and TINYSTORIES.exists()):
+        pytest.skip("../shared models/corpus not present")
+    from predictors import collect, train
+    from storage.convert import convert
+    tmp = tmp_path_factory.mktemp("stories_pipeline")
+    cal, held = corpus_slices(tmp)
+    flash = convert(STORIES, tmp / "flash", dtype="f32", progress=False)
+    acts = tmp / "acts"
+    assert collect.run(parse(collect, ["-m", str(STORIES), "--corpus", str(cal), "--tokens", "5000", "-o",
+                                       str(acts), "--rows", "3000"])) == 0
+    cards = train.train(acts, flash, sparsity=0.5, steps=150, progress=False)
+    return dict(flash=flash, acts=acts, held=held, cal=cal, cards=cards, tmp=tmp)
+
+
+@needs_shared
+def test_collect_records_what_the_dense_model_computes(stories):
+    """The stored rows are the dense FFN's inputs and |activations|: recompute |a| from x with the source weights."""
+    from flashinfer_lite.checkpoint import open_checkpoint
+    from flashinfer_lite.loader import load_weights
+    from flashinfer_lite.model import FeedForward
+    from predictors.acts import Acts
+    acts = Acts(stories["acts"])
+    ckpt = open_checkpoint(STORIES)
+    w = load_weights(ckpt)
+    assert acts.tokens == 5000 and 2000 < acts.manifest["rows"] <= 3000
+    for i in (0, ckpt.config.n_layers - 1):
+        x, absa = acts.layer(i)
+        assert x.shape == (acts.manifest["rows"], 64) and absa.shape == (acts.manifest["rows"], 172)
+        want = np.abs(FeedForward(ckpt.config, w, i).activations(x[:200]))
+        np.testing.assert_allclose(absa[:200], want, rtol=2e-3, atol=1e-6)   # |a| stored as float16
+        # the histogram covers every token x neuron, not only the sampled rows
+        assert acts.hist_count[i].sum() == acts.tokens * 172
+
+
+@needs_shared
+def test_thresholds_hit_the_target_sparsity(stories):
+    from predictors.acts import Acts
+    from predictors.predictor import load_predictors
+    acts, ps = Acts(stories["acts"]), load_predictors(stories["flash"])
+    for i in range(5):
+        x, absa = acts.layer(i)
+        assert ps.act_threshold(i) > 0
+        assert abs((absa <= ps.act_threshold(i)).mean() - 0.5) < 0.02
+        assert np.allclose(ps.neuron_freq(i), (absa > ps.act_threshold(i)).mean(0))
+
+
+@needs_shared
+def test_predicted_perplexity_within_5_percent_of_dense(stories, capsys):
+    """eval --json runs the decode path on held-out text; the sparsity it reports is real (about half the neurons)."""
+    from predictors import evaluate
+    assert evaluate.run(parse(evaluate, ["-m", str(stories["flash"]), "--corpus", str(stories["held"]), "--ffn",
+                                         "predicted", "--tokens", "400", "--json"])) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["tokens"] >= 390
+    assert res["perplexity"] <= 1.05 * res["dense_perplexity"], res
+    assert res["active_share"] < 0.6, res            # computed neurons: the threshold sparsity, reached
+    assert res["top1_agreement"] > 0.7
+    assert res["predicted_share"] >= res["active_share"]
+    assert 0 < res["predictor_share_of_ffn_bytes"] < 0.2
+
+
+@needs_shared
+def test_cards_and_files(stories):
+    from predictors.predictor import PREDICTOR_DIR
+    root = stories["flash"] / PREDICTOR_DIR
+    cards = [json.loads((root / f"layer_{i:03d}.json").read_text()) for i in range(5)]
+    assert cards[0]["dense"] is True
+    for c in cards[1:]:
+        assert c["rank"] >= 16 and c["bytes"] == (c["rank"] * (64 + 172)) * 2 + 172 * 4
+        assert 0 < c["precision"] <= 1 and c["recall"] >= 0.98 and c["pred_true_ratio"] >= c["recall"]
+    assert not [p for p in stories["flash"].iterdir() if p.name.startswith(".")]   # no temp dirs left behind
+
+
+@needs_shared
+def test_thresholds_only(stories, tmp_path):
+    """--thresholds-only stores what `--ffn oracle` needs; asking it for predictions is a clear error."""
+    import shutil
+    from predictors.predictor import load_predictors
+    from predictors.train import train
+    flash = tmp_path / "flash"
+    shutil.copytree(stories["flash"], flash)
+    shutil.rmtree(flash / "predictors")
+    assert load_predictors(flash) is None
+    train(stories["acts"], flash, sparsity=0.5, thresholds_only=True, progress=False)
+    ps, full = load_predictors(flash), load_predictors(stories["flash"])
+    assert not ps.has_predictors
+    assert [ps.act_threshold(i) for i in range(5)] == [full.act_threshold(i) for i in range(5)]
+    with pytest.raises(UserError, match="thresholds only"):
+        ps.predict(1, np.zeros((1, 64), np.float32))
+
+
+@pytest.mark.skipif(not (STORIES.exists() and CORPUS.exists()), reason="needs ../shared for a tokenizer and text")
+def test_relu_recall_meets_target_on_heldout_text(tiny_model, tmp_path):
+    """Random ReLU Llama: collect from the HF dir, train into its FLASHDIR, then check recall on text the predictor
+    never saw against the dense activations (a != 0) computed from the source weights."""
+    from flashinfer_lite.loader import load
+    from predictors.collect import collect
+    from predictors.predictor import load_predictors
+    from predictors.train import train
+    from storage.convert import convert
+    model_dir = tiny_model("llama-relu")
+    cal, held = corpus_slices(tmp_path, cal_bytes=40_000, eval_bytes=8_000)
+    flash = convert(model_dir, tmp_path / "flash", dtype="f32", progress=False)
+    collect(model_dir, [cal], 3000, tmp_path / "acts", ctx=128, rows=2500, progress=False)
+    target = 0.97
+    cards = train(tmp_path / "acts", flash, target_recall=target, dense_layers=0, steps=150, progress=False)
+    assert all(c["recall"] >= target for c in cards)
+    ps = load_predictors(flash)
+    model, tok = load(model_dir)
+    ids = tok.encode(held.read_text(encoding="utf-8"))[:120]
+    hits = np.zeros(2)
+    total = np.zeros(2)
+    pred_n = np.zeros(2)
+
+    def ffn(layer, x):
+        f = ffs[layer]
+        a = f.activations(x)
+        true = a != 0
+        pred = ps.predict(layer, x)
+        hits[layer] += (pred & true).sum()
+        total[layer] += true.sum()
+        pred_n[layer] += pred.sum()
+        return f(x)
+    ffs = model.dense_ffn
+    model.ffn = ffn
+    model.forward(ids, model.new_cache(len(ids)))
+    recall = hits / total
+    assert (recall >= target).all(), recall
+    assert (pred_n < 120 * 160).all()                 # it does not just predict everything
+
+
+@pytest.mark.skipif(not (STORIES.exists() and CORPUS.exists()), reason="needs ../shared for a tokenizer and text")
+def test_acts_from_another_model_are_refused(stories, tiny_model, tmp_path):
+    from predictors.collect import collect
+    from predictors.train import train
+    from storage.convert import convert
+    other = convert(tiny_model("llama-relu"), tmp_path / "relu_flash", dtype="f32", progress=False)
+    with pytest.raises(UserError, match="another model.*config"):
+        train(stories["acts"], other, progress=False)
+    # same architecture and config, other weights: the fingerprint tells them apart
+    a = tmp_path / "acts_seed0"
+    collect(tiny_model("llama-relu"), [stories["cal"]], 300, a, ctx=64, rows=200, progress=False)
+    twin = convert(build_tiny("llama-relu", tmp_path / "seed1", seed=1), tmp_path / "seed1_flash", dtype="f32",
+                   progress=False)
+    with pytest.raises(UserError, match="another model.*weights"):
+        train(a, twin, progress=False)
+
+
+def test_empty_corpus_is_a_clear_error(tmp_path):
+    from predictors.acts import read_corpus
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n\n")
+    with pytest.raises(UserError, match="empty corpus"):
+        read_corpus([empty])
+    with pytest.raises(UserError, match="not found"):
+        read_corpus([tmp_path / "missing.txt"])
+
+
+def test_non_utf8_corpus_is_decoded_with_replacement_and_counted(tmp_path):
+    from predictors.acts import read_corpus
+    f = tmp_path / "latin1.txt"
+    f.write_bytes("café crème — naïve\n".encode("latin-1", errors="replace") * 3 + b"ok \xff\xfe\xc3\n")
+    c = read_corpus([f])
+    # latin-1: é, è, ï are one invalid byte each (the dash became '?'); then \xff \xfe and a truncated \xc3
+    assert c.replaced_bytes == 3 * 3 + 3
+    assert c.text.count("\ufffd") == c.replaced_bytes and c.text.startswith("caf\ufffd cr\ufffdme")
+
+
+@needs_shared
+def test_collect_reports_replaced_bytes(tmp_path, capsys):
+    from predictors.collect import collect
+    f = tmp_path / "mixed.txt"
+    f.write_bytes(TINYSTORIES.read_bytes()[:4000] + b"\n\x80\x81 bad bytes\n")
+    out = collect(STORIES, [f], 300, tmp_path / "acts", ctx=64, rows=50, progress=False)
+    assert json.loads((out / "manifest.json").read_text())["replaced_bytes"] == 2
+    assert "2 bytes of the corpus are not valid UTF-8" in capsys.readouterr().err
+    with pytest.raises(UserError, match="already exists"):
+        collect(STORIES, [f], 300, tmp_path / "acts", progress=False)
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    with pytest.raises(UserError, match="empty corpus"):
+        collect(STORIES, [empty], 300, tmp_path / "acts2", progress=False)
