@@ -5,7 +5,6 @@ Ctrl-C stops the answer being written, not the session; Ctrl-D (end of input) ex
 """
 from __future__ import annotations
 
-import json
 import sys
 
 from .errors import UserError
@@ -28,11 +27,7 @@ def read_line() -> str | None:
 
 
 def print_stats(session: Session, runtime) -> None:
-    session.timings.report(sys.stdout)
-    if runtime is not None:
-        share = runtime.stats.active_share()
-        print(f"flashinfer_lite_perf: active FFN share = {share.mean():.3f} (per layer "
-              f"{json.dumps([round(float(s), 3) for s in share])})")
+    session.timings.report(sys.stdout, runtime=runtime)
 
 
 def run(args) -> int:
@@ -85,5 +80,5 @@ def run(args) -> int:
             print(f"[{note}]", file=sys.stderr)
         messages += [{"role": "user", "content": line}, {"role": "assistant", "content": tokenizer.decode(answer)}]
     print(file=sys.stderr)
-    session.timings.report()
+    session.timings.report(runtime=runtime)
     return 0

@@ -65,8 +65,8 @@ class Timings:
                 "tokens_per_second": round(n / ms * 1e3, 3) if ms else 0, "p50_ms": round(q(50), 3),
                 "p99_ms": round(q(99), 3)}
 
-    def report(self, out=sys.stderr) -> None:
-        """The perf lines as llama.cpp prints them (llama_perf_context_print)."""
+    def report(self, out=sys.stderr, runtime=None) -> None:
+        """The perf lines as llama.cpp prints them (llama_perf_context_print), then flash stats and peak RSS."""
         d = self.as_dict()
         w = "flashinfer_lite_perf"
         pt, pm = d["prompt_tokens"], d["prompt_ms"]
@@ -78,6 +78,17 @@ class Timings:
               f"P50 {d['p50_ms']:.2f} ms, P99 {d['p99_ms']:.2f} ms)", file=out)
         print(f"{w}:       total time = {d['load_ms'] + pm + d['eval_ms']:10.2f} ms / {pt + d['eval_tokens']:5d} tokens",
               file=out)
+        if runtime is not None:
+            f = runtime.stats.as_dict()
+            print(f"{w}:      flash reads = {f['mb_read_per_token']:10.2f} MB per token, hit rate {f['hit_rate']:.3f}, "
+                  f"{f['read_mb_per_s']:.1f} MB/s, active FFN share {f['active_share']:.3f}", file=out)
+        print(f"{w}:         peak RSS = {peak_rss_mb():10.1f} MiB", file=out)
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set of this process: the kernel's high-water mark (psutil has none on Linux; KiB there)."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -225,7 +236,7 @@ def prompt_ids(tokenizer: Tokenizer, text: str, system: str | None, use_template
 
 def run(args) -> int:
     text = read_prompt(args)
-    model, tokenizer, _, load_ms = open_model(args)
+    model, tokenizer, runtime, load_ms = open_model(args)
     session = Session(model, tokenizer, context_size(args, model))
     session.timings.load_ms = load_ms
     ids = prompt_ids(tokenizer, text, args.system_prompt, not args.ignore_chat_template)
@@ -245,11 +256,13 @@ def run(args) -> int:
     except KeyboardInterrupt:
         note = "interrupted"
     if args.json:
+        flash = {"flash": runtime.stats.as_dict()} if runtime is not None else {}
         print(json.dumps({"tokens": out, "text": tokenizer.decode(out), "prompt_tokens": ids,
-                          "timings": session.timings.as_dict(), **({"stopped": note} if note else {})}))
+                          "timings": session.timings.as_dict(), **flash, "peak_rss_mb": round(peak_rss_mb(), 1),
+                          **({"stopped": note} if note else {})}))
     else:
         sys.stdout.write("\n")
         if note:
             print(f"[{note}]", file=sys.stderr)
-        session.timings.report()
+        session.timings.report(runtime=runtime)
     return 130 if note == "interrupted" else 0

@@ -43,8 +43,9 @@ class RuntimeStats:
     streamed_layers: int = 0                   # layer passes served by prefill streaming
     hits: int = 0
     misses: int = 0
-    bytes_read: int = 0                        # from flash, including coalescing over-read
+    bytes_read: int = 0                        # decode path, from flash, including coalescing over-read
     bytes_requested: int = 0
+    prefill_bytes_read: int = 0                # prefill streaming of whole layers
     predictor_s: float = 0.0
     lookup_s: float = 0.0
     read_s: float = 0.0
@@ -64,7 +65,9 @@ class RuntimeStats:
         tok = max(self.tokens, 1)
         return {"active_share": round(float(self.active_share().mean()), 4), "hit_rate": round(self.hit_rate(), 4),
                 "mb_read": round(self.bytes_read / 2**20, 3), "mb_read_per_token": round(self.bytes_read / 2**20 / tok, 3),
-                "read_mb_per_s": round(self.bytes_read / 2**20 / self.read_s, 1) if self.read_s else 0.0,
+                "prefill_mb_read": round(self.prefill_bytes_read / 2**20, 3),
+                "read_mb_per_s": round((self.bytes_read + self.prefill_bytes_read) / 2**20 / self.read_s, 1)
+                if self.read_s else 0.0,
                 "predictor_ms": round(self.predictor_s * 1e3, 3), "lookup_ms": round(self.lookup_s * 1e3, 3),
                 "read_ms": round(self.read_s * 1e3, 3), "compute_ms": round(self.compute_s * 1e3, 3),
                 "decode_tokens": self.tokens, "streamed_layers": self.streamed_layers}
@@ -212,8 +215,7 @@ class FlashFFN:
             rs = self.reader.read(layer, np.arange(start, start + m), dest=self._chunk, slots=np.arange(m))
             t1 = time.perf_counter()
             self.stats.read_s += t1 - t0
-            self.stats.bytes_read += rs.read_bytes
-            self.stats.bytes_requested += rs.requested_bytes
+            self.stats.prefill_bytes_read += rs.read_bytes
             vecs, biases = unpack_rows(L, self._chunk[:m])                  # [m, n_vec, d], [m, n_bias]
             b = {name: biases[:, j] for j, name in enumerate(L.biases)}
             if "gate" in names:
