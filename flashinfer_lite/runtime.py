@@ -25,6 +25,7 @@ from .errors import UserError
 from .loader import is_flashdir, load_weights, open_any
 from .model import FeedForward, ModelConfig, Transformer, ffn_activation
 from .tokenizer import Tokenizer
+from storage.format import aligned_empty, unpack_bundles
 
 FFN_MODES = ("dense", "oracle", "predicted")
 # FFN tensors that live in the bundles on flash; everything else (including ffn.down.bias) stays resident.
@@ -170,7 +171,7 @@ class FlashFFN:
         if small.size:
             down = self.layout.vector_index("down")
             B = self.cache.matrix(layer)[slots[small]]
-            vecs, _ = unpack_rows(self.layout, B)
+            vecs, _ = unpack_bundles(self.layout, B)
             self.y_row -= coef[small] @ vecs[:, down, :]
             coef[small] = 0.0
 
@@ -204,7 +205,6 @@ class FlashFFN:
         L = self.layout
         rows_per_chunk = max(1, STREAM_CHUNK_BYTES // L.stride)
         if self._chunk is None:
-            from storage.format import aligned_empty
             self._chunk = aligned_empty((rows_per_chunk, L.stride), np.uint8)
         y[:] = 0.0
         n = L.n_neurons[layer]
@@ -216,7 +216,7 @@ class FlashFFN:
             t1 = time.perf_counter()
             self.stats.read_s += t1 - t0
             self.stats.prefill_bytes_read += rs.read_bytes
-            vecs, biases = unpack_rows(L, self._chunk[:m])                  # [m, n_vec, d], [m, n_bias]
+            vecs, biases = unpack_bundles(L, self._chunk[:m])               # [m, n_vec, d], [m, n_bias]
             b = {name: biases[:, j] for j, name in enumerate(L.biases)}
             if "gate" in names:
                 gate = x @ vecs[:, names.index("gate"), :].T + b.get("bias.gate", 0.0)
@@ -229,11 +229,6 @@ class FlashFFN:
                 a = np.where(np.abs(a) > self.mag_threshold[layer], a, 0.0)
             y += a @ vecs[:, names.index("down"), :]
             self.stats.compute_s += time.perf_counter() - t1
-
-
-def unpack_rows(layout, B: np.ndarray):
-    from storage.format import unpack_bundles
-    return unpack_bundles(layout, B)
 
 
 def load_predictor_set(path):
