@@ -23,9 +23,9 @@ import numpy as np
 
 from .errors import UserError
 from .loader import is_flashdir, load_weights, open_any
-from .model import FeedForward, ModelConfig, Transformer, ffn_activation
+from .model import FeedForward, ModelConfig, Transformer
 from .tokenizer import Tokenizer
-from storage.format import aligned_empty, unpack_bundles
+from storage.format import aligned_empty, bundle_tensors, unpack_bundles
 
 FFN_MODES = ("dense", "oracle", "predicted")
 # FFN tensors that live in the bundles on flash; everything else (including ffn.down.bias) stays resident.
@@ -148,10 +148,8 @@ class FlashFFN:
         fired = 0
         cap = self.plan.window_rows
         # A set larger than the window is computed in window-sized pieces: slower, never wrong.
-        for start in range(0, max(len(ids), 1), cap):
+        for start in range(0, len(ids), cap):
             part = ids[start:start + cap]
-            if not len(part):
-                break
             slots = self.cache.fetch(layer, part)
             t0 = time.perf_counter()
             self.kernel(self.cache.matrix(layer), slots, x, self.y_row)
@@ -208,7 +206,6 @@ class FlashFFN:
             self._chunk = aligned_empty((rows_per_chunk, L.stride), np.uint8)
         y[:] = 0.0
         n = L.n_neurons[layer]
-        names = L.vectors
         for start in range(0, n, rows_per_chunk):
             m = min(rows_per_chunk, n - start)
             t0 = time.perf_counter()
@@ -216,18 +213,12 @@ class FlashFFN:
             t1 = time.perf_counter()
             self.stats.read_s += t1 - t0
             self.stats.prefill_bytes_read += rs.read_bytes
-            vecs, biases = unpack_bundles(L, self._chunk[:m])               # [m, n_vec, d], [m, n_bias]
-            b = {name: biases[:, j] for j, name in enumerate(L.biases)}
-            if "gate" in names:
-                gate = x @ vecs[:, names.index("gate"), :].T + b.get("bias.gate", 0.0)
-                up = x @ vecs[:, names.index("up"), :].T + b.get("bias.up", 0.0)
-                a = ffn_activation(self.cfg.act, gate, up, self.cfg.relu_threshold)
-            else:
-                a = ffn_activation(self.cfg.act, x @ vecs[:, names.index("up"), :].T + b.get("bias.up", 0.0), None,
-                                   self.cfg.relu_threshold)
+            # The chunk's m neurons as a small dense FFN (its down bias stays out: it is added once per layer).
+            f = FeedForward(self.cfg, bundle_tensors(L, layer, *unpack_bundles(L, self._chunk[:m])), layer)
+            a = f.activations(x)                                            # [T, m]
             if self.mag_threshold[layer] > 0:
                 a = np.where(np.abs(a) > self.mag_threshold[layer], a, 0.0)
-            y += a @ vecs[:, names.index("down"), :]
+            y += a @ f.w_down.T
             self.stats.compute_s += time.perf_counter() - t1
 
 

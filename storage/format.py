@@ -328,6 +328,18 @@ def unpack_bundles(layout: FlashLayout, bundles: np.ndarray) -> tuple[np.ndarray
     return vecs, s
 
 
+def bundle_tensors(layout: FlashLayout, layer: int, vecs: np.ndarray, biases: np.ndarray) -> dict[str, np.ndarray]:
+    """Canonical FFN tensors of unpacked bundles (vecs [m, n_vec, d], biases [m, n_bias]), rows in bundle order:
+    gate/up weight [m, d], down weight [d, m], gate/up biases [m]."""
+    out = {}
+    for k, v in enumerate(layout.vectors):
+        w = vecs[:, k, :]                                          # [m, d]
+        out[f"layers.{layer}.ffn.{v}.weight"] = np.ascontiguousarray(w.T if v == "down" else w)
+    for j, b in enumerate(layout.biases):
+        out[f"layers.{layer}.ffn.{b.split('.')[1]}.bias"] = np.ascontiguousarray(biases[:, j])
+    return out
+
+
 def ffn_tensor_names(layout: FlashLayout, layer: int) -> list[str]:
     """Canonical names of the tensors that live in this layer's bundles."""
     names = [f"layers.{layer}.ffn.{v}.weight" for v in layout.vectors]
@@ -441,12 +453,7 @@ class FlashCheckpoint:
         inv = np.empty(n, np.int64)
         inv[L.order[layer]] = np.arange(n)
         vecs, biases = vecs[inv], biases[inv]
-        out = {}
-        for k, v in enumerate(L.vectors):
-            w = vecs[:, k, :]                                      # [n, d]
-            out[f"layers.{layer}.ffn.{v}.weight"] = np.ascontiguousarray(w.T if v == "down" else w)
-        for j, b in enumerate(L.biases):
-            out[f"layers.{layer}.ffn.{b.split('.')[1]}.bias"] = np.ascontiguousarray(biases[:, j])
+        out = bundle_tensors(L, layer, vecs, biases)
         self._cached_layer = (layer, out)
         return out
 

@@ -66,6 +66,16 @@ def bundle_vectors(ckpt: RandomCheckpoint, layer: int, neuron: int) -> np.ndarra
     return np.stack(vecs + [t[f"layers.{layer}.ffn.down.weight"][:, neuron]])
 
 
+def assert_stored_equal(got: np.ndarray, src: np.ndarray, dtype: str) -> None:
+    """Vectors read back equal the source as the dtype stores them: exact for f32, f16-rounded, int8 within its bound."""
+    if dtype == "f32":
+        assert np.array_equal(got, src)
+    elif dtype == "f16":
+        assert np.array_equal(got, src.astype(np.float16).astype(np.float32))
+    else:
+        assert (np.abs(got - src) <= int8_bound(src)).all()
+
+
 def int8_bound(v: np.ndarray) -> np.ndarray:
     """Max abs error of symmetric int8 with scale max|v|/127, per vector (last axis): half a step, plus f32 slack."""
     return np.abs(v).max(axis=-1, keepdims=True) / 254 * (1 + 1e-5) + 1e-30

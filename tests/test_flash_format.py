@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from flash_fixtures import int8_bound, write_random_flashdir
+from flash_fixtures import assert_stored_equal, write_random_flashdir
 from flashinfer_lite.errors import UserError
 from storage import format as fmt
 from storage import verify as verify_cmd
@@ -40,12 +40,8 @@ def test_pack_unpack_round_trip(d, glu, dtype, biases, data):
     packed = pack_bundles(L, vecs, b)
     assert packed.shape == (n, L.stride) and not packed[:, L.scalars_offset + 4 * len(L.scalars):].any()
     out, out_b = unpack_bundles(L, packed)
-    if dtype == "f32":
-        assert np.array_equal(out, vecs)
-    elif dtype == "f16":
-        assert np.array_equal(out, vecs.astype(np.float16).astype(np.float32))
-    else:
-        assert (np.abs(out - vecs) <= int8_bound(vecs)).all()
+    assert_stored_equal(out, vecs, dtype)
+    if dtype == "int8":
         # The scale the kernels read from the documented place is max|v| / 127.
         f = packed.view(np.float32)
         for k, v in enumerate(L.vectors):

@@ -8,8 +8,7 @@ import pytest
 
 from conftest import STORIES
 from flashinfer_lite.checkpoint import open_checkpoint
-from flashinfer_lite.loader import load, load_weights
-from flashinfer_lite.model import Transformer
+from flashinfer_lite.loader import load
 
 pytestmark = pytest.mark.skipif(not STORIES.exists(), reason="../shared/models/stories260K not present")
 
@@ -87,10 +86,9 @@ def test_sentencepiece_gguf_tokenizer_equals_the_hf_tokenizer(spm_gguf):
 
 
 def test_sentencepiece_gguf_weights_equal_the_hf_checkpoint(spm_gguf):
-    a, b = open_checkpoint(spm_gguf), open_checkpoint(STORIES)
     ids = [1, 403, 407, 261, 378, 432, 383]
-    la = Transformer(a.config, load_weights(a)).forward(ids, Transformer(a.config, load_weights(a)).new_cache(16),
-                                                         all_logits=True)
-    model, _ = load(STORIES)
-    lb = model.forward(ids, model.new_cache(16), all_logits=True)
+    from_gguf, _ = load(spm_gguf)
+    la = from_gguf.forward(ids, from_gguf.new_cache(16), all_logits=True)
+    from_hf, _ = load(STORIES)
+    lb = from_hf.forward(ids, from_hf.new_cache(16), all_logits=True)
     np.testing.assert_allclose(la, lb, rtol=0, atol=1e-5)  # q/k un-permuted correctly, tied embeddings detected

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flash_fixtures import bundle_vectors, int8_bound, write_random_flashdir
+from flash_fixtures import assert_stored_equal, bundle_vectors, write_random_flashdir
 from flashinfer_lite.errors import UserError
 from storage import reader as reader_mod
 from storage.format import aligned_empty, read_layout, unpack_bundles
@@ -66,12 +66,7 @@ def test_any_bundle_set_reads_back_the_source_weights(flashdirs, readers, ids, d
     # Equal to the source weights (identity order: bundle id == neuron id).
     vecs, biases = unpack_bundles(L, dest[slots])
     src = np.stack([bundle_vectors(ckpt, layer, i) for i in ids])
-    if dtype == "f32":
-        assert np.array_equal(vecs, src)
-    elif dtype == "f16":
-        assert np.array_equal(vecs, src.astype(np.float16).astype(np.float32))
-    else:
-        assert (np.abs(vecs - src) <= int8_bound(src)).all()
+    assert_stored_equal(vecs, src, dtype)
     src_b = np.stack([ckpt.tensors[f"layers.{layer}.ffn.{v}.bias"][ids] for v in ("gate", "up")], axis=1)
     assert np.array_equal(biases, src_b)                         # biases are always float32
 
