@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -80,7 +79,7 @@ class Worker:
         self.all_rows = np.arange(max(L.n_neurons), dtype=np.int32)
         self.coef = self.dense_kernel.coef
         self.t = 0                          # index of the token being decoded
-        self.ffn_s = self.read_s = self.lookup_s = self.compute_s = 0.0
+        self.ffn_s = self.read_s = self.lookup_s = self.compute_s = self.predictor_s = self.io_s = 0.0
         self.flash_bytes = 0                # bytes read by our own readers (mmap: from /proc/self/io)
         self.hits = self.misses = 0
         self.active_rec = None
@@ -95,8 +94,8 @@ class Worker:
         B = np.zeros((2, L.stride), np.uint8)
         x = np.zeros(L.d, np.float32)
         self.dense_kernel(B, self.all_rows[:2], x, np.empty(L.d, np.float32))
-        if hasattr(self, "sparse"):
-            self.sparse(B, np.zeros(1, np.int32), x, np.empty(L.d, np.float32))
+        if hasattr(self, "flash"):
+            self.flash.kernel(B, np.zeros(1, np.int32), x, np.empty(L.d, np.float32))
         self.compute_s = 0.0
 
     def region(self, B_file, layer):
@@ -140,11 +139,10 @@ class Worker:
             raise SystemExit(f"unknown mode {a.mode}")
 
     def setup_flash(self):
+        """The runtime's own FlashFFN (neuron cache, reader, overlapped reads, sparse kernel), fed replayed sets."""
         from flashinfer_lite.budget import plan_budget
         from flashinfer_lite.errors import UserError
-        from flashinfer_lite.kernels import SparseFFN
-        from flashinfer_lite.neuron_cache import NeuronCache
-        from storage.reader import BundleReader
+        from flashinfer_lite.runtime import FlashFFN
         a, L = self.a, self.layout
         with np.load(a.active, allow_pickle=False) as z:
             n = int(z["n"])
@@ -158,23 +156,36 @@ class Worker:
         budget = int(a.budget)
         try:
             plan = plan_budget(self.cfg, L, budget, ctx=a.n_tokens, window=WINDOW, max_active=max_active,
-                               resident_bytes=self.resident_bytes)
+                               resident_bytes=self.resident_bytes, lookahead=a.mode.endswith("-lookahead"))
         except UserError as e:
             self.info["below_minimum"] = str(e)
             raise BelowMinimum(str(e))
-        # bundle ids are file positions: profile by original id -> by bundle id
-        hot = plan.hot_neurons([freq[i][L.order[i]] for i in range(L.n_layers)])
-        self.inv_order = [np.argsort(L.order[i]) for i in range(L.n_layers)]   # original id -> bundle id
-        self.reader = BundleReader(L)
+
+        def replay(layer, x):   # the recorded set of this token, whatever x is
+            return self.active[self.t, layer][None, :L.n_neurons[layer]]
+
+        rng = np.random.default_rng(0)
+
+        def guess(layer, x):
+            """A lookahead guess with the recall and precision given on the command line (1, 1: perfect)."""
+            true = self.active[self.t, layer, :L.n_neurons[layer]]
+            g = true & (rng.random(true.size) < a.lookahead_recall)
+            n_false = int(round(g.sum() * (1 / a.lookahead_precision - 1)))
+            off = np.flatnonzero(~true)
+            g[rng.choice(off, min(n_false, off.size), replace=False)] = True
+            return g[None, :]
+
         t0 = time.perf_counter()
-        self.cache = NeuronCache(L.n_neurons, L.stride, self.reader, capacity=plan.window_rows, window=WINDOW,
-                                 hot=hot)
-        self.info.update(budget_bytes=budget, window_rows=plan.window_rows, hot_neurons=int(sum(map(len, hot))),
+        self.flash = FlashFFN(self.cfg, L, {}, replay, plan, window=WINDOW, freqs=list(freq),
+                              overlap=not a.mode.endswith("-serial"),
+                              lookahead=guess if a.mode.endswith("-lookahead") else None)
+        self.info.update(budget_bytes=budget, window_rows=plan.window_rows, overlap=self.flash.overlap,
+                         hot_neurons=int(sum(len(self.flash.cache.hot(i)) for i in range(L.n_layers))),
                          max_active=max_active, hot_load_s=round(time.perf_counter() - t0, 3),
-                         minimum_bytes=plan.minimum_bytes, reader_threads=self.reader.threads,
-                         coalesce_gap=self.reader.coalesce_gap, plan=plan.table())
-        self.sparse = SparseFFN.from_layout(L, threshold=self.cfg.relu_threshold, max_active=max(L.n_neurons))
-        self.y = np.empty(L.d, np.float32)
+                         minimum_bytes=plan.minimum_bytes, reader_threads=self.flash.reader.threads,
+                         coalesce_gap=self.flash.reader.coalesce_gap, plan=plan.table(),
+                         lookahead={"recall": a.lookahead_recall, "precision": a.lookahead_precision}
+                         if self.flash.lookahead else None)
 
     def ffn(self, layer, x):
         t0 = time.perf_counter()
@@ -192,12 +203,7 @@ class Worker:
             self.flash_bytes += st.read_bytes
             y = self.dense(self.buf[:n], x)
         else:
-            ids = self.inv_order[layer][np.flatnonzero(self.active[self.t, layer])]
-            slots = self.cache.fetch(layer, ids)
-            t1 = time.perf_counter()
-            self.sparse(self.cache.matrix(layer), slots, np.ascontiguousarray(x[0], np.float32), self.y)
-            self.compute_s += time.perf_counter() - t1
-            y = self.y[None, :].copy()
+            y = self.flash(layer, np.asarray(x, np.float32))
         self.ffn_s += time.perf_counter() - t0
         return y
 
@@ -211,8 +217,6 @@ class Worker:
         io0 = proc_read_bytes()
         for t in range(a.n_tokens):
             self.t = t
-            if flash := getattr(self, "cache", None):
-                st = flash.new_token()
             t0 = time.perf_counter()
             logits = self.model.forward([ids[t]], kv)
             step_ms.append(1e3 * (time.perf_counter() - t0))
@@ -220,12 +224,11 @@ class Worker:
             argmax.append(nxt)
             if greedy and t + 1 >= len(ids):
                 ids.append(nxt)
-            if flash:
-                self.read_s += st.read_s
-                self.lookup_s += st.lookup_s
-                self.flash_bytes += st.bytes_read
-                self.hits += st.hits
-                self.misses += st.misses
+        if flash := getattr(self, "flash", None):
+            s = flash.stats
+            self.read_s, self.lookup_s, self.compute_s = s.read_s, s.lookup_s, s.compute_s
+            self.predictor_s, self.io_s = s.predictor_s, s.io_s
+            self.flash_bytes, self.hits, self.misses = s.bytes_read, s.hits, s.misses
         io_bytes = proc_read_bytes() - io0
         ids = ids[:a.n_tokens]
         steady = step_ms[1:] if len(step_ms) > 1 else step_ms      # the first token pays cold caches
@@ -245,10 +248,12 @@ class Worker:
                if self.hits + self.misses else None,
                "time_split_s_per_token": {"ffn_total": round(ffn_s / n, 4), "ffn_compute": round(comp_s / n, 4),
                                           "flash_read_wait": round(self.read_s / n, 4),
-                                          "cache_bookkeeping": round(self.lookup_s / n, 4), "predictor": 0.0,
+                                          "flash_io_in_flight": round(self.io_s / n, 4),
+                                          "cache_bookkeeping": round(self.lookup_s / n, 4),
+                                          "predictor": round(self.predictor_s / n, 4),
                                           "attention_and_rest": round((total_s - ffn_s) / n, 4)},
                "resident_bytes": self.resident_bytes,
-               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+               "peak_rss_bytes": peak_rss_bytes(),
                "rss_end_bytes": _psutil_rss(), "argmax": argmax, "ids": [int(i) for i in ids], **self.info}
         if self.active_rec is not None:
             np.savez_compressed(a.record, active=np.packbits(self.active_rec, axis=-1),
@@ -260,6 +265,11 @@ class Worker:
 
 class BelowMinimum(Exception):
     pass
+
+
+def peak_rss_bytes() -> int:
+    from flashinfer_lite.budget import peak_rss_bytes as vm_hwm   # VmHWM: ru_maxrss inherits the parent's peak
+    return vm_hwm()
 
 
 def _psutil_rss() -> int:
@@ -314,7 +324,7 @@ def run_mode(a, mode: str, cap: int | None, work: Path, extra: list[str]) -> dic
     out = work / f"{mode}.json"
     capjson = work / f"{mode}.memcap.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", mode, "-m", str(a.model), "--out", str(out),
-           *extra]
+           "--lookahead-recall", str(a.lookahead_recall), "--lookahead-precision", str(a.lookahead_precision), *extra]
     limit = str(cap) if cap else str(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     full = [sys.executable, str(MEMCAP), "--limit", limit, "--drop-caches", "--json", str(capjson), "--", *cmd]
     env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -362,6 +372,15 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=24, help="decode steps for dense-ram and flash modes")
     ap.add_argument("--slow-tokens", type=int, default=6, help="decode steps for dense-mmap and layer-stream")
     ap.add_argument("--budgets", default="25,50,75", help="flash DRAM budgets, %% of the model files")
+    ap.add_argument("--lookahead-budgets", default="25",
+                    help="also run these flash budgets with lookahead prefetch (rows '-lookahead'); '' for none")
+    ap.add_argument("--lookahead-recall", type=float, default=1.0,
+                    help="recall of the simulated lookahead guess (take it from bench/lookahead.py; 1 = perfect)")
+    ap.add_argument("--lookahead-precision", type=float, default=1.0,
+                    help="precision of the simulated lookahead guess (from bench/lookahead.py; 1 = perfect)")
+    ap.add_argument("--serial-budgets", default="25",
+                    help="also run these flash budgets with reads NOT overlapped with compute (rows '-serial'): "
+                         "the measurement of what the overlap gains; '' for none")
     ap.add_argument("--modes", default="dense-ram,dense-mmap,layer-stream,flash",
                     help="subset of dense-ram,dense-mmap,layer-stream,flash")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of all modes (the machine is shared: compare "
@@ -390,6 +409,7 @@ def main(argv=None) -> int:
     if a.quick:
         a.model, a.trace = prepare_quick(work)
         a.tokens, a.slow_tokens, a.bw_seconds, a.budgets = 6, 6, 0.1, "75"
+        a.serial_budgets = a.lookahead_budgets = "75"
         a.cap = a.cap if a.cap != "3G" else "1G"
     if not a.model:
         ap.error("-m FLASHDIR is required (or --quick)")
@@ -456,11 +476,15 @@ def run_round(a, modes, cap, model_bytes, work, ids_file, oracle) -> list[dict] 
     if "flash" in modes:
         scen = [("oracle", oracle)] + ([("trace", a.trace)] if a.trace else [])
         for name, active in scen:
-            for pct in [int(p) for p in a.budgets.split(",")]:
+            serial = {int(p) for p in a.serial_budgets.split(",") if p}
+            ahead = {int(p) for p in a.lookahead_budgets.split(",") if p}
+            runs = [(int(p), "") for p in a.budgets.split(",")] + [(p, "-serial") for p in sorted(serial)] \
+                + [(p, "-lookahead") for p in sorted(ahead)]
+            for pct, suffix in runs:
                 budget = model_bytes * pct // 100
                 # budgets above the cap run under budget + interpreter slack (reported per row)
                 mcap = max(cap, budget + CAP_SLACK)
-                r = run_mode(a, f"flash-{name}-{pct}", mcap, work,
+                r = run_mode(a, f"flash-{name}-{pct}{suffix}", mcap, work,
                              ["--n-tokens", str(a.tokens), "--ids", str(ids_file), "--active", str(active),
                               "--budget", str(budget)])
                 r["scenario"], r["budget_pct"] = name, pct
@@ -529,13 +553,13 @@ def markdown(doc: dict) -> str:
             f"{_fmt(mc.get('peak_bytes', 0) / 2**20, 0)}{' OOM' if mc.get('oom_kills') else ''} | "
             f"{_fmt(r.get('floor_flash_ms'))} | {_fmt(r.get('floor_dram_ms'))} | "
             f"{_fmt(r.get('argmax_agree_with_dense'), 2)} |")
-    lines += ["", "| round | mode | s/token: FFN compute | flash read wait | cache bookkeeping | predictor | "
-              "attention + rest |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "| round | mode | s/token: FFN compute | flash read wait | reads in flight | cache bookkeeping | "
+              "predictor | attention + rest |", "|---|---|---|---|---|---|---|---|"]
     for r in doc["results"]:
         if "time_split_s_per_token" in r:
             t = r["time_split_s_per_token"]
             lines.append(f"| {r['round']} | {r['mode']} | {t['ffn_compute']:.3f} | {t['flash_read_wait']:.3f} | "
-                         f"{t['cache_bookkeeping']:.3f} | {t['predictor']:.3f} | {t['attention_and_rest']:.3f} |")
+                         f"{t.get('flash_io_in_flight', 0):.3f} | {t['cache_bookkeeping']:.3f} | {t['predictor']:.3f} | {t['attention_and_rest']:.3f} |")
     if doc["speedups"]:
         lines += ["", "| round | flash row | cap GiB | P50 speed-up vs dense-mmap | vs layer-stream | vs dense-ram |",
                   "|---|---|---|---|---|---|"]

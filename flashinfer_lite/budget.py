@@ -1,18 +1,23 @@
 """The one DRAM budget (--dram-budget): how the bytes the process may keep are split, computed up front.
 
+  runtime      what the process holds before the model's weights load: interpreter, numpy/numba/tokenizers,
+               the compiled kernels, the tokenizer, the predictors; measured (RSS), not computed
   resident     embeddings, attention, norms, head, FFN down bias (float32, always in DRAM)
   kv cache     keys and values for the whole context (float32)
-  buffers      reader gap scratch, kernel scratch, cache bookkeeping (slot maps per neuron)
+  buffers      reader gap scratch, kernel scratch, cache bookkeeping (slot maps per neuron), the prefill
+               streaming chunk with its float32 unpacking
   window       per layer `window_rows` bundle rows for the sliding window (LLM in a Flash)
   hot region   pinned hottest neurons across layers (PowerInfer), filled by neuron_cache.select_hot
 
-Minimum = resident + kv + buffers + one token's cold neurons (max_active rows per layer). What the budget has
+Minimum = runtime + resident + kv + buffers + one token's cold neurons (max_active rows per layer). What the budget has
 beyond that goes to the window up to its useful maximum (max_active x window tokens, capped at n_neurons), sharing
 with the hot region by `hot_share`; whatever one part cannot use goes to the other.
+The process's peak RSS (the kernel's high-water mark, `peak_rss_bytes`) is what the budget is held to.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,10 +27,11 @@ from flashinfer_lite.model import KVCache, ModelConfig
 from flashinfer_lite.neuron_cache import select_hot
 from storage.profile import DEFAULT_GAP_BYTES
 
-# per neuron per layer: slot_of int32 + last_used int64 + seen int64 + out_slots int32 (neuron_cache._Layer)
-MAP_BYTES_PER_NEURON = 24
-# per window row: neuron_at int32 + ring int32 x window + miss ids/slots int64 x 2
-ROW_OVERHEAD_BYTES = 4 + 16
+# per neuron per layer: slot_of int32 + last_used int64 + seen int64 + out_slots int32 + out_new uint8
+# (neuron_cache._Layer) + bundle_of int64 (runtime.FlashFFN)
+MAP_BYTES_PER_NEURON = 33
+# per window row: neuron_at int32 + ring int32 x window + miss ids/slots int64 x 2 + holes int64
+ROW_OVERHEAD_BYTES = 4 + 16 + 8
 # per hot row: neuron_at int32
 HOT_ROW_OVERHEAD_BYTES = 4
 # aligned_empty over-allocates one page per matrix
@@ -35,6 +41,7 @@ MATRIX_SLACK_BYTES = 4096
 @dataclass
 class BudgetPlan:
     budget_bytes: int
+    runtime_bytes: int          # measured: the process before the weights load (see measure_runtime_bytes)
     resident_bytes: int
     kv_bytes: int
     buffer_bytes: int
@@ -47,6 +54,7 @@ class BudgetPlan:
     ctx: int
     window: int
     max_active: int
+    requested: bool = True      # False: no --dram-budget was given, the budget is "room for the whole model"
 
     @property
     def hot_rows(self) -> int:
@@ -59,12 +67,15 @@ class BudgetPlan:
 
     @property
     def used_bytes(self) -> int:
-        return self.resident_bytes + self.kv_bytes + self.buffer_bytes + self.window_bytes + self.hot_bytes
+        return (self.runtime_bytes + self.resident_bytes + self.kv_bytes + self.buffer_bytes + self.window_bytes
+                + self.hot_bytes)
 
     def table(self) -> str:
-        rows = [("resident dense", self.resident_bytes, "embeddings, attention, norms, head"),
+        rows = [("runtime", self.runtime_bytes, "interpreter, libraries, compiled kernels, tokenizer, "
+                                                "predictors (measured)"),
+                ("resident dense", self.resident_bytes, "embeddings, attention, norms, head"),
                 ("kv cache", self.kv_bytes, f"{self.ctx} positions"),
-                ("buffers", self.buffer_bytes, "reader scratch, kernel scratch, slot maps"),
+                ("buffers", self.buffer_bytes, "reader scratch, kernel scratch, slot maps, prefill chunk"),
                 ("window", self.window_bytes, f"{self.window_rows} rows x {self.n_layers} layers, "
                                               f"window {self.window} tokens"),
                 ("hot region", self.hot_bytes, f"{self.hot_rows} pinned neurons"),
@@ -95,12 +106,16 @@ def resident_bytes_for(cfg: ModelConfig, itemsize: int = 4) -> int:
 
 def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 5, max_active: int | None = None,
                 hot_share: float = 0.5, resident_bytes: int | None = None, threads: int = 2,
-                read_scratch_bytes: int = DEFAULT_GAP_BYTES) -> BudgetPlan:
+                read_scratch_bytes: int = DEFAULT_GAP_BYTES, runtime_bytes: int = 0,
+                stream_chunk_bytes: int = 0, requested: bool = True, lookahead: bool = False) -> BudgetPlan:
     """Split `dram_budget_bytes` (see module docstring). config: ModelConfig or its dict; layout: FlashLayout.
 
     max_active: the most cold neurons one token may need per layer (the predictor's cap); default ffn_dim, which
     fits any active set but makes the minimum hold a whole FFN layer per layer.
     resident_bytes: measured size of the resident weights, if known (else computed from the config, float32).
+    runtime_bytes: the process's RSS before the weights load (measure_runtime_bytes); 0 plans the model's part only.
+    stream_chunk_bytes: the prefill streaming read size (runtime.STREAM_CHUNK_BYTES); 0 if the caller never streams.
+    lookahead: the neuron cache keeps max_active staging rows for reads started a layer early.
     """
     cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_dict(config)
     if ctx < 1 or window < 1:
@@ -114,12 +129,14 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
     res = resident_bytes if resident_bytes is not None else resident_bytes_for(cfg)
     kv = KVCache.nbytes_for(cfg, ctx)
     buffers = (max(read_scratch_bytes, stride) + threads * layout.d * 4 + n_max * 4
-               + sum(layout.n_neurons) * MAP_BYTES_PER_NEURON + n_layers * MATRIX_SLACK_BYTES)
-    minimum = res + kv + buffers + n_layers * max_active * row
+               + sum(layout.n_neurons) * MAP_BYTES_PER_NEURON + n_layers * MATRIX_SLACK_BYTES
+               + stream_transient_bytes(layout, stream_chunk_bytes)
+               + (max_active * stride if lookahead else 0))
+    minimum = runtime_bytes + res + kv + buffers + n_layers * max_active * row
     if dram_budget_bytes < minimum:
         raise UserError(f"DRAM budget {_mib(dram_budget_bytes)} is below the minimum {_mib(minimum)} for this model "
-                        f"(resident {_mib(res)}, kv {_mib(kv)} for {ctx} positions, buffers {_mib(buffers)}, "
-                        f"one token's {max_active} neurons x {n_layers} layers)")
+                        f"(runtime {_mib(runtime_bytes)}, resident {_mib(res)}, kv {_mib(kv)} for {ctx} positions, "
+                        f"buffers {_mib(buffers)}, one token's {max_active} neurons x {n_layers} layers)")
     extra = dram_budget_bytes - minimum
     win_extra_max = n_layers * (min(n_max, max_active * window) - max_active) * row
     hot_row = stride + HOT_ROW_OVERHEAD_BYTES
@@ -129,6 +146,99 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
     hot = min(extra - win_extra, hot_max)  # the window's leftover goes to the hot region
     hot -= hot % hot_row
     rows = max_active + win_extra // (n_layers * row)
-    return BudgetPlan(budget_bytes=dram_budget_bytes, resident_bytes=res, kv_bytes=kv, buffer_bytes=buffers,
-                      window_rows=rows, window_bytes=n_layers * rows * row, hot_bytes=hot, minimum_bytes=minimum,
-                      n_layers=n_layers, stride=stride, ctx=ctx, window=window, max_active=max_active)
+    return BudgetPlan(budget_bytes=dram_budget_bytes, runtime_bytes=runtime_bytes, resident_bytes=res, kv_bytes=kv,
+                      buffer_bytes=buffers, window_rows=rows, window_bytes=n_layers * rows * row, hot_bytes=hot,
+                      minimum_bytes=minimum, n_layers=n_layers, stride=stride, ctx=ctx, window=window,
+                      max_active=max_active, requested=requested)
+
+
+def stream_transient_bytes(layout, chunk_bytes: int) -> int:
+    """Peak bytes of prefill streaming (runtime.FlashFFN.stream_layer): the chunk of bundles it reads, and three
+    float32 copies of a chunk's vectors: while the next chunk is widened (unpack_bundles) and made into contiguous
+    matrices (bundle_tensors), the previous chunk's matrices are still alive (measured: +48 MiB on an 8 MiB chunk of
+    dim 1024 f16 GLU bundles = 3 x 16.8 MB). Not counted: arrays of [prompt tokens, neurons] (predictor masks,
+    activations), which grow with the prompt."""
+    if chunk_bytes <= 0:
+        return 0
+    rows = max(1, chunk_bytes // layout.stride)
+    return rows * layout.stride + 3 * rows * layout.n_vec * layout.d * 4
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Measuring the process
+
+def rss_bytes() -> int:
+    """Resident set of this process now (psutil)."""
+    import psutil
+    return int(psutil.Process().memory_info().rss)
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set of this process: the kernel's high-water mark (psutil has none on Linux).
+
+    Linux: VmHWM of /proc/self/status, which starts at this program's exec. Not getrusage's ru_maxrss: Linux carries
+    the parent's peak into it across fork + exec, so a generate started by a 600 MiB process would report 600 MiB.
+    Elsewhere ru_maxrss (bytes on macOS, KiB on the BSDs).
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+
+
+# glibc mallopt parameter
+M_MMAP_THRESHOLD = -3
+
+
+def keep_freed_arrays_out_of_rss(threshold: int = 128 << 10) -> None:
+    """Give every allocation over `threshold` bytes its own mapping, returned to the system when freed.
+
+    glibc raises its mmap threshold (up to 32 MiB) each time a mapped block is freed, so later arrays of that size
+    come from the heap, where freed space mostly stays resident: after a 243-token prompt on an 8 x 16384 x 1024
+    model, RSS kept 529 MiB with the adjustment and 444 MiB without it. Setting the threshold turns it off; glibc
+    only (elsewhere a no-op), and only allocations made after the call are affected.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    try:
+        ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, int(threshold))
+    except (OSError, AttributeError):
+        pass
+
+
+def compile_kernels(layout) -> None:
+    """Run the neuron cache and the sparse FFN kernel once on two real bundles of `layout`.
+
+    Numba compiles them (or loads them from its on-disk cache) on first call, with the argument types of that call;
+    these are the types the runtime uses (uint8 bundle matrix viewed as the layout's dtype, int32 rows, float32
+    vectors), so their machine code and LLVM are in memory now, before the weights, and not on the first token.
+    """
+    from storage.reader import BundleReader
+    from .kernels import SparseFFN
+    from .neuron_cache import NeuronCache
+    k = min(2, layout.n_neurons[0])
+    with BundleReader(layout, threads=1) as reader:
+        cache = NeuronCache([k], layout.stride, reader, capacity=k, window=1)
+        slots = cache.fetch(0, np.arange(k))
+        x = np.zeros(layout.d, np.float32)
+        SparseFFN.from_layout(layout, max_active=k)(cache.matrix(0), slots, x, np.zeros_like(x))
+
+
+def measure_runtime_bytes(layout) -> int:
+    """The plan's runtime line: RSS after compile_kernels, measured in this process just before the weights load.
+
+    Measured rather than a constant because it differs by platform, library versions, tokenizer (SmolLM2's takes
+    ~40 MiB, stories260K's ~2 MiB) and whether numba had to compile (first run) or found its cache. In a process
+    that already holds other things (a test run, a notebook) they count too: the budget is the process's.
+    """
+    import gc
+    compile_kernels(layout)
+    gc.collect()
+    return rss_bytes()

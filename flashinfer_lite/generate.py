@@ -82,13 +82,23 @@ class Timings:
             f = runtime.stats.as_dict()
             print(f"{w}:      flash reads = {f['mb_read_per_token']:10.2f} MB per token, hit rate {f['hit_rate']:.3f}, "
                   f"{f['read_mb_per_s']:.1f} MB/s, active FFN share {f['active_share']:.3f}", file=out)
-        print(f"{w}:         peak RSS = {peak_rss_mb():10.1f} MiB", file=out)
+        m = rss_summary(runtime)
+        line = f"{w}:         peak RSS = {m['peak_rss_mb']:10.1f} MiB"
+        if "dram_budget_mb" in m:
+            over = ", EXCEEDED" if m["peak_rss_mb"] > m["dram_budget_mb"] else ""
+            line += f" (budget {m['dram_budget_mb']:.1f} MiB{over})"
+        print(f"{line}, {m['rss_mb']:.1f} MiB now", file=out)
 
 
-def peak_rss_mb() -> float:
-    """Peak resident set of this process: the kernel's high-water mark (psutil has none on Linux; KiB there)."""
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def rss_summary(runtime=None) -> dict:
+    """MiB: peak RSS (the kernel's high-water mark; psutil has no peak on Linux), RSS now (psutil), and the
+    --dram-budget the peak is held to, when one was given."""
+    from .budget import peak_rss_bytes, rss_bytes
+    out = {"peak_rss_mb": round(peak_rss_bytes() / 2**20, 1), "rss_mb": round(rss_bytes() / 2**20, 1)}
+    plan = getattr(runtime, "plan", None)
+    if plan is not None and plan.requested:
+        out["dram_budget_mb"] = round(plan.budget_bytes / 2**20, 1)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -170,8 +180,10 @@ def add_model_arguments(p) -> None:
     p.add_argument("-s", "--seed", type=int, default=-1, help="RNG seed, -1 = random (default -1)")
     p.add_argument("-sys", "--system-prompt", default=None, help="system prompt for the chat template")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
-    p.add_argument("--ffn", default="dense", choices=("dense", "oracle", "predicted"),
-                   help="FFN neurons to compute: all, the truly active ones, or the predicted ones (default dense)")
+    p.add_argument("--ffn", default="auto", choices=("auto", "dense", "oracle", "predicted"),
+                   help="FFN neurons to compute: all, the truly active ones, or the predicted ones; auto (default) = "
+                        "predicted for the default model (predictors trained on first use) and for a FLASHDIR with "
+                        "predictors, else dense")
     p.add_argument("--dram-budget", default=None,
                    help="bytes the process may keep (e.g. 300M, 2GiB): weights, KV cache, neuron cache, buffers")
     p.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: all cores)")
@@ -187,18 +199,49 @@ def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object (tokens, text, timings) instead of text")
 
 
+def choose_ffn(args) -> tuple[str, str, str | None]:
+    """(model path, FFN mode, why) for -m (or the default model) and --ffn; `why` is said once the model has loaded
+    (for --ffn auto only). The default model in predicted mode (auto or asked) gets its FLASHDIR and predictors made
+    on first use."""
+    from .loader import is_flashdir
+    if args.model is None:
+        from .default_model import ensure_default_model
+        path = ensure_default_model()
+        if args.ffn not in ("auto", "predicted"):
+            return str(path), args.ffn, None
+        from predictors.first_use import describe, ensure_predictors
+        from .runtime import flashdir_for
+        flashdir = flashdir_for(path, progress=sys.stderr.isatty())
+        record = ensure_predictors(flashdir)
+        how = f"trained on first use from {describe(record)}" if record else "trained with train-predictor"
+        why = f"ffn: predicted (--ffn auto, the default model; its predictors were {how})"
+        return flashdir, "predicted", why if args.ffn == "auto" else None
+    if args.ffn != "auto":
+        return args.model, args.ffn, None
+    if is_flashdir(args.model):
+        from predictors.predictor import load_predictors
+        have = load_predictors(args.model)
+        if have is not None and have.has_predictors:
+            return args.model, "predicted", f"ffn: predicted (--ffn auto, {args.model} has trained predictors)"
+    if args.dram_budget:
+        raise UserError(f"--dram-budget needs a sparse FFN, and {args.model} has no predictors: run "
+                        f"`flashinfer-lite collect` and `flashinfer-lite train-predictor`, or use --ffn oracle")
+    return args.model, "dense", f"ffn: dense (--ffn auto, {args.model} has no trained predictors)"
+
+
 def open_model(args):
     """(model, tokenizer, runtime, load_ms) for -m, or the default model."""
-    from .default_model import ensure_default_model
     from .runtime import load_runtime
     t0 = time.perf_counter()
-    path = args.model or ensure_default_model()
+    path, ffn, why = choose_ffn(args)
     if args.threads:
         import numba
         numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
     budget = parse_size(args.dram_budget) if args.dram_budget else None
-    model, tokenizer, runtime = load_runtime(path, args.ffn, dram_budget=budget, ctx=args.ctx_size or None,
+    model, tokenizer, runtime = load_runtime(path, ffn, dram_budget=budget, ctx=args.ctx_size or None,
                                              progress=sys.stderr.isatty(), verbose=args.verbose)
+    if why:
+        print(why, file=sys.stderr)
     return model, tokenizer, runtime, (time.perf_counter() - t0) * 1e3
 
 
@@ -258,7 +301,7 @@ def run(args) -> int:
     if args.json:
         flash = {"flash": runtime.stats.as_dict()} if runtime is not None else {}
         print(json.dumps({"tokens": out, "text": tokenizer.decode(out), "prompt_tokens": ids,
-                          "timings": session.timings.as_dict(), **flash, "peak_rss_mb": round(peak_rss_mb(), 1),
+                          "timings": session.timings.as_dict(), **flash, **rss_summary(runtime),
                           **({"stopped": note} if note else {})}))
     else:
         sys.stdout.write("\n")

@@ -4,9 +4,11 @@ Per layer one preallocated page-aligned bundle matrix uint8[n_hot + capacity, st
   rows [0, n_hot)              static hot region (PowerInfer): the most frequently active neurons, read once at
                                start and never again;
   rows [n_hot, n_hot + n_win)  sliding window (LLM in a Flash §3.3): a cold neuron stays while it was active in any
-                               of the last `window` tokens. Newcomers are appended; a neuron leaving the window is
-                               deleted by moving the last row into its hole, so the rows stay dense, nothing is
-                               reallocated and only one row is copied per deletion.
+                               of the last `window` tokens. A neuron leaving the window leaves a hole; this token's
+                               newcomers are read straight into the holes (lowest first), then appended; holes left
+                               over are filled by moving the last rows into them (swap-delete). So the rows stay
+                               dense, nothing is reallocated, and rows are copied only when the window shrinks:
+                               in steady state arrivals fill departures and no row moves at all.
 Overflow policy: if a token's misses do not fit in `capacity`, whole groups of the oldest tokens are evicted early
 (the window shrinks for that layer, never below the current token). Only if the current token's cold neurons alone
 exceed `capacity` does fetch() raise UserError. So at any time, for each layer,
@@ -28,8 +30,8 @@ from numba import njit
 from flashinfer_lite.errors import UserError
 from storage.format import aligned_empty
 
-# per-layer scalar state, int64[4]
-_T, _HORIZON, _NWIN, _CALL = 0, 1, 2, 3
+# per-layer scalar state, int64[5]
+_T, _HORIZON, _NWIN, _CALL, _NHOLES = 0, 1, 2, 3, 4
 # codes returned by _admit
 _OK, _BAD_ID, _DUPLICATE, _TOO_MANY = 0, -1, -2, -3
 
@@ -40,10 +42,14 @@ class TokenStats:
     hits: int = 0
     misses: int = 0
     evictions: int = 0          # rows deleted (window expiry + overflow)
+    moved: int = 0              # rows copied to keep the window dense (deletions no newcomer filled)
+    prefetched: int = 0         # rows read ahead on a lookahead guess (their bytes are in bytes_read)
+    prefetch_used: int = 0      # of those, rows the exact set then needed
     bytes_requested: int = 0    # misses x stride
     bytes_read: int = 0         # what the reader fetched (requested + coalescing over-read)
     lookup_s: float = 0.0       # bookkeeping: slot lookup, evictions, row moves
-    read_s: float = 0.0         # reader calls
+    read_s: float = 0.0         # time the caller was blocked waiting for reads
+    io_s: float = 0.0           # time reads were in flight (overlaps compute when the caller used start_fetch)
     compute_s: float = 0.0      # sparse FFN kernels (added by the caller that runs them)
 
     @property
@@ -68,40 +74,57 @@ def select_hot(freqs: list[np.ndarray], stride: int | list[int], budget_bytes: i
 
 
 @njit(cache=True)
-def _remove(slot, M, slot_of, neuron_at, state, n_hot):
-    """Delete the neuron in window row `slot`: the last window row moves into the hole."""
-    last = n_hot + state[_NWIN] - 1
-    gone = neuron_at[slot]
-    if slot != last:
-        moved = neuron_at[last]
-        M[slot, :] = M[last, :]
-        neuron_at[slot] = moved
-        slot_of[moved] = slot
-    neuron_at[last] = -1
-    slot_of[gone] = -1
-    state[_NWIN] -= 1
+def _remove(slot, slot_of, neuron_at, holes, state):
+    """Delete the neuron in window row `slot`: the row becomes a hole (filled or compacted before _admit returns)."""
+    slot_of[neuron_at[slot]] = -1
+    neuron_at[slot] = -1
+    holes[state[_NHOLES]] = slot
+    state[_NHOLES] += 1
 
 
 @njit(cache=True)
-def _evict_group(s, ring, ring_len, k, last_used, M, slot_of, neuron_at, state, n_hot):
+def _compact(lo, M, slot_of, neuron_at, state, n_hot):
+    """Swap-delete: move the last live rows into the empty rows at or above `lo`, so the window is dense again."""
+    hi = n_hot + state[_NWIN] - 1
+    moved = 0
+    while True:
+        while lo <= hi and neuron_at[lo] >= 0:
+            lo += 1
+        while hi >= lo and neuron_at[hi] < 0:
+            hi -= 1
+        if lo >= hi:
+            break
+        i = neuron_at[hi]
+        M[lo, :] = M[hi, :]
+        neuron_at[lo] = i
+        slot_of[i] = lo
+        neuron_at[hi] = -1
+        moved += 1
+    state[_NWIN] = hi + 1 - n_hot if hi >= n_hot else 0
+    state[_NHOLES] = 0
+    return moved
+
+
+@njit(cache=True)
+def _evict_group(s, ring, ring_len, k, last_used, slot_of, neuron_at, holes, state, n_hot):
     """Evict the neurons whose latest activity was token s (their entry in s's ring list is the live one)."""
     g = s % k
     n = 0
     for j in range(ring_len[g]):
         i = ring[g, j]
         if last_used[i] == s and slot_of[i] >= n_hot:
-            _remove(slot_of[i], M, slot_of, neuron_at, state, n_hot)
+            _remove(slot_of[i], slot_of, neuron_at, holes, state)
             n += 1
     return n
 
 
 @njit(cache=True)
-def _admit(ids, M, slot_of, neuron_at, last_used, seen, ring, ring_len, state, n_hot, cap, k,
-           out_slots, miss_ids, miss_slots, counts):
-    """One token of one layer: make every id resident, return its row in out_slots.
+def _admit(ids, M, slot_of, neuron_at, last_used, seen, ring, ring_len, holes, state, n_hot, cap, k,
+           out_slots, out_new, miss_ids, miss_slots, counts):
+    """One token of one layer: make every id resident, return its row in out_slots (out_new[j] = 1: being read).
 
-    Misses get rows appended at the end of the window and are listed in miss_ids / miss_slots for the caller to
-    read. counts <- [n_miss, n_evicted]. Returns _OK or an error code (the state is untouched on error).
+    Misses get rows (holes first, then appended) and are listed in miss_ids / miss_slots for the caller to read.
+    counts <- [n_miss, n_evicted, n_moved]. Returns _OK or an error code (the state is untouched on error).
     """
     n_ids = ids.shape[0]
     n_neurons = slot_of.shape[0]
@@ -128,7 +151,7 @@ def _admit(ids, M, slot_of, neuron_at, last_used, seen, ring, ring_len, state, n
         last_used[ids[j]] = t
     evicted = 0
     if t - k >= state[_HORIZON]:
-        evicted += _evict_group(t - k, ring, ring_len, k, last_used, M, slot_of, neuron_at, state, n_hot)
+        evicted += _evict_group(t - k, ring, ring_len, k, last_used, slot_of, neuron_at, holes, state, n_hot)
     g = t % k
     n = 0
     n_miss = 0
@@ -142,29 +165,69 @@ def _admit(ids, M, slot_of, neuron_at, last_used, seen, ring, ring_len, state, n
     ring_len[g] = n
     # Overflow: drop whole oldest token groups until the misses fit (the current token always fits: n_cold <= cap).
     s = max(state[_HORIZON], t - k + 1)
-    while state[_NWIN] + n_miss > cap and s < t:
-        evicted += _evict_group(s, ring, ring_len, k, last_used, M, slot_of, neuron_at, state, n_hot)
+    while state[_NWIN] - state[_NHOLES] + n_miss > cap and s < t:
+        evicted += _evict_group(s, ring, ring_len, k, last_used, slot_of, neuron_at, holes, state, n_hot)
         s += 1
         state[_HORIZON] = s
-    if state[_NWIN] + n_miss > cap:  # cannot happen (n_cold <= cap); guards the unchecked row writes below
+    if state[_NWIN] - state[_NHOLES] + n_miss > cap:  # cannot happen (n_cold <= cap); guards the row writes below
         return _TOO_MANY
+    # Newcomers take the lowest holes, so the holes left over lie above every newcomer: compaction then moves only
+    # rows that hold data, never a row whose read is still to come.
+    nh = state[_NHOLES]
+    if nh > 1:
+        holes[:nh] = np.sort(holes[:nh])
     m = 0
     for j in range(n_ids):
         i = ids[j]
+        out_new[j] = 0
         if slot_of[i] < 0:
-            r = n_hot + state[_NWIN]
-            state[_NWIN] += 1
+            out_new[j] = 1
+            if m < nh:
+                r = holes[m]
+            else:
+                r = n_hot + state[_NWIN]
+                state[_NWIN] += 1
             slot_of[i] = r
             neuron_at[r] = i
             miss_ids[m] = i
             miss_slots[m] = r
             m += 1
-    # Rows are final only now: evictions above may have moved hits.
+    moved = 0
+    if nh > m:
+        moved = _compact(holes[m], M, slot_of, neuron_at, state, n_hot)
+    state[_NHOLES] = 0
+    # Rows are final only now: compaction may have moved hits.
     for j in range(n_ids):
         out_slots[j] = slot_of[ids[j]]
     counts[0] = n_miss
     counts[1] = evicted
+    counts[2] = moved
     return _OK
+
+
+class Fetch:
+    """The result of NeuronCache.start_fetch: rows for every id; the misses' rows are valid after finish()."""
+
+    def __init__(self, cache, L, slots, new, reading_rows, pending):
+        self.cache, self._L, self.slots, self.new = cache, L, slots, new   # new[j]: slots[j] is being read
+        self._rows, self._pending = reading_rows, pending
+
+    def finish(self) -> None:
+        """Wait for the misses' read (no-op without misses). A failed read rolls its rows back and raises."""
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        t0 = time.perf_counter()
+        try:
+            rs = pending.wait()
+        except BaseException:
+            NeuronCache._forget_misses(self._L, self._rows)
+            raise
+        st = self.cache.stats
+        st.bytes_requested += rs.requested_bytes
+        st.bytes_read += rs.read_bytes
+        st.read_s += time.perf_counter() - t0
+        st.io_s += rs.seconds
 
 
 class _Layer:
@@ -180,11 +243,13 @@ class _Layer:
         self.seen = np.zeros(n_neurons, np.int64)                # duplicate check stamp
         self.ring = np.zeros((window, max(capacity, 1)), np.int32)  # cold ids active at each of the last k tokens
         self.ring_len = np.zeros(window, np.int64)
-        self.state = np.zeros(4, np.int64)                       # t, horizon, n_win, call counter
+        self.state = np.zeros(5, np.int64)                       # t, horizon, n_win, call counter, n_holes
+        self.holes = np.zeros(max(capacity, 1), np.int64)        # rows freed during one _admit
         self.out_slots = np.zeros(n_neurons, np.int32)
+        self.out_new = np.zeros(n_neurons, np.uint8)             # 1 = the row is being read by this fetch
         self.miss_ids = np.zeros(max(capacity, 1), np.int64)
         self.miss_slots = np.zeros(max(capacity, 1), np.int64)
-        self.counts = np.zeros(2, np.int64)
+        self.counts = np.zeros(3, np.int64)                      # misses, evictions, rows moved
         self.hot = np.asarray(hot, np.int64)
         self.slot_of[self.hot] = np.arange(self.n_hot, dtype=np.int32)
         self.neuron_at[: self.n_hot] = self.hot
@@ -192,7 +257,8 @@ class _Layer:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.matrix, self.slot_of, self.neuron_at, self.last_used, self.seen,
-                                      self.ring, self.ring_len, self.out_slots, self.miss_ids, self.miss_slots))
+                                      self.ring, self.ring_len, self.holes, self.out_slots, self.out_new,
+                                      self.miss_ids, self.miss_slots))
 
 
 class NeuronCache:
@@ -202,12 +268,12 @@ class NeuronCache:
     stats = cache.new_token()
     for layer ...: slots = cache.fetch(layer, active_bundle_ids); kernel(cache.matrix(layer), slots, x, y)
 
-    reader: anything with `read(layer, bundle_ids, dest=..., slots=...)` returning an object with `read_bytes`
-    and `requested_bytes` (storage.reader.BundleReader).
+    reader: storage.reader.BundleReader, or anything with `submit(layer, bundle_ids, dest=..., slots=...)`
+    returning an object whose wait() gives `read_bytes`, `requested_bytes` and `seconds`.
     """
 
     def __init__(self, n_neurons: list[int], stride: int, reader, capacity: int | list[int], window: int = 5,
-                 hot: list[np.ndarray] | None = None):
+                 hot: list[np.ndarray] | None = None, staging_rows: int = 0):
         if window < 1:
             raise UserError(f"window must be at least 1 token, got {window}")
         n_layers = len(n_neurons)
@@ -225,13 +291,16 @@ class NeuronCache:
                 raise UserError(f"window capacity of layer {i} is negative")
             self.layers.append(_Layer(n_neurons[i], stride, h, caps[i], window))
         self.stats = TokenStats()
+        # lookahead reads land here first: a wrong guess must not displace rows of the window
+        self.staging = aligned_empty((staging_rows, stride), np.uint8) if staging_rows else None
+        self._staged = None
         self._load_hot()
 
     def _load_hot(self) -> None:
         """The one and only read of the pinned neurons: one batched call per layer."""
         for i, L in enumerate(self.layers):
             if L.n_hot:
-                self.reader.read(i, L.hot, dest=L.matrix, slots=np.arange(L.n_hot))
+                self.reader.submit(i, L.hot, dest=L.matrix, slots=np.arange(L.n_hot)).wait()
 
     # -- per token ---------------------------------------------------------------------------------------------------
     def new_token(self) -> TokenStats:
@@ -245,11 +314,19 @@ class NeuronCache:
         Returns int32 rows of matrix(layer), aligned with ids (a view valid until the next fetch of this layer).
         Misses are read with ONE reader call, straight into their rows.
         """
+        f = self.start_fetch(layer, ids)
+        f.finish()
+        return f.slots
+
+    def start_fetch(self, layer: int, ids) -> "Fetch":
+        """fetch() in two halves: the rows are assigned and the misses' read is in flight when this returns, so the
+        caller can compute on the resident rows (slots[~fetch.new]) before fetch.finish()."""
         t0 = time.perf_counter()
         L = self.layers[layer]
         ids = np.asarray(ids, np.int64).ravel()
-        rc = _admit(ids, L.matrix, L.slot_of, L.neuron_at, L.last_used, L.seen, L.ring, L.ring_len, L.state,
-                    L.n_hot, L.capacity, self.window, L.out_slots, L.miss_ids, L.miss_slots, L.counts)
+        rc = _admit(ids, L.matrix, L.slot_of, L.neuron_at, L.last_used, L.seen, L.ring, L.ring_len, L.holes,
+                    L.state, L.n_hot, L.capacity, self.window, L.out_slots, L.out_new, L.miss_ids, L.miss_slots,
+                    L.counts)
         if rc != _OK:
             if rc == _TOO_MANY:
                 raise UserError(f"layer {layer}: one token needs {int(L.counts[0])} cold neuron rows but the window "
@@ -259,28 +336,82 @@ class NeuronCache:
         n_miss, n_evicted = int(L.counts[0]), int(L.counts[1])
         t1 = time.perf_counter()
         st = self.stats
+        st.moved += int(L.counts[2])
         st.hits += ids.size - n_miss
         st.misses += n_miss
         st.evictions += n_evicted
         st.lookup_s += t1 - t0
-        if n_miss:
+        miss_ids, miss_slots = L.miss_ids[:n_miss], L.miss_slots[:n_miss]
+        new = L.out_new[: ids.size].view(bool)
+        if self._staged is not None and n_miss:
+            miss_ids, miss_slots = self._take_staged(layer, L, miss_ids, miss_slots, ids, new)
+        pending = None
+        if miss_ids.size:
             try:
-                rs = self.reader.read(layer, L.miss_ids[:n_miss], dest=L.matrix, slots=L.miss_slots[:n_miss])
+                pending = self.reader.submit(layer, miss_ids, dest=L.matrix, slots=miss_slots)
             except BaseException:
-                self._forget_misses(L, n_miss)
+                self._forget_misses(L, miss_slots)
                 raise
-            st.bytes_requested += rs.requested_bytes
-            st.bytes_read += rs.read_bytes
-            st.read_s += time.perf_counter() - t1
-        return L.out_slots[: ids.size]
+        return Fetch(self, L, L.out_slots[: ids.size], new, miss_slots, pending)
+
+    # -- speculative reads (lookahead) ------------------------------------------------------------------------------
+    def prefetch(self, layer: int, ids) -> int:
+        """Start reading the non-resident neurons among `ids` (a lookahead guess of `layer`'s next set, sorted bundle
+        ids) into the staging rows, before the layer's exact set is known. The next start_fetch(layer) copies the
+        rows it needs from there instead of reading them; the rest of the guess is dropped. Returns rows requested."""
+        if self.staging is None:
+            return 0
+        self._drop_staged()
+        L = self.layers[layer]
+        ids = np.sort(np.asarray(ids, np.int64).ravel())
+        guess = ids[L.slot_of[ids] < 0][: self.staging.shape[0]]
+        if not guess.size:
+            return 0
+        pending = self.reader.submit(layer, guess, dest=self.staging, slots=np.arange(guess.size))
+        self._staged = (layer, guess, pending)
+        return int(guess.size)
+
+    def _drop_staged(self) -> None:
+        """Forget an unconsumed guess; its read must still land before the staging rows are reused."""
+        if self._staged is not None:
+            _, guess, pending = self._staged
+            self._staged = None
+            try:
+                rs = pending.wait()
+            except Exception:
+                return
+            self.stats.bytes_read += rs.read_bytes
+            self.stats.prefetched += guess.size
+
+    def _take_staged(self, layer, L, miss_ids, miss_slots, ids, new):
+        """Copy the misses the last prefetch guessed from the staging rows; return the misses still to read."""
+        s_layer, guess, pending = self._staged
+        self._staged = None
+        st = self.stats
+        t0 = time.perf_counter()
+        try:
+            rs = pending.wait()
+        except Exception:
+            return miss_ids, miss_slots         # the exact read below reports the I/O error properly
+        st.read_s += time.perf_counter() - t0
+        st.io_s += rs.seconds
+        st.bytes_read += rs.read_bytes
+        st.prefetched += guess.size
+        if s_layer != layer:
+            return miss_ids, miss_slots
+        pos = np.minimum(np.searchsorted(guess, miss_ids), guess.size - 1)
+        have = guess[pos] == miss_ids
+        L.matrix[miss_slots[have]] = self.staging[pos[have]]
+        st.prefetch_used += int(have.sum())
+        new[np.isin(ids, miss_ids[have])] = False
+        return miss_ids[~have], miss_slots[~have]
 
     @staticmethod
-    def _forget_misses(L: _Layer, n_miss: int) -> None:
-        """A failed read leaves its rows undefined: drop the just-appended rows (they are the last ones)."""
-        rows = L.miss_slots[:n_miss]
+    def _forget_misses(L: _Layer, rows: np.ndarray) -> None:
+        """A failed read leaves its rows undefined: empty them and close the gaps (swap-delete)."""
         L.slot_of[L.neuron_at[rows]] = -1
         L.neuron_at[rows] = -1
-        L.state[_NWIN] -= n_miss
+        _compact(int(rows.min()), L.matrix, L.slot_of, L.neuron_at, L.state, L.n_hot)
 
     # -- inspection --------------------------------------------------------------------------------------------------
     def matrix(self, layer: int) -> np.ndarray:
@@ -307,14 +438,15 @@ class NeuronCache:
     @property
     def nbytes(self) -> int:
         """DRAM held by the cache: matrices plus bookkeeping arrays."""
-        return sum(L.nbytes for L in self.layers)
+        return sum(L.nbytes for L in self.layers) + (self.staging.nbytes if self.staging is not None else 0)
 
     def reset(self) -> None:
         """Forget the window (a new sequence); the hot region stays."""
+        self._drop_staged()
         for L in self.layers:
             L.slot_of[:] = -1
             L.slot_of[L.hot] = np.arange(L.n_hot, dtype=np.int32)
             L.neuron_at[L.n_hot:] = -1
             L.last_used[:] = -(1 << 40)
             L.ring_len[:] = 0
-            L.state[_T] = L.state[_HORIZON] = L.state[_NWIN] = 0
+            L.state[_T] = L.state[_HORIZON] = L.state[_NWIN] = L.state[_NHOLES] = 0

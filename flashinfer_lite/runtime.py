@@ -30,7 +30,9 @@ from storage.format import aligned_empty, bundle_tensors, unpack_bundles
 FFN_MODES = ("dense", "oracle", "predicted")
 # FFN tensors that live in the bundles on flash; everything else (including ffn.down.bias) stays resident.
 _BUNDLED = re.compile(r"layers\.\d+\.ffn\.(gate|up|down)\.weight|layers\.\d+\.ffn\.(gate|up)\.bias")
-STREAM_CHUNK_BYTES = 8 << 20   # prefill streaming reads a layer in chunks of this size
+# prefill streaming reads a layer in chunks of this size: from 1 MiB up sequential reads run at full device speed,
+# and the chunk's float32 widening (budget.stream_transient_bytes) is what the DRAM budget pays for it
+STREAM_CHUNK_BYTES = 2 << 20
 
 
 @dataclass
@@ -49,7 +51,10 @@ class RuntimeStats:
     prefill_bytes_read: int = 0                # prefill streaming of whole layers
     predictor_s: float = 0.0
     lookup_s: float = 0.0
-    read_s: float = 0.0
+    read_s: float = 0.0                        # blocked waiting for flash (decode) / reading (prefill streaming)
+    io_s: float = 0.0                          # decode reads in flight, overlapped with compute or not
+    prefetched: int = 0                        # rows read on a lookahead guess
+    prefetch_used: int = 0                     # of those, rows the exact set needed
     compute_s: float = 0.0
 
     def __post_init__(self):
@@ -70,34 +75,41 @@ class RuntimeStats:
                 "read_mb_per_s": round((self.bytes_read + self.prefill_bytes_read) / 2**20 / self.read_s, 1)
                 if self.read_s else 0.0,
                 "predictor_ms": round(self.predictor_s * 1e3, 3), "lookup_ms": round(self.lookup_s * 1e3, 3),
-                "read_ms": round(self.read_s * 1e3, 3), "compute_ms": round(self.compute_s * 1e3, 3),
-                "decode_tokens": self.tokens, "streamed_layers": self.streamed_layers}
+                "read_ms": round(self.read_s * 1e3, 3), "io_ms": round(self.io_s * 1e3, 3), "compute_ms": round(self.compute_s * 1e3, 3),
+                "decode_tokens": self.tokens, "streamed_layers": self.streamed_layers,
+                "prefetched_rows": self.prefetched, "prefetch_used_rows": self.prefetch_used}
 
 
 class FlashFFN:
-    """The FFN of every layer, computed from bundles on flash through the neuron cache."""
+    """The FFN of every layer, computed from bundles on flash through the neuron cache.
 
-    def __init__(self, cfg: ModelConfig, layout, weights: dict, mode: str, predictors, plan, window: int,
-                 threads: int | None, verbose: bool, dense_gate_up=None):
+    select(layer, x [T, d]) -> bool [T, n_neurons] by original neuron id: which neurons to compute (the predictor,
+    the oracle, or a replayed trace). freqs (per layer, by original id) choose the pinned hot neurons;
+    mag_threshold (per layer) is the SwiGLU magnitude under which a computed neuron counts as inactive.
+    overlap: compute on the resident rows while the misses are read (False: read, then compute; for measuring).
+    lookahead(layer, x [1, d]) -> bool [1, n_neurons]: a guess of `layer`'s set from the previous layer's FFN input
+    x, so its reads start one layer early (Deja Vu); the exact set still decides, a wrong guess costs only bytes.
+    """
+
+    def __init__(self, cfg: ModelConfig, layout, weights: dict, select, plan, window: int = 5,
+                 threads: int | None = None, verbose: bool = False, freqs=None, mag_threshold=None,
+                 overlap: bool = True, lookahead=None, predictors=None):
         from storage.reader import BundleReader
         from .kernels import SparseFFN
         from .neuron_cache import NeuronCache
-        self.cfg, self.layout, self.mode, self.predictors, self.plan = cfg, layout, mode, predictors, plan
-        self.verbose = verbose
+        self.cfg, self.layout, self.select, self.plan = cfg, layout, select, plan
+        self.verbose, self.overlap, self.lookahead = verbose, overlap, lookahead
+        self.predictors = predictors  # the PredictorSet behind `select` in predicted mode, for reports (eval)
         self.stats = RuntimeStats(cfg.n_layers, cfg.ffn_dim)
         self.down_bias = [weights.get(f"layers.{i}.ffn.down.bias") for i in range(cfg.n_layers)]
-        # bundle id -> original neuron id is layout.order; predictors speak original ids.
+        # bundle id -> original neuron id is layout.order; selections speak original ids.
         self.bundle_of = [np.argsort(o).astype(np.int64) for o in layout.order]
-        self.mag_threshold = [predictors.act_threshold(i) if predictors is not None else 0.0
-                              for i in range(cfg.n_layers)]
-        self.dense = dense_gate_up  # oracle mode only: FeedForward per layer, to know the true activations
+        self.mag_threshold = list(mag_threshold) if mag_threshold is not None else [0.0] * cfg.n_layers
         self.reader = BundleReader(layout, threads=threads)
-        freqs = None
-        if predictors is not None:
-            freqs = [predictors.neuron_freq(i)[layout.order[i]] for i in range(cfg.n_layers)]
-        hot = plan.hot_neurons(freqs) if freqs is not None and plan.hot_bytes else None
+        by_bundle = [np.asarray(freqs[i])[layout.order[i]] for i in range(cfg.n_layers)] if freqs is not None else None
+        hot = plan.hot_neurons(by_bundle) if by_bundle is not None and plan.hot_bytes else None
         self.cache = NeuronCache(layout.n_neurons, layout.stride, self.reader, capacity=plan.window_rows,
-                                 window=window, hot=hot)
+                                 window=window, hot=hot, staging_rows=plan.max_active if lookahead else 0)
         self.kernel = SparseFFN.from_layout(layout, act=cfg.act, threshold=self._kernel_threshold(),
                                             max_active=max(layout.n_neurons))
         self.y_row = np.zeros(cfg.dim, np.float32)
@@ -112,12 +124,8 @@ class FlashFFN:
     def active_ids(self, layer: int, x: np.ndarray) -> list[np.ndarray]:
         """Per row of x [T, d]: sorted bundle ids to compute."""
         t0 = time.perf_counter()
-        if self.mode == "oracle":
-            a = self.dense[layer].activations(x)
-            mask = np.abs(a) > self.mag_threshold[layer]
-        else:
-            mask = self.predictors.predict(layer, x)
-            self.stats.predictor_s += time.perf_counter() - t0
+        mask = self.select(layer, x)
+        self.stats.predictor_s += time.perf_counter() - t0
         return [np.sort(self.bundle_of[layer][np.flatnonzero(m)]) for m in mask]
 
     # -- the FFN ----------------------------------------------------------------------------------------------------
@@ -149,20 +157,42 @@ class FlashFFN:
         cap = self.plan.window_rows
         # A set larger than the window is computed in window-sized pieces: slower, never wrong.
         for start in range(0, len(ids), cap):
-            part = ids[start:start + cap]
-            slots = self.cache.fetch(layer, part)
-            t0 = time.perf_counter()
-            self.kernel(self.cache.matrix(layer), slots, x, self.y_row)
-            c = self.kernel.coef[: len(part)]  # each neuron's activation; 0 = did not fire
-            if self.mag_threshold[layer] > 0:
-                # SwiGLU: neurons under the calibrated magnitude threshold are skipped, as calibrated.
-                self._remove_small(layer, slots, c)
-            out += self.y_row
-            fired += int(np.count_nonzero(c))
-            self.stats.compute_s += time.perf_counter() - t0
+            f = self.cache.start_fetch(layer, ids[start:start + cap])
+            if self.lookahead is not None and start == 0 and layer + 1 < self.cfg.n_layers:
+                self._prefetch_next(layer + 1, x)
+            if self.overlap:
+                # The misses are in flight: compute the rows already in DRAM meanwhile, then the new ones.
+                fired += self._accumulate(layer, f.slots[~f.new], x, out)
+                f.finish()
+                fired += self._accumulate(layer, f.slots[f.new], x, out)
+            else:
+                f.finish()
+                fired += self._accumulate(layer, f.slots, x, out)
         if layer == self.cfg.n_layers - 1:
             self._close_token()
         return fired
+
+    def _prefetch_next(self, layer: int, x: np.ndarray) -> None:
+        """Queue the reads of the next layer's guessed set behind this layer's: they run during this layer's compute
+        and the next layer's attention."""
+        t0 = time.perf_counter()
+        guess = self.lookahead(layer, x[None, :])[0]
+        self.stats.predictor_s += time.perf_counter() - t0
+        self.cache.prefetch(layer, np.sort(self.bundle_of[layer][np.flatnonzero(guess)]))
+
+    def _accumulate(self, layer: int, slots: np.ndarray, x: np.ndarray, out: np.ndarray) -> int:
+        """out += sparse FFN over cache rows `slots`; returns how many of them fired."""
+        if not len(slots):
+            return 0
+        t0 = time.perf_counter()
+        self.kernel(self.cache.matrix(layer), slots, x, self.y_row)
+        c = self.kernel.coef[: len(slots)]  # each neuron's activation; 0 = did not fire
+        if self.mag_threshold[layer] > 0:
+            # SwiGLU: neurons under the calibrated magnitude threshold are skipped, as calibrated.
+            self._remove_small(layer, slots, c)
+        out += self.y_row
+        self.stats.compute_s += time.perf_counter() - t0
+        return int(np.count_nonzero(c))
 
     def _remove_small(self, layer: int, slots: np.ndarray, coef: np.ndarray) -> None:
         small = np.flatnonzero((coef != 0) & (np.abs(coef) <= self.mag_threshold[layer]))
@@ -184,6 +214,9 @@ class FlashFFN:
         s.bytes_requested += st.bytes_requested
         s.lookup_s += st.lookup_s
         s.read_s += st.read_s
+        s.io_s += st.io_s
+        s.prefetched += st.prefetched
+        s.prefetch_used += st.prefetch_used
 
     # -- prefill streaming ------------------------------------------------------------------------------------------
     def prefer_streaming(self, layer: int, ids: list[np.ndarray]) -> bool:
@@ -219,7 +252,37 @@ class FlashFFN:
             if self.mag_threshold[layer] > 0:
                 a = np.where(np.abs(a) > self.mag_threshold[layer], a, 0.0)
             y += a @ f.w_down.T
+            del f, a   # the next chunk's float32 copies must not coexist with these (budget.stream_transient_bytes)
             self.stats.compute_s += time.perf_counter() - t1
+
+
+def oracle_selector(cfg: ModelConfig, ckpt, predictors):
+    """The true active set: needs the dense gate/up weights in DRAM, so it is a test mode, not a memory-saving one."""
+    full_w = {n: ckpt.tensor(n) for n in ckpt.names() if _BUNDLED.fullmatch(n) and ".down." not in n}
+    dense = [FeedForward(cfg, full_w, i) for i in range(cfg.n_layers)]  # gate/up only: the activations
+    thresholds = [predictors.act_threshold(i) if predictors is not None else 0.0 for i in range(cfg.n_layers)]
+
+    def select(layer: int, x: np.ndarray) -> np.ndarray:
+        return np.abs(dense[layer].activations(x)) > thresholds[layer]
+    return select
+
+
+def lookahead_selector(cfg: ModelConfig, weights: dict, predictors):
+    """Layer l's predictor on what layer l-1's FFN saw: a guess of l's set one layer early (Deja Vu's lookahead,
+    untrained). With pre-norm, layer l-1's FFN input is norm(h) * w_{l-1} (+ b_{l-1}); re-weighting it with layer l's
+    norm gives layer l's input as if its attention had added nothing (bench/lookahead.py measures the recall cost)."""
+    norms = [(weights.get(f"layers.{i}.ffn_norm.weight"), weights.get(f"layers.{i}.ffn_norm.bias"))
+             for i in range(cfg.n_layers)]
+
+    def guess(layer: int, x_prev: np.ndarray) -> np.ndarray:
+        (w0, b0), (w1, b1) = norms[layer - 1], norms[layer]
+        x = x_prev
+        if cfg.pre_norm and w0 is not None and w1 is not None:
+            z = x_prev - b0 if b0 is not None else x_prev
+            z = np.divide(z, w0, out=np.zeros_like(z), where=w0 != 0)
+            x = z * w1 + (b1 if b1 is not None else 0.0)
+        return predictors.predict(layer, x.astype(np.float32), count=False)
+    return guess
 
 
 def load_predictor_set(path):
@@ -249,11 +312,14 @@ def flashdir_for(path, progress: bool) -> str:
 
 
 def load_runtime(path, ffn: str = "dense", dram_budget: int | None = None, ctx: int | None = None, window: int = 5,
-                 threads: int | None = None, progress: bool = False, verbose: bool = False, verify: bool = True):
+                 threads: int | None = None, progress: bool = False, verbose: bool = False, verify: bool = True,
+                 runtime_bytes: int | None = None, lookahead: bool = True):
     """(model, tokenizer, runtime) for a model path and an FFN mode; runtime is None for dense.
 
     A model that is not a FLASHDIR is converted into the cache on first use for the sparse modes.
     dram_budget: bytes for everything the process keeps (default: room for the whole model).
+    runtime_bytes: the plan's runtime line; None measures this process (budget.measure_runtime_bytes).
+    lookahead: in predicted mode, start each layer's reads one layer early on a guess (lookahead_selector).
     """
     if ffn not in FFN_MODES:
         raise UserError(f"unknown --ffn mode '{ffn}' (choose from {', '.join(FFN_MODES)})")
@@ -263,7 +329,8 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | None = None, ctx: 
         ckpt = open_any(path)
         return Transformer(ckpt.config, load_weights(ckpt, progress)), ckpt.tokenizer(), None
     from storage.format import FlashCheckpoint, verify as verify_flashdir
-    from .budget import plan_budget, resident_bytes_for
+    from .budget import keep_freed_arrays_out_of_rss, measure_runtime_bytes, plan_budget, resident_bytes_for
+    keep_freed_arrays_out_of_rss()
     path = flashdir_for(path, progress)
     if verify:
         verify_flashdir(path, progress=progress)
@@ -273,19 +340,34 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | None = None, ctx: 
     predictors = load_predictor_set(path)
     if ffn == "predicted" and (predictors is None or not predictors.has_predictors):
         raise UserError(f"{path} has no predictors: run `flashinfer-lite collect` and `flashinfer-lite train-predictor`")
-    weights = load_weights(ckpt, progress, skip=lambda n: bool(_BUNDLED.fullmatch(n)))
     ctx = ctx or min(cfg.max_pos, 4096)
     max_active = expected_max_active(cfg, predictors)
-    full = resident_bytes_for(cfg) + sum(layout.n_neurons) * layout.stride * 2 + (64 << 20)
-    plan = plan_budget(cfg, layout, dram_budget if dram_budget is not None else full, ctx, window,
-                       max_active=max_active)
+    # Planned before any weight loads: a budget too small fails before the work, and the runtime line is measured
+    # on a process that holds everything but the weights (tokenizer, predictors, compiled kernels included).
+    if runtime_bytes is None:
+        runtime_bytes = measure_runtime_bytes(layout)
+    resident = resident_bytes_for(cfg)
+    if ffn == "oracle":  # the true activations need the dense gate/up weights, float32, kept for the run
+        resident += cfg.n_layers * cfg.ffn_dim * cfg.dim * 4 * (2 if cfg.glu else 1)
+    def plan_for(budget: int):
+        return plan_budget(cfg, layout, budget, ctx, window, max_active=max_active, resident_bytes=resident,
+                           runtime_bytes=runtime_bytes, stream_chunk_bytes=STREAM_CHUNK_BYTES,
+                           requested=dram_budget is not None, lookahead=lookahead and ffn == "predicted")
+    # No --dram-budget: room for the whole model (every neuron pinned, the full window), whatever that adds up to.
+    plan = plan_for(dram_budget if dram_budget is not None else plan_for(1 << 60).used_bytes)
     if verbose or dram_budget is not None:
         print(plan.table(), file=sys.stderr)
-    dense = None
+    weights = load_weights(ckpt, progress, skip=lambda n: bool(_BUNDLED.fullmatch(n)))
     if ffn == "oracle":
-        full_w = {n: ckpt.tensor(n) for n in ckpt.names() if _BUNDLED.fullmatch(n) and ".down." not in n}
-        dense = [FeedForward(cfg, full_w, i) for i in range(cfg.n_layers)]  # gate/up only: the true activations
-    runtime = FlashFFN(cfg, layout, weights, ffn, predictors, plan, window, threads, verbose, dense_gate_up=dense)
+        select = oracle_selector(cfg, ckpt, predictors)
+    else:
+        select = predictors.predict
+    have = predictors is not None
+    guess = lookahead_selector(cfg, weights, predictors) if lookahead and ffn == "predicted" else None
+    runtime = FlashFFN(cfg, layout, weights, select, plan, window, threads, verbose, lookahead=guess,
+                       predictors=predictors if ffn == "predicted" else None,
+                       freqs=[predictors.neuron_freq(i) for i in range(cfg.n_layers)] if have else None,
+                       mag_threshold=[predictors.act_threshold(i) for i in range(cfg.n_layers)] if have else None)
     model = Transformer(cfg, weights, ffn=runtime)
     return model, tokenizer, runtime
 

@@ -71,8 +71,9 @@ class PredictorSet:
                                 np.ascontiguousarray(w_out.astype(np.float32).T),    # [r, n]
                                 b.astype(np.float32)))
 
-    def predict(self, layer: int, x: np.ndarray) -> np.ndarray:
-        """x float32 [T, d] -> bool [T, n]: neurons (original ids) predicted to clear the activation threshold."""
+    def predict(self, layer: int, x: np.ndarray, count: bool = True) -> np.ndarray:
+        """x float32 [T, d] -> bool [T, n]: neurons (original ids) predicted to clear the activation threshold.
+        count=False: a guess (lookahead) that the predicted-share statistics leave out."""
         if not self.has_predictors:
             raise UserError(f"{self.path} holds thresholds only: run `flashinfer-lite train-predictor` without "
                             f"--thresholds-only")
@@ -81,8 +82,9 @@ class PredictorSet:
         else:
             a, b, c = self._w[layer]
             mask = (x @ a) @ b + c > 0
-        self.predicted[layer] += int(mask.sum())
-        self.rows[layer] += x.shape[0]
+        if count:
+            self.predicted[layer] += int(mask.sum())
+            self.rows[layer] += x.shape[0]
         return mask
 
     def predicted_share(self) -> np.ndarray:

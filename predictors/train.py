@@ -215,7 +215,10 @@ def open_flashdir(flashdir):
 
 
 def train(acts_dir, flashdir, rank=None, max_rank=None, target_recall=0.99, max_ratio=4.0, sparsity=None,
-          kept_mass=None, steps=400, dense_layers=1, thresholds_only=False, seed=0, progress=True) -> list[dict]:
+          kept_mass=None, steps=400, dense_layers=1, thresholds_only=False, seed=0, progress=True,
+          calibration: dict | None = None, threads: int | None = None) -> list[dict]:
+    """Thresholds and predictors for every layer, saved into FLASHDIR/predictors; `calibration` (where the text came
+    from) is recorded in its manifest as is. threads: torch threads (default: up to 2)."""
     if not 0 < target_recall <= 1:
         raise UserError(f"--target-recall must be in (0, 1] (got {target_recall})")
     if sparsity is not None and not 0 <= sparsity < 1:
@@ -239,7 +242,7 @@ def train(acts_dir, flashdir, rank=None, max_rank=None, target_recall=0.99, max_
         raise UserError(f"--rank must be >= 1 and <= --max-rank (got {rank}, {max_rank})")
 
     import torch
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    torch.set_num_threads(threads or min(2, os.cpu_count() or 1))
     cards, weights, profile = [], {}, {}
     bar = tqdm(range(cfg.n_layers), desc="train-predictor", unit="layer", disable=not progress, file=sys.stderr)
     for i in bar:
@@ -271,7 +274,8 @@ def train(acts_dir, flashdir, rank=None, max_rank=None, target_recall=0.99, max_
     save_predictors(flashdir, acts, cards, weights, profile, dict(
         target_recall=target_recall, dense_layers=list(range(min(dense_layers, cfg.n_layers))), sparsity=sparsity,
         kept_mass=kept_mass, relu=relu,
-        has_predictors=not thresholds_only, ffn_bytes=ffn_bytes(ckpt)))
+        has_predictors=not thresholds_only, ffn_bytes=ffn_bytes(ckpt),
+        **({"calibration": calibration} if calibration is not None else {})))
     return cards
 
 

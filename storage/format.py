@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from flashinfer_lite.errors import UserError
-from flashinfer_lite.checkpoint import inside
+from flashinfer_lite.checkpoint import SafetensorsFile, inside
 
 FORMAT_NAME = "flashinfer-lite-flash"
 FORMAT_VERSION = 1
@@ -350,17 +350,28 @@ def ffn_tensor_names(layout: FlashLayout, layer: int) -> list[str]:
 # ----------------------------------------------------------------------------------------------------------------------
 # Checksums
 
-def region_checksum(f, offset: int, nbytes: int, chunk: int = 8 << 20, progress=None) -> str:
+CHECKSUM_CHUNK = 1 << 20
+
+
+def region_checksum(f, offset: int, nbytes: int, chunk: int = CHECKSUM_CHUNK, progress=None) -> str:
+    """Digest of nbytes at offset, read into one reused `chunk`-sized buffer: memory stays at one chunk whatever the
+    file size, and the pages read are dropped from the page cache behind us (a verify of a bigger-than-RAM model
+    must not fill a memory cgroup with it; the runtime reads with O_DIRECT and never wants them)."""
     h = new_checksum()
+    buf = bytearray(min(chunk, max(nbytes, 1)))
+    view = memoryview(buf)
+    fd = f.fileno()
     pos, end = offset, offset + nbytes
     while pos < end:
-        buf = os.pread(f.fileno(), min(chunk, end - pos), pos)
-        if not buf:
+        got = os.preadv(fd, [view[:min(len(buf), end - pos)]], pos)
+        if got <= 0:
             break   # truncated: the digest will not match
-        h.update(buf)
-        pos += len(buf)
+        h.update(view[:got])
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, pos, got, os.POSIX_FADV_DONTNEED)
+        pos += got
         if progress is not None:
-            progress.update(len(buf))
+            progress.update(got)
     return h.hexdigest()
 
 
@@ -408,20 +419,20 @@ class FlashCheckpoint:
         self.flashdir = self.path = self.layout.flashdir
         self.config = ModelConfig.from_dict(self.layout.config)
         self._resident_path = self.flashdir / self.layout.files["resident"]
-        self._resident_names = self._read_resident_names()
+        self._resident = self._open_resident()
+        self._resident_names = list(self._resident.entries)
         self._ffn_names = {}
         for i in range(self.layout.n_layers):
             for name in ffn_tensor_names(self.layout, i):
                 self._ffn_names[name] = i
         self._cached_layer: tuple[int, dict] | None = None
 
-    def _read_resident_names(self) -> list[str]:
-        from safetensors import safe_open
+    def _open_resident(self) -> SafetensorsFile:
+        # pread into a buffer the array then owns: a float32 tensor is read with no second copy and no mapping
         try:
-            with safe_open(str(self._resident_path), framework="numpy") as f:
-                return list(f.keys())
-        except Exception as e:  # safetensors raises its own error types for damaged headers
-            raise UserError(f"{self._resident_path}: cannot read resident weights ({e})")
+            return SafetensorsFile(self._resident_path)
+        except UserError as e:
+            raise UserError(f"cannot read resident weights: {e}") from None
 
     def names(self) -> list[str]:
         return self._resident_names + list(self._ffn_names)
@@ -432,11 +443,9 @@ class FlashCheckpoint:
     def tensor(self, name: str) -> np.ndarray:
         if name in self._ffn_names:
             return self._layer_tensors(self._ffn_names[name])[name]
-        if name not in self._resident_names:
+        if name not in self._resident.entries:
             raise UserError(f"{self.flashdir}: no tensor named {name!r}")
-        from safetensors import safe_open
-        with safe_open(str(self._resident_path), framework="numpy") as f:
-            return f.get_tensor(name).astype(np.float32, copy=False)
+        return self._resident.read(name)
 
     def _layer_tensors(self, layer: int) -> dict[str, np.ndarray]:
         if self._cached_layer is not None and self._cached_layer[0] == layer:

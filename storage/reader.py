@@ -98,16 +98,15 @@ class BundleReader:
         self._scratch = aligned_empty((max(self.coalesce_gap, 1) * stride,), np.uint8)
         self._scratch_mv = memoryview(self._scratch)
         self._jobs: list[queue.SimpleQueue] = []
-        self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
-        for i in range(self.threads - 1):   # the calling thread works too
+        for i in range(self.threads):   # all preadv calls happen here, so the caller is free while a read is in flight
             q = queue.SimpleQueue()
             # The threads hold no reference to self, so an unclosed reader is still collected (and closed).
-            t = threading.Thread(target=_worker, args=(q, self._done), name=f"BundleReader-{i}", daemon=True)
+            t = threading.Thread(target=_worker, args=(q,), name=f"BundleReader-{i}", daemon=True)
             t.start()
             self._jobs.append(q)
             self._workers.append(t)
-        self._lock = threading.Lock()       # one read() at a time: workers and scratch are shared
+        self._lock = threading.Lock()       # planning uses the shared scratch views; requests queue in order
 
     # -- lifecycle ---------------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -205,41 +204,59 @@ class BundleReader:
         return ops, ids.size * stride, read_bytes
 
     # -- reading -----------------------------------------------------------------------------------------------------
-    def read(self, layer: int, bundle_ids, dest: np.ndarray, slots) -> ReadStats:
+    def submit(self, layer: int, bundle_ids, dest: np.ndarray, slots) -> "PendingRead":
+        """Start a read and return at once; the rows are valid after .wait(). The caller computes meanwhile.
+
+        bundle_ids and slots may be reused as soon as this returns (they are planned into iovecs here); dest rows
+        must not be touched until wait(). Requests from several submits queue on the same threads in order.
+        """
         t0 = time.perf_counter()
         with self._lock:
             ops, requested, read_bytes = self.plan(layer, bundle_ids, dest, slots)
-            k = min(self.threads, len(ops))
-            n_reads = 0
-            if k <= 1:
-                n_reads = _run_batch(self.fd, self.direct, self.path, layer, ops)
-            else:
-                # Round-robin keeps the batches balanced in bytes for the mostly equal-sized ops of one request.
-                for w in range(1, k):
-                    self._jobs[w - 1].put((self.fd, self.direct, self.path, layer, ops[w::k]))
-                err = None
-                try:
-                    n_reads = _run_batch(self.fd, self.direct, self.path, layer, ops[0::k])
-                except BaseException as e:   # still collect the workers before raising
-                    err = e
-                for _ in range(k - 1):
-                    n, e = self._done.get()
-                    n_reads += n
-                    err = err or e
-                if err is not None:
-                    raise err
-        return ReadStats(requested, read_bytes, n_reads, time.perf_counter() - t0)
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        k = min(self.threads, len(ops))
+        # Round-robin keeps the batches balanced in bytes for the mostly equal-sized ops of one request.
+        for w in range(k):
+            self._jobs[w].put((self.fd, self.direct, self.path, layer, ops[w::k], done))
+        return PendingRead(done, k, ReadStats(requested, read_bytes, 0, 0.0), t0)
+
+    def read(self, layer: int, bundle_ids, dest: np.ndarray, slots) -> ReadStats:
+        return self.submit(layer, bundle_ids, dest, slots).wait()
 
 
-def _worker(jobs: queue.SimpleQueue, done: queue.SimpleQueue) -> None:
+class PendingRead:
+    """A read in flight: wait() blocks until every batch finished and returns its ReadStats (seconds = submit to
+    last batch done, the I/O time, whether or not the caller was waiting)."""
+
+    def __init__(self, done: queue.SimpleQueue, n_batches: int, stats: ReadStats, t0: float):
+        self._done, self._left, self.stats, self._t0 = done, n_batches, stats, t0
+        self._end = t0
+
+    def wait(self) -> ReadStats:
+        err = None
+        while self._left:
+            n, e, t_end = self._done.get()
+            self._left -= 1
+            self.stats.n_reads += n
+            self._end = max(self._end, t_end)
+            err = err or e
+        self.stats.seconds = self._end - self._t0
+        if err is not None:
+            raise err
+        return self.stats
+
+
+def _worker(jobs: queue.SimpleQueue) -> None:
     while True:
         job = jobs.get()
         if job is None:
             return
+        *batch, done = job
         try:
-            done.put((_run_batch(*job), None))
+            n = _run_batch(*batch)
+            done.put((n, None, time.perf_counter()))
         except BaseException as e:
-            done.put((0, e))
+            done.put((0, e, time.perf_counter()))
 
 
 def _run_batch(fd: int, direct: bool, path: Path, layer: int, ops: list) -> int:

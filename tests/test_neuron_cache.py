@@ -38,9 +38,9 @@ class SpyReader:
     def __init__(self, reader):
         self.reader, self.calls = reader, []
 
-    def read(self, layer, bundle_ids, dest, slots):
+    def submit(self, layer, bundle_ids, dest, slots):
         self.calls.append((layer, np.array(bundle_ids)))
-        return self.reader.read(layer, bundle_ids, dest=dest, slots=slots)
+        return self.reader.submit(layer, bundle_ids, dest=dest, slots=slots)
 
 
 def activation_sequence(rng, n_tokens, n, mean_active, stickiness):
@@ -155,16 +155,23 @@ def test_fetch_refuses_bad_ids(flash):
     assert np.array_equal(cache.matrix(0)[slots], source[0][[4, 5]])
 
 
-def test_failed_read_leaves_no_stale_rows(flash):
+@pytest.mark.parametrize("fails_in", ["submit", "wait"])
+def test_failed_read_leaves_no_stale_rows(flash, fails_in):
     layout, source, reader = flash
+
+    class FailingWait:
+        def wait(self):
+            raise OSError("simulated I/O error")
 
     class Failing:
         fail = False
 
-        def read(self, layer, bundle_ids, dest, slots):
+        def submit(self, layer, bundle_ids, dest, slots):
             if self.fail:
-                raise OSError("simulated I/O error")
-            return reader.read(layer, bundle_ids, dest=dest, slots=slots)
+                if fails_in == "submit":
+                    raise OSError("simulated I/O error")
+                return FailingWait()
+            return reader.submit(layer, bundle_ids, dest=dest, slots=slots)
 
     r = Failing()
     cache = NeuronCache(layout.n_neurons, layout.stride, r, capacity=10, window=3)
@@ -243,3 +250,50 @@ def test_cache_built_from_plan_stays_inside_it(flash):
         assert sum(h.size for h in hot) == p.hot_rows
         cache = NeuronCache(layout.n_neurons, layout.stride, reader, capacity=p.window_rows, window=3, hot=hot)
         assert cache.nbytes <= p.window_bytes + p.hot_bytes + p.buffer_bytes
+
+
+def test_start_fetch_marks_exactly_the_misses_and_moves_rows_only_when_the_window_shrinks(flash):
+    """Overlap relies on `new` naming exactly the rows still being read; swap-delete moves a row only for a deletion
+    no newcomer of the same token filled."""
+    layout, source, reader = flash
+    rng = np.random.default_rng(7)
+    cache = NeuronCache(layout.n_neurons, layout.stride, reader, capacity=60, window=3)
+    total_moved = 0
+    for t, ids in enumerate(activation_sequence(rng, 80, N, 15, 0.5)):
+        before = set(cache.resident(0).tolist())
+        n_before = cache.window_rows(0)
+        st = cache.new_token()
+        f = cache.start_fetch(0, ids)
+        assert set(ids[f.new].tolist()) == set(ids.tolist()) - before
+        # rows not being read already hold their bundles while the read is in flight
+        assert np.array_equal(cache.matrix(0)[f.slots[~f.new]], source[0][ids[~f.new]])
+        f.finish()
+        assert np.array_equal(cache.matrix(0)[f.slots], source[0][ids])
+        shrink = n_before - cache.window_rows(0)
+        assert st.moved <= max(0, shrink)
+        total_moved += st.moved
+    assert total_moved < 80 * 15 / 4   # far fewer copies than one per deletion
+
+
+def test_prefetch_guess_serves_the_misses_it_covers_and_nothing_else(flash):
+    layout, source, reader = flash
+    spy = SpyReader(reader)
+    cache = NeuronCache(layout.n_neurons, layout.stride, spy, capacity=40, window=2, staging_rows=12)
+    cache.fetch(1, np.array([0, 1, 2, 3]))
+    spy.calls.clear()
+    st = cache.new_token()
+    # guess: 2 and 3 are resident already, 50..59 are not; the exact set then needs 3, 50..54 and 90, 91
+    assert cache.prefetch(1, np.r_[2, 3, 50:60]) == 10
+    exact = np.r_[3, 50:55, 90, 91]
+    slots = cache.fetch(1, exact)
+    assert np.array_equal(cache.matrix(1)[slots], source[1][exact])
+    assert st.prefetched == 10 and st.prefetch_used == 5
+    # only the guess and the two neurons it missed were read from flash
+    assert [(l, ids.tolist()) for l, ids in spy.calls] == [(1, list(range(50, 60))), (1, [90, 91])]
+    # the unused part of the guess did not enter the window
+    assert set(cache.resident(1).tolist()) == {0, 1, 2, 3, 50, 51, 52, 53, 54, 90, 91}
+    # a guess for another layer is dropped, not misapplied
+    cache.new_token()
+    cache.prefetch(0, np.r_[5:9])
+    slots = cache.fetch(1, np.r_[95, 96])
+    assert np.array_equal(cache.matrix(1)[slots], source[1][[95, 96]])

@@ -216,3 +216,25 @@ def test_collect_reports_replaced_bytes(tmp_path, capsys):
     empty.write_bytes(b"")
     with pytest.raises(UserError, match="empty corpus"):
         collect(STORIES, [empty], 300, tmp_path / "acts2", progress=False)
+
+
+@needs_shared
+def test_lookahead_prefetch_changes_bytes_not_results(stories):
+    """The lookahead only starts reads early: the exact predictor still decides, so logits equal the run without it,
+    and at a budget small enough to miss, part of the misses are served from the prefetched rows."""
+    from flashinfer_lite.runtime import load_runtime
+    ids = [1, 403, 261, 324, 281, 384, 265, 427, 298, 410, 327, 261, 368, 287]
+    runs = {}
+    # the smallest budget the plan allows (runtime line left out so it does not depend on this process's RSS)
+    minimum = load_runtime(stories["flash"], "predicted", ctx=64, runtime_bytes=0)[2].plan.minimum_bytes
+    for ahead in (False, True):
+        model, _, rt = load_runtime(stories["flash"], "predicted", dram_budget=minimum, ctx=64, runtime_bytes=0,
+                                    lookahead=ahead)
+        kv = model.new_cache(64)
+        runs[ahead] = (np.stack([model.forward([t], kv) for t in ids]), rt.stats)
+    np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-5, atol=1e-5)
+    st = runs[True][1]
+    assert runs[False][1].prefetched == 0
+    assert 0 < st.prefetch_used <= st.prefetched
+    # served-early misses are still counted as misses of the exact set
+    assert st.misses == runs[False][1].misses

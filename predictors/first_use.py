@@ -1,0 +1,178 @@
+"""Predictors trained on first use (the default model): find calibration text, then `collect` + `train-predictor`.
+
+Calibration text, first found wins:
+  1. $FLASHINFER_LITE_CORPUS: a directory with the calibration files below (an error if it has none);
+  2. ../shared/corpus next to the repository, or next to the working directory;
+  3. the built-in calibration text shipped in this package (calibration.txt, written for the project).
+From a corpus directory only the calibration splits are used, WikiText-2 validation and TinyStories, about half the
+tokens from each: wikitext2_test.txt is what perplexity is evaluated on, so no predictor may see it.
+
+The settings are those of the SmolLM2 predictors in docs/PREDICTORS.md (thresholds at 50% sparsity, predictors tuned
+to recall 0.9), on fewer tokens so that first use takes minutes, not ten, on two cores. Activations go to a temporary
+directory that is removed whatever happens; the predictors land atomically (train.save_predictors), so an interrupted
+first use leaves nothing behind and the next run starts over.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+
+from flashinfer_lite.errors import UserError
+
+CORPUS_ENV = "FLASHINFER_LITE_CORPUS"
+WIKITEXT = "wikitext2_valid.txt"
+BUILTIN = "calibration.txt"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    tokens: int = 4096          # run through the dense model, in windows of ctx
+    rows: int = 4096            # token rows kept per layer to train on (here: every token)
+    ctx: int = 256
+    sparsity: float = 0.5       # SwiGLU activation threshold: skip the smallest half of |a|
+    target_recall: float = 0.9
+    steps: int = 300            # optimizer steps per layer
+    dense_layers: int = 1
+
+
+SETTINGS = Calibration()
+
+
+def search_paths() -> list[Path]:
+    """Where ../shared/corpus may be: next to the repository this package runs from, and next to the cwd."""
+    import flashinfer_lite
+    repo = Path(flashinfer_lite.__file__).resolve().parents[1]
+    return [repo.parent / "shared" / "corpus", Path.cwd().parent / "shared" / "corpus"]
+
+
+def calibration_files(d: Path) -> list[Path]:
+    """The calibration files of a corpus directory: WikiText-2 validation, then one TinyStories file (cased first)."""
+    if not d.is_dir():
+        return []
+    files = [d / WIKITEXT] if (d / WIKITEXT).is_file() else []
+    stories = sorted(d.glob("tinystories*cased*.txt")) or sorted(d.glob("tinystories*.txt"))
+    return files + stories[:1]
+
+
+def find_corpus() -> tuple[Path, list[Path]] | None:
+    """(directory, calibration files), or None when no corpus is around (the built-in text is used then)."""
+    env = os.environ.get(CORPUS_ENV)
+    if env:
+        d = Path(env).expanduser()
+        files = calibration_files(d)
+        if not files:
+            raise UserError(f"${CORPUS_ENV} is {env}, which holds no calibration text ({WIKITEXT} or "
+                            f"tinystories*.txt); unset it to use ../shared/corpus or the built-in text")
+        return d.resolve(), files
+    for d in search_paths():
+        files = calibration_files(d)
+        if files:
+            return d.resolve(), files
+    return None
+
+
+def builtin_text() -> str:
+    return (resources.files(__package__) / BUILTIN).read_text(encoding="utf-8")
+
+
+def head_tokens(text: str, tokenizer, n: int) -> str:
+    """The shortest prefix of whole lines holding at least n tokens (all of text if it has fewer)."""
+    from .acts import corpus_chunks
+    got = end = 0
+    for chunk in corpus_chunks(text, chunk_chars=4096):
+        got += len(tokenizer.encode(chunk, add_special_tokens=False))
+        end += len(chunk)
+        if got >= n:
+            break
+    return text[:end]
+
+
+def mixed_text(files: list[Path], tokenizer, n_tokens: int) -> str:
+    """An equal share of tokens from each file but the last, then all of the last: collect stops after n_tokens, and
+    reading the files one after the other would fill every window from the first file alone."""
+    from .acts import read_corpus
+    share = -(-n_tokens // len(files))
+    parts = [head_tokens(read_corpus([f]).text, tokenizer, share) for f in files[:-1]]
+    return "\n".join(parts + [read_corpus([files[-1]]).text])
+
+
+def describe(record: dict) -> str:
+    if record.get("source") == "corpus":
+        return f"{record['path']} ({', '.join(record['files'])}; {record['tokens']} tokens)"
+    return f"the built-in calibration text ({record.get('tokens')} tokens)"
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+def idle_cores() -> int:
+    """Cores not already busy (1-minute load average), at least 1. On a shared machine, BLAS and torch threads that
+    spin waiting for a busy core made collection 4x and training 5-7x slower than a single thread (measured here)."""
+    return max(1, (os.cpu_count() or 1) - int(os.getloadavg()[0] + 0.5))
+
+
+def blas_threads(n: int):
+    """numpy's BLAS limited to n threads inside the block (threadpoolctl comes with the train extra's scikit-learn)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        from contextlib import nullcontext
+        return nullcontext()
+    return threadpool_limits(n, user_api="blas")
+
+
+def ensure_predictors(flashdir, settings: Calibration | None = None, progress: bool = True) -> dict | None:
+    """Train FLASHDIR's predictors unless it has them. Returns the manifest's calibration record (None for predictors
+    trained by hand with `train-predictor`)."""
+    from .predictor import load_predictors
+    have = load_predictors(flashdir)
+    if have is not None and have.has_predictors:
+        return have.manifest.get("calibration")
+    try:
+        import torch  # noqa: F401  (training only; the runtime never imports it)
+    except ImportError:
+        raise UserError("training the default model's predictors on first use needs torch: "
+                        "pip install 'flashinfer-lite[train]' (or run with --ffn dense)") from None
+    from flashinfer_lite.loader import open_any
+
+    from .acts import MANIFEST
+    from .collect import collect
+    from .train import train
+
+    settings = settings or SETTINGS
+    flashdir = Path(flashdir)
+    found = find_corpus()
+    if found:
+        where, files = found
+        record = {"source": "corpus", "path": str(where), "files": [f.name for f in files]}
+        source = f"{where} ({', '.join(record['files'])})"
+    else:
+        record = {"source": "builtin", "path": f"{__package__}/{BUILTIN}", "files": [BUILTIN]}
+        source = "the built-in calibration text (no ../shared/corpus found)"
+    t0 = time.perf_counter()
+    threads = idle_cores()
+    say(f"predictors: none yet; training them once, on first use, from {source} with {threads} thread(s)")
+    with tempfile.TemporaryDirectory(dir=flashdir.parent, prefix=f".{flashdir.name}.calibrate-") as tmp, \
+            blas_threads(threads):
+        text = Path(tmp) / "calibration.txt"
+        if found:
+            text.write_text(mixed_text(files, open_any(flashdir).tokenizer(), settings.tokens), encoding="utf-8")
+        else:
+            text.write_text(builtin_text(), encoding="utf-8")
+        acts = collect(flashdir, [text], settings.tokens, Path(tmp) / "acts", ctx=settings.ctx, rows=settings.rows,
+                       progress=progress)
+        record["tokens"] = int(json.loads((acts / MANIFEST).read_text())["tokens"])
+        record["trained_on_first_use"] = True
+        record["settings"] = asdict(settings)
+        train(acts, flashdir, target_recall=settings.target_recall, sparsity=settings.sparsity, steps=settings.steps,
+              dense_layers=settings.dense_layers, progress=progress, calibration=record, threads=threads)
+    say(f"predictors: trained on first use from {describe(record)} in {time.perf_counter() - t0:.0f} s, "
+        f"saved in {flashdir / 'predictors'}")
+    return record

@@ -1,0 +1,213 @@
+"""The default model's predictors, trained on first use: from ../shared/corpus when it is there, else from the
+built-in calibration text. The default model is swapped for stories260K (same code path, seconds instead of minutes)
+and the cache for a temp dir; the CLI runs in-process so the swap holds."""
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import CORPUS, STORIES
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_shared = pytest.mark.skipif(not (STORIES.exists() and (CORPUS / "wikitext2_valid.txt").exists()),
+                                  reason="../shared models/corpus not present")
+PROMPT = ["-p", "Once upon a time", "-n", "16", "--temp", "0", "--json"]
+
+
+@pytest.fixture
+def default_is_stories(monkeypatch, tmp_path):
+    """The default model is stories260K, the cache is empty and private. Returns the cache dir."""
+    from flashinfer_lite import default_model
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(cache))
+    monkeypatch.delenv("FLASHINFER_LITE_CORPUS", raising=False)
+    monkeypatch.setattr(default_model, "ensure_default_model", lambda quiet=False: STORIES)
+    return cache
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    from flashinfer_lite.cli import main
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def flashdir_of(cache: Path) -> Path:
+    (d,) = [p for p in (cache / "flash").iterdir() if not p.name.startswith(".")]
+    return d
+
+
+def leftovers(cache: Path) -> list[str]:
+    """Temp dirs of collect / train / first use anywhere in the cache."""
+    return [str(p) for p in cache.rglob(".*") if ".tmp-" in p.name or ".calibrate-" in p.name]
+
+
+def predictor_manifest(flashdir: Path) -> dict:
+    return json.loads((flashdir / "predictors" / "manifest.json").read_text())
+
+
+def tokens_of(out: str) -> list[int]:
+    return json.loads(out.strip().splitlines()[-1])["tokens"]
+
+
+@needs_shared
+def test_first_use_trains_from_the_corpus_once_and_auto_equals_predicted(default_is_stories, monkeypatch, capsys):
+    from predictors import first_use, train
+    from predictors.predictor import load_predictors
+    cache = default_is_stories
+    monkeypatch.setenv("FLASHINFER_LITE_CORPUS", str(CORPUS))
+    rc, out, err = run_cli(capsys, "generate", *PROMPT)
+    assert rc == 0, err
+    flashdir = flashdir_of(cache)
+    m = predictor_manifest(flashdir)
+    cal = m["calibration"]
+    assert cal["source"] == "corpus" and cal["path"] == str(CORPUS.resolve())
+    assert cal["files"] == ["wikitext2_valid.txt", "tinystories_cased_197KB.txt"]   # never wikitext2_test.txt
+    assert cal["tokens"] == first_use.SETTINGS.tokens and cal["trained_on_first_use"]
+    assert m["sparsity"] == 0.5 and m["target_recall"] == 0.9
+    assert f"predictors: trained on first use from {CORPUS.resolve()} (wikitext2_valid.txt, " \
+           f"tinystories_cased_197KB.txt; {cal['tokens']} tokens)" in err
+    assert "ffn: predicted (--ffn auto, the default model" in err
+    # the predictors load and predict; the run really was sparse
+    ps = load_predictors(flashdir)
+    assert ps.has_predictors and ps.n_layers == 5
+    mask = ps.predict(3, np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32))
+    assert mask.shape == (4, 172) and 0 < mask.mean() < 1
+    first = json.loads(out.strip().splitlines()[-1])
+    assert len(first["tokens"]) == 16 and first["flash"]["active_share"] < 0.75
+    assert not leftovers(cache)
+
+    # second run: nothing is retrained (training would now fail), same tokens, the source is still named
+    stamp = (flashdir / "predictors" / "weights.safetensors").stat().st_mtime_ns
+    monkeypatch.setattr(train, "train", lambda *a, **k: pytest.fail("retrained"))
+    rc, out2, err2 = run_cli(capsys, "generate", *PROMPT)
+    assert rc == 0, err2
+    assert "trained on first use from" in err2 and "predictors: trained" not in err2
+    assert (flashdir / "predictors" / "weights.safetensors").stat().st_mtime_ns == stamp
+    assert tokens_of(out2) == first["tokens"]
+    # --ffn auto is exactly --ffn predicted on the same FLASHDIR
+    rc, out3, err3 = run_cli(capsys, "generate", "-m", str(flashdir), "--ffn", "predicted", *PROMPT)
+    assert rc == 0, err3
+    assert tokens_of(out3) == first["tokens"]
+    rc, out4, err4 = run_cli(capsys, "generate", "-m", str(flashdir), *PROMPT)
+    assert rc == 0 and "ffn: predicted (--ffn auto, " in err4 and tokens_of(out4) == first["tokens"]
+
+
+@needs_shared
+def test_without_a_corpus_the_builtin_text_is_used(default_is_stories, monkeypatch, capsys, tmp_path):
+    from predictors import first_use
+    cache = default_is_stories
+    monkeypatch.setattr(first_use, "search_paths", lambda: [tmp_path / "shared" / "corpus"])
+    rc, out, err = run_cli(capsys, "generate", *PROMPT)
+    assert rc == 0, err
+    cal = predictor_manifest(flashdir_of(cache))["calibration"]
+    assert cal["source"] == "builtin" and cal["files"] == ["calibration.txt"]
+    assert 0 < cal["tokens"] <= first_use.SETTINGS.tokens
+    assert f"predictors: trained on first use from the built-in calibration text ({cal['tokens']} tokens)" in err
+    assert len(tokens_of(out)) == 16 and not leftovers(cache)
+
+
+@needs_shared
+@pytest.mark.parametrize("where", ["training", "saving"])
+def test_interrupted_first_use_leaves_no_predictors(default_is_stories, monkeypatch, capsys, where):
+    """Ctrl-C while a layer trains, or between the predictor files being written: no predictors dir, no temp dirs."""
+    import safetensors.numpy
+    from predictors import first_use, train
+    cache = default_is_stories
+    monkeypatch.setenv("FLASHINFER_LITE_CORPUS", str(CORPUS))
+    monkeypatch.setattr(first_use, "SETTINGS", first_use.Calibration(tokens=1024, rows=1024, steps=50))  # quick
+    if where == "training":
+        real, calls = train.train_layer, []
+
+        def layer_then_interrupt(*a, **k):
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+            return real(*a, **k)
+        monkeypatch.setattr(train, "train_layer", layer_then_interrupt)
+    else:
+        real_save = safetensors.numpy.save_file
+
+        def save_then_interrupt(tensors, path, *a, **k):
+            if ".predictors.tmp-" in str(path) and path.endswith("profile.safetensors"):
+                assert Path(path).with_name("weights.safetensors").exists()   # really mid-write
+                raise KeyboardInterrupt
+            return real_save(tensors, path, *a, **k)
+        monkeypatch.setattr(safetensors.numpy, "save_file", save_then_interrupt)
+    rc, out, err = run_cli(capsys, "generate", *PROMPT)
+    assert rc == 130 and "interrupted" in err
+    flashdir = flashdir_of(cache)
+    assert not (flashdir / "predictors").exists()
+    assert not leftovers(cache)
+
+
+@needs_shared
+def test_missing_torch_is_one_clear_line(default_is_stories, monkeypatch, capsys):
+    monkeypatch.setitem(__import__("sys").modules, "torch", None)   # `import torch` raises ImportError
+    rc, out, err = run_cli(capsys, "generate", *PROMPT)
+    assert rc == 1
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1 and "flashinfer-lite[train]" in lines[0] and "--ffn dense" in lines[0]
+    assert not (flashdir_of(default_is_stories) / "predictors").exists()
+
+
+@needs_shared
+def test_auto_without_predictors_is_dense_and_refuses_a_budget(default_is_stories, capsys):
+    rc, out, err = run_cli(capsys, "generate", "-m", str(STORIES), *PROMPT)
+    assert rc == 0 and f"ffn: dense (--ffn auto, {STORIES} has no trained predictors)" in err
+    assert "flash" not in json.loads(out.strip().splitlines()[-1])          # the dense path: no flash runtime
+    rc, out, err = run_cli(capsys, "generate", "-m", str(STORIES), "--dram-budget", "64M", *PROMPT)
+    assert rc == 1 and len(err.strip().splitlines()) == 1
+    assert "collect" in err and "train-predictor" in err and "--ffn oracle" in err
+    # the default model with an explicit --ffn dense trains nothing
+    rc, out, err = run_cli(capsys, "generate", "--ffn", "dense", *PROMPT)
+    assert rc == 0 and not (default_is_stories / "flash").exists()
+
+
+@needs_shared
+def test_a_corpus_variable_without_calibration_text_is_one_line(default_is_stories, monkeypatch, capsys, tmp_path):
+    empty = tmp_path / "corpus"
+    empty.mkdir()
+    (empty / "wikitext2_test.txt").write_text("evaluation text only\n")   # the test split never calibrates
+    monkeypatch.setenv("FLASHINFER_LITE_CORPUS", str(empty))
+    rc, out, err = run_cli(capsys, "generate", *PROMPT)
+    errors = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert rc == 1 and len(errors) == 1 and "FLASHINFER_LITE_CORPUS" in errors[0] and "Traceback" not in err
+
+
+def test_calibration_files_are_the_calibration_splits(tmp_path):
+    from predictors.first_use import calibration_files
+    for name in ("wikitext2_test.txt", "tinystories_lowercase_4MB.txt", "wikitext2_valid.txt", "README.md"):
+        (tmp_path / name).write_text("x\n")
+    assert [p.name for p in calibration_files(tmp_path)] == ["wikitext2_valid.txt", "tinystories_lowercase_4MB.txt"]
+    (tmp_path / "tinystories_cased_197KB.txt").write_text("x\n")
+    assert [p.name for p in calibration_files(tmp_path)] == ["wikitext2_valid.txt", "tinystories_cased_197KB.txt"]
+    assert calibration_files(tmp_path / "absent") == []
+
+
+@needs_shared
+def test_mixed_text_takes_a_share_of_each_file(tmp_path):
+    """Half the tokens from WikiText, then TinyStories: both sources reach the windows collect reads."""
+    from flashinfer_lite.loader import open_any
+    from predictors.first_use import mixed_text
+    tok = open_any(STORIES).tokenizer()
+    files = [CORPUS / "wikitext2_valid.txt", CORPUS / "tinystories_cased_197KB.txt"]
+    text = mixed_text(files, tok, 4000)
+    wiki, stories = (f.read_text(encoding="utf-8") for f in files)
+    head = text[: len(text) - len(stories) - 1]
+    assert wiki.startswith(head) and text.endswith(stories)
+    n = len(tok.encode(head, add_special_tokens=False))
+    assert 2000 <= n < 2000 + 2500        # at least the share, at most one 4 KB chunk more
+
+
+def test_builtin_calibration_text_ships():
+    data = (resources.files("predictors") / "calibration.txt").read_bytes()
+    text = data.decode("utf-8")                                   # strict: valid UTF-8
+    assert 5_000 < len(data) < 200_000 and len(text.split()) > 1000
+    tomllib = pytest.importorskip("tomllib")
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "calibration.txt" in cfg["tool"]["setuptools"]["package-data"]["predictors"]
