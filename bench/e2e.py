@@ -69,13 +69,14 @@ class Worker:
         if L.dtype == "int8" or L.n_vec != 3 or L.biases:
             raise SystemExit("bench/e2e.py: the dense modes support f16/f32 GLU bundles without biases")
         ffn_names = {n for i in range(L.n_layers) for n in ffn_tensor_names(L, i)}
-        weights = load_weights(ck, skip=lambda n: n in ffn_names)
+        from flashinfer_lite.model import half_matrix   # as the runtime keeps them (runtime.load_runtime)
+        weights = load_weights(ck, skip=lambda n: n in ffn_names, convert=half_matrix if L.dtype != "f32" else None)
         self.resident_bytes = sum(w.nbytes for w in weights.values())
         self.prompt_ids = ck.tokenizer().encode(PROMPT)
         self.model = Transformer(self.cfg, weights, ffn=self.ffn)
         from flashinfer_lite.kernels import SparseFFN
         # Dense = the runtime's own kernel over every row: the modes differ only in where the rows come from.
-        self.dense_kernel = SparseFFN.from_layout(L, threshold=self.cfg.relu_threshold, max_active=max(L.n_neurons))
+        self.dense_kernel = SparseFFN.from_layout(L, max_active=max(L.n_neurons))   # act + threshold of the config
         self.all_rows = np.arange(max(L.n_neurons), dtype=np.int32)
         self.coef = self.dense_kernel.coef
         self.t = 0                          # index of the token being decoded

@@ -91,17 +91,17 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def resident_bytes_for(cfg: ModelConfig, itemsize: int = 4) -> int:
-    """Bytes of every non-FFN tensor (+ FFN down bias and norm) as the runtime keeps them."""
+def resident_bytes_for(cfg: ModelConfig, half: bool = False) -> int:
+    """Bytes of every non-FFN tensor (+ FFN down bias and norm) as the runtime keeps them: matrices (embeddings,
+    attention, lm_head) float16 when `half` (model.half_matrix), else float32; norms and biases float32."""
     d, q, kv = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    n = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
+    matrices = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2) + cfg.n_layers * (d * q + 2 * d * kv + q * d)
     if cfg.pos_offset is not None:
-        n += (cfg.max_pos + cfg.pos_offset) * d
+        matrices += (cfg.max_pos + cfg.pos_offset) * d
     norm = d * (2 if cfg.norm == "layer" else 1)
-    per_layer = d * q + 2 * d * kv + q * d + 2 * norm
-    per_layer += (q + 2 * kv) * cfg.qkv_bias + d * cfg.o_bias + d * cfg.mlp_bias
-    n += cfg.n_layers * per_layer + (norm if cfg.pre_norm else 0)
-    return n * itemsize
+    vectors = cfg.n_layers * (2 * norm + (q + 2 * kv) * cfg.qkv_bias + d * cfg.o_bias + d * cfg.mlp_bias)
+    vectors += norm if cfg.pre_norm else 0
+    return (2 if half else 4) * matrices + 4 * vectors
 
 
 def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 5, max_active: int | None = None,
@@ -229,6 +229,12 @@ def compile_kernels(layout) -> None:
         slots = cache.fetch(0, np.arange(k))
         x = np.zeros(layout.d, np.float32)
         SparseFFN.from_layout(layout, max_active=k)(cache.matrix(0), slots, x, np.zeros_like(x))
+    # the float16 resident matrices' kernels: decode (row kernel, serial and parallel) and prefill (widened blocks)
+    from .kernels import MATMUL_ROW_KERNEL_MAX_T, matmul_t
+    w = np.zeros((2, layout.d), np.float16)
+    for T in (1, MATMUL_ROW_KERNEL_MAX_T + 1):
+        matmul_t(np.zeros((T, layout.d), np.float32), w, parallel_min_work=0)
+    matmul_t(np.zeros((1, layout.d), np.float32), w)
 
 
 def measure_runtime_bytes(layout) -> int:

@@ -180,7 +180,8 @@ def _coefficient(wr, fr, x, d, glu, act, threshold, scale0, bg_idx, bu_idx):
 # Kernels
 
 
-@njit(cache=True, parallel=True, fastmath=True)
+# nogil: flash reads run in Python threads while this computes the rows already resident.
+@njit(cache=True, parallel=True, fastmath=True, nogil=True)
 def sparse_ffn_kernel(W, F, slots, x, y, acc, coef, d, glu, act, threshold, scale0, bg_idx, bu_idx):
     """y[d] = sum over j of coef_j * down(slots[j]); coef[j] receives the coefficient (0 = neuron was inactive).
 
@@ -308,3 +309,77 @@ class SparseFFN:
         sparse_ffn_kernel(W, F, slots, x, y, self.acc, coef, self.d, self.glu, self.act_code, self.threshold,
                           self.scale0, self.bg_idx, self.bu_idx)
         return y
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Resident matrices (attention q/k/v/o, embeddings, lm_head): y = x @ W^T with W float16 (viewed as uint16 bits)
+# or float32. Decode (T = 1) is a GEMV bound by how fast W streams from DRAM: float16 halves those bytes, and a
+# Numba kernel runs on the sparse FFN's thread pool instead of OpenBLAS threads that compete with it. Prefill (large
+# T) is compute bound, where OpenBLAS's register-blocked sgemm is ~7x this row kernel at T = 128, so there W is
+# widened to float32 one cache-sized row block at a time and given to numpy matmul. bench/resident_gemv.py measures
+# both sides.
+
+MATMUL_ROW_KERNEL_MAX_T = 12      # T up to this: row kernel; above: widened blocks + BLAS (crossover measured 12-16)
+# A parallel call costs ~0.02-0.05 ms to wake the other threads on an idle machine (several ms on an overloaded one,
+# omp layer): it pays from this much work (T * n * d, ~0.2-0.4 ms on one core), e.g. one 7B attention matrix with
+# 4 heads (512 x 4096). Below it (SmolLM2's 576 x 576) the serial loop is faster.
+MATMUL_PARALLEL_MIN_WORK = 1 << 21
+WIDEN_BLOCK_BYTES = 1 << 20       # float32 bytes per widened block: stays in L2 while BLAS reads it
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def matmul_t_rows(W, x, y, lo, hi):
+    """y[:, lo:hi] = x[T, d] @ W[lo:hi]^T; W float32 or float16 bits (uint16) [n, d], x and y float32.
+
+    Row by row: each row of W is read from DRAM once and stays in L1 for the T dot products."""
+    d = W.shape[1]
+    for j in range(lo, hi):
+        w = W[j]
+        for t in range(x.shape[0]):
+            y[t, j] = _dot(w, x[t], d)
+
+
+@njit(cache=True, parallel=True, fastmath=True, nogil=True)
+def matmul_t_kernel(W, x, y, chunks):
+    """matmul_t_rows over all rows, split into `chunks` contiguous row ranges run in parallel."""
+    n = W.shape[0]
+    for c in prange(chunks):
+        matmul_t_rows(W, x, y, c * n // chunks, (c + 1) * n // chunks)
+
+
+# Serial on purpose: it alternates with multi-threaded BLAS calls, and a Numba parallel region between them makes
+# each pool wait for the other's spinning threads (measured ~10x slower on 2 loaded cores).
+@njit(cache=True, fastmath=True, nogil=True)
+def widen_rows(W, lo, out):
+    """out[m, d] = rows lo .. lo + m of W as float32."""
+    for r in range(out.shape[0]):
+        w = W[lo + r]
+        o = out[r]
+        for k in range(out.shape[1]):
+            o[k] = _load(w, k)
+
+
+def matmul_t(x: np.ndarray, w: np.ndarray, row_kernel_max_t: int = MATMUL_ROW_KERNEL_MAX_T,
+             parallel_min_work: int = MATMUL_PARALLEL_MIN_WORK) -> np.ndarray:
+    """x [T, d] @ w [n, d]^T -> float32 [T, n] for a float16 or float32 matrix w."""
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"matmul_t: x {x.shape} does not match w {w.shape}")
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    T, (n, d) = x.shape[0], w.shape
+    W = w.view(np.uint16) if w.dtype == np.float16 else w
+    y = np.empty((T, n), np.float32)
+    if T <= row_kernel_max_t:
+        threads = numba.get_num_threads()
+        if threads > 1 and T * n * d >= parallel_min_work:
+            matmul_t_kernel(W, x, y, threads)
+        else:
+            matmul_t_rows(W, x, y, 0, n)
+    elif w.dtype == np.float32:
+        np.matmul(x, w.T, out=y)
+    else:
+        buf = np.empty((max(1, min(n, WIDEN_BLOCK_BYTES // (4 * d))), d), np.float32)
+        for lo in range(0, n, buf.shape[0]):
+            block = buf[: min(buf.shape[0], n - lo)]
+            widen_rows(W, lo, block)
+            np.matmul(x, block.T, out=y[:, lo: lo + block.shape[0]])
+    return y

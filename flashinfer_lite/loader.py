@@ -23,11 +23,14 @@ def open_any(path) -> Checkpoint:
     return open_checkpoint(Path(path))
 
 
-def load_weights(ckpt: Checkpoint, progress: bool = False, skip=lambda name: False) -> dict:
-    """Tensors as float32, read one by one; `skip(name)` leaves some on flash (the sparse runtime's FFN)."""
+def load_weights(ckpt: Checkpoint, progress: bool = False, skip=lambda name: False, convert=None) -> dict:
+    """Tensors as float32, read one by one; `skip(name)` leaves some on flash (the sparse runtime's FFN);
+    `convert` (e.g. model.half_matrix) is applied to each as it is read, so no second copy of the model exists."""
     names = [n for n in ckpt.names() if not skip(n)]
     it = tqdm(names, desc="loading", unit="tensor", disable=not progress, leave=False)
-    return {n: ckpt.tensor(n) for n in it}
+    if convert is None:
+        return {n: ckpt.tensor(n) for n in it}
+    return {n: convert(ckpt.tensor(n)) for n in it}
 
 
 def load(path, progress: bool = False) -> tuple[Transformer, Tokenizer]:

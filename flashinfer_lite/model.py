@@ -14,6 +14,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from .errors import UserError
+from .kernels import matmul_t
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -87,8 +88,8 @@ def relu(x: np.ndarray) -> np.ndarray:
 
 
 def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
-    # x [T, in] @ w [out, in]^T -> [T, out]
-    y = x @ w.T
+    # x [T, in] @ w [out, in]^T -> [T, out]. float16 w: resident matrices (half_matrices), the Numba kernel.
+    y = matmul_t(x, w) if w.dtype == np.float16 else x @ w.T
     return y if b is None else y + b
 
 
@@ -123,6 +124,29 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     e = np.exp(x - x.max(axis=axis, keepdims=True))
     return e / e.sum(axis=axis, keepdims=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Resident weights in float16: half the DRAM, and half the bytes each decoded token streams through linear()
+
+def half_matrix(a: np.ndarray) -> np.ndarray:
+    """A float32 matrix as float16; anything else (norms, biases: 1-D, small, added rather than multiplied) as is.
+    A matrix with values beyond float16's range (|w| > 65504) stays float32: linear() runs either."""
+    if a.ndim != 2 or a.dtype != np.float32:
+        return a
+    with np.errstate(over="ignore"):  # overflow is checked for just below
+        h = a.astype(np.float16)
+    return a if np.isinf(h).any() and not np.isinf(a).any() else h
+
+
+def half_matrices(weights: dict) -> dict:
+    """Every matrix of `weights` (attention, embeddings, lm_head; a dense FFN's too if present) as float16, in place.
+
+    One tensor at a time: each float32 array is released as its float16 copy replaces it (unless the caller holds
+    another reference), so the transient is one tensor, not a second model."""
+    for name in list(weights):
+        weights[name] = half_matrix(weights[name])
+    return weights
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -235,8 +259,9 @@ FFNFn = Callable[[int, np.ndarray], np.ndarray]  # (layer, x [T, d]) -> y [T, d]
 class Transformer:
     """Decoder-only transformer over canonical weight names (see checkpoint.py).
 
-    `weights` maps canonical names to float32 arrays. `ffn` replaces the dense FFN (the flash runtime plugs in here);
-    it receives the normed FFN input of a layer and returns that layer's FFN output.
+    `weights` maps canonical names to float32 arrays; matrices may be float16 (half_matrices). `ffn` replaces the
+    dense FFN (the flash runtime plugs in here); it receives the normed FFN input of a layer and returns that layer's
+    FFN output.
     """
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray], ffn: FFNFn | None = None):
@@ -301,5 +326,5 @@ class Transformer:
             x = x[-1:]
         if self.norm_w is not None:
             x = self._norm(x, (self.norm_w, self.norm_b))
-        logits = x @ self.lm_head.T                                              # [T, V]
+        logits = linear(x, self.lm_head)                                         # [T, V]
         return logits if all_logits else logits[0]

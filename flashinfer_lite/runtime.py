@@ -23,7 +23,7 @@ import numpy as np
 
 from .errors import UserError
 from .loader import is_flashdir, load_weights, open_any
-from .model import FeedForward, ModelConfig, Transformer
+from .model import FeedForward, ModelConfig, Transformer, half_matrix
 from .tokenizer import Tokenizer
 from storage.format import aligned_empty, bundle_tensors, unpack_bundles
 
@@ -327,7 +327,11 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | None = None, ctx: 
         if dram_budget is not None:
             raise UserError("--dram-budget applies to --ffn predicted/oracle; --ffn dense keeps every weight in DRAM")
         ckpt = open_any(path)
-        return Transformer(ckpt.config, load_weights(ckpt, progress)), ckpt.tokenizer(), None
+        # A float16 FLASHDIR runs with float16 matrices in every mode (so dense and oracle compare like for like);
+        # an HF directory or GGUF file stays float32, the reference checked against transformers.
+        half = is_flashdir(path) and ckpt.layout.dtype != "f32"
+        weights = load_weights(ckpt, progress, convert=half_matrix if half else None)
+        return Transformer(ckpt.config, weights), ckpt.tokenizer(), None
     from storage.format import FlashCheckpoint, verify as verify_flashdir
     from .budget import keep_freed_arrays_out_of_rss, measure_runtime_bytes, plan_budget, resident_bytes_for
     keep_freed_arrays_out_of_rss()
@@ -346,7 +350,10 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | None = None, ctx: 
     # on a process that holds everything but the weights (tokenizer, predictors, compiled kernels included).
     if runtime_bytes is None:
         runtime_bytes = measure_runtime_bytes(layout)
-    resident = resident_bytes_for(cfg)
+    # float16 bundles: the resident matrices go float16 too (half the DRAM, and GEMV reads half the bytes);
+    # float32 bundles keep the whole model exact.
+    half = layout.dtype != "f32"
+    resident = resident_bytes_for(cfg, half=half)
     if ffn == "oracle":  # the true activations need the dense gate/up weights, float32, kept for the run
         resident += cfg.n_layers * cfg.ffn_dim * cfg.dim * 4 * (2 if cfg.glu else 1)
     def plan_for(budget: int):
@@ -357,7 +364,8 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | None = None, ctx: 
     plan = plan_for(dram_budget if dram_budget is not None else plan_for(1 << 60).used_bytes)
     if verbose or dram_budget is not None:
         print(plan.table(), file=sys.stderr)
-    weights = load_weights(ckpt, progress, skip=lambda n: bool(_BUNDLED.fullmatch(n)))
+    weights = load_weights(ckpt, progress, skip=lambda n: bool(_BUNDLED.fullmatch(n)),
+                           convert=half_matrix if half else None)
     if ffn == "oracle":
         select = oracle_selector(cfg, ckpt, predictors)
     else:

