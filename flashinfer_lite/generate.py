@@ -82,6 +82,11 @@ class Timings:
             f = runtime.stats.as_dict()
             print(f"{w}:      flash reads = {f['mb_read_per_token']:10.2f} MB per token, hit rate {f['hit_rate']:.3f}, "
                   f"{f['read_mb_per_s']:.1f} MB/s, active FFN share {f['active_share']:.3f}", file=out)
+            served = f" lookahead prefetch {f['prefetch_used_rows']} of {f['prefetched_rows']} rows used;" \
+                if f["prefetched_rows"] else ""
+            print(f"{w}:       flash wait = {f['read_wait_ms_per_token']:10.2f} ms per token blocked, "
+                  f"{f['read_in_flight_ms_per_token']:.2f} ms in flight ({100 * f['overlapped_share']:.0f}% "
+                  f"overlapped with compute);{served}", file=out)
         m = rss_summary(runtime)
         line = f"{w}:         peak RSS = {m['peak_rss_mb']:10.1f} MiB"
         if "dram_budget_mb" in m:

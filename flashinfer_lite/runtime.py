@@ -72,8 +72,11 @@ class RuntimeStats:
         return {"active_share": round(float(self.active_share().mean()), 4), "hit_rate": round(self.hit_rate(), 4),
                 "mb_read": round(self.bytes_read / 2**20, 3), "mb_read_per_token": round(self.bytes_read / 2**20 / tok, 3),
                 "prefill_mb_read": round(self.prefill_bytes_read / 2**20, 3),
-                "read_mb_per_s": round((self.bytes_read + self.prefill_bytes_read) / 2**20 / self.read_s, 1)
-                if self.read_s else 0.0,
+                "read_mb_per_s": round((self.bytes_read + self.prefill_bytes_read) / 2**20 / self.io_s, 1)
+                if self.io_s else 0.0,
+                "read_wait_ms_per_token": round(self.read_s * 1e3 / tok, 3),
+                "read_in_flight_ms_per_token": round(self.io_s * 1e3 / tok, 3),
+                "overlapped_share": round(max(0.0, 1 - self.read_s / self.io_s), 4) if self.io_s else 0.0,
                 "predictor_ms": round(self.predictor_s * 1e3, 3), "lookup_ms": round(self.lookup_s * 1e3, 3),
                 "read_ms": round(self.read_s * 1e3, 3), "io_ms": round(self.io_s * 1e3, 3), "compute_ms": round(self.compute_s * 1e3, 3),
                 "decode_tokens": self.tokens, "streamed_layers": self.streamed_layers,
@@ -135,7 +138,7 @@ class FlashFFN:
         ids = self.active_ids(layer, x)
         y = np.empty_like(x)
         if T > 1 and self.prefer_streaming(layer, ids):
-            self.stream_layer(layer, x, y)
+            self.stream_layer(layer, x, y, ids)
             self.stats.streamed_layers += 1
             n_active = T * self.layout.n_neurons[layer]
         else:
@@ -231,9 +234,13 @@ class FlashFFN:
             print(f"prefill of {len(ids)} tokens: {uncached} uncached neurons in layer 0 -> {how}", file=sys.stderr)
         return choice
 
-    def stream_layer(self, layer: int, x: np.ndarray, y: np.ndarray) -> None:
-        """Dense FFN of all rows of x, reading the layer's bundles in large sequential chunks."""
+    def stream_layer(self, layer: int, x: np.ndarray, y: np.ndarray, ids: list[np.ndarray]) -> None:
+        """The FFN of all rows of x over each row's selected bundle ids, reading the layer's bundles in large
+        sequential chunks: the same function the cache path computes, only the reads differ."""
         L = self.layout
+        selected = np.zeros((x.shape[0], L.n_neurons[layer]), bool)   # [T, n] by bundle id
+        for t, row in enumerate(ids):
+            selected[t, row] = True
         rows_per_chunk = max(1, STREAM_CHUNK_BYTES // L.stride)
         if self._chunk is None:
             self._chunk = aligned_empty((rows_per_chunk, L.stride), np.uint8)
@@ -244,11 +251,12 @@ class FlashFFN:
             t0 = time.perf_counter()
             rs = self.reader.read(layer, np.arange(start, start + m), dest=self._chunk, slots=np.arange(m))
             t1 = time.perf_counter()
-            self.stats.read_s += t1 - t0
+            self.stats.read_s += t1 - t0     # a synchronous read: waited for the whole time it was in flight
+            self.stats.io_s += t1 - t0
             self.stats.prefill_bytes_read += rs.read_bytes
             # The chunk's m neurons as a small dense FFN (its down bias stays out: it is added once per layer).
             f = FeedForward(self.cfg, bundle_tensors(L, layer, *unpack_bundles(L, self._chunk[:m])), layer)
-            a = f.activations(x)                                            # [T, m]
+            a = f.activations(x) * selected[:, start:start + m]             # [T, m]
             if self.mag_threshold[layer] > 0:
                 a = np.where(np.abs(a) > self.mag_threshold[layer], a, 0.0)
             y += a @ f.w_down.T

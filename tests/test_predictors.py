@@ -239,3 +239,17 @@ def test_lookahead_prefetch_changes_bytes_not_results(stories):
     # served-early rows are still misses of the exact set (the staging rows come out of the same budget, so the
     # window is a little smaller than without lookahead)
     assert st.prefetch_used <= st.misses
+
+
+@needs_shared
+def test_prefill_streaming_computes_the_same_function_as_the_cache_path(stories):
+    """Streaming a layer only changes how bundles are read: each row still gets its predicted set, thresholded."""
+    from flashinfer_lite.runtime import load_runtime
+    ids = [1, 403, 261, 324, 281, 384, 265, 427, 298, 410, 327, 261]
+    out = {}
+    for stream in (True, False):
+        model, _, rt = load_runtime(stories["flash"], "predicted", ctx=64)
+        rt.prefer_streaming = lambda layer, sets, s=stream: s
+        out[stream] = model.forward(ids, model.new_cache(64), all_logits=True)
+        assert rt.stats.streamed_layers == (5 if stream else 0)
+    np.testing.assert_allclose(out[True], out[False], rtol=1e-4, atol=1e-4)
