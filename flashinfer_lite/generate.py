@@ -191,6 +191,9 @@ def add_model_arguments(p) -> None:
                         "predictors, else dense")
     p.add_argument("--dram-budget", default=None,
                    help="bytes the process may keep (e.g. 300M, 2GiB): weights, KV cache, neuron cache, buffers")
+    p.add_argument("--lookahead", action="store_true",
+                   help="start each layer's flash reads one layer early on a guess (its predictor on the previous "
+                        "layer's input); pays only where compute, not flash bandwidth, is the bottleneck")
     p.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: all cores)")
     p.add_argument("-v", "--verbose", action="store_true", help="print the budget split and runtime decisions")
 
@@ -244,7 +247,8 @@ def open_model(args):
         numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
     budget = parse_size(args.dram_budget) if args.dram_budget else None
     model, tokenizer, runtime = load_runtime(path, ffn, dram_budget=budget, ctx=args.ctx_size or None,
-                                             progress=sys.stderr.isatty(), verbose=args.verbose)
+                                             progress=sys.stderr.isatty(), verbose=args.verbose,
+                                             lookahead=args.lookahead)
     if why:
         print(why, file=sys.stderr)
     return model, tokenizer, runtime, (time.perf_counter() - t0) * 1e3

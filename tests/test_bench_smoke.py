@@ -160,8 +160,8 @@ def test_lookahead_recalls_match_transformers(lookahead):
 
 def test_lookahead_bytes_match_a_replayed_window(lookahead):
     """Today: exact-set neurons outside the union of the last 5 tokens' sets. Hybrid (naive lookahead): the window
-    holds lookahead | exact; prefetched = lookahead outside it; critical = exact outside it and the lookahead.
-    Counted from token `warmup_tokens` on (the window fills from empty before)."""
+    holds lookahead | exact ("naive") or only the exact sets ("naive_drop"); prefetched = lookahead outside it;
+    critical = exact outside it and the lookahead. Counted from token `warmup_tokens` on."""
     from predictors.predictor import load_predictors
     doc, _, _, hf = lookahead
     assert doc["hot"] == "none" and doc["window"] == 5
@@ -171,41 +171,46 @@ def test_lookahead_bytes_match_a_replayed_window(lookahead):
         j = r["layer"]
         exact = preds.predict(j, hf["x"][j])
         ahead = preds.predict(j, hf["h_next"][j - 1])
-        got = {"today": 0, "prefetched": 0, "wasted": 0, "critical": 0}
+        got = {"today": 0, **{p: {"prefetched": 0, "wasted": 0, "critical": 0} for p in ("naive", "naive_drop")}}
         hist_today, hist_hyb = [], []
         for t, (e, a) in enumerate(zip(exact, ahead)):
             e, a = set(np.flatnonzero(e)), set(np.flatnonzero(a))
             win_today = set().union(*hist_today[-5:])
-            win_hyb = set().union(*hist_hyb[-5:])
-            pre = a - win_hyb
             if t >= w0:
                 got["today"] += len(e - win_today)
-                got["prefetched"] += len(pre)
-                got["wasted"] += len(pre - e)
-                got["critical"] += len(e - win_hyb - a)
+                for p, win in (("naive", set().union(*hist_hyb[-5:])), ("naive_drop", win_today)):
+                    got[p]["prefetched"] += len(a - win)
+                    got[p]["wasted"] += len(a - win - e)
+                    got[p]["critical"] += len(e - win - a)
             hist_today.append(e)
             hist_hyb.append(e | a)
         T = len(exact) - w0
         b = r["bytes_per_token"]
         assert b["today"]["critical"] == pytest.approx(got["today"] * stride / T, rel=0.01, abs=1), j
-        for k in ("prefetched", "wasted", "critical"):
-            assert b["naive"][k] == pytest.approx(got[k] * stride / T, rel=0.01, abs=1), (j, k)
+        for p in ("naive", "naive_drop"):
+            for k in ("prefetched", "wasted", "critical"):
+                assert b[p][k] == pytest.approx(got[p][k] * stride / T, rel=0.01, abs=1), (j, p, k)
 
 
 def test_lookahead_byte_accounting_adds_up(lookahead):
     doc, err, _, _ = lookahead
     for r in doc["layers"]:
-        for k in ("naive", "trained"):
+        for k in ("naive", "trained", "naive_drop", "trained_drop"):
             b = r["bytes_per_token"][k]
             assert b["total"] == pytest.approx(b["prefetched"] + b["critical"], abs=0.2)
             assert 0 <= b["wasted"] <= b["prefetched"]
             assert r["resident_bytes"][k] >= r["resident_bytes"]["today"] * 0.999   # it holds exact | lookahead
+        for k in ("naive_drop", "trained_drop"):
+            # same window as today: every prefetched row is either one today reads or one nobody selected
+            b = r["bytes_per_token"][k]
+            assert b["total"] == pytest.approx(r["bytes_per_token"]["today"]["critical"] + b["wasted"], abs=0.3)
+            assert r["resident_bytes"][k] == r["resident_bytes"]["today"]
         assert f"| {r['layer']} |" in err
     tot = doc["bytes_per_token"]
     for p, parts in tot.items():
         for m, v in parts.items():
             assert v == pytest.approx(sum(r["bytes_per_token"][p][m] for r in doc["layers"]), abs=1)
-    for k in ("naive", "trained"):
+    for k in ("naive", "trained", "naive_drop", "trained_drop"):
         c = doc["conclusion"][k]
         assert c["moved_off_critical_share"] == pytest.approx(1 - tot[k]["critical"] / tot["today"]["critical"],
                                                               abs=1e-3)

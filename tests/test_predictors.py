@@ -226,7 +226,8 @@ def test_lookahead_prefetch_changes_bytes_not_results(stories):
     ids = [1, 403, 261, 324, 281, 384, 265, 427, 298, 410, 327, 261, 368, 287]
     runs = {}
     # the smallest budget the plan allows (runtime line left out so it does not depend on this process's RSS)
-    minimum = load_runtime(stories["flash"], "predicted", ctx=64, runtime_bytes=0)[2].plan.minimum_bytes
+    probe = load_runtime(stories["flash"], "predicted", ctx=64, runtime_bytes=0, lookahead=True)[2]
+    minimum = probe.plan.minimum_bytes
     for ahead in (False, True):
         model, _, rt = load_runtime(stories["flash"], "predicted", dram_budget=minimum, ctx=64, runtime_bytes=0,
                                     lookahead=ahead)
