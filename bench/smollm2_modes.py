@@ -23,7 +23,7 @@ Per row, in this order: a greedy generation of --gen tokens from a chat prompt (
 step timed (P50, P99, tok/s), with the bytes fetched from storage per step (/proc/self/io: page-cache misses and
 O_DIRECT) and the neuron cache hit rate; then perplexity over --tokens tokens of the corpus in windows of --ctx tokens,
 each from an empty KV cache (predictors/evaluate.py's windows; the runtime rows feed them one token at a time, the
-decode path). Peak RSS (getrusage) and the cgroup's peak (RSS + page cache) cover the whole row.
+decode path). Peak RSS (VmHWM) and the cgroup's peak (RSS + page cache) cover the whole row.
 "Model files" = ffn.bin + resident.safetensors of the FLASHDIR; --cap defaults to half of them.
 Prints one JSON document (stdout) and a markdown table (stderr, and --md FILE).
 """
@@ -276,7 +276,6 @@ def minimum_in(message: str) -> int:
 
 
 def worker_main(a) -> int:
-    import resource
     from flashinfer_lite.errors import UserError
     job = json.loads(Path(a.job).read_text())
     res = {"mode": a.worker}
@@ -295,7 +294,8 @@ def worker_main(a) -> int:
     except Exception as e:  # the row records why it could not run; the other rows go on
         res["error"] = f"{type(e).__name__}: {e}".strip()[:2000]
         res["traceback"] = traceback.format_exc()[-3000:]
-    res["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    from flashinfer_lite.budget import peak_rss_bytes   # VmHWM: ru_maxrss inherits the parent's peak across exec
+    res["peak_rss_bytes"] = peak_rss_bytes()
     tmp = Path(a.out + ".tmp")
     tmp.write_text(json.dumps(res))
     tmp.rename(a.out)
