@@ -220,6 +220,11 @@ class Fetch:
         self.cache, self._L, self.slots, self.new = cache, L, slots, new   # new[j]: slots[j] is being read
         self._rows, self._pending = reading_rows, pending
 
+    @property
+    def reading(self) -> bool:
+        """A read is in flight (finish() not yet called and there were misses to read)."""
+        return self._pending is not None
+
     def finish(self) -> None:
         """Wait for the misses' read (no-op without misses). A failed read rolls its rows back and raises."""
         if self._pending is None:

@@ -164,7 +164,7 @@ class FlashFFN:
             f = self.cache.start_fetch(layer, ids[start:start + cap])
             if self.lookahead is not None and start == 0 and layer + 1 < self.cfg.n_layers:
                 self._prefetch_next(layer + 1, x)
-            if self.overlap:
+            if self.overlap and f.reading:
                 # The misses are in flight: compute the rows already in DRAM meanwhile, then the new ones. On one
                 # thread, so that a core stays free for the reader threads issuing and completing the reads.
                 n_threads = numba.get_num_threads()
