@@ -182,12 +182,13 @@ def _coefficient(wr, fr, x, d, glu, act, threshold, scale0, bg_idx, bu_idx):
 
 # nogil: flash reads run in Python threads while this computes the rows already resident.
 @njit(cache=True, parallel=True, fastmath=True, nogil=True)
-def sparse_ffn_kernel(W, F, slots, x, y, acc, coef, d, glu, act, threshold, scale0, bg_idx, bu_idx):
+def sparse_ffn_kernel(W, F, slots, x, y, acc, coef, d, glu, act, threshold, scale0, bg_idx, bu_idx, magnitude):
     """y[d] = sum over j of coef_j * down(slots[j]); coef[j] receives the coefficient (0 = neuron was inactive).
 
     W: typed view of the bundle matrix [rows, stride // itemsize]; F: its float32 view [rows, stride // 4];
     slots: int[n] rows to use; x: float32[d]; y: float32[d] (overwritten); acc: float32[T, >=d] per-thread
-    scratch (T chunks of neurons); coef: float32[>=n]. scale0: float index of the first int8 scale or -1;
+    scratch (T chunks of neurons); coef: float32[>=n]. magnitude: coefficients with |c| <= it count as zero (-1: none).
+    scale0: float index of the first int8 scale or -1;
     bg_idx / bu_idx: float index of the gate / up bias or -1.
     """
     n = slots.shape[0]
@@ -203,6 +204,8 @@ def sparse_ffn_kernel(W, F, slots, x, y, acc, coef, d, glu, act, threshold, scal
             wr = W[r]
             fr = F[r]
             c = _coefficient(wr, fr, x, d, glu, act, threshold, scale0, bg_idx, bu_idx)
+            if abs(c) <= magnitude:     # SwiGLU's calibrated threshold: a small |a| counts as not fired
+                c = np.float32(0.0)
             coef[j] = c
             if c != np.float32(0.0):
                 _axpy(a, c * _scalar(fr, scale_down, 1.0), wr[down:down + d], d)
@@ -297,9 +300,10 @@ class SparseFFN:
         return B.view(STORAGE_VIEWS[self.dtype]), B.view(np.float32)
 
     def __call__(self, B: np.ndarray, slots: np.ndarray, x: np.ndarray, y: np.ndarray,
-                 coef: np.ndarray | None = None) -> np.ndarray:
+                 coef: np.ndarray | None = None, magnitude: float = -1.0) -> np.ndarray:
         """y[:] = sparse FFN of x over bundle rows `slots`; coef (float32[>= len(slots)]), if given, receives each
-        neuron's coefficient, so `coef != 0` is the set that actually fired (after ReLU / FATReLU)."""
+        neuron's coefficient, so `coef != 0` is the set that actually fired (after ReLU / FATReLU, and after the
+        magnitude threshold: a neuron with |coefficient| <= magnitude is skipped, as SwiGLU thresholds calibrate)."""
         W, F = self.views(B)
         n = len(slots)
         if coef is None:
@@ -307,7 +311,7 @@ class SparseFFN:
                 self.coef = np.zeros(n, np.float32)
             coef = self.coef
         sparse_ffn_kernel(W, F, slots, x, y, self.acc, coef, self.d, self.glu, self.act_code, self.threshold,
-                          self.scale0, self.bg_idx, self.bu_idx)
+                          self.scale0, self.bg_idx, self.bu_idx, np.float32(magnitude))
         return y
 
 

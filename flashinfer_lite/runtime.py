@@ -191,27 +191,16 @@ class FlashFFN:
         self.cache.prefetch(layer, np.sort(self.bundle_of[layer][np.flatnonzero(guess)]))
 
     def _accumulate(self, layer: int, slots: np.ndarray, x: np.ndarray, out: np.ndarray) -> int:
-        """out += sparse FFN over cache rows `slots`; returns how many of them fired."""
+        """out += sparse FFN over cache rows `slots`; returns how many of them fired. SwiGLU neurons under the
+        calibrated magnitude threshold are skipped inside the kernel, as calibrated."""
         if not len(slots):
             return 0
         t0 = time.perf_counter()
-        self.kernel(self.cache.matrix(layer), slots, x, self.y_row)
-        c = self.kernel.coef[: len(slots)]  # each neuron's activation; 0 = did not fire
-        if self.mag_threshold[layer] > 0:
-            # SwiGLU: neurons under the calibrated magnitude threshold are skipped, as calibrated.
-            self._remove_small(layer, slots, c)
+        mag = self.mag_threshold[layer] if self.mag_threshold[layer] > 0 else -1.0
+        self.kernel(self.cache.matrix(layer), slots, x, self.y_row, magnitude=mag)
         out += self.y_row
         self.stats.compute_s += time.perf_counter() - t0
-        return int(np.count_nonzero(c))
-
-    def _remove_small(self, layer: int, slots: np.ndarray, coef: np.ndarray) -> None:
-        small = np.flatnonzero((coef != 0) & (np.abs(coef) <= self.mag_threshold[layer]))
-        if small.size:
-            down = self.layout.vector_index("down")
-            B = self.cache.matrix(layer)[slots[small]]
-            vecs, _ = unpack_bundles(self.layout, B)
-            self.y_row -= coef[small] @ vecs[:, down, :]
-            coef[small] = 0.0
+        return int(np.count_nonzero(self.kernel.coef[: len(slots)]))   # 0 = did not fire
 
     def _close_token(self) -> None:
         st = self.cache.stats

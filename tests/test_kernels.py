@@ -216,3 +216,24 @@ def test_bad_configuration_is_a_user_error():
     ffn = SparseFFN(16, "f16", True, "relu", 512, 96)
     with pytest.raises(UserError):
         ffn(np.zeros((4, 1024), np.uint8), np.arange(2), np.zeros(16, np.float32), np.zeros(16, np.float32))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_magnitude_threshold_skips_small_swiglu_activations(dtype):
+    """SwiGLU's calibrated threshold: neurons with |act(gate) * up| <= t count as not fired, inside the kernel."""
+    rng = np.random.default_rng(11)
+    d, n = 64, 301
+    w = make_model(rng, d, n, True, False)
+    layout, bundles, dq = pack(w, dtype, True)
+    M, rows = scatter_rows(rng, bundles, extra=9)
+    ffn = SparseFFN.from_layout(layout, act="silu", threads=2)
+    x = rng.standard_normal(d).astype(np.float32)
+    h = dense_coefficients(dq, x, True, "silu", None)
+    s = np.sort(np.abs(h))
+    t = float(s[n // 2] + s[n // 2 + 1]) / 2   # about half of the neurons fall under it, none sits on it
+    h_t = np.where(np.abs(h) > t, h, 0.0)
+    y = np.zeros(d, np.float32)
+    coef = np.zeros(n, np.float32)
+    ffn(M, rows, x, y, coef, magnitude=t)
+    assert rel_err(y, dense_ffn(dq, h_t)) < RTOL
+    assert np.array_equal(coef != 0, h_t != 0) and 0.4 < (coef != 0).mean() < 0.6
