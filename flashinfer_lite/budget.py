@@ -221,7 +221,7 @@ def compile_kernels(layout) -> None:
     vectors), so their machine code and LLVM are in memory now, before the weights, and not on the first token.
     """
     from storage.reader import BundleReader
-    from .kernels import SparseFFN
+    from .kernels import MATMUL_ROW_KERNEL_MAX_T, SparseFFN, matmul_t
     from .neuron_cache import NeuronCache
     k = min(2, layout.n_neurons[0])
     with BundleReader(layout, threads=1) as reader:
@@ -229,8 +229,9 @@ def compile_kernels(layout) -> None:
         slots = cache.fetch(0, np.arange(k))
         x = np.zeros(layout.d, np.float32)
         SparseFFN.from_layout(layout, max_active=k)(cache.matrix(0), slots, x, np.zeros_like(x))
+    if layout.dtype == "f32":
+        return   # resident matrices stay float32 (runtime.load_runtime): BLAS, no kernel to compile
     # the float16 resident matrices' kernels: decode (row kernel, serial and parallel) and prefill (widened blocks)
-    from .kernels import MATMUL_ROW_KERNEL_MAX_T, matmul_t
     w = np.zeros((2, layout.d), np.float16)
     for T in (1, MATMUL_ROW_KERNEL_MAX_T + 1):
         matmul_t(np.zeros((T, layout.d), np.float32), w, parallel_min_work=0)

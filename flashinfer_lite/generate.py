@@ -227,9 +227,8 @@ def choose_ffn(args) -> tuple[str, str, str | None]:
     if args.ffn != "auto":
         return args.model, args.ffn, None
     if is_flashdir(args.model):
-        from predictors.predictor import load_predictors
-        have = load_predictors(args.model)
-        if have is not None and have.has_predictors:
+        from predictors.predictor import has_trained_predictors
+        if has_trained_predictors(args.model):
             return args.model, "predicted", f"ffn: predicted (--ffn auto, {args.model} has trained predictors)"
     if args.dram_budget:
         raise UserError(f"--dram-budget needs a sparse FFN, and {args.model} has no predictors: run "

@@ -28,8 +28,7 @@ def load_weights(ckpt: Checkpoint, progress: bool = False, skip=lambda name: Fal
     `convert` (e.g. model.half_matrix) is applied to each as it is read, so no second copy of the model exists."""
     names = [n for n in ckpt.names() if not skip(n)]
     it = tqdm(names, desc="loading", unit="tensor", disable=not progress, leave=False)
-    if convert is None:
-        return {n: ckpt.tensor(n) for n in it}
+    convert = convert or (lambda a: a)
     return {n: convert(ckpt.tensor(n)) for n in it}
 
 

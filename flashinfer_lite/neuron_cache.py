@@ -357,7 +357,7 @@ class NeuronCache:
         miss_ids, miss_slots = L.miss_ids[:n_miss], L.miss_slots[:n_miss]
         new = L.out_new[: ids.size].view(bool)
         if self._staged is not None and n_miss:
-            miss_ids, miss_slots = self._take_staged(layer, L, miss_ids, miss_slots, ids, new)
+            miss_ids, miss_slots = self._take_staged(layer, L, miss_ids, miss_slots, new)
         pending = None
         if miss_ids.size:
             try:
@@ -384,39 +384,41 @@ class NeuronCache:
         self._staged = (layer, guess, pending)
         return int(guess.size)
 
-    def _drop_staged(self) -> None:
-        """Forget an unconsumed guess; its read must still land before the staging rows are reused."""
-        if self._staged is not None:
-            _, guess, pending = self._staged
-            self._staged = None
-            try:
-                rs = pending.wait()
-            except Exception:
-                return
-            self.stats.bytes_read += rs.read_bytes
-            self.stats.prefetched += guess.size
-
-    def _take_staged(self, layer, L, miss_ids, miss_slots, ids, new):
-        """Copy the misses the last prefetch guessed from the staging rows; return the misses still to read."""
-        s_layer, guess, pending = self._staged
+    def _land_staged(self):
+        """Wait for the last guess's read and count it; returns (layer, guess ids), or None if there was none or its
+        read failed (an exact read of those rows then reports the I/O error properly)."""
+        if self._staged is None:
+            return None
+        layer, guess, pending = self._staged
         self._staged = None
-        st = self.stats
         t0 = time.perf_counter()
         try:
             rs = pending.wait()
         except Exception:
-            return miss_ids, miss_slots         # the exact read below reports the I/O error properly
+            return None
+        st = self.stats
         st.read_s += time.perf_counter() - t0
         st.io_s += rs.seconds
         st.bytes_read += rs.read_bytes
         st.prefetched += guess.size
-        if s_layer != layer:
+        return layer, guess
+
+    def _drop_staged(self) -> None:
+        """Forget an unconsumed guess; its read must still land before the staging rows are reused."""
+        self._land_staged()
+
+    def _take_staged(self, layer, L, miss_ids, miss_slots, new):
+        """Copy the misses the last prefetch guessed from the staging rows; return the misses still to read."""
+        landed = self._land_staged()
+        if landed is None or landed[0] != layer:
             return miss_ids, miss_slots
+        guess = landed[1]
         pos = np.minimum(np.searchsorted(guess, miss_ids), guess.size - 1)
         have = guess[pos] == miss_ids
         _copy_rows(L.matrix, miss_slots[have], self.staging, pos[have])
-        st.prefetch_used += int(have.sum())
-        new[np.isin(ids, miss_ids[have])] = False
+        self.stats.prefetch_used += int(have.sum())
+        # the misses are the ids flagged new, in the same order (_admit lists them as it flags them)
+        new[np.flatnonzero(new)[have]] = False
         return miss_ids[~have], miss_slots[~have]
 
     @staticmethod

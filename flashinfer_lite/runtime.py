@@ -363,10 +363,12 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | None = None, ctx: 
     resident = resident_bytes_for(cfg, half=half)
     if ffn == "oracle":  # the true activations need the dense gate/up weights, float32, kept for the run
         resident += cfg.n_layers * cfg.ffn_dim * cfg.dim * 4 * (2 if cfg.glu else 1)
+    lookahead = lookahead and ffn == "predicted"   # the guess is a predictor's
+
     def plan_for(budget: int):
         return plan_budget(cfg, layout, budget, ctx, window, max_active=max_active, resident_bytes=resident,
                            runtime_bytes=runtime_bytes, stream_chunk_bytes=STREAM_CHUNK_BYTES,
-                           requested=dram_budget is not None, lookahead=lookahead and ffn == "predicted")
+                           requested=dram_budget is not None, lookahead=lookahead)
     # No --dram-budget: room for the whole model (every neuron pinned, the full window), whatever that adds up to.
     plan = plan_for(dram_budget if dram_budget is not None else plan_for(1 << 60).used_bytes)
     if verbose or dram_budget is not None:
@@ -378,7 +380,7 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | None = None, ctx: 
     else:
         select = predictors.predict
     have = predictors is not None
-    guess = lookahead_selector(cfg, weights, predictors) if lookahead and ffn == "predicted" else None
+    guess = lookahead_selector(cfg, weights, predictors) if lookahead else None
     runtime = FlashFFN(cfg, layout, weights, select, plan, window, threads, verbose, lookahead=guess,
                        predictors=predictors if ffn == "predicted" else None,
                        freqs=[predictors.neuron_freq(i) for i in range(cfg.n_layers)] if have else None,

@@ -14,7 +14,6 @@ first use leaves nothing behind and the next run starts over.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -131,10 +130,10 @@ def blas_threads(n: int):
 def ensure_predictors(flashdir, settings: Calibration | None = None, progress: bool = True) -> dict | None:
     """Train FLASHDIR's predictors unless it has them. Returns the manifest's calibration record (None for predictors
     trained by hand with `train-predictor`)."""
-    from .predictor import load_predictors
-    have = load_predictors(flashdir)
-    if have is not None and have.has_predictors:
-        return have.manifest.get("calibration")
+    from .predictor import read_manifest
+    m = read_manifest(flashdir)          # the manifest only: the weights are the runtime's to load
+    if m is not None and m.get("has_predictors"):
+        return m.get("calibration")
     try:
         import torch  # noqa: F401  (training only; the runtime never imports it)
     except ImportError:
@@ -142,7 +141,7 @@ def ensure_predictors(flashdir, settings: Calibration | None = None, progress: b
                         "pip install 'flashinfer-lite[train]' (or run with --ffn dense)") from None
     from flashinfer_lite.loader import open_any
 
-    from .acts import MANIFEST
+    from .acts import Acts
     from .collect import collect
     from .train import train
 
@@ -168,7 +167,7 @@ def ensure_predictors(flashdir, settings: Calibration | None = None, progress: b
             text.write_text(builtin_text(), encoding="utf-8")
         acts = collect(flashdir, [text], settings.tokens, Path(tmp) / "acts", ctx=settings.ctx, rows=settings.rows,
                        progress=progress)
-        record["tokens"] = int(json.loads((acts / MANIFEST).read_text())["tokens"])
+        record["tokens"] = int(Acts(acts).tokens)
         record["trained_on_first_use"] = True
         record["settings"] = asdict(settings)
         train(acts, flashdir, target_recall=settings.target_recall, sparsity=settings.sparsity, steps=settings.steps,

@@ -106,8 +106,8 @@ class PredictorSet:
         return int(sum(sum(v.nbytes for v in w) for w in self._w if w is not None))
 
 
-def load_predictors(flashdir) -> PredictorSet | None:
-    """The predictors (or thresholds and frequencies only) stored in FLASHDIR; None when it has none."""
+def read_manifest(flashdir) -> dict | None:
+    """FLASHDIR's validated predictor manifest (no weights read); None when it has no predictors directory."""
     root = Path(flashdir) / PREDICTOR_DIR
     mpath = root / MANIFEST
     if not mpath.is_file():
@@ -127,5 +127,20 @@ def load_predictors(flashdir) -> PredictorSet | None:
     cfg = read_layout(flashdir, check_size=False).config
     if (cfg.get("n_layers"), cfg.get("dim"), cfg.get("ffn_dim")) != (L, m.get("dim"), m.get("ffn_dim")):
         raise UserError(f"{root} was trained for another model (layers/dim/ffn_dim differ): re-run train-predictor")
+    return m
+
+
+def has_trained_predictors(flashdir) -> bool:
+    """Whether FLASHDIR holds trained predictors (not thresholds only), from the manifest alone."""
+    m = read_manifest(flashdir)
+    return bool(m is not None and m.get("has_predictors"))
+
+
+def load_predictors(flashdir) -> PredictorSet | None:
+    """The predictors (or thresholds and frequencies only) stored in FLASHDIR; None when it has none."""
+    m = read_manifest(flashdir)
+    if m is None:
+        return None
+    root = Path(flashdir) / PREDICTOR_DIR
     weights = _read_safetensors(root / WEIGHTS_FILE) if m.get("has_predictors") else None
     return PredictorSet(root, m, weights, _read_safetensors(root / PROFILE_FILE))
