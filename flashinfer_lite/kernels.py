@@ -10,9 +10,12 @@ The per-output down bias is not in the bundles: the caller adds it. FATReLU: an 
 counts as zero, and then the neuron's remaining vectors are not read at all (for ReLU the default threshold 0
 is exactly ReLU; for SiLU the default is -inf, i.e. no threshold).
 
-Parallel layout: neurons are split into one contiguous chunk per thread, each thread accumulates into its own
-row of `acc` (float32[threads, d], L1/L2 resident), then the rows are summed into y. bench/sparse_ffn.py
-measures this against splitting the output dimension instead (phase 1: coefficients, phase 2: output chunks).
+One summation order, whatever the thread count, the cache rows, the budget or the prefill strategy: the
+coefficients are per neuron (each computed whole by one thread, so order-free), and the down accumulation adds
+the neurons' contributions to each output element in the order the caller lists them (sorted neuron ids), one
+thread per fixed block of OUT_BLOCK output elements. A caller may split a set into pieces and accumulate them one
+after the other into the same y: the sum is bit-identical to one call over the whole set (the runtime relies on
+this: budget, overlap, pieces and prefill streaming all give the same output, tests/test_kernels.py).
 """
 
 from __future__ import annotations
@@ -180,46 +183,66 @@ def _coefficient(wr, fr, x, d, glu, act, threshold, scale0, bg_idx, bu_idx):
 # Kernels
 
 
-# nogil: flash reads run in Python threads while this computes the rows already resident.
+# Output elements per task of the down accumulation: a constant (not the thread count), so that every element is
+# summed by the same loop code in the same order whatever -t is.
+OUT_BLOCK = 64
+
+
+# nogil: flash reads run in Python threads while these compute the rows already resident.
 @njit(cache=True, parallel=True, fastmath=True, nogil=True)
-def sparse_ffn_kernel(W, F, slots, x, y, acc, coef, d, glu, act, threshold, scale0, bg_idx, bu_idx, magnitude):
-    """y[d] = sum over j of coef_j * down(slots[j]); coef[j] receives the coefficient (0 = neuron was inactive).
+def ffn_coefficients(W, F, slots, js, X, sel, coef, d, glu, act, threshold, scale0, bg_idx, bu_idx, magnitude):
+    """coef[t, j] = coefficient of neuron row slots[j] on X[t] if sel[t, j] else 0, for every j in js.
 
     W: typed view of the bundle matrix [rows, stride // itemsize]; F: its float32 view [rows, stride // 4];
-    slots: int[n] rows to use; x: float32[d]; y: float32[d] (overwritten); acc: float32[T, >=d] per-thread
-    scratch (T chunks of neurons); coef: float32[>=n]. magnitude: coefficients with |c| <= it count as zero (-1: none).
-    scale0: float index of the first int8 scale or -1;
+    slots: int32[n] rows; js: int64 positions into slots to compute now (the rest of coef is left alone);
+    X: float32[T, d]; sel: uint8[T, >=n]; coef: float32[T, >=n]. magnitude: coefficients with |c| <= it count as
+    zero (SwiGLU's calibrated threshold; -1: none). scale0: float index of the first int8 scale or -1;
     bg_idx / bu_idx: float index of the gate / up bias or -1.
     """
+    for q in prange(js.shape[0]):
+        j = js[q]
+        r = slots[j]
+        wr = W[r]
+        fr = F[r]
+        for t in range(X.shape[0]):
+            c = np.float32(0.0)
+            if sel[t, j]:
+                c = _coefficient(wr, fr, X[t], d, glu, act, threshold, scale0, bg_idx, bu_idx)
+                if abs(c) <= magnitude:
+                    c = np.float32(0.0)
+            coef[t, j] = c
+
+
+# No fastmath: nothing here needs reassociation to vectorise, and without it no FMA contraction can make one call
+# site round differently from another.
+@njit(cache=True, parallel=True, nogil=True)
+def ffn_accumulate(W, F, slots, coef, Y, d, glu, scale0):
+    """Y[t] += sum over j = 0, 1, ... of coef[t, j] * down(slots[j]), in that order (zero coefficients skipped).
+
+    Parallel over (row, block of OUT_BLOCK output elements): each output element is summed by one thread."""
     n = slots.shape[0]
-    T = acc.shape[0]
     down = 2 * d if glu else d
     scale_down = (scale0 + (2 if glu else 1)) if scale0 >= 0 else -1
-    for t in prange(T):
-        a = acc[t]
-        for k in range(d):
-            a[k] = np.float32(0.0)
-        for j in range(t * n // T, (t + 1) * n // T):
-            r = slots[j]
-            wr = W[r]
-            fr = F[r]
-            c = _coefficient(wr, fr, x, d, glu, act, threshold, scale0, bg_idx, bu_idx)
-            if abs(c) <= magnitude:     # SwiGLU's calibrated threshold: a small |a| counts as not fired
-                c = np.float32(0.0)
-            coef[j] = c
+    nb = (d + OUT_BLOCK - 1) // OUT_BLOCK
+    for q in prange(Y.shape[0] * nb):
+        t = q // nb
+        lo = (q % nb) * OUT_BLOCK
+        hi = min(d, lo + OUT_BLOCK)
+        y = Y[t, lo:hi]
+        for j in range(n):
+            c = coef[t, j]
             if c != np.float32(0.0):
-                _axpy(a, c * _scalar(fr, scale_down, 1.0), wr[down:down + d], d)
-    for k in prange(d):
-        s = np.float32(0.0)
-        for t in range(T):
-            s += acc[t, k]
-        y[k] = s
+                r = slots[j]
+                c = c * _scalar(F[r], scale_down, 1.0)
+                v = W[r, down + lo:down + hi]
+                for k in range(hi - lo):
+                    y[k] += c * _load(v, k)
 
 
 @njit(cache=True, parallel=True, fastmath=True)
 def sparse_ffn_kernel_outsplit(W, F, slots, x, y, coef, d, glu, act, threshold, scale0, bg_idx, bu_idx, block):
-    """Same result as sparse_ffn_kernel, parallelised differently (kept for the bench comparison):
-    phase 1 computes all coefficients in parallel over neurons, phase 2 splits the output into blocks."""
+    """The same sum as ffn_coefficients + ffn_accumulate up to rounding, with blocks sized by the caller (kept for
+    the bench comparison): phase 1 computes all coefficients in parallel over neurons, phase 2 splits the output."""
     n = slots.shape[0]
     down = 2 * d if glu else d
     scale_down = (scale0 + (2 if glu else 1)) if scale0 >= 0 else -1
@@ -251,11 +274,15 @@ class SparseFFN:
 
     ffn = SparseFFN(d=4096, dtype="f16", glu=True, act="relu", stride=24576, scalars_offset=24576)
     ffn(B, slots, x, y)   # y[:] = sum over slots of the neuron outputs (down bias not included)
+
+    In two steps, for a caller that overlaps reads with compute or computes a set in pieces:
+    ffn.coefficients(B, slots, js, X, coef)   # coef[:, js] for rows slots[js] (js: any subset, any time)
+    ffn.accumulate(B, slots, coef, Y)         # Y += the neurons' outputs, in the order of slots
     """
 
     def __init__(self, d: int, dtype: str, glu: bool, act: str, stride: int, scalars_offset: int,
                  bias_gate_index: int | None = None, bias_up_index: int | None = None,
-                 threshold: float | None = None, max_active: int = 0, threads: int | None = None):
+                 threshold: float | None = None, max_active: int = 0):
         if dtype not in STORAGE_VIEWS:
             raise UserError(f"unsupported FFN storage dtype {dtype!r} (expected one of {sorted(STORAGE_VIEWS)})")
         if act not in ACT_CODES:
@@ -276,9 +303,9 @@ class SparseFFN:
         # scalar indices in the layout are relative to the scalars block
         self.bg_idx = s0 + bias_gate_index if bias_gate_index is not None else -1
         self.bu_idx = s0 + bias_up_index if bias_up_index is not None else -1
-        self.threads = threads or numba.get_num_threads()
-        self.acc = np.zeros((self.threads, d), np.float32)  # per-thread partial sums
         self.coef = np.zeros(max(max_active, 1), np.float32)  # per-call activation coefficients
+        self._ones = np.ones(max(max_active, 1), np.uint8)     # "every listed neuron is selected"
+        self._positions = np.arange(max(max_active, 1), dtype=np.int64)
 
     @classmethod
     def from_layout(cls, layout, act: str | None = None, threshold: float | None = None, **kw) -> "SparseFFN":
@@ -299,19 +326,46 @@ class SparseFFN:
             raise UserError(f"bundle matrix must be uint8[rows, {self.stride}], got {B.dtype}{list(B.shape)}")
         return B.view(STORAGE_VIEWS[self.dtype]), B.view(np.float32)
 
+    def _grow(self, n: int) -> None:
+        """Scratch grows once to the largest set seen, then is reused."""
+        if self.coef.shape[0] < n:
+            self.coef = np.zeros(n, np.float32)
+            self._ones = np.ones(n, np.uint8)
+            self._positions = np.arange(n, dtype=np.int64)
+
+    def coefficients(self, B: np.ndarray, slots: np.ndarray, js: np.ndarray | None, X: np.ndarray, coef: np.ndarray,
+                     sel: np.ndarray | None = None, magnitude: float = -1.0) -> None:
+        """coef[t, j] (float32[T, >= len(slots)]) = coefficient of bundle row slots[j] on X[t] (float32[T, d]) for
+        j in js (int64; None: all), 0 where sel[t, j] (uint8[T, >= len(slots)]; None: all selected) is 0 or the
+        neuron did not fire (ReLU / FATReLU, or |coefficient| <= magnitude as SwiGLU thresholds calibrate)."""
+        W, F = self.views(B)
+        n = len(slots)
+        self._grow(n)
+        if js is None:
+            js = self._positions[:n]
+        if sel is None:
+            if X.shape[0] != 1:
+                raise ValueError("sel is required for more than one row")
+            sel = self._ones[None, :n]
+        ffn_coefficients(W, F, slots, js, X, sel, coef, self.d, self.glu, self.act_code, self.threshold,
+                         self.scale0, self.bg_idx, self.bu_idx, np.float32(magnitude))
+
+    def accumulate(self, B: np.ndarray, slots: np.ndarray, coef: np.ndarray, Y: np.ndarray) -> None:
+        """Y[t] += sum of coef[t, j] * down(slots[j]) over j in order (Y float32[T, d])."""
+        W, F = self.views(B)
+        ffn_accumulate(W, F, slots, coef, Y, self.d, self.glu, self.scale0)
+
     def __call__(self, B: np.ndarray, slots: np.ndarray, x: np.ndarray, y: np.ndarray,
                  coef: np.ndarray | None = None, magnitude: float = -1.0) -> np.ndarray:
         """y[:] = sparse FFN of x over bundle rows `slots`; coef (float32[>= len(slots)]), if given, receives each
         neuron's coefficient, so `coef != 0` is the set that actually fired (after ReLU / FATReLU, and after the
         magnitude threshold: a neuron with |coefficient| <= magnitude is skipped, as SwiGLU thresholds calibrate)."""
-        W, F = self.views(B)
         n = len(slots)
-        if coef is None:
-            if self.coef.shape[0] < n:  # grows once to the largest active set seen, then reused
-                self.coef = np.zeros(n, np.float32)
-            coef = self.coef
-        sparse_ffn_kernel(W, F, slots, x, y, self.acc, coef, self.d, self.glu, self.act_code, self.threshold,
-                          self.scale0, self.bg_idx, self.bu_idx, np.float32(magnitude))
+        self._grow(n)
+        c = (self.coef if coef is None else coef)[None, :n]
+        y[:] = 0.0
+        self.coefficients(B, slots, None, x[None, :], c, magnitude=magnitude)
+        self.accumulate(B, slots, c, y[None, :])
         return y
 
 

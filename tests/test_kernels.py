@@ -6,8 +6,10 @@ Bundles are packed with storage.format.pack_bundles; for f16/int8 the oracle use
 from __future__ import annotations
 
 import zlib
+from contextlib import contextmanager
 
 import numpy as np
+import numba
 import pytest
 from numba import njit
 
@@ -124,7 +126,7 @@ def test_sparse_equals_dense(dtype, glu, act, biased, threshold):
     w = make_model(rng, d, n, glu, biased)
     layout, bundles, dq = pack(w, dtype, glu)
     M, rows = scatter_rows(rng, bundles, extra=31)
-    ffn = SparseFFN.from_layout(layout, act=act, threshold=threshold, threads=3)
+    ffn = SparseFFN.from_layout(layout, act=act, threshold=threshold)
     x = rng.standard_normal(d).astype(np.float32)
     h = dense_coefficients(dq, x, glu, act, threshold)
     y_dense = dense_ffn(dq, h)
@@ -165,19 +167,33 @@ def test_quantized_storage_tracks_source_weights():
         assert rel_err(y, y_src) < tol, dtype
 
 
-@pytest.mark.parametrize("threads", [1, 2, 5])
+SETS = (np.array([], np.int64), np.array([3]), np.array([5, 17, 30]), np.arange(40))
+
+
+@contextmanager
+def numba_threads(n):
+    old = numba.get_num_threads()
+    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    try:
+        yield
+    finally:
+        numba.set_num_threads(old)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
 def test_chunking_edge_cases(threads):
-    """Fewer active neurons than chunks, no active neuron, int64 slots: same math."""
+    """Fewer active neurons than threads or output blocks, no active neuron, int64 slots: same math."""
     rng = np.random.default_rng(2)
     d, n = 64, 40
     w = make_model(rng, d, n, True, True)
     layout, bundles, dq = pack(w, "f16", True)
-    ffn = SparseFFN.from_layout(layout, act="silu", threads=threads)
+    ffn = SparseFFN.from_layout(layout, act="silu")
     x = rng.standard_normal(d).astype(np.float32)
     h = dense_coefficients(dq, x, True, "silu", None)
     y = np.full(d, np.nan, np.float32)
-    for S in (np.array([], np.int64), np.array([3]), np.array([5, 17, 30]), np.arange(n)):
-        ffn(bundles, S.astype(np.int64), x, y)
+    with numba_threads(threads):
+        ys = [ffn(bundles, S.astype(np.int64), x, y).copy() for S in SETS]
+    for S, y in zip(SETS, ys):
         h_S = np.zeros(n)
         h_S[S] = h[S]
         ref = dense_ffn(dq, h_S)
@@ -226,7 +242,7 @@ def test_magnitude_threshold_skips_small_swiglu_activations(dtype):
     w = make_model(rng, d, n, True, False)
     layout, bundles, dq = pack(w, dtype, True)
     M, rows = scatter_rows(rng, bundles, extra=9)
-    ffn = SparseFFN.from_layout(layout, act="silu", threads=2)
+    ffn = SparseFFN.from_layout(layout, act="silu")
     x = rng.standard_normal(d).astype(np.float32)
     h = dense_coefficients(dq, x, True, "silu", None)
     s = np.sort(np.abs(h))
@@ -237,3 +253,62 @@ def test_magnitude_threshold_skips_small_swiglu_activations(dtype):
     ffn(M, rows, x, y, coef, magnitude=t)
     assert rel_err(y, dense_ffn(dq, h_t)) < RTOL
     assert np.array_equal(coef != 0, h_t != 0) and 0.4 < (coef != 0).mean() < 0.6
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One summation order: the runtime's answer must not depend on how a set is split, where its rows sit, which part was
+# computed while reads were in flight, the thread count, or whether prefill streamed the layer (issue 14).
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "int8"])
+@pytest.mark.parametrize("glu,act", [(True, "silu"), (True, "relu"), (False, "relu")])
+def test_same_bits_whatever_the_split_rows_threads_or_batch(dtype, glu, act):
+    rng = np.random.default_rng(zlib.crc32(repr((dtype, glu, act)).encode()))
+    d, n, T = 200, 300, 5                       # d not a multiple of OUT_BLOCK: the tail block too
+    w = make_model(rng, d, n, glu, True)
+    layout, bundles, dq = pack(w, dtype, glu)
+    ffn = SparseFFN.from_layout(layout, act=act)
+    X = rng.standard_normal((T, d)).astype(np.float32)
+    sel = (rng.random((T, n)) < 0.4).astype(np.uint8)
+    mag = 0.02 if act == "silu" else -1.0
+
+    def whole(t, threads):
+        """One call over row t's set, bundles in place (bundle id = row)."""
+        S = np.flatnonzero(sel[t]).astype(np.int32)
+        with numba_threads(threads):
+            return ffn(bundles, S, X[t], np.empty(d, np.float32), magnitude=mag).copy()
+
+    ref = [whole(t, 2) for t in range(T)]
+    for t in range(T):
+        assert np.array_equal(whole(t, 1), ref[t])
+        # float64 oracle on the selected set
+        h = dense_coefficients(dq, X[t], glu, act, None)
+        h = np.where(np.abs(h) > mag, h, 0.0) * sel[t]
+        assert rel_err(ref[t], dense_ffn(dq, h)) < RTOL
+    for t in range(T):
+        # the cache path: rows scattered in a bigger matrix, the set in pieces of any size, each piece's
+        # coefficients in two halves (rows resident first, then the "newly read" ones), accumulated piece by piece
+        M, rows = scatter_rows(rng, bundles, extra=17)
+        S = np.flatnonzero(sel[t])
+        for piece in (1, 7, 64, len(S)):
+            y = np.zeros((1, d), np.float32)
+            for lo in range(0, len(S), max(piece, 1)):
+                slots = rows[S[lo:lo + piece]].astype(np.int32)
+                coef = np.full((1, len(slots)), np.nan, np.float32)
+                new = rng.random(len(slots)) < 0.5
+                with numba_threads(1):
+                    ffn.coefficients(M, slots, np.flatnonzero(~new), X[t:t + 1], coef, magnitude=mag)
+                ffn.coefficients(M, slots, np.flatnonzero(new), X[t:t + 1], coef, magnitude=mag)
+                ffn.accumulate(M, slots, coef, y)
+            assert np.array_equal(y[0], ref[t]), (t, piece)
+    # prefill streaming: all rows at once over chunks of the layer, unselected neurons masked
+    for chunk in (50, n):
+        Y = np.zeros((T, d), np.float32)
+        for lo in range(0, n, chunk):
+            m = min(chunk, n - lo)
+            slots = np.arange(m, dtype=np.int32)
+            coef = np.empty((T, m), np.float32)
+            ffn.coefficients(bundles[lo:lo + m], slots, None, X, coef,
+                             sel=np.ascontiguousarray(sel[:, lo:lo + m]), magnitude=mag)
+            ffn.accumulate(bundles[lo:lo + m], slots, coef, Y)
+        for t in range(T):
+            assert np.array_equal(Y[t], ref[t]), (t, chunk)
