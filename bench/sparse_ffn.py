@@ -71,11 +71,11 @@ def main() -> None:
             numba.set_num_threads(threads)
             # threshold -inf: every chosen neuron contributes (the worst case: all of gate, up and down are read)
             ffn = SparseFFN(d, dtype, glu=True, act="relu", stride=stride, scalars_offset=soff,
-                            threshold=-np.inf, max_active=k, threads=threads)
+                            threshold=-np.inf, max_active=k)
             W, F = ffn.views(B)
             coef = np.zeros(k, np.float32)
             kernels = {
-                "per_thread_acc": lambda s: ffn(B, s, x, y),
+                "runtime_fixed_order": lambda s: ffn(B, s, x, y),
                 "output_split": lambda s: sparse_ffn_kernel_outsplit(W, F, s, x, y, coef, d, True, ffn.act_code,
                                                                      ffn.threshold, ffn.scale0, -1, -1, 512)}
             # cold: 16 different active sets, weights come from DRAM; l3_hot: one set again and again (27 MB of

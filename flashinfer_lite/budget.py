@@ -9,9 +9,12 @@
   window       per layer `window_rows` bundle rows for the sliding window (LLM in a Flash)
   hot region   pinned hottest neurons across layers (PowerInfer), filled by neuron_cache.select_hot
 
-Minimum = runtime + resident + kv + buffers + one token's cold neurons (max_active rows per layer). What the budget has
-beyond that goes to the window up to its useful maximum (max_active x window tokens, capped at n_neurons), sharing
-with the hot region by `hot_share`; whatever one part cannot use goes to the other.
+Minimum = runtime + resident + kv + buffers + a fixed reservation of MIN_WINDOW_ROWS rows per layer: it does not grow
+with the active count, because a token's set larger than the window is computed in window-sized pieces
+(runtime.FlashFFN.decode_row) to the same bits (kernels.SparseFFN.accumulate); a small window only costs reads.
+What the budget has beyond that goes to the window up to its useful maximum (the expected active count x window
+tokens, capped at n_neurons), sharing with the hot region by `hot_share`; whatever one part cannot use goes to the
+other.
 The process's peak RSS (the kernel's high-water mark, `peak_rss_bytes`) is what the budget is held to.
 """
 
@@ -36,6 +39,10 @@ ROW_OVERHEAD_BYTES = 4 + 16 + 8
 HOT_ROW_OVERHEAD_BYTES = 4
 # aligned_empty over-allocates one page per matrix
 MATRIX_SLACK_BYTES = 4096
+# The window's per-layer reservation in the minimum budget. Any size gives the same output; a piece is one batched
+# read and one kernel pass, so this many rows keep reads large enough to coalesce and the per-piece overhead small
+# (SmolLM2: 256 of 1536 neurons, ~0.9 MiB per layer; a 7B layer of 11008: 6 MiB per layer).
+MIN_WINDOW_ROWS = 256
 
 
 @dataclass
@@ -110,12 +117,12 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
                 stream_chunk_bytes: int = 0, requested: bool = True, lookahead: bool = False) -> BudgetPlan:
     """Split `dram_budget_bytes` (see module docstring). config: ModelConfig or its dict; layout: FlashLayout.
 
-    max_active: the most cold neurons one token may need per layer (the predictor's cap); default ffn_dim, which
-    fits any active set but makes the minimum hold a whole FFN layer per layer.
+    max_active: the cold neurons one token is expected to need per layer (runtime.expected_max_active): sizes the
+    window's useful maximum (max_active x window), not the minimum; default ffn_dim.
     resident_bytes: measured size of the resident weights, if known (else computed from the config, float32).
     runtime_bytes: the process's RSS before the weights load (measure_runtime_bytes); 0 plans the model's part only.
     stream_chunk_bytes: the prefill streaming read size (runtime.STREAM_CHUNK_BYTES); 0 if the caller never streams.
-    lookahead: the neuron cache keeps max_active staging rows for reads started a layer early.
+    lookahead: the neuron cache keeps staging rows (staging_rows(max_active)) for reads started a layer early.
     """
     cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_dict(config)
     if ctx < 1 or window < 1:
@@ -125,43 +132,46 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
     max_active = n_max if max_active is None else min(int(max_active), n_max)
     if max_active < 1:
         raise UserError(f"max_active must be at least 1, got {max_active}")
+    reserve = min(n_max, MIN_WINDOW_ROWS)
     row = stride + ROW_OVERHEAD_BYTES + 4 * window
     res = resident_bytes if resident_bytes is not None else resident_bytes_for(cfg)
     kv = KVCache.nbytes_for(cfg, ctx)
     buffers = (max(read_scratch_bytes, stride) + threads * layout.d * 4 + n_max * 4
                + sum(layout.n_neurons) * MAP_BYTES_PER_NEURON + n_layers * MATRIX_SLACK_BYTES
                + stream_transient_bytes(layout, stream_chunk_bytes)
-               + (max_active * stride if lookahead else 0))
-    minimum = runtime_bytes + res + kv + buffers + n_layers * max_active * row
+               + (staging_rows(max_active) * stride if lookahead else 0))
+    minimum = runtime_bytes + res + kv + buffers + n_layers * reserve * row
     if dram_budget_bytes < minimum:
         raise UserError(f"DRAM budget {_mib(dram_budget_bytes)} is below the minimum {_mib(minimum)} for this model "
                         f"(runtime {_mib(runtime_bytes)}, resident {_mib(res)}, kv {_mib(kv)} for {ctx} positions, "
-                        f"buffers {_mib(buffers)}, one token's {max_active} neurons x {n_layers} layers)")
+                        f"buffers {_mib(buffers)}, window {reserve} rows x {n_layers} layers)")
     extra = dram_budget_bytes - minimum
-    win_extra_max = n_layers * (min(n_max, max_active * window) - max_active) * row
+    win_extra_max = n_layers * max(0, min(n_max, max_active * window) - reserve) * row
     hot_row = stride + HOT_ROW_OVERHEAD_BYTES
     hot_max = sum(layout.n_neurons) * hot_row
     hot = min(int(extra * hot_share), hot_max)
     win_extra = min(extra - hot, win_extra_max)
     hot = min(extra - win_extra, hot_max)  # the window's leftover goes to the hot region
     hot -= hot % hot_row
-    rows = max_active + win_extra // (n_layers * row)
+    rows = reserve + win_extra // (n_layers * row)
     return BudgetPlan(budget_bytes=dram_budget_bytes, runtime_bytes=runtime_bytes, resident_bytes=res, kv_bytes=kv,
                       buffer_bytes=buffers, window_rows=rows, window_bytes=n_layers * rows * row, hot_bytes=hot,
                       minimum_bytes=minimum, n_layers=n_layers, stride=stride, ctx=ctx, window=window,
                       max_active=max_active, requested=requested)
 
 
+def staging_rows(max_active: int) -> int:
+    """Rows of the lookahead staging matrix: a guess larger than this is read in part (the rest on demand)."""
+    return min(max_active, MIN_WINDOW_ROWS)
+
+
 def stream_transient_bytes(layout, chunk_bytes: int) -> int:
-    """Peak bytes of prefill streaming (runtime.FlashFFN.stream_layer): the chunk of bundles it reads, and three
-    float32 copies of a chunk's vectors: while the next chunk is widened (unpack_bundles) and made into contiguous
-    matrices (bundle_tensors), the previous chunk's matrices are still alive (measured: +48 MiB on an 8 MiB chunk of
-    dim 1024 f16 GLU bundles = 3 x 16.8 MB). Not counted: arrays of [prompt tokens, neurons] (predictor masks,
-    activations), which grow with the prompt."""
+    """Peak bytes of prefill streaming (runtime.FlashFFN.stream_layer): the chunk of bundles it reads (the sparse
+    kernel computes on the bundles as they are, nothing is widened). Not counted: arrays of [prompt tokens, neurons]
+    (predictor masks, coefficients), which grow with the prompt."""
     if chunk_bytes <= 0:
         return 0
-    rows = max(1, chunk_bytes // layout.stride)
-    return rows * layout.stride + 3 * rows * layout.n_vec * layout.d * 4
+    return max(1, chunk_bytes // layout.stride) * layout.stride
 
 
 # ----------------------------------------------------------------------------------------------------------------------

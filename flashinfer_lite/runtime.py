@@ -26,13 +26,13 @@ from .errors import UserError
 from .loader import is_flashdir, load_weights, open_any
 from .model import FeedForward, ModelConfig, Transformer, half_matrix
 from .tokenizer import Tokenizer
-from storage.format import aligned_empty, bundle_tensors, unpack_bundles
+from storage.format import aligned_empty
 
 FFN_MODES = ("dense", "oracle", "predicted")
 # FFN tensors that live in the bundles on flash; everything else (including ffn.down.bias) stays resident.
 _BUNDLED = re.compile(r"layers\.\d+\.ffn\.(gate|up|down)\.weight|layers\.\d+\.ffn\.(gate|up)\.bias")
 # prefill streaming reads a layer in chunks of this size: from 1 MiB up sequential reads run at full device speed,
-# and the chunk's float32 widening (budget.stream_transient_bytes) is what the DRAM budget pays for it
+# and the chunk (budget.stream_transient_bytes) is what the DRAM budget pays for it
 STREAM_CHUNK_BYTES = 2 << 20
 
 
@@ -100,6 +100,7 @@ class FlashFFN:
                  overlap: bool = True, lookahead=None, predictors=None):
         from storage.reader import BundleReader
         from .kernels import SparseFFN
+        from .budget import staging_rows
         from .neuron_cache import NeuronCache
         self.cfg, self.layout, self.select, self.plan = cfg, layout, select, plan
         self.verbose, self.overlap, self.lookahead = verbose, overlap, lookahead
@@ -113,10 +114,11 @@ class FlashFFN:
         by_bundle = [np.asarray(freqs[i])[layout.order[i]] for i in range(cfg.n_layers)] if freqs is not None else None
         hot = plan.hot_neurons(by_bundle) if by_bundle is not None and plan.hot_bytes else None
         self.cache = NeuronCache(layout.n_neurons, layout.stride, self.reader, capacity=plan.window_rows,
-                                 window=window, hot=hot, staging_rows=plan.max_active if lookahead else 0)
+                                 window=window, hot=hot,
+                                 staging_rows=staging_rows(plan.max_active) if lookahead else 0)
         self.kernel = SparseFFN.from_layout(layout, act=cfg.act, threshold=self._kernel_threshold(),
                                             max_active=max(layout.n_neurons))
-        self.y_row = np.zeros(cfg.dim, np.float32)
+        self._coef = np.zeros(max(layout.n_neurons), np.float32)   # one piece's coefficients
         self._chunk = None  # prefill streaming buffer, allocated on first use (counted in the plan's buffers)
 
     def _kernel_threshold(self) -> float | None:
@@ -153,31 +155,41 @@ class FlashFFN:
         return y
 
     def decode_row(self, layer: int, x: np.ndarray, ids: np.ndarray, out: np.ndarray) -> int:
-        """out[:] = sparse FFN of one token over `ids`; returns how many neurons actually fired."""
+        """out[:] = sparse FFN of one token over `ids` (sorted); returns how many neurons actually fired.
+
+        The sum runs over `ids` in sorted order whatever the cache holds (SparseFFN.accumulate): a set larger than
+        the window is computed in window-sized pieces accumulated one after the other, and with overlap the rows
+        already in DRAM get their coefficients while the misses are read. Neither changes a bit of the output, so
+        the budget, -t and overlap do not change the tokens (tests/test_runtime.py)."""
         if layer == 0:
             self.cache.new_token()
         out[:] = 0.0
         fired = 0
         cap = self.plan.window_rows
-        # A set larger than the window is computed in window-sized pieces: slower, never wrong.
+        X, Y = x[None, :], out[None, :]
         for start in range(0, len(ids), cap):
             f = self.cache.start_fetch(layer, ids[start:start + cap])
             if self.lookahead is not None and start == 0 and layer + 1 < self.cfg.n_layers:
                 self._prefetch_next(layer + 1, x)
+            coef = self._coef[: len(f.slots)][None, :]
             if self.overlap and f.reading:
-                # The misses are in flight: compute the rows already in DRAM meanwhile, then the new ones. On one
-                # thread, so that a core stays free for the reader threads issuing and completing the reads.
+                # The misses are in flight: the resident rows' coefficients meanwhile, on one thread, so that a
+                # core stays free for the reader threads issuing and completing the reads.
                 n_threads = numba.get_num_threads()
                 numba.set_num_threads(1)
                 try:
-                    fired += self._accumulate(layer, f.slots[~f.new], x, out)
+                    self._coefficients(layer, f.slots, np.flatnonzero(~f.new), X, coef)
                 finally:
                     numba.set_num_threads(n_threads)
                 f.finish()
-                fired += self._accumulate(layer, f.slots[f.new], x, out)
+                self._coefficients(layer, f.slots, np.flatnonzero(f.new), X, coef)
             else:
                 f.finish()
-                fired += self._accumulate(layer, f.slots, x, out)
+                self._coefficients(layer, f.slots, None, X, coef)
+            t0 = time.perf_counter()
+            self.kernel.accumulate(self.cache.matrix(layer), f.slots, coef, Y)
+            self.stats.compute_s += time.perf_counter() - t0
+            fired += int(np.count_nonzero(coef))   # 0 = did not fire
         if layer == self.cfg.n_layers - 1:
             self._close_token()
         return fired
@@ -190,17 +202,17 @@ class FlashFFN:
         self.stats.predictor_s += time.perf_counter() - t0
         self.cache.prefetch(layer, np.sort(self.bundle_of[layer][np.flatnonzero(guess)]))
 
-    def _accumulate(self, layer: int, slots: np.ndarray, x: np.ndarray, out: np.ndarray) -> int:
-        """out += sparse FFN over cache rows `slots`; returns how many of them fired. SwiGLU neurons under the
-        calibrated magnitude threshold are skipped inside the kernel, as calibrated."""
-        if not len(slots):
-            return 0
+    def _coefficients(self, layer: int, slots: np.ndarray, js, X: np.ndarray, coef: np.ndarray,
+                      sel: np.ndarray | None = None, B: np.ndarray | None = None) -> None:
+        """coef[:, js] for bundle rows slots[js] of B (default: the layer's cache matrix). SwiGLU neurons under the
+        calibrated magnitude threshold count as not fired, inside the kernel."""
+        if js is not None and not len(js):
+            return
         t0 = time.perf_counter()
         mag = self.mag_threshold[layer] if self.mag_threshold[layer] > 0 else -1.0
-        self.kernel(self.cache.matrix(layer), slots, x, self.y_row, magnitude=mag)
-        out += self.y_row
+        self.kernel.coefficients(self.cache.matrix(layer) if B is None else B, slots, js, X, coef, sel=sel,
+                                 magnitude=mag)
         self.stats.compute_s += time.perf_counter() - t0
-        return int(np.count_nonzero(self.kernel.coef[: len(slots)]))   # 0 = did not fire
 
     def _close_token(self) -> None:
         st = self.cache.stats
@@ -242,6 +254,7 @@ class FlashFFN:
             self._chunk = aligned_empty((rows_per_chunk, L.stride), np.uint8)
         y[:] = 0.0
         n = L.n_neurons[layer]
+        chunk_rows = np.arange(rows_per_chunk, dtype=np.int32)   # int32 like the cache's rows: the same kernel
         for start in range(0, n, rows_per_chunk):
             m = min(rows_per_chunk, n - start)
             t0 = time.perf_counter()
@@ -250,14 +263,15 @@ class FlashFFN:
             self.stats.read_s += t1 - t0     # a synchronous read: waited for the whole time it was in flight
             self.stats.io_s += t1 - t0
             self.stats.prefill_bytes_read += rs.read_bytes
-            # The chunk's m neurons as a small dense FFN (its down bias stays out: it is added once per layer).
-            f = FeedForward(self.cfg, bundle_tensors(L, layer, *unpack_bundles(L, self._chunk[:m])), layer)
-            a = f.activations(x) * selected[:, start:start + m]             # [T, m]
-            if self.mag_threshold[layer] > 0:
-                a = np.where(np.abs(a) > self.mag_threshold[layer], a, 0.0)
-            y += a @ f.w_down.T
-            del f, a   # the next chunk's float32 copies must not coexist with these (budget.stream_transient_bytes)
-            self.stats.compute_s += time.perf_counter() - t1
+            # The decode path's kernel and order: each row's selected neurons in bundle order, chunk after chunk,
+            # accumulated into the same y[t] (its down bias stays out: it is added once per layer).
+            coef = np.empty((x.shape[0], m), np.float32)
+            self._coefficients(layer, chunk_rows[:m], None, x, coef,
+                               sel=np.ascontiguousarray(selected[:, start:start + m]).view(np.uint8),
+                               B=self._chunk[:m])
+            t2 = time.perf_counter()
+            self.kernel.accumulate(self._chunk[:m], chunk_rows[:m], coef, y)
+            self.stats.compute_s += time.perf_counter() - t2
 
 
 def oracle_selector(cfg: ModelConfig, ckpt, predictors):
@@ -390,7 +404,8 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | None = None, ctx: 
 
 
 def expected_max_active(cfg: ModelConfig, predictors) -> int:
-    """The window's per-token row reservation: twice the mean active count when the profile says it, else half."""
+    """The active count the window is sized for (its useful maximum is this x window tokens): twice the mean
+    active count when the profile says it, else half the layer. Not in the minimum (budget.MIN_WINDOW_ROWS)."""
     n = cfg.ffn_dim
     if predictors is None:
         return max(1, n // 2)

@@ -81,3 +81,52 @@ def transformers_model(path: Path, **kw):
     import torch
     import transformers as tf
     return tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager", **kw).eval()
+
+
+def assert_same_bits_at_every_budget(path, ffn: str, prompt: list[int], n_decode: int, monkeypatch,
+                                     ctx: int = 64, pieces_rows: int = 16) -> dict:
+    """Greedy decoding after a batched prompt must give bit-identical logits (and so tokens) with no budget, at the
+    minimum budget and above it, on 1 or 2 threads, with overlap on or off, and with prefill through the cache or
+    streamed (issue 14). The window's fixed reservation is made `pieces_rows` rows so that at the minimum a token's
+    set is computed in several pieces. Returns {config: runtime stats} for further checks."""
+    import numba
+    import numpy as np
+
+    from flashinfer_lite import budget
+    from flashinfer_lite.runtime import load_runtime
+    monkeypatch.setattr(budget, "MIN_WINDOW_ROWS", pieces_rows)
+    # the runtime line is left out so that the plan does not depend on this (pytest) process's RSS
+    minimum = load_runtime(path, ffn, ctx=ctx, runtime_bytes=0)[2].plan.minimum_bytes
+    most = max(1, numba.config.NUMBA_NUM_THREADS)
+
+    def run(dram_budget=None, threads=most, overlap=True, stream=False):
+        model, _, rt = load_runtime(path, ffn, dram_budget=dram_budget, ctx=ctx, runtime_bytes=0)
+        rt.overlap = overlap
+        rt.prefer_streaming = lambda layer, sets: stream
+        before = numba.get_num_threads()
+        numba.set_num_threads(min(threads, most))
+        try:
+            kv = model.new_cache(ctx)
+            out = [model.forward(prompt, kv, all_logits=True)]
+            for _ in range(n_decode):
+                out.append(model.forward([int(np.argmax(out[-1][-1]))], kv)[None, :])
+        finally:
+            numba.set_num_threads(before)
+        return np.concatenate(out), rt
+
+    want, rt = run()
+    stats = {"no budget": rt.stats}
+    configs = {"minimum": dict(dram_budget=minimum), "minimum + 1 MiB": dict(dram_budget=minimum + (1 << 20)),
+               "minimum, 1 thread": dict(dram_budget=minimum, threads=1),
+               "minimum, no overlap": dict(dram_budget=minimum, overlap=False),
+               "1 thread, no overlap": dict(threads=1, overlap=False),
+               "streaming prefill": dict(stream=True), "minimum, streaming prefill": dict(dram_budget=minimum, stream=True)}
+    for name, kw in configs.items():
+        got, rt = run(**kw)
+        assert np.array_equal(got, want), f"{name}: max |diff| {np.abs(got - want).max()}"
+        stats[name] = rt.stats
+        if name == "minimum":
+            assert rt.plan.window_rows == pieces_rows   # the fixed reservation, whatever the active count
+    assert stats["minimum"].bytes_read > stats["no budget"].bytes_read   # the small window really re-read
+    assert stats["streaming prefill"].streamed_layers > 0 and stats["no budget"].streamed_layers == 0
+    return stats
