@@ -262,3 +262,44 @@ def test_predicted_mode_same_logits_at_every_budget(stories, monkeypatch):
     between budgets would change its choices; with one summation order nothing differs at all."""
     ids = [1, 403, 261, 324, 281, 384, 265, 427, 298, 410]
     assert_same_bits_at_every_budget(stories["flash"], "predicted", ids, 10, monkeypatch)
+
+
+@needs_shared
+def test_predicted_ffn_equals_float64_dense_math_on_the_predicted_set(stories):
+    """Issue 14 goal 3, an oracle outside the runtime: for every layer's FFN call of a real decode (bounded budget,
+    so reads, pieces and the window all take part), float64 dense math on the source checkpoint's weights,
+    restricted to the neurons the predictor chose and thresholded as calibrated, equals the runtime's output."""
+    from flashinfer_lite.loader import open_any
+    from flashinfer_lite.runtime import load_runtime
+    src = open_any(STORIES)                        # the HF checkpoint, not the FLASHDIR the runtime reads
+    cfg = src.config
+    W = {n: src.tensor(n).astype(np.float64) for n in src.names() if ".ffn." in n}
+    probe = load_runtime(stories["flash"], "predicted", ctx=64, runtime_bytes=0)[2]
+    model, _, rt = load_runtime(stories["flash"], "predicted", ctx=64, runtime_bytes=0,
+                                dram_budget=probe.plan.minimum_bytes)
+    calls = []
+    ffn = model.ffn
+
+    def record(layer, x):
+        y = ffn(layer, x)
+        calls.append((layer, x.copy(), y.copy()))
+        return y
+    model.ffn = record
+    kv = model.new_cache(64)
+    for t in [1, 403, 261, 324, 281, 384, 265, 427]:
+        model.forward([t], kv)
+    assert rt.stats.bytes_read > 0 and len(calls) == 8 * cfg.n_layers
+    preds = rt.predictors
+    restricted_differs = 0
+    for layer, x, y in calls:
+        mask = preds.predict(layer, x, count=False)[0]        # the set the runtime computed (the same x, same bits)
+        p = f"layers.{layer}.ffn."
+        x64 = x[0].astype(np.float64)
+        g = W[p + "gate.weight"] @ x64
+        a = g / (1 + np.exp(-g)) * (W[p + "up.weight"] @ x64)
+        a_pred = np.where(mask & (np.abs(a) > preds.act_threshold(layer)), a, 0.0)
+        want = W[p + "down.weight"] @ a_pred
+        assert np.linalg.norm(y[0] - want) <= 1e-5 * np.linalg.norm(want), layer
+        full = W[p + "down.weight"] @ np.where(np.abs(a) > preds.act_threshold(layer), a, 0.0)
+        restricted_differs += np.linalg.norm(full - want) > 1e-3 * np.linalg.norm(want)
+    assert mask.mean() < 1.0 and restricted_differs > 0    # the predicted set really is a subset that matters
