@@ -12,9 +12,9 @@
 Minimum = runtime + resident + kv + buffers + a fixed reservation of MIN_WINDOW_ROWS rows per layer: it does not grow
 with the active count, because a token's set larger than the window is computed in window-sized pieces
 (runtime.FlashFFN.decode_row) to the same bits (kernels.SparseFFN.accumulate); a small window only costs reads.
-What the budget has beyond that goes to the window up to its useful maximum (the expected active count x window
-tokens, capped at n_neurons), sharing with the hot region by `hot_share`; whatever one part cannot use goes to the
-other.
+What the budget has beyond that pins hot neurons until the window could hold one token's expected set, then goes
+to the window up to its useful maximum (the expected active count x window tokens, capped at n_neurons), sharing
+with the hot region by `hot_share`; whatever one part cannot use goes to the other.
 The process's peak RSS (the kernel's high-water mark, `peak_rss_bytes`) is what the budget is held to.
 """
 
@@ -149,7 +149,12 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
     win_extra_max = n_layers * max(0, min(n_max, max_active * window) - reserve) * row
     hot_row = stride + HOT_ROW_OVERHEAD_BYTES
     hot_max = sum(layout.n_neurons) * hot_row
-    hot = min(int(extra * hot_share), hot_max)
+    # A window smaller than one token's set thrashes (each piece evicts the previous ones: no row survives to the next
+    # token), so until the window could hold a whole set the extra pins hot neurons, which hit every token; beyond
+    # that, the two share it by hot_share.
+    hot_first = min(hot_max, n_layers * max(0, min(n_max, max_active) - reserve) * row)
+    first = min(extra, hot_first)
+    hot = min(first + int((extra - first) * hot_share), hot_max)
     win_extra = min(extra - hot, win_extra_max)
     hot = min(extra - win_extra, hot_max)  # the window's leftover goes to the hot region
     hot -= hot % hot_row
