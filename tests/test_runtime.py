@@ -110,3 +110,22 @@ def test_cli_budget_too_small_and_corrupt_flashdir(flashdirs, tmp_path):
     r = cli("generate", "-m", str(bad), "-p", "hi", "--ffn", "oracle")
     err = r.stderr.decode().strip()
     assert r.returncode == 1 and "checksum" in err and "Traceback" not in err, err
+
+
+def test_default_model_same_logits_at_every_budget(smollm2_gguf, tmp_path, monkeypatch):
+    """The default model (SwiGLU, float16 bundles) with its calibrated thresholds, where issue 14 saw three different
+    continuations: bit-identical logits at its real minimum (256-row window: a token's ~770 fired of 1536 neurons in
+    pieces), above it, on 1 and 2 threads, with overlap on or off, with prefill streamed or not."""
+    from predictors.collect import collect
+    from predictors.first_use import builtin_text
+    from predictors.train import train
+    from flashinfer_lite import budget
+    flash = convert(smollm2_gguf, tmp_path / "flash", dtype="f16", progress=False)
+    text = tmp_path / "calibration.txt"
+    text.write_text(builtin_text()[:4000])
+    collect(str(flash), [text], 512, tmp_path / "acts", ctx=256, rows=512, progress=False)
+    train(tmp_path / "acts", flash, sparsity=0.5, thresholds_only=True, progress=False)
+    ids = [1, 504, 3458, 282, 4470, 30, 2683, 253, 2030, 28, 260, 2722]
+    stats = assert_same_bits_at_every_budget(flash, "oracle", ids, 6, monkeypatch, ctx=32,
+                                             pieces_rows=budget.MIN_WINDOW_ROWS)
+    assert stats["minimum"].active.max() > 2 * budget.MIN_WINDOW_ROWS * stats["minimum"].rows.max()
