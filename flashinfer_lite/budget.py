@@ -5,7 +5,7 @@
   resident     embeddings, attention, norms, head, FFN down bias (float32, always in DRAM)
   kv cache     keys and values for the whole context (float32)
   buffers      reader gap scratch, kernel scratch, cache bookkeeping (slot maps per neuron), the prefill
-               streaming chunk with its float32 unpacking
+               streaming chunk, the heap the prompt's transient arrays leave behind
   window       per layer `window_rows` bundle rows for the sliding window (LLM in a Flash)
   hot region   pinned hottest neurons across layers (PowerInfer), filled by neuron_cache.select_hot
 
@@ -39,6 +39,10 @@ ROW_OVERHEAD_BYTES = 4 + 16 + 8
 HOT_ROW_OVERHEAD_BYTES = 4
 # aligned_empty over-allocates one page per matrix
 MATRIX_SLACK_BYTES = 4096
+# What the allocator keeps of a prompt's transient arrays (predictor scores and masks, attention, logits: small
+# arrays come from the heap, which does not shrink back): measured 1.8-2.5 MiB after a short prompt on the 2-layer
+# 8192-neuron model of tests/test_dram_budget.py.
+HEAP_SLACK_BYTES = 3 << 20
 # The window's per-layer reservation in the minimum budget. Any size gives the same output; a piece is one batched
 # read and one kernel pass, so this many rows keep reads large enough to coalesce and the per-piece overhead small
 # (SmolLM2: 256 of 1536 neurons, ~0.9 MiB per layer; a 7B layer of 11008: 6 MiB per layer).
@@ -114,7 +118,8 @@ def resident_bytes_for(cfg: ModelConfig, half: bool = False) -> int:
 def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 5, max_active: int | None = None,
                 hot_share: float = 0.5, resident_bytes: int | None = None, threads: int = 2,
                 read_scratch_bytes: int = DEFAULT_GAP_BYTES, runtime_bytes: int = 0,
-                stream_chunk_bytes: int = 0, requested: bool = True, lookahead: bool = False) -> BudgetPlan:
+                stream_chunk_bytes: int = 0, requested: bool = True, lookahead: bool = False,
+                heap_slack_bytes: int = 0) -> BudgetPlan:
     """Split `dram_budget_bytes` (see module docstring). config: ModelConfig or its dict; layout: FlashLayout.
 
     max_active: the cold neurons one token is expected to need per layer (runtime.expected_max_active): sizes the
@@ -122,6 +127,8 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
     resident_bytes: measured size of the resident weights, if known (else computed from the config, float32).
     runtime_bytes: the process's RSS before the weights load (measure_runtime_bytes); 0 plans the model's part only.
     stream_chunk_bytes: the prefill streaming read size (runtime.STREAM_CHUNK_BYTES); 0 if the caller never streams.
+    heap_slack_bytes: what the process's heap keeps of transient arrays (HEAP_SLACK_BYTES for the runtime; 0 plans
+    the model's part only).
     lookahead: the neuron cache keeps staging rows (staging_rows(max_active)) for reads started a layer early.
     """
     cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_dict(config)
@@ -138,7 +145,7 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
     kv = KVCache.nbytes_for(cfg, ctx)
     buffers = (max(read_scratch_bytes, stride) + threads * layout.d * 4 + n_max * 4
                + sum(layout.n_neurons) * MAP_BYTES_PER_NEURON + n_layers * MATRIX_SLACK_BYTES
-               + stream_transient_bytes(layout, stream_chunk_bytes)
+               + stream_transient_bytes(layout, stream_chunk_bytes) + heap_slack_bytes
                + (staging_rows(max_active) * stride if lookahead else 0))
     minimum = runtime_bytes + res + kv + buffers + n_layers * reserve * row
     if dram_budget_bytes < minimum:
@@ -221,6 +228,12 @@ def keep_freed_arrays_out_of_rss(threshold: int = 128 << 10) -> None:
     """
     if not sys.platform.startswith("linux"):
         return
+    # numpy asks for transparent huge pages on arrays of 4 MiB and more: touching one row of a neuron-cache matrix
+    # then makes a whole 2 MiB page resident (measured: +3.7 MiB over the plan on a 2-layer model's hot load).
+    try:
+        np._core.multiarray._set_madvise_hugepage(False)
+    except AttributeError:
+        pass
     import ctypes
     try:
         ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, int(threshold))
@@ -228,22 +241,27 @@ def keep_freed_arrays_out_of_rss(threshold: int = 128 << 10) -> None:
         pass
 
 
-def compile_kernels(layout) -> None:
+def compile_kernels(layout, threads: int | None = None) -> None:
     """Run the neuron cache and the sparse FFN kernel once on two real bundles of `layout`.
 
     Numba compiles them (or loads them from its on-disk cache) on first call, with the argument types of that call;
     these are the types the runtime uses (uint8 bundle matrix viewed as the layout's dtype, int32 rows, float32
     vectors), so their machine code and LLVM are in memory now, before the weights, and not on the first token.
     """
+    from storage.format import aligned_empty
     from storage.reader import BundleReader
     from .kernels import MATMUL_ROW_KERNEL_MAX_T, SparseFFN, matmul_t
     from .neuron_cache import NeuronCache
     k = min(2, layout.n_neurons[0])
-    with BundleReader(layout, threads=1) as reader:
+    with BundleReader(layout, threads=threads) as reader:
         cache = NeuronCache([k], layout.stride, reader, capacity=k, window=1)
         slots = cache.fetch(0, np.arange(k))
         x = np.zeros(layout.d, np.float32)
         SparseFFN.from_layout(layout, max_active=k)(cache.matrix(0), slots, x, np.zeros_like(x))
+        # One small read on every reader thread: a thread's first read sets up its memory (a glibc arena, ~0.45 MiB
+        # measured), which the runtime's reader threads then reuse, so it belongs to the measured runtime line.
+        ids = np.arange(0, layout.n_neurons[0], reader.coalesce_gap + 2)[: 2 * reader.threads]
+        reader.read(0, ids, dest=aligned_empty((ids.size, layout.stride), np.uint8), slots=np.arange(ids.size))
     if layout.dtype == "f32":
         return   # resident matrices stay float32 (runtime.load_runtime): BLAS, no kernel to compile
     # the float16 resident matrices' kernels: decode (row kernel, serial and parallel) and prefill (widened blocks)
@@ -253,7 +271,7 @@ def compile_kernels(layout) -> None:
     matmul_t(np.zeros((1, layout.d), np.float32), w)
 
 
-def measure_runtime_bytes(layout) -> int:
+def measure_runtime_bytes(layout, threads: int | None = None) -> int:
     """The plan's runtime line: RSS after compile_kernels, measured in this process just before the weights load.
 
     Measured rather than a constant because it differs by platform, library versions, tokenizer (SmolLM2's takes
@@ -261,6 +279,6 @@ def measure_runtime_bytes(layout) -> int:
     that already holds other things (a test run, a notebook) they count too: the budget is the process's.
     """
     import gc
-    compile_kernels(layout)
+    compile_kernels(layout, threads)
     gc.collect()
     return rss_bytes()

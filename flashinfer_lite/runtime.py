@@ -354,7 +354,8 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | None = None, ctx: 
         weights = load_weights(ckpt, progress, convert=half_matrix if half else None)
         return Transformer(ckpt.config, weights), ckpt.tokenizer(), None
     from storage.format import FlashCheckpoint, verify as verify_flashdir
-    from .budget import keep_freed_arrays_out_of_rss, measure_runtime_bytes, plan_budget, resident_bytes_for
+    from .budget import (HEAP_SLACK_BYTES, keep_freed_arrays_out_of_rss, measure_runtime_bytes, plan_budget,
+                         resident_bytes_for)
     keep_freed_arrays_out_of_rss()
     path = flashdir_for(path, progress)
     if verify:
@@ -370,7 +371,7 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | None = None, ctx: 
     # Planned before any weight loads: a budget too small fails before the work, and the runtime line is measured
     # on a process that holds everything but the weights (tokenizer, predictors, compiled kernels included).
     if runtime_bytes is None:
-        runtime_bytes = measure_runtime_bytes(layout)
+        runtime_bytes = measure_runtime_bytes(layout, threads)   # with the reader threads FlashFFN will run
     # float16 bundles: the resident matrices go float16 too (half the DRAM, and GEMV reads half the bytes);
     # float32 bundles keep the whole model exact.
     half = layout.dtype != "f32"
@@ -382,7 +383,8 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | None = None, ctx: 
     def plan_for(budget: int):
         return plan_budget(cfg, layout, budget, ctx, window, max_active=max_active, resident_bytes=resident,
                            runtime_bytes=runtime_bytes, stream_chunk_bytes=STREAM_CHUNK_BYTES,
-                           requested=dram_budget is not None, lookahead=lookahead)
+                           requested=dram_budget is not None, lookahead=lookahead,
+                           heap_slack_bytes=HEAP_SLACK_BYTES if runtime_bytes else 0)
     # No --dram-budget: room for the whole model (every neuron pinned, the full window), whatever that adds up to.
     plan = plan_for(dram_budget if dram_budget is not None else plan_for(1 << 60).used_bytes)
     if verbose or dram_budget is not None:
