@@ -241,27 +241,22 @@ def keep_freed_arrays_out_of_rss(threshold: int = 128 << 10) -> None:
         pass
 
 
-def compile_kernels(layout, threads: int | None = None) -> None:
+def compile_kernels(layout) -> None:
     """Run the neuron cache and the sparse FFN kernel once on two real bundles of `layout`.
 
     Numba compiles them (or loads them from its on-disk cache) on first call, with the argument types of that call;
     these are the types the runtime uses (uint8 bundle matrix viewed as the layout's dtype, int32 rows, float32
     vectors), so their machine code and LLVM are in memory now, before the weights, and not on the first token.
     """
-    from storage.format import aligned_empty
     from storage.reader import BundleReader
     from .kernels import MATMUL_ROW_KERNEL_MAX_T, SparseFFN, matmul_t
     from .neuron_cache import NeuronCache
     k = min(2, layout.n_neurons[0])
-    with BundleReader(layout, threads=threads) as reader:
+    with BundleReader(layout, threads=1) as reader:
         cache = NeuronCache([k], layout.stride, reader, capacity=k, window=1)
         slots = cache.fetch(0, np.arange(k))
         x = np.zeros(layout.d, np.float32)
         SparseFFN.from_layout(layout, max_active=k)(cache.matrix(0), slots, x, np.zeros_like(x))
-        # One small read on every reader thread: a thread's first read sets up its memory (a glibc arena, ~0.45 MiB
-        # measured), which the runtime's reader threads then reuse, so it belongs to the measured runtime line.
-        ids = np.arange(0, layout.n_neurons[0], reader.coalesce_gap + 2)[: 2 * reader.threads]
-        reader.read(0, ids, dest=aligned_empty((ids.size, layout.stride), np.uint8), slots=np.arange(ids.size))
     if layout.dtype == "f32":
         return   # resident matrices stay float32 (runtime.load_runtime): BLAS, no kernel to compile
     # the float16 resident matrices' kernels: decode (row kernel, serial and parallel) and prefill (widened blocks)
@@ -271,7 +266,7 @@ def compile_kernels(layout, threads: int | None = None) -> None:
     matmul_t(np.zeros((1, layout.d), np.float32), w)
 
 
-def measure_runtime_bytes(layout, threads: int | None = None) -> int:
+def measure_runtime_bytes(layout) -> int:
     """The plan's runtime line: RSS after compile_kernels, measured in this process just before the weights load.
 
     Measured rather than a constant because it differs by platform, library versions, tokenizer (SmolLM2's takes
@@ -279,6 +274,6 @@ def measure_runtime_bytes(layout, threads: int | None = None) -> int:
     that already holds other things (a test run, a notebook) they count too: the budget is the process's.
     """
     import gc
-    compile_kernels(layout, threads)
+    compile_kernels(layout)
     gc.collect()
     return rss_bytes()

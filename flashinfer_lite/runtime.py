@@ -371,7 +371,7 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | None = None, ctx: 
     # Planned before any weight loads: a budget too small fails before the work, and the runtime line is measured
     # on a process that holds everything but the weights (tokenizer, predictors, compiled kernels included).
     if runtime_bytes is None:
-        runtime_bytes = measure_runtime_bytes(layout, threads)   # with the reader threads FlashFFN will run
+        runtime_bytes = measure_runtime_bytes(layout)
     # float16 bundles: the resident matrices go float16 too (half the DRAM, and GEMV reads half the bytes);
     # float32 bundles keep the whole model exact.
     half = layout.dtype != "f32"
