@@ -229,14 +229,34 @@ def ffn_accumulate(W, F, slots, coef, Y, d, glu, scale0):
         lo = (q % nb) * OUT_BLOCK
         hi = min(d, lo + OUT_BLOCK)
         y = Y[t, lo:hi]
+        m = hi - lo
+        # the fired neurons in order, then four per pass: four rows' loads in flight at once (rows sit at random
+        # addresses); each output element still adds them one after the other (no fastmath: no reassociation)
+        fired = np.empty(n, np.int64)
+        nf = 0
         for j in range(n):
-            c = coef[t, j]
-            if c != np.float32(0.0):
-                r = slots[j]
-                c = c * _scalar(F[r], scale_down, 1.0)
-                v = W[r, down + lo:down + hi]
-                for k in range(hi - lo):
-                    y[k] += c * _load(v, k)
+            if coef[t, j] != np.float32(0.0):
+                fired[nf] = j
+                nf += 1
+        q4 = nf - nf % 4
+        for i in range(0, q4, 4):
+            j0, j1, j2, j3 = fired[i], fired[i + 1], fired[i + 2], fired[i + 3]
+            c0 = coef[t, j0] * _scalar(F[slots[j0]], scale_down, 1.0)
+            c1 = coef[t, j1] * _scalar(F[slots[j1]], scale_down, 1.0)
+            c2 = coef[t, j2] * _scalar(F[slots[j2]], scale_down, 1.0)
+            c3 = coef[t, j3] * _scalar(F[slots[j3]], scale_down, 1.0)
+            v0 = W[slots[j0], down + lo:down + hi]
+            v1 = W[slots[j1], down + lo:down + hi]
+            v2 = W[slots[j2], down + lo:down + hi]
+            v3 = W[slots[j3], down + lo:down + hi]
+            for k in range(m):
+                y[k] = (((y[k] + c0 * _load(v0, k)) + c1 * _load(v1, k)) + c2 * _load(v2, k)) + c3 * _load(v3, k)
+        for i in range(q4, nf):
+            j = fired[i]
+            c = coef[t, j] * _scalar(F[slots[j]], scale_down, 1.0)
+            v = W[slots[j], down + lo:down + hi]
+            for k in range(m):
+                y[k] += c * _load(v, k)
 
 
 @njit(cache=True, parallel=True, fastmath=True)
