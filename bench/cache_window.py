@@ -9,7 +9,7 @@ real BundleReader over a converted flash directory (so bytes include the reader'
 With --trace TRACE.npz (written by tools/record_trace.py: a big-model trace with its own calibration frequencies)
 there is no flash file: misses go to a reader that only counts, and bytes are misses x --stride (no over-read).
 
-  PYTHONPATH=. python bench/cache_window.py [--model ../shared/models/stories260K] [--tokens 1024]
+  PYTHONPATH=. python bench/cache_window.py [--model tests/data/stories260K] [--tokens 1024]
   PYTHONPATH=. python bench/cache_window.py --trace TRACE.npz [--stride 24576]
 """
 
@@ -31,7 +31,7 @@ from storage.format import read_layout
 from storage.reader import BundleReader, ReadStats
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
+DATA = ROOT / "tests" / "data"       # stories260K and corpus excerpts shipped with the repo
 
 
 def record_trace(model_path: Path, corpus: Path, n_tokens: int, chunk: int) -> list[np.ndarray]:
@@ -91,8 +91,8 @@ def replay(n_neurons, row_bytes, reader, masks, window: int, capacity: int, hot)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=SHARED / "models" / "stories260K")
-    ap.add_argument("--corpus", type=Path, default=SHARED / "corpus" / "tinystories_cased_197KB.txt")
+    ap.add_argument("--model", type=Path, default=DATA / "stories260K")
+    ap.add_argument("--corpus", type=Path, default=DATA / "corpus" / "tinystories_cased_197KB.txt")
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--active-frac", type=float, default=0.2)

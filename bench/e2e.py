@@ -357,7 +357,7 @@ def prepare_quick(work: Path) -> tuple[Path, Path]:
                     "128", "--ffn", "2048", "--heads", "2", "--check-tokens", "0", "--force"], env=env, check=True,
                    stdout=subprocess.DEVNULL)
     convert(hf, flash, dtype="f16", force=True, progress=False)
-    stories = REPO.parent / "shared" / "models" / "stories260K"
+    stories = REPO / "tests" / "data" / "stories260K"
     subprocess.run([sys.executable, str(REPO / "tools" / "record_trace.py"), "-o", str(trace), "--model",
                     str(stories), "--layers", "2", "--ffn", "2048", "--cal-tokens", "256", "--tokens", "32"],
                    env=env, check=True, stdout=subprocess.DEVNULL)

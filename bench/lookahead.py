@@ -51,10 +51,10 @@ sys.path.insert(0, str(REPO))
 
 from flashinfer_lite.errors import UserError  # noqa: E402
 
-CORPUS = REPO.parent / "shared" / "corpus"
+CORPUS = REPO / "tests" / "data" / "corpus"
 CAL_CORPUS = [CORPUS / "wikitext2_valid.txt", CORPUS / "tinystories_cased_197KB.txt"]
 EVAL_CORPUS = [CORPUS / "wikitext2_test.txt"]
-STORIES = REPO.parent / "shared" / "models" / "stories260K"
+STORIES = REPO / "tests" / "data" / "stories260K"
 KINDS = ("same", "naive", "trained")
 AHEAD = ("naive", "trained")
 HYBRIDS = ("naive", "trained", "naive_drop", "trained_drop")

@@ -50,8 +50,8 @@ sys.path.insert(0, str(REPO))
 from bench.e2e import proc_read_bytes  # noqa: E402
 
 MEMCAP = REPO / "tools" / "memcap.py"
-CORPUS = REPO.parent / "shared" / "corpus"
-STORIES = REPO.parent / "shared" / "models" / "stories260K"
+CORPUS = REPO / "tests" / "data" / "corpus"
+STORIES = REPO / "tests" / "data" / "stories260K"
 PROMPT = "What is the capital of France?"
 WINDOW = 5                                   # neuron cache sliding window, tokens (the runtime's default)
 SLACK = "256M"                               # page cache of buffered reads + peak RSS over the DRAM budget

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random models built by transformers (the oracle), and the real models and text in ../shared."""
+"""Shared fixtures: tiny random models built by transformers (the oracle), and the real model and text shipped in
+tests/data (stories260K, corpus excerpts; see tests/data/README.md)."""
 from __future__ import annotations
 
 import shutil
@@ -6,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-STORIES = SHARED / "models" / "stories260K"
-CORPUS = SHARED / "corpus"
+DATA = Path(__file__).resolve().parent / "data"
+STORIES = DATA / "stories260K"
+CORPUS = DATA / "corpus"
 
 # Tiny architectures, each exercising a code path users' models take. Vocab 512 so stories260K's tokenizer fits.
 TINY = {
@@ -48,9 +49,8 @@ def build_tiny(kind: str, path: Path, seed: int = 0) -> Path:
                 p.mul_(8.0)  # a tiny random FFN is near-silent; give it a voice in the output
     model.eval()
     model.save_pretrained(path, safe_serialization=True)
-    if STORIES.exists():
-        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            shutil.copy(STORIES / f, path / f)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(STORIES / f, path / f)
     return path
 
 

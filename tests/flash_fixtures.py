@@ -8,8 +8,7 @@ import numpy as np
 from flashinfer_lite.model import ModelConfig
 from storage.convert import plan_layout, write_flashdir
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-STORIES = SHARED / "models" / "stories260K"
+STORIES = Path(__file__).resolve().parent / "data" / "stories260K"
 
 
 class FakeTokenizer:

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
 sys.path.insert(0, str(REPO / "tools"))
 
 
@@ -27,8 +26,6 @@ def _cap_unavailable() -> str | None:
 
 @pytest.fixture(scope="module")
 def quick_doc():
-    if not (SHARED / "models" / "stories260K").exists():
-        pytest.skip("../shared/models/stories260K is absent (the quick trace is recorded from it)")
     why = _cap_unavailable()
     if why:
         pytest.skip(f"memory cgroup unavailable: {why}")
@@ -87,8 +84,6 @@ def test_markdown_table_lists_every_mode(quick_doc):
 
 @pytest.fixture(scope="module")
 def lookahead(tmp_path_factory):
-    if not ((SHARED / "models" / "stories260K").exists() and (SHARED / "corpus" / "wikitext2_test.txt").exists()):
-        pytest.skip("../shared/models/stories260K or ../shared/corpus is absent")
     work = tmp_path_factory.mktemp("lookahead")
     env = dict(os.environ, PYTHONPATH=str(REPO))
     p = subprocess.run([sys.executable, str(REPO / "bench" / "lookahead.py"), "--quick", "--keep", str(work / "w"),
@@ -108,7 +103,7 @@ def _hf_rows(doc):
     from predictors.collect import token_windows
     from storage.format import FlashCheckpoint
     ck = FlashCheckpoint(doc["model"])
-    m = transformers_model(SHARED / "models" / "stories260K")
+    m = transformers_model(REPO / "tests" / "data" / "stories260K")
     layers = m.model.layers
     xs, hs = [[] for _ in layers], [[] for _ in layers]
     hooks = []
@@ -225,8 +220,6 @@ def test_lookahead_byte_accounting_adds_up(lookahead):
 
 @pytest.fixture(scope="module")
 def modes_run(tmp_path_factory):
-    if not (SHARED / "models" / "stories260K").exists() or not (SHARED / "corpus" / "wikitext2_test.txt").exists():
-        pytest.skip("../shared/models/stories260K or ../shared/corpus/wikitext2_test.txt is absent")
     why = _cap_unavailable()
     if why:
         pytest.skip(f"memory cgroup unavailable: {why}")

@@ -9,7 +9,6 @@ import pytest
 
 from conftest import STORIES, transformers_model
 
-needs_stories = pytest.mark.skipif(not STORIES.exists(), reason="../shared/models/stories260K not present")
 
 
 def cli(*args, stdin=None):
@@ -29,7 +28,6 @@ def assert_one_line_error(r, *fragments):
         assert f in err, err
 
 
-@needs_stories
 def test_generate_json_equals_transformers_greedy():
     import torch
     r = cli("generate", "-m", str(STORIES), "-p", "Once upon a time", "-n", "40", "--temp", "0", "--json")
@@ -43,7 +41,6 @@ def test_generate_json_equals_transformers_greedy():
     assert out["timings"]["eval_tokens"] == 39 and out["timings"]["prompt_tokens"] == len(ids)
 
 
-@needs_stories
 def test_generate_streams_text_and_prints_llama_cpp_timings():
     r = cli("generate", "-m", str(STORIES), "-p", "Once upon a time", "-n", "12", "--temp", "0")
     assert r.returncode == 0
@@ -53,7 +50,6 @@ def test_generate_streams_text_and_prints_llama_cpp_timings():
         assert line in err
 
 
-@needs_stories
 def test_seeded_sampling_is_reproducible_and_seed_dependent():
     runs = [json.loads(cli("generate", "-m", str(STORIES), "-p", "Once", "-n", "30", "--temp", "1.0",
                            "--seed", s, "--json").stdout)["tokens"] for s in ("7", "7", "8")]
@@ -81,7 +77,6 @@ def test_unsupported_activation_is_named(tiny_model, tmp_path):
     assert_one_line_error(cli("generate", "-m", str(d), "-p", "hi"), "gelu_pytorch_tanh")
 
 
-@needs_stories
 def test_truncated_safetensors(tmp_path):
     d = shutil.copytree(STORIES, tmp_path / "m")
     f = d / "model.safetensors"
@@ -91,7 +86,6 @@ def test_truncated_safetensors(tmp_path):
     assert_one_line_error(cli("generate", "-m", str(d), "-p", "hi"), "truncated safetensors")
 
 
-@needs_stories
 def test_corrupt_safetensors_header(tmp_path):
     d = shutil.copytree(STORIES, tmp_path / "m")
     f = d / "model.safetensors"
@@ -100,25 +94,21 @@ def test_corrupt_safetensors_header(tmp_path):
     assert_one_line_error(cli("generate", "-m", str(d), "-p", "hi"), "not a valid safetensors file")
 
 
-@needs_stories
 def test_index_naming_a_file_outside_the_model_dir(tmp_path):
     d = shutil.copytree(STORIES, tmp_path / "m")
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "../../etc/passwd"}}))
     assert_one_line_error(cli("generate", "-m", str(d), "-p", "hi"), "path outside the directory")
 
 
-@needs_stories
 def test_prompt_longer_than_context():
     r = cli("generate", "-m", str(STORIES), "-p", "Once upon a time " * 20, "-c", "16")
     assert_one_line_error(r, "prompt is too long", "context is 16")
 
 
-@needs_stories
 def test_context_larger_than_model_allows():
     assert_one_line_error(cli("generate", "-m", str(STORIES), "-p", "hi", "-c", "100000"), "exceeds the model's maximum")
 
 
-@needs_stories
 def test_non_utf8_prompt_file_and_argument(tmp_path):
     f = tmp_path / "p.txt"
     f.write_bytes(b"Once upon \xff\xfe a time")
@@ -134,7 +124,6 @@ def test_not_a_gguf_file(tmp_path):
     assert_one_line_error(cli("generate", "-m", str(f), "-p", "hi"), "not a valid GGUF file")
 
 
-@needs_stories
 def test_runtime_path_does_not_import_torch():
     code = ("import sys; from flashinfer_lite.cli import main; "
             f"main(['generate', '-m', {str(STORIES)!r}, '-p', 'Once', '-n', '3', '--json']); "

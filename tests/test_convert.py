@@ -12,7 +12,6 @@ from storage.convert import convert
 from storage.format import FlashCheckpoint, aligned_empty, read_layout, unpack_bundles, verify
 from storage.reader import BundleReader
 
-needs_stories = pytest.mark.skipif(not STORIES.is_dir(), reason="shared/models/stories260K is absent")
 
 
 def assert_same_tensors(src, flash, dtype):
@@ -30,7 +29,6 @@ def assert_same_tensors(src, flash, dtype):
             assert (np.abs(a - b) <= int8_bound(np.moveaxis(a, vec_axis, -1)).swapaxes(-1, vec_axis)).all(), name
 
 
-@needs_stories
 @pytest.mark.parametrize("dtype", ["f32", "f16", "int8"])
 def test_stories260k_round_trip(tmp_path, dtype):
     out = convert(STORIES, tmp_path / "flash", dtype=dtype, progress=False)

@@ -13,8 +13,6 @@ import pytest
 from conftest import CORPUS, STORIES
 
 ROOT = Path(__file__).resolve().parents[1]
-needs_shared = pytest.mark.skipif(not (STORIES.exists() and (CORPUS / "wikitext2_valid.txt").exists()),
-                                  reason="../shared models/corpus not present")
 PROMPT = ["-p", "Once upon a time", "-n", "16", "--temp", "0", "--json"]
 
 
@@ -54,7 +52,6 @@ def tokens_of(out: str) -> list[int]:
     return json.loads(out.strip().splitlines()[-1])["tokens"]
 
 
-@needs_shared
 def test_first_use_trains_from_the_corpus_once_and_auto_equals_predicted(default_is_stories, monkeypatch, capsys):
     from predictors import first_use, train
     from predictors.predictor import load_predictors
@@ -97,7 +94,6 @@ def test_first_use_trains_from_the_corpus_once_and_auto_equals_predicted(default
     assert rc == 0 and "ffn: predicted (--ffn auto, " in err4 and tokens_of(out4) == first["tokens"]
 
 
-@needs_shared
 def test_without_a_corpus_the_builtin_text_is_used(default_is_stories, monkeypatch, capsys, tmp_path):
     from predictors import first_use
     cache = default_is_stories
@@ -111,7 +107,6 @@ def test_without_a_corpus_the_builtin_text_is_used(default_is_stories, monkeypat
     assert len(tokens_of(out)) == 16 and not leftovers(cache)
 
 
-@needs_shared
 @pytest.mark.parametrize("where", ["training", "saving"])
 def test_interrupted_first_use_leaves_no_predictors(default_is_stories, monkeypatch, capsys, where):
     """Ctrl-C while a layer trains, or between the predictor files being written: no predictors dir, no temp dirs."""
@@ -145,7 +140,6 @@ def test_interrupted_first_use_leaves_no_predictors(default_is_stories, monkeypa
     assert not leftovers(cache)
 
 
-@needs_shared
 def test_missing_torch_is_one_clear_line(default_is_stories, monkeypatch, capsys):
     monkeypatch.setitem(__import__("sys").modules, "torch", None)   # `import torch` raises ImportError
     rc, out, err = run_cli(capsys, "generate", *PROMPT)
@@ -155,7 +149,6 @@ def test_missing_torch_is_one_clear_line(default_is_stories, monkeypatch, capsys
     assert not (flashdir_of(default_is_stories) / "predictors").exists()
 
 
-@needs_shared
 def test_auto_without_predictors_is_dense_and_refuses_a_budget(default_is_stories, capsys):
     rc, out, err = run_cli(capsys, "generate", "-m", str(STORIES), *PROMPT)
     assert rc == 0 and f"ffn: dense (--ffn auto, {STORIES} has no trained predictors)" in err
@@ -168,7 +161,6 @@ def test_auto_without_predictors_is_dense_and_refuses_a_budget(default_is_storie
     assert rc == 0 and not (default_is_stories / "flash").exists()
 
 
-@needs_shared
 def test_a_corpus_variable_without_calibration_text_is_one_line(default_is_stories, monkeypatch, capsys, tmp_path):
     empty = tmp_path / "corpus"
     empty.mkdir()
@@ -189,7 +181,6 @@ def test_calibration_files_are_the_calibration_splits(tmp_path):
     assert calibration_files(tmp_path / "absent") == []
 
 
-@needs_shared
 def test_mixed_text_takes_a_share_of_each_file(tmp_path):
     """Half the tokens from WikiText, then TinyStories: both sources reach the windows collect reads."""
     from flashinfer_lite.loader import open_any

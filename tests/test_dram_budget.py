@@ -23,8 +23,6 @@ PROMPT = "Once upon a time there was a little dog"
 @pytest.fixture(scope="module")
 def flashdir(tmp_path_factory):
     """2 layers x 8192 neurons x dim 512, f16 bundles (48 MiB of FFN, ~10% active per token), with predictors."""
-    if not STORIES.exists() or not CORPUS.exists():
-        pytest.skip("../shared (stories260K tokenizer, corpus) not present")
     sys.path.insert(0, str(REPO / "tools"))
     from make_large_model import main as make_large_model
     from predictors.collect import collect

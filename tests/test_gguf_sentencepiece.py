@@ -10,7 +10,6 @@ from conftest import STORIES
 from flashinfer_lite.checkpoint import open_checkpoint
 from flashinfer_lite.loader import load
 
-pytestmark = pytest.mark.skipif(not STORIES.exists(), reason="../shared/models/stories260K not present")
 
 TEXTS = ["Once upon a time, there was a little girl named Lily.", "  two  spaces\nand a newline!",
          "Zebra quizzed 123 émigrés", "<s>not a control token</s>"]

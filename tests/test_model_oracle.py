@@ -46,7 +46,6 @@ def test_mistral_sliding_window_is_exercised(tiny_model):
     assert np.abs(windowed[-1] - unwindowed[-1]).max() > 1e-3
 
 
-@pytest.mark.skipif(not STORIES.exists(), reason="../shared/models/stories260K not present")
 def test_stories260k_greedy_100_tokens_equal_transformers():
     import torch
     model, tok = load(STORIES)

@@ -12,8 +12,6 @@ from flashinfer_lite.errors import UserError
 from conftest import CORPUS, STORIES, assert_same_bits_at_every_budget, build_tiny
 
 TINYSTORIES = CORPUS / "tinystories_cased_197KB.txt"
-needs_shared = pytest.mark.skipif(not (STORIES.exists() and TINYSTORIES.exists()),
-                                  reason="../shared models/corpus not present")
 
 
 def corpus_slices(tmp_path, cal_bytes=60_000, eval_bytes=20_000):
@@ -34,8 +32,6 @@ def parse(module, argv):
 @pytest.fixture(scope="module")
 def stories(tmp_path_factory):
     """stories260K converted to a FLASHDIR, activations collected on calibration text, predictors trained."""
-    if not (STORIES.exists() and TINYSTORIES.exists()):
-        pytest.skip("../shared models/corpus not present")
     from predictors import collect, train
     from storage.convert import convert
     tmp = tmp_path_factory.mktemp("stories_pipeline")
@@ -48,7 +44,6 @@ def stories(tmp_path_factory):
     return dict(flash=flash, acts=acts, held=held, cal=cal, cards=cards, tmp=tmp)
 
 
-@needs_shared
 def test_collect_records_what_the_dense_model_computes(stories):
     """The stored rows are the dense FFN's inputs and |activations|: recompute |a| from x with the source weights."""
     from flashinfer_lite.checkpoint import open_checkpoint
@@ -68,7 +63,6 @@ def test_collect_records_what_the_dense_model_computes(stories):
         assert acts.hist_count[i].sum() == acts.tokens * 172
 
 
-@needs_shared
 def test_thresholds_hit_the_target_sparsity(stories):
     from predictors.acts import Acts
     from predictors.predictor import load_predictors
@@ -80,7 +74,6 @@ def test_thresholds_hit_the_target_sparsity(stories):
         assert np.allclose(ps.neuron_freq(i), (absa > ps.act_threshold(i)).mean(0))
 
 
-@needs_shared
 def test_predicted_perplexity_within_5_percent_of_dense(stories, capsys):
     """eval --json runs the decode path on held-out text; the sparsity it reports is real (about half the neurons)."""
     from predictors import evaluate
@@ -95,7 +88,6 @@ def test_predicted_perplexity_within_5_percent_of_dense(stories, capsys):
     assert 0 < res["predictor_share_of_ffn_bytes"] < 0.2
 
 
-@needs_shared
 def test_cards_and_files(stories):
     from predictors.predictor import PREDICTOR_DIR
     root = stories["flash"] / PREDICTOR_DIR
@@ -107,7 +99,6 @@ def test_cards_and_files(stories):
     assert not [p for p in stories["flash"].iterdir() if p.name.startswith(".")]   # no temp dirs left behind
 
 
-@needs_shared
 def test_thresholds_only(stories, tmp_path):
     """--thresholds-only stores what `--ffn oracle` needs; asking it for predictions is a clear error."""
     import shutil
@@ -125,7 +116,6 @@ def test_thresholds_only(stories, tmp_path):
         ps.predict(1, np.zeros((1, 64), np.float32))
 
 
-@pytest.mark.skipif(not (STORIES.exists() and CORPUS.exists()), reason="needs ../shared for a tokenizer and text")
 def test_relu_recall_meets_target_on_heldout_text(tiny_model, tmp_path):
     """Random ReLU Llama: collect from the HF dir, train into its FLASHDIR, then check recall on text the predictor
     never saw against the dense activations (a != 0) computed from the source weights."""
@@ -165,7 +155,6 @@ def test_relu_recall_meets_target_on_heldout_text(tiny_model, tmp_path):
     assert (pred_n < 120 * 160).all()                 # it does not just predict everything
 
 
-@pytest.mark.skipif(not (STORIES.exists() and CORPUS.exists()), reason="needs ../shared for a tokenizer and text")
 def test_acts_from_another_model_are_refused(stories, tiny_model, tmp_path):
     from predictors.collect import collect
     from predictors.train import train
@@ -202,7 +191,6 @@ def test_non_utf8_corpus_is_decoded_with_replacement_and_counted(tmp_path):
     assert c.text.count("\ufffd") == c.replaced_bytes and c.text.startswith("caf\ufffd cr\ufffdme")
 
 
-@needs_shared
 def test_collect_reports_replaced_bytes(tmp_path, capsys):
     from predictors.collect import collect
     f = tmp_path / "mixed.txt"
@@ -218,7 +206,6 @@ def test_collect_reports_replaced_bytes(tmp_path, capsys):
         collect(STORIES, [empty], 300, tmp_path / "acts2", progress=False)
 
 
-@needs_shared
 def test_lookahead_prefetch_changes_bytes_not_results(stories):
     """The lookahead only starts reads early: the exact predictor still decides, so logits equal the run without it,
     and at a budget small enough to miss, part of the misses are served from the prefetched rows."""
@@ -242,7 +229,6 @@ def test_lookahead_prefetch_changes_bytes_not_results(stories):
     assert st.prefetch_used <= st.misses
 
 
-@needs_shared
 def test_prefill_streaming_computes_the_same_function_as_the_cache_path(stories):
     """Streaming a layer only changes how bundles are read: each row still gets its predicted set, thresholded."""
     from flashinfer_lite.runtime import load_runtime
@@ -256,7 +242,6 @@ def test_prefill_streaming_computes_the_same_function_as_the_cache_path(stories)
     assert np.array_equal(out[True], out[False])   # the same kernel in the same order: the same bits
 
 
-@needs_shared
 def test_predicted_mode_same_logits_at_every_budget(stories, monkeypatch):
     """Issue 14 on a trained model: the predictor sees the FFN outputs of earlier layers, so any rounding difference
     between budgets would change its choices; with one summation order nothing differs at all."""
@@ -264,7 +249,6 @@ def test_predicted_mode_same_logits_at_every_budget(stories, monkeypatch):
     assert_same_bits_at_every_budget(stories["flash"], "predicted", ids, 10, monkeypatch)
 
 
-@needs_shared
 def test_predicted_ffn_equals_float64_dense_math_on_the_predicted_set(stories):
     """Issue 14 goal 3, an oracle outside the runtime: for every layer's FFN call of a real decode (bounded budget,
     so reads, pieces and the window all take part), float64 dense math on the source checkpoint's weights,

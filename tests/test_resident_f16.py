@@ -121,7 +121,6 @@ def test_tied_embeddings_share_one_f16_matrix(tiny_model):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
 
 
-@pytest.mark.skipif(not STORIES.exists(), reason="../shared/models/stories260K not present")
 def test_stories260k_f16_matrices_match_rounded_oracle():
     ours, oracle, cfg = f16_and_oracle(STORIES)
     assert cfg.tie_embeddings

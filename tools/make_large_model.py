@@ -31,7 +31,7 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-STORIES = REPO.parent / "shared" / "models" / "stories260K"
+STORIES = REPO / "tests" / "data" / "stories260K"
 CHUNK_ELEMS = 32 << 20          # values generated per step (128 MiB of float32)
 
 
@@ -126,7 +126,7 @@ def measure_active_share(model_dir: Path, n_tokens: int, n_layers: int, seed: in
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out", type=Path, help="output directory (under /work/bigmodels/, not the repo)")
+    ap.add_argument("out", type=Path, help="output directory (outside the repo: it is large)")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--dim", type=int, default=4096)
     ap.add_argument("--ffn", type=int, default=11008)

@@ -30,10 +30,8 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-SHARED = REPO.parent / "shared"
-DEFAULT_MODEL = Path("/work/models_cache/SmolLM2-135M-Instruct.Q4_1.gguf")
-CAL_TEXT = SHARED / "corpus" / "wikitext2_valid.txt"
-REPLAY_TEXT = SHARED / "corpus" / "wikitext2_test.txt"
+CORPUS = REPO / "tests" / "data" / "corpus"          # excerpts shipped with the repo; --corpus for the full files
+
 CHUNK = 128          # tokens per forward pass (prefill: each token's activations are what decode would give)
 
 
@@ -72,7 +70,9 @@ def map_to_big(small: np.ndarray, parent: np.ndarray, layer_map: np.ndarray) -> 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-o", "--output", type=Path, required=True)
-    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument("--model", type=Path, default=None, help="model (default: the default model, fetched on first use)")
+    ap.add_argument("--corpus", type=Path, default=CORPUS,
+                    help="directory with wikitext2_valid.txt (calibration) and wikitext2_test.txt (replay)")
     ap.add_argument("--layers", type=int, default=32, help="layers of the big model")
     ap.add_argument("--ffn", type=int, default=11008, help="FFN width of the big model")
     ap.add_argument("--active", type=float, default=0.10, help="share of neurons counted active")
@@ -81,10 +81,14 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     from flashinfer_lite.loader import load
+    if a.model is None:
+        from flashinfer_lite.default_model import ensure_default_model
+        a.model = ensure_default_model()
     model, tok = load(a.model)
     cfg = model.cfg
-    cal = text_tokens(tok, CAL_TEXT, a.cal_tokens)
-    rep = text_tokens(tok, REPLAY_TEXT, a.tokens)
+    cal_text, replay_text = a.corpus / "wikitext2_valid.txt", a.corpus / "wikitext2_test.txt"
+    cal = text_tokens(tok, cal_text, a.cal_tokens)
+    rep = text_tokens(tok, replay_text, a.tokens)
     acts_cal = record_abs_activations(model, cal)                               # [Tc, Ls, ns]
     # per layer: the |a| above which `active` of the calibration (token, neuron) pairs lie
     thr = np.array([np.quantile(acts_cal[:, i].astype(np.float32), 1 - a.active) for i in range(cfg.n_layers)],
@@ -99,7 +103,7 @@ def main(argv=None) -> int:
     big_rep = map_to_big(small_rep, parent, layer_map)                           # [Tr, L, n]
     freq = small_cal.mean(axis=0)[layer_map][:, parent].astype(np.float32)       # [L, n]
     info = {"model": str(a.model), "small_layers": cfg.n_layers, "small_ffn": cfg.ffn_dim, "layers": a.layers,
-            "ffn": a.ffn, "active_target": a.active, "cal_text": CAL_TEXT.name, "replay_text": REPLAY_TEXT.name,
+            "ffn": a.ffn, "active_target": a.active, "cal_text": cal_text.name, "replay_text": replay_text.name,
             "active_share_replay": round(float(small_rep.mean()), 4),
             "active_share_cal": round(float(small_cal.mean()), 4),
             # how much of token t's active set token t-1 already had (window locality)
