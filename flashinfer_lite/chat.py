@@ -1,6 +1,7 @@
 """`flashinfer-lite chat`: a multi-turn conversation that keeps its KV cache between turns.
 
-Commands at the prompt: /exit, /reset (forget the conversation), /stats (timings so far).
+Commands at the prompt: /exit, /reset (forget the conversation), /stats (timings so far); any other /word is
+answered with this list, never sent to the model.
 Ctrl-C stops the answer being written, not the session; Ctrl-D (end of input) exits.
 """
 from __future__ import annotations
@@ -57,6 +58,9 @@ def run(args) -> int:
             continue
         if line.strip() == "/stats":
             print_stats(session, runtime)
+            continue
+        if line.strip().startswith("/"):      # a mistyped command must not reach the model as text
+            print(f"unknown command {line.split()[0]}: {HELP}", file=sys.stderr)
             continue
         if not line.strip():
             continue

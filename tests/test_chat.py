@@ -84,17 +84,39 @@ def run_pty(args, steps, timeout=240):
     return out.decode(errors="replace"), os.waitstatus_to_exitcode(status)
 
 
+def transformers_answer(path, tok, user: str, n: int) -> str:
+    """The greedy answer of transformers (the oracle) to one user turn: what chat must print after a /reset."""
+    import torch
+
+    from conftest import transformers_model
+    ids = tok.encode_chat([{"role": "user", "content": user}])
+    out = transformers_model(path).generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                                            eos_token_id=tok.eos_ids, pad_token_id=tok.eos_ids[0])
+    new = [t for t in out[0, len(ids):].tolist() if t not in tok.eos_ids]
+    return tok.decode(new)
+
+
 def test_chat_through_a_terminal(stories_chat):
+    """Two turns around /reset and an unknown command: the second answer is transformers' answer to that turn alone
+    (so neither the first turn nor "/foo" reached the model), printed after the echoed input."""
+    user = "Lily had a big red ball and she"
     steps = [
         ("> ", "Once upon a time\n"),
         ("> ", "/stats\n"),
         ("eval time", "/reset\n"),
-        ("(conversation reset)", "Lily had a big red ball and she\n"),
+        ("(conversation reset)", "/foo\n"),
+        ("unknown command /foo", user + "\n"),
         ("> ", "\x04"),  # Ctrl-D
     ]
     out, code = run_pty(["chat", "-m", str(stories_chat), "--temp", "0", "-n", "30"], steps)
     assert code == 0, out
-    assert "Lily" in out and "prompt eval time" in out
+    out = out.replace("\r\n", "\n")
+    _, tok = load(stories_chat)
+    want = transformers_answer(stories_chat, tok, user, 30)
+    assert len(want.strip()) > 10
+    after_echo = out.split(user + "\n", 1)[1]              # the terminal echoes the typed line; the answer follows
+    assert after_echo.startswith(want), (want, after_echo[:200])
+    assert "unknown command /foo: /exit quits" in out and "prompt eval time" in out
 
 
 def test_ctrl_c_stops_the_answer_not_the_session(stories_chat):
