@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from flashinfer_lite.errors import UserError
 
-from .format import BUNDLE_ALIGN, FlashLayout, aligned_empty, read_layout
+from .format import BUNDLE_ALIGN, FlashLayout, aligned_empty, drop_from_page_cache, read_layout
 from flashinfer_lite.sizes import human, parse_size  # noqa: F401  (re-exported for bench scripts)
 
 from .profile import cache_dir, device_key, save_profile
@@ -47,7 +47,7 @@ def drop_caches(path: Path) -> bool:
     """Evict `path` from the page cache (and all caches if we may). O_DIRECT does not need it; buffered fallback does."""
     try:
         fd = os.open(path, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        drop_from_page_cache(fd)
         os.close(fd)
     except OSError:
         pass

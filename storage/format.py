@@ -353,6 +353,13 @@ def ffn_tensor_names(layout: FlashLayout, layer: int) -> list[str]:
 CHECKSUM_CHUNK = 1 << 20
 
 
+def drop_from_page_cache(fd: int, offset: int = 0, nbytes: int = 0) -> None:
+    """Ask the kernel to forget these pages (0 bytes: the whole file). A no-op where posix_fadvise does not exist
+    (macOS): there buffered reads simply stay cached."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+
+
 def region_checksum(f, offset: int, nbytes: int, chunk: int = CHECKSUM_CHUNK, progress=None) -> str:
     """Digest of nbytes at offset, read into one reused `chunk`-sized buffer: memory stays at one chunk whatever the
     file size, and the pages read are dropped from the page cache behind us (a verify of a bigger-than-RAM model
@@ -367,8 +374,7 @@ def region_checksum(f, offset: int, nbytes: int, chunk: int = CHECKSUM_CHUNK, pr
         if got <= 0:
             break   # truncated: the digest will not match
         h.update(view[:got])
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, pos, got, os.POSIX_FADV_DONTNEED)
+        drop_from_page_cache(fd, pos, got)
         pos += got
         if progress is not None:
             progress.update(got)

@@ -22,7 +22,7 @@ import numpy as np
 
 from flashinfer_lite.errors import UserError
 
-from .format import BUNDLE_ALIGN, FlashLayout, aligned_empty, read_layout
+from .format import BUNDLE_ALIGN, FlashLayout, aligned_empty, drop_from_page_cache, read_layout
 from .profile import reader_defaults
 
 IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
@@ -278,5 +278,5 @@ def _run_batch(fd: int, direct: bool, path: Path, layer: int, ops: list) -> int:
                 raise UserError(f"{path}: short read at offset {off} (layer {layer}): got {got} of {nbytes} "
                                 f"bytes; the file is truncated or damaged")
         if not direct:
-            os.posix_fadvise(fd, off, nbytes, os.POSIX_FADV_DONTNEED)
+            drop_from_page_cache(fd, off, nbytes)
     return n_reads

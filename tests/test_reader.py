@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from flash_fixtures import assert_stored_equal, bundle_vectors, write_random_flashdir
 from flashinfer_lite.errors import UserError
 from storage import reader as reader_mod
-from storage.format import aligned_empty, read_layout, unpack_bundles
+from storage.format import aligned_empty, read_layout, unpack_bundles, verify
 from storage.reader import BundleReader
 
 N = 300
@@ -184,3 +184,27 @@ def test_reader_refuses_a_truncated_flashdir_at_open(tmp_path):
     with pytest.raises(UserError, match="truncated"):
         BundleReader(path)
     assert read_layout(path, check_size=False).ffn_size == size
+
+
+def test_buffered_reads_where_posix_fadvise_does_not_exist(flashdirs, monkeypatch):
+    """macOS has no posix_fadvise and no O_DIRECT: the reader (and verify) still read the right bytes."""
+    path, ckpt = flashdirs["f16"]
+    real_open = os.open
+
+    def open_refusing_direct(p, flags, *a):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(p, flags, *a)
+
+    monkeypatch.setattr(reader_mod, "_warned_buffered", True)
+    monkeypatch.setattr(reader_mod.os, "open", open_refusing_direct)
+    monkeypatch.delattr(os, "posix_fadvise")
+    r = BundleReader(path, threads=2)
+    assert not r.direct
+    ids = np.array([3, 7, 298])
+    dest = aligned_empty((3, r.layout.stride), np.uint8)
+    r.read(0, ids, dest, np.arange(3))
+    vecs, _ = unpack_bundles(r.layout, dest)
+    src = np.stack([bundle_vectors(ckpt, 0, i) for i in ids])
+    assert np.array_equal(vecs, src.astype(np.float16).astype(np.float32))
+    verify(path)                                                         # checksums stream through the same path
