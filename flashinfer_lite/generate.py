@@ -292,9 +292,11 @@ def run(args) -> int:
     session.timings.load_ms = load_ms
     ids = prompt_ids(tokenizer, text, args.system_prompt, not args.ignore_chat_template)
     sampler = Sampler(args.temp, args.top_k, args.top_p, args.seed)
-    out, stream = [], StreamDecoder(tokenizer)
+    raw = args.ignore_chat_template or not tokenizer.chat_template
+    context = ids[-StreamDecoder.CONTEXT_IDS:] if raw else []     # a raw prompt's continuation joins its text
+    out, stream = [], StreamDecoder(tokenizer, context)
     note = None
-    if not args.json and (args.ignore_chat_template or not tokenizer.chat_template):
+    if not args.json and raw:
         sys.stdout.write(text)  # a raw prompt is echoed, as llama.cpp does, so the output reads as one text
     try:
         for tok in session.generate(ids, args.n_predict, sampler, args.ignore_eos):
@@ -308,7 +310,7 @@ def run(args) -> int:
         note = "interrupted"
     if args.json:
         flash = {"flash": runtime.stats.as_dict()} if runtime is not None else {}
-        print(json.dumps({"tokens": out, "text": tokenizer.decode(out), "prompt_tokens": ids,
+        print(json.dumps({"tokens": out, "text": tokenizer.decode_after(context, out), "prompt_tokens": ids,
                           "timings": session.timings.as_dict(), **flash, **rss_summary(runtime),
                           **({"stopped": note} if note else {})}))
     else:

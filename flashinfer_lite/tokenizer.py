@@ -157,6 +157,13 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def decode_after(self, context, ids) -> str:
+        """The text ids add after context. SentencePiece decoders drop the leading space of the first piece, so a
+        continuation decoded alone loses the space at the join ("Once upon" + "▁a" -> "Once upona")."""
+        before = self.decode(context)
+        text = self.decode(list(context) + list(ids))
+        return text[len(before):] if text.startswith(before) else self.decode(ids)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise UserError("this model has no chat template (use `generate` with a plain prompt)")
@@ -212,13 +219,16 @@ def render_chat_template(template: str, messages: list[dict], add_generation_pro
 
 
 class StreamDecoder:
-    """Turns ids into text deltas as they arrive, holding back bytes of a character that is not complete yet."""
+    """Turns ids into text deltas as they arrive, holding back bytes of a character that is not complete yet.
+    context: the ids already shown (the prompt's last few), so that the first delta keeps its leading space."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    CONTEXT_IDS = 8
+
+    def __init__(self, tokenizer: Tokenizer, context=()):
         self.tokenizer = tokenizer
-        self.ids: list[int] = []
+        self.ids: list[int] = list(context)[-self.CONTEXT_IDS:]
         self.prefix_offset = 0
-        self.read_offset = 0
+        self.read_offset = len(self.ids)
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)

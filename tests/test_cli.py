@@ -130,3 +130,18 @@ def test_runtime_path_does_not_import_torch():
             "assert 'torch' not in sys.modules, 'torch imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
     assert r.returncode == 0, r.stderr.decode()
+
+
+def test_a_raw_continuation_keeps_the_space_at_the_join():
+    """SentencePiece drops a leading space when a continuation is decoded alone ("Once upon" + "▁a" -> "Once upona").
+    Stream and --json text must equal the tokenizer's decoding of prompt + continuation as one sequence."""
+    from flashinfer_lite.loader import load
+    _, tok = load(STORIES)
+    r = cli("generate", "-m", str(STORIES), "-p", "Once upon", "-n", "12", "--temp", "0", "--json")
+    assert r.returncode == 0, r.stderr.decode()
+    out = json.loads(r.stdout.decode().strip().splitlines()[-1])
+    whole = tok.decode(out["prompt_tokens"] + out["tokens"])
+    assert whole.startswith("Once upon ") and not whole.startswith("Once upon,")   # the case the bug hid in
+    assert "Once upon" + out["text"] == whole
+    r = cli("generate", "-m", str(STORIES), "-p", "Once upon", "-n", "12", "--temp", "0")
+    assert r.stdout.decode().rstrip("\n") == whole
