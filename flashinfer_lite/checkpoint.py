@@ -171,6 +171,14 @@ def _get(cfg: dict, key: str, default=None, required: bool = False):
     return default
 
 
+def _count(cfg: dict, key: str, default=None, required: bool = False) -> int:
+    """A config.json field that counts something: a positive integer, checked before any arithmetic uses it."""
+    v = _get(cfg, key, default, required)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise UserError(f"config.json: '{key}' must be a positive integer (got {v!r})")
+    return v
+
+
 def _act(name: str, arch: str) -> str:
     acts = {"silu": "silu", "swish": "silu", "relu": "relu", "fatrelu": "relu"}
     if name not in acts:
@@ -195,11 +203,11 @@ def hf_config(cfg: dict, generation: dict | None = None) -> ModelConfig:
         raise UserError(f"unsupported architecture {arch!r} in config.json (supported: {', '.join(SUPPORTED_HF)})")
     gen = generation or {}
     eos = _eos_ids(cfg.get("eos_token_id"), gen.get("eos_token_id"))
-    dim = _get(cfg, "hidden_size", required=True)
-    heads = _get(cfg, "num_attention_heads", required=True)
-    common = dict(vocab_size=_get(cfg, "vocab_size", required=True), dim=dim,
-                  n_layers=_get(cfg, "num_hidden_layers", required=True), n_heads=heads,
-                  max_pos=_get(cfg, "max_position_embeddings", 2048), bos_id=cfg.get("bos_token_id"), eos_ids=eos)
+    dim = _count(cfg, "hidden_size", required=True)
+    heads = _count(cfg, "num_attention_heads", required=True)
+    common = dict(vocab_size=_count(cfg, "vocab_size", required=True), dim=dim,
+                  n_layers=_count(cfg, "num_hidden_layers", required=True), n_heads=heads,
+                  max_pos=_count(cfg, "max_position_embeddings", 2048), bos_id=cfg.get("bos_token_id"), eos_ids=eos)
     if arch == "OPTForCausalLM":
         if _get(cfg, "word_embed_proj_dim", dim) != dim:
             raise UserError("unsupported OPT field word_embed_proj_dim != hidden_size (project_in/out, as in OPT-350m)")
@@ -207,7 +215,7 @@ def hf_config(cfg: dict, generation: dict | None = None) -> ModelConfig:
             raise UserError("unsupported OPT field layer_norm_elementwise_affine=false")
         bias = _get(cfg, "enable_bias", True)
         pre = _get(cfg, "do_layer_norm_before", True)
-        return ModelConfig(arch="opt", n_kv_heads=heads, head_dim=dim // heads, ffn_dim=_get(cfg, "ffn_dim", required=True),
+        return ModelConfig(arch="opt", n_kv_heads=heads, head_dim=dim // heads, ffn_dim=_count(cfg, "ffn_dim", required=True),
                            glu=False, act=_act(_get(cfg, "activation_function", "relu"), arch), norm="layer",
                            norm_eps=1e-5, pos_offset=2, tie_embeddings=_get(cfg, "tie_word_embeddings", True),
                            qkv_bias=bias, o_bias=bias, mlp_bias=bias, pre_norm=pre, **common)
@@ -220,8 +228,9 @@ def hf_config(cfg: dict, generation: dict | None = None) -> ModelConfig:
     elif arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
         raise UserError("unsupported Qwen2 field use_sliding_window=true")
     qkv_bias = arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
-    cfg_out = ModelConfig(arch="llama", n_kv_heads=_get(cfg, "num_key_value_heads", heads),
-                          head_dim=_get(cfg, "head_dim", dim // heads), ffn_dim=_get(cfg, "intermediate_size", required=True),
+    cfg_out = ModelConfig(arch="llama", n_kv_heads=_count(cfg, "num_key_value_heads", heads),
+                          head_dim=_count(cfg, "head_dim", dim // heads),
+                          ffn_dim=_count(cfg, "intermediate_size", required=True),
                           glu=True, act=_act(_get(cfg, "hidden_act", "silu"), arch),
                           relu_threshold=float(cfg.get("hidden_act_param") or 0.0)
                           if cfg.get("hidden_act") == "fatrelu" else 0.0, norm="rms",
@@ -351,6 +360,9 @@ class GGUFCheckpoint(Checkpoint):
             raise UserError(f"unsupported GGUF architecture {arch!r} (supported: llama)")
         need = lambda k: _required_field(r, f"llama.{k}")  # noqa: E731
         dim, heads = int(need("embedding_length")), int(need("attention.head_count"))
+        if dim < 1 or heads < 1:
+            raise UserError(f"{path}: GGUF embedding_length and attention.head_count must be positive "
+                            f"(got {dim}, {heads})")
         by_name = {t.name: t for t in r.tensors}
         self._index = {c: by_name[n] for c, n in canonical_names(by_name, _GGUF_NAMES).items()}
         tokens = gguf_field(r, "tokenizer.ggml.tokens") or []
