@@ -6,7 +6,10 @@ Per layer:
   2. a low-rank predictor x [d] -> r -> n, sigmoid (Deja Vu, LLM in a Flash), trained in torch with balanced BCE to
      tell |a| > t_l; the decision threshold (a logit cut per neuron, see tune_cut) is tuned on held-out rows to reach
      the target recall, and the rank is doubled for layers whose recall (on a second held-out split) or
-     over-prediction misses the mark. The first --dense-layers layers get no predictor (all neurons predicted).
+     over-prediction misses the mark. The first --dense-layers layers get no predictor (all neurons predicted), and
+     neither does a layer whose predictor, at the target recall, would still select more than --max-read-share of
+     its neurons on held-out rows: there the predictor saves few reads and its misses cost perplexity, so every
+     neuron is read and the exact threshold alone decides (SwiGLU models such as SmolLM2: see docs/PREDICTORS.md).
 Rows are split in corpus order: 70% train, 15% to tune the decision threshold, 15% to report (text neither saw).
 Everything lands in FLASHDIR/predictors/ (see predictor.py), written to a temp dir and renamed into place.
 """
@@ -30,6 +33,7 @@ from .acts import Acts, check_same_model, relu_family, threshold_for
 from .predictor import CARD_FMT, PRED_FORMAT, PRED_VERSION, PREDICTOR_DIR, PROFILE_FILE, WEIGHTS_FILE, MANIFEST
 
 DEFAULT_SWIGLU_SPARSITY = 0.5
+DEFAULT_MAX_READ_SHARE = 0.9
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the first K layers get no predictor (all neurons predicted; the activation threshold "
                              "still applies). Layer 0 sees little more than the token, and rare tokens then fire "
                              "large neurons no predictor saw in training (default 1)")
+    parser.add_argument("--max-read-share", type=float, default=DEFAULT_MAX_READ_SHARE, metavar="F",
+                        help="a layer whose predictor would select more than this share of its neurons gets none "
+                             f"(all neurons read, the threshold decides; default {DEFAULT_MAX_READ_SHARE})")
     parser.add_argument("--steps", type=int, default=400, help="optimizer steps per layer and rank (default 400)")
     parser.add_argument("--thresholds-only", action="store_true",
                         help="store activation thresholds and neuron frequencies, train no predictors")
@@ -62,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     cards = train(args.acts, args.output, rank=args.rank, max_rank=args.max_rank, target_recall=args.target_recall,
                   max_ratio=args.max_ratio, sparsity=args.sparsity, kept_mass=args.kept_mass, steps=args.steps,
-                  dense_layers=args.dense_layers,
+                  dense_layers=args.dense_layers, max_read_share=args.max_read_share,
                   thresholds_only=args.thresholds_only, seed=args.seed)
     print(format_cards(cards))
     return 0
@@ -73,7 +80,10 @@ def format_cards(cards: list[dict]) -> str:
             f"{'pred/true':>9} {'bytes':>9}")
     lines = [head]
     for c in cards:
-        if c.get("dense"):
+        if c.get("dense") and c.get("rank"):
+            lines.append(f"{c['layer']:>5} {c['act_threshold']:>9.4g} {c['true_share']:>6.3f}  dense: a predictor "
+                         f"(rank {c['rank']}, recall {c['recall']:.4f}) would select {c['pred_share']:.3f} of it")
+        elif c.get("dense"):
             lines.append(f"{c['layer']:>5} {c['act_threshold']:>9.4g} {c['true_share']:>6.3f}  dense (no predictor)")
         elif c.get("rank"):
             lines.append(f"{c['layer']:>5} {c['act_threshold']:>9.4g} {c['true_share']:>6.3f} {c['rank']:>5} "
@@ -215,7 +225,7 @@ def open_flashdir(flashdir):
 
 
 def train(acts_dir, flashdir, rank=None, max_rank=None, target_recall=0.99, max_ratio=4.0, sparsity=None,
-          kept_mass=None, steps=400, dense_layers=1, thresholds_only=False, seed=0, progress=True,
+          kept_mass=None, steps=400, dense_layers=1, max_read_share=DEFAULT_MAX_READ_SHARE, thresholds_only=False, seed=0, progress=True,
           calibration: dict | None = None, threads: int | None = None) -> list[dict]:
     """Thresholds and predictors for every layer, saved into FLASHDIR/predictors; `calibration` (where the text came
     from) is recorded in its manifest as is. threads: torch threads (default: up to 2)."""
@@ -223,6 +233,8 @@ def train(acts_dir, flashdir, rank=None, max_rank=None, target_recall=0.99, max_
         raise UserError(f"--target-recall must be in (0, 1] (got {target_recall})")
     if sparsity is not None and not 0 <= sparsity < 1:
         raise UserError(f"--sparsity must be in [0, 1) (got {sparsity})")
+    if not 0 < max_read_share <= 1:
+        raise UserError(f"--max-read-share must be in (0, 1] (got {max_read_share})")
     if kept_mass is not None and not 0 < kept_mass <= 1:
         raise UserError(f"--kept-mass must be in (0, 1] (got {kept_mass})")
     acts = Acts(acts_dir)
@@ -266,13 +278,17 @@ def train(acts_dir, flashdir, rank=None, max_rank=None, target_recall=0.99, max_
             importance = np.linalg.norm(ckpt.tensor(f"layers.{i}.ffn.down.weight"), axis=0)    # [n] |down_i|
             m, (W1, W2, b) = train_layer(x, absa, t, importance, rank, max_rank, target_recall, max_ratio, steps,
                                          seed + i)
-            weights[f"layers.{i}.w_in"], weights[f"layers.{i}.w_out"], weights[f"layers.{i}.bias"] = W1, W2, b
             card.update(m)
+            if m["pred_share"] > max_read_share:
+                card["dense"] = True                              # reads all but a sliver anyway: read them all
+            else:
+                weights[f"layers.{i}.w_in"], weights[f"layers.{i}.w_out"], weights[f"layers.{i}.bias"] = W1, W2, b
             card["seconds"] = round(time.perf_counter() - t0, 2)
             bar.set_postfix(rank=m["rank"], recall=f"{m['recall']:.3f}", ratio=f"{m['pred_true_ratio']:.2f}")
         cards.append(card)
     save_predictors(flashdir, acts, cards, weights, profile, dict(
-        target_recall=target_recall, dense_layers=list(range(min(dense_layers, cfg.n_layers))), sparsity=sparsity,
+        target_recall=target_recall, dense_layers=[c["layer"] for c in cards if c.get("dense")], sparsity=sparsity,
+        max_read_share=max_read_share,
         kept_mass=kept_mass, relu=relu,
         has_predictors=not thresholds_only, ffn_bytes=ffn_bytes(ckpt),
         **({"calibration": calibration} if calibration is not None else {})))
@@ -293,8 +309,8 @@ def save_predictors(flashdir, acts: Acts, cards, weights, profile, info: dict) -
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        if weights:
-            save_file(weights, str(tmp / WEIGHTS_FILE))
+        if info.get("has_predictors"):
+            save_file(weights, str(tmp / WEIGHTS_FILE))           # empty when every layer is dense
         save_file(profile, str(tmp / PROFILE_FILE))
         for c in cards:
             (tmp / CARD_FMT.format(c["layer"])).write_text(json.dumps(c, indent=1))

@@ -65,15 +65,22 @@ def test_first_use_trains_from_the_corpus_once_and_auto_equals_predicted(default
     assert cal["source"] == "corpus" and cal["path"] == str(CORPUS.resolve())
     assert cal["files"] == ["wikitext2_valid.txt", "tinystories_cased_197KB.txt"]   # never wikitext2_test.txt
     assert cal["tokens"] == first_use.SETTINGS.tokens and cal["trained_on_first_use"]
-    assert m["sparsity"] == 0.5 and m["target_recall"] == 0.9
+    assert m["sparsity"] == first_use.SETTINGS.sparsity and m["target_recall"] == first_use.SETTINGS.target_recall
+    assert m["max_read_share"] == 0.9
     assert f"predictors: trained on first use from {CORPUS.resolve()} (wikitext2_valid.txt, " \
            f"tinystories_cased_197KB.txt; {cal['tokens']} tokens)" in err
     assert "ffn: predicted (--ffn auto, the default model" in err
     # the predictors load and predict; the run really was sparse
     ps = load_predictors(flashdir)
     assert ps.has_predictors and ps.n_layers == 5
-    mask = ps.predict(3, np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32))
-    assert mask.shape == (4, 172) and 0 < mask.mean() < 1
+    # a layer keeps its predictor only where it would read at most max_read_share of the neurons (stories260K's
+    # SwiGLU predictors select about 0.98 at recall 0.99, so here every layer reads all and the threshold decides)
+    cards = [json.loads((flashdir / "predictors" / f"layer_{i:03d}.json").read_text()) for i in range(5)]
+    assert m["dense_layers"] == [0] + [c["layer"] for c in cards[1:] if c["pred_share"] > m["max_read_share"]]
+    x = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
+    for i in range(5):
+        mask = ps.predict(i, x)
+        assert mask.shape == (4, 172) and (mask.all() if i in m["dense_layers"] else 0 < mask.mean() < 1)
     first = json.loads(out.strip().splitlines()[-1])
     assert len(first["tokens"]) == 16 and first["flash"]["active_share"] < 0.75
     assert not leftovers(cache)

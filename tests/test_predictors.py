@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -40,7 +41,8 @@ def stories(tmp_path_factory):
     acts = tmp / "acts"
     assert collect.run(parse(collect, ["-m", str(STORIES), "--corpus", str(cal), "--tokens", "5000", "-o",
                                        str(acts), "--rows", "3000"])) == 0
-    cards = train.train(acts, flash, sparsity=0.5, steps=150, progress=False)
+    # max_read_share=1: keep every layer's predictor, whatever it selects, so that the predictor path is what runs
+    cards = train.train(acts, flash, sparsity=0.5, steps=150, max_read_share=1.0, progress=False)
     return dict(flash=flash, acts=acts, held=held, cal=cal, cards=cards, tmp=tmp)
 
 
@@ -287,3 +289,24 @@ def test_predicted_ffn_equals_float64_dense_math_on_the_predicted_set(stories):
         full = W[p + "down.weight"] @ np.where(np.abs(a) > preds.act_threshold(layer), a, 0.0)
         restricted_differs += np.linalg.norm(full - want) > 1e-3 * np.linalg.norm(want)
     assert mask.mean() < 1.0 and restricted_differs > 0    # the predicted set really is a subset that matters
+
+
+def test_a_predictor_that_would_read_nearly_everything_is_dropped(stories):
+    """--max-read-share: a layer whose predictor selects more than that share of its neurons on held-out rows gets
+    none: every neuron is read and the exact threshold decides, so that layer computes what the oracle computes."""
+    from predictors import train
+    from predictors.predictor import load_predictors, read_manifest
+    flash = stories["tmp"] / "flash_max_read"
+    shutil.copytree(stories["flash"], flash)
+    kept = [c for c in stories["cards"] if not c.get("dense")]
+    cut = float(np.median([c["pred_share"] for c in kept]))          # some layers above it, some at or below
+    cards = train.train(stories["acts"], flash, sparsity=0.5, steps=150, max_read_share=cut, progress=False)
+    want_dense = {0} | {c["layer"] for c in kept if c["pred_share"] > cut}
+    assert {c["layer"] for c in cards if c.get("dense")} == want_dense and len(want_dense) < len(cards)
+    assert read_manifest(flash)["dense_layers"] == sorted(want_dense)
+    ps = load_predictors(flash)
+    x = np.random.default_rng(0).standard_normal((7, 64)).astype(np.float32)
+    for i in range(len(cards)):
+        assert (ps.rank(i) == 0) == (i in want_dense)
+        if i in want_dense:
+            assert ps.predict(i, x).all()
