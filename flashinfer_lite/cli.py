@@ -19,6 +19,7 @@ COMMANDS = {
     "train-predictor": ("predictors.train", "calibrate thresholds and train low-rank activation predictors"),
     "eval": ("predictors.evaluate", "perplexity, agreement with dense and active share of an FFN mode"),
     "fetch": ("flashinfer_lite.fetch", "download the default model (SmolLM2-135M-Instruct) into the cache"),
+    "cache": ("flashinfer_lite.manage", "list or remove what the cache holds (converted models, the default model)"),
 }
 
 

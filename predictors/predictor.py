@@ -18,9 +18,8 @@ import numpy as np
 
 from flashinfer_lite.checkpoint import read_json
 from flashinfer_lite.errors import UserError
+from storage.format import PREDICTOR_DIR, PREDICTOR_MANIFEST as MANIFEST   # the predictors are part of the format
 
-PREDICTOR_DIR = "predictors"
-MANIFEST = "manifest.json"
 WEIGHTS_FILE = "weights.safetensors"
 PROFILE_FILE = "profile.safetensors"
 CARD_FMT = "layer_{:03d}.json"

@@ -30,6 +30,9 @@ from tqdm import tqdm
 from flashinfer_lite.errors import UserError
 
 from .acts import Acts, check_same_model, relu_family, threshold_for
+from storage.files import remove_stale_temp_dirs, temp_path
+from storage.format import file_checksum
+
 from .predictor import CARD_FMT, PRED_FORMAT, PRED_VERSION, PREDICTOR_DIR, PROFILE_FILE, WEIGHTS_FILE, MANIFEST
 
 DEFAULT_SWIGLU_SPARSITY = 0.5
@@ -305,7 +308,8 @@ def save_predictors(flashdir, acts: Acts, cards, weights, profile, info: dict) -
     from safetensors.numpy import save_file
     flashdir = Path(flashdir)
     dest = flashdir / PREDICTOR_DIR
-    tmp = flashdir / f".{PREDICTOR_DIR}.tmp-{os.getpid()}"
+    remove_stale_temp_dirs(flashdir)
+    tmp = temp_path(dest, "tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
@@ -319,9 +323,11 @@ def save_predictors(flashdir, acts: Acts, cards, weights, profile, info: dict) -
                     "acts": {"path": str(acts.path), "tokens": acts.tokens, "corpus": acts.manifest["corpus"]},
                     "predictor_bytes": int(sum(v.nbytes for v in weights.values())),
                     "act_threshold": [c["act_threshold"] for c in cards],
-                    **info}
+                    **info,
+                    # verify (and a launch whose verified stamp is stale) checks these: a flipped byte is an error
+                    "checksums": {f.name: file_checksum(f) for f in sorted(tmp.iterdir())}}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        old = flashdir / f".{PREDICTOR_DIR}.old-{os.getpid()}"
+        old = temp_path(dest, "old")
         if dest.exists():
             os.replace(dest, old)
         os.replace(tmp, dest)

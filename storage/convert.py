@@ -16,7 +16,9 @@ from tqdm import tqdm
 
 from flashinfer_lite.errors import UserError
 
+from .files import remove_stale_temp_dirs, temp_path
 from .format import (DTYPES, MANIFEST, FlashLayout, file_checksum, ffn_tensor_names, new_checksum, pack_bundles,
+                     write_verified_stamp,
                      write_manifest)
 
 PACK_NEURONS = 4096   # neurons packed at a time: bounds the extra memory for wide FFNs
@@ -140,13 +142,14 @@ def convert(model, output, dtype: str = "f16", force: bool = False, progress: bo
     ckpt = open_checkpoint(model)
     layout = plan_layout(ckpt, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    remove_stale_temp_dirs(out.parent)
+    tmp = temp_path(out, "tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
         write_flashdir(ckpt, layout, tmp, progress)
         if out.exists() or out.is_symlink():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            old = temp_path(out, "old")
             os.replace(out, old)
             os.replace(tmp, out)
             if old.is_dir() and not old.is_symlink():
@@ -156,6 +159,7 @@ def convert(model, output, dtype: str = "f16", force: bool = False, progress: bo
         else:
             os.replace(tmp, out)
         _fsync_dir(out.parent)
+        write_verified_stamp(out)                 # every checksum was computed from the bytes just written
     except BaseException:   # includes Ctrl-C: no half-written directory survives
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -26,7 +26,8 @@ from flashinfer_lite.errors import UserError
 from .format import BUNDLE_ALIGN, FlashLayout, aligned_empty, drop_from_page_cache, read_layout
 from flashinfer_lite.sizes import human, parse_size  # noqa: F401  (re-exported for bench scripts)
 
-from .profile import cache_dir, device_key, save_profile
+from .cache import cache_dir
+from .profile import device_key, save_profile
 from .reader import BundleReader
 
 DEST_BYTES = 64 << 20          # destination buffer per measurement

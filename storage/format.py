@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from flashinfer_lite.errors import UserError
-from flashinfer_lite.checkpoint import SafetensorsFile, inside
+from flashinfer_lite.checkpoint import SafetensorsFile, inside, read_json
 
 FORMAT_NAME = "flashinfer-lite-flash"
 FORMAT_VERSION = 1
@@ -32,6 +32,9 @@ MAX_MANIFEST_BYTES = 64 << 20     # a permutation per layer of a 70B model is ~1
 BUNDLE_ALIGN = 512                # O_DIRECT granularity of offset, length and buffer address
 REGION_ALIGN = 4096               # layer regions start on a page
 CHECKSUM_ALGO = "blake2b-128"
+PREDICTOR_DIR = "predictors"      # optional: written by train-predictor; its manifest lists its files' checksums
+PREDICTOR_MANIFEST = "manifest.json"
+VERIFIED_STAMP = ".verified.json" # sizes and mtimes of the files as they were when every checksum last matched
 
 DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "int8": np.dtype("i1")}
 GLU_VECTORS = ("gate", "up", "down")
@@ -386,10 +389,27 @@ def file_checksum(path: Path) -> str:
         return region_checksum(f, 0, os.fstat(f.fileno()).st_size)
 
 
-def verify(flashdir, progress: bool = True) -> FlashLayout:
-    """Check the manifest, the file sizes and every checksum; raise UserError naming the first bad layer or file.
+def is_flashdir(path) -> bool:
+    p = Path(path)
+    return p.is_dir() and (p / MANIFEST).exists()
 
-    Reads the whole directory once: call it at load or from `flashinfer-lite verify`, never on the hot path.
+
+def predictor_checksums(flashdir) -> dict[str, str]:
+    """{file name: checksum} that FLASHDIR/predictors/manifest.json lists ({} without predictors)."""
+    mpath = Path(flashdir) / PREDICTOR_DIR / PREDICTOR_MANIFEST
+    if not mpath.is_file():
+        return {}
+    sums = read_json(mpath, "predictor manifest").get("checksums")
+    if not isinstance(sums, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in sums.items()):
+        raise UserError(f"{mpath} lists no checksums of its files: re-run train-predictor")
+    return sums
+
+
+def verify(flashdir, progress: bool = True) -> FlashLayout:
+    """Check the manifest, the file sizes and every checksum, the predictors' included; raise UserError naming the
+    first bad layer or file. Then stamp the directory as verified (see verify_at_load).
+
+    Reads the whole directory once: call it from `flashinfer-lite verify` or when the stamp is stale.
     """
     from tqdm import tqdm
     layout = read_layout(flashdir)
@@ -405,7 +425,56 @@ def verify(flashdir, progress: bool = True) -> FlashLayout:
         raise UserError(f"{res}: resident weights file is missing")
     if file_checksum(res) != layout.resident_checksum:
         raise UserError(f"{res}: checksum mismatch in the resident weights: the file is damaged; re-run convert")
+    for name, digest in predictor_checksums(layout.flashdir).items():
+        p = inside(layout.flashdir / PREDICTOR_DIR, name, "predictor file")
+        if not p.is_file():
+            raise UserError(f"{p}: predictor file is missing; re-run train-predictor")
+        if file_checksum(p) != digest:
+            raise UserError(f"{p}: checksum mismatch: the predictor file is damaged; re-run train-predictor")
+    write_verified_stamp(layout.flashdir)
     return layout
+
+
+def _stamped_files(flashdir: Path) -> dict[str, list[int]]:
+    """{relative path: [size, mtime_ns, inode]} of every file whose checksum verify checks."""
+    names = [MANIFEST, *read_layout(flashdir, check_size=False).files.values()]
+    pm = flashdir / PREDICTOR_DIR / PREDICTOR_MANIFEST
+    if pm.is_file():
+        names += [f"{PREDICTOR_DIR}/{PREDICTOR_MANIFEST}"] + [f"{PREDICTOR_DIR}/{n}" for n in predictor_checksums(flashdir)]
+    out = {}
+    for n in names:
+        try:
+            st = (flashdir / n).stat()
+        except OSError:
+            continue
+        out[n] = [st.st_size, st.st_mtime_ns, st.st_ino]
+    return out
+
+
+def write_verified_stamp(flashdir) -> None:
+    """Record that FLASHDIR's files, as they are now, matched their checksums. Best effort: a read-only FLASHDIR is
+    simply verified in full at every load."""
+    flashdir = Path(flashdir)
+    tmp = flashdir / f"{VERIFIED_STAMP}.{os.getpid()}"
+    try:
+        tmp.write_text(json.dumps({"files": _stamped_files(flashdir)}))
+        os.replace(tmp, flashdir / VERIFIED_STAMP)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
+def verify_at_load(flashdir, progress: bool = False) -> FlashLayout:
+    """What a launch checks: the manifest and file sizes always; every checksum only when a file changed (size, mtime
+    or inode) since it was last verified, so a launch does not read the whole model (a 4 GB model: seconds)."""
+    flashdir = Path(flashdir)
+    layout = read_layout(flashdir)                                # manifest and sizes
+    try:
+        stamp = json.loads((flashdir / VERIFIED_STAMP).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        stamp = None
+    if stamp and stamp == _stamped_files(flashdir):
+        return layout
+    return verify(flashdir, progress=progress)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

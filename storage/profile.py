@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from flashinfer_lite.default_model import cache_dir
+from .cache import cache_dir
 
 PROFILE_NAME = "device_profile.json"
 MAX_PROFILE_BYTES = 1 << 20

@@ -35,7 +35,7 @@ def run_cli(capsys, *argv) -> tuple[int, str, str]:
 
 
 def flashdir_of(cache: Path) -> Path:
-    (d,) = [p for p in (cache / "flash").iterdir() if not p.name.startswith(".")]
+    (d,) = [p for p in (cache / "flash").iterdir() if p.is_dir() and not p.name.startswith(".")]
     return d
 
 

@@ -177,3 +177,30 @@ def test_missing_manifest_is_refused(tmp_path):
     (tmp_path / "half").mkdir()
     with pytest.raises(UserError, match="no manifest.json"):
         FlashCheckpoint(tmp_path / "half")
+
+
+def test_a_launch_rehashes_only_what_changed_since_the_last_verify(tmp_path, monkeypatch):
+    """verify stamps the files it checked; verify_at_load then checks sizes only, until a file changes (issue 13's
+    load time: a launch must not read the whole model)."""
+    path = tmp_path / "m"
+    write_random_flashdir(path, "f16")
+    hashed = []
+    real = fmt.region_checksum
+    monkeypatch.setattr(fmt, "region_checksum", lambda *a, **k: hashed.append(a[2]) or real(*a, **k))
+    fmt.verify_at_load(path)                          # no stamp yet: a full verify, which stamps
+    full = sum(hashed)
+    assert full > 0 and (path / fmt.VERIFIED_STAMP).is_file()
+    hashed.clear()
+    fmt.verify_at_load(path)
+    assert hashed == []                               # unchanged: nothing read
+    layout = read_layout(path)
+    with open(layout.ffn_path, "r+b") as f:           # one flipped byte: a new mtime, so the next launch re-hashes
+        f.seek(layout.offset[1] + 3)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x40]))
+    with pytest.raises(UserError, match="checksum mismatch in layer 1"):
+        fmt.verify_at_load(path)
+    os.truncate(layout.ffn_path, layout.offset[1])   # sizes are checked at every launch, stamp or not
+    with pytest.raises(UserError):
+        fmt.verify_at_load(path)

@@ -98,7 +98,9 @@ def test_cards_and_files(stories):
     for c in cards[1:]:
         assert c["rank"] >= 16 and c["bytes"] == (c["rank"] * (64 + 172)) * 2 + 172 * 4
         assert 0 < c["precision"] <= 1 and c["recall"] >= 0.98 and c["pred_true_ratio"] >= c["recall"]
-    assert not [p for p in stories["flash"].iterdir() if p.name.startswith(".")]   # no temp dirs left behind
+    from storage.format import VERIFIED_STAMP
+    left = [p for p in stories["flash"].iterdir() if p.name.startswith(".") and p.name != VERIFIED_STAMP]
+    assert not left                                                    # no temp dirs left behind
 
 
 def test_thresholds_only(stories, tmp_path):
@@ -310,3 +312,18 @@ def test_a_predictor_that_would_read_nearly_everything_is_dropped(stories):
         assert (ps.rank(i) == 0) == (i in want_dense)
         if i in want_dense:
             assert ps.predict(i, x).all()
+
+
+def test_a_flipped_predictor_byte_is_found_by_verify_and_at_launch(stories, tmp_path):
+    from flashinfer_lite.runtime import load_runtime
+    from storage.format import verify
+    flash = shutil.copytree(stories["flash"], tmp_path / "flash")
+    verify(flash, progress=False)                                      # intact: passes, and stamps
+    w = flash / "predictors" / "weights.safetensors"
+    data = bytearray(w.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    w.write_bytes(bytes(data))
+    with pytest.raises(UserError, match="weights.safetensors: checksum mismatch: the predictor file is damaged"):
+        verify(flash, progress=False)
+    with pytest.raises(UserError, match="predictor file is damaged"):
+        load_runtime(flash, "predicted", runtime_bytes=0)

@@ -1,0 +1,132 @@
+"""The user cache: converted models, the default model's GGUF, the device profile.
+
+  CACHE/                       $FLASHINFER_LITE_CACHE, else $XDG_CACHE_HOME/flashinfer-lite, else ~/.cache/...
+    models/                    the default model's GGUF (fetched on first use)
+    flash/NAME-KEY/            a FLASHDIR converted on first use from a model file or directory
+    flash/index.json           NAME-KEY -> the source path it was converted from (for `flashinfer-lite cache`)
+    source-digests.json        per source file: size, mtime, inode -> content digest (so nothing is hashed twice)
+    device-profile.json        flash-bench's result (storage/profile.py)
+
+KEY is a digest of the source's content (file names relative to it, and bytes), never of its path or times:
+moving the cache or the model, or touching a file, finds the same conversion; changing a byte makes a new one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from flashinfer_lite.errors import UserError
+
+from .convert import convert
+from .files import remove_stale_temp_dirs
+from .format import MANIFEST, file_checksum, is_flashdir, new_checksum
+
+FLASH = "flash"
+INDEX = "index.json"
+DIGESTS = "source-digests.json"
+
+
+def cache_dir() -> Path:
+    """$FLASHINFER_LITE_CACHE, else $XDG_CACHE_HOME/flashinfer-lite, else ~/.cache/flashinfer-lite."""
+    env = os.environ.get("FLASHINFER_LITE_CACHE")
+    if env:
+        return Path(env).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")).expanduser() / "flashinfer-lite"
+
+
+def _read(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}             # a lost or damaged index only costs a re-hash, never a wrong answer
+
+
+def _write(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
+def source_key(path: Path) -> str:
+    """Digest of a model file's or directory's content; file digests are remembered by (size, mtime, inode)."""
+    path = Path(path).resolve()
+    files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path]
+    memo_path = cache_dir() / DIGESTS
+    memo, changed = _read(memo_path), False
+    h = new_checksum()
+    for f in files:
+        st = f.stat()
+        stamp = [st.st_size, st.st_mtime_ns, st.st_ino]
+        seen = memo.get(str(f))
+        if not (isinstance(seen, dict) and seen.get("stat") == stamp):
+            seen = memo[str(f)] = {"stat": stamp, "digest": file_checksum(f)}
+            changed = True
+        name = f.relative_to(path).as_posix() if path.is_dir() else ""
+        h.update(f"{name}\0{seen['digest']}\n".encode())
+    if changed:
+        _write(memo_path, memo)
+    return h.hexdigest()[:16]
+
+
+def flashdir_for(path, progress: bool) -> str:
+    """A FLASHDIR for any model path: itself, or a conversion cached under the user cache dir (made on first use)."""
+    if is_flashdir(path):
+        return str(path)
+    p = Path(path).expanduser().resolve()
+    if not p.exists():
+        raise UserError(f"model not found: {p}")
+    flash = cache_dir() / FLASH
+    key = source_key(p)
+    # the name's stem is for people; the key alone finds a conversion (a renamed model is the same model)
+    dest = next((d for d in sorted(flash.glob(f"*-{key}")) if is_flashdir(d)), flash / f"{p.stem}-{key}")
+    if not is_flashdir(dest):
+        remove_stale_temp_dirs(flash)
+        print(f"converting {p.name} into the flash layout at {dest} (first use)", file=sys.stderr)
+        convert(p, dest, dtype="f16", force=False, progress=progress)
+    index = _read(flash / INDEX)
+    if index.get(dest.name, {}).get("source") != str(p):
+        index[dest.name] = {"source": str(p)}
+        _write(flash / INDEX, index)
+    return str(dest)
+
+
+def _bytes(p: Path) -> int:
+    return p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+def entries() -> list[dict]:
+    """What the cache holds: [{name, kind, bytes, source}], converted models first."""
+    root = cache_dir()
+    index = _read(root / FLASH / INDEX)
+    out = []
+    for d in sorted((root / FLASH).glob("*")) if (root / FLASH).is_dir() else []:
+        if d.is_dir() and (d / MANIFEST).is_file():
+            src = index.get(d.name, {}).get("source")
+            out.append({"name": d.name, "kind": "flashdir", "bytes": _bytes(d), "path": str(d),
+                        "source": src, "source_exists": bool(src and Path(src).exists())})
+    for f in sorted((root / "models").glob("*")) if (root / "models").is_dir() else []:
+        if f.is_file() and not f.name.startswith("."):
+            out.append({"name": f.name, "kind": "model", "bytes": _bytes(f), "path": str(f), "source": None,
+                        "source_exists": None})
+    return out
+
+
+def remove(name: str) -> int:
+    """Remove one cached entry by name; returns the bytes freed."""
+    for e in entries():
+        if e["name"] == name:
+            p = Path(e["path"])
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+            index = _read(cache_dir() / FLASH / INDEX)
+            if index.pop(name, None) is not None:
+                _write(cache_dir() / FLASH / INDEX, index)
+            return e["bytes"]
+    raise UserError(f"nothing named {name!r} in the cache {cache_dir()} (see `flashinfer-lite cache`)")

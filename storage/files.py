@@ -1,0 +1,50 @@
+"""Temporary directories that a killed process leaves behind, named so that the next run can tell them apart.
+
+Every writer of a directory (convert, train-predictor, first use) builds it beside its destination as
+`.NAME.KIND-PID` and renames it into place, so a reader never sees half of one. A SIGKILL skips every cleanup, so
+the next writer in the same parent removes the temporary directories of processes that no longer exist.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+TEMP_KINDS = ("tmp", "old", "calibrate")
+_TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<kind>" + "|".join(TEMP_KINDS) + r")-(?P<pid>\d+)$")
+
+
+def temp_path(dest: Path, kind: str) -> Path:
+    """Where this process builds (kind "tmp") or parks (kind "old") dest."""
+    assert kind in TEMP_KINDS
+    return dest.parent / f".{dest.name}.{kind}-{os.getpid()}"
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:        # someone else's live process
+        return True
+    return True
+
+
+def remove_stale_temp_dirs(parent: Path) -> list[Path]:
+    """Remove parent's `.NAME.KIND-PID` entries whose process is gone; returns what was removed."""
+    removed = []
+    try:
+        entries = list(Path(parent).iterdir())
+    except OSError:
+        return removed
+    for p in entries:
+        m = _TEMP.match(p.name)
+        if not m or int(m["pid"]) == os.getpid() or pid_alive(int(m["pid"])):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        removed.append(p)
+    return removed

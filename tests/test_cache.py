@@ -1,0 +1,108 @@
+"""The user cache is keyed by content (issue 15): moving the cache or touching the source finds the same conversion,
+a changed byte makes a new one, `flashinfer-lite cache` lists and removes; killed writers' temp dirs are removed by the
+next run (real processes, real SIGKILL)."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import STORIES
+from flashinfer_lite.errors import UserError
+from storage import cache
+from storage.files import remove_stale_temp_dirs
+
+
+def run(*args, env=None, **kw):
+    return subprocess.run([sys.executable, "-m", "flashinfer_lite", *args], capture_output=True, text=True,
+                          timeout=300, env=env, **kw)
+
+
+@pytest.fixture
+def model_and_cache(tmp_path, monkeypatch):
+    src = shutil.copytree(STORIES, tmp_path / "stories")
+    monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(tmp_path / "cache"))
+    return src, tmp_path / "cache"
+
+
+def test_key_follows_content_not_path_or_time(model_and_cache, tmp_path, monkeypatch):
+    src, root = model_and_cache
+    first = cache.flashdir_for(src, progress=False)
+    manifest = os.path.join(first, "manifest.json")
+    made = os.stat(manifest).st_mtime_ns
+    os.utime(src / "model.safetensors")                                 # touched: same bytes
+    assert cache.flashdir_for(src, progress=False) == first and os.stat(manifest).st_mtime_ns == made
+    moved = shutil.move(str(src), tmp_path / "elsewhere")              # the model moved
+    assert cache.flashdir_for(moved, progress=False) == first
+    shutil.move(str(root), tmp_path / "cache2")                        # the cache moved
+    monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(tmp_path / "cache2"))
+    again = cache.flashdir_for(moved, progress=False)
+    assert os.path.basename(again) == os.path.basename(first) and os.stat(os.path.join(again, "manifest.json")
+                                                                          ).st_mtime_ns == made
+    cfg = tmp_path / "elsewhere" / "generation_config.json"            # one byte of content changed
+    cfg.chmod(0o644)
+    cfg.write_text(cfg.read_text() + " ")
+    assert os.path.basename(cache.flashdir_for(moved, progress=False)) != os.path.basename(first)
+
+
+def test_cache_command_lists_and_removes(model_and_cache):
+    src, root = model_and_cache
+    env = dict(os.environ)
+    made = cache.flashdir_for(src, progress=False)
+    r = run("cache", env=env)
+    assert r.returncode == 0, r.stderr
+    name = os.path.basename(made)
+    assert name in r.stdout and f"from {src.resolve()}" in r.stdout and "1 entries" in r.stdout
+    r = run("cache", "rm", "no-such-entry", env=env)
+    assert r.returncode == 1 and r.stderr.startswith("error: nothing named 'no-such-entry'")
+    r = run("cache", "rm", name, env=env)
+    assert r.returncode == 0 and "removed 1 entries" in r.stdout and not os.path.exists(made)
+    assert "0 entries" in run("cache", env=env).stdout
+    with pytest.raises(UserError):
+        cache.remove(name)
+
+
+KILLABLE_CONVERT = """
+import sys, time
+from storage import convert as c
+real = c.write_flashdir
+def slow(ckpt, layout, tmp, progress):
+    real(ckpt, layout, tmp, progress)
+    print("written", flush=True)
+    time.sleep(600)
+c.write_flashdir = slow
+c.convert(sys.argv[1], sys.argv[2], progress=False)
+"""
+
+
+def test_sigkill_during_convert_leaves_a_temp_dir_the_next_run_removes(tmp_path):
+    out = tmp_path / "out" / "m.flash"
+    p = subprocess.Popen([sys.executable, "-c", KILLABLE_CONVERT, str(STORIES), str(out)], stdout=subprocess.PIPE,
+                         text=True, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert p.stdout.readline().strip() == "written"
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    left = [x.name for x in out.parent.iterdir()]
+    assert left == [f".m.flash.tmp-{p.pid}"] and not out.exists()      # nothing a later run would trust
+    r = run("convert", str(STORIES), "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert sorted(x.name for x in out.parent.iterdir()) == ["m.flash"]
+    # a live process's temp dir is never touched
+    live = out.parent / f".x.tmp-{os.getppid()}"                       # pytest's parent: alive
+    live.mkdir()
+    assert remove_stale_temp_dirs(out.parent) == [] and live.exists()
+
+
+def test_stale_calibrate_dir_of_a_killed_first_use_is_removed(tmp_path):
+    """A first use killed mid-training leaves .NAME.calibrate-PID; the next first use in that directory removes it."""
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stale = tmp_path / f".m-abc.calibrate-{p.pid}"
+    (stale / "acts").mkdir(parents=True)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    time.sleep(0.1)
+    assert remove_stale_temp_dirs(tmp_path) == [stale] and not stale.exists()
