@@ -381,6 +381,10 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | None = None, ctx: 
                        predictors=predictors if ffn == "predicted" else None,
                        freqs=[predictors.neuron_freq(i) for i in range(cfg.n_layers)] if have else None,
                        mag_threshold=[predictors.act_threshold(i) for i in range(cfg.n_layers)] if have else None)
+    if verbose:
+        r = runtime.reader
+        print(f"reader: {r.threads} threads, coalescing gap {r.coalesce_gap} rows, O_DIRECT {r.direct}; "
+              f"settings from the {r.settings_source}", file=sys.stderr)
     model = Transformer(cfg, weights, ffn=runtime)
     return model, tokenizer, runtime
 

@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=1.0, help="measuring time per (chunk, threads) cell")
     parser.add_argument("-m", "--model", help="also read random neuron sets of this flash directory")
     parser.add_argument("--out", help="where CSV/JSON/PNG go (default: <cache dir>/flash-bench)")
-    parser.add_argument("--quick", action="store_true", help="smoke test: 64MiB file, 3 chunks, 2 thread counts, 0.2 s")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: 64MiB file, 3 chunks, 2 thread counts, 0.2 s; never saves the profile")
     parser.add_argument("--no-save-profile", action="store_true", help="do not write the device profile")
 
 
@@ -189,7 +190,9 @@ def print_table(rows: list[dict], chunks: list[int], threads: list[int]) -> None
             f"{cell[c, t]['MBps']:8.1f} ({cell[c, t]['IOPS']:6.0f})" for t in threads))
 
 
-def plot(rows: list[dict], chunks: list[int], threads: list[int], png: Path) -> bool:
+def plot(rows: list[dict], chunks: list[int], threads: list[int], png: Path, entries: list[dict] | None = None,
+         title: str = "") -> bool:
+    """MB/s per chunk size, one line per thread count; a star on the setting the profile chose for each chunk."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -201,10 +204,16 @@ def plot(rows: list[dict], chunks: list[int], threads: list[int], png: Path) -> 
     fig, ax = plt.subplots(figsize=(6, 4))
     for t in threads:
         ax.plot([c / 1024 for c in chunks], [cell[c, t] for c in chunks], marker="o", label=f"{t} threads")
+    if entries:
+        chosen = [(e["chunk"], e["threads"]) for e in entries if (e["chunk"], e["threads"]) in cell]
+        ax.plot([c / 1024 for c, _ in chosen], [cell[k] for k in chosen], linestyle="none", marker="*",
+                markersize=14, color="black", label="chosen (threads per chunk)")
+        for c, t in chosen:
+            ax.annotate(f"{t}", (c / 1024, cell[c, t]), textcoords="offset points", xytext=(6, 6), fontsize=8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("chunk size (KiB)")
     ax.set_ylabel("random read MB/s")
-    ax.set_title("flash random-read bandwidth (O_DIRECT)")
+    ax.set_title(title or "flash random-read bandwidth (O_DIRECT)", fontsize=9)
     ax.legend()
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
@@ -256,7 +265,9 @@ def run(args) -> int:
     entries = derive_profile(rows)
     result = {"dir": str(d.resolve()), "device": device_key(d), "size": size, "seconds": args.seconds,
               "grid": rows, "profile": entries}
-    if not args.no_save_profile:
+    if args.quick:
+        print("--quick: a smoke run; the device profile is left as it was")
+    elif not args.no_save_profile:
         p = save_profile(d, {"dir": str(d.resolve()), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
                              "entries": entries})
         print(f"device profile saved to {p}")
@@ -274,7 +285,10 @@ def run(args) -> int:
         w.writeheader()
         w.writerows(rows)
     (out / "flash_bench.json").write_text(json.dumps(result, indent=1))
-    charted = plot(rows, chunks, threads, out / "flash_bench.png")
+    title = (f"random O_DIRECT reads on {d.resolve()}\ndevice {result['device']}, {size / 2**20:.0f} MiB file, "
+             f"{args.seconds:g} s per cell, {time.strftime('%Y-%m-%d %H:%M')}"
+             + (", --quick (profile not saved)" if args.quick else ""))
+    charted = plot(rows, chunks, threads, out / "flash_bench.png", entries, title)
     print(f"wrote {out / 'flash_bench.csv'}, {out / 'flash_bench.json'}" + (
         f", {out / 'flash_bench.png'}" if charted else ""))
     return 0

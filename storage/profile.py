@@ -60,14 +60,17 @@ def save_profile(path_on_device, entry: dict) -> Path:
     return p
 
 
-def reader_defaults(path, request_bytes: int) -> tuple[int, int]:
-    """(threads, coalescing gap in bytes) for requests of `request_bytes` on the device holding `path`."""
+def reader_defaults(path, request_bytes: int) -> tuple[int, int, str]:
+    """(threads, coalescing gap in bytes, where they come from) for requests of `request_bytes` on the device
+    holding `path`."""
     try:
         prof = load_profiles().get(device_key(path))
         entries = [e for e in prof["entries"] if int(e["chunk"]) > 0] if prof else []
     except (OSError, KeyError, TypeError, ValueError):
         entries = []
     if not entries:
-        return DEFAULT_THREADS, DEFAULT_GAP_BYTES
+        return DEFAULT_THREADS, DEFAULT_GAP_BYTES, "built-in defaults (no flash-bench profile of this device)"
     best = min(entries, key=lambda e: abs(math.log(int(e["chunk"]) / max(request_bytes, 1))))
-    return max(1, int(best["threads"])), max(0, int(best["gap_bytes"]))
+    source = (f"flash-bench profile of {prof.get('dir', '?')} from {prof.get('created', '?')} "
+              f"({profile_path()}, {int(best['chunk']) // 1024} KiB row)")
+    return max(1, int(best["threads"])), max(0, int(best["gap_bytes"])), source

@@ -89,7 +89,7 @@ class BundleReader:
             else read_layout(layout_or_flashdir)
         self.path = self.layout.ffn_path
         stride = self.layout.stride
-        prof_threads, prof_gap_bytes = reader_defaults(self.path, stride)
+        prof_threads, prof_gap_bytes, self.settings_source = reader_defaults(self.path, stride)
         self.threads = max(1, int(threads if threads is not None else prof_threads))
         self.coalesce_gap = int(coalesce_gap if coalesce_gap is not None else prof_gap_bytes // stride)
         # A dense run is still split so that a big request spreads over the threads.

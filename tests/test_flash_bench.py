@@ -66,10 +66,18 @@ def test_tiny_run_writes_results_and_a_profile_the_reader_uses(tmp_path, monkeyp
     assert len(result["model"]["reads"]) == 8
     entry = next(e for e in result["profile"] if e["chunk"] == 1024)
     # The reader on the same device now defaults to the profile of the nearest chunk size (1 KiB for 1.5 KiB bundles).
-    assert reader_defaults(flashdir / "ffn.bin", 1536) == (entry["threads"], entry["gap_bytes"])
+    assert reader_defaults(flashdir / "ffn.bin", 1536)[:2] == (entry["threads"], entry["gap_bytes"])
     with BundleReader(flashdir) as r:
         assert (r.threads, r.coalesce_gap) == (entry["threads"], entry["gap_bytes"] // 1536)
     assert "device profile saved" in capsys.readouterr().out
+    assert r.settings_source.startswith(f"flash-bench profile of {work.resolve()} from ")
+    # a --quick smoke run afterwards leaves that profile alone (it once moved the reader from 8 threads to 4)
+    saved = (tmp_path / "cache" / "device_profile.json").read_bytes()
+    quick = p.parse_args(["--dir", str(work), "--quick", "--out", str(tmp_path / "out_quick")])
+    assert flash_bench.run(quick) == 0
+    assert "the device profile is left as it was" in capsys.readouterr().out
+    assert (tmp_path / "cache" / "device_profile.json").read_bytes() == saved
+    assert reader_defaults(flashdir / "ffn.bin", 1536)[:2] == (entry["threads"], entry["gap_bytes"])
 
 
 def test_scratch_file_removed_on_interrupt(tmp_path, monkeypatch):
@@ -89,7 +97,8 @@ def test_scratch_file_removed_on_interrupt(tmp_path, monkeypatch):
 
 def test_without_profile_reader_uses_builtin_defaults(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(tmp_path / "empty"))
-    assert reader_defaults(tmp_path, 4096) == (DEFAULT_THREADS, DEFAULT_GAP_BYTES)
+    assert reader_defaults(tmp_path, 4096) == (DEFAULT_THREADS, DEFAULT_GAP_BYTES,
+                                             "built-in defaults (no flash-bench profile of this device)")
 
 
 @pytest.mark.parametrize("argv, message", [
