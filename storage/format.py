@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -394,14 +395,19 @@ def is_flashdir(path) -> bool:
     return p.is_dir() and (p / MANIFEST).exists()
 
 
-def predictor_checksums(flashdir) -> dict[str, str]:
+def predictor_checksums(flashdir, warn: bool = False) -> dict[str, str]:
     """{file name: checksum} that FLASHDIR/predictors/manifest.json lists ({} without predictors)."""
     mpath = Path(flashdir) / PREDICTOR_DIR / PREDICTOR_MANIFEST
     if not mpath.is_file():
         return {}
     sums = read_json(mpath, "predictor manifest").get("checksums")
+    if sums is None:      # written before predictors had checksums: usable, but nothing to check them against
+        if warn:
+            print(f"flashinfer-lite: {mpath} lists no checksums (an older train-predictor); re-run train-predictor to "
+                  f"have them checked", file=sys.stderr)
+        return {}
     if not isinstance(sums, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in sums.items()):
-        raise UserError(f"{mpath} lists no checksums of its files: re-run train-predictor")
+        raise UserError(f"{mpath}: malformed checksums: re-run train-predictor")
     return sums
 
 
@@ -425,7 +431,7 @@ def verify(flashdir, progress: bool = True) -> FlashLayout:
         raise UserError(f"{res}: resident weights file is missing")
     if file_checksum(res) != layout.resident_checksum:
         raise UserError(f"{res}: checksum mismatch in the resident weights: the file is damaged; re-run convert")
-    for name, digest in predictor_checksums(layout.flashdir).items():
+    for name, digest in predictor_checksums(layout.flashdir, warn=True).items():
         p = inside(layout.flashdir / PREDICTOR_DIR, name, "predictor file")
         if not p.is_file():
             raise UserError(f"{p}: predictor file is missing; re-run train-predictor")
