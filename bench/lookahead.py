@@ -181,7 +181,7 @@ def prepare_quick(work: Path) -> tuple[Path, Path]:
 def measure(a, flash: Path, work: Path) -> dict:
     from predictors.acts import Acts, check_same_model, threshold_for
     from predictors.collect import collect
-    from predictors.predictor import load_predictors
+    from flashinfer_lite.predictor_set import load_predictors
     from predictors.train import open_flashdir, predictor_logits, train_layer
     from storage.format import read_layout
 

@@ -33,7 +33,8 @@ import time
 
 import numpy as np
 
-from flashinfer_lite.runtime import load_predictor_set, load_runtime
+from flashinfer_lite.predictor_set import load_predictors
+from flashinfer_lite.runtime import load_runtime
 from predictors.acts import read_corpus
 from predictors.collect import token_windows
 from predictors.first_use import builtin_text
@@ -93,7 +94,7 @@ def main(argv=None) -> int:
     sets = {}
     for spec in a.predictors:
         name, path = spec.split("=", 1)
-        sets[name] = load_predictor_set(path)
+        sets[name] = load_predictors(path)
         policies[f"predicted[{name}]"] = ("predicted", sets[name])
         policies[f"oracle[{name} threshold]"] = ("oracle", [sets[name].act_threshold(i) for i in range(L)])
         for f in floats(a.top):

@@ -25,10 +25,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flashinfer_lite.errors import UserError
-from flashinfer_lite.model import KVCache, ModelConfig
-from flashinfer_lite.neuron_cache import select_hot
 from storage.profile import DEFAULT_GAP_BYTES
+from storage.reader import BundleReader
+
+from .errors import UserError
+from .kernels import MATMUL_ROW_KERNEL_MAX_T, SparseFFN, matmul_t
+from .model import KVCache, ModelConfig
+from .neuron_cache import NeuronCache, select_hot
 
 # per neuron per layer: slot_of int32 + last_used int64 + seen int64 + out_slots int32 + out_new uint8
 # (neuron_cache._Layer) + bundle_of int64 (runtime.FlashFFN)
@@ -248,9 +251,6 @@ def compile_kernels(layout) -> None:
     these are the types the runtime uses (uint8 bundle matrix viewed as the layout's dtype, int32 rows, float32
     vectors), so their machine code and LLVM are in memory now, before the weights, and not on the first token.
     """
-    from storage.reader import BundleReader
-    from .kernels import MATMUL_ROW_KERNEL_MAX_T, SparseFFN, matmul_t
-    from .neuron_cache import NeuronCache
     k = min(2, layout.n_neurons[0])
     with BundleReader(layout, threads=1) as reader:
         cache = NeuronCache([k], layout.stride, reader, capacity=k, window=1)

@@ -8,8 +8,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from storage.cache import flashdir_for
+
+from .budget import peak_rss_bytes, rss_bytes
+from .default_model import ensure_default_model
 from .errors import UserError
+from .loader import is_flashdir
 from .model import Transformer
+from .predictor_set import has_trained_predictors
+from .runtime import load_runtime
 from .sizes import parse_size
 from .tokenizer import StreamDecoder, Tokenizer, check_utf8
 
@@ -98,7 +105,6 @@ class Timings:
 def rss_summary(runtime=None) -> dict:
     """MiB: peak RSS (the kernel's high-water mark; psutil has no peak on Linux), RSS now (psutil), and the
     --dram-budget the peak is held to, when one was given."""
-    from .budget import peak_rss_bytes, rss_bytes
     out = {"peak_rss_mb": round(peak_rss_bytes() / 2**20, 1), "rss_mb": round(rss_bytes() / 2**20, 1)}
     plan = getattr(runtime, "plan", None)
     if plan is not None and plan.requested:
@@ -211,14 +217,12 @@ def choose_ffn(args) -> tuple[str, str, str | None]:
     """(model path, FFN mode, why) for -m (or the default model) and --ffn; `why` is said once the model has loaded
     (for --ffn auto only). The default model in predicted mode (auto or asked) gets its FLASHDIR and predictors made
     on first use."""
-    from .loader import is_flashdir
     if args.model is None:
-        from .default_model import ensure_default_model
         path = ensure_default_model()
         if args.ffn not in ("auto", "predicted"):
             return str(path), args.ffn, None
+        # the one import of training code from inference: first use trains in this process (issue 11 item 7)
         from predictors.first_use import describe, ensure_predictors
-        from storage.cache import flashdir_for
         flashdir = flashdir_for(path, progress=sys.stderr.isatty())
         record = ensure_predictors(flashdir)
         how = f"trained on first use from {describe(record)}" if record else "trained with train-predictor"
@@ -227,7 +231,6 @@ def choose_ffn(args) -> tuple[str, str, str | None]:
     if args.ffn != "auto":
         return args.model, args.ffn, None
     if is_flashdir(args.model):
-        from predictors.predictor import has_trained_predictors
         if has_trained_predictors(args.model):
             return args.model, "predicted", f"ffn: predicted (--ffn auto, {args.model} has trained predictors)"
     if args.dram_budget:
@@ -238,7 +241,6 @@ def choose_ffn(args) -> tuple[str, str, str | None]:
 
 def open_model(args):
     """(model, tokenizer, runtime, load_ms) for -m, or the default model."""
-    from .runtime import load_runtime
     t0 = time.perf_counter()
     path, ffn, why = choose_ffn(args)
     if args.threads:

@@ -7,7 +7,7 @@ from tqdm import tqdm
 
 from storage.format import FlashCheckpoint, is_flashdir
 
-from .checkpoint import Checkpoint, open_checkpoint
+from storage.checkpoint import Checkpoint, open_checkpoint
 from .model import Transformer
 from .tokenizer import Tokenizer
 

@@ -22,12 +22,19 @@ from dataclasses import dataclass, field
 import numba
 import numpy as np
 
+from storage.cache import flashdir_for
+from storage.format import FlashCheckpoint, aligned_empty, verify_at_load
+from storage.reader import BundleReader
+
+from .budget import (HEAP_SLACK_BYTES, keep_freed_arrays_out_of_rss, measure_runtime_bytes, plan_budget,
+                     resident_bytes_for, staging_rows)
 from .errors import UserError
+from .kernels import SparseFFN
 from .loader import is_flashdir, load_weights, open_any
 from .model import FeedForward, ModelConfig, Transformer, half_matrix
+from .neuron_cache import NeuronCache
+from .predictor_set import load_predictors
 from .tokenizer import Tokenizer
-from storage.cache import flashdir_for
-from storage.format import aligned_empty
 
 FFN_MODES = ("dense", "oracle", "predicted")
 # FFN tensors that live in the bundles on flash; everything else (including ffn.down.bias) stays resident.
@@ -99,10 +106,6 @@ class FlashFFN:
     def __init__(self, cfg: ModelConfig, layout, weights: dict, select, plan, window: int = 5,
                  threads: int | None = None, verbose: bool = False, freqs=None, mag_threshold=None,
                  overlap: bool = True, lookahead=None, predictors=None):
-        from storage.reader import BundleReader
-        from .kernels import SparseFFN
-        from .budget import staging_rows
-        from .neuron_cache import NeuronCache
         self.cfg, self.layout, self.select, self.plan = cfg, layout, select, plan
         self.verbose, self.overlap, self.lookahead = verbose, overlap, lookahead
         self.predictors = predictors  # the PredictorSet behind `select` in predicted mode, for reports (eval)
@@ -305,11 +308,6 @@ def lookahead_selector(cfg: ModelConfig, weights: dict, predictors):
     return guess
 
 
-def load_predictor_set(path):
-    from predictors.predictor import load_predictors
-    return load_predictors(path)
-
-
 def load_runtime(path, ffn: str = "dense", dram_budget: int | None = None, ctx: int | None = None, window: int = 5,
                  threads: int | None = None, progress: bool = False, verbose: bool = False, verify: bool = True,
                  runtime_bytes: int | None = None, lookahead: bool = False):
@@ -333,9 +331,6 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | None = None, ctx: 
         half = is_flashdir(path) and ckpt.layout.dtype != "f32"
         weights = load_weights(ckpt, progress, convert=half_matrix if half else None)
         return Transformer(ckpt.config, weights), ckpt.tokenizer(), None
-    from storage.format import FlashCheckpoint, verify_at_load
-    from .budget import (HEAP_SLACK_BYTES, keep_freed_arrays_out_of_rss, measure_runtime_bytes, plan_budget,
-                         resident_bytes_for)
     keep_freed_arrays_out_of_rss()
     path = flashdir_for(path, progress)
     if verify:
@@ -343,7 +338,7 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | None = None, ctx: 
     ckpt = FlashCheckpoint(path)
     cfg, layout = ckpt.config, ckpt.layout
     tokenizer: Tokenizer = ckpt.tokenizer()
-    predictors = load_predictor_set(path)
+    predictors = load_predictors(path)
     if ffn == "predicted" and (predictors is None or not predictors.has_predictors):
         raise UserError(f"{path} has no predictors: run `flashinfer-lite collect` and `flashinfer-lite train-predictor`")
     ctx = ctx or min(cfg.max_pos, 4096)

@@ -11,6 +11,7 @@ from datetime import datetime
 from pathlib import Path
 
 from .errors import UserError
+from .untrusted import read_json
 
 MAX_TOKENIZER_BYTES = 64 * 1024 * 1024
 
@@ -59,7 +60,6 @@ class Tokenizer:
             raise UserError(f"cannot read {tj}: {e}") from None
         tc = {}
         if (path / "tokenizer_config.json").exists():
-            from .checkpoint import read_json
             tc = read_json(path / "tokenizer_config.json", "tokenizer_config.json")
         template = tc.get("chat_template")
         if isinstance(template, list):  # named templates: use the default one
@@ -80,20 +80,20 @@ class Tokenizer:
         return cls(tok, bos_id=bos_id, eos_ids=eos_ids, chat_template=template)
 
     @classmethod
-    def from_gguf(cls, reader, config) -> "Tokenizer":
+    def from_gguf(cls, field, config) -> "Tokenizer":
         from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
         from tokenizers import Tokenizer as HFTokenizer
-        from .checkpoint import gguf_field
-        kind = gguf_field(reader, "tokenizer.ggml.model")
-        tokens = list(gguf_field(reader, "tokenizer.ggml.tokens") or [])
-        types = list(gguf_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens))
+        # field(key, default) -> a GGUF metadata value, from the checkpoint reader
+        kind = field("tokenizer.ggml.model")
+        tokens = list(field("tokenizer.ggml.tokens") or [])
+        types = list(field("tokenizer.ggml.token_type") or [1] * len(tokens))
         if not tokens:
             raise UserError("GGUF file has no tokenizer.ggml.tokens")
         vocab = {t: i for i, t in enumerate(tokens)}
         if kind == "gpt2":
-            merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges") or []]
+            merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges") or []]
             tok = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False))
-            pre = gguf_field(reader, "tokenizer.ggml.pre", "default")
+            pre = field("tokenizer.ggml.pre", "default")
             if pre in _GGUF_SPLITS:
                 tok.pre_tokenizer = pre_tokenizers.Sequence([
                     pre_tokenizers.Split(Regex(_GGUF_SPLITS[pre]), behavior="isolated"),
@@ -109,11 +109,11 @@ class Tokenizer:
             tok.decoder = decoders.ByteLevel()
             add_bos_default = False
         elif kind == "llama":
-            scores = list(gguf_field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens))
+            scores = list(field("tokenizer.ggml.scores") or [0.0] * len(tokens))
             merges = spm_merges(tokens, scores, types)
-            unk = gguf_field(reader, "tokenizer.ggml.unknown_token_id", 0)
+            unk = field("tokenizer.ggml.unknown_token_id", 0)
             tok = HFTokenizer(models.BPE(vocab, merges, unk_token=tokens[int(unk)], fuse_unk=True, byte_fallback=True))
-            prefix = bool(gguf_field(reader, "tokenizer.ggml.add_space_prefix", True))
+            prefix = bool(field("tokenizer.ggml.add_space_prefix", True))
             steps = [normalizers.Prepend("\u2581")] if prefix else []
             tok.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "\u2581")])
             tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
@@ -126,15 +126,15 @@ class Tokenizer:
         tok.add_tokens([AddedToken(t, special=False, normalized=False)
                         for t, ty in zip(tokens, types) if ty == _GGUF_USER_DEFINED])
         bos = config.bos_id
-        if bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", add_bos_default)) and bos is not None:
+        if bool(field("tokenizer.ggml.add_bos_token", add_bos_default)) and bos is not None:
             tok.post_processor = processors.TemplateProcessing(
                 single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B",
                 special_tokens=[(tokens[bos], bos)])
         eos_ids = list(config.eos_ids)
-        eot = gguf_field(reader, "tokenizer.ggml.eot_token_id")
+        eot = field("tokenizer.ggml.eot_token_id")
         if eot is not None and int(eot) not in eos_ids:
             eos_ids.append(int(eot))
-        return cls(tok, bos_id=bos, eos_ids=eos_ids, chat_template=gguf_field(reader, "tokenizer.chat_template"))
+        return cls(tok, bos_id=bos, eos_ids=eos_ids, chat_template=field("tokenizer.chat_template"))
 
     def save(self, path: Path) -> None:
         """tokenizer.json + tokenizer_config.json, readable back by from_dir and by Hugging Face."""

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from flashinfer_lite.checkpoint import read_json
+from flashinfer_lite.config import ModelConfig
 from flashinfer_lite.errors import UserError
+from flashinfer_lite.untrusted import read_json
 
 ACTS_FORMAT = "flashinfer-lite-acts"
 ACTS_VERSION = 1
@@ -130,7 +131,6 @@ class Acts:
             raise UserError(f"{mpath}: unsupported activations version {m.get('version')} (expected {ACTS_VERSION})")
         self.manifest = m
         self.identity = m["identity"]
-        from flashinfer_lite.model import ModelConfig
         self.config = ModelConfig.from_dict(self.identity["config"])
         self.shards = []
         for name in m["shards"]:

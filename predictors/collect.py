@@ -20,6 +20,8 @@ import numpy as np
 from tqdm import tqdm
 
 from flashinfer_lite.errors import UserError
+from flashinfer_lite.loader import load_weights, open_any
+from flashinfer_lite.model import FeedForward, Transformer, linear
 
 from .acts import (ACTS_FORMAT, ACTS_VERSION, MANIFEST, N_BINS, corpus_chunks, histogram, model_identity,
                    read_corpus)
@@ -53,7 +55,6 @@ class Recorder:
     """The FFN callable during collection: dense math, plus statistics and the sampled rows."""
 
     def __init__(self, cfg, weights):
-        from flashinfer_lite.model import FeedForward
         self.cfg = cfg
         self.ffns = [FeedForward(cfg, weights, i) for i in range(cfg.n_layers)]
         L, n = cfg.n_layers, cfg.ffn_dim
@@ -64,7 +65,6 @@ class Recorder:
         self.pending: list[dict[str, list]] = [{"x": [], "a": []} for _ in range(L)]
 
     def __call__(self, layer: int, x: np.ndarray) -> np.ndarray:
-        from flashinfer_lite.model import linear
         f = self.ffns[layer]
         a = f.activations(x)                                  # [T, n]
         absa = np.abs(a)
@@ -113,8 +113,6 @@ def collect(model, corpus, n_tokens: int, output, ctx: int = 256, rows: int = DE
             force: bool = False, progress: bool = True) -> Path:
     from safetensors.numpy import save_file
 
-    from flashinfer_lite.loader import load_weights, open_any
-    from flashinfer_lite.model import Transformer
 
     if n_tokens <= 0:
         raise UserError(f"--tokens must be positive (got {n_tokens})")

@@ -17,8 +17,10 @@ import numpy as np
 from tqdm import tqdm
 
 from flashinfer_lite.errors import UserError
+from flashinfer_lite.runtime import load_runtime
 
 from .acts import read_corpus
+from .collect import token_windows
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,9 +47,7 @@ def log_softmax_at(logits: np.ndarray, target: int) -> float:
 
 
 def evaluate(model_path, corpus, ffn: str, n_tokens: int = 2048, ctx: int = 256, progress: bool = True) -> dict:
-    from flashinfer_lite.runtime import load_runtime
 
-    from .collect import token_windows
 
     if n_tokens < 2:
         raise UserError(f"--tokens must be at least 2 (got {n_tokens})")

@@ -24,7 +24,13 @@ from importlib import resources
 from pathlib import Path
 
 from flashinfer_lite.errors import UserError
+from flashinfer_lite.loader import open_any
+from flashinfer_lite.predictor_set import read_manifest
 from storage.files import remove_stale_temp_dirs, temp_path
+
+from .acts import Acts, corpus_chunks, read_corpus
+from .collect import collect
+from .train import train
 
 CORPUS_ENV = "FLASHINFER_LITE_CORPUS"
 WIKITEXT = "wikitext2_valid.txt"
@@ -47,8 +53,7 @@ SETTINGS = Calibration()
 
 def search_paths() -> list[Path]:
     """Where ../shared/corpus may be: next to the repository this package runs from, and next to the cwd."""
-    import flashinfer_lite
-    repo = Path(flashinfer_lite.__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[1]
     return [repo.parent / "shared" / "corpus", Path.cwd().parent / "shared" / "corpus"]
 
 
@@ -84,7 +89,6 @@ def builtin_text() -> str:
 
 def head_tokens(text: str, tokenizer, n: int) -> str:
     """The shortest prefix of whole lines holding at least n tokens (all of text if it has fewer)."""
-    from .acts import corpus_chunks
     got = end = 0
     for chunk in corpus_chunks(text, chunk_chars=4096):
         got += len(tokenizer.encode(chunk, add_special_tokens=False))
@@ -97,7 +101,6 @@ def head_tokens(text: str, tokenizer, n: int) -> str:
 def mixed_text(files: list[Path], tokenizer, n_tokens: int) -> str:
     """An equal share of tokens from each file but the last, then all of the last: collect stops after n_tokens, and
     reading the files one after the other would fill every window from the first file alone."""
-    from .acts import read_corpus
     share = -(-n_tokens // len(files))
     parts = [head_tokens(read_corpus([f]).text, tokenizer, share) for f in files[:-1]]
     return "\n".join(parts + [read_corpus([files[-1]]).text])
@@ -132,7 +135,6 @@ def blas_threads(n: int):
 def ensure_predictors(flashdir, settings: Calibration | None = None, progress: bool = True) -> dict | None:
     """Train FLASHDIR's predictors unless it has them. Returns the manifest's calibration record (None for predictors
     trained by hand with `train-predictor`)."""
-    from .predictor import read_manifest
     m = read_manifest(flashdir)          # the manifest only: the weights are the runtime's to load
     if m is not None and m.get("has_predictors"):
         return m.get("calibration")
@@ -141,11 +143,7 @@ def ensure_predictors(flashdir, settings: Calibration | None = None, progress: b
     except ImportError:
         raise UserError("training the default model's predictors on first use needs torch: "
                         "pip install 'flashinfer-lite[train]' (or run with --ffn dense)") from None
-    from flashinfer_lite.loader import open_any
 
-    from .acts import Acts
-    from .collect import collect
-    from .train import train
 
     settings = settings or SETTINGS
     flashdir = Path(flashdir)

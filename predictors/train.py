@@ -28,12 +28,13 @@ import numpy as np
 from tqdm import tqdm
 
 from flashinfer_lite.errors import UserError
-
-from .acts import Acts, check_same_model, relu_family, threshold_for
+from flashinfer_lite.loader import is_flashdir, open_any
+from flashinfer_lite.predictor_set import (CARD_FMT, MANIFEST, PRED_FORMAT, PRED_VERSION, PREDICTOR_DIR, PROFILE_FILE,
+                                          WEIGHTS_FILE)
 from storage.files import remove_stale_temp_dirs, temp_path
 from storage.format import file_checksum
 
-from .predictor import CARD_FMT, PRED_FORMAT, PRED_VERSION, PREDICTOR_DIR, PROFILE_FILE, WEIGHTS_FILE, MANIFEST
+from .acts import Acts, check_same_model, relu_family, threshold_for
 
 DEFAULT_SWIGLU_SPARSITY = 0.5
 DEFAULT_MAX_READ_SHARE = 0.9
@@ -220,7 +221,6 @@ def train_layer(x, absa, t: float, importance: np.ndarray, rank: int, max_rank: 
 # The command
 
 def open_flashdir(flashdir):
-    from flashinfer_lite.loader import is_flashdir, open_any
     if not is_flashdir(flashdir):
         raise UserError(f"{flashdir} is not a flash directory: make one with `flashinfer-lite convert MODEL -o "
                         f"{flashdir}` first")

@@ -16,10 +16,10 @@ from tqdm import tqdm
 
 from flashinfer_lite.errors import UserError
 
+from .checkpoint import open_checkpoint
 from .files import remove_stale_temp_dirs, temp_path
 from .format import (DTYPES, MANIFEST, FlashLayout, file_checksum, ffn_tensor_names, new_checksum, pack_bundles,
-                     write_verified_stamp,
-                     write_manifest)
+                     read_layout, write_manifest, write_verified_stamp)
 
 PACK_NEURONS = 4096   # neurons packed at a time: bounds the extra memory for wide FFNs
 
@@ -34,7 +34,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     out = convert(args.model, args.output, dtype=args.dtype, force=args.force)
-    from .format import read_layout
     L = read_layout(out)
     print(f"wrote {out}: {L.n_layers} layers x {L.n_neurons[0]} neurons, {L.dtype} bundles of {L.stride} bytes, "
           f"ffn.bin {L.ffn_size / 2**20:.1f} MiB")
@@ -131,7 +130,6 @@ def write_flashdir(ckpt, layout: FlashLayout, dest: Path, progress: bool = True)
 
 
 def convert(model, output, dtype: str = "f16", force: bool = False, progress: bool = True) -> Path:
-    from flashinfer_lite.checkpoint import open_checkpoint
     out = Path(output).expanduser()
     if out.exists() or out.is_symlink():
         if not force:

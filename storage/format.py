@@ -23,8 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
+from flashinfer_lite.config import ModelConfig
 from flashinfer_lite.errors import UserError
-from flashinfer_lite.checkpoint import SafetensorsFile, inside, read_json
+from flashinfer_lite.tokenizer import Tokenizer
+from flashinfer_lite.untrusted import inside, read_json
+
+from .checkpoint import SafetensorsFile
 
 FORMAT_NAME = "flashinfer-lite-flash"
 FORMAT_VERSION = 1
@@ -484,7 +488,7 @@ def verify_at_load(flashdir, progress: bool = False) -> FlashLayout:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# FlashCheckpoint: a converted directory seen through the same API as flashinfer_lite.checkpoint.Checkpoint
+# FlashCheckpoint: a converted directory seen through the same API as storage.checkpoint.Checkpoint
 
 class FlashCheckpoint:
     """Read a FLASHDIR as a checkpoint: `.config`, `.names()`, `.tensor(name)` (float32, canonical names, FFN
@@ -495,7 +499,6 @@ class FlashCheckpoint:
     """
 
     def __init__(self, flashdir):
-        from flashinfer_lite.model import ModelConfig
         self.layout = read_layout(flashdir)
         self.flashdir = self.path = self.layout.flashdir
         self.config = ModelConfig.from_dict(self.layout.config)
@@ -548,5 +551,4 @@ class FlashCheckpoint:
         return out
 
     def tokenizer(self):
-        from flashinfer_lite.tokenizer import Tokenizer
         return Tokenizer.from_dir(self.flashdir / self.layout.files["tokenizer"], self.config)

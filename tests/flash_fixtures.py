@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flashinfer_lite.model import ModelConfig
+from flashinfer_lite.config import ModelConfig
 from storage.convert import plan_layout, write_flashdir
 
 STORIES = Path(__file__).resolve().parent / "data" / "stories260K"

@@ -130,7 +130,7 @@ def _recall_precision(mask, y):
 
 
 def test_lookahead_recalls_match_transformers(lookahead):
-    from predictors.predictor import load_predictors
+    from flashinfer_lite.predictor_set import load_predictors
     from safetensors.numpy import load_file
     doc, _, work, hf = lookahead
     preds = load_predictors(doc["model"])
@@ -157,7 +157,7 @@ def test_lookahead_bytes_match_a_replayed_window(lookahead):
     """Today: exact-set neurons outside the union of the last 5 tokens' sets. Hybrid (naive lookahead): the window
     holds lookahead | exact ("naive") or only the exact sets ("naive_drop"); prefetched = lookahead outside it;
     critical = exact outside it and the lookahead. Counted from token `warmup_tokens` on."""
-    from predictors.predictor import load_predictors
+    from flashinfer_lite.predictor_set import load_predictors
     doc, _, _, hf = lookahead
     assert doc["hot"] == "none" and doc["window"] == 5
     preds, stride, w0 = load_predictors(doc["model"]), doc["stride"], doc["warmup_tokens"]

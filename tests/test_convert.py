@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from flash_fixtures import STORIES, RandomCheckpoint, bundle_vectors, int8_bound, write_random_flashdir
-from flashinfer_lite.checkpoint import open_checkpoint
+from storage.checkpoint import open_checkpoint
 from flashinfer_lite.errors import UserError
 from storage import convert as convert_mod
 from storage.convert import convert
@@ -89,7 +89,7 @@ def test_refuses_to_overwrite_without_force(tmp_path):
 @pytest.fixture(autouse=True)
 def _random_checkpoint(monkeypatch):
     """convert() on the path "model" opens a random in-memory checkpoint (keeps these tests off the loader)."""
-    import flashinfer_lite.checkpoint as ck
+    import storage.checkpoint as ck
     real_open = ck.open_checkpoint
     monkeypatch.setattr(ck, "open_checkpoint", lambda p: RandomCheckpoint() if str(p) == "model" else real_open(p))
 

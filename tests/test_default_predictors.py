@@ -54,7 +54,7 @@ def tokens_of(out: str) -> list[int]:
 
 def test_first_use_trains_from_the_corpus_once_and_auto_equals_predicted(default_is_stories, monkeypatch, capsys):
     from predictors import first_use, train
-    from predictors.predictor import load_predictors
+    from flashinfer_lite.predictor_set import load_predictors
     cache = default_is_stories
     monkeypatch.setenv("FLASHINFER_LITE_CORPUS", str(CORPUS))
     rc, out, err = run_cli(capsys, "generate", *PROMPT)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import STORIES
-from flashinfer_lite.checkpoint import open_checkpoint
+from storage.checkpoint import open_checkpoint
 from flashinfer_lite.loader import load
 
 

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from flashinfer_lite.checkpoint import open_checkpoint
+from storage.checkpoint import open_checkpoint
 from flashinfer_lite.loader import load, load_weights
 from flashinfer_lite.model import Transformer
 

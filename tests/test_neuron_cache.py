@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from flash_fixtures import write_random_flashdir
 from flashinfer_lite.budget import MIN_WINDOW_ROWS, plan_budget, resident_bytes_for
 from flashinfer_lite.errors import UserError
-from flashinfer_lite.model import ModelConfig
+from flashinfer_lite.config import ModelConfig
 from flashinfer_lite.neuron_cache import NeuronCache, select_hot
 from storage.format import FlashLayout, read_layout
 from storage.reader import BundleReader
@@ -209,7 +209,7 @@ def llama_like(**kw):
 def test_resident_bytes_match_a_real_checkpoint():
     """The resident estimate equals the non-FFN parameters of stories260K (plus nothing else)."""
     from conftest import STORIES
-    from flashinfer_lite.checkpoint import open_checkpoint
+    from storage.checkpoint import open_checkpoint
     ck = open_checkpoint(STORIES)
     ffn = {f"layers.{i}.ffn.{v}.weight" for i in range(ck.config.n_layers) for v in ("gate", "up", "down")}
     assert resident_bytes_for(ck.config) == sum(ck.tensor(n).nbytes for n in ck.names() if n not in ffn)

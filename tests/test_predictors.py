@@ -48,7 +48,7 @@ def stories(tmp_path_factory):
 
 def test_collect_records_what_the_dense_model_computes(stories):
     """The stored rows are the dense FFN's inputs and |activations|: recompute |a| from x with the source weights."""
-    from flashinfer_lite.checkpoint import open_checkpoint
+    from storage.checkpoint import open_checkpoint
     from flashinfer_lite.loader import load_weights
     from flashinfer_lite.model import FeedForward
     from predictors.acts import Acts
@@ -67,7 +67,7 @@ def test_collect_records_what_the_dense_model_computes(stories):
 
 def test_thresholds_hit_the_target_sparsity(stories):
     from predictors.acts import Acts
-    from predictors.predictor import load_predictors
+    from flashinfer_lite.predictor_set import load_predictors
     acts, ps = Acts(stories["acts"]), load_predictors(stories["flash"])
     for i in range(5):
         x, absa = acts.layer(i)
@@ -91,7 +91,7 @@ def test_predicted_perplexity_within_5_percent_of_dense(stories, capsys):
 
 
 def test_cards_and_files(stories):
-    from predictors.predictor import PREDICTOR_DIR
+    from flashinfer_lite.predictor_set import PREDICTOR_DIR
     root = stories["flash"] / PREDICTOR_DIR
     cards = [json.loads((root / f"layer_{i:03d}.json").read_text()) for i in range(5)]
     assert cards[0]["dense"] is True
@@ -106,7 +106,7 @@ def test_cards_and_files(stories):
 def test_thresholds_only(stories, tmp_path):
     """--thresholds-only stores what `--ffn oracle` needs; asking it for predictions is a clear error."""
     import shutil
-    from predictors.predictor import load_predictors
+    from flashinfer_lite.predictor_set import load_predictors
     from predictors.train import train
     flash = tmp_path / "flash"
     shutil.copytree(stories["flash"], flash)
@@ -125,7 +125,7 @@ def test_relu_recall_meets_target_on_heldout_text(tiny_model, tmp_path):
     never saw against the dense activations (a != 0) computed from the source weights."""
     from flashinfer_lite.loader import load
     from predictors.collect import collect
-    from predictors.predictor import load_predictors
+    from flashinfer_lite.predictor_set import load_predictors
     from predictors.train import train
     from storage.convert import convert
     model_dir = tiny_model("llama-relu")
@@ -297,7 +297,7 @@ def test_a_predictor_that_would_read_nearly_everything_is_dropped(stories):
     """--max-read-share: a layer whose predictor selects more than that share of its neurons on held-out rows gets
     none: every neuron is read and the exact threshold decides, so that layer computes what the oracle computes."""
     from predictors import train
-    from predictors.predictor import load_predictors, read_manifest
+    from flashinfer_lite.predictor_set import load_predictors, read_manifest
     flash = stories["tmp"] / "flash_max_read"
     shutil.copytree(stories["flash"], flash)
     kept = [c for c in stories["cards"] if not c.get("dense")]

@@ -5,7 +5,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from flashinfer_lite.checkpoint import open_checkpoint
+from storage.checkpoint import open_checkpoint
 from flashinfer_lite.kernels import MATMUL_ROW_KERNEL_MAX_T, WIDEN_BLOCK_BYTES, matmul_t
 from flashinfer_lite.loader import load_weights
 from flashinfer_lite.model import Transformer, half_matrices

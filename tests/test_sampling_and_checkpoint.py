@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from flashinfer_lite.checkpoint import SafetensorsFile, open_checkpoint
+from storage.checkpoint import SafetensorsFile, open_checkpoint
 from flashinfer_lite.errors import UserError
 from flashinfer_lite.generate import Sampler
 from flashinfer_lite.model import softmax

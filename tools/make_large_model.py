@@ -101,7 +101,7 @@ def hf_config(a, threshold: float) -> dict:
 def measure_active_share(model_dir: Path, n_tokens: int, n_layers: int, seed: int) -> list[float]:
     """Run n_tokens random tokens through the first n_layers with the dense math, one layer's weights at a time;
     per layer the share of neurons whose FATReLU activation is nonzero."""
-    from flashinfer_lite.checkpoint import open_checkpoint
+    from storage.checkpoint import open_checkpoint
     from flashinfer_lite.model import Attention, FeedForward, KVCache, rms_norm, rope_inv_freq
     ck = open_checkpoint(model_dir)
     cfg = ck.config

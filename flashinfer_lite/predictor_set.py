@@ -16,9 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from flashinfer_lite.checkpoint import read_json
-from flashinfer_lite.errors import UserError
-from storage.format import PREDICTOR_DIR, PREDICTOR_MANIFEST as MANIFEST   # the predictors are part of the format
+from storage.format import PREDICTOR_DIR, PREDICTOR_MANIFEST as MANIFEST, read_layout   # part of the format
+
+from .errors import UserError
+from .untrusted import read_json
 
 WEIGHTS_FILE = "weights.safetensors"
 PROFILE_FILE = "profile.safetensors"
@@ -122,7 +123,6 @@ def read_manifest(flashdir) -> dict | None:
             raise ValueError
     except (KeyError, TypeError, ValueError):
         raise UserError(f"{mpath}: malformed predictor manifest") from None
-    from storage.format import read_layout
     cfg = read_layout(flashdir, check_size=False).config
     if (cfg.get("n_layers"), cfg.get("dim"), cfg.get("ffn_dim")) != (L, m.get("dim"), m.get("ffn_dim")):
         raise UserError(f"{root} was trained for another model (layers/dim/ffn_dim differ): re-run train-predictor")

@@ -16,39 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import UserError
-from .model import ModelConfig
-from .tokenizer import Tokenizer
+from flashinfer_lite.errors import UserError
+from flashinfer_lite.config import ModelConfig
+from flashinfer_lite.tokenizer import Tokenizer
+from flashinfer_lite.untrusted import inside, read_json
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
-MAX_JSON_BYTES = 50 * 1024 * 1024
-
-
-def read_json(path: Path, what: str) -> dict:
-    try:
-        if path.stat().st_size > MAX_JSON_BYTES:
-            raise UserError(f"{what} is too large ({path.stat().st_size} bytes): {path}")
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"missing {what}: {path}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"{what} is not valid JSON: {path}: {e}") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{what} is not a JSON object: {path}")
-    return data
-
-
-def inside(root: Path, name, what: str) -> Path:
-    """root/name, refusing names that escape root (absolute paths, '..', symlinks out) or name root itself."""
-    if not isinstance(name, str) or not name or "\x00" in name:
-        raise UserError(f"{what}: invalid path {name!r}")
-    base = root.resolve()
-    p = (base / name).resolve()
-    if Path(name).is_absolute() or p == base or base not in p.parents:
-        raise UserError(f"{what} names a path outside the directory {root}: {name!r}")
-    return p
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # safetensors
 
@@ -238,8 +211,6 @@ def hf_config(cfg: dict, generation: dict | None = None) -> ModelConfig:
                           tie_embeddings=bool(_get(cfg, "tie_word_embeddings", False)), qkv_bias=qkv_bias,
                           o_bias=bool(cfg.get("attention_bias", False)), mlp_bias=bool(cfg.get("mlp_bias", False)),
                           sliding_window=window, **common)
-    from .model import rope_inv_freq
-    rope_inv_freq(cfg_out)  # refuse unsupported rope scalings now, not at the first token
     return cfg_out
 
 
@@ -406,7 +377,7 @@ class GGUFCheckpoint(Checkpoint):
         return a
 
     def tokenizer(self) -> Tokenizer:
-        return Tokenizer.from_gguf(self.reader, self.config)
+        return Tokenizer.from_gguf(lambda key, default=None: gguf_field(self.reader, key, default), self.config)
 
 
 def _required_field(reader, key: str):

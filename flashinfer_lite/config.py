@@ -1,0 +1,95 @@
+"""ModelConfig: every architecture's numbers in one dataclass, checked once, whatever the source (config.json, GGUF
+metadata, a FLASHDIR's manifest). A leaf module: storage/ and the model math both import it."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from .errors import UserError
+
+
+ARCHS = ("llama", "opt")
+ACTIVATIONS = ("silu", "relu", "drelu")
+NORMS = ("rms", "layer")
+ROPE_SCALINGS = {"default": (), "linear": ("factor",),                 # type -> the numbers it needs
+                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+@dataclass
+class ModelConfig:
+    arch: str                      # "llama" (Llama, Mistral, Qwen2 share its math) or "opt"
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    glu: bool = True               # act(gate) * up -> down; False: OPT's fc1 -> act -> fc2
+    act: str = "silu"              # silu | relu | drelu (relu on gate and up, TurboSparse)
+    relu_threshold: float = 0.0    # FATReLU (ProSparse): relu gate values <= t count as zero
+    norm: str = "rms"              # rms | layer
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_pos: int = 2048
+    pos_offset: int | None = None  # OPT: learned positions, row = pos + offset; None: RoPE
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    pre_norm: bool = True          # False: OPT-350m style post-norm blocks
+    sliding_window: int | None = None
+    bos_id: int | None = None
+    eos_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        """Every field checked here, once, for every source (config.json, GGUF metadata, a FLASHDIR's manifest): an
+        impossible number is one line before anything is computed or written, not a crash later."""
+        def positive_int(name):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise UserError(f"invalid model config: {name} must be a positive integer (got {v!r})")
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_pos"):
+            positive_int(name)
+        if self.sliding_window is not None:
+            positive_int("sliding_window")
+        if self.n_heads % self.n_kv_heads:
+            raise UserError(f"invalid model config: {self.n_heads} attention heads cannot be shared by "
+                            f"{self.n_kv_heads} key/value heads (it must divide them)")
+        if self.pos_offset is None and self.head_dim % 2:
+            raise UserError(f"invalid model config: RoPE needs an even head_dim (got {self.head_dim})")
+        choices = {"arch": ARCHS, "act": ACTIVATIONS, "norm": NORMS}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise UserError(f"invalid model config: {name} {getattr(self, name)!r} (supported: "
+                                f"{', '.join(allowed)})")
+        for name in ("norm_eps", "rope_theta"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise UserError(f"invalid model config: {name} must be a positive number (got {v!r})")
+        sc = self.rope_scaling or {}
+        kind = sc.get("rope_type", sc.get("type", "default")) if isinstance(sc, dict) else None
+        if kind not in ROPE_SCALINGS:
+            raise UserError(f"unsupported rope_scaling type {kind!r} (supported: {', '.join(ROPE_SCALINGS)})")
+        for key in ROPE_SCALINGS[kind]:
+            v = sc.get(key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise UserError(f"invalid model config: rope_scaling {kind} needs a positive {key} (got {v!r})")
+        if self.bos_id is not None and (isinstance(self.bos_id, bool) or not isinstance(self.bos_id, int)
+                                        or not 0 <= self.bos_id < self.vocab_size):
+            raise UserError(f"invalid model config: bos token id {self.bos_id!r} outside the vocabulary "
+                            f"(0..{self.vocab_size - 1})")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "ModelConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise UserError(f"unknown model config fields: {', '.join(sorted(unknown))}")
+        return cls(**d)
