@@ -50,7 +50,6 @@ class TokenStats:
     lookup_s: float = 0.0       # bookkeeping: slot lookup, evictions, row moves
     read_s: float = 0.0         # time the caller was blocked waiting for reads
     io_s: float = 0.0           # time reads were in flight (overlaps compute when the caller used start_fetch)
-    compute_s: float = 0.0      # sparse FFN kernels (added by the caller that runs them)
 
     @property
     def hit_rate(self) -> float:

@@ -142,6 +142,8 @@ class FlashFFN:
     def __call__(self, layer: int, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
         T = x.shape[0]
+        if layer == 0:                  # a forward pass starts: its T tokens' cache statistics start from zero
+            self.cache.new_token()
         ids = self.active_ids(layer, x)
         y = np.empty_like(x)
         if T > 1 and self.prefer_streaming(layer, ids):
@@ -156,6 +158,8 @@ class FlashFFN:
             y += self.down_bias[layer]
         self.stats.rows[layer] += T
         self.stats.active[layer] += n_active
+        if layer == self.cfg.n_layers - 1:
+            self._close_pass(T)
         return y
 
     def decode_row(self, layer: int, x: np.ndarray, ids: np.ndarray, out: np.ndarray) -> int:
@@ -165,8 +169,6 @@ class FlashFFN:
         the window is computed in window-sized pieces accumulated one after the other, and with overlap the rows
         already in DRAM get their coefficients while the misses are read. Neither changes a bit of the output, so
         the budget, -t and overlap do not change the tokens (tests/test_runtime.py)."""
-        if layer == 0:
-            self.cache.new_token()
         out[:] = 0.0
         fired = 0
         cap = self.plan.window_rows
@@ -194,8 +196,6 @@ class FlashFFN:
             self.kernel.accumulate(self.cache.matrix(layer), f.slots, coef, Y)
             self.stats.compute_s += time.perf_counter() - t0
             fired += int(np.count_nonzero(coef))   # 0 = did not fire
-        if layer == self.cfg.n_layers - 1:
-            self._close_token()
         return fired
 
     def _prefetch_next(self, layer: int, x: np.ndarray) -> None:
@@ -218,11 +218,13 @@ class FlashFFN:
                                  magnitude=mag)
         self.stats.compute_s += time.perf_counter() - t0
 
-    def _close_token(self) -> None:
+    def _close_pass(self, T: int) -> None:
+        """Fold one forward pass (T tokens, every layer) of cache statistics into the run's. Token boundaries come
+        from the pass, not from decode_row: a batched prompt calls decode_row T times per layer."""
         st = self.cache.stats
         s = self.stats
         if st.hits or st.misses:
-            s.tokens += 1
+            s.tokens += T
         s.hits += st.hits
         s.misses += st.misses
         s.bytes_read += st.bytes_read

@@ -121,9 +121,6 @@ class FlashLayout:
         """j such that the scalar sits at B.view(np.float32)[:, scalars_offset // 4 + j]."""
         return self.scalars.index(name)
 
-    def vector_index(self, name: str) -> int:
-        return self.vectors.index(name)
-
     def region_bytes(self, layer: int) -> int:
         return self.n_neurons[layer] * self.stride
 

@@ -89,9 +89,9 @@ def test_refuses_to_overwrite_without_force(tmp_path):
 @pytest.fixture(autouse=True)
 def _random_checkpoint(monkeypatch):
     """convert() on the path "model" opens a random in-memory checkpoint (keeps these tests off the loader)."""
-    import storage.checkpoint as ck
-    real_open = ck.open_checkpoint
-    monkeypatch.setattr(ck, "open_checkpoint", lambda p: RandomCheckpoint() if str(p) == "model" else real_open(p))
+    import storage.convert as conv
+    real_open = conv.open_checkpoint
+    monkeypatch.setattr(conv, "open_checkpoint", lambda p: RandomCheckpoint() if str(p) == "model" else real_open(p))
 
 
 @pytest.mark.parametrize("existing", [False, True])

@@ -87,7 +87,7 @@ def test_first_use_trains_from_the_corpus_once_and_auto_equals_predicted(default
 
     # second run: nothing is retrained (training would now fail), same tokens, the source is still named
     stamp = (flashdir / "predictors" / "weights.safetensors").stat().st_mtime_ns
-    monkeypatch.setattr(train, "train", lambda *a, **k: pytest.fail("retrained"))
+    monkeypatch.setattr(first_use, "train", lambda *a, **k: pytest.fail("retrained"))
     rc, out2, err2 = run_cli(capsys, "generate", *PROMPT)
     assert rc == 0, err2
     assert "trained on first use from" in err2 and "predictors: trained" not in err2
