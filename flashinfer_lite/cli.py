@@ -6,7 +6,7 @@ import importlib
 import os
 import sys
 
-from .errors import UserError
+from .errors import Reported, UserError
 
 # name -> (module, help). Modules are imported only for the command that runs, so `generate` never pays for torch.
 COMMANDS = {
@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except Reported as e:
+        return e.code
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from importlib.util import find_spec
 
 import numpy as np
 
@@ -12,10 +14,10 @@ from storage.cache import flashdir_for
 
 from .budget import peak_rss_bytes, rss_bytes
 from .default_model import ensure_default_model
-from .errors import UserError
+from .errors import Reported, UserError
 from .loader import is_flashdir
 from .model import Transformer
-from .predictor_set import has_trained_predictors
+from .predictor_set import describe_calibration, has_trained_predictors, read_manifest
 from .runtime import load_runtime
 from .sizes import parse_size
 from .tokenizer import StreamDecoder, Tokenizer, check_utf8
@@ -213,6 +215,17 @@ def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object (tokens, text, timings) instead of text")
 
 
+def train_on_first_use(flashdir: str) -> None:
+    """Train the default model's predictors in a child process (predictors/first_use.py): this process never imports
+    torch, and its memory is not what training needed. The child's progress and its one error line go to stderr."""
+    if find_spec("torch") is None:
+        raise UserError("training the default model's predictors on first use needs torch: "
+                        "pip install 'flashinfer-lite[train]' (or run with --ffn dense)")
+    code = subprocess.run([sys.executable, "-m", "predictors.first_use", str(flashdir)]).returncode
+    if code != 0:
+        raise Reported(code)
+
+
 def choose_ffn(args) -> tuple[str, str, str | None]:
     """(model path, FFN mode, why) for -m (or the default model) and --ffn; `why` is said once the model has loaded
     (for --ffn auto only). The default model in predicted mode (auto or asked) gets its FLASHDIR and predictors made
@@ -221,11 +234,11 @@ def choose_ffn(args) -> tuple[str, str, str | None]:
         path = ensure_default_model()
         if args.ffn not in ("auto", "predicted"):
             return str(path), args.ffn, None
-        # the one import of training code from inference: first use trains in this process (issue 11 item 7)
-        from predictors.first_use import describe, ensure_predictors
         flashdir = flashdir_for(path, progress=sys.stderr.isatty())
-        record = ensure_predictors(flashdir)
-        how = f"trained on first use from {describe(record)}" if record else "trained with train-predictor"
+        if not has_trained_predictors(flashdir):
+            train_on_first_use(flashdir)
+        record = (read_manifest(flashdir) or {}).get("calibration")
+        how = f"trained on first use from {describe_calibration(record)}" if record else "trained with train-predictor"
         why = f"ffn: predicted (--ffn auto, the default model; its predictors were {how})"
         return flashdir, "predicted", why if args.ffn == "auto" else None
     if args.ffn != "auto":

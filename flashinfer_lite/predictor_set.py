@@ -129,6 +129,13 @@ def read_manifest(flashdir) -> dict | None:
     return m
 
 
+def describe_calibration(record: dict) -> str:
+    """Where first-use predictors were trained from, as the manifest's `calibration` record says."""
+    if record.get("source") == "corpus":
+        return f"{record['path']} ({', '.join(record['files'])}; {record['tokens']} tokens)"
+    return f"the built-in calibration text ({record.get('tokens')} tokens)"
+
+
 def has_trained_predictors(flashdir) -> bool:
     """Whether FLASHDIR holds trained predictors (not thresholds only), from the manifest alone."""
     m = read_manifest(flashdir)

@@ -1,7 +1,7 @@
 """Predictors trained on first use (the default model): find calibration text, then `collect` + `train-predictor`.
 
 Calibration text, first found wins:
-  1. $FLASHINFER_LITE_CORPUS: a directory with the calibration files below (an error if it has none);
+  1. $FLASHINFER_LITE_CORPUS: a directory with the calibration files below (an error if it has none), or "builtin";
   2. ../shared/corpus next to the repository, or next to the working directory;
   3. the built-in calibration text shipped in this package (calibration.txt, written for the project).
 From a corpus directory only the calibration splits are used, WikiText-2 validation and TinyStories, about half the
@@ -9,8 +9,9 @@ tokens from each: wikitext2_test.txt is what perplexity is evaluated on, so no p
 
 The settings keep the default model within 3% of dense perplexity (docs/PREDICTORS.md, issue 14): thresholds at 40%
 sparsity, predictors tuned to recall 0.99, and no predictor in a layer where it would select more than 90% of the
-neurons anyway (train.DEFAULT_MAX_READ_SHARE), on few tokens so that first use takes minutes on two cores. Activations go to a temporary
-directory that is removed whatever happens; the predictors land atomically (train.save_predictors), so an interrupted
+neurons anyway (train.DEFAULT_MAX_READ_SHARE), on few tokens so that first use takes minutes on two cores.
+`generate` runs this module as a child process. Activations go to a temporary directory that is removed whatever
+happens; the predictors land atomically (train.save_predictors), so an interrupted
 first use leaves nothing behind and the next run starts over.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from flashinfer_lite.errors import UserError
 from flashinfer_lite.loader import open_any
-from flashinfer_lite.predictor_set import read_manifest
+from flashinfer_lite.predictor_set import describe_calibration as describe, read_manifest
 from storage.files import remove_stale_temp_dirs, temp_path
 
 from .acts import Acts, corpus_chunks, read_corpus
@@ -69,6 +70,8 @@ def calibration_files(d: Path) -> list[Path]:
 def find_corpus() -> tuple[Path, list[Path]] | None:
     """(directory, calibration files), or None when no corpus is around (the built-in text is used then)."""
     env = os.environ.get(CORPUS_ENV)
+    if env == "builtin":
+        return None
     if env:
         d = Path(env).expanduser()
         files = calibration_files(d)
@@ -104,12 +107,6 @@ def mixed_text(files: list[Path], tokenizer, n_tokens: int) -> str:
     share = -(-n_tokens // len(files))
     parts = [head_tokens(read_corpus([f]).text, tokenizer, share) for f in files[:-1]]
     return "\n".join(parts + [read_corpus([files[-1]]).text])
-
-
-def describe(record: dict) -> str:
-    if record.get("source") == "corpus":
-        return f"{record['path']} ({', '.join(record['files'])}; {record['tokens']} tokens)"
-    return f"the built-in calibration text ({record.get('tokens')} tokens)"
 
 
 def say(msg: str) -> None:
@@ -182,3 +179,25 @@ def ensure_predictors(flashdir, settings: Calibration | None = None, progress: b
     say(f"predictors: trained on first use from {describe(record)} in {time.perf_counter() - t0:.0f} s, "
         f"saved in {flashdir / 'predictors'}")
     return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m predictors.first_use FLASHDIR`: what `generate` runs, as a child process, when the default model has
+    no predictors yet, so the inference process never imports torch and training has every core."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m predictors.first_use FLASHDIR", file=sys.stderr)
+        return 2
+    try:
+        ensure_predictors(argv[0], progress=sys.stderr.isatty())
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,7 @@
 """The default model's predictors, trained on first use: from ../shared/corpus when it is there, else from the
 built-in calibration text. The default model is swapped for stories260K (same code path, seconds instead of minutes)
-and the cache for a temp dir; the CLI runs in-process so the swap holds."""
+and the cache for a temp dir; the CLI runs in-process so the swap holds, and training runs in its real child process
+(`python -m predictors.first_use`), whose stderr the tests read through capfd."""
 from __future__ import annotations
 
 import json
@@ -19,18 +20,18 @@ PROMPT = ["-p", "Once upon a time", "-n", "16", "--temp", "0", "--json"]
 @pytest.fixture
 def default_is_stories(monkeypatch, tmp_path):
     """The default model is stories260K, the cache is empty and private. Returns the cache dir."""
-    from flashinfer_lite import default_model
+    from flashinfer_lite import generate
     cache = tmp_path / "cache"
     monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(cache))
     monkeypatch.delenv("FLASHINFER_LITE_CORPUS", raising=False)
-    monkeypatch.setattr(default_model, "ensure_default_model", lambda quiet=False: STORIES)
+    monkeypatch.setattr(generate, "ensure_default_model", lambda quiet=False: STORIES)
     return cache
 
 
-def run_cli(capsys, *argv) -> tuple[int, str, str]:
+def run_cli(capfd, *argv) -> tuple[int, str, str]:
     from flashinfer_lite.cli import main
     rc = main(list(argv))
-    out, err = capsys.readouterr()
+    out, err = capfd.readouterr()
     return rc, out, err
 
 
@@ -52,12 +53,12 @@ def tokens_of(out: str) -> list[int]:
     return json.loads(out.strip().splitlines()[-1])["tokens"]
 
 
-def test_first_use_trains_from_the_corpus_once_and_auto_equals_predicted(default_is_stories, monkeypatch, capsys):
+def test_first_use_trains_from_the_corpus_once_and_auto_equals_predicted(default_is_stories, monkeypatch, capfd):
     from predictors import first_use, train
     from flashinfer_lite.predictor_set import load_predictors
     cache = default_is_stories
     monkeypatch.setenv("FLASHINFER_LITE_CORPUS", str(CORPUS))
-    rc, out, err = run_cli(capsys, "generate", *PROMPT)
+    rc, out, err = run_cli(capfd, "generate", *PROMPT)
     assert rc == 0, err
     flashdir = flashdir_of(cache)
     m = predictor_manifest(flashdir)
@@ -87,25 +88,26 @@ def test_first_use_trains_from_the_corpus_once_and_auto_equals_predicted(default
 
     # second run: nothing is retrained (training would now fail), same tokens, the source is still named
     stamp = (flashdir / "predictors" / "weights.safetensors").stat().st_mtime_ns
-    monkeypatch.setattr(first_use, "train", lambda *a, **k: pytest.fail("retrained"))
-    rc, out2, err2 = run_cli(capsys, "generate", *PROMPT)
+    from flashinfer_lite import generate
+    monkeypatch.setattr(generate.subprocess, "run", lambda *a, **k: pytest.fail("trained again"))
+    rc, out2, err2 = run_cli(capfd, "generate", *PROMPT)
     assert rc == 0, err2
     assert "trained on first use from" in err2 and "predictors: trained" not in err2
     assert (flashdir / "predictors" / "weights.safetensors").stat().st_mtime_ns == stamp
     assert tokens_of(out2) == first["tokens"]
     # --ffn auto is exactly --ffn predicted on the same FLASHDIR
-    rc, out3, err3 = run_cli(capsys, "generate", "-m", str(flashdir), "--ffn", "predicted", *PROMPT)
+    rc, out3, err3 = run_cli(capfd, "generate", "-m", str(flashdir), "--ffn", "predicted", *PROMPT)
     assert rc == 0, err3
     assert tokens_of(out3) == first["tokens"]
-    rc, out4, err4 = run_cli(capsys, "generate", "-m", str(flashdir), *PROMPT)
+    rc, out4, err4 = run_cli(capfd, "generate", "-m", str(flashdir), *PROMPT)
     assert rc == 0 and "ffn: predicted (--ffn auto, " in err4 and tokens_of(out4) == first["tokens"]
 
 
-def test_without_a_corpus_the_builtin_text_is_used(default_is_stories, monkeypatch, capsys, tmp_path):
+def test_without_a_corpus_the_builtin_text_is_used(default_is_stories, monkeypatch, capfd, tmp_path):
     from predictors import first_use
     cache = default_is_stories
-    monkeypatch.setattr(first_use, "search_paths", lambda: [tmp_path / "shared" / "corpus"])
-    rc, out, err = run_cli(capsys, "generate", *PROMPT)
+    monkeypatch.setenv("FLASHINFER_LITE_CORPUS", "builtin")          # even where ../shared/corpus exists
+    rc, out, err = run_cli(capfd, "generate", *PROMPT)
     assert rc == 0, err
     cal = predictor_manifest(flashdir_of(cache))["calibration"]
     assert cal["source"] == "builtin" and cal["files"] == ["calibration.txt"]
@@ -115,8 +117,9 @@ def test_without_a_corpus_the_builtin_text_is_used(default_is_stories, monkeypat
 
 
 @pytest.mark.parametrize("where", ["training", "saving"])
-def test_interrupted_first_use_leaves_no_predictors(default_is_stories, monkeypatch, capsys, where):
-    """Ctrl-C while a layer trains, or between the predictor files being written: no predictors dir, no temp dirs."""
+def test_interrupted_first_use_leaves_no_predictors(default_is_stories, monkeypatch, capfd, where):
+    """Ctrl-C while a layer trains, or between the predictor files being written: no predictors dir, no temp dirs.
+    (In the training process itself, where the monkeypatches hold.)"""
     import safetensors.numpy
     from predictors import first_use, train
     cache = default_is_stories
@@ -140,40 +143,43 @@ def test_interrupted_first_use_leaves_no_predictors(default_is_stories, monkeypa
                 raise KeyboardInterrupt
             return real_save(tensors, path, *a, **k)
         monkeypatch.setattr(safetensors.numpy, "save_file", save_then_interrupt)
-    rc, out, err = run_cli(capsys, "generate", *PROMPT)
-    assert rc == 130 and "interrupted" in err
-    flashdir = flashdir_of(cache)
+    from storage.cache import flashdir_for
+    flashdir = Path(flashdir_for(STORIES, progress=False))
+    with pytest.raises(KeyboardInterrupt):          # what the child process gets on Ctrl-C
+        first_use.ensure_predictors(flashdir, progress=False)
     assert not (flashdir / "predictors").exists()
     assert not leftovers(cache)
 
 
-def test_missing_torch_is_one_clear_line(default_is_stories, monkeypatch, capsys):
-    monkeypatch.setitem(__import__("sys").modules, "torch", None)   # `import torch` raises ImportError
-    rc, out, err = run_cli(capsys, "generate", *PROMPT)
+def test_missing_torch_is_one_clear_line(default_is_stories, monkeypatch, capfd):
+    from flashinfer_lite import generate
+    real = generate.find_spec
+    monkeypatch.setattr(generate, "find_spec", lambda name: None if name == "torch" else real(name))
+    rc, out, err = run_cli(capfd, "generate", *PROMPT)
     assert rc == 1
     lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
     assert len(lines) == 1 and "flashinfer-lite[train]" in lines[0] and "--ffn dense" in lines[0]
     assert not (flashdir_of(default_is_stories) / "predictors").exists()
 
 
-def test_auto_without_predictors_is_dense_and_refuses_a_budget(default_is_stories, capsys):
-    rc, out, err = run_cli(capsys, "generate", "-m", str(STORIES), *PROMPT)
+def test_auto_without_predictors_is_dense_and_refuses_a_budget(default_is_stories, capfd):
+    rc, out, err = run_cli(capfd, "generate", "-m", str(STORIES), *PROMPT)
     assert rc == 0 and f"ffn: dense (--ffn auto, {STORIES} has no trained predictors)" in err
     assert "flash" not in json.loads(out.strip().splitlines()[-1])          # the dense path: no flash runtime
-    rc, out, err = run_cli(capsys, "generate", "-m", str(STORIES), "--dram-budget", "64M", *PROMPT)
+    rc, out, err = run_cli(capfd, "generate", "-m", str(STORIES), "--dram-budget", "64M", *PROMPT)
     assert rc == 1 and len(err.strip().splitlines()) == 1
     assert "collect" in err and "train-predictor" in err and "--ffn oracle" in err
     # the default model with an explicit --ffn dense trains nothing
-    rc, out, err = run_cli(capsys, "generate", "--ffn", "dense", *PROMPT)
+    rc, out, err = run_cli(capfd, "generate", "--ffn", "dense", *PROMPT)
     assert rc == 0 and not (default_is_stories / "flash").exists()
 
 
-def test_a_corpus_variable_without_calibration_text_is_one_line(default_is_stories, monkeypatch, capsys, tmp_path):
+def test_a_corpus_variable_without_calibration_text_is_one_line(default_is_stories, monkeypatch, capfd, tmp_path):
     empty = tmp_path / "corpus"
     empty.mkdir()
     (empty / "wikitext2_test.txt").write_text("evaluation text only\n")   # the test split never calibrates
     monkeypatch.setenv("FLASHINFER_LITE_CORPUS", str(empty))
-    rc, out, err = run_cli(capsys, "generate", *PROMPT)
+    rc, out, err = run_cli(capfd, "generate", *PROMPT)
     errors = [ln for ln in err.splitlines() if ln.startswith("error: ")]
     assert rc == 1 and len(errors) == 1 and "FLASHINFER_LITE_CORPUS" in errors[0] and "Traceback" not in err
 

@@ -16,9 +16,7 @@ PACKAGES = ("flashinfer_lite", "storage", "predictors")
 # leaf modules: import no project module but each other, so that storage/ may use them
 LEAVES = {"flashinfer_lite", "flashinfer_lite.errors", "flashinfer_lite.sizes", "flashinfer_lite.config",
           "flashinfer_lite.untrusted", "flashinfer_lite.tokenizer"}
-# the one edge still pointing up: first use trains the default model's predictors in the generate process
-# (issue 11 item 7 moves it to a child process); it is imported late so that a plain run never loads it
-KNOWN_UPWARD = {("flashinfer_lite.generate", "predictors.first_use")}
+
 
 
 def modules():
@@ -54,8 +52,6 @@ def test_import_graph_follows_the_floors():
     bad = []
     for name, path in modules():
         for target, line, at_top in project_imports(name, path):
-            if (name, target) in KNOWN_UPWARD:
-                continue
             where = f"{path.relative_to(REPO)}:{line} imports {target}"
             src, dst = name.split(".")[0], target.split(".")[0]
             if name in LEAVES and target not in LEAVES:
