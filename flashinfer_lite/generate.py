@@ -24,7 +24,7 @@ from .tokenizer import StreamDecoder, Tokenizer, check_utf8
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Sampling (llama.cpp's default chain: top-k, top-p, temperature, then draw)
+# Sampling (llama.cpp's default chain: repetition penalty, top-k, top-p, min-p, temperature, then draw)
 
 @dataclass
 class Sampler:
@@ -32,12 +32,29 @@ class Sampler:
     top_k: int = 40
     top_p: float = 0.95
     seed: int = -1
+    min_p: float = 0.05             # llama.cpp's default: drop tokens under 5% of the most likely one's probability
+    repeat_penalty: float = 1.0     # 1 = off (llama.cpp's default)
+    repeat_last_n: int = 64
     rng: np.random.Generator = field(init=False)
 
     def __post_init__(self):
         self.rng = np.random.default_rng(None if self.seed < 0 else self.seed)
 
-    def __call__(self, logits: np.ndarray) -> int:
+    def penalize(self, logits: np.ndarray, history) -> np.ndarray:
+        """llama.cpp's repetition penalty: each distinct token of the last repeat_last_n ids has its logit divided by
+        the penalty when positive, multiplied when negative."""
+        if self.repeat_penalty == 1.0 or self.repeat_last_n == 0 or not len(history):
+            return logits
+        recent = history[-self.repeat_last_n:] if self.repeat_last_n > 0 else history
+        ids = np.unique(np.asarray(recent, np.int64))
+        out = np.array(logits, dtype=np.float32, copy=True)
+        v = out[ids]
+        out[ids] = np.where(v > 0, v / self.repeat_penalty, v * self.repeat_penalty)
+        return out
+
+    def __call__(self, logits: np.ndarray, history=()) -> int:
+        """The next token from logits [V]; history: the ids so far (prompt and output), for the penalty."""
+        logits = self.penalize(logits, history)
         if self.temp <= 0:
             return int(np.argmax(logits))
         idx = np.argsort(-logits, kind="stable")
@@ -48,10 +65,18 @@ class Sampler:
         p /= p.sum()
         if 0 < self.top_p < 1:
             keep = int(np.searchsorted(np.cumsum(p), self.top_p) + 1)
+            idx, z, p = idx[:keep], z[:keep], p[:keep]
+        if self.min_p > 0:
+            keep = int(np.count_nonzero(p >= self.min_p * p[0]))   # p is sorted: p[0] is the most likely
             idx, z = idx[:keep], z[:keep]
         z = z / self.temp
         p = np.exp(z - z.max())
         return int(idx[self.rng.choice(len(idx), p=p / p.sum())])
+
+
+def sampler_from(args) -> Sampler:
+    return Sampler(args.temp, args.top_k, args.top_p, args.seed, min_p=args.min_p,
+                   repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -159,7 +184,7 @@ class Session:
         self.timings.prompt_tokens += len(new)
         produced = 0
         while n_predict < 0 or produced < n_predict:
-            tok = sampler(logits)
+            tok = sampler(logits, self.cached)
             produced += 1
             if tok in self.tokenizer.eos_ids and not ignore_eos:
                 return
@@ -190,6 +215,13 @@ def add_model_arguments(p) -> None:
     p.add_argument("--temp", type=float, default=0.8, help="temperature, 0 = greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=40, help="top-k sampling, 0 = off (default 40)")
     p.add_argument("--top-p", type=float, default=0.95, help="top-p sampling, 1.0 = off (default 0.95)")
+    p.add_argument("--min-p", type=float, default=0.05,
+                   help="min-p sampling: drop tokens below this share of the top token's probability, 0 = off "
+                        "(default 0.05, as llama.cpp)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0,
+                   help="penalize repeated tokens: logit / P if positive, x P if negative, 1.0 = off (default 1.0)")
+    p.add_argument("--repeat-last-n", type=int, default=64,
+                   help="last N tokens to penalize, 0 = off, -1 = all (default 64)")
     p.add_argument("-s", "--seed", type=int, default=-1, help="RNG seed, -1 = random (default -1)")
     p.add_argument("-sys", "--system-prompt", default=None, help="system prompt for the chat template")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
@@ -208,8 +240,10 @@ def add_model_arguments(p) -> None:
 
 def add_arguments(p) -> None:
     add_model_arguments(p)
-    p.add_argument("-p", "--prompt", help="prompt text")
-    p.add_argument("-f", "--file", help="read the prompt from a UTF-8 text file")
+    p.add_argument("-p", "--prompt", help="prompt text (- reads it from standard input)")
+    p.add_argument("-f", "--file", help="read the prompt from a UTF-8 text file (- for standard input)")
+    p.add_argument("-r", "--reverse-prompt", action="append", default=[], metavar="TEXT",
+                   help="stop when the output contains TEXT (repeatable)")
     p.add_argument("--ignore-chat-template", action="store_true",
                    help="feed the prompt as is, even when the model has a chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object (tokens, text, timings) instead of text")
@@ -278,6 +312,14 @@ def context_size(args, model: Transformer) -> int:
 
 
 def read_prompt(args) -> str:
+    if args.file and args.prompt is not None:
+        raise UserError("give the prompt once: -p TEXT or -f FILE, not both")
+    if args.prompt == "-" or args.file == "-":
+        raw = sys.stdin.buffer.read()
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"the prompt on standard input is not valid UTF-8 (byte {e.start})") from None
     if args.file:
         try:
             raw = open(args.file, "rb").read()
@@ -306,19 +348,25 @@ def run(args) -> int:
     session = Session(model, tokenizer, context_size(args, model))
     session.timings.load_ms = load_ms
     ids = prompt_ids(tokenizer, text, args.system_prompt, not args.ignore_chat_template)
-    sampler = Sampler(args.temp, args.top_k, args.top_p, args.seed)
+    sampler = sampler_from(args)
     raw = args.ignore_chat_template or not tokenizer.chat_template
     context = ids[-StreamDecoder.CONTEXT_IDS:] if raw else []     # a raw prompt's continuation joins its text
-    out, stream = [], StreamDecoder(tokenizer, context)
+    out, stream, shown = [], StreamDecoder(tokenizer, context), ""
     note = None
     if not args.json and raw:
         sys.stdout.write(text)  # a raw prompt is echoed, as llama.cpp does, so the output reads as one text
     try:
         for tok in session.generate(ids, args.n_predict, sampler, args.ignore_eos):
             out.append(tok)
+            piece = stream.push(tok)
             if not args.json:
-                sys.stdout.write(stream.push(tok))
+                sys.stdout.write(piece)
                 sys.stdout.flush()
+            shown += piece
+            stop = next((r for r in args.reverse_prompt if r and r in shown), None)
+            if stop is not None:
+                note = f"reverse prompt {stop!r}"
+                break
     except ContextFull as e:
         note = str(e)
     except KeyboardInterrupt:
