@@ -192,6 +192,53 @@ def stream_transient_bytes(layout, chunk_bytes: int) -> int:
 # ----------------------------------------------------------------------------------------------------------------------
 # Measuring the process
 
+AUTO_MARGIN_SHARE = 0.05            # --dram-budget auto leaves this share of the room free (and at least the floor)
+AUTO_MARGIN_FLOOR = 256 << 20
+
+
+def _cgroup_room(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes this process's memory cgroup can still give (limit - usage + reclaimable page cache), or None when
+    there is no limit. cgroup v2 (memory.max) and v1 (memory.limit_in_bytes)."""
+    from pathlib import Path
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":                                        # v2
+            d = Path(root) / path.lstrip("/")
+            names = ("memory.max", "memory.current", "file")
+        elif "memory" in controllers.split(","):                     # v1
+            d = Path(root) / "memory" / path.lstrip("/")
+            names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache")
+        else:
+            continue
+        try:
+            limit = (d / names[0]).read_text().strip()
+            if limit == "max" or int(limit) >= 1 << 60:
+                return None
+            usage = int((d / names[1]).read_text())
+            stat = dict(ln.split() for ln in (d / "memory.stat").read_text().splitlines() if ln.count(" ") == 1)
+            cache = int(stat.get(names[2], 0))
+        except (OSError, ValueError):
+            return None
+        return max(0, int(limit) - usage + cache)
+    return None
+
+
+def auto_budget_bytes() -> int:
+    """--dram-budget auto: what this process holds now plus what the machine (and its memory cgroup, if capped) can
+    still give, less a margin (AUTO_MARGIN_SHARE, at least AUTO_MARGIN_FLOOR) for everything else."""
+    import psutil
+    room = int(psutil.virtual_memory().available)
+    capped = _cgroup_room()
+    if capped is not None:
+        room = min(room, capped)
+    total = room + rss_bytes()
+    return max(0, total - max(AUTO_MARGIN_FLOOR, int(total * AUTO_MARGIN_SHARE)))
+
+
 def rss_bytes() -> int:
     """Resident set of this process now (psutil)."""
     import psutil

@@ -229,8 +229,9 @@ def add_model_arguments(p) -> None:
                    help="FFN neurons to compute: all, the truly active ones, or the predicted ones; auto (default) = "
                         "predicted for the default model (predictors trained on first use) and for a FLASHDIR with "
                         "predictors, else dense")
-    p.add_argument("--dram-budget", default=None,
-                   help="bytes the process may keep (e.g. 300M, 2GiB): weights, KV cache, neuron cache, buffers")
+    p.add_argument("--dram-budget", default="auto",
+                   help="bytes the process may keep (e.g. 300M, 2GiB): weights, KV cache, neuron cache, buffers; "
+                        "auto (default): available memory (and the memory cgroup's room) less a margin")
     p.add_argument("--lookahead", action="store_true",
                    help="start each layer's flash reads one layer early on a guess (its predictor on the previous "
                         "layer's input); pays only where compute, not flash bandwidth, is the bottleneck")
@@ -280,7 +281,7 @@ def choose_ffn(args) -> tuple[str, str, str | None]:
     if is_flashdir(args.model):
         if has_trained_predictors(args.model):
             return args.model, "predicted", f"ffn: predicted (--ffn auto, {args.model} has trained predictors)"
-    if args.dram_budget:
+    if args.dram_budget != "auto":
         raise UserError(f"--dram-budget needs a sparse FFN, and {args.model} has no predictors: run "
                         f"`flashinfer-lite collect` and `flashinfer-lite train-predictor`, or use --ffn oracle")
     return args.model, "dense", f"ffn: dense (--ffn auto, {args.model} has no trained predictors)"
@@ -293,7 +294,7 @@ def open_model(args):
     if args.threads:
         import numba
         numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
-    budget = parse_size(args.dram_budget) if args.dram_budget else None
+    budget = "auto" if args.dram_budget == "auto" else parse_size(args.dram_budget)
     model, tokenizer, runtime = load_runtime(path, ffn, dram_budget=budget, ctx=args.ctx_size or None,
                                              progress=sys.stderr.isatty(), verbose=args.verbose,
                                              lookahead=args.lookahead)

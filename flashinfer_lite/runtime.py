@@ -26,8 +26,8 @@ from storage.cache import flashdir_for
 from storage.format import FlashCheckpoint, aligned_empty, verify_at_load
 from storage.reader import BundleReader
 
-from .budget import (HEAP_SLACK_BYTES, keep_freed_arrays_out_of_rss, measure_runtime_bytes, plan_budget,
-                     resident_bytes_for, staging_rows)
+from .budget import (HEAP_SLACK_BYTES, auto_budget_bytes, keep_freed_arrays_out_of_rss, measure_runtime_bytes,
+                     plan_budget, resident_bytes_for, staging_rows)
 from .errors import UserError
 from .kernels import SparseFFN
 from .loader import is_flashdir, load_weights, open_any
@@ -310,13 +310,24 @@ def lookahead_selector(cfg: ModelConfig, weights: dict, predictors):
     return guess
 
 
-def load_runtime(path, ffn: str = "dense", dram_budget: int | None = None, ctx: int | None = None, window: int = 5,
+def warn_if_dense_does_not_fit(path, cfg: ModelConfig) -> None:
+    """--ffn dense with --dram-budget auto: one line when the float32 weights will not fit, naming what to run."""
+    need = resident_bytes_for(cfg) + cfg.n_layers * cfg.ffn_dim * cfg.dim * 4 * (3 if cfg.glu else 2)
+    room = auto_budget_bytes()
+    if need > room:
+        print(f"note: {path} needs about {need / 2**20:.0f} MiB in DRAM dense and {room / 2**20:.0f} MiB is "
+              f"available; to run it from flash, make its predictors: `flashinfer-lite convert`, "
+              f"`flashinfer-lite collect`, `flashinfer-lite train-predictor` (docs/PREDICTORS.md)", file=sys.stderr)
+
+
+def load_runtime(path, ffn: str = "dense", dram_budget: int | str | None = None, ctx: int | None = None, window: int = 5,
                  threads: int | None = None, progress: bool = False, verbose: bool = False, verify: bool = True,
                  runtime_bytes: int | None = None, lookahead: bool = False):
     """(model, tokenizer, runtime) for a model path and an FFN mode; runtime is None for dense.
 
     A model that is not a FLASHDIR is converted into the cache on first use for the sparse modes.
-    dram_budget: bytes for everything the process keeps (default: room for the whole model).
+    dram_budget: bytes for everything the process keeps (default: room for the whole model); "auto": the whole model
+    when it fits in what the machine can give (budget.auto_budget_bytes), else that much.
     runtime_bytes: the plan's runtime line; None measures this process (budget.measure_runtime_bytes).
     lookahead: in predicted mode, start each layer's reads one layer early on a guess (lookahead_selector). Off by
     default: on the 7B-shaped bench at a 25% budget the device is the bottleneck and the wrong guesses' extra bytes
@@ -325,9 +336,11 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | None = None, ctx: 
     if ffn not in FFN_MODES:
         raise UserError(f"unknown --ffn mode '{ffn}' (choose from {', '.join(FFN_MODES)})")
     if ffn == "dense":
-        if dram_budget is not None:
+        if dram_budget not in (None, "auto"):
             raise UserError("--dram-budget applies to --ffn predicted/oracle; --ffn dense keeps every weight in DRAM")
         ckpt = open_any(path)
+        if dram_budget == "auto":
+            warn_if_dense_does_not_fit(path, ckpt.config)
         # A float16 FLASHDIR runs with float16 matrices in every mode (so dense and oracle compare like for like);
         # an HF directory or GGUF file stays float32, the reference checked against transformers.
         half = is_flashdir(path) and ckpt.layout.dtype != "f32"
@@ -362,6 +375,13 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | None = None, ctx: 
                            runtime_bytes=runtime_bytes, stream_chunk_bytes=STREAM_CHUNK_BYTES,
                            requested=dram_budget is not None, lookahead=lookahead,
                            heap_slack_bytes=HEAP_SLACK_BYTES if runtime_bytes else 0)
+    if dram_budget == "auto":   # the whole model when it fits in what the machine can give, else that much
+        room, whole = auto_budget_bytes(), plan_for(1 << 60).used_bytes
+        dram_budget = None if room >= whole else room
+        if dram_budget is not None:
+            print(f"dram budget: auto = {room / 2**20:.0f} MiB (available memory less a margin); the model's "
+                  f"{whole / 2**20:.0f} MiB do not fit, so the FFN neurons that do not are read from flash",
+                  file=sys.stderr)
     # No --dram-budget: room for the whole model (every neuron pinned, the full window), whatever that adds up to.
     plan = plan_for(dram_budget if dram_budget is not None else plan_for(1 << 60).used_bytes)
     if verbose or dram_budget is not None:
