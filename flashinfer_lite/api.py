@@ -48,7 +48,8 @@ def load(path: str | None = None, dram_budget: int | str | None = None, ffn: str
 
 
 def stream_generate(model: Model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: int = 256,
-                    temp: float = 0.0, top_k: int = 40, top_p: float = 0.95, seed: int = -1,
+                    temp: float = 0.0, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, seed: int = -1,
+                    repeat_penalty: float = 1.0, repeat_last_n: int = 64,
                     system_prompt: str | None = None, use_chat_template: bool = True,
                     ignore_eos: bool = False) -> Iterator[GenerationResponse]:
     """Yield a GenerationResponse per sampled token. A str prompt gets the chat template when the model has one (as
@@ -63,7 +64,7 @@ def stream_generate(model: Model, tokenizer: Tokenizer, prompt: str | list[int],
     stream = StreamDecoder(tokenizer, ids[-StreamDecoder.CONTEXT_IDS:] if raw else [])
     t = session.timings
     n = 0
-    for tok in session.generate(ids, max_tokens, Sampler(temp, top_k, top_p, seed), ignore_eos):
+    for tok in session.generate(ids, max_tokens, Sampler(temp, top_k, top_p, seed, min_p, repeat_penalty, repeat_last_n), ignore_eos):
         n += 1
         decode_ms = sum(t.token_ms)
         yield GenerationResponse(
