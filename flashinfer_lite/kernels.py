@@ -461,37 +461,3 @@ def matmul_t(x: np.ndarray, w: np.ndarray, row_kernel_max_t: int = MATMUL_ROW_KE
             widen_rows(W, lo, block)
             np.matmul(x, block.T, out=y[:, lo: lo + block.shape[0]])
     return y
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Decode attention: one query token against the KV cache in one kernel (GQA scores, softmax, value sum), instead of
-# numpy's transposes, mask and temporaries per layer
-
-@njit(cache=True)
-def decode_attention(q, k, v, lo, hi, scale, out):
-    # q [H, hd]; k, v [S, Hkv, hd] (one layer of the cache); keys lo..hi-1 are visible; out [H, hd]
-    H, hd = q.shape
-    g = H // k.shape[1]
-    scores = np.empty(hi - lo, np.float32)
-    for h in range(H):
-        kh = h // g
-        m = np.float32(-np.inf)
-        for j in range(lo, hi):
-            s = np.float32(0.0)
-            for d in range(hd):
-                s += q[h, d] * k[j, kh, d]
-            s *= scale
-            scores[j - lo] = s
-            if s > m:
-                m = s
-        total = np.float32(0.0)
-        for j in range(hi - lo):
-            e = np.float32(math.exp(scores[j] - m))
-            scores[j] = e
-            total += e
-        for d in range(hd):
-            out[h, d] = 0.0
-        for j in range(lo, hi):
-            p = scores[j - lo] / total
-            for d in range(hd):
-                out[h, d] += p * v[j, kh, d]

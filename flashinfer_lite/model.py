@@ -13,7 +13,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import UserError
-from .kernels import decode_attention, matmul_t
+from .kernels import matmul_t
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -142,11 +142,6 @@ class Attention:
         S = pos0 + T
         kv.k[self.layer, pos0:S] = k
         kv.v[self.layer, pos0:S] = v
-        if T == 1:  # decode: one kernel over the cache, no mask or temporaries
-            lo = 0 if cfg.sliding_window is None else max(0, S - cfg.sliding_window)
-            out = np.empty((H, hd), np.float32)
-            decode_attention(q[0], kv.k[self.layer], kv.v[self.layer], lo, S, np.float32(1.0 / math.sqrt(hd)), out)
-            return linear(out.reshape(1, H * hd), self.wo, self.bo)
         K = kv.k[self.layer, :S].transpose(1, 2, 0)            # [Hkv, hd, S]
         Vv = kv.v[self.layer, :S].transpose(1, 0, 2)           # [Hkv, S, hd]
         g = H // Hkv
