@@ -35,7 +35,6 @@ from flashinfer_lite.loader import load_weights
 from flashinfer_lite.model import Transformer, half_matrix
 from storage.format import FlashCheckpoint
 
-DEFAULT_MODELS = ["/work/bigmodels/llama7b-ffn-h4.flash", "/work/shared_scratch/smol.flash"]
 MODES = ("f32_blas", "f32_blas_1t", "f16_numba", "f16_numba_1t")
 
 
@@ -157,7 +156,9 @@ def bench_crossover(n: int, d: int, ts: list[int], reps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("-m", "--model", action="append", help="FLASHDIR (repeatable; default: the 7B-FFN h4 and SmolLM2)")
+    ap.add_argument("-m", "--model", action="append", default=[],
+                    help="FLASHDIR to time end to end (repeatable; bench/README.md: $BIG/llama7b-ffn-h4.flash, "
+                         "smol.flash); none: the GEMV micro-benchmarks only")
     ap.add_argument("--tokens", type=int, default=8, help="decode steps per mode per round")
     ap.add_argument("--prefill", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
@@ -167,7 +168,7 @@ def main() -> None:
     if not a.skip_micro:
         res["gemv"] = bench_gemv(8192, 4096, reps=20)
         res["crossover"] = bench_crossover(2048, 4096, [1, 2, 4, 8, 12, 16, 24, 32, 64, 128], reps=64)
-    for path in a.model or DEFAULT_MODELS:
+    for path in a.model:
         if Path(path).exists():
             res["models"][Path(path).stem] = bench_model(path, a.tokens, a.prefill, a.rounds)
     res["numba_threading_layer"] = numba.threading_layer()  # known only once a parallel kernel has run

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 from .errors import UserError
-from .generate import ContextFull, Session, add_model_arguments, context_size, make_sampler, open_model
+from .generate import ContextFull, Session, add_model_arguments, context_size, open_model, sampler_from
 from .tokenizer import StreamDecoder, check_utf8
 
 HELP = "/exit quits, /reset forgets the conversation, /stats shows timings; Ctrl-C stops an answer, Ctrl-D exits"
@@ -37,7 +37,7 @@ def run(args) -> int:
         raise UserError("this model has no chat template; use `flashinfer-lite generate` for plain text")
     session = Session(model, tokenizer, context_size(args, model))
     session.timings.load_ms = load_ms
-    sampler = make_sampler(args)
+    sampler = sampler_from(args)
     # Undecodable input bytes arrive as surrogates, so one bad line gets a message instead of killing the session.
     sys.stdin.reconfigure(errors="surrogateescape")
     system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []

@@ -24,7 +24,7 @@ from .tokenizer import StreamDecoder, Tokenizer, check_utf8
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Sampling (llama.cpp's default chain: repeat penalty, top-k, top-p, min-p, temperature, then draw)
+# Sampling (llama.cpp's default chain: repetition penalty, top-k, top-p, min-p, temperature, then draw)
 
 @dataclass
 class Sampler:
@@ -32,27 +32,28 @@ class Sampler:
     top_k: int = 40
     top_p: float = 0.95
     seed: int = -1
-    min_p: float = 0.0
-    repeat_penalty: float = 1.0     # llama.cpp's penalties sampler; 1.0 = off (its default)
-    repeat_last_n: int = 64         # tokens of history penalized; 0 = off, -1 = all
+    min_p: float = 0.05             # llama.cpp's default: drop tokens under 5% of the most likely one's probability
+    repeat_penalty: float = 1.0     # 1 = off (llama.cpp's default)
+    repeat_last_n: int = 64
     rng: np.random.Generator = field(init=False)
 
     def __post_init__(self):
         self.rng = np.random.default_rng(None if self.seed < 0 else self.seed)
 
     def penalize(self, logits: np.ndarray, history) -> np.ndarray:
-        """llama.cpp's repeat penalty: each distinct token of the last repeat_last_n has its logit divided by the
-        penalty when positive, multiplied when not."""
-        n = len(history) if self.repeat_last_n < 0 else self.repeat_last_n
-        if self.repeat_penalty == 1.0 or n == 0 or not len(history):
+        """llama.cpp's repetition penalty: each distinct token of the last repeat_last_n ids has its logit divided by
+        the penalty when positive, multiplied when negative."""
+        if self.repeat_penalty == 1.0 or self.repeat_last_n == 0 or not len(history):
             return logits
-        seen = np.unique(np.asarray(history[-n:], dtype=np.int64))
-        out = logits.copy()
-        z = out[seen]
-        out[seen] = np.where(z > 0, z / self.repeat_penalty, z * self.repeat_penalty)
+        recent = history[-self.repeat_last_n:] if self.repeat_last_n > 0 else history
+        ids = np.unique(np.asarray(recent, np.int64))
+        out = np.array(logits, dtype=np.float32, copy=True)
+        v = out[ids]
+        out[ids] = np.where(v > 0, v / self.repeat_penalty, v * self.repeat_penalty)
         return out
 
     def __call__(self, logits: np.ndarray, history=()) -> int:
+        """The next token from logits [V]; history: the ids so far (prompt and output), for the penalty."""
         logits = self.penalize(logits, history)
         if self.temp <= 0:
             return int(np.argmax(logits))
@@ -64,13 +65,18 @@ class Sampler:
         p /= p.sum()
         if 0 < self.top_p < 1:
             keep = int(np.searchsorted(np.cumsum(p), self.top_p) + 1)
+            idx, z, p = idx[:keep], z[:keep], p[:keep]
+        if self.min_p > 0:
+            keep = int(np.count_nonzero(p >= self.min_p * p[0]))   # p is sorted: p[0] is the most likely
             idx, z = idx[:keep], z[:keep]
-        if self.min_p > 0:  # llama.cpp keeps logits within log(min_p) of the largest (before temperature)
-            keep = z >= z[0] + np.log(self.min_p)
-            idx, z = idx[keep], z[keep]
         z = z / self.temp
         p = np.exp(z - z.max())
         return int(idx[self.rng.choice(len(idx), p=p / p.sum())])
+
+
+def sampler_from(args) -> Sampler:
+    return Sampler(args.temp, args.top_k, args.top_p, args.seed, min_p=args.min_p,
+                   repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -193,36 +199,6 @@ class Session:
             self.timings.token_ms.append((time.perf_counter() - t0) * 1e3)
 
 
-class StopStrings:
-    """-r/--reverse-prompt: cuts the output before the first stop string. Text that could still become one is held
-    back, so a stop string is never printed in part."""
-
-    def __init__(self, stops):
-        self.stops = [t for t in stops if t]
-        self.text, self.shown, self.stopped = "", 0, False
-
-    def push(self, piece: str) -> str:
-        """The part of the text so far that is safe to show now."""
-        self.text += piece
-        hits = [i for i in (self.text.find(t) for t in self.stops) if i >= 0]
-        if hits:
-            self.text, self.stopped = self.text[:min(hits)], True
-            end = len(self.text)
-        else:  # hold back a tail that is a prefix of some stop string
-            end = len(self.text)
-            for t in self.stops:
-                for k in range(min(len(t) - 1, len(self.text)), 0, -1):
-                    if t.startswith(self.text[-k:]):
-                        end = min(end, len(self.text) - k)
-                        break
-        out, self.shown = self.text[self.shown:end], max(self.shown, end)
-        return out
-
-    def flush(self) -> str:
-        out, self.shown = self.text[self.shown:], len(self.text)
-        return out
-
-
 class ContextFull(Exception):
     def __init__(self, ctx: int):
         super().__init__(f"context is full ({ctx} tokens); raise -c for longer output")
@@ -240,11 +216,12 @@ def add_model_arguments(p) -> None:
     p.add_argument("--top-k", type=int, default=40, help="top-k sampling, 0 = off (default 40)")
     p.add_argument("--top-p", type=float, default=0.95, help="top-p sampling, 1.0 = off (default 0.95)")
     p.add_argument("--min-p", type=float, default=0.05,
-                   help="drop tokens below min-p times the top token's probability, 0 = off (default 0.05, as llama.cpp)")
+                   help="min-p sampling: drop tokens below this share of the top token's probability, 0 = off "
+                        "(default 0.05, as llama.cpp)")
     p.add_argument("--repeat-penalty", type=float, default=1.0,
-                   help="penalize repeated tokens, 1.0 = off (default 1.0, as llama.cpp)")
+                   help="penalize repeated tokens: logit / P if positive, x P if negative, 1.0 = off (default 1.0)")
     p.add_argument("--repeat-last-n", type=int, default=64,
-                   help="last N tokens to penalize, 0 = off, -1 = context size (default 64)")
+                   help="last N tokens to penalize, 0 = off, -1 = all (default 64)")
     p.add_argument("-s", "--seed", type=int, default=-1, help="RNG seed, -1 = random (default -1)")
     p.add_argument("-sys", "--system-prompt", default=None, help="system prompt for the chat template")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
@@ -263,10 +240,10 @@ def add_model_arguments(p) -> None:
 
 def add_arguments(p) -> None:
     add_model_arguments(p)
-    p.add_argument("-p", "--prompt", help="prompt text; - reads it from stdin")
-    p.add_argument("-f", "--file", help="read the prompt from a UTF-8 text file; - reads stdin")
+    p.add_argument("-p", "--prompt", help="prompt text (- reads it from standard input)")
+    p.add_argument("-f", "--file", help="read the prompt from a UTF-8 text file (- for standard input)")
     p.add_argument("-r", "--reverse-prompt", action="append", default=[], metavar="TEXT",
-                   help="stop when the output contains TEXT (repeatable); TEXT is not printed")
+                   help="stop when the output contains TEXT (repeatable)")
     p.add_argument("--ignore-chat-template", action="store_true",
                    help="feed the prompt as is, even when the model has a chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object (tokens, text, timings) instead of text")
@@ -334,30 +311,28 @@ def context_size(args, model: Transformer) -> int:
     return ctx
 
 
-def make_sampler(args) -> Sampler:
-    return Sampler(args.temp, args.top_k, args.top_p, args.seed, args.min_p, args.repeat_penalty, args.repeat_last_n)
-
-
 def read_prompt(args) -> str:
-    if args.file is not None and args.prompt is not None:
-        raise UserError("pass the prompt with -p or -f, not both")
-    if "-" in (args.file, args.prompt):
-        raw, source = sys.stdin.buffer.read(), "stdin"
-    elif args.file:
-        source = f"file {args.file}"
+    if args.file and args.prompt is not None:
+        raise UserError("give the prompt once: -p TEXT or -f FILE, not both")
+    if args.prompt == "-" or args.file == "-":
+        raw = sys.stdin.buffer.read()
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"the prompt on standard input is not valid UTF-8 (byte {e.start})") from None
+    if args.file:
         try:
             raw = open(args.file, "rb").read()
         except OSError as e:
             raise UserError(f"cannot read prompt file {args.file}: {e.strerror}") from None
-    else:
-        if args.prompt is None:
-            raise UserError("no prompt: pass -p TEXT or -f FILE")
-        check_utf8(args.prompt, "prompt")
-        return args.prompt
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"prompt {source} is not valid UTF-8 (byte {e.start})") from None
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"prompt file {args.file} is not valid UTF-8 (byte {e.start})") from None
+    if args.prompt is None:
+        raise UserError("no prompt: pass -p TEXT or -f FILE")
+    check_utf8(args.prompt, "prompt")
+    return args.prompt
 
 
 def prompt_ids(tokenizer: Tokenizer, text: str, system: str | None, use_template: bool) -> list[int]:
@@ -373,21 +348,24 @@ def run(args) -> int:
     session = Session(model, tokenizer, context_size(args, model))
     session.timings.load_ms = load_ms
     ids = prompt_ids(tokenizer, text, args.system_prompt, not args.ignore_chat_template)
-    sampler = make_sampler(args)
+    sampler = sampler_from(args)
     raw = args.ignore_chat_template or not tokenizer.chat_template
     context = ids[-StreamDecoder.CONTEXT_IDS:] if raw else []     # a raw prompt's continuation joins its text
-    out, stream, stop = [], StreamDecoder(tokenizer, context), StopStrings(args.reverse_prompt)
+    out, stream, shown = [], StreamDecoder(tokenizer, context), ""
     note = None
     if not args.json and raw:
         sys.stdout.write(text)  # a raw prompt is echoed, as llama.cpp does, so the output reads as one text
     try:
         for tok in session.generate(ids, args.n_predict, sampler, args.ignore_eos):
             out.append(tok)
-            shown = stop.push(stream.push(tok))
+            piece = stream.push(tok)
             if not args.json:
-                sys.stdout.write(shown)
+                sys.stdout.write(piece)
                 sys.stdout.flush()
-            if stop.stopped:
+            shown += piece
+            stop = next((r for r in args.reverse_prompt if r and r in shown), None)
+            if stop is not None:
+                note = f"reverse prompt {stop!r}"
                 break
     except ContextFull as e:
         note = str(e)
@@ -395,12 +373,11 @@ def run(args) -> int:
         note = "interrupted"
     if args.json:
         flash = {"flash": runtime.stats.as_dict()} if runtime is not None else {}
-        full = tokenizer.decode_after(context, out)
-        print(json.dumps({"tokens": out, "text": stop.text if stop.stopped else full, "prompt_tokens": ids,
+        print(json.dumps({"tokens": out, "text": tokenizer.decode_after(context, out), "prompt_tokens": ids,
                           "timings": session.timings.as_dict(), **flash, **rss_summary(runtime),
                           **({"stopped": note} if note else {})}))
     else:
-        sys.stdout.write(stop.flush() + "\n")
+        sys.stdout.write("\n")
         if note:
             print(f"[{note}]", file=sys.stderr)
         session.timings.report(runtime=runtime)

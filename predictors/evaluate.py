@@ -29,12 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ffn", choices=("dense", "oracle", "predicted"), default="predicted")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens to evaluate (default 2048)")
     parser.add_argument("--ctx", type=int, default=256, help="window length (default 256)")
-    parser.add_argument("--json", action="store_true", help="print only one JSON object on stdout (the table on stderr)")
+    parser.add_argument("--json", action="store_true",
+                        help="print only one JSON object on stdout (the table goes to stderr)")
 
 
 def run(args) -> int:
     res = evaluate(args.model, args.corpus, args.ffn, n_tokens=args.tokens, ctx=args.ctx)
-    # --json: stdout holds only the JSON object (the table goes to stderr) so it pipes into jq
     print(format_result(res), file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(res))

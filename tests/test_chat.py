@@ -105,7 +105,8 @@ def test_chat_through_a_terminal(stories_chat):
         ("> ", "/stats\n"),
         ("eval time", "/reset\n"),
         ("(conversation reset)", "/foo\n"),
-        ("unknown command /foo", user + "\n"),
+        # typed once the prompt that follows the message is there, so that the echo precedes the answer
+        ("Ctrl-D exits\r\n> ", user + "\n"),
         ("> ", "\x04"),  # Ctrl-D
     ]
     out, code = run_pty(["chat", "-m", str(stories_chat), "--temp", "0", "-n", "30"], steps)

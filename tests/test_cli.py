@@ -145,3 +145,20 @@ def test_a_raw_continuation_keeps_the_space_at_the_join():
     assert "Once upon" + out["text"] == whole
     r = cli("generate", "-m", str(STORIES), "-p", "Once upon", "-n", "12", "--temp", "0")
     assert r.stdout.decode().rstrip("\n") == whole
+
+
+def test_prompt_from_stdin_reverse_prompt_and_one_prompt_only(tmp_path):
+    r = cli("generate", "-m", str(STORIES), "-p", "-", "-n", "12", "--temp", "0", "--json", stdin=b"Once upon")
+    assert r.returncode == 0, r.stderr.decode()
+    full = json.loads(r.stdout.decode().strip().splitlines()[-1])
+    r = cli("generate", "-m", str(STORIES), "-p", "Once upon", "-n", "12", "--temp", "0", "--json")
+    assert json.loads(r.stdout.decode().strip().splitlines()[-1])["tokens"] == full["tokens"]   # same as -p TEXT
+    (tmp_path / "p.txt").write_text("Once upon")
+    r = cli("generate", "-m", str(STORIES), "-p", "x", "-f", str(tmp_path / "p.txt"))
+    assert r.returncode == 1 and r.stderr.decode().strip() == "error: give the prompt once: -p TEXT or -f FILE, not both"
+    # -r: stops at the first output that contains the text; the same tokens up to there
+    word = full["text"].split()[2]
+    r = cli("generate", "-m", str(STORIES), "-p", "Once upon", "-n", "12", "--temp", "0", "--json", "-r", word)
+    got = json.loads(r.stdout.decode().strip().splitlines()[-1])
+    assert word in got["text"] and got["stopped"] == f"reverse prompt {word!r}"
+    assert got["tokens"] == full["tokens"][: len(got["tokens"])] and len(got["tokens"]) < len(full["tokens"])

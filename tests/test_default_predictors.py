@@ -1,4 +1,4 @@
-"""The default model's predictors, trained on first use: from ../shared/corpus when it is there, else from the
+"""The default model's predictors, trained on first use: from a corpus directory beside the repository when there is one, else from the
 built-in calibration text. The default model is swapped for stories260K (same code path, seconds instead of minutes)
 and the cache for a temp dir; the CLI runs in-process so the swap holds, and training runs in its real child process
 (`python -m predictors.first_use`), whose stderr the tests read through capfd."""
@@ -106,7 +106,7 @@ def test_first_use_trains_from_the_corpus_once_and_auto_equals_predicted(default
 def test_without_a_corpus_the_builtin_text_is_used(default_is_stories, monkeypatch, capfd, tmp_path):
     from predictors import first_use
     cache = default_is_stories
-    monkeypatch.setenv("FLASHINFER_LITE_CORPUS", "builtin")          # even where ../shared/corpus exists
+    monkeypatch.setenv("FLASHINFER_LITE_CORPUS", "builtin")          # even where a corpus sits beside the repo
     rc, out, err = run_cli(capfd, "generate", *PROMPT)
     assert rc == 0, err
     cal = predictor_manifest(flashdir_of(cache))["calibration"]

@@ -81,7 +81,9 @@ def test_predicted_perplexity_within_5_percent_of_dense(stories, capsys):
     from predictors import evaluate
     assert evaluate.run(parse(evaluate, ["-m", str(stories["flash"]), "--corpus", str(stories["held"]), "--ffn",
                                          "predicted", "--tokens", "400", "--json"])) == 0
-    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    out, err = capsys.readouterr()
+    res = json.loads(out)                               # --json: stdout is the JSON object and nothing else
+    assert "perplexity=" in err                         # the table went to stderr
     assert res["tokens"] >= 390
     assert res["perplexity"] <= 1.05 * res["dense_perplexity"], res
     assert res["active_share"] < 0.6, res            # computed neurons: the threshold sparsity, reached

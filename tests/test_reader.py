@@ -115,18 +115,23 @@ def test_bad_requests_are_refused(flashdirs):
         assert r.read(0, [], dest, []).read_bytes == 0
 
 
-def test_buffered_fallback_when_o_direct_is_refused(flashdirs, monkeypatch, capsys):
-    """Filesystems that refuse O_DIRECT (tmpfs before Linux 6.6, some FUSE) get buffered reads + DONTNEED."""
-    path, ckpt = flashdirs["f16"]
-    real_open, advised = os.open, []
+def refuse_o_direct(monkeypatch) -> None:
+    """os.open as on a filesystem that refuses O_DIRECT (EINVAL), as tmpfs before Linux 6.6 and some FUSE do."""
+    real_open = os.open
 
     def open_refusing_direct(p, flags, *a):
         if flags & os.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(p, flags, *a)
-
-    monkeypatch.setattr(reader_mod, "_warned_buffered", False)
     monkeypatch.setattr(reader_mod.os, "open", open_refusing_direct)
+
+
+def test_buffered_fallback_when_o_direct_is_refused(flashdirs, monkeypatch, capsys):
+    """Filesystems that refuse O_DIRECT (tmpfs before Linux 6.6, some FUSE) get buffered reads + DONTNEED."""
+    path, ckpt = flashdirs["f16"]
+    advised = []
+    monkeypatch.setattr(reader_mod, "_warned_buffered", False)
+    refuse_o_direct(monkeypatch)
     monkeypatch.setattr(reader_mod.os, "posix_fadvise", lambda fd, off, n, adv: advised.append((off, n, adv)))
     r1, r2 = BundleReader(path, threads=2), BundleReader(path, threads=1)
     assert not r1.direct and not r2.direct
@@ -189,15 +194,8 @@ def test_reader_refuses_a_truncated_flashdir_at_open(tmp_path):
 def test_buffered_reads_where_posix_fadvise_does_not_exist(flashdirs, monkeypatch):
     """macOS has no posix_fadvise and no O_DIRECT: the reader (and verify) still read the right bytes."""
     path, ckpt = flashdirs["f16"]
-    real_open = os.open
-
-    def open_refusing_direct(p, flags, *a):
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(p, flags, *a)
-
     monkeypatch.setattr(reader_mod, "_warned_buffered", True)
-    monkeypatch.setattr(reader_mod.os, "open", open_refusing_direct)
+    refuse_o_direct(monkeypatch)
     monkeypatch.delattr(os, "posix_fadvise")
     r = BundleReader(path, threads=2)
     assert not r.direct

@@ -18,16 +18,37 @@ def test_sampler_greedy_and_top_k_1_pick_argmax():
 
 def test_sampler_frequencies_follow_the_tempered_softmax():
     logits = np.array([2.0, 1.0, 0.5, 0.0, -1.0], np.float32)
-    s = Sampler(temp=0.7, top_k=0, top_p=1.0, seed=0)
+    s = Sampler(temp=0.7, top_k=0, top_p=1.0, min_p=0.0, seed=0)
     counts = np.bincount([s(logits) for _ in range(20000)], minlength=5) / 20000
     np.testing.assert_allclose(counts, softmax(logits / 0.7), atol=0.015)
 
 
 def test_sampler_top_p_keeps_the_smallest_nucleus():
     logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
-    s = Sampler(temp=1.0, top_k=0, top_p=0.75, seed=0)
+    s = Sampler(temp=1.0, top_k=0, top_p=0.75, min_p=0.0, seed=0)
     seen = {s(logits) for _ in range(2000)}
     assert seen == {0, 1}  # 0.5 < 0.75 <= 0.8: the first two tokens make the nucleus
+
+
+def test_sampler_min_p_and_repeat_penalty_follow_llama_cpp():
+    """Against a plain numpy statement of llama.cpp's chain: the penalty on the last n ids (logit / P if positive,
+    x P if negative), then min-p on the softmax (keep p >= min_p * max p), then the tempered softmax of what is left."""
+    logits = np.array([3.0, 2.5, 1.0, -0.5, -2.0, 0.2], np.float32)
+    history = [9, 1, 3, 3, 0]                                     # 9 is outside the last 4
+    s = Sampler(temp=0.9, top_k=0, top_p=1.0, min_p=0.1, repeat_penalty=1.3, repeat_last_n=4, seed=0)
+    want = logits.astype(np.float64).copy()
+    for t in {1, 3, 0}:
+        want[t] = want[t] / 1.3 if want[t] > 0 else want[t] * 1.3
+    p = softmax(want)
+    keep = p >= 0.1 * p.max()
+    q = np.where(keep, np.exp((want - want.max()) / 0.9), 0.0)
+    q /= q.sum()
+    counts = np.bincount([s(logits, history) for _ in range(20000)], minlength=len(logits)) / 20000
+    np.testing.assert_allclose(counts, q, atol=0.015)
+    assert counts[~keep].sum() == 0 and keep.sum() < len(logits)     # min-p really dropped something
+    # greedy takes the penalty too (llama.cpp applies penalties before the greedy pick)
+    assert Sampler(temp=0, repeat_penalty=2.0)(np.array([2.0, 1.5], np.float32), [0]) == 1
+    assert Sampler(temp=0)(np.array([2.0, 1.5], np.float32), [0]) == 0
 
 
 def test_bf16_and_f16_tensors_read_as_torch_widens_them(tmp_path):
