@@ -54,6 +54,8 @@ def test_import_graph_follows_the_floors():
         for target, line, at_top in project_imports(name, path):
             where = f"{path.relative_to(REPO)}:{line} imports {target}"
             src, dst = name.split(".")[0], target.split(".")[0]
+            if name == "flashinfer_lite" and target in ("flashinfer_lite", "flashinfer_lite.api") and not at_top:
+                continue  # the package's PEP 562 __getattr__ loads the Python API on first use, never at import
             if name in LEAVES and target not in LEAVES:
                 bad.append(f"{where}: a leaf module imports a non-leaf")
             elif src == "storage" and dst == "flashinfer_lite" and target not in LEAVES:

@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""Where a token's time goes: per-token milliseconds by part of the forward pass, for decode and for the prompt.
+
+    PYTHONPATH=. python bench/profile.py [-m MODEL] [--ffn dense|predicted|...] [-n 64] [-p PROMPT] [-t THREADS]
+
+MODEL defaults to the default model (SmolLM2-135M-Instruct GGUF). The model's own methods are wrapped with timers
+on the instance (attention per layer, norms, the FFN call, the lm_head matmul measured on its own), the sampler is
+timed around its call, and "python" is the rest of forward(): embedding, residual adds, RoPE tables, the per-layer
+loop. Greedy decoding, the same Session.generate loop as the CLI. Prints one JSON document on stdout and a table on
+stderr. Timer overhead (~1 us a call, ~100 calls a token) is inside the parts it wraps.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+
+from flashinfer_lite.generate import Sampler, Session, open_model, prompt_ids  # first: sets the BLAS threads
+from flashinfer_lite.model import linear
+
+import numpy as np  # noqa: E402
+
+PARTS = ("attention", "norms", "ffn", "lm_head", "python", "sampling")
+
+
+def timed(fn, acc: dict, key: str):
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            acc[key] += time.perf_counter() - t0
+    return wrapper
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("-m", "--model", default=None)
+    ap.add_argument("--ffn", default="dense")
+    ap.add_argument("-n", type=int, default=64, help="decode steps")
+    ap.add_argument("-p", "--prompt", default="Write a short story about a robot who learns to paint.")
+    ap.add_argument("-t", "--threads", type=int, default=None)
+    args = ap.parse_args()
+    load_args = argparse.Namespace(model=args.model, ffn=args.ffn, ctx_size=0, threads=args.threads,
+                                   lookahead=False, verbose=False, dram_budget=None)
+    model, tokenizer, runtime, load_ms = open_model(load_args)
+    ids = prompt_ids(tokenizer, args.prompt, None, True)
+
+    acc: dict = defaultdict(float)
+    model.attn = [timed(a, acc, "attention") for a in model.attn]
+    model._norm = timed(model._norm, acc, "norms")
+    model.ffn = timed(model.ffn, acc, "ffn")
+    forward = model.forward
+    model.forward = timed(forward, acc, "forward")
+    greedy = Sampler(temp=0)
+    sampler = timed(greedy, acc, "sampling")
+
+    # one warm-up generation compiles the Numba kernels and fills caches; then the measured one
+    Session(model, tokenizer, len(ids) + args.n + 1).generate(ids, 4, greedy, ignore_eos=True).__next__()
+    session = Session(model, tokenizer, len(ids) + args.n + 1)
+    gen = session.generate(ids, args.n, sampler, ignore_eos=True)
+    next(gen)                                           # the prompt's forward pass and the first sample
+    prompt = {k: v for k, v in acc.items()}
+    acc.clear()
+    steps = sum(1 for _ in gen)
+    decode = dict(acc)
+
+    # the lm_head matmul on its own (it sits inside forward() with the embedding and the residual adds)
+    x = np.random.default_rng(0).standard_normal((1, model.cfg.dim)).astype(np.float32)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        linear(x, model.lm_head)
+    lm_head_s = (time.perf_counter() - t0) / 20
+
+    def table(acc: dict, tokens: int, forwards: int, lm_head_rows: int) -> dict:
+        lm = lm_head_s * forwards * lm_head_rows
+        rest = acc.get("forward", 0) - acc.get("attention", 0) - acc.get("norms", 0) - acc.get("ffn", 0) - lm
+        parts = {"attention": acc.get("attention", 0), "norms": acc.get("norms", 0), "ffn": acc.get("ffn", 0),
+                 "lm_head": lm, "python": rest, "sampling": acc.get("sampling", 0)}
+        out = {k: round(v / tokens * 1e3, 3) for k, v in parts.items()}
+        out["total"] = round(sum(parts.values()) / tokens * 1e3, 3)
+        return out
+
+    doc = {"model": args.model or "default (SmolLM2-135M-Instruct GGUF)", "ffn": args.ffn,
+           "threads": args.threads, "prompt_tokens": len(ids), "decode_tokens": steps,
+           "load_ms": round(load_ms, 1),
+           "decode_ms_per_token": table(decode, steps, steps, 1),
+           "prompt_ms_per_token": table(prompt, len(ids), 1, 1)}
+    print(f"{'part':<12}{'decode ms/tok':>15}{'prompt ms/tok':>15}", file=sys.stderr)
+    for k in (*PARTS, "total"):
+        print(f"{k:<12}{doc['decode_ms_per_token'][k]:>15.3f}{doc['prompt_ms_per_token'][k]:>15.3f}", file=sys.stderr)
+    print(json.dumps(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""The Python API in mlx-lm's shape: load() returns (model, tokenizer); generate() returns text; stream_generate()
+yields one response per token. It runs the same code as `flashinfer-lite generate` (choose_ffn, open_model,
+Session.generate, Sampler, StreamDecoder): one decode loop for the CLI and the API."""
+from __future__ import annotations
+
+import time
+from argparse import Namespace
+from dataclasses import dataclass
+from typing import Iterator
+
+from .budget import peak_rss_bytes
+from .generate import Sampler, Session, context_size, open_model, prompt_ids
+from .model import Transformer
+from .tokenizer import StreamDecoder, Tokenizer, check_utf8
+
+
+@dataclass
+class Model:
+    """What load() returns as `model`: the transformer, its flash runtime (None for a dense FFN) and the context."""
+    transformer: Transformer
+    runtime: object | None
+    ctx: int
+    load_ms: float
+
+
+@dataclass
+class GenerationResponse:
+    """One step of stream_generate: the new text piece (may be "" while a character's bytes are incomplete)."""
+    text: str
+    token: int
+    prompt_tokens: int
+    prompt_tps: float        # prompt tokens per second
+    generation_tokens: int   # tokens sampled so far, this one included
+    generation_tps: float    # decode tokens per second so far (forward passes after the prompt)
+    token_ms: float          # this token's forward pass; 0 for the first (it came from the prompt's pass)
+    peak_memory_mb: float    # the process's peak RSS
+
+
+def load(path: str | None = None, dram_budget: int | str | None = None, ffn: str = "auto", ctx: int = 0,
+         threads: int | None = None, lookahead: bool = False, verbose: bool = False) -> tuple[Model, Tokenizer]:
+    """(model, tokenizer) for an HF directory, a GGUF file or a FLASHDIR; None = the default model (fetched, and its
+    predictors trained, on first use, as the CLI does). dram_budget: bytes or a size string ("300M")."""
+    args = Namespace(model=None if path is None else str(path), ffn=ffn, ctx_size=ctx, threads=threads,
+                     lookahead=lookahead, verbose=verbose,
+                     dram_budget=None if dram_budget is None else str(dram_budget))
+    transformer, tokenizer, runtime, load_ms = open_model(args)
+    return Model(transformer, runtime, context_size(args, transformer), load_ms), tokenizer
+
+
+def stream_generate(model: Model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: int = 256,
+                    temp: float = 0.0, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, seed: int = -1,
+                    repeat_penalty: float = 1.0, repeat_last_n: int = 64,
+                    system_prompt: str | None = None, use_chat_template: bool = True,
+                    ignore_eos: bool = False) -> Iterator[GenerationResponse]:
+    """Yield a GenerationResponse per sampled token. A str prompt gets the chat template when the model has one (as
+    the CLI does); a list of ids is fed as is. temp 0 = greedy (mlx-lm's default)."""
+    if isinstance(prompt, str):
+        check_utf8(prompt, "prompt")
+        ids = prompt_ids(tokenizer, prompt, system_prompt, use_chat_template)
+        raw = not (use_chat_template and tokenizer.chat_template)
+    else:
+        ids, raw = [int(i) for i in prompt], True
+    session = Session(model.transformer, tokenizer, model.ctx)
+    stream = StreamDecoder(tokenizer, ids[-StreamDecoder.CONTEXT_IDS:] if raw else [])
+    t = session.timings
+    n = 0
+    for tok in session.generate(ids, max_tokens, Sampler(temp, top_k, top_p, seed, min_p, repeat_penalty, repeat_last_n), ignore_eos):
+        n += 1
+        decode_ms = sum(t.token_ms)
+        yield GenerationResponse(
+            text=stream.push(tok), token=tok, prompt_tokens=t.prompt_tokens,
+            prompt_tps=t.prompt_tokens / t.prompt_ms * 1e3 if t.prompt_ms else 0.0, generation_tokens=n,
+            generation_tps=len(t.token_ms) / decode_ms * 1e3 if decode_ms else 0.0,
+            token_ms=t.token_ms[-1] if t.token_ms else 0.0, peak_memory_mb=peak_rss_bytes() / 2**20)
+
+
+def generate(model: Model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: int = 256,
+             verbose: bool = False, **kwargs) -> str:
+    """The generated text (stream_generate's pieces joined). verbose: stream it to stdout and print timings."""
+    pieces, last = [], None
+    t0 = time.perf_counter()
+    for last in stream_generate(model, tokenizer, prompt, max_tokens, **kwargs):
+        pieces.append(last.text)
+        if verbose:
+            print(last.text, end="", flush=True)
+    if verbose and last is not None:
+        print(f"\nprompt: {last.prompt_tokens} tokens, {last.prompt_tps:.2f} tokens/s; generation: "
+              f"{last.generation_tokens} tokens, {last.generation_tps:.2f} tokens/s; "
+              f"{time.perf_counter() - t0:.2f} s; peak memory {last.peak_memory_mb:.1f} MiB")
+    return "".join(pieces)
