@@ -36,13 +36,14 @@ class GenerationResponse:
     peak_memory_mb: float    # the process's peak RSS
 
 
-def load(path: str | None = None, dram_budget: int | str | None = None, ffn: str = "auto", ctx: int = 0,
+def load(path: str | None = None, dram_budget: int | str = "auto", ffn: str = "auto", ctx: int = 0,
          threads: int | None = None, lookahead: bool = False, verbose: bool = False) -> tuple[Model, Tokenizer]:
     """(model, tokenizer) for an HF directory, a GGUF file or a FLASHDIR; None = the default model (fetched, and its
-    predictors trained, on first use, as the CLI does). dram_budget: bytes or a size string ("300M")."""
+    predictors trained, on first use, as the CLI does). dram_budget: bytes, a size string ("300M") or "auto" (the
+    default, as the CLI's)."""
     args = Namespace(model=None if path is None else str(path), ffn=ffn, ctx_size=ctx, threads=threads,
                      lookahead=lookahead, verbose=verbose,
-                     dram_budget=None if dram_budget is None else str(dram_budget))
+                     dram_budget=str(dram_budget))
     transformer, tokenizer, runtime, load_ms = open_model(args)
     return Model(transformer, runtime, context_size(args, transformer), load_ms), tokenizer
 

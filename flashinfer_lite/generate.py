@@ -281,7 +281,7 @@ def choose_ffn(args) -> tuple[str, str, str | None]:
     if is_flashdir(args.model):
         if has_trained_predictors(args.model):
             return args.model, "predicted", f"ffn: predicted (--ffn auto, {args.model} has trained predictors)"
-    if args.dram_budget != "auto":
+    if args.dram_budget not in (None, "auto"):
         raise UserError(f"--dram-budget needs a sparse FFN, and {args.model} has no predictors: run "
                         f"`flashinfer-lite collect` and `flashinfer-lite train-predictor`, or use --ffn oracle")
     return args.model, "dense", f"ffn: dense (--ffn auto, {args.model} has no trained predictors)"
@@ -294,7 +294,7 @@ def open_model(args):
     if args.threads:
         import numba
         numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
-    budget = "auto" if args.dram_budget == "auto" else parse_size(args.dram_budget)
+    budget = args.dram_budget if args.dram_budget in (None, "auto") else parse_size(args.dram_budget)
     model, tokenizer, runtime = load_runtime(path, ffn, dram_budget=budget, ctx=args.ctx_size or None,
                                              progress=sys.stderr.isatty(), verbose=args.verbose,
                                              lookahead=args.lookahead)
