@@ -193,7 +193,7 @@ def stream_transient_bytes(layout, chunk_bytes: int) -> int:
 # Measuring the process
 
 AUTO_MARGIN_SHARE = 0.05            # --dram-budget auto leaves this share of the room free (and at least the floor)
-AUTO_MARGIN_FLOOR = 256 << 20
+AUTO_MARGIN_FLOOR = 128 << 20
 
 
 def _cgroup_room(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
