@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a token's time goes: per-token milliseconds by part of the forward pass, for decode and for the prompt.
 
-    PYTHONPATH=. python bench/profile.py [-m MODEL] [--ffn dense|predicted|...] [-n 64] [-p PROMPT] [-t THREADS]
+    PYTHONPATH=. python bench/part_times.py [-m MODEL] [--ffn dense|predicted|...] [-n 64] [-p PROMPT] [-t THREADS]
 
 MODEL defaults to the default model (SmolLM2-135M-Instruct GGUF). The model's own methods are wrapped with timers
 on the instance (attention per layer, norms, the FFN call, the lm_head matmul measured on its own), the sampler is
