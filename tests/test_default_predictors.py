@@ -4,6 +4,7 @@ and the cache for a temp dir; the CLI runs in-process so the swap holds, and tra
 (`python -m predictors.first_use`), whose stderr the tests read through capfd."""
 from __future__ import annotations
 
+import importlib
 import json
 from importlib import resources
 from pathlib import Path
@@ -20,12 +21,18 @@ PROMPT = ["-p", "Once upon a time", "-n", "16", "--temp", "0", "--json"]
 @pytest.fixture
 def default_is_stories(monkeypatch, tmp_path):
     """The default model is stories260K, the cache is empty and private. Returns the cache dir."""
-    from flashinfer_lite import generate
+    generate = cli_generate_module()
     cache = tmp_path / "cache"
     monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(cache))
     monkeypatch.delenv("FLASHINFER_LITE_CORPUS", raising=False)
     monkeypatch.setattr(generate, "ensure_default_model", lambda quiet=False: STORIES)
     return cache
+
+
+def cli_generate_module():
+    """The `generate` command's module. Not `from flashinfer_lite import generate`: once the Python API is loaded, that
+    name is the API's generate() function."""
+    return importlib.import_module("flashinfer_lite.generate")
 
 
 def run_cli(capfd, *argv) -> tuple[int, str, str]:
@@ -88,7 +95,7 @@ def test_first_use_trains_from_the_corpus_once_and_auto_equals_predicted(default
 
     # second run: nothing is retrained (training would now fail), same tokens, the source is still named
     stamp = (flashdir / "predictors" / "weights.safetensors").stat().st_mtime_ns
-    from flashinfer_lite import generate
+    generate = cli_generate_module()
     monkeypatch.setattr(generate.subprocess, "run", lambda *a, **k: pytest.fail("trained again"))
     rc, out2, err2 = run_cli(capfd, "generate", *PROMPT)
     assert rc == 0, err2
@@ -152,7 +159,7 @@ def test_interrupted_first_use_leaves_no_predictors(default_is_stories, monkeypa
 
 
 def test_missing_torch_is_one_clear_line(default_is_stories, monkeypatch, capfd):
-    from flashinfer_lite import generate
+    generate = cli_generate_module()
     real = generate.find_spec
     monkeypatch.setattr(generate, "find_spec", lambda name: None if name == "torch" else real(name))
     rc, out, err = run_cli(capfd, "generate", *PROMPT)
