@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numba
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from storage.cache import flashdir_for
 from storage.format import FlashCheckpoint, aligned_empty, verify_at_load
@@ -320,6 +321,15 @@ def warn_if_dense_does_not_fit(path, cfg: ModelConfig) -> None:
               f"`flashinfer-lite collect`, `flashinfer-lite train-predictor` (docs/PREDICTORS.md)", file=sys.stderr)
 
 
+def one_blas_thread() -> None:
+    """What OPENBLAS_NUM_THREADS=1 in flashinfer_lite/__init__.py does, for a process that loaded numpy first (the
+    variable is read once, then): OpenBLAS's spinning threads made SmolLM2's dense FFN 296 ms/token instead of 21.
+    A user's own OPENBLAS_NUM_THREADS is left alone."""
+    import flashinfer_lite
+    if not flashinfer_lite.BLAS_THREADS_FROM_USER:
+        threadpool_limits(1, user_api="blas")
+
+
 def load_runtime(path, ffn: str = "dense", dram_budget: int | str | None = None, ctx: int | None = None, window: int = 5,
                  threads: int | None = None, progress: bool = False, verbose: bool = False, verify: bool = True,
                  runtime_bytes: int | None = None, lookahead: bool = False):
@@ -333,6 +343,7 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | str | None = None,
     default: on the 7B-shaped bench at a 25% budget the device is the bottleneck and the wrong guesses' extra bytes
     cost more than the early start hides (bench/README.md).
     """
+    one_blas_thread()
     if ffn not in FFN_MODES:
         raise UserError(f"unknown --ffn mode '{ffn}' (choose from {', '.join(FFN_MODES)})")
     if ffn == "dense":

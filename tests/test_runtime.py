@@ -154,3 +154,20 @@ def test_a_batched_prompt_counts_each_token_once(flashdirs):
         assert s.hits + s.misses == sum(asked) and s.tokens == len(ids)
         stats[how] = (s.hits, s.misses, s.bytes_read, s.bytes_requested, s.tokens)
     assert stats["batched"] == stats["one by one"]
+
+
+def test_one_blas_thread_even_when_numpy_was_imported_first(flashdirs):
+    """OPENBLAS_NUM_THREADS is read when numpy loads: a script that imports numpy before flashinfer_lite used to run
+    with every core's BLAS thread spinning (the FFN 14x slower). load_runtime sets one thread at run time."""
+    import os
+    code = ("import numpy, threadpoolctl\n"
+            "blas = lambda: max(i['num_threads'] for i in threadpoolctl.threadpool_info() if i['user_api'] == 'blas')\n"
+            "before = blas()\n"
+            "from flashinfer_lite.runtime import load_runtime\n"
+            f"load_runtime({str(flashdirs['llama-relu', 'f32'])!r}, 'dense')\n"
+            "print(before, blas())")
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    before, after = map(int, r.stdout.split())
+    assert after == 1 and (before > 1 or os.cpu_count() == 1)
