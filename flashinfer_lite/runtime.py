@@ -27,6 +27,7 @@ from storage.cache import flashdir_for
 from storage.format import FlashCheckpoint, aligned_empty, verify_at_load
 from storage.reader import BundleReader
 
+from . import BLAS_THREADS_FROM_USER
 from .budget import (HEAP_SLACK_BYTES, auto_budget_bytes, keep_freed_arrays_out_of_rss, measure_runtime_bytes,
                      plan_budget, resident_bytes_for, staging_rows)
 from .errors import UserError
@@ -325,8 +326,7 @@ def one_blas_thread() -> None:
     """What OPENBLAS_NUM_THREADS=1 in flashinfer_lite/__init__.py does, for a process that loaded numpy first (the
     variable is read once, then): OpenBLAS's spinning threads made SmolLM2's dense FFN 296 ms/token instead of 21.
     A user's own OPENBLAS_NUM_THREADS is left alone."""
-    import flashinfer_lite
-    if not flashinfer_lite.BLAS_THREADS_FROM_USER:
+    if not BLAS_THREADS_FROM_USER:
         threadpool_limits(1, user_api="blas")
 
 
