@@ -28,7 +28,7 @@ from flashinfer_lite.loader import load
 from flashinfer_lite.neuron_cache import NeuronCache, select_hot
 from storage.convert import convert
 from storage.format import read_layout
-from storage.reader import BundleReader, ReadStats
+from storage.reader import BundleReader, CountingReader
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"       # stories260K and corpus excerpts shipped with the repo
@@ -60,16 +60,6 @@ def active_sets(acts: list[np.ndarray], frac: float) -> list[np.ndarray]:
     return out
 
 
-class CountingReader:
-    """Reader for a trace without a flash file: counts `stride` bytes per bundle and copies nothing."""
-
-    def __init__(self, stride: int):
-        self.stride = stride
-
-    def read(self, layer, bundle_ids, dest, slots):
-        return ReadStats(requested_bytes=len(bundle_ids) * self.stride, read_bytes=len(bundle_ids) * self.stride)
-
-
 def replay(n_neurons, row_bytes, reader, masks, window: int, capacity: int, hot) -> dict:
     """Run the masks (per layer [T, n]) through a NeuronCache; bytes/token, hit rate, peak window rows."""
     cache = NeuronCache(n_neurons, row_bytes, reader, capacity=capacity, window=window, hot=hot)
@@ -81,8 +71,8 @@ def replay(n_neurons, row_bytes, reader, masks, window: int, capacity: int, hot)
         for layer, m in enumerate(masks):
             cache.fetch(layer, np.flatnonzero(m[t]))
             peak = max(peak, cache.window_rows(layer))
-        hits, misses, read = hits + st.hits, misses + st.misses, read + st.bytes_read
-        requested += st.bytes_requested
+        hits, misses, read = hits + st.hits, misses + st.misses, read + st.read_bytes
+        requested += st.requested_bytes
     # requested = misses x stride; read adds the reader's coalescing over-read (gap bundles fetched and dropped)
     return {"bytes_requested_per_token": round(requested / T), "bytes_read_per_token": round(read / T),
             "hit_rate": round(hits / max(hits + misses, 1), 4),

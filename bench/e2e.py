@@ -117,7 +117,7 @@ class Worker:
     def setup(self):
         a, L = self.a, self.layout
         if a.mode == "dense-ram":
-            from storage.format import aligned_empty
+            from storage.reader import aligned_empty
             self.B = aligned_empty((L.ffn_size,), np.uint8)
             with open(L.ffn_path, "rb", buffering=0) as f:
                 mv, pos = memoryview(self.B), 0
@@ -130,7 +130,7 @@ class Worker:
         elif a.mode == "dense-mmap":
             self.B = np.memmap(L.ffn_path, np.uint8, mode="r")
         elif a.mode == "layer-stream":
-            from storage.format import aligned_empty
+            from storage.reader import aligned_empty
             from storage.reader import BundleReader
             self.reader = BundleReader(L)
             self.buf = aligned_empty((max(L.n_neurons), L.stride), np.uint8)
@@ -180,8 +180,7 @@ class Worker:
             return g[None, :]
 
         t0 = time.perf_counter()
-        self.flash = FlashFFN(self.cfg, L, {}, replay, plan, window=WINDOW, freqs=list(freq),
-                              overlap=not a.mode.endswith("-serial"),
+        self.flash = FlashFFN(self.cfg, L, plan, replay, TraceProfile(freq), overlap=not a.mode.endswith("-serial"),
                               lookahead=guess if a.mode.endswith("-lookahead") else None)
         self.info.update(budget_bytes=budget, window_rows=plan.window_rows, overlap=self.flash.overlap,
                          hot_neurons=int(sum(len(self.flash.cache.hot(i)) for i in range(L.n_layers))),
@@ -203,7 +202,7 @@ class Worker:
             n = L.n_neurons[layer]
             ids = np.arange(n)
             st = self.reader.read(layer, ids, self.buf[:n], ids)
-            self.read_s += st.seconds
+            self.read_s += st.io_s
             self.flash_bytes += st.read_bytes
             y = self.dense(self.buf[:n], x)
         else:
@@ -232,7 +231,7 @@ class Worker:
             s = flash.stats
             self.read_s, self.lookup_s, self.compute_s = s.read_s, s.lookup_s, s.compute_s
             self.predictor_s, self.io_s = s.predictor_s, s.io_s
-            self.flash_bytes, self.hits, self.misses = s.bytes_read, s.hits, s.misses
+            self.flash_bytes, self.hits, self.misses = s.read_bytes, s.hits, s.misses
         io_bytes = proc_read_bytes() - io0
         ids = ids[:a.n_tokens]
         steady = step_ms[1:] if len(step_ms) > 1 else step_ms      # the first token pays cold caches
@@ -269,6 +268,20 @@ class Worker:
 
 class BelowMinimum(Exception):
     pass
+
+
+class TraceProfile:
+    """What FlashFFN asks of a PredictorSet, from a replayed trace: the neuron frequencies [L, n] that choose the hot
+    neurons; no magnitude threshold (the replayed sets are exact)."""
+
+    def __init__(self, freq: np.ndarray):
+        self.freq = freq
+
+    def neuron_freq(self, layer: int) -> np.ndarray:
+        return self.freq[layer]
+
+    def act_threshold(self, layer: int) -> float:
+        return 0.0
 
 
 def peak_rss_bytes() -> int:

@@ -60,30 +60,6 @@ AHEAD = ("naive", "trained")
 HYBRIDS = ("naive", "trained", "naive_drop", "trained_drop")
 
 
-class CountingReader:
-    """Stands in for storage.reader.BundleReader under NeuronCache: reads nothing (the accounting needs no I/O).
-    Offers both the blocking read() and the submit()/wait() pair, whichever the cache calls."""
-
-    def __init__(self, stride: int):
-        self.stride = stride
-
-    def read(self, layer, bundle_ids, dest=None, slots=None):
-        from storage.reader import ReadStats
-        b = len(bundle_ids) * self.stride
-        return ReadStats(requested_bytes=b, read_bytes=b, n_reads=1)
-
-    def submit(self, layer, bundle_ids, dest=None, slots=None):
-        return FinishedRead(self.read(layer, bundle_ids))
-
-
-class FinishedRead:
-    def __init__(self, stats):
-        self.stats = stats
-
-    def wait(self):
-        return self.stats
-
-
 def mask_metrics(mask: np.ndarray, absa: np.ndarray, y: np.ndarray) -> dict:
     """predictors.train.metrics of a bool mask [T, n]: a predicted neuron is a logit of 1 against a cut of 0.5."""
     from predictors.train import metrics
@@ -102,6 +78,7 @@ def window_traffic(exact: np.ndarray, ahead: dict[str, np.ndarray], stride: int,
     computed from the resident set before the fetch and checked against the cache's own miss count.
     """
     from flashinfer_lite.neuron_cache import NeuronCache
+    from storage.reader import CountingReader
     T, n = exact.shape
 
     def cache():

@@ -116,7 +116,7 @@ class Counters:
     def now(self) -> dict:
         s = self.rt.stats if self.rt is not None else None
         return {"io": proc_read_bytes(), "hits": s.hits if s else 0, "misses": s.misses if s else 0,
-                "reader": s.bytes_read + s.prefill_bytes_read if s else 0, "pred_s": s.predictor_s if s else 0.0}
+                "reader": s.read_bytes + s.prefill_bytes_read if s else 0, "pred_s": s.predictor_s if s else 0.0}
 
     def since(self, n: int) -> dict:
         """Per-step figures over n steps since `start`."""

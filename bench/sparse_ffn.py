@@ -18,7 +18,7 @@ import time
 import numba
 import numpy as np
 
-from flashinfer_lite.kernels import SparseFFN, sparse_ffn_kernel_outsplit
+from flashinfer_lite.kernels import SparseFFN
 
 
 def build_matrix(n: int, d: int, dtype: str, rng: np.random.Generator) -> tuple[np.ndarray, int, int]:
@@ -71,13 +71,8 @@ def main() -> None:
             numba.set_num_threads(threads)
             # threshold -inf: every chosen neuron contributes (the worst case: all of gate, up and down are read)
             ffn = SparseFFN(d, dtype, glu=True, act="relu", stride=stride, scalars_offset=soff,
-                            threshold=-np.inf, max_active=k)
-            W, F = ffn.views(B)
-            coef = np.zeros(k, np.float32)
-            kernels = {
-                "runtime_fixed_order": lambda s: ffn(B, s, x, y),
-                "output_split": lambda s: sparse_ffn_kernel_outsplit(W, F, s, x, y, coef, d, True, ffn.act_code,
-                                                                     ffn.threshold, ffn.scale0, -1, -1, 512)}
+                            relu_threshold=-np.inf, max_active=k)
+            kernels = {"runtime": lambda s: ffn(B, s, x, y)}
             # cold: 16 different active sets, weights come from DRAM; l3_hot: one set again and again (27 MB of
             # f16 weights fit this machine's 35.8 MB L3), the upper bound a layer never sees in a real model
             for working_set, pool in (("cold", sets), ("l3_hot", sets[:1])):

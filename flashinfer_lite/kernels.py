@@ -6,9 +6,9 @@ A bundle matrix B is uint8[rows, stride]; row r holds one neuron (contract layou
 
   GLU: y = sum_j act(gate_j.x + bg_j) * (up_j.x + bu_j) * down_j     (dReLU: relu(gate) * relu(up))
   MLP: y = sum_j act(up_j.x + bu_j) * down_j
-The per-output down bias is not in the bundles: the caller adds it. FATReLU: an activation act(.) <= threshold
+The per-output down bias is not in the bundles: the caller adds it. FATReLU: an activation act(.) <= relu_threshold
 counts as zero, and then the neuron's remaining vectors are not read at all (for ReLU the default threshold 0
-is exactly ReLU; for SiLU the default is -inf, i.e. no threshold).
+is exactly ReLU; for SiLU the default is -inf, i.e. none).
 
 One summation order, whatever the thread count, the cache rows, the budget or the prefill strategy: the
 coefficients are per neuron (each computed whole by one thread, so order-free), and the down accumulation adds
@@ -161,12 +161,12 @@ def _act(code, v):
 
 
 @njit(cache=True, fastmath=True)
-def _coefficient(wr, fr, x, d, glu, act, threshold, scale0, bg_idx, bu_idx):
-    """act(gate.x + bg) * (up.x + bu) for GLU, act(up.x + bu) for MLP; 0 when the activation is <= threshold."""
+def _coefficient(wr, fr, x, d, glu, act, relu_threshold, scale0, bg_idx, bu_idx):
+    """act(gate.x + bg) * (up.x + bu) for GLU, act(up.x + bu) for MLP; 0 when the activation is <= relu_threshold."""
     if glu:
         g = _dot(wr[:d], x, d) * _scalar(fr, scale0, 1.0) + _scalar(fr, bg_idx, 0.0)
         a = _act(act, g)
-        if not a > threshold:  # also true for NaN-free silu when threshold is -inf -> never
+        if not a > relu_threshold:  # also true for NaN-free silu when relu_threshold is -inf -> never
             return np.float32(0.0)
         u = _dot(wr[d:2 * d], x, d) * _scalar(fr, scale0 + 1 if scale0 >= 0 else -1, 1.0) + _scalar(fr, bu_idx, 0.0)
         if act == ACT_DRELU and not u > np.float32(0.0):
@@ -174,7 +174,7 @@ def _coefficient(wr, fr, x, d, glu, act, threshold, scale0, bg_idx, bu_idx):
         return a * u
     u = _dot(wr[:d], x, d) * _scalar(fr, scale0, 1.0) + _scalar(fr, bu_idx, 0.0)
     a = _act(act, u)
-    if not a > threshold:
+    if not a > relu_threshold:
         return np.float32(0.0)
     return a
 
@@ -190,13 +190,14 @@ OUT_BLOCK = 64
 
 # nogil: flash reads run in Python threads while these compute the rows already resident.
 @njit(cache=True, parallel=True, fastmath=True, nogil=True)
-def ffn_coefficients(W, F, slots, js, X, sel, coef, d, glu, act, threshold, scale0, bg_idx, bu_idx, magnitude):
+def ffn_coefficients(W, F, slots, js, X, sel, coef, d, glu, act, relu_threshold, scale0, bg_idx, bu_idx,
+                     act_threshold):
     """coef[t, j] = coefficient of neuron row slots[j] on X[t] if sel[t, j] else 0, for every j in js.
 
     W: typed view of the bundle matrix [rows, stride // itemsize]; F: its float32 view [rows, stride // 4];
     slots: int32[n] rows; js: int64 positions into slots to compute now (the rest of coef is left alone);
-    X: float32[T, d]; sel: uint8[T, >=n]; coef: float32[T, >=n]. magnitude: coefficients with |c| <= it count as
-    zero (SwiGLU's calibrated threshold; -1: none). scale0: float index of the first int8 scale or -1;
+    X: float32[T, d]; sel: uint8[T, >=n]; coef: float32[T, >=n]. act_threshold: coefficients with |c| <= it count as
+    zero (SwiGLU's calibrated act_threshold; -1: none). scale0: float index of the first int8 scale or -1;
     bg_idx / bu_idx: float index of the gate / up bias or -1.
     """
     for q in prange(js.shape[0]):
@@ -207,8 +208,8 @@ def ffn_coefficients(W, F, slots, js, X, sel, coef, d, glu, act, threshold, scal
         for t in range(X.shape[0]):
             c = np.float32(0.0)
             if sel[t, j]:
-                c = _coefficient(wr, fr, X[t], d, glu, act, threshold, scale0, bg_idx, bu_idx)
-                if abs(c) <= magnitude:
+                c = _coefficient(wr, fr, X[t], d, glu, act, relu_threshold, scale0, bg_idx, bu_idx)
+                if abs(c) <= act_threshold:
                     c = np.float32(0.0)
             coef[t, j] = c
 
@@ -259,32 +260,6 @@ def ffn_accumulate(W, F, slots, coef, Y, d, glu, scale0):
                 y[k] += c * _load(v, k)
 
 
-@njit(cache=True, parallel=True, fastmath=True)
-def sparse_ffn_kernel_outsplit(W, F, slots, x, y, coef, d, glu, act, threshold, scale0, bg_idx, bu_idx, block):
-    """The same sum as ffn_coefficients + ffn_accumulate up to rounding, with blocks sized by the caller (kept for
-    the bench comparison): phase 1 computes all coefficients in parallel over neurons, phase 2 splits the output."""
-    n = slots.shape[0]
-    down = 2 * d if glu else d
-    scale_down = (scale0 + (2 if glu else 1)) if scale0 >= 0 else -1
-    for j in prange(n):
-        r = slots[j]
-        c = _coefficient(W[r], F[r], x, d, glu, act, threshold, scale0, bg_idx, bu_idx)
-        coef[j] = c * _scalar(F[r], scale_down, 1.0)
-    nb = (d + block - 1) // block
-    for b in prange(nb):
-        lo = b * block
-        hi = min(d, lo + block)
-        for k in range(lo, hi):
-            y[k] = np.float32(0.0)
-        for j in range(n):
-            c = coef[j]
-            if c != np.float32(0.0):
-                v = W[slots[j], down + lo:down + hi]
-                yb = y[lo:hi]
-                for k in range(hi - lo):
-                    yb[k] += c * _load(v, k)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Python entry point: geometry bound once, scratch allocated once, no allocation per call.
 
@@ -302,7 +277,7 @@ class SparseFFN:
 
     def __init__(self, d: int, dtype: str, glu: bool, act: str, stride: int, scalars_offset: int,
                  bias_gate_index: int | None = None, bias_up_index: int | None = None,
-                 threshold: float | None = None, max_active: int = 0):
+                 relu_threshold: float | None = None, max_active: int = 0):
         if dtype not in STORAGE_VIEWS:
             raise UserError(f"unsupported FFN storage dtype {dtype!r} (expected one of {sorted(STORAGE_VIEWS)})")
         if act not in ACT_CODES:
@@ -315,9 +290,9 @@ class SparseFFN:
         self.d, self.dtype, self.glu, self.act, self.stride = d, dtype, glu, act, stride
         self.n_vec = n_vec
         self.act_code = ACT_CODES[act]
-        if threshold is None:
-            threshold = -np.inf if act == "silu" else 0.0
-        self.threshold = np.float32(threshold)
+        if relu_threshold is None:
+            relu_threshold = -np.inf if act == "silu" else 0.0
+        self.relu_threshold = np.float32(relu_threshold)
         s0 = scalars_offset // 4
         self.scale0 = s0 if dtype == "int8" else -1
         # scalar indices in the layout are relative to the scalars block
@@ -328,17 +303,17 @@ class SparseFFN:
         self._positions = np.arange(max(max_active, 1), dtype=np.int64)
 
     @classmethod
-    def from_layout(cls, layout, act: str | None = None, threshold: float | None = None, **kw) -> "SparseFFN":
-        """Bind to a storage.format.FlashLayout; act and the FATReLU threshold default to the model config's."""
+    def from_layout(cls, layout, act: str | None = None, relu_threshold: float | None = None, **kw) -> "SparseFFN":
+        """Bind to a storage.format.FlashLayout; act and relu_threshold (FATReLU) default to the model config's."""
         scalars = layout.scalars
         act = act or layout.config["act"]
-        if threshold is None and act != "silu":
-            threshold = layout.config.get("relu_threshold")
+        if relu_threshold is None and act != "silu":
+            relu_threshold = layout.config.get("relu_threshold")
         return cls(d=layout.d, dtype=layout.dtype, glu=layout.n_vec == 3, act=act,
                    stride=layout.stride, scalars_offset=layout.scalars_offset,
                    bias_gate_index=scalars.index("bias.gate") if "bias.gate" in scalars else None,
                    bias_up_index=scalars.index("bias.up") if "bias.up" in scalars else None,
-                   threshold=threshold, **kw)
+                   relu_threshold=relu_threshold, **kw)
 
     def views(self, B: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(typed weight view, float32 scalar view) of a bundle matrix uint8[rows, stride]."""
@@ -354,10 +329,10 @@ class SparseFFN:
             self._positions = np.arange(n, dtype=np.int64)
 
     def coefficients(self, B: np.ndarray, slots: np.ndarray, js: np.ndarray | None, X: np.ndarray, coef: np.ndarray,
-                     sel: np.ndarray | None = None, magnitude: float = -1.0) -> None:
+                     sel: np.ndarray | None = None, act_threshold: float = -1.0) -> None:
         """coef[t, j] (float32[T, >= len(slots)]) = coefficient of bundle row slots[j] on X[t] (float32[T, d]) for
         j in js (int64; None: all), 0 where sel[t, j] (uint8[T, >= len(slots)]; None: all selected) is 0 or the
-        neuron did not fire (ReLU / FATReLU, or |coefficient| <= magnitude as SwiGLU thresholds calibrate)."""
+        neuron did not fire (ReLU / FATReLU, or |coefficient| <= act_threshold as SwiGLU thresholds calibrate)."""
         W, F = self.views(B)
         n = len(slots)
         self._grow(n)
@@ -367,8 +342,8 @@ class SparseFFN:
             if X.shape[0] != 1:
                 raise ValueError("sel is required for more than one row")
             sel = self._ones[None, :n]
-        ffn_coefficients(W, F, slots, js, X, sel, coef, self.d, self.glu, self.act_code, self.threshold,
-                         self.scale0, self.bg_idx, self.bu_idx, np.float32(magnitude))
+        ffn_coefficients(W, F, slots, js, X, sel, coef, self.d, self.glu, self.act_code, self.relu_threshold,
+                         self.scale0, self.bg_idx, self.bu_idx, np.float32(act_threshold))
 
     def accumulate(self, B: np.ndarray, slots: np.ndarray, coef: np.ndarray, Y: np.ndarray) -> None:
         """Y[t] += sum of coef[t, j] * down(slots[j]) over j in order (Y float32[T, d])."""
@@ -376,15 +351,15 @@ class SparseFFN:
         ffn_accumulate(W, F, slots, coef, Y, self.d, self.glu, self.scale0)
 
     def __call__(self, B: np.ndarray, slots: np.ndarray, x: np.ndarray, y: np.ndarray,
-                 coef: np.ndarray | None = None, magnitude: float = -1.0) -> np.ndarray:
+                 coef: np.ndarray | None = None, act_threshold: float = -1.0) -> np.ndarray:
         """y[:] = sparse FFN of x over bundle rows `slots`; coef (float32[>= len(slots)]), if given, receives each
         neuron's coefficient, so `coef != 0` is the set that actually fired (after ReLU / FATReLU, and after the
-        magnitude threshold: a neuron with |coefficient| <= magnitude is skipped, as SwiGLU thresholds calibrate)."""
+        act_threshold: a neuron with |coefficient| <= act_threshold is skipped, as SwiGLU thresholds calibrate)."""
         n = len(slots)
         self._grow(n)
         c = (self.coef if coef is None else coef)[None, :n]
         y[:] = 0.0
-        self.coefficients(B, slots, None, x[None, :], c, magnitude=magnitude)
+        self.coefficients(B, slots, None, x[None, :], c, act_threshold=act_threshold)
         self.accumulate(B, slots, c, y[None, :])
         return y
 

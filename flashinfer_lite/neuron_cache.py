@@ -15,46 +15,25 @@ exceed `capacity` does fetch() raise UserError. So at any time, for each layer,
   resident cold neurons == union of the active sets of tokens max(horizon, t - window + 1) .. t, minus the pinned,
 where `horizon` only moves forward when the window overflows.
 
-Ids here are bundle ids (file positions in the layer region, as the reader takes them); a profile indexed by
-original neuron id maps to bundle ids with `freq[layout.order[layer]]`.
+Ids here are bundle ids (file positions in the layer region, as the reader takes them); neuron frequencies indexed
+by original neuron id map to bundle ids with `freq[layout.order[layer]]`.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import numpy as np
 from numba import njit, prange
 
 from flashinfer_lite.errors import UserError
-from storage.format import aligned_empty
+from storage.reader import aligned_empty
+from storage.stats import FlashStats
 
 # per-layer scalar state, int64[5]
 _T, _HORIZON, _NWIN, _CALL, _NHOLES = 0, 1, 2, 3, 4
 # codes returned by _admit
 _OK, _BAD_ID, _DUPLICATE, _TOO_MANY = 0, -1, -2, -3
-
-
-@dataclass
-class TokenStats:
-    """What the cache did for one token (summed over layers)."""
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0          # rows deleted (window expiry + overflow)
-    moved: int = 0              # rows copied to keep the window dense (deletions no newcomer filled)
-    prefetched: int = 0         # rows read ahead on a lookahead guess (their bytes are in bytes_read)
-    prefetch_used: int = 0      # of those, rows the exact set then needed
-    bytes_requested: int = 0    # misses x stride
-    bytes_read: int = 0         # what the reader fetched (requested + coalescing over-read)
-    lookup_s: float = 0.0       # bookkeeping: slot lookup, evictions, row moves
-    read_s: float = 0.0         # time the caller was blocked waiting for reads
-    io_s: float = 0.0           # time reads were in flight (overlaps compute when the caller used start_fetch)
-
-    @property
-    def hit_rate(self) -> float:
-        n = self.hits + self.misses
-        return self.hits / n if n else 1.0
 
 
 def select_hot(freqs: list[np.ndarray], stride: int | list[int], budget_bytes: int) -> list[np.ndarray]:
@@ -236,10 +215,8 @@ class Fetch:
             NeuronCache._forget_misses(self._L, self._rows)
             raise
         st = self.cache.stats
-        st.bytes_requested += rs.requested_bytes
-        st.bytes_read += rs.read_bytes
+        st += rs                                  # the reader's bytes, preadv calls and time in flight
         st.read_s += time.perf_counter() - t0
-        st.io_s += rs.seconds
 
 
 class _Layer:
@@ -277,15 +254,15 @@ class NeuronCache:
     """Bundle rows of all layers of one model, with sliding-window + hot/cold placement.
 
     cache = NeuronCache(layout.n_neurons, layout.stride, reader, capacity=plan.window_rows, window=5, hot=hot_ids)
-    stats = cache.new_token()
+    stats = cache.new_token()          # or pass stats=: the runtime's run-long record, added to as reads finish
     for layer ...: slots = cache.fetch(layer, active_bundle_ids); kernel(cache.matrix(layer), slots, x, y)
 
     reader: storage.reader.BundleReader, or anything with `submit(layer, bundle_ids, dest=..., slots=...)`
-    returning an object whose wait() gives `read_bytes`, `requested_bytes` and `seconds`.
+    returning an object whose wait() gives a storage.stats.FlashStats with the reader's fields.
     """
 
     def __init__(self, n_neurons: list[int], stride: int, reader, capacity: int | list[int], window: int = 5,
-                 hot: list[np.ndarray] | None = None, staging_rows: int = 0):
+                 hot: list[np.ndarray] | None = None, staging_rows: int = 0, stats: FlashStats | None = None):
         if window < 1:
             raise UserError(f"window must be at least 1 token, got {window}")
         n_layers = len(n_neurons)
@@ -302,7 +279,7 @@ class NeuronCache:
             if caps[i] < 0:
                 raise UserError(f"window capacity of layer {i} is negative")
             self.layers.append(_Layer(n_neurons[i], stride, h, caps[i], window))
-        self.stats = TokenStats()
+        self.stats = stats if stats is not None else FlashStats()
         # lookahead reads land here first: a wrong guess must not displace rows of the window
         self.staging = aligned_empty((staging_rows, stride), np.uint8) if staging_rows else None
         self._staged = None
@@ -315,9 +292,9 @@ class NeuronCache:
                 self.reader.submit(i, L.hot, dest=L.matrix, slots=np.arange(L.n_hot)).wait()
 
     # -- per token ---------------------------------------------------------------------------------------------------
-    def new_token(self) -> TokenStats:
-        """Start a token: returns the fresh stats object that fetch() (and the caller's compute) fill in."""
-        self.stats = TokenStats()
+    def new_token(self) -> FlashStats:
+        """Start counting afresh: returns the new record that fetch() fills in (one token's, if called per token)."""
+        self.stats = FlashStats()
         return self.stats
 
     def fetch(self, layer: int, ids) -> np.ndarray:
@@ -373,7 +350,7 @@ class NeuronCache:
         rows it needs from there instead of reading them; the rest of the guess is dropped. Returns rows requested."""
         if self.staging is None:
             return 0
-        self._drop_staged()
+        self._land_staged()       # an unconsumed guess's read must land before the staging rows are reused
         L = self.layers[layer]
         ids = np.sort(np.asarray(ids, np.int64).ravel())
         guess = ids[L.slot_of[ids] < 0][: self.staging.shape[0]]
@@ -397,14 +374,11 @@ class NeuronCache:
             return None
         st = self.stats
         st.read_s += time.perf_counter() - t0
-        st.io_s += rs.seconds
-        st.bytes_read += rs.read_bytes
+        st.io_s += rs.io_s
+        st.read_bytes += rs.read_bytes          # not requested_bytes: nothing asked for these rows yet
+        st.n_reads += rs.n_reads
         st.prefetched += guess.size
         return layer, guess
-
-    def _drop_staged(self) -> None:
-        """Forget an unconsumed guess; its read must still land before the staging rows are reused."""
-        self._land_staged()
 
     def _take_staged(self, layer, L, miss_ids, miss_slots, new):
         """Copy the misses the last prefetch guessed from the staging rows; return the misses still to read."""
@@ -456,7 +430,7 @@ class NeuronCache:
 
     def reset(self) -> None:
         """Forget the window (a new sequence); the hot region stays."""
-        self._drop_staged()
+        self._land_staged()
         for L in self.layers:
             L.slot_of[:] = -1
             L.slot_of[L.hot] = np.arange(L.n_hot, dtype=np.int32)

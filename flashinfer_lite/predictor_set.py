@@ -4,7 +4,8 @@ FLASHDIR/predictors/
   manifest.json           format + version, model fingerprint, per layer act_threshold, settings
   weights.safetensors     layers.{i}.w_in float16 [r, d], layers.{i}.w_out float16 [n, r], layers.{i}.bias float32 [n]
                           (absent after `train-predictor --thresholds-only`)
-  profile.safetensors     layers.{i}.freq float32 [n]: how often each neuron is active on the calibration text
+  frequencies.safetensors layers.{i}.freq float32 [n]: how often each neuron is active on the calibration text
+                          (profile.safetensors in directories trained before 2026-11: still read)
   (no weights for the `dense_layers` listed in the manifest: every neuron is predicted there)
   layer_000.json ...      one card per layer: rank, recall, precision, predicted/true ratio, bytes (for people)
 A neuron is predicted active when x W_in^T W_out^T + bias > 0: the sigmoid is monotone, so it is never computed, and
@@ -22,7 +23,8 @@ from .errors import UserError
 from .untrusted import read_json
 
 WEIGHTS_FILE = "weights.safetensors"
-PROFILE_FILE = "profile.safetensors"
+FREQ_FILE = "frequencies.safetensors"
+OLD_FREQ_FILE = "profile.safetensors"     # its name before 2026-11, when "profile" came to mean the device's only
 CARD_FMT = "layer_{:03d}.json"
 PRED_FORMAT = "flashinfer-lite-predictors"
 PRED_VERSION = 1
@@ -39,14 +41,14 @@ def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
 class PredictorSet:
     """Per layer: the activation threshold, the neuron frequencies and (optionally) a low-rank predictor."""
 
-    def __init__(self, path: Path, manifest: dict, weights: dict | None, profile: dict):
+    def __init__(self, path: Path, manifest: dict, weights: dict | None, freqs: dict):
         self.path, self.manifest = path, manifest
         self.n_layers, self.dim, self.ffn_dim = manifest["n_layers"], manifest["dim"], manifest["ffn_dim"]
         self.has_predictors = weights is not None
         self._thresholds = [float(t) for t in manifest["act_threshold"]]
         self._freq = []
         for i in range(self.n_layers):
-            f = profile.get(f"layers.{i}.freq")
+            f = freqs.get(f"layers.{i}.freq")
             if f is None or f.shape != (self.ffn_dim,):
                 raise UserError(f"{path}: neuron frequencies of layer {i} are missing or misshapen")
             self._freq.append(f.astype(np.float32))
@@ -149,4 +151,5 @@ def load_predictors(flashdir) -> PredictorSet | None:
         return None
     root = Path(flashdir) / PREDICTOR_DIR
     weights = _read_safetensors(root / WEIGHTS_FILE) if m.get("has_predictors") else None
-    return PredictorSet(root, m, weights, _read_safetensors(root / PROFILE_FILE))
+    freq_file = root / FREQ_FILE if (root / FREQ_FILE).exists() else root / OLD_FREQ_FILE
+    return PredictorSet(root, m, weights, _read_safetensors(freq_file))

@@ -17,15 +17,15 @@ from __future__ import annotations
 import re
 import sys
 import time
-from dataclasses import dataclass, field
 
 import numba
 import numpy as np
 from threadpoolctl import threadpool_limits
 
 from storage.cache import flashdir_for
-from storage.format import FlashCheckpoint, aligned_empty, verify_at_load
-from storage.reader import BundleReader
+from storage.format import FlashCheckpoint, verify_at_load
+from storage.reader import BundleReader, aligned_empty
+from storage.stats import FlashStats
 
 from . import BLAS_THREADS_FROM_USER
 from .budget import (HEAP_SLACK_BYTES, auto_budget_bytes, keep_freed_arrays_out_of_rss, measure_runtime_bytes,
@@ -36,7 +36,6 @@ from .loader import is_flashdir, load_weights, open_any
 from .model import FeedForward, ModelConfig, Transformer, half_matrix
 from .neuron_cache import NeuronCache
 from .predictor_set import load_predictors
-from .tokenizer import Tokenizer
 
 FFN_MODES = ("dense", "oracle", "predicted")
 # FFN tensors that live in the bundles on flash; everything else (including ffn.down.bias) stays resident.
@@ -46,88 +45,44 @@ _BUNDLED = re.compile(r"layers\.\d+\.ffn\.(gate|up|down)\.weight|layers\.\d+\.ff
 STREAM_CHUNK_BYTES = 2 << 20
 
 
-@dataclass
-class RuntimeStats:
-    """Counters over every FFN call since load."""
-    n_layers: int
-    n_neurons: int
-    rows: np.ndarray = field(init=False)       # [L] token rows through each layer's FFN
-    active: np.ndarray = field(init=False)     # [L] active neurons summed over those rows
-    tokens: int = 0                            # decode-path tokens (row by row through the cache)
-    streamed_layers: int = 0                   # layer passes served by prefill streaming
-    hits: int = 0
-    misses: int = 0
-    bytes_read: int = 0                        # decode path, from flash, including coalescing over-read
-    bytes_requested: int = 0
-    prefill_bytes_read: int = 0                # prefill streaming of whole layers
-    predictor_s: float = 0.0
-    lookup_s: float = 0.0
-    read_s: float = 0.0                        # blocked waiting for flash (decode) / reading (prefill streaming)
-    io_s: float = 0.0                          # decode reads in flight, overlapped with compute or not
-    prefetched: int = 0                        # rows read on a lookahead guess
-    prefetch_used: int = 0                     # of those, rows the exact set needed
-    compute_s: float = 0.0
-
-    def __post_init__(self):
-        self.rows = np.zeros(self.n_layers, np.int64)
-        self.active = np.zeros(self.n_layers, np.int64)
-
-    def active_share(self) -> np.ndarray:
-        return self.active / np.maximum(self.rows * self.n_neurons, 1)
-
-    def hit_rate(self) -> float:
-        return self.hits / max(self.hits + self.misses, 1)
-
-    def as_dict(self) -> dict:
-        tok = max(self.tokens, 1)
-        return {"active_share": round(float(self.active_share().mean()), 4), "hit_rate": round(self.hit_rate(), 4),
-                "mb_read": round(self.bytes_read / 2**20, 3), "mb_read_per_token": round(self.bytes_read / 2**20 / tok, 3),
-                "prefill_mb_read": round(self.prefill_bytes_read / 2**20, 3),
-                "read_mb_per_s": round((self.bytes_read + self.prefill_bytes_read) / 2**20 / self.io_s, 1)
-                if self.io_s else 0.0,
-                "read_wait_ms_per_token": round(self.read_s * 1e3 / tok, 3),
-                "read_in_flight_ms_per_token": round(self.io_s * 1e3 / tok, 3),
-                "overlapped_share": round(max(0.0, 1 - self.read_s / self.io_s), 4) if self.io_s else 0.0,
-                "predictor_ms": round(self.predictor_s * 1e3, 3), "lookup_ms": round(self.lookup_s * 1e3, 3),
-                "read_ms": round(self.read_s * 1e3, 3), "io_ms": round(self.io_s * 1e3, 3), "compute_ms": round(self.compute_s * 1e3, 3),
-                "decode_tokens": self.tokens, "streamed_layers": self.streamed_layers,
-                "prefetched_rows": self.prefetched, "prefetch_used_rows": self.prefetch_used}
-
-
 class FlashFFN:
     """The FFN of every layer, computed from bundles on flash through the neuron cache.
 
+    plan: the budget.BudgetPlan that sizes the neuron cache (window rows, hot bytes, window tokens).
     select(layer, x [T, d]) -> bool [T, n_neurons] by original neuron id: which neurons to compute (the predictor,
-    the oracle, or a replayed trace). freqs (per layer, by original id) choose the pinned hot neurons;
-    mag_threshold (per layer) is the SwiGLU magnitude under which a computed neuron counts as inactive.
+    the oracle, or a replayed trace).
+    predictors: the PredictorSet of the FLASHDIR, if any: its neuron frequencies choose the pinned hot neurons and its
+    act_threshold (per layer) is the SwiGLU magnitude under which a computed neuron counts as not fired.
+    down_bias: per layer the FFN down bias (resident; None where the model has none).
     overlap: compute on the resident rows while the misses are read (False: read, then compute; for measuring).
     lookahead(layer, x [1, d]) -> bool [1, n_neurons]: a guess of `layer`'s set from the previous layer's FFN input
     x, so its reads start one layer early (Deja Vu); the exact set still decides, a wrong guess costs only bytes.
     """
 
-    def __init__(self, cfg: ModelConfig, layout, weights: dict, select, plan, window: int = 5,
-                 threads: int | None = None, verbose: bool = False, freqs=None, mag_threshold=None,
-                 overlap: bool = True, lookahead=None, predictors=None):
-        self.cfg, self.layout, self.select, self.plan = cfg, layout, select, plan
+    def __init__(self, cfg: ModelConfig, layout, plan, select, predictors=None, down_bias=None,
+                 threads: int | None = None, overlap: bool = True, lookahead=None, verbose: bool = False):
+        self.cfg, self.layout, self.plan, self.select, self.predictors = cfg, layout, plan, select, predictors
         self.verbose, self.overlap, self.lookahead = verbose, overlap, lookahead
-        self.predictors = predictors  # the PredictorSet behind `select` in predicted mode, for reports (eval)
-        self.stats = RuntimeStats(cfg.n_layers, cfg.ffn_dim)
-        self.down_bias = [weights.get(f"layers.{i}.ffn.down.bias") for i in range(cfg.n_layers)]
+        self.stats = FlashStats.for_layers(cfg.n_layers, cfg.ffn_dim)
+        self.down_bias = list(down_bias) if down_bias is not None else [None] * cfg.n_layers
         # bundle id -> original neuron id is layout.order; selections speak original ids.
         self.bundle_of = [np.argsort(o).astype(np.int64) for o in layout.order]
-        self.mag_threshold = list(mag_threshold) if mag_threshold is not None else [0.0] * cfg.n_layers
+        self.act_threshold = [predictors.act_threshold(i) if predictors is not None else 0.0
+                              for i in range(cfg.n_layers)]
         self.reader = BundleReader(layout, threads=threads)
-        by_bundle = [np.asarray(freqs[i])[layout.order[i]] for i in range(cfg.n_layers)] if freqs is not None else None
-        hot = plan.hot_neurons(by_bundle) if by_bundle is not None and plan.hot_bytes else None
+        hot = None
+        if predictors is not None and plan.hot_bytes:
+            hot = plan.hot_neurons([predictors.neuron_freq(i)[layout.order[i]] for i in range(cfg.n_layers)])
         self.cache = NeuronCache(layout.n_neurons, layout.stride, self.reader, capacity=plan.window_rows,
-                                 window=window, hot=hot,
-                                 staging_rows=staging_rows(plan.max_active) if lookahead else 0)
-        self.kernel = SparseFFN.from_layout(layout, act=cfg.act, threshold=self._kernel_threshold(),
+                                 window=plan.window, hot=hot,
+                                 staging_rows=staging_rows(plan.max_active) if lookahead else 0, stats=self.stats)
+        self.kernel = SparseFFN.from_layout(layout, act=cfg.act, relu_threshold=self._relu_threshold(),
                                             max_active=max(layout.n_neurons))
         self._coef = np.zeros(max(layout.n_neurons), np.float32)   # one piece's coefficients
         self._chunk = None  # prefill streaming buffer, allocated on first use (counted in the plan's buffers)
+        self._pass_lookups = 0   # hits + misses when the current forward pass began
 
-    def _kernel_threshold(self) -> float | None:
+    def _relu_threshold(self) -> float | None:
         if self.cfg.act == "silu":
             return None
         return self.cfg.relu_threshold
@@ -144,8 +99,8 @@ class FlashFFN:
     def __call__(self, layer: int, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
         T = x.shape[0]
-        if layer == 0:                  # a forward pass starts: its T tokens' cache statistics start from zero
-            self.cache.new_token()
+        if layer == 0:                  # a forward pass starts
+            self._pass_lookups = self.stats.hits + self.stats.misses
         ids = self.active_ids(layer, x)
         y = np.empty_like(x)
         if T > 1 and self.prefer_streaming(layer, ids):
@@ -215,27 +170,16 @@ class FlashFFN:
         if js is not None and not len(js):
             return
         t0 = time.perf_counter()
-        mag = self.mag_threshold[layer] if self.mag_threshold[layer] > 0 else -1.0
+        t = self.act_threshold[layer] if self.act_threshold[layer] > 0 else -1.0
         self.kernel.coefficients(self.cache.matrix(layer) if B is None else B, slots, js, X, coef, sel=sel,
-                                 magnitude=mag)
+                                 act_threshold=t)
         self.stats.compute_s += time.perf_counter() - t0
 
     def _close_pass(self, T: int) -> None:
-        """Fold one forward pass (T tokens, every layer) of cache statistics into the run's. Token boundaries come
-        from the pass, not from decode_row: a batched prompt calls decode_row T times per layer."""
-        st = self.cache.stats
-        s = self.stats
-        if st.hits or st.misses:
-            s.tokens += T
-        s.hits += st.hits
-        s.misses += st.misses
-        s.bytes_read += st.bytes_read
-        s.bytes_requested += st.bytes_requested
-        s.lookup_s += st.lookup_s
-        s.read_s += st.read_s
-        s.io_s += st.io_s
-        s.prefetched += st.prefetched
-        s.prefetch_used += st.prefetch_used
+        """Count the pass's T tokens as decode-path tokens if any went through the neuron cache. Token boundaries
+        come from the pass, not from decode_row: a batched prompt calls decode_row T times per layer."""
+        if self.stats.hits + self.stats.misses > self._pass_lookups:
+            self.stats.tokens += T
 
     # -- prefill streaming ------------------------------------------------------------------------------------------
     def prefer_streaming(self, layer: int, ids: list[np.ndarray]) -> bool:
@@ -267,9 +211,8 @@ class FlashFFN:
             m = min(rows_per_chunk, n - start)
             t0 = time.perf_counter()
             rs = self.reader.read(layer, np.arange(start, start + m), dest=self._chunk, slots=np.arange(m))
-            t1 = time.perf_counter()
-            self.stats.read_s += t1 - t0     # a synchronous read: waited for the whole time it was in flight
-            self.stats.io_s += t1 - t0
+            self.stats.read_s += time.perf_counter() - t0    # a synchronous read: waited while it was in flight
+            self.stats.io_s += rs.io_s
             self.stats.prefill_bytes_read += rs.read_bytes
             # The decode path's kernel and order: each row's selected neurons in bundle order, chunk after chunk,
             # accumulated into the same y[t] (its down bias stays out: it is added once per layer).
@@ -347,79 +290,90 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | str | None = None,
     if ffn not in FFN_MODES:
         raise UserError(f"unknown --ffn mode '{ffn}' (choose from {', '.join(FFN_MODES)})")
     if ffn == "dense":
-        if dram_budget not in (None, "auto"):
-            raise UserError("--dram-budget applies to --ffn predicted/oracle; --ffn dense keeps every weight in DRAM")
-        ckpt = open_any(path)
-        if dram_budget == "auto":
-            warn_if_dense_does_not_fit(path, ckpt.config)
-        # A float16 FLASHDIR runs with float16 matrices in every mode (so dense and oracle compare like for like);
-        # an HF directory or GGUF file stays float32, the reference checked against transformers.
-        half = is_flashdir(path) and ckpt.layout.dtype != "f32"
-        weights = load_weights(ckpt, progress, convert=half_matrix if half else None)
-        return Transformer(ckpt.config, weights), ckpt.tokenizer(), None
+        return load_dense(path, dram_budget, progress)
     keep_freed_arrays_out_of_rss()
-    path = flashdir_for(path, progress)
-    if verify:
-        verify_at_load(path, progress=progress)
-    ckpt = FlashCheckpoint(path)
-    cfg, layout = ckpt.config, ckpt.layout
-    tokenizer: Tokenizer = ckpt.tokenizer()
-    predictors = load_predictors(path)
-    if ffn == "predicted" and (predictors is None or not predictors.has_predictors):
-        raise UserError(f"{path} has no predictors: run `flashinfer-lite collect` and `flashinfer-lite train-predictor`")
-    ctx = ctx or min(cfg.max_pos, 4096)
-    max_active = expected_max_active(cfg, predictors)
+    ckpt, tokenizer, predictors = open_flashdir(path, ffn, verify, progress)
+    cfg = ckpt.config
+    lookahead = lookahead and ffn == "predicted"   # the guess is a predictor's
     # Planned before any weight loads: a budget too small fails before the work, and the runtime line is measured
     # on a process that holds everything but the weights (tokenizer, predictors, compiled kernels included).
-    if runtime_bytes is None:
-        runtime_bytes = measure_runtime_bytes(layout)
-    # float16 bundles: the resident matrices go float16 too (half the DRAM, and GEMV reads half the bytes);
-    # float32 bundles keep the whole model exact.
-    half = layout.dtype != "f32"
-    resident = resident_bytes_for(cfg, half=half)
-    if ffn == "oracle":  # the true activations need the dense gate/up weights, float32, kept for the run
-        resident += cfg.n_layers * cfg.ffn_dim * cfg.dim * 4 * (2 if cfg.glu else 1)
-    lookahead = lookahead and ffn == "predicted"   # the guess is a predictor's
-
-    def plan_for(budget: int):
-        return plan_budget(cfg, layout, budget, ctx, window, max_active=max_active, resident_bytes=resident,
-                           runtime_bytes=runtime_bytes, stream_chunk_bytes=STREAM_CHUNK_BYTES,
-                           requested=dram_budget is not None, lookahead=lookahead,
-                           heap_slack_bytes=HEAP_SLACK_BYTES if runtime_bytes else 0)
-    if dram_budget == "auto":   # the whole model when it fits in what the machine can give, else that much
-        room, whole = auto_budget_bytes(), plan_for(1 << 60).used_bytes
-        dram_budget = None if room >= whole else room
-        if dram_budget is not None:
-            print(f"dram budget: auto = {room / 2**20:.0f} MiB (available memory less a margin); the model's "
-                  f"{whole / 2**20:.0f} MiB do not fit, so the FFN neurons that do not are read from flash",
-                  file=sys.stderr)
-    # No --dram-budget: room for the whole model (every neuron pinned, the full window), whatever that adds up to.
-    plan = plan_for(dram_budget if dram_budget is not None else plan_for(1 << 60).used_bytes)
-    if verbose or dram_budget is not None:
+    plan = plan_dram(ckpt, predictors, ffn, dram_budget, ctx or min(cfg.max_pos, 4096), window, runtime_bytes,
+                     lookahead)
+    if verbose or plan.requested:
         print(plan.table(), file=sys.stderr)
     weights = load_weights(ckpt, progress, skip=lambda n: bool(_BUNDLED.fullmatch(n)),
-                           convert=half_matrix if half else None)
-    if ffn == "oracle":
-        select = oracle_selector(cfg, ckpt, predictors)
-    else:
-        select = predictors.predict
-    have = predictors is not None
-    guess = lookahead_selector(cfg, weights, predictors) if lookahead else None
-    runtime = FlashFFN(cfg, layout, weights, select, plan, window, threads, verbose, lookahead=guess,
-                       predictors=predictors if ffn == "predicted" else None,
-                       freqs=[predictors.neuron_freq(i) for i in range(cfg.n_layers)] if have else None,
-                       mag_threshold=[predictors.act_threshold(i) for i in range(cfg.n_layers)] if have else None)
+                           convert=half_matrix if ckpt.layout.dtype != "f32" else None)
+    select = oracle_selector(cfg, ckpt, predictors) if ffn == "oracle" else predictors.predict
+    runtime = FlashFFN(cfg, ckpt.layout, plan, select, predictors,
+                       down_bias=[weights.get(f"layers.{i}.ffn.down.bias") for i in range(cfg.n_layers)],
+                       threads=threads, verbose=verbose,
+                       lookahead=lookahead_selector(cfg, weights, predictors) if lookahead else None)
     if verbose:
         r = runtime.reader
         print(f"reader: {r.threads} threads, coalescing gap {r.coalesce_gap} rows, O_DIRECT {r.direct}; "
               f"settings from the {r.settings_source}", file=sys.stderr)
-    model = Transformer(cfg, weights, ffn=runtime)
-    return model, tokenizer, runtime
+    return Transformer(cfg, weights, ffn=runtime), tokenizer, runtime
+
+
+def load_dense(path, dram_budget, progress: bool):
+    """--ffn dense: every weight in DRAM. A float16 FLASHDIR runs with float16 matrices (so dense and oracle compare
+    like for like); an HF directory or GGUF file stays float32, the reference checked against transformers."""
+    if dram_budget not in (None, "auto"):
+        raise UserError("--dram-budget applies to --ffn predicted/oracle; --ffn dense keeps every weight in DRAM")
+    ckpt = open_any(path)
+    if dram_budget == "auto":
+        warn_if_dense_does_not_fit(path, ckpt.config)
+    half = is_flashdir(path) and ckpt.layout.dtype != "f32"
+    weights = load_weights(ckpt, progress, convert=half_matrix if half else None)
+    return Transformer(ckpt.config, weights), ckpt.tokenizer(), None
+
+
+def open_flashdir(path, ffn: str, verify: bool, progress: bool):
+    """(FlashCheckpoint, tokenizer, PredictorSet or None) of the FLASHDIR for `path`: an HF directory or GGUF file is
+    converted into the cache on first use; a launch checks sizes and the verified stamp, not every byte."""
+    path = flashdir_for(path, progress)
+    if verify:
+        verify_at_load(path, progress=progress)
+    ckpt = FlashCheckpoint(path)
+    predictors = load_predictors(path)
+    if ffn == "predicted" and (predictors is None or not predictors.has_predictors):
+        raise UserError(f"{path} has no predictors: run `flashinfer-lite collect` and `flashinfer-lite train-predictor`")
+    return ckpt, ckpt.tokenizer(), predictors
+
+
+def plan_dram(ckpt, predictors, ffn: str, dram_budget, ctx: int, window: int, runtime_bytes: int | None,
+              lookahead: bool):
+    """The BudgetPlan for --dram-budget: a size, "auto" (the whole model when it fits in what the machine can give,
+    else that much, said in one line), or None (room for the whole model: every neuron pinned, the full window)."""
+    cfg, layout = ckpt.config, ckpt.layout
+    max_active = expected_max_active(cfg, predictors)
+    if runtime_bytes is None:
+        runtime_bytes = measure_runtime_bytes(layout)
+    # float16 bundles: the resident matrices go float16 too (half the DRAM, and GEMV reads half the bytes);
+    # float32 bundles keep the whole model exact.
+    resident = resident_bytes_for(cfg, half=layout.dtype != "f32")
+    if ffn == "oracle":  # the true activations need the dense gate/up weights, float32, kept for the run
+        resident += cfg.n_layers * cfg.ffn_dim * cfg.dim * 4 * (2 if cfg.glu else 1)
+
+    def plan_for(budget: int, requested: bool):
+        return plan_budget(cfg, layout, budget, ctx, window, max_active=max_active, resident_bytes=resident,
+                           runtime_bytes=runtime_bytes, stream_chunk_bytes=STREAM_CHUNK_BYTES, requested=requested,
+                           lookahead=lookahead, heap_slack_bytes=HEAP_SLACK_BYTES if runtime_bytes else 0)
+    whole = plan_for(1 << 60, False).used_bytes
+    if dram_budget == "auto":
+        room = auto_budget_bytes()
+        if room >= whole:
+            return plan_for(whole, False)
+        print(f"dram budget: auto = {room / 2**20:.0f} MiB (available memory less a margin); the model's "
+              f"{whole / 2**20:.0f} MiB do not fit, so the FFN neurons that do not are read from flash",
+              file=sys.stderr)
+        return plan_for(room, True)
+    return plan_for(whole, False) if dram_budget is None else plan_for(dram_budget, True)
 
 
 def expected_max_active(cfg: ModelConfig, predictors) -> int:
     """The active count the window is sized for (its useful maximum is this x window tokens): twice the mean
-    active count when the profile says it, else half the layer. Not in the minimum (budget.MIN_WINDOW_ROWS)."""
+    active count when the neuron frequencies say it, else half the layer. Not in the minimum (budget.MIN_WINDOW_ROWS)."""
     n = cfg.ffn_dim
     if predictors is None:
         return max(1, n // 2)

@@ -5,7 +5,7 @@ and records, per layer:
   - a uniform sample of token rows: FFN input x [d] and |a| [n] (written to safetensors shards as it goes, so memory
     stays bounded whatever N is),
   - over every token: the histogram of |a| (counts and mass, for CATS/TEAL-style thresholds) and how often each
-    neuron is nonzero (the hot/cold profile of ReLU models).
+    neuron is nonzero (the hot and cold neurons of ReLU models).
 """
 from __future__ import annotations
 

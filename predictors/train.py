@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from flashinfer_lite.errors import UserError
 from flashinfer_lite.loader import is_flashdir, open_any
-from flashinfer_lite.predictor_set import (CARD_FMT, MANIFEST, PRED_FORMAT, PRED_VERSION, PREDICTOR_DIR, PROFILE_FILE,
+from flashinfer_lite.predictor_set import (CARD_FMT, MANIFEST, PRED_FORMAT, PRED_VERSION, PREDICTOR_DIR, FREQ_FILE,
                                           WEIGHTS_FILE)
 from storage.files import remove_stale_temp_dirs, temp_path
 from storage.format import file_checksum
@@ -258,7 +258,7 @@ def train(acts_dir, flashdir, rank=None, max_rank=None, target_recall=0.99, max_
 
     import torch
     torch.set_num_threads(threads or min(2, os.cpu_count() or 1))
-    cards, weights, profile = [], {}, {}
+    cards, weights, freqs = [], {}, {}
     bar = tqdm(range(cfg.n_layers), desc="train-predictor", unit="layer", disable=not progress, file=sys.stderr)
     for i in bar:
         t0 = time.perf_counter()
@@ -271,7 +271,7 @@ def train(acts_dir, flashdir, rank=None, max_rank=None, target_recall=0.99, max_
             freq = acts.nonzero[i] / max(acts.tokens, 1)          # over every collected token
         else:
             freq = (absa > t).mean(0)                             # over the sampled rows
-        profile[f"layers.{i}.freq"] = freq.astype(np.float32)
+        freqs[f"layers.{i}.freq"] = freq.astype(np.float32)
         card = {"layer": i, "act_threshold": t, "true_share": float((absa > t).mean())}
         if not thresholds_only and i < dense_layers:
             card["dense"] = True
@@ -289,7 +289,7 @@ def train(acts_dir, flashdir, rank=None, max_rank=None, target_recall=0.99, max_
             card["seconds"] = round(time.perf_counter() - t0, 2)
             bar.set_postfix(rank=m["rank"], recall=f"{m['recall']:.3f}", ratio=f"{m['pred_true_ratio']:.2f}")
         cards.append(card)
-    save_predictors(flashdir, acts, cards, weights, profile, dict(
+    save_predictors(flashdir, acts, cards, weights, freqs, dict(
         target_recall=target_recall, dense_layers=[c["layer"] for c in cards if c.get("dense")], sparsity=sparsity,
         max_read_share=max_read_share,
         kept_mass=kept_mass, relu=relu,
@@ -304,7 +304,7 @@ def ffn_bytes(ckpt) -> int:
     return int(sum(L.region_bytes(i) for i in range(L.n_layers))) if L is not None else 0
 
 
-def save_predictors(flashdir, acts: Acts, cards, weights, profile, info: dict) -> Path:
+def save_predictors(flashdir, acts: Acts, cards, weights, freqs, info: dict) -> Path:
     from safetensors.numpy import save_file
     flashdir = Path(flashdir)
     dest = flashdir / PREDICTOR_DIR
@@ -315,7 +315,7 @@ def save_predictors(flashdir, acts: Acts, cards, weights, profile, info: dict) -
     try:
         if info.get("has_predictors"):
             save_file(weights, str(tmp / WEIGHTS_FILE))           # empty when every layer is dense
-        save_file(profile, str(tmp / PROFILE_FILE))
+        save_file(freqs, str(tmp / FREQ_FILE))
         for c in cards:
             (tmp / CARD_FMT.format(c["layer"])).write_text(json.dumps(c, indent=1))
         manifest = {"format": PRED_FORMAT, "version": PRED_VERSION, "fingerprint": acts.identity["fingerprint"],

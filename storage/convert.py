@@ -48,13 +48,13 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def plan_layout(ckpt, dtype: str, orders=None) -> FlashLayout:
+def layout_for(ckpt, dtype: str, orders=None) -> FlashLayout:
     """The layout of a checkpoint: which biases travel in the bundles, and the neuron count of every layer."""
     cfg = ckpt.config
     names = set(ckpt.names())
     biases = [b for b, part in (("bias.gate", "gate"), ("bias.up", "up"))
               if (cfg.glu or part == "up") and f"layers.0.ffn.{part}.bias" in names]
-    layout = FlashLayout.plan(cfg.dim, [cfg.ffn_dim] * cfg.n_layers, dtype, cfg.glu, biases, orders,
+    layout = FlashLayout.create(cfg.dim, [cfg.ffn_dim] * cfg.n_layers, dtype, cfg.glu, biases, orders,
                               config=cfg.to_dict())
     for i in range(cfg.n_layers):
         missing = [n for n in ffn_tensor_names(layout, i) if n not in names]
@@ -138,7 +138,7 @@ def convert(model, output, dtype: str = "f16", force: bool = False, progress: bo
             # --force replaces flash directories, not arbitrary folders someone pointed -o at by mistake.
             raise UserError(f"{out} is a non-empty directory that is not a flash directory; refusing to replace it")
     ckpt = open_checkpoint(model)
-    layout = plan_layout(ckpt, dtype)
+    layout = layout_for(ckpt, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_dirs(out.parent)
     tmp = temp_path(out, "tmp")

@@ -23,12 +23,12 @@ from tqdm import tqdm
 
 from flashinfer_lite.errors import UserError
 
-from .format import BUNDLE_ALIGN, FlashLayout, aligned_empty, drop_from_page_cache, read_layout
+from .format import BUNDLE_ALIGN, FlashLayout, drop_from_page_cache, read_layout
 from flashinfer_lite.sizes import human, parse_size  # noqa: F401  (re-exported for bench scripts)
 
 from .cache import cache_dir
 from .profile import device_key, save_profile
-from .reader import BundleReader
+from .reader import BundleReader, aligned_empty
 
 DEST_BYTES = 64 << 20          # destination buffer per measurement
 OPS_PER_THREAD = 32            # reads per thread per call: amortises the hand-off to the pool

@@ -51,15 +51,6 @@ def align_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-def aligned_empty(shape, dtype=np.uint8, align: int = 4096) -> np.ndarray:
-    """An uninitialised C-contiguous array whose first byte sits on an `align` boundary (O_DIRECT needs this)."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + align, dtype=np.uint8)
-    start = (-raw.ctypes.data) % align
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
-
-
 def new_checksum():
     return hashlib.blake2b(digest_size=16)
 
@@ -129,7 +120,7 @@ class FlashLayout:
         return self.flashdir / self.files["ffn"]
 
     @classmethod
-    def plan(cls, d: int, n_neurons: list[int], dtype: str, glu: bool, biases=(), orders=None, **kw) -> "FlashLayout":
+    def create(cls, d: int, n_neurons: list[int], dtype: str, glu: bool, biases=(), orders=None, **kw) -> "FlashLayout":
         """Compute stride and region offsets for a model; checksums are filled in by the writer."""
         if dtype not in DTYPES:
             raise UserError(f"unknown flash dtype '{dtype}' (choose f32, f16 or int8)")

@@ -15,33 +15,27 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from flashinfer_lite.errors import UserError
 
-from .format import BUNDLE_ALIGN, FlashLayout, aligned_empty, drop_from_page_cache, read_layout
+from .format import BUNDLE_ALIGN, FlashLayout, drop_from_page_cache, read_layout
 from .profile import reader_defaults
+from .stats import FlashStats
 
 IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
 _warned_buffered = False
 
 
-@dataclass
-class ReadStats:
-    requested_bytes: int = 0   # bundles asked for x stride
-    read_bytes: int = 0        # bytes fetched from the file (requested + coalescing over-read)
-    n_reads: int = 0           # preadv calls (retries included)
-    seconds: float = 0.0       # wall time of the call
-
-    def __iadd__(self, o: "ReadStats") -> "ReadStats":
-        self.requested_bytes += o.requested_bytes
-        self.read_bytes += o.read_bytes
-        self.n_reads += o.n_reads
-        self.seconds += o.seconds
-        return self
+def aligned_empty(shape, dtype=np.uint8, align: int = 4096) -> np.ndarray:
+    """An uninitialised C-contiguous array whose first byte sits on an `align` boundary (O_DIRECT needs this)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    start = (-raw.ctypes.data) % align
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def open_for_reads(path: Path) -> tuple[int, bool]:
@@ -106,7 +100,7 @@ class BundleReader:
             t.start()
             self._jobs.append(q)
             self._workers.append(t)
-        self._lock = threading.Lock()       # planning uses the shared scratch views; requests queue in order
+        self._lock = threading.Lock()       # read_ops uses the shared scratch views; requests queue in order
 
     # -- lifecycle ---------------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -131,8 +125,8 @@ class BundleReader:
         except Exception:
             pass
 
-    # -- planning ----------------------------------------------------------------------------------------------------
-    def plan(self, layer: int, bundle_ids, dest: np.ndarray, slots) -> tuple[list, int, int]:
+    # -- read ops ------------------------------------------------------------------------------------------------------
+    def read_ops(self, layer: int, bundle_ids, dest: np.ndarray, slots) -> tuple[list, int, int]:
         """Turn a request into preadv ops [(file offset, iovecs, nbytes)], requested bytes and read bytes."""
         L = self.layout
         stride = L.stride
@@ -212,27 +206,27 @@ class BundleReader:
         """
         t0 = time.perf_counter()
         with self._lock:
-            ops, requested, read_bytes = self.plan(layer, bundle_ids, dest, slots)
+            ops, requested, read_bytes = self.read_ops(layer, bundle_ids, dest, slots)
         done: queue.SimpleQueue = queue.SimpleQueue()
         k = min(self.threads, len(ops))
         # Round-robin keeps the batches balanced in bytes for the mostly equal-sized ops of one request.
         for w in range(k):
             self._jobs[w].put((self.fd, self.direct, self.path, layer, ops[w::k], done))
-        return PendingRead(done, k, ReadStats(requested, read_bytes, 0, 0.0), t0)
+        return PendingRead(done, k, FlashStats(requested_bytes=requested, read_bytes=read_bytes), t0)
 
-    def read(self, layer: int, bundle_ids, dest: np.ndarray, slots) -> ReadStats:
+    def read(self, layer: int, bundle_ids, dest: np.ndarray, slots) -> FlashStats:
         return self.submit(layer, bundle_ids, dest, slots).wait()
 
 
 class PendingRead:
-    """A read in flight: wait() blocks until every batch finished and returns its ReadStats (seconds = submit to
-    last batch done, the I/O time, whether or not the caller was waiting)."""
+    """A read in flight: wait() blocks until every batch finished and returns its FlashStats (the reader's fields;
+    io_s = submit to last batch done, the I/O time, whether or not the caller was waiting)."""
 
-    def __init__(self, done: queue.SimpleQueue, n_batches: int, stats: ReadStats, t0: float):
+    def __init__(self, done: queue.SimpleQueue, n_batches: int, stats: FlashStats, t0: float):
         self._done, self._left, self.stats, self._t0 = done, n_batches, stats, t0
         self._end = t0
 
-    def wait(self) -> ReadStats:
+    def wait(self) -> FlashStats:
         err = None
         while self._left:
             n, e, t_end = self._done.get()
@@ -240,7 +234,7 @@ class PendingRead:
             self.stats.n_reads += n
             self._end = max(self._end, t_end)
             err = err or e
-        self.stats.seconds = self._end - self._t0
+        self.stats.io_s = self._end - self._t0
         if err is not None:
             raise err
         return self.stats
@@ -280,3 +274,26 @@ def _run_batch(fd: int, direct: bool, path: Path, layer: int, ops: list) -> int:
         if not direct:
             drop_from_page_cache(fd, off, nbytes)
     return n_reads
+
+
+class CountingReader:
+    """A reader with no file: counts `stride` bytes per bundle and copies nothing. For replaying recorded active sets
+    through a NeuronCache (bench/cache_window.py, bench/lookahead.py), where only the accounting matters."""
+
+    def __init__(self, stride: int):
+        self.stride = stride
+
+    def submit(self, layer: int, bundle_ids, dest=None, slots=None) -> "CountedRead":
+        b = len(bundle_ids) * self.stride
+        return CountedRead(FlashStats(requested_bytes=b, read_bytes=b, n_reads=1))
+
+    def read(self, layer: int, bundle_ids, dest=None, slots=None) -> FlashStats:
+        return self.submit(layer, bundle_ids).wait()
+
+
+class CountedRead:
+    def __init__(self, stats: FlashStats):
+        self.stats = stats
+
+    def wait(self) -> FlashStats:
+        return self.stats

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 
 from flashinfer_lite.config import ModelConfig
-from storage.convert import plan_layout, write_flashdir
+from storage.convert import layout_for, write_flashdir
 
 STORIES = Path(__file__).resolve().parent / "data" / "stories260K"
 
@@ -54,7 +54,7 @@ class RandomCheckpoint:
 def write_random_flashdir(path: Path, dtype: str, orders=None, **kw) -> RandomCheckpoint:
     ckpt = RandomCheckpoint(**kw)
     path.mkdir(parents=True)
-    write_flashdir(ckpt, plan_layout(ckpt, dtype, orders), path, progress=False)
+    write_flashdir(ckpt, layout_for(ckpt, dtype, orders), path, progress=False)
     return ckpt
 
 

@@ -285,3 +285,35 @@ def test_modes_markdown_lists_every_row(modes_run):
     doc, err, _ = modes_run
     for r in doc["results"]:
         assert f"| {r['mode']} |" in err
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# bench/cache_window.py --trace: the counting reader under a real NeuronCache. The oracle is set arithmetic on the
+# trace: with an unbounded window of k tokens and nothing pinned, token t misses exactly the neurons of A_t that are
+# in none of A_{t-k} .. A_{t-1}.
+
+def test_cache_window_trace_bytes_match_set_arithmetic(tmp_path):
+    from record_trace import load_trace
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    trace = tmp_path / "trace.npz"
+    subprocess.run([sys.executable, str(REPO / "tools" / "record_trace.py"), "-o", str(trace), "--model",
+                    str(REPO / "tests" / "data" / "stories260K"), "--layers", "2", "--ffn", "512",
+                    "--cal-tokens", "64", "--tokens", "24"], env=env, check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, timeout=300)
+    stride = 3000
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "cache_window.py"), "--trace", str(trace), "--stride",
+                        str(stride)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    doc = json.loads(p.stdout)
+    active, _, _ = load_trace(trace)                         # [T, L, n]
+    T = active.shape[0]
+    for row in doc["window_sweep"]:
+        if row["hot_frac_of_ffn"] != 0.0:
+            continue
+        k = row["window"]
+        misses = 0
+        for t in range(T):
+            seen = active[max(0, t - k):t].any(axis=0)       # [L, n]: active in the last k tokens
+            misses += int((active[t] & ~seen).sum())
+        assert row["bytes_requested_per_token"] == round(misses * stride / T), row
+        assert row["hit_rate"] == round(1 - misses / active.sum(), 4), row

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CORPUS, STORIES
+from conftest import CORPUS
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))

@@ -1,7 +1,6 @@
 """The user cache is keyed by content (issue 15): moving the cache or touching the source finds the same conversion,
 a changed byte makes a new one, `flashinfer-lite cache` lists and removes; killed writers' temp dirs are removed by the
 next run (real processes, real SIGKILL)."""
-import json
 import os
 import shutil
 import signal

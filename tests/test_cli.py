@@ -5,7 +5,6 @@ import shutil
 import subprocess
 import sys
 
-import pytest
 
 from conftest import STORIES, transformers_model
 

@@ -9,7 +9,8 @@ from storage.checkpoint import open_checkpoint
 from flashinfer_lite.errors import UserError
 from storage import convert as convert_mod
 from storage.convert import convert
-from storage.format import FlashCheckpoint, aligned_empty, read_layout, unpack_bundles, verify
+from storage.format import FlashCheckpoint, read_layout, unpack_bundles, verify
+from storage.reader import aligned_empty
 from storage.reader import BundleReader
 
 

@@ -61,7 +61,7 @@ def tokens_of(out: str) -> list[int]:
 
 
 def test_first_use_trains_from_the_corpus_once_and_auto_equals_predicted(default_is_stories, monkeypatch, capfd):
-    from predictors import first_use, train
+    from predictors import first_use
     from flashinfer_lite.predictor_set import load_predictors
     cache = default_is_stories
     monkeypatch.setenv("FLASHINFER_LITE_CORPUS", str(CORPUS))
@@ -145,7 +145,7 @@ def test_interrupted_first_use_leaves_no_predictors(default_is_stories, monkeypa
         real_save = safetensors.numpy.save_file
 
         def save_then_interrupt(tensors, path, *a, **k):
-            if ".predictors.tmp-" in str(path) and path.endswith("profile.safetensors"):
+            if ".predictors.tmp-" in str(path) and path.endswith("frequencies.safetensors"):
                 assert Path(path).with_name("weights.safetensors").exists()   # really mid-write
                 raise KeyboardInterrupt
             return real_save(tensors, path, *a, **k)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CORPUS, STORIES
+from conftest import CORPUS
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Once upon a time there was a little dog"
@@ -90,9 +90,9 @@ def test_end_line_prints_the_peak_next_to_the_budget():
     from types import SimpleNamespace
 
     from flashinfer_lite.generate import Timings
-    from flashinfer_lite.runtime import RuntimeStats
+    from storage.stats import FlashStats
     budget = 300 << 20
-    runtime = SimpleNamespace(stats=RuntimeStats(2, 8), plan=SimpleNamespace(requested=True, budget_bytes=budget))
+    runtime = SimpleNamespace(stats=FlashStats.for_layers(2, 8), plan=SimpleNamespace(requested=True, budget_bytes=budget))
     out = io.StringIO()
     Timings().report(out, runtime=runtime)
     line = next(s for s in out.getvalue().splitlines() if "peak RSS" in s)

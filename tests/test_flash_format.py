@@ -14,7 +14,8 @@ from flash_fixtures import assert_stored_equal, write_random_flashdir
 from flashinfer_lite.errors import UserError
 from storage import format as fmt
 from storage import verify as verify_cmd
-from storage.format import FlashCheckpoint, FlashLayout, aligned_empty, pack_bundles, read_layout, unpack_bundles, verify
+from storage.format import FlashCheckpoint, FlashLayout, pack_bundles, read_layout, unpack_bundles, verify
+from storage.reader import aligned_empty
 from storage.reader import BundleReader
 
 
@@ -31,7 +32,7 @@ def test_aligned_empty(shape, align, dtype):
 def test_pack_unpack_round_trip(d, glu, dtype, biases, data):
     if not glu:
         biases = tuple(b for b in biases if b == "bias.up")
-    L = FlashLayout.plan(d, [1], dtype, glu, biases)
+    L = FlashLayout.create(d, [1], dtype, glu, biases)
     assert L.stride % 512 == 0 and L.stride >= L.scalars_offset + 4 * len(L.scalars)
     n = data.draw(st.integers(1, 6))
     finite = st.floats(-1e4, 1e4, width=32)
@@ -55,7 +56,7 @@ def test_pack_unpack_round_trip(d, glu, dtype, biases, data):
 
 
 def test_f16_overflow_is_refused():
-    L = FlashLayout.plan(4, [1], "f16", True)
+    L = FlashLayout.create(4, [1], "f16", True)
     with pytest.raises(UserError, match="do not fit in f16"):
         pack_bundles(L, np.full((1, 3, 4), 1e6, np.float32))
 

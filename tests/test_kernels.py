@@ -14,9 +14,9 @@ import pytest
 from numba import njit
 
 from flashinfer_lite.errors import UserError
-from flashinfer_lite.kernels import (HAS_F16C, SparseFFN, f16_bits_to_f32_f16c, f16_bits_to_f32_portable,
-                                     sparse_ffn_kernel_outsplit)
-from storage.format import FlashLayout, aligned_empty, pack_bundles, unpack_bundles
+from flashinfer_lite.kernels import (HAS_F16C, SparseFFN, f16_bits_to_f32_f16c, f16_bits_to_f32_portable)
+from storage.format import FlashLayout, pack_bundles, unpack_bundles
+from storage.reader import aligned_empty
 
 RTOL = 1e-5
 
@@ -71,7 +71,7 @@ def pack(w, dtype, glu):
     vec_names = ("gate", "up", "down") if glu else ("up", "down")
     n, d = w["up"].shape
     biases = tuple(b for b in ("bias.gate", "bias.up") if b in w)
-    layout = FlashLayout.plan(d, [n], dtype, glu, biases)
+    layout = FlashLayout.create(d, [n], dtype, glu, biases)
     vecs = np.stack([w[v].T if v == "down" else w[v] for v in vec_names], axis=1)  # [n, n_vec, d]
     bias = np.stack([w[b] for b in biases], axis=1) if biases else None
     bundles = pack_bundles(layout, vecs, bias)
@@ -126,7 +126,7 @@ def test_sparse_equals_dense(dtype, glu, act, biased, threshold):
     w = make_model(rng, d, n, glu, biased)
     layout, bundles, dq = pack(w, dtype, glu)
     M, rows = scatter_rows(rng, bundles, extra=31)
-    ffn = SparseFFN.from_layout(layout, act=act, threshold=threshold)
+    ffn = SparseFFN.from_layout(layout, act=act, relu_threshold=threshold)
     x = rng.standard_normal(d).astype(np.float32)
     h = dense_coefficients(dq, x, glu, act, threshold)
     y_dense = dense_ffn(dq, h)
@@ -203,25 +203,6 @@ def test_chunking_edge_cases(threads):
             assert rel_err(y, ref) < RTOL
 
 
-def test_output_split_kernel_matches():
-    """The alternative parallel layout kept for the bench computes the same thing."""
-    rng = np.random.default_rng(3)
-    d, n = 200, 90
-    w = make_model(rng, d, n, True, False)
-    layout, bundles, dq = pack(w, "int8", True)
-    ffn = SparseFFN.from_layout(layout, act="relu")
-    W, F = ffn.views(bundles)
-    x = rng.standard_normal(d).astype(np.float32)
-    y = np.zeros(d, np.float32)
-    coef = np.zeros(n, np.float32)
-    S = np.arange(0, n, 2, dtype=np.int32)
-    sparse_ffn_kernel_outsplit(W, F, S, x, y, coef, d, True, ffn.act_code, ffn.threshold, ffn.scale0, -1, -1, 64)
-    h = dense_coefficients(dq, x, True, "relu", None)
-    h_S = np.zeros(n)
-    h_S[S] = h[S]
-    assert rel_err(y, dense_ffn(dq, h_S)) < RTOL
-
-
 def test_bad_configuration_is_a_user_error():
     with pytest.raises(UserError):
         SparseFFN(16, "bf16", True, "relu", 512, 96)
@@ -250,7 +231,7 @@ def test_magnitude_threshold_skips_small_swiglu_activations(dtype):
     h_t = np.where(np.abs(h) > t, h, 0.0)
     y = np.zeros(d, np.float32)
     coef = np.zeros(n, np.float32)
-    ffn(M, rows, x, y, coef, magnitude=t)
+    ffn(M, rows, x, y, coef, act_threshold=t)
     assert rel_err(y, dense_ffn(dq, h_t)) < RTOL
     assert np.array_equal(coef != 0, h_t != 0) and 0.4 < (coef != 0).mean() < 0.6
 
@@ -275,7 +256,7 @@ def test_same_bits_whatever_the_split_rows_threads_or_batch(dtype, glu, act):
         """One call over row t's set, bundles in place (bundle id = row)."""
         S = np.flatnonzero(sel[t]).astype(np.int32)
         with numba_threads(threads):
-            return ffn(bundles, S, X[t], np.empty(d, np.float32), magnitude=mag).copy()
+            return ffn(bundles, S, X[t], np.empty(d, np.float32), act_threshold=mag).copy()
 
     ref = [whole(t, 2) for t in range(T)]
     for t in range(T):
@@ -296,8 +277,8 @@ def test_same_bits_whatever_the_split_rows_threads_or_batch(dtype, glu, act):
                 coef = np.full((1, len(slots)), np.nan, np.float32)
                 new = rng.random(len(slots)) < 0.5
                 with numba_threads(1):
-                    ffn.coefficients(M, slots, np.flatnonzero(~new), X[t:t + 1], coef, magnitude=mag)
-                ffn.coefficients(M, slots, np.flatnonzero(new), X[t:t + 1], coef, magnitude=mag)
+                    ffn.coefficients(M, slots, np.flatnonzero(~new), X[t:t + 1], coef, act_threshold=mag)
+                ffn.coefficients(M, slots, np.flatnonzero(new), X[t:t + 1], coef, act_threshold=mag)
                 ffn.accumulate(M, slots, coef, y)
             assert np.array_equal(y[0], ref[t]), (t, piece)
     # prefill streaming: all rows at once over chunks of the layer, unselected neurons masked
@@ -308,7 +289,7 @@ def test_same_bits_whatever_the_split_rows_threads_or_batch(dtype, glu, act):
             slots = np.arange(m, dtype=np.int32)
             coef = np.empty((T, m), np.float32)
             ffn.coefficients(bundles[lo:lo + m], slots, None, X, coef,
-                             sel=np.ascontiguousarray(sel[:, lo:lo + m]), magnitude=mag)
+                             sel=np.ascontiguousarray(sel[:, lo:lo + m]), act_threshold=mag)
             ffn.accumulate(bundles[lo:lo + m], slots, coef, Y)
         for t in range(T):
             assert np.array_equal(Y[t], ref[t]), (t, chunk)

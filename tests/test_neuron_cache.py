@@ -140,7 +140,7 @@ def test_cache_invariants_over_long_sequences(flash, seed, k, cap, n_hot, mean_a
             want_misses += len(missing)
             want_hits += ids.size - len(missing)
         assert (stats.hits, stats.misses) == (want_hits, want_misses)
-        assert stats.bytes_requested == want_misses * stride and stats.bytes_read >= stats.bytes_requested
+        assert stats.requested_bytes == want_misses * stride and stats.read_bytes >= stats.requested_bytes
 
 
 def test_fetch_refuses_bad_ids(flash):
@@ -221,7 +221,7 @@ def test_resident_bytes_match_a_real_checkpoint():
 @pytest.mark.parametrize("max_active", [10, 60, 172])
 def test_budget_split_and_minimum(flash, max_active):
     cfg = llama_like()
-    layout = FlashLayout.plan(cfg.dim, [cfg.ffn_dim] * cfg.n_layers, "f16", True, config=cfg.to_dict())
+    layout = FlashLayout.create(cfg.dim, [cfg.ffn_dim] * cfg.n_layers, "f16", True, config=cfg.to_dict())
     lo = plan_budget(cfg, layout, 1 << 40, ctx=256, window=4, max_active=max_active).minimum_bytes
     with pytest.raises(UserError, match=f"minimum {lo / 2**20:.1f} MiB"):
         plan_budget(cfg, layout, lo - 1, ctx=256, window=4, max_active=max_active)

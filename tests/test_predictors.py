@@ -278,7 +278,7 @@ def test_predicted_ffn_equals_float64_dense_math_on_the_predicted_set(stories):
     kv = model.new_cache(64)
     for t in [1, 403, 261, 324, 281, 384, 265, 427]:
         model.forward([t], kv)
-    assert rt.stats.bytes_read > 0 and len(calls) == 8 * cfg.n_layers
+    assert rt.stats.read_bytes > 0 and len(calls) == 8 * cfg.n_layers
     preds = rt.predictors
     restricted_differs = 0
     for layer, x, y in calls:

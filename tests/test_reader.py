@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from flash_fixtures import assert_stored_equal, bundle_vectors, write_random_flashdir
 from flashinfer_lite.errors import UserError
 from storage import reader as reader_mod
-from storage.format import aligned_empty, read_layout, unpack_bundles, verify
+from storage.format import read_layout, unpack_bundles, verify
+from storage.reader import aligned_empty
 from storage.reader import BundleReader
 
 N = 300
@@ -90,7 +91,7 @@ def test_iov_max_and_many_rows(tmp_path):
     slots = rng.permutation(len(ids))
     with BundleReader(path, threads=2, coalesce_gap=1, max_read_bytes=1 << 30) as r:
         dest = aligned_empty((len(ids), r.layout.stride), np.uint8)
-        ops, _, _ = r.plan(0, ids, dest, slots)
+        ops, _, _ = r.read_ops(0, ids, dest, slots)
         # Each bundle needs two iovecs (its row, the hole after it): runs must be cut just below IOV_MAX.
         assert max(len(iov) for _, iov, _ in ops) <= reader_mod.IOV_MAX
         assert len(ops) >= -(-2 * len(ids) // reader_mod.IOV_MAX)

@@ -39,7 +39,7 @@ def test_oracle_ffn_reproduces_dense_logits(flashdirs, kind, dtype):
     np.testing.assert_allclose(logits_token_by_token(oracle, ids), want, rtol=0, atol=2e-5)
     share = rt.stats.active_share()
     assert 0.2 < share.mean() < 0.8  # ReLU: only part of the neurons fired, so sparsity was really used
-    assert rt.stats.bytes_read > 0 and rt.stats.tokens == len(ids)
+    assert rt.stats.read_bytes > 0 and rt.stats.tokens == len(ids)
     # A batched prompt takes the prefill path (streaming or cache) and must agree too.
     kv = oracle.new_cache(64)
     np.testing.assert_allclose(oracle.forward(ids, kv, all_logits=True), want, rtol=0, atol=2e-5)
@@ -59,7 +59,7 @@ def test_small_budget_still_exact_and_reads_more(flashdirs, monkeypatch):
         # the probe's runtime line, not a new measurement of this (pytest) process: the arithmetic stays exact
         model, _, rt = load_runtime(path, "oracle", dram_budget=minimum + extra, runtime_bytes=probe.plan.runtime_bytes)
         np.testing.assert_allclose(logits_token_by_token(model, ids), want, rtol=0, atol=2e-5)
-        reads[extra] = rt.stats.bytes_read
+        reads[extra] = rt.stats.read_bytes
         assert rt.cache.nbytes <= rt.plan.window_bytes + rt.plan.hot_bytes + rt.plan.buffer_bytes
     assert reads[0] > reads[4 << 20]  # a bigger window re-reads less
 
@@ -152,7 +152,7 @@ def test_a_batched_prompt_counts_each_token_once(flashdirs):
                 model.forward([t], kv)
         s = rt.stats
         assert s.hits + s.misses == sum(asked) and s.tokens == len(ids)
-        stats[how] = (s.hits, s.misses, s.bytes_read, s.bytes_requested, s.tokens)
+        stats[how] = (s.hits, s.misses, s.read_bytes, s.requested_bytes, s.tokens)
     assert stats["batched"] == stats["one by one"]
 
 
