@@ -2,7 +2,7 @@
 
   runtime      what the process holds before the model's weights load: interpreter, numpy/numba/tokenizers,
                the compiled kernels, the tokenizer, the predictors; measured (RSS), not computed
-  resident     embeddings, attention, norms, head, FFN down bias (float32, always in DRAM)
+  resident     embeddings, attention, norms, head, FFN down bias (in DRAM; matrices float16 with f16/int8 bundles)
   kv cache     keys and values for the whole context (float32)
   buffers      reader gap scratch, kernel scratch, cache bookkeeping (slot maps per neuron), the prefill
                streaming chunk, the heap the prompt's transient arrays leave behind
@@ -107,7 +107,7 @@ def _mib(n: int) -> str:
 
 def resident_bytes_for(cfg: ModelConfig, half: bool = False) -> int:
     """Bytes of every non-FFN tensor (+ FFN down bias and norm) as the runtime keeps them: matrices (embeddings,
-    attention, lm_head) float16 when `half` (model.half_matrix), else float32; norms and biases float32."""
+    attention, lm_head) float16 when `half` (half.half_matrix), else float32; norms and biases float32."""
     d, q, kv = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     matrices = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2) + cfg.n_layers * (d * q + 2 * d * kv + q * d)
     if cfg.pos_offset is not None:

@@ -21,7 +21,7 @@ def open_any(path) -> Checkpoint:
 
 def load_weights(ckpt: Checkpoint, progress: bool = False, skip=lambda name: False, convert=None) -> dict:
     """Tensors as float32, read one by one; `skip(name)` leaves some on flash (the sparse runtime's FFN);
-    `convert` (e.g. model.half_matrix) is applied to each as it is read, so no second copy of the model exists."""
+    `convert` (e.g. half.half_matrix) is applied to each as it is read, so no second copy of the model exists."""
     names = [n for n in ckpt.names() if not skip(n)]
     it = tqdm(names, desc="loading", unit="tensor", disable=not progress, leave=False)
     convert = convert or (lambda a: a)

@@ -13,6 +13,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import UserError
+from .half import half_matrix
 from .kernels import matmul_t
 
 
@@ -81,16 +82,6 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Resident weights in float16: half the DRAM, and half the bytes each decoded token streams through linear()
-
-def half_matrix(a: np.ndarray) -> np.ndarray:
-    """A float32 matrix as float16; anything else (norms, biases: 1-D, small, added rather than multiplied) as is.
-    A matrix with values beyond float16's range (|w| > 65504) stays float32: linear() runs either."""
-    if a.ndim != 2 or a.dtype != np.float32:
-        return a
-    with np.errstate(over="ignore"):  # overflow is checked for just below
-        h = a.astype(np.float16)
-    return a if np.isinf(h).any() and not np.isinf(a).any() else h
-
 
 def half_matrices(weights: dict) -> dict:
     """Every matrix of `weights` (attention, embeddings, lm_head; a dense FFN's too if present) as float16, in place.

@@ -31,9 +31,10 @@ from . import BLAS_THREADS_FROM_USER
 from .budget import (HEAP_SLACK_BYTES, auto_budget_bytes, keep_freed_arrays_out_of_rss, measure_runtime_bytes,
                      plan_budget, resident_bytes_for, staging_rows)
 from .errors import UserError
+from .half import half_matrix
 from .kernels import SparseFFN
 from .loader import is_flashdir, load_weights, open_any
-from .model import FeedForward, ModelConfig, Transformer, half_matrix
+from .model import FeedForward, ModelConfig, Transformer
 from .neuron_cache import NeuronCache
 from .predictor_set import load_predictors
 

@@ -90,8 +90,8 @@ def corpus_chunks(text: str, chunk_chars: int = 1 << 16):
 def model_identity(ckpt) -> dict:
     """{"config": ..., "fingerprint": hex} for a Checkpoint or FlashCheckpoint.
 
-    The fingerprint hashes the embedding and the first layer's norms, rounded to float16: FLASHDIR keeps these
-    resident in float32 exactly as the source (HF dir or GGUF) had them, so a model and its FLASHDIR agree, while
+    The fingerprint hashes the embedding and the first layer's norms, rounded to float16: a FLASHDIR keeps these
+    resident as the source (HF dir or GGUF) had them or rounded to float16, so a model and its FLASHDIR agree, while
     another model (or the same architecture with other weights) does not.
     """
     h = hashlib.blake2b(digest_size=16)

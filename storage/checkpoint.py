@@ -231,6 +231,10 @@ class Checkpoint:
             raise UserError(f"{self.path}: missing tensor '{name}'")
         return self._read(name)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape tensor(name) will have, without reading it."""
+        raise NotImplementedError
+
     def tokenizer(self) -> Tokenizer:
         raise NotImplementedError
 
@@ -281,6 +285,10 @@ class HFCheckpoint(Checkpoint):
     def _read(self, name: str) -> np.ndarray:
         f, hf_name = self._index[name]
         return f.read(hf_name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        f, hf_name = self._index[name]
+        return f.entries[hf_name][2]
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_dir(self.path, self.config)
@@ -369,12 +377,15 @@ class GGUFCheckpoint(Checkpoint):
             a = gguf.quants.dequantize(t.data, t.tensor_type)
         except Exception as e:
             raise UserError(f"cannot dequantize GGUF tensor {t.name} ({t.tensor_type.name}): {e}") from None
-        a = np.asarray(a, dtype=np.float32).reshape(tuple(int(s) for s in reversed(t.shape)))
+        a = np.asarray(a, dtype=np.float32).reshape(self.shape(name))
         if name.endswith("attn.q.weight") or name.endswith("attn.q.bias"):
             a = unpermute_qk(a, self.config.n_heads)
         elif name.endswith("attn.k.weight") or name.endswith("attn.k.bias"):
             a = unpermute_qk(a, self.config.n_kv_heads)
         return a
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(s) for s in reversed(self._index[name].shape))
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_gguf(lambda key, default=None: gguf_field(self.reader, key, default), self.config)

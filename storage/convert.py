@@ -15,11 +15,13 @@ import numpy as np
 from tqdm import tqdm
 
 from flashinfer_lite.errors import UserError
+from flashinfer_lite.half import half_matrix
 
 from .checkpoint import open_checkpoint
 from .files import remove_stale_temp_dirs, temp_path
 from .format import (DTYPES, MANIFEST, FlashLayout, file_checksum, ffn_tensor_names, new_checksum, pack_bundles,
                      read_layout, write_manifest, write_verified_stamp)
+from .safetensors_out import SafetensorsWriter
 
 PACK_NEURONS = 4096   # neurons packed at a time: bounds the extra memory for wide FFNs
 
@@ -82,9 +84,30 @@ def _layer_vectors(ckpt, layout: FlashLayout, layer: int) -> tuple[list[np.ndarr
     return mats, bs
 
 
+def _write_layer(f, ckpt, layout: FlashLayout, layer: int) -> str:
+    """Read, pack and write one layer's bundles at f's position; return the region's checksum. A function so that
+    the layer's float32 matrices are freed on return, before the next layer's are read."""
+    mats, bs = _layer_vectors(ckpt, layout, layer)
+    order = layout.order[layer]
+    h = new_checksum()
+    for a in range(0, layout.n_neurons[layer], PACK_NEURONS):
+        idx = order[a:a + PACK_NEURONS]               # bundle a+j holds original neuron order[a+j]
+        vecs = np.empty((len(idx), layout.n_vec, layout.d), np.float32)                  # [c, n_vec, d]
+        for k, m in enumerate(mats):
+            vecs[:, k] = m[idx]                       # one gathered [c, d] copy at a time
+        bias = np.stack([b[idx] for b in bs], axis=1) if bs else None                   # [c, n_bias]
+        packed = pack_bundles(layout, vecs, bias)
+        del vecs                                      # before the next chunk's is allocated
+        h.update(packed)
+        f.write(packed)
+    return h.hexdigest()
+
+
 def write_flashdir(ckpt, layout: FlashLayout, dest: Path, progress: bool = True) -> None:
-    """Write ffn.bin, resident.safetensors, tokenizer/ and (last) manifest.json into the empty directory dest."""
-    from safetensors.numpy import save_file
+    """Write ffn.bin, resident.safetensors, tokenizer/ and (last) manifest.json into the empty directory dest.
+
+    Memory stays at about one layer whatever the layer count: a layer's FFN is read, packed and written before the
+    next is read, and resident tensors are written one at a time as they are read."""
     bundle_names = {n for i in range(layout.n_layers) for n in ffn_tensor_names(layout, i)}
     resident_names = [n for n in ckpt.names() if n not in bundle_names]
     steps = tqdm(total=layout.n_layers + 2, desc="convert", unit="step", disable=not progress, file=sys.stderr)
@@ -93,31 +116,15 @@ def write_flashdir(ckpt, layout: FlashLayout, dest: Path, progress: bool = True)
         for i in range(layout.n_layers):
             steps.set_postfix_str(f"layer {i}")
             f.write(b"\0" * (layout.offset[i] - f.tell()))  # pad to the 4096-aligned region start
-            mats, bs = _layer_vectors(ckpt, layout, i)
-            order = layout.order[i]
-            h = new_checksum()
-            for a in range(0, layout.n_neurons[i], PACK_NEURONS):
-                idx = order[a:a + PACK_NEURONS]               # bundle a+j holds original neuron order[a+j]
-                vecs = np.stack([m[idx] for m in mats], axis=1).astype(np.float32, copy=False)  # [c, n_vec, d]
-                bias = np.stack([b[idx] for b in bs], axis=1) if bs else None                   # [c, n_bias]
-                packed = pack_bundles(layout, vecs, bias)
-                h.update(packed)
-                f.write(packed.tobytes())
-            layout.checksum.append(h.hexdigest())
+            layout.checksum.append(_write_layer(f, ckpt, layout, i))
             steps.update()
         f.write(b"\0" * (layout.ffn_size - f.tell()))
         f.flush()
         os.fsync(f.fileno())
 
         steps.set_postfix_str("resident")
-        res_path = dest / layout.files["resident"]
-        save_file({n: np.ascontiguousarray(ckpt.tensor(n), dtype=np.float32) for n in resident_names}, str(res_path))
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(res_path, 0o666 & ~umask)   # safetensors creates it 0600; the runtime may run as another user
-        with open(res_path, "rb") as r:
-            os.fsync(r.fileno())
-        layout.resident_checksum = file_checksum(res_path)
+        layout.resident_checksum = write_resident(ckpt, resident_names, dest / layout.files["resident"],
+                                                  half=layout.dtype != "f32")
         steps.update()
 
         steps.set_postfix_str("tokenizer")
@@ -127,6 +134,23 @@ def write_flashdir(ckpt, layout: FlashLayout, dest: Path, progress: bool = True)
         steps.update()
     write_manifest(layout, dest)
     _fsync_dir(dest)
+
+
+def write_resident(ckpt, names: list[str], path: Path, half: bool) -> str:
+    """Write the tensors `names` of ckpt into the safetensors file path, one at a time; return its checksum.
+
+    half (float16 or int8 bundles): matrices float16 by the runtime's rule (flashinfer_lite.half), so the file holds
+    what the runtime keeps in DRAM and is half the size; norms and biases float32. Else everything float32."""
+    store = half_matrix if half else (lambda a: a)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)   # umask applies: the runtime may be another user
+    with open(fd, "wb") as f:
+        out = SafetensorsWriter(f, [(n, ckpt.shape(n)) for n in names])
+        for n in names:
+            out.write(n, store(np.asarray(ckpt.tensor(n), np.float32)))   # dropped once written
+        out.finish()
+        f.flush()
+        os.fsync(f.fileno())
+    return file_checksum(path)
 
 
 def convert(model, output, dtype: str = "f16", force: bool = False, progress: bool = True) -> Path:

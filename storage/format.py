@@ -2,7 +2,8 @@
 
 FLASHDIR/
   manifest.json          format name + version, model config, dtype, bundle geometry, per-layer regions, checksums
-  resident.safetensors   every non-FFN tensor (+ ffn.down.bias, ffn_norm) in canonical names, float32
+  resident.safetensors   every non-FFN tensor (+ ffn.down.bias, ffn_norm) in canonical names; matrices float16 in
+                         f16/int8 FLASHDIRs (flashinfer_lite.half), else float32
   ffn.bin                per layer a 4096-aligned region of n_neurons bundles, `stride` bytes each
   tokenizer/             tokenizer.json + tokenizer_config.json
 

@@ -17,7 +17,7 @@ class FakeTokenizer:
 
 
 class RandomCheckpoint:
-    """The Checkpoint API over random float32 weights: config, names(), tensor(), tokenizer(), path."""
+    """The Checkpoint API over random float32 weights: config, names(), tensor(), shape(), tokenizer(), path."""
 
     def __init__(self, d=40, n=300, n_layers=2, glu=True, bias=True, seed=0):
         rng = np.random.default_rng(seed)
@@ -46,6 +46,9 @@ class RandomCheckpoint:
 
     def tensor(self, name):
         return self.tensors[name].copy()
+
+    def shape(self, name):
+        return self.tensors[name].shape
 
     def tokenizer(self):
         return FakeTokenizer()

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("flashinfer_lite", "storage", "predictors")
 # leaf modules: import no project module but each other, so that storage/ may use them
 LEAVES = {"flashinfer_lite", "flashinfer_lite.errors", "flashinfer_lite.sizes", "flashinfer_lite.config",
-          "flashinfer_lite.untrusted", "flashinfer_lite.tokenizer"}
+          "flashinfer_lite.untrusted", "flashinfer_lite.tokenizer", "flashinfer_lite.half"}
 
 
 

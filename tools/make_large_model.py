@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from storage.safetensors_out import header_bytes  # noqa: E402
 
 STORIES = REPO / "tests" / "data" / "stories260K"
 CHUNK_ELEMS = 32 << 20          # values generated per step (128 MiB of float32)
@@ -62,18 +63,11 @@ def fatrelu_threshold(active: float, gate_std: float, dim: int) -> float:
 
 def write_safetensors(path: Path, plan, seed: int) -> int:
     """Stream every tensor of `plan` as F16 into one safetensors file; returns its size."""
-    header, pos = {}, 0
-    for name, shape, _ in plan:
-        nbytes = int(np.prod(shape)) * 2
-        header[name] = {"dtype": "F16", "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
-        pos += nbytes
-    header["__metadata__"] = {"format": "pt", "generator": "flashinfer-lite tools/make_large_model.py",
-                              "seed": str(seed)}
-    hb = json.dumps(header).encode()
-    hb += b" " * (-len(hb) % 8)
-    total = 8 + len(hb) + pos
+    meta = {"format": "pt", "generator": "flashinfer-lite tools/make_large_model.py", "seed": str(seed)}
+    head = header_bytes([(name, np.float16, shape) for name, shape, _ in plan], meta)
+    total = len(head) + sum(int(np.prod(shape)) * 2 for _, shape, _ in plan)
     with open(path, "wb") as f, tqdm(total=total, unit="B", unit_scale=True, desc="weights", file=sys.stderr) as bar:
-        f.write(len(hb).to_bytes(8, "little") + hb)
+        f.write(head)
         for k, (name, shape, std) in enumerate(plan):
             # one generator per tensor: a tensor's values do not depend on the others' sizes
             rng = np.random.default_rng([seed, k])
