@@ -18,7 +18,7 @@ from flashinfer_lite.loader import load_weights
 from flashinfer_lite.model import Transformer
 from flashinfer_lite.runtime import load_runtime
 from storage.checkpoint import SafetensorsFile, open_checkpoint
-from storage.convert import convert, plan_layout, write_flashdir
+from storage.convert import convert, layout_for, write_flashdir
 from storage.format import FlashCheckpoint, verify
 from storage.safetensors_out import SafetensorsWriter
 from test_model_oracle import incremental_logits
@@ -100,7 +100,7 @@ def test_a_matrix_beyond_float16_stays_float32(tmp_path):
     ckpt.tensors["embed.weight"][3, 4] = 1e5
     ckpt.tensors["lm_head.weight"] = np.random.default_rng(1).standard_normal((16, 40), np.float32)
     (tmp_path / "f").mkdir()
-    write_flashdir(ckpt, plan_layout(ckpt, "f16"), tmp_path / "f", progress=False)
+    write_flashdir(ckpt, layout_for(ckpt, "f16"), tmp_path / "f", progress=False)
     with safe_open(str(tmp_path / "f" / "resident.safetensors"), "np") as f:
         assert f.get_tensor("embed.weight").dtype == np.float32
         assert f.get_tensor("lm_head.weight").dtype == np.float16
