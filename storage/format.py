@@ -547,5 +547,9 @@ class FlashCheckpoint:
         self._cached_layer = (layer, out)
         return out
 
+    def release(self) -> None:
+        """Drop the cached FFN layer (layer-streaming: the next layer's bundles load without it)."""
+        self._cached_layer = None
+
     def tokenizer(self):
         return Tokenizer.from_dir(self.flashdir / self.layout.files["tokenizer"], self.config)
