@@ -72,7 +72,7 @@ def whole_model_collect(model, corpus_file, n_tokens, ctx, rows, seed, shard_row
         kept += len(sel)
         if sum(len(x) for x in pending[0]["x"]) >= shard_rows:
             flush()
-    if pending[0]["x"] and sum(len(x) for x in pending[0]["x"]):
+    if sum(len(x) for x in pending[0]["x"]):
         flush()
     return stats, shards, kept
 
