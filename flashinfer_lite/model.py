@@ -75,6 +75,22 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+def rope_tables(inv_freq: np.ndarray | None, pos0: int, T: int) -> tuple | None:
+    """(cos, sin) [T, 1, hd/2] for positions pos0..pos0+T-1; None for a model without rotary embeddings."""
+    if inv_freq is None:
+        return None
+    ang = np.arange(pos0, pos0 + T, dtype=np.float64)[:, None] * inv_freq[None, :]  # [T, hd/2]
+    return np.cos(ang).astype(np.float32)[:, None, :], np.sin(ang).astype(np.float32)[:, None, :]
+
+
+def norm(cfg: ModelConfig, x: np.ndarray, wb: tuple) -> np.ndarray:
+    """The model's norm (RMSNorm or LayerNorm) with weight and bias wb = (w, b)."""
+    w, b = wb
+    if cfg.norm == "rms":
+        return rms_norm(x, w, cfg.norm_eps)
+    return layer_norm(x, w, b, cfg.norm_eps)
+
+
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     e = np.exp(x - x.max(axis=axis, keepdims=True))
     return e / e.sum(axis=axis, keepdims=True)
@@ -97,8 +113,10 @@ def half_matrices(weights: dict) -> dict:
 # KV cache: preallocated for the whole context, so decoding never reallocates
 
 class KVCache:
-    def __init__(self, cfg: ModelConfig, capacity: int):
-        shape = (cfg.n_layers, capacity, cfg.n_kv_heads, cfg.head_dim)  # [L, S, Hkv, hd]
+    def __init__(self, cfg: ModelConfig, capacity: int, n_layers: int | None = None):
+        # n_layers: the model's by default; 1 when layers run one at a time (predictors/layerwise.py)
+        L = cfg.n_layers if n_layers is None else n_layers
+        shape = (L, capacity, cfg.n_kv_heads, cfg.head_dim)  # [L, S, Hkv, hd]
         self.k = np.zeros(shape, np.float32)
         self.v = np.zeros(shape, np.float32)
         self.capacity = capacity
@@ -116,9 +134,10 @@ class KVCache:
 # Attention and feed-forward
 
 class Attention:
-    def __init__(self, cfg: ModelConfig, w: Mapping[str, np.ndarray], layer: int):
+    def __init__(self, cfg: ModelConfig, w: Mapping[str, np.ndarray], layer: int, kv_slot: int | None = None):
         p = f"layers.{layer}.attn."
         self.cfg, self.layer = cfg, layer
+        self.slot = layer if kv_slot is None else kv_slot    # this layer's row in the KV cache
         self.wq, self.wk, self.wv, self.wo = (w[p + n + ".weight"] for n in "qkvo")
         self.bq, self.bk, self.bv, self.bo = (w.get(p + n + ".bias") for n in "qkvo")
 
@@ -131,10 +150,10 @@ class Attention:
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         S = pos0 + T
-        kv.k[self.layer, pos0:S] = k
-        kv.v[self.layer, pos0:S] = v
-        K = kv.k[self.layer, :S].transpose(1, 2, 0)            # [Hkv, hd, S]
-        Vv = kv.v[self.layer, :S].transpose(1, 0, 2)           # [Hkv, S, hd]
+        kv.k[self.slot, pos0:S] = k
+        kv.v[self.slot, pos0:S] = v
+        K = kv.k[self.slot, :S].transpose(1, 2, 0)             # [Hkv, hd, S]
+        Vv = kv.v[self.slot, :S].transpose(1, 0, 2)            # [Hkv, S, hd]
         g = H // Hkv
         qg = q.reshape(T, Hkv, g, hd).transpose(1, 2, 0, 3)    # [Hkv, g, T, hd]
         scores = (qg @ K[:, None]) * (1.0 / math.sqrt(hd))     # [Hkv, g, T, S]
@@ -200,6 +219,45 @@ class FeedForward:
 FFNFn = Callable[[int, np.ndarray], np.ndarray]  # (layer, x [T, d]) -> y [T, d]
 
 
+class Block:
+    """One decoder layer over the canonical weights `layers.{layer}.*`: attention and the FFN, each with its norm
+    (before it, or after the residual add for post-norm models). Needs only that layer's weights, so layers can
+    also be run one at a time (predictors/layerwise.py); kv_slot is the layer's row in the KV cache (default: layer).
+    """
+
+    def __init__(self, cfg: ModelConfig, w: Mapping[str, np.ndarray], layer: int, kv_slot: int | None = None):
+        self.cfg, self.layer = cfg, layer
+        self.attn = Attention(cfg, w, layer, kv_slot)
+        self.attn_norm = (w.get(f"layers.{layer}.attn_norm.weight"), w.get(f"layers.{layer}.attn_norm.bias"))
+        self.ffn_norm = (w.get(f"layers.{layer}.ffn_norm.weight"), w.get(f"layers.{layer}.ffn_norm.bias"))
+
+    def __call__(self, x: np.ndarray, kv: KVCache, pos0: int, rope, ffn: FFNFn) -> np.ndarray:
+        cfg, i = self.cfg, self.layer
+        if cfg.pre_norm:
+            h = x + self.attn(norm(cfg, x, self.attn_norm), kv, pos0, rope)
+            return h + ffn(i, norm(cfg, h, self.ffn_norm))
+        h = norm(cfg, x + self.attn(x, kv, pos0, rope), self.attn_norm)
+        return norm(cfg, h + ffn(i, h), self.ffn_norm)
+
+
+def embed_tokens(cfg: ModelConfig, embed: np.ndarray, pos_embed: np.ndarray | None, tokens: np.ndarray,
+                 pos0: int) -> np.ndarray:
+    """Hidden states [T, d] of tokens [T] at positions pos0..: token embeddings (plus OPT's learned positions)."""
+    if tokens.min() < 0 or tokens.max() >= cfg.vocab_size:
+        raise UserError(f"token id out of range for vocabulary of {cfg.vocab_size}")
+    x = embed[tokens].astype(np.float32)                                    # [T, d]
+    if pos_embed is not None:
+        x = x + pos_embed[pos0 + cfg.pos_offset: pos0 + len(tokens) + cfg.pos_offset]
+    return x
+
+
+def output_logits(cfg: ModelConfig, x: np.ndarray, final_norm: tuple, lm_head: np.ndarray) -> np.ndarray:
+    """Logits [T, V] of the last layer's hidden states [T, d]: the final norm (if the model has one), lm_head."""
+    if final_norm[0] is not None:
+        x = norm(cfg, x, final_norm)
+    return linear(x, lm_head)
+
+
 class Transformer:
     """Decoder-only transformer over canonical weight names (see checkpoint.py).
 
@@ -215,11 +273,7 @@ class Transformer:
         self.pos_embed = w.get("pos_embed.weight")                              # [P, d] (OPT)
         self.lm_head = self.embed if cfg.tie_embeddings else w["lm_head.weight"]  # [V, d]
         self.norm_w, self.norm_b = w.get("norm.weight"), w.get("norm.bias")
-        self.attn = [Attention(cfg, w, i) for i in range(cfg.n_layers)]
-        self.attn_norm = [(w.get(f"layers.{i}.attn_norm.weight"), w.get(f"layers.{i}.attn_norm.bias"))
-                          for i in range(cfg.n_layers)]
-        self.ffn_norm = [(w.get(f"layers.{i}.ffn_norm.weight"), w.get(f"layers.{i}.ffn_norm.bias"))
-                         for i in range(cfg.n_layers)]
+        self.blocks = [Block(cfg, w, i) for i in range(cfg.n_layers)]
         self.dense_ffn = None
         if ffn is None:
             self.dense_ffn = [FeedForward(cfg, w, i) for i in range(cfg.n_layers)]
@@ -230,24 +284,8 @@ class Transformer:
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(self.cfg, capacity)
 
-    def _norm(self, x: np.ndarray, wb: tuple) -> np.ndarray:
-        w, b = wb
-        if self.cfg.norm == "rms":
-            return rms_norm(x, w, self.cfg.norm_eps)
-        return layer_norm(x, w, b, self.cfg.norm_eps)
-
-    def _rope(self, pos0: int, T: int) -> tuple | None:
-        if self.inv_freq is None:
-            return None
-        ang = np.arange(pos0, pos0 + T, dtype=np.float64)[:, None] * self.inv_freq[None, :]  # [T, hd/2]
-        return np.cos(ang).astype(np.float32)[:, None, :], np.sin(ang).astype(np.float32)[:, None, :]
-
     def block(self, i: int, x: np.ndarray, kv: KVCache, pos0: int, rope) -> np.ndarray:
-        if self.cfg.pre_norm:
-            h = x + self.attn[i](self._norm(x, self.attn_norm[i]), kv, pos0, rope)
-            return h + self.ffn(i, self._norm(h, self.ffn_norm[i]))
-        h = self._norm(x + self.attn[i](x, kv, pos0, rope), self.attn_norm[i])
-        return self._norm(h + self.ffn(i, h), self.ffn_norm[i])
+        return self.blocks[i](x, kv, pos0, rope, self.ffn)
 
     def forward(self, tokens, kv: KVCache, all_logits: bool = False) -> np.ndarray:
         """Run tokens [T] at positions kv.length.. and append them to the cache. Returns logits [T, V] or [V]."""
@@ -257,18 +295,12 @@ class Transformer:
             raise UserError("empty input: nothing to evaluate")
         if pos0 + T > kv.capacity:
             raise UserError(f"context overflow: {pos0 + T} tokens do not fit the context of {kv.capacity}")
-        if tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size:
-            raise UserError(f"token id out of range for vocabulary of {self.cfg.vocab_size}")
-        x = self.embed[tokens].astype(np.float32)                                # [T, d]
-        if self.pos_embed is not None:
-            x = x + self.pos_embed[pos0 + self.cfg.pos_offset: pos0 + T + self.cfg.pos_offset]
-        rope = self._rope(pos0, T)
+        x = embed_tokens(self.cfg, self.embed, self.pos_embed, tokens, pos0)    # [T, d]
+        rope = rope_tables(self.inv_freq, pos0, T)
         for i in range(self.cfg.n_layers):
             x = self.block(i, x, kv, pos0, rope)
         kv.length = pos0 + T
         if not all_logits:
             x = x[-1:]
-        if self.norm_w is not None:
-            x = self._norm(x, (self.norm_w, self.norm_b))
-        logits = linear(x, self.lm_head)                                         # [T, V]
+        logits = output_logits(self.cfg, x, (self.norm_w, self.norm_b), self.lm_head)  # [T, V]
         return logits if all_logits else logits[0]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,6 +111,50 @@ def check_same_model(acts_identity: dict, ckpt, acts_dir, model_path) -> None:
         what = "config" if mine["config"] != acts_identity.get("config") else "weights"
         raise UserError(f"activations in {acts_dir} were collected from another model than {model_path} "
                         f"(the {what} differ): re-run `flashinfer-lite collect -m {model_path}`")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Writing shards
+
+_ST_NAMES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}
+
+
+class ShardWriter:
+    """A safetensors file laid out before its tensors are computed: the header and the file's size are written
+    first, then rows land in place (os.pwrite) as they come, so no shard is ever whole in memory.
+
+    `tensors` maps name -> (dtype, shape); they are stored in that order, so list the wider dtypes first to keep
+    every tensor aligned to its item size."""
+
+    def __init__(self, path, tensors: dict[str, tuple[np.dtype, tuple[int, ...]]]):
+        self.path = Path(path)
+        header, self.where, pos = {}, {}, 0
+        for name, (dtype, shape) in tensors.items():
+            dtype = np.dtype(dtype)
+            nbytes = int(np.prod(shape)) * dtype.itemsize
+            header[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+            self.where[name] = (dtype, tuple(shape), pos)
+            pos += nbytes
+        head = json.dumps(header, separators=(",", ":")).encode()
+        head += b" " * (-len(head) % 8)            # the data starts 8-byte aligned, as safetensors writes it
+        self.data_start = 8 + len(head)
+        with open(self.path, "wb") as f:
+            f.write(len(head).to_bytes(8, "little") + head)
+            f.truncate(self.data_start + pos)      # sparse until the rows arrive
+
+    def write_rows(self, name: str, row0: int, rows: np.ndarray) -> None:
+        """Rows row0.. of tensor `name` (a 2-D tensor of the dtype and width declared)."""
+        dtype, shape, pos = self.where[name]
+        assert rows.dtype == dtype and rows.shape[1:] == shape[1:] and row0 + len(rows) <= shape[0], name
+        buf = memoryview(np.ascontiguousarray(rows)).cast("B")
+        offset = self.data_start + pos + row0 * (buf.nbytes // max(1, len(rows)))
+        fd = os.open(self.path, os.O_WRONLY)    # opened per write: a long collection has more shards than fds
+        try:
+            done = 0
+            while done < buf.nbytes:
+                done += os.pwrite(fd, buf[done:], offset + done)
+        finally:
+            os.close(fd)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

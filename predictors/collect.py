@@ -1,7 +1,8 @@
 """`flashinfer-lite collect -m MODEL --corpus FILE [FILE...] --tokens N -o ACTS`: record what the FFNs see and do.
 
-Runs the dense model over the corpus in windows of --ctx tokens (batched prefill: collection needs no decode path)
-and records, per layer:
+Runs the dense model over the corpus in windows of --ctx tokens (batched prefill: collection needs no decode path),
+layer by layer (predictors/layerwise.py: one layer's weights in memory, so the model may be bigger than RAM), and
+records, per layer:
   - a uniform sample of token rows: FFN input x [d] and |a| [n] (written to safetensors shards as it goes, so memory
     stays bounded whatever N is),
   - over every token: the histogram of |a| (counts and mass, for CATS/TEAL-style thresholds) and how often each
@@ -17,14 +18,13 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from flashinfer_lite.errors import UserError
-from flashinfer_lite.loader import load_weights, open_any
-from flashinfer_lite.model import FeedForward, Transformer, linear
+from flashinfer_lite.loader import open_any
 
-from .acts import (ACTS_FORMAT, ACTS_VERSION, MANIFEST, N_BINS, corpus_chunks, histogram, model_identity,
-                   read_corpus)
+from .acts import (ACTS_FORMAT, ACTS_VERSION, MANIFEST, N_BINS, ShardWriter, corpus_chunks, histogram,
+                   model_identity, read_corpus)
+from .layerwise import LayerStream
 
 DEFAULT_ROWS = 8192        # sampled token rows kept per layer (training set of the predictors)
 SHARD_ROWS = 1024          # rows per shard file
@@ -51,43 +51,68 @@ def run(args) -> int:
     return 0
 
 
-class Recorder:
-    """The FFN callable during collection: dense math, plus statistics and the sampled rows."""
+class RowPlan:
+    """Which token rows of each window are sampled, and where they are stored.
 
-    def __init__(self, cfg, weights):
-        self.cfg = cfg
-        self.ffns = [FeedForward(cfg, weights, i) for i in range(cfg.n_layers)]
+    The draws are made window by window in corpus order (rng.random(len(window)) < p_keep, at most `rows` kept in
+    all), and a shard is closed after the window at which SHARD_ROWS or more rows are pending (and at the end), as
+    when windows ran through the whole model one after another. Known before any layer runs, so every layer's rows
+    of a window go straight to their place in their shard."""
+
+    def __init__(self, lengths: list[int], n_tokens: int, rows: int, seed: int):
+        rng = np.random.default_rng(seed)
+        p_keep = min(1.0, rows / n_tokens)
+        self.sel: list[np.ndarray] = []       # per window: its sampled rows
+        self.shard: list[int] = []            # per window: its shard (-1: nothing sampled after the last shard)
+        self.row0: list[int] = []             # per window: where its rows start in the shard
+        self.shard_rows: list[int] = []       # per shard: rows
+        kept = pending = 0
+        for T in lengths:
+            sel = np.flatnonzero(rng.random(T) < p_keep)
+            sel = sel[: max(0, rows - kept)]
+            self.sel.append(sel)
+            self.shard.append(len(self.shard_rows))
+            self.row0.append(pending)
+            kept += len(sel)
+            pending += len(sel)
+            if pending >= SHARD_ROWS:
+                self.shard_rows.append(pending)
+                pending = 0
+        if pending:
+            self.shard_rows.append(pending)
+        self.shard = [s if s < len(self.shard_rows) else -1 for s in self.shard]
+        self.kept = kept
+
+
+class Recorder:
+    """The per-layer hook during collection: statistics over every token, and the sampled rows written into the
+    shards in place."""
+
+    def __init__(self, cfg, plan: RowPlan, shards: list[ShardWriter]):
         L, n = cfg.n_layers, cfg.ffn_dim
+        self.plan, self.shards = plan, shards
         self.hist_count = np.zeros((L, N_BINS))
         self.hist_mass = np.zeros((L, N_BINS))
         self.nonzero = np.zeros((L, n), np.int64)
-        self.sample_rows: np.ndarray = np.zeros(0, np.int64)   # rows of the current window to keep
-        self.pending: list[dict[str, list]] = [{"x": [], "a": []} for _ in range(L)]
 
-    def __call__(self, layer: int, x: np.ndarray) -> np.ndarray:
-        f = self.ffns[layer]
-        a = f.activations(x)                                  # [T, n]
-        absa = np.abs(a)
+    def __call__(self, layer: int, window: int, x: np.ndarray, a: np.ndarray) -> None:
+        absa = np.abs(a)                                      # [T, n]
         c, m = histogram(absa)
         self.hist_count[layer] += c
         self.hist_mass[layer] += m
         self.nonzero[layer] += (absa > 0).sum(axis=0)
-        if len(self.sample_rows):
-            self.pending[layer]["x"].append(x[self.sample_rows].astype(np.float32))
-            self.pending[layer]["a"].append(np.minimum(absa[self.sample_rows], 65504.0).astype(np.float16))
-        return linear(a, f.w_down, f.b_down)
+        sel = self.plan.sel[window]
+        if len(sel):
+            shard, row0 = self.shards[self.plan.shard[window]], self.plan.row0[window]
+            shard.write_rows(f"layers.{layer}.x", row0, x[sel].astype(np.float32))
+            shard.write_rows(f"layers.{layer}.a", row0, np.minimum(absa[sel], 65504.0).astype(np.float16))
 
-    def pending_rows(self) -> int:
-        return sum(len(x) for x in self.pending[0]["x"])
 
-    def take(self) -> dict[str, np.ndarray]:
-        out = {}
-        for i, p in enumerate(self.pending):
-            out[f"layers.{i}.x"] = np.concatenate(p["x"])
-            out[f"layers.{i}.a"] = np.concatenate(p["a"])
-            p["x"].clear()
-            p["a"].clear()
-        return out
+def shard_tensors(cfg, rows: int) -> dict:
+    """The tensors of a shard of `rows` rows: float32 x first, then float16 |a| (each aligned to its item size)."""
+    L, d, n = cfg.n_layers, cfg.dim, cfg.ffn_dim
+    return {**{f"layers.{i}.x": (np.float32, (rows, d)) for i in range(L)},
+            **{f"layers.{i}.a": (np.float16, (rows, n)) for i in range(L)}}
 
 
 def token_windows(tokenizer, text: str, n_tokens: int, ctx: int, bos: int | None):
@@ -111,9 +136,6 @@ def token_windows(tokenizer, text: str, n_tokens: int, ctx: int, bos: int | None
 
 def collect(model, corpus, n_tokens: int, output, ctx: int = 256, rows: int = DEFAULT_ROWS, seed: int = 0,
             force: bool = False, progress: bool = True) -> Path:
-    from safetensors.numpy import save_file
-
-
     if n_tokens <= 0:
         raise UserError(f"--tokens must be positive (got {n_tokens})")
     if ctx < 2:
@@ -134,51 +156,30 @@ def collect(model, corpus, n_tokens: int, output, ctx: int = 256, rows: int = DE
     cfg = ckpt.config
     tokenizer = ckpt.tokenizer()
     ctx = min(ctx, cfg.max_pos)
-    weights = load_weights(ckpt, progress)
     identity = model_identity(ckpt)
-    rec = Recorder(cfg, weights)
-    tf = Transformer(cfg, weights, ffn=rec)
-    kv = tf.new_cache(ctx)
-    rng = np.random.default_rng(seed)
-    p_keep = min(1.0, rows / n_tokens)
+    windows = list(token_windows(tokenizer, text.text, n_tokens, ctx, cfg.bos_id))
+    seen = sum(len(w) for w in windows)
+    if seen == 0:
+        raise UserError(f"the corpus gives no tokens: {', '.join(text.files)}")
+    plan = RowPlan([len(w) for w in windows], n_tokens, rows, seed)
+    if not plan.shard_rows:
+        raise UserError("no token rows were sampled (raise --tokens or --rows)")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        shards: list[str] = []
-        seen = windows = kept = 0
-
-        def flush():
-            name = f"shard-{len(shards):05d}.safetensors"
-            save_file(rec.take(), str(tmp / name))
-            shards.append(name)
-
-        bar = tqdm(total=n_tokens, desc="collect", unit="tok", disable=not progress, file=sys.stderr)
-        for w in token_windows(tokenizer, text.text, n_tokens, ctx, cfg.bos_id):
-            sel = np.flatnonzero(rng.random(len(w)) < p_keep)
-            sel = sel[: max(0, rows - kept)]
-            rec.sample_rows = sel
-            kv.reset()
-            tf.forward(w, kv)
-            kept += len(sel)
-            seen += len(w)
-            windows += 1
-            bar.update(len(w))
-            if rec.pending_rows() >= SHARD_ROWS:
-                flush()
-        bar.close()
-        if seen == 0:
-            raise UserError(f"the corpus gives no tokens: {', '.join(text.files)}")
-        if rec.pending_rows():
-            flush()
-        if not shards:
-            raise UserError("no token rows were sampled (raise --tokens or --rows)")
+        shards = [f"shard-{k:05d}.safetensors" for k in range(len(plan.shard_rows))]
+        writers = [ShardWriter(tmp / name, shard_tensors(cfg, r)) for name, r in zip(shards, plan.shard_rows)]
+        rec = Recorder(cfg, plan, writers)
+        # layer by layer over all windows: one layer's weights in memory, whatever the model's size
+        with LayerStream(ckpt, windows, progress=progress, desc="collect") as stream:
+            stream.run(rec)
         manifest = {
             "format": ACTS_FORMAT, "version": ACTS_VERSION, "identity": identity, "model": str(model),
-            "corpus": text.files, "replaced_bytes": text.replaced_bytes, "tokens": seen, "windows": windows,
-            "ctx": ctx, "rows": kept, "seed": seed, "shards": shards,
+            "corpus": text.files, "replaced_bytes": text.replaced_bytes, "tokens": seen,
+            "windows": len(windows), "ctx": ctx, "rows": plan.kept, "seed": seed, "shards": shards,
             "hist_count": rec.hist_count.tolist(), "hist_mass": rec.hist_mass.tolist(),
             "nonzero_count": rec.nonzero.tolist(),
         }

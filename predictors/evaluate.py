@@ -1,8 +1,10 @@
 """`flashinfer-lite eval -m FLASHDIR --corpus FILE --ffn dense|oracle|predicted [--tokens N] [--json]`.
 
 Runs the model built by `flashinfer_lite.runtime.load_runtime` (the one generation uses), one token at a time through
-`model.forward([t], kv)` (the decode path), in windows of --ctx tokens that each start from an empty cache, next to
-the dense model on the same tokens. Reports perplexity (and the dense one), top-1 agreement with dense, the mean
+`model.forward([t], kv)` (the decode path), in windows of --ctx tokens that each start from an empty cache, against
+the dense model on the same tokens. The dense reference is computed first, layer by layer over all windows
+(predictors/layerwise.py), so it never needs the whole model in memory; `--ffn dense` is that reference alone (its
+ms_per_token: the layer-streamed batched pass, weight loads included, per token). Reports perplexity (and the dense one), top-1 agreement with dense, the mean
 share of neurons computed per layer, the share the predictors selected (what has to be read from flash), and the
 predictors' time and memory.
 """
@@ -17,10 +19,14 @@ import numpy as np
 from tqdm import tqdm
 
 from flashinfer_lite.errors import UserError
-from flashinfer_lite.runtime import load_runtime
+from flashinfer_lite.loader import open_any
+from flashinfer_lite.model import half_matrix
+from flashinfer_lite.runtime import FFN_MODES, load_runtime
+from storage.format import FlashCheckpoint
 
 from .acts import read_corpus
 from .collect import token_windows
+from .layerwise import LayerStream
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,46 +47,73 @@ def run(args) -> int:
     return 0
 
 
-def log_softmax_at(logits: np.ndarray, target: int) -> float:
+def log_probs_at(logits: np.ndarray, targets) -> np.ndarray:
+    """log softmax(logits[t])[targets[t]] per row t, in float64: logits [T, V], targets [T] -> [T]."""
     z = logits.astype(np.float64)
-    m = z.max()
-    return float(z[target] - m - np.log(np.exp(z - m).sum()))
+    m = z.max(axis=-1, keepdims=True)
+    lse = np.log(np.exp(z - m).sum(axis=-1))
+    return z[np.arange(len(z)), np.asarray(targets, np.int64)] - m[:, 0] - lse
+
+
+def log_softmax_at(logits: np.ndarray, target: int) -> float:
+    return float(log_probs_at(logits[None, :], [target])[0])
+
+
+def dense_reference(ckpt, windows, progress: bool = True) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per window w, the dense model's log-probability of each next token and its top-1 token ([len(w) - 1] each).
+
+    Layer by layer over all windows (predictors/layerwise.py): one layer's weights in memory, so the model may be
+    bigger than RAM. Each window as one batch from an empty cache: the decode path's logits to float rounding.
+    As load_runtime's dense model, a float16 FLASHDIR runs with float16 matrices, anything else in float32."""
+    half = isinstance(ckpt, FlashCheckpoint) and ckpt.layout.dtype != "f32"
+    out = []
+    with LayerStream(ckpt, windows, convert=half_matrix if half else None, progress=progress,
+                     desc="eval dense") as stream:
+        stream.run()
+        for k, logits in stream.logits():
+            out.append((log_probs_at(logits[:-1], windows[k][1:]), np.argmax(logits[:-1], axis=-1)))
+    return out
 
 
 def evaluate(model_path, corpus, ffn: str, n_tokens: int = 2048, ctx: int = 256, progress: bool = True) -> dict:
-
-
     if n_tokens < 2:
         raise UserError(f"--tokens must be at least 2 (got {n_tokens})")
+    if ffn not in FFN_MODES:
+        raise UserError(f"unknown --ffn mode '{ffn}' (choose from {', '.join(FFN_MODES)})")
     text = read_corpus(corpus)
     if text.replaced_bytes:
         print(f"warning: {text.replaced_bytes} bytes of the corpus are not valid UTF-8; decoded with replacement "
               f"(U+FFFD)", file=sys.stderr)
-    model, tokenizer, runtime = load_runtime(model_path, ffn=ffn)
-    dense = model if ffn == "dense" else load_runtime(model_path, ffn="dense")[0]
-    cfg = model.cfg
+    ckpt = open_any(model_path)
+    cfg = ckpt.config
     ctx = min(ctx, cfg.max_pos)
-    kv, kv_dense = model.new_cache(ctx), dense.new_cache(ctx)
-    nll = nll_dense = 0.0
-    n_pred = agree = 0
-    t_model = 0.0
-    bar = tqdm(total=n_tokens, desc=f"eval {ffn}", unit="tok", disable=not progress, file=sys.stderr)
-    for w in token_windows(tokenizer, text.text, n_tokens, ctx, cfg.bos_id):
-        kv.reset()
-        kv_dense.reset()
-        for j in range(len(w) - 1):
-            t0 = time.perf_counter()
-            logits = model.forward([w[j]], kv)          # the decode path: one token at a time
-            t_model += time.perf_counter() - t0
-            ref = logits if dense is model else dense.forward([w[j]], kv_dense)
-            nll -= log_softmax_at(logits, w[j + 1])
-            nll_dense -= log_softmax_at(ref, w[j + 1])
-            agree += int(np.argmax(logits) == np.argmax(ref))
-            n_pred += 1
-        bar.update(len(w))
-    bar.close()
+    windows = list(token_windows(ckpt.tokenizer(), text.text, n_tokens, ctx, cfg.bos_id))
+    n_pred = sum(max(0, len(w) - 1) for w in windows)
     if n_pred == 0:
         raise UserError(f"the corpus gives too few tokens to evaluate: {', '.join(text.files)}")
+    # the dense reference first, then the mode's model: the two are never in memory together
+    t0 = time.perf_counter()
+    ref = dense_reference(ckpt, windows, progress)
+    t_dense = time.perf_counter() - t0
+    nll_dense = -sum(float(lp.sum()) for lp, _ in ref)
+    runtime = None
+    if ffn == "dense":
+        nll, agree, t_model = nll_dense, n_pred, t_dense
+    else:
+        model, _, runtime = load_runtime(model_path, ffn=ffn)
+        kv = model.new_cache(ctx)
+        nll, agree, t_model = 0.0, 0, 0.0
+        bar = tqdm(total=n_pred, desc=f"eval {ffn}", unit="tok", disable=not progress, file=sys.stderr)
+        for w, (_, top1) in zip(windows, ref):
+            kv.reset()
+            for j in range(len(w) - 1):
+                t0 = time.perf_counter()
+                logits = model.forward([w[j]], kv)          # the decode path: one token at a time
+                t_model += time.perf_counter() - t0
+                nll -= log_softmax_at(logits, w[j + 1])
+                agree += int(np.argmax(logits) == top1[j])
+            bar.update(len(w) - 1)
+        bar.close()
     res = {"model": str(model_path), "ffn": ffn, "corpus": text.files, "replaced_bytes": text.replaced_bytes,
            "tokens": n_pred, "perplexity": float(np.exp(nll / n_pred)),
            "dense_perplexity": float(np.exp(nll_dense / n_pred)), "top1_agreement": agree / n_pred,

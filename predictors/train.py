@@ -278,7 +278,7 @@ def train(acts_dir, flashdir, rank=None, max_rank=None, target_recall=0.99, max_
         elif not thresholds_only:
             if len(x) < 20:
                 raise UserError(f"{acts_dir} holds only {len(x)} sampled rows: collect more (--tokens / --rows)")
-            importance = np.linalg.norm(ckpt.tensor(f"layers.{i}.ffn.down.weight"), axis=0)    # [n] |down_i|
+            importance = ckpt.vector_norms(i, "down")             # [n] |down_i|, read in chunks
             m, (W1, W2, b) = train_layer(x, absa, t, importance, rank, max_rank, target_recall, max_ratio, steps,
                                          seed + i)
             card.update(m)

@@ -10,6 +10,7 @@ and every path stays inside the model directory.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
 from pathlib import Path
@@ -238,6 +239,10 @@ class Checkpoint:
     def tokenizer(self) -> Tokenizer:
         raise NotImplementedError
 
+    def release(self) -> None:
+        """Let go of what reading tensors left in memory (nothing here): layer-streaming calls this after each
+        layer so that no layer's bytes outlive its turn."""
+
     def check_complete(self) -> None:
         """Every tensor the math needs is present (a clear error now instead of a KeyError mid-load)."""
         c, need = self.config, ["embed.weight"]
@@ -386,6 +391,12 @@ class GGUFCheckpoint(Checkpoint):
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(s) for s in reversed(self._index[name].shape))
+
+    def release(self) -> None:
+        # the file is memory-mapped read-only: its pages read so far count in RSS until dropped (re-read on demand)
+        mm = getattr(self.reader.data, "_mmap", None)
+        if mm is not None and hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            mm.madvise(mmap.MADV_DONTNEED)
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_gguf(lambda key, default=None: gguf_field(self.reader, key, default), self.config)

@@ -528,8 +528,7 @@ class FlashCheckpoint:
             raw = os.pread(f.fileno(), L.region_bytes(layer), off)
         h = new_checksum()
         h.update(raw)
-        if len(raw) != L.region_bytes(layer) or h.hexdigest() != L.checksum[layer]:
-            raise UserError(f"{L.ffn_path}: checksum mismatch in layer {layer}: the file is damaged; re-run convert")
+        self._check_region(layer, h, len(raw) == L.region_bytes(layer))
         vecs, biases = unpack_bundles(L, np.frombuffer(raw, np.uint8).reshape(n, L.stride))
         # Bundle b holds original neuron order[b]: scatter back to original rows.
         inv = np.empty(n, np.int64)
@@ -538,6 +537,39 @@ class FlashCheckpoint:
         out = bundle_tensors(L, layer, vecs, biases)
         self._cached_layer = (layer, out)
         return out
+
+    def vector_norms(self, layer: int, vector: str = "down", chunk_bytes: int = 64 << 20) -> np.ndarray:
+        """||v_i|| float32 [n] of one FFN vector of every neuron (e.g. the down column), in original neuron order.
+
+        Read in chunks of bundles, so memory stays at one chunk whatever the layer's size; the region's checksum is
+        checked over the same bytes."""
+        L, k = self.layout, self.layout.vectors.index(vector)
+        n, off = L.n_neurons[layer], L.offset[layer]
+        step = max(1, chunk_bytes // L.stride)
+        norms = np.empty(n, np.float32)
+        h, complete = new_checksum(), True
+        with open(L.ffn_path, "rb") as f:
+            for b0 in range(0, n, step):
+                m = min(step, n - b0)
+                raw = os.pread(f.fileno(), m * L.stride, off + b0 * L.stride)
+                h.update(raw)
+                complete = len(raw) == m * L.stride
+                if not complete:
+                    break
+                vecs, _ = unpack_bundles(L, np.frombuffer(raw, np.uint8).reshape(m, L.stride))
+                norms[L.order[layer][b0:b0 + m]] = np.linalg.norm(vecs[:, k, :], axis=1)
+        self._check_region(layer, h, complete)
+        return norms
+
+    def _check_region(self, layer: int, h, complete: bool) -> None:
+        """Never hand out damaged weights: the region read whole (complete) and its checksum h as the manifest's."""
+        L = self.layout
+        if not complete or h.hexdigest() != L.checksum[layer]:
+            raise UserError(f"{L.ffn_path}: checksum mismatch in layer {layer}: the file is damaged; re-run convert")
+
+    def release(self) -> None:
+        """Drop the cached FFN layer (layer-streaming: the next layer's bundles load without it)."""
+        self._cached_layer = None
 
     def tokenizer(self):
         return Tokenizer.from_dir(self.flashdir / self.layout.files["tokenizer"], self.config)

@@ -68,6 +68,20 @@ def test_layer_regions_are_page_aligned(tmp_path):
     assert L.offset[1] >= L.offset[0] + 301 * L.stride
 
 
+@pytest.mark.parametrize("dtype", ["f32", "f16", "int8"])
+def test_vector_norms_read_in_chunks_equal_the_whole_tensors(tmp_path, dtype):
+    """train-predictor's |down_i|: from bundles read a few at a time, in original neuron order (a shuffled order)."""
+    n = 301
+    orders = [np.random.default_rng(i).permutation(n) for i in range(2)]
+    write_random_flashdir(tmp_path / "f", dtype, orders=orders, d=40, n=n, n_layers=2)
+    ck = FlashCheckpoint(tmp_path / "f")
+    for i in range(2):
+        for vector, axis in (("down", 0), ("up", 1)):
+            want = np.linalg.norm(ck.tensor(f"layers.{i}.ffn.{vector}.weight").astype(np.float64), axis=axis)
+            got = ck.vector_norms(i, vector, chunk_bytes=7 * ck.layout.stride)
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Damaged and hostile directories
 
@@ -105,6 +119,8 @@ def test_flipped_byte_is_caught_by_verify_and_by_the_checkpoint(flashdir):
     ck.tensor("layers.0.ffn.up.weight")                             # other layers are still readable
     with pytest.raises(UserError, match="checksum mismatch in layer 2"):
         ck.tensor("layers.2.ffn.down.weight")
+    with pytest.raises(UserError, match="checksum mismatch in layer 2"):
+        ck.vector_norms(2, chunk_bytes=10 * L.stride)               # read in chunks, checked all the same
 
 
 def test_flipped_byte_in_resident_weights_is_caught(flashdir):

@@ -1,0 +1,141 @@
+"""Run a model layer by layer over many token windows, so that `collect` and eval's dense reference work on a model
+bigger than RAM.
+
+The hidden states of every window advance together: layer i's weights are loaded, run over every window, and freed
+before layer i+1 loads. Memory: one layer's weights, the hidden states [total tokens, d] float32 (in an unlinked
+temporary file, memory-mapped, when larger than HIDDEN_IN_RAM_BYTES; $TMPDIR picks the disk), one window's work.
+
+The math is flashinfer_lite.model's (embed_tokens, Block, FeedForward, output_logits): each window gives what
+Transformer.forward gives it from an empty cache as one batch.
+"""
+from __future__ import annotations
+
+import re
+import sys
+import tempfile
+from typing import Callable, Iterator
+
+import numpy as np
+from tqdm import tqdm
+
+from flashinfer_lite.budget import keep_freed_arrays_out_of_rss
+from flashinfer_lite.errors import UserError
+from flashinfer_lite.model import (Block, FeedForward, KVCache, embed_tokens, linear, output_logits, rope_inv_freq,
+                                   rope_tables)
+
+HIDDEN_IN_RAM_BYTES = 256 << 20     # hidden states beyond this live in a memory-mapped temporary file
+
+FFNHook = Callable[[int, int, np.ndarray, np.ndarray], None]   # (layer, window, x [T, d], activations a [T, n])
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def layer_tensor_names(ckpt) -> list[list[str]]:
+    """Per layer, the names of its tensors (`layers.{i}.*`)."""
+    out: list[list[str]] = [[] for _ in range(ckpt.config.n_layers)]
+    for name in ckpt.names():
+        m = _LAYER.match(name)
+        if m and int(m[1]) < len(out):
+            out[int(m[1])].append(name)
+    return out
+
+
+class LayerStream:
+    """Token windows through a checkpoint (storage Checkpoint or FlashCheckpoint), one layer's weights at a time.
+
+        with LayerStream(ckpt, windows) as s:
+            s.run(hook)                    # every layer; hook(layer, window, x, a) sees each FFN's input and a
+            for k, logits in s.logits():   # then the final norm and lm_head, window by window
+                ...
+
+    `convert` is applied to each tensor as it loads (e.g. model.half_matrix, as the dense runtime does for a float16
+    FLASHDIR).
+    """
+
+    def __init__(self, ckpt, windows, convert=None, progress: bool = False, desc: str = "layers"):
+        self.ckpt, self.cfg = ckpt, ckpt.config
+        self.windows = [np.asarray(w, np.int64) for w in windows]
+        if not self.windows or min(len(w) for w in self.windows) == 0:
+            raise UserError("empty input: nothing to evaluate")
+        self.bounds = np.concatenate([[0], np.cumsum([len(w) for w in self.windows])])   # window k: rows b[k]:b[k+1]
+        self.convert = convert or (lambda a: a)
+        self.progress, self.desc = progress, desc
+        self.layer_names = layer_tensor_names(ckpt)
+        keep_freed_arrays_out_of_rss()    # a freed layer's arrays go back to the system, not to the heap
+        shape = (int(self.bounds[-1]), self.cfg.dim)
+        self._file = None
+        if shape[0] * shape[1] * 4 > HIDDEN_IN_RAM_BYTES:
+            self._file = tempfile.TemporaryFile(prefix="flashinfer-lite-hidden-")   # unlinked: nothing left behind
+            self.hidden = np.memmap(self._file, np.float32, "w+", shape=shape)
+        else:
+            self.hidden = np.empty(shape, np.float32)
+        self._ran = False
+
+    def __enter__(self) -> "LayerStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.hidden = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def window(self, k: int) -> np.ndarray:
+        """Hidden states [T, d] of window k (a view: written in place as layers run)."""
+        return self.hidden[self.bounds[k]:self.bounds[k + 1]]
+
+    def _load(self, names) -> dict[str, np.ndarray]:
+        return {n: self.convert(self.ckpt.tensor(n)) for n in names}
+
+    def run(self, hook: FFNHook | None = None) -> None:
+        """Embed every window, then run every layer over every window (the dense FFN; `hook` sees its input x and
+        activations a before the down projection)."""
+        cfg, ckpt = self.cfg, self.ckpt
+        w = self._load([n for n in ("embed.weight", "pos_embed.weight") if n in ckpt])
+        for k, tokens in enumerate(self.windows):
+            self.window(k)[:] = embed_tokens(cfg, w["embed.weight"], w.get("pos_embed.weight"), tokens, 0)
+        del w
+        ckpt.release()
+        inv_freq = rope_inv_freq(cfg) if cfg.pos_offset is None else None
+        kv = KVCache(cfg, max(len(t) for t in self.windows), n_layers=1)
+        bar = tqdm(total=cfg.n_layers * len(self.windows), desc=self.desc, unit="window", disable=not self.progress,
+                   file=sys.stderr)
+        for i in range(cfg.n_layers):
+            w = self._load(self.layer_names[i])
+            block, dense = Block(cfg, w, i, kv_slot=0), FeedForward(cfg, w, i)
+            del w
+            for k in range(len(self.windows)):
+                h = self.window(k)
+                kv.reset()
+                h[:] = block(h, kv, 0, rope_tables(inv_freq, 0, len(h)), self._ffn(dense, hook, k))
+                bar.update()
+            del block, dense    # this layer's weights are gone before the next one loads
+            ckpt.release()
+        bar.close()
+        self._ran = True
+
+    @staticmethod
+    def _ffn(dense: FeedForward, hook: FFNHook | None, window: int):
+        def ffn(layer: int, x: np.ndarray) -> np.ndarray:
+            a = dense.activations(x)
+            if hook is not None:
+                hook(layer, window, x, a)
+            return linear(a, dense.w_down, dense.b_down)
+        return ffn
+
+    def logits(self) -> Iterator[tuple[int, np.ndarray]]:
+        """After run(): (window, logits [T, V]) for each window in order; the final norm and lm_head load now."""
+        if not self._ran:
+            raise RuntimeError("LayerStream.logits() before run()")
+        cfg = self.cfg
+        head = "embed.weight" if cfg.tie_embeddings else "lm_head.weight"
+        w = self._load([n for n in ("norm.weight", "norm.bias") if n in self.ckpt] + [head])
+        try:
+            for k in range(len(self.windows)):
+                yield k, output_logits(cfg, self.window(k), (w.get("norm.weight"), w.get("norm.bias")), w[head])
+        finally:
+            del w
+            self.ckpt.release()
