@@ -1,0 +1,365 @@
+"""Group-wise 4- and 8-bit weights in GGUF's block formats, and the Numba kernels that compute on them directly.
+
+A quantized matrix [rows, cols] is uint8 [rows, row_bytes]: each row is cols / 32 blocks in llama.cpp's byte layout,
+so a GGUF tensor's bytes (rows along ne1, blocks along ne0) are such a matrix as they are, and blocks copied verbatim
+from a GGUF file dequantize bit-exactly (tests/test_quant.py checks both against gguf.quants):
+
+  q8_0  34 bytes: float16 d, 32 x int8 q                          value = d * q
+  q4_0  18 bytes: float16 d, 16 bytes of nibbles                    value = d * (q - 8)
+  q4_1  20 bytes: float16 d, float16 m, 16 bytes of nibbles         value = d * q + m
+  (nibbles: byte k holds element k in its low 4 bits and element k + 16 in its high 4 bits)
+
+Compute stays float32: x is never quantized (llama.cpp's int8 dot products would round it), so a kernel's result is
+the float32 math on the dequantized weights. Quantizing is gguf.quants' (bit-exact with llama.cpp's reference).
+
+Kernels: quant_matmul_t (x @ W^T for resident matrices), dequantize (whole matrix or given rows: the embedding
+lookup) and QuantSparseFFN, the SparseFFN of bundles whose gate, up and down vectors are quantized rows along d.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
+from numba import njit, prange
+
+from flashinfer_lite.errors import UserError
+from flashinfer_lite.kernels import (ACT_DRELU, MATMUL_PARALLEL_MIN_WORK, MATMUL_ROW_KERNEL_MAX_T, OUT_BLOCK,
+                                     SparseFFN, _act, _dot, _scalar, f16_bits_to_f32, matmul_widened)
+from storage.format import BUNDLE_ALIGN, align_up
+
+BLOCK = 32                       # weights per block, along the input dimension
+Q8_0, Q4_0, Q4_1 = 0, 1, 2       # kind codes the kernels branch on (once per row, not per element)
+
+
+@dataclass(frozen=True)
+class QuantKind:
+    code: int
+    ggml: GGMLQuantizationType
+
+    @property
+    def block_bytes(self) -> int:
+        return GGML_QUANT_SIZES[self.ggml][1]
+
+
+KINDS = {"q8_0": QuantKind(Q8_0, GGMLQuantizationType.Q8_0),
+         "q4_0": QuantKind(Q4_0, GGMLQuantizationType.Q4_0),
+         "q4_1": QuantKind(Q4_1, GGMLQuantizationType.Q4_1)}
+
+
+def quant_kind(kind: str) -> QuantKind:
+    if kind not in KINDS:
+        raise UserError(f"unknown quantized format {kind!r} (expected one of {sorted(KINDS)})")
+    return KINDS[kind]
+
+
+def row_bytes(cols: int, kind: str) -> int:
+    """Bytes of one quantized row of `cols` weights."""
+    if cols <= 0 or cols % BLOCK:
+        raise UserError(f"{kind} rows need a length that is a positive multiple of {BLOCK}, got {cols}")
+    return cols // BLOCK * quant_kind(kind).block_bytes
+
+
+def quantize(w: np.ndarray, kind: str) -> np.ndarray:
+    """float32 [rows, cols] -> uint8 [rows, row_bytes], llama.cpp's rounding (gguf.quants is its bit-exact port)."""
+    k = quant_kind(kind)
+    if w.ndim != 2:
+        raise UserError(f"quantize expects a matrix [rows, cols], got shape {list(w.shape)}")
+    rb = row_bytes(w.shape[1], kind)
+    if not np.isfinite(w).all():
+        raise UserError(f"cannot quantize to {kind}: the weights hold non-finite values")
+    q = np.ascontiguousarray(gguf_quants.quantize(np.ascontiguousarray(w, dtype=np.float32), k.ggml))
+    # the float16 scale (and q4_1's minimum) overflow for weights beyond ~1e6: refuse rather than store inf
+    blocks = q.reshape(-1, k.block_bytes)
+    scales = blocks[:, :4 if k.code == Q4_1 else 2].copy().view(np.float16)
+    if not np.isfinite(scales).all():
+        raise UserError(f"weights do not fit in {kind} (a block's float16 scale overflows)")
+    return q.reshape(w.shape[0], rb)
+
+
+def _check_matrix(q: np.ndarray, kind: str, cols: int) -> QuantKind:
+    k = quant_kind(kind)
+    rb = row_bytes(cols, kind)
+    if q.dtype != np.uint8 or q.ndim != 2 or q.shape[1] != rb or not q.flags.c_contiguous:
+        raise UserError(f"a {kind} matrix of {cols} columns must be C-contiguous uint8[rows, {rb}], "
+                        f"got {q.dtype}{list(q.shape)}")
+    return k
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Block decoding. A row r is uint8[nb * block_bytes]; blocks are taken as slices (not row + offset: the slices keep
+# Numba's negative-index check out of the inner loops, which then vectorise).
+
+
+@njit(cache=True)
+def _half(blk, o):
+    """The float16 stored little-endian at blk[o], blk[o + 1], as float32."""
+    return f16_bits_to_f32(np.uint16(blk[o]) | (np.uint16(blk[o + 1]) << np.uint16(8)))
+
+
+# No fastmath: the same float32 operations in the same order as gguf.quants, so the values are bit-identical.
+@njit(cache=True)
+def _dequant_row(r, out, kind):
+    """out[:] = the weights of quantized row r."""
+    nb = out.shape[0] // BLOCK
+    for b in range(nb):
+        o = out[b * BLOCK:(b + 1) * BLOCK]
+        if kind == Q8_0:
+            blk = r[b * 34:(b + 1) * 34]
+            d = _half(blk, 0)
+            for k in range(BLOCK):
+                o[k] = np.float32(np.int8(blk[2 + k])) * d
+        elif kind == Q4_0:
+            blk = r[b * 18:(b + 1) * 18]
+            d = _half(blk, 0)
+            for k in range(16):
+                o[k] = d * np.float32(np.int32(blk[2 + k] & 15) - 8)
+                o[k + 16] = d * np.float32(np.int32(blk[2 + k] >> 4) - 8)
+        else:
+            blk = r[b * 20:(b + 1) * 20]
+            d = _half(blk, 0)
+            m = _half(blk, 2)
+            for k in range(16):
+                o[k] = d * np.float32(blk[4 + k] & 15) + m
+                o[k + 16] = d * np.float32(blk[4 + k] >> 4) + m
+
+
+@njit(cache=True, fastmath=True)
+def _dot_q(r, x, kind):
+    """dequant(r) . x for a quantized row r and x float32[nb * 32]; each block's sum is scaled once."""
+    nb = x.shape[0] // BLOCK
+    acc = np.float32(0.0)
+    for b in range(nb):
+        xb = x[b * BLOCK:(b + 1) * BLOCK]
+        s = np.float32(0.0)
+        if kind == Q8_0:
+            blk = r[b * 34:(b + 1) * 34]
+            for k in range(BLOCK):
+                s += np.float32(np.int8(blk[2 + k])) * xb[k]
+            acc += _half(blk, 0) * s
+        elif kind == Q4_0:
+            blk = r[b * 18:(b + 1) * 18]
+            for k in range(16):
+                s += np.float32(np.int32(blk[2 + k] & 15) - 8) * xb[k] + \
+                    np.float32(np.int32(blk[2 + k] >> 4) - 8) * xb[k + 16]
+            acc += _half(blk, 0) * s
+        else:  # sum (d q + m) x = d sum q x + m sum x
+            blk = r[b * 20:(b + 1) * 20]
+            sx = np.float32(0.0)
+            for k in range(16):
+                s += np.float32(blk[4 + k] & 15) * xb[k] + np.float32(blk[4 + k] >> 4) * xb[k + 16]
+                sx += xb[k] + xb[k + 16]
+            acc += _half(blk, 0) * s + _half(blk, 2) * sx
+    return acc
+
+
+# No fastmath, as kernels.ffn_accumulate: every output element adds its terms in one fixed order.
+@njit(cache=True)
+def _axpy_q(y, c, r, kind):
+    """y[:] += c * dequant(r) for y float32[nb * 32]."""
+    nb = y.shape[0] // BLOCK
+    for b in range(nb):
+        yb = y[b * BLOCK:(b + 1) * BLOCK]
+        if kind == Q8_0:
+            blk = r[b * 34:(b + 1) * 34]
+            cd = c * _half(blk, 0)
+            for k in range(BLOCK):
+                yb[k] += cd * np.float32(np.int8(blk[2 + k]))
+        elif kind == Q4_0:
+            blk = r[b * 18:(b + 1) * 18]
+            cd = c * _half(blk, 0)
+            for k in range(16):
+                yb[k] += cd * np.float32(np.int32(blk[2 + k] & 15) - 8)
+                yb[k + 16] += cd * np.float32(np.int32(blk[2 + k] >> 4) - 8)
+        else:
+            blk = r[b * 20:(b + 1) * 20]
+            cd = c * _half(blk, 0)
+            cm = c * _half(blk, 2)
+            for k in range(16):
+                yb[k] += cd * np.float32(blk[4 + k] & 15) + cm
+                yb[k + 16] += cd * np.float32(blk[4 + k] >> 4) + cm
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dequantize (whole matrices, embedding rows, and the widened blocks of the prefill matmul)
+
+
+@njit(cache=True, nogil=True)
+def dequantize_rows(Q, ids, out, kind):
+    """out[i] = dequantized row ids[i] of Q."""
+    for i in range(ids.shape[0]):
+        _dequant_row(Q[ids[i]], out[i], kind)
+
+
+def dequantize(q: np.ndarray, kind: str, cols: int, rows: np.ndarray | None = None) -> np.ndarray:
+    """uint8 [n, row_bytes] -> float32 [n, cols]; with `rows` (token ids: the embedding lookup) only those rows,
+    float32 [len(rows), cols]."""
+    k = _check_matrix(q, kind, cols)
+    ids = np.arange(q.shape[0]) if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= q.shape[0]):
+        raise UserError(f"row ids must lie in [0, {q.shape[0]}), got {ids.min()}..{ids.max()}")
+    out = np.empty((ids.shape[0], cols), np.float32)
+    dequantize_rows(q, ids, out, k.code)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Resident matrices: y = x @ W^T, the counterpart of kernels.matmul_t with the same three paths.
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def quant_matmul_rows(Q, x, y, lo, hi, kind):
+    """y[:, lo:hi] = x[T, d] @ dequant(Q[lo:hi])^T."""
+    T, d = x.shape
+    if T == 1:  # decode: decode each block straight into the dot product, nothing written
+        for j in range(lo, hi):
+            y[0, j] = _dot_q(Q[j], x[0], kind)
+        return
+    w = np.empty(d, np.float32)  # a few tokens: each row decoded once, then its T dot products run from L1
+    for j in range(lo, hi):
+        _dequant_row(Q[j], w, kind)
+        for t in range(T):
+            y[t, j] = _dot(w, x[t], d)
+
+
+@njit(cache=True, parallel=True, fastmath=True, nogil=True)
+def quant_matmul_kernel(Q, x, y, chunks, kind):
+    """quant_matmul_rows over all rows, split into `chunks` contiguous row ranges run in parallel."""
+    n = Q.shape[0]
+    for c in prange(chunks):
+        quant_matmul_rows(Q, x, y, c * n // chunks, (c + 1) * n // chunks, kind)
+
+
+def quant_matmul_t(x: np.ndarray, q: np.ndarray, kind: str, row_kernel_max_t: int = MATMUL_ROW_KERNEL_MAX_T,
+                   parallel_min_work: int = MATMUL_PARALLEL_MIN_WORK) -> np.ndarray:
+    """x [T, d] @ W [n, d]^T -> float32 [T, n] for W quantized as uint8 [n, row_bytes(d)]; the thresholds are
+    kernels.matmul_t's (the same memory-bound vs compute-bound crossover, the same cost of waking threads)."""
+    if x.ndim != 2:
+        raise ValueError(f"quant_matmul_t: x must be [T, d], got {x.shape}")
+    k = _check_matrix(q, kind, x.shape[1])
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    (T, d), n = x.shape, q.shape[0]
+    y = np.empty((T, n), np.float32)
+    if T <= row_kernel_max_t:
+        threads = numba.get_num_threads()
+        if threads > 1 and T * n * d >= parallel_min_work:
+            quant_matmul_kernel(q, x, y, threads, k.code)
+        else:
+            quant_matmul_rows(q, x, y, 0, n, k.code)
+    else:
+        matmul_widened(x, n, d, lambda lo, block: dequantize_rows(q, np.arange(lo, lo + block.shape[0]), block,
+                                                                  k.code), y)
+    return y
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sparse FFN over quantized bundles. A bundle (one neuron, one row of a uint8 matrix) is its n_vec vectors as
+# quantized rows of d weights, back to back ([gate | up | down] or [fc1 | fc2 column], row_bytes(d) bytes each), then
+# float32 biases at scalars_offset, zero padding to stride: kernels.py's contract with blocks in place of elements.
+
+
+def bundle_geometry(d: int, kind: str, n_vec: int, n_scalars: int = 0) -> tuple[int, int]:
+    """(scalars_offset, stride) of a quantized bundle; stride is a multiple of BUNDLE_ALIGN like a FlashLayout's."""
+    scalars_offset = align_up(n_vec * row_bytes(d, kind), 4)
+    return scalars_offset, align_up(scalars_offset + 4 * n_scalars, BUNDLE_ALIGN)
+
+
+def pack_quant_bundles(vecs: np.ndarray, kind: str, biases: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+    """vecs float32 [n, n_vec, d] (down as a row of d), biases float32 [n, n_bias] -> (bundles uint8 [n, stride],
+    scalars_offset)."""
+    n, n_vec, d = vecs.shape
+    n_bias = 0 if biases is None else biases.shape[1]
+    so, stride = bundle_geometry(d, kind, n_vec, n_bias)
+    out = np.zeros((n, stride), np.uint8)
+    payload = n_vec * row_bytes(d, kind)
+    out[:, :payload] = quantize(vecs.reshape(n * n_vec, d), kind).reshape(n, payload)
+    if n_bias:
+        out[:, so:so + 4 * n_bias] = np.ascontiguousarray(biases, dtype="<f4").view(np.uint8)
+    return out, so
+
+
+@njit(cache=True, fastmath=True)
+def _q_coefficient(wr, fr, x, rb, glu, act, threshold, kind, bg_idx, bu_idx):
+    """kernels._coefficient on quantized vectors (rb bytes each): act(gate.x + bg) * (up.x + bu), act(up.x + bu)
+    for MLP; 0 when the activation is <= threshold, and then the up row is not read."""
+    if glu:
+        a = _act(act, _dot_q(wr[:rb], x, kind) + _scalar(fr, bg_idx, 0.0))
+        if not a > threshold:
+            return np.float32(0.0)
+        u = _dot_q(wr[rb:2 * rb], x, kind) + _scalar(fr, bu_idx, 0.0)
+        if act == ACT_DRELU and not u > np.float32(0.0):
+            return np.float32(0.0)
+        return a * u
+    a = _act(act, _dot_q(wr[:rb], x, kind) + _scalar(fr, bu_idx, 0.0))
+    return a if a > threshold else np.float32(0.0)
+
+
+@njit(cache=True, parallel=True, fastmath=True, nogil=True)
+def quant_ffn_coefficients(B, F, slots, js, X, sel, coef, rb, glu, act, threshold, kind, bg_idx, bu_idx, magnitude):
+    """kernels.ffn_coefficients on quantized bundles B (uint8[rows, stride]; F its float32 view)."""
+    for q in prange(js.shape[0]):
+        j = js[q]
+        r = slots[j]
+        for t in range(X.shape[0]):
+            c = np.float32(0.0)
+            if sel[t, j]:
+                c = _q_coefficient(B[r], F[r], X[t], rb, glu, act, threshold, kind, bg_idx, bu_idx)
+                if abs(c) <= magnitude:
+                    c = np.float32(0.0)
+            coef[t, j] = c
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def quant_ffn_accumulate(B, slots, coef, Y, rb, glu, kind, block_bytes):
+    """Y[t] += sum over j = 0, 1, ... of coef[t, j] * down(slots[j]), in that order (zero coefficients skipped).
+
+    As kernels.ffn_accumulate: one thread per (row, OUT_BLOCK output elements), so each element sums its terms in
+    slot order and a set accumulated in pieces gives the bit-identical sum. OUT_BLOCK is a multiple of BLOCK, so a
+    task's outputs are whole blocks of the down rows."""
+    n = slots.shape[0]
+    d = Y.shape[1]
+    down = rb * (2 if glu else 1)
+    nb = (d + OUT_BLOCK - 1) // OUT_BLOCK
+    for q in prange(Y.shape[0] * nb):
+        t = q // nb
+        lo = (q % nb) * OUT_BLOCK
+        hi = min(d, lo + OUT_BLOCK)
+        y = Y[t, lo:hi]
+        b_lo = down + lo // BLOCK * block_bytes
+        b_hi = down + hi // BLOCK * block_bytes
+        for j in range(n):
+            c = coef[t, j]
+            if c != np.float32(0.0):
+                _axpy_q(y, c, B[slots[j], b_lo:b_hi], kind)
+
+
+class QuantSparseFFN(SparseFFN):
+    """SparseFFN over quantized bundles (pack_quant_bundles); dtype is a kind of KINDS, the rest as SparseFFN:
+
+    so, stride = bundle_geometry(4096, "q4_0", n_vec=3)
+    ffn = QuantSparseFFN(d=4096, dtype="q4_0", glu=True, act="relu", stride=stride, scalars_offset=so)
+    ffn(B, slots, x, y)  |  ffn.coefficients(B, slots, js, X, coef)  +  ffn.accumulate(B, slots, coef, Y)
+    """
+    DTYPES = KINDS
+
+    def __init__(self, d: int, dtype: str, *args, **kw):
+        super().__init__(d, dtype, *args, **kw)
+        self.kind = KINDS[dtype]
+        self.row_bytes = row_bytes(d, dtype)
+        if self.scalars_offset < self.n_vec * self.row_bytes:
+            raise UserError(f"quantized bundle: scalars_offset {self.scalars_offset} lies inside the "
+                            f"{self.n_vec} vectors of {self.row_bytes} bytes")
+
+    def views(self, B: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if B.dtype != np.uint8 or B.ndim != 2 or B.shape[1] != self.stride:
+            raise UserError(f"bundle matrix must be uint8[rows, {self.stride}], got {B.dtype}{list(B.shape)}")
+        return B, B.view(np.float32)
+
+    def _coefficients(self, W, F, slots, js, X, sel, coef, magnitude) -> None:
+        quant_ffn_coefficients(W, F, slots, js, X, sel, coef, self.row_bytes, self.glu, self.act_code,
+                               self.threshold, self.kind.code, self.bg_idx, self.bu_idx, magnitude)
+
+    def _accumulate(self, W, F, slots, coef, Y) -> None:
+        quant_ffn_accumulate(W, slots, coef, Y, self.row_bytes, self.glu, self.kind.code, self.kind.block_bytes)
