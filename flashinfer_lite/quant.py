@@ -23,7 +23,10 @@ import numba
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from flashinfer_lite.errors import UserError
 from flashinfer_lite.kernels import (ACT_DRELU, MATMUL_PARALLEL_MIN_WORK, MATMUL_ROW_KERNEL_MAX_T, OUT_BLOCK,
@@ -89,97 +92,133 @@ def _check_matrix(q: np.ndarray, kind: str, cols: int) -> QuantKind:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Block decoding. A row r is uint8[nb * block_bytes]; blocks are taken as slices (not row + offset: the slices keep
-# Numba's negative-index check out of the inner loops, which then vectorise).
+# Row operations, written as LLVM IR: a block becomes one <32 x float> vector (load 16 or 32 bytes, split nibbles,
+# convert, scale), and the dot product keeps a vector accumulator across blocks. The same loops in Numba either
+# vectorise across blocks with gathers or reduce each block horizontally (2-3x slower, bench/quant_kernels.py).
+# The kind is a runtime argument: each kind's loop is emitted once, and one branch per row picks it.
+# No bounds checks: callers pass whole rows (a row of `x`'s or `out`'s length in blocks), which the Python entry
+# points and QuantSparseFFN's geometry guarantee.
+
+_F32, _I8, _I16, _I32 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32)
+_BLOCK_BYTES = {k.code: k.block_bytes for k in KINDS.values()}
 
 
-@njit(cache=True)
-def _half(blk, o):
-    """The float16 stored little-endian at blk[o], blk[o + 1], as float32."""
-    return f16_bits_to_f32(np.uint16(blk[o]) | (np.uint16(blk[o + 1]) << np.uint16(8)))
+def _vec(builder, ty, value, n=BLOCK):
+    """<n x ty> with every lane `value` (a Python number or an IR value)."""
+    if not isinstance(value, ir.Value):
+        return ir.Constant(ir.VectorType(ty, n), [ir.Constant(ty, value)] * n)
+    one = builder.insert_element(ir.Constant(ir.VectorType(ty, n), ir.Undefined), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(_I32, n), [0] * n))
 
 
-# No fastmath: the same float32 operations in the same order as gguf.quants, so the values are bit-identical.
-@njit(cache=True)
-def _dequant_row(r, out, kind):
-    """out[:] = the weights of quantized row r."""
-    nb = out.shape[0] // BLOCK
-    for b in range(nb):
-        o = out[b * BLOCK:(b + 1) * BLOCK]
-        if kind == Q8_0:
-            blk = r[b * 34:(b + 1) * 34]
-            d = _half(blk, 0)
-            for k in range(BLOCK):
-                o[k] = np.float32(np.int8(blk[2 + k])) * d
-        elif kind == Q4_0:
-            blk = r[b * 18:(b + 1) * 18]
-            d = _half(blk, 0)
-            for k in range(16):
-                o[k] = d * np.float32(np.int32(blk[2 + k] & 15) - 8)
-                o[k + 16] = d * np.float32(np.int32(blk[2 + k] >> 4) - 8)
-        else:
-            blk = r[b * 20:(b + 1) * 20]
-            d = _half(blk, 0)
-            m = _half(blk, 2)
-            for k in range(16):
-                o[k] = d * np.float32(blk[4 + k] & 15) + m
-                o[k + 16] = d * np.float32(blk[4 + k] >> 4) + m
+def _load_vec(builder, ptr, ty, n, index):
+    return builder.load(builder.bitcast(builder.gep(ptr, [index]), ir.VectorType(ty, n).as_pointer()), align=1)
 
 
-@njit(cache=True, fastmath=True)
-def _dot_q(r, x, kind):
-    """dequant(r) . x for a quantized row r and x float32[nb * 32]; each block's sum is scaled once."""
-    nb = x.shape[0] // BLOCK
-    acc = np.float32(0.0)
-    for b in range(nb):
-        xb = x[b * BLOCK:(b + 1) * BLOCK]
-        s = np.float32(0.0)
-        if kind == Q8_0:
-            blk = r[b * 34:(b + 1) * 34]
-            for k in range(BLOCK):
-                s += np.float32(np.int8(blk[2 + k])) * xb[k]
-            acc += _half(blk, 0) * s
-        elif kind == Q4_0:
-            blk = r[b * 18:(b + 1) * 18]
-            for k in range(16):
-                s += np.float32(np.int32(blk[2 + k] & 15) - 8) * xb[k] + \
-                    np.float32(np.int32(blk[2 + k] >> 4) - 8) * xb[k + 16]
-            acc += _half(blk, 0) * s
-        else:  # sum (d q + m) x = d sum q x + m sum x
-            blk = r[b * 20:(b + 1) * 20]
-            sx = np.float32(0.0)
-            for k in range(16):
-                s += np.float32(blk[4 + k] & 15) * xb[k] + np.float32(blk[4 + k] >> 4) * xb[k + 16]
-                sx += xb[k] + xb[k + 16]
-            acc += _half(blk, 0) * s + _half(blk, 2) * sx
-    return acc
+def _half_at(context, builder, ptr, offset):
+    """The float16 at byte ptr[offset] as float32, by kernels.f16_bits_to_f32 (F16C or portable, as the host)."""
+    bits = builder.load(builder.bitcast(builder.gep(ptr, [offset]), _I16.as_pointer()), align=1)
+    return context.compile_internal(builder, lambda h: f16_bits_to_f32(h), types.float32(types.uint16), [bits])
 
 
-# No fastmath, as kernels.ffn_accumulate: every output element adds its terms in one fixed order.
-@njit(cache=True)
-def _axpy_q(y, c, r, kind):
-    """y[:] += c * dequant(r) for y float32[nb * 32]."""
-    nb = y.shape[0] // BLOCK
-    for b in range(nb):
-        yb = y[b * BLOCK:(b + 1) * BLOCK]
-        if kind == Q8_0:
-            blk = r[b * 34:(b + 1) * 34]
-            cd = c * _half(blk, 0)
-            for k in range(BLOCK):
-                yb[k] += cd * np.float32(np.int8(blk[2 + k]))
-        elif kind == Q4_0:
-            blk = r[b * 18:(b + 1) * 18]
-            cd = c * _half(blk, 0)
-            for k in range(16):
-                yb[k] += cd * np.float32(np.int32(blk[2 + k] & 15) - 8)
-                yb[k + 16] += cd * np.float32(np.int32(blk[2 + k] >> 4) - 8)
-        else:
-            blk = r[b * 20:(b + 1) * 20]
-            cd = c * _half(blk, 0)
-            cm = c * _half(blk, 2)
-            for k in range(16):
-                yb[k] += cd * np.float32(blk[4 + k] & 15) + cm
-                yb[k + 16] += cd * np.float32(blk[4 + k] >> 4) + cm
+def _decode_block(context, builder, kind, ptr, offset):
+    """<32 x float>: the block at byte ptr[offset] dequantized with the float32 operations of gguf.quants (the
+    same products and sums, so the same bits)."""
+    at = lambda k: builder.add(offset, ir.Constant(offset.type, k))  # noqa: E731
+    d = _vec(builder, _F32, _half_at(context, builder, ptr, offset))
+    if kind == Q8_0:
+        return builder.fmul(builder.sitofp(_load_vec(builder, ptr, _I8, BLOCK, at(2)), d.type), d)
+    packed = _load_vec(builder, ptr, _I8, 16, at(4 if kind == Q4_1 else 2))
+    q = builder.shuffle_vector(builder.and_(packed, _vec(builder, _I8, 15, 16)),  # elements 0..15: low nibbles
+                               builder.lshr(packed, _vec(builder, _I8, 4, 16)),   # 16..31: high nibbles
+                               ir.Constant(ir.VectorType(_I32, BLOCK), list(range(BLOCK))))
+    if kind == Q4_0:
+        return builder.fmul(d, builder.sitofp(builder.sub(q, _vec(builder, _I8, 8)), d.type))
+    m = _vec(builder, _F32, _half_at(context, builder, ptr, at(2)))
+    return builder.fadd(builder.fmul(d, builder.uitofp(q, d.type)), m)
+
+
+def _for_blocks(context, builder, kind, nb, body):
+    """body(k, block, byte_offset) for every block of a row, in a loop specialised to each kind k."""
+    for k, bb in _BLOCK_BYTES.items():
+        with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
+            with cgutils.for_range(builder, nb) as loop:
+                body(k, loop.index, builder.mul(loop.index, ir.Constant(loop.index.type, bb)))
+
+
+def _rows_ok(*arrays_and_dtypes) -> bool:
+    """Typing guard of the row intrinsics: 1-D C-contiguous arrays of the given dtypes (else no such function)."""
+    return all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and a.dtype == dt
+               for a, dt in zip(arrays_and_dtypes[::2], arrays_and_dtypes[1::2]))
+
+
+def _arrays(context, builder, sig, args):
+    return [context.make_array(t)(context, builder, a) if isinstance(t, types.Array) else a
+            for t, a in zip(sig.args, args)]
+
+
+@intrinsic
+def _row_dot(typingctx, r, x, kind):
+    """dequant(r) . x, for x float32[nb * 32] and r the nb blocks of a quantized row (uint8)."""
+    if not _rows_ok(r, types.uint8, x, types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        r, x, kind = _arrays(context, builder, sig, args)
+        nb = builder.sdiv(x.nitems, ir.Constant(x.nitems.type, BLOCK))
+        acc = cgutils.alloca_once_value(builder, _vec(builder, _F32, 0.0))
+
+        def body(k, b, offset):
+            w = _decode_block(context, builder, k, r.data, offset)
+            xs = _load_vec(builder, x.data, _F32, BLOCK, builder.mul(b, ir.Constant(b.type, BLOCK)))
+            builder.store(builder.fadd(builder.load(acc), builder.fmul(w, xs, flags=("fast",)), flags=("fast",)),
+                          acc)
+        _for_blocks(context, builder, kind, nb, body)
+        v, n = builder.load(acc), BLOCK
+        while n > 1:  # horizontal sum, once per row
+            n //= 2
+            half = lambda lo: builder.shuffle_vector(  # noqa: E731
+                v, v, ir.Constant(ir.VectorType(_I32, n), list(range(lo, lo + n))))
+            v = builder.fadd(half(0), half(n), flags=("fast",))
+        return builder.extract_element(v, ir.Constant(_I32, 0))
+    return types.float32(r, x, kind), codegen
+
+
+@intrinsic
+def _row_dequant(typingctx, r, out, kind):
+    """out[:] = dequant(r), out float32[nb * 32], bit-identical to gguf.quants.dequantize."""
+    if not _rows_ok(r, types.uint8, out, types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        r, out, kind = _arrays(context, builder, sig, args)
+
+        def body(k, b, offset):
+            w = _decode_block(context, builder, k, r.data, offset)
+            dst = builder.gep(out.data, [builder.mul(b, ir.Constant(b.type, BLOCK))])
+            builder.store(w, builder.bitcast(dst, w.type.as_pointer()), align=4)
+        _for_blocks(context, builder, kind, builder.sdiv(out.nitems, ir.Constant(out.nitems.type, BLOCK)), body)
+        return context.get_dummy_value()
+    return types.none(r, out, kind), codegen
+
+
+@intrinsic
+def _row_axpy(typingctx, y, c, r, kind):
+    """y[:] += c * dequant(r), y float32[nb * 32]; strict float32 (no contraction), so every call site rounds alike."""
+    if not _rows_ok(r, types.uint8, y, types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        y, c, r, kind = _arrays(context, builder, sig, args)
+        cs = _vec(builder, _F32, c)
+
+        def body(k, b, offset):
+            w = _decode_block(context, builder, k, r.data, offset)
+            dst = builder.bitcast(builder.gep(y.data, [builder.mul(b, ir.Constant(b.type, BLOCK))]), w.type.as_pointer())
+            builder.store(builder.fadd(builder.load(dst, align=4), builder.fmul(cs, w)), dst, align=4)
+        _for_blocks(context, builder, kind, builder.sdiv(y.nitems, ir.Constant(y.nitems.type, BLOCK)), body)
+        return context.get_dummy_value()
+    return types.none(y, c, r, kind), codegen
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -190,7 +229,7 @@ def _axpy_q(y, c, r, kind):
 def dequantize_rows(Q, ids, out, kind):
     """out[i] = dequantized row ids[i] of Q."""
     for i in range(ids.shape[0]):
-        _dequant_row(Q[ids[i]], out[i], kind)
+        _row_dequant(Q[ids[i]], out[i], kind)
 
 
 def dequantize(q: np.ndarray, kind: str, cols: int, rows: np.ndarray | None = None) -> np.ndarray:
@@ -215,11 +254,11 @@ def quant_matmul_rows(Q, x, y, lo, hi, kind):
     T, d = x.shape
     if T == 1:  # decode: decode each block straight into the dot product, nothing written
         for j in range(lo, hi):
-            y[0, j] = _dot_q(Q[j], x[0], kind)
+            y[0, j] = _row_dot(Q[j], x[0], kind)
         return
     w = np.empty(d, np.float32)  # a few tokens: each row decoded once, then its T dot products run from L1
     for j in range(lo, hi):
-        _dequant_row(Q[j], w, kind)
+        _row_dequant(Q[j], w, kind)
         for t in range(T):
             y[t, j] = _dot(w, x[t], d)
 
@@ -285,14 +324,14 @@ def _q_coefficient(wr, fr, x, rb, glu, act, threshold, kind, bg_idx, bu_idx):
     """kernels._coefficient on quantized vectors (rb bytes each): act(gate.x + bg) * (up.x + bu), act(up.x + bu)
     for MLP; 0 when the activation is <= threshold, and then the up row is not read."""
     if glu:
-        a = _act(act, _dot_q(wr[:rb], x, kind) + _scalar(fr, bg_idx, 0.0))
+        a = _act(act, _row_dot(wr[:rb], x, kind) + _scalar(fr, bg_idx, 0.0))
         if not a > threshold:
             return np.float32(0.0)
-        u = _dot_q(wr[rb:2 * rb], x, kind) + _scalar(fr, bu_idx, 0.0)
+        u = _row_dot(wr[rb:2 * rb], x, kind) + _scalar(fr, bu_idx, 0.0)
         if act == ACT_DRELU and not u > np.float32(0.0):
             return np.float32(0.0)
         return a * u
-    a = _act(act, _dot_q(wr[:rb], x, kind) + _scalar(fr, bu_idx, 0.0))
+    a = _act(act, _row_dot(wr[:rb], x, kind) + _scalar(fr, bu_idx, 0.0))
     return a if a > threshold else np.float32(0.0)
 
 
@@ -332,7 +371,7 @@ def quant_ffn_accumulate(B, slots, coef, Y, rb, glu, kind, block_bytes):
         for j in range(n):
             c = coef[t, j]
             if c != np.float32(0.0):
-                _axpy_q(y, c, B[slots[j], b_lo:b_hi], kind)
+                _row_axpy(y, c, B[slots[j], b_lo:b_hi], kind)
 
 
 class QuantSparseFFN(SparseFFN):
