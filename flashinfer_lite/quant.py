@@ -73,7 +73,8 @@ def quantize(w: np.ndarray, kind: str) -> np.ndarray:
     rb = row_bytes(w.shape[1], kind)
     if not np.isfinite(w).all():
         raise UserError(f"cannot quantize to {kind}: the weights hold non-finite values")
-    q = np.ascontiguousarray(gguf_quants.quantize(np.ascontiguousarray(w, dtype=np.float32), k.ggml))
+    with np.errstate(over="ignore"):  # reported below as one clear error
+        q = np.ascontiguousarray(gguf_quants.quantize(np.ascontiguousarray(w, dtype=np.float32), k.ggml))
     # the float16 scale (and q4_1's minimum) overflow for weights beyond ~1e6: refuse rather than store inf
     blocks = q.reshape(-1, k.block_bytes)
     scales = blocks[:, :4 if k.code == Q4_1 else 2].copy().view(np.float16)
