@@ -188,7 +188,8 @@ def test_sparse_same_bits_whatever_the_split_or_threads(kind):
 
 def test_quantized_bundles_track_source_weights():
     """Quantization error only, end to end against the float32 source weights: the weights' rms error is the
-    format's (a Gaussian block: ~0.5% at 8 bits, ~8% at 4), and the output's stays within 3x it (three matrices)."""
+    format's (a Gaussian block: ~0.5% at 8 bits, ~8% at 4); the output's, through three matrices and the
+    neurons that flip sign, stays within 5x it (at most 4.1x over 30 seeds)."""
     rng = np.random.default_rng(5)
     d, n = 4 * BLOCK, 200
     w = make_model(rng, d, n, True, False)
@@ -200,7 +201,7 @@ def test_quantized_bundles_track_source_weights():
                              sum((w[v] ** 2).sum() for v in ("gate", "up", "down")))
         y = np.zeros(d, np.float32)
         QuantSparseFFN(act="relu", **args)(bundles, np.arange(n, dtype=np.int32), x, y)
-        assert weight_err < weight_tol and rel_err(y, y_src) < 3 * weight_err, kind
+        assert weight_err < weight_tol and rel_err(y, y_src) < 5 * weight_err, kind
 
 
 def test_bad_bundle_geometry_is_a_user_error():
