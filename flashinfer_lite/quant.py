@@ -116,6 +116,12 @@ def _load_vec(builder, ptr, ty, n, index):
     return builder.load(builder.bitcast(builder.gep(ptr, [index]), ir.VectorType(ty, n).as_pointer()), align=1)
 
 
+def _f32_block(builder, arr, b):
+    """Pointer to float32 elements 32b .. 32b + 31 of an array, as one <32 x float>."""
+    p = builder.gep(arr.data, [builder.mul(b, ir.Constant(b.type, BLOCK))])
+    return builder.bitcast(p, ir.VectorType(_F32, BLOCK).as_pointer())
+
+
 def _half_at(context, builder, ptr, offset):
     """The float16 at byte ptr[offset] as float32, by kernels.f16_bits_to_f32 (F16C or portable, as the host)."""
     bits = builder.load(builder.bitcast(builder.gep(ptr, [offset]), _I16.as_pointer()), align=1)
@@ -171,7 +177,7 @@ def _row_dot(typingctx, r, x, kind):
 
         def body(k, b, offset):
             w = _decode_block(context, builder, k, r.data, offset)
-            xs = _load_vec(builder, x.data, _F32, BLOCK, builder.mul(b, ir.Constant(b.type, BLOCK)))
+            xs = builder.load(_f32_block(builder, x, b), align=4)
             builder.store(builder.fadd(builder.load(acc), builder.fmul(w, xs, flags=("fast",)), flags=("fast",)),
                           acc)
         _for_blocks(context, builder, kind, nb, body)
@@ -195,9 +201,7 @@ def _row_dequant(typingctx, r, out, kind):
         r, out, kind = _arrays(context, builder, sig, args)
 
         def body(k, b, offset):
-            w = _decode_block(context, builder, k, r.data, offset)
-            dst = builder.gep(out.data, [builder.mul(b, ir.Constant(b.type, BLOCK))])
-            builder.store(w, builder.bitcast(dst, w.type.as_pointer()), align=4)
+            builder.store(_decode_block(context, builder, k, r.data, offset), _f32_block(builder, out, b), align=4)
         _for_blocks(context, builder, kind, builder.sdiv(out.nitems, ir.Constant(out.nitems.type, BLOCK)), body)
         return context.get_dummy_value()
     return types.none(r, out, kind), codegen
@@ -215,7 +219,7 @@ def _row_axpy(typingctx, y, c, r, kind):
 
         def body(k, b, offset):
             w = _decode_block(context, builder, k, r.data, offset)
-            dst = builder.bitcast(builder.gep(y.data, [builder.mul(b, ir.Constant(b.type, BLOCK))]), w.type.as_pointer())
+            dst = _f32_block(builder, y, b)
             builder.store(builder.fadd(builder.load(dst, align=4), builder.fmul(cs, w)), dst, align=4)
         _for_blocks(context, builder, kind, builder.sdiv(y.nitems, ir.Constant(y.nitems.type, BLOCK)), body)
         return context.get_dummy_value()
