@@ -392,18 +392,25 @@ class QuantSparseFFN(SparseFFN):
         super().__init__(d, dtype, *args, **kw)
         self.kind = KINDS[dtype]
         self.row_bytes = row_bytes(d, dtype)
-        if self.scalars_offset < self.n_vec * self.row_bytes:
-            raise UserError(f"quantized bundle: scalars_offset {self.scalars_offset} lies inside the "
-                            f"{self.n_vec} vectors of {self.row_bytes} bytes")
+        # the row kernels read whole rows unchecked: the geometry must hold them
+        if not self.n_vec * self.row_bytes <= self.scalars_offset <= self.stride:
+            raise UserError(f"quantized bundle: {self.n_vec} vectors of {self.row_bytes} bytes, then scalars at "
+                            f"{self.scalars_offset}, do not fit a stride of {self.stride}")
 
     def views(self, B: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if B.dtype != np.uint8 or B.ndim != 2 or B.shape[1] != self.stride:
             raise UserError(f"bundle matrix must be uint8[rows, {self.stride}], got {B.dtype}{list(B.shape)}")
         return B, B.view(np.float32)
 
+    def _rows_of_d(self, X: np.ndarray) -> None:
+        if X.ndim != 2 or X.shape[1] != self.d or X.dtype != np.float32 or not X.flags.c_contiguous:
+            raise UserError(f"expected C-contiguous float32[T, {self.d}], got {X.dtype}{list(X.shape)}")
+
     def _coefficients(self, W, F, slots, js, X, sel, coef, magnitude) -> None:
+        self._rows_of_d(X)
         quant_ffn_coefficients(W, F, slots, js, X, sel, coef, self.row_bytes, self.glu, self.act_code,
                                self.threshold, self.kind.code, self.bg_idx, self.bu_idx, magnitude)
 
     def _accumulate(self, W, F, slots, coef, Y) -> None:
+        self._rows_of_d(Y)
         quant_ffn_accumulate(W, slots, coef, Y, self.row_bytes, self.glu, self.kind.code, self.kind.block_bytes)

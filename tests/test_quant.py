@@ -213,6 +213,12 @@ def test_bad_bundle_geometry_is_a_user_error():
         QuantSparseFFN(48, "q4_0", True, "relu", stride, so)          # d not whole blocks
     with pytest.raises(UserError):
         QuantSparseFFN(64, "f16", True, "relu", stride, so)           # not a quantized kind
-    ffn = QuantSparseFFN(64, "q4_0", True, "relu", stride, so)
     with pytest.raises(UserError):
-        ffn(np.zeros((4, stride + 4), np.uint8), np.arange(2), np.zeros(64, np.float32), np.zeros(64, np.float32))
+        QuantSparseFFN(64, "q4_0", True, "relu", so, so + 4)          # scalars past the stride
+    ffn = QuantSparseFFN(64, "q4_0", True, "relu", stride, so)
+    B, x = np.zeros((4, stride), np.uint8), np.zeros(64, np.float32)
+    for bad in (lambda: ffn(np.zeros((4, stride + 4), np.uint8), np.arange(2), x, x.copy()),
+                lambda: ffn(B, np.arange(2), np.zeros(96, np.float32), x.copy()),   # x longer than d: no over-read
+                lambda: ffn.accumulate(B, np.arange(2), np.ones((1, 2), np.float32), np.zeros((1, 96), np.float32))):
+        with pytest.raises(UserError):
+            bad()
