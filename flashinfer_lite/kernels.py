@@ -273,13 +273,16 @@ class SparseFFN:
     In two steps, for a caller that overlaps reads with compute or computes a set in pieces:
     ffn.coefficients(B, slots, js, X, coef)   # coef[:, js] for rows slots[js] (js: any subset, any time)
     ffn.accumulate(B, slots, coef, Y)         # Y += the neurons' outputs, in the order of slots
+
+    Subclasses for other bundle encodings (quant.QuantSparseFFN) replace DTYPES, views and the two kernel calls.
     """
+    DTYPES = STORAGE_VIEWS
 
     def __init__(self, d: int, dtype: str, glu: bool, act: str, stride: int, scalars_offset: int,
                  bias_gate_index: int | None = None, bias_up_index: int | None = None,
                  relu_threshold: float | None = None, max_active: int = 0):
-        if dtype not in STORAGE_VIEWS:
-            raise UserError(f"unsupported FFN storage dtype {dtype!r} (expected one of {sorted(STORAGE_VIEWS)})")
+        if dtype not in self.DTYPES:
+            raise UserError(f"unsupported FFN storage dtype {dtype!r} (expected one of {sorted(self.DTYPES)})")
         if act not in ACT_CODES:
             raise UserError(f"unsupported FFN activation {act!r} (expected one of {sorted(ACT_CODES)})")
         if act == "drelu" and not glu:
@@ -288,6 +291,7 @@ class SparseFFN:
             raise UserError("bundle stride and scalars_offset must be multiples of 4")
         n_vec = 3 if glu else 2
         self.d, self.dtype, self.glu, self.act, self.stride = d, dtype, glu, act, stride
+        self.scalars_offset = scalars_offset
         self.n_vec = n_vec
         self.act_code = ACT_CODES[act]
         if relu_threshold is None:
@@ -342,12 +346,18 @@ class SparseFFN:
             if X.shape[0] != 1:
                 raise ValueError("sel is required for more than one row")
             sel = self._ones[None, :n]
+        self._coefficients(W, F, slots, js, X, sel, coef, np.float32(act_threshold))
+
+    def _coefficients(self, W, F, slots, js, X, sel, coef, act_threshold) -> None:
         ffn_coefficients(W, F, slots, js, X, sel, coef, self.d, self.glu, self.act_code, self.relu_threshold,
-                         self.scale0, self.bg_idx, self.bu_idx, np.float32(act_threshold))
+                         self.scale0, self.bg_idx, self.bu_idx, act_threshold)
 
     def accumulate(self, B: np.ndarray, slots: np.ndarray, coef: np.ndarray, Y: np.ndarray) -> None:
         """Y[t] += sum of coef[t, j] * down(slots[j]) over j in order (Y float32[T, d])."""
         W, F = self.views(B)
+        self._accumulate(W, F, slots, coef, Y)
+
+    def _accumulate(self, W, F, slots, coef, Y) -> None:
         ffn_accumulate(W, F, slots, coef, Y, self.d, self.glu, self.scale0)
 
     def __call__(self, B: np.ndarray, slots: np.ndarray, x: np.ndarray, y: np.ndarray,
@@ -430,9 +440,15 @@ def matmul_t(x: np.ndarray, w: np.ndarray, row_kernel_max_t: int = MATMUL_ROW_KE
     elif w.dtype == np.float32:
         np.matmul(x, w.T, out=y)
     else:
-        buf = np.empty((max(1, min(n, WIDEN_BLOCK_BYTES // (4 * d))), d), np.float32)
-        for lo in range(0, n, buf.shape[0]):
-            block = buf[: min(buf.shape[0], n - lo)]
-            widen_rows(W, lo, block)
-            np.matmul(x, block.T, out=y[:, lo: lo + block.shape[0]])
+        matmul_widened(x, n, d, lambda lo, block: widen_rows(W, lo, block), y)
     return y
+
+
+def matmul_widened(x: np.ndarray, n: int, d: int, widen, y: np.ndarray) -> None:
+    """y[T, n] = x @ W^T for a compact W [n, d] that `widen(lo, block)` writes to float32 rows lo.. of `block`, one
+    L2-sized block at a time, each then multiplied by BLAS (the prefill path of matmul_t and quant.quant_matmul_t)."""
+    buf = np.empty((max(1, min(n, WIDEN_BLOCK_BYTES // (4 * d))), d), np.float32)
+    for lo in range(0, n, buf.shape[0]):
+        block = buf[: min(buf.shape[0], n - lo)]
+        widen(lo, block)
+        np.matmul(x, block.T, out=y[:, lo: lo + block.shape[0]])

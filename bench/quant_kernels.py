@@ -1,0 +1,115 @@
+"""Quantized kernels (flashinfer_lite/quant.py) against float16 on Llama-7B shapes, printed as JSON.
+
+gemv: one decode GEMV (T = 1) over an [11008, 4096] matrix: kernels.matmul_t on float16 against quant_matmul_t on
+q8_0 / q4_0 / q4_1. sparse_ffn: one token's sparse FFN of a 7B layer (d 4096, 11008 neurons, --frac active, GLU
+ReLU, every chosen neuron computed in full: threshold -inf), kernels.SparseFFN on f16 bundles against
+QuantSparseFFN on q8_0 / q4_0 bundles.
+
+Weights come from DRAM: every call reads another copy of the matrix (or layer) from a pool of at least --pool-mb
+(default 1024 MB, twice the 504 MB L3 this machine reports), as a real model finds them after the other layers ran.
+"gbps" counts the weight bytes a call reads (the whole matrix; the active neurons' bundles up to the last block).
+Times are the median and best of --calls calls; the machine is shared, so compare within one run (loadavg shown).
+
+  PYTHONPATH=. python bench/quant_kernels.py [--calls 40] [--frac 0.1] [--pool-mb 1024]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numba
+import numpy as np
+
+from flashinfer_lite.kernels import SparseFFN, matmul_t
+from flashinfer_lite.quant import QuantSparseFFN, bundle_geometry, pack_quant_bundles, quant_matmul_t, quantize
+
+N, D = 11008, 4096
+
+
+def pool_of(a: np.ndarray, pool_mb: int) -> np.ndarray:
+    """Copies of `a` stacked until they fill pool_mb: calls that rotate through them miss every cache."""
+    copies = max(2, -(-pool_mb * 2**20 // a.nbytes))
+    return np.repeat(a[None], copies, axis=0)
+
+
+def timed(fn, calls: int, pool_len: int) -> dict:
+    fn(0)  # warm-up: compilation is cached, first-call dispatch is not
+    times = []
+    for c in range(calls):
+        t0 = time.perf_counter()
+        fn((c + 1) % pool_len)
+        times.append(time.perf_counter() - t0)
+    return {"ms_median": round(1e3 * float(np.median(times)), 3), "ms_best": round(1e3 * min(times), 3)}
+
+
+def bench_gemv(rng, calls: int, pool_mb: int, threads: list[int]) -> list[dict]:
+    w = rng.standard_normal((N, D), dtype=np.float32) * 0.02
+    x = rng.standard_normal((1, D), dtype=np.float32)
+    out = []
+    for fmt in ("f16", "q8_0", "q4_0", "q4_1"):
+        one = w.astype(np.float16) if fmt == "f16" else quantize(w, fmt)
+        pool = pool_of(one, pool_mb)
+        for t in threads:
+            numba.set_num_threads(t)
+            fn = (lambda i: matmul_t(x, pool[i])) if fmt == "f16" else (lambda i: quant_matmul_t(x, pool[i], fmt))
+            r = timed(fn, calls, len(pool))
+            out.append({"format": fmt, "threads": t, **r, "matrix_mb": round(one.nbytes / 1e6, 1),
+                        "gbps": round(one.nbytes / r["ms_median"] / 1e6, 2)})
+        del pool
+    return out
+
+
+def bench_sparse_ffn(rng, calls: int, pool_mb: int, frac: float, threads: list[int]) -> list[dict]:
+    k = int(round(frac * N))
+    # 1024 distinct neurons repeated to fill the layer: the same speed as 11008 distinct ones, a tenth of the memory
+    vecs = rng.standard_normal((1024, 3, D), dtype=np.float32) * 0.02  # [neuron, gate/up/down, d]
+    x = rng.standard_normal(D, dtype=np.float32)
+    y = np.zeros(D, np.float32)
+    sets = [np.sort(rng.choice(N, k, replace=False)).astype(np.int32) for _ in range(16)]
+    out = []
+    for fmt in ("f16", "q8_0", "q4_0"):
+        if fmt == "f16":  # kernels.py's contract layout: 3 x d float16, stride a multiple of 512
+            so, stride = 3 * D * 2, -(-3 * D * 2 // 512) * 512
+            layer = np.zeros((len(vecs), stride), np.uint8)
+            layer[:, :so] = vecs.astype(np.float16).reshape(len(vecs), -1).view(np.uint8)
+            make = lambda: SparseFFN(D, "f16", True, "relu", stride, so, relu_threshold=-np.inf, max_active=k)  # noqa
+            touched = k * so
+        else:
+            layer, so = pack_quant_bundles(vecs, fmt)
+            stride = bundle_geometry(D, fmt, 3)[1]
+            make = lambda: QuantSparseFFN(D, fmt, True, "relu", stride, so, relu_threshold=-np.inf, max_active=k)  # noqa
+            touched = k * so
+        pool = pool_of(np.resize(layer, (N, layer.shape[1])), pool_mb)
+        del layer
+        for t in threads:
+            numba.set_num_threads(t)
+            ffn = make()
+            r = timed(lambda i: ffn(pool[i], sets[i % len(sets)], x, y), calls, len(pool))
+            out.append({"format": fmt, "threads": t, "active": k, **r,
+                        "neurons_per_s": round(k / r["ms_median"] * 1e3),
+                        "weight_mb_touched": round(touched / 1e6, 2),
+                        "gbps": round(touched / r["ms_median"] / 1e6, 2)})
+        del pool
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=40)
+    ap.add_argument("--frac", type=float, default=0.1, help="active fraction of the FFN neurons")
+    ap.add_argument("--pool-mb", type=int, default=1024, help="bytes each format's calls rotate through")
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    threads = sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)})
+    res = {"shape": {"gemv": [N, D], "ffn": {"d": D, "n": N, "frac": args.frac}},
+           "loadavg_1m_start": os.getloadavg()[0],
+           "gemv": bench_gemv(rng, args.calls, args.pool_mb, threads),
+           "sparse_ffn": bench_sparse_ffn(rng, args.calls, args.pool_mb, args.frac, threads),
+           "loadavg_1m_end": os.getloadavg()[0]}
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

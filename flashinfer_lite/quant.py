@@ -1,0 +1,417 @@
+"""Group-wise 4- and 8-bit weights in GGUF's block formats, and the Numba kernels that compute on them directly.
+
+A quantized matrix [rows, cols] is uint8 [rows, row_bytes]: each row is cols / 32 blocks in llama.cpp's byte layout,
+so a GGUF tensor's bytes (rows along ne1, blocks along ne0) are such a matrix as they are, and blocks copied verbatim
+from a GGUF file dequantize bit-exactly (tests/test_quant.py checks both against gguf.quants):
+
+  q8_0  34 bytes: float16 d, 32 x int8 q                          value = d * q
+  q4_0  18 bytes: float16 d, 16 bytes of nibbles                    value = d * (q - 8)
+  q4_1  20 bytes: float16 d, float16 m, 16 bytes of nibbles         value = d * q + m
+  (nibbles: byte k holds element k in its low 4 bits and element k + 16 in its high 4 bits)
+
+Compute stays float32: x is never quantized (llama.cpp's int8 dot products would round it), so a kernel's result is
+the float32 math on the dequantized weights. Quantizing is gguf.quants' (bit-exact with llama.cpp's reference).
+
+Kernels: quant_matmul_t (x @ W^T for resident matrices), dequantize (whole matrix or given rows: the embedding
+lookup) and QuantSparseFFN, the SparseFFN of bundles whose gate, up and down vectors are quantized rows along d.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from flashinfer_lite.errors import UserError
+from flashinfer_lite.kernels import (ACT_DRELU, MATMUL_PARALLEL_MIN_WORK, MATMUL_ROW_KERNEL_MAX_T, OUT_BLOCK,
+                                     SparseFFN, _act, _dot, _scalar, f16_bits_to_f32, matmul_widened)
+from storage.format import BUNDLE_ALIGN, align_up
+
+BLOCK = 32                       # weights per block, along the input dimension
+Q8_0, Q4_0, Q4_1 = 0, 1, 2       # kind codes the kernels branch on (once per row, not per element)
+
+
+@dataclass(frozen=True)
+class QuantKind:
+    code: int
+    ggml: GGMLQuantizationType
+
+    @property
+    def block_bytes(self) -> int:
+        return GGML_QUANT_SIZES[self.ggml][1]
+
+
+KINDS = {"q8_0": QuantKind(Q8_0, GGMLQuantizationType.Q8_0),
+         "q4_0": QuantKind(Q4_0, GGMLQuantizationType.Q4_0),
+         "q4_1": QuantKind(Q4_1, GGMLQuantizationType.Q4_1)}
+
+
+def quant_kind(kind: str) -> QuantKind:
+    if kind not in KINDS:
+        raise UserError(f"unknown quantized format {kind!r} (expected one of {sorted(KINDS)})")
+    return KINDS[kind]
+
+
+def row_bytes(cols: int, kind: str) -> int:
+    """Bytes of one quantized row of `cols` weights."""
+    if cols <= 0 or cols % BLOCK:
+        raise UserError(f"{kind} rows need a length that is a positive multiple of {BLOCK}, got {cols}")
+    return cols // BLOCK * quant_kind(kind).block_bytes
+
+
+def quantize(w: np.ndarray, kind: str) -> np.ndarray:
+    """float32 [rows, cols] -> uint8 [rows, row_bytes], llama.cpp's rounding (gguf.quants is its bit-exact port)."""
+    k = quant_kind(kind)
+    if w.ndim != 2:
+        raise UserError(f"quantize expects a matrix [rows, cols], got shape {list(w.shape)}")
+    rb = row_bytes(w.shape[1], kind)
+    if not np.isfinite(w).all():
+        raise UserError(f"cannot quantize to {kind}: the weights hold non-finite values")
+    with np.errstate(over="ignore"):  # reported below as one clear error
+        q = np.ascontiguousarray(gguf_quants.quantize(np.ascontiguousarray(w, dtype=np.float32), k.ggml))
+    # the float16 scale (and q4_1's minimum) overflow for weights beyond ~1e6: refuse rather than store inf
+    blocks = q.reshape(-1, k.block_bytes)
+    scales = blocks[:, :4 if k.code == Q4_1 else 2].copy().view(np.float16)
+    if not np.isfinite(scales).all():
+        raise UserError(f"weights do not fit in {kind} (a block's float16 scale overflows)")
+    return q.reshape(w.shape[0], rb)
+
+
+def _check_matrix(q: np.ndarray, kind: str, cols: int) -> QuantKind:
+    k = quant_kind(kind)
+    rb = row_bytes(cols, kind)
+    if q.dtype != np.uint8 or q.ndim != 2 or q.shape[1] != rb or not q.flags.c_contiguous:
+        raise UserError(f"a {kind} matrix of {cols} columns must be C-contiguous uint8[rows, {rb}], "
+                        f"got {q.dtype}{list(q.shape)}")
+    return k
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Row operations, written as LLVM IR: a block becomes one <32 x float> vector (load 16 or 32 bytes, split nibbles,
+# convert, scale), and the dot product keeps a vector accumulator across blocks. The same loops in Numba either
+# vectorise across blocks with gathers or reduce each block horizontally (2-3x slower, bench/quant_kernels.py).
+# The kind is a runtime argument: each kind's loop is emitted once, and one branch per row picks it.
+# No bounds checks: callers pass whole rows (a row of `x`'s or `out`'s length in blocks), which the Python entry
+# points and QuantSparseFFN's geometry guarantee.
+
+_F32, _I8, _I16, _I32 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32)
+_BLOCK_BYTES = {k.code: k.block_bytes for k in KINDS.values()}
+
+
+def _vec(builder, ty, value, n=BLOCK):
+    """<n x ty> with every lane `value` (a Python number or an IR value)."""
+    if not isinstance(value, ir.Value):
+        return ir.Constant(ir.VectorType(ty, n), [ir.Constant(ty, value)] * n)
+    one = builder.insert_element(ir.Constant(ir.VectorType(ty, n), ir.Undefined), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(_I32, n), [0] * n))
+
+
+def _load_vec(builder, ptr, ty, n, index):
+    return builder.load(builder.bitcast(builder.gep(ptr, [index]), ir.VectorType(ty, n).as_pointer()), align=1)
+
+
+def _f32_block(builder, arr, b):
+    """Pointer to float32 elements 32b .. 32b + 31 of an array, as one <32 x float>."""
+    p = builder.gep(arr.data, [builder.mul(b, ir.Constant(b.type, BLOCK))])
+    return builder.bitcast(p, ir.VectorType(_F32, BLOCK).as_pointer())
+
+
+def _half_at(context, builder, ptr, offset):
+    """The float16 at byte ptr[offset] as float32, by kernels.f16_bits_to_f32 (F16C or portable, as the host)."""
+    bits = builder.load(builder.bitcast(builder.gep(ptr, [offset]), _I16.as_pointer()), align=1)
+    return context.compile_internal(builder, lambda h: f16_bits_to_f32(h), types.float32(types.uint16), [bits])
+
+
+def _decode_block(context, builder, kind, ptr, offset):
+    """<32 x float>: the block at byte ptr[offset] dequantized with the float32 operations of gguf.quants (the
+    same products and sums, so the same bits)."""
+    at = lambda k: builder.add(offset, ir.Constant(offset.type, k))  # noqa: E731
+    d = _vec(builder, _F32, _half_at(context, builder, ptr, offset))
+    if kind == Q8_0:
+        return builder.fmul(builder.sitofp(_load_vec(builder, ptr, _I8, BLOCK, at(2)), d.type), d)
+    packed = _load_vec(builder, ptr, _I8, 16, at(4 if kind == Q4_1 else 2))
+    q = builder.shuffle_vector(builder.and_(packed, _vec(builder, _I8, 15, 16)),  # elements 0..15: low nibbles
+                               builder.lshr(packed, _vec(builder, _I8, 4, 16)),   # 16..31: high nibbles
+                               ir.Constant(ir.VectorType(_I32, BLOCK), list(range(BLOCK))))
+    if kind == Q4_0:
+        return builder.fmul(d, builder.sitofp(builder.sub(q, _vec(builder, _I8, 8)), d.type))
+    m = _vec(builder, _F32, _half_at(context, builder, ptr, at(2)))
+    return builder.fadd(builder.fmul(d, builder.uitofp(q, d.type)), m)
+
+
+def _for_blocks(context, builder, kind, nb, body):
+    """body(k, block, byte_offset) for every block of a row, in a loop specialised to each kind k."""
+    for k, bb in _BLOCK_BYTES.items():
+        with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
+            with cgutils.for_range(builder, nb) as loop:
+                body(k, loop.index, builder.mul(loop.index, ir.Constant(loop.index.type, bb)))
+
+
+def _rows_ok(*arrays_and_dtypes) -> bool:
+    """Typing guard of the row intrinsics: 1-D C-contiguous arrays of the given dtypes (else no such function)."""
+    return all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and a.dtype == dt
+               for a, dt in zip(arrays_and_dtypes[::2], arrays_and_dtypes[1::2]))
+
+
+def _arrays(context, builder, sig, args):
+    return [context.make_array(t)(context, builder, a) if isinstance(t, types.Array) else a
+            for t, a in zip(sig.args, args)]
+
+
+@intrinsic
+def _row_dot(typingctx, r, x, kind):
+    """dequant(r) . x, for x float32[nb * 32] and r the nb blocks of a quantized row (uint8)."""
+    if not _rows_ok(r, types.uint8, x, types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        r, x, kind = _arrays(context, builder, sig, args)
+        nb = builder.sdiv(x.nitems, ir.Constant(x.nitems.type, BLOCK))
+        acc = cgutils.alloca_once_value(builder, _vec(builder, _F32, 0.0))
+
+        def body(k, b, offset):
+            w = _decode_block(context, builder, k, r.data, offset)
+            xs = builder.load(_f32_block(builder, x, b), align=4)
+            builder.store(builder.fadd(builder.load(acc), builder.fmul(w, xs, flags=("fast",)), flags=("fast",)),
+                          acc)
+        _for_blocks(context, builder, kind, nb, body)
+        v, n = builder.load(acc), BLOCK
+        while n > 1:  # horizontal sum, once per row
+            n //= 2
+            half = lambda lo: builder.shuffle_vector(  # noqa: E731
+                v, v, ir.Constant(ir.VectorType(_I32, n), list(range(lo, lo + n))))
+            v = builder.fadd(half(0), half(n), flags=("fast",))
+        return builder.extract_element(v, ir.Constant(_I32, 0))
+    return types.float32(r, x, kind), codegen
+
+
+@intrinsic
+def _row_dequant(typingctx, r, out, kind):
+    """out[:] = dequant(r), out float32[nb * 32], bit-identical to gguf.quants.dequantize."""
+    if not _rows_ok(r, types.uint8, out, types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        r, out, kind = _arrays(context, builder, sig, args)
+
+        def body(k, b, offset):
+            builder.store(_decode_block(context, builder, k, r.data, offset), _f32_block(builder, out, b), align=4)
+        _for_blocks(context, builder, kind, builder.sdiv(out.nitems, ir.Constant(out.nitems.type, BLOCK)), body)
+        return context.get_dummy_value()
+    return types.none(r, out, kind), codegen
+
+
+@intrinsic
+def _row_axpy(typingctx, y, c, r, kind):
+    """y[:] += c * dequant(r), y float32[nb * 32]; strict float32 (no contraction), so every call site rounds alike."""
+    if not _rows_ok(r, types.uint8, y, types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        y, c, r, kind = _arrays(context, builder, sig, args)
+        cs = _vec(builder, _F32, c)
+
+        def body(k, b, offset):
+            w = _decode_block(context, builder, k, r.data, offset)
+            dst = _f32_block(builder, y, b)
+            builder.store(builder.fadd(builder.load(dst, align=4), builder.fmul(cs, w)), dst, align=4)
+        _for_blocks(context, builder, kind, builder.sdiv(y.nitems, ir.Constant(y.nitems.type, BLOCK)), body)
+        return context.get_dummy_value()
+    return types.none(y, c, r, kind), codegen
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dequantize (whole matrices, embedding rows, and the widened blocks of the prefill matmul)
+
+
+@njit(cache=True, nogil=True)
+def dequantize_rows(Q, ids, out, kind):
+    """out[i] = dequantized row ids[i] of Q."""
+    for i in range(ids.shape[0]):
+        _row_dequant(Q[ids[i]], out[i], kind)
+
+
+def dequantize(q: np.ndarray, kind: str, cols: int, rows: np.ndarray | None = None) -> np.ndarray:
+    """uint8 [n, row_bytes] -> float32 [n, cols]; with `rows` (token ids: the embedding lookup) only those rows,
+    float32 [len(rows), cols]."""
+    k = _check_matrix(q, kind, cols)
+    ids = np.arange(q.shape[0]) if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= q.shape[0]):
+        raise UserError(f"row ids must lie in [0, {q.shape[0]}), got {ids.min()}..{ids.max()}")
+    out = np.empty((ids.shape[0], cols), np.float32)
+    dequantize_rows(q, ids, out, k.code)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Resident matrices: y = x @ W^T, the counterpart of kernels.matmul_t with the same three paths.
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def quant_matmul_rows(Q, x, y, lo, hi, kind):
+    """y[:, lo:hi] = x[T, d] @ dequant(Q[lo:hi])^T."""
+    T, d = x.shape
+    if T == 1:  # decode: decode each block straight into the dot product, nothing written
+        for j in range(lo, hi):
+            y[0, j] = _row_dot(Q[j], x[0], kind)
+        return
+    w = np.empty(d, np.float32)  # a few tokens: each row decoded once, then its T dot products run from L1
+    for j in range(lo, hi):
+        _row_dequant(Q[j], w, kind)
+        for t in range(T):
+            y[t, j] = _dot(w, x[t], d)
+
+
+@njit(cache=True, parallel=True, fastmath=True, nogil=True)
+def quant_matmul_kernel(Q, x, y, chunks, kind):
+    """quant_matmul_rows over all rows, split into `chunks` contiguous row ranges run in parallel."""
+    n = Q.shape[0]
+    for c in prange(chunks):
+        quant_matmul_rows(Q, x, y, c * n // chunks, (c + 1) * n // chunks, kind)
+
+
+def quant_matmul_t(x: np.ndarray, q: np.ndarray, kind: str, row_kernel_max_t: int = MATMUL_ROW_KERNEL_MAX_T,
+                   parallel_min_work: int = MATMUL_PARALLEL_MIN_WORK) -> np.ndarray:
+    """x [T, d] @ W [n, d]^T -> float32 [T, n] for W quantized as uint8 [n, row_bytes(d)]; the thresholds are
+    kernels.matmul_t's (the same memory-bound vs compute-bound crossover, the same cost of waking threads)."""
+    if x.ndim != 2:
+        raise ValueError(f"quant_matmul_t: x must be [T, d], got {x.shape}")
+    k = _check_matrix(q, kind, x.shape[1])
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    (T, d), n = x.shape, q.shape[0]
+    y = np.empty((T, n), np.float32)
+    if T <= row_kernel_max_t:
+        threads = numba.get_num_threads()
+        if threads > 1 and T * n * d >= parallel_min_work:
+            quant_matmul_kernel(q, x, y, threads, k.code)
+        else:
+            quant_matmul_rows(q, x, y, 0, n, k.code)
+    else:
+        matmul_widened(x, n, d, lambda lo, block: dequantize_rows(q, np.arange(lo, lo + block.shape[0]), block,
+                                                                  k.code), y)
+    return y
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sparse FFN over quantized bundles. A bundle (one neuron, one row of a uint8 matrix) is its n_vec vectors as
+# quantized rows of d weights, back to back ([gate | up | down] or [fc1 | fc2 column], row_bytes(d) bytes each), then
+# float32 biases at scalars_offset, zero padding to stride: kernels.py's contract with blocks in place of elements.
+
+
+def bundle_geometry(d: int, kind: str, n_vec: int, n_scalars: int = 0) -> tuple[int, int]:
+    """(scalars_offset, stride) of a quantized bundle; stride is a multiple of BUNDLE_ALIGN like a FlashLayout's."""
+    scalars_offset = align_up(n_vec * row_bytes(d, kind), 4)
+    return scalars_offset, align_up(scalars_offset + 4 * n_scalars, BUNDLE_ALIGN)
+
+
+def pack_quant_bundles(vecs: np.ndarray, kind: str, biases: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+    """vecs float32 [n, n_vec, d] (down as a row of d), biases float32 [n, n_bias] -> (bundles uint8 [n, stride],
+    scalars_offset)."""
+    n, n_vec, d = vecs.shape
+    n_bias = 0 if biases is None else biases.shape[1]
+    so, stride = bundle_geometry(d, kind, n_vec, n_bias)
+    out = np.zeros((n, stride), np.uint8)
+    payload = n_vec * row_bytes(d, kind)
+    out[:, :payload] = quantize(vecs.reshape(n * n_vec, d), kind).reshape(n, payload)
+    if n_bias:
+        out[:, so:so + 4 * n_bias] = np.ascontiguousarray(biases, dtype="<f4").view(np.uint8)
+    return out, so
+
+
+@njit(cache=True, fastmath=True)
+def _q_coefficient(wr, fr, x, rb, glu, act, relu_threshold, kind, bg_idx, bu_idx):
+    """kernels._coefficient on quantized vectors (rb bytes each): act(gate.x + bg) * (up.x + bu), act(up.x + bu)
+    for MLP; 0 when the activation is <= relu_threshold, and then the up row is not read."""
+    if glu:
+        a = _act(act, _row_dot(wr[:rb], x, kind) + _scalar(fr, bg_idx, 0.0))
+        if not a > relu_threshold:
+            return np.float32(0.0)
+        u = _row_dot(wr[rb:2 * rb], x, kind) + _scalar(fr, bu_idx, 0.0)
+        if act == ACT_DRELU and not u > np.float32(0.0):
+            return np.float32(0.0)
+        return a * u
+    a = _act(act, _row_dot(wr[:rb], x, kind) + _scalar(fr, bu_idx, 0.0))
+    return a if a > relu_threshold else np.float32(0.0)
+
+
+@njit(cache=True, parallel=True, fastmath=True, nogil=True)
+def quant_ffn_coefficients(B, F, slots, js, X, sel, coef, rb, glu, act, relu_threshold, kind, bg_idx, bu_idx,
+                           act_threshold):
+    """kernels.ffn_coefficients on quantized bundles B (uint8[rows, stride]; F its float32 view)."""
+    for q in prange(js.shape[0]):
+        j = js[q]
+        r = slots[j]
+        for t in range(X.shape[0]):
+            c = np.float32(0.0)
+            if sel[t, j]:
+                c = _q_coefficient(B[r], F[r], X[t], rb, glu, act, relu_threshold, kind, bg_idx, bu_idx)
+                if abs(c) <= act_threshold:
+                    c = np.float32(0.0)
+            coef[t, j] = c
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def quant_ffn_accumulate(B, slots, coef, Y, rb, glu, kind, block_bytes):
+    """Y[t] += sum over j = 0, 1, ... of coef[t, j] * down(slots[j]), in that order (zero coefficients skipped).
+
+    As kernels.ffn_accumulate: one thread per (row, OUT_BLOCK output elements), so each element sums its terms in
+    slot order and a set accumulated in pieces gives the bit-identical sum. OUT_BLOCK is a multiple of BLOCK, so a
+    task's outputs are whole blocks of the down rows."""
+    n = slots.shape[0]
+    d = Y.shape[1]
+    down = rb * (2 if glu else 1)
+    nb = (d + OUT_BLOCK - 1) // OUT_BLOCK
+    for q in prange(Y.shape[0] * nb):
+        t = q // nb
+        lo = (q % nb) * OUT_BLOCK
+        hi = min(d, lo + OUT_BLOCK)
+        y = Y[t, lo:hi]
+        b_lo = down + lo // BLOCK * block_bytes
+        b_hi = down + hi // BLOCK * block_bytes
+        for j in range(n):
+            c = coef[t, j]
+            if c != np.float32(0.0):
+                _row_axpy(y, c, B[slots[j], b_lo:b_hi], kind)
+
+
+class QuantSparseFFN(SparseFFN):
+    """SparseFFN over quantized bundles (pack_quant_bundles); dtype is a kind of KINDS, the rest as SparseFFN:
+
+    so, stride = bundle_geometry(4096, "q4_0", n_vec=3)
+    ffn = QuantSparseFFN(d=4096, dtype="q4_0", glu=True, act="relu", stride=stride, scalars_offset=so)
+    ffn(B, slots, x, y)  |  ffn.coefficients(B, slots, js, X, coef)  +  ffn.accumulate(B, slots, coef, Y)
+    """
+    DTYPES = KINDS
+
+    def __init__(self, d: int, dtype: str, *args, **kw):
+        super().__init__(d, dtype, *args, **kw)
+        self.kind = KINDS[dtype]
+        self.row_bytes = row_bytes(d, dtype)
+        # the row kernels read whole rows unchecked: the geometry must hold them
+        if not self.n_vec * self.row_bytes <= self.scalars_offset <= self.stride:
+            raise UserError(f"quantized bundle: {self.n_vec} vectors of {self.row_bytes} bytes, then scalars at "
+                            f"{self.scalars_offset}, do not fit a stride of {self.stride}")
+
+    def views(self, B: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if B.dtype != np.uint8 or B.ndim != 2 or B.shape[1] != self.stride:
+            raise UserError(f"bundle matrix must be uint8[rows, {self.stride}], got {B.dtype}{list(B.shape)}")
+        return B, B.view(np.float32)
+
+    def _rows_of_d(self, X: np.ndarray) -> None:
+        if X.ndim != 2 or X.shape[1] != self.d or X.dtype != np.float32 or not X.flags.c_contiguous:
+            raise UserError(f"expected C-contiguous float32[T, {self.d}], got {X.dtype}{list(X.shape)}")
+
+    def _coefficients(self, W, F, slots, js, X, sel, coef, act_threshold) -> None:
+        self._rows_of_d(X)
+        quant_ffn_coefficients(W, F, slots, js, X, sel, coef, self.row_bytes, self.glu, self.act_code,
+                               self.relu_threshold, self.kind.code, self.bg_idx, self.bu_idx, act_threshold)
+
+    def _accumulate(self, W, F, slots, coef, Y) -> None:
+        self._rows_of_d(Y)
+        quant_ffn_accumulate(W, slots, coef, Y, self.row_bytes, self.glu, self.kind.code, self.kind.block_bytes)
