@@ -1,11 +1,12 @@
-"""`flashinfer-lite eval -m FLASHDIR --corpus FILE --ffn dense|oracle|predicted [--tokens N] [--json]`.
+"""`flashinfer-lite eval -m FLASHDIR --corpus FILE --ffn MODE [--tokens N] [--dram-budget SIZE] [--json]`.
 
 Runs the model built by `flashinfer_lite.runtime.load_runtime` (the one generation uses), one token at a time through
 `model.forward([t], kv)` (the decode path), in windows of --ctx tokens that each start from an empty cache, against
 the dense model on the same tokens. The dense reference is computed first, layer by layer over all windows
 (predictors/layerwise.py), so it never needs the whole model in memory; `--ffn dense` is that reference alone (its
-ms_per_token: the layer-streamed batched pass, weight loads included, per token). Reports perplexity (and the dense one), top-1 agreement with dense, the mean
-share of neurons computed per layer, the share the predictors selected (what has to be read from flash), and the
+ms_per_token: the layer-streamed batched pass, weight loads included, per token). The mode's model runs under
+--dram-budget as generate's does (default auto), so a model bigger than RAM is evaluated from flash.
+Reports perplexity (and the dense one), top-1 agreement with dense, the mean share of neurons computed per layer, the share the predictors selected (what has to be read from flash), and the
 predictors' time and memory.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from flashinfer_lite.errors import UserError
 from flashinfer_lite.loader import open_any
 from flashinfer_lite.model import half_matrix
 from flashinfer_lite.runtime import FFN_MODES, load_runtime
+from flashinfer_lite.sizes import parse_size
 from storage.format import FlashCheckpoint
 
 from .acts import read_corpus
@@ -35,12 +37,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ffn", choices=("dense", "oracle", "predicted"), default="predicted")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens to evaluate (default 2048)")
     parser.add_argument("--ctx", type=int, default=256, help="window length (default 256)")
+    parser.add_argument("--dram-budget", default="auto", metavar="SIZE|auto",
+                        help="DRAM budget of the oracle/predicted model, as generate's (default auto)")
     parser.add_argument("--json", action="store_true",
                         help="print only one JSON object on stdout (the table goes to stderr)")
 
 
 def run(args) -> int:
-    res = evaluate(args.model, args.corpus, args.ffn, n_tokens=args.tokens, ctx=args.ctx)
+    budget = args.dram_budget if args.dram_budget == "auto" else parse_size(args.dram_budget)
+    res = evaluate(args.model, args.corpus, args.ffn, n_tokens=args.tokens, ctx=args.ctx, dram_budget=budget)
     print(format_result(res), file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(res))
@@ -75,7 +80,8 @@ def dense_reference(ckpt, windows, progress: bool = True) -> list[tuple[np.ndarr
     return out
 
 
-def evaluate(model_path, corpus, ffn: str, n_tokens: int = 2048, ctx: int = 256, progress: bool = True) -> dict:
+def evaluate(model_path, corpus, ffn: str, n_tokens: int = 2048, ctx: int = 256, progress: bool = True,
+             dram_budget: int | str | None = None) -> dict:
     if n_tokens < 2:
         raise UserError(f"--tokens must be at least 2 (got {n_tokens})")
     if ffn not in FFN_MODES:
@@ -100,7 +106,7 @@ def evaluate(model_path, corpus, ffn: str, n_tokens: int = 2048, ctx: int = 256,
     if ffn == "dense":
         nll, agree, t_model = nll_dense, n_pred, t_dense
     else:
-        model, _, runtime = load_runtime(model_path, ffn=ffn)
+        model, _, runtime = load_runtime(model_path, ffn=ffn, dram_budget=dram_budget, ctx=ctx)
         kv = model.new_cache(ctx)
         nll, agree, t_model = 0.0, 0, 0.0
         bar = tqdm(total=n_pred, desc=f"eval {ffn}", unit="tok", disable=not progress, file=sys.stderr)

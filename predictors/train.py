@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from flashinfer_lite.budget import keep_freed_arrays_out_of_rss
 from flashinfer_lite.errors import UserError
 from flashinfer_lite.loader import is_flashdir, open_any
 from flashinfer_lite.predictor_set import (CARD_FMT, MANIFEST, PRED_FORMAT, PRED_VERSION, PREDICTOR_DIR, FREQ_FILE,
@@ -258,6 +259,9 @@ def train(acts_dir, flashdir, rank=None, max_rank=None, target_recall=0.99, max_
 
     import torch
     torch.set_num_threads(threads or min(2, os.cpu_count() or 1))
+    # Each layer's training arrays ([rows, n] labels, logits, gradients) go back to the system when freed; glibc
+    # would otherwise keep them in the heap and the next layer's would add up (1.1 GB vs 0.6 for 12 layers x 16384).
+    keep_freed_arrays_out_of_rss()
     cards, weights, freqs = [], {}, {}
     bar = tqdm(range(cfg.n_layers), desc="train-predictor", unit="layer", disable=not progress, file=sys.stderr)
     for i in bar:
