@@ -3,8 +3,8 @@
 
     PYTHONPATH=. python bench/part_times.py [-m MODEL] [--ffn dense|predicted|...] [-n 64] [-p PROMPT] [-t THREADS]
 
-MODEL defaults to the default model (SmolLM2-135M-Instruct GGUF). The model's own methods are wrapped with timers
-on the instance (attention per layer, norms, the FFN call, the lm_head matmul measured on its own), the sampler is
+MODEL defaults to the default model (SmolLM2-135M-Instruct GGUF). The model's parts are wrapped with timers
+(attention per layer on the instance, model.norm in the module, the FFN call, the lm_head matmul measured on its own), the sampler is
 timed around its call, and "python" is the rest of forward(): embedding, residual adds, RoPE tables, the per-layer
 loop. Greedy decoding, the same Session.generate loop as the CLI. Prints one JSON document on stdout and a table on
 stderr. Timer overhead (~1 us a call, ~100 calls a token) is inside the parts it wraps.
@@ -18,6 +18,7 @@ import time
 from collections import defaultdict
 
 from flashinfer_lite.generate import Sampler, Session, open_model, prompt_ids  # first: sets the BLAS threads
+from flashinfer_lite import model as model_math
 from flashinfer_lite.model import linear
 
 import numpy as np  # noqa: E402
@@ -49,8 +50,10 @@ def main() -> int:
     ids = prompt_ids(tokenizer, args.prompt, None, True)
 
     acc: dict = defaultdict(float)
-    model.attn = [timed(a, acc, "attention") for a in model.attn]
-    model._norm = timed(model._norm, acc, "norms")
+    for block in model.blocks:
+        block.attn = timed(block.attn, acc, "attention")
+    # the layers' and the final norm: Block and output_logits look the module's norm up at each call
+    model_math.norm = timed(model_math.norm, acc, "norms")
     model.ffn = timed(model.ffn, acc, "ffn")
     forward = model.forward
     model.forward = timed(forward, acc, "forward")
