@@ -6,6 +6,7 @@ import importlib
 import os
 import sys
 
+from . import __version__
 from .errors import Reported, UserError
 
 # name -> (module, help). Modules are imported only for the command that runs, so `generate` never pays for torch.
@@ -25,7 +26,6 @@ COMMANDS = {
 
 def build_parser(command: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashinfer-lite", description="Run LLMs whose FFN weights stay on flash.")
-    from . import __version__
     parser.add_argument("--version", action="version", version=f"flashinfer-lite {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
