@@ -297,7 +297,8 @@ def quant_ffn_coefficients(B, F, slots, js, X, sel, coef, rb, glu, act, relu_thr
 
 @njit(cache=True, parallel=True, nogil=True)
 def quant_ffn_accumulate(B, slots, coef, Y, rb, glu, kind, block_bytes):
-    """Y[t] += sum over j = 0, 1, ... of coef[t, j] * down(slots[j]), in that order (zero coefficients skipped).
+    """Y[t] += sum over j = 0, 1, ... of coef[t, j] * down(slots[j]), in that order (zero coefficients skipped);
+    the down rows (after the gate/up rows of rb bytes each) are in `kind`, blocks of block_bytes.
 
     As kernels.ffn_accumulate: one thread per (row, OUT_BLOCK output elements), so each element sums its terms in
     slot order and a set accumulated in pieces gives the bit-identical sum. OUT_BLOCK is a multiple of BLOCK, so a
@@ -320,22 +321,25 @@ def quant_ffn_accumulate(B, slots, coef, Y, rb, glu, kind, block_bytes):
 
 
 class QuantSparseFFN(SparseFFN):
-    """SparseFFN over quantized bundles (storage.format.pack_bundles); dtype is a kind of KINDS, the rest as SparseFFN:
+    """SparseFFN over quantized bundles (storage.format.pack_bundles); dtype is a kind of KINDS (down_dtype, if given,
+    the down vector's), the rest as SparseFFN:
 
-    _, so, stride = bundle_geometry(4096, "q4_0", n_vec=3, n_scalars=0)
-    ffn = QuantSparseFFN(d=4096, dtype="q4_0", glu=True, act="relu", stride=stride, scalars_offset=so)
+    so, stride = bundle_geometry(4096, ("q4_0", "q4_0", "q8_0"), n_scalars=0)
+    ffn = QuantSparseFFN(d=4096, dtype="q4_0", glu=True, act="relu", stride=stride, scalars_offset=so,
+                         down_dtype="q8_0")
     ffn(B, slots, x, y)  |  ffn.coefficients(B, slots, js, X, coef)  +  ffn.accumulate(B, slots, coef, Y)
     """
     DTYPES = KINDS
 
-    def __init__(self, d: int, dtype: str, *args, **kw):
+    def __init__(self, d: int, dtype: str, *args, down_dtype: str | None = None, **kw):
         super().__init__(d, dtype, *args, **kw)
-        self.kind = KINDS[dtype]
+        self.kind, self.down_kind = KINDS[dtype], quant_kind(down_dtype or dtype)
         self.row_bytes = row_bytes(d, dtype)
+        payload = (self.n_vec - 1) * self.row_bytes + row_bytes(d, down_dtype or dtype)
         # the row kernels read whole rows unchecked: the geometry must hold them
-        if not self.n_vec * self.row_bytes <= self.scalars_offset <= self.stride:
-            raise UserError(f"quantized bundle: {self.n_vec} vectors of {self.row_bytes} bytes, then scalars at "
-                            f"{self.scalars_offset}, do not fit a stride of {self.stride}")
+        if not payload <= self.scalars_offset <= self.stride:
+            raise UserError(f"quantized bundle: {payload} bytes of vectors, then scalars at {self.scalars_offset}, "
+                            f"do not fit a stride of {self.stride}")
 
     def views(self, B: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if B.dtype != np.uint8 or B.ndim != 2 or B.shape[1] != self.stride:
@@ -353,12 +357,15 @@ class QuantSparseFFN(SparseFFN):
 
     def _accumulate(self, W, F, slots, coef, Y) -> None:
         self._rows_of_d(Y)
-        quant_ffn_accumulate(W, slots, coef, Y, self.row_bytes, self.glu, self.kind.code, self.kind.block_bytes)
+        quant_ffn_accumulate(W, slots, coef, Y, self.row_bytes, self.glu, self.down_kind.code,
+                             self.down_kind.block_bytes)
 
 
 def sparse_ffn(layout, **kw) -> SparseFFN:
     """The sparse FFN kernel of a FlashLayout's bundles (SparseFFN.from_layout's arguments)."""
-    return (QuantSparseFFN if layout.dtype in KINDS else SparseFFN).from_layout(layout, **kw)
+    if layout.dtype in KINDS:
+        return QuantSparseFFN.from_layout(layout, down_dtype=layout.down_dtype, **kw)
+    return SparseFFN.from_layout(layout, **kw)
 
 
 @dataclass(frozen=True, eq=False)

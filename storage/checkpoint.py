@@ -247,8 +247,8 @@ class Checkpoint:
         (rows as tensor(name)'s), so that convert can copy its blocks verbatim; else None."""
         return None
 
-    def auto_dtype(self) -> str:
-        """The flash dtype that keeps this checkpoint's precision (convert --dtype auto)."""
+    def precision(self, name: str) -> str:
+        """The flash dtype that keeps tensor `name`'s precision (convert --dtype auto)."""
         return "f16"
 
     def tokenizer(self) -> Tokenizer:
@@ -317,8 +317,8 @@ class HFCheckpoint(Checkpoint):
 # ----------------------------------------------------------------------------------------------------------------------
 # GGUF (llama architecture)
 
-# The GGUF tensor types read, each with the flash dtype that keeps its precision (convert --dtype auto, decided by the
-# FFN's type): q8_0 / q4_0 / q4_1 blocks are copied verbatim; wider quants go to 8 bits, narrower K-quants to q4_1.
+# The GGUF tensor types read, each with the flash dtype that keeps its precision (convert --dtype auto: the FFN's):
+# q8_0 / q4_0 / q4_1 blocks are copied verbatim; wider quants go to 8 bits, narrower K-quants to q4_1.
 GGUF_TYPES = {"F32": "f16", "F16": "f16", "BF16": "f16", "Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1",
               "Q5_0": "q8_0", "Q5_1": "q8_0", "Q6_K": "q8_0", "Q5_K": "q8_0", "Q4_K": "q4_1", "Q3_K": "q4_1",
               "Q2_K": "q4_1"}
@@ -433,9 +433,8 @@ class GGUFCheckpoint(Checkpoint):
             q = unpermute_qk(q, self.config.n_kv_heads)
         return kind, q
 
-    def auto_dtype(self) -> str:
-        part = "gate" if self.config.glu else "up"
-        return GGUF_TYPES[self._index[f"layers.0.ffn.{part}.weight"].tensor_type.name]
+    def precision(self, name: str) -> str:
+        return GGUF_TYPES[self._index[name].tensor_type.name]
 
     def release(self) -> None:
         # the file is memory-mapped read-only: its pages read so far count in RSS until dropped (re-read on demand)

@@ -5,7 +5,7 @@ format.
 HF checkpoint. With a block format (q8_0, q4_0, q4_1) the bundles' gate and up rows and the resident attention,
 embedding and lm_head matrices are copied from the GGUF verbatim where it stores them in a block format already, and
 quantized (llama.cpp's rounding) otherwise; the down matrix is always requantized, since the bundles need its blocks
-along d and a GGUF runs them along n.
+along d and a GGUF runs them along n (in 8 bits when the GGUF's are 4: layout_for).
 
 Everything is written into a temp directory next to the output, fsynced, and renamed into place last, so an
 interrupted convert never leaves a directory that read_layout would accept.
@@ -64,13 +64,21 @@ def _fsync_dir(path: Path) -> None:
 
 
 def layout_for(ckpt, dtype: str, orders=None) -> FlashLayout:
-    """The layout of a checkpoint: which biases travel in the bundles, and the neuron count of every layer."""
+    """The layout of a checkpoint: which biases travel in the bundles, the neuron count of every layer, and (dtype
+    auto) the dtype that keeps the checkpoint's precision."""
     cfg = ckpt.config
     names = set(ckpt.names())
+    if dtype == "auto":
+        dtype = ckpt.precision(f"layers.0.ffn.{'gate' if cfg.glu else 'up'}.weight")
+    # The bundles need the down matrix's blocks along d, and a GGUF's run along n: it is requantized. One the source
+    # holds in 4 bits would be rounded to 4 bits twice (SmolLM2's Q4_1: perplexity +8%), so it takes 8 bits (q8_0:
+    # its rounding is ~1/16 of the first; SmolLM2's bundle stride stays 1536 bytes, padded to 512 either way).
+    four_bit = ("q4_0", "q4_1")
+    down_dtype = "q8_0" if dtype in four_bit and ckpt.precision("layers.0.ffn.down.weight") in four_bit else None
     biases = [b for b, part in (("bias.gate", "gate"), ("bias.up", "up"))
               if (cfg.glu or part == "up") and f"layers.0.ffn.{part}.bias" in names]
     layout = FlashLayout.create(cfg.dim, [cfg.ffn_dim] * cfg.n_layers, dtype, cfg.glu, biases, orders,
-                              config=cfg.to_dict())
+                                down_dtype=down_dtype, config=cfg.to_dict())
     for i in range(cfg.n_layers):
         missing = [n for n in ffn_tensor_names(layout, i) if n not in names]
         if missing:
@@ -198,7 +206,7 @@ def convert(model, output, dtype: str = DEFAULT_DTYPE, force: bool = False, prog
             # --force replaces flash directories, not arbitrary folders someone pointed -o at by mistake.
             raise UserError(f"{out} is a non-empty directory that is not a flash directory; refusing to replace it")
     ckpt = open_checkpoint(model)
-    layout = layout_for(ckpt, ckpt.auto_dtype() if dtype == "auto" else dtype)
+    layout = layout_for(ckpt, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_dirs(out.parent)
     tmp = temp_path(out, "tmp")

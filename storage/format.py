@@ -10,10 +10,11 @@ FLASHDIR/
   tokenizer/             tokenizer.json + tokenizer_config.json
 
 A bundle holds everything one neuron needs, so one read fetches it (row-column bundling, LLM in a Flash):
-  n_vec vectors of length d in `dtype` (vector k at byte k*vector_bytes: d elements, or for q8_0/q4_0/q4_1 d/32
-  GGUF blocks, storage/blocks.py), then float32 scalars at `scalars_offset` (int8: one symmetric scale per vector;
-  then per-neuron biases), zero padding up to `stride` (a multiple of 512, so every run of bundles is an
-  O_DIRECT-aligned read that lands directly in a cache row).
+  n_vec vectors of length d in `dtype` back to back (d elements each, or for q8_0/q4_0/q4_1 d/32 GGUF blocks,
+  storage/blocks.py; a quantized layout may keep the down vector in another block format, `down_dtype`), then
+  float32 scalars at `scalars_offset` (int8: one symmetric scale per vector; then per-neuron biases), zero padding
+  up to `stride` (a multiple of 512, so every run of bundles is an O_DIRECT-aligned read that lands directly in a
+  cache row).
 See docs/FORMAT.md.
 """
 from __future__ import annotations
@@ -62,14 +63,18 @@ def new_checksum():
     return hashlib.blake2b(digest_size=16)
 
 
-def bundle_geometry(d: int, dtype: str, n_vec: int, n_scalars: int) -> tuple[int, int, int]:
-    """(vector_bytes, scalars_offset, stride) of a bundle: n_vec vectors of d weights in `dtype`, then n_scalars
-    float32 from a 4-aligned offset, then zero padding to a multiple of BUNDLE_ALIGN."""
+def vector_bytes(d: int, dtype: str) -> int:
+    """Bytes of one bundle vector of d weights in `dtype`."""
     if dtype not in BUNDLE_DTYPES:
         raise UserError(f"unknown flash dtype '{dtype}' (choose one of {', '.join(BUNDLE_DTYPES)})")
-    vector_bytes = blocks.row_bytes(d, dtype) if dtype in QUANT_DTYPES else d * DTYPES[dtype].itemsize
-    scalars_offset = align_up(n_vec * vector_bytes, 4)
-    return vector_bytes, scalars_offset, align_up(scalars_offset + 4 * n_scalars, BUNDLE_ALIGN)
+    return blocks.row_bytes(d, dtype) if dtype in QUANT_DTYPES else d * DTYPES[dtype].itemsize
+
+
+def bundle_geometry(d: int, vector_dtypes: tuple[str, ...], n_scalars: int) -> tuple[int, int]:
+    """(scalars_offset, stride) of a bundle: one vector of d weights per dtype of `vector_dtypes`, back to back, then
+    n_scalars float32 from a 4-aligned offset, then zero padding to a multiple of BUNDLE_ALIGN."""
+    scalars_offset = align_up(sum(vector_bytes(d, t) for t in vector_dtypes), 4)
+    return scalars_offset, align_up(scalars_offset + 4 * n_scalars, BUNDLE_ALIGN)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -97,6 +102,7 @@ class FlashLayout:
                                                  "tokenizer": "tokenizer"})
     resident_checksum: str = ""
     flashdir: Path | None = None     # set when read from disk
+    down_dtype: str | None = None    # quantized layouts: the down vector's block format, when not `dtype`
 
     # -- geometry --------------------------------------------------------------------------------------------------
     @property
@@ -121,12 +127,22 @@ class FlashLayout:
         return None if self.quantized else self.np_dtype.itemsize
 
     @property
+    def vector_dtypes(self) -> tuple[str, ...]:
+        return (self.dtype,) * (self.n_vec - 1) + (self.down_dtype or self.dtype,)
+
+    @property
+    def vector_offsets(self) -> list[int]:
+        """Byte offset of each vector in a bundle, then the end of the last."""
+        return np.cumsum([0] + [vector_bytes(self.d, t) for t in self.vector_dtypes]).tolist()
+
+    @property
     def vector_bytes(self) -> int:
-        return bundle_geometry(self.d, self.dtype, self.n_vec, 0)[0]
+        """Bytes of a vector in `dtype` (every vector but a down vector in down_dtype)."""
+        return vector_bytes(self.d, self.dtype)
 
     @property
     def scalars_offset(self) -> int:
-        return bundle_geometry(self.d, self.dtype, self.n_vec, 0)[1]
+        return bundle_geometry(self.d, self.vector_dtypes, 0)[0]
 
     @property
     def scalars(self) -> tuple[str, ...]:
@@ -146,12 +162,14 @@ class FlashLayout:
         return self.flashdir / self.files["ffn"]
 
     @classmethod
-    def create(cls, d: int, n_neurons: list[int], dtype: str, glu: bool, biases=(), orders=None, **kw) -> "FlashLayout":
+    def create(cls, d: int, n_neurons: list[int], dtype: str, glu: bool, biases=(), orders=None,
+               down_dtype: str | None = None, **kw) -> "FlashLayout":
         """Compute stride and region offsets for a model; checksums are filled in by the writer."""
         vectors = GLU_VECTORS if glu else MLP_VECTORS
         biases = tuple(b for b in BIAS_NAMES if b in biases)
+        check_down_dtype(dtype, down_dtype)
         n_scalars = (len(vectors) if dtype == "int8" else 0) + len(biases)
-        stride = bundle_geometry(d, dtype, len(vectors), n_scalars)[2]
+        stride = bundle_geometry(d, (dtype,) * (len(vectors) - 1) + (down_dtype or dtype,), n_scalars)[1]
         offsets, pos = [], 0
         for n in n_neurons:
             pos = align_up(pos, REGION_ALIGN)
@@ -160,7 +178,8 @@ class FlashLayout:
         orders = [np.arange(n, dtype=np.int64) for n in n_neurons] if orders is None else \
             [np.asarray(o, dtype=np.int64) for o in orders]
         return cls(d=d, dtype=dtype, vectors=vectors, biases=biases, stride=stride, offset=offsets,
-                   n_neurons=list(n_neurons), order=orders, ffn_size=align_up(pos, REGION_ALIGN), **kw)
+                   n_neurons=list(n_neurons), order=orders, ffn_size=align_up(pos, REGION_ALIGN),
+                   down_dtype=down_dtype, **kw)
 
     # -- manifest ----------------------------------------------------------------------------------------------------
     def to_manifest(self) -> dict:
@@ -173,11 +192,17 @@ class FlashLayout:
                            "checksum": self.checksum[i]})
         return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "config": self.config, "dtype": self.dtype,
                 "bundle": {"d": self.d, "vectors": list(self.vectors), "itemsize": self.itemsize,
-                           "vector_bytes": self.vector_bytes, "stride": self.stride,
-                           "scalars_offset": self.scalars_offset,
+                           "vector_bytes": self.vector_bytes, "down_dtype": self.down_dtype,
+                           "stride": self.stride, "scalars_offset": self.scalars_offset,
                            "scalars": list(self.scalars)},
                 "files": dict(self.files), "ffn_size": self.ffn_size, "checksum_algo": CHECKSUM_ALGO,
                 "resident_checksum": self.resident_checksum, "layers": layers}
+
+
+def check_down_dtype(dtype: str, down_dtype: str | None, src: str = "") -> None:
+    if down_dtype is not None and (dtype not in QUANT_DTYPES or down_dtype not in QUANT_DTYPES):
+        raise UserError(f"{src}a down vector of its own dtype ({down_dtype!r}) needs quantized bundles "
+                        f"({', '.join(QUANT_DTYPES)}), not {dtype!r}")
 
 
 def write_manifest(layout: FlashLayout, flashdir: Path) -> None:
@@ -242,6 +267,8 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
     scalars = tuple(b.get("scalars") or ())
     n_scales = len(vectors) if dtype == "int8" else 0
     biases = scalars[n_scales:]
+    down_dtype = b.get("down_dtype")        # absent before the block formats
+    check_down_dtype(dtype, down_dtype, f"{src}: ")
     if not set(biases) <= set(BIAS_NAMES) or len(set(biases)) != len(biases):
         raise UserError(f"{src}: unknown bundle scalars {list(scalars)}")
     layout = FlashLayout(d=_int(b.get("d"), "bundle.d", src, 1), dtype=dtype, vectors=vectors,
@@ -249,7 +276,7 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
                          stride=_int(b.get("stride"), "bundle.stride", src, BUNDLE_ALIGN),
                          offset=[], n_neurons=[], order=[], ffn_size=_int(ffn_size, "ffn_size", src),
                          config=cfg, files=dict(files), resident_checksum=str(m.get("resident_checksum", "")),
-                         flashdir=flashdir)
+                         flashdir=flashdir, down_dtype=down_dtype)
     # The geometry the readers and kernels will rely on must be exactly what this build would compute (a d that is
     # not whole blocks of a quantized dtype is a UserError of its own). vector_bytes: absent before the block formats.
     if layout.scalars != scalars or b.get("scalars_offset") != layout.scalars_offset \
@@ -312,17 +339,17 @@ def pack_bundles(layout: FlashLayout, vecs, biases: np.ndarray | None = None) ->
     n = vecs[0].shape[0]
     assert len(vecs) == layout.n_vec and all(v.shape[0] == n for v in vecs), [v.shape for v in vecs]
     out = np.zeros((n, layout.stride), np.uint8)
-    vb = layout.vector_bytes
+    at, kinds = layout.vector_offsets, layout.vector_dtypes
     scalars = []
     for k, v in enumerate(vecs):
-        dest = out[:, k * vb:(k + 1) * vb]
+        dest = out[:, at[k]:at[k + 1]]
         if v.dtype == np.uint8 and layout.quantized:      # already stored: blocks along d
-            assert v.shape == (n, vb), v.shape
+            assert v.shape == dest.shape, v.shape
             dest[:] = v
             continue
         assert v.shape == (n, layout.d), v.shape
         if layout.quantized:
-            dest[:] = blocks.quantize(np.ascontiguousarray(v, dtype=np.float32), layout.dtype)
+            dest[:] = blocks.quantize(np.ascontiguousarray(v, dtype=np.float32), kinds[k])
         elif layout.dtype == "int8":
             # Symmetric per-vector scale: q = round(v / s), s = max|v| / 127, so |v - q*s| <= s/2.
             scale = np.abs(v).max(axis=1).astype(np.float32) / np.float32(127.0)           # [n]
@@ -350,13 +377,13 @@ def unpack_bundles(layout: FlashLayout, bundles: np.ndarray) -> tuple[np.ndarray
     vectors dequantized (bit-exact with the runtime's kernels)."""
     n = bundles.shape[0]
     assert bundles.dtype == np.uint8 and bundles.shape[1] == layout.stride
-    payload = layout.n_vec * layout.vector_bytes
-    so = layout.scalars_offset
+    at, so = layout.vector_offsets, layout.scalars_offset
     s = np.ascontiguousarray(bundles[:, so:so + 4 * len(layout.scalars)]).view("<f4").astype(np.float32)
-    raw = np.ascontiguousarray(bundles[:, :payload])
     if layout.quantized:
-        vecs = blocks.dequantize(raw.reshape(n * layout.n_vec, layout.vector_bytes), layout.dtype)
-        return vecs.reshape(n, layout.n_vec, layout.d), s
+        vecs = np.stack([blocks.dequantize(bundles[:, at[k]:at[k + 1]], kind)
+                         for k, kind in enumerate(layout.vector_dtypes)], axis=1)
+        return vecs, s
+    raw = np.ascontiguousarray(bundles[:, :at[-1]])
     vecs = raw.view(layout.np_dtype).reshape(n, layout.n_vec, layout.d).astype(np.float32)
     if layout.dtype == "int8":
         vecs *= s[:, :layout.n_vec, None]
