@@ -70,6 +70,11 @@ def vector_bytes(d: int, dtype: str) -> int:
     return blocks.row_bytes(d, dtype) if dtype in QUANT_DTYPES else d * DTYPES[dtype].itemsize
 
 
+def vector_dtypes(dtype: str, n_vec: int, down_dtype: str | None) -> tuple[str, ...]:
+    """The dtype of each bundle vector: `dtype`, the down vector (the last) in down_dtype if given."""
+    return (dtype,) * (n_vec - 1) + (down_dtype or dtype,)
+
+
 def bundle_geometry(d: int, vector_dtypes: tuple[str, ...], n_scalars: int) -> tuple[int, int]:
     """(scalars_offset, stride) of a bundle: one vector of d weights per dtype of `vector_dtypes`, back to back, then
     n_scalars float32 from a 4-aligned offset, then zero padding to a multiple of BUNDLE_ALIGN."""
@@ -128,7 +133,7 @@ class FlashLayout:
 
     @property
     def vector_dtypes(self) -> tuple[str, ...]:
-        return (self.dtype,) * (self.n_vec - 1) + (self.down_dtype or self.dtype,)
+        return vector_dtypes(self.dtype, self.n_vec, self.down_dtype)
 
     @property
     def vector_offsets(self) -> list[int]:
@@ -169,7 +174,7 @@ class FlashLayout:
         biases = tuple(b for b in BIAS_NAMES if b in biases)
         check_down_dtype(dtype, down_dtype)
         n_scalars = (len(vectors) if dtype == "int8" else 0) + len(biases)
-        stride = bundle_geometry(d, (dtype,) * (len(vectors) - 1) + (down_dtype or dtype,), n_scalars)[1]
+        stride = bundle_geometry(d, vector_dtypes(dtype, len(vectors), down_dtype), n_scalars)[1]
         offsets, pos = [], 0
         for n in n_neurons:
             pos = align_up(pos, REGION_ALIGN)
@@ -280,7 +285,8 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
     # The geometry the readers and kernels will rely on must be exactly what this build would compute (a d that is
     # not whole blocks of a quantized dtype is a UserError of its own). vector_bytes: absent before the block formats.
     if layout.scalars != scalars or b.get("scalars_offset") != layout.scalars_offset \
-            or b.get("itemsize") != layout.itemsize or b.get("vector_bytes", layout.vector_bytes) != layout.vector_bytes:
+            or b.get("itemsize") != layout.itemsize \
+            or b.get("vector_bytes", layout.vector_bytes) != layout.vector_bytes:
         raise UserError(f"{src}: bundle scalars/offsets do not match dtype {dtype} and vectors {list(vectors)}")
     if layout.stride % BUNDLE_ALIGN or layout.stride < layout.scalars_offset + 4 * len(scalars):
         raise UserError(f"{src}: bundle stride {layout.stride} is not a multiple of {BUNDLE_ALIGN} holding the payload")
@@ -581,8 +587,8 @@ class FlashCheckpoint:
         kinds = self._resident.metadata
         for name, kind in kinds.items():
             e = self._resident.entries.get(name)
-            if kind not in blocks.BLOCK_BYTES or e is None or e[1] != np.uint8 or len(e[2]) != 2 \
-                    or e[2][1] % blocks.BLOCK_BYTES[kind]:
+            if not isinstance(kind, str) or kind not in blocks.BLOCK_BYTES or e is None or e[1] != np.uint8 \
+                    or len(e[2]) != 2 or e[2][1] % blocks.BLOCK_BYTES[kind]:
                 raise UserError(f"{self._resident_path}: resident tensor {name!r} is not a {kind!r} matrix; "
                                 f"re-run convert")
         return dict(kinds)
