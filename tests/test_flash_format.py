@@ -215,6 +215,14 @@ def test_inconsistent_manifests_are_refused(flashdir, change, message):
         read_layout(flashdir)
 
 
+def test_manifests_written_before_the_block_formats_still_read(flashdir):
+    """Version 1 without bundle.vector_bytes and bundle.down_dtype (FLASHDIRs converted before them)."""
+    before = read_layout(flashdir)
+    edit_manifest(flashdir, lambda m: [m["bundle"].pop(k) for k in ("vector_bytes", "down_dtype")])
+    after = read_layout(flashdir)
+    assert (after.stride, after.scalars_offset, after.down_dtype) == (before.stride, before.scalars_offset, None)
+
+
 def test_garbage_and_oversized_manifests_are_refused(flashdir, monkeypatch):
     (flashdir / "manifest.json").write_bytes(b"\xff{not json")
     with pytest.raises(UserError, match="not valid JSON"):
