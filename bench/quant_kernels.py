@@ -22,8 +22,9 @@ import time
 import numba
 import numpy as np
 
-from flashinfer_lite.kernels import SparseFFN, matmul_t
-from flashinfer_lite.quant import QuantSparseFFN, bundle_geometry, pack_quant_bundles, quant_matmul_t, quantize
+from flashinfer_lite.kernels import matmul_t
+from flashinfer_lite.quant import quant_matmul_t, quantize, sparse_ffn
+from storage.format import FlashLayout, pack_bundles
 
 N, D = 11008, 4096
 
@@ -70,17 +71,10 @@ def bench_sparse_ffn(rng, calls: int, pool_mb: int, frac: float, threads: list[i
     sets = [np.sort(rng.choice(N, k, replace=False)).astype(np.int32) for _ in range(16)]
     out = []
     for fmt in ("f16", "q8_0", "q4_0"):
-        if fmt == "f16":  # kernels.py's contract layout: 3 x d float16, stride a multiple of 512
-            so, stride = 3 * D * 2, -(-3 * D * 2 // 512) * 512
-            layer = np.zeros((len(vecs), stride), np.uint8)
-            layer[:, :so] = vecs.astype(np.float16).reshape(len(vecs), -1).view(np.uint8)
-            make = lambda: SparseFFN(D, "f16", True, "relu", stride, so, relu_threshold=-np.inf, max_active=k)  # noqa
-            touched = k * so
-        else:
-            layer, so = pack_quant_bundles(vecs, fmt)
-            stride = bundle_geometry(D, fmt, 3)[1]
-            make = lambda: QuantSparseFFN(D, fmt, True, "relu", stride, so, relu_threshold=-np.inf, max_active=k)  # noqa
-            touched = k * so
+        layout = FlashLayout.create(D, [len(vecs)], fmt, glu=True)
+        layer = pack_bundles(layout, vecs)
+        make = lambda: sparse_ffn(layout, act="relu", relu_threshold=-np.inf, max_active=k)  # noqa: E731
+        touched = k * layout.scalars_offset
         pool = pool_of(np.resize(layer, (N, layer.shape[1])), pool_mb)
         del layer
         for t in threads:

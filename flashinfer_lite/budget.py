@@ -2,7 +2,8 @@
 
   runtime      what the process holds before the model's weights load: interpreter, numpy/numba/tokenizers,
                the compiled kernels, the tokenizer, the predictors; measured (RSS), not computed
-  resident     embeddings, attention, norms, head, FFN down bias (in DRAM; matrices float16 with f16/int8 bundles)
+  resident     embeddings, attention, norms, head, FFN down bias (in DRAM; matrices float16 with f16/int8 bundles,
+               in blocks with q8_0/q4_0/q4_1 ones)
   kv cache     keys and values for the whole context (float32)
   buffers      reader gap scratch, kernel scratch, cache bookkeeping (slot maps per neuron), the prefill
                streaming chunk, the heap the prompt's transient arrays leave behind
@@ -29,9 +30,10 @@ from storage.profile import DEFAULT_GAP_BYTES
 from storage.reader import BundleReader
 
 from .errors import UserError
-from .kernels import MATMUL_ROW_KERNEL_MAX_T, SparseFFN, matmul_t
+from .kernels import MATMUL_ROW_KERNEL_MAX_T, matmul_t
 from .model import KVCache, ModelConfig
 from .neuron_cache import NeuronCache, select_hot
+from .quant import BLOCK, QuantMatrix, quant_matmul_t, quantize, row_bytes, sparse_ffn
 
 # per neuron per layer: slot_of int32 + last_used int64 + seen int64 + out_slots int32 + out_new uint8
 # (neuron_cache._Layer) + bundle_of int64 (runtime.FlashFFN)
@@ -105,17 +107,32 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def resident_bytes_for(cfg: ModelConfig, half: bool = False) -> int:
-    """Bytes of every non-FFN tensor (+ FFN down bias and norm) as the runtime keeps them: matrices (embeddings,
-    attention, lm_head) float16 when `half` (half.half_matrix), else float32; norms and biases float32."""
+def resident_matrix_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """{name: (rows, cols)} of the resident matrices: embeddings, attention, lm_head."""
     d, q, kv = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    matrices = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2) + cfg.n_layers * (d * q + 2 * d * kv + q * d)
+    out = {"embed.weight": (cfg.vocab_size, d)}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, d)
     if cfg.pos_offset is not None:
-        matrices += (cfg.max_pos + cfg.pos_offset) * d
+        out["pos_embed.weight"] = (cfg.max_pos + cfg.pos_offset, d)
+    for i in range(cfg.n_layers):
+        out.update({f"layers.{i}.attn.q.weight": (q, d), f"layers.{i}.attn.k.weight": (kv, d),
+                    f"layers.{i}.attn.v.weight": (kv, d), f"layers.{i}.attn.o.weight": (d, q)})
+    return out
+
+
+def resident_bytes_for(cfg: ModelConfig, half: bool = False, kinds: dict[str, str] | None = None) -> int:
+    """Bytes of every non-FFN tensor (+ FFN down bias and norm) as the runtime keeps them: matrices (embeddings,
+    attention, lm_head) in the block format `kinds` names for them (a quantized FLASHDIR's resident_kinds), else
+    float16 when `half` (half.half_matrix), else float32; norms and biases float32."""
+    kinds = kinds or {}
+    matrices = sum(rows * row_bytes(cols, kinds[n]) if n in kinds else rows * cols * (2 if half else 4)
+                   for n, (rows, cols) in resident_matrix_shapes(cfg).items())
+    d, q, kv = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     norm = d * (2 if cfg.norm == "layer" else 1)
     vectors = cfg.n_layers * (2 * norm + (q + 2 * kv) * cfg.qkv_bias + d * cfg.o_bias + d * cfg.mlp_bias)
     vectors += norm if cfg.pre_norm else 0
-    return (2 if half else 4) * matrices + 4 * vectors
+    return matrices + 4 * vectors
 
 
 def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 5, max_active: int | None = None,
@@ -303,14 +320,22 @@ def compile_kernels(layout) -> None:
         cache = NeuronCache([k], layout.stride, reader, capacity=k, window=1)
         slots = cache.fetch(0, np.arange(k))
         x = np.zeros(layout.d, np.float32)
-        SparseFFN.from_layout(layout, max_active=k)(cache.matrix(0), slots, x, np.zeros_like(x))
+        sparse_ffn(layout, max_active=k)(cache.matrix(0), slots, x, np.zeros_like(x))
     if layout.dtype == "f32":
         return   # resident matrices stay float32 (runtime.load_runtime): BLAS, no kernel to compile
-    # the float16 resident matrices' kernels: decode (row kernel, serial and parallel) and prefill (widened blocks)
-    w = np.zeros((2, layout.d), np.float16)
+    # the resident matrices' kernels, float16 (and, in a quantized FLASHDIR, the blocks' too: one compiled function
+    # serves every kind): decode (row kernel, serial and parallel), prefill (widened blocks), the embedding lookup
+    d = layout.d if layout.d % BLOCK == 0 else BLOCK
+    w16, wq = np.zeros((2, d), np.float16), quantize(np.zeros((2, d), np.float32), "q8_0")
     for T in (1, MATMUL_ROW_KERNEL_MAX_T + 1):
-        matmul_t(np.zeros((T, layout.d), np.float32), w, parallel_min_work=0)
-    matmul_t(np.zeros((1, layout.d), np.float32), w)
+        x = np.zeros((T, d), np.float32)
+        matmul_t(x, w16, parallel_min_work=0)
+        if layout.quantized:
+            quant_matmul_t(x, wq, "q8_0", parallel_min_work=0)
+    matmul_t(np.zeros((1, d), np.float32), w16)
+    if layout.quantized:
+        quant_matmul_t(np.zeros((1, d), np.float32), wq, "q8_0")
+        QuantMatrix.of(("q8_0", wq))[np.zeros(1, np.int64)]
 
 
 def measure_runtime_bytes(layout) -> int:

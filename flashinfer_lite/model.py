@@ -15,6 +15,7 @@ from .config import ModelConfig
 from .errors import UserError
 from .half import half_matrix
 from .kernels import matmul_t
+from .quant import QuantMatrix
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -41,9 +42,13 @@ def relu(x: np.ndarray) -> np.ndarray:
     return np.maximum(x, 0.0)
 
 
-def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
-    # x [T, in] @ w [out, in]^T -> [T, out]. float16 w: resident matrices (half_matrices), the Numba kernel.
-    y = matmul_t(x, w) if w.dtype == np.float16 else x @ w.T
+def linear(x: np.ndarray, w: np.ndarray | QuantMatrix, b: np.ndarray | None = None) -> np.ndarray:
+    # x [T, in] @ w [out, in]^T -> [T, out]. Resident matrices of a FLASHDIR: float16 (half_matrices) or in a block
+    # format (QuantMatrix), each with its Numba kernel.
+    if isinstance(w, QuantMatrix):
+        y = w.matmul_t(x)
+    else:
+        y = matmul_t(x, w) if w.dtype == np.float16 else x @ w.T
     return y if b is None else y + b
 
 
@@ -245,7 +250,7 @@ def embed_tokens(cfg: ModelConfig, embed: np.ndarray, pos_embed: np.ndarray | No
     """Hidden states [T, d] of tokens [T] at positions pos0..: token embeddings (plus OPT's learned positions)."""
     if tokens.min() < 0 or tokens.max() >= cfg.vocab_size:
         raise UserError(f"token id out of range for vocabulary of {cfg.vocab_size}")
-    x = embed[tokens].astype(np.float32)                                    # [T, d]
+    x = embed[tokens].astype(np.float32)                       # [T, d] (a QuantMatrix dequantizes just these rows)
     if pos_embed is not None:
         x = x + pos_embed[pos0 + cfg.pos_offset: pos0 + len(tokens) + cfg.pos_offset]
     return x
@@ -261,7 +266,8 @@ def output_logits(cfg: ModelConfig, x: np.ndarray, final_norm: tuple, lm_head: n
 class Transformer:
     """Decoder-only transformer over canonical weight names (see checkpoint.py).
 
-    `weights` maps canonical names to float32 arrays; matrices may be float16 (half_matrices). `ffn` replaces the
+    `weights` maps canonical names to float32 arrays; matrices may be float16 (half_matrices) or QuantMatrix (a
+    quantized FLASHDIR's). `ffn` replaces the
     dense FFN (the flash runtime plugs in here); it receives the normed FFN input of a layer and returns that layer's
     FFN output.
     """

@@ -1,19 +1,13 @@
-"""Group-wise 4- and 8-bit weights in GGUF's block formats, and the Numba kernels that compute on them directly.
+"""The Numba kernels that compute on weights in GGUF's block formats (q8_0, q4_0, q4_1: storage/blocks.py).
 
-A quantized matrix [rows, cols] is uint8 [rows, row_bytes]: each row is cols / 32 blocks in llama.cpp's byte layout,
-so a GGUF tensor's bytes (rows along ne1, blocks along ne0) are such a matrix as they are, and blocks copied verbatim
-from a GGUF file dequantize bit-exactly (tests/test_quant.py checks both against gguf.quants):
-
-  q8_0  34 bytes: float16 d, 32 x int8 q                          value = d * q
-  q4_0  18 bytes: float16 d, 16 bytes of nibbles                    value = d * (q - 8)
-  q4_1  20 bytes: float16 d, float16 m, 16 bytes of nibbles         value = d * q + m
-  (nibbles: byte k holds element k in its low 4 bits and element k + 16 in its high 4 bits)
-
+A quantized matrix [rows, cols] is uint8 [rows, row_bytes], each row cols / 32 blocks in llama.cpp's byte layout, so
+blocks copied verbatim from a GGUF file dequantize bit-exactly (tests/test_quant.py checks against gguf.quants).
 Compute stays float32: x is never quantized (llama.cpp's int8 dot products would round it), so a kernel's result is
-the float32 math on the dequantized weights. Quantizing is gguf.quants' (bit-exact with llama.cpp's reference).
+the float32 math on the dequantized weights. Quantizing is storage.blocks.quantize (gguf.quants, llama.cpp's).
 
 Kernels: quant_matmul_t (x @ W^T for resident matrices), dequantize (whole matrix or given rows: the embedding
 lookup) and QuantSparseFFN, the SparseFFN of bundles whose gate, up and down vectors are quantized rows along d.
+QuantMatrix is a resident matrix kept so (model.linear dispatches on it); sparse_ffn picks the kernel of a layout.
 """
 from __future__ import annotations
 
@@ -21,8 +15,6 @@ from dataclasses import dataclass
 
 import numba
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf import quants as gguf_quants
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
@@ -31,56 +23,22 @@ from numba.extending import intrinsic
 from flashinfer_lite.errors import UserError
 from flashinfer_lite.kernels import (ACT_DRELU, MATMUL_PARALLEL_MIN_WORK, MATMUL_ROW_KERNEL_MAX_T, OUT_BLOCK,
                                      SparseFFN, _act, _dot, _scalar, f16_bits_to_f32, matmul_widened)
-from storage.format import BUNDLE_ALIGN, align_up
+from storage.blocks import BLOCK, BLOCK_BYTES, check_kind, quantize, row_bytes  # noqa: F401 (quantize: re-exported)
 
-BLOCK = 32                       # weights per block, along the input dimension
 Q8_0, Q4_0, Q4_1 = 0, 1, 2       # kind codes the kernels branch on (once per row, not per element)
 
 
 @dataclass(frozen=True)
 class QuantKind:
     code: int
-    ggml: GGMLQuantizationType
-
-    @property
-    def block_bytes(self) -> int:
-        return GGML_QUANT_SIZES[self.ggml][1]
+    block_bytes: int
 
 
-KINDS = {"q8_0": QuantKind(Q8_0, GGMLQuantizationType.Q8_0),
-         "q4_0": QuantKind(Q4_0, GGMLQuantizationType.Q4_0),
-         "q4_1": QuantKind(Q4_1, GGMLQuantizationType.Q4_1)}
+KINDS = {name: QuantKind(code, BLOCK_BYTES[name]) for name, code in (("q8_0", Q8_0), ("q4_0", Q4_0), ("q4_1", Q4_1))}
 
 
 def quant_kind(kind: str) -> QuantKind:
-    if kind not in KINDS:
-        raise UserError(f"unknown quantized format {kind!r} (expected one of {sorted(KINDS)})")
-    return KINDS[kind]
-
-
-def row_bytes(cols: int, kind: str) -> int:
-    """Bytes of one quantized row of `cols` weights."""
-    if cols <= 0 or cols % BLOCK:
-        raise UserError(f"{kind} rows need a length that is a positive multiple of {BLOCK}, got {cols}")
-    return cols // BLOCK * quant_kind(kind).block_bytes
-
-
-def quantize(w: np.ndarray, kind: str) -> np.ndarray:
-    """float32 [rows, cols] -> uint8 [rows, row_bytes], llama.cpp's rounding (gguf.quants is its bit-exact port)."""
-    k = quant_kind(kind)
-    if w.ndim != 2:
-        raise UserError(f"quantize expects a matrix [rows, cols], got shape {list(w.shape)}")
-    rb = row_bytes(w.shape[1], kind)
-    if not np.isfinite(w).all():
-        raise UserError(f"cannot quantize to {kind}: the weights hold non-finite values")
-    with np.errstate(over="ignore"):  # reported below as one clear error
-        q = np.ascontiguousarray(gguf_quants.quantize(np.ascontiguousarray(w, dtype=np.float32), k.ggml))
-    # the float16 scale (and q4_1's minimum) overflow for weights beyond ~1e6: refuse rather than store inf
-    blocks = q.reshape(-1, k.block_bytes)
-    scales = blocks[:, :4 if k.code == Q4_1 else 2].copy().view(np.float16)
-    if not np.isfinite(scales).all():
-        raise UserError(f"weights do not fit in {kind} (a block's float16 scale overflows)")
-    return q.reshape(w.shape[0], rb)
+    return KINDS[check_kind(kind)]
 
 
 def _check_matrix(q: np.ndarray, kind: str, cols: int) -> QuantKind:
@@ -301,27 +259,8 @@ def quant_matmul_t(x: np.ndarray, q: np.ndarray, kind: str, row_kernel_max_t: in
 # ---------------------------------------------------------------------------------------------------------------
 # Sparse FFN over quantized bundles. A bundle (one neuron, one row of a uint8 matrix) is its n_vec vectors as
 # quantized rows of d weights, back to back ([gate | up | down] or [fc1 | fc2 column], row_bytes(d) bytes each), then
-# float32 biases at scalars_offset, zero padding to stride: kernels.py's contract with blocks in place of elements.
-
-
-def bundle_geometry(d: int, kind: str, n_vec: int, n_scalars: int = 0) -> tuple[int, int]:
-    """(scalars_offset, stride) of a quantized bundle; stride is a multiple of BUNDLE_ALIGN like a FlashLayout's."""
-    scalars_offset = align_up(n_vec * row_bytes(d, kind), 4)
-    return scalars_offset, align_up(scalars_offset + 4 * n_scalars, BUNDLE_ALIGN)
-
-
-def pack_quant_bundles(vecs: np.ndarray, kind: str, biases: np.ndarray | None = None) -> tuple[np.ndarray, int]:
-    """vecs float32 [n, n_vec, d] (down as a row of d), biases float32 [n, n_bias] -> (bundles uint8 [n, stride],
-    scalars_offset)."""
-    n, n_vec, d = vecs.shape
-    n_bias = 0 if biases is None else biases.shape[1]
-    so, stride = bundle_geometry(d, kind, n_vec, n_bias)
-    out = np.zeros((n, stride), np.uint8)
-    payload = n_vec * row_bytes(d, kind)
-    out[:, :payload] = quantize(vecs.reshape(n * n_vec, d), kind).reshape(n, payload)
-    if n_bias:
-        out[:, so:so + 4 * n_bias] = np.ascontiguousarray(biases, dtype="<f4").view(np.uint8)
-    return out, so
+# float32 biases at scalars_offset, zero padding to stride: kernels.py's contract with blocks in place of elements
+# (storage.format.bundle_geometry and pack_bundles, as for the other dtypes).
 
 
 @njit(cache=True, fastmath=True)
@@ -358,7 +297,8 @@ def quant_ffn_coefficients(B, F, slots, js, X, sel, coef, rb, glu, act, relu_thr
 
 @njit(cache=True, parallel=True, nogil=True)
 def quant_ffn_accumulate(B, slots, coef, Y, rb, glu, kind, block_bytes):
-    """Y[t] += sum over j = 0, 1, ... of coef[t, j] * down(slots[j]), in that order (zero coefficients skipped).
+    """Y[t] += sum over j = 0, 1, ... of coef[t, j] * down(slots[j]), in that order (zero coefficients skipped);
+    the down rows (after the gate/up rows of rb bytes each) are in `kind`, blocks of block_bytes.
 
     As kernels.ffn_accumulate: one thread per (row, OUT_BLOCK output elements), so each element sums its terms in
     slot order and a set accumulated in pieces gives the bit-identical sum. OUT_BLOCK is a multiple of BLOCK, so a
@@ -381,22 +321,25 @@ def quant_ffn_accumulate(B, slots, coef, Y, rb, glu, kind, block_bytes):
 
 
 class QuantSparseFFN(SparseFFN):
-    """SparseFFN over quantized bundles (pack_quant_bundles); dtype is a kind of KINDS, the rest as SparseFFN:
+    """SparseFFN over quantized bundles (storage.format.pack_bundles); dtype is a kind of KINDS (down_dtype, if given,
+    the down vector's), the rest as SparseFFN:
 
-    so, stride = bundle_geometry(4096, "q4_0", n_vec=3)
-    ffn = QuantSparseFFN(d=4096, dtype="q4_0", glu=True, act="relu", stride=stride, scalars_offset=so)
+    so, stride = bundle_geometry(4096, ("q4_0", "q4_0", "q8_0"), n_scalars=0)
+    ffn = QuantSparseFFN(d=4096, dtype="q4_0", glu=True, act="relu", stride=stride, scalars_offset=so,
+                         down_dtype="q8_0")
     ffn(B, slots, x, y)  |  ffn.coefficients(B, slots, js, X, coef)  +  ffn.accumulate(B, slots, coef, Y)
     """
     DTYPES = KINDS
 
-    def __init__(self, d: int, dtype: str, *args, **kw):
+    def __init__(self, d: int, dtype: str, *args, down_dtype: str | None = None, **kw):
         super().__init__(d, dtype, *args, **kw)
-        self.kind = KINDS[dtype]
+        self.kind, self.down_kind = KINDS[dtype], quant_kind(down_dtype or dtype)
         self.row_bytes = row_bytes(d, dtype)
+        payload = (self.n_vec - 1) * self.row_bytes + row_bytes(d, down_dtype or dtype)
         # the row kernels read whole rows unchecked: the geometry must hold them
-        if not self.n_vec * self.row_bytes <= self.scalars_offset <= self.stride:
-            raise UserError(f"quantized bundle: {self.n_vec} vectors of {self.row_bytes} bytes, then scalars at "
-                            f"{self.scalars_offset}, do not fit a stride of {self.stride}")
+        if not payload <= self.scalars_offset <= self.stride:
+            raise UserError(f"quantized bundle: {payload} bytes of vectors, then scalars at {self.scalars_offset}, "
+                            f"do not fit a stride of {self.stride}")
 
     def views(self, B: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if B.dtype != np.uint8 or B.ndim != 2 or B.shape[1] != self.stride:
@@ -414,4 +357,46 @@ class QuantSparseFFN(SparseFFN):
 
     def _accumulate(self, W, F, slots, coef, Y) -> None:
         self._rows_of_d(Y)
-        quant_ffn_accumulate(W, slots, coef, Y, self.row_bytes, self.glu, self.kind.code, self.kind.block_bytes)
+        quant_ffn_accumulate(W, slots, coef, Y, self.row_bytes, self.glu, self.down_kind.code,
+                             self.down_kind.block_bytes)
+
+
+def sparse_ffn(layout, **kw) -> SparseFFN:
+    """The sparse FFN kernel of a FlashLayout's bundles (SparseFFN.from_layout's arguments)."""
+    if layout.dtype in KINDS:
+        return QuantSparseFFN.from_layout(layout, down_dtype=layout.down_dtype, **kw)
+    return SparseFFN.from_layout(layout, **kw)
+
+
+@dataclass(frozen=True, eq=False)
+class QuantMatrix:
+    """A resident matrix [rows, cols] kept in a block format: q uint8 [rows, row_bytes(cols, kind)].
+
+    model.linear multiplies by it (quant_matmul_t); indexing by row ids dequantizes those rows (the embedding
+    lookup), so `embed[tokens]` reads as for an array."""
+    q: np.ndarray
+    kind: str
+    cols: int
+
+    def __post_init__(self):
+        _check_matrix(self.q, self.kind, self.cols)
+
+    @classmethod
+    def of(cls, stored: tuple[str, np.ndarray]) -> "QuantMatrix":
+        """From a checkpoint's quantized(name): (kind, uint8 [rows, row_bytes])."""
+        kind, q = stored
+        return cls(np.ascontiguousarray(q), kind, q.shape[1] // quant_kind(kind).block_bytes * BLOCK)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape[0], self.cols
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes
+
+    def __getitem__(self, rows) -> np.ndarray:
+        return dequantize(self.q, self.kind, self.cols, rows=rows)
+
+    def matmul_t(self, x: np.ndarray) -> np.ndarray:
+        return quant_matmul_t(x, self.q, self.kind)

@@ -32,11 +32,11 @@ from .budget import (HEAP_SLACK_BYTES, auto_budget_bytes, keep_freed_arrays_out_
                      plan_budget, resident_bytes_for, staging_rows)
 from .errors import UserError
 from .half import half_matrix
-from .kernels import SparseFFN
 from .loader import is_flashdir, load_weights, open_any
 from .model import FeedForward, ModelConfig, Transformer
 from .neuron_cache import NeuronCache
 from .predictor_set import load_predictors
+from .quant import sparse_ffn
 
 FFN_MODES = ("dense", "oracle", "predicted")
 # FFN tensors that live in the bundles on flash; everything else (including ffn.down.bias) stays resident.
@@ -77,8 +77,8 @@ class FlashFFN:
         self.cache = NeuronCache(layout.n_neurons, layout.stride, self.reader, capacity=plan.window_rows,
                                  window=plan.window, hot=hot,
                                  staging_rows=staging_rows(plan.max_active) if lookahead else 0, stats=self.stats)
-        self.kernel = SparseFFN.from_layout(layout, act=cfg.act, relu_threshold=self._relu_threshold(),
-                                            max_active=max(layout.n_neurons))
+        self.kernel = sparse_ffn(layout, act=cfg.act, relu_threshold=self._relu_threshold(),
+                                 max_active=max(layout.n_neurons))
         self._coef = np.zeros(max(layout.n_neurons), np.float32)   # one piece's coefficients
         self._chunk = None  # prefill streaming buffer, allocated on first use (counted in the plan's buffers)
         self._pass_lookups = 0   # hits + misses when the current forward pass began
@@ -318,15 +318,21 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | str | None = None,
 
 def load_dense(path, dram_budget, progress: bool):
     """--ffn dense: every weight in DRAM. A float16 FLASHDIR runs with float16 matrices (so dense and oracle compare
-    like for like); an HF directory or GGUF file stays float32, the reference checked against transformers."""
+    like for like), a quantized one with its resident matrices in blocks and its FFN dequantized to float32; an HF
+    directory or GGUF file stays float32, the reference checked against transformers."""
     if dram_budget not in (None, "auto"):
         raise UserError("--dram-budget applies to --ffn predicted/oracle; --ffn dense keeps every weight in DRAM")
     ckpt = open_any(path)
     if dram_budget == "auto":
         warn_if_dense_does_not_fit(path, ckpt.config)
-    half = is_flashdir(path) and ckpt.layout.dtype != "f32"
-    weights = load_weights(ckpt, progress, convert=half_matrix if half else None)
+    weights = load_weights(ckpt, progress, convert=half_matrix if dense_half(ckpt) else None)
     return Transformer(ckpt.config, weights), ckpt.tokenizer(), None
+
+
+def dense_half(ckpt) -> bool:
+    """Whether a dense run keeps its matrices float16: a FLASHDIR of float16 (or int8) bundles. Not a quantized one:
+    its FFN dequantizes to values float16 would round (its resident matrices stay in blocks: loader.load_tensor)."""
+    return isinstance(ckpt, FlashCheckpoint) and ckpt.layout.dtype in ("f16", "int8")
 
 
 def open_flashdir(path, ffn: str, verify: bool, progress: bool):
@@ -350,9 +356,9 @@ def plan_dram(ckpt, predictors, ffn: str, dram_budget, ctx: int, window: int, ru
     max_active = expected_max_active(cfg, predictors)
     if runtime_bytes is None:
         runtime_bytes = measure_runtime_bytes(layout)
-    # float16 bundles: the resident matrices go float16 too (half the DRAM, and GEMV reads half the bytes);
-    # float32 bundles keep the whole model exact.
-    resident = resident_bytes_for(cfg, half=layout.dtype != "f32")
+    # float16 bundles: the resident matrices go float16 too (half the DRAM, and GEMV reads half the bytes), quantized
+    # ones in blocks; float32 bundles keep the whole model exact.
+    resident = resident_bytes_for(cfg, half=layout.dtype != "f32", kinds=ckpt.resident_kinds)
     if ffn == "oracle":  # the true activations need the dense gate/up weights, float32, kept for the run
         resident += cfg.n_layers * cfg.ffn_dim * cfg.dim * 4 * (2 if cfg.glu else 1)
 

@@ -22,9 +22,8 @@ from tqdm import tqdm
 from flashinfer_lite.errors import UserError
 from flashinfer_lite.loader import open_any
 from flashinfer_lite.model import half_matrix
-from flashinfer_lite.runtime import FFN_MODES, load_runtime
+from flashinfer_lite.runtime import FFN_MODES, dense_half, load_runtime
 from flashinfer_lite.sizes import parse_size
-from storage.format import FlashCheckpoint
 
 from .acts import read_corpus
 from .collect import token_windows
@@ -69,10 +68,10 @@ def dense_reference(ckpt, windows, progress: bool = True) -> list[tuple[np.ndarr
 
     Layer by layer over all windows (predictors/layerwise.py): one layer's weights in memory, so the model may be
     bigger than RAM. Each window as one batch from an empty cache: the decode path's logits to float rounding.
-    As load_runtime's dense model, a float16 FLASHDIR runs with float16 matrices, anything else in float32."""
-    half = isinstance(ckpt, FlashCheckpoint) and ckpt.layout.dtype != "f32"
+    As load_runtime's dense model (runtime.dense_half), a float16 FLASHDIR runs with float16 matrices, a quantized
+    one with its resident matrices in blocks, anything else in float32."""
     out = []
-    with LayerStream(ckpt, windows, convert=half_matrix if half else None, progress=progress,
+    with LayerStream(ckpt, windows, convert=half_matrix if dense_half(ckpt) else None, progress=progress,
                      desc="eval dense") as stream:
         stream.run()
         for k, logits in stream.logits():

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from flashinfer_lite.budget import keep_freed_arrays_out_of_rss
 from flashinfer_lite.errors import UserError
+from flashinfer_lite.loader import load_tensor
 from flashinfer_lite.model import (Block, FeedForward, KVCache, embed_tokens, linear, output_logits, rope_inv_freq,
                                    rope_tables)
 
@@ -49,7 +50,7 @@ class LayerStream:
                 ...
 
     `convert` is applied to each tensor as it loads (e.g. model.half_matrix, as the dense runtime does for a float16
-    FLASHDIR).
+    FLASHDIR); a quantized FLASHDIR's resident matrices stay in their blocks (loader.load_tensor).
     """
 
     def __init__(self, ckpt, windows, convert=None, progress: bool = False, desc: str = "layers"):
@@ -88,7 +89,7 @@ class LayerStream:
         return self.hidden[self.bounds[k]:self.bounds[k + 1]]
 
     def _load(self, names) -> dict[str, np.ndarray]:
-        return {n: self.convert(self.ckpt.tensor(n)) for n in names}
+        return {n: load_tensor(self.ckpt, n, self.convert) for n in names}
 
     def run(self, hook: FFNHook | None = None) -> None:
         """Embed every window, then run every layer over every window (the dense FFN; `hook` sees its input x and

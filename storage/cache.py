@@ -90,7 +90,7 @@ def flashdir_for(path, progress: bool) -> str:
     if not is_flashdir(dest):
         remove_stale_temp_dirs(flash)
         print(f"converting {p.name} into the flash layout at {dest} (first use)", file=sys.stderr)
-        convert(p, dest, dtype="f16", force=False, progress=progress)
+        convert(p, dest, force=False, progress=progress)      # convert's default dtype: the source's precision
     index = _read(flash / INDEX)
     if index.get(dest.name, {}).get("source") != str(p):
         index[dest.name] = {"source": str(p)}

@@ -22,6 +22,8 @@ from flashinfer_lite.config import ModelConfig
 from flashinfer_lite.tokenizer import Tokenizer
 from flashinfer_lite.untrusted import inside, read_json
 
+from .blocks import BLOCK_BYTES, row_bytes
+
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 # ----------------------------------------------------------------------------------------------------------------------
 # safetensors
@@ -52,7 +54,8 @@ class SafetensorsFile:
             header = json.loads(os.pread(self.fd, n, 8).decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError):
             raise UserError(f"not a valid safetensors file (corrupt header): {path}") from None
-        header.pop("__metadata__", None)
+        meta = header.pop("__metadata__", None)
+        self.metadata: dict = meta if isinstance(meta, dict) else {}
         data_size = size - 8 - n
         self.entries: dict[str, tuple[bool, np.dtype, tuple, int]] = {}  # name -> (is_bf16, raw dtype, shape, offset)
         for name, e in header.items():
@@ -69,7 +72,8 @@ class SafetensorsFile:
                 raise UserError(f"corrupt safetensors file {path}: size of tensor '{name}' does not match its shape")
             self.entries[name] = (e["dtype"] == "BF16", dtype, shape, 8 + n + begin)
 
-    def read(self, name: str) -> np.ndarray:
+    def read(self, name: str, raw: bool = False) -> np.ndarray:
+        """The tensor as float32 (bf16, f16 and integers widened), or with raw as stored."""
         bf16, raw_dtype, shape, offset = self.entries[name]
         nbytes = int(np.prod(shape)) * raw_dtype.itemsize
         buf = bytearray(nbytes)
@@ -80,6 +84,8 @@ class SafetensorsFile:
                 raise UserError(f"short read in {self.path} at tensor '{name}'")
             done += got
         a = np.frombuffer(buf, dtype=raw_dtype).reshape(shape)  # float32: the array owns buf, no second copy
+        if raw:
+            return a
         if bf16:  # bf16 is the top half of a float32; shifted in place, so one widened copy at a time
             w = a.astype(np.uint32)
             w <<= 16
@@ -236,6 +242,15 @@ class Checkpoint:
         """The shape tensor(name) will have, without reading it."""
         raise NotImplementedError
 
+    def quantized(self, name: str) -> tuple[str, np.ndarray] | None:
+        """(kind, uint8 [rows, row_bytes]) when the file stores matrix `name` in a block format of storage/blocks.py
+        (rows as tensor(name)'s), so that convert can copy its blocks verbatim; else None."""
+        return None
+
+    def precision(self, name: str) -> str:
+        """The flash dtype that keeps tensor `name`'s precision (convert --dtype auto)."""
+        return "f16"
+
     def tokenizer(self) -> Tokenizer:
         raise NotImplementedError
 
@@ -302,6 +317,12 @@ class HFCheckpoint(Checkpoint):
 # ----------------------------------------------------------------------------------------------------------------------
 # GGUF (llama architecture)
 
+# The GGUF tensor types read, each with the flash dtype that keeps its precision (convert --dtype auto: the FFN's):
+# q8_0 / q4_0 / q4_1 blocks are copied verbatim; wider quants go to 8 bits, narrower K-quants to q4_1.
+GGUF_TYPES = {"F32": "f16", "F16": "f16", "BF16": "f16", "Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1",
+              "Q5_0": "q8_0", "Q5_1": "q8_0", "Q6_K": "q8_0", "Q5_K": "q8_0", "Q4_K": "q4_1", "Q3_K": "q4_1",
+              "Q2_K": "q4_1"}
+
 _GGUF_NAMES = [
     (r"token_embd\.weight", "embed.weight"),
     (r"output\.weight", "lm_head.weight"),
@@ -348,6 +369,10 @@ class GGUFCheckpoint(Checkpoint):
             raise UserError(f"{path}: GGUF embedding_length and attention.head_count must be positive "
                             f"(got {dim}, {heads})")
         by_name = {t.name: t for t in r.tensors}
+        for t in r.tensors:
+            if t.tensor_type.name not in GGUF_TYPES:
+                raise UserError(f"{path}: tensor {t.name} has GGUF type {t.tensor_type.name}, which is not supported "
+                                f"(supported: {', '.join(GGUF_TYPES)})")
         self._index = {c: by_name[n] for c, n in canonical_names(by_name, _GGUF_NAMES).items()}
         tokens = gguf_field(r, "tokenizer.ggml.tokens") or []
         kv_heads = int(gguf_field(r, "llama.attention.head_count_kv", heads))
@@ -391,6 +416,25 @@ class GGUFCheckpoint(Checkpoint):
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(s) for s in reversed(self._index[name].shape))
+
+    def quantized(self, name: str) -> tuple[str, np.ndarray] | None:
+        t, shape = self._index[name], self.shape(name)
+        kind = t.tensor_type.name.lower()
+        if kind not in BLOCK_BYTES or len(shape) != 2:
+            return None
+        q = np.asarray(t.data)
+        if q.dtype != np.uint8 or q.shape != (shape[0], row_bytes(shape[1], kind)):
+            raise UserError(f"{self.path}: GGUF tensor {t.name} ({t.tensor_type.name}) holds {q.dtype}{list(q.shape)}, "
+                            f"not the blocks of a {list(shape)} matrix")
+        # q and k: llama.cpp interleaved their rows; un-permuting moves whole rows, blocks and all
+        if name.endswith("attn.q.weight"):
+            q = unpermute_qk(q, self.config.n_heads)
+        elif name.endswith("attn.k.weight"):
+            q = unpermute_qk(q, self.config.n_kv_heads)
+        return kind, q
+
+    def precision(self, name: str) -> str:
+        return GGUF_TYPES[self._index[name].tensor_type.name]
 
     def release(self) -> None:
         # the file is memory-mapped read-only: its pages read so far count in RSS until dropped (re-read on demand)

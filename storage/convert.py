@@ -1,4 +1,11 @@
-"""`flashinfer-lite convert MODEL -o FLASHDIR [--dtype f32|f16|int8] [--force]`: write the on-flash format.
+"""`flashinfer-lite convert MODEL -o FLASHDIR [--dtype auto|q4_0|q4_1|q8_0|f16|f32|int8] [--force]`: write the on-flash
+format.
+
+--dtype auto keeps the source's precision: a GGUF's block format (its FFN's type, checkpoint.GGUF_TYPES), f16 for an
+HF checkpoint. With a block format (q8_0, q4_0, q4_1) the bundles' gate and up rows and the resident attention,
+embedding and lm_head matrices are copied from the GGUF verbatim where it stores them in a block format already, and
+quantized (llama.cpp's rounding) otherwise; the down matrix is always requantized, since the bundles need its blocks
+along d and a GGUF runs them along n (in 8 bits when the GGUF's are 4: layout_for).
 
 Everything is written into a temp directory next to the output, fsynced, and renamed into place last, so an
 interrupted convert never leaves a directory that read_layout would accept.
@@ -7,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -19,18 +27,23 @@ from flashinfer_lite.half import half_matrix
 
 from .checkpoint import open_checkpoint
 from .files import remove_stale_temp_dirs, temp_path
-from .format import (DTYPES, MANIFEST, FlashLayout, file_checksum, ffn_tensor_names, new_checksum, pack_bundles,
-                     read_layout, write_manifest, write_verified_stamp)
+from .blocks import BLOCK, quantize, row_bytes
+from .format import (BUNDLE_DTYPES, MANIFEST, FlashLayout, file_checksum, ffn_tensor_names, new_checksum,
+                     pack_bundles, read_layout, write_manifest, write_verified_stamp)
 from .safetensors_out import SafetensorsWriter
 
 PACK_NEURONS = 4096   # neurons packed at a time: bounds the extra memory for wide FFNs
+DEFAULT_DTYPE = "auto"
+# resident matrices a quantized FLASHDIR keeps in blocks: the ones multiplied (linear) or looked up by row (embeddings)
+QUANTIZED_RESIDENT = re.compile(r"embed\.weight|lm_head\.weight|layers\.\d+\.attn\.[qkvo]\.weight")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="Hugging Face model directory or .gguf file")
     parser.add_argument("-o", "--output", required=True, help="flash directory to create")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="f16",
-                        help="storage type of the FFN bundles (default f16; int8 = symmetric per-vector scale)")
+    parser.add_argument("--dtype", choices=("auto", *BUNDLE_DTYPES), default=DEFAULT_DTYPE,
+                        help="storage type of the FFN bundles and resident matrices (default auto: a GGUF's own block "
+                             "format or f16; q8_0/q4_0/q4_1: GGUF blocks; int8: symmetric per-vector scale)")
     parser.add_argument("--force", action="store_true", help="replace an existing flash directory")
 
 
@@ -51,13 +64,21 @@ def _fsync_dir(path: Path) -> None:
 
 
 def layout_for(ckpt, dtype: str, orders=None) -> FlashLayout:
-    """The layout of a checkpoint: which biases travel in the bundles, and the neuron count of every layer."""
+    """The layout of a checkpoint: which biases travel in the bundles, the neuron count of every layer, and (dtype
+    auto) the dtype that keeps the checkpoint's precision."""
     cfg = ckpt.config
     names = set(ckpt.names())
+    if dtype == "auto":
+        dtype = ckpt.precision(f"layers.0.ffn.{'gate' if cfg.glu else 'up'}.weight")
+    # The bundles need the down matrix's blocks along d, and a GGUF's run along n: it is requantized. One the source
+    # holds in 4 bits would be rounded to 4 bits twice (SmolLM2's Q4_1: perplexity +8%), so it takes 8 bits (q8_0:
+    # its rounding is ~1/16 of the first; SmolLM2's bundle stride stays 1536 bytes, padded to 512 either way).
+    four_bit = ("q4_0", "q4_1")
+    down_dtype = "q8_0" if dtype in four_bit and ckpt.precision("layers.0.ffn.down.weight") in four_bit else None
     biases = [b for b, part in (("bias.gate", "gate"), ("bias.up", "up"))
               if (cfg.glu or part == "up") and f"layers.0.ffn.{part}.bias" in names]
     layout = FlashLayout.create(cfg.dim, [cfg.ffn_dim] * cfg.n_layers, dtype, cfg.glu, biases, orders,
-                              config=cfg.to_dict())
+                                down_dtype=down_dtype, config=cfg.to_dict())
     for i in range(cfg.n_layers):
         missing = [n for n in ffn_tensor_names(layout, i) if n not in names]
         if missing:
@@ -66,10 +87,15 @@ def layout_for(ckpt, dtype: str, orders=None) -> FlashLayout:
 
 
 def _layer_vectors(ckpt, layout: FlashLayout, layer: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Per vector the [n, d] matrix whose row i goes into bundle of neuron i; per bias the [n] vector."""
+    """Per vector the [n, d] matrix whose row i goes into bundle of neuron i (or, already in the layout's blocks,
+    uint8 [n, vector_bytes]: a GGUF's gate/up rows); per bias the [n] vector."""
     n, d = layout.n_neurons[layer], layout.d
     mats = []
     for v in layout.vectors:
+        stored = ckpt.quantized(f"layers.{layer}.ffn.{v}.weight") if layout.quantized and v != "down" else None
+        if stored is not None and stored[0] == layout.dtype and stored[1].shape == (n, layout.vector_bytes):
+            mats.append(stored[1])                      # rows along d: the bundle's vector as it is
+            continue
         w = ckpt.tensor(f"layers.{layer}.ffn.{v}.weight")
         want = (d, n) if v == "down" else (n, d)
         if w.shape != want:
@@ -92,12 +118,10 @@ def _write_layer(f, ckpt, layout: FlashLayout, layer: int) -> str:
     h = new_checksum()
     for a in range(0, layout.n_neurons[layer], PACK_NEURONS):
         idx = order[a:a + PACK_NEURONS]               # bundle a+j holds original neuron order[a+j]
-        vecs = np.empty((len(idx), layout.n_vec, layout.d), np.float32)                  # [c, n_vec, d]
-        for k, m in enumerate(mats):
-            vecs[:, k] = m[idx]                       # one gathered [c, d] copy at a time
+        vecs = [m[idx] for m in mats]                 # n_vec gathered [c, d] (or [c, vector_bytes]) copies
         bias = np.stack([b[idx] for b in bs], axis=1) if bs else None                   # [c, n_bias]
         packed = pack_bundles(layout, vecs, bias)
-        del vecs                                      # before the next chunk's is allocated
+        del vecs                                      # before the next chunk's are allocated
         h.update(packed)
         f.write(packed)
     return h.hexdigest()
@@ -124,7 +148,8 @@ def write_flashdir(ckpt, layout: FlashLayout, dest: Path, progress: bool = True)
 
         steps.set_postfix_str("resident")
         layout.resident_checksum = write_resident(ckpt, resident_names, dest / layout.files["resident"],
-                                                  half=layout.dtype != "f32")
+                                                  half=layout.dtype != "f32",
+                                                  quant=layout.dtype if layout.quantized else None)
         steps.update()
 
         steps.set_postfix_str("tokenizer")
@@ -136,24 +161,43 @@ def write_flashdir(ckpt, layout: FlashLayout, dest: Path, progress: bool = True)
     _fsync_dir(dest)
 
 
-def write_resident(ckpt, names: list[str], path: Path, half: bool) -> str:
+def resident_kinds(ckpt, names: list[str], quant: str | None) -> dict[str, str]:
+    """{name: block kind} of the resident matrices a FLASHDIR of bundle kind `quant` keeps in blocks: the GGUF's own
+    kind where it stores the matrix in one (copied verbatim), else `quant`; none whose rows are not whole blocks."""
+    kinds = {}
+    for n in names if quant else ():
+        if QUANTIZED_RESIDENT.fullmatch(n) and ckpt.shape(n)[1] % BLOCK == 0:
+            stored = ckpt.quantized(n)
+            kinds[n] = quant if stored is None else stored[0]
+    return kinds
+
+
+def write_resident(ckpt, names: list[str], path: Path, half: bool, quant: str | None = None) -> str:
     """Write the tensors `names` of ckpt into the safetensors file path, one at a time; return its checksum.
 
     half (float16 or int8 bundles): matrices float16 by the runtime's rule (flashinfer_lite.half), so the file holds
-    what the runtime keeps in DRAM and is half the size; norms and biases float32. Else everything float32."""
+    what the runtime keeps in DRAM and is half the size; norms and biases float32. Else everything float32.
+    quant (a block kind): the matrices of resident_kinds as uint8 [rows, row_bytes], named in the file's metadata."""
     store = half_matrix if half else (lambda a: a)
+    kinds = resident_kinds(ckpt, names, quant)
+    shapes = [(n, ckpt.shape(n)) for n in names]
+    shapes = [(n, (s[0], row_bytes(s[1], kinds[n])) if n in kinds else s) for n, s in shapes]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)   # umask applies: the runtime may be another user
     with open(fd, "wb") as f:
-        out = SafetensorsWriter(f, [(n, ckpt.shape(n)) for n in names])
+        out = SafetensorsWriter(f, shapes, metadata=kinds or None)
         for n in names:
-            out.write(n, store(np.asarray(ckpt.tensor(n), np.float32)))   # dropped once written
+            if n in kinds:
+                stored = ckpt.quantized(n)
+                out.write(n, stored[1] if stored is not None else quantize(ckpt.tensor(n), kinds[n]))
+            else:
+                out.write(n, store(np.asarray(ckpt.tensor(n), np.float32)))   # dropped once written
         out.finish()
         f.flush()
         os.fsync(f.fileno())
     return file_checksum(path)
 
 
-def convert(model, output, dtype: str = "f16", force: bool = False, progress: bool = True) -> Path:
+def convert(model, output, dtype: str = DEFAULT_DTYPE, force: bool = False, progress: bool = True) -> Path:
     out = Path(output).expanduser()
     if out.exists() or out.is_symlink():
         if not force:

@@ -3,14 +3,18 @@
 FLASHDIR/
   manifest.json          format name + version, model config, dtype, bundle geometry, per-layer regions, checksums
   resident.safetensors   every non-FFN tensor (+ ffn.down.bias, ffn_norm) in canonical names; matrices float16 in
-                         f16/int8 FLASHDIRs (flashinfer_lite.half), else float32
+                         f16/int8 FLASHDIRs (flashinfer_lite.half), float32 in f32 ones; in q8_0/q4_0/q4_1 ones the
+                         attention, embedding and lm_head matrices in a block format (uint8 [rows, row_bytes], the
+                         kind in the file's metadata: {name: kind}), the rest as in f16
   ffn.bin                per layer a 4096-aligned region of n_neurons bundles, `stride` bytes each
   tokenizer/             tokenizer.json + tokenizer_config.json
 
 A bundle holds everything one neuron needs, so one read fetches it (row-column bundling, LLM in a Flash):
-  n_vec vectors of length d in `dtype` (vector k at byte k*d*itemsize), then float32 scalars at `scalars_offset`
-  (int8: one symmetric scale per vector; then per-neuron biases), zero padding up to `stride` (a multiple of 512,
-  so every run of bundles is an O_DIRECT-aligned read that lands directly in a cache row).
+  n_vec vectors of length d in `dtype` back to back (d elements each, or for q8_0/q4_0/q4_1 d/32 GGUF blocks,
+  storage/blocks.py; a quantized layout may keep the down vector in another block format, `down_dtype`), then
+  float32 scalars at `scalars_offset` (int8: one symmetric scale per vector; then per-neuron biases), zero padding
+  up to `stride` (a multiple of 512, so every run of bundles is an O_DIRECT-aligned read that lands directly in a
+  cache row).
 See docs/FORMAT.md.
 """
 from __future__ import annotations
@@ -29,6 +33,7 @@ from flashinfer_lite.errors import UserError
 from flashinfer_lite.tokenizer import Tokenizer
 from flashinfer_lite.untrusted import inside, read_json
 
+from . import blocks
 from .checkpoint import SafetensorsFile
 
 FORMAT_NAME = "flashinfer-lite-flash"
@@ -42,7 +47,9 @@ PREDICTOR_DIR = "predictors"      # optional: written by train-predictor; its ma
 PREDICTOR_MANIFEST = "manifest.json"
 VERIFIED_STAMP = ".verified.json" # sizes and mtimes of the files as they were when every checksum last matched
 
-DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "int8": np.dtype("i1")}
+DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "int8": np.dtype("i1")}   # one element per weight
+QUANT_DTYPES = tuple(blocks.BLOCK_BYTES)                                           # GGUF blocks along d
+BUNDLE_DTYPES = (*DTYPES, *QUANT_DTYPES)
 GLU_VECTORS = ("gate", "up", "down")
 MLP_VECTORS = ("up", "down")
 BIAS_NAMES = ("bias.gate", "bias.up")
@@ -56,6 +63,25 @@ def new_checksum():
     return hashlib.blake2b(digest_size=16)
 
 
+def vector_bytes(d: int, dtype: str) -> int:
+    """Bytes of one bundle vector of d weights in `dtype`."""
+    if dtype not in BUNDLE_DTYPES:
+        raise UserError(f"unknown flash dtype '{dtype}' (choose one of {', '.join(BUNDLE_DTYPES)})")
+    return blocks.row_bytes(d, dtype) if dtype in QUANT_DTYPES else d * DTYPES[dtype].itemsize
+
+
+def vector_dtypes(dtype: str, n_vec: int, down_dtype: str | None) -> tuple[str, ...]:
+    """The dtype of each bundle vector: `dtype`, the down vector (the last) in down_dtype if given."""
+    return (dtype,) * (n_vec - 1) + (down_dtype or dtype,)
+
+
+def bundle_geometry(d: int, vector_dtypes: tuple[str, ...], n_scalars: int) -> tuple[int, int]:
+    """(scalars_offset, stride) of a bundle: one vector of d weights per dtype of `vector_dtypes`, back to back, then
+    n_scalars float32 from a 4-aligned offset, then zero padding to a multiple of BUNDLE_ALIGN."""
+    scalars_offset = align_up(sum(vector_bytes(d, t) for t in vector_dtypes), 4)
+    return scalars_offset, align_up(scalars_offset + 4 * n_scalars, BUNDLE_ALIGN)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Layout
 
@@ -67,7 +93,7 @@ class FlashLayout:
     neuron id), checksum[i] (hex digest of the region's n_neurons*stride bytes).
     """
     d: int
-    dtype: str                       # f32 | f16 | int8
+    dtype: str                       # f32 | f16 | int8 | q8_0 | q4_0 | q4_1
     vectors: tuple[str, ...]         # ("gate", "up", "down") for GLU, ("up", "down") for OPT-style MLPs
     biases: tuple[str, ...]          # subset of BIAS_NAMES, stored as float32 scalars after the scales
     stride: int
@@ -81,6 +107,7 @@ class FlashLayout:
                                                  "tokenizer": "tokenizer"})
     resident_checksum: str = ""
     flashdir: Path | None = None     # set when read from disk
+    down_dtype: str | None = None    # quantized layouts: the down vector's block format, when not `dtype`
 
     # -- geometry --------------------------------------------------------------------------------------------------
     @property
@@ -92,16 +119,35 @@ class FlashLayout:
         return len(self.vectors)
 
     @property
+    def quantized(self) -> bool:
+        return self.dtype in QUANT_DTYPES
+
+    @property
     def np_dtype(self) -> np.dtype:
         return DTYPES[self.dtype]
 
     @property
-    def itemsize(self) -> int:
-        return self.np_dtype.itemsize
+    def itemsize(self) -> int | None:
+        """Bytes per weight; None for the block formats."""
+        return None if self.quantized else self.np_dtype.itemsize
+
+    @property
+    def vector_dtypes(self) -> tuple[str, ...]:
+        return vector_dtypes(self.dtype, self.n_vec, self.down_dtype)
+
+    @property
+    def vector_offsets(self) -> list[int]:
+        """Byte offset of each vector in a bundle, then the end of the last."""
+        return np.cumsum([0] + [vector_bytes(self.d, t) for t in self.vector_dtypes]).tolist()
+
+    @property
+    def vector_bytes(self) -> int:
+        """Bytes of a vector in `dtype` (every vector but a down vector in down_dtype)."""
+        return vector_bytes(self.d, self.dtype)
 
     @property
     def scalars_offset(self) -> int:
-        return align_up(self.n_vec * self.d * self.itemsize, 4)
+        return bundle_geometry(self.d, self.vector_dtypes, 0)[0]
 
     @property
     def scalars(self) -> tuple[str, ...]:
@@ -121,15 +167,14 @@ class FlashLayout:
         return self.flashdir / self.files["ffn"]
 
     @classmethod
-    def create(cls, d: int, n_neurons: list[int], dtype: str, glu: bool, biases=(), orders=None, **kw) -> "FlashLayout":
+    def create(cls, d: int, n_neurons: list[int], dtype: str, glu: bool, biases=(), orders=None,
+               down_dtype: str | None = None, **kw) -> "FlashLayout":
         """Compute stride and region offsets for a model; checksums are filled in by the writer."""
-        if dtype not in DTYPES:
-            raise UserError(f"unknown flash dtype '{dtype}' (choose f32, f16 or int8)")
         vectors = GLU_VECTORS if glu else MLP_VECTORS
         biases = tuple(b for b in BIAS_NAMES if b in biases)
+        check_down_dtype(dtype, down_dtype)
         n_scalars = (len(vectors) if dtype == "int8" else 0) + len(biases)
-        payload = align_up(len(vectors) * d * DTYPES[dtype].itemsize, 4) + 4 * n_scalars
-        stride = align_up(payload, BUNDLE_ALIGN)
+        stride = bundle_geometry(d, vector_dtypes(dtype, len(vectors), down_dtype), n_scalars)[1]
         offsets, pos = [], 0
         for n in n_neurons:
             pos = align_up(pos, REGION_ALIGN)
@@ -138,7 +183,8 @@ class FlashLayout:
         orders = [np.arange(n, dtype=np.int64) for n in n_neurons] if orders is None else \
             [np.asarray(o, dtype=np.int64) for o in orders]
         return cls(d=d, dtype=dtype, vectors=vectors, biases=biases, stride=stride, offset=offsets,
-                   n_neurons=list(n_neurons), order=orders, ffn_size=align_up(pos, REGION_ALIGN), **kw)
+                   n_neurons=list(n_neurons), order=orders, ffn_size=align_up(pos, REGION_ALIGN),
+                   down_dtype=down_dtype, **kw)
 
     # -- manifest ----------------------------------------------------------------------------------------------------
     def to_manifest(self) -> dict:
@@ -151,10 +197,17 @@ class FlashLayout:
                            "checksum": self.checksum[i]})
         return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "config": self.config, "dtype": self.dtype,
                 "bundle": {"d": self.d, "vectors": list(self.vectors), "itemsize": self.itemsize,
+                           "vector_bytes": self.vector_bytes, "down_dtype": self.down_dtype,
                            "stride": self.stride, "scalars_offset": self.scalars_offset,
                            "scalars": list(self.scalars)},
                 "files": dict(self.files), "ffn_size": self.ffn_size, "checksum_algo": CHECKSUM_ALGO,
                 "resident_checksum": self.resident_checksum, "layers": layers}
+
+
+def check_down_dtype(dtype: str, down_dtype: str | None, src: str = "") -> None:
+    if down_dtype is not None and (dtype not in QUANT_DTYPES or down_dtype not in QUANT_DTYPES):
+        raise UserError(f"{src}a down vector of its own dtype ({down_dtype!r}) needs quantized bundles "
+                        f"({', '.join(QUANT_DTYPES)}), not {dtype!r}")
 
 
 def write_manifest(layout: FlashLayout, flashdir: Path) -> None:
@@ -205,8 +258,8 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
         raise UserError(f"{src}: manifest lacks field {e}")
     if not (isinstance(b, dict) and isinstance(layers, list) and isinstance(files, dict) and isinstance(cfg, dict)):
         raise UserError(f"{src}: manifest fields have the wrong types")
-    if dtype not in DTYPES:
-        raise UserError(f"{src}: unknown dtype {dtype!r}")
+    if dtype not in BUNDLE_DTYPES:
+        raise UserError(f"{src}: unknown dtype {dtype!r} (this build reads {', '.join(BUNDLE_DTYPES)})")
     if m.get("checksum_algo") != CHECKSUM_ALGO:
         raise UserError(f"{src}: unknown checksum algorithm {m.get('checksum_algo')!r}")
     for key in ("ffn", "resident", "tokenizer"):
@@ -219,6 +272,8 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
     scalars = tuple(b.get("scalars") or ())
     n_scales = len(vectors) if dtype == "int8" else 0
     biases = scalars[n_scales:]
+    down_dtype = b.get("down_dtype")        # absent before the block formats
+    check_down_dtype(dtype, down_dtype, f"{src}: ")
     if not set(biases) <= set(BIAS_NAMES) or len(set(biases)) != len(biases):
         raise UserError(f"{src}: unknown bundle scalars {list(scalars)}")
     layout = FlashLayout(d=_int(b.get("d"), "bundle.d", src, 1), dtype=dtype, vectors=vectors,
@@ -226,10 +281,12 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
                          stride=_int(b.get("stride"), "bundle.stride", src, BUNDLE_ALIGN),
                          offset=[], n_neurons=[], order=[], ffn_size=_int(ffn_size, "ffn_size", src),
                          config=cfg, files=dict(files), resident_checksum=str(m.get("resident_checksum", "")),
-                         flashdir=flashdir)
-    # The geometry the readers and kernels will rely on must be exactly what this build would compute.
+                         flashdir=flashdir, down_dtype=down_dtype)
+    # The geometry the readers and kernels will rely on must be exactly what this build would compute (a d that is
+    # not whole blocks of a quantized dtype is a UserError of its own). vector_bytes: absent before the block formats.
     if layout.scalars != scalars or b.get("scalars_offset") != layout.scalars_offset \
-            or b.get("itemsize") != layout.itemsize:
+            or b.get("itemsize") != layout.itemsize \
+            or b.get("vector_bytes", layout.vector_bytes) != layout.vector_bytes:
         raise UserError(f"{src}: bundle scalars/offsets do not match dtype {dtype} and vectors {list(vectors)}")
     if layout.stride % BUNDLE_ALIGN or layout.stride < layout.scalars_offset + 4 * len(scalars):
         raise UserError(f"{src}: bundle stride {layout.stride} is not a multiple of {BUNDLE_ALIGN} holding the payload")
@@ -280,26 +337,37 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
 # ----------------------------------------------------------------------------------------------------------------------
 # Bundles
 
-def pack_bundles(layout: FlashLayout, vecs: np.ndarray, biases: np.ndarray | None = None) -> np.ndarray:
-    """vecs float32 [n, n_vec, d], biases float32 [n, len(layout.biases)] -> bundles uint8 [n, stride]."""
-    n = vecs.shape[0]
-    assert vecs.shape == (n, layout.n_vec, layout.d), vecs.shape
+def pack_bundles(layout: FlashLayout, vecs, biases: np.ndarray | None = None) -> np.ndarray:
+    """vecs float32 [n, n_vec, d] (or a list of n_vec matrices [n, d]), biases float32 [n, len(layout.biases)] ->
+    bundles uint8 [n, stride]. A quantized layout also takes any vector already in its blocks, uint8
+    [n, vector_bytes] (convert copies a GGUF's gate and up rows so, verbatim)."""
+    vecs = [vecs[:, k] for k in range(vecs.shape[1])] if isinstance(vecs, np.ndarray) else list(vecs)
+    n = vecs[0].shape[0]
+    assert len(vecs) == layout.n_vec and all(v.shape[0] == n for v in vecs), [v.shape for v in vecs]
     out = np.zeros((n, layout.stride), np.uint8)
-    payload = layout.n_vec * layout.d * layout.itemsize
+    at, kinds = layout.vector_offsets, layout.vector_dtypes
     scalars = []
-    if layout.dtype == "int8":
-        # Symmetric per-vector scale: q = round(v / s), s = max|v| / 127, so |v - q*s| <= s/2.
-        scale = np.abs(vecs).max(axis=2).astype(np.float32) / np.float32(127.0)           # [n, n_vec]
-        safe = np.where(scale > 0, scale, np.float32(1.0))
-        q = np.clip(np.rint(vecs / safe[:, :, None]), -127, 127).astype(np.int8)
-        out[:, :payload] = q.reshape(n, -1).view(np.uint8)
-        scalars.append(scale)
-    else:
-        with np.errstate(over="ignore"):   # reported below as one clear error
-            packed = vecs.astype(layout.np_dtype)
-        if not np.isfinite(packed).all():
-            raise UserError(f"weights do not fit in {layout.dtype} (non-finite values after conversion)")
-        out[:, :payload] = packed.reshape(n, -1).view(np.uint8)
+    for k, v in enumerate(vecs):
+        dest = out[:, at[k]:at[k + 1]]
+        if v.dtype == np.uint8 and layout.quantized:      # already stored: blocks along d
+            assert v.shape == dest.shape, v.shape
+            dest[:] = v
+            continue
+        assert v.shape == (n, layout.d), v.shape
+        if layout.quantized:
+            dest[:] = blocks.quantize(np.ascontiguousarray(v, dtype=np.float32), kinds[k])
+        elif layout.dtype == "int8":
+            # Symmetric per-vector scale: q = round(v / s), s = max|v| / 127, so |v - q*s| <= s/2.
+            scale = np.abs(v).max(axis=1).astype(np.float32) / np.float32(127.0)           # [n]
+            safe = np.where(scale > 0, scale, np.float32(1.0))
+            dest[:] = np.clip(np.rint(v / safe[:, None]), -127, 127).astype(np.int8).view(np.uint8)
+            scalars.append(scale[:, None])
+        else:
+            with np.errstate(over="ignore"):   # reported below as one clear error
+                packed = v.astype(layout.np_dtype)
+            if not np.isfinite(packed).all():
+                raise UserError(f"weights do not fit in {layout.dtype} (non-finite values after conversion)")
+            dest[:] = packed.view(np.uint8)
     if layout.biases:
         assert biases is not None and biases.shape == (n, len(layout.biases)), None if biases is None else biases.shape
         scalars.append(biases.astype(np.float32))
@@ -311,14 +379,18 @@ def pack_bundles(layout: FlashLayout, vecs: np.ndarray, biases: np.ndarray | Non
 
 
 def unpack_bundles(layout: FlashLayout, bundles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """bundles uint8 [n, stride] -> (vecs float32 [n, n_vec, d], biases float32 [n, len(layout.biases)])."""
+    """bundles uint8 [n, stride] -> (vecs float32 [n, n_vec, d], biases float32 [n, len(layout.biases)]); quantized
+    vectors dequantized (bit-exact with the runtime's kernels)."""
     n = bundles.shape[0]
     assert bundles.dtype == np.uint8 and bundles.shape[1] == layout.stride
-    payload = layout.n_vec * layout.d * layout.itemsize
-    raw = np.ascontiguousarray(bundles[:, :payload]).view(layout.np_dtype).reshape(n, layout.n_vec, layout.d)
-    so = layout.scalars_offset
+    at, so = layout.vector_offsets, layout.scalars_offset
     s = np.ascontiguousarray(bundles[:, so:so + 4 * len(layout.scalars)]).view("<f4").astype(np.float32)
-    vecs = raw.astype(np.float32)
+    if layout.quantized:
+        vecs = np.stack([blocks.dequantize(bundles[:, at[k]:at[k + 1]], kind)
+                         for k, kind in enumerate(layout.vector_dtypes)], axis=1)
+        return vecs, s
+    raw = np.ascontiguousarray(bundles[:, :at[-1]])
+    vecs = raw.view(layout.np_dtype).reshape(n, layout.n_vec, layout.d).astype(np.float32)
     if layout.dtype == "int8":
         vecs *= s[:, :layout.n_vec, None]
         s = s[:, layout.n_vec:]
@@ -481,7 +553,8 @@ def verify_at_load(flashdir, progress: bool = False) -> FlashLayout:
 
 class FlashCheckpoint:
     """Read a FLASHDIR as a checkpoint: `.config`, `.names()`, `.tensor(name)` (float32, canonical names, FFN
-    matrices reassembled in original neuron order), `.tokenizer()`.
+    matrices reassembled in original neuron order, blocks dequantized), `.quantized(name)` (a resident matrix in its
+    block format, as stored), `.tokenizer()`.
 
     Loads a layer region whole and checks its checksum while it is in memory, so it never returns damaged weights.
     This is the load/convert path; the runtime reads bundles with storage.reader.BundleReader.
@@ -494,6 +567,7 @@ class FlashCheckpoint:
         self._resident_path = self.flashdir / self.layout.files["resident"]
         self._resident = self._open_resident()
         self._resident_names = list(self._resident.entries)
+        self.resident_kinds = self._resident_kinds()
         self._ffn_names = {}
         for i in range(self.layout.n_layers):
             for name in ffn_tensor_names(self.layout, i):
@@ -507,6 +581,23 @@ class FlashCheckpoint:
         except UserError as e:
             raise UserError(f"cannot read resident weights: {e}") from None
 
+    def _resident_kinds(self) -> dict[str, str]:
+        """{name: block kind} of the resident matrices stored quantized (the file's metadata), checked against the
+        tensors: the file comes from disk."""
+        kinds = self._resident.metadata
+        for name, kind in kinds.items():
+            e = self._resident.entries.get(name)
+            if not isinstance(kind, str) or kind not in blocks.BLOCK_BYTES or e is None or e[1] != np.uint8 \
+                    or len(e[2]) != 2 or e[2][1] % blocks.BLOCK_BYTES[kind]:
+                raise UserError(f"{self._resident_path}: resident tensor {name!r} is not a {kind!r} matrix; "
+                                f"re-run convert")
+        return dict(kinds)
+
+    def quantized(self, name: str) -> tuple[str, np.ndarray] | None:
+        """(kind, uint8 [rows, row_bytes]) of a resident matrix stored in a block format; else None."""
+        kind = self.resident_kinds.get(name)
+        return None if kind is None else (kind, self._resident.read(name, raw=True))
+
     def names(self) -> list[str]:
         return self._resident_names + list(self._ffn_names)
 
@@ -518,7 +609,8 @@ class FlashCheckpoint:
             return self._layer_tensors(self._ffn_names[name])[name]
         if name not in self._resident.entries:
             raise UserError(f"{self.flashdir}: no tensor named {name!r}")
-        return self._resident.read(name)
+        stored = self.quantized(name)
+        return self._resident.read(name) if stored is None else blocks.dequantize(stored[1], stored[0])
 
     def _layer_tensors(self, layer: int) -> dict[str, np.ndarray]:
         if self._cached_layer is not None and self._cached_layer[0] == layer:

@@ -10,9 +10,9 @@ import json
 
 import numpy as np
 
-# What FLASHDIRs and the benchmark models store. "F16" and "F32" are spelled with as many characters, which the room
-# SafetensorsWriter reserves for its header relies on.
-ST_NAMES = {np.dtype("<f4"): "F32", np.dtype("<f2"): "F16"}
+# What FLASHDIRs and the benchmark models store (U8: matrices in a block format). No name is longer than "F32", which
+# the room SafetensorsWriter reserves for its header relies on.
+ST_NAMES = {np.dtype("<f4"): "F32", np.dtype("<f2"): "F16", np.dtype("u1"): "U8"}
 
 
 def header_bytes(entries, metadata: dict | None = None, size: int = 0) -> bytes:
@@ -37,7 +37,8 @@ class SafetensorsWriter:
 
     The header comes first in the file, but a tensor's dtype (float16 or float32) may be known only once its values
     are (convert keeps a matrix float32 when it overflows float16): room for the header is reserved with every tensor
-    at float32, its largest size, and the header is written into it by finish(), padded with spaces."""
+    at float32, its largest size, and the header is written into it by finish(), padded with spaces. A uint8 tensor
+    (blocks) is given with its stored shape."""
 
     def __init__(self, f, shapes, metadata: dict | None = None):
         self.f, self.shapes, self.metadata = f, [(n, tuple(s)) for n, s in shapes], metadata
@@ -47,10 +48,10 @@ class SafetensorsWriter:
         f.seek(self.start + self.room)
 
     def write(self, name: str, a: np.ndarray) -> None:
-        """The next tensor of `shapes`, float16 or float32; written without a copy when C-contiguous."""
+        """The next tensor of `shapes`, float16, float32 or uint8; written without a copy when C-contiguous."""
         want, shape = self.shapes[len(self.written)]
         if (name, a.shape) != (want, shape) or a.dtype not in ST_NAMES:
-            raise ValueError(f"expected tensor {want} {shape} (float16/32), got {name} {a.shape} {a.dtype}")
+            raise ValueError(f"expected tensor {want} {shape} (float16/32, uint8), got {name} {a.shape} {a.dtype}")
         self.f.write(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
         self.written.append((name, a.dtype, shape))
 
@@ -62,6 +63,6 @@ class SafetensorsWriter:
         end = self.f.tell()
         self.f.seek(self.start)
         header = header_bytes(self.written, self.metadata, size=self.room)
-        assert len(header) == self.room, (len(header), self.room)   # float16 offsets are never longer than float32's
+        assert len(header) == self.room, (len(header), self.room)   # smaller offsets are never longer than float32's
         self.f.write(header)
         self.f.seek(end)

@@ -130,3 +130,74 @@ def assert_same_bits_at_every_budget(path, ffn: str, prompt: list[int], n_decode
     assert stats["minimum"].read_bytes > stats["no budget"].read_bytes   # the small window really re-read
     assert stats["streaming prefill"].streamed_layers > 0 and stats["no budget"].streamed_layers == 0
     return stats
+
+
+def llama_cpp_permute(w, n_head: int):
+    # What llama.cpp's converter does to q/k rows (pairs rotary dims adjacently); the loader must undo it.
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_llama_gguf(ckpt, path: Path, types: dict | None = None) -> Path:
+    """A llama-architecture GGUF of a checkpoint's weights (stories260K's SentencePiece-style vocabulary, as
+    ReluLLaMA / ProSparse GGUFs ship), written with the gguf package as llama.cpp's converter would: q/k rows
+    permuted. types: {canonical name: GGML type name} for tensors stored other than float32, quantized by gguf.quants
+    (llama.cpp's reference)."""
+    import json
+
+    import gguf
+    import numpy as np
+    c = ckpt.config
+    tj = json.loads((STORIES / "tokenizer.json").read_text())
+    vocab, merges = tj["model"]["vocab"], tj["model"]["merges"]
+    tokens = sorted(vocab, key=vocab.get)
+    # SentencePiece scores: a token made by an earlier merge scores higher; the loader rebuilds merges from them.
+    rank = {(m if isinstance(m, str) else " ".join(m)).replace(" ", ""): i for i, m in enumerate(merges)}
+    scores = [-float(rank.get(t, len(merges) + i)) if not (t.startswith("<0x") or i < 3) else 0.0
+              for i, t in enumerate(tokens)]
+    types_ = [3 if i < 3 else 6 if (t.startswith("<0x") and len(t) == 6) else 1 for i, t in enumerate(tokens)]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(c.n_layers)
+    w.add_context_length(c.max_pos)
+    w.add_embedding_length(c.dim)
+    w.add_feed_forward_length(c.ffn_dim)
+    w.add_head_count(c.n_heads)
+    w.add_head_count_kv(c.n_kv_heads)
+    w.add_layer_norm_rms_eps(c.norm_eps)
+    w.add_rope_freq_base(c.rope_theta)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types_)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(True)
+    names = {"embed.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
+    if not c.tie_embeddings:
+        names["lm_head.weight"] = "output.weight"
+    for i in range(c.n_layers):
+        names.update({f"layers.{i}.attn_norm.weight": f"blk.{i}.attn_norm.weight",
+                      f"layers.{i}.ffn_norm.weight": f"blk.{i}.ffn_norm.weight",
+                      f"layers.{i}.attn.q.weight": f"blk.{i}.attn_q.weight",
+                      f"layers.{i}.attn.k.weight": f"blk.{i}.attn_k.weight",
+                      f"layers.{i}.attn.v.weight": f"blk.{i}.attn_v.weight",
+                      f"layers.{i}.attn.o.weight": f"blk.{i}.attn_output.weight",
+                      f"layers.{i}.ffn.gate.weight": f"blk.{i}.ffn_gate.weight",
+                      f"layers.{i}.ffn.up.weight": f"blk.{i}.ffn_up.weight",
+                      f"layers.{i}.ffn.down.weight": f"blk.{i}.ffn_down.weight"})
+    for ours, theirs in names.items():
+        t = np.ascontiguousarray(ckpt.tensor(ours), np.float32)
+        if ours.endswith("attn.q.weight"):
+            t = llama_cpp_permute(t, c.n_heads)
+        elif ours.endswith("attn.k.weight"):
+            t = llama_cpp_permute(t, c.n_kv_heads)
+        kind = (types or {}).get(ours)
+        if kind is None:
+            w.add_tensor(theirs, np.ascontiguousarray(t))
+        else:
+            ggml = gguf.GGMLQuantizationType[kind]
+            w.add_tensor(theirs, gguf.quants.quantize(np.ascontiguousarray(t), ggml), raw_dtype=ggml)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

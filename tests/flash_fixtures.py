@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 
 from flashinfer_lite.config import ModelConfig
+from storage.checkpoint import Checkpoint
 from storage.convert import layout_for, write_flashdir
 
 STORIES = Path(__file__).resolve().parent / "data" / "stories260K"
@@ -16,7 +17,7 @@ class FakeTokenizer:
         (Path(path) / "tokenizer.json").write_text("{}")
 
 
-class RandomCheckpoint:
+class RandomCheckpoint(Checkpoint):
     """The Checkpoint API over random float32 weights: config, names(), tensor(), shape(), tokenizer(), path."""
 
     def __init__(self, d=40, n=300, n_layers=2, glu=True, bias=True, seed=0):

@@ -15,13 +15,26 @@ from storage.reader import BundleReader
 
 
 
+def quantized(a: np.ndarray, kind: str) -> np.ndarray:
+    """Rows of a in a GGUF block format and back, by the gguf package (llama.cpp's reference)."""
+    from gguf import GGMLQuantizationType, quants
+    t = GGMLQuantizationType[kind.upper()]
+    return quants.dequantize(quants.quantize(np.ascontiguousarray(a, np.float32), t), t)
+
+
 def assert_same_tensors(src, flash, dtype):
     assert sorted(flash.names()) == sorted(src.names())
+    L = flash.layout
     for name in src.names():
         a, b = src.tensor(name), flash.tensor(name)
         assert b.dtype == np.float32 and b.shape == a.shape, name
         in_bundles = ".ffn." in name and not name.endswith("down.bias")
-        if dtype == "f32" or a.ndim == 1:
+        if L.quantized and a.ndim == 2 and (in_bundles or name in flash.resident_kinds):
+            # blocks along d: a bundle vector is a row, or a column of down (in its own kind, if the layout has one)
+            down = name.endswith("down.weight")
+            kind = (L.down_dtype or L.dtype) if down else flash.resident_kinds.get(name, L.dtype)
+            assert np.array_equal(b, quantized(a.T, kind).T if down else quantized(a, kind)), name
+        elif dtype == "f32" or a.ndim == 1:
             assert np.array_equal(a, b), name                      # f32 FLASHDIRs, norms and biases: float32
         elif dtype == "f16" or not in_bundles:                     # f16 bundles; resident matrices of f16/int8
             assert np.array_equal(b, a.astype(np.float16).astype(np.float32)), name
@@ -30,12 +43,14 @@ def assert_same_tensors(src, flash, dtype):
             assert (np.abs(a - b) <= int8_bound(np.moveaxis(a, vec_axis, -1)).swapaxes(-1, vec_axis)).all(), name
 
 
-@pytest.mark.parametrize("dtype", ["f32", "f16", "int8"])
+@pytest.mark.parametrize("dtype", ["f32", "f16", "int8", "q8_0", "auto"])
 def test_stories260k_round_trip(tmp_path, dtype):
     out = convert(STORIES, tmp_path / "flash", dtype=dtype, progress=False)
     verify(out, progress=False)
     src, flash = open_checkpoint(STORIES), FlashCheckpoint(out)
     assert flash.config == src.config
+    dtype = "f16" if dtype == "auto" else dtype          # an HF checkpoint's precision class
+    assert flash.layout.dtype == dtype
     assert_same_tensors(src, flash, dtype)
     text = "Once upon a time, a little dog"
     assert flash.tokenizer().encode(text) == src.tokenizer().encode(text)
@@ -45,6 +60,8 @@ def test_stories260k_round_trip(tmp_path, dtype):
     ("opt", "f32", ("up", "down"), ("bias.up",)),                  # [fc1_i, b1_i | fc2_i]
     ("opt-postnorm", "int8", ("up", "down"), ("bias.up",)),
     ("llama-bias-untied", "f16", ("gate", "up", "down"), ("bias.gate", "bias.up")),
+    ("llama-bias-untied", "q4_1", ("gate", "up", "down"), ("bias.gate", "bias.up")),
+    ("opt", "q4_0", ("up", "down"), ("bias.up",)),                 # its learned positions stay float16
 ])
 def test_transformers_models_round_trip(tmp_path, tiny_model, kind, dtype, vectors, biases):
     pytest.importorskip("transformers")

@@ -55,6 +55,38 @@ def test_pack_unpack_round_trip(d, glu, dtype, biases, data):
             assert np.array_equal(f[:, L.scalars_offset // 4 + L.scalar_index(name)], b[:, j])
 
 
+@pytest.mark.parametrize("dtype, down_dtype", [("q8_0", None), ("q4_0", None), ("q4_1", "q8_0"), ("q4_0", "q4_1")])
+@pytest.mark.parametrize("glu", [True, False])
+def test_quantized_pack_unpack_round_trip(dtype, down_dtype, glu):
+    """Vectors in GGUF blocks along d (the down vector in its own kind, if given), as gguf.quants makes them; rows
+    given already in blocks are stored verbatim."""
+    from gguf import GGMLQuantizationType, quants
+    d, n = 96, 5
+    rng = np.random.default_rng(len(dtype) + glu)
+    biases = ("bias.up",)
+    L = FlashLayout.create(d, [n], dtype, glu, biases, down_dtype=down_dtype)
+    kinds = L.vector_dtypes
+    assert kinds[-1] == (down_dtype or dtype) and set(kinds[:-1]) == {dtype}
+    vecs = rng.standard_normal((n, L.n_vec, d)).astype(np.float32)
+    b = rng.standard_normal((n, 1)).astype(np.float32)
+    ggml = [GGMLQuantizationType[k.upper()] for k in kinds]
+    blocks = [quants.quantize(vecs[:, k], t) for k, t in enumerate(ggml)]
+    packed = pack_bundles(L, vecs, b)
+    assert np.array_equal(pack_bundles(L, [blocks[0]] + [vecs[:, k] for k in range(1, L.n_vec)], b), packed)
+    at = L.vector_offsets
+    for k in range(L.n_vec):
+        assert np.array_equal(packed[:, at[k]:at[k + 1]], blocks[k])
+    assert at[-1] <= L.scalars_offset and not packed[:, L.scalars_offset + 4:].any()
+    out, out_b = unpack_bundles(L, packed)
+    for k, t in enumerate(ggml):
+        assert np.array_equal(out[:, k], quants.dequantize(blocks[k], t))
+    assert np.array_equal(out_b, b)
+    with pytest.raises(UserError, match="positive multiple of 32"):
+        FlashLayout.create(40, [n], dtype, glu)
+    with pytest.raises(UserError, match="needs quantized bundles"):
+        FlashLayout.create(d, [n], "f16", glu, down_dtype="q8_0")
+
+
 def test_f16_overflow_is_refused():
     L = FlashLayout.create(4, [1], "f16", True)
     with pytest.raises(UserError, match="do not fit in f16"):
@@ -68,12 +100,12 @@ def test_layer_regions_are_page_aligned(tmp_path):
     assert L.offset[1] >= L.offset[0] + 301 * L.stride
 
 
-@pytest.mark.parametrize("dtype", ["f32", "f16", "int8"])
+@pytest.mark.parametrize("dtype", ["f32", "f16", "int8", "q4_1"])
 def test_vector_norms_read_in_chunks_equal_the_whole_tensors(tmp_path, dtype):
     """train-predictor's |down_i|: from bundles read a few at a time, in original neuron order (a shuffled order)."""
     n = 301
     orders = [np.random.default_rng(i).permutation(n) for i in range(2)]
-    write_random_flashdir(tmp_path / "f", dtype, orders=orders, d=40, n=n, n_layers=2)
+    write_random_flashdir(tmp_path / "f", dtype, orders=orders, d=64, n=n, n_layers=2)
     ck = FlashCheckpoint(tmp_path / "f")
     for i in range(2):
         for vector, axis in (("down", 0), ("up", 1)):
@@ -172,6 +204,8 @@ def test_wrong_version_is_refused(flashdir, version):
     (lambda m: m["layers"][0].__setitem__("order", list(range(199))), "not a list of 200"),
     (lambda m: m["layers"][0].__setitem__("n_neurons", -3), "must be an integer >= 1"),
     (lambda m: m.__setitem__("dtype", "q4"), "unknown dtype"),
+    (lambda m: m["bundle"].__setitem__("down_dtype", "q8_0"), "needs quantized bundles"),
+    (lambda m: m["bundle"].__setitem__("vector_bytes", 7), "scalars"),
     (lambda m: m["config"].__setitem__("n_layers", 7), "disagrees"),
     (lambda m: m.pop("layers"), "lacks field"),
 ])
@@ -179,6 +213,14 @@ def test_inconsistent_manifests_are_refused(flashdir, change, message):
     edit_manifest(flashdir, change)
     with pytest.raises(UserError, match=message):
         read_layout(flashdir)
+
+
+def test_manifests_written_before_the_block_formats_still_read(flashdir):
+    """Version 1 without bundle.vector_bytes and bundle.down_dtype (FLASHDIRs converted before them)."""
+    before = read_layout(flashdir)
+    edit_manifest(flashdir, lambda m: [m["bundle"].pop(k) for k in ("vector_bytes", "down_dtype")])
+    after = read_layout(flashdir)
+    assert (after.stride, after.scalars_offset, after.down_dtype) == (before.stride, before.scalars_offset, None)
 
 
 def test_garbage_and_oversized_manifests_are_refused(flashdir, monkeypatch):

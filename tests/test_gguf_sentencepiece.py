@@ -1,12 +1,10 @@
 """A llama-architecture GGUF with a SentencePiece (`llama`) vocabulary, as ReluLLaMA / ProSparse GGUFs ship: written
 here with the gguf package from stories260K (whose HF tokenizer is SentencePiece-style BPE with byte fallback), then
 read back by our loader. Oracles: the HF tokenizer.json and the HF checkpoint of the same weights."""
-import json
-
 import numpy as np
 import pytest
 
-from conftest import STORIES
+from conftest import STORIES, write_llama_gguf
 from storage.checkpoint import open_checkpoint
 from flashinfer_lite.loader import load
 
@@ -15,64 +13,9 @@ TEXTS = ["Once upon a time, there was a little girl named Lily.", "  two  spaces
          "Zebra quizzed 123 émigrés", "<s>not a control token</s>"]
 
 
-def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    # What llama.cpp's converter does to q/k rows (pairs rotary dims adjacently); the loader must undo it.
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 @pytest.fixture(scope="module")
 def spm_gguf(tmp_path_factory):
-    import gguf
-    ckpt = open_checkpoint(STORIES)
-    c = ckpt.config
-    tj = json.loads((STORIES / "tokenizer.json").read_text())
-    vocab, merges = tj["model"]["vocab"], tj["model"]["merges"]
-    tokens = sorted(vocab, key=vocab.get)
-    # SentencePiece scores: a token made by an earlier merge scores higher; the loader rebuilds merges from them.
-    rank = {(m if isinstance(m, str) else " ".join(m)).replace(" ", ""): i for i, m in enumerate(merges)}
-    scores = [-float(rank.get(t, len(merges) + i)) if not (t.startswith("<0x") or i < 3) else 0.0
-              for i, t in enumerate(tokens)]
-    types = [3 if i < 3 else 6 if (t.startswith("<0x") and len(t) == 6) else 1 for i, t in enumerate(tokens)]
-    path = tmp_path_factory.mktemp("gguf") / "stories-spm.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(c.n_layers)
-    w.add_context_length(c.max_pos)
-    w.add_embedding_length(c.dim)
-    w.add_feed_forward_length(c.ffn_dim)
-    w.add_head_count(c.n_heads)
-    w.add_head_count_kv(c.n_kv_heads)
-    w.add_layer_norm_rms_eps(c.norm_eps)
-    w.add_rope_freq_base(c.rope_theta)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(True)
-    names = {"embed.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
-    for i in range(c.n_layers):
-        names.update({f"layers.{i}.attn_norm.weight": f"blk.{i}.attn_norm.weight",
-                      f"layers.{i}.ffn_norm.weight": f"blk.{i}.ffn_norm.weight",
-                      f"layers.{i}.attn.q.weight": f"blk.{i}.attn_q.weight",
-                      f"layers.{i}.attn.k.weight": f"blk.{i}.attn_k.weight",
-                      f"layers.{i}.attn.v.weight": f"blk.{i}.attn_v.weight",
-                      f"layers.{i}.attn.o.weight": f"blk.{i}.attn_output.weight",
-                      f"layers.{i}.ffn.gate.weight": f"blk.{i}.ffn_gate.weight",
-                      f"layers.{i}.ffn.up.weight": f"blk.{i}.ffn_up.weight",
-                      f"layers.{i}.ffn.down.weight": f"blk.{i}.ffn_down.weight"})
-    for ours, theirs in names.items():
-        t = ckpt.tensor(ours)
-        if ours.endswith("attn.q.weight"):
-            t = llama_cpp_permute(t, c.n_heads)
-        elif ours.endswith("attn.k.weight"):
-            t = llama_cpp_permute(t, c.n_kv_heads)
-        w.add_tensor(theirs, np.ascontiguousarray(t, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return write_llama_gguf(open_checkpoint(STORIES), tmp_path_factory.mktemp("gguf") / "stories-spm.gguf")
 
 
 def test_sentencepiece_gguf_tokenizer_equals_the_hf_tokenizer(spm_gguf):

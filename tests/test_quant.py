@@ -10,12 +10,13 @@ import zlib
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from flashinfer_lite.errors import UserError
 from flashinfer_lite.kernels import MATMUL_ROW_KERNEL_MAX_T
-from flashinfer_lite.quant import (BLOCK, KINDS, QuantSparseFFN, bundle_geometry, dequantize, pack_quant_bundles,
-                                   quant_matmul_t, quantize, row_bytes)
+from flashinfer_lite.quant import BLOCK, KINDS, QuantSparseFFN, dequantize, quant_matmul_t, quantize, row_bytes
+from storage.format import FlashLayout, bundle_geometry, pack_bundles
 from test_kernels import CASES, dense_coefficients, dense_ffn, make_model, numba_threads, rel_err, scatter_rows
 
 RTOL = 1e-5
@@ -43,7 +44,7 @@ def same_values(a, b):
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_dequantize_is_bit_exact_with_gguf(kind):
     rng = np.random.default_rng(zlib.crc32(kind.encode()))
-    ggml = KINDS[kind].ggml
+    ggml = GGMLQuantizationType[kind.upper()]
     cols = 8 * BLOCK
     q = quantize(weights(rng, 40, cols), kind)
     assert np.array_equal(dequantize(q, kind, cols), gguf_quants.dequantize(q, ggml))
@@ -68,7 +69,7 @@ def test_quantize_is_gguf_and_within_half_a_step(kind):
     w = weights(rng, 64, 12 * BLOCK)
     q = quantize(w, kind)
     assert q.dtype == np.uint8 and q.shape == (64, row_bytes(12 * BLOCK, kind))
-    assert np.array_equal(q, gguf_quants.quantize(w, KINDS[kind].ggml))
+    assert np.array_equal(q, gguf_quants.quantize(w, GGMLQuantizationType[kind.upper()]))
     # independent of gguf: the error bound of the format, block by block
     blocks = w.reshape(-1, BLOCK).astype(np.float64)
     err = np.abs(dequantize(q, kind, w.shape[1]).reshape(-1, BLOCK) - blocks).max(axis=1)
@@ -115,23 +116,28 @@ def test_matmul_equals_float64(kind, T, threads):
 # Sparse FFN over quantized bundles
 
 def pack(w, kind, glu):
-    """-> QuantSparseFFN factory arguments, bundles uint8 [n, stride], dequantized weights (as make_model's)."""
+    """-> QuantSparseFFN factory arguments, bundles uint8 [n, stride], dequantized weights (as make_model's).
+    kind "q4_0/q8_0": gate and up in q4_0, down in q8_0 (a FlashLayout's down_dtype)."""
+    kind, down_kind = (kind.split("/") + [None])[:2]
     names = ("gate", "up", "down") if glu else ("up", "down")
     n, d = w["up"].shape
     biases = tuple(b for b in ("bias.gate", "bias.up") if b in w)
     vecs = np.stack([w[v].T if v == "down" else w[v] for v in names], axis=1)      # [n, n_vec, d]
-    bundles, so = pack_quant_bundles(vecs, kind, np.stack([w[b] for b in biases], 1) if biases else None)
-    rb = row_bytes(d, kind)
-    dq = {v: dequantize(np.ascontiguousarray(bundles[:, k * rb:(k + 1) * rb]), kind, d) for k, v in enumerate(names)}
+    layout = FlashLayout.create(d, [n], kind, glu, biases, down_dtype=down_kind)
+    bundles = pack_bundles(layout, vecs, np.stack([w[b] for b in biases], 1) if biases else None)
+    at = layout.vector_offsets
+    dq = {v: dequantize(np.ascontiguousarray(bundles[:, at[k]:at[k + 1]]), layout.vector_dtypes[k], d)
+          for k, v in enumerate(names)}
     dq["down"] = dq["down"].T
     dq.update({b: w[b] for b in biases})
-    args = dict(d=d, dtype=kind, glu=glu, stride=bundles.shape[1], scalars_offset=so,
+    args = dict(d=d, dtype=kind, down_dtype=down_kind, glu=glu, stride=layout.stride,
+                scalars_offset=layout.scalars_offset,
                 bias_gate_index=biases.index("bias.gate") if "bias.gate" in biases else None,
                 bias_up_index=biases.index("bias.up") if "bias.up" in biases else None)
     return args, bundles, dq
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("kind", sorted(KINDS) + ["q4_1/q8_0"])
 @pytest.mark.parametrize("glu,act", CASES)
 @pytest.mark.parametrize("biased", [False, True])
 def test_sparse_equals_dense(kind, glu, act, biased):
@@ -157,7 +163,7 @@ def test_sparse_equals_dense(kind, glu, act, biased):
     assert rel_err(y, dense_ffn(dq, h_S)) < RTOL
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("kind", sorted(KINDS) + ["q4_0/q8_0"])
 def test_sparse_same_bits_whatever_the_split_or_threads(kind):
     """kernels.py's one summation order holds here too: pieces, thread counts and batched rows give the same bits."""
     rng = np.random.default_rng(zlib.crc32(kind.encode()) + 2)
@@ -205,7 +211,7 @@ def test_quantized_bundles_track_source_weights():
 
 
 def test_bad_bundle_geometry_is_a_user_error():
-    so, stride = bundle_geometry(64, "q4_0", n_vec=3)
+    so, stride = bundle_geometry(64, ("q4_0",) * 3, n_scalars=0)
     assert so == 3 * row_bytes(64, "q4_0") and stride % 512 == 0
     with pytest.raises(UserError):
         QuantSparseFFN(64, "q4_0", True, "relu", stride, so - 4)      # scalars over the down vector
