@@ -32,7 +32,7 @@ from .budget import (HEAP_SLACK_BYTES, auto_budget_bytes, keep_freed_arrays_out_
                      plan_budget, resident_bytes_for, staging_rows)
 from .errors import UserError
 from .half import half_matrix
-from .loader import is_flashdir, load_weights, open_any
+from .loader import load_weights, open_any
 from .model import FeedForward, ModelConfig, Transformer
 from .neuron_cache import NeuronCache
 from .predictor_set import load_predictors
