@@ -25,7 +25,7 @@ from flashinfer_lite.model import linear
 import numpy as np  # noqa: E402
 
 PARTS = ("attention", "norms", "ffn", "lm_head", "python", "sampling")
-NORM_FUNCTIONS = ("norm",)   # flashinfer_lite.model functions timed as "norms"
+NORM_FUNCTIONS = ("norm", "add_norm")  # flashinfer_lite.model functions timed as "norms"
 
 
 def timed(fn, acc: dict, key: str):
