@@ -65,6 +65,7 @@ def main() -> int:
 
     # one warm-up generation compiles the Numba kernels and fills caches; then the measured one
     Session(model, tokenizer, len(ids) + args.n + 1).generate(ids, 4, greedy, ignore_eos=True).__next__()
+    acc.clear()
     session = Session(model, tokenizer, len(ids) + args.n + 1)
     gen = session.generate(ids, args.n, sampler, ignore_eos=True)
     next(gen)                                           # the prompt's forward pass and the first sample
