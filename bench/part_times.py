@@ -63,8 +63,10 @@ def main() -> int:
     greedy = Sampler(temp=0)
     sampler = timed(greedy, acc, "sampling")
 
-    # one warm-up generation compiles the Numba kernels and fills caches; then the measured one
-    Session(model, tokenizer, len(ids) + args.n + 1).generate(ids, 4, greedy, ignore_eos=True).__next__()
+    # one warm-up generation (the prompt and 3 decode steps) compiles the Numba kernels and fills caches; then the
+    # measured one
+    for _ in Session(model, tokenizer, len(ids) + args.n + 1).generate(ids, 4, greedy, ignore_eos=True):
+        pass
     acc.clear()
     session = Session(model, tokenizer, len(ids) + args.n + 1)
     gen = session.generate(ids, args.n, sampler, ignore_eos=True)
