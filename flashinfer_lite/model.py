@@ -14,7 +14,7 @@ import numpy as np
 from .config import ModelConfig
 from .errors import UserError
 from .half import half_matrix
-from .kernels import add_rms_norm_rows, attention_rows, matmul_t, rms_norm_rows
+from .kernels import add_rms_norm_rows, attention_rows, matmul_t, rms_norm_rows, widen_rows
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -150,9 +150,11 @@ class KVCache:
 # ----------------------------------------------------------------------------------------------------------------------
 # Attention and feed-forward
 
-# Up to this many new tokens, attention runs in one Numba call (attention_rows); more (a prompt) as batched numpy
-# matrix products, which BLAS does faster once there are many query rows per key.
-ATTENTION_KERNEL_MAX_T = 4
+# Up to this many new tokens (decode), attention runs in one Numba call (attention_rows); more (a prompt, a chat turn)
+# as batched numpy matrix products, where BLAS reads each key once for all query rows. SmolLM2's shapes, per layer:
+# T = 1 at 200 cached positions 37 vs 54 us, T = 4 122 vs 92 us (kernel vs numpy; at 1000 positions the crossover
+# is T = 2-3).
+ATTENTION_KERNEL_MAX_T = 2
 
 class Attention:
     def __init__(self, cfg: ModelConfig, w: Mapping[str, np.ndarray], layer: int, kv_slot: int | None = None):
@@ -179,15 +181,24 @@ class Attention:
         S = pos0 + T
         kv.k[self.slot, pos0:S] = k                            # rounded to float16 as attention_rows does
         kv.v[self.slot, pos0:S] = v
-        K = kv.k[self.slot, :S].astype(np.float32).transpose(1, 2, 0)   # [Hkv, hd, S]
-        Vv = kv.v[self.slot, :S].astype(np.float32).transpose(1, 0, 2)  # [Hkv, S, hd]
+        # Operands whose rows are unit-stride, the g query heads of a KV head stacked as rows: numpy's matmul hands
+        # such stacks to BLAS (a stack of transposed matrices goes to its naive loop, ~20x slower at T = 128).
         g = H // Hkv
-        qg = q.reshape(T, Hkv, g, hd).transpose(1, 2, 0, 3)    # [Hkv, g, T, hd]
-        scores = (qg @ K[:, None]) * (1.0 / math.sqrt(hd))     # [Hkv, g, T, S]
-        scores = scores + attention_mask(pos0, T, cfg.sliding_window)
-        out = softmax(scores) @ Vv[:, None]                    # [Hkv, g, T, hd]
-        out = out.transpose(2, 0, 1, 3).reshape(T, H * hd)
+        K = widened(kv.k_bits[self.slot, :S]).transpose(1, 0, 2)                      # [Hkv, S, hd]
+        Vv = widened(kv.v_bits[self.slot, :S]).transpose(1, 0, 2)                     # [Hkv, S, hd]
+        qg = np.ascontiguousarray(q.reshape(T, Hkv, g, hd).transpose(1, 2, 0, 3))      # [Hkv, g, T, hd]
+        scores = (qg.reshape(Hkv, g * T, hd) @ K.transpose(0, 2, 1)).reshape(Hkv, g, T, S)
+        scores = scores * (1.0 / math.sqrt(hd)) + attention_mask(pos0, T, cfg.sliding_window)
+        out = softmax(scores).reshape(Hkv, g * T, S) @ Vv                              # [Hkv, g * T, hd]
+        out = out.reshape(Hkv, g, T, hd).transpose(2, 0, 1, 3).reshape(T, H * hd)
         return linear(out, self.wo, self.bo)
+
+
+def widened(bits: np.ndarray) -> np.ndarray:
+    """float16 bits [S, Hkv, hd] -> float32, by the Numba F16C loop (numpy's astype is ~10x slower)."""
+    out = np.empty(bits.shape, np.float32)
+    widen_rows(bits.reshape(bits.shape[0], -1), 0, out.reshape(bits.shape[0], -1))
+    return out
 
 
 _NO_ROPE = np.zeros((ATTENTION_KERNEL_MAX_T, 0), np.float32)   # cos/sin [T, 0]: attention_rows rotates nothing
