@@ -127,7 +127,8 @@ def half_matrices(weights: dict) -> dict:
 
 class KVCache:
     """Keys and values in float16: half the DRAM of float32, and half the bytes each decoded token reads back
-    (attention_rows reads every cached position of every layer per token)."""
+    (attention_rows reads every cached position of every layer per token). llama.cpp's default KV type too; a key or
+    value beyond float16's range (65504) would become inf."""
 
     def __init__(self, cfg: ModelConfig, capacity: int, n_layers: int | None = None):
         # n_layers: the model's by default; 1 when layers run one at a time (predictors/layerwise.py)
@@ -172,7 +173,8 @@ class Attention:
         v = linear(x, self.wv, self.bv).reshape(T, Hkv, hd)
         if T <= ATTENTION_KERNEL_MAX_T:
             out = np.empty((T, H, hd), np.float32)
-            cos, sin = (rope[0][:, 0], rope[1][:, 0]) if rope is not None else (_NO_ROPE[:T], _NO_ROPE[:T])
+            no_rope = np.zeros((T, 0), np.float32)             # cos/sin [T, 0]: attention_rows rotates nothing
+            cos, sin = (rope[0][:, 0], rope[1][:, 0]) if rope is not None else (no_rope, no_rope)
             attention_rows(q, k, v, cos, sin, kv.k_bits[self.slot], kv.v_bits[self.slot], pos0,
                            cfg.sliding_window or 0, out)
             return linear(out.reshape(T, H * hd), self.wo, self.bo)
@@ -199,9 +201,6 @@ def widened(bits: np.ndarray) -> np.ndarray:
     out = np.empty(bits.shape, np.float32)
     widen_rows(bits.reshape(bits.shape[0], -1), 0, out.reshape(bits.shape[0], -1))
     return out
-
-
-_NO_ROPE = np.zeros((ATTENTION_KERNEL_MAX_T, 0), np.float32)   # cos/sin [T, 0]: attention_rows rotates nothing
 
 
 def attention_mask(pos0: int, T: int, window: int | None) -> np.ndarray:
