@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections import defaultdict
@@ -24,6 +25,7 @@ from flashinfer_lite.model import linear
 import numpy as np  # noqa: E402
 
 PARTS = ("attention", "norms", "ffn", "lm_head", "python", "sampling")
+NORM_FUNCTIONS = ("norm", "add_norm")  # flashinfer_lite.model functions timed as "norms"
 
 
 def timed(fn, acc: dict, key: str):
@@ -52,16 +54,20 @@ def main() -> int:
     acc: dict = defaultdict(float)
     for block in model.blocks:
         block.attn = timed(block.attn, acc, "attention")
-    # the layers' and the final norm: Block and output_logits look the module's norm up at each call
-    model_math.norm = timed(model_math.norm, acc, "norms")
+    # the norms are module functions that Block and output_logits look up by name at each call
+    for name in NORM_FUNCTIONS:
+        setattr(model_math, name, timed(getattr(model_math, name), acc, "norms"))
     model.ffn = timed(model.ffn, acc, "ffn")
     forward = model.forward
     model.forward = timed(forward, acc, "forward")
     greedy = Sampler(temp=0)
     sampler = timed(greedy, acc, "sampling")
 
-    # one warm-up generation compiles the Numba kernels and fills caches; then the measured one
-    Session(model, tokenizer, len(ids) + args.n + 1).generate(ids, 4, greedy, ignore_eos=True).__next__()
+    # one warm-up generation (the prompt and 3 decode steps) compiles the Numba kernels and fills caches; then the
+    # measured one
+    for _ in Session(model, tokenizer, len(ids) + args.n + 1).generate(ids, 4, greedy, ignore_eos=True):
+        pass
+    acc.clear()
     session = Session(model, tokenizer, len(ids) + args.n + 1)
     gen = session.generate(ids, args.n, sampler, ignore_eos=True)
     next(gen)                                           # the prompt's forward pass and the first sample
@@ -87,6 +93,7 @@ def main() -> int:
         return out
 
     doc = {"model": args.model or "default (SmolLM2-135M-Instruct GGUF)", "ffn": args.ffn,
+           "loadavg": [round(v, 2) for v in os.getloadavg()],   # the machine is shared: how busy it was
            "threads": args.threads, "prompt_tokens": len(ids), "decode_tokens": steps,
            "load_ms": round(load_ms, 1),
            "decode_ms_per_token": table(decode, steps, steps, 1),

@@ -4,7 +4,7 @@
                the compiled kernels, the tokenizer, the predictors; measured (RSS), not computed
   resident     embeddings, attention, norms, head, FFN down bias (in DRAM; matrices float16 with f16/int8 bundles,
                in blocks with q8_0/q4_0/q4_1 ones)
-  kv cache     keys and values for the whole context (float32)
+  kv cache     keys and values for the whole context (float16, model.KVCache)
   buffers      reader gap scratch, kernel scratch, cache bookkeeping (slot maps per neuron), the prefill
                streaming chunk, the heap the prompt's transient arrays leave behind
   window       per layer `window_rows` bundle rows for the sliding window (LLM in a Flash)

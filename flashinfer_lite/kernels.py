@@ -117,6 +117,49 @@ HAS_F16C = "+f16c" in llvm_binding.get_host_cpu_features().flatten().split(",")
 f16_bits_to_f32 = f16_bits_to_f32_f16c if HAS_F16C else f16_bits_to_f32_portable
 
 
+# float32 -> fp16 bits, round to nearest even (numpy's astype(float16)): the KV cache stores keys and values as
+# float16, written by the attention kernel. The same two implementations as above; tests/test_kernels.py checks them
+# against numpy.
+
+
+@intrinsic
+def _f32_to_half_bits_fptrunc(typingctx, f):
+    """LLVM `fptrunc float -> half` as 16 bits: vcvtps2ph on F16C hardware."""
+    if f != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(f), codegen
+
+
+@njit(cache=True)
+def f32_to_f16_bits_portable(f):
+    """float32 -> IEEE half bits with integer arithmetic; overflow gives inf, NaN stays a (quiet) NaN."""
+    b = _f32_bits(f)
+    sign = np.uint32((b >> np.uint32(16)) & np.uint32(0x8000))
+    a = np.uint32(b & np.uint32(0x7FFFFFFF))                   # |f|
+    if a > np.uint32(0x7F800000):                               # NaN: quiet, the payload's top bits kept
+        h = np.uint32(0x7E00) | ((a >> np.uint32(13)) & np.uint32(0x3FF))
+    elif a >= np.uint32(0x477FF000):                            # |f| >= 65520 rounds to inf
+        h = np.uint32(0x7C00)
+    elif a < np.uint32(0x38800000):                             # |f| < 2^-14: a subnormal half, |f| * 2^24 units
+        h = np.uint32(np.rint(_bits_as_f32(a) * np.float32(16777216.0)))   # exact product, then round to even
+    else:                                                       # normal: rebias 127 -> 15, round 23 -> 10 bits
+        a = np.uint32(a - np.uint32(112 << 23))
+        h = np.uint32((a + np.uint32(0xFFF) + ((a >> np.uint32(13)) & np.uint32(1))) >> np.uint32(13))
+    return np.uint16(sign | h)
+
+
+@njit(cache=True)
+def f32_to_f16_bits_f16c(f):
+    return _f32_to_half_bits_fptrunc(np.float32(f))
+
+
+f32_to_f16_bits = f32_to_f16_bits_f16c if HAS_F16C else f32_to_f16_bits_portable
+
+
 def _load(w, i):
     """Element i of a weight view as float32 (f32, f16 bits or int8); resolved per dtype at compile time."""
 
@@ -452,3 +495,92 @@ def matmul_widened(x: np.ndarray, n: int, d: int, widen, y: np.ndarray) -> None:
         block = buf[: min(buf.shape[0], n - lo)]
         widen(lo, block)
         np.matmul(x, block.T, out=y[:, lo: lo + block.shape[0]])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Decode step kernels: attention over the float16 KV cache and the fused residual add + RMSNorm. At T = 1 each numpy
+# op costs ~1-3 us of dispatch on vectors of 64-576 elements, ~25 of them per layer; one Numba call replaces them.
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def _rope_inplace(x, cos, sin, half):
+    """x [2 * half] rotated in place: the half-split pairing of model.apply_rope."""
+    for i in range(half):
+        a, b = x[i], x[i + half]
+        x[i] = a * cos[i] - b * sin[i]
+        x[i + half] = b * cos[i] + a * sin[i]
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def attention_rows(q, k, v, cos, sin, K, V, pos0, window, out):
+    """Causal GQA attention of T new rows at positions pos0.., appending their keys and values to a layer's cache.
+
+    q [T, H, hd], k and v [T, Hkv, hd] float32 (q and k are rotated in place); cos, sin [T, hd/2] float32 (shape
+    [T, 0]: no RoPE); K, V [capacity, Hkv, hd] float16 bits (uint16), rows pos0 .. pos0+T-1 written here; window:
+    Mistral's sliding window (0: none); out [T, H, hd] float32. Query head h reads KV head h // (H / Hkv)."""
+    T, H, hd = q.shape
+    Hkv = k.shape[1]
+    group = H // Hkv
+    half = cos.shape[1]
+    scale = np.float32(1.0 / math.sqrt(hd))
+    for t in range(T):
+        for h in range(H if half else 0):
+            _rope_inplace(q[t, h], cos[t], sin[t], half)
+        for c in range(Hkv):
+            if half:
+                _rope_inplace(k[t, c], cos[t], sin[t], half)
+            Kr, Vr = K[pos0 + t, c], V[pos0 + t, c]
+            for i in range(hd):
+                Kr[i] = f32_to_f16_bits(k[t, c, i])
+                Vr[i] = f32_to_f16_bits(v[t, c, i])
+    scores = np.empty(pos0 + T, np.float32)
+    for t in range(T):
+        pos = pos0 + t
+        lo = max(0, pos - window + 1) if window > 0 else 0     # keys j with pos - window < j <= pos
+        for h in range(H):
+            c = h // group
+            qh = q[t, h]
+            m = -np.inf
+            for j in range(lo, pos + 1):
+                s = _dot(K[j, c], qh, hd) * scale
+                scores[j] = s
+                m = max(m, s)
+            o = out[t, h]
+            o[:] = 0.0
+            total = np.float32(0.0)
+            for j in range(lo, pos + 1):
+                p = np.float32(math.exp(scores[j] - m))
+                total += p
+                _axpy(o, p, V[j, c], hd)
+            inv = np.float32(1.0) / total
+            for i in range(hd):
+                o[i] *= inv
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def _rms_norm_row(x, w, eps, out):
+    """out = x / sqrt(mean(x^2) + eps) * w over one row [d]."""
+    d = x.shape[0]
+    ss = np.float32(0.0)
+    for i in range(d):
+        ss += x[i] * x[i]
+    r = np.float32(1.0) / np.sqrt(ss / np.float32(d) + np.float32(eps))
+    for i in range(d):
+        out[i] = x[i] * r * w[i]
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def rms_norm_rows(x, w, eps, out):
+    """out[t] = RMSNorm(x[t]) * w; x, out float32 [T, d], w float32 [d]."""
+    for t in range(x.shape[0]):
+        _rms_norm_row(x[t], w, eps, out[t])
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def add_rms_norm_rows(x, delta, w, eps, out):
+    """x[t] += delta[t] (the residual add, in place), then out[t] = RMSNorm(x[t]) * w: one pass over x."""
+    for t in range(x.shape[0]):
+        xt, dt = x[t], delta[t]
+        for i in range(xt.shape[0]):
+            xt[i] += dt[i]
+        _rms_norm_row(xt, w, eps, out[t])

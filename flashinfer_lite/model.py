@@ -14,7 +14,7 @@ import numpy as np
 from .config import ModelConfig
 from .errors import UserError
 from .half import half_matrix
-from .kernels import matmul_t
+from .kernels import add_rms_norm_rows, attention_rows, matmul_t, rms_norm_rows, widen_rows
 from .quant import QuantMatrix
 
 
@@ -24,6 +24,17 @@ from .quant import QuantMatrix
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     # x [T, d] -> [T, d]
     return x * (1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)) * w
+
+
+def add_norm(cfg: ModelConfig, h: np.ndarray, delta: np.ndarray, wb: tuple) -> np.ndarray:
+    """h += delta (in place: the residual add), then the model's norm of h. RMSNorm: one Numba pass over h."""
+    w, b = wb
+    if cfg.norm != "rms":
+        h += delta
+        return norm(cfg, h, wb)
+    out = np.empty_like(h)
+    add_rms_norm_rows(h, delta, w, cfg.norm_eps, out)
+    return out
 
 
 def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
@@ -92,7 +103,9 @@ def norm(cfg: ModelConfig, x: np.ndarray, wb: tuple) -> np.ndarray:
     """The model's norm (RMSNorm or LayerNorm) with weight and bias wb = (w, b)."""
     w, b = wb
     if cfg.norm == "rms":
-        return rms_norm(x, w, cfg.norm_eps)
+        out = np.empty(x.shape, np.float32)
+        rms_norm_rows(np.ascontiguousarray(x, np.float32), w, cfg.norm_eps, out)
+        return out
     return layer_norm(x, w, b, cfg.norm_eps)
 
 
@@ -118,18 +131,23 @@ def half_matrices(weights: dict) -> dict:
 # KV cache: preallocated for the whole context, so decoding never reallocates
 
 class KVCache:
+    """Keys and values in float16: half the DRAM of float32, and half the bytes each decoded token reads back
+    (attention_rows reads every cached position of every layer per token). llama.cpp's default KV type too; a key or
+    value beyond float16's range (65504) would become inf."""
+
     def __init__(self, cfg: ModelConfig, capacity: int, n_layers: int | None = None):
         # n_layers: the model's by default; 1 when layers run one at a time (predictors/layerwise.py)
         L = cfg.n_layers if n_layers is None else n_layers
         shape = (L, capacity, cfg.n_kv_heads, cfg.head_dim)  # [L, S, Hkv, hd]
-        self.k = np.zeros(shape, np.float32)
-        self.v = np.zeros(shape, np.float32)
+        self.k = np.zeros(shape, np.float16)
+        self.v = np.zeros(shape, np.float16)
+        self.k_bits, self.v_bits = self.k.view(np.uint16), self.v.view(np.uint16)  # what Numba reads (no float16)
         self.capacity = capacity
         self.length = 0  # positions filled
 
     @staticmethod
     def nbytes_for(cfg: ModelConfig, capacity: int) -> int:
-        return 2 * cfg.n_layers * capacity * cfg.n_kv_heads * cfg.head_dim * 4
+        return 2 * cfg.n_layers * capacity * cfg.n_kv_heads * cfg.head_dim * 2
 
     def reset(self, length: int = 0) -> None:
         self.length = length
@@ -137,6 +155,12 @@ class KVCache:
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Attention and feed-forward
+
+# Up to this many new tokens (decode), attention runs in one Numba call (attention_rows); more (a prompt, a chat turn)
+# as batched numpy matrix products, where BLAS reads each key once for all query rows. SmolLM2's shapes, per layer:
+# T = 1 at 200 cached positions 37 vs 54 us, T = 4 122 vs 92 us (kernel vs numpy; at 1000 positions the crossover
+# is T = 2-3).
+ATTENTION_KERNEL_MAX_T = 2
 
 class Attention:
     def __init__(self, cfg: ModelConfig, w: Mapping[str, np.ndarray], layer: int, kv_slot: int | None = None):
@@ -152,20 +176,36 @@ class Attention:
         q = linear(x, self.wq, self.bq).reshape(T, H, hd)
         k = linear(x, self.wk, self.bk).reshape(T, Hkv, hd)
         v = linear(x, self.wv, self.bv).reshape(T, Hkv, hd)
+        if T <= ATTENTION_KERNEL_MAX_T:
+            out = np.empty((T, H, hd), np.float32)
+            no_rope = np.zeros((T, 0), np.float32)             # cos/sin [T, 0]: attention_rows rotates nothing
+            cos, sin = (rope[0][:, 0], rope[1][:, 0]) if rope is not None else (no_rope, no_rope)
+            attention_rows(q, k, v, cos, sin, kv.k_bits[self.slot], kv.v_bits[self.slot], pos0,
+                           cfg.sliding_window or 0, out)
+            return linear(out.reshape(T, H * hd), self.wo, self.bo)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         S = pos0 + T
-        kv.k[self.slot, pos0:S] = k
+        kv.k[self.slot, pos0:S] = k                            # rounded to float16 as attention_rows does
         kv.v[self.slot, pos0:S] = v
-        K = kv.k[self.slot, :S].transpose(1, 2, 0)             # [Hkv, hd, S]
-        Vv = kv.v[self.slot, :S].transpose(1, 0, 2)            # [Hkv, S, hd]
+        # Operands whose rows are unit-stride, the g query heads of a KV head stacked as rows: numpy's matmul hands
+        # such stacks to BLAS (a stack of transposed matrices goes to its naive loop, ~20x slower at T = 128).
         g = H // Hkv
-        qg = q.reshape(T, Hkv, g, hd).transpose(1, 2, 0, 3)    # [Hkv, g, T, hd]
-        scores = (qg @ K[:, None]) * (1.0 / math.sqrt(hd))     # [Hkv, g, T, S]
-        scores = scores + attention_mask(pos0, T, cfg.sliding_window)
-        out = softmax(scores) @ Vv[:, None]                    # [Hkv, g, T, hd]
-        out = out.transpose(2, 0, 1, 3).reshape(T, H * hd)
+        K = widened(kv.k_bits[self.slot, :S]).transpose(1, 0, 2)                      # [Hkv, S, hd]
+        Vv = widened(kv.v_bits[self.slot, :S]).transpose(1, 0, 2)                     # [Hkv, S, hd]
+        qg = np.ascontiguousarray(q.reshape(T, Hkv, g, hd).transpose(1, 2, 0, 3))      # [Hkv, g, T, hd]
+        scores = (qg.reshape(Hkv, g * T, hd) @ K.transpose(0, 2, 1)).reshape(Hkv, g, T, S)
+        scores = scores * (1.0 / math.sqrt(hd)) + attention_mask(pos0, T, cfg.sliding_window)
+        out = softmax(scores).reshape(Hkv, g * T, S) @ Vv                              # [Hkv, g * T, hd]
+        out = out.reshape(Hkv, g, T, hd).transpose(2, 0, 1, 3).reshape(T, H * hd)
         return linear(out, self.wo, self.bo)
+
+
+def widened(bits: np.ndarray) -> np.ndarray:
+    """float16 bits [S, Hkv, hd] -> float32, by the Numba F16C loop (numpy's astype is ~10x slower)."""
+    out = np.empty(bits.shape, np.float32)
+    widen_rows(bits.reshape(bits.shape[0], -1), 0, out.reshape(bits.shape[0], -1))
+    return out
 
 
 def attention_mask(pos0: int, T: int, window: int | None) -> np.ndarray:
@@ -239,8 +279,10 @@ class Block:
     def __call__(self, x: np.ndarray, kv: KVCache, pos0: int, rope, ffn: FFNFn) -> np.ndarray:
         cfg, i = self.cfg, self.layer
         if cfg.pre_norm:
-            h = x + self.attn(norm(cfg, x, self.attn_norm), kv, pos0, rope)
-            return h + ffn(i, norm(cfg, h, self.ffn_norm))
+            h = x.copy()                                       # the residual stream; the caller's x is left as is
+            h_normed = add_norm(cfg, h, self.attn(norm(cfg, x, self.attn_norm), kv, pos0, rope), self.ffn_norm)
+            h += ffn(i, h_normed)
+            return h
         h = norm(cfg, x + self.attn(x, kv, pos0, rope), self.attn_norm)
         return norm(cfg, h + ffn(i, h), self.ffn_norm)
 

@@ -78,9 +78,28 @@ def smollm2_gguf():
 
 
 def transformers_model(path: Path, **kw):
+    """The transformers oracle, float32 with eager attention whose keys and values are rounded to float16 first: our
+    KV cache stores them so (model.KVCache), and then what is left between the two is float32 summation order."""
     import torch
     import transformers as tf
+    kv_float16_in_eager_attention()
     return tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager", **kw).eval()
+
+
+def kv_float16_in_eager_attention() -> None:
+    """Wrap eager_attention_forward of every family we import so it sees key.half().float(), value.half().float()
+    (idempotent: float16 values round to themselves; patched once per process)."""
+    import importlib
+    for family in ("llama", "mistral", "qwen2", "opt"):
+        mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        eager = mod.eager_attention_forward
+        if getattr(eager, "kv_float16", False):
+            continue
+
+        def rounded(module, query, key, value, *args, _eager=eager, **kwargs):
+            return _eager(module, query, key.half().float(), value.half().float(), *args, **kwargs)
+        rounded.kv_float16 = True
+        mod.eager_attention_forward = rounded
 
 
 def assert_same_bits_at_every_budget(path, ffn: str, prompt: list[int], n_decode: int, monkeypatch,

@@ -275,8 +275,9 @@ def test_modes_independent_dense_implementations_agree(modes_run):
     bundles compute the dense perplexity of the runtime's dense model; the FLASHDIR is f32, so to float rounding."""
     _, _, rows = modes_run
     dense = rows["dense-ram"]
-    for mode in ("dense-mmap", "accelerate-disk"):
-        assert rows[mode]["perplexity"] == pytest.approx(dense["perplexity"], rel=1e-4), mode
+    # transformers keeps K/V in float32, our KV cache in float16: 2e-4 apart measured on this model
+    for mode, rel in (("dense-mmap", 1e-4), ("accelerate-disk", 5e-4)):
+        assert rows[mode]["perplexity"] == pytest.approx(dense["perplexity"], rel=rel), mode
         assert rows[mode]["top1_agree_with_dense"] >= 0.98, mode
     assert rows["dense-mmap"]["gen_tokens"] == dense["gen_tokens"]
 

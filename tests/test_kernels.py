@@ -14,23 +14,19 @@ import pytest
 from numba import njit
 
 from flashinfer_lite.errors import UserError
-from flashinfer_lite.kernels import (HAS_F16C, SparseFFN, f16_bits_to_f32_f16c, f16_bits_to_f32_portable)
+from flashinfer_lite.kernels import (HAS_F16C, SparseFFN, f16_bits_to_f32_f16c, f16_bits_to_f32_portable,
+                                     f32_to_f16_bits_f16c, f32_to_f16_bits_portable)
 from storage.format import FlashLayout, pack_bundles, unpack_bundles
 from storage.reader import aligned_empty
 
 RTOL = 1e-5
 
 
-@njit(cache=True)
-def _convert_all_portable(h, out):
-    for i in range(h.size):
-        out[i] = f16_bits_to_f32_portable(h[i])
-
-
-@njit(cache=True)
-def _convert_all_f16c(h, out):
-    for i in range(h.size):
-        out[i] = f16_bits_to_f32_f16c(h[i])
+@njit
+def _map(fn, x, out):
+    """out[i] = fn(x[i]) for a jitted scalar fn (the conversions exist only inside Numba)."""
+    for i in range(x.size):
+        out[i] = fn(x[i])
 
 
 @pytest.mark.parametrize("impl", ["portable", "f16c"])
@@ -39,7 +35,7 @@ def test_f16_conversion_exact_for_every_bit_pattern(impl):
         pytest.skip("host has no F16C")
     h = np.arange(1 << 16, dtype=np.uint16)
     out = np.empty(h.size, np.float32)
-    (_convert_all_portable if impl == "portable" else _convert_all_f16c)(h, out)
+    _map(f16_bits_to_f32_portable if impl == "portable" else f16_bits_to_f32_f16c, h, out)
     ref = h.view(np.float16).astype(np.float32)
     nan = np.isnan(ref)
     assert np.array_equal(np.isnan(out), nan)
@@ -47,6 +43,27 @@ def test_f16_conversion_exact_for_every_bit_pattern(impl):
     assert np.array_equal(out.view(np.uint32)[~nan], ref.view(np.uint32)[~nan])
     if impl == "portable":  # the bit arithmetic also keeps NaN payloads
         assert np.array_equal(out.view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.mark.parametrize("impl", ["portable", "f16c"])
+def test_f32_to_f16_rounds_like_numpy(impl):
+    """The other way (the KV cache's keys and values): round to nearest even, overflow to inf, as numpy."""
+    if impl == "f16c" and not HAS_F16C:
+        pytest.skip("host has no F16C")
+    halves = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    finite = np.sort(halves[np.isfinite(halves)].astype(np.float32))
+    mid = (finite[:-1] + finite[1:]) / 2        # exact in float32: the ties, where round-to-even decides
+    rng = np.random.default_rng(0)
+    x = np.concatenate([finite, mid, np.nextafter(mid, np.float32(np.inf)), np.nextafter(mid, np.float32(-np.inf)),
+                        rng.integers(0, 1 << 32, 1 << 20, dtype=np.uint64).astype(np.uint32).view(np.float32),
+                        np.float32([65504, 65519.996, 65520, 1e9, np.inf, -np.inf, 2 ** -25, 2 ** -26, -0.0, np.nan])])
+    out = np.empty(x.size, np.uint16)
+    _map(f32_to_f16_bits_portable if impl == "portable" else f32_to_f16_bits_f16c, x, out)
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16)
+    nan = np.isnan(x)
+    assert np.isnan(out[nan].view(np.float16)).all()
+    assert np.array_equal(out[~nan], want[~nan].view(np.uint16))
 
 
 # ---------------------------------------------------------------------------------------------------------------

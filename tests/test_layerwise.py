@@ -131,6 +131,11 @@ def test_hidden_states_spill_to_a_memory_mapped_file(tmp_path, monkeypatch):
             assert np.array_equal(logits, model.forward(windows[k], model.new_cache(64), all_logits=True))
 
 
+# Perplexity of batched windows vs one token at a time: float32 order, and the float16 K/V rounding it flips (~1% of
+# the elements by an ulp; 4e-5 measured on stories260K)
+BATCHED_VS_STEPPED_REL = 2e-4
+
+
 def decode_loop_perplexity(path, corpus_file, n_tokens, ctx):
     """eval's dense perplexity as it was: the dense runtime (every weight loaded), one token at a time."""
     from flashinfer_lite.runtime import load_runtime
@@ -156,7 +161,7 @@ def test_eval_dense_perplexity_equals_the_whole_model_path(kind, tiny_model, sto
     res = evaluate(model, [text], "dense", n_tokens=300, ctx=64, progress=False)
     want, n = decode_loop_perplexity(model, text, 300, 64)
     assert res["tokens"] == n
-    assert res["perplexity"] == pytest.approx(want, rel=1e-5)
+    assert res["perplexity"] == pytest.approx(want, rel=BATCHED_VS_STEPPED_REL)
     assert res["dense_perplexity"] == res["perplexity"] and res["top1_agreement"] == 1.0
 
 
@@ -174,7 +179,7 @@ def test_eval_oracle_compares_with_the_streamed_dense_reference(stories_flash_f1
     res = evaluate(flash, [text], "oracle", n_tokens=300, ctx=64, progress=False)
     want, n = decode_loop_perplexity(flash, text, 300, 64)
     assert res["tokens"] == n
-    assert res["dense_perplexity"] == pytest.approx(want, rel=1e-5)
+    assert res["dense_perplexity"] == pytest.approx(want, rel=BATCHED_VS_STEPPED_REL)
     assert 0.5 < res["top1_agreement"] < 1.0 and res["perplexity"] != res["dense_perplexity"]
     assert res["active_share"] < 0.7
 

@@ -70,8 +70,10 @@ def test_smollm2_gguf_matches_transformers(smollm2_gguf):
     logits = model.forward(ids, kv, all_logits=True)
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0].numpy()
-    # Both sides dequantize the same Q4_1 weights; what is left is float32 summation order.
-    np.testing.assert_allclose(logits, want, rtol=0, atol=5e-4)
+    # Both sides dequantize the same Q4_1 weights and round K/V to float16; what is left is float32 summation order,
+    # except that it flips some keys' float16 rounding by an ulp, which SmolLM2's sharp attention carries to ~5e-3
+    # on logits up to ~27 (float16 K/V itself moves them ~1.5e-2 from float32 K/V).
+    np.testing.assert_allclose(logits, want, rtol=0, atol=1e-2)
     out, last = list(ids), logits[-1]
     for _ in range(32):
         out.append(int(np.argmax(last)))

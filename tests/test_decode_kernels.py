@@ -1,0 +1,116 @@
+"""The decode step's Numba kernels (kernels.attention_rows, rms_norm_rows, add_rms_norm_rows) against float64 numpy
+math, and the model's two attention paths (kernel, batched numpy) against each other. The float32 -> float16
+conversion the cache writes with is checked in test_kernels.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flashinfer_lite import model as model_math
+from flashinfer_lite.kernels import add_rms_norm_rows, attention_rows, rms_norm_rows
+from flashinfer_lite.loader import load
+
+from conftest import STORIES
+
+RTOL = 1e-5
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Attention: float64 oracle over the float16 keys and values the kernel wrote
+
+def rope64(x, pos, inv_freq):
+    # x [T, heads, hd] float64 rotated at positions pos [T] (half-split pairing, as model.apply_rope)
+    ang = pos[:, None] * inv_freq[None, :]
+    c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    h = x.shape[-1] // 2
+    return np.concatenate([x[..., :h] * c - x[..., h:] * s, x[..., h:] * c + x[..., :h] * s], axis=-1)
+
+
+def attention64(q, K, V, pos0, window):
+    # q [T, H, hd] float64, K, V [S, Hkv, hd] float64 -> [T, H, hd]
+    T, H, hd = q.shape
+    g = H // K.shape[1]
+    out = np.zeros((T, H, hd))
+    for t in range(T):
+        pos = pos0 + t
+        lo = max(0, pos - window + 1) if window else 0
+        for h in range(H):
+            s = K[lo:pos + 1, h // g] @ q[t, h] / np.sqrt(hd)
+            p = np.exp(s - s.max())
+            out[t, h] = p @ V[lo:pos + 1, h // g] / p.sum()
+    return out
+
+
+@pytest.mark.parametrize("T,pos0,window,rope", [(1, 0, 0, True), (1, 37, 0, True), (3, 20, 0, True),
+                                                (1, 37, 5, True), (4, 9, 3, True), (2, 11, 0, False)])
+def test_attention_rows_matches_float64(T, pos0, window, rope):
+    rng = np.random.default_rng(T * 100 + pos0)
+    H, Hkv, hd, cap = 6, 2, 64, 48
+    q = rng.standard_normal((T, H, hd)).astype(np.float32) * 2
+    k = rng.standard_normal((T, Hkv, hd)).astype(np.float32) * 2
+    v = rng.standard_normal((T, Hkv, hd)).astype(np.float32)
+    K = rng.standard_normal((cap, Hkv, hd)).astype(np.float16)     # earlier positions, and garbage beyond
+    V = rng.standard_normal((cap, Hkv, hd)).astype(np.float16)
+    K0, V0 = K.copy(), V.copy()
+    inv_freq = 1.0 / (10000.0 ** (np.arange(0, hd, 2) / hd))
+    pos = np.arange(pos0, pos0 + T, dtype=np.float64)
+    if rope:
+        ang = pos[:, None] * inv_freq[None, :]
+        cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+        q64, k64 = rope64(q.astype(np.float64), pos, inv_freq), rope64(k.astype(np.float64), pos, inv_freq)
+    else:
+        cos = sin = np.zeros((T, 0), np.float32)
+        q64, k64 = q.astype(np.float64), k.astype(np.float64)
+    out = np.empty((T, H, hd), np.float32)
+    attention_rows(q, k, v, cos, sin, K.view(np.uint16), V.view(np.uint16), pos0, window, out)
+
+    new = slice(pos0, pos0 + T)
+    # the new rows: float16 of the (rotated) keys and values, within float16's rounding; nothing else touched
+    np.testing.assert_allclose(K[new].astype(np.float64), k64, rtol=2 ** -11, atol=1e-6)
+    assert np.array_equal(V[new], v.astype(np.float16))
+    rest = np.ones(cap, bool)
+    rest[new] = False
+    assert np.array_equal(K[rest], K0[rest]) and np.array_equal(V[rest], V0[rest])
+    # the output over the float16 keys and values now in the cache
+    want = attention64(q64, K.astype(np.float64), V.astype(np.float64), pos0, window)
+    np.testing.assert_allclose(out, want, rtol=RTOL, atol=RTOL * np.abs(want).max())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# RMSNorm with the residual add
+
+def test_add_rms_norm_rows_matches_float64():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, 576)).astype(np.float32) * 4
+    delta = rng.standard_normal((3, 576)).astype(np.float32)
+    w = rng.standard_normal(576).astype(np.float32)
+    h64 = x.astype(np.float64) + delta
+    want = h64 / np.sqrt((h64 * h64).mean(-1, keepdims=True) + 1e-5) * w
+    out = np.empty_like(x)
+    rms_norm_rows(x, w, 1e-5, out)
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(out, x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + 1e-5) * w, rtol=RTOL,
+                               atol=1e-6)
+    add_rms_norm_rows(x, delta, w, 1e-5, out)
+    np.testing.assert_allclose(x, h64, rtol=1e-6)          # the residual add, in place
+    np.testing.assert_allclose(out, want, rtol=RTOL, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The model's two attention paths give the same logits
+
+def test_kernel_and_batched_attention_agree(monkeypatch):
+    """Every token decoded one at a time through attention_rows vs every token in one batched numpy pass: both
+    read the same float16 cache, so they differ by float32 order (and its occasional float16 rounding flip)."""
+    model, tok = load(STORIES)
+    ids = tok.encode("Once upon a time, there was a little dog")
+    monkeypatch.setattr(model_math, "ATTENTION_KERNEL_MAX_T", 0)     # all numpy
+    kv = model.new_cache(32)
+    batched = model.forward(ids, kv, all_logits=True)
+    monkeypatch.setattr(model_math, "ATTENTION_KERNEL_MAX_T", 1)     # T = 1: the kernel
+    kv2 = model.new_cache(32)
+    stepped = np.stack([model.forward([t], kv2) for t in ids])
+    assert kv.k.dtype == np.float16 and kv.length == kv2.length == len(ids)
+    np.testing.assert_allclose(stepped, batched, rtol=0, atol=5e-4 * np.abs(batched).max())   # measured 1.2e-4
+    np.testing.assert_allclose(kv2.k[:, :len(ids)].astype(np.float32), kv.k[:, :len(ids)].astype(np.float32),
+                               rtol=2 ** -10, atol=1e-3)
