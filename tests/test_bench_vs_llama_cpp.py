@@ -30,10 +30,11 @@ def _why_not() -> str | None:
 
 
 @pytest.fixture(scope="module")
-def quick(smollm2_gguf):
+def quick(request):
     why = _why_not()
     if why:
         pytest.skip(why)
+    smollm2_gguf = request.getfixturevalue("smollm2_gguf")     # fetched only when the test can run
     env = dict(os.environ, PYTHONPATH=str(REPO))
     p = subprocess.run([sys.executable, str(REPO / "bench" / "vs_llama_cpp.py"), "--quick", "-m", str(smollm2_gguf)],
                        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=900)
