@@ -4,7 +4,7 @@
     PYTHONPATH=. python bench/vs_llama_cpp.py [-m GGUF] [--flash FLASHDIR] [-n 32] [--caps none,base+50%,min] [--md FILE]
     PYTHONPATH=. python bench/vs_llama_cpp.py --quick      # smoke test: the default model, 6 tokens, ~1 minute
 
-Needs llama-cpp-python (`pip install -e ".[bench]"`, built with CMAKE_ARGS="-DGGML_NATIVE=ON"; see bench/README.md) and
+Needs llama-cpp-python (`CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python==0.3.36`, the `bench` extra) and
 tools/memcap.py (root, cgroup v1). The prompt is tokenized once by flashinfer-lite's tokenizer (with the chat template)
 and both engines get those ids. Every row is its own process under tools/memcap.py after drop_caches, with --threads
 compute threads (default 2), greedy:

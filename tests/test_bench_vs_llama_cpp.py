@@ -23,7 +23,8 @@ def _why_not() -> str | None:
     try:
         import llama_cpp  # noqa: F401
     except Exception as e:  # not installed, or its shared library does not load
-        return f"llama_cpp does not import ({type(e).__name__}: {e}); pip install -e '.[bench]'"
+        return (f"llama_cpp does not import ({type(e).__name__}: {e}); "
+                "CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python==0.3.36")
     import memcap
     why = memcap.available()
     return f"memory cgroup unavailable: {why}" if why else None
