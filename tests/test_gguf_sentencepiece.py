@@ -1,12 +1,16 @@
 """A llama-architecture GGUF with a SentencePiece (`llama`) vocabulary, as ReluLLaMA / ProSparse GGUFs ship: written
 here with the gguf package from stories260K (whose HF tokenizer is SentencePiece-style BPE with byte fallback), then
 read back by our loader. Oracles: the HF tokenizer.json and the HF checkpoint of the same weights."""
-import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from conftest import STORIES
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from make_large_model import spm_vocab  # noqa: E402
 from storage.checkpoint import open_checkpoint
 from flashinfer_lite.loader import load
 
@@ -25,14 +29,8 @@ def spm_gguf(tmp_path_factory):
     import gguf
     ckpt = open_checkpoint(STORIES)
     c = ckpt.config
-    tj = json.loads((STORIES / "tokenizer.json").read_text())
-    vocab, merges = tj["model"]["vocab"], tj["model"]["merges"]
-    tokens = sorted(vocab, key=vocab.get)
     # SentencePiece scores: a token made by an earlier merge scores higher; the loader rebuilds merges from them.
-    rank = {(m if isinstance(m, str) else " ".join(m)).replace(" ", ""): i for i, m in enumerate(merges)}
-    scores = [-float(rank.get(t, len(merges) + i)) if not (t.startswith("<0x") or i < 3) else 0.0
-              for i, t in enumerate(tokens)]
-    types = [3 if i < 3 else 6 if (t.startswith("<0x") and len(t) == 6) else 1 for i, t in enumerate(tokens)]
+    tokens, scores, types = spm_vocab(STORIES / "tokenizer.json")
     path = tmp_path_factory.mktemp("gguf") / "stories-spm.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(c.n_layers)
