@@ -354,9 +354,13 @@ def main(argv=None) -> int:
                        first_attempt=row["below_minimum"])
         results.append(row)
 
+    # leading greedy tokens equal to llama.cpp's uncapped row's, and to flash-dense's (same engine, every neuron)
+    dense = next((r for r in results if r["mode"] == "flash-dense" and "gen_tokens" in r), {})
     for r in results:
         if "gen_tokens" in r and "gen_tokens" in ref:
             r["agree_prefix"] = agree_prefix(r["gen_tokens"], ref["gen_tokens"])
+        if "gen_tokens" in r and dense:
+            r["agree_prefix_flash_dense"] = agree_prefix(r["gen_tokens"], dense["gen_tokens"])
     doc = {"gguf": str(gguf), "gguf_bytes": gguf_bytes, "flash": str(flash), "flash_files": flash_files,
            "prompt": a.prompt, "prompt_ids": ids, "tokens": a.tokens, "ctx": ctx, "threads": a.threads,
            "caps": a.caps.split(","), "slack_bytes": slack, "llama_baseline_bytes": llama_base,
@@ -390,8 +394,8 @@ def markdown(doc: dict) -> str:
              f"{m['cpus']} CPUs; {doc['date']}, load avg {m['load_avg_start'][0]:.2f} -> {m['load_avg_end'][0]:.2f}",
              "",
              "| cap | cap MiB | engine | DRAM budget MiB | load s | prompt ms/tok | decode ms/tok P50 | P99 | tok/s | "
-             "MB read/tok | peak RSS MiB | memcap peak MiB | = llama.cpp (first k) | load avg |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "MB read/tok | peak RSS MiB | memcap peak MiB | = llama.cpp (first k) | = flash-dense | load avg |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["results"]:
         if r["mode"] == "probe":
             continue
@@ -400,13 +404,14 @@ def markdown(doc: dict) -> str:
         head = f"| {r['cap']} | {cap} | {r['mode']} | {budget} |"
         if "p50_ms" not in r:
             lines.append(f"{head} {(r.get('below_minimum') or r.get('error', '?')).splitlines()[0][:300]} |"
-                         + " |" * 9)
+                         + " |" * 10)
             continue
         mc = r.get("memcap", {})
         lines.append(f"{head} {r['load_s']:.2f} | {_f(r['prompt_ms_per_token'])} | {_f(r['p50_ms'])} | "
                      f"{_f(r['p99_ms'])} | {_f(r['tokens_per_s'], 2)} | {_f(r['decode_MB_per_token'], 2)} | "
                      f"{r['peak_rss_bytes'] / mib:.0f} | {mc.get('peak_bytes', 0) / mib:.0f} | "
-                     f"{r.get('agree_prefix', '-')}/{len(r['gen_tokens'])} | {r['loadavg'][0]:.2f} |")
+                     f"{r.get('agree_prefix', '-')}/{len(r['gen_tokens'])} | "
+                     f"{r.get('agree_prefix_flash_dense', '-')}/{len(r['gen_tokens'])} | {r['loadavg'][0]:.2f} |")
     return "\n".join(lines)
 
 
