@@ -193,12 +193,12 @@ def worker_main(a) -> int:
 # ----------------------------------------------------------------------------------------------------------------------
 # Driver
 
-def run_row(mode: str, cap: str, cap_bytes: int | None, work: Path, budget: str = "auto") -> dict:
+def run_row(mode: str, cap: str, cap_bytes: int | None, work: Path, budget: str = "auto", tag: str = "") -> dict:
     """One row as a subprocess under tools/memcap.py, page cache dropped first."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     if mode.endswith("-passive"):
         env["OMP_WAIT_POLICY"] = "passive"
-    name = f"{mode}@{cap}"
+    name = f"{mode}@{cap}{tag}"
     out, capjson = work / f"{name}.json", work / f"{name}.memcap.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", mode, "--out", str(out), "--job",
            str(work / "job.json"), "--budget", budget]
@@ -288,6 +288,8 @@ def main(argv=None) -> int:
                     "spinning), passive (OMP_WAIT_POLICY=passive) or both (active,passive)")
     ap.add_argument("--llama-extra-bufts", action="store_true", help="let llama.cpp use extra buffer types (AMX, "
                                                                      "repack); off by default, see the docstring")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of every row (the machine is shared: the "
+                    "markdown adds each row's best round)")
     ap.add_argument("--quick", action="store_true", help="smoke test: default model, tiny predictors, 6 tokens")
     ap.add_argument("--keep", type=Path, help="keep the work directory (worker outputs) here")
     ap.add_argument("--md", type=Path, help="also write the markdown table here")
@@ -328,31 +330,34 @@ def main(argv=None) -> int:
           f"{a.tokens} tokens per row; work dir {work}", file=sys.stderr)
 
     llamas = ["llama.cpp" if w == "active" else f"llama.cpp-{w}" for w in a.llama_omp.split(",")]
-    results = [run_row(m, "none", None, work) for m in llamas]
-    ref, minimum = results[0], None                      # the reference tokens and llama.cpp's baseline
-    llama_base = ref["memcap"]["peak_bytes"] - gguf_bytes if "memcap" in ref else None
-    for spec in a.caps.split(","):
-        if spec == "min" and minimum is None:
-            probe = run_row("probe", "none", None, work)
-            minimum = probe.get("minimum_bytes")
-            results.append(probe)
-            if minimum is None:
-                continue
-        if spec.startswith("base+") and llama_base is None:
-            continue                                     # the llama.cpp row failed: it says why
-        cap = cap_bytes_for(spec, gguf_bytes, llama_base, minimum, slack)
-        if spec != "none":
-            results += [run_row(m, spec, cap, work) for m in llamas]
-        else:
-            results.append(run_row("flash-dense", spec, None, work))
-        budget = "auto" if cap is None else str(cap - slack)
-        row = run_row("flash-predicted", spec, cap, work, budget)
-        if spec == "min" and "below_minimum" in row:     # its own process measured more than the probe's
-            from bench.smollm2_modes import minimum_in
-            need = minimum_in(row["below_minimum"])
-            row = dict(run_row("flash-predicted", spec, need + slack, work, str(need)),
-                       first_attempt=row["below_minimum"])
-        results.append(row)
+    results, ref, minimum, llama_base = [], None, None, None
+    for rnd in range(1, a.repeat + 1):
+        def row(mode, spec, cap, budget="auto"):
+            return dict(run_row(mode, spec, cap, work, budget, f"#{rnd}"), round=rnd)
+        results += [row(m, "none", None) for m in llamas]
+        if ref is None:                                  # round 1: the reference tokens and llama.cpp's baseline
+            ref = results[0]
+            llama_base = ref["memcap"]["peak_bytes"] - gguf_bytes if "memcap" in ref else None
+        for spec in a.caps.split(","):
+            if spec == "min" and minimum is None:
+                probe = row("probe", "none", None)
+                minimum = probe.get("minimum_bytes")
+                results.append(probe)
+                if minimum is None:
+                    continue
+            if spec.startswith("base+") and llama_base is None:
+                continue                                 # the llama.cpp row failed: it says why
+            cap = cap_bytes_for(spec, gguf_bytes, llama_base, minimum, slack)
+            if spec != "none":
+                results += [row(m, spec, cap) for m in llamas]
+            else:
+                results.append(row("flash-dense", spec, None))
+            fr = row("flash-predicted", spec, cap, "auto" if cap is None else str(cap - slack))
+            if spec == "min" and "below_minimum" in fr:  # its own process measured more than the probe's
+                from bench.smollm2_modes import minimum_in
+                need = minimum_in(fr["below_minimum"])
+                fr = dict(row("flash-predicted", spec, need + slack, str(need)), first_attempt=fr["below_minimum"])
+            results.append(fr)
 
     # leading greedy tokens equal to llama.cpp's uncapped row's, and to flash-dense's (same engine, every neuron)
     dense = next((r for r in results if r["mode"] == "flash-dense" and "gen_tokens" in r), {})
@@ -367,7 +372,7 @@ def main(argv=None) -> int:
            "flash_minimum_bytes": minimum, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "machine": {"cpus": os.cpu_count(), "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
                        "load_avg_start": load_start, "load_avg_end": os.getloadavg()},
-           "results": results, "seconds": round(time.perf_counter() - t_start, 1),
+           "repeat": a.repeat, "results": results, "seconds": round(time.perf_counter() - t_start, 1),
            "command": " ".join(["python", "bench/vs_llama_cpp.py", *(argv if argv is not None else sys.argv[1:])])}
     md = markdown(doc)
     print(json.dumps(doc, indent=1))
@@ -393,15 +398,15 @@ def markdown(doc: dict) -> str:
              f"{len(doc['prompt_ids'])} prompt tokens, {doc['tokens']} greedy tokens; {doc['threads']} threads; "
              f"{m['cpus']} CPUs; {doc['date']}, load avg {m['load_avg_start'][0]:.2f} -> {m['load_avg_end'][0]:.2f}",
              "",
-             "| cap | cap MiB | engine | DRAM budget MiB | load s | prompt ms/tok | decode ms/tok P50 | P99 | tok/s | "
-             "MB read/tok | peak RSS MiB | memcap peak MiB | = llama.cpp (first k) | = flash-dense | load avg |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| round | cap | cap MiB | engine | DRAM budget MiB | load s | prompt ms/tok | decode ms/tok P50 | P99 | "
+             "tok/s | MB read/tok | peak RSS MiB | memcap peak MiB | = llama.cpp (first k) | = flash-dense | load avg |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["results"]:
         if r["mode"] == "probe":
             continue
         cap = "-" if r.get("cap_bytes") is None else f"{r['cap_bytes'] / mib:.0f}"
         budget = f"{r['budget_bytes'] / mib:.1f}" if r.get("budget_bytes") else "-"
-        head = f"| {r['cap']} | {cap} | {r['mode']} | {budget} |"
+        head = f"| {r['round']} | {r['cap']} | {cap} | {r['mode']} | {budget} |"
         if "p50_ms" not in r:
             lines.append(f"{head} {(r.get('below_minimum') or r.get('error', '?')).splitlines()[0][:300]} |"
                          + " |" * 10)
@@ -412,6 +417,18 @@ def markdown(doc: dict) -> str:
                      f"{r['peak_rss_bytes'] / mib:.0f} | {mc.get('peak_bytes', 0) / mib:.0f} | "
                      f"{r.get('agree_prefix', '-')}/{len(r['gen_tokens'])} | "
                      f"{r.get('agree_prefix_flash_dense', '-')}/{len(r['gen_tokens'])} | {r['loadavg'][0]:.2f} |")
+    if doc["repeat"] > 1:
+        lines += ["", f"Best of {doc['repeat']} rounds (the round with the lowest P50: the least disturbed by other "
+                  "processes)", "", "| cap | engine | P50 per round | best P50 | its P99 | its tok/s | its MB read/tok |",
+                  "|---|---|---|---|---|---|---|"]
+        runs: dict[tuple, list] = {}
+        for r in doc["results"]:
+            if "p50_ms" in r:
+                runs.setdefault((r["cap"], r["mode"]), []).append(r)
+        for (cap, mode), rs in runs.items():
+            b = min(rs, key=lambda r: r["p50_ms"])
+            lines.append(f"| {cap} | {mode} | {' / '.join(_f(r['p50_ms']) for r in rs)} | {_f(b['p50_ms'])} | "
+                         f"{_f(b['p99_ms'])} | {_f(b['tokens_per_s'], 2)} | {_f(b['decode_MB_per_token'], 2)} |")
     return "\n".join(lines)
 
 
