@@ -62,7 +62,7 @@ PROMPT = "Write a short story about a robot who learns to paint."
 SLACK = "32M"            # under a cap, the flash row's DRAM budget is the cap minus this (heap, page cache in flight)
 ROW_FIELDS = ("mode", "engine", "cap", "cap_bytes", "load_s", "prompt_tokens", "prompt_ms_per_token", "decode_steps",
               "p50_ms", "p99_ms", "tokens_per_s", "decode_MB_per_token", "peak_rss_bytes", "memcap", "gen_tokens",
-              "agree_prefix", "loadavg")
+              "agree_prefix", "loadavg", "round")
 
 
 def proc_field(path: str, key: str) -> int:
