@@ -3,11 +3,13 @@ tests/data (stories260K, corpus excerpts; see tests/data/README.md)."""
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 
 DATA = Path(__file__).resolve().parent / "data"
+sys.path.insert(0, str(DATA.parents[1] / "tools"))       # the tests use tools/make_large_model and memcap
 STORIES = DATA / "stories260K"
 CORPUS = DATA / "corpus"
 
@@ -151,29 +153,16 @@ def assert_same_bits_at_every_budget(path, ffn: str, prompt: list[int], n_decode
     return stats
 
 
-def llama_cpp_permute(w, n_head: int):
-    # What llama.cpp's converter does to q/k rows (pairs rotary dims adjacently); the loader must undo it.
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def write_llama_gguf(ckpt, path: Path, types: dict | None = None) -> Path:
     """A llama-architecture GGUF of a checkpoint's weights (stories260K's SentencePiece-style vocabulary, as
     ReluLLaMA / ProSparse GGUFs ship), written with the gguf package as llama.cpp's converter would: q/k rows
     permuted. types: {canonical name: GGML type name} for tensors stored other than float32, quantized by gguf.quants
     (llama.cpp's reference)."""
-    import json
-
     import gguf
     import numpy as np
+    from make_large_model import permute_qk, spm_vocab    # the bench models' GGUF writer uses the same two
     c = ckpt.config
-    tj = json.loads((STORIES / "tokenizer.json").read_text())
-    vocab, merges = tj["model"]["vocab"], tj["model"]["merges"]
-    tokens = sorted(vocab, key=vocab.get)
-    # SentencePiece scores: a token made by an earlier merge scores higher; the loader rebuilds merges from them.
-    rank = {(m if isinstance(m, str) else " ".join(m)).replace(" ", ""): i for i, m in enumerate(merges)}
-    scores = [-float(rank.get(t, len(merges) + i)) if not (t.startswith("<0x") or i < 3) else 0.0
-              for i, t in enumerate(tokens)]
-    types_ = [3 if i < 3 else 6 if (t.startswith("<0x") and len(t) == 6) else 1 for i, t in enumerate(tokens)]
+    tokens, scores, types_ = spm_vocab(STORIES / "tokenizer.json")
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(c.n_layers)
     w.add_context_length(c.max_pos)
@@ -206,9 +195,9 @@ def write_llama_gguf(ckpt, path: Path, types: dict | None = None) -> Path:
     for ours, theirs in names.items():
         t = np.ascontiguousarray(ckpt.tensor(ours), np.float32)
         if ours.endswith("attn.q.weight"):
-            t = llama_cpp_permute(t, c.n_heads)
+            t = permute_qk(t, c.n_heads)
         elif ours.endswith("attn.k.weight"):
-            t = llama_cpp_permute(t, c.n_kv_heads)
+            t = permute_qk(t, c.n_kv_heads)
         kind = (types or {}).get(ours)
         if kind is None:
             w.add_tensor(theirs, np.ascontiguousarray(t))

@@ -3,6 +3,7 @@
 
     python tools/make_large_model.py OUT_DIR [--layers 32] [--dim 4096] [--ffn 11008] [--heads 32] [--kv-heads H]
                                              [--head-dim 128] [--vocab 512] [--active 0.10] [--seed 0]
+                                             [--gguf f16,q4_0]
 
 Default: Llama-2-7B shape (32 layers, dim 4096, ffn 11008, 32 heads of 128), f16, ProSparse convention
 (architecture SparseLlamaForCausalLM, hidden_act "fatrelu", threshold in hidden_act_param).
@@ -14,6 +15,12 @@ The realised share is measured with the dense math (flashinfer_lite.model) on a 
 The tokenizer is stories260K's (vocab 512): the vocabulary size does not change the FFN I/O being measured.
 Tensors are generated row-chunk by row-chunk into one safetensors file whose header is written first, so memory
 stays at one chunk whatever the model size. Written to a temp name and renamed at the end.
+
+--gguf f16,q4_0 also writes the same weights as OUT/model.f16.gguf / model.q4_0.gguf (llama architecture, q/k rows
+permuted as llama.cpp's converter does, norms float32, every matrix f16 or Q4_0 by gguf.quants.quantize from the
+f16 values), one tensor in memory at a time, so llama.cpp can run them (bench/vs_llama_cpp.py). GGUF's llama has
+no FATReLU: llama.cpp computes SwiGLU (silu(gate) x up) over the same matrices, so its output differs, but the bytes
+it must read per token (every FFN row, dense) are the same.
 """
 from __future__ import annotations
 
@@ -61,6 +68,16 @@ def fatrelu_threshold(active: float, gate_std: float, dim: int) -> float:
     return NormalDist().inv_cdf(1.0 - active) * gate_std * dim ** 0.5
 
 
+def tensor_chunks(k: int, shape, std: float, seed: int):
+    """The float16 values of plan tensor k, CHUNK_ELEMS at a time (flat, row-major)."""
+    rng = np.random.default_rng([seed, k])     # one generator per tensor: its values do not depend on the others
+    n = int(np.prod(shape))
+    for lo in range(0, n, CHUNK_ELEMS):
+        m = min(CHUNK_ELEMS, n - lo)
+        v = np.ones(m, np.float32) if std == 0 else rng.standard_normal(m, dtype=np.float32) * np.float32(std)
+        yield v.astype(np.float16)
+
+
 def write_safetensors(path: Path, plan, seed: int) -> int:
     """Stream every tensor of `plan` as F16 into one safetensors file; returns its size."""
     meta = {"format": "pt", "generator": "flashinfer-lite tools/make_large_model.py", "seed": str(seed)}
@@ -69,17 +86,101 @@ def write_safetensors(path: Path, plan, seed: int) -> int:
     with open(path, "wb") as f, tqdm(total=total, unit="B", unit_scale=True, desc="weights", file=sys.stderr) as bar:
         f.write(head)
         for k, (name, shape, std) in enumerate(plan):
-            # one generator per tensor: a tensor's values do not depend on the others' sizes
-            rng = np.random.default_rng([seed, k])
-            n = int(np.prod(shape))
-            for lo in range(0, n, CHUNK_ELEMS):
-                m = min(CHUNK_ELEMS, n - lo)
-                v = np.ones(m, np.float32) if std == 0 else rng.standard_normal(m, dtype=np.float32) * np.float32(std)
-                f.write(v.astype(np.float16).tobytes())
-                bar.update(2 * m)
+            for v in tensor_chunks(k, shape, std, seed):
+                f.write(v.tobytes())
+                bar.update(v.nbytes)
         f.flush()
         os.fsync(f.fileno())
     return total
+
+
+# HF name part -> GGUF name part (llama.cpp's llama architecture)
+GGUF_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+              "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+              "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down"}
+GGUF_TYPES = ("f16", "q4_0")
+
+
+def gguf_name(hf: str) -> str:
+    stem = hf.removesuffix(".weight")
+    if stem.startswith("model.layers."):
+        i, part = stem[len("model.layers."):].split(".", 1)
+        return f"blk.{i}.{GGUF_NAMES[part]}.weight"
+    return f"{GGUF_NAMES[stem]}.weight"
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter's q/k row order (rotary dims paired adjacently); storage.checkpoint.unpermute_qk undoes
+    it on load."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def spm_vocab(tokenizer_json: Path) -> tuple[list[str], list[float], list[int]]:
+    """(tokens, scores, token types) of a SentencePiece-style BPE tokenizer.json (stories260K's) for GGUF's `llama`
+    tokenizer: a token made by an earlier merge scores higher; ids 0-2 are control tokens, <0xNN> bytes."""
+    tj = json.loads(tokenizer_json.read_text())
+    vocab, merges = tj["model"]["vocab"], tj["model"]["merges"]
+    tokens = sorted(vocab, key=vocab.get)
+    rank = {(m if isinstance(m, str) else " ".join(m)).replace(" ", ""): i for i, m in enumerate(merges)}
+    scores = [0.0 if i < 3 or t.startswith("<0x") else -float(rank.get(t, len(merges) + i))
+              for i, t in enumerate(tokens)]
+    types = [3 if i < 3 else 6 if (t.startswith("<0x") and len(t) == 6) else 1 for i, t in enumerate(tokens)]
+    return tokens, scores, types
+
+
+def write_gguf(path: Path, a, plan, qtype: str, threshold: float) -> int:
+    """The plan's weights (the same values as the safetensors file) as a llama GGUF whose matrices are `qtype`;
+    tensor infos first, then one tensor generated, converted and written at a time. Returns the file size."""
+    import gguf
+    Q = gguf.GGMLQuantizationType
+    raw = {"f16": Q.F16, "q4_0": Q.Q4_0}[qtype]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(f"flashinfer-lite make_large_model seed {a.seed} ({qtype})")
+    w.add_description(f"random Llama weights; the HF copy's activation is FATReLU at {threshold:.4f}, which GGUF's "
+                      "llama cannot express: llama.cpp computes SwiGLU on these matrices")
+    w.add_block_count(a.layers)
+    w.add_context_length(4096)
+    w.add_embedding_length(a.dim)
+    w.add_feed_forward_length(a.ffn)
+    w.add_head_count(a.heads)
+    w.add_head_count_kv(a.kv_heads)
+    w.add_key_length(a.head_dim)
+    w.add_value_length(a.head_dim)
+    w.add_rope_dimension_count(a.head_dim)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_file_type({"f16": gguf.LlamaFileType.MOSTLY_F16, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[qtype])
+    tokens, scores, types = spm_vocab(STORIES / "tokenizer.json")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(True)
+    kinds = [raw if len(shape) == 2 else Q.F32 for _, shape, _ in plan]          # norms stay float32
+    for (name, shape, _), kind in zip(plan, kinds):
+        nbytes = int(np.prod(gguf.quant_shape_to_byte_shape(shape, kind)))
+        w.add_tensor_info(gguf_name(name), shape, np.float32 if kind == Q.F32 else np.float16, nbytes,
+                          raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    total = sum(int(np.prod(gguf.quant_shape_to_byte_shape(s, k))) for (_, s, _), k in zip(plan, kinds))
+    with tqdm(total=total, unit="B", unit_scale=True, desc=path.name, file=sys.stderr) as bar:
+        for k, ((name, shape, std), kind) in enumerate(zip(plan, kinds)):
+            t = np.concatenate(list(tensor_chunks(k, shape, std, a.seed))).reshape(shape)
+            if name.endswith("q_proj.weight"):
+                t = permute_qk(t, a.heads)
+            elif name.endswith("k_proj.weight"):
+                t = permute_qk(t, a.kv_heads)
+            t = gguf.quants.quantize(t.astype(np.float32) if kind == Q.F32 else t, kind)
+            w.write_tensor_data(t)
+            bar.update(t.nbytes)
+    w.close()
+    return path.stat().st_size
 
 
 def hf_config(a, threshold: float) -> dict:
@@ -132,6 +233,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--check-tokens", type=int, default=8, help="tokens for the active-share check (0: skip)")
     ap.add_argument("--check-layers", type=int, default=4, help="layers for the active-share check")
+    ap.add_argument("--gguf", default="", help=f"also write these GGUF copies, comma-separated: {', '.join(GGUF_TYPES)}")
     ap.add_argument("--force", action="store_true", help="replace OUT if it exists")
     a = ap.parse_args(argv)
     a.kv_heads = a.kv_heads or a.heads
@@ -140,6 +242,11 @@ def main(argv=None) -> int:
         sys.exit("make_large_model: only --vocab 512 is supported (stories260K's tokenizer)")
     if not 0 < a.active < 1:
         sys.exit("make_large_model: --active must be in (0, 1)")
+    ggufs = [q for q in a.gguf.split(",") if q]
+    if not set(ggufs) <= set(GGUF_TYPES):
+        sys.exit(f"make_large_model: --gguf takes {', '.join(GGUF_TYPES)}, not {a.gguf!r}")
+    if "q4_0" in ggufs and (a.dim % 32 or a.ffn % 32 or (a.heads * a.head_dim) % 32):
+        sys.exit("make_large_model: Q4_0 needs --dim, --ffn and heads x head-dim divisible by 32")
     out = a.out.expanduser().resolve()
     if out.exists():
         if not a.force:
@@ -153,6 +260,7 @@ def main(argv=None) -> int:
         plan = tensor_plan(a)
         size = write_safetensors(tmp / "model.safetensors", plan, a.seed)
         (tmp / "config.json").write_text(json.dumps(hf_config(a, t), indent=1))
+        gguf_bytes = {q: write_gguf(tmp / f"model.{q}.gguf", a, plan, q, t) for q in ggufs}
         (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             if (STORIES / name).exists():
@@ -163,7 +271,8 @@ def main(argv=None) -> int:
         raise
     ffn_bytes = 3 * a.layers * a.dim * a.ffn * 2
     info = {"dir": str(out), "bytes": size, "ffn_bytes": ffn_bytes, "fatrelu_threshold": t,
-            "target_active": a.active}
+            "target_active": a.active, **{f"gguf_{q}": str(out / f"model.{q}.gguf") for q in ggufs},
+            **{f"gguf_{q}_bytes": n for q, n in gguf_bytes.items()}}
     if a.check_tokens > 0:
         shares = measure_active_share(out, a.check_tokens, min(a.check_layers, a.layers), a.seed)
         info["active_share_per_layer"] = [round(s, 4) for s in shares]
