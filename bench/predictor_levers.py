@@ -36,7 +36,7 @@ import numpy as np
 from flashinfer_lite.predictor_set import load_predictors
 from flashinfer_lite.runtime import load_runtime
 from predictors.acts import read_corpus
-from predictors.collect import token_windows
+from predictors.collect import token_segments
 from predictors.first_use import builtin_text
 
 
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
         seen_a[i].append(np.abs(act).ravel()[::7])
         return act @ wd.T
     model.ffn = calibrate
-    for w in token_windows(tok, builtin_text(), a.calibration_tokens, a.ctx, cfg.bos_id):
+    for w in token_segments(tok, builtin_text(), a.calibration_tokens, a.ctx, cfg.bos_id):
         model.forward(w, model.new_cache(a.ctx), all_logits=True)
     seen_g = [np.concatenate(c) for c in seen_g]
     seen_a = [np.concatenate(c) for c in seen_a]
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
         s_g, q_a = (float(v) for v in spec.split(":"))
         policies[f"gate[{s_g}]+|a|[{q_a}]"] = ("gate", (quantiles(seen_g, s_g), quantiles(seen_a, q_a)))
 
-    windows = list(token_windows(tok, read_corpus([a.corpus]).text, a.tokens, a.ctx, cfg.bos_id))
+    windows = list(token_segments(tok, read_corpus([a.corpus]).text, a.tokens, a.ctx, cfg.bos_id))
     rows = sum(len(w) for w in windows)
     results = {}
     for name, (kind, p) in policies.items():

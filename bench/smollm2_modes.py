@@ -158,9 +158,9 @@ def measure_runtime(a, job: dict) -> dict:
     kv = session.kv
     c = Counters(runtime)
     nll, argmax, t_model = 0.0, [], 0.0
-    bar = tqdm(total=sum(len(w) for w in job["windows"]), desc=f"{a.worker} perplexity", unit="tok",
+    bar = tqdm(total=sum(len(w) for w in job["segments"]), desc=f"{a.worker} perplexity", unit="tok",
                file=sys.stderr, mininterval=5)
-    for w in job["windows"]:
+    for w in job["segments"]:
         kv.reset()
         for j in range(len(w) - 1):
             t1 = time.perf_counter()
@@ -233,7 +233,7 @@ def measure_accelerate(a, job: dict) -> dict:
         # perplexity: one forward per window (the causal mask makes it the same sum as token by token)
         nll, argmax, t_model = 0.0, [], 0.0
         io0 = proc_read_bytes()
-        for w in tqdm(job["windows"], desc="accelerate perplexity", unit="window", file=sys.stderr, mininterval=5):
+        for w in tqdm(job["segments"], desc="accelerate perplexity", unit="window", file=sys.stderr, mininterval=5):
             t1 = time.perf_counter()
             logits = model(torch.tensor([w[:-1]])).logits[0]                         # [len-1, V] float32
             t_model += time.perf_counter() - t1
@@ -347,17 +347,17 @@ def make_job(flashdir: Path, corpus: list[Path], n_tokens: int, ctx: int, n_gen:
     from flashinfer_lite.errors import UserError
     from flashinfer_lite.generate import prompt_ids
     from predictors.acts import read_corpus
-    from predictors.collect import token_windows
+    from predictors.collect import token_segments
     from storage.format import FlashCheckpoint
     ck = FlashCheckpoint(flashdir)
     tok = ck.tokenizer()
     text = read_corpus(corpus)
     ctx = min(ctx, ck.config.max_pos)
-    windows = [w for w in token_windows(tok, text.text, n_tokens, ctx, ck.config.bos_id) if len(w) > 1]
+    windows = [w for w in token_segments(tok, text.text, n_tokens, ctx, ck.config.bos_id) if len(w) > 1]
     if not windows:
         raise UserError(f"the corpus gives too few tokens: {', '.join(text.files)}")
     ids = prompt_ids(tok, prompt, None, use_template=True)
-    return {"windows": windows, "prompt_ids": ids, "n_gen": n_gen, "ctx": ctx, "corpus": text.files,
+    return {"segments": windows, "prompt_ids": ids, "n_gen": n_gen, "ctx": ctx, "corpus": text.files,
             "replaced_bytes": text.replaced_bytes}
 
 
@@ -428,7 +428,7 @@ def main(argv=None) -> int:
     slack = parse_size(a.slack)
     print(f"smollm2_modes: {a.model}: model files {files / 2**20:.1f} MiB (ffn.bin {ffn_bytes / 2**20:.1f}, resident "
           f"{resident_bytes / 2**20:.1f}); cap {base_cap / 2**20:.1f} MiB; "
-          f"{sum(len(w) for w in job['windows'])} perplexity tokens; work dir {work}", file=sys.stderr)
+          f"{sum(len(w) for w in job['segments'])} perplexity tokens; work dir {work}", file=sys.stderr)
 
     def flash_row(ffn: str, name: str, budget: int) -> dict:
         cap = max(base_cap, budget + slack)

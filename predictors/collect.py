@@ -1,6 +1,6 @@
 """`flashinfer-lite collect -m MODEL --corpus FILE [FILE...] --tokens N -o ACTS`: record what the FFNs see and do.
 
-Runs the dense model over the corpus in windows of --ctx tokens (batched prefill: collection needs no decode path),
+Runs the dense model over the corpus in segments of --ctx tokens (batched prefill: collection needs no decode path),
 layer by layer (predictors/layerwise.py: one layer's weights in memory, so the model may be bigger than RAM), and
 records, per layer:
   - a uniform sample of token rows: FFN input x [d] and |a| [n] (written to safetensors shards as it goes, so memory
@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--corpus", nargs="+", required=True, metavar="FILE", help="calibration text file(s)")
     parser.add_argument("--tokens", type=int, required=True, metavar="N", help="tokens to run through the model")
     parser.add_argument("-o", "--output", required=True, metavar="ACTS", help="activations directory to create")
-    parser.add_argument("--ctx", type=int, default=256, help="window length in tokens (default 256)")
+    parser.add_argument("--ctx", type=int, default=256, help="segment length in tokens (default 256)")
     parser.add_argument("--rows", type=int, default=DEFAULT_ROWS,
                         help=f"token rows sampled and stored per layer (default {DEFAULT_ROWS})")
     parser.add_argument("--seed", type=int, default=0, help="seed of the row sampling")
@@ -46,25 +46,25 @@ def run(args) -> int:
     out = collect(args.model, args.corpus, args.tokens, args.output, ctx=args.ctx, rows=args.rows, seed=args.seed,
                   force=args.force)
     m = json.loads((out / MANIFEST).read_text())
-    print(f"wrote {out}: {m['tokens']} tokens in {m['windows']} windows, {m['rows']} sampled rows x "
+    print(f"wrote {out}: {m['tokens']} tokens in {m['segments']} segments, {m['rows']} sampled rows x "
           f"{m['identity']['config']['n_layers']} layers in {len(m['shards'])} shards")
     return 0
 
 
-class RowPlan:
-    """Which token rows of each window are sampled, and where they are stored.
+class RowDraws:
+    """Which token rows of each segment are sampled, and where they are stored.
 
-    The draws are made window by window in corpus order (rng.random(len(window)) < p_keep, at most `rows` kept in
-    all), and a shard is closed after the window at which SHARD_ROWS or more rows are pending (and at the end), as
-    when windows ran through the whole model one after another. Known before any layer runs, so every layer's rows
-    of a window go straight to their place in their shard."""
+    The draws are made segment by segment in corpus order (rng.random(len(segment)) < p_keep, at most `rows` kept in
+    all), and a shard is closed after the segment at which SHARD_ROWS or more rows are pending (and at the end), as
+    when segments ran through the whole model one after another. Known before any layer runs, so every layer's rows
+    of a segment go straight to their place in their shard."""
 
     def __init__(self, lengths: list[int], n_tokens: int, rows: int, seed: int):
         rng = np.random.default_rng(seed)
         p_keep = min(1.0, rows / n_tokens)
-        self.sel: list[np.ndarray] = []       # per window: its sampled rows
-        self.shard: list[int] = []            # per window: its shard (-1: nothing sampled after the last shard)
-        self.row0: list[int] = []             # per window: where its rows start in the shard
+        self.sel: list[np.ndarray] = []       # per segment: its sampled rows
+        self.shard: list[int] = []            # per segment: its shard (-1: nothing sampled after the last shard)
+        self.row0: list[int] = []             # per segment: where its rows start in the shard
         self.shard_rows: list[int] = []       # per shard: rows
         kept = pending = 0
         for T in lengths:
@@ -88,22 +88,22 @@ class Recorder:
     """The per-layer hook during collection: statistics over every token, and the sampled rows written into the
     shards in place."""
 
-    def __init__(self, cfg, plan: RowPlan, shards: list[ShardWriter]):
+    def __init__(self, cfg, draws: RowDraws, shards: list[ShardWriter]):
         L, n = cfg.n_layers, cfg.ffn_dim
-        self.plan, self.shards = plan, shards
+        self.draws, self.shards = draws, shards
         self.hist_count = np.zeros((L, N_BINS))
         self.hist_mass = np.zeros((L, N_BINS))
         self.nonzero = np.zeros((L, n), np.int64)
 
-    def __call__(self, layer: int, window: int, x: np.ndarray, a: np.ndarray) -> None:
+    def __call__(self, layer: int, segment: int, x: np.ndarray, a: np.ndarray) -> None:
         absa = np.abs(a)                                      # [T, n]
         c, m = histogram(absa)
         self.hist_count[layer] += c
         self.hist_mass[layer] += m
         self.nonzero[layer] += (absa > 0).sum(axis=0)
-        sel = self.plan.sel[window]
+        sel = self.draws.sel[segment]
         if len(sel):
-            shard, row0 = self.shards[self.plan.shard[window]], self.plan.row0[window]
+            shard, row0 = self.shards[self.draws.shard[segment]], self.draws.row0[segment]
             shard.write_rows(f"layers.{layer}.x", row0, x[sel].astype(np.float32))
             shard.write_rows(f"layers.{layer}.a", row0, np.minimum(absa[sel], 65504.0).astype(np.float16))
 
@@ -115,8 +115,8 @@ def shard_tensors(cfg, rows: int) -> dict:
             **{f"layers.{i}.a": (np.float16, (rows, n)) for i in range(L)}}
 
 
-def token_windows(tokenizer, text: str, n_tokens: int, ctx: int, bos: int | None):
-    """Windows of ctx tokens ([bos] + text tokens), n_tokens in all (the last window may be shorter)."""
+def token_segments(tokenizer, text: str, n_tokens: int, ctx: int, bos: int | None):
+    """Segments of ctx tokens ([bos] + text tokens), n_tokens in all (the last segment may be shorter)."""
     body = ctx - (bos is not None)
     buf: list[int] = []
     left = n_tokens
@@ -157,12 +157,12 @@ def collect(model, corpus, n_tokens: int, output, ctx: int = 256, rows: int = DE
     tokenizer = ckpt.tokenizer()
     ctx = min(ctx, cfg.max_pos)
     identity = model_identity(ckpt)
-    windows = list(token_windows(tokenizer, text.text, n_tokens, ctx, cfg.bos_id))
-    seen = sum(len(w) for w in windows)
+    segments = list(token_segments(tokenizer, text.text, n_tokens, ctx, cfg.bos_id))
+    seen = sum(len(w) for w in segments)
     if seen == 0:
         raise UserError(f"the corpus gives no tokens: {', '.join(text.files)}")
-    plan = RowPlan([len(w) for w in windows], n_tokens, rows, seed)
-    if not plan.shard_rows:
+    draws = RowDraws([len(w) for w in segments], n_tokens, rows, seed)
+    if not draws.shard_rows:
         raise UserError("no token rows were sampled (raise --tokens or --rows)")
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -170,16 +170,16 @@ def collect(model, corpus, n_tokens: int, output, ctx: int = 256, rows: int = DE
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        shards = [f"shard-{k:05d}.safetensors" for k in range(len(plan.shard_rows))]
-        writers = [ShardWriter(tmp / name, shard_tensors(cfg, r)) for name, r in zip(shards, plan.shard_rows)]
-        rec = Recorder(cfg, plan, writers)
-        # layer by layer over all windows: one layer's weights in memory, whatever the model's size
-        with LayerStream(ckpt, windows, progress=progress, desc="collect") as stream:
+        shards = [f"shard-{k:05d}.safetensors" for k in range(len(draws.shard_rows))]
+        writers = [ShardWriter(tmp / name, shard_tensors(cfg, r)) for name, r in zip(shards, draws.shard_rows)]
+        rec = Recorder(cfg, draws, writers)
+        # layer by layer over all segments: one layer's weights in memory, whatever the model's size
+        with LayerStream(ckpt, segments, progress=progress, desc="collect") as stream:
             stream.run(rec)
         manifest = {
             "format": ACTS_FORMAT, "version": ACTS_VERSION, "identity": identity, "model": str(model),
             "corpus": text.files, "replaced_bytes": text.replaced_bytes, "tokens": seen,
-            "windows": len(windows), "ctx": ctx, "rows": plan.kept, "seed": seed, "shards": shards,
+            "segments": len(segments), "ctx": ctx, "rows": draws.kept, "seed": seed, "shards": shards,
             "hist_count": rec.hist_count.tolist(), "hist_mass": rec.hist_mass.tolist(),
             "nonzero_count": rec.nonzero.tolist(),
         }

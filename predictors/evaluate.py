@@ -1,8 +1,8 @@
 """`flashinfer-lite eval -m FLASHDIR --corpus FILE --ffn MODE [--tokens N] [--dram-budget SIZE] [--json]`.
 
 Runs the model built by `flashinfer_lite.runtime.load_runtime` (the one generation uses), one token at a time through
-`model.forward([t], kv)` (the decode path), in windows of --ctx tokens that each start from an empty cache, against
-the dense model on the same tokens. The dense reference is computed first, layer by layer over all windows
+`model.forward([t], kv)` (the decode path), in segments of --ctx tokens that each start from an empty cache, against
+the dense model on the same tokens. The dense reference is computed first, layer by layer over all segments
 (predictors/layerwise.py), so it never needs the whole model in memory; `--ffn dense` is that reference alone (its
 ms_per_token: the layer-streamed batched pass, weight loads included, per token). The mode's model runs under
 --dram-budget as generate's does (default auto), so a model bigger than RAM is evaluated from flash.
@@ -26,7 +26,7 @@ from flashinfer_lite.runtime import FFN_MODES, dense_half, load_runtime
 from flashinfer_lite.sizes import parse_size
 
 from .acts import read_corpus
-from .collect import token_windows
+from .collect import token_segments
 from .layerwise import LayerStream
 
 
@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--corpus", nargs="+", required=True, metavar="FILE", help="evaluation text file(s)")
     parser.add_argument("--ffn", choices=("dense", "oracle", "predicted"), default="predicted")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens to evaluate (default 2048)")
-    parser.add_argument("--ctx", type=int, default=256, help="window length (default 256)")
+    parser.add_argument("--ctx", type=int, default=256, help="segment length (default 256)")
     parser.add_argument("--dram-budget", default="auto", metavar="SIZE|auto",
                         help="DRAM budget of the oracle/predicted model, as generate's (default auto)")
     parser.add_argument("--json", action="store_true",
@@ -63,19 +63,19 @@ def log_softmax_at(logits: np.ndarray, target: int) -> float:
     return float(log_probs_at(logits[None, :], [target])[0])
 
 
-def dense_reference(ckpt, windows, progress: bool = True) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per window w, the dense model's log-probability of each next token and its top-1 token ([len(w) - 1] each).
+def dense_reference(ckpt, segments, progress: bool = True) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per segment w, the dense model's log-probability of each next token and its top-1 token ([len(w) - 1] each).
 
-    Layer by layer over all windows (predictors/layerwise.py): one layer's weights in memory, so the model may be
-    bigger than RAM. Each window as one batch from an empty cache: the decode path's logits to float rounding.
+    Layer by layer over all segments (predictors/layerwise.py): one layer's weights in memory, so the model may be
+    bigger than RAM. Each segment as one batch from an empty cache: the decode path's logits to float rounding.
     As load_runtime's dense model (runtime.dense_half), a float16 FLASHDIR runs with float16 matrices, a quantized
     one with its resident matrices in blocks, anything else in float32."""
     out = []
-    with LayerStream(ckpt, windows, convert=half_matrix if dense_half(ckpt) else None, progress=progress,
+    with LayerStream(ckpt, segments, convert=half_matrix if dense_half(ckpt) else None, progress=progress,
                      desc="eval dense") as stream:
         stream.run()
         for k, logits in stream.logits():
-            out.append((log_probs_at(logits[:-1], windows[k][1:]), np.argmax(logits[:-1], axis=-1)))
+            out.append((log_probs_at(logits[:-1], segments[k][1:]), np.argmax(logits[:-1], axis=-1)))
     return out
 
 
@@ -92,13 +92,13 @@ def evaluate(model_path, corpus, ffn: str, n_tokens: int = 2048, ctx: int = 256,
     ckpt = open_any(model_path)
     cfg = ckpt.config
     ctx = min(ctx, cfg.max_pos)
-    windows = list(token_windows(ckpt.tokenizer(), text.text, n_tokens, ctx, cfg.bos_id))
-    n_pred = sum(max(0, len(w) - 1) for w in windows)
+    segments = list(token_segments(ckpt.tokenizer(), text.text, n_tokens, ctx, cfg.bos_id))
+    n_pred = sum(max(0, len(w) - 1) for w in segments)
     if n_pred == 0:
         raise UserError(f"the corpus gives too few tokens to evaluate: {', '.join(text.files)}")
     # the dense reference first, then the mode's model: the two are never in memory together
     t0 = time.perf_counter()
-    ref = dense_reference(ckpt, windows, progress)
+    ref = dense_reference(ckpt, segments, progress)
     t_dense = time.perf_counter() - t0
     nll_dense = -sum(float(lp.sum()) for lp, _ in ref)
     runtime = None
@@ -109,7 +109,7 @@ def evaluate(model_path, corpus, ffn: str, n_tokens: int = 2048, ctx: int = 256,
         kv = model.new_cache(ctx)
         nll, agree, t_model = 0.0, 0, 0.0
         bar = tqdm(total=n_pred, desc=f"eval {ffn}", unit="tok", disable=not progress, file=sys.stderr)
-        for w, (_, top1) in zip(windows, ref):
+        for w, (_, top1) in zip(segments, ref):
             kv.reset()
             for j in range(len(w) - 1):
                 t0 = time.perf_counter()

@@ -40,7 +40,7 @@ BUILTIN = "calibration.txt"
 
 @dataclass(frozen=True)
 class Calibration:
-    tokens: int = 4096          # run through the dense model, in windows of ctx
+    tokens: int = 4096          # run through the dense model, in segments of ctx
     rows: int = 4096            # token rows kept per layer to train on (here: every token)
     ctx: int = 256
     sparsity: float = 0.4       # SwiGLU activation threshold: skip the smallest 40% of |a| (0.5 costs +2.7%)
@@ -103,7 +103,7 @@ def head_tokens(text: str, tokenizer, n: int) -> str:
 
 def mixed_text(files: list[Path], tokenizer, n_tokens: int) -> str:
     """An equal share of tokens from each file but the last, then all of the last: collect stops after n_tokens, and
-    reading the files one after the other would fill every window from the first file alone."""
+    reading the files one after the other would fill every segment from the first file alone."""
     share = -(-n_tokens // len(files))
     parts = [head_tokens(read_corpus([f]).text, tokenizer, share) for f in files[:-1]]
     return "\n".join(parts + [read_corpus([files[-1]]).text])

@@ -1,11 +1,11 @@
-"""Run a model layer by layer over many token windows, so that `collect` and eval's dense reference work on a model
+"""Run a model layer by layer over many token segments, so that `collect` and eval's dense reference work on a model
 bigger than RAM.
 
-The hidden states of every window advance together: layer i's weights are loaded, run over every window, and freed
+The hidden states of every segment advance together: layer i's weights are loaded, run over every segment, and freed
 before layer i+1 loads. Memory: one layer's weights, the hidden states [total tokens, d] float32 (in an unlinked
-temporary file, memory-mapped, when larger than HIDDEN_IN_RAM_BYTES; $TMPDIR picks the disk), one window's work.
+temporary file, memory-mapped, when larger than HIDDEN_IN_RAM_BYTES; $TMPDIR picks the disk), one segment's work.
 
-The math is flashinfer_lite.model's (embed_tokens, Block, FeedForward, output_logits): each window gives what
+The math is flashinfer_lite.model's (embed_tokens, Block, FeedForward, output_logits): each segment gives what
 Transformer.forward gives it from an empty cache as one batch.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from flashinfer_lite.model import (Block, FeedForward, KVCache, embed_tokens, li
 
 HIDDEN_IN_RAM_BYTES = 256 << 20     # hidden states beyond this live in a memory-mapped temporary file
 
-FFNHook = Callable[[int, int, np.ndarray, np.ndarray], None]   # (layer, window, x [T, d], activations a [T, n])
+FFNHook = Callable[[int, int, np.ndarray, np.ndarray], None]   # (layer, segment, x [T, d], activations a [T, n])
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -42,23 +42,23 @@ def layer_tensor_names(ckpt) -> list[list[str]]:
 
 
 class LayerStream:
-    """Token windows through a checkpoint (storage Checkpoint or FlashCheckpoint), one layer's weights at a time.
+    """Token segments through a checkpoint (storage Checkpoint or FlashCheckpoint), one layer's weights at a time.
 
-        with LayerStream(ckpt, windows) as s:
-            s.run(hook)                    # every layer; hook(layer, window, x, a) sees each FFN's input and a
-            for k, logits in s.logits():   # then the final norm and lm_head, window by window
+        with LayerStream(ckpt, segments) as s:
+            s.run(hook)                    # every layer; hook(layer, segment, x, a) sees each FFN's input and a
+            for k, logits in s.logits():   # then the final norm and lm_head, segment by segment
                 ...
 
     `convert` is applied to each tensor as it loads (e.g. model.half_matrix, as the dense runtime does for a float16
     FLASHDIR); a quantized FLASHDIR's resident matrices stay in their blocks (loader.load_tensor).
     """
 
-    def __init__(self, ckpt, windows, convert=None, progress: bool = False, desc: str = "layers"):
+    def __init__(self, ckpt, segments, convert=None, progress: bool = False, desc: str = "layers"):
         self.ckpt, self.cfg = ckpt, ckpt.config
-        self.windows = [np.asarray(w, np.int64) for w in windows]
-        if not self.windows or min(len(w) for w in self.windows) == 0:
+        self.segments = [np.asarray(w, np.int64) for w in segments]
+        if not self.segments or min(len(w) for w in self.segments) == 0:
             raise UserError("empty input: nothing to evaluate")
-        self.bounds = np.concatenate([[0], np.cumsum([len(w) for w in self.windows])])   # window k: rows b[k]:b[k+1]
+        self.bounds = np.concatenate([[0], np.cumsum([len(w) for w in self.segments])])   # segment k: rows b[k]:b[k+1]
         self.convert = convert or (lambda a: a)
         self.progress, self.desc = progress, desc
         self.layer_names = layer_tensor_names(ckpt)
@@ -84,32 +84,32 @@ class LayerStream:
             self._file.close()
             self._file = None
 
-    def window(self, k: int) -> np.ndarray:
-        """Hidden states [T, d] of window k (a view: written in place as layers run)."""
+    def segment(self, k: int) -> np.ndarray:
+        """Hidden states [T, d] of segment k (a view: written in place as layers run)."""
         return self.hidden[self.bounds[k]:self.bounds[k + 1]]
 
     def _load(self, names) -> dict[str, np.ndarray]:
         return {n: load_tensor(self.ckpt, n, self.convert) for n in names}
 
     def run(self, hook: FFNHook | None = None) -> None:
-        """Embed every window, then run every layer over every window (the dense FFN; `hook` sees its input x and
+        """Embed every segment, then run every layer over every segment (the dense FFN; `hook` sees its input x and
         activations a before the down projection)."""
         cfg, ckpt = self.cfg, self.ckpt
         w = self._load([n for n in ("embed.weight", "pos_embed.weight") if n in ckpt])
-        for k, tokens in enumerate(self.windows):
-            self.window(k)[:] = embed_tokens(cfg, w["embed.weight"], w.get("pos_embed.weight"), tokens, 0)
+        for k, tokens in enumerate(self.segments):
+            self.segment(k)[:] = embed_tokens(cfg, w["embed.weight"], w.get("pos_embed.weight"), tokens, 0)
         del w
         ckpt.release()
         inv_freq = rope_inv_freq(cfg) if cfg.pos_offset is None else None
-        kv = KVCache(cfg, max(len(t) for t in self.windows), n_layers=1)
-        bar = tqdm(total=cfg.n_layers * len(self.windows), desc=self.desc, unit="window", disable=not self.progress,
+        kv = KVCache(cfg, max(len(t) for t in self.segments), n_layers=1)
+        bar = tqdm(total=cfg.n_layers * len(self.segments), desc=self.desc, unit="segment", disable=not self.progress,
                    file=sys.stderr)
         for i in range(cfg.n_layers):
             w = self._load(self.layer_names[i])
             block, dense = Block(cfg, w, i, kv_slot=0), FeedForward(cfg, w, i)
             del w
-            for k in range(len(self.windows)):
-                h = self.window(k)
+            for k in range(len(self.segments)):
+                h = self.segment(k)
                 kv.reset()
                 h[:] = block(h, kv, 0, rope_tables(inv_freq, 0, len(h)), self._ffn(dense, hook, k))
                 bar.update()
@@ -119,24 +119,24 @@ class LayerStream:
         self._ran = True
 
     @staticmethod
-    def _ffn(dense: FeedForward, hook: FFNHook | None, window: int):
+    def _ffn(dense: FeedForward, hook: FFNHook | None, segment: int):
         def ffn(layer: int, x: np.ndarray) -> np.ndarray:
             a = dense.activations(x)
             if hook is not None:
-                hook(layer, window, x, a)
+                hook(layer, segment, x, a)
             return linear(a, dense.w_down, dense.b_down)
         return ffn
 
     def logits(self) -> Iterator[tuple[int, np.ndarray]]:
-        """After run(): (window, logits [T, V]) for each window in order; the final norm and lm_head load now."""
+        """After run(): (segment, logits [T, V]) for each segment in order; the final norm and lm_head load now."""
         if not self._ran:
             raise RuntimeError("LayerStream.logits() before run()")
         cfg = self.cfg
         head = "embed.weight" if cfg.tie_embeddings else "lm_head.weight"
         w = self._load([n for n in ("norm.weight", "norm.bias") if n in self.ckpt] + [head])
         try:
-            for k in range(len(self.windows)):
-                yield k, output_logits(cfg, self.window(k), (w.get("norm.weight"), w.get("norm.bias")), w[head])
+            for k in range(len(self.segments)):
+                yield k, output_logits(cfg, self.segment(k), (w.get("norm.weight"), w.get("norm.bias")), w[head])
         finally:
             del w
             self.ckpt.release()

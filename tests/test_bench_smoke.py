@@ -100,7 +100,7 @@ def _hf_rows(doc):
     import torch
     from conftest import transformers_model
     from predictors.acts import read_corpus
-    from predictors.collect import token_windows
+    from predictors.collect import token_segments
     from storage.format import FlashCheckpoint
     ck = FlashCheckpoint(doc["model"])
     m = transformers_model(REPO / "tests" / "data" / "stories260K")
@@ -113,7 +113,7 @@ def _hf_rows(doc):
             lambda mod, args, i=i: hs[i].append(args[0][0])))
     text = read_corpus(doc["eval"]["corpus"]).text
     with torch.no_grad():
-        for w in token_windows(ck.tokenizer(), text, doc["eval"]["tokens"], doc["eval"]["ctx"], ck.config.bos_id):
+        for w in token_segments(ck.tokenizer(), text, doc["eval"]["tokens"], doc["eval"]["ctx"], ck.config.bos_id):
             m(torch.tensor([w]))
         for hk in hooks:
             hk.remove()

@@ -77,7 +77,7 @@ def test_eval_under_the_cap_gives_the_uncapped_result(pipeline, tmp_path):
     # the dense reference streams layers and the predicted model reads from flash: neither depends on the cap
     for k in ("tokens", "perplexity", "dense_perplexity", "top1_agreement"):
         assert res[k] == free[k], k
-    assert res["tokens"] == 62                     # two windows of 32 tokens, each predicting its last 31
+    assert res["tokens"] == 62                     # two segments of 32 tokens, each predicting its last 31
 
 
 def test_generate_under_the_cap_gives_the_uncapped_tokens_reading_from_flash(pipeline, tmp_path):

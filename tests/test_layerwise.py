@@ -31,7 +31,7 @@ def whole_model_collect(model, corpus_file, n_tokens, ctx, rows, seed, shard_row
     from flashinfer_lite.loader import load_weights, open_any
     from flashinfer_lite.model import FeedForward, Transformer, linear
     from predictors.acts import N_BINS, histogram, read_corpus
-    from predictors.collect import token_windows
+    from predictors.collect import token_segments
     ckpt = open_any(model)
     cfg = ckpt.config
     weights = load_weights(ckpt)
@@ -65,7 +65,7 @@ def whole_model_collect(model, corpus_file, n_tokens, ctx, rows, seed, shard_row
     kv = tf.new_cache(ctx)
     rng = np.random.default_rng(seed)
     p_keep, kept = min(1.0, rows / n_tokens), 0
-    for w in token_windows(ckpt.tokenizer(), read_corpus([corpus_file]).text, n_tokens, ctx, cfg.bos_id):
+    for w in token_segments(ckpt.tokenizer(), read_corpus([corpus_file]).text, n_tokens, ctx, cfg.bos_id):
         sel = np.flatnonzero(rng.random(len(w)) < p_keep)[: max(0, rows - kept)]
         kv.reset()
         tf.forward(w, kv)
@@ -140,11 +140,11 @@ def decode_loop_perplexity(path, corpus_file, n_tokens, ctx):
     """eval's dense perplexity as it was: the dense runtime (every weight loaded), one token at a time."""
     from flashinfer_lite.runtime import load_runtime
     from predictors.acts import read_corpus
-    from predictors.collect import token_windows
+    from predictors.collect import token_segments
     from predictors.evaluate import log_softmax_at
     model, tok, _ = load_runtime(path, ffn="dense")
     nll, n = 0.0, 0
-    for w in token_windows(tok, read_corpus([corpus_file]).text, n_tokens, min(ctx, model.cfg.max_pos),
+    for w in token_segments(tok, read_corpus([corpus_file]).text, n_tokens, min(ctx, model.cfg.max_pos),
                            model.cfg.bos_id):
         kv = model.new_cache(ctx)
         for j in range(len(w) - 1):
@@ -222,5 +222,5 @@ def test_collect_peak_memory_does_not_grow_with_layers(tmp_path):
 
     streamed = peak("collect", 8) - peak("collect", 2)
     whole = peak("whole", 8) - peak("whole", 2)
-    assert whole > 6 * layer_bytes                              # the measurement sees weights
+    assert whole > 5 * layer_bytes          # the measurement sees weights (6 more layers: ~6 x layer_bytes)
     assert streamed < layer_bytes, f"8 layers cost {streamed / 2**20:.1f} MiB more than 2"
