@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,7 +51,8 @@ _LONE_SURROGATE = re.compile("[\udc80-\udcff]")
 
 
 def read_corpus(files) -> CorpusText:
-    """Concatenated text of the files; invalid UTF-8 is decoded with replacement and counted (one U+FFFD per byte)."""
+    """Concatenated text of the files; invalid UTF-8 is decoded with replacement, counted (one U+FFFD per byte) and
+    said in one line on stderr."""
     parts, replaced = [], 0
     for f in files:
         p = Path(f)
@@ -68,6 +70,9 @@ def read_corpus(files) -> CorpusText:
         replaced += n
         parts.append(text)
     text = "\n".join(parts)
+    if replaced:
+        print(f"warning: {replaced} bytes of the corpus are not valid UTF-8; decoded with replacement (U+FFFD)",
+              file=sys.stderr)
     if not text.strip():
         raise UserError(f"empty corpus: {', '.join(str(f) for f in files)} contain no text")
     return CorpusText(text, replaced, [str(f) for f in files])

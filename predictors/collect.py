@@ -149,9 +149,6 @@ def collect(model, corpus, n_tokens: int, output, ctx: int = 256, rows: int = DE
         if not (out / MANIFEST).is_file():
             raise UserError(f"{out} exists and is not an activations directory; refusing to replace it")
     text = read_corpus(corpus)
-    if text.replaced_bytes:
-        print(f"warning: {text.replaced_bytes} bytes of the corpus are not valid UTF-8; decoded with replacement "
-              f"(U+FFFD)", file=sys.stderr)
     ckpt = open_any(model)
     cfg = ckpt.config
     tokenizer = ckpt.tokenizer()

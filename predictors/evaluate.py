@@ -86,9 +86,6 @@ def evaluate(model_path, corpus, ffn: str, n_tokens: int = 2048, ctx: int = 256,
     if ffn not in FFN_MODES:
         raise UserError(f"unknown --ffn mode '{ffn}' (choose from {', '.join(FFN_MODES)})")
     text = read_corpus(corpus)
-    if text.replaced_bytes:
-        print(f"warning: {text.replaced_bytes} bytes of the corpus are not valid UTF-8; decoded with replacement "
-              f"(U+FFFD)", file=sys.stderr)
     ckpt = open_any(model_path)
     cfg = ckpt.config
     ctx = min(ctx, cfg.max_pos)

@@ -160,25 +160,10 @@ def write_llama_gguf(ckpt, path: Path, types: dict | None = None) -> Path:
     (llama.cpp's reference)."""
     import gguf
     import numpy as np
-    from make_large_model import permute_qk, spm_vocab    # the bench models' GGUF writer uses the same two
+    from make_large_model import add_llama_metadata, permute_qk    # as the bench models' GGUF writer does
     c = ckpt.config
-    tokens, scores, types_ = spm_vocab(STORIES / "tokenizer.json")
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(c.n_layers)
-    w.add_context_length(c.max_pos)
-    w.add_embedding_length(c.dim)
-    w.add_feed_forward_length(c.ffn_dim)
-    w.add_head_count(c.n_heads)
-    w.add_head_count_kv(c.n_kv_heads)
-    w.add_layer_norm_rms_eps(c.norm_eps)
-    w.add_rope_freq_base(c.rope_theta)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types_)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(True)
+    add_llama_metadata(w, c.n_layers, c.max_pos, c.dim, c.ffn_dim, c.n_heads, c.n_kv_heads, c.norm_eps, c.rope_theta)
     names = {"embed.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
     if not c.tie_embeddings:
         names["lm_head.weight"] = "output.weight"

@@ -130,6 +130,27 @@ def spm_vocab(tokenizer_json: Path) -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
+def add_llama_metadata(w, layers: int, ctx: int, dim: int, ffn: int, heads: int, kv_heads: int, eps: float,
+                       theta: float) -> None:
+    """A GGUFWriter's llama hyperparameters and stories260K's SentencePiece vocabulary (BOS 1, EOS 2)."""
+    w.add_block_count(layers)
+    w.add_context_length(ctx)
+    w.add_embedding_length(dim)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(eps)
+    w.add_rope_freq_base(theta)
+    tokens, scores, types = spm_vocab(STORIES / "tokenizer.json")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(True)
+
+
 def write_gguf(path: Path, a, plan, qtype: str, threshold: float) -> int:
     """The plan's weights (the same values as the safetensors file) as a llama GGUF whose matrices are `qtype`;
     tensor infos first, then one tensor generated, converted and written at a time. Returns the file size."""
@@ -140,26 +161,11 @@ def write_gguf(path: Path, a, plan, qtype: str, threshold: float) -> int:
     w.add_name(f"flashinfer-lite make_large_model seed {a.seed} ({qtype})")
     w.add_description(f"random Llama weights; the HF copy's activation is FATReLU at {threshold:.4f}, which GGUF's "
                       "llama cannot express: llama.cpp computes SwiGLU on these matrices")
-    w.add_block_count(a.layers)
-    w.add_context_length(4096)
-    w.add_embedding_length(a.dim)
-    w.add_feed_forward_length(a.ffn)
-    w.add_head_count(a.heads)
-    w.add_head_count_kv(a.kv_heads)
+    add_llama_metadata(w, a.layers, 4096, a.dim, a.ffn, a.heads, a.kv_heads, 1e-5, 10000.0)
     w.add_key_length(a.head_dim)
     w.add_value_length(a.head_dim)
     w.add_rope_dimension_count(a.head_dim)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
     w.add_file_type({"f16": gguf.LlamaFileType.MOSTLY_F16, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[qtype])
-    tokens, scores, types = spm_vocab(STORIES / "tokenizer.json")
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(True)
     kinds = [raw if len(shape) == 2 else Q.F32 for _, shape, _ in plan]          # norms stay float32
     for (name, shape, _), kind in zip(plan, kinds):
         nbytes = int(np.prod(gguf.quant_shape_to_byte_shape(shape, kind)))
