@@ -21,6 +21,7 @@ import numpy as np
 
 from flashinfer_lite.errors import UserError
 from flashinfer_lite.loader import open_any
+from storage.files import remove_stale_temp_dirs, temp_path
 
 from .acts import (ACTS_FORMAT, ACTS_VERSION, MANIFEST, N_BINS, ShardWriter, corpus_chunks, histogram,
                    model_identity, read_corpus)
@@ -163,7 +164,8 @@ def collect(model, corpus, n_tokens: int, output, ctx: int = 256, rows: int = DE
         raise UserError("no token rows were sampled (raise --tokens or --rows)")
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    remove_stale_temp_dirs(out.parent)          # what a killed collect (or convert, train) left beside it
+    tmp = temp_path(out, "tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
@@ -182,7 +184,7 @@ def collect(model, corpus, n_tokens: int, output, ctx: int = 256, rows: int = DE
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest))
         if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            old = temp_path(out, "old")
             os.replace(out, old)
             os.replace(tmp, out)
             shutil.rmtree(old, ignore_errors=True)

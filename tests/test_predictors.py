@@ -329,3 +329,21 @@ def test_a_flipped_predictor_byte_is_found_by_verify_and_at_launch(stories, tmp_
         verify(flash, progress=False)
     with pytest.raises(UserError, match="predictor file is damaged"):
         load_runtime(flash, "predicted", runtime_bytes=0)
+
+
+def test_collect_removes_what_a_killed_collect_left(tmp_path):
+    """SIGKILL skips every cleanup: the next collect beside it removes the dead process's temp directory, and keeps
+    a live process's."""
+    import os
+    import subprocess
+    import sys
+    from predictors.collect import collect
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()                                            # its pid names no process now
+    stale = tmp_path / f".acts.tmp-{dead.pid}"
+    live = tmp_path / f".other.tmp-{os.getppid()}"
+    for d in (stale, live):
+        d.mkdir()
+        (d / "shard-00000.safetensors").write_bytes(b"half")
+    collect(STORIES, [TINYSTORIES], 300, tmp_path / "acts", ctx=64, rows=50, progress=False)
+    assert not stale.exists() and live.exists() and (tmp_path / "acts" / "manifest.json").is_file()
