@@ -38,6 +38,8 @@ sys.path.insert(0, str(REPO))
 
 from numba import njit, prange  # noqa: E402
 
+from storage.files import disk_bytes  # noqa: E402
+
 
 MEMCAP = REPO / "tools" / "memcap.py"
 PROMPT = "Once upon a time, there was a little"
@@ -377,10 +379,6 @@ def prepare_quick(work: Path) -> tuple[Path, Path]:
     return flash, trace
 
 
-def dir_bytes(p: Path) -> int:
-    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", type=Path, help="FLASHDIR (f16/f32 GLU) made by `flashinfer-lite convert`")
@@ -433,7 +431,7 @@ def main(argv=None) -> int:
     from storage.format import read_layout
     L = read_layout(a.model)
     cap = parse_size(a.cap)
-    model_bytes = dir_bytes(Path(a.model))
+    model_bytes = disk_bytes(Path(a.model))
     modes = a.modes.split(",")
     print(f"e2e: {a.model}: {model_bytes / 2**30:.2f} GiB files (ffn.bin {L.ffn_size / 2**30:.2f} GiB), cap "
           f"{cap / 2**30:.2f} GiB, work dir {work}", file=sys.stderr)

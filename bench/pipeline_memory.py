@@ -28,6 +28,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from storage.files import disk_bytes  # noqa: E402
+
 CORPUS = REPO / "tests" / "data" / "corpus"
 CLI = [sys.executable, "-m", "flashinfer_lite"]
 STAGES = ("convert", "collect", "train-predictor", "eval", "generate")
@@ -47,10 +50,6 @@ def peak_of(args: list[str]) -> dict:
                 "stdout": out.read().decode()}
 
 
-def files_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
 def measure(work: Path, layers: int, shape: list[str], tokens: int) -> dict:
     hf, flash, acts = work / f"hf-{layers}", work / f"flash-{layers}", work / f"acts-{layers}"
     for p in (hf, flash, acts):
@@ -58,9 +57,9 @@ def measure(work: Path, layers: int, shape: list[str], tokens: int) -> dict:
     subprocess.run([sys.executable, str(REPO / "tools" / "make_large_model.py"), str(hf), "--layers", str(layers),
                     *shape, "--check-tokens", "0"], check=True, stdout=subprocess.DEVNULL,
                    env=dict(os.environ, PYTHONPATH=str(REPO)))
-    row = {"layers": layers, "hf_bytes": files_bytes(hf)}
+    row = {"layers": layers, "hf_bytes": disk_bytes(hf)}
     row["convert"] = peak_of([*CLI, "convert", str(hf), "-o", str(flash)])
-    row["flash_bytes"] = files_bytes(flash)
+    row["flash_bytes"] = disk_bytes(flash)
     row["collect"] = peak_of([*CLI, "collect", "-m", str(hf), "--corpus", str(CORPUS / "wikitext2_valid.txt"),
                               "--tokens", str(tokens), "-o", str(acts)])
     row["train-predictor"] = peak_of([*CLI, "train-predictor", str(acts), "-o", str(flash), "--steps", "50",

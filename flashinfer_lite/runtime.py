@@ -380,7 +380,8 @@ def plan_dram(ckpt, predictors, ffn: str, dram_budget, ctx: int, window: int, ru
 
 def expected_max_active(cfg: ModelConfig, predictors) -> int:
     """The active count the window is sized for (its useful maximum is this x window tokens): twice the mean
-    active count when the neuron frequencies say it, else half the layer. Not in the minimum (budget.MIN_WINDOW_ROWS)."""
+    active count when the neuron frequencies say it, else half the layer. Not in the minimum
+    (budget.MIN_WINDOW_ROWS)."""
     n = cfg.ffn_dim
     if predictors is None:
         return max(1, n // 2)

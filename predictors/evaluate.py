@@ -6,8 +6,8 @@ the dense model on the same tokens. The dense reference is computed first, layer
 (predictors/layerwise.py), so it never needs the whole model in memory; `--ffn dense` is that reference alone (its
 ms_per_token: the layer-streamed batched pass, weight loads included, per token). The mode's model runs under
 --dram-budget as generate's does (default auto), so a model bigger than RAM is evaluated from flash.
-Reports perplexity (and the dense one), top-1 agreement with dense, the mean share of neurons computed per layer, the share the predictors selected (what has to be read from flash), and the
-predictors' time and memory.
+Reports perplexity (and the dense one), top-1 agreement with dense, the mean share of neurons computed per layer,
+the share the predictors selected (what has to be read from flash), and the predictors' time and memory.
 """
 from __future__ import annotations
 

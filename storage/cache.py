@@ -21,7 +21,7 @@ from pathlib import Path
 from flashinfer_lite.errors import UserError
 
 from .convert import convert
-from .files import remove_stale_temp_dirs
+from .files import disk_bytes, remove_stale_temp_dirs
 from .format import MANIFEST, file_checksum, is_flashdir, new_checksum
 
 FLASH = "flash"
@@ -98,10 +98,6 @@ def flashdir_for(path, progress: bool) -> str:
     return str(dest)
 
 
-def _bytes(p: Path) -> int:
-    return p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
-
-
 def entries() -> list[dict]:
     """What the cache holds: [{name, kind, bytes, source}], converted models first."""
     root = cache_dir()
@@ -110,11 +106,11 @@ def entries() -> list[dict]:
     for d in sorted((root / FLASH).glob("*")) if (root / FLASH).is_dir() else []:
         if d.is_dir() and (d / MANIFEST).is_file():
             src = index.get(d.name, {}).get("source")
-            out.append({"name": d.name, "kind": "flashdir", "bytes": _bytes(d), "path": str(d),
+            out.append({"name": d.name, "kind": "flashdir", "bytes": disk_bytes(d), "path": str(d),
                         "source": src, "source_exists": bool(src and Path(src).exists())})
     for f in sorted((root / "models").glob("*")) if (root / "models").is_dir() else []:
         if f.is_file() and not f.name.startswith("."):
-            out.append({"name": f.name, "kind": "model", "bytes": _bytes(f), "path": str(f), "source": None,
+            out.append({"name": f.name, "kind": "model", "bytes": disk_bytes(f), "path": str(f), "source": None,
                         "source_exists": None})
     return out
 

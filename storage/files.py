@@ -15,6 +15,12 @@ TEMP_KINDS = ("tmp", "old", "calibrate")
 _TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<kind>" + "|".join(TEMP_KINDS) + r")-(?P<pid>\d+)$")
 
 
+def disk_bytes(p: Path) -> int:
+    """Bytes of a file, or of every file under a directory (a model, a FLASHDIR)."""
+    p = Path(p)
+    return p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
 def temp_path(dest: Path, kind: str) -> Path:
     """Where this process builds (kind "tmp") or parks (kind "old") dest."""
     assert kind in TEMP_KINDS

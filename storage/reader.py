@@ -125,7 +125,7 @@ class BundleReader:
         except Exception:
             pass
 
-    # -- read ops ------------------------------------------------------------------------------------------------------
+    # -- read ops ----------------------------------------------------------------------------------------------------
     def read_ops(self, layer: int, bundle_ids, dest: np.ndarray, slots) -> tuple[list, int, int]:
         """Turn a request into preadv ops [(file offset, iovecs, nbytes)], requested bytes and read bytes."""
         L = self.layout

@@ -10,7 +10,7 @@ record to the neuron cache, which adds each finished read to it: nothing is copi
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -37,8 +37,8 @@ class FlashStats:
     prefill_bytes_read: int = 0     # bytes of that streaming (not in read_bytes)
     predictor_s: float = 0.0
     compute_s: float = 0.0          # the sparse FFN kernels
-    rows: np.ndarray | None = field(default=None)     # [L] token rows through each layer's FFN
-    active: np.ndarray | None = field(default=None)   # [L] neurons that fired, summed over those rows
+    rows: np.ndarray | None = None     # [L] token rows through each layer's FFN
+    active: np.ndarray | None = None   # [L] neurons that fired, summed over those rows
     n_neurons: int = 0              # per layer: what active_share divides by (a size, not a count: never summed)
 
     @classmethod

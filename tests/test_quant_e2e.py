@@ -23,6 +23,7 @@ from flashinfer_lite.quant import QuantMatrix, dequantize
 from flashinfer_lite.runtime import load_runtime
 from storage.checkpoint import open_checkpoint, unpermute_qk
 from storage.convert import convert
+from storage.files import disk_bytes
 from storage.format import FlashCheckpoint, read_layout, verify
 
 ATTN = ("attn.q", "attn.k", "attn.v", "attn.o")
@@ -119,7 +120,7 @@ def test_default_model_keeps_its_blocks_and_size(smollm2_gguf, tmp_path):
     L = read_layout(out)
     assert (L.dtype, L.down_dtype) == ("q4_1", "q8_0")
     assert_gguf_blocks_verbatim(smollm2_gguf, out, [0, L.n_layers - 1])
-    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    size = disk_bytes(out)
     assert size <= 1.25 * smollm2_gguf.stat().st_size, size / smollm2_gguf.stat().st_size
     flash = FlashCheckpoint(out)
     assert resident_bytes_for(flash.config, half=True, kinds=flash.resident_kinds) == resident_data_bytes(out)
