@@ -1,0 +1,211 @@
+"""Small reads at q4 bundle size: random-read GB/s per stride, and what coalescing and neuron placement recover. JSON.
+
+    PYTHONPATH=. python bench/placement.py --dir /work/big/place12 --cal CAL.npy --eval EVAL.npy
+                                           [--size 4GiB] [--threads 2,4,8,16] [--seconds 2] [--tokens 64]
+
+CAL.npy / EVAL.npy: |a| float16 [T, L, n] of a real model over calibration and held-out text (tools/record_trace.py's
+record_abs_activations; e.g. SmolLM2-135M over wikitext2_valid and wikitext2_test). A neuron is active where |a| is
+above its layer's (1 - --active) quantile on the calibration text. Placements are fitted on CAL only and evaluated
+on EVAL only.
+
+1. raw: BundleReader random reads, no coalescing, at the 7B bundle strides (f16, q4_0, q4_0 with q8_0 down), one
+   layer's active set (10% of 11008) per call, 2..16 threads, on a --size scratch file (O_DIRECT: cold).
+2. replay: per held-out token and layer the bundles to read, for three placements of each layer's neurons:
+   identity (convert's order), freq (hottest first) and coact (predictors.placement: co-activation chains, hot first),
+   with and without a sliding window (misses of a 5-token window + a pinned hot region, as NeuronCache keeps);
+   counted for every coalescing gap (requests per token, over-read), and timed with the real BundleReader on the
+   scratch file seen as L layers of n bundles at the 7B stride (each placement in its own part of the file, the
+   placements alternating token by token).
+The layers keep their real width n (SmolLM2: 1536); the file has the 7B stride, so requests and over-read are what a
+7B layer of that active density and co-activation structure would see, bytes per token are not (x 11008/n x 32/L).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flashinfer_lite.sizes import parse_size  # noqa: E402
+from predictors.placement import coactivation_order, frequency_order  # noqa: E402
+from storage.flash_bench import drop_caches, measure, synthetic_layout, write_scratch  # noqa: E402
+from storage.format import REGION_ALIGN, FlashLayout, align_up  # noqa: E402
+from storage.reader import BundleReader, aligned_empty  # noqa: E402
+
+DIM, FFN = 4096, 11008      # Llama-2-7B
+STRIDES = {name: FlashLayout.create(DIM, [FFN], dtype, True, down_dtype=down).stride
+           for name, dtype, down in (("f16", "f16", None), ("q4_0", "q4_0", None), ("q4_0+q8_0down", "q4_0", "q8_0"))}
+GAPS = (-1, 0, 1, 2, 4, 8)
+WINDOW = 5
+
+
+def raw_grid(path: Path, size: int, threads: list[int], seconds: float) -> list[dict]:
+    rng = np.random.default_rng(0)
+    rows = []
+    for name, stride in STRIDES.items():
+        for t in threads:
+            drop_caches(path)
+            with BundleReader(synthetic_layout(path, stride, size), threads=t, coalesce_gap=-1) as r:
+                assert r.direct, "O_DIRECT refused: put --dir on a real device"
+                m = measure(r, size // stride, FFN // 10, seconds, rng)
+            rows.append({"bundle": name, "stride": stride, "threads": t,
+                         "GBps": round(m["read_bytes"] / m["seconds"] / 1e9, 3),
+                         "IOPS": round(m["n_reads"] / m["seconds"]),
+                         "ms_per_1100_bundles": round(1e3 * m["seconds"] / m["calls"], 2)})
+            print(f"raw {name:14s} {stride:6d} B x {t:2d} thr: {rows[-1]['GBps']:.3f} GB/s "
+                  f"{rows[-1]['IOPS']} IOPS", file=sys.stderr)
+    return rows
+
+
+def to_read(active: np.ndarray, hot: np.ndarray | None, window: int) -> list[np.ndarray]:
+    """Per token the neuron ids to fetch: all active ones (window 0), or those neither hot nor active in the last
+    `window` tokens (what a NeuronCache with room enough would miss)."""
+    T, n = active.shape
+    keep = np.zeros(n, bool)
+    if hot is not None:
+        keep[hot] = True
+    out = []
+    for t in range(T):
+        seen = keep | (active[max(0, t - window):t].any(axis=0) if window and t else False)
+        out.append(np.flatnonzero(active[t] & ~seen))
+    return out
+
+
+def count_runs(ids: np.ndarray, gap: int) -> tuple[int, int]:
+    """(requests, bundles read) when the sorted bundle ids are read with coalescing gap `gap` (< 0: none)."""
+    if ids.size == 0:
+        return 0, 0
+    holes = np.diff(ids) - 1
+    joined = holes <= gap if gap >= 0 else np.zeros(holes.size, bool)
+    return int(ids.size - joined.sum()), int(ids.size + holes[joined].sum())
+
+
+def replay(path: Path, size: int, stride: int, sets: dict[str, list[list[np.ndarray]]], n: int, threads: int,
+           tokens: int) -> list[dict]:
+    """sets[placement][layer][token] = bundle ids (sorted). Counted over all tokens, timed over the first `tokens`."""
+    names = list(sets)
+    n_layers = len(next(iter(sets.values())))
+    T = len(sets[names[0]][0])
+    region = align_up(n * stride, REGION_ALIGN)
+    # each placement is its own model file: its own layer regions, spread over the scratch file
+    span = size // len(names)
+    assert n_layers * region <= span, f"scratch file too small for {len(names)} x {n_layers} layers at {stride} B"
+    step = span // n_layers // REGION_ALIGN * REGION_ALIGN
+    rows = []
+    for gap in GAPS:
+        timed = {p: 0.0 for p in names}
+        stats = {p: [0, 0, 0, 0] for p in names}    # requests, bundles read, bundles wanted, reader calls (timed)
+        for p in names:
+            for layer in range(n_layers):
+                for ids in sets[p][layer]:
+                    req, got = count_runs(ids, gap)
+                    stats[p][0] += req
+                    stats[p][1] += got
+                    stats[p][2] += ids.size
+        readers = {}
+        for k, p in enumerate(names):
+            lay = synthetic_layout(path, stride, size)
+            lay.offset = [k * span + i * step for i in range(n_layers)]
+            lay.n_neurons, lay.order, lay.checksum = [n] * n_layers, [np.arange(n)] * n_layers, [""] * n_layers
+            readers[p] = BundleReader(lay, threads=threads, coalesce_gap=gap)
+        dest = aligned_empty((n, stride), np.uint8)
+        drop_caches(path)
+        try:
+            for t in range(min(tokens, T)):
+                for p in names[t % len(names):] + names[:t % len(names)]:      # A B C, B C A, ...: drift spreads evenly
+                    t0 = time.perf_counter()
+                    for layer in range(n_layers):
+                        ids = sets[p][layer][t]
+                        if ids.size:
+                            stats[p][3] += readers[p].read(layer, ids, dest, np.arange(ids.size)).n_reads
+                    timed[p] += time.perf_counter() - t0
+        finally:
+            for r in readers.values():
+                r.close()
+        Tt = min(tokens, T)
+        for p in names:
+            req, got, want, calls = stats[p]
+            rows.append({"placement": p, "gap": gap, "requests_per_token": round(req / T, 1),
+                         "bundles_per_token": round(want / T, 1), "over_read": round(got / max(want, 1) - 1, 3),
+                         "read_MB_per_token": round(got * stride / T / 1e6, 3),
+                         "measured_ms_per_token": round(1e3 * timed[p] / Tt, 2),
+                         "measured_preadv_per_token": round(calls / Tt, 1)})
+        line = "  ".join(f"{r['placement']}: {r['requests_per_token']:.0f} req {r['measured_ms_per_token']:.1f} ms"
+                         for r in rows[-len(names):])
+        print(f"replay stride {stride} gap {gap:2d}: {line}", file=sys.stderr)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", type=Path, required=True, help="where the scratch file goes (a real device)")
+    ap.add_argument("--cal", type=Path, required=True)
+    ap.add_argument("--eval", type=Path, required=True)
+    ap.add_argument("--size", default="4GiB")
+    ap.add_argument("--threads", default="2,4,8,16")
+    ap.add_argument("--replay-threads", type=int, default=8)
+    ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--tokens", type=int, default=64, help="held-out tokens timed per (placement, gap)")
+    ap.add_argument("--active", type=float, default=0.10, help="share of calibration |a| counted active")
+    ap.add_argument("--hot", type=float, default=0.10, help="share of neurons pinned (windowed replay)")
+    ap.add_argument("--strides", default="q4_0,f16")
+    ap.add_argument("--skip-raw", action="store_true")
+    args = ap.parse_args()
+    size = parse_size(args.size)
+    cal = np.load(args.cal, mmap_mode="r")
+    ev = np.load(args.eval, mmap_mode="r")
+    _, L, n = cal.shape
+    t0 = time.perf_counter()
+    placements = {"identity": [], "freq": [], "coact": []}
+    act_cal, act_ev = [], []
+    for layer in range(L):
+        a = np.asarray(cal[:, layer], np.float32)
+        thr = np.quantile(a, 1 - args.active)
+        act_cal.append(a > thr)
+        act_ev.append(np.asarray(ev[:, layer], np.float32) > thr)
+        placements["identity"].append(np.arange(n))
+        placements["freq"].append(frequency_order(act_cal[-1]))
+        placements["coact"].append(coactivation_order(act_cal[-1], hot=int(args.hot * n)))
+    fit_s = time.perf_counter() - t0
+    n_hot = int(args.hot * n)
+    modes = {"all_active": (None, 0), f"window{WINDOW}+hot{args.hot:g}": ("hot", WINDOW)}
+    sets = {}
+    for mode, (hot, window) in modes.items():
+        sets[mode] = {}
+        for p, orders in placements.items():
+            per_layer = []
+            for layer in range(L):
+                bundle_of = np.argsort(orders[layer])                   # neuron id -> bundle index
+                hot_ids = np.argsort(-act_cal[layer].mean(axis=0), kind="stable")[:n_hot] if hot else None
+                per_layer.append([np.sort(bundle_of[ids]) for ids in to_read(act_ev[layer], hot_ids, window)])
+            sets[mode][p] = per_layer
+
+    path = args.dir.resolve() / f".placement-{os.getpid()}.tmp"
+    out = {"cal_tokens": int(cal.shape[0]), "eval_tokens": int(ev.shape[0]), "layers": L, "n_neurons": n,
+           "active": args.active, "strides": STRIDES, "fit_seconds": round(fit_s, 1),
+           "active_per_layer_eval": round(float(np.mean([a.sum(axis=1).mean() for a in act_ev])), 1)}
+    try:
+        write_scratch(path, size)
+        out["load_before"] = os.getloadavg()
+        if not args.skip_raw:
+            out["raw"] = raw_grid(path, size, [int(t) for t in args.threads.split(",")], args.seconds)
+        out["replay"] = {}
+        for s in args.strides.split(","):
+            for mode in modes:
+                out["replay"][f"{s}/{mode}"] = replay(path, size, STRIDES[s], sets[mode], n, args.replay_threads,
+                                                      args.tokens)
+        out["load_after"] = os.getloadavg()
+    finally:
+        path.unlink(missing_ok=True)
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
