@@ -94,7 +94,7 @@ def replay(path: Path, size: int, stride: int, sets: dict[str, list[list[np.ndar
     T = len(sets[names[0]][0])
     region = align_up(n * stride, REGION_ALIGN)
     # each placement is its own model file: its own layer regions, spread over the scratch file
-    span = size // len(names)
+    span = size // len(names) // REGION_ALIGN * REGION_ALIGN
     assert n_layers * region <= span, f"scratch file too small for {len(names)} x {n_layers} layers at {stride} B"
     step = span // n_layers // REGION_ALIGN * REGION_ALIGN
     rows = []
@@ -142,6 +142,24 @@ def replay(path: Path, size: int, stride: int, sets: dict[str, list[list[np.ndar
     return rows
 
 
+def counted(orders: list[np.ndarray], active: list[np.ndarray], gap: int) -> float:
+    """Requests per token and layer for all active neurons of `active` (per layer bool [T, n]) under `orders`."""
+    req = [count_runs(np.sort(np.argsort(o)[np.flatnonzero(row)]), gap)[0] for o, a in zip(orders, active) for row in a]
+    return round(float(np.mean(req)), 1)
+
+
+def record_trace_mapping(active: list[np.ndarray], width: int = FFN, seed: int = 0) -> dict:
+    """tools/record_trace.py widens a small layer to `width` by copying each small neuron ~width/n times (shuffled).
+    The copies are active on exactly the same tokens, so a placement that stores them side by side merges ~width/n
+    bundles per read for free: a mapping artefact, not co-activation of distinct neurons. Counted on one layer."""
+    n = active[0].shape[1]
+    parent = np.random.default_rng(seed).permutation(np.arange(width) % n)      # as record_trace does
+    big = [active[0][:, parent]]
+    return {"copies_per_neuron": round(width / n, 2),
+            "requests_per_token_gap0_identity": counted([np.arange(width)], big, 0),
+            "requests_per_token_gap0_copies_adjacent": counted([np.argsort(parent, kind="stable")], big, 0)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", type=Path, required=True, help="where the scratch file goes (a real device)")
@@ -186,10 +204,15 @@ def main() -> int:
                 per_layer.append([np.sort(bundle_of[ids]) for ids in to_read(act_ev[layer], hot_ids, window)])
             sets[mode][p] = per_layer
 
+    # Upper bound, not a result: the co-activation order fitted on the held-out text itself.
+    oracle = [coactivation_order(a, hot=n_hot) for a in act_ev]
+    counts = {f"gap{g}": {**{p: counted(o, act_ev, g) for p, o in placements.items()},
+                          "coact_fit_on_eval_upper_bound": counted(oracle, act_ev, g)} for g in GAPS}
     path = args.dir.resolve() / f".placement-{os.getpid()}.tmp"
     out = {"cal_tokens": int(cal.shape[0]), "eval_tokens": int(ev.shape[0]), "layers": L, "n_neurons": n,
            "active": args.active, "strides": STRIDES, "fit_seconds": round(fit_s, 1),
-           "active_per_layer_eval": round(float(np.mean([a.sum(axis=1).mean() for a in act_ev])), 1)}
+           "active_per_layer_eval": round(float(np.mean([a.sum(axis=1).mean() for a in act_ev])), 1),
+           "requests_per_token_per_layer_all_active": counts, "record_trace_mapping": record_trace_mapping(act_ev)}
     try:
         write_scratch(path, size)
         out["load_before"] = os.getloadavg()
