@@ -11,7 +11,7 @@ on EVAL only.
 1. raw: BundleReader random reads, no coalescing, at the 7B bundle strides (f16, q4_0, q4_0 with q8_0 down), one
    layer's active set (10% of 11008) per call, 2..16 threads, on a --size scratch file (O_DIRECT: cold).
 2. replay: per held-out token and layer the bundles to read, for three placements of each layer's neurons:
-   identity (convert's order), freq (hottest first) and coact (predictors.placement: co-activation chains, hot first),
+   identity (convert's order), freq (hottest first) and coact (co-activation chains, hot first; below),
    with and without a sliding window (misses of a 5-token window + a pinned hot region, as NeuronCache keeps);
    counted for every coalescing gap (requests per token, over-read), and timed with the real BundleReader on the
    scratch file seen as L layers of n bundles at the 7B stride (each placement in its own part of the file, the
@@ -33,7 +33,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flashinfer_lite.sizes import parse_size  # noqa: E402
-from predictors.placement import coactivation_order, frequency_order  # noqa: E402
 from storage.flash_bench import drop_caches, measure, synthetic_layout, write_scratch  # noqa: E402
 from storage.format import REGION_ALIGN, FlashLayout, align_up  # noqa: E402
 from storage.reader import BundleReader, aligned_empty  # noqa: E402
@@ -43,6 +42,99 @@ STRIDES = {name: FlashLayout.create(DIM, [FFN], dtype, True, down_dtype=down).st
            for name, dtype, down in (("f16", "f16", None), ("q4_0", "q4_0", None), ("q4_0+q8_0down", "q4_0", "q8_0"))}
 GAPS = (-1, 0, 1, 2, 4, 8)
 WINDOW = 5
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Placements. coactivation_order, as Ripple does it, greedily: score every pair of neurons by how often they fire
+# together on calibration text (Jaccard: tokens on which both fire / tokens on which either fires; it chained better
+# than raw counts on a validation split of SmolLM2's calibration text, bench/README.md); walk the pairs from the most
+# co-active down and join two neurons whenever both are still the end of their chain (and in different chains), so the
+# most co-active pairs end up adjacent; lay the chains out one after another, the chains with the most activity first.
+# The hottest neurons (pinned in DRAM by the cache anyway) go first, by frequency, and are left out of the chaining.
+# Kept here, not in predictors/: it did not pay enough to become a pipeline step (bench/README.md, issue #12).
+
+NEIGHBOURS = 32          # strongest co-activation partners kept per neuron (the pair list stays n x k, not n x n)
+BLOCK = 1024             # neurons per block of the co-activation product (memory: BLOCK x n counts)
+
+
+def frequency_order(active: np.ndarray) -> np.ndarray:
+    """Bundle index -> neuron id, hottest first. active: bool [T, n]."""
+    return np.argsort(-active.mean(axis=0), kind="stable").astype(np.int64)
+
+
+def top_partners(active: np.ndarray, k: int = NEIGHBOURS, score: str = "jaccard") -> tuple[np.ndarray, np.ndarray]:
+    """(partner ids int64 [n, k], scores float32 [n, k]) of each neuron's k most co-active others. score "count":
+    tokens on which both fire; "jaccard": that over the tokens on which either fires (rare pairs count as much)."""
+    a = np.ascontiguousarray(active, dtype=np.float32)            # [T, n]
+    n = a.shape[1]
+    fires = a.sum(axis=0)
+    k = min(k, n - 1)
+    ids = np.empty((n, k), np.int64)
+    counts = np.empty((n, k), np.float32)
+    for lo in range(0, n, BLOCK):
+        c = a[:, lo:lo + BLOCK].T @ a                              # [b, n] co-activation counts
+        if score == "jaccard":
+            c /= np.maximum(fires[lo:lo + BLOCK, None] + fires[None, :] - c, 1)
+        c[np.arange(c.shape[0]), np.arange(lo, lo + c.shape[0])] = -1   # not its own partner
+        part = np.argpartition(-c, k - 1, axis=1)[:, :k]
+        ids[lo:lo + BLOCK] = part
+        counts[lo:lo + BLOCK] = np.take_along_axis(c, part, axis=1)
+    return ids, counts
+
+
+def chain(n: int, i: np.ndarray, j: np.ndarray, w: np.ndarray) -> list[list[int]]:
+    """Greedy path cover: edges (i, j) by weight w, heaviest first, joined when both ends are chain ends of different
+    chains. Returns the chains (every node in exactly one)."""
+    root = np.arange(n)
+
+    def find(x):
+        while root[x] != x:
+            root[x] = root[root[x]]
+            x = root[x]
+        return x
+
+    nbr = [[] for _ in range(n)]
+    for e in np.argsort(-w, kind="stable").tolist():
+        a, b = int(i[e]), int(j[e])
+        if w[e] <= 0 or len(nbr[a]) == 2 or len(nbr[b]) == 2:
+            continue
+        ra, rb = find(a), find(b)
+        if ra == rb:
+            continue
+        root[ra] = rb
+        nbr[a].append(b)
+        nbr[b].append(a)
+    chains, seen = [], np.zeros(n, bool)
+    for s in range(n):
+        if seen[s] or len(nbr[s]) == 2:
+            continue                                  # start walks at chain ends (or lone nodes)
+        path, prev, cur = [], -1, s
+        while cur != -1:
+            path.append(cur)
+            seen[cur] = True
+            nxt = [x for x in nbr[cur] if x != prev]
+            prev, cur = cur, (nxt[0] if nxt else -1)
+        chains.append(path)
+    return chains
+
+
+def coactivation_order(active: np.ndarray, hot: int = 0, k: int = NEIGHBOURS, score: str = "jaccard") -> np.ndarray:
+    """Bundle index -> neuron id: the `hot` most frequent neurons first, then the rest in co-activation chains.
+    active: bool [T, n] on calibration text."""
+    freq = active.mean(axis=0)
+    by_freq = np.argsort(-freq, kind="stable")
+    hot_ids, rest = by_freq[:hot], np.sort(by_freq[hot:])
+    ids, counts = top_partners(active[:, rest], k, score)
+    src = np.repeat(np.arange(rest.size), ids.shape[1])
+    chains = chain(rest.size, src, ids.ravel(), counts.ravel())
+    chains.sort(key=lambda c: -freq[rest[c]].sum())
+    order = np.concatenate([hot_ids] + [rest[c] for c in chains]).astype(np.int64)
+    assert np.array_equal(np.sort(order), np.arange(active.shape[1]))
+    return order
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Measurements
 
 
 def raw_grid(path: Path, size: int, threads: list[int], seconds: float) -> list[dict]:
@@ -87,7 +179,7 @@ def count_runs(ids: np.ndarray, gap: int) -> tuple[int, int]:
 
 
 def replay(path: Path, size: int, stride: int, sets: dict[str, list[list[np.ndarray]]], n: int, threads: int,
-           tokens: int) -> list[dict]:
+           tokens: int, timed_gaps: list[int]) -> list[dict]:
     """sets[placement][layer][token] = bundle ids (sorted). Counted over all tokens, timed over the first `tokens`."""
     names = list(sets)
     n_layers = len(next(iter(sets.values())))
@@ -117,7 +209,7 @@ def replay(path: Path, size: int, stride: int, sets: dict[str, list[list[np.ndar
         dest = aligned_empty((n, stride), np.uint8)
         drop_caches(path)
         try:
-            for t in range(min(tokens, T)):
+            for t in range(min(tokens, T) if gap in timed_gaps else 0):
                 for p in names[t % len(names):] + names[:t % len(names)]:      # A B C, B C A, ...: drift spreads evenly
                     t0 = time.perf_counter()
                     for layer in range(n_layers):
@@ -134,10 +226,10 @@ def replay(path: Path, size: int, stride: int, sets: dict[str, list[list[np.ndar
             rows.append({"placement": p, "gap": gap, "requests_per_token": round(req / T, 1),
                          "bundles_per_token": round(want / T, 1), "over_read": round(got / max(want, 1) - 1, 3),
                          "read_MB_per_token": round(got * stride / T / 1e6, 3),
-                         "measured_ms_per_token": round(1e3 * timed[p] / Tt, 2),
-                         "measured_preadv_per_token": round(calls / Tt, 1)})
-        line = "  ".join(f"{r['placement']}: {r['requests_per_token']:.0f} req {r['measured_ms_per_token']:.1f} ms"
-                         for r in rows[-len(names):])
+                         **({"measured_ms_per_token": round(1e3 * timed[p] / Tt, 2),
+                             "measured_preadv_per_token": round(calls / Tt, 1)} if gap in timed_gaps else {})})
+        line = "  ".join(f"{r['placement']}: {r['requests_per_token']:.0f} req "
+                         f"{r.get('measured_ms_per_token', 0):.1f} ms" for r in rows[-len(names):])
         print(f"replay stride {stride} gap {gap:2d}: {line}", file=sys.stderr)
     return rows
 
@@ -173,6 +265,7 @@ def main() -> int:
     ap.add_argument("--active", type=float, default=0.10, help="share of calibration |a| counted active")
     ap.add_argument("--hot", type=float, default=0.10, help="share of neurons pinned (windowed replay)")
     ap.add_argument("--strides", default="q4_0,f16")
+    ap.add_argument("--gaps", default=",".join(map(str, GAPS)), help="coalescing gaps timed (all are counted)")
     ap.add_argument("--skip-raw", action="store_true")
     args = ap.parse_args()
     size = parse_size(args.size)
@@ -208,11 +301,26 @@ def main() -> int:
     oracle = [coactivation_order(a, hot=n_hot) for a in act_ev]
     counts = {f"gap{g}": {**{p: counted(o, act_ev, g) for p, o in placements.items()},
                           "coact_fit_on_eval_upper_bound": counted(oracle, act_ev, g)} for g in GAPS}
+    # The same bound for the windowed reads: the hot region, then chains fitted on the held-out misses themselves.
+    window_mode = list(modes)[1]
+    oracle_w, misses_ev = [], []
+    for layer in range(L):
+        hot_ids = placements["freq"][layer][:n_hot]
+        m = np.zeros_like(act_ev[layer])
+        for t, ids in enumerate(to_read(act_ev[layer], hot_ids, WINDOW)):
+            m[t, ids] = True
+        misses_ev.append(m)
+        chained = coactivation_order(m, hot=0)
+        oracle_w.append(np.concatenate([hot_ids, chained[~np.isin(chained, hot_ids)]]))
+    counts_w = {f"gap{g}": {"identity": counted(placements["identity"], misses_ev, g),
+                            "coact": counted(placements["coact"], misses_ev, g),
+                            "coact_fit_on_eval_misses_upper_bound": counted(oracle_w, misses_ev, g)} for g in GAPS}
     path = args.dir.resolve() / f".placement-{os.getpid()}.tmp"
     out = {"cal_tokens": int(cal.shape[0]), "eval_tokens": int(ev.shape[0]), "layers": L, "n_neurons": n,
            "active": args.active, "strides": STRIDES, "fit_seconds": round(fit_s, 1),
            "active_per_layer_eval": round(float(np.mean([a.sum(axis=1).mean() for a in act_ev])), 1),
-           "requests_per_token_per_layer_all_active": counts, "record_trace_mapping": record_trace_mapping(act_ev)}
+           "requests_per_token_per_layer_all_active": counts,
+           f"requests_per_token_per_layer_{window_mode}": counts_w, "record_trace_mapping": record_trace_mapping(act_ev)}
     try:
         write_scratch(path, size)
         out["load_before"] = os.getloadavg()
@@ -222,7 +330,7 @@ def main() -> int:
         for s in args.strides.split(","):
             for mode in modes:
                 out["replay"][f"{s}/{mode}"] = replay(path, size, STRIDES[s], sets[mode], n, args.replay_threads,
-                                                      args.tokens)
+                                                      args.tokens, [int(g) for g in args.gaps.split(",")])
         out["load_after"] = os.getloadavg()
     finally:
         path.unlink(missing_ok=True)
