@@ -320,7 +320,8 @@ def main() -> int:
            "active": args.active, "strides": STRIDES, "fit_seconds": round(fit_s, 1),
            "active_per_layer_eval": round(float(np.mean([a.sum(axis=1).mean() for a in act_ev])), 1),
            "requests_per_token_per_layer_all_active": counts,
-           f"requests_per_token_per_layer_{window_mode}": counts_w, "record_trace_mapping": record_trace_mapping(act_ev)}
+           f"requests_per_token_per_layer_{window_mode}": counts_w,
+           "record_trace_mapping": record_trace_mapping(act_ev)}
     try:
         write_scratch(path, size)
         out["load_before"] = os.getloadavg()
