@@ -1,12 +1,13 @@
 """Small reads at q4 bundle size: random-read GB/s per stride, and what coalescing and neuron placement recover. JSON.
 
-    PYTHONPATH=. python bench/placement.py --dir /work/big/place12 --cal CAL.npy --eval EVAL.npy
+    PYTHONPATH=. python bench/placement.py --dir /work/big/place12 [--model GGUF] [--corpus DIR]
                                            [--size 4GiB] [--threads 2,4,8,16] [--seconds 2] [--tokens 64]
 
-CAL.npy / EVAL.npy: |a| float16 [T, L, n] of a real model over calibration and held-out text (tools/record_trace.py's
-record_abs_activations; e.g. SmolLM2-135M over wikitext2_valid and wikitext2_test). A neuron is active where |a| is
-above its layer's (1 - --active) quantile on the calibration text. Placements are fitted on CAL only and evaluated
-on EVAL only.
+Activations: |a| float16 [T, L, n] of a real model (default: SmolLM2-135M) over --cal-tokens of calibration text
+(DIR/wikitext2_valid.txt) and --eval-tokens of held-out text (DIR/wikitext2_test.txt), recorded with
+tools/record_trace.py's record_abs_activations into --dir (placement_cal.npy, placement_eval.npy; reused when there).
+A neuron is active where |a| is above its layer's (1 - --active) quantile on the calibration text. Placements are
+fitted on the calibration text only and evaluated on the held-out text only.
 
 1. raw: BundleReader random reads, no coalescing, at the 7B bundle strides (f16, q4_0, q4_0 with q8_0 down), one
    layer's active set (10% of 11008) per call, 2..16 threads, on a --size scratch file (O_DIRECT: cold).
@@ -30,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from flashinfer_lite.sizes import parse_size  # noqa: E402
 from storage.flash_bench import drop_caches, measure, synthetic_layout, write_scratch  # noqa: E402
@@ -252,11 +254,30 @@ def record_trace_mapping(active: list[np.ndarray], width: int = FFN, seed: int =
             "requests_per_token_gap0_copies_adjacent": counted([np.argsort(parent, kind="stable")], big, 0)}
 
 
+def record(model: Path | None, corpus: Path, n_cal: int, n_eval: int, out: Path) -> tuple[Path, Path]:
+    """placement_{cal,eval}.npy in `out`: |a| [T, L, n] over calibration and held-out text (kept across runs)."""
+    paths = out / "placement_cal.npy", out / "placement_eval.npy"
+    if all(p.exists() for p in paths):
+        return paths
+    sys.path.insert(0, str(ROOT / "tools"))
+    from record_trace import record_abs_activations, text_tokens
+
+    from flashinfer_lite.default_model import ensure_default_model
+    from flashinfer_lite.loader import load
+    m, tok = load(model or ensure_default_model())
+    for path, text, n in zip(paths, ("wikitext2_valid.txt", "wikitext2_test.txt"), (n_cal, n_eval)):
+        np.save(path, record_abs_activations(m, text_tokens(tok, corpus / text, n)))
+    return paths
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", type=Path, required=True, help="where the scratch file goes (a real device)")
-    ap.add_argument("--cal", type=Path, required=True)
-    ap.add_argument("--eval", type=Path, required=True)
+    ap.add_argument("--model", type=Path, default=None, help="model to record (default: the default model)")
+    ap.add_argument("--corpus", type=Path, default=ROOT / "tests" / "data" / "corpus",
+                    help="directory with wikitext2_valid.txt (calibration) and wikitext2_test.txt (held out)")
+    ap.add_argument("--cal-tokens", type=int, default=4096)
+    ap.add_argument("--eval-tokens", type=int, default=768)
     ap.add_argument("--size", default="4GiB")
     ap.add_argument("--threads", default="2,4,8,16")
     ap.add_argument("--replay-threads", type=int, default=8)
@@ -269,8 +290,9 @@ def main() -> int:
     ap.add_argument("--skip-raw", action="store_true")
     args = ap.parse_args()
     size = parse_size(args.size)
-    cal = np.load(args.cal, mmap_mode="r")
-    ev = np.load(args.eval, mmap_mode="r")
+    cal_path, eval_path = record(args.model, args.corpus, args.cal_tokens, args.eval_tokens, args.dir)
+    cal = np.load(cal_path, mmap_mode="r")
+    ev = np.load(eval_path, mmap_mode="r")
     _, L, n = cal.shape
     t0 = time.perf_counter()
     placements = {"identity": [], "freq": [], "coact": []}
