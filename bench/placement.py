@@ -254,6 +254,29 @@ def record_trace_mapping(active: list[np.ndarray], width: int = FFN, seed: int =
             "requests_per_token_gap0_copies_adjacent": counted([np.argsort(parent, kind="stable")], big, 0)}
 
 
+def validate(cal: np.ndarray, active_share: float, n_hot: int) -> dict:
+    """How coactivation_order's settings were chosen, on calibration text only: fit on its first 3/4, count requests
+    per token and layer (gap 0) on the last 1/4, every other layer; all active neurons and the cache's misses."""
+    T, L, n = cal.shape
+    cut = T * 3 // 4
+    variants = {f"{score}_hot{h}_k{k}": {"score": score, "hot": h, "k": k}
+                for score in ("count", "jaccard") for h in (0, n_hot) for k in (8, 32)}
+    out: dict[str, dict[str, list]] = {}
+    for layer in range(0, L, 2):
+        a = np.asarray(cal[:, layer], np.float32)
+        active = a > np.quantile(a[:cut], 1 - active_share)
+        fit, val = active[:cut], active[cut:]
+        sets = {"all_active": [np.flatnonzero(row) for row in val],
+                "cache_misses": to_read(val, frequency_order(fit)[:n_hot], WINDOW)}
+        orders = {"identity": np.arange(n), **{v: coactivation_order(fit, **kw) for v, kw in variants.items()}}
+        for name, order in orders.items():
+            bundle_of = np.argsort(order)
+            for what, rows in sets.items():
+                req = np.mean([count_runs(np.sort(bundle_of[ids]), 0)[0] for ids in rows])
+                out.setdefault(name, {}).setdefault(what, []).append(req)
+    return {name: {what: round(float(np.mean(v)), 1) for what, v in d.items()} for name, d in out.items()}
+
+
 def record(model: Path | None, corpus: Path, n_cal: int, n_eval: int, out: Path) -> tuple[Path, Path]:
     """placement_{cal,eval}.npy in `out`: |a| [T, L, n] over calibration and held-out text (kept across runs)."""
     paths = out / "placement_cal.npy", out / "placement_eval.npy"
@@ -288,12 +311,16 @@ def main() -> int:
     ap.add_argument("--strides", default="q4_0,f16")
     ap.add_argument("--gaps", default=",".join(map(str, GAPS)), help="coalescing gaps timed (all are counted)")
     ap.add_argument("--skip-raw", action="store_true")
+    ap.add_argument("--validate", action="store_true", help="only compare coactivation_order's settings (no reads)")
     args = ap.parse_args()
     size = parse_size(args.size)
     cal_path, eval_path = record(args.model, args.corpus, args.cal_tokens, args.eval_tokens, args.dir)
     cal = np.load(cal_path, mmap_mode="r")
     ev = np.load(eval_path, mmap_mode="r")
     _, L, n = cal.shape
+    if args.validate:
+        print(json.dumps(validate(cal, args.active, int(args.hot * n)), indent=1))
+        return 0
     t0 = time.perf_counter()
     placements = {"identity": [], "freq": [], "coact": []}
     act_cal, act_ev = [], []
