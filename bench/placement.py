@@ -1,6 +1,6 @@
 """Small reads at q4 bundle size: random-read GB/s per stride, and what coalescing and neuron placement recover. JSON.
 
-    PYTHONPATH=. python bench/placement.py --dir /work/big/place12 [--model GGUF] [--corpus DIR]
+    PYTHONPATH=. python bench/placement.py --dir $BIG/placement [--model GGUF] [--corpus DIR]
                                            [--size 4GiB] [--threads 2,4,8,16] [--seconds 2] [--tokens 64]
 
 Activations: |a| float16 [T, L, n] of a real model (default: SmolLM2-135M) over --cal-tokens of calibration text
