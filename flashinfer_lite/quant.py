@@ -22,10 +22,14 @@ from numba.extending import intrinsic
 
 from flashinfer_lite.errors import UserError
 from flashinfer_lite.kernels import (ACT_DRELU, MATMUL_PARALLEL_MIN_WORK, MATMUL_ROW_KERNEL_MAX_T, OUT_BLOCK,
-                                     SparseFFN, _act, _dot, _scalar, f16_bits_to_f32, matmul_widened)
+                                     WIDEN_BLOCK_BYTES, SparseFFN, _act, _dot, _scalar, f16_bits_to_f32,
+                                     matmul_widened)
 from storage.blocks import BLOCK, BLOCK_BYTES, check_kind, quantize, row_bytes  # noqa: F401 (quantize: re-exported)
 
 Q8_0, Q4_0, Q4_1 = 0, 1, 2       # kind codes the kernels branch on (once per row, not per element)
+# QuantSparseFFN.dense: up to this many rows, the row kernel per row (the layer's blocks read once per row); more
+# (a prompt): widened blocks + BLAS, which read them once for all rows
+DENSE_ROW_KERNEL_MAX_T = 2
 
 
 @dataclass(frozen=True)
@@ -320,6 +324,69 @@ def quant_ffn_accumulate(B, slots, coef, Y, rb, glu, kind, block_bytes):
                 _row_axpy(y, c, B[slots[j], b_lo:b_hi], kind)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Dense FFN over a whole layer's quantized bundles (every neuron, rows 0..n-1 of B): the in-RAM path, where there is
+# nothing to predict or look up. Decode (a row or two) is one Numba call per row; a prompt widens the bundles to
+# float32 one L2-sized block of neurons at a time and hands the three products to BLAS.
+
+
+@njit(cache=True, parallel=True, fastmath=True, nogil=True)
+def quant_dense_ffn_row(B, F, x, y, coef, rb, glu, act, relu_threshold, kind, bg_idx, bu_idx, down_kind,
+                        down_block_bytes, chunks):
+    """y[:] = sum over neurons j = 0, 1, ... of coef[j] * down(B[j]), coef[j] = the neuron's coefficient on x.
+
+    First every coefficient (neurons split into `chunks` ranges), then the down sum, each chunk owning whole blocks of
+    y and adding the neurons in order: the bits of quant_ffn_accumulate's sum over every row, whatever `chunks` is."""
+    n, d = B.shape[0], y.shape[0]
+    for c in prange(chunks):
+        for j in range(c * n // chunks, (c + 1) * n // chunks):
+            coef[j] = _q_coefficient(B[j], F[j], x, rb, glu, act, relu_threshold, kind, bg_idx, bu_idx)
+    down = rb * (2 if glu else 1)
+    nb = d // BLOCK
+    for c in prange(chunks):
+        lo, hi = c * nb // chunks, (c + 1) * nb // chunks
+        yc = y[lo * BLOCK:hi * BLOCK]
+        yc[:] = 0.0
+        for j in range(n):
+            if coef[j] != np.float32(0.0):
+                _row_axpy(yc, coef[j], B[j, down + lo * down_block_bytes:down + hi * down_block_bytes], down_kind)
+
+
+@njit(cache=True, nogil=True)
+def dequantize_bundles(B, F, lo, G, U, D, bias_g, bias_u, rb, glu, kind, bg_idx, bu_idx, down_kind, down_rb):
+    """Bundles lo .. lo + len(D) widened to float32 rows: gate G (GLU only), up U, down D (down_rb bytes each in
+    down_kind); their gate and up biases (0 where the layout has none)."""
+    down = rb * (2 if glu else 1)
+    for r in range(D.shape[0]):
+        row = B[lo + r]
+        if glu:
+            _row_dequant(row[:rb], G[r], kind)
+            _row_dequant(row[rb:2 * rb], U[r], kind)
+        else:
+            _row_dequant(row[:rb], U[r], kind)
+        _row_dequant(row[down:down + down_rb], D[r], down_kind)
+        bias_g[r] = _scalar(F[lo + r], bg_idx, 0.0)
+        bias_u[r] = _scalar(F[lo + r], bu_idx, 0.0)
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def ffn_coefficients_from_products(g, u, bias_g, bias_u, glu, act, relu_threshold):
+    """u[t, j] = the coefficient of neuron j from its products g = X G^T, u = X U^T (in place): _q_coefficient's
+    math on precomputed dot products."""
+    for t in range(u.shape[0]):
+        for j in range(u.shape[1]):
+            if glu:
+                a = _act(act, g[t, j] + bias_g[j])
+                uj = u[t, j] + bias_u[j]
+                if not a > relu_threshold or (act == ACT_DRELU and not uj > np.float32(0.0)):
+                    u[t, j] = 0.0
+                else:
+                    u[t, j] = a * uj
+            else:
+                a = _act(act, u[t, j] + bias_u[j])
+                u[t, j] = a if a > relu_threshold else np.float32(0.0)
+
+
 class QuantSparseFFN(SparseFFN):
     """SparseFFN over quantized bundles (storage.format.pack_bundles); dtype is a kind of KINDS (down_dtype, if given,
     the down vector's), the rest as SparseFFN:
@@ -334,6 +401,8 @@ class QuantSparseFFN(SparseFFN):
     def __init__(self, d: int, dtype: str, *args, down_dtype: str | None = None, **kw):
         super().__init__(d, dtype, *args, **kw)
         self.kind, self.down_kind = KINDS[dtype], quant_kind(down_dtype or dtype)
+        self.down_kind_name = down_dtype or dtype
+        self._widened = None     # dense(): float32 blocks of a prompt's widened bundles, allocated on first use
         self.row_bytes = row_bytes(d, dtype)
         payload = (self.n_vec - 1) * self.row_bytes + row_bytes(d, down_dtype or dtype)
         # the row kernels read whole rows unchecked: the geometry must hold them
@@ -359,6 +428,36 @@ class QuantSparseFFN(SparseFFN):
         self._rows_of_d(Y)
         quant_ffn_accumulate(W, slots, coef, Y, self.row_bytes, self.glu, self.down_kind.code,
                              self.down_kind.block_bytes)
+
+    def dense(self, B: np.ndarray, X: np.ndarray, Y: np.ndarray) -> None:
+        """Y[:] = the FFN over every bundle row of B (a whole layer) on X [T, d] (down bias not included)."""
+        W, F = self.views(B)
+        self._rows_of_d(X)
+        self._rows_of_d(Y)
+        n, T = B.shape[0], X.shape[0]
+        if T <= DENSE_ROW_KERNEL_MAX_T:
+            self._grow(n)
+            for t in range(T):
+                quant_dense_ffn_row(W, F, X[t], Y[t], self.coef, self.row_bytes, self.glu, self.act_code,
+                                    self.relu_threshold, self.kind.code, self.bg_idx, self.bu_idx,
+                                    self.down_kind.code, self.down_kind.block_bytes, numba.get_num_threads())
+            return
+        d = self.d
+        block = max(1, min(n, WIDEN_BLOCK_BYTES // (4 * d)))
+        if self._widened is None or self._widened[0].shape[0] != block:
+            self._widened = (np.empty((block, d), np.float32), np.empty((block, d), np.float32),
+                             np.empty((block, d), np.float32), np.empty(block, np.float32), np.empty(block, np.float32))
+        G, U, D, bg, bu = self._widened
+        Y[:] = 0.0
+        for lo in range(0, n, block):
+            m = min(block, n - lo)
+            dequantize_bundles(W, F, lo, G[:m], U[:m], D[:m], bg[:m], bu[:m], self.row_bytes, self.glu,
+                               self.kind.code, self.bg_idx, self.bu_idx, self.down_kind.code,
+                               row_bytes(d, self.down_kind_name))
+            a = X @ U[:m].T                                            # [T, m], then the coefficients in place
+            ffn_coefficients_from_products(X @ G[:m].T if self.glu else a, a, bg[:m], bu[:m], self.glu,
+                                           self.act_code, self.relu_threshold)
+            Y += a @ D[:m]
 
 
 def sparse_ffn(layout, **kw) -> SparseFFN:

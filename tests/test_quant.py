@@ -15,7 +15,7 @@ from gguf import quants as gguf_quants
 
 from flashinfer_lite.errors import UserError
 from flashinfer_lite.kernels import MATMUL_ROW_KERNEL_MAX_T
-from flashinfer_lite.quant import BLOCK, KINDS, QuantSparseFFN, dequantize, quant_matmul_t, quantize, row_bytes
+from flashinfer_lite.quant import BLOCK, DENSE_ROW_KERNEL_MAX_T, KINDS, QuantSparseFFN, dequantize, quant_matmul_t, quantize, row_bytes
 from storage.format import FlashLayout, bundle_geometry, pack_bundles
 from test_kernels import CASES, dense_coefficients, dense_ffn, make_model, numba_threads, rel_err, scatter_rows
 
@@ -190,6 +190,27 @@ def test_sparse_same_bits_whatever_the_split_or_threads(kind):
                     ffn.coefficients(bundles, S[lo:lo + piece], None, X[t:t + 1], c, act_threshold=0.02)
                     ffn.accumulate(bundles, S[lo:lo + piece], c, y)
             assert np.array_equal(y[0], Y[t]), (t, threads, piece)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS) + ["q4_1/q8_0"])
+@pytest.mark.parametrize("glu,act", CASES)
+@pytest.mark.parametrize("T", [1, DENSE_ROW_KERNEL_MAX_T, DENSE_ROW_KERNEL_MAX_T + 1, 40])
+def test_dense_layer_equals_float64(kind, glu, act, T):
+    """QuantSparseFFN.dense over a whole layer's bundles (the in-RAM FFN): the row kernel for a few rows, widened
+    blocks + BLAS for a prompt; the neuron count is not a multiple of the widened block."""
+    rng = np.random.default_rng(zlib.crc32(repr((kind, glu, act, T)).encode()))
+    d, n = 3 * BLOCK, 1500
+    w = make_model(rng, d, n, glu, True)
+    args, bundles, dq = pack(w, kind, glu)
+    threshold = 0.05 if act != "silu" else None
+    ffn = QuantSparseFFN(act=act, relu_threshold=threshold, **args)
+    X = rng.standard_normal((T, d)).astype(np.float32)
+    ref = np.stack([dense_ffn(dq, dense_coefficients(dq, x, glu, act, threshold)) for x in X])
+    for threads in (1, 2):
+        Y = np.full((T, d), np.nan, np.float32)
+        with numba_threads(threads):
+            ffn.dense(bundles, X, Y)
+        assert rel_err(Y, ref) < RTOL, threads
 
 
 def test_quantized_bundles_track_source_weights():
