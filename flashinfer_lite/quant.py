@@ -188,6 +188,35 @@ def _row_axpy(typingctx, y, c, r, kind):
     return types.none(y, c, r, kind), codegen
 
 
+@intrinsic
+def _down_block_sum(typingctx, y, B, slots, coef, offset, kind):
+    """y[:32] += sum over j = 0, 1, ... of coef[j] * dequant(block at byte offset of row slots[j] of B), in that
+    order, skipping zero coefficients; strict float32 as _row_axpy (the same bits), but y stays in registers for the
+    whole sum instead of a load and a store per neuron. B uint8 [rows, row bytes] C-contiguous, slots int32 [n],
+    coef float32 [>= n], y float32 [>= 32]."""
+    ok = (isinstance(B, types.Array) and B.ndim == 2 and B.layout == "C" and B.dtype == types.uint8
+          and _rows_ok(y, types.float32, slots, types.int32, coef, types.float32))
+    if not ok:
+        return None
+
+    def codegen(context, builder, sig, args):
+        y, B, slots, coef, offset, kind = _arrays(context, builder, sig, args)
+        acc = cgutils.alloca_once_value(builder, builder.load(_f32_block(builder, y, ir.Constant(offset.type, 0)),
+                                                              align=4))
+        row_bytes = builder.extract_value(B.strides, 0)
+        for k in _BLOCK_BYTES:
+            with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
+                with cgutils.for_range(builder, slots.nitems) as loop:
+                    c = builder.load(builder.gep(coef.data, [loop.index]))
+                    with builder.if_then(builder.fcmp_ordered("!=", c, ir.Constant(_F32, 0.0))):
+                        r = builder.sext(builder.load(builder.gep(slots.data, [loop.index])), offset.type)
+                        w = _decode_block(context, builder, k, B.data, builder.add(builder.mul(r, row_bytes), offset))
+                        builder.store(builder.fadd(builder.load(acc), builder.fmul(_vec(builder, _F32, c), w)), acc)
+        builder.store(builder.load(acc), _f32_block(builder, y, ir.Constant(offset.type, 0)), align=4)
+        return context.get_dummy_value()
+    return types.none(y, B, slots, coef, offset, kind), codegen
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Dequantize (whole matrices, embedding rows, and the widened blocks of the prefill matmul)
 
@@ -331,25 +360,20 @@ def quant_ffn_accumulate(B, slots, coef, Y, rb, glu, kind, block_bytes):
 
 
 @njit(cache=True, parallel=True, fastmath=True, nogil=True)
-def quant_dense_ffn_row(B, F, x, y, coef, rb, glu, act, relu_threshold, kind, bg_idx, bu_idx, down_kind,
+def quant_dense_ffn_row(B, F, slots, x, y, coef, rb, glu, act, relu_threshold, kind, bg_idx, bu_idx, down_kind,
                         down_block_bytes, chunks):
     """y[:] = sum over neurons j = 0, 1, ... of coef[j] * down(B[j]), coef[j] = the neuron's coefficient on x.
 
-    First every coefficient (neurons split into `chunks` ranges), then the down sum, each chunk owning whole blocks of
-    y and adding the neurons in order: the bits of quant_ffn_accumulate's sum over every row, whatever `chunks` is."""
+    First every coefficient (neurons split into `chunks` ranges), then the down sum, one task per block of y adding
+    the neurons in order (slots = 0 .. n-1): quant_ffn_accumulate's sum, whatever `chunks` is."""
     n, d = B.shape[0], y.shape[0]
     for c in prange(chunks):
         for j in range(c * n // chunks, (c + 1) * n // chunks):
             coef[j] = _q_coefficient(B[j], F[j], x, rb, glu, act, relu_threshold, kind, bg_idx, bu_idx)
     down = rb * (2 if glu else 1)
-    nb = d // BLOCK
-    for c in prange(chunks):
-        lo, hi = c * nb // chunks, (c + 1) * nb // chunks
-        yc = y[lo * BLOCK:hi * BLOCK]
-        yc[:] = 0.0
-        for j in range(n):
-            if coef[j] != np.float32(0.0):
-                _row_axpy(yc, coef[j], B[j, down + lo * down_block_bytes:down + hi * down_block_bytes], down_kind)
+    y[:] = 0.0
+    for b in prange(d // BLOCK):
+        _down_block_sum(y[b * BLOCK:(b + 1) * BLOCK], B, slots, coef, down + b * down_block_bytes, down_kind)
 
 
 @njit(cache=True, nogil=True)
@@ -403,6 +427,7 @@ class QuantSparseFFN(SparseFFN):
         self.kind, self.down_kind = KINDS[dtype], quant_kind(down_dtype or dtype)
         self.down_kind_name = down_dtype or dtype
         self._widened = None     # dense(): float32 blocks of a prompt's widened bundles, allocated on first use
+        self._all_rows = np.zeros(0, np.int32)                 # dense(): 0 .. n-1, every row of the layer
         self.row_bytes = row_bytes(d, dtype)
         payload = (self.n_vec - 1) * self.row_bytes + row_bytes(d, down_dtype or dtype)
         # the row kernels read whole rows unchecked: the geometry must hold them
@@ -437,8 +462,10 @@ class QuantSparseFFN(SparseFFN):
         n, T = B.shape[0], X.shape[0]
         if T <= DENSE_ROW_KERNEL_MAX_T:
             self._grow(n)
+            if self._all_rows.shape[0] != n:
+                self._all_rows = np.arange(n, dtype=np.int32)
             for t in range(T):
-                quant_dense_ffn_row(W, F, X[t], Y[t], self.coef, self.row_bytes, self.glu, self.act_code,
+                quant_dense_ffn_row(W, F, self._all_rows, X[t], Y[t], self.coef, self.row_bytes, self.glu, self.act_code,
                                     self.relu_threshold, self.kind.code, self.bg_idx, self.bu_idx,
                                     self.down_kind.code, self.down_kind.block_bytes, numba.get_num_threads())
             return
