@@ -91,7 +91,7 @@ class BudgetPlan:
         rows = [("runtime", self.runtime_bytes, "interpreter, libraries, compiled kernels, tokenizer, "
                                                 "predictors (measured)"),
                 ("resident dense", self.resident_bytes, "embeddings, attention, norms, head"),
-                *([("resident ffn", self.ffn_bytes, "every layer's bundles, computed dense")] if self.ffn_bytes
+                *([("resident ffn", self.ffn_bytes, "every layer's FFN weights, computed dense")] if self.ffn_bytes
                   else []),
                 ("kv cache", self.kv_bytes, f"{self.ctx} positions"),
                 ("buffers", self.buffer_bytes, "reader scratch, kernel scratch, slot maps, prefill chunk"),
@@ -197,13 +197,13 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
 
 def plan_resident_ffn(config, layout, dram_budget_bytes: int, ctx: int, resident_bytes: int, runtime_bytes: int = 0,
                       heap_slack_bytes: int = 0, requested: bool = True) -> BudgetPlan | None:
-    """The plan of the in-RAM FFN (runtime.ResidentFFN): every layer's bundles in DRAM as on flash, plus the prompt's
+    """The plan of the in-RAM FFN (runtime.ResidentFFN): every layer's weights in DRAM as on flash, plus the prompt's
     widened float32 blocks (gate, up, down: quant.QuantSparseFFN.dense) and the coefficients; None when that does not
     fit `dram_budget_bytes` (then the FFN runs from flash)."""
     cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_dict(config)
     n_max = max(layout.n_neurons)
     buffers = 3 * WIDEN_BLOCK_BYTES + 2 * n_max * 4 + heap_slack_bytes
-    ffn = sum(layout.region_bytes(i) for i in range(layout.n_layers))
+    ffn = sum(layout.n_neurons) * sparse_ffn(layout).dense_row_bytes      # runtime.ResidentFFN's matrices
     kv = KVCache.nbytes_for(cfg, ctx)
     need = runtime_bytes + resident_bytes + kv + buffers + ffn
     if need > dram_budget_bytes:

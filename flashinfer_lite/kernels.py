@@ -403,9 +403,19 @@ class SparseFFN:
     def _accumulate(self, W, F, slots, coef, Y) -> None:
         ffn_accumulate(W, F, slots, coef, Y, self.d, self.glu, self.scale0)
 
+    @property
+    def dense_row_bytes(self) -> int:
+        """DRAM per neuron of dense_layer (what the budget counts for a resident FFN)."""
+        return self.stride
+
+    def dense_layer(self, B: np.ndarray) -> np.ndarray:
+        """A whole layer's bundles as dense() takes them: as they are (quant.QuantSparseFFN splits them)."""
+        self.views(B)
+        return B
+
     def dense(self, B: np.ndarray, X: np.ndarray, Y: np.ndarray) -> None:
-        """Y[:] = the FFN over every bundle row of B (a whole layer) on X [T, d] (down bias not included): the sparse
-        kernels with every neuron selected (quant.QuantSparseFFN has a dense path of its own)."""
+        """Y[:] = the FFN over every bundle row of B (a whole layer, dense_layer) on X [T, d] (down bias not
+        included): the sparse kernels with every neuron selected (quant.QuantSparseFFN has a dense path of its own)."""
         n, T = B.shape[0], X.shape[0]
         slots = np.arange(n, dtype=np.int32)
         coef = np.empty((T, n), np.float32)

@@ -354,43 +354,59 @@ def quant_ffn_accumulate(B, slots, coef, Y, rb, glu, kind, block_bytes):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Dense FFN over a whole layer's quantized bundles (every neuron, rows 0..n-1 of B): the in-RAM path, where there is
-# nothing to predict or look up. Decode (a row or two) is one Numba call per row; a prompt widens the bundles to
-# float32 one L2-sized block of neurons at a time and hands the three products to BLAS.
+# Dense FFN over a whole layer (every neuron): the in-RAM path, where there is nothing to predict or look up. The
+# layer's bundles are split once into two contiguous matrices (DenseLayer): [gate | up | biases] rows and down rows,
+# without the bundles' 512-byte padding, so each pass streams only what it reads (the bundle layout made the
+# coefficients ~30% slower than the same rows back to back, single thread). Decode (a row or two) is one Numba call
+# per row; a prompt widens the rows to float32 one L2-sized block of neurons at a time and hands the three products
+# to BLAS.
+
+
+@dataclass(frozen=True, eq=False)
+class DenseLayer:
+    """One layer's FFN for QuantSparseFFN.dense: head uint8 [n, head_bytes] (gate and up rows, or up for MLP, then
+    the float32 biases at bg_idx / bu_idx of its float32 view, -1: none) and down uint8 [n, row_bytes(d)]."""
+    head: np.ndarray
+    down: np.ndarray
+    bg_idx: int
+    bu_idx: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.head.nbytes + self.down.nbytes
 
 
 @njit(cache=True, parallel=True, fastmath=True, nogil=True)
-def quant_dense_ffn_row(B, F, slots, x, y, coef, rb, glu, act, relu_threshold, kind, bg_idx, bu_idx, down_kind,
+def quant_dense_ffn_row(H, Hf, D, slots, x, y, coef, rb, glu, act, relu_threshold, kind, bg_idx, bu_idx, down_kind,
                         down_block_bytes, chunks):
-    """y[:] = sum over neurons j = 0, 1, ... of coef[j] * down(B[j]), coef[j] = the neuron's coefficient on x.
+    """y[:] = sum over neurons j = 0, 1, ... of coef[j] * dequant(D[j]), coef[j] = the coefficient of head row H[j]
+    (Hf: its float32 view) on x.
 
     First every coefficient (neurons split into `chunks` ranges), then the down sum, one task per block of y adding
-    the neurons in order (slots = 0 .. n-1): quant_ffn_accumulate's sum, whatever `chunks` is."""
-    n, d = B.shape[0], y.shape[0]
+    the neurons in order (slots = 0 .. n-1): quant_ffn_accumulate's order, whatever `chunks` is."""
+    n, d = H.shape[0], y.shape[0]
     for c in prange(chunks):
         for j in range(c * n // chunks, (c + 1) * n // chunks):
-            coef[j] = _q_coefficient(B[j], F[j], x, rb, glu, act, relu_threshold, kind, bg_idx, bu_idx)
-    down = rb * (2 if glu else 1)
+            coef[j] = _q_coefficient(H[j], Hf[j], x, rb, glu, act, relu_threshold, kind, bg_idx, bu_idx)
     y[:] = 0.0
     for b in prange(d // BLOCK):
-        _down_block_sum(y[b * BLOCK:(b + 1) * BLOCK], B, slots, coef, down + b * down_block_bytes, down_kind)
+        _down_block_sum(y[b * BLOCK:(b + 1) * BLOCK], D, slots, coef, b * down_block_bytes, down_kind)
 
 
 @njit(cache=True, nogil=True)
-def dequantize_bundles(B, F, lo, G, U, D, bias_g, bias_u, rb, glu, kind, bg_idx, bu_idx, down_kind, down_rb):
-    """Bundles lo .. lo + len(D) widened to float32 rows: gate G (GLU only), up U, down D (down_rb bytes each in
-    down_kind); their gate and up biases (0 where the layout has none)."""
-    down = rb * (2 if glu else 1)
-    for r in range(D.shape[0]):
-        row = B[lo + r]
+def dequantize_dense_layer(H, Hf, D, lo, G, U, Dw, bias_g, bias_u, rb, glu, kind, bg_idx, bu_idx, down_kind):
+    """Neurons lo .. lo + len(Dw) widened to float32 rows: gate G (GLU only), up U, down Dw; their gate and up
+    biases (0 where there are none)."""
+    for r in range(Dw.shape[0]):
+        row = H[lo + r]
         if glu:
             _row_dequant(row[:rb], G[r], kind)
             _row_dequant(row[rb:2 * rb], U[r], kind)
         else:
             _row_dequant(row[:rb], U[r], kind)
-        _row_dequant(row[down:down + down_rb], D[r], down_kind)
-        bias_g[r] = _scalar(F[lo + r], bg_idx, 0.0)
-        bias_u[r] = _scalar(F[lo + r], bu_idx, 0.0)
+        _row_dequant(D[lo + r], Dw[r], down_kind)
+        bias_g[r] = _scalar(Hf[lo + r], bg_idx, 0.0)
+        bias_u[r] = _scalar(Hf[lo + r], bu_idx, 0.0)
 
 
 @njit(cache=True, fastmath=True, nogil=True)
@@ -454,19 +470,44 @@ class QuantSparseFFN(SparseFFN):
         quant_ffn_accumulate(W, slots, coef, Y, self.row_bytes, self.glu, self.down_kind.code,
                              self.down_kind.block_bytes)
 
-    def dense(self, B: np.ndarray, X: np.ndarray, Y: np.ndarray) -> None:
-        """Y[:] = the FFN over every bundle row of B (a whole layer) on X [T, d] (down bias not included)."""
-        W, F = self.views(B)
+    def _dense_geometry(self) -> tuple[int, int, int, int]:
+        """(bytes of the gate and up rows (MLP: up), offset of the biases in a head row, how many float32 scalars
+        it keeps (the biases the kernels read), bytes of a down row) of dense_layer's matrices."""
+        vec_bytes = (self.n_vec - 1) * self.row_bytes
+        last = max(self.bg_idx, self.bu_idx)
+        n_scalars = 1 + last - self.scalars_offset // 4 if last >= 0 else 0
+        return vec_bytes, -(-vec_bytes // 4) * 4, n_scalars, row_bytes(self.d, self.down_kind_name)
+
+    @property
+    def dense_row_bytes(self) -> int:
+        """DRAM per neuron of dense_layer (what the budget counts for a resident FFN)."""
+        _, at, n_scalars, down_bytes = self._dense_geometry()
+        return at + 4 * n_scalars + down_bytes
+
+    def dense_layer(self, B: np.ndarray) -> DenseLayer:
+        """A whole layer's bundles uint8 [n, stride] as the two contiguous matrices of dense() (copies: B can go)."""
+        self.views(B)
+        vec_bytes, at, n_scalars, down_bytes = self._dense_geometry()
+        head = np.zeros((B.shape[0], at + 4 * n_scalars), np.uint8)
+        head[:, :vec_bytes] = B[:, :vec_bytes]
+        head[:, at:] = B[:, self.scalars_offset:self.scalars_offset + 4 * n_scalars]
+        down = np.ascontiguousarray(B[:, vec_bytes:vec_bytes + down_bytes])
+        moved = lambda idx: idx - self.scalars_offset // 4 + at // 4 if idx >= 0 else -1  # noqa: E731
+        return DenseLayer(head, down, moved(self.bg_idx), moved(self.bu_idx))
+
+    def dense(self, layer: DenseLayer, X: np.ndarray, Y: np.ndarray) -> None:
+        """Y[:] = the FFN of every neuron of `layer` (dense_layer) on X [T, d] (down bias not included)."""
+        H, D, Hf = layer.head, layer.down, layer.head.view(np.float32)
         self._rows_of_d(X)
         self._rows_of_d(Y)
-        n, T = B.shape[0], X.shape[0]
+        n, T = H.shape[0], X.shape[0]
         if T <= DENSE_ROW_KERNEL_MAX_T:
             self._grow(n)
             if self._all_rows.shape[0] != n:
                 self._all_rows = np.arange(n, dtype=np.int32)
             for t in range(T):
-                quant_dense_ffn_row(W, F, self._all_rows, X[t], Y[t], self.coef, self.row_bytes, self.glu, self.act_code,
-                                    self.relu_threshold, self.kind.code, self.bg_idx, self.bu_idx,
+                quant_dense_ffn_row(H, Hf, D, self._all_rows, X[t], Y[t], self.coef, self.row_bytes, self.glu,
+                                    self.act_code, self.relu_threshold, self.kind.code, layer.bg_idx, layer.bu_idx,
                                     self.down_kind.code, self.down_kind.block_bytes, numba.get_num_threads())
             return
         d = self.d
@@ -474,17 +515,16 @@ class QuantSparseFFN(SparseFFN):
         if self._widened is None or self._widened[0].shape[0] != block:
             self._widened = (np.empty((block, d), np.float32), np.empty((block, d), np.float32),
                              np.empty((block, d), np.float32), np.empty(block, np.float32), np.empty(block, np.float32))
-        G, U, D, bg, bu = self._widened
+        G, U, Dw, bg, bu = self._widened
         Y[:] = 0.0
         for lo in range(0, n, block):
             m = min(block, n - lo)
-            dequantize_bundles(W, F, lo, G[:m], U[:m], D[:m], bg[:m], bu[:m], self.row_bytes, self.glu,
-                               self.kind.code, self.bg_idx, self.bu_idx, self.down_kind.code,
-                               row_bytes(d, self.down_kind_name))
+            dequantize_dense_layer(H, Hf, D, lo, G[:m], U[:m], Dw[:m], bg[:m], bu[:m], self.row_bytes, self.glu,
+                                   self.kind.code, layer.bg_idx, layer.bu_idx, self.down_kind.code)
             a = X @ U[:m].T                                            # [T, m], then the coefficients in place
             ffn_coefficients_from_products(X @ G[:m].T if self.glu else a, a, bg[:m], bu[:m], self.glu,
                                            self.act_code, self.relu_threshold)
-            Y += a @ D[:m]
+            Y += a @ Dw[:m]
 
 
 def sparse_ffn(layout, **kw) -> SparseFFN:

@@ -236,14 +236,14 @@ class ResidentFFN:
         L = ckpt.layout
         self.cfg = cfg
         self.kernel = sparse_ffn(L, max_active=max(L.n_neurons))
-        self.bundles = [ckpt.bundles(i) for i in tqdm(range(L.n_layers), desc="ffn", unit="layer",
-                                                      disable=not progress, leave=False)]
+        self.layers = [self.kernel.dense_layer(ckpt.bundles(i))    # one layer's bundles at a time in transit
+                       for i in tqdm(range(L.n_layers), desc="ffn", unit="layer", disable=not progress, leave=False)]
         self.down_bias = list(down_bias) if down_bias is not None else [None] * cfg.n_layers
 
     def __call__(self, layer: int, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
         y = np.empty_like(x)
-        self.kernel.dense(self.bundles[layer], x, y)
+        self.kernel.dense(self.layers[layer], x, y)
         if self.down_bias[layer] is not None:
             y += self.down_bias[layer]
         return y

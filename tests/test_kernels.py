@@ -155,7 +155,7 @@ def test_sparse_equals_dense(dtype, glu, act, biased, threshold):
     assert rel_err(y, y_dense) < RTOL
     Y = np.full((3, d), np.nan, np.float32)      # dense(): a whole layer's bundles, several rows
     X = np.stack([x, -x, 2 * x])
-    ffn.dense(bundles, X, Y)
+    ffn.dense(ffn.dense_layer(bundles), X, Y)
     for t in range(3):
         assert rel_err(Y[t], dense_ffn(dq, dense_coefficients(dq, X[t], glu, act, threshold))) < RTOL
     assert np.array_equal(coef != 0, h != 0)

@@ -21,7 +21,7 @@ from flashinfer_lite.errors import UserError
 from flashinfer_lite.model import Transformer
 from flashinfer_lite.quant import QuantMatrix, dequantize
 from flashinfer_lite.loader import open_any
-from flashinfer_lite.runtime import ResidentFFN, load_runtime
+from flashinfer_lite.runtime import ResidentFFN, load_runtime, plan_resident
 from storage.checkpoint import open_checkpoint, unpermute_qk
 from storage.convert import convert
 from storage.files import disk_bytes
@@ -198,11 +198,15 @@ def test_in_ram_modes_compute_on_the_blocks(tiny_gguf, tmp_path, kind, capsys):
         if path == gguf:
             assert isinstance(model.dense_ffn[0].w_down, QuantMatrix)
         else:
-            assert isinstance(model.ffn, ResidentFFN) and model.ffn.bundles[0].dtype == np.uint8
+            assert isinstance(model.ffn, ResidentFFN) and model.ffn.layers[0].head.dtype == np.uint8
         tokens, got = greedy(model, ids, 6)
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
         assert tokens == want_tokens, (path, mode)
     assert "resident ffn" in capsys.readouterr().err     # a given budget prints the plan, the FFN as one line
+    # the plan counts what ResidentFFN holds
+    model, _, _ = load_runtime(flash, "auto", dram_budget=1 << 30)
+    plan = plan_resident(FlashCheckpoint(flash), 1 << 30, 64, 0)
+    assert plan.ffn_bytes == sum(layer.nbytes for layer in model.ffn.layers)
     # a budget the whole model does not fit: auto runs from flash, which needs predictors
     with pytest.raises(UserError, match="does not fit the DRAM budget and has no predictors"):
         load_runtime(flash, "auto", dram_budget=1 << 20)
