@@ -195,6 +195,14 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
                       max_active=max_active, requested=requested)
 
 
+def dense_ffn_row_bytes(layout) -> int:
+    """DRAM per neuron of the FFN in RAM (runtime.resident_model): a quantized layout's DenseLayer rows, else its
+    vectors as the dense FeedForward keeps them (float16 matrices, float32 for f32 bundles)."""
+    if layout.quantized:
+        return sparse_ffn(layout).dense_row_bytes
+    return layout.n_vec * layout.d * (4 if layout.dtype == "f32" else 2) + 4 * len(layout.scalars)
+
+
 def plan_resident_ffn(config, layout, dram_budget_bytes: int, ctx: int, resident_bytes: int, runtime_bytes: int = 0,
                       heap_slack_bytes: int = 0, requested: bool = True) -> BudgetPlan | None:
     """The plan of the in-RAM FFN (runtime.ResidentFFN): every layer's weights in DRAM as on flash, plus the prompt's
@@ -203,7 +211,7 @@ def plan_resident_ffn(config, layout, dram_budget_bytes: int, ctx: int, resident
     cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_dict(config)
     n_max = max(layout.n_neurons)
     buffers = 3 * WIDEN_BLOCK_BYTES + 2 * n_max * 4 + heap_slack_bytes
-    ffn = sum(layout.n_neurons) * sparse_ffn(layout).dense_row_bytes      # runtime.ResidentFFN's matrices
+    ffn = sum(layout.n_neurons) * dense_ffn_row_bytes(layout)
     kv = KVCache.nbytes_for(cfg, ctx)
     need = runtime_bytes + resident_bytes + kv + buffers + ffn
     if need > dram_budget_bytes:

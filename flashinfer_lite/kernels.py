@@ -403,26 +403,6 @@ class SparseFFN:
     def _accumulate(self, W, F, slots, coef, Y) -> None:
         ffn_accumulate(W, F, slots, coef, Y, self.d, self.glu, self.scale0)
 
-    @property
-    def dense_row_bytes(self) -> int:
-        """DRAM per neuron of dense_layer (what the budget counts for a resident FFN)."""
-        return self.stride
-
-    def dense_layer(self, B: np.ndarray) -> np.ndarray:
-        """A whole layer's bundles as dense() takes them: as they are (quant.QuantSparseFFN splits them)."""
-        self.views(B)
-        return B
-
-    def dense(self, B: np.ndarray, X: np.ndarray, Y: np.ndarray) -> None:
-        """Y[:] = the FFN over every bundle row of B (a whole layer, dense_layer) on X [T, d] (down bias not
-        included): the sparse kernels with every neuron selected (quant.QuantSparseFFN has a dense path of its own)."""
-        n, T = B.shape[0], X.shape[0]
-        slots = np.arange(n, dtype=np.int32)
-        coef = np.empty((T, n), np.float32)
-        self.coefficients(B, slots, None, X, coef, sel=np.ones((T, n), np.uint8))
-        Y[:] = 0.0
-        self.accumulate(B, slots, coef, Y)
-
     def __call__(self, B: np.ndarray, slots: np.ndarray, x: np.ndarray, y: np.ndarray,
                  coef: np.ndarray | None = None, act_threshold: float = -1.0) -> np.ndarray:
         """y[:] = sparse FFN of x over bundle rows `slots`; coef (float32[>= len(slots)]), if given, receives each

@@ -228,9 +228,9 @@ class FlashFFN:
 
 
 class ResidentFFN:
-    """The FFN of a FLASHDIR that fits in DRAM: every layer's bundles read once as they are on flash (a quantized
-    layout stays in its blocks) and computed whole, with no predictor and no neuron cache to consult
-    (SparseFFN.dense: one Numba call per layer and token at decode, widened blocks + BLAS for a prompt)."""
+    """The FFN of a quantized FLASHDIR in DRAM: every layer's bundles read once, kept in their blocks (without the
+    bundles' padding: quant.DenseLayer) and computed whole, with no predictor and no neuron cache to consult
+    (QuantSparseFFN.dense: one Numba call per layer and token at decode, widened blocks + BLAS for a prompt)."""
 
     def __init__(self, cfg: ModelConfig, ckpt: FlashCheckpoint, down_bias=None, progress: bool = False):
         L = ckpt.layout
@@ -351,8 +351,11 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | str | None = None,
 
 
 def resident_model(ckpt: FlashCheckpoint, progress: bool) -> Transformer:
-    """A FLASHDIR's model with every weight in DRAM as stored: resident matrices as load_runtime keeps them, the FFN
-    as ResidentFFN."""
+    """A FLASHDIR's model with every weight in DRAM (--ffn dense, and auto when it fits): a quantized one as stored,
+    resident matrices in blocks and the FFN as ResidentFFN; any other as dense FeedForward matrices (float16, float32
+    for f32 bundles)."""
+    if not ckpt.layout.quantized:
+        return Transformer(ckpt.config, load_weights(ckpt, progress, convert=half_matrix if dense_half(ckpt) else None))
     weights = load_weights(ckpt, progress, skip=lambda n: bool(_BUNDLED.fullmatch(n)),
                            convert=half_matrix if ckpt.layout.dtype != "f32" else None)
     ffn = ResidentFFN(ckpt.config, ckpt, [weights.get(f"layers.{i}.ffn.down.bias") for i in range(ckpt.config.n_layers)],
@@ -383,9 +386,9 @@ def load_dense(path, dram_budget, progress: bool):
     ckpt = open_any(path)
     if dram_budget == "auto":
         warn_if_dense_does_not_fit(path, ckpt.config)
-    if isinstance(ckpt, FlashCheckpoint) and ckpt.layout.quantized:
+    if isinstance(ckpt, FlashCheckpoint):
         return resident_model(ckpt, progress), ckpt.tokenizer(), None
-    weights = load_weights(ckpt, progress, convert=half_matrix if dense_half(ckpt) else None, keep_blocks=True)
+    weights = load_weights(ckpt, progress, keep_blocks=True)
     return Transformer(ckpt.config, weights), ckpt.tokenizer(), None
 
 
