@@ -15,7 +15,7 @@ from .config import ModelConfig
 from .errors import UserError
 from .half import half_matrix
 from .kernels import add_rms_norm_rows, attention_rows, matmul_t, rms_norm_rows, widen_rows
-from .quant import QuantMatrix
+from .quant import DENSE_ROW_KERNEL_MAX_T, QuantMatrix, quant_ffn
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -276,6 +276,10 @@ class FeedForward:
         self.w_gate, self.b_gate = w.get(p + "gate.weight"), w.get(p + "gate.bias")
         self.w_up, self.b_up = w[p + "up.weight"], w.get(p + "up.bias")
         self.w_down, self.b_down = w.get(p + "down.weight"), w.get(p + "down.bias")  # absent: activations only
+        # matrices in blocks (a GGUF's) and no gate/up bias: a decode step's FFN is one Numba call (quant_ffn)
+        mats = (self.w_up, self.w_down) + ((self.w_gate,) if cfg.glu else ())
+        self.fused = (all(isinstance(m, QuantMatrix) for m in mats) and self.b_gate is None and self.b_up is None
+                      and cfg.act in ("relu", "drelu", "silu"))
 
     def activations(self, x: np.ndarray) -> np.ndarray:
         # x [T, d] -> a [T, n]; what a sparse FFN predicts and skips where it is zero
@@ -286,6 +290,9 @@ class FeedForward:
         return ffn_activation(c.act, linear(x, self.w_up, self.b_up), None, c.relu_threshold)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
+        if x.shape[0] <= DENSE_ROW_KERNEL_MAX_T and self.fused:
+            y = quant_ffn(x, self.w_gate, self.w_up, self.w_down, self.cfg.act, self.cfg.relu_threshold)
+            return y if self.b_down is None else y + self.b_down
         return linear(self.activations(x), self.w_down, self.b_down)
 
 

@@ -21,8 +21,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from flashinfer_lite.errors import UserError
-from flashinfer_lite.kernels import (ACT_DRELU, MATMUL_PARALLEL_MIN_WORK, MATMUL_ROW_KERNEL_MAX_T, OUT_BLOCK,
-                                     WIDEN_BLOCK_BYTES, SparseFFN, _act, _dot, _scalar, f16_bits_to_f32,
+from flashinfer_lite.kernels import (ACT_CODES, ACT_DRELU, MATMUL_PARALLEL_MIN_WORK, MATMUL_ROW_KERNEL_MAX_T,
+                                     OUT_BLOCK, WIDEN_BLOCK_BYTES, SparseFFN, _act, _dot, _scalar, f16_bits_to_f32,
                                      matmul_widened)
 from storage.blocks import BLOCK, BLOCK_BYTES, check_kind, quantize, row_bytes  # noqa: F401 (quantize: re-exported)
 
@@ -532,6 +532,52 @@ def sparse_ffn(layout, **kw) -> SparseFFN:
     if layout.dtype in KINDS:
         return QuantSparseFFN.from_layout(layout, down_dtype=layout.down_dtype, **kw)
     return SparseFFN.from_layout(layout, **kw)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A dense FFN whose matrices are QuantMatrix in the checkpoint's orientation (a GGUF's: gate and up [n, d], down
+# [d, n] in blocks along n): at decode one Numba call, both passes parallel, instead of three serial GEMVs and the
+# activation's numpy ops in between.
+
+
+@njit(cache=True, parallel=True, fastmath=True, nogil=True)
+def quant_ffn_row(Wg, Wu, Wd, x, a, y, glu, act, relu_threshold, kind_g, kind_u, kind_d, chunks):
+    """y = Wd @ a with a[j] = act(Wg[j].x) * (Wu[j].x) (GLU; MLP: act(Wu[j].x)), activations <= relu_threshold
+    count as 0 (dReLU: also up <= 0), as model.ffn_activation; rows split into `chunks` ranges."""
+    n, d = Wu.shape[0], Wd.shape[0]
+    for c in prange(chunks):
+        for j in range(c * n // chunks, (c + 1) * n // chunks):
+            v = np.float32(0.0)
+            if glu:
+                g = _act(act, _row_dot(Wg[j], x, kind_g))
+                if g > relu_threshold:
+                    u = _row_dot(Wu[j], x, kind_u)
+                    if act != ACT_DRELU or u > np.float32(0.0):
+                        v = g * u
+            else:
+                g = _act(act, _row_dot(Wu[j], x, kind_u))
+                if g > relu_threshold:
+                    v = g
+            a[j] = v
+    for c in prange(chunks):
+        for i in range(c * d // chunks, (c + 1) * d // chunks):
+            y[i] = _row_dot(Wd[i], a, kind_d)
+
+
+def quant_ffn(x: np.ndarray, gate: "QuantMatrix | None", up: "QuantMatrix", down: "QuantMatrix", act: str,
+              relu_threshold: float) -> np.ndarray:
+    """The FFN of the rows of x [T, d] over QuantMatrix weights without gate/up biases (down's bias not included):
+    quant_ffn_row per row. act: a kernels.ACT_CODES name; relu_threshold: FATReLU's (ignored for SiLU)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    T, n = x.shape[0], up.shape[0]
+    y = np.empty((T, down.shape[0]), np.float32)
+    a = np.empty(n, np.float32)
+    g = gate if gate is not None else up
+    t = np.float32(-np.inf if act == "silu" else relu_threshold)
+    for r in range(T):
+        quant_ffn_row(g.q, up.q, down.q, x[r], a, y[r], gate is not None, ACT_CODES[act], t, quant_kind(g.kind).code,
+                      quant_kind(up.kind).code, quant_kind(down.kind).code, numba.get_num_threads())
+    return y
 
 
 @dataclass(frozen=True, eq=False)
