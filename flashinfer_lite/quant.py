@@ -347,30 +347,25 @@ class DenseLayer:
         return self.head.nbytes + self.down.nbytes
 
 
-# Partial sums of the down pass: a constant, not the thread count, so -t does not change the bits; each partial
-# streams its quarter of the down rows front to back (~25% faster than one task per output block walking every row).
+# The neuron ranges of a dense decode step: a constant, not the thread count, so -t does not change the bits. Each
+# range is one task, coefficients then its partial down sum (rows front to back): one parallel region per layer, as
+# waking the pool costs ~25-40 us with the workqueue layer on a loaded machine.
 DOWN_PARTIALS = 4
 
 
 @njit(cache=True, parallel=True, fastmath=True, nogil=True)
-def quant_dense_ffn_row(H, Hf, D, x, y, coef, partial, rb, glu, act, relu_threshold, kind, bg_idx, bu_idx, down_kind,
-                        chunks):
+def quant_dense_ffn_row(H, Hf, D, x, y, coef, partial, rb, glu, act, relu_threshold, kind, bg_idx, bu_idx, down_kind):
     """y[:] = sum over neurons j of coef[j] * dequant(D[j]), coef[j] = the coefficient of head row H[j] (Hf: its
-    float32 view) on x.
-
-    First every coefficient (neurons split into `chunks` ranges), then the down sum as partial[p] over the p-th of
-    len(partial) neuron ranges (in order, in parallel), added up in order."""
-    n = H.shape[0]
-    for c in prange(chunks):
-        for j in range(c * n // chunks, (c + 1) * n // chunks):
-            coef[j] = _q_coefficient(H[j], Hf[j], x, rb, glu, act, relu_threshold, kind, bg_idx, bu_idx)
-    P = partial.shape[0]
+    float32 view) on x: partial[p] sums the p-th of len(partial) neuron ranges in order, then they add up in order."""
+    n, P = H.shape[0], partial.shape[0]
     for p in prange(P):
         acc = partial[p]
         acc[:] = 0.0
         for j in range(p * n // P, (p + 1) * n // P):
-            if coef[j] != np.float32(0.0):
-                _row_axpy(acc, coef[j], D[j], down_kind)
+            c = _q_coefficient(H[j], Hf[j], x, rb, glu, act, relu_threshold, kind, bg_idx, bu_idx)
+            coef[j] = c
+            if c != np.float32(0.0):
+                _row_axpy(acc, c, D[j], down_kind)
     y[:] = partial[0]
     for p in range(1, P):
         y += partial[p]
@@ -489,7 +484,7 @@ class QuantSparseFFN(SparseFFN):
             for t in range(T):
                 quant_dense_ffn_row(H, Hf, D, X[t], Y[t], self.coef, self._partial, self.row_bytes, self.glu,
                                     self.act_code, self.relu_threshold, self.kind.code, layer.bg_idx, layer.bu_idx,
-                                    self.down_kind.code, numba.get_num_threads())
+                                    self.down_kind.code)
             return
         d = self.d
         block = max(1, min(n, WIDEN_BLOCK_BYTES // (4 * d)))
@@ -522,12 +517,16 @@ def sparse_ffn(layout, **kw) -> SparseFFN:
 
 
 @njit(cache=True, parallel=True, fastmath=True, nogil=True)
-def quant_ffn_row(Wg, Wu, Wd, x, a, y, glu, act, relu_threshold, kind_g, kind_u, kind_d, chunks):
+def quant_ffn_row(Wg, Wu, Wd, x, a, y, partial, glu, act, relu_threshold, kind_g, kind_u, kind_d, down_block_bytes):
     """y = Wd @ a with a[j] = act(Wg[j].x) * (Wu[j].x) (GLU; MLP: act(Wu[j].x)), activations <= relu_threshold
-    count as 0 (dReLU: also up <= 0), as model.ffn_activation; rows split into `chunks` ranges."""
-    n, d = Wu.shape[0], Wd.shape[0]
-    for c in prange(chunks):
-        for j in range(c * n // chunks, (c + 1) * n // chunks):
+    count as 0 (dReLU: also up <= 0), as model.ffn_activation. One task per range of whole blocks of neurons (as
+    quant_dense_ffn_row: len(partial) of them, one parallel region): its activations, then its share of every down
+    row's dot product into partial[p]; the partials add up in order."""
+    n, P = Wu.shape[0], partial.shape[0]
+    nb = n // BLOCK
+    for p in prange(P):
+        lo, hi = p * nb // P * BLOCK, (p + 1) * nb // P * BLOCK
+        for j in range(lo, hi):
             v = np.float32(0.0)
             if glu:
                 g = _act(act, _row_dot(Wg[j], x, kind_g))
@@ -540,9 +539,13 @@ def quant_ffn_row(Wg, Wu, Wd, x, a, y, glu, act, relu_threshold, kind_g, kind_u,
                 if g > relu_threshold:
                     v = g
             a[j] = v
-    for c in prange(chunks):
-        for i in range(c * d // chunks, (c + 1) * d // chunks):
-            y[i] = _row_dot(Wd[i], a, kind_d)
+        acc = partial[p]
+        b_lo, b_hi = lo // BLOCK * down_block_bytes, hi // BLOCK * down_block_bytes
+        for i in range(Wd.shape[0]):
+            acc[i] = _row_dot(Wd[i, b_lo:b_hi], a[lo:hi], kind_d) if hi > lo else np.float32(0.0)
+    y[:] = partial[0]
+    for p in range(1, P):
+        y += partial[p]
 
 
 def quant_ffn(x: np.ndarray, gate: "QuantMatrix | None", up: "QuantMatrix", down: "QuantMatrix", act: str,
@@ -553,11 +556,13 @@ def quant_ffn(x: np.ndarray, gate: "QuantMatrix | None", up: "QuantMatrix", down
     T, n = x.shape[0], up.shape[0]
     y = np.empty((T, down.shape[0]), np.float32)
     a = np.empty(n, np.float32)
+    partial = np.empty((DOWN_PARTIALS, down.shape[0]), np.float32)
     g = gate if gate is not None else up
     t = np.float32(-np.inf if act == "silu" else relu_threshold)
+    kd = quant_kind(down.kind)
     for r in range(T):
-        quant_ffn_row(g.q, up.q, down.q, x[r], a, y[r], gate is not None, ACT_CODES[act], t, quant_kind(g.kind).code,
-                      quant_kind(up.kind).code, quant_kind(down.kind).code, numba.get_num_threads())
+        quant_ffn_row(g.q, up.q, down.q, x[r], a, y[r], partial, gate is not None, ACT_CODES[act], t,
+                      quant_kind(g.kind).code, quant_kind(up.kind).code, kd.code, kd.block_bytes)
     return y
 
 
