@@ -358,8 +358,8 @@ def resident_model(ckpt: FlashCheckpoint, progress: bool) -> Transformer:
         return Transformer(ckpt.config, load_weights(ckpt, progress, convert=half_matrix if dense_half(ckpt) else None))
     weights = load_weights(ckpt, progress, skip=lambda n: bool(_BUNDLED.fullmatch(n)),
                            convert=half_matrix if ckpt.layout.dtype != "f32" else None)
-    ffn = ResidentFFN(ckpt.config, ckpt, [weights.get(f"layers.{i}.ffn.down.bias") for i in range(ckpt.config.n_layers)],
-                      progress)
+    down_bias = [weights.get(f"layers.{i}.ffn.down.bias") for i in range(ckpt.config.n_layers)]
+    ffn = ResidentFFN(ckpt.config, ckpt, down_bias, progress)
     return Transformer(ckpt.config, weights, ffn=ffn)
 
 
