@@ -14,6 +14,7 @@ sequential reads; the runtime picks whichever moves fewer bytes.
 """
 from __future__ import annotations
 
+import os
 import re
 import sys
 import time
@@ -280,8 +281,12 @@ def lookahead_selector(cfg: ModelConfig, weights: dict, predictors):
 
 
 def warn_if_dense_does_not_fit(path, cfg: ModelConfig) -> None:
-    """--ffn dense with --dram-budget auto: one line when the float32 weights will not fit, naming what to run."""
-    need = resident_bytes_for(cfg) + cfg.n_layers * cfg.ffn_dim * cfg.dim * 4 * (3 if cfg.glu else 2)
+    """--ffn dense with --dram-budget auto: one line when the weights will not fit, naming what to run. A GGUF keeps
+    its blocks (about its file's size), anything else is float32."""
+    if str(path).endswith(".gguf") and os.path.isfile(path):
+        need = os.path.getsize(path)
+    else:
+        need = resident_bytes_for(cfg) + cfg.n_layers * cfg.ffn_dim * cfg.dim * 4 * (3 if cfg.glu else 2)
     room = auto_budget_bytes()
     if need > room:
         print(f"note: {path} needs about {need / 2**20:.0f} MiB in DRAM dense and {room / 2**20:.0f} MiB is "
