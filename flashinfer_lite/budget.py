@@ -94,10 +94,12 @@ class BudgetPlan:
                 *([("resident ffn", self.ffn_bytes, "every layer's FFN weights, computed dense")] if self.ffn_bytes
                   else []),
                 ("kv cache", self.kv_bytes, f"{self.ctx} positions"),
-                ("buffers", self.buffer_bytes, "reader scratch, kernel scratch, slot maps, prefill chunk"),
-                ("window", self.window_bytes, f"{self.window_rows} rows x {self.n_layers} layers, "
-                                              f"window {self.window} tokens"),
-                ("hot region", self.hot_bytes, f"{self.hot_rows} pinned neurons"),
+                ("buffers", self.buffer_bytes, "a prompt's widened blocks, kernel scratch, heap" if self.ffn_bytes
+                 else "reader scratch, kernel scratch, slot maps, prefill chunk"),
+                *([] if self.ffn_bytes else [   # the FFN in RAM has no neuron cache
+                    ("window", self.window_bytes, f"{self.window_rows} rows x {self.n_layers} layers, "
+                                                  f"window {self.window} tokens"),
+                    ("hot region", self.hot_bytes, f"{self.hot_rows} pinned neurons")]),
                 ("unused", self.budget_bytes - self.used_bytes, ""),
                 ("budget", self.budget_bytes, f"minimum {_mib(self.minimum_bytes)}")]
         lines = [f"{'DRAM budget':<16}{'MiB':>10}{'%':>7}  note"]
