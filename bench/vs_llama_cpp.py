@@ -11,7 +11,9 @@ compute threads (default 2), greedy:
   llama.cpp         llama_cpp.Llama(GGUF, use_mmap=True, logits_all=False): eval(prompt), then eval([argmax]) per token
   llama.cpp-passive the same with OMP_WAIT_POLICY=passive (--llama-omp active,passive): llama.cpp's OpenMP threads
                     spin between ops, which costs it several times its speed when other processes share the cores
-  flash-dense       flashinfer-lite --ffn dense on the GGUF: every weight dequantized to float32 in DRAM (uncapped only)
+  flash-dense       flashinfer-lite --ffn dense on the GGUF: every weight in DRAM in the GGUF's blocks (uncapped only)
+  flash-auto        flashinfer-lite --ffn auto on FLASHDIR, what `generate` runs by default: the whole model fits, so
+                    dense over the FLASHDIR's own blocks (runtime.ResidentFFN) (uncapped only)
   flash-predicted   flashinfer-lite --ffn predicted on FLASHDIR: --dram-budget auto uncapped, cap - --slack under a cap
 Caps (--caps, comma-separated):
   none       uncapped (the cgroup limit is physical RAM)
@@ -28,8 +30,8 @@ Per row: load time; prompt ms/token; decode ms/token P50 and P99 and tokens/s ov
 comes from the prompt's pass); bytes read from storage per decode step (/proc/self/io read_bytes: page-cache misses,
 mmap faults and O_DIRECT reads of every thread); peak RSS (VmHWM) and the cgroup's peak (RSS + page cache); the greedy
 tokens, and how many leading ones equal llama.cpp's uncapped row. They need not: llama.cpp multiplies Q4_1 blocks by
-8-bit-quantized activations, flash-dense the same weights in float32, flash-predicted float16 weights and skips
-neurons. The load average (os.getloadavg) is recorded before every row: the machine is shared.
+8-bit-quantized activations, flash-dense and flash-auto the dequantized weights in float32 (flash-auto's down
+vectors requantized to Q8_0 by convert), flash-predicted those of FLASHDIR and skips neurons. The load average (os.getloadavg) is recorded before every row: the machine is shared.
 llama.cpp runs with use_extra_bufts=False (llama.cpp's --no-repack): on the 2-vCPU VM the bench was written on, its
 AMX matmul (an extra buffer type) segfaults on the first decode; for Q4_1 weights the CPU repack has no layout, so
 this turns off only AMX. --llama-extra-bufts turns them back on.
@@ -351,7 +353,7 @@ def main(argv=None) -> int:
             if spec != "none":
                 results += [row(m, spec, cap) for m in llamas]
             else:
-                results.append(row("flash-dense", spec, None))
+                results += [row("flash-dense", spec, None), row("flash-auto", spec, None)]
             fr = row("flash-predicted", spec, cap, "auto" if cap is None else str(cap - slack))
             if spec == "min" and "below_minimum" in fr:  # its own process measured more than the probe's
                 from bench.smollm2_modes import minimum_in

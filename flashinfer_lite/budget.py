@@ -30,7 +30,7 @@ from storage.profile import DEFAULT_GAP_BYTES
 from storage.reader import BundleReader
 
 from .errors import UserError
-from .kernels import MATMUL_ROW_KERNEL_MAX_T, matmul_t
+from .kernels import MATMUL_ROW_KERNEL_MAX_T, WIDEN_BLOCK_BYTES, matmul_t
 from .model import KVCache, ModelConfig
 from .neuron_cache import NeuronCache, select_hot
 from .quant import BLOCK, QuantMatrix, quant_matmul_t, quantize, row_bytes, sparse_ffn
@@ -71,6 +71,7 @@ class BudgetPlan:
     window: int
     max_active: int
     requested: bool = True      # False: no --dram-budget was given, the budget is "room for the whole model"
+    ffn_bytes: int = 0          # the whole FFN resident (plan_resident_ffn): no window, no hot region
 
     @property
     def hot_rows(self) -> int:
@@ -84,17 +85,21 @@ class BudgetPlan:
     @property
     def used_bytes(self) -> int:
         return (self.runtime_bytes + self.resident_bytes + self.kv_bytes + self.buffer_bytes + self.window_bytes
-                + self.hot_bytes)
+                + self.hot_bytes + self.ffn_bytes)
 
     def table(self) -> str:
         rows = [("runtime", self.runtime_bytes, "interpreter, libraries, compiled kernels, tokenizer, "
                                                 "predictors (measured)"),
                 ("resident dense", self.resident_bytes, "embeddings, attention, norms, head"),
+                *([("resident ffn", self.ffn_bytes, "every layer's FFN weights, computed dense")] if self.ffn_bytes
+                  else []),
                 ("kv cache", self.kv_bytes, f"{self.ctx} positions"),
-                ("buffers", self.buffer_bytes, "reader scratch, kernel scratch, slot maps, prefill chunk"),
-                ("window", self.window_bytes, f"{self.window_rows} rows x {self.n_layers} layers, "
-                                              f"window {self.window} tokens"),
-                ("hot region", self.hot_bytes, f"{self.hot_rows} pinned neurons"),
+                ("buffers", self.buffer_bytes, "a prompt's widened blocks, kernel scratch, heap" if self.ffn_bytes
+                 else "reader scratch, kernel scratch, slot maps, prefill chunk"),
+                *([] if self.ffn_bytes else [   # the FFN in RAM has no neuron cache
+                    ("window", self.window_bytes, f"{self.window_rows} rows x {self.n_layers} layers, "
+                                                  f"window {self.window} tokens"),
+                    ("hot region", self.hot_bytes, f"{self.hot_rows} pinned neurons")]),
                 ("unused", self.budget_bytes - self.used_bytes, ""),
                 ("budget", self.budget_bytes, f"minimum {_mib(self.minimum_bytes)}")]
         lines = [f"{'DRAM budget':<16}{'MiB':>10}{'%':>7}  note"]
@@ -190,6 +195,33 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
                       buffer_bytes=buffers, window_rows=rows, window_bytes=n_layers * rows * row, hot_bytes=hot,
                       minimum_bytes=minimum, n_layers=n_layers, stride=stride, ctx=ctx, window=window,
                       max_active=max_active, requested=requested)
+
+
+def dense_ffn_row_bytes(layout) -> int:
+    """DRAM per neuron of the FFN in RAM (runtime.resident_model): a quantized layout's DenseLayer rows, else its
+    vectors as the dense FeedForward keeps them (float16 matrices, float32 for f32 bundles)."""
+    if layout.quantized:
+        return sparse_ffn(layout).dense_row_bytes
+    return layout.n_vec * layout.d * (4 if layout.dtype == "f32" else 2) + 4 * len(layout.scalars)
+
+
+def plan_resident_ffn(config, layout, dram_budget_bytes: int, ctx: int, resident_bytes: int, runtime_bytes: int = 0,
+                      heap_slack_bytes: int = 0, requested: bool = True) -> BudgetPlan | None:
+    """The plan of the in-RAM FFN (runtime.ResidentFFN): every layer's weights in DRAM as on flash, plus the prompt's
+    widened float32 blocks (gate, up, down: quant.QuantSparseFFN.dense) and the coefficients; None when that does not
+    fit `dram_budget_bytes` (then the FFN runs from flash)."""
+    cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_dict(config)
+    n_max = max(layout.n_neurons)
+    buffers = 3 * WIDEN_BLOCK_BYTES + 2 * n_max * 4 + heap_slack_bytes
+    ffn = sum(layout.n_neurons) * dense_ffn_row_bytes(layout)
+    kv = KVCache.nbytes_for(cfg, ctx)
+    need = runtime_bytes + resident_bytes + kv + buffers + ffn
+    if need > dram_budget_bytes:
+        return None
+    return BudgetPlan(budget_bytes=dram_budget_bytes, runtime_bytes=runtime_bytes, resident_bytes=resident_bytes,
+                      kv_bytes=kv, buffer_bytes=buffers, window_rows=0, window_bytes=0, hot_bytes=0,
+                      minimum_bytes=need, n_layers=layout.n_layers, stride=layout.stride, ctx=ctx, window=0,
+                      max_active=n_max, requested=requested, ffn_bytes=ffn)
 
 
 def staging_rows(max_active: int) -> int:

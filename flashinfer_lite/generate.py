@@ -274,13 +274,13 @@ def choose_ffn(args) -> tuple[str, str, str | None]:
             train_on_first_use(flashdir)
         record = (read_manifest(flashdir) or {}).get("calibration")
         how = f"trained on first use from {describe_calibration(record)}" if record else "trained with train-predictor"
-        why = f"ffn: predicted (--ffn auto, the default model; its predictors were {how})"
-        return flashdir, "predicted", why if args.ffn == "auto" else None
+        why = f"the default model; its predictors were {how}"
+        return flashdir, args.ffn, why if args.ffn == "auto" else None
     if args.ffn != "auto":
         return args.model, args.ffn, None
     if is_flashdir(args.model):
         if has_trained_predictors(args.model):
-            return args.model, "predicted", f"ffn: predicted (--ffn auto, {args.model} has trained predictors)"
+            return args.model, "auto", f"{args.model} has trained predictors"
     if args.dram_budget not in (None, "auto"):
         raise UserError(f"--dram-budget needs a sparse FFN, and {args.model} has no predictors: run "
                         f"`flashinfer-lite collect` and `flashinfer-lite train-predictor`, or use --ffn oracle")
@@ -298,7 +298,10 @@ def open_model(args):
     model, tokenizer, runtime = load_runtime(path, ffn, dram_budget=budget, ctx=args.ctx_size or None,
                                              progress=sys.stderr.isatty(), verbose=args.verbose,
                                              lookahead=args.lookahead)
-    if why:
+    if ffn == "auto":       # load_runtime chose: dense when the whole model fits the DRAM budget, else predicted
+        mode, fit = ("dense", "the whole model fits in DRAM") if runtime is None else ("predicted", "from flash")
+        print(f"ffn: {mode} (--ffn auto, {fit}; {why})", file=sys.stderr)
+    elif why:
         print(why, file=sys.stderr)
     return model, tokenizer, runtime, (time.perf_counter() - t0) * 1e3
 

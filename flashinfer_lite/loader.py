@@ -20,22 +20,23 @@ def open_any(path) -> Checkpoint:
     return open_checkpoint(Path(path))
 
 
-def load_tensor(ckpt: Checkpoint, name: str, convert=None):
+def load_tensor(ckpt: Checkpoint, name: str, convert=None, keep_blocks: bool = False):
     """A tensor as the runtime keeps it: a FLASHDIR's matrix stored in a block format stays in it (a QuantMatrix),
-    anything else float32 through `convert` (e.g. half.half_matrix). A GGUF's blocks are dequantized: its dense
-    run is the float32 reference."""
-    stored = ckpt.quantized(name) if isinstance(ckpt, FlashCheckpoint) else None
+    anything else float32 through `convert` (e.g. half.half_matrix). A GGUF's blocks are dequantized (the float32
+    reference of load()) unless keep_blocks (--ffn dense: a quarter of the DRAM, and the quantized kernels)."""
+    stored = ckpt.quantized(name) if keep_blocks or isinstance(ckpt, FlashCheckpoint) else None
     if stored is not None:
         return QuantMatrix.of(stored)
     return convert(ckpt.tensor(name)) if convert else ckpt.tensor(name)
 
 
-def load_weights(ckpt: Checkpoint, progress: bool = False, skip=lambda name: False, convert=None) -> dict:
+def load_weights(ckpt: Checkpoint, progress: bool = False, skip=lambda name: False, convert=None,
+                 keep_blocks: bool = False) -> dict:
     """Tensors read one by one as load_tensor keeps them; `skip(name)` leaves some on flash (the sparse runtime's
     FFN); `convert` is applied to each as it is read, so no second copy of the model exists."""
     names = [n for n in ckpt.names() if not skip(n)]
     it = tqdm(names, desc="loading", unit="tensor", disable=not progress, leave=False)
-    return {n: load_tensor(ckpt, n, convert) for n in it}
+    return {n: load_tensor(ckpt, n, convert, keep_blocks) for n in it}
 
 
 def load(path, progress: bool = False) -> tuple[Transformer, Tokenizer]:

@@ -15,7 +15,7 @@ from .config import ModelConfig
 from .errors import UserError
 from .half import half_matrix
 from .kernels import add_rms_norm_rows, attention_rows, matmul_t, rms_norm_rows, widen_rows
-from .quant import QuantMatrix
+from .quant import DENSE_ROW_KERNEL_MAX_T, QuantMatrix, quant_ffn
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -169,13 +169,26 @@ class Attention:
         self.slot = layer if kv_slot is None else kv_slot    # this layer's row in the KV cache
         self.wq, self.wk, self.wv, self.wo = (w[p + n + ".weight"] for n in "qkvo")
         self.bq, self.bk, self.bv, self.bo = (w.get(p + n + ".bias") for n in "qkvo")
+        # q, k and v as one matrix when they share a storage type: one GEMV reads x once, one kernel call instead of
+        # three (per layer per token, the call overhead is a fair share of a small model's attention)
+        self.wqkv = stacked_rows(self.wq, self.wk, self.wv)
+        if self.wqkv is not None:
+            self.wq, self.wk, self.wv = row_views(self.wqkv, [self.wq.shape[0], self.wk.shape[0]])
+            if isinstance(w, dict):   # the same values as views, so the separate copies go now: one layer's extra
+                w.update({p + n + ".weight": m for n, m in zip("qkv", (self.wq, self.wk, self.wv))})
 
     def __call__(self, x: np.ndarray, kv: KVCache, pos0: int, rope: tuple | None) -> np.ndarray:
         cfg, T = self.cfg, x.shape[0]
         H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        q = linear(x, self.wq, self.bq).reshape(T, H, hd)
-        k = linear(x, self.wk, self.bk).reshape(T, Hkv, hd)
-        v = linear(x, self.wv, self.bv).reshape(T, Hkv, hd)
+        if self.wqkv is not None:
+            qkv = linear(x, self.wqkv)
+            q, k, v = (np.ascontiguousarray(a) for a in np.split(qkv, [H * hd, (H + Hkv) * hd], axis=1))
+            q, k, v = (a if b is None else a + b for a, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
+            q, k, v = q.reshape(T, H, hd), k.reshape(T, Hkv, hd), v.reshape(T, Hkv, hd)
+        else:
+            q = linear(x, self.wq, self.bq).reshape(T, H, hd)
+            k = linear(x, self.wk, self.bk).reshape(T, Hkv, hd)
+            v = linear(x, self.wv, self.bv).reshape(T, Hkv, hd)
         if T <= ATTENTION_KERNEL_MAX_T:
             out = np.empty((T, H, hd), np.float32)
             no_rope = np.zeros((T, 0), np.float32)             # cos/sin [T, 0]: attention_rows rotates nothing
@@ -199,6 +212,24 @@ class Attention:
         out = softmax(scores).reshape(Hkv, g * T, S) @ Vv                              # [Hkv, g * T, hd]
         out = out.reshape(Hkv, g, T, hd).transpose(2, 0, 1, 3).reshape(T, H * hd)
         return linear(out, self.wo, self.bo)
+
+
+def stacked_rows(*ms):
+    """The matrices' rows one after the other, as one matrix of their type (float arrays of one dtype, or QuantMatrix
+    of one kind and width); None when they differ."""
+    if all(isinstance(m, QuantMatrix) for m in ms) and len({(m.kind, m.cols) for m in ms}) == 1:
+        return QuantMatrix(np.concatenate([m.q for m in ms]), ms[0].kind, ms[0].cols)
+    if all(isinstance(m, np.ndarray) and m.ndim == 2 for m in ms) and len({(m.dtype, m.shape[1]) for m in ms}) == 1:
+        return np.concatenate(ms)
+    return None
+
+
+def row_views(m, counts: list[int]) -> list:
+    """m's rows split after each of `counts` rows: views, no copies (QuantMatrix rows of blocks stay contiguous)."""
+    cuts = np.cumsum(counts).tolist()
+    if isinstance(m, QuantMatrix):
+        return [QuantMatrix(q, m.kind, m.cols) for q in np.split(m.q, cuts)]
+    return np.split(m, cuts)
 
 
 def widened(bits: np.ndarray) -> np.ndarray:
@@ -245,6 +276,10 @@ class FeedForward:
         self.w_gate, self.b_gate = w.get(p + "gate.weight"), w.get(p + "gate.bias")
         self.w_up, self.b_up = w[p + "up.weight"], w.get(p + "up.bias")
         self.w_down, self.b_down = w.get(p + "down.weight"), w.get(p + "down.bias")  # absent: activations only
+        # matrices in blocks (a GGUF's) and no gate/up bias: a decode step's FFN is one Numba call (quant_ffn)
+        mats = (self.w_up, self.w_down) + ((self.w_gate,) if cfg.glu else ())
+        self.fused = (all(isinstance(m, QuantMatrix) for m in mats) and self.b_gate is None and self.b_up is None
+                      and cfg.act in ("relu", "drelu", "silu"))
 
     def activations(self, x: np.ndarray) -> np.ndarray:
         # x [T, d] -> a [T, n]; what a sparse FFN predicts and skips where it is zero
@@ -255,6 +290,9 @@ class FeedForward:
         return ffn_activation(c.act, linear(x, self.w_up, self.b_up), None, c.relu_threshold)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
+        if x.shape[0] <= DENSE_ROW_KERNEL_MAX_T and self.fused:
+            y = quant_ffn(x, self.w_gate, self.w_up, self.w_down, self.cfg.act, self.cfg.relu_threshold)
+            return y if self.b_down is None else y + self.b_down
         return linear(self.activations(x), self.w_down, self.b_down)
 
 

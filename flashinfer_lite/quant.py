@@ -21,11 +21,15 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from flashinfer_lite.errors import UserError
-from flashinfer_lite.kernels import (ACT_DRELU, MATMUL_PARALLEL_MIN_WORK, MATMUL_ROW_KERNEL_MAX_T, OUT_BLOCK,
-                                     SparseFFN, _act, _dot, _scalar, f16_bits_to_f32, matmul_widened)
+from flashinfer_lite.kernels import (ACT_CODES, ACT_DRELU, MATMUL_PARALLEL_MIN_WORK, MATMUL_ROW_KERNEL_MAX_T,
+                                     OUT_BLOCK, WIDEN_BLOCK_BYTES, SparseFFN, _act, _dot, _scalar, f16_bits_to_f32,
+                                     matmul_widened)
 from storage.blocks import BLOCK, BLOCK_BYTES, check_kind, quantize, row_bytes  # noqa: F401 (quantize: re-exported)
 
 Q8_0, Q4_0, Q4_1 = 0, 1, 2       # kind codes the kernels branch on (once per row, not per element)
+# QuantSparseFFN.dense: up to this many rows, the row kernel per row (the layer's blocks read once per row); more
+# (a prompt): widened blocks + BLAS, which read them once for all rows
+DENSE_ROW_KERNEL_MAX_T = 2
 
 
 @dataclass(frozen=True)
@@ -320,6 +324,87 @@ def quant_ffn_accumulate(B, slots, coef, Y, rb, glu, kind, block_bytes):
                 _row_axpy(y, c, B[slots[j], b_lo:b_hi], kind)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Dense FFN over a whole layer (every neuron): the in-RAM path, where there is nothing to predict or look up. The
+# layer's bundles are split once into two contiguous matrices (DenseLayer): [gate | up | biases] rows and down rows,
+# without the bundles' 512-byte padding, so each pass streams only what it reads (the bundle layout made the
+# coefficients ~30% slower than the same rows back to back, single thread). Decode (a row or two) is one Numba call
+# per row; a prompt widens the rows to float32 one L2-sized block of neurons at a time and hands the three products
+# to BLAS.
+
+
+@dataclass(frozen=True, eq=False)
+class DenseLayer:
+    """One layer's FFN for QuantSparseFFN.dense: head uint8 [n, head_bytes] (gate and up rows, or up for MLP, then
+    the float32 biases at bg_idx / bu_idx of its float32 view, -1: none) and down uint8 [n, row_bytes(d)]."""
+    head: np.ndarray
+    down: np.ndarray
+    bg_idx: int
+    bu_idx: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.head.nbytes + self.down.nbytes
+
+
+# The neuron ranges of a dense decode step: a constant, not the thread count, so -t does not change the bits. Each
+# range is one task, coefficients then its partial down sum (rows front to back): one parallel region per layer, as
+# waking the pool costs ~25-40 us with the workqueue layer on a loaded machine.
+DOWN_PARTIALS = 4
+
+
+@njit(cache=True, parallel=True, fastmath=True, nogil=True)
+def quant_dense_ffn_row(H, Hf, D, x, y, coef, partial, rb, glu, act, relu_threshold, kind, bg_idx, bu_idx, down_kind):
+    """y[:] = sum over neurons j of coef[j] * dequant(D[j]), coef[j] = the coefficient of head row H[j] (Hf: its
+    float32 view) on x: partial[p] sums the p-th of len(partial) neuron ranges in order, then they add up in order."""
+    n, P = H.shape[0], partial.shape[0]
+    for p in prange(P):
+        acc = partial[p]
+        acc[:] = 0.0
+        for j in range(p * n // P, (p + 1) * n // P):
+            c = _q_coefficient(H[j], Hf[j], x, rb, glu, act, relu_threshold, kind, bg_idx, bu_idx)
+            coef[j] = c
+            if c != np.float32(0.0):
+                _row_axpy(acc, c, D[j], down_kind)
+    y[:] = partial[0]
+    for p in range(1, P):
+        y += partial[p]
+
+
+@njit(cache=True, nogil=True)
+def dequantize_dense_layer(H, Hf, D, lo, G, U, Dw, bias_g, bias_u, rb, glu, kind, bg_idx, bu_idx, down_kind):
+    """Neurons lo .. lo + len(Dw) widened to float32 rows: gate G (GLU only), up U, down Dw; their gate and up
+    biases (0 where there are none)."""
+    for r in range(Dw.shape[0]):
+        row = H[lo + r]
+        if glu:
+            _row_dequant(row[:rb], G[r], kind)
+            _row_dequant(row[rb:2 * rb], U[r], kind)
+        else:
+            _row_dequant(row[:rb], U[r], kind)
+        _row_dequant(D[lo + r], Dw[r], down_kind)
+        bias_g[r] = _scalar(Hf[lo + r], bg_idx, 0.0)
+        bias_u[r] = _scalar(Hf[lo + r], bu_idx, 0.0)
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def ffn_coefficients_from_products(g, u, bias_g, bias_u, glu, act, relu_threshold):
+    """u[t, j] = the coefficient of neuron j from its products g = X G^T, u = X U^T (in place): _q_coefficient's
+    math on precomputed dot products."""
+    for t in range(u.shape[0]):
+        for j in range(u.shape[1]):
+            if glu:
+                a = _act(act, g[t, j] + bias_g[j])
+                uj = u[t, j] + bias_u[j]
+                if not a > relu_threshold or (act == ACT_DRELU and not uj > np.float32(0.0)):
+                    u[t, j] = 0.0
+                else:
+                    u[t, j] = a * uj
+            else:
+                a = _act(act, u[t, j] + bias_u[j])
+                u[t, j] = a if a > relu_threshold else np.float32(0.0)
+
+
 class QuantSparseFFN(SparseFFN):
     """SparseFFN over quantized bundles (storage.format.pack_bundles); dtype is a kind of KINDS (down_dtype, if given,
     the down vector's), the rest as SparseFFN:
@@ -334,6 +419,9 @@ class QuantSparseFFN(SparseFFN):
     def __init__(self, d: int, dtype: str, *args, down_dtype: str | None = None, **kw):
         super().__init__(d, dtype, *args, **kw)
         self.kind, self.down_kind = KINDS[dtype], quant_kind(down_dtype or dtype)
+        self.down_kind_name = down_dtype or dtype
+        self._widened = None     # dense(): float32 blocks of a prompt's widened bundles, allocated on first use
+        self._partial = np.empty((DOWN_PARTIALS, d), np.float32)  # dense(): the down pass's partial sums
         self.row_bytes = row_bytes(d, dtype)
         payload = (self.n_vec - 1) * self.row_bytes + row_bytes(d, down_dtype or dtype)
         # the row kernels read whole rows unchecked: the geometry must hold them
@@ -360,12 +448,122 @@ class QuantSparseFFN(SparseFFN):
         quant_ffn_accumulate(W, slots, coef, Y, self.row_bytes, self.glu, self.down_kind.code,
                              self.down_kind.block_bytes)
 
+    def _dense_geometry(self) -> tuple[int, int, int, int]:
+        """(bytes of the gate and up rows (MLP: up), offset of the biases in a head row, how many float32 scalars
+        it keeps (the biases the kernels read), bytes of a down row) of dense_layer's matrices."""
+        vec_bytes = (self.n_vec - 1) * self.row_bytes
+        last = max(self.bg_idx, self.bu_idx)
+        n_scalars = 1 + last - self.scalars_offset // 4 if last >= 0 else 0
+        return vec_bytes, -(-vec_bytes // 4) * 4, n_scalars, row_bytes(self.d, self.down_kind_name)
+
+    @property
+    def dense_row_bytes(self) -> int:
+        """DRAM per neuron of dense_layer (what the budget counts for a resident FFN)."""
+        _, at, n_scalars, down_bytes = self._dense_geometry()
+        return at + 4 * n_scalars + down_bytes
+
+    def dense_layer(self, B: np.ndarray) -> DenseLayer:
+        """A whole layer's bundles uint8 [n, stride] as the two contiguous matrices of dense() (copies: B can go)."""
+        self.views(B)
+        vec_bytes, at, n_scalars, down_bytes = self._dense_geometry()
+        head = np.zeros((B.shape[0], at + 4 * n_scalars), np.uint8)
+        head[:, :vec_bytes] = B[:, :vec_bytes]
+        head[:, at:] = B[:, self.scalars_offset:self.scalars_offset + 4 * n_scalars]
+        down = np.ascontiguousarray(B[:, vec_bytes:vec_bytes + down_bytes])
+        moved = lambda idx: idx - self.scalars_offset // 4 + at // 4 if idx >= 0 else -1  # noqa: E731
+        return DenseLayer(head, down, moved(self.bg_idx), moved(self.bu_idx))
+
+    def dense(self, layer: DenseLayer, X: np.ndarray, Y: np.ndarray) -> None:
+        """Y[:] = the FFN of every neuron of `layer` (dense_layer) on X [T, d] (down bias not included)."""
+        H, D, Hf = layer.head, layer.down, layer.head.view(np.float32)
+        self._rows_of_d(X)
+        self._rows_of_d(Y)
+        n, T = H.shape[0], X.shape[0]
+        if T <= DENSE_ROW_KERNEL_MAX_T:
+            self._grow(n)
+            for t in range(T):
+                quant_dense_ffn_row(H, Hf, D, X[t], Y[t], self.coef, self._partial, self.row_bytes, self.glu,
+                                    self.act_code, self.relu_threshold, self.kind.code, layer.bg_idx, layer.bu_idx,
+                                    self.down_kind.code)
+            return
+        d = self.d
+        block = max(1, min(n, WIDEN_BLOCK_BYTES // (4 * d)))
+        if self._widened is None or self._widened[0].shape[0] != block:
+            self._widened = (np.empty((block, d), np.float32), np.empty((block, d), np.float32),
+                             np.empty((block, d), np.float32), np.empty(block, np.float32), np.empty(block, np.float32))
+        G, U, Dw, bg, bu = self._widened
+        Y[:] = 0.0
+        for lo in range(0, n, block):
+            m = min(block, n - lo)
+            dequantize_dense_layer(H, Hf, D, lo, G[:m], U[:m], Dw[:m], bg[:m], bu[:m], self.row_bytes, self.glu,
+                                   self.kind.code, layer.bg_idx, layer.bu_idx, self.down_kind.code)
+            a = X @ U[:m].T                                            # [T, m], then the coefficients in place
+            ffn_coefficients_from_products(X @ G[:m].T if self.glu else a, a, bg[:m], bu[:m], self.glu,
+                                           self.act_code, self.relu_threshold)
+            Y += a @ Dw[:m]
+
 
 def sparse_ffn(layout, **kw) -> SparseFFN:
     """The sparse FFN kernel of a FlashLayout's bundles (SparseFFN.from_layout's arguments)."""
     if layout.dtype in KINDS:
         return QuantSparseFFN.from_layout(layout, down_dtype=layout.down_dtype, **kw)
     return SparseFFN.from_layout(layout, **kw)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A dense FFN whose matrices are QuantMatrix in the checkpoint's orientation (a GGUF's: gate and up [n, d], down
+# [d, n] in blocks along n): at decode one Numba call, both passes parallel, instead of three serial GEMVs and the
+# activation's numpy ops in between.
+
+
+@njit(cache=True, parallel=True, fastmath=True, nogil=True)
+def quant_ffn_row(Wg, Wu, Wd, x, a, y, partial, glu, act, relu_threshold, kind_g, kind_u, kind_d, down_block_bytes):
+    """y = Wd @ a with a[j] = act(Wg[j].x) * (Wu[j].x) (GLU; MLP: act(Wu[j].x)), activations <= relu_threshold
+    count as 0 (dReLU: also up <= 0), as model.ffn_activation. One task per range of whole blocks of neurons (as
+    quant_dense_ffn_row: len(partial) of them, one parallel region): its activations, then its share of every down
+    row's dot product into partial[p]; the partials add up in order."""
+    n, P = Wu.shape[0], partial.shape[0]
+    nb = n // BLOCK
+    for p in prange(P):
+        lo, hi = p * nb // P * BLOCK, (p + 1) * nb // P * BLOCK
+        for j in range(lo, hi):
+            v = np.float32(0.0)
+            if glu:
+                g = _act(act, _row_dot(Wg[j], x, kind_g))
+                if g > relu_threshold:
+                    u = _row_dot(Wu[j], x, kind_u)
+                    if act != ACT_DRELU or u > np.float32(0.0):
+                        v = g * u
+            else:
+                g = _act(act, _row_dot(Wu[j], x, kind_u))
+                if g > relu_threshold:
+                    v = g
+            a[j] = v
+        acc = partial[p]
+        b_lo, b_hi = lo // BLOCK * down_block_bytes, hi // BLOCK * down_block_bytes
+        for i in range(Wd.shape[0]):
+            acc[i] = _row_dot(Wd[i, b_lo:b_hi], a[lo:hi], kind_d) if hi > lo else np.float32(0.0)
+    y[:] = partial[0]
+    for p in range(1, P):
+        y += partial[p]
+
+
+def quant_ffn(x: np.ndarray, gate: "QuantMatrix | None", up: "QuantMatrix", down: "QuantMatrix", act: str,
+              relu_threshold: float) -> np.ndarray:
+    """The FFN of the rows of x [T, d] over QuantMatrix weights without gate/up biases (down's bias not included):
+    quant_ffn_row per row. act: a kernels.ACT_CODES name; relu_threshold: FATReLU's (ignored for SiLU)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    T, n = x.shape[0], up.shape[0]
+    y = np.empty((T, down.shape[0]), np.float32)
+    a = np.empty(n, np.float32)
+    partial = np.empty((DOWN_PARTIALS, down.shape[0]), np.float32)
+    g = gate if gate is not None else up
+    t = np.float32(-np.inf if act == "silu" else relu_threshold)
+    kd = quant_kind(down.kind)
+    for r in range(T):
+        quant_ffn_row(g.q, up.q, down.q, x[r], a, y[r], partial, gate is not None, ACT_CODES[act], t,
+                      quant_kind(g.kind).code, quant_kind(up.kind).code, kd.code, kd.block_bytes)
+    return y
 
 
 @dataclass(frozen=True, eq=False)

@@ -14,6 +14,7 @@ sequential reads; the runtime picks whichever moves fewer bytes.
 """
 from __future__ import annotations
 
+import os
 import re
 import sys
 import time
@@ -21,6 +22,7 @@ import time
 import numba
 import numpy as np
 from threadpoolctl import threadpool_limits
+from tqdm import tqdm
 
 from storage.cache import flashdir_for
 from storage.format import FlashCheckpoint, verify_at_load
@@ -29,7 +31,7 @@ from storage.stats import FlashStats
 
 from . import BLAS_THREADS_FROM_USER
 from .budget import (HEAP_SLACK_BYTES, auto_budget_bytes, keep_freed_arrays_out_of_rss, measure_runtime_bytes,
-                     plan_budget, resident_bytes_for, staging_rows)
+                     plan_budget, plan_resident_ffn, resident_bytes_for, staging_rows)
 from .errors import UserError
 from .half import half_matrix
 from .loader import load_weights, open_any
@@ -38,7 +40,7 @@ from .neuron_cache import NeuronCache
 from .predictor_set import load_predictors
 from .quant import sparse_ffn
 
-FFN_MODES = ("dense", "oracle", "predicted")
+FFN_MODES = ("auto", "dense", "oracle", "predicted")   # auto: dense when the model fits the budget, else predicted
 # FFN tensors that live in the bundles on flash; everything else (including ffn.down.bias) stays resident.
 _BUNDLED = re.compile(r"layers\.\d+\.ffn\.(gate|up|down)\.weight|layers\.\d+\.ffn\.(gate|up)\.bias")
 # prefill streaming reads a layer in chunks of this size: from 1 MiB up sequential reads run at full device speed,
@@ -226,6 +228,28 @@ class FlashFFN:
             self.stats.compute_s += time.perf_counter() - t2
 
 
+class ResidentFFN:
+    """The FFN of a quantized FLASHDIR in DRAM: every layer's bundles read once, kept in their blocks (without the
+    bundles' padding: quant.DenseLayer) and computed whole, with no predictor and no neuron cache to consult
+    (QuantSparseFFN.dense: one Numba call per layer and token at decode, widened blocks + BLAS for a prompt)."""
+
+    def __init__(self, cfg: ModelConfig, ckpt: FlashCheckpoint, down_bias=None, progress: bool = False):
+        L = ckpt.layout
+        self.cfg = cfg
+        self.kernel = sparse_ffn(L, max_active=max(L.n_neurons))
+        self.layers = [self.kernel.dense_layer(ckpt.bundles(i))    # one layer's bundles at a time in transit
+                       for i in tqdm(range(L.n_layers), desc="ffn", unit="layer", disable=not progress, leave=False)]
+        self.down_bias = list(down_bias) if down_bias is not None else [None] * cfg.n_layers
+
+    def __call__(self, layer: int, x: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        y = np.empty_like(x)
+        self.kernel.dense(self.layers[layer], x, y)
+        if self.down_bias[layer] is not None:
+            y += self.down_bias[layer]
+        return y
+
+
 def oracle_selector(cfg: ModelConfig, ckpt, predictors):
     """The true active set: needs the dense gate/up weights in DRAM, so it is a test mode, not a memory-saving one."""
     full_w = {n: ckpt.tensor(n) for n in ckpt.names() if _BUNDLED.fullmatch(n) and ".down." not in n}
@@ -257,8 +281,12 @@ def lookahead_selector(cfg: ModelConfig, weights: dict, predictors):
 
 
 def warn_if_dense_does_not_fit(path, cfg: ModelConfig) -> None:
-    """--ffn dense with --dram-budget auto: one line when the float32 weights will not fit, naming what to run."""
-    need = resident_bytes_for(cfg) + cfg.n_layers * cfg.ffn_dim * cfg.dim * 4 * (3 if cfg.glu else 2)
+    """--ffn dense with --dram-budget auto: one line when the weights will not fit, naming what to run. A GGUF keeps
+    its blocks (about its file's size), anything else is float32."""
+    if str(path).endswith(".gguf") and os.path.isfile(path):
+        need = os.path.getsize(path)
+    else:
+        need = resident_bytes_for(cfg) + cfg.n_layers * cfg.ffn_dim * cfg.dim * 4 * (3 if cfg.glu else 2)
     room = auto_budget_bytes()
     if need > room:
         print(f"note: {path} needs about {need / 2**20:.0f} MiB in DRAM dense and {room / 2**20:.0f} MiB is "
@@ -295,6 +323,17 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | str | None = None,
     keep_freed_arrays_out_of_rss()
     ckpt, tokenizer, predictors = open_flashdir(path, ffn, verify, progress)
     cfg = ckpt.config
+    if ffn == "auto":
+        # In RAM nothing is gained by predicting: the whole FFN computed from DRAM is both exact and faster
+        dense = plan_resident(ckpt, dram_budget, ctx or min(cfg.max_pos, 4096), runtime_bytes)
+        if dense is not None:
+            if verbose or dense.requested:
+                print(dense.table(), file=sys.stderr)
+            return resident_model(ckpt, progress), tokenizer, None
+        if predictors is None or not predictors.has_predictors:
+            raise UserError(f"{ckpt.path} does not fit the DRAM budget and has no predictors to run it from flash: "
+                            f"run `flashinfer-lite collect` and `flashinfer-lite train-predictor`")
+        ffn = "predicted"
     lookahead = lookahead and ffn == "predicted"   # the guess is a predictor's
     # Planned before any weight loads: a budget too small fails before the work, and the runtime line is measured
     # on a process that holds everything but the weights (tokenizer, predictors, compiled kernels included).
@@ -316,16 +355,45 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | str | None = None,
     return Transformer(cfg, weights, ffn=runtime), tokenizer, runtime
 
 
+def resident_model(ckpt: FlashCheckpoint, progress: bool) -> Transformer:
+    """A FLASHDIR's model with every weight in DRAM (--ffn dense, and auto when it fits): a quantized one as stored,
+    resident matrices in blocks and the FFN as ResidentFFN; any other as dense FeedForward matrices (float16, float32
+    for f32 bundles)."""
+    if not ckpt.layout.quantized:
+        return Transformer(ckpt.config, load_weights(ckpt, progress, convert=half_matrix if dense_half(ckpt) else None))
+    weights = load_weights(ckpt, progress, skip=lambda n: bool(_BUNDLED.fullmatch(n)),
+                           convert=half_matrix if ckpt.layout.dtype != "f32" else None)
+    down_bias = [weights.get(f"layers.{i}.ffn.down.bias") for i in range(ckpt.config.n_layers)]
+    ffn = ResidentFFN(ckpt.config, ckpt, down_bias, progress)
+    return Transformer(ckpt.config, weights, ffn=ffn)
+
+
+def plan_resident(ckpt: FlashCheckpoint, dram_budget, ctx: int, runtime_bytes: int | None):
+    """The in-RAM plan (budget.plan_resident_ffn) of --ffn auto, or None when the whole model does not fit
+    --dram-budget (a size, "auto": what the machine can give, None: no limit)."""
+    cfg, layout = ckpt.config, ckpt.layout
+    if runtime_bytes is None:
+        runtime_bytes = measure_runtime_bytes(layout)
+    resident = resident_bytes_for(cfg, half=layout.dtype != "f32", kinds=ckpt.resident_kinds)
+    budget = {None: 1 << 60, "auto": auto_budget_bytes()}.get(dram_budget, dram_budget)
+    return plan_resident_ffn(cfg, layout, budget, ctx, resident, runtime_bytes,
+                             heap_slack_bytes=HEAP_SLACK_BYTES if runtime_bytes else 0,
+                             requested=dram_budget not in (None, "auto"))
+
+
 def load_dense(path, dram_budget, progress: bool):
     """--ffn dense: every weight in DRAM. A float16 FLASHDIR runs with float16 matrices (so dense and oracle compare
-    like for like), a quantized one with its resident matrices in blocks and its FFN dequantized to float32; an HF
-    directory or GGUF file stays float32, the reference checked against transformers."""
+    like for like), a quantized one as stored (resident matrices in blocks, the FFN as ResidentFFN over its bundles);
+    an HF directory stays float32, the reference checked against transformers, and a GGUF keeps its matrices in
+    their block formats where storage/blocks.py has them (loader.load_tensor)."""
     if dram_budget not in (None, "auto"):
         raise UserError("--dram-budget applies to --ffn predicted/oracle; --ffn dense keeps every weight in DRAM")
     ckpt = open_any(path)
     if dram_budget == "auto":
         warn_if_dense_does_not_fit(path, ckpt.config)
-    weights = load_weights(ckpt, progress, convert=half_matrix if dense_half(ckpt) else None)
+    if isinstance(ckpt, FlashCheckpoint):
+        return resident_model(ckpt, progress), ckpt.tokenizer(), None
+    weights = load_weights(ckpt, progress, keep_blocks=True)
     return Transformer(ckpt.config, weights), ckpt.tokenizer(), None
 
 

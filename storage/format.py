@@ -615,19 +615,26 @@ class FlashCheckpoint:
     def _layer_tensors(self, layer: int) -> dict[str, np.ndarray]:
         if self._cached_layer is not None and self._cached_layer[0] == layer:
             return self._cached_layer[1]
-        L, off, n = self.layout, self.layout.offset[layer], self.layout.n_neurons[layer]
-        with open(L.ffn_path, "rb") as f:
-            raw = os.pread(f.fileno(), L.region_bytes(layer), off)
-        h = new_checksum()
-        h.update(raw)
-        self._check_region(layer, h, len(raw) == L.region_bytes(layer))
-        vecs, biases = unpack_bundles(L, np.frombuffer(raw, np.uint8).reshape(n, L.stride))
+        L, n = self.layout, self.layout.n_neurons[layer]
+        vecs, biases = unpack_bundles(L, self.bundles(layer))
         # Bundle b holds original neuron order[b]: scatter back to original rows.
         inv = np.empty(n, np.int64)
         inv[L.order[layer]] = np.arange(n)
         vecs, biases = vecs[inv], biases[inv]
         out = bundle_tensors(L, layer, vecs, biases)
         self._cached_layer = (layer, out)
+        return out
+
+    def bundles(self, layer: int) -> np.ndarray:
+        """A layer's bundles as ffn.bin holds them, uint8 [n_neurons, stride] in bundle order, checksum checked (the
+        resident dense FFN computes on them as they are)."""
+        L = self.layout
+        out = np.empty((L.n_neurons[layer], L.stride), np.uint8)
+        with open(L.ffn_path, "rb") as f:
+            got = os.preadv(f.fileno(), [out], L.offset[layer])
+        h = new_checksum()
+        h.update(out)
+        self._check_region(layer, h, got == L.region_bytes(layer))
         return out
 
     def vector_norms(self, layer: int, vector: str = "down", chunk_bytes: int = 64 << 20) -> np.ndarray:

@@ -50,8 +50,8 @@ def test_every_row_has_the_fields(quick):
     for key in ("gguf", "gguf_bytes", "flash", "prompt_ids", "tokens", "llama_baseline_bytes", "flash_minimum_bytes",
                 "machine", "results", "command"):
         assert key in doc
-    assert set(rows) == {("llama.cpp", "none"), ("flash-dense", "none"), ("flash-predicted", "none"),
-                         ("probe", "none"), ("llama.cpp", "min"), ("flash-predicted", "min")}
+    assert set(rows) == {("llama.cpp", "none"), ("flash-dense", "none"), ("flash-auto", "none"),
+                         ("flash-predicted", "none"), ("probe", "none"), ("llama.cpp", "min"), ("flash-predicted", "min")}
     assert doc["llama_baseline_bytes"] == rows["llama.cpp", "none"]["memcap"]["peak_bytes"] - doc["gguf_bytes"]
     for r in doc["results"]:
         assert "error" not in r and "below_minimum" not in r, r

@@ -15,7 +15,8 @@ from gguf import quants as gguf_quants
 
 from flashinfer_lite.errors import UserError
 from flashinfer_lite.kernels import MATMUL_ROW_KERNEL_MAX_T
-from flashinfer_lite.quant import BLOCK, KINDS, QuantSparseFFN, dequantize, quant_matmul_t, quantize, row_bytes
+from flashinfer_lite.quant import (BLOCK, DENSE_ROW_KERNEL_MAX_T, KINDS, QuantMatrix, QuantSparseFFN, dequantize,
+                                   quant_ffn, quant_matmul_t, quantize, row_bytes)
 from storage.format import FlashLayout, bundle_geometry, pack_bundles
 from test_kernels import CASES, dense_coefficients, dense_ffn, make_model, numba_threads, rel_err, scatter_rows
 
@@ -190,6 +191,45 @@ def test_sparse_same_bits_whatever_the_split_or_threads(kind):
                     ffn.coefficients(bundles, S[lo:lo + piece], None, X[t:t + 1], c, act_threshold=0.02)
                     ffn.accumulate(bundles, S[lo:lo + piece], c, y)
             assert np.array_equal(y[0], Y[t]), (t, threads, piece)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS) + ["q4_1/q8_0"])
+@pytest.mark.parametrize("glu,act", CASES)
+@pytest.mark.parametrize("T", [1, DENSE_ROW_KERNEL_MAX_T, DENSE_ROW_KERNEL_MAX_T + 1, 40])
+def test_dense_layer_equals_float64(kind, glu, act, T):
+    """QuantSparseFFN.dense over a whole layer's bundles (the in-RAM FFN): the row kernel for a few rows, widened
+    blocks + BLAS for a prompt; the neuron count is not a multiple of the widened block."""
+    rng = np.random.default_rng(zlib.crc32(repr((kind, glu, act, T)).encode()))
+    d, n = 3 * BLOCK, 1500
+    w = make_model(rng, d, n, glu, True)
+    args, bundles, dq = pack(w, kind, glu)
+    threshold = 0.05 if act != "silu" else None
+    ffn = QuantSparseFFN(act=act, relu_threshold=threshold, **args)
+    X = rng.standard_normal((T, d)).astype(np.float32)
+    ref = np.stack([dense_ffn(dq, dense_coefficients(dq, x, glu, act, threshold)) for x in X])
+    for threads in (1, 2):
+        Y = np.full((T, d), np.nan, np.float32)
+        with numba_threads(threads):
+            ffn.dense(ffn.dense_layer(bundles), X, Y)
+        assert rel_err(Y, ref) < RTOL, threads
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("glu,act", CASES)
+def test_fused_ffn_over_matrices_equals_float64(kind, glu, act):
+    """quant_ffn (a GGUF's FFN at decode: gate/up [n, d], down [d, n] in blocks along n): one call per row."""
+    rng = np.random.default_rng(zlib.crc32(repr((kind, glu, act)).encode()) + 3)
+    d, n = 3 * BLOCK, 9 * BLOCK
+    w = make_model(rng, d, n, glu, False)
+    m = {v: QuantMatrix(quantize(w[v], kind), kind, w[v].shape[1]) for v in w}
+    dq = {v: m[v][np.arange(w[v].shape[0])] for v in w}
+    threshold = 0.05 if act != "silu" else None
+    X = rng.standard_normal((2, d)).astype(np.float32)
+    ref = np.stack([dense_ffn(dq, dense_coefficients(dq, x, glu, act, threshold)) for x in X])
+    for threads in (1, 2):
+        with numba_threads(threads):
+            y = quant_ffn(X, m.get("gate"), m["up"], m["down"], act, threshold or 0.0)
+        assert y.shape == (2, d) and rel_err(y, ref) < RTOL, threads
 
 
 def test_quantized_bundles_track_source_weights():

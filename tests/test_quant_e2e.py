@@ -20,7 +20,8 @@ from flashinfer_lite.budget import resident_bytes_for
 from flashinfer_lite.errors import UserError
 from flashinfer_lite.model import Transformer
 from flashinfer_lite.quant import QuantMatrix, dequantize
-from flashinfer_lite.runtime import load_runtime
+from flashinfer_lite.loader import open_any
+from flashinfer_lite.runtime import ResidentFFN, load_runtime, plan_resident
 from storage.checkpoint import open_checkpoint, unpermute_qk
 from storage.convert import convert
 from storage.files import disk_bytes
@@ -130,8 +131,8 @@ def test_default_model_keeps_its_blocks_and_size(smollm2_gguf, tmp_path):
 # Every mode computes the float64 math on the dequantized weights; the source is within the quantization error
 
 
-def float64_model(flashdir) -> Transformer:
-    ck = FlashCheckpoint(flashdir)
+def float64_model(path) -> Transformer:
+    ck = open_any(path)
     return Transformer(ck.config, {n: ck.tensor(n).astype(np.float64) for n in ck.names()})
 
 
@@ -180,6 +181,35 @@ def test_quantized_flashdir_computes_the_dequantized_math(tiny_model, tmp_path, 
         hf = transformers_model(path)(torch.tensor([ids])).logits[0].numpy()
     assert weight_err < (0.01 if dtype == "q8_0" else 0.1)
     assert rel_rms(want[:len(ids)], hf) < 5 * weight_err
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_in_ram_modes_compute_on_the_blocks(tiny_gguf, tmp_path, kind, capsys):
+    """--ffn dense on a GGUF keeps its blocks (QuantMatrix FFN); on its FLASHDIR dense, and auto when the model fits
+    the budget, run ResidentFFN over the bundles as stored: each the float64 math on its own dequantized weights."""
+    gguf = tiny_gguf(kind)
+    flash = convert(gguf, tmp_path / "flash", progress=False)
+    ids = np.random.default_rng(3).integers(3, 512, size=9).tolist()
+    for path, mode, budget in ((gguf, "dense", None), (flash, "dense", None), (flash, "auto", None),
+                               (flash, "auto", "auto"), (flash, "auto", 1 << 30)):
+        want_tokens, want = greedy(float64_model(path), ids, 6)
+        model, _, rt = load_runtime(path, mode, dram_budget=budget)
+        assert rt is None and isinstance(model.embed, QuantMatrix)
+        if path == gguf:
+            assert isinstance(model.dense_ffn[0].w_down, QuantMatrix)
+        else:
+            assert isinstance(model.ffn, ResidentFFN) and model.ffn.layers[0].head.dtype == np.uint8
+        tokens, got = greedy(model, ids, 6)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+        assert tokens == want_tokens, (path, mode)
+    assert "resident ffn" in capsys.readouterr().err     # a given budget prints the plan, the FFN as one line
+    # the plan counts what ResidentFFN holds
+    model, _, _ = load_runtime(flash, "auto", dram_budget=1 << 30)
+    plan = plan_resident(FlashCheckpoint(flash), 1 << 30, 64, 0)
+    assert plan.ffn_bytes == sum(layer.nbytes for layer in model.ffn.layers)
+    # a budget the whole model does not fit: auto runs from flash, which needs predictors
+    with pytest.raises(UserError, match="does not fit the DRAM budget and has no predictors"):
+        load_runtime(flash, "auto", dram_budget=1 << 20)
 
 
 @pytest.mark.parametrize("source", ["hf q4_0", "gguf q4_1"])
