@@ -15,10 +15,10 @@ from storage.cache import flashdir_for
 from .budget import peak_rss_bytes, rss_bytes
 from .default_model import ensure_default_model
 from .errors import Reported, UserError
-from .loader import is_flashdir
+from .loader import is_flashdir, open_any
 from .model import Transformer
 from .predictor_set import describe_calibration, has_trained_predictors, read_manifest
-from .runtime import load_runtime
+from .runtime import load_runtime, plan_resident
 from .sizes import parse_size
 from .tokenizer import StreamDecoder, Tokenizer, check_utf8
 
@@ -270,6 +270,8 @@ def choose_ffn(args) -> tuple[str, str, str | None]:
         if args.ffn not in ("auto", "predicted"):
             return str(path), args.ffn, None
         flashdir = flashdir_for(path, progress=sys.stderr.isatty())
+        if args.ffn == "auto" and fits_in_dram(flashdir, args):
+            return flashdir, "auto", "the default model"        # dense: predictors wait for a budget it exceeds
         if not has_trained_predictors(flashdir):
             train_on_first_use(flashdir)
         record = (read_manifest(flashdir) or {}).get("calibration")
@@ -287,6 +289,17 @@ def choose_ffn(args) -> tuple[str, str, str | None]:
     return args.model, "dense", f"ffn: dense (--ffn auto, {args.model} has no trained predictors)"
 
 
+def dram_budget_of(args) -> int | str | None:
+    """--dram-budget as load_runtime takes it: None, "auto" or bytes."""
+    return args.dram_budget if args.dram_budget in (None, "auto") else parse_size(args.dram_budget)
+
+
+def fits_in_dram(flashdir: str, args) -> bool:
+    """Whether --ffn auto will run this FLASHDIR whole from DRAM (runtime.plan_resident), where no predictor is used."""
+    ckpt = open_any(flashdir)
+    return plan_resident(ckpt, dram_budget_of(args), args.ctx_size or min(ckpt.config.max_pos, 4096), None) is not None
+
+
 def open_model(args):
     """(model, tokenizer, runtime, load_ms) for -m, or the default model."""
     t0 = time.perf_counter()
@@ -294,8 +307,7 @@ def open_model(args):
     if args.threads:
         import numba
         numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
-    budget = args.dram_budget if args.dram_budget in (None, "auto") else parse_size(args.dram_budget)
-    model, tokenizer, runtime = load_runtime(path, ffn, dram_budget=budget, ctx=args.ctx_size or None,
+    model, tokenizer, runtime = load_runtime(path, ffn, dram_budget=dram_budget_of(args), ctx=args.ctx_size or None,
                                              progress=sys.stderr.isatty(), verbose=args.verbose,
                                              lookahead=args.lookahead)
     if ffn == "auto":       # load_runtime chose: dense when the whole model fits the DRAM budget, else predicted

@@ -7,7 +7,8 @@
     source-digests.json        per source file: size, mtime, inode -> content digest (so nothing is hashed twice)
     device-profile.json        flash-bench's result (storage/profile.py)
 
-KEY is a digest of the source's content (file names relative to it, and bytes), never of its path or times:
+KEY is a digest of the source's content (file names relative to it, and bytes), never of its path or times, and the
+dtype convert's default gives it:
 moving the cache or the model, or touching a file, finds the same conversion; changing a byte makes a new one.
 """
 from __future__ import annotations
@@ -20,7 +21,8 @@ from pathlib import Path
 
 from flashinfer_lite.errors import UserError
 
-from .convert import convert
+from .checkpoint import open_checkpoint
+from .convert import DEFAULT_DTYPE, convert, layout_for
 from .files import disk_bytes, remove_stale_temp_dirs
 from .format import MANIFEST, file_checksum, is_flashdir, new_checksum
 
@@ -84,7 +86,9 @@ def flashdir_for(path, progress: bool) -> str:
     if not p.exists():
         raise UserError(f"model not found: {p}")
     flash = cache_dir() / FLASH
-    key = source_key(p)
+    # The dtype convert's default gives this source is part of the key: a conversion made under an older default
+    # (first uses before q4_1 made float16 ones) is not reused, and `flashinfer-lite cache` lists it for removal.
+    key = f"{source_key(p)}-{layout_for(open_checkpoint(p), DEFAULT_DTYPE).dtype}"
     # the name's stem is for people; the key alone finds a conversion (a renamed model is the same model)
     dest = next((d for d in sorted(flash.glob(f"*-{key}")) if is_flashdir(d)), flash / f"{p.stem}-{key}")
     if not is_flashdir(dest):

@@ -48,6 +48,20 @@ def test_key_follows_content_not_path_or_time(model_and_cache, tmp_path, monkeyp
     assert os.path.basename(cache.flashdir_for(moved, progress=False)) != os.path.basename(first)
 
 
+def test_a_conversion_of_another_dtype_is_not_reused(model_and_cache):
+    """A cache made when convert's default gave another dtype (first uses before q4_1 made float16 FLASHDIRs, under a
+    name without the dtype) is left alone: the first use converts anew, in the dtype convert's default gives now."""
+    from storage.convert import convert
+    from storage.format import read_layout
+    src, root = model_and_cache
+    stale = root / "flash" / f"stories-{cache.source_key(src)}"
+    convert(src, stale, dtype="q8_0", progress=False)
+    made = cache.flashdir_for(src, progress=False)
+    auto = read_layout(made).dtype
+    assert os.path.basename(made) == f"stories-{cache.source_key(src)}-{auto}" and auto != "q8_0"
+    assert read_layout(stale).dtype == "q8_0"                          # untouched, listed by `flashinfer-lite cache`
+
+
 def test_cache_command_lists_and_removes(model_and_cache):
     src, root = model_and_cache
     env = dict(os.environ)

@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from flashinfer_lite.errors import UserError
+
 from conftest import CORPUS, STORIES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,14 +62,35 @@ def tokens_of(out: str) -> list[int]:
     return json.loads(out.strip().splitlines()[-1])["tokens"]
 
 
-def test_first_use_trains_from_the_corpus_once_and_auto_in_ram_equals_dense(default_is_stories, monkeypatch, capfd):
+def test_first_use_trains_from_the_corpus_once_when_the_model_does_not_fit(default_is_stories, monkeypatch, capfd):
     from predictors import first_use
     from flashinfer_lite.predictor_set import load_predictors
     cache = default_is_stories
     monkeypatch.setenv("FLASHINFER_LITE_CORPUS", str(CORPUS))
-    rc, out, err = run_cli(capfd, "generate", *PROMPT)
+    generate = cli_generate_module()
+    real_run = generate.subprocess.run
+    # in RAM --ffn auto runs the whole model dense (ResidentFFN): no predictor is needed, none is trained
+    monkeypatch.setattr(generate.subprocess, "run", lambda *a, **k: pytest.fail("trained for a model that fits"))
+    rc, out0, err = run_cli(capfd, "generate", *PROMPT)
     assert rc == 0, err
+    assert "ffn: dense (--ffn auto, the whole model fits in DRAM; the default model)" in err
     flashdir = flashdir_of(cache)
+    assert not (flashdir / "predictors").exists()
+    # where the whole model does not fit, auto needs predictors: first use trains them before loading
+    asked = []
+
+    def train_stub(where):
+        asked.append(where)
+        raise UserError("stub: not trained here")
+    with monkeypatch.context() as mp:
+        mp.setattr(generate, "fits_in_dram", lambda flashdir, args: False)
+        mp.setattr(generate, "train_on_first_use", train_stub)
+        rc, _, err = run_cli(capfd, "generate", *PROMPT)
+    assert rc == 1 and asked == [str(flashdir)] and "stub: not trained here" in err
+    # --ffn predicted: first use trains (in the child process), then runs sparse
+    monkeypatch.setattr(generate.subprocess, "run", real_run)
+    rc, out, err = run_cli(capfd, "generate", "--ffn", "predicted", *PROMPT)
+    assert rc == 0, err
     m = predictor_manifest(flashdir)
     cal = m["calibration"]
     assert cal["source"] == "corpus" and cal["path"] == str(CORPUS.resolve())
@@ -77,9 +100,7 @@ def test_first_use_trains_from_the_corpus_once_and_auto_in_ram_equals_dense(defa
     assert m["max_read_share"] == 0.9
     assert f"predictors: trained on first use from {CORPUS.resolve()} (wikitext2_valid.txt, " \
            f"tinystories_cased_197KB.txt; {cal['tokens']} tokens)" in err
-    # the model fits in DRAM: auto runs it dense (ResidentFFN), the predictors wait for a budget it does not fit
-    assert "ffn: dense (--ffn auto, the whole model fits in DRAM; the default model" in err
-    # the predictors load and predict; the run really was sparse
+    # the predictors load and predict
     ps = load_predictors(flashdir)
     assert ps.has_predictors and ps.n_layers == 5
     # a layer keeps its predictor only where it would read at most max_read_share of the neurons (stories260K's
@@ -91,34 +112,32 @@ def test_first_use_trains_from_the_corpus_once_and_auto_in_ram_equals_dense(defa
         mask = ps.predict(i, x)
         assert mask.shape == (4, 172) and (mask.all() if i in m["dense_layers"] else 0 < mask.mean() < 1)
     first = json.loads(out.strip().splitlines()[-1])
-    assert len(first["tokens"]) == 16 and "flash" not in first
+    assert len(first["tokens"]) == 16 and first["flash"]["active_share"] < 0.75      # the run really was sparse
     assert not leftovers(cache)
-    rc, out, err = run_cli(capfd, "generate", "--ffn", "predicted", *PROMPT)
-    assert rc == 0 and json.loads(out.strip().splitlines()[-1])["flash"]["active_share"] < 0.75   # really sparse
 
     # second run: nothing is retrained (training would now fail), same tokens, the source is still named
     stamp = (flashdir / "predictors" / "weights.safetensors").stat().st_mtime_ns
-    generate = cli_generate_module()
     monkeypatch.setattr(generate.subprocess, "run", lambda *a, **k: pytest.fail("trained again"))
-    rc, out2, err2 = run_cli(capfd, "generate", *PROMPT)
+    rc, out2, err2 = run_cli(capfd, "generate", "--ffn", "predicted", *PROMPT)
     assert rc == 0, err2
-    assert "trained on first use from" in err2 and "predictors: trained" not in err2
+    assert "predictors: trained" not in err2
     assert (flashdir / "predictors" / "weights.safetensors").stat().st_mtime_ns == stamp
     assert tokens_of(out2) == first["tokens"]
-    # in RAM --ffn auto is exactly --ffn dense on the same FLASHDIR
+    # in RAM --ffn auto is exactly --ffn dense on the same FLASHDIR, predictors or not
+    monkeypatch.undo()
     rc, out3, err3 = run_cli(capfd, "generate", "-m", str(flashdir), "--ffn", "dense", *PROMPT)
     assert rc == 0, err3
-    assert tokens_of(out3) == first["tokens"]
+    assert tokens_of(out3) == tokens_of(out0)
     rc, out4, err4 = run_cli(capfd, "generate", "-m", str(flashdir), *PROMPT)
     assert rc == 0 and "ffn: dense (--ffn auto, the whole model fits in DRAM; " in err4
-    assert tokens_of(out4) == first["tokens"]
+    assert tokens_of(out4) == tokens_of(out0)
 
 
 def test_without_a_corpus_the_builtin_text_is_used(default_is_stories, monkeypatch, capfd, tmp_path):
     from predictors import first_use
     cache = default_is_stories
     monkeypatch.setenv("FLASHINFER_LITE_CORPUS", "builtin")          # even where a corpus sits beside the repo
-    rc, out, err = run_cli(capfd, "generate", *PROMPT)
+    rc, out, err = run_cli(capfd, "generate", "--ffn", "predicted", *PROMPT)
     assert rc == 0, err
     cal = predictor_manifest(flashdir_of(cache))["calibration"]
     assert cal["source"] == "builtin" and cal["files"] == ["calibration.txt"]
@@ -166,7 +185,7 @@ def test_missing_torch_is_one_clear_line(default_is_stories, monkeypatch, capfd)
     generate = cli_generate_module()
     real = generate.find_spec
     monkeypatch.setattr(generate, "find_spec", lambda name: None if name == "torch" else real(name))
-    rc, out, err = run_cli(capfd, "generate", *PROMPT)
+    rc, out, err = run_cli(capfd, "generate", "--ffn", "predicted", *PROMPT)
     assert rc == 1
     lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
     assert len(lines) == 1 and "flashinfer-lite[train]" in lines[0] and "--ffn dense" in lines[0]
@@ -190,7 +209,7 @@ def test_a_corpus_variable_without_calibration_text_is_one_line(default_is_stori
     empty.mkdir()
     (empty / "wikitext2_test.txt").write_text("evaluation text only\n")   # the test split never calibrates
     monkeypatch.setenv("FLASHINFER_LITE_CORPUS", str(empty))
-    rc, out, err = run_cli(capfd, "generate", *PROMPT)
+    rc, out, err = run_cli(capfd, "generate", "--ffn", "predicted", *PROMPT)
     errors = [ln for ln in err.splitlines() if ln.startswith("error: ")]
     assert rc == 1 and len(errors) == 1 and "FLASHINFER_LITE_CORPUS" in errors[0] and "Traceback" not in err
 
