@@ -15,10 +15,10 @@ from storage.cache import flashdir_for
 from .budget import peak_rss_bytes, rss_bytes
 from .default_model import ensure_default_model
 from .errors import Reported, UserError
-from .loader import is_flashdir, open_any
+from .loader import is_flashdir
 from .model import Transformer
 from .predictor_set import describe_calibration, has_trained_predictors, read_manifest
-from .runtime import load_runtime, plan_resident
+from .runtime import load_runtime
 from .sizes import parse_size
 from .tokenizer import StreamDecoder, Tokenizer, check_utf8
 
@@ -263,21 +263,16 @@ def train_on_first_use(flashdir: str) -> None:
 
 def choose_ffn(args) -> tuple[str, str, str | None]:
     """(model path, FFN mode, why) for -m (or the default model) and --ffn; `why` is said once the model has loaded
-    (for --ffn auto only). The default model in predicted mode (auto or asked) gets its FLASHDIR and predictors made
-    on first use."""
+    (for --ffn auto only). The default model gets its FLASHDIR made on first use, and its predictors when it runs
+    sparse: at once for --ffn predicted, for auto only once load_runtime finds the whole model does not fit."""
     if args.model is None:
         path = ensure_default_model()
         if args.ffn not in ("auto", "predicted"):
             return str(path), args.ffn, None
         flashdir = flashdir_for(path, progress=sys.stderr.isatty())
-        if args.ffn == "auto" and fits_in_dram(flashdir, args):
-            return flashdir, "auto", "the default model"        # dense: predictors wait for a budget it exceeds
-        if not has_trained_predictors(flashdir):
+        if args.ffn == "predicted" and not has_trained_predictors(flashdir):
             train_on_first_use(flashdir)
-        record = (read_manifest(flashdir) or {}).get("calibration")
-        how = f"trained on first use from {describe_calibration(record)}" if record else "trained with train-predictor"
-        why = f"the default model; its predictors were {how}"
-        return flashdir, args.ffn, why if args.ffn == "auto" else None
+        return flashdir, args.ffn, "the default model"
     if args.ffn != "auto":
         return args.model, args.ffn, None
     if is_flashdir(args.model):
@@ -289,15 +284,10 @@ def choose_ffn(args) -> tuple[str, str, str | None]:
     return args.model, "dense", f"ffn: dense (--ffn auto, {args.model} has no trained predictors)"
 
 
-def dram_budget_of(args) -> int | str | None:
-    """--dram-budget as load_runtime takes it: None, "auto" or bytes."""
-    return args.dram_budget if args.dram_budget in (None, "auto") else parse_size(args.dram_budget)
-
-
-def fits_in_dram(flashdir: str, args) -> bool:
-    """Whether --ffn auto will run this FLASHDIR whole from DRAM (runtime.plan_resident), where no predictor is used."""
-    ckpt = open_any(flashdir)
-    return plan_resident(ckpt, dram_budget_of(args), args.ctx_size or min(ckpt.config.max_pos, 4096), None) is not None
+def default_model_predictors(flashdir: str) -> str:
+    record = (read_manifest(flashdir) or {}).get("calibration")
+    how = f"trained on first use from {describe_calibration(record)}" if record else "trained with train-predictor"
+    return f"its predictors were {how}"
 
 
 def open_model(args):
@@ -307,13 +297,17 @@ def open_model(args):
     if args.threads:
         import numba
         numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
-    model, tokenizer, runtime = load_runtime(path, ffn, dram_budget=dram_budget_of(args), ctx=args.ctx_size or None,
+    budget = args.dram_budget if args.dram_budget in (None, "auto") else parse_size(args.dram_budget)
+    model, tokenizer, runtime = load_runtime(path, ffn, dram_budget=budget, ctx=args.ctx_size or None,
                                              progress=sys.stderr.isatty(), verbose=args.verbose,
-                                             lookahead=args.lookahead)
+                                             lookahead=args.lookahead,
+                                             make_predictors=train_on_first_use if args.model is None else None)
+    if args.model is None and runtime is not None:
+        why = f"{why}; {default_model_predictors(path)}"
     if ffn == "auto":       # load_runtime chose: dense when the whole model fits the DRAM budget, else predicted
         mode, fit = ("dense", "the whole model fits in DRAM") if runtime is None else ("predicted", "from flash")
         print(f"ffn: {mode} (--ffn auto, {fit}; {why})", file=sys.stderr)
-    elif why:
+    elif why and ffn != "predicted":
         print(why, file=sys.stderr)
     return model, tokenizer, runtime, (time.perf_counter() - t0) * 1e3
 

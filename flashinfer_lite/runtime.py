@@ -304,7 +304,7 @@ def one_blas_thread() -> None:
 
 def load_runtime(path, ffn: str = "dense", dram_budget: int | str | None = None, ctx: int | None = None, window: int = 5,
                  threads: int | None = None, progress: bool = False, verbose: bool = False, verify: bool = True,
-                 runtime_bytes: int | None = None, lookahead: bool = False):
+                 runtime_bytes: int | None = None, lookahead: bool = False, make_predictors=None):
     """(model, tokenizer, runtime) for a model path and an FFN mode; runtime is None for dense.
 
     A model that is not a FLASHDIR is converted into the cache on first use for the sparse modes.
@@ -314,6 +314,8 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | str | None = None,
     lookahead: in predicted mode, start each layer's reads one layer early on a guess (lookahead_selector). Off by
     default: on the 7B-shaped bench at a 25% budget the device is the bottleneck and the wrong guesses' extra bytes
     cost more than the early start hides (bench/README.md).
+    make_predictors(flashdir): called when --ffn auto must run from flash and the FLASHDIR has no predictors (the
+    default model's first use trains them); without it, that is an error naming the commands to run.
     """
     one_blas_thread()
     if ffn not in FFN_MODES:
@@ -330,6 +332,9 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | str | None = None,
             if verbose or dense.requested:
                 print(dense.table(), file=sys.stderr)
             return resident_model(ckpt, progress), tokenizer, None
+        if (predictors is None or not predictors.has_predictors) and make_predictors is not None:
+            make_predictors(str(ckpt.path))
+            predictors = load_predictors(ckpt.path)
         if predictors is None or not predictors.has_predictors:
             raise UserError(f"{ckpt.path} does not fit the DRAM budget and has no predictors to run it from flash: "
                             f"run `flashinfer-lite collect` and `flashinfer-lite train-predictor`")

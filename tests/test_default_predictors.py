@@ -76,14 +76,15 @@ def test_first_use_trains_from_the_corpus_once_when_the_model_does_not_fit(defau
     assert "ffn: dense (--ffn auto, the whole model fits in DRAM; the default model)" in err
     flashdir = flashdir_of(cache)
     assert not (flashdir / "predictors").exists()
-    # where the whole model does not fit, auto needs predictors: first use trains them before loading
+    # where the whole model does not fit, auto needs predictors: load_runtime has first use train them
+    from flashinfer_lite import runtime
     asked = []
 
     def train_stub(where):
         asked.append(where)
         raise UserError("stub: not trained here")
     with monkeypatch.context() as mp:
-        mp.setattr(generate, "fits_in_dram", lambda flashdir, args: False)
+        mp.setattr(runtime, "plan_resident", lambda *a, **k: None)         # as under a budget it does not fit
         mp.setattr(generate, "train_on_first_use", train_stub)
         rc, _, err = run_cli(capfd, "generate", *PROMPT)
     assert rc == 1 and asked == [str(flashdir)] and "stub: not trained here" in err
