@@ -481,8 +481,7 @@ def main(argv=None) -> int:
         dtypes = a.quick_dtypes.split(",")
         a.model, a.gguf, a.trace = prepare_quick(work, dtypes, "llama.cpp" in modes)
         a.tokens, a.slow_tokens, a.bw_seconds, a.budgets = 6, 6, 0.1, "75"
-        # the overlap and lookahead variants once, on the first dtype: the smoke test stays under a minute
-        a.serial_budgets = a.lookahead_budgets = "75" if len(dtypes) == 1 else ""
+        a.serial_budgets = a.lookahead_budgets = "75"
         a.cap = a.cap if a.cap != "3G" else "1G"
     if not a.model:
         ap.error("-m FLASHDIR is required (or --quick)")
@@ -501,8 +500,9 @@ def main(argv=None) -> int:
 
     results = []
     for rnd in range(1, a.repeat + 1):
-        for m in models:
-            got = run_round(a, m, modes, cap, work)
+        for i, m in enumerate(models):
+            # --quick runs the overlap and lookahead variants on the first FLASHDIR only: it stays under a minute
+            got = run_round(a, m, modes, cap, work, variants=not (a.quick and i))
             if got is None:
                 return 1
             for r in got:
@@ -530,7 +530,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def run_round(a, m: dict, modes: list[str], cap: int, work: Path) -> list[dict] | None:
+def run_round(a, m: dict, modes: list[str], cap: int, work: Path, variants: bool = True) -> list[dict] | None:
     """Every mode once on model m, in a fixed order. The reference runs first: its tokens and active sets feed the
     others."""
     ids_file, oracle = work / f"{m['tag']}-ids.npy", work / f"{m['tag']}-oracle.npz"
@@ -549,8 +549,8 @@ def run_round(a, m: dict, modes: list[str], cap: int, work: Path) -> list[dict] 
         caps[pct] = max(cap, m["model_bytes"] * pct // 100 + CAP_SLACK)
     if "flash" in modes:
         scen = [("oracle", oracle)] + ([("trace", a.trace)] if a.trace else [])
-        serial = sorted({int(p) for p in a.serial_budgets.split(",") if p})
-        ahead = sorted({int(p) for p in a.lookahead_budgets.split(",") if p})
+        serial = sorted({int(p) for p in a.serial_budgets.split(",") if p and variants})
+        ahead = sorted({int(p) for p in a.lookahead_budgets.split(",") if p and variants})
         runs = [(p, "") for p in caps] + [(p, "-serial") for p in serial] + [(p, "-lookahead") for p in ahead]
         for name, active in scen:
             for pct, suffix in runs:
