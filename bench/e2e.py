@@ -375,6 +375,8 @@ def run_mode(a, m: dict, mode: str, cap: int | None, work: Path, extra: list[str
     limit = str(cap) if cap else str(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     full = [sys.executable, str(MEMCAP), "--limit", limit, "--drop-caches", "--json", str(capjson), "--", *cmd]
     env = dict(os.environ, PYTHONPATH=str(REPO))
+    if mode.startswith("llama.cpp") and a.llama_omp == "passive":
+        env["OMP_WAIT_POLICY"] = "passive"
     t0 = time.perf_counter()
     p = subprocess.run(full, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     res = json.loads(out.read_text()) if out.exists() else {"mode": mode, "error": p.stderr.strip()[-2000:]}
@@ -447,6 +449,9 @@ def main(argv=None) -> int:
                     help="the uncapped dense run whose greedy tokens every row is fed and whose active sets the "
                          "oracle replays (layer-stream: one FFN layer in memory at a time)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's compute threads")
+    ap.add_argument("--llama-omp", default="active", choices=("active", "passive"),
+                    help="llama.cpp's OpenMP threads spin between ops (active, its default) or sleep (passive: "
+                         "OMP_WAIT_POLICY=passive; faster on cores other processes share, see vs_llama_cpp.py)")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of all modes (the machine is shared: compare "
                     "rows of one round)")
     ap.add_argument("--bw-seconds", type=float, default=1.0, help="seconds per flash bandwidth cell")
