@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.vs_llama_cpp import emit  # noqa: E402  (standard library and numpy only)
 from storage.files import disk_bytes  # noqa: E402
 
 
@@ -525,14 +525,7 @@ def main(argv=None) -> int:
            "reference": a.reference, "machine": machine, "results": results, "speedups": speedups(results),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seconds": round(time.perf_counter() - t_start, 1),
            "command": " ".join(["python", "bench/e2e.py", *(argv if argv is not None else sys.argv[1:])])}
-    md = markdown(doc)
-    print(json.dumps(doc, indent=1))
-    print(md, file=sys.stderr)
-    if a.md:
-        a.md.write_text(md + "\n")
-    if not a.keep:
-        shutil.rmtree(work, ignore_errors=True)
-    return 0
+    return emit(doc, markdown(doc), a.md, None if a.keep else work)
 
 
 def run_round(a, m: dict, modes: list[str], cap: int, work: Path, variants: bool = True) -> list[dict] | None:
