@@ -518,12 +518,14 @@ def main(argv=None) -> int:
         ref = next(x for x in results if x["model"] == r["model"] and x["mode"] == a.reference)
         if "argmax" in r and not r["mode"].startswith("llama.cpp"):
             k = len(r["argmax"])
-            r["argmax_agree_with_dense"] = round(float(np.mean(np.array(r["argmax"]) == np.array(ref["argmax"][:k]))), 4)
+            same = np.array(r["argmax"]) == np.array(ref["argmax"][:k])
+            r["argmax_agree_with_dense"] = round(float(np.mean(same)), 4)
         floors(r, m, machine)
     machine["load_avg_end"] = os.getloadavg()
     doc = {"models": [{k: v for k, v in m.items() if k not in ("layout", "bw")} for m in models], "cap_bytes": cap,
            "reference": a.reference, "machine": machine, "results": results, "speedups": speedups(results),
-           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seconds": round(time.perf_counter() - t_start, 1),
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "seconds": round(time.perf_counter() - t_start, 1),
            "command": " ".join(["python", "bench/e2e.py", *(argv if argv is not None else sys.argv[1:])])}
     return emit(doc, markdown(doc), a.md, None if a.keep else work)
 
@@ -628,9 +630,9 @@ def markdown(doc: dict) -> str:
     lines += [f"{doc['date']}; {m['cpus']} CPUs, DRAM {m['dram_GBps']} GB/s; load avg {m['load_avg_start'][0]:.1f} -> "
               f"{m['load_avg_end'][0]:.1f}; reference {doc['reference']}",
               "",
-              "| round | model | mode | cap GiB | tokens | load s | ms/tok P50 | P99 | flash MB/tok | read GB/s | hit rate "
-              "| resident MiB | peak RSS MiB | memcap peak MiB | floor flash ms | floor DRAM ms | floor ms | P50 / floor "
-              "| argmax = ref | load avg |",
+              "| round | model | mode | cap GiB | tokens | load s | ms/tok P50 | P99 | flash MB/tok | read GB/s "
+              "| hit rate | resident MiB | peak RSS MiB | memcap peak MiB | floor flash ms | floor DRAM ms | floor ms "
+              "| P50 / floor | argmax = ref | load avg |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["results"]:
         cap = "uncapped" if r.get("cap_bytes") is None else f"{r['cap_bytes'] / 2**30:.2f}"
@@ -649,8 +651,8 @@ def markdown(doc: dict) -> str:
             f"{_fmt(r.get('floor_flash_ms'))} | {_fmt(r.get('floor_dram_ms'))} | {_fmt(r.get('floor_ms'))} | "
             f"{_fmt(r.get('p50_over_floor'), 2)} | {_fmt(r.get('argmax_agree_with_dense'), 2)} | "
             f"{r['loadavg'][0]:.1f} |")
-    lines += ["", "| round | model | mode | s/token: FFN compute | flash read wait | reads in flight | cache bookkeeping | "
-              "predictor | attention + rest |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| round | model | mode | s/token: FFN compute | flash read wait | reads in flight | "
+              "cache bookkeeping | predictor | attention + rest |", "|---|---|---|---|---|---|---|---|---|"]
     for r in doc["results"]:
         if "time_split_s_per_token" in r:
             t = r["time_split_s_per_token"]
