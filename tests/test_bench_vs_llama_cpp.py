@@ -127,7 +127,8 @@ def test_e2e_llama_row_runs_under_the_flash_rows_cap(e2e_llama):
     assert lr["tokens"] == len(lr["argmax"]) and 0 < lr["p50_ms"] <= lr["p99_ms"] and lr["flash_MB_per_token"] >= 0
     assert lr["floor_ms"] == pytest.approx(lr["floor_flash_ms"] + lr["floor_dram_ms"], abs=0.11)
     sp = {x["mode"]: x for x in doc["speedups"]}
-    assert sp["flash-oracle-75"]["vs_llama.cpp"] == pytest.approx(lr["p50_ms"] / fr["p50_ms"], rel=0.02)
+    # rounded to 2 decimals, of P50s rounded to 0.01 ms
+    assert sp["flash-oracle-75"]["vs_llama.cpp"] == pytest.approx(lr["p50_ms"] / fr["p50_ms"], rel=0.02, abs=0.006)
     assert "| llama.cpp-75 |" in err
 
 
