@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """End-to-end decode benchmark: flashinfer-lite against the baselines users would pick, same model, same cap.
 
-    PYTHONPATH=. python bench/e2e.py -m FLASHDIR --trace TRACE.npz [--cap 3G] [--tokens 24] [--slow-tokens 6]
+    PYTHONPATH=. python bench/e2e.py -m FLASHDIR [FLASHDIR ...] [--gguf GGUF ...] [--trace TRACE.npz] [--cap 3G]
+                                     [--tokens 24] [--slow-tokens 6] [--reference dense-ram|layer-stream]
     PYTHONPATH=. python bench/e2e.py --quick          # tiny generated model, < 1 minute, for smoke tests
 
 Modes (each one a subprocess under tools/memcap.py, page cache dropped before it):
@@ -12,6 +13,12 @@ Modes (each one a subprocess under tools/memcap.py, page cache dropped before it
                 model files, active sets replayed from a trace:
                   oracle: the exact active sets the dense-ram run recorded (a perfect predictor on random weights)
                   trace:  real SmolLM2 activation sets mapped onto the big width (tools/record_trace.py)
+  llama.cpp     llama.cpp itself (llama-cpp-python, the `bench` extra; bench.vs_llama_cpp.measure_llama) mmap'ing the
+                --gguf paired with the FLASHDIR, under the cap of each flash-oracle row of that FLASHDIR (and --cap)
+Several FLASHDIRs (e.g. the same model converted to q4_0 and to f16) each get every mode; rows carry the FLASHDIR's
+dtype as their `model`. The reference mode (--reference: dense-ram, uncapped with the FFN in RAM, or layer-stream,
+which holds one layer of the FFN at a time and suits a model whose dense pass does not fit comfortably) runs first
+and uncapped: its greedy tokens are every other row's input and its active sets the oracle scenario's.
 Dense modes compute all three FFN matrices for every neuron (as llama.cpp does) with one Numba kernel over the
 bundle rows; flash modes compute only the active rows with flashinfer_lite.kernels.SparseFFN. Attention and the
 rest of the model are the same numpy math (flashinfer_lite.model.Transformer) in every mode.
@@ -24,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -36,8 +42,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from numba import njit, prange  # noqa: E402
-
+from bench.vs_llama_cpp import emit  # noqa: E402  (standard library and numpy only)
 from storage.files import disk_bytes  # noqa: E402
 
 
@@ -68,17 +73,17 @@ class Worker:
         ck = FlashCheckpoint(a.flashdir)
         self.layout, self.cfg = ck.layout, ck.config
         L = self.layout
-        if L.dtype == "int8" or L.n_vec != 3 or L.biases:
-            raise SystemExit("bench/e2e.py: the dense modes support f16/f32 GLU bundles without biases")
+        if L.n_vec != 3 or L.biases:
+            raise SystemExit("bench/e2e.py: the dense modes support GLU bundles without biases")
         ffn_names = {n for i in range(L.n_layers) for n in ffn_tensor_names(L, i)}
         from flashinfer_lite.model import half_matrix   # as the runtime keeps them (runtime.load_runtime)
         weights = load_weights(ck, skip=lambda n: n in ffn_names, convert=half_matrix if L.dtype != "f32" else None)
         self.resident_bytes = sum(w.nbytes for w in weights.values())
         self.prompt_ids = ck.tokenizer().encode(PROMPT)
         self.model = Transformer(self.cfg, weights, ffn=self.ffn)
-        from flashinfer_lite.kernels import SparseFFN
+        from flashinfer_lite.quant import sparse_ffn
         # Dense = the runtime's own kernel over every row: the modes differ only in where the rows come from.
-        self.dense_kernel = SparseFFN.from_layout(L, max_active=max(L.n_neurons))   # act + threshold of the config
+        self.dense_kernel = sparse_ffn(L, max_active=max(L.n_neurons))   # act + threshold of the config
         self.all_rows = np.arange(max(L.n_neurons), dtype=np.int32)
         self.coef = self.dense_kernel.coef
         self.t = 0                          # index of the token being decoded
@@ -113,6 +118,8 @@ class Worker:
         t0 = time.perf_counter()
         self.dense_kernel(B, self.all_rows[:B.shape[0]], np.ascontiguousarray(x[0], np.float32), y)
         self.compute_s += time.perf_counter() - t0
+        if self.active_rec is not None:                 # the reference run records the oracle's sets
+            self.active_rec[self.t, self.layer, :B.shape[0]] = self.coef[:B.shape[0]] != 0
         return y[None, :]
 
     # -- per mode ----------------------------------------------------------------------------------------------------
@@ -128,7 +135,6 @@ class Worker:
                     if not got:
                         raise SystemExit("bench/e2e.py: short read of ffn.bin")
                     pos += got
-            self.active_rec = np.zeros((a.n_tokens, L.n_layers, max(L.n_neurons)), bool)
         elif a.mode == "dense-mmap":
             self.B = np.memmap(L.ffn_path, np.uint8, mode="r")
         elif a.mode == "layer-stream":
@@ -140,6 +146,8 @@ class Worker:
             self.setup_flash()
         else:
             raise SystemExit(f"unknown mode {a.mode}")
+        if a.record:
+            self.active_rec = np.zeros((a.n_tokens, L.n_layers, max(L.n_neurons)), bool)
 
     def setup_flash(self):
         """The runtime's own FlashFFN (neuron cache, reader, overlapped reads, sparse kernel), fed replayed sets."""
@@ -195,10 +203,8 @@ class Worker:
     def ffn(self, layer, x):
         t0 = time.perf_counter()
         mode, L = self.a.mode, self.layout
-        if mode == "dense-ram":
-            y = self.dense(self.region(self.B, layer), x)
-            self.active_rec[self.t, layer, :L.n_neurons[layer]] = self.coef[:L.n_neurons[layer]] != 0
-        elif mode == "dense-mmap":
+        self.layer = layer
+        if mode in ("dense-ram", "dense-mmap"):
             y = self.dense(self.region(self.B, layer), x)
         elif mode == "layer-stream":
             n = L.n_neurons[layer]
@@ -259,7 +265,8 @@ class Worker:
                                           "attention_and_rest": round((total_s - ffn_s) / n, 4)},
                "resident_bytes": self.resident_bytes,
                "peak_rss_bytes": peak_rss_bytes(),
-               "rss_end_bytes": _psutil_rss(), "argmax": argmax, "ids": [int(i) for i in ids], **self.info}
+               "rss_end_bytes": _psutil_rss(), "argmax": argmax, "ids": [int(i) for i in ids],
+               "prompt_len": len(self.prompt_ids), **self.info}
         if self.active_rec is not None:
             np.savez_compressed(a.record, active=np.packbits(self.active_rec, axis=-1),
                                 n=np.int64(self.active_rec.shape[2]),
@@ -297,33 +304,51 @@ def _psutil_rss() -> int:
 
 
 def worker_main(a) -> int:
-    try:
-        w = Worker(a)
-        res = w.run()
-    except BelowMinimum as e:
-        res = {"mode": a.mode, "below_minimum": str(e), "budget_bytes": int(a.budget)}
+    if a.mode.startswith("llama.cpp"):
+        res = llama_worker(a)
+    else:
+        try:
+            res = Worker(a).run()
+        except BelowMinimum as e:
+            res = {"mode": a.mode, "below_minimum": str(e), "budget_bytes": int(a.budget)}
     Path(a.out).write_text(json.dumps(res))
     return 0
+
+
+def llama_worker(a) -> dict:
+    """llama.cpp itself, mmap'ing the GGUF: the reference's prompt in one batch, then --n-tokens greedy steps of its own
+    (GGUF's llama computes SwiGLU, not FATReLU, so its tokens are its own; the bytes it reads per token are not).
+    Imports neither numba nor the runtime: the cgroup charges only what llama.cpp itself holds."""
+    from bench.vs_llama_cpp import measure_llama, peak_rss
+    ids = [int(i) for i in np.load(a.ids)][:a.prompt_len]
+    r = measure_llama({"gguf": a.gguf, "prompt_ids": ids, "n_gen": a.n_tokens + 1, "ctx": len(ids) + a.n_tokens + 2,
+                       "threads": a.threads, "llama_extra_bufts": False})
+    return {"mode": a.mode, "engine": "llama.cpp", "tokens": r["decode_steps"], "load_s": r["load_s"],
+            "prompt_ms_per_token": r["prompt_ms_per_token"], "p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"],
+            "tokens_per_s": r["tokens_per_s"], "flash_MB_per_token": r["decode_MB_per_token"],
+            "hit_rate": None, "resident_bytes": None, "peak_rss_bytes": peak_rss(), "argmax": r["gen_tokens"][1:],
+            "gguf": a.gguf, "gguf_bytes": os.path.getsize(a.gguf), "llama_cpp": r["llama_cpp"],
+            "system_info": r["system_info"]}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Machine measurements: flash bandwidth at the request sizes the modes issue, DRAM bandwidth
 
-@njit(cache=True, parallel=True)
-def _sum_u64(a):
-    s = 0
-    for i in prange(a.shape[0]):
-        s += a[i]
-    return s
-
-
 def dram_gbps(nbytes: int = 1 << 30) -> float:
+    from numba import njit, prange        # here: the llama.cpp worker imports this module and must not load numba
+
+    @njit(cache=True, parallel=True)
+    def sum_u64(a):
+        s = 0
+        for i in prange(a.shape[0]):
+            s += a[i]
+        return s
     a = np.ones(nbytes // 8, np.uint64)
-    _sum_u64(a[:1024])
+    sum_u64(a[:1024])
     best = 0.0
     for _ in range(3):
         t0 = time.perf_counter()
-        _sum_u64(a)
+        sum_u64(a)
         best = max(best, nbytes / (time.perf_counter() - t0) / 1e9)
     return best
 
@@ -339,14 +364,19 @@ def flash_gbps(ffn_path: Path, chunks: list[int], seconds: float) -> dict[int, f
 # ----------------------------------------------------------------------------------------------------------------------
 # Driver
 
-def run_mode(a, mode: str, cap: int | None, work: Path, extra: list[str]) -> dict:
-    out = work / f"{mode}.json"
-    capjson = work / f"{mode}.memcap.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", mode, "-m", str(a.model), "--out", str(out),
-           "--lookahead-recall", str(a.lookahead_recall), "--lookahead-precision", str(a.lookahead_precision), *extra]
+def run_mode(a, m: dict, mode: str, cap: int | None, work: Path, extra: list[str]) -> dict:
+    """One row: `mode` on model m (a FLASHDIR, or its GGUF for llama.cpp) as a worker under tools/memcap.py."""
+    name = f"{m['tag']}-{mode}"
+    out = work / f"{name}.json"
+    capjson = work / f"{name}.memcap.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", mode, "-m", str(m["path"]), "--out", str(out),
+           "--lookahead-recall", str(a.lookahead_recall), "--lookahead-precision", str(a.lookahead_precision),
+           "--threads", str(a.threads), *extra]
     limit = str(cap) if cap else str(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     full = [sys.executable, str(MEMCAP), "--limit", limit, "--drop-caches", "--json", str(capjson), "--", *cmd]
     env = dict(os.environ, PYTHONPATH=str(REPO))
+    if mode.startswith("llama.cpp") and a.llama_omp == "passive":
+        env["OMP_WAIT_POLICY"] = "passive"
     t0 = time.perf_counter()
     p = subprocess.run(full, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     res = json.loads(out.read_text()) if out.exists() else {"mode": mode, "error": p.stderr.strip()[-2000:]}
@@ -354,38 +384,67 @@ def run_mode(a, mode: str, cap: int | None, work: Path, extra: list[str]) -> dic
         res["memcap"] = json.loads(capjson.read_text())
     elif p.returncode == 3:
         res["memcap"] = {"unavailable": p.stderr.strip()}
-    res["cap_bytes"] = cap
-    res["wall_s"] = round(time.perf_counter() - t0, 1)
+    res.update(model=m["tag"], cap_bytes=cap, wall_s=round(time.perf_counter() - t0, 1), loadavg=os.getloadavg())
     if p.returncode and "error" not in res:
         res["error"] = f"exit {p.returncode}: {p.stderr.strip()[-1000:]}"
-    print(f"  {mode}: {res.get('p50_ms', res.get('below_minimum', res.get('error', '?')))} ({res['wall_s']} s)",
+    print(f"  {name}: {res.get('p50_ms', res.get('below_minimum', res.get('error', '?')))} ({res['wall_s']} s)",
           file=sys.stderr)
     return res
 
 
-def prepare_quick(work: Path) -> tuple[Path, Path]:
-    """Tiny generated model (converted to a FLASHDIR) and a stories260K trace mapped onto it."""
+def prepare_quick(work: Path, dtypes: list[str], gguf: bool) -> tuple[list[Path], list[Path], Path]:
+    """Tiny generated model converted to a FLASHDIR per dtype (and, for llama.cpp, written as GGUF of the same
+    dtypes), and a stories260K trace mapped onto it."""
     from storage.convert import convert
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    hf, flash, trace = work / "quick-hf", work / "quick-flash", work / "quick-trace.npz"
+    hf, trace = work / "quick-hf", work / "quick-trace.npz"
     subprocess.run([sys.executable, str(REPO / "tools" / "make_large_model.py"), str(hf), "--layers", "2", "--dim",
-                    "128", "--ffn", "2048", "--heads", "2", "--check-tokens", "0", "--force"], env=env, check=True,
-                   stdout=subprocess.DEVNULL)
-    convert(hf, flash, dtype="f16", force=True, progress=False)
+                    "128", "--ffn", "2048", "--heads", "2", "--check-tokens", "0", "--force",
+                    *(["--gguf", ",".join(dtypes)] if gguf else [])],
+                   env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    flash = [convert(hf, work / f"quick-{d}.flash", dtype=d, force=True, progress=False) for d in dtypes]
     stories = REPO / "tests" / "data" / "stories260K"
     subprocess.run([sys.executable, str(REPO / "tools" / "record_trace.py"), "-o", str(trace), "--model",
                     str(stories), "--layers", "2", "--ffn", "2048", "--cal-tokens", "256", "--tokens", "32"],
-                   env=env, check=True, stdout=subprocess.DEVNULL)
-    return flash, trace
+                   env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return flash, [hf / f"model.{d}.gguf" for d in dtypes] if gguf else [], trace
+
+
+def describe(path: Path, gguf: Path | None, tags: list[str], bw_seconds: float) -> dict:
+    """A FLASHDIR's sizes and geometry, its GGUF twin, and flash bandwidth at its bundle size and at 1 MiB (probed
+    again after the rows: reprobe)."""
+    from storage.format import read_layout
+    L = read_layout(path)
+    tag = L.dtype if L.dtype not in tags else f"{L.dtype}#{len(tags)}"
+    bw = flash_gbps(L.ffn_path, sorted({L.stride, 1 << 20}), bw_seconds)
+    return {"tag": tag, "path": str(path), "layout": L, "model_bytes": disk_bytes(Path(path)), "ffn_bytes": L.ffn_size,
+            "resident_file_bytes": os.path.getsize(Path(path) / L.files["resident"]), "stride": L.stride,
+            "config": L.config, "gguf": str(gguf) if gguf else None,
+            "gguf_bytes": os.path.getsize(gguf) if gguf else None, "bw": bw,
+            "flash_GBps_start": {str(c): round(v, 3) for c, v in bw.items()}}
+
+
+def reprobe(m: dict, bw_seconds: float) -> None:
+    """Probe m's flash bandwidth again after its rows and keep, per request size, the better of the two: the floor
+    is what the device can do, and a probe that ran while another process read the disk (a shared machine) once
+    measured 0.017 GB/s at 7 KiB against 0.35 in the runs before."""
+    L = m["layout"]
+    end = flash_gbps(L.ffn_path, sorted(m["bw"]), bw_seconds)
+    m["flash_GBps_end"] = {str(c): round(v, 3) for c, v in end.items()}
+    m["bw"] = {c: max(v, end[c]) for c, v in m["bw"].items()}
+    m["flash_GBps"] = {str(c): round(v, 3) for c, v in m["bw"].items()}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("-m", "--model", type=Path, help="FLASHDIR (f16/f32 GLU) made by `flashinfer-lite convert`")
+    ap.add_argument("-m", "--model", type=Path, nargs="+", help="FLASHDIR(s) (GLU) made by `flashinfer-lite convert`")
+    ap.add_argument("--gguf", type=Path, nargs="+", default=[],
+                    help="for the llama.cpp rows: the same model as GGUF, one per FLASHDIR, in the same order")
     ap.add_argument("--trace", type=Path, help="trace from tools/record_trace.py (omit: oracle scenario only)")
-    ap.add_argument("--cap", default="3G", help="memory cap for the capped modes (RAM + page cache)")
-    ap.add_argument("--tokens", type=int, default=24, help="decode steps for dense-ram and flash modes")
-    ap.add_argument("--slow-tokens", type=int, default=6, help="decode steps for dense-mmap and layer-stream")
+    ap.add_argument("--cap", default="3G", help="memory cap for the capped modes (RAM + page cache); a flash row "
+                    "and the llama.cpp row compared with it run under max(cap, budget + 640 MiB)")
+    ap.add_argument("--tokens", type=int, default=24, help="decode steps for the reference and flash modes")
+    ap.add_argument("--slow-tokens", type=int, default=6, help="decode steps for dense-mmap, layer-stream, llama.cpp")
     ap.add_argument("--budgets", default="25,50,75", help="flash DRAM budgets, %% of the model files")
     ap.add_argument("--lookahead-budgets", default="25",
                     help="also run these flash budgets with lookahead prefetch (rows '-lookahead'); '' for none")
@@ -397,147 +456,174 @@ def main(argv=None) -> int:
                     help="also run these flash budgets with reads NOT overlapped with compute (rows '-serial'): "
                          "the measurement of what the overlap gains; '' for none")
     ap.add_argument("--modes", default="dense-ram,dense-mmap,layer-stream,flash",
-                    help="subset of dense-ram,dense-mmap,layer-stream,flash")
+                    help="subset of dense-ram,dense-mmap,layer-stream,flash,llama.cpp")
+    ap.add_argument("--reference", default="dense-ram", choices=("dense-ram", "layer-stream"),
+                    help="the uncapped dense run whose greedy tokens every row is fed and whose active sets the "
+                         "oracle replays (layer-stream: one FFN layer in memory at a time)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's compute threads")
+    ap.add_argument("--llama-omp", default="active", choices=("active", "passive"),
+                    help="llama.cpp's OpenMP threads spin between ops (active, its default) or sleep (passive: "
+                         "OMP_WAIT_POLICY=passive; faster on cores other processes share, see vs_llama_cpp.py)")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of all modes (the machine is shared: compare "
                     "rows of one round)")
     ap.add_argument("--bw-seconds", type=float, default=1.0, help="seconds per flash bandwidth cell")
     ap.add_argument("--quick", action="store_true", help="tiny generated model, < 1 minute (smoke test)")
+    ap.add_argument("--quick-dtypes", default="f16", help="--quick: convert the tiny model to these dtypes")
     ap.add_argument("--keep", type=Path, help="keep worker outputs in this directory")
     ap.add_argument("--md", type=Path, help="also write the markdown table here")
     # worker side
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--ids", help=argparse.SUPPRESS)
+    ap.add_argument("--prompt-len", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--n-tokens", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--active", help=argparse.SUPPRESS)
     ap.add_argument("--budget", help=argparse.SUPPRESS)
     ap.add_argument("--record", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
-        a.mode, a.flashdir = a.worker, a.model
+        a.mode, a.flashdir = a.worker, a.model[0]
+        a.gguf = str(a.model[0])
         return worker_main(a)
 
     from storage.flash_bench import parse_size
     t_start = time.perf_counter()
     work = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="e2e-", dir="/tmp"))
     work.mkdir(parents=True, exist_ok=True)
+    modes = a.modes.split(",")
+    unknown = set(modes) - {"dense-ram", "dense-mmap", "layer-stream", "flash", "llama.cpp"}
+    if unknown:
+        ap.error(f"unknown mode(s) {', '.join(sorted(unknown))}")
     if a.quick:
-        a.model, a.trace = prepare_quick(work)
+        dtypes = a.quick_dtypes.split(",")
+        a.model, a.gguf, a.trace = prepare_quick(work, dtypes, "llama.cpp" in modes)
         a.tokens, a.slow_tokens, a.bw_seconds, a.budgets = 6, 6, 0.1, "75"
         a.serial_budgets = a.lookahead_budgets = "75"
         a.cap = a.cap if a.cap != "3G" else "1G"
     if not a.model:
         ap.error("-m FLASHDIR is required (or --quick)")
-    from storage.format import read_layout
-    L = read_layout(a.model)
+    if "llama.cpp" in modes and len(a.gguf) != len(a.model):
+        ap.error("the llama.cpp mode needs one --gguf per FLASHDIR, in the same order")
     cap = parse_size(a.cap)
-    model_bytes = disk_bytes(Path(a.model))
-    modes = a.modes.split(",")
-    print(f"e2e: {a.model}: {model_bytes / 2**30:.2f} GiB files (ffn.bin {L.ffn_size / 2**30:.2f} GiB), cap "
-          f"{cap / 2**30:.2f} GiB, work dir {work}", file=sys.stderr)
-
     machine = {"cpus": os.cpu_count(), "load_avg_start": os.getloadavg(),
                "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
                "dram_GBps": round(dram_gbps(256 << 20 if a.quick else 1 << 30), 2)}
-    bw = flash_gbps(L.ffn_path, sorted({L.stride, 1 << 20}), a.bw_seconds)
-    machine["flash_GBps"] = {str(c): round(v, 3) for c, v in bw.items()}
+    models = []
+    for i, path in enumerate(a.model):
+        models.append(describe(path, a.gguf[i] if a.gguf else None, [m["tag"] for m in models], a.bw_seconds))
+        m = models[-1]
+        print(f"e2e: {m['tag']} {path}: {m['model_bytes'] / 2**30:.2f} GiB files (ffn.bin "
+              f"{m['ffn_bytes'] / 2**30:.2f} GiB), cap {cap / 2**30:.2f} GiB, work dir {work}", file=sys.stderr)
 
-    ids_file = work / "ids.npy"
-    oracle = work / "oracle.npz"
     results = []
     for rnd in range(1, a.repeat + 1):
-        got = run_round(a, modes, cap, model_bytes, work, ids_file, oracle)
-        if got is None:
-            return 1
-        for r in got:
-            r["round"] = rnd
-        results += got
-    ref = next((r for r in results if r["mode"] == "dense-ram"), None)
+        for i, m in enumerate(models):
+            # --quick runs the overlap and lookahead variants on the first FLASHDIR only: it stays under a minute
+            got = run_round(a, m, modes, cap, work, variants=not (a.quick and i))
+            if got is None:
+                return 1
+            for r in got:
+                r["round"] = rnd
+            results += got
+    for m in models:
+        reprobe(m, a.bw_seconds)
     for r in results:
-        if ref and "argmax" in r:
+        m = next(m for m in models if m["tag"] == r["model"])
+        ref = next(x for x in results if x["model"] == r["model"] and x["mode"] == a.reference)
+        if "argmax" in r and not r["mode"].startswith("llama.cpp"):
             k = len(r["argmax"])
-            r["argmax_agree_with_dense"] = round(float(np.mean(np.array(r["argmax"]) == np.array(ref["argmax"][:k]))), 4)
-        floors(r, L, model_bytes, machine, bw)
+            same = np.array(r["argmax"]) == np.array(ref["argmax"][:k])
+            r["argmax_agree_with_dense"] = round(float(np.mean(same)), 4)
+        floors(r, m, machine)
     machine["load_avg_end"] = os.getloadavg()
-    doc = {"model": str(a.model), "model_bytes": model_bytes, "ffn_bytes": L.ffn_size, "cap_bytes": cap,
-           "config": L.config, "stride": L.stride, "machine": machine, "results": results,
-           "speedups": speedups(results),
+    doc = {"models": [{k: v for k, v in m.items() if k not in ("layout", "bw")} for m in models], "cap_bytes": cap,
+           "reference": a.reference, "machine": machine, "results": results, "speedups": speedups(results),
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "seconds": round(time.perf_counter() - t_start, 1),
            "command": " ".join(["python", "bench/e2e.py", *(argv if argv is not None else sys.argv[1:])])}
-    md = markdown(doc)
-    print(json.dumps(doc, indent=1))
-    print(md, file=sys.stderr)
-    if a.md:
-        a.md.write_text(md + "\n")
-    if not a.keep:
-        shutil.rmtree(work, ignore_errors=True)
-    return 0
+    return emit(doc, markdown(doc), a.md, None if a.keep else work)
 
 
-def run_round(a, modes, cap, model_bytes, work, ids_file, oracle) -> list[dict] | None:
-    """Every mode once, in a fixed order. dense-ram runs first: its tokens and active sets feed the others."""
-    results = []
-    if "dense-ram" in modes or "flash" in modes:
-        r = run_mode(a, "dense-ram", None, work, ["--n-tokens", str(a.tokens), "--record", str(oracle)])
-        results.append(r)
-        if "ids" not in r:
-            print(json.dumps({"error": "dense-ram failed", "result": r}))
-            return None
-        np.save(ids_file, np.asarray(r["ids"], np.int64))
+def run_round(a, m: dict, modes: list[str], cap: int, work: Path, variants: bool = True) -> list[dict] | None:
+    """Every mode once on model m, in a fixed order. The reference runs first: its tokens and active sets feed the
+    others."""
+    ids_file, oracle = work / f"{m['tag']}-ids.npy", work / f"{m['tag']}-oracle.npz"
+    r = run_mode(a, m, a.reference, None, work, ["--n-tokens", str(a.tokens), "--record", str(oracle)])
+    results = [r]
+    if "ids" not in r:
+        print(json.dumps({"error": f"{a.reference} failed", "result": r}))
+        return None
+    np.save(ids_file, np.asarray(r["ids"], np.int64))
+    fed, prompt_len = ["--ids", str(ids_file)], r["prompt_len"]
     for mode in ("dense-mmap", "layer-stream"):
-        if mode in modes:
-            results.append(run_mode(a, mode, cap, work, ["--n-tokens", str(min(a.slow_tokens, a.tokens)),
-                                                         "--ids", str(ids_file)]))
+        if mode in modes and mode != a.reference:
+            results.append(run_mode(a, m, mode, cap, work, ["--n-tokens", str(min(a.slow_tokens, a.tokens)), *fed]))
+    caps = {}                                  # budget % -> the cap its flash rows ran under
+    for pct in (int(p) for p in a.budgets.split(",")):
+        caps[pct] = max(cap, m["model_bytes"] * pct // 100 + CAP_SLACK)
     if "flash" in modes:
         scen = [("oracle", oracle)] + ([("trace", a.trace)] if a.trace else [])
+        serial = sorted({int(p) for p in a.serial_budgets.split(",") if p and variants})
+        ahead = sorted({int(p) for p in a.lookahead_budgets.split(",") if p and variants})
+        runs = [(p, "") for p in caps] + [(p, "-serial") for p in serial] + [(p, "-lookahead") for p in ahead]
         for name, active in scen:
-            serial = {int(p) for p in a.serial_budgets.split(",") if p}
-            ahead = {int(p) for p in a.lookahead_budgets.split(",") if p}
-            runs = [(int(p), "") for p in a.budgets.split(",")] + [(p, "-serial") for p in sorted(serial)] \
-                + [(p, "-lookahead") for p in sorted(ahead)]
             for pct, suffix in runs:
-                budget = model_bytes * pct // 100
+                budget = m["model_bytes"] * pct // 100
                 # budgets above the cap run under budget + interpreter slack (reported per row)
-                mcap = max(cap, budget + CAP_SLACK)
-                r = run_mode(a, f"flash-{name}-{pct}{suffix}", mcap, work,
-                             ["--n-tokens", str(a.tokens), "--ids", str(ids_file), "--active", str(active),
-                              "--budget", str(budget)])
+                r = run_mode(a, m, f"flash-{name}-{pct}{suffix}", max(cap, budget + CAP_SLACK), work,
+                             ["--n-tokens", str(a.tokens), *fed, "--active", str(active), "--budget", str(budget)])
                 r["scenario"], r["budget_pct"] = name, pct
                 results.append(r)
+    if "llama.cpp" in modes:                   # under the cap of each budget's flash rows
+        for pct, c in caps.items():
+            r = run_mode(a, dict(m, path=m["gguf"]), f"llama.cpp-{pct}", c, work,
+                         ["--n-tokens", str(min(a.slow_tokens, a.tokens)), *fed, "--prompt-len", str(prompt_len)])
+            r["budget_pct"] = pct
+            results.append(r)
     return results
 
 
 def speedups(results: list[dict]) -> list[dict]:
-    """Per round: P50 of dense-mmap and layer-stream over P50 of each flash row (same round, same machine load)."""
+    """Per round and model: P50 of the baselines over P50 of each flash row (same round, same machine load);
+    llama.cpp: its row under the same cap (the same budget %)."""
     out = []
-    for rnd in sorted({r["round"] for r in results}):
-        rows = {r["mode"]: r for r in results if r["round"] == rnd and "p50_ms" in r}
-        for m, r in rows.items():
-            if m.startswith("flash"):
-                out.append({"round": rnd, "mode": m, "cap_bytes": r["cap_bytes"],
-                            **{f"vs_{b}": round(rows[b]["p50_ms"] / r["p50_ms"], 2) for b in
-                               ("dense-mmap", "layer-stream", "dense-ram") if b in rows}})
+    for rnd, model in sorted({(r["round"], r["model"]) for r in results}):
+        rows = {r["mode"]: r for r in results if r["round"] == rnd and r["model"] == model and "p50_ms" in r}
+        for name, r in rows.items():
+            if name.startswith("flash"):
+                base = {b: rows[b] for b in ("dense-mmap", "layer-stream", "dense-ram") if b in rows}
+                if f"llama.cpp-{r['budget_pct']}" in rows:
+                    base["llama.cpp"] = rows[f"llama.cpp-{r['budget_pct']}"]
+                out.append({"round": rnd, "model": model, "mode": name, "cap_bytes": r["cap_bytes"],
+                            **{f"vs_{b}": round(x["p50_ms"] / r["p50_ms"], 2) for b, x in base.items()}})
     return out
 
 
-def floors(r: dict, L, model_bytes: int, machine: dict, bw: dict) -> None:
-    """Physical floor per token: flash bytes that must be read / flash bandwidth at that request size, and DRAM bytes
-    touched / DRAM bandwidth."""
+def floors(r: dict, m: dict, machine: dict) -> None:
+    """Physical floor per token: flash bytes that must be read / flash bandwidth at that request size, plus DRAM bytes
+    touched / DRAM bandwidth (the compute of a memory-bound decode step); floor_ms is their sum."""
     if "tokens" not in r:
         return
     dram = machine["dram_GBps"] * 1e9
-    ffn, res = L.ffn_size, r.get("resident_bytes", 0)
+    L, bw = m["layout"], m["bw"]
+    ffn, res = L.ffn_size, r.get("resident_bytes") or 0
     mode = r["mode"]
     if mode == "dense-ram":
         must_flash, req, touched = 0, L.stride, ffn + res
     elif mode in ("dense-mmap", "layer-stream"):
         # cyclic access to more than the cap: LRU keeps nothing useful, every FFN byte is read each token
         must_flash, req, touched = ffn, 1 << 20, ffn + res
+    elif mode.startswith("llama.cpp"):
+        # every weight of the GGUF each token; from flash too when the file does not fit under the cap (LRU again)
+        g = r["gguf_bytes"]
+        must_flash, req, touched = (g if r["cap_bytes"] and g > r["cap_bytes"] else 0), 1 << 20, g
     else:
         must_flash, req = r["reader_MB_per_token"] * 1e6, L.stride
         touched = r["active_per_token"] * L.n_layers * L.stride + res
     r["floor_flash_ms"] = round(1e3 * must_flash / (bw[req] * 1e9), 1)
     r["floor_dram_ms"] = round(1e3 * touched / dram, 1)
+    r["floor_ms"] = round(r["floor_flash_ms"] + r["floor_dram_ms"], 1)
+    r["p50_over_floor"] = round(r["p50_ms"] / r["floor_ms"], 2) if r["floor_ms"] else None
 
 
 def _fmt(v, nd=1):
@@ -545,42 +631,56 @@ def _fmt(v, nd=1):
 
 
 def markdown(doc: dict) -> str:
-    m = doc["machine"]
-    lines = [f"model {doc['model']}: {doc['model_bytes'] / 2**30:.2f} GiB files, ffn.bin {doc['ffn_bytes'] / 2**30:.2f}"
-             f" GiB; cap {doc['cap_bytes'] / 2**30:.2f} GiB; {m['cpus']} CPUs, DRAM {m['dram_GBps']} GB/s, flash "
-             + ", ".join(f"{int(k) // 1024} KiB: {v} GB/s" for k, v in m["flash_GBps"].items())
-             + f"; load avg {m['load_avg_start'][0]:.1f} -> {m['load_avg_end'][0]:.1f}",
-             "",
-             "| round | mode | cap GiB | tokens | ms/tok P50 | P99 | tok/s | flash MB/tok | read GB/s | hit rate | "
-             "peak RSS MiB | memcap peak MiB | floor flash ms | floor DRAM ms | argmax = dense |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    m, mib = doc["machine"], 2**20
+    lines = []
+    for x in doc["models"]:
+        c = x["config"]
+        lines.append(f"model {x['tag']} {x['path']}: {x['model_bytes'] / 2**30:.2f} GiB files, ffn.bin "
+                     f"{x['ffn_bytes'] / 2**30:.2f} GiB, resident file {x['resident_file_bytes'] / mib:.0f} MiB, "
+                     f"bundle {x['stride']} B; {c['n_layers']} layers, dim {c['dim']}, ffn {c['ffn_dim']}, "
+                     f"{c['n_heads']} heads; flash "
+                     + ", ".join(f"{int(k) / 1024:g} KiB: {v} GB/s (start {x['flash_GBps_start'][k]}, end "
+                                 f"{x['flash_GBps_end'][k]})" for k, v in x["flash_GBps"].items())
+                     + (f"; GGUF {Path(x['gguf']).name} {x['gguf_bytes'] / 2**30:.2f} GiB" if x["gguf"] else ""))
+    lines += [f"{doc['date']}; {m['cpus']} CPUs, DRAM {m['dram_GBps']} GB/s; load avg {m['load_avg_start'][0]:.1f} -> "
+              f"{m['load_avg_end'][0]:.1f}; reference {doc['reference']}",
+              "",
+              "| round | model | mode | cap GiB | tokens | load s | ms/tok P50 | P99 | flash MB/tok | read GB/s "
+              "| hit rate | resident MiB | peak RSS MiB | memcap peak MiB | floor flash ms | floor DRAM ms | floor ms "
+              "| P50 / floor | argmax = ref | load avg |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["results"]:
         cap = "uncapped" if r.get("cap_bytes") is None else f"{r['cap_bytes'] / 2**30:.2f}"
+        head = f"| {r['round']} | {r['model']} | {r['mode']} | {cap} |"
         if "tokens" not in r:
             why = r.get("below_minimum") or r.get("error", "?")
-            lines.append(f"| {r['round']} | {r['mode']} | {cap} | {why.splitlines()[0][:300]} |" + " |" * 11)
+            lines.append(f"{head} {why.splitlines()[0][:300]} |" + " |" * 15)
             continue
         mc = r.get("memcap", {})
+        res = r.get("resident_bytes")
         lines.append(
-            f"| {r['round']} | {r['mode']} | {cap} | {r['tokens']} | {_fmt(r['p50_ms'])} | {_fmt(r['p99_ms'])} | "
-            f"{_fmt(r['tokens_per_s'], 3)} | {_fmt(r['flash_MB_per_token'])} | {_fmt(r['read_GBps'], 3)} | "
-            f"{_fmt(r['hit_rate'], 3)} | {r['peak_rss_bytes'] / 2**20:.0f} | "
-            f"{_fmt(mc.get('peak_bytes', 0) / 2**20, 0)}{' OOM' if mc.get('oom_kills') else ''} | "
-            f"{_fmt(r.get('floor_flash_ms'))} | {_fmt(r.get('floor_dram_ms'))} | "
-            f"{_fmt(r.get('argmax_agree_with_dense'), 2)} |")
-    lines += ["", "| round | mode | s/token: FFN compute | flash read wait | reads in flight | cache bookkeeping | "
-              "predictor | attention + rest |", "|---|---|---|---|---|---|---|---|"]
+            f"{head} {r['tokens']} | {_fmt(r['load_s'])} | {_fmt(r['p50_ms'])} | {_fmt(r['p99_ms'])} | "
+            f"{_fmt(r['flash_MB_per_token'])} | {_fmt(r.get('read_GBps'), 3)} | {_fmt(r['hit_rate'], 3)} | "
+            f"{_fmt(res and res / mib, 0)} | {r['peak_rss_bytes'] / mib:.0f} | "
+            f"{_fmt(mc.get('peak_bytes', 0) / mib, 0)}{' OOM' if mc.get('oom_kills') else ''} | "
+            f"{_fmt(r.get('floor_flash_ms'))} | {_fmt(r.get('floor_dram_ms'))} | {_fmt(r.get('floor_ms'))} | "
+            f"{_fmt(r.get('p50_over_floor'), 2)} | {_fmt(r.get('argmax_agree_with_dense'), 2)} | "
+            f"{r['loadavg'][0]:.1f} |")
+    lines += ["", "| round | model | mode | s/token: FFN compute | flash read wait | reads in flight | "
+              "cache bookkeeping | predictor | attention + rest |", "|---|---|---|---|---|---|---|---|---|"]
     for r in doc["results"]:
         if "time_split_s_per_token" in r:
             t = r["time_split_s_per_token"]
-            lines.append(f"| {r['round']} | {r['mode']} | {t['ffn_compute']:.3f} | {t['flash_read_wait']:.3f} | "
-                         f"{t.get('flash_io_in_flight', 0):.3f} | {t['cache_bookkeeping']:.3f} | {t['predictor']:.3f} | {t['attention_and_rest']:.3f} |")
+            lines.append(f"| {r['round']} | {r['model']} | {r['mode']} | {t['ffn_compute']:.3f} | "
+                         f"{t['flash_read_wait']:.3f} | {t.get('flash_io_in_flight', 0):.3f} | "
+                         f"{t['cache_bookkeeping']:.3f} | {t['predictor']:.3f} | {t['attention_and_rest']:.3f} |")
     if doc["speedups"]:
-        lines += ["", "| round | flash row | cap GiB | P50 speed-up vs dense-mmap | vs layer-stream | vs dense-ram |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["", "| round | model | flash row | cap GiB | P50 speed-up vs llama.cpp (same cap) | vs dense-mmap | "
+                  "vs layer-stream | vs dense-ram |", "|---|---|---|---|---|---|---|---|"]
         for x in doc["speedups"]:
-            lines.append(f"| {x['round']} | {x['mode']} | {x['cap_bytes'] / 2**30:.2f} | {_fmt(x.get('vs_dense-mmap'), 2)}"
-                         f" | {_fmt(x.get('vs_layer-stream'), 2)} | {_fmt(x.get('vs_dense-ram'), 2)} |")
+            lines.append(f"| {x['round']} | {x['model']} | {x['mode']} | {x['cap_bytes'] / 2**30:.2f} | "
+                         f"{_fmt(x.get('vs_llama.cpp'), 2)} | {_fmt(x.get('vs_dense-mmap'), 2)} | "
+                         f"{_fmt(x.get('vs_layer-stream'), 2)} | {_fmt(x.get('vs_dense-ram'), 2)} |")
     return "\n".join(lines)
 
 

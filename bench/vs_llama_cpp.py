@@ -376,13 +376,17 @@ def main(argv=None) -> int:
                        "load_avg_start": load_start, "load_avg_end": os.getloadavg()},
            "repeat": a.repeat, "results": results, "seconds": round(time.perf_counter() - t_start, 1),
            "command": " ".join(["python", "bench/vs_llama_cpp.py", *(argv if argv is not None else sys.argv[1:])])}
-    md = markdown(doc)
+    return emit(doc, markdown(doc), a.md, None if a.keep else work)
+
+
+def emit(doc: dict, md: str, md_path: Path | None, remove: Path | None) -> int:
+    """The bench's output: the JSON document on stdout, the markdown on stderr (and md_path); `remove` the work dir."""
     print(json.dumps(doc, indent=1))
     print(md, file=sys.stderr)
-    if a.md:
-        a.md.write_text(md + "\n")
-    if not a.keep:
-        shutil.rmtree(work, ignore_errors=True)
+    if md_path:
+        md_path.write_text(md + "\n")
+    if remove:
+        shutil.rmtree(remove, ignore_errors=True)
     return 0
 
 

@@ -1,8 +1,10 @@
-"""Smoke test of bench/e2e.py --quick: the JSON is well-formed and modes that compute the same tokens agree.
+"""Smoke test of bench/e2e.py --quick (the tiny model as f16 and q4_0 FLASHDIRs): the JSON is well-formed and modes
+that compute the same tokens agree.
 
-No timing is asserted. The oracle for agreement is the dense-ram mode (all weights in DRAM): dense-mmap and
-layer-stream run the same kernel on the same bytes, so their argmax tokens must be identical; flash-oracle runs the
-sparse kernel on exactly the neurons the dense run found active (FATReLU), so its tokens must match as well.
+No timing is asserted. The oracle for agreement is the dense-ram mode of the same FLASHDIR (all weights in DRAM):
+dense-mmap and layer-stream run the same kernel on the same bytes, so their argmax tokens must be identical;
+flash-oracle runs the sparse kernel on exactly the neurons the dense run found active (FATReLU), so its tokens must
+match as well.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ def quick_doc():
     if why:
         pytest.skip(f"memory cgroup unavailable: {why}")
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    p = subprocess.run([sys.executable, str(REPO / "bench" / "e2e.py"), "--quick"], cwd=REPO, env=env,
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "e2e.py"), "--quick", "--quick-dtypes", "f16,q4_0"],
+                       cwd=REPO, env=env,
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout), p.stderr
@@ -38,10 +41,15 @@ def quick_doc():
 
 def test_json_is_well_formed(quick_doc):
     doc, _ = quick_doc
-    for key in ("model", "model_bytes", "ffn_bytes", "cap_bytes", "machine", "results", "command"):
+    for key in ("models", "cap_bytes", "machine", "results", "command"):
         assert key in doc
-    modes = {r["mode"]: r for r in doc["results"]}
-    assert {"dense-ram", "dense-mmap", "layer-stream", "flash-oracle-75", "flash-trace-75"} <= set(modes)
+    assert [m["tag"] for m in doc["models"]] == ["f16", "q4_0"]
+    for m in doc["models"]:
+        assert m["model_bytes"] > m["ffn_bytes"] > 0
+        modes = {r["mode"] for r in doc["results"] if r["model"] == m["tag"]}
+        assert {"dense-ram", "dense-mmap", "layer-stream", "flash-oracle-75", "flash-trace-75"} <= modes
+    # the overlap / lookahead variants run on the first FLASHDIR only (--quick)
+    assert {r["model"] for r in doc["results"] if r["mode"].endswith(("-serial", "-lookahead"))} == {"f16"}
     for r in doc["results"]:
         assert "error" not in r, r
         if "below_minimum" in r:
@@ -51,24 +59,27 @@ def test_json_is_well_formed(quick_doc):
         assert r["memcap"]["oom_kills"] == 0 and r["memcap"]["exit_code"] == 0
         if r["hit_rate"] is not None:
             assert 0.0 <= r["hit_rate"] <= 1.0
+        assert r["floor_ms"] == pytest.approx(r["floor_flash_ms"] + r["floor_dram_ms"], abs=0.11)
 
 
 def test_modes_computing_the_same_tokens_agree(quick_doc):
     doc, _ = quick_doc
-    modes = {r["mode"]: r for r in doc["results"]}
-    ref = modes["dense-ram"]["argmax"]
-    for name in ("dense-mmap", "layer-stream", "flash-oracle-75"):
-        got = modes[name]["argmax"]
-        assert got == ref[:len(got)], name
-        assert modes[name]["ids"] == modes["dense-ram"]["ids"][:len(got)]
+    for tag in ("f16", "q4_0"):
+        modes = {r["mode"]: r for r in doc["results"] if r["model"] == tag}
+        ref = modes["dense-ram"]["argmax"]
+        for name in ("dense-mmap", "layer-stream", "flash-oracle-75"):
+            got = modes[name]["argmax"]
+            assert got == ref[:len(got)], (tag, name)
+            assert modes[name]["ids"] == modes["dense-ram"]["ids"][:len(got)]
 
 
 def test_layer_stream_reads_every_ffn_byte_per_token(quick_doc):
     doc, _ = quick_doc
-    r = {r["mode"]: r for r in doc["results"]}["layer-stream"]
-    # the quick model's directory is removed after the run; its geometry travels in the JSON
-    per_token = doc["config"]["n_layers"] * doc["config"]["ffn_dim"] * doc["stride"]
-    assert r["reader_MB_per_token"] == pytest.approx(per_token / 1e6, abs=0.01)
+    for m in doc["models"]:
+        r = next(r for r in doc["results"] if r["model"] == m["tag"] and r["mode"] == "layer-stream")
+        # the quick model's directory is removed after the run; its geometry travels in the JSON
+        per_token = m["config"]["n_layers"] * m["config"]["ffn_dim"] * m["stride"]
+        assert r["reader_MB_per_token"] == pytest.approx(per_token / 1e6, abs=0.01)
 
 
 def test_markdown_table_lists_every_mode(quick_doc):

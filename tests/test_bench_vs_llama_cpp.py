@@ -95,3 +95,60 @@ def test_llama_tokens_equal_llama_cpp_greedy_sampler(quick):
         assert r["gen_tokens"] == want, cap
         assert r["same_ids_by_llama_tokenizer"]
         assert r["agree_prefix"] == doc["tokens"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# bench/e2e.py's llama.cpp mode: the tiny generated model as a q4_0 FLASHDIR and as a Q4_0 GGUF; layer-stream is the
+# reference (its greedy tokens and active sets). Oracles: llama.cpp's own greedy sampler on the same prompt ids, and
+# the reference's tokens for the flash rows (they compute exactly the neurons it found active).
+
+@pytest.fixture(scope="module")
+def e2e_llama(tmp_path_factory):
+    why = _why_not()
+    if why:
+        pytest.skip(why)
+    work = tmp_path_factory.mktemp("e2e_llama")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "e2e.py"), "--quick", "--quick-dtypes", "q4_0",
+                        "--modes", "layer-stream,flash,llama.cpp", "--reference", "layer-stream", "--keep", str(work)],
+                       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    doc = json.loads(p.stdout)
+    return doc, p.stderr, {r["mode"]: r for r in doc["results"]}
+
+
+def test_e2e_llama_row_runs_under_the_flash_rows_cap(e2e_llama):
+    doc, err, rows = e2e_llama
+    assert {"layer-stream", "flash-oracle-75", "flash-trace-75", "llama.cpp-75"} <= set(rows)
+    lr, fr = rows["llama.cpp-75"], rows["flash-oracle-75"]
+    assert "error" not in lr, lr
+    assert lr["cap_bytes"] == fr["cap_bytes"] == lr["memcap"]["limit_bytes"] >= lr["memcap"]["peak_bytes"]
+    assert lr["memcap"]["oom_kills"] == 0 and lr["gguf"].endswith("model.q4_0.gguf")
+    assert lr["tokens"] == len(lr["argmax"]) and 0 < lr["p50_ms"] <= lr["p99_ms"] and lr["flash_MB_per_token"] >= 0
+    assert lr["floor_ms"] == pytest.approx(lr["floor_flash_ms"] + lr["floor_dram_ms"], abs=0.11)
+    sp = {x["mode"]: x for x in doc["speedups"]}
+    # rounded to 2 decimals, of P50s rounded to 0.01 ms
+    assert sp["flash-oracle-75"]["vs_llama.cpp"] == pytest.approx(lr["p50_ms"] / fr["p50_ms"], rel=0.02, abs=0.006)
+    assert "| llama.cpp-75 |" in err
+
+
+def test_e2e_llama_tokens_equal_llama_cpp_greedy_sampler(e2e_llama):
+    from bench.vs_llama_cpp import llama_model
+    _, _, rows = e2e_llama
+    ref, lr = rows["layer-stream"], rows["llama.cpp-75"]
+    prompt = ref["ids"][:ref["prompt_len"]]
+    llm = llama_model(lr["gguf"], len(prompt) + lr["tokens"] + 2, 2)
+    want = []
+    for tok in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+        want.append(tok)
+        if len(want) == lr["tokens"] + 1:
+            break
+    assert lr["argmax"] == want[1:]          # the first comes from the prompt's pass; the row times the steps after
+
+
+def test_e2e_flash_rows_on_q4_follow_the_layer_stream_reference(e2e_llama):
+    _, _, rows = e2e_llama
+    ref = rows["layer-stream"]
+    assert ref["cap_bytes"] is None and ref["reader_MB_per_token"] > 0       # uncapped, reads every layer per token
+    got = rows["flash-oracle-75"]
+    assert got["argmax"] == ref["argmax"][:len(got["argmax"])] and got["argmax_agree_with_dense"] == 1.0
