@@ -119,3 +119,28 @@ def test_stale_calibrate_dir_of_a_killed_first_use_is_removed(tmp_path):
     p.wait()
     time.sleep(0.1)
     assert remove_stale_temp_dirs(tmp_path) == [stale] and not stale.exists()
+
+
+def test_first_use_conversion_of_a_corrupt_model_is_one_line_and_leaves_nothing(model_and_cache):
+    """A truncated model met by a sparse run's first-use conversion: one line on stderr, exit 1, and no FLASHDIR or
+    temp dir stays in the cache."""
+    src, root = model_and_cache
+    weights = src / "model.safetensors"
+    weights.chmod(0o644)
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    r = run("generate", "-m", str(src), "--ffn", "predicted", "-p", "Once", "-n", "2")
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("error: truncated safetensors file")
+    assert not (root / "flash").exists() or [p.name for p in (root / "flash").iterdir()] == []
+
+
+def test_the_conversion_child_reports_one_line(tmp_path, capfd):
+    """`python -m storage.cache` (the child convert_in_child runs) turns a bad source into one line and exit 1."""
+    from flashinfer_lite.errors import Reported
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\xff" * 60)
+    with pytest.raises(Reported) as e:
+        cache.convert_in_child(bad, tmp_path / "out", progress=False)
+    err = capfd.readouterr().err
+    assert e.value.code == 1 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf"]

@@ -68,10 +68,10 @@ def test_first_use_trains_from_the_corpus_once_when_the_model_does_not_fit(defau
     cache = default_is_stories
     monkeypatch.setenv("FLASHINFER_LITE_CORPUS", str(CORPUS))
     generate = cli_generate_module()
-    real_run = generate.subprocess.run
     # in RAM --ffn auto runs the whole model dense (ResidentFFN): no predictor is needed, none is trained
-    monkeypatch.setattr(generate.subprocess, "run", lambda *a, **k: pytest.fail("trained for a model that fits"))
-    rc, out0, err = run_cli(capfd, "generate", *PROMPT)
+    with monkeypatch.context() as mp:
+        mp.setattr(generate, "train_on_first_use", lambda flashdir: pytest.fail("trained for a model that fits"))
+        rc, out0, err = run_cli(capfd, "generate", *PROMPT)
     assert rc == 0, err
     assert "ffn: dense (--ffn auto, the whole model fits in DRAM; the default model)" in err
     flashdir = flashdir_of(cache)
@@ -89,7 +89,6 @@ def test_first_use_trains_from_the_corpus_once_when_the_model_does_not_fit(defau
         rc, _, err = run_cli(capfd, "generate", *PROMPT)
     assert rc == 1 and asked == [str(flashdir)] and "stub: not trained here" in err
     # --ffn predicted: first use trains (in the child process), then runs sparse
-    monkeypatch.setattr(generate.subprocess, "run", real_run)
     rc, out, err = run_cli(capfd, "generate", "--ffn", "predicted", *PROMPT)
     assert rc == 0, err
     m = predictor_manifest(flashdir)
