@@ -1,4 +1,5 @@
 """The one exception type that the CLI turns into a one-line message and a non-zero exit."""
+import sys
 
 
 class UserError(Exception):
@@ -11,3 +12,17 @@ class Reported(Exception):
     def __init__(self, code: int):
         super().__init__(code)
         self.code = code
+
+
+def child_exit_code(work) -> int:
+    """work() as the whole of a child process (first-use conversion, first-use training): its UserError is the one
+    line on stderr and exit 1, Ctrl-C exit 130; the parent turns a non-zero code into Reported."""
+    try:
+        work()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    return 0

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
 
-from flashinfer_lite.errors import UserError
+from flashinfer_lite.errors import UserError, child_exit_code
 from flashinfer_lite.loader import open_any
 from flashinfer_lite.predictor_set import describe_calibration as describe, read_manifest
 from storage.files import remove_stale_temp_dirs, temp_path
@@ -188,15 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print("usage: python -m predictors.first_use FLASHDIR", file=sys.stderr)
         return 2
-    try:
-        ensure_predictors(argv[0], progress=sys.stderr.isatty())
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
-    return 0
+    return child_exit_code(lambda: ensure_predictors(argv[0], progress=sys.stderr.isatty()))
 
 
 if __name__ == "__main__":

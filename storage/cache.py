@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from flashinfer_lite.errors import Reported, UserError
+from flashinfer_lite.errors import Reported, UserError, child_exit_code
 
 from .checkpoint import open_checkpoint
 from .convert import DEFAULT_DTYPE, convert, layout_for
@@ -149,15 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) not in (2, 3) or argv[2:] not in ([], ["--quiet"]):
         print("usage: python -m storage.cache SOURCE FLASHDIR [--quiet]", file=sys.stderr)
         return 2
-    try:
-        convert(argv[0], argv[1], force=False, progress=argv[2:] != ["--quiet"])
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
-    return 0
+    return child_exit_code(lambda: convert(argv[0], argv[1], force=False, progress=argv[2:] != ["--quiet"]))
 
 
 if __name__ == "__main__":
