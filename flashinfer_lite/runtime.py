@@ -333,6 +333,9 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | str | None = None,
                 print(dense.table(), file=sys.stderr)
             return resident_model(ckpt, progress), tokenizer, None
         if (predictors is None or not predictors.has_predictors) and make_predictors is not None:
+            if isinstance(dram_budget, int):   # below even the sparse minimum: refused before minutes of training
+                plan_dram(ckpt, None, "predicted", dram_budget, ctx or min(cfg.max_pos, 4096), window,
+                          runtime_bytes, lookahead)
             make_predictors(str(ckpt.path))
             predictors = load_predictors(ckpt.path)
         if predictors is None or not predictors.has_predictors:

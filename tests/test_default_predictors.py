@@ -88,6 +88,11 @@ def test_first_use_trains_from_the_corpus_once_when_the_model_does_not_fit(defau
         mp.setattr(generate, "train_on_first_use", train_stub)
         rc, _, err = run_cli(capfd, "generate", *PROMPT)
     assert rc == 1 and asked == [str(flashdir)] and "stub: not trained here" in err
+    # a budget below even the sparse minimum is refused in one line before any training
+    with monkeypatch.context() as mp:
+        mp.setattr(generate, "train_on_first_use", lambda flashdir: pytest.fail("trained for a refused budget"))
+        rc, _, err = run_cli(capfd, "generate", "--dram-budget", "1M", *PROMPT)
+    assert rc == 1 and len(err.strip().splitlines()) == 1 and "is below the minimum" in err, err
     # --ffn predicted: first use trains (in the child process), then runs sparse
     rc, out, err = run_cli(capfd, "generate", "--ffn", "predicted", *PROMPT)
     assert rc == 0, err
