@@ -2,7 +2,10 @@
 tests/data (stories260K, corpus excerpts; see tests/data/README.md)."""
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +15,18 @@ DATA = Path(__file__).resolve().parent / "data"
 sys.path.insert(0, str(DATA.parents[1] / "tools"))       # the tests use tools/make_large_model and memcap
 STORIES = DATA / "stories260K"
 CORPUS = DATA / "corpus"
+
+
+def run_bench(script: str, *args, timeout: int = 600) -> tuple[dict, str]:
+    """(JSON document on stdout, stderr) of `python bench/SCRIPT ARGS...` run from the repository root, which must exit
+    0 (its stderr's tail is the failure message)."""
+    repo = DATA.parents[1]
+    p = subprocess.run([sys.executable, str(repo / "bench" / script), *map(str, args)], cwd=repo,
+                       env=dict(os.environ, PYTHONPATH=str(repo)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       text=True, timeout=timeout)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout), p.stderr
+
 
 # Tiny architectures, each exercising a code path users' models take. Vocab 512 so stories260K's tokenizer fits.
 TINY = {

@@ -8,7 +8,6 @@ match as well.
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -16,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from conftest import run_bench
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
@@ -31,12 +32,7 @@ def quick_doc():
     why = _cap_unavailable()
     if why:
         pytest.skip(f"memory cgroup unavailable: {why}")
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    p = subprocess.run([sys.executable, str(REPO / "bench" / "e2e.py"), "--quick", "--quick-dtypes", "f16,q4_0"],
-                       cwd=REPO, env=env,
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout), p.stderr
+    return run_bench("e2e.py", "--quick", "--quick-dtypes", "f16,q4_0")
 
 
 def test_json_is_well_formed(quick_doc):
@@ -96,13 +92,9 @@ def test_markdown_table_lists_every_mode(quick_doc):
 @pytest.fixture(scope="module")
 def lookahead(tmp_path_factory):
     work = tmp_path_factory.mktemp("lookahead")
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    p = subprocess.run([sys.executable, str(REPO / "bench" / "lookahead.py"), "--quick", "--keep", str(work / "w"),
-                        "--save-lookahead", str(work / "lookahead.safetensors")], cwd=REPO, env=env,
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    doc = json.loads(p.stdout)
-    return doc, p.stderr, work, _hf_rows(doc)
+    doc, err = run_bench("lookahead.py", "--quick", "--keep", work / "w", "--save-lookahead",
+                         work / "lookahead.safetensors")
+    return doc, err, work, _hf_rows(doc)
 
 
 def _hf_rows(doc):
@@ -235,12 +227,8 @@ def modes_run(tmp_path_factory):
     if why:
         pytest.skip(f"memory cgroup unavailable: {why}")
     work = tmp_path_factory.mktemp("smollm2_modes")
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    p = subprocess.run([sys.executable, str(REPO / "bench" / "smollm2_modes.py"), "--quick", "--keep", str(work)],
-                       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=900)
-    assert p.returncode == 0, p.stderr[-3000:]
-    doc = json.loads(p.stdout)
-    return doc, p.stderr, {r["mode"]: r for r in doc["results"]}
+    doc, err = run_bench("smollm2_modes.py", "--quick", "--keep", work, timeout=900)
+    return doc, err, {r["mode"]: r for r in doc["results"]}
 
 
 def test_modes_json_is_well_formed(modes_run):
@@ -313,10 +301,7 @@ def test_cache_window_trace_bytes_match_set_arithmetic(tmp_path):
                     "--cal-tokens", "64", "--tokens", "24"], env=env, check=True, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL, timeout=300)
     stride = 3000
-    p = subprocess.run([sys.executable, str(REPO / "bench" / "cache_window.py"), "--trace", str(trace), "--stride",
-                        str(stride)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    doc = json.loads(p.stdout)
+    doc, _ = run_bench("cache_window.py", "--trace", trace, "--stride", stride, timeout=300)
     active, _, _ = load_trace(trace)                         # [T, L, n]
     T = active.shape[0]
     for row in doc["window_sweep"]:

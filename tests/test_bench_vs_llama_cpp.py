@@ -7,13 +7,12 @@ llama_cpp does not import (it is the optional `bench` extra) or the memory cgrou
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import run_bench
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
@@ -36,12 +35,8 @@ def quick(request):
     if why:
         pytest.skip(why)
     smollm2_gguf = request.getfixturevalue("smollm2_gguf")     # fetched only when the test can run
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    p = subprocess.run([sys.executable, str(REPO / "bench" / "vs_llama_cpp.py"), "--quick", "-m", str(smollm2_gguf)],
-                       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=900)
-    assert p.returncode == 0, p.stderr[-3000:]
-    doc = json.loads(p.stdout)
-    return doc, p.stderr, {(r["mode"], r["cap"]): r for r in doc["results"]}
+    doc, err = run_bench("vs_llama_cpp.py", "--quick", "-m", smollm2_gguf, timeout=900)
+    return doc, err, {(r["mode"], r["cap"]): r for r in doc["results"]}
 
 
 def test_every_row_has_the_fields(quick):
@@ -108,13 +103,9 @@ def e2e_llama(tmp_path_factory):
     if why:
         pytest.skip(why)
     work = tmp_path_factory.mktemp("e2e_llama")
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    p = subprocess.run([sys.executable, str(REPO / "bench" / "e2e.py"), "--quick", "--quick-dtypes", "q4_0",
-                        "--modes", "layer-stream,flash,llama.cpp", "--reference", "layer-stream", "--keep", str(work)],
-                       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    doc = json.loads(p.stdout)
-    return doc, p.stderr, {r["mode"]: r for r in doc["results"]}
+    doc, err = run_bench("e2e.py", "--quick", "--quick-dtypes", "q4_0", "--modes", "layer-stream,flash,llama.cpp",
+                         "--reference", "layer-stream", "--keep", work)
+    return doc, err, {r["mode"]: r for r in doc["results"]}
 
 
 def test_e2e_llama_row_runs_under_the_flash_rows_cap(e2e_llama):
