@@ -1,4 +1,4 @@
-"""The one exception type that the CLI turns into a one-line message and a non-zero exit."""
+"""What the CLI, and a child process of it, turn into a one-line message and a non-zero exit."""
 import sys
 
 

@@ -7,9 +7,9 @@
     source-digests.json        per source file: size, mtime, inode -> content digest (so nothing is hashed twice)
     device-profile.json        flash-bench's result (storage/profile.py)
 
-KEY is a digest of the source's content (file names relative to it, and bytes), never of its path or times, and the
-dtype convert's default gives it:
-moving the cache or the model, or touching a file, finds the same conversion; changing a byte makes a new one.
+KEY is a digest of the source's content (file names relative to it, and bytes), never of its path or times, followed
+by the dtype convert's default gives it: moving the cache or the model, or touching a file, finds the same
+conversion; changing a byte, or convert's default for it, makes a new one.
 """
 from __future__ import annotations
 
