@@ -1,4 +1,4 @@
-"""Quantized kernels (flashinfer_lite/quant.py) against float16 on Llama-7B shapes, printed as JSON.
+"""Quantized kernels (flashinfer_lite/quant.py) against float16 on Llama-7B shapes (or --rows / --cols), as JSON.
 
 gemv: one decode GEMV (T = 1) over an [11008, 4096] matrix: kernels.matmul_t on float16 against quant_matmul_t on
 q8_0 / q4_0 / q4_1. sparse_ffn: one token's sparse FFN of a 7B layer (d 4096, 11008 neurons, --frac active, GLU
@@ -10,7 +10,10 @@ Weights come from DRAM: every call reads another copy of the matrix (or layer) f
 "gbps" counts the weight bytes a call reads (the whole matrix; the active neurons' bundles up to the last block).
 Times are the median and best of --calls calls; the machine is shared, so compare within one run (loadavg shown).
 
-  PYTHONPATH=. python bench/quant_kernels.py [--calls 40] [--frac 0.1] [--pool-mb 1024]
+  PYTHONPATH=. python bench/quant_kernels.py [--calls 40] [--frac 0.1] [--pool-mb 1024] [--rows 11008 --cols 4096]
+
+SmolLM2-135M's FFN is --rows 1536 --cols 576: rows of 360-612 bytes, where the kernels' software prefetch
+(kernels.prefetch_ahead, prefetch_row) matters; 7B rows of 2-8 KiB stream without it.
 """
 from __future__ import annotations
 
@@ -45,7 +48,7 @@ def timed(fn, calls: int, pool_len: int) -> dict:
     return {"ms_median": round(1e3 * float(np.median(times)), 3), "ms_best": round(1e3 * min(times), 3)}
 
 
-def bench_gemv(rng, calls: int, pool_mb: int, threads: list[int]) -> list[dict]:
+def bench_gemv(rng, calls: int, pool_mb: int, threads: list[int], N: int = N, D: int = D) -> list[dict]:
     w = rng.standard_normal((N, D), dtype=np.float32) * 0.02
     x = rng.standard_normal((1, D), dtype=np.float32)
     out = []
@@ -62,7 +65,8 @@ def bench_gemv(rng, calls: int, pool_mb: int, threads: list[int]) -> list[dict]:
     return out
 
 
-def bench_sparse_ffn(rng, calls: int, pool_mb: int, frac: float, threads: list[int]) -> list[dict]:
+def bench_sparse_ffn(rng, calls: int, pool_mb: int, frac: float, threads: list[int], N: int = N,
+                     D: int = D) -> list[dict]:
     k = int(round(frac * N))
     # 1024 distinct neurons repeated to fill the layer: the same speed as 11008 distinct ones, a tenth of the memory
     vecs = rng.standard_normal((1024, 3, D), dtype=np.float32) * 0.02  # [neuron, gate/up/down, d]
@@ -94,13 +98,16 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--frac", type=float, default=0.1, help="active fraction of the FFN neurons")
     ap.add_argument("--pool-mb", type=int, default=1024, help="bytes each format's calls rotate through")
+    ap.add_argument("--rows", type=int, default=N, help="GEMV rows and FFN neurons (default 11008)")
+    ap.add_argument("--cols", type=int, default=D, help="GEMV columns and FFN width d, a multiple of 32 (default 4096)")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     threads = sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)})
+    N, D = args.rows, args.cols
     res = {"shape": {"gemv": [N, D], "ffn": {"d": D, "n": N, "frac": args.frac}},
            "loadavg_1m_start": os.getloadavg()[0],
-           "gemv": bench_gemv(rng, args.calls, args.pool_mb, threads),
-           "sparse_ffn": bench_sparse_ffn(rng, args.calls, args.pool_mb, args.frac, threads),
+           "gemv": bench_gemv(rng, args.calls, args.pool_mb, threads, N, D),
+           "sparse_ffn": bench_sparse_ffn(rng, args.calls, args.pool_mb, args.frac, threads, N, D),
            "loadavg_1m_end": os.getloadavg()[0]}
     print(json.dumps(res, indent=1))
 

@@ -3,10 +3,14 @@ import os
 
 # Thread pools, before numpy/numba load (a user's explicit setting wins). OpenBLAS threads busy-wait between calls
 # and take the cores from the Numba kernels and the reader threads: one BLAS thread was faster than the default in
-# every decode and prefill measured here (bench/resident_gemv.py). Numba's workqueue layer does not spin either.
+# every decode and prefill measured here (bench/resident_gemv.py). Numba's pool: OpenMP where it loads, as a decode
+# step launches ~32 parallel regions and the workqueue layer's threads take ~0.2 ms each to wake (SmolLM2 in RAM:
+# 16 ms/token on workqueue, 9 on OpenMP); its threads spin only ~20k rounds before they sleep, so little CPU is
+# taken from the reader threads or other processes (bench/part_times.py, bench/README.md).
 BLAS_THREADS_FROM_USER = "OPENBLAS_NUM_THREADS" in os.environ
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
+os.environ.setdefault("NUMBA_THREADING_LAYER_PRIORITY", "omp workqueue tbb")
+os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 
 __version__ = "0.1.0"
 

@@ -23,7 +23,7 @@ from numba.extending import intrinsic
 from flashinfer_lite.errors import UserError
 from flashinfer_lite.kernels import (ACT_CODES, ACT_DRELU, MATMUL_PARALLEL_MIN_WORK, MATMUL_ROW_KERNEL_MAX_T,
                                      OUT_BLOCK, WIDEN_BLOCK_BYTES, SparseFFN, _act, _dot, _scalar, f16_bits_to_f32,
-                                     matmul_widened)
+                                     matmul_widened, prefetch_ahead, prefetch_row)
 from storage.blocks import BLOCK, BLOCK_BYTES, check_kind, quantize, row_bytes  # noqa: F401 (quantize: re-exported)
 
 Q8_0, Q4_0, Q4_1 = 0, 1, 2       # kind codes the kernels branch on (once per row, not per element)
@@ -219,12 +219,15 @@ def dequantize(q: np.ndarray, kind: str, cols: int, rows: np.ndarray | None = No
 def quant_matmul_rows(Q, x, y, lo, hi, kind):
     """y[:, lo:hi] = x[T, d] @ dequant(Q[lo:hi])^T."""
     T, d = x.shape
+    rb = Q.shape[1]
     if T == 1:  # decode: decode each block straight into the dot product, nothing written
         for j in range(lo, hi):
+            prefetch_ahead(Q, j, 0, rb)
             y[0, j] = _row_dot(Q[j], x[0], kind)
         return
     w = np.empty(d, np.float32)  # a few tokens: each row decoded once, then its T dot products run from L1
     for j in range(lo, hi):
+        prefetch_ahead(Q, j, 0, rb)
         _row_dequant(Q[j], w, kind)
         for t in range(T):
             y[t, j] = _dot(w, x[t], d)
@@ -287,9 +290,12 @@ def _q_coefficient(wr, fr, x, rb, glu, act, relu_threshold, kind, bg_idx, bu_idx
 def quant_ffn_coefficients(B, F, slots, js, X, sel, coef, rb, glu, act, relu_threshold, kind, bg_idx, bu_idx,
                            act_threshold):
     """kernels.ffn_coefficients on quantized bundles B (uint8[rows, stride]; F its float32 view)."""
+    head = rb * (2 if glu else 1)
     for q in prange(js.shape[0]):
         j = js[q]
         r = slots[j]
+        if q + 1 < js.shape[0]:
+            prefetch_row(B, slots[js[q + 1]], 0, head)
         for t in range(X.shape[0]):
             c = np.float32(0.0)
             if sel[t, j]:
@@ -349,7 +355,7 @@ class DenseLayer:
 
 # The neuron ranges of a dense decode step: a constant, not the thread count, so -t does not change the bits. Each
 # range is one task, coefficients then its partial down sum (rows front to back): one parallel region per layer, as
-# waking the pool costs ~25-40 us with the workqueue layer on a loaded machine.
+# each region pays for waking the pool (flashinfer_lite/__init__.py).
 DOWN_PARTIALS = 4
 
 
@@ -362,6 +368,8 @@ def quant_dense_ffn_row(H, Hf, D, x, y, coef, partial, rb, glu, act, relu_thresh
         acc = partial[p]
         acc[:] = 0.0
         for j in range(p * n // P, (p + 1) * n // P):
+            prefetch_ahead(H, j, 0, H.shape[1])
+            prefetch_ahead(D, j, 0, D.shape[1])
             c = _q_coefficient(H[j], Hf[j], x, rb, glu, act, relu_threshold, kind, bg_idx, bu_idx)
             coef[j] = c
             if c != np.float32(0.0):
@@ -527,6 +535,9 @@ def quant_ffn_row(Wg, Wu, Wd, x, a, y, partial, glu, act, relu_threshold, kind_g
     for p in prange(P):
         lo, hi = p * nb // P * BLOCK, (p + 1) * nb // P * BLOCK
         for j in range(lo, hi):
+            prefetch_ahead(Wu, j, 0, Wu.shape[1])
+            if glu:
+                prefetch_ahead(Wg, j, 0, Wg.shape[1])
             v = np.float32(0.0)
             if glu:
                 g = _act(act, _row_dot(Wg[j], x, kind_g))
@@ -542,6 +553,7 @@ def quant_ffn_row(Wg, Wu, Wd, x, a, y, partial, glu, act, relu_threshold, kind_g
         acc = partial[p]
         b_lo, b_hi = lo // BLOCK * down_block_bytes, hi // BLOCK * down_block_bytes
         for i in range(Wd.shape[0]):
+            prefetch_ahead(Wd, i, b_lo, b_hi)
             acc[i] = _row_dot(Wd[i, b_lo:b_hi], a[lo:hi], kind_d) if hi > lo else np.float32(0.0)
     y[:] = partial[0]
     for p in range(1, P):
