@@ -471,10 +471,11 @@ class SparseFFN:
 # both sides.
 
 MATMUL_ROW_KERNEL_MAX_T = 12      # T up to this: row kernel; above: widened blocks + BLAS (crossover measured 12-16)
-# A parallel call costs ~0.02-0.05 ms to wake the other threads on an idle machine (several ms on an overloaded one,
-# omp layer): it pays from this much work (T * n * d, ~0.2-0.4 ms on one core), e.g. one 7B attention matrix with
-# 4 heads (512 x 4096). Below it (SmolLM2's 576 x 576) the serial loop is faster.
-MATMUL_PARALLEL_MIN_WORK = 1 << 21
+# A parallel call pays for waking the other threads (the OpenMP pool: microseconds on an idle machine, far more on an
+# overloaded one): from this much work (T * n * d) it pays. At 1 << 18 SmolLM2's 576 x 576 and 960 x 576 attention
+# GEMVs run parallel: attention 3.2 -> 2.2 ms/token in RAM (bench/part_times.py, 2 threads, quiet); at 1 << 21 (the
+# workqueue pool's threshold) they ran serial.
+MATMUL_PARALLEL_MIN_WORK = 1 << 18
 WIDEN_BLOCK_BYTES = 1 << 20       # float32 bytes per widened block: stays in L2 while BLAS reads it
 
 
