@@ -8,6 +8,7 @@ from tqdm import tqdm
 from storage.format import FlashCheckpoint, is_flashdir
 
 from storage.checkpoint import Checkpoint, open_checkpoint
+from .half import half_matrix
 from .model import Transformer
 from .quant import QuantMatrix
 from .tokenizer import Tokenizer
@@ -24,9 +25,13 @@ def load_tensor(ckpt: Checkpoint, name: str, convert=None, keep_blocks: bool = F
     """A tensor as the runtime keeps it: a FLASHDIR's matrix stored in a block format stays in it (a QuantMatrix),
     anything else float32 through `convert` (e.g. half.half_matrix). A GGUF's blocks are dequantized (the float32
     reference of load()) unless keep_blocks (--ffn dense: a quarter of the DRAM, and the quantized kernels)."""
-    stored = ckpt.quantized(name) if keep_blocks or isinstance(ckpt, FlashCheckpoint) else None
+    flashdir = isinstance(ckpt, FlashCheckpoint)
+    stored = ckpt.quantized(name) if keep_blocks or flashdir else None
     if stored is not None:
         return QuantMatrix.of(stored)
+    half = ckpt.stored_half(name) if flashdir and convert is half_matrix else None
+    if half is not None:      # what half_matrix would keep, read as is: not widened to float32 and rounded back
+        return half
     return convert(ckpt.tensor(name)) if convert else ckpt.tensor(name)
 
 

@@ -598,6 +598,15 @@ class FlashCheckpoint:
         kind = self.resident_kinds.get(name)
         return None if kind is None else (kind, self._resident.read(name, raw=True))
 
+    def stored_half(self, name: str) -> np.ndarray | None:
+        """A resident matrix that resident.safetensors stores as float16, as stored (float16 [rows, cols]); else None.
+        The runtime keeps such a matrix in float16 (half.half_matrix): read so, it is not widened to float32 and
+        rounded back (a 7B float16 FLASHDIR: 4 GiB of resident matrices)."""
+        e = self._resident.entries.get(name)
+        if e is None or e[0] or e[1] != np.float16 or len(e[2]) != 2:
+            return None
+        return self._resident.read(name, raw=True)
+
     def names(self) -> list[str]:
         return self._resident_names + list(self._ffn_names)
 

@@ -129,3 +129,30 @@ def test_stories260k_f16_matrices_match_rounded_oracle():
     want = incremental_logits(oracle, ids, prefill=30)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
     assert np.array_equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_f16_flashdir_loads_its_stored_halves(tiny_model, tmp_path, monkeypatch):
+    """A float16 FLASHDIR's resident matrices load as resident.safetensors stores them: equal to the source weights
+    rounded to float16 (the oracle), and never widened to float32 on the way (FlashCheckpoint.tensor is not called
+    for them)."""
+    from storage.convert import convert
+    from storage.format import FlashCheckpoint
+    from flashinfer_lite.half import half_matrix
+    from flashinfer_lite.loader import load_tensor
+
+    src = tiny_model("llama-bias-untied")
+    flash = FlashCheckpoint(convert(src, tmp_path / "flash", dtype="f16", progress=False))
+    source = open_checkpoint(src)
+    matrices = [n for n in flash.names() if flash.stored_half(n) is not None]
+    assert "lm_head.weight" in matrices and "layers.0.attn.q.weight" in matrices
+    widened = flash.tensor
+    monkeypatch.setattr(flash, "tensor", lambda n: pytest.fail(f"{n} widened") if n in matrices else widened(n))
+    for n in matrices:
+        got = load_tensor(flash, n, half_matrix)
+        assert got.dtype == np.float16
+        np.testing.assert_array_equal(got, source.tensor(n).astype(np.float16))
+    # vectors (norms, biases) stay float32, and without half_matrix a matrix comes widened, as before
+    vector = next(n for n in flash.names() if n.endswith("norm.weight"))
+    assert load_tensor(flash, vector, half_matrix).dtype == np.float32
+    monkeypatch.undo()
+    assert load_tensor(flash, "lm_head.weight", None).dtype == np.float32
