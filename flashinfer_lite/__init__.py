@@ -5,7 +5,7 @@ import os
 # and take the cores from the Numba kernels and the reader threads: one BLAS thread was faster than the default in
 # every decode and prefill measured here (bench/resident_gemv.py). Numba's pool: OpenMP where it loads, as a decode
 # step launches ~32 parallel regions and the workqueue layer's threads take ~0.2 ms each to wake (SmolLM2 in RAM:
-# 16 ms/token on workqueue, 9 on OpenMP); its threads spin only ~20k rounds before they sleep, so little CPU is
+# 17 ms/token on workqueue, 7.5 on OpenMP); its threads spin only ~20k rounds before they sleep, so little CPU is
 # taken from the reader threads or other processes (bench/part_times.py, bench/README.md).
 BLAS_THREADS_FROM_USER = "OPENBLAS_NUM_THREADS" in os.environ
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")

@@ -163,7 +163,8 @@ f32_to_f16_bits = f32_to_f16_bits_f16c if HAS_F16C else f32_to_f16_bits_portable
 # ---------------------------------------------------------------------------------------------------------------
 # Software prefetch. The hardware prefetcher streams long rows on its own, but not a loop over short ones: a decode
 # GEMV over SmolLM2's 360-byte q4_1 rows read them from DRAM at 3.1 GB/s, and at 8.8 GB/s when each row asked for
-# the lines ~2 KiB ahead (7B rows of 2-8 KiB: no gain, bench/quant_kernels.py). A hint: results are unchanged.
+# the lines ~2 KiB ahead (7B rows of 2-8 KiB: no gain; bench/README.md, "The OpenMP pool and software prefetch").
+# A hint: results are unchanged.
 
 PREFETCH_AHEAD = 2048   # bytes: how far ahead of the row being computed a row loop asks for its next lines
 CACHE_LINE = 64

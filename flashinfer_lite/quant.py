@@ -536,10 +536,9 @@ def quant_ffn_row(Wg, Wu, Wd, x, a, y, partial, glu, act, relu_threshold, kind_g
         lo, hi = p * nb // P * BLOCK, (p + 1) * nb // P * BLOCK
         for j in range(lo, hi):
             prefetch_ahead(Wu, j, 0, Wu.shape[1])
-            if glu:
-                prefetch_ahead(Wg, j, 0, Wg.shape[1])
             v = np.float32(0.0)
             if glu:
+                prefetch_ahead(Wg, j, 0, Wg.shape[1])
                 g = _act(act, _row_dot(Wg[j], x, kind_g))
                 if g > relu_threshold:
                     u = _row_dot(Wu[j], x, kind_u)
