@@ -12,6 +12,7 @@ from .errors import UserError
 
 ARCHS = ("llama", "opt")
 ACTIVATIONS = ("silu", "relu", "drelu")
+DEFAULT_MAX_CTX = 4096   # positions of the context when -c is not given (or less: the model's maximum)
 NORMS = ("rms", "layer")
 ROPE_SCALINGS = {"default": (), "linear": ("factor",),                 # type -> the numbers it needs
                  "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
@@ -82,6 +83,11 @@ class ModelConfig:
                                         or not 0 <= self.bos_id < self.vocab_size):
             raise UserError(f"invalid model config: bos token id {self.bos_id!r} outside the vocabulary "
                             f"(0..{self.vocab_size - 1})")
+
+    @property
+    def default_ctx(self) -> int:
+        """The context when -c is not given: the model's, at most DEFAULT_MAX_CTX (the KV cache is preallocated)."""
+        return min(self.max_pos, DEFAULT_MAX_CTX)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -13,6 +13,7 @@ import numpy as np
 from storage.cache import flashdir_for
 
 from .budget import peak_rss_bytes, rss_bytes
+from .config import DEFAULT_MAX_CTX
 from .default_model import ensure_default_model
 from .errors import Reported, UserError
 from .loader import is_flashdir
@@ -211,7 +212,7 @@ def add_model_arguments(p) -> None:
     """Flags shared by generate and chat, named as llama.cpp names them."""
     p.add_argument("-m", "--model", help="HF directory or .gguf file (default: SmolLM2-135M-Instruct, fetched on first use)")
     p.add_argument("-n", "--n-predict", type=int, default=256, help="tokens to generate, -1 = until EOS (default 256)")
-    p.add_argument("-c", "--ctx-size", type=int, default=0, help="context size (default: the model's, at most 4096)")
+    p.add_argument("-c", "--ctx-size", type=int, default=0, help=f"context size (default: the model's, at most {DEFAULT_MAX_CTX})")
     p.add_argument("--temp", type=float, default=0.8, help="temperature, 0 = greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=40, help="top-k sampling, 0 = off (default 40)")
     p.add_argument("--top-p", type=float, default=0.95, help="top-p sampling, 1.0 = off (default 0.95)")
@@ -313,7 +314,7 @@ def open_model(args):
 
 
 def context_size(args, model: Transformer) -> int:
-    ctx = args.ctx_size or min(model.cfg.max_pos, 4096)
+    ctx = args.ctx_size or model.cfg.default_ctx
     if ctx <= 0:
         raise UserError(f"context size must be positive, got {ctx}")
     if ctx > model.cfg.max_pos:

@@ -202,7 +202,7 @@ def prefetch_row(M, r, lo, hi):
 def prefetch_ahead(M, j, lo, hi):
     """A loop reads bytes lo .. hi of rows j = 0, 1, ... of M (2-D) in order: at row j, ask for the same bytes of
     the row PREFETCH_AHEAD bytes later (prefetch_row: nothing for longer pieces)."""
-    if 0 < hi - lo < PREFETCH_AHEAD:
+    if hi > lo:
         prefetch_row(M, j + 1 + (PREFETCH_AHEAD - 1) // (hi - lo), lo, hi)
 
 

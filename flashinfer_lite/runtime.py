@@ -325,16 +325,17 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | str | None = None,
     keep_freed_arrays_out_of_rss()
     ckpt, tokenizer, predictors = open_flashdir(path, ffn, verify, progress)
     cfg = ckpt.config
+    ctx = ctx or cfg.default_ctx
     if ffn == "auto":
         # In RAM nothing is gained by predicting: the whole FFN computed from DRAM is both exact and faster
-        dense = plan_resident(ckpt, dram_budget, ctx or min(cfg.max_pos, 4096), runtime_bytes)
+        dense = plan_resident(ckpt, dram_budget, ctx, runtime_bytes)
         if dense is not None:
             if verbose or dense.requested:
                 print(dense.table(), file=sys.stderr)
             return resident_model(ckpt, progress), tokenizer, None
         if (predictors is None or not predictors.has_predictors) and make_predictors is not None:
             if isinstance(dram_budget, int):   # below even the sparse minimum: refused before minutes of training
-                plan_dram(ckpt, None, "predicted", dram_budget, ctx or min(cfg.max_pos, 4096), window,
+                plan_dram(ckpt, None, "predicted", dram_budget, ctx, window,
                           runtime_bytes, lookahead)
             make_predictors(str(ckpt.path))
             predictors = load_predictors(ckpt.path)
@@ -345,7 +346,7 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | str | None = None,
     lookahead = lookahead and ffn == "predicted"   # the guess is a predictor's
     # Planned before any weight loads: a budget too small fails before the work, and the runtime line is measured
     # on a process that holds everything but the weights (tokenizer, predictors, compiled kernels included).
-    plan = plan_dram(ckpt, predictors, ffn, dram_budget, ctx or min(cfg.max_pos, 4096), window, runtime_bytes,
+    plan = plan_dram(ckpt, predictors, ffn, dram_budget, ctx, window, runtime_bytes,
                      lookahead)
     if verbose or plan.requested:
         print(plan.table(), file=sys.stderr)
