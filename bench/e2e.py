@@ -20,7 +20,7 @@ dtype as their `model`. The reference mode (--reference: dense-ram, uncapped wit
 which holds one layer of the FFN at a time and suits a model whose dense pass does not fit comfortably) runs first
 and uncapped: its greedy tokens are every other row's input and its active sets the oracle scenario's.
 Dense modes compute all three FFN matrices for every neuron (as llama.cpp does) with one Numba kernel over the
-bundle rows; flash modes compute only the active rows with flashinfer_lite.kernels.SparseFFN. Attention and the
+bundle rows; flash modes compute only the active rows with flashinfer_lite.ffn.sparse.SparseFFN. Attention and the
 rest of the model are the same numpy math (flashinfer_lite.model.Transformer) in every mode.
 Tokens: dense-ram decodes greedily from a fixed prompt; every other mode is fed the same tokens one at a time
 (T = 1 each) and records its own argmax, so modes are compared on identical inputs.
@@ -81,7 +81,7 @@ class Worker:
         self.resident_bytes = sum(w.nbytes for w in weights.values())
         self.prompt_ids = ck.tokenizer().encode(PROMPT)
         self.model = Transformer(self.cfg, weights, ffn=self.ffn)
-        from flashinfer_lite.quant import sparse_ffn
+        from flashinfer_lite.ffn.quant import sparse_ffn
         # Dense = the runtime's own kernel over every row: the modes differ only in where the rows come from.
         self.dense_kernel = sparse_ffn(L, max_active=max(L.n_neurons))   # act + threshold of the config
         self.all_rows = np.arange(max(L.n_neurons), dtype=np.int32)

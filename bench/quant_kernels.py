@@ -25,8 +25,9 @@ import time
 import numba
 import numpy as np
 
-from flashinfer_lite.kernels import matmul_t
-from flashinfer_lite.quant import quant_matmul_t, quantize, sparse_ffn
+from flashinfer_lite.ffn.quant import sparse_ffn
+from flashinfer_lite.kernels.gemv import matmul_t
+from flashinfer_lite.quant import quant_matmul_t, quantize
 from storage.format import FlashLayout, pack_bundles
 
 N, D = 11008, 4096

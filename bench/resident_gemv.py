@@ -30,7 +30,7 @@ import numba
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from flashinfer_lite.kernels import matmul_t
+from flashinfer_lite.kernels.gemv import matmul_t
 from flashinfer_lite.loader import load_weights
 from flashinfer_lite.model import Transformer, half_matrix
 from storage.format import FlashCheckpoint

@@ -66,7 +66,7 @@ class MmapDenseFFN:
     computed (SparseFFN over all rows) and the page cache decides what stays in memory, as with llama.cpp's mmap."""
 
     def __init__(self, layout, weights: dict):
-        from flashinfer_lite.kernels import SparseFFN
+        from flashinfer_lite.ffn.sparse import SparseFFN
         L = self.layout = layout
         self.B = np.memmap(L.ffn_path, np.uint8, mode="r")
         self.kernel = SparseFFN.from_layout(L, max_active=max(L.n_neurons))       # model's act, no threshold

@@ -18,16 +18,14 @@ import time
 import numba
 import numpy as np
 
-from flashinfer_lite.kernels import SparseFFN
+from flashinfer_lite.ffn.sparse import SparseFFN
+from storage.format import BundleGeometry
 
 
-def build_matrix(n: int, d: int, dtype: str, rng: np.random.Generator) -> tuple[np.ndarray, int, int]:
-    """Random bundle matrix uint8[n, stride] in the contract layout; returns (B, stride, scalars_offset)."""
-    itemsize = {"f16": 2, "int8": 1}[dtype]
-    scalars_offset = -(-3 * d * itemsize // 4) * 4
-    n_scalars = 3 if dtype == "int8" else 0
-    stride = -(-(scalars_offset + 4 * n_scalars) // 512) * 512
-    B = np.zeros((n, stride), np.uint8)
+def build_matrix(n: int, d: int, dtype: str, rng: np.random.Generator) -> tuple[np.ndarray, BundleGeometry]:
+    """Random bundle matrix uint8[n, stride] in the contract layout; returns (B, its geometry)."""
+    g = BundleGeometry.of(d, dtype, glu=True)
+    B = np.zeros((n, g.stride), np.uint8)
     for lo in range(0, n, 1024):  # in blocks: keeps the float32 temporaries small
         hi = min(n, lo + 1024)
         w = rng.standard_normal((hi - lo, 3 * d), dtype=np.float32) * 0.02
@@ -36,8 +34,8 @@ def build_matrix(n: int, d: int, dtype: str, rng: np.random.Generator) -> tuple[
         else:
             q = rng.integers(-127, 128, size=(hi - lo, 3 * d), dtype=np.int8)
             B[lo:hi, : 3 * d] = q.view(np.uint8)
-            B[lo:hi].view(np.float32)[:, scalars_offset // 4: scalars_offset // 4 + 3] = 0.02 / 127
-    return B, stride, scalars_offset
+            B[lo:hi].view(np.float32)[:, [g.scalar_slot(f"scale.{v}") for v in g.vectors]] = 0.02 / 127
+    return B, g
 
 
 def time_calls(fn, sets: list[np.ndarray], calls: int) -> float:
@@ -63,15 +61,14 @@ def main() -> None:
     y = np.zeros(d, np.float32)
     results = []
     for dtype in ("f16", "int8"):
-        B, stride, soff = build_matrix(n, d, dtype, rng)
+        B, geometry = build_matrix(n, d, dtype, rng)
         sets = [np.sort(rng.choice(n, k, replace=False)).astype(np.int32) for _ in range(16)]
         itemsize = 2 if dtype == "f16" else 1
         touched = k * 3 * d * itemsize + (k * 12 if dtype == "int8" else 0)
         for threads in sorted({1, min(2, max_threads)}):
             numba.set_num_threads(threads)
             # threshold -inf: every chosen neuron contributes (the worst case: all of gate, up and down are read)
-            ffn = SparseFFN(d, dtype, glu=True, act="relu", stride=stride, scalars_offset=soff,
-                            relu_threshold=-np.inf, max_active=k)
+            ffn = SparseFFN(geometry, act="relu", relu_threshold=-np.inf, max_active=k)
             kernels = {"runtime": lambda s: ffn(B, s, x, y)}
             # cold: 16 different active sets, weights come from DRAM; l3_hot: one set again and again (27 MB of
             # f16 weights fit this machine's 35.8 MB L3), the upper bound a layer never sees in a real model

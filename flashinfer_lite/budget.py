@@ -12,7 +12,7 @@
 
 Minimum = runtime + resident + kv + buffers + a fixed reservation of MIN_WINDOW_ROWS rows per layer: it does not grow
 with the active count, because a token's set larger than the window is computed in window-sized pieces
-(runtime.FlashFFN.decode_row) to the same bits (kernels.SparseFFN.accumulate); a small window only costs reads.
+(runtime.FlashFFN.decode_row) to the same bits (ffn.sparse.SparseFFN.accumulate); a small window only costs reads.
 What the budget has beyond that pins hot neurons until the window could hold one token's expected set, then goes
 to the window up to its useful maximum (the expected active count x window tokens, capped at n_neurons), sharing
 with the hot region by `hot_share`; whatever one part cannot use goes to the other.
@@ -30,14 +30,12 @@ from storage.profile import DEFAULT_GAP_BYTES
 from storage.reader import BundleReader
 
 from .errors import UserError
-from .kernels import MATMUL_ROW_KERNEL_MAX_T, WIDEN_BLOCK_BYTES, matmul_t
+from .ffn.quant import sparse_ffn
+from .kernels.gemv import MATMUL_ROW_KERNEL_MAX_T, WIDEN_BLOCK_BYTES, matmul_t
 from .model import KVCache, ModelConfig
-from .neuron_cache import NeuronCache, select_hot
-from .quant import BLOCK, QuantMatrix, quant_matmul_t, quantize, row_bytes, sparse_ffn
+from .neuron_cache import MAP_BYTES_PER_NEURON, NeuronCache, select_hot
+from .quant import BLOCK, QuantMatrix, quant_matmul_t, quantize, row_bytes
 
-# per neuron per layer: slot_of int32 + last_used int64 + seen int64 + out_slots int32 + out_new uint8
-# (neuron_cache._Layer) + bundle_of int64 (runtime.FlashFFN)
-MAP_BYTES_PER_NEURON = 33
 # per window row: neuron_at int32 + ring int32 x window + miss ids/slots int64 x 2 + holes int64
 ROW_OVERHEAD_BYTES = 4 + 16 + 8
 # per hot row: neuron_at int32
@@ -169,7 +167,8 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
     res = resident_bytes if resident_bytes is not None else resident_bytes_for(cfg)
     kv = KVCache.nbytes_for(cfg, ctx)
     buffers = (max(read_scratch_bytes, stride) + threads * layout.d * 4 + n_max * 4
-               + sum(layout.n_neurons) * MAP_BYTES_PER_NEURON + n_layers * MATRIX_SLACK_BYTES
+               + sum(layout.n_neurons) * (MAP_BYTES_PER_NEURON + layout.bundle_of[0].itemsize)
+               + n_layers * MATRIX_SLACK_BYTES
                + stream_transient_bytes(layout, stream_chunk_bytes) + heap_slack_bytes
                + (staging_rows(max_active) * stride if lookahead else 0))
     minimum = runtime_bytes + res + kv + buffers + n_layers * reserve * row
@@ -208,7 +207,7 @@ def dense_ffn_row_bytes(layout) -> int:
 def plan_resident_ffn(config, layout, dram_budget_bytes: int, ctx: int, resident_bytes: int, runtime_bytes: int = 0,
                       heap_slack_bytes: int = 0, requested: bool = True) -> BudgetPlan | None:
     """The plan of the in-RAM FFN (runtime.ResidentFFN): every layer's weights in DRAM as on flash, plus the prompt's
-    widened float32 blocks (gate, up, down: quant.QuantSparseFFN.dense) and the coefficients; None when that does not
+    widened float32 blocks (gate, up, down: ffn.quant.QuantSparseFFN.dense) and the coefficients; None when that does not
     fit `dram_budget_bytes` (then the FFN runs from flash)."""
     cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_dict(config)
     n_max = max(layout.n_neurons)

@@ -14,8 +14,12 @@ import numpy as np
 from .config import ModelConfig
 from .errors import UserError
 from .half import half_matrix
-from .kernels import add_rms_norm_rows, attention_rows, matmul_t, rms_norm_rows, widen_rows
-from .quant import DENSE_ROW_KERNEL_MAX_T, QuantMatrix, quant_ffn
+from .ffn.gating import coefficients, threshold_of
+from .ffn.quant import DENSE_ROW_KERNEL_MAX_T, quant_ffn
+from .kernels.attention import attention_rows
+from .kernels.gemv import matmul_t, widen_rows
+from .kernels.norm import add_rms_norm_rows, rms_norm_rows
+from .quant import QuantMatrix
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -41,16 +45,6 @@ def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.nd
     mu = x.mean(axis=-1, keepdims=True)
     xc = x - mu
     return xc / np.sqrt(np.mean(xc * xc, axis=-1, keepdims=True) + eps) * w + b
-
-
-def silu(x: np.ndarray) -> np.ndarray:
-    # Written via exp(-|x|) so large |x| neither overflows nor loses the tail.
-    e = np.exp(-np.abs(x))
-    return np.where(x >= 0, x / (1.0 + e), x * e / (1.0 + e))
-
-
-def relu(x: np.ndarray) -> np.ndarray:
-    return np.maximum(x, 0.0)
 
 
 def linear(x: np.ndarray, w: np.ndarray | QuantMatrix, b: np.ndarray | None = None) -> np.ndarray:
@@ -239,32 +233,14 @@ def widened(bits: np.ndarray) -> np.ndarray:
     return out
 
 
-def attention_mask(pos0: int, T: int, window: int | None) -> np.ndarray:
-    # [T, S] additive mask: query at position pos0+i sees keys j <= pos0+i (and j > pos0+i-window for Mistral).
+def attention_mask(pos0: int, T: int, sliding_window: int | None) -> np.ndarray:
+    # [T, S] additive mask: query at position pos0+i sees keys j <= pos0+i (and j > pos0+i-sliding_window: Mistral).
     qpos = np.arange(pos0, pos0 + T)[:, None]
     kpos = np.arange(pos0 + T)[None, :]
     ok = kpos <= qpos
-    if window is not None:
-        ok &= kpos > qpos - window
+    if sliding_window is not None:
+        ok &= kpos > qpos - sliding_window
     return np.where(ok, 0.0, -np.inf).astype(np.float32)
-
-
-def fatrelu(x: np.ndarray, t: float) -> np.ndarray:
-    # relu with a threshold: values <= t count as zero (t = 0 is plain relu)
-    return np.where(x > t, x, 0.0).astype(x.dtype)
-
-
-def ffn_activation(act: str, gate: np.ndarray, up: np.ndarray | None, t: float = 0.0) -> np.ndarray:
-    """The per-neuron activation a_i: act(gate)*up for GLU, act(fc1) for MLP (up is None)."""
-    if up is None:
-        return fatrelu(gate, t) if act in ("relu", "drelu") else silu(gate)
-    if act == "silu":
-        return silu(gate) * up
-    if act == "relu":
-        return fatrelu(gate, t) * up
-    if act == "drelu":
-        return fatrelu(gate, t) * relu(up)
-    raise UserError(f"unsupported FFN activation '{act}'")
 
 
 class FeedForward:
@@ -284,10 +260,10 @@ class FeedForward:
     def activations(self, x: np.ndarray) -> np.ndarray:
         # x [T, d] -> a [T, n]; what a sparse FFN predicts and skips where it is zero
         c = self.cfg
+        t = threshold_of(c.act, c.relu_threshold)
         if c.glu:
-            return ffn_activation(c.act, linear(x, self.w_gate, self.b_gate), linear(x, self.w_up, self.b_up),
-                                  c.relu_threshold)
-        return ffn_activation(c.act, linear(x, self.w_up, self.b_up), None, c.relu_threshold)
+            return coefficients(c.act, linear(x, self.w_gate, self.b_gate), linear(x, self.w_up, self.b_up), t)
+        return coefficients(c.act, linear(x, self.w_up, self.b_up), None, t)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         if x.shape[0] <= DENSE_ROW_KERNEL_MAX_T and self.fused:

@@ -12,7 +12,7 @@ Per layer one preallocated page-aligned bundle matrix uint8[n_hot + capacity, st
 Overflow policy: if a token's misses do not fit in `capacity`, whole groups of the oldest tokens are evicted early
 (the window shrinks for that layer, never below the current token). Only if the current token's cold neurons alone
 exceed `capacity` does fetch() raise UserError. So at any time, for each layer,
-  resident cold neurons == union of the active sets of tokens max(horizon, t - window + 1) .. t, minus the pinned,
+  cached cold neurons == union of the active sets of tokens max(horizon, t - window + 1) .. t, minus the pinned,
 where `horizon` only moves forward when the window overflows.
 
 Ids here are bundle ids (file positions in the layer region, as the reader takes them); neuron frequencies indexed
@@ -107,7 +107,7 @@ def _evict_group(s, ring, ring_len, k, last_used, slot_of, neuron_at, holes, sta
 @njit(cache=True)
 def _admit(ids, M, slot_of, neuron_at, last_used, seen, ring, ring_len, holes, state, n_hot, cap, k,
            out_slots, out_new, miss_ids, miss_slots, counts):
-    """One token of one layer: make every id resident, return its row in out_slots (out_new[j] = 1: being read).
+    """One token of one layer: give every id a row of the layer's matrix, return it in out_slots (out_new[j] = 1: being read).
 
     Misses get rows (holes first, then appended) and are listed in miss_ids / miss_slots for the caller to read.
     counts <- [n_miss, n_evicted, n_moved]. Returns _OK or an error code (the state is untouched on error).
@@ -219,6 +219,11 @@ class Fetch:
         st.read_s += time.perf_counter() - t0
 
 
+# The maps a layer keeps per neuron (bundle id) and their types: what budget.plan_budget counts per neuron.
+NEURON_MAPS = {"slot_of": np.int32, "last_used": np.int64, "seen": np.int64, "out_slots": np.int32, "out_new": np.uint8}
+MAP_BYTES_PER_NEURON = sum(np.dtype(t).itemsize for t in NEURON_MAPS.values())
+
+
 class _Layer:
     """Arrays of one layer (see module docstring)."""
 
@@ -226,16 +231,17 @@ class _Layer:
         self.n_hot = len(hot)
         self.capacity = capacity
         self.matrix = aligned_empty((self.n_hot + capacity, stride), np.uint8)  # [rows, stride]
-        self.slot_of = np.full(n_neurons, -1, np.int32)          # bundle id -> row, -1 absent
+        maps = NEURON_MAPS
+        self.slot_of = np.full(n_neurons, -1, maps["slot_of"])   # bundle id -> row, -1 absent
         self.neuron_at = np.full(self.n_hot + capacity, -1, np.int32)  # row -> bundle id, -1 empty
-        self.last_used = np.full(n_neurons, -(1 << 40), np.int64)  # token of last activity
-        self.seen = np.zeros(n_neurons, np.int64)                # duplicate check stamp
+        self.last_used = np.full(n_neurons, -(1 << 40), maps["last_used"])  # token of last activity
+        self.seen = np.zeros(n_neurons, maps["seen"])            # duplicate check stamp
         self.ring = np.zeros((window, max(capacity, 1)), np.int32)  # cold ids active at each of the last k tokens
         self.ring_len = np.zeros(window, np.int64)
         self.state = np.zeros(5, np.int64)                       # t, horizon, n_win, call counter, n_holes
         self.holes = np.zeros(max(capacity, 1), np.int64)        # rows freed during one _admit
-        self.out_slots = np.zeros(n_neurons, np.int32)
-        self.out_new = np.zeros(n_neurons, np.uint8)             # 1 = the row is being read by this fetch
+        self.out_slots = np.zeros(n_neurons, maps["out_slots"])
+        self.out_new = np.zeros(n_neurons, maps["out_new"])      # 1 = the row is being read by this fetch
         self.miss_ids = np.zeros(max(capacity, 1), np.int64)
         self.miss_slots = np.zeros(max(capacity, 1), np.int64)
         self.counts = np.zeros(3, np.int64)                      # misses, evictions, rows moved
@@ -298,7 +304,7 @@ class NeuronCache:
         return self.stats
 
     def fetch(self, layer: int, ids) -> np.ndarray:
-        """Make the neurons `ids` (unique bundle ids) of `layer` resident; one token of that layer's window.
+        """Make the neurons `ids` (unique bundle ids) of `layer` cached; one token of that layer's window.
 
         Returns int32 rows of matrix(layer), aligned with ids (a view valid until the next fetch of this layer).
         Misses are read with ONE reader call, straight into their rows.
@@ -309,7 +315,7 @@ class NeuronCache:
 
     def start_fetch(self, layer: int, ids) -> "Fetch":
         """fetch() in two halves: the rows are assigned and the misses' read is in flight when this returns, so the
-        caller can compute on the resident rows (slots[~fetch.new]) before fetch.finish()."""
+        caller can compute on the cached rows (slots[~fetch.new]) before fetch.finish()."""
         t0 = time.perf_counter()
         L = self.layers[layer]
         ids = np.asarray(ids, np.int64).ravel()
@@ -345,7 +351,7 @@ class NeuronCache:
 
     # -- speculative reads (lookahead) ------------------------------------------------------------------------------
     def prefetch(self, layer: int, ids) -> int:
-        """Start reading the non-resident neurons among `ids` (a lookahead guess of `layer`'s next set, sorted bundle
+        """Start reading the uncached neurons among `ids` (a lookahead guess of `layer`'s next set, sorted bundle
         ids) into the staging rows, before the layer's exact set is known. The next start_fetch(layer) copies the
         rows it needs from there instead of reading them; the rest of the guess is dropped. Returns rows requested."""
         if self.staging is None:
@@ -406,7 +412,7 @@ class NeuronCache:
         """The bundle matrix uint8[n_hot + capacity, stride] the kernels read (rows from fetch())."""
         return self.layers[layer].matrix
 
-    def resident(self, layer: int) -> np.ndarray:
+    def cached(self, layer: int) -> np.ndarray:
         """Bundle ids in DRAM now (pinned first, then window rows in row order)."""
         L = self.layers[layer]
         return L.neuron_at[: L.n_hot + int(L.state[_NWIN])].copy()

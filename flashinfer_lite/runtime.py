@@ -38,7 +38,8 @@ from .loader import load_weights, open_any
 from .model import FeedForward, ModelConfig, Transformer
 from .neuron_cache import NeuronCache
 from .predictor_set import load_predictors
-from .quant import sparse_ffn
+from .ffn.gating import threshold_of
+from .ffn.quant import sparse_ffn
 
 FFN_MODES = ("auto", "dense", "oracle", "predicted")   # auto: dense when the model fits the budget, else predicted
 # FFN tensors that live in the bundles on flash; everything else (including ffn.down.bias) stays resident.
@@ -57,7 +58,7 @@ class FlashFFN:
     predictors: the PredictorSet of the FLASHDIR, if any: its neuron frequencies choose the pinned hot neurons and its
     act_threshold (per layer) is the SwiGLU magnitude under which a computed neuron counts as not fired.
     down_bias: per layer the FFN down bias (resident; None where the model has none).
-    overlap: compute on the resident rows while the misses are read (False: read, then compute; for measuring).
+    overlap: compute on the cached rows while the misses are read (False: read, then compute; for measuring).
     lookahead(layer, x [1, d]) -> bool [1, n_neurons]: a guess of `layer`'s set from the previous layer's FFN input
     x, so its reads start one layer early (Deja Vu); the exact set still decides, a wrong guess costs only bytes.
     """
@@ -68,8 +69,7 @@ class FlashFFN:
         self.verbose, self.overlap, self.lookahead = verbose, overlap, lookahead
         self.stats = FlashStats.for_layers(cfg.n_layers, cfg.ffn_dim)
         self.down_bias = list(down_bias) if down_bias is not None else [None] * cfg.n_layers
-        # bundle id -> original neuron id is layout.order; selections speak original ids.
-        self.bundle_of = [np.argsort(o).astype(np.int64) for o in layout.order]
+        self.bundle_of = layout.bundle_of    # selections speak original neuron ids, the cache bundle ids
         self.act_threshold = [predictors.act_threshold(i) if predictors is not None else 0.0
                               for i in range(cfg.n_layers)]
         self.reader = BundleReader(layout, threads=threads)
@@ -79,16 +79,11 @@ class FlashFFN:
         self.cache = NeuronCache(layout.n_neurons, layout.stride, self.reader, capacity=plan.window_rows,
                                  window=plan.window, hot=hot,
                                  staging_rows=staging_rows(plan.max_active) if lookahead else 0, stats=self.stats)
-        self.kernel = sparse_ffn(layout, act=cfg.act, relu_threshold=self._relu_threshold(),
+        self.kernel = sparse_ffn(layout, act=cfg.act, relu_threshold=threshold_of(cfg.act, cfg.relu_threshold),
                                  max_active=max(layout.n_neurons))
         self._coef = np.zeros(max(layout.n_neurons), np.float32)   # one piece's coefficients
         self._chunk = None  # prefill streaming buffer, allocated on first use (counted in the plan's buffers)
         self._pass_lookups = 0   # hits + misses when the current forward pass began
-
-    def _relu_threshold(self) -> float | None:
-        if self.cfg.act == "silu":
-            return None
-        return self.cfg.relu_threshold
 
     # -- choosing neurons ---------------------------------------------------------------------------------------------
     def active_ids(self, layer: int, x: np.ndarray) -> list[np.ndarray]:
@@ -139,7 +134,7 @@ class FlashFFN:
                 self._prefetch_next(layer + 1, x)
             coef = self._coef[: len(f.slots)][None, :]
             if self.overlap and f.reading:
-                # The misses are in flight: the resident rows' coefficients meanwhile, on one thread, so that a
+                # The misses are in flight: the cached rows' coefficients meanwhile, on one thread, so that a
                 # core stays free for the reader threads issuing and completing the reads.
                 n_threads = numba.get_num_threads()
                 numba.set_num_threads(1)
@@ -189,8 +184,8 @@ class FlashFFN:
         """Stream the whole layer when the rows' distinct uncached neurons exceed a third of it: random bundle reads
         move bytes 2-3x slower than large sequential ones on the SSDs measured here."""
         union = np.unique(np.concatenate(ids)) if ids else np.zeros(0, np.int64)
-        resident = self.cache.slot_of(layer)[union] >= 0 if union.size else np.zeros(0, bool)
-        uncached = int(union.size - np.count_nonzero(resident))
+        cached = self.cache.slot_of(layer)[union] >= 0 if union.size else np.zeros(0, bool)
+        uncached = int(union.size - np.count_nonzero(cached))
         choice = uncached > self.layout.n_neurons[layer] / 3
         if self.verbose and layer == 0:
             how = "streaming whole layers" if choice else "through the neuron cache"
@@ -230,7 +225,7 @@ class FlashFFN:
 
 class ResidentFFN:
     """The FFN of a quantized FLASHDIR in DRAM: every layer's bundles read once, kept in their blocks (without the
-    bundles' padding: quant.DenseLayer) and computed whole, with no predictor and no neuron cache to consult
+    bundles' padding: ffn.quant.DenseLayer) and computed whole, with no predictor and no neuron cache to consult
     (QuantSparseFFN.dense: one Numba call per layer and token at decode, widened blocks + BLAS for a prompt)."""
 
     def __init__(self, cfg: ModelConfig, ckpt: FlashCheckpoint, down_bias=None, progress: bool = False):

@@ -11,7 +11,7 @@ Per layer:
      its neurons on held-out rows: there the predictor saves few reads and its misses cost perplexity, so every
      neuron is read and the exact threshold alone decides (SwiGLU models such as SmolLM2: see docs/PREDICTORS.md).
 Rows are split in corpus order: 70% train, 15% to tune the decision threshold, 15% to report (text neither saw).
-Everything lands in FLASHDIR/predictors/ (see predictor.py), written to a temp dir and renamed into place.
+Everything lands in FLASHDIR/predictors/ (read by flashinfer_lite/predictor_set.py), written to a temp dir and renamed into place.
 """
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -82,6 +83,81 @@ def bundle_geometry(d: int, vector_dtypes: tuple[str, ...], n_scalars: int) -> t
     return scalars_offset, align_up(scalars_offset + 4 * n_scalars, BUNDLE_ALIGN)
 
 
+def check_down_dtype(dtype: str, down_dtype: str | None, src: str = "") -> None:
+    if down_dtype is not None and (dtype not in QUANT_DTYPES or down_dtype not in QUANT_DTYPES):
+        raise UserError(f"{src}a down vector of its own dtype ({down_dtype!r}) needs quantized bundles "
+                        f"({', '.join(QUANT_DTYPES)}), not {dtype!r}")
+
+
+@dataclass(frozen=True)
+class BundleGeometry:
+    """Where each part of one bundle sits: the one place these offsets are computed. The writer packs by it, the
+    kernels read by it (ffn.sparse.SparseFFN), the budget counts by it; a FLASHDIR builds it once from its manifest
+    (FlashLayout.geometry).
+
+      vectors[k] (gate, up, down; or OPT's up, down): d weights of vector_dtypes[k] at byte vector_offsets[k]
+      scalars (by name: `scale.<vector>` for int8, then biases): float32 from byte scalars_offset
+      zero padding up to stride
+    """
+    d: int
+    vectors: tuple[str, ...]
+    vector_dtypes: tuple[str, ...]
+    scalars: tuple[str, ...]
+    stride: int
+
+    @classmethod
+    def of(cls, d: int, dtype: str, glu: bool, biases=(), down_dtype: str | None = None,
+           stride: int | None = None) -> "BundleGeometry":
+        """The geometry of a bundle of `dtype` (the down vector in down_dtype, if given) with these biases; stride
+        None: the smallest aligned one."""
+        check_down_dtype(dtype, down_dtype)
+        vectors = GLU_VECTORS if glu else MLP_VECTORS
+        scales = tuple(f"scale.{v}" for v in vectors) if dtype == "int8" else ()
+        scalars = scales + tuple(b for b in BIAS_NAMES if b in biases)
+        dtypes = vector_dtypes(dtype, len(vectors), down_dtype)
+        if stride is None:
+            stride = bundle_geometry(d, dtypes, len(scalars))[1]
+        return cls(d, vectors, dtypes, scalars, stride)
+
+    def __post_init__(self):
+        if self.stride % BUNDLE_ALIGN or self.stride < self.scalars_offset + 4 * len(self.scalars):
+            raise UserError(f"bundle stride {self.stride} is not a multiple of {BUNDLE_ALIGN} holding the "
+                            f"{self.scalars_offset + 4 * len(self.scalars)} bytes of vectors and scalars")
+
+    @property
+    def n_vec(self) -> int:
+        return len(self.vectors)
+
+    @property
+    def glu(self) -> bool:
+        return self.vectors == GLU_VECTORS
+
+    @property
+    def dtype(self) -> str:
+        return self.vector_dtypes[0]
+
+    @property
+    def vector_offsets(self) -> list[int]:
+        """Byte offset of each vector in a bundle, then the end of the last."""
+        return np.cumsum([0] + [vector_bytes(self.d, t) for t in self.vector_dtypes]).tolist()
+
+    def offset(self, vector: str) -> int:
+        """Byte offset of a vector (gate, up, down)."""
+        return self.vector_offsets[self.vectors.index(vector)]
+
+    def vector_bytes(self, vector: str) -> int:
+        k = self.vectors.index(vector)
+        return vector_bytes(self.d, self.vector_dtypes[k])
+
+    @property
+    def scalars_offset(self) -> int:
+        return bundle_geometry(self.d, self.vector_dtypes, 0)[0]
+
+    def scalar_slot(self, name: str) -> int:
+        """Column of a scalar in a bundle row's float32 view (B.view(np.float32)[:, slot]); -1 when there is none."""
+        return self.scalars_offset // 4 + self.scalars.index(name) if name in self.scalars else -1
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Layout
 
@@ -131,14 +207,19 @@ class FlashLayout:
         """Bytes per weight; None for the block formats."""
         return None if self.quantized else self.np_dtype.itemsize
 
+    @cached_property
+    def geometry(self) -> BundleGeometry:
+        """The bundle's geometry, built once (the manifest's bundle fields, checked by read_layout)."""
+        return BundleGeometry(self.d, self.vectors, vector_dtypes(self.dtype, self.n_vec, self.down_dtype),
+                              self.scalars, self.stride)
+
     @property
     def vector_dtypes(self) -> tuple[str, ...]:
-        return vector_dtypes(self.dtype, self.n_vec, self.down_dtype)
+        return self.geometry.vector_dtypes
 
     @property
     def vector_offsets(self) -> list[int]:
-        """Byte offset of each vector in a bundle, then the end of the last."""
-        return np.cumsum([0] + [vector_bytes(self.d, t) for t in self.vector_dtypes]).tolist()
+        return self.geometry.vector_offsets
 
     @property
     def vector_bytes(self) -> int:
@@ -147,7 +228,7 @@ class FlashLayout:
 
     @property
     def scalars_offset(self) -> int:
-        return bundle_geometry(self.d, self.vector_dtypes, 0)[0]
+        return self.geometry.scalars_offset
 
     @property
     def scalars(self) -> tuple[str, ...]:
@@ -158,6 +239,11 @@ class FlashLayout:
     def scalar_index(self, name: str) -> int:
         """j such that the scalar sits at B.view(np.float32)[:, scalars_offset // 4 + j]."""
         return self.scalars.index(name)
+
+    @cached_property
+    def bundle_of(self) -> list[np.ndarray]:
+        """Per layer int64 [n]: original neuron id -> bundle id (the inverse of `order`)."""
+        return [np.argsort(o).astype(np.int64) for o in self.order]
 
     def region_bytes(self, layer: int) -> int:
         return self.n_neurons[layer] * self.stride
@@ -170,11 +256,8 @@ class FlashLayout:
     def create(cls, d: int, n_neurons: list[int], dtype: str, glu: bool, biases=(), orders=None,
                down_dtype: str | None = None, **kw) -> "FlashLayout":
         """Compute stride and region offsets for a model; checksums are filled in by the writer."""
-        vectors = GLU_VECTORS if glu else MLP_VECTORS
-        biases = tuple(b for b in BIAS_NAMES if b in biases)
-        check_down_dtype(dtype, down_dtype)
-        n_scalars = (len(vectors) if dtype == "int8" else 0) + len(biases)
-        stride = bundle_geometry(d, vector_dtypes(dtype, len(vectors), down_dtype), n_scalars)[1]
+        g = BundleGeometry.of(d, dtype, glu, biases, down_dtype)
+        stride, vectors, biases = g.stride, g.vectors, tuple(b for b in BIAS_NAMES if b in biases)
         offsets, pos = [], 0
         for n in n_neurons:
             pos = align_up(pos, REGION_ALIGN)
@@ -203,11 +286,6 @@ class FlashLayout:
                 "files": dict(self.files), "ffn_size": self.ffn_size, "checksum_algo": CHECKSUM_ALGO,
                 "resident_checksum": self.resident_checksum, "layers": layers}
 
-
-def check_down_dtype(dtype: str, down_dtype: str | None, src: str = "") -> None:
-    if down_dtype is not None and (dtype not in QUANT_DTYPES or down_dtype not in QUANT_DTYPES):
-        raise UserError(f"{src}a down vector of its own dtype ({down_dtype!r}) needs quantized bundles "
-                        f"({', '.join(QUANT_DTYPES)}), not {dtype!r}")
 
 
 def write_manifest(layout: FlashLayout, flashdir: Path) -> None:

@@ -71,7 +71,7 @@ def open_for_reads(path: Path) -> tuple[int, bool]:
 class BundleReader:
     """reader.read(layer, bundle_ids, dest, slots) reads bundle bundle_ids[j] of `layer` into dest[slots[j]].
 
-    dest: uint8 [slots, stride], C-contiguous, base 512-aligned (use storage.format.aligned_empty).
+    dest: uint8 [slots, stride], C-contiguous, base 512-aligned (use aligned_empty, above).
     Bundle ids are positions in the file; layout.order[layer][bundle_id] is the original neuron id.
     threads / coalesce_gap (in bundles; < 0 disables coalescing, 0 merges only adjacent bundles) default to the
     device profile saved by `flashinfer-lite flash-bench`, else to built-in defaults.
@@ -139,7 +139,7 @@ class BundleReader:
         if dest.dtype != np.uint8 or dest.ndim != 2 or dest.shape[1] != stride or not dest.flags.c_contiguous:
             raise ValueError(f"dest must be C-contiguous uint8 [slots, {stride}], got {dest.dtype} {dest.shape}")
         if dest.ctypes.data % BUNDLE_ALIGN:
-            raise ValueError("dest must start on a 512-byte boundary (allocate it with storage.format.aligned_empty)")
+            raise ValueError("dest must start on a 512-byte boundary (allocate it with storage.reader.aligned_empty)")
         if ids.size == 0:
             return [], 0, 0
         n = L.n_neurons[layer]

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from flashinfer_lite import model as model_math
-from flashinfer_lite.kernels import add_rms_norm_rows, attention_rows, rms_norm_rows
+from flashinfer_lite.kernels.attention import attention_rows
+from flashinfer_lite.kernels.norm import add_rms_norm_rows, rms_norm_rows
 from flashinfer_lite.loader import load
 
 from conftest import STORIES

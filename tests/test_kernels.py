@@ -14,9 +14,10 @@ import pytest
 from numba import njit
 
 from flashinfer_lite.errors import UserError
-from flashinfer_lite.kernels import (HAS_F16C, SparseFFN, f16_bits_to_f32_f16c, f16_bits_to_f32_portable,
-                                     f32_to_f16_bits_f16c, f32_to_f16_bits_portable)
-from storage.format import FlashLayout, pack_bundles, unpack_bundles
+from flashinfer_lite.ffn.sparse import SparseFFN
+from flashinfer_lite.kernels.f16 import (HAS_F16C, f16_bits_to_f32_f16c, f16_bits_to_f32_portable, f32_to_f16_bits_f16c,
+                                         f32_to_f16_bits_portable)
+from storage.format import BundleGeometry, FlashLayout, pack_bundles, unpack_bundles
 from storage.reader import aligned_empty
 
 RTOL = 1e-5
@@ -222,12 +223,12 @@ def test_chunking_edge_cases(threads):
 
 def test_bad_configuration_is_a_user_error():
     with pytest.raises(UserError):
-        SparseFFN(16, "bf16", True, "relu", 512, 96)
+        SparseFFN(BundleGeometry.of(16, "bf16", True), "relu")
     with pytest.raises(UserError):
-        SparseFFN(16, "f16", False, "drelu", 512, 64)
+        SparseFFN(BundleGeometry.of(16, "f16", False), "drelu")
     with pytest.raises(UserError):
-        SparseFFN(16, "f16", True, "gelu", 512, 96)
-    ffn = SparseFFN(16, "f16", True, "relu", 512, 96)
+        SparseFFN(BundleGeometry.of(16, "f16", True), "gelu")
+    ffn = SparseFFN(BundleGeometry.of(16, "f16", True), "relu")
     with pytest.raises(UserError):
         ffn(np.zeros((4, 1024), np.uint8), np.arange(2), np.zeros(16, np.float32), np.zeros(16, np.float32))
 

@@ -21,11 +21,11 @@ LEAVES = {"flashinfer_lite", "flashinfer_lite.errors", "flashinfer_lite.sizes", 
 
 def modules():
     for pkg in PACKAGES:
-        for f in sorted((REPO / pkg).glob("*.py")):
+        for f in sorted((REPO / pkg).rglob("*.py")):
             if f.stem == "__main__":      # runs the CLI when imported
                 continue
-            name = pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"
-            yield name, f
+            parts = f.relative_to(REPO).with_suffix("").parts
+            yield ".".join(parts[:-1] if f.stem == "__init__" else parts), f
 
 
 def project_imports(name: str, path: Path):

@@ -106,20 +106,20 @@ def test_cache_invariants_over_long_sequences(flash, seed, k, cap, n_hot, mean_a
         want_hits = want_misses = 0
         for layer in range(LAYERS):
             ids = seqs[layer][t]
-            before = set(cache.resident(layer).tolist())
+            before = set(cache.cached(layer).tolist())
             n_calls = len(spy.calls)
             expected = models[layer].step(ids)
             if expected is None:
                 with pytest.raises(UserError, match="cold neuron rows"):
                     cache.fetch(layer, ids)
-                assert set(cache.resident(layer).tolist()) == before
+                assert set(cache.cached(layer).tolist()) == before
                 continue
             slots = cache.fetch(layer, ids)
             M = cache.matrix(layer)
             # the rows handed to the kernel hold exactly the requested bundles
             assert np.array_equal(M[slots], source[layer][ids])
             # every resident row holds its neuron's bundle; maps agree both ways
-            res = cache.resident(layer)
+            res = cache.cached(layer)
             rows = np.arange(res.size)
             assert np.array_equal(M[rows], source[layer][res])
             assert np.array_equal(cache.slot_of(layer)[res], rows)
@@ -150,7 +150,7 @@ def test_fetch_refuses_bad_ids(flash):
         cache.fetch(0, [1, 2, 1])
     with pytest.raises(ValueError, match="out-of-range"):
         cache.fetch(0, [N])
-    assert cache.resident(0).size == 0
+    assert cache.cached(0).size == 0
     slots = cache.fetch(0, [4, 5])
     assert np.array_equal(cache.matrix(0)[slots], source[0][[4, 5]])
 
@@ -179,7 +179,7 @@ def test_failed_read_leaves_no_stale_rows(flash, fails_in):
     r.fail = True
     with pytest.raises(OSError):
         cache.fetch(0, [2, 3, 4])
-    assert set(cache.resident(0).tolist()) == {1, 2}
+    assert set(cache.cached(0).tolist()) == {1, 2}
     r.fail = False
     slots = cache.fetch(0, [3, 4])
     assert np.array_equal(cache.matrix(0)[slots], source[0][[3, 4]])
@@ -260,7 +260,7 @@ def test_start_fetch_marks_exactly_the_misses_and_moves_rows_only_when_the_windo
     cache = NeuronCache(layout.n_neurons, layout.stride, reader, capacity=60, window=3)
     total_moved = 0
     for t, ids in enumerate(activation_sequence(rng, 80, N, 15, 0.5)):
-        before = set(cache.resident(0).tolist())
+        before = set(cache.cached(0).tolist())
         n_before = cache.window_rows(0)
         st = cache.new_token()
         f = cache.start_fetch(0, ids)
@@ -291,7 +291,7 @@ def test_prefetch_guess_serves_the_misses_it_covers_and_nothing_else(flash):
     # only the guess and the two neurons it missed were read from flash
     assert [(l, ids.tolist()) for l, ids in spy.calls] == [(1, list(range(50, 60))), (1, [90, 91])]
     # the unused part of the guess did not enter the window
-    assert set(cache.resident(1).tolist()) == {0, 1, 2, 3, 50, 51, 52, 53, 54, 90, 91}
+    assert set(cache.cached(1).tolist()) == {0, 1, 2, 3, 50, 51, 52, 53, 54, 90, 91}
     # a guess for another layer is dropped, not misapplied
     cache.new_token()
     cache.prefetch(0, np.r_[5:9])

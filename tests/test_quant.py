@@ -14,10 +14,10 @@ from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from flashinfer_lite.errors import UserError
-from flashinfer_lite.kernels import MATMUL_ROW_KERNEL_MAX_T
-from flashinfer_lite.quant import (BLOCK, DENSE_ROW_KERNEL_MAX_T, KINDS, QuantMatrix, QuantSparseFFN, dequantize,
-                                   quant_ffn, quant_matmul_t, quantize, row_bytes)
-from storage.format import FlashLayout, bundle_geometry, pack_bundles
+from flashinfer_lite.kernels.gemv import MATMUL_ROW_KERNEL_MAX_T
+from flashinfer_lite.ffn.quant import DENSE_ROW_KERNEL_MAX_T, QuantSparseFFN, quant_ffn
+from flashinfer_lite.quant import BLOCK, KINDS, QuantMatrix, dequantize, quant_matmul_t, quantize, row_bytes
+from storage.format import BundleGeometry, FlashLayout, bundle_geometry, pack_bundles
 from test_kernels import CASES, dense_coefficients, dense_ffn, make_model, numba_threads, rel_err, scatter_rows
 
 RTOL = 1e-5
@@ -131,11 +131,7 @@ def pack(w, kind, glu):
           for k, v in enumerate(names)}
     dq["down"] = dq["down"].T
     dq.update({b: w[b] for b in biases})
-    args = dict(d=d, dtype=kind, down_dtype=down_kind, glu=glu, stride=layout.stride,
-                scalars_offset=layout.scalars_offset,
-                bias_gate_index=biases.index("bias.gate") if "bias.gate" in biases else None,
-                bias_up_index=biases.index("bias.up") if "bias.up" in biases else None)
-    return args, bundles, dq
+    return dict(geometry=layout.geometry), bundles, dq
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS) + ["q4_1/q8_0"])
@@ -166,7 +162,7 @@ def test_sparse_equals_dense(kind, glu, act, biased):
 
 @pytest.mark.parametrize("kind", sorted(KINDS) + ["q4_0/q8_0"])
 def test_sparse_same_bits_whatever_the_split_or_threads(kind):
-    """kernels.py's one summation order holds here too: pieces, thread counts and batched rows give the same bits."""
+    """ffn.sparse's one summation order holds here too: pieces, thread counts and batched rows give the same bits."""
     rng = np.random.default_rng(zlib.crc32(kind.encode()) + 2)
     d, n, T = 5 * BLOCK, 300, 4
     w = make_model(rng, d, n, True, True)
@@ -254,14 +250,14 @@ def test_bad_bundle_geometry_is_a_user_error():
     so, stride = bundle_geometry(64, ("q4_0",) * 3, n_scalars=0)
     assert so == 3 * row_bytes(64, "q4_0") and stride % 512 == 0
     with pytest.raises(UserError):
-        QuantSparseFFN(64, "q4_0", True, "relu", stride, so - 4)      # scalars over the down vector
+        BundleGeometry.of(512, "q4_0", True, stride=512)              # vectors past the stride
     with pytest.raises(UserError):
-        QuantSparseFFN(48, "q4_0", True, "relu", stride, so)          # d not whole blocks
+        QuantSparseFFN(BundleGeometry.of(48, "q4_0", True), "relu")   # d not whole blocks
     with pytest.raises(UserError):
-        QuantSparseFFN(64, "f16", True, "relu", stride, so)           # not a quantized kind
+        QuantSparseFFN(BundleGeometry.of(64, "f16", True), "relu")    # not a quantized kind
     with pytest.raises(UserError):
-        QuantSparseFFN(64, "q4_0", True, "relu", so, so + 4)          # scalars past the stride
-    ffn = QuantSparseFFN(64, "q4_0", True, "relu", stride, so)
+        BundleGeometry.of(64, "q4_0", True, stride=so)                # a stride not a multiple of 512
+    ffn = QuantSparseFFN(BundleGeometry.of(64, "q4_0", True, stride=stride), "relu")
     B, x = np.zeros((4, stride), np.uint8), np.zeros(64, np.float32)
     for bad in (lambda: ffn(np.zeros((4, stride + 4), np.uint8), np.arange(2), x, x.copy()),
                 lambda: ffn(B, np.arange(2), np.zeros(96, np.float32), x.copy()),   # x longer than d: no over-read

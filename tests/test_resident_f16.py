@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from storage.checkpoint import open_checkpoint
-from flashinfer_lite.kernels import MATMUL_ROW_KERNEL_MAX_T, WIDEN_BLOCK_BYTES, matmul_t
+from flashinfer_lite.kernels.gemv import MATMUL_ROW_KERNEL_MAX_T, WIDEN_BLOCK_BYTES, matmul_t
 from flashinfer_lite.loader import load_weights
 from flashinfer_lite.model import Transformer, half_matrices
 

@@ -1,0 +1,309 @@
+"""The FFN over weights in GGUF's block formats (q8_0, q4_0, q4_1; their row kernels: flashinfer_lite.quant).
+
+QuantSparseFFN: ffn.sparse.SparseFFN over bundles whose gate, up and down vectors are quantized rows along d (the
+bundle's geometry as storage.format.BundleGeometry says: blocks in place of elements). Its dense() computes a whole
+layer in RAM (DenseLayer, runtime.ResidentFFN). quant_ffn: the dense FFN over a GGUF's QuantMatrix weights.
+Compute stays float32 on the dequantized weights; the gating rule is ffn.gating's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit, prange
+
+from flashinfer_lite.errors import UserError
+from flashinfer_lite.kernels.gemv import WIDEN_BLOCK_BYTES
+from flashinfer_lite.kernels.prefetch import prefetch_ahead, prefetch_row
+from flashinfer_lite.kernels.rows import scalar
+from flashinfer_lite.quant import BLOCK, KINDS, QuantMatrix, quant_kind, row_axpy, row_dequant, row_dot
+
+from .gating import act_code, gate_activation, glu_coefficient, threshold_of
+from .sparse import OUT_BLOCK, SparseFFN
+
+# QuantSparseFFN.dense: up to this many rows, the row kernel per row (the layer's blocks read once per row); more
+# (a prompt): widened blocks + BLAS, which read them once for all rows
+DENSE_ROW_KERNEL_MAX_T = 2
+
+
+@njit(cache=True, fastmath=True)
+def _q_coefficient(wr, fr, x, rb, glu, act, threshold, kind, bg, bu):
+    """ffn.sparse._coefficient on quantized vectors: the gate (MLP: up) row at wr[:rb], GLU's up row at
+    wr[rb:2 * rb]; the up row is not read when the gate did not fire."""
+    if glu:
+        a = gate_activation(act, row_dot(wr[:rb], x, kind) + scalar(fr, bg, 0.0), threshold)
+        if a == np.float32(0.0):
+            return a
+        return glu_coefficient(act, a, row_dot(wr[rb:2 * rb], x, kind) + scalar(fr, bu, 0.0))
+    return gate_activation(act, row_dot(wr[:rb], x, kind) + scalar(fr, bu, 0.0), threshold)
+
+
+@njit(cache=True, parallel=True, fastmath=True, nogil=True)
+def quant_ffn_coefficients(B, F, slots, js, X, sel, coef, rb, glu, act, threshold, kind, bg, bu, down_at,
+                           act_threshold):
+    """ffn.sparse.ffn_coefficients on quantized bundles B (uint8[rows, stride]; F its float32 view); the vectors
+    before down_at are prefetched for the next row."""
+    for q in prange(js.shape[0]):
+        j = js[q]
+        r = slots[j]
+        if q + 1 < js.shape[0]:
+            prefetch_row(B, slots[js[q + 1]], 0, down_at)
+        for t in range(X.shape[0]):
+            c = np.float32(0.0)
+            if sel[t, j]:
+                c = _q_coefficient(B[r], F[r], X[t], rb, glu, act, threshold, kind, bg, bu)
+                if abs(c) <= act_threshold:
+                    c = np.float32(0.0)
+            coef[t, j] = c
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def quant_ffn_accumulate(B, slots, coef, Y, down_at, kind, block_bytes):
+    """Y[t] += sum over j = 0, 1, ... of coef[t, j] * down(slots[j]), in that order (zero coefficients skipped);
+    the down rows (at byte down_at of a bundle) are in `kind`, blocks of block_bytes.
+
+    As ffn.sparse.ffn_accumulate: one thread per (row, OUT_BLOCK output elements), so each element sums its terms in
+    slot order and a set accumulated in pieces gives the bit-identical sum. OUT_BLOCK is a multiple of BLOCK, so a
+    task's outputs are whole blocks of the down rows."""
+    n = slots.shape[0]
+    d = Y.shape[1]
+    nb = (d + OUT_BLOCK - 1) // OUT_BLOCK
+    for q in prange(Y.shape[0] * nb):
+        t = q // nb
+        lo = (q % nb) * OUT_BLOCK
+        hi = min(d, lo + OUT_BLOCK)
+        y = Y[t, lo:hi]
+        b_lo = down_at + lo // BLOCK * block_bytes
+        b_hi = down_at + hi // BLOCK * block_bytes
+        for j in range(n):
+            c = coef[t, j]
+            if c != np.float32(0.0):
+                row_axpy(y, c, B[slots[j], b_lo:b_hi], kind)
+
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dense FFN over a whole layer (every neuron): the in-RAM path, where there is nothing to predict or look up. The
+# layer's bundles are split once into two contiguous matrices (DenseLayer): [gate | up | biases] rows and down rows,
+# without the bundles' 512-byte padding, so each pass streams only what it reads (the bundle layout made the
+# coefficients ~30% slower than the same rows back to back, single thread). Decode (a row or two) is one Numba call
+# per row; a prompt widens the rows to float32 one L2-sized block of neurons at a time and hands the three products
+# to BLAS.
+
+
+@dataclass(frozen=True, eq=False)
+class DenseLayer:
+    """One layer's FFN for QuantSparseFFN.dense: head uint8 [n, head_bytes] (gate and up rows, or up for MLP, then
+    the float32 biases at bg / bu of its float32 view, -1: none) and down uint8 [n, row_bytes(d)]."""
+    head: np.ndarray
+    down: np.ndarray
+    bg: int
+    bu: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.head.nbytes + self.down.nbytes
+
+
+# The neuron ranges of a dense decode step: a constant, not the thread count, so -t does not change the bits. Each
+# range is one task, coefficients then its partial down sum (rows front to back): one parallel region per layer, as
+# each region pays for waking the pool (flashinfer_lite/__init__.py).
+DOWN_PARTIALS = 4
+
+
+@njit(cache=True, parallel=True, fastmath=True, nogil=True)
+def quant_dense_ffn_row(H, Hf, D, x, y, coef, partial, rb, glu, act, threshold, kind, bg, bu, down_kind):
+    """y[:] = sum over neurons j of coef[j] * dequant(D[j]), coef[j] = the coefficient of head row H[j] (Hf: its
+    float32 view) on x: partial[p] sums the p-th of len(partial) neuron ranges in order, then they add up in order."""
+    n, P = H.shape[0], partial.shape[0]
+    for p in prange(P):
+        acc = partial[p]
+        acc[:] = 0.0
+        for j in range(p * n // P, (p + 1) * n // P):
+            prefetch_ahead(H, j, 0, H.shape[1])
+            prefetch_ahead(D, j, 0, D.shape[1])
+            c = _q_coefficient(H[j], Hf[j], x, rb, glu, act, threshold, kind, bg, bu)
+            coef[j] = c
+            if c != np.float32(0.0):
+                row_axpy(acc, c, D[j], down_kind)
+    y[:] = partial[0]
+    for p in range(1, P):
+        y += partial[p]
+
+
+@njit(cache=True, nogil=True)
+def dequantize_dense_layer(H, Hf, D, lo, G, U, Dw, bias_g, bias_u, rb, glu, kind, bg, bu, down_kind):
+    """Neurons lo .. lo + len(Dw) widened to float32 rows: gate G (GLU only), up U, down Dw; their gate and up
+    biases (0 where there are none)."""
+    for r in range(Dw.shape[0]):
+        row = H[lo + r]
+        if glu:
+            row_dequant(row[:rb], G[r], kind)
+            row_dequant(row[rb:2 * rb], U[r], kind)
+        else:
+            row_dequant(row[:rb], U[r], kind)
+        row_dequant(D[lo + r], Dw[r], down_kind)
+        bias_g[r] = scalar(Hf[lo + r], bg, 0.0)
+        bias_u[r] = scalar(Hf[lo + r], bu, 0.0)
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def ffn_coefficients_from_products(g, u, bias_g, bias_u, glu, act, threshold):
+    """u[t, j] = the coefficient of neuron j from its products g = X G^T, u = X U^T (in place): _q_coefficient's
+    rule on precomputed dot products."""
+    for t in range(u.shape[0]):
+        for j in range(u.shape[1]):
+            if glu:
+                a = gate_activation(act, g[t, j] + bias_g[j], threshold)
+                u[t, j] = glu_coefficient(act, a, u[t, j] + bias_u[j]) if a != np.float32(0.0) else a
+            else:
+                u[t, j] = gate_activation(act, u[t, j] + bias_u[j], threshold)
+
+
+class QuantSparseFFN(SparseFFN):
+    """SparseFFN over quantized bundles (storage.format.pack_bundles): the geometry's dtype is a kind of KINDS (its
+    down vector may be in another), the rest as SparseFFN:
+
+    ffn = QuantSparseFFN(BundleGeometry.of(4096, "q4_0", glu=True, down_dtype="q8_0"), act="relu")
+    ffn(B, slots, x, y)  |  ffn.coefficients(B, slots, js, X, coef)  +  ffn.accumulate(B, slots, coef, Y)
+    """
+    DTYPES = KINDS
+
+    def __init__(self, geometry, *args, **kw):
+        super().__init__(geometry, *args, **kw)
+        self.kind, self.down_kind = KINDS[geometry.dtype], quant_kind(geometry.vector_dtypes[-1])
+        self.row_bytes = geometry.vector_bytes("up")   # gate and up rows alike
+        self._widened = None     # dense(): float32 blocks of a prompt's widened bundles, allocated on first use
+        self._partial = np.empty((DOWN_PARTIALS, geometry.d), np.float32)  # dense(): the down pass's partial sums
+
+    def _offset(self, vector: str) -> int:
+        return self.geometry.offset(vector)      # bytes: the kernels read B as uint8
+
+    def views(self, B: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if B.dtype != np.uint8 or B.ndim != 2 or B.shape[1] != self.stride:
+            raise UserError(f"bundle matrix must be uint8[rows, {self.stride}], got {B.dtype}{list(B.shape)}")
+        return B, B.view(np.float32)
+
+    def _rows_of_d(self, X: np.ndarray) -> None:
+        if X.ndim != 2 or X.shape[1] != self.d or X.dtype != np.float32 or not X.flags.c_contiguous:
+            raise UserError(f"expected C-contiguous float32[T, {self.d}], got {X.dtype}{list(X.shape)}")
+
+    def _coefficients(self, W, F, slots, js, X, sel, coef, act_threshold) -> None:
+        self._rows_of_d(X)
+        quant_ffn_coefficients(W, F, slots, js, X, sel, coef, self.row_bytes, self.glu, self.act_code,
+                               self.relu_threshold, self.kind.code, self.bg, self.bu, self.down_at, act_threshold)
+
+    def _accumulate(self, W, F, slots, coef, Y) -> None:
+        self._rows_of_d(Y)
+        quant_ffn_accumulate(W, slots, coef, Y, self.down_at, self.down_kind.code, self.down_kind.block_bytes)
+
+    def _dense_geometry(self) -> tuple[int, int]:
+        """(offset of the scalars in a head row of dense_layer: after the gate and up rows, float32-aligned; bytes of
+        the head row)."""
+        at = -(-self.down_at // 4) * 4
+        return at, at + 4 * len(self.geometry.scalars)
+
+    @property
+    def dense_row_bytes(self) -> int:
+        """DRAM per neuron of dense_layer (what the budget counts for a resident FFN)."""
+        return self._dense_geometry()[1] + self.geometry.vector_bytes("down")
+
+    def dense_layer(self, B: np.ndarray) -> DenseLayer:
+        """A whole layer's bundles uint8 [n, stride] as the two contiguous matrices of dense() (copies: B can go)."""
+        self.views(B)
+        g, head_bytes = self.geometry, self.down_at
+        at, row = self._dense_geometry()
+        so = g.scalars_offset
+        head = np.zeros((B.shape[0], row), np.uint8)
+        head[:, :head_bytes] = B[:, :head_bytes]
+        head[:, at:] = B[:, so:so + row - at]
+        down = np.ascontiguousarray(B[:, head_bytes:head_bytes + g.vector_bytes("down")])
+        slot = lambda name: at // 4 + g.scalars.index(name) if name in g.scalars else -1  # noqa: E731
+        return DenseLayer(head, down, slot("bias.gate"), slot("bias.up"))
+
+    def dense(self, layer: DenseLayer, X: np.ndarray, Y: np.ndarray) -> None:
+        """Y[:] = the FFN of every neuron of `layer` (dense_layer) on X [T, d] (down bias not included)."""
+        H, D, Hf = layer.head, layer.down, layer.head.view(np.float32)
+        self._rows_of_d(X)
+        self._rows_of_d(Y)
+        n, T = H.shape[0], X.shape[0]
+        if T <= DENSE_ROW_KERNEL_MAX_T:
+            self._grow(n)
+            for t in range(T):
+                quant_dense_ffn_row(H, Hf, D, X[t], Y[t], self.coef, self._partial, self.row_bytes, self.glu,
+                                    self.act_code, self.relu_threshold, self.kind.code, layer.bg, layer.bu,
+                                    self.down_kind.code)
+            return
+        d = self.d
+        block = max(1, min(n, WIDEN_BLOCK_BYTES // (4 * d)))
+        if self._widened is None or self._widened[0].shape[0] != block:
+            self._widened = (np.empty((block, d), np.float32), np.empty((block, d), np.float32),
+                             np.empty((block, d), np.float32), np.empty(block, np.float32), np.empty(block, np.float32))
+        G, U, Dw, bg, bu = self._widened
+        Y[:] = 0.0
+        for lo in range(0, n, block):
+            m = min(block, n - lo)
+            dequantize_dense_layer(H, Hf, D, lo, G[:m], U[:m], Dw[:m], bg[:m], bu[:m], self.row_bytes, self.glu,
+                                   self.kind.code, layer.bg, layer.bu, self.down_kind.code)
+            a = X @ U[:m].T                                            # [T, m], then the coefficients in place
+            ffn_coefficients_from_products(X @ G[:m].T if self.glu else a, a, bg[:m], bu[:m], self.glu,
+                                           self.act_code, self.relu_threshold)
+            Y += a @ Dw[:m]
+
+
+def sparse_ffn(layout, **kw) -> SparseFFN:
+    """The sparse FFN kernel of a FlashLayout's bundles (SparseFFN.from_layout's arguments)."""
+    return (QuantSparseFFN if layout.quantized else SparseFFN).from_layout(layout, **kw)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A dense FFN whose matrices are QuantMatrix in the checkpoint's orientation (a GGUF's: gate and up [n, d], down
+# [d, n] in blocks along n): at decode one Numba call, both passes parallel, instead of three serial GEMVs and the
+# activation's numpy ops in between.
+
+
+@njit(cache=True, parallel=True, fastmath=True, nogil=True)
+def quant_ffn_row(Wg, Wu, Wd, x, a, y, partial, glu, act, threshold, kind_g, kind_u, kind_d, down_block_bytes):
+    """y = Wd @ a with a[j] the coefficient of neuron j from Wg[j].x and Wu[j].x (MLP: Wu[j].x; ffn.gating). One
+    task per range of whole blocks of neurons (as quant_dense_ffn_row: len(partial) of them, one parallel region):
+    its coefficients, then its share of every down row's dot product into partial[p]; the partials add up in order."""
+    n, P = Wu.shape[0], partial.shape[0]
+    nb = n // BLOCK
+    for p in prange(P):
+        lo, hi = p * nb // P * BLOCK, (p + 1) * nb // P * BLOCK
+        for j in range(lo, hi):
+            prefetch_ahead(Wu, j, 0, Wu.shape[1])
+            if glu:
+                prefetch_ahead(Wg, j, 0, Wg.shape[1])
+                v = gate_activation(act, row_dot(Wg[j], x, kind_g), threshold)
+                if v != np.float32(0.0):
+                    v = glu_coefficient(act, v, row_dot(Wu[j], x, kind_u))
+            else:
+                v = gate_activation(act, row_dot(Wu[j], x, kind_u), threshold)
+            a[j] = v
+        acc = partial[p]
+        b_lo, b_hi = lo // BLOCK * down_block_bytes, hi // BLOCK * down_block_bytes
+        for i in range(Wd.shape[0]):
+            prefetch_ahead(Wd, i, b_lo, b_hi)
+            acc[i] = row_dot(Wd[i, b_lo:b_hi], a[lo:hi], kind_d) if hi > lo else np.float32(0.0)
+    y[:] = partial[0]
+    for p in range(1, P):
+        y += partial[p]
+
+
+def quant_ffn(x: np.ndarray, gate: QuantMatrix | None, up: QuantMatrix, down: QuantMatrix, act: str,
+              relu_threshold: float) -> np.ndarray:
+    """The FFN of the rows of x [T, d] over QuantMatrix weights without gate/up biases (down's bias not included):
+    quant_ffn_row per row. act, relu_threshold: the model config's (ffn.gating.threshold_of)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    T, n = x.shape[0], up.shape[0]
+    y = np.empty((T, down.shape[0]), np.float32)
+    a = np.empty(n, np.float32)
+    partial = np.empty((DOWN_PARTIALS, down.shape[0]), np.float32)
+    g = gate if gate is not None else up
+    kd = quant_kind(down.kind)
+    for r in range(T):
+        quant_ffn_row(g.q, up.q, down.q, x[r], a, y[r], partial, gate is not None, act_code(act),
+                      threshold_of(act, relu_threshold), quant_kind(g.kind).code, quant_kind(up.kind).code, kd.code,
+                      kd.block_bytes)
+    return y

@@ -1,0 +1,219 @@
+"""The sparse FFN over a bundle matrix (Numba): only the listed neurons' rows are touched.
+
+A bundle matrix B is uint8[rows, stride]; row r holds one neuron, laid out as its storage.format.BundleGeometry says:
+  GLU: [gate_i | up_i | down_i], MLP (OPT): [up_i (fc1 row) | down_i (fc2 column)], each d values of the storage
+  dtype (float32, float16, int8; the block formats: ffn.quant), then float32 scalars (int8 scales per vector,
+  then bias_gate, bias_up).
+
+  GLU: y = sum_j act(gate_j.x + bg_j) * (up_j.x + bu_j) * down_j     MLP: y = sum_j act(up_j.x + bu_j) * down_j
+with act and its threshold as ffn.gating says. The per-output down bias is not in the bundles: the caller adds it.
+
+One summation order, whatever the thread count, the cache rows, the budget or the prefill strategy: the
+coefficients are per neuron (each computed whole by one thread, so order-free), and the down accumulation adds
+the neurons' contributions to each output element in the order the caller lists them (sorted neuron ids), one
+thread per fixed block of OUT_BLOCK output elements. A caller may split a set into pieces and accumulate them one
+after the other into the same y: the sum is bit-identical to one call over the whole set (the runtime relies on
+this: budget, overlap, pieces and prefill streaming all give the same output, tests/test_kernels.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from flashinfer_lite.errors import UserError
+from flashinfer_lite.kernels.f16 import f32_at
+from flashinfer_lite.kernels.rows import dot, scalar
+from storage.format import BundleGeometry
+
+from .gating import ACT_DRELU, act_code, gate_activation, glu_coefficient, threshold_of
+
+STORAGE_VIEWS = {"f32": np.float32, "f16": np.uint16, "int8": np.int8}  # dtype name -> view of B the kernel reads
+
+# Output elements per task of the down accumulation: a constant (not the thread count), so that every element is
+# summed by the same loop code in the same order whatever -t is.
+OUT_BLOCK = 64
+
+
+@njit(cache=True, fastmath=True)
+def _coefficient(wr, fr, x, d, glu, act, threshold, up_at, s_first, s_up, bg, bu):
+    """The coefficient of the neuron in row wr (fr: its float32 view) on x; up_at: the up vector's element offset;
+    s_*, bg, bu: scalar slots (-1: none) of the first vector's scale, up's scale, the gate and up biases."""
+    if glu:
+        a = gate_activation(act, dot(wr[:d], x, d) * scalar(fr, s_first, 1.0) + scalar(fr, bg, 0.0), threshold)
+        if a == np.float32(0.0):          # did not fire: the up vector is not read
+            return a
+        return glu_coefficient(act, a, dot(wr[up_at:up_at + d], x, d) * scalar(fr, s_up, 1.0) + scalar(fr, bu, 0.0))
+    return gate_activation(act, dot(wr[:d], x, d) * scalar(fr, s_first, 1.0) + scalar(fr, bu, 0.0), threshold)
+
+
+# nogil: flash reads run in Python threads while these compute the rows already cached.
+@njit(cache=True, parallel=True, fastmath=True, nogil=True)
+def ffn_coefficients(W, F, slots, js, X, sel, coef, d, glu, act, threshold, up_at, s_first, s_up, bg, bu,
+                     act_threshold):
+    """coef[t, j] = coefficient of neuron row slots[j] on X[t] if sel[t, j] else 0, for every j in js.
+
+    W: typed view of the bundle matrix [rows, stride // itemsize]; F: its float32 view [rows, stride // 4];
+    slots: int32[n] rows; js: int64 positions into slots to compute now (the rest of coef is left alone);
+    X: float32[T, d]; sel: uint8[T, >=n]; coef: float32[T, >=n]. act_threshold: coefficients with |c| <= it count as
+    zero (SwiGLU's calibrated act_threshold; -1: none). The rest: _coefficient's.
+    """
+    for q in prange(js.shape[0]):
+        j = js[q]
+        r = slots[j]
+        wr = W[r]
+        fr = F[r]
+        for t in range(X.shape[0]):
+            c = np.float32(0.0)
+            if sel[t, j]:
+                c = _coefficient(wr, fr, X[t], d, glu, act, threshold, up_at, s_first, s_up, bg, bu)
+                if abs(c) <= act_threshold:
+                    c = np.float32(0.0)
+            coef[t, j] = c
+
+
+# No fastmath: nothing here needs reassociation to vectorise, and without it no FMA contraction can make one call
+# site round differently from another.
+@njit(cache=True, parallel=True, nogil=True)
+def ffn_accumulate(W, F, slots, coef, Y, d, down_at, s_down):
+    """Y[t] += sum over j = 0, 1, ... of coef[t, j] * down(slots[j]), in that order (zero coefficients skipped); the
+    down vector at element down_at of a row, its scale at slot s_down (-1: none).
+
+    Parallel over (row, block of OUT_BLOCK output elements): each output element is summed by one thread."""
+    n = slots.shape[0]
+    nb = (d + OUT_BLOCK - 1) // OUT_BLOCK
+    for q in prange(Y.shape[0] * nb):
+        t = q // nb
+        lo = (q % nb) * OUT_BLOCK
+        hi = min(d, lo + OUT_BLOCK)
+        y = Y[t, lo:hi]
+        m = hi - lo
+        # the fired neurons in order, then four per pass: four rows' loads in flight at once (rows sit at random
+        # addresses); each output element still adds them one after the other (no fastmath: no reassociation)
+        fired = np.empty(n, np.int64)
+        nf = 0
+        for j in range(n):
+            if coef[t, j] != np.float32(0.0):
+                fired[nf] = j
+                nf += 1
+        q4 = nf - nf % 4
+        for i in range(0, q4, 4):
+            j0, j1, j2, j3 = fired[i], fired[i + 1], fired[i + 2], fired[i + 3]
+            c0 = coef[t, j0] * scalar(F[slots[j0]], s_down, 1.0)
+            c1 = coef[t, j1] * scalar(F[slots[j1]], s_down, 1.0)
+            c2 = coef[t, j2] * scalar(F[slots[j2]], s_down, 1.0)
+            c3 = coef[t, j3] * scalar(F[slots[j3]], s_down, 1.0)
+            v0 = W[slots[j0], down_at + lo:down_at + hi]
+            v1 = W[slots[j1], down_at + lo:down_at + hi]
+            v2 = W[slots[j2], down_at + lo:down_at + hi]
+            v3 = W[slots[j3], down_at + lo:down_at + hi]
+            for k in range(m):
+                y[k] = (((y[k] + c0 * f32_at(v0, k)) + c1 * f32_at(v1, k)) + c2 * f32_at(v2, k)) + c3 * f32_at(v3, k)
+        for i in range(q4, nf):
+            j = fired[i]
+            c = coef[t, j] * scalar(F[slots[j]], s_down, 1.0)
+            v = W[slots[j], down_at + lo:down_at + hi]
+            for k in range(m):
+                y[k] += c * f32_at(v, k)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Python entry point: geometry bound once, scratch allocated once, no allocation per call.
+
+
+class SparseFFN:
+    """The sparse FFN of one bundle geometry. Create once; call per layer per token.
+
+    ffn = SparseFFN(layout.geometry, act="relu")      # or SparseFFN.from_layout(layout): the model's act
+    ffn(B, slots, x, y)   # y[:] = sum over slots of the neuron outputs (down bias not included)
+
+    In two steps, for a caller that overlaps reads with compute or computes a set in pieces:
+    ffn.coefficients(B, slots, js, X, coef)   # coef[:, js] for rows slots[js] (js: any subset, any time)
+    ffn.accumulate(B, slots, coef, Y)         # Y += the neurons' outputs, in the order of slots
+
+    relu_threshold: the gate threshold (None: ffn.gating.threshold_of the activation). Subclasses for other bundle
+    encodings (ffn.quant.QuantSparseFFN) replace DTYPES, views and the two kernel calls.
+    """
+    DTYPES = STORAGE_VIEWS
+
+    def __init__(self, geometry: BundleGeometry, act: str, relu_threshold: float | None = None, max_active: int = 0):
+        g = geometry
+        if g.dtype not in self.DTYPES:
+            raise UserError(f"unsupported FFN storage dtype {g.dtype!r} (expected one of {sorted(self.DTYPES)})")
+        self.act_code = act_code(act)
+        if self.act_code == ACT_DRELU and not g.glu:
+            raise UserError("dReLU needs a gated (GLU) FFN")
+        self.geometry, self.d, self.dtype, self.glu, self.act, self.stride = g, g.d, g.dtype, g.glu, act, g.stride
+        self.relu_threshold = threshold_of(act, None) if relu_threshold is None else np.float32(relu_threshold)
+        first = g.vectors[0]     # gate (GLU) or up (MLP)
+        self.s_first, self.s_up, self.s_down = (g.scalar_slot(f"scale.{v}") for v in (first, "up", "down"))
+        self.bg, self.bu = g.scalar_slot("bias.gate"), g.scalar_slot("bias.up")
+        self.up_at, self.down_at = self._offset("up"), self._offset("down")
+        self.coef = np.zeros(max(max_active, 1), np.float32)  # per-call activation coefficients
+        self._ones = np.ones(max(max_active, 1), np.uint8)     # "every listed neuron is selected"
+        self._positions = np.arange(max(max_active, 1), dtype=np.int64)
+
+    @classmethod
+    def from_layout(cls, layout, act: str | None = None, relu_threshold: float | None = None, **kw) -> "SparseFFN":
+        """Bound to a storage.format.FlashLayout's geometry; act and the threshold default to the model config's."""
+        act = act or layout.config["act"]
+        if relu_threshold is None:
+            relu_threshold = threshold_of(act, layout.config.get("relu_threshold"))
+        return cls(layout.geometry, act, relu_threshold=relu_threshold, **kw)
+
+    def views(self, B: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(typed weight view, float32 scalar view) of a bundle matrix uint8[rows, stride]."""
+        if B.dtype != np.uint8 or B.ndim != 2 or B.shape[1] != self.stride:
+            raise UserError(f"bundle matrix must be uint8[rows, {self.stride}], got {B.dtype}{list(B.shape)}")
+        return B.view(STORAGE_VIEWS[self.dtype]), B.view(np.float32)
+
+    def _offset(self, vector: str) -> int:
+        """A vector's offset in a row of views(B)[0]: elements of the storage dtype."""
+        return self.geometry.offset(vector) // np.dtype(STORAGE_VIEWS[self.dtype]).itemsize
+
+    def _grow(self, n: int) -> None:
+        """Scratch grows once to the largest set seen, then is reused."""
+        if self.coef.shape[0] < n:
+            self.coef = np.zeros(n, np.float32)
+            self._ones = np.ones(n, np.uint8)
+            self._positions = np.arange(n, dtype=np.int64)
+
+    def coefficients(self, B: np.ndarray, slots: np.ndarray, js: np.ndarray | None, X: np.ndarray, coef: np.ndarray,
+                     sel: np.ndarray | None = None, act_threshold: float = -1.0) -> None:
+        """coef[t, j] (float32[T, >= len(slots)]) = coefficient of bundle row slots[j] on X[t] (float32[T, d]) for
+        j in js (int64; None: all), 0 where sel[t, j] (uint8[T, >= len(slots)]; None: all selected) is 0 or the
+        neuron did not fire (ReLU / FATReLU, or |coefficient| <= act_threshold as SwiGLU thresholds calibrate)."""
+        W, F = self.views(B)
+        n = len(slots)
+        self._grow(n)
+        if js is None:
+            js = self._positions[:n]
+        if sel is None:
+            if X.shape[0] != 1:
+                raise ValueError("sel is required for more than one row")
+            sel = self._ones[None, :n]
+        self._coefficients(W, F, slots, js, X, sel, coef, np.float32(act_threshold))
+
+    def _coefficients(self, W, F, slots, js, X, sel, coef, act_threshold) -> None:
+        ffn_coefficients(W, F, slots, js, X, sel, coef, self.d, self.glu, self.act_code, self.relu_threshold,
+                         self.up_at, self.s_first, self.s_up, self.bg, self.bu, act_threshold)
+
+    def accumulate(self, B: np.ndarray, slots: np.ndarray, coef: np.ndarray, Y: np.ndarray) -> None:
+        """Y[t] += sum of coef[t, j] * down(slots[j]) over j in order (Y float32[T, d])."""
+        W, F = self.views(B)
+        self._accumulate(W, F, slots, coef, Y)
+
+    def _accumulate(self, W, F, slots, coef, Y) -> None:
+        ffn_accumulate(W, F, slots, coef, Y, self.d, self.down_at, self.s_down)
+
+    def __call__(self, B: np.ndarray, slots: np.ndarray, x: np.ndarray, y: np.ndarray,
+                 coef: np.ndarray | None = None, act_threshold: float = -1.0) -> np.ndarray:
+        """y[:] = sparse FFN of x over bundle rows `slots`; coef (float32[>= len(slots)]), if given, receives each
+        neuron's coefficient, so `coef != 0` is the set that actually fired (after ReLU / FATReLU, and after the
+        act_threshold: a neuron with |coefficient| <= act_threshold is skipped, as SwiGLU thresholds calibrate)."""
+        n = len(slots)
+        self._grow(n)
+        c = (self.coef if coef is None else coef)[None, :n]
+        y[:] = 0.0
+        self.coefficients(B, slots, None, x[None, :], c, act_threshold=act_threshold)
+        self.accumulate(B, slots, c, y[None, :])
+        return y
