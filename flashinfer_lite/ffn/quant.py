@@ -14,47 +14,16 @@ from numba import njit, prange
 
 from flashinfer_lite.errors import UserError
 from flashinfer_lite.kernels.gemv import WIDEN_BLOCK_BYTES
-from flashinfer_lite.kernels.prefetch import prefetch_ahead, prefetch_row
+from flashinfer_lite.kernels.prefetch import prefetch_ahead
 from flashinfer_lite.kernels.rows import scalar
 from flashinfer_lite.quant import BLOCK, KINDS, QuantMatrix, quant_kind, row_axpy, row_dequant, row_dot
 
 from .gating import act_code, gate_activation, glu_coefficient, threshold_of
-from .sparse import OUT_BLOCK, SparseFFN
+from .sparse import OUT_BLOCK, SparseFFN, coefficient
 
 # QuantSparseFFN.dense: up to this many rows, the row kernel per row (the layer's blocks read once per row); more
 # (a prompt): widened blocks + BLAS, which read them once for all rows
 DENSE_ROW_KERNEL_MAX_T = 2
-
-
-@njit(cache=True, fastmath=True)
-def _q_coefficient(wr, fr, x, rb, glu, act, threshold, kind, bg, bu):
-    """ffn.sparse._coefficient on quantized vectors: the gate (MLP: up) row at wr[:rb], GLU's up row at
-    wr[rb:2 * rb]; the up row is not read when the gate did not fire."""
-    if glu:
-        a = gate_activation(act, row_dot(wr[:rb], x, kind) + scalar(fr, bg, 0.0), threshold)
-        if a == np.float32(0.0):
-            return a
-        return glu_coefficient(act, a, row_dot(wr[rb:2 * rb], x, kind) + scalar(fr, bu, 0.0))
-    return gate_activation(act, row_dot(wr[:rb], x, kind) + scalar(fr, bu, 0.0), threshold)
-
-
-@njit(cache=True, parallel=True, fastmath=True, nogil=True)
-def quant_ffn_coefficients(B, F, slots, js, X, sel, coef, rb, glu, act, threshold, kind, bg, bu, down_at,
-                           act_threshold):
-    """ffn.sparse.ffn_coefficients on quantized bundles B (uint8[rows, stride]; F its float32 view); the vectors
-    before down_at are prefetched for the next row."""
-    for q in prange(js.shape[0]):
-        j = js[q]
-        r = slots[j]
-        if q + 1 < js.shape[0]:
-            prefetch_row(B, slots[js[q + 1]], 0, down_at)
-        for t in range(X.shape[0]):
-            c = np.float32(0.0)
-            if sel[t, j]:
-                c = _q_coefficient(B[r], F[r], X[t], rb, glu, act, threshold, kind, bg, bu)
-                if abs(c) <= act_threshold:
-                    c = np.float32(0.0)
-            coef[t, j] = c
 
 
 @njit(cache=True, parallel=True, nogil=True)
@@ -122,7 +91,7 @@ def quant_dense_ffn_row(H, Hf, D, x, y, coef, partial, rb, glu, act, threshold, 
         for j in range(p * n // P, (p + 1) * n // P):
             prefetch_ahead(H, j, 0, H.shape[1])
             prefetch_ahead(D, j, 0, D.shape[1])
-            c = _q_coefficient(H[j], Hf[j], x, rb, glu, act, threshold, kind, bg, bu)
+            c = coefficient(H[j], Hf[j], x, rb, glu, act, threshold, rb, -1, -1, bg, bu, kind)
             coef[j] = c
             if c != np.float32(0.0):
                 row_axpy(acc, c, D[j], down_kind)
@@ -149,7 +118,7 @@ def dequantize_dense_layer(H, Hf, D, lo, G, U, Dw, bias_g, bias_u, rb, glu, kind
 
 @njit(cache=True, fastmath=True, nogil=True)
 def ffn_coefficients_from_products(g, u, bias_g, bias_u, glu, act, threshold):
-    """u[t, j] = the coefficient of neuron j from its products g = X G^T, u = X U^T (in place): _q_coefficient's
+    """u[t, j] = the coefficient of neuron j from its products g = X G^T, u = X U^T (in place): ffn.sparse.coefficient's
     rule on precomputed dot products."""
     for t in range(u.shape[0]):
         for j in range(u.shape[1]):
@@ -173,6 +142,7 @@ class QuantSparseFFN(SparseFFN):
         super().__init__(geometry, *args, **kw)
         self.kind, self.down_kind = KINDS[geometry.dtype], quant_kind(geometry.vector_dtypes[-1])
         self.row_bytes = geometry.vector_bytes("up")   # gate and up rows alike
+        self.vector_len, self.block_kind = self.row_bytes, self.kind.code
         self._widened = None     # dense(): float32 blocks of a prompt's widened bundles, allocated on first use
         self._partial = np.empty((DOWN_PARTIALS, geometry.d), np.float32)  # dense(): the down pass's partial sums
 
@@ -189,9 +159,8 @@ class QuantSparseFFN(SparseFFN):
             raise UserError(f"expected C-contiguous float32[T, {self.d}], got {X.dtype}{list(X.shape)}")
 
     def _coefficients(self, W, F, slots, js, X, sel, coef, act_threshold) -> None:
-        self._rows_of_d(X)
-        quant_ffn_coefficients(W, F, slots, js, X, sel, coef, self.row_bytes, self.glu, self.act_code,
-                               self.relu_threshold, self.kind.code, self.bg, self.bu, self.down_at, act_threshold)
+        self._rows_of_d(X)       # the row kernels read as many weights as x has
+        super()._coefficients(W, F, slots, js, X, sel, coef, act_threshold)
 
     def _accumulate(self, W, F, slots, coef, Y) -> None:
         self._rows_of_d(Y)

@@ -18,11 +18,14 @@ this: budget, overlap, pieces and prefill streaming all give the same output, te
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from flashinfer_lite.errors import UserError
 from flashinfer_lite.kernels.f16 import f32_at
+from flashinfer_lite.kernels.prefetch import prefetch_row
 from flashinfer_lite.kernels.rows import dot, scalar
+from flashinfer_lite.quant import row_dot
 from storage.format import BundleGeometry
 
 from .gating import ACT_DRELU, act_code, gate_activation, glu_coefficient, threshold_of
@@ -34,38 +37,58 @@ STORAGE_VIEWS = {"f32": np.float32, "f16": np.uint16, "int8": np.int8}  # dtype 
 OUT_BLOCK = 64
 
 
+def vector_dot(v, x, n, kind):
+    """v . x for one bundle vector v: n elements of float32, float16 bits or int8, or GGUF blocks (uint8: n bytes,
+    as many weights as x has, `kind` the block format's code). Resolved per row type at compile time, so the float
+    and the quantized FFN share one coefficient body."""
+
+
+@overload(vector_dot)
+def _vector_dot_impl(v, x, n, kind):
+    if v.dtype == types.uint8:
+        return lambda v, x, n, kind: row_dot(v, x, kind)
+    return lambda v, x, n, kind: dot(v, x, n)
+
+
 @njit(cache=True, fastmath=True)
-def _coefficient(wr, fr, x, d, glu, act, threshold, up_at, s_first, s_up, bg, bu):
-    """The coefficient of the neuron in row wr (fr: its float32 view) on x; up_at: the up vector's element offset;
-    s_*, bg, bu: scalar slots (-1: none) of the first vector's scale, up's scale, the gate and up biases."""
+def coefficient(wr, fr, x, n, glu, act, threshold, up_at, s_first, s_up, bg, bu, kind):
+    """The coefficient of the neuron in row wr (its stored type; fr: its float32 view) on x, by ffn.gating's rule.
+    wr[:n] is the first vector (GLU: gate, MLP: up), GLU's up vector wr[up_at:up_at + n]; s_first, s_up, bg, bu:
+    float32 slots (-1: none) of the first vector's scale, up's scale, the gate and up biases."""
     if glu:
-        a = gate_activation(act, dot(wr[:d], x, d) * scalar(fr, s_first, 1.0) + scalar(fr, bg, 0.0), threshold)
+        g = vector_dot(wr[:n], x, n, kind) * scalar(fr, s_first, 1.0) + scalar(fr, bg, 0.0)
+        a = gate_activation(act, g, threshold)
         if a == np.float32(0.0):          # did not fire: the up vector is not read
             return a
-        return glu_coefficient(act, a, dot(wr[up_at:up_at + d], x, d) * scalar(fr, s_up, 1.0) + scalar(fr, bu, 0.0))
-    return gate_activation(act, dot(wr[:d], x, d) * scalar(fr, s_first, 1.0) + scalar(fr, bu, 0.0), threshold)
+        u = vector_dot(wr[up_at:up_at + n], x, n, kind) * scalar(fr, s_up, 1.0) + scalar(fr, bu, 0.0)
+        return glu_coefficient(act, a, u)
+    return gate_activation(act, vector_dot(wr[:n], x, n, kind) * scalar(fr, s_first, 1.0) + scalar(fr, bu, 0.0),
+                           threshold)
 
 
 # nogil: flash reads run in Python threads while these compute the rows already cached.
 @njit(cache=True, parallel=True, fastmath=True, nogil=True)
-def ffn_coefficients(W, F, slots, js, X, sel, coef, d, glu, act, threshold, up_at, s_first, s_up, bg, bu,
-                     act_threshold):
+def ffn_coefficients(W, F, slots, js, X, sel, coef, n, glu, act, threshold, up_at, s_first, s_up, bg, bu, kind,
+                     head_bytes, act_threshold):
     """coef[t, j] = coefficient of neuron row slots[j] on X[t] if sel[t, j] else 0, for every j in js.
 
-    W: typed view of the bundle matrix [rows, stride // itemsize]; F: its float32 view [rows, stride // 4];
+    W: the bundle matrix [rows, stride // itemsize] in its stored type (uint8 for blocks); F: its float32 view;
     slots: int32[n] rows; js: int64 positions into slots to compute now (the rest of coef is left alone);
     X: float32[T, d]; sel: uint8[T, >=n]; coef: float32[T, >=n]. act_threshold: coefficients with |c| <= it count as
-    zero (SwiGLU's calibrated act_threshold; -1: none). The rest: _coefficient's.
+    zero (SwiGLU's calibrated act_threshold; -1: none). head_bytes: the bytes before the down vector, asked for
+    (prefetch_row) one row ahead. The rest: coefficient's.
     """
     for q in prange(js.shape[0]):
         j = js[q]
         r = slots[j]
+        if q + 1 < js.shape[0]:
+            prefetch_row(W, slots[js[q + 1]], 0, head_bytes)
         wr = W[r]
         fr = F[r]
         for t in range(X.shape[0]):
             c = np.float32(0.0)
             if sel[t, j]:
-                c = _coefficient(wr, fr, X[t], d, glu, act, threshold, up_at, s_first, s_up, bg, bu)
+                c = coefficient(wr, fr, X[t], n, glu, act, threshold, up_at, s_first, s_up, bg, bu, kind)
                 if abs(c) <= act_threshold:
                     c = np.float32(0.0)
             coef[t, j] = c
@@ -148,6 +171,8 @@ class SparseFFN:
         self.s_first, self.s_up, self.s_down = (g.scalar_slot(f"scale.{v}") for v in (first, "up", "down"))
         self.bg, self.bu = g.scalar_slot("bias.gate"), g.scalar_slot("bias.up")
         self.up_at, self.down_at = self._offset("up"), self._offset("down")
+        self.vector_len, self.block_kind = g.d, 0    # coefficient's n and kind: d elements, no block format
+        self.head_bytes = g.offset("down")
         self.coef = np.zeros(max(max_active, 1), np.float32)  # per-call activation coefficients
         self._ones = np.ones(max(max_active, 1), np.uint8)     # "every listed neuron is selected"
         self._positions = np.arange(max(max_active, 1), dtype=np.int64)
@@ -194,8 +219,9 @@ class SparseFFN:
         self._coefficients(W, F, slots, js, X, sel, coef, np.float32(act_threshold))
 
     def _coefficients(self, W, F, slots, js, X, sel, coef, act_threshold) -> None:
-        ffn_coefficients(W, F, slots, js, X, sel, coef, self.d, self.glu, self.act_code, self.relu_threshold,
-                         self.up_at, self.s_first, self.s_up, self.bg, self.bu, act_threshold)
+        ffn_coefficients(W, F, slots, js, X, sel, coef, self.vector_len, self.glu, self.act_code, self.relu_threshold,
+                         self.up_at, self.s_first, self.s_up, self.bg, self.bu, self.block_kind,
+                         self.head_bytes, act_threshold)
 
     def accumulate(self, B: np.ndarray, slots: np.ndarray, coef: np.ndarray, Y: np.ndarray) -> None:
         """Y[t] += sum of coef[t, j] * down(slots[j]) over j in order (Y float32[T, d])."""
