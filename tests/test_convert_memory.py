@@ -2,6 +2,7 @@
 time, matrices in float16 for f16/int8 FLASHDIRs, and the runtime loads exactly the weights it loaded before."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -39,7 +40,8 @@ def hf_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     for n in (2, 8):
         assert make_large_model([str(root / f"l{n}"), "--layers", str(n), *SHAPE]) == 0
-    return {n: root / f"l{n}" for n in (2, 8)}
+    yield {n: root / f"l{n}" for n in (2, 8)}
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def test_writer_output_reads_back_with_the_safetensors_package(tmp_path):
