@@ -153,7 +153,7 @@ class Worker:
         """The runtime's own FlashFFN (neuron cache, reader, overlapped reads, sparse kernel), fed replayed sets."""
         from flashinfer_lite.budget import plan_budget
         from flashinfer_lite.errors import UserError
-        from flashinfer_lite.runtime import FlashFFN
+        from flashinfer_lite.ffn.flash import FlashFFN
         a, L = self.a, self.layout
         with np.load(a.active, allow_pickle=False) as z:
             n = int(z["n"])

@@ -12,7 +12,7 @@
 
 Minimum = runtime + resident + kv + buffers + a fixed reservation of MIN_WINDOW_ROWS rows per layer: it does not grow
 with the active count, because a token's set larger than the window is computed in window-sized pieces
-(runtime.FlashFFN.decode_row) to the same bits (ffn.sparse.SparseFFN.accumulate); a small window only costs reads.
+(ffn.flash.FlashFFN.decode_row) to the same bits (ffn.sparse.SparseFFN.accumulate); a small window only costs reads.
 What the budget has beyond that pins hot neurons until the window could hold one token's expected set, then goes
 to the window up to its useful maximum (the expected active count x window tokens, capped at n_neurons), sharing
 with the hot region by `hot_share`; whatever one part cannot use goes to the other.
@@ -149,7 +149,7 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
     window's useful maximum (max_active x window), not the minimum; default ffn_dim.
     resident_bytes: measured size of the resident weights, if known (else computed from the config, float32).
     runtime_bytes: the process's RSS before the weights load (measure_runtime_bytes); 0 plans the model's part only.
-    stream_chunk_bytes: the prefill streaming read size (runtime.STREAM_CHUNK_BYTES); 0 if the caller never streams.
+    stream_chunk_bytes: the prefill streaming read size (ffn.flash.STREAM_CHUNK_BYTES); 0 if the caller never streams.
     heap_slack_bytes: what the process's heap keeps of transient arrays (HEAP_SLACK_BYTES for the runtime; 0 plans
     the model's part only).
     lookahead: the neuron cache keeps staging rows (staging_rows(max_active)) for reads started a layer early.
@@ -206,7 +206,7 @@ def dense_ffn_row_bytes(layout) -> int:
 
 def plan_resident_ffn(config, layout, dram_budget_bytes: int, ctx: int, resident_bytes: int, runtime_bytes: int = 0,
                       heap_slack_bytes: int = 0, requested: bool = True) -> BudgetPlan | None:
-    """The plan of the in-RAM FFN (runtime.ResidentFFN): every layer's weights in DRAM as on flash, plus the prompt's
+    """The plan of the in-RAM FFN (ffn.resident.ResidentFFN): every layer's weights in DRAM as on flash, plus the prompt's
     widened float32 blocks (gate, up, down: ffn.quant.QuantSparseFFN.dense) and the coefficients; None when that does not
     fit `dram_budget_bytes` (then the FFN runs from flash)."""
     cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_dict(config)
@@ -229,7 +229,7 @@ def staging_rows(max_active: int) -> int:
 
 
 def stream_transient_bytes(layout, chunk_bytes: int) -> int:
-    """Peak bytes of prefill streaming (runtime.FlashFFN.stream_layer): the chunk of bundles it reads (the sparse
+    """Peak bytes of prefill streaming (ffn.flash.FlashFFN.stream_layer): the chunk of bundles it reads (the sparse
     kernel computes on the bundles as they are, nothing is widened). Not counted: arrays of [prompt tokens, neurons]
     (predictor masks, coefficients), which grow with the prompt."""
     if chunk_bytes <= 0:

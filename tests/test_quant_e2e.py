@@ -21,7 +21,8 @@ from flashinfer_lite.errors import UserError
 from flashinfer_lite.model import Transformer
 from flashinfer_lite.quant import QuantMatrix, dequantize
 from flashinfer_lite.loader import open_any
-from flashinfer_lite.runtime import ResidentFFN, load_runtime, plan_resident
+from flashinfer_lite.ffn.resident import ResidentFFN
+from flashinfer_lite.runtime import load_runtime, plan_resident
 from storage.checkpoint import open_checkpoint, unpermute_qk
 from storage.convert import convert
 from storage.files import disk_bytes

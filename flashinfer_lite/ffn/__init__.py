@@ -5,6 +5,11 @@
   quant     QuantSparseFFN over bundles in GGUF blocks, with dense(): a whole layer in RAM; quant_ffn: the dense FFN
             over a GGUF's matrices
 
-Where a bundle's bytes sit is storage.format.BundleGeometry's; which neurons run and where their rows come from is
-the FFN source's (runtime.FlashFFN, runtime.ResidentFFN, model.FeedForward), each an FFNFn (model.py).
+  resident  ResidentFFN: a quantized FLASHDIR's FFN kept whole in DRAM
+  flash     FlashFFN: the bundles the selector names, read from flash through the neuron cache (neuron_cache.py,
+            storage/reader.py)
+
+Where a bundle's bytes sit is storage.format.BundleGeometry's. ResidentFFN, FlashFFN and model.FeedForward (every
+weight in DRAM: the reference) are the FFN sources, each an FFNFn (model.py) that runtime.py plugs into the
+Transformer.
 """

@@ -2,7 +2,7 @@
 
 QuantSparseFFN: ffn.sparse.SparseFFN over bundles whose gate, up and down vectors are quantized rows along d (the
 bundle's geometry as storage.format.BundleGeometry says: blocks in place of elements). Its dense() computes a whole
-layer in RAM (DenseLayer, runtime.ResidentFFN). quant_ffn: the dense FFN over a GGUF's QuantMatrix weights.
+layer in RAM (DenseLayer, ffn.resident.ResidentFFN). quant_ffn: the dense FFN over a GGUF's QuantMatrix weights.
 Compute stays float32 on the dequantized weights; the gating rule is ffn.gating's.
 """
 from __future__ import annotations
