@@ -159,13 +159,13 @@ def measure(a, flash: Path, work: Path) -> dict:
     from predictors.acts import Acts, check_same_model, threshold_for
     from predictors.collect import collect
     from flashinfer_lite.predictor_set import load_predictors
-    from predictors.train import open_flashdir, predictor_logits, train_layer
+    from predictors.train import flashdir_checkpoint, predictor_logits, train_layer
     from storage.format import read_layout
 
     preds = load_predictors(flash)
     if preds is None or not preds.has_predictors:
         raise UserError(f"{flash} has no predictors: run `flashinfer-lite train-predictor` first")
-    ckpt = open_flashdir(flash)
+    ckpt = flashdir_checkpoint(flash)
     cfg, layout = ckpt.config, read_layout(flash, check_size=False)
     if cfg.norm != "rms" or not cfg.pre_norm or not cfg.glu:
         raise UserError("the naive lookahead input is derived for pre-norm RMS GLU models (Llama family) only")

@@ -286,8 +286,8 @@ def record(model: Path | None, corpus: Path, n_cal: int, n_eval: int, out: Path)
     from record_trace import record_abs_activations, text_tokens
 
     from flashinfer_lite.default_model import ensure_default_model
-    from flashinfer_lite.loader import load
-    m, tok = load(model or ensure_default_model())
+    from flashinfer_lite.loader import load_reference
+    m, tok = load_reference(model or ensure_default_model())
     for path, text, n in zip(paths, ("wikitext2_valid.txt", "wikitext2_test.txt"), (n_cal, n_eval)):
         np.save(path, record_abs_activations(m, text_tokens(tok, corpus / text, n)))
     return paths

@@ -1,4 +1,5 @@
-"""From a model path to something that generates: `open_any(path)` and `load(path) -> (Transformer, Tokenizer)`."""
+"""From a model path to its tensors: `open_any(path)`, `load_weights(ckpt)`, and `load_reference(path)`: the float32
+model every other run is checked against."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,7 +25,7 @@ def open_any(path) -> Checkpoint:
 def load_tensor(ckpt: Checkpoint, name: str, convert=None, keep_blocks: bool = False):
     """A tensor as the runtime keeps it: a FLASHDIR's matrix stored in a block format stays in it (a QuantMatrix),
     anything else float32 through `convert` (e.g. half.half_matrix). A GGUF's blocks are dequantized (the float32
-    reference of load()) unless keep_blocks (--ffn dense: a quarter of the DRAM, and the quantized kernels)."""
+    reference of load_reference()) unless keep_blocks (--ffn dense: a quarter of the DRAM, and the quantized kernels)."""
     flashdir = isinstance(ckpt, FlashCheckpoint)
     stored = ckpt.quantized(name) if keep_blocks or flashdir else None
     if stored is not None:
@@ -44,8 +45,8 @@ def load_weights(ckpt: Checkpoint, progress: bool = False, skip=lambda name: Fal
     return {n: load_tensor(ckpt, n, convert, keep_blocks) for n in it}
 
 
-def load(path, progress: bool = False) -> tuple[Transformer, Tokenizer]:
-    """The dense model: every weight in DRAM."""
+def load_reference(path, progress: bool = False) -> tuple[Transformer, Tokenizer]:
+    """The reference model: every weight in DRAM as float32 (a GGUF's dequantized), the dense FFN."""
     ckpt = open_any(path)
     tokenizer = ckpt.tokenizer()
     return Transformer(ckpt.config, load_weights(ckpt, progress)), tokenizer

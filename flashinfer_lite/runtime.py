@@ -152,7 +152,7 @@ def resident_model(ckpt: FlashCheckpoint, progress: bool) -> Transformer:
     resident matrices in blocks and the FFN as ResidentFFN; any other as dense FeedForward matrices (float16, float32
     for f32 bundles)."""
     if not ckpt.layout.quantized:
-        return Transformer(ckpt.config, load_weights(ckpt, progress, convert=half_matrix if dense_half(ckpt) else None))
+        return Transformer(ckpt.config, load_weights(ckpt, progress, convert=half_matrix if keeps_float16(ckpt) else None))
     weights = load_weights(ckpt, progress, skip=lambda n: bool(_BUNDLED.fullmatch(n)),
                            convert=half_matrix if ckpt.layout.dtype != "f32" else None)
     down_bias = [weights.get(f"layers.{i}.ffn.down.bias") for i in range(ckpt.config.n_layers)]
@@ -189,7 +189,7 @@ def load_dense(path, dram_budget, progress: bool):
     return Transformer(ckpt.config, weights), ckpt.tokenizer(), None
 
 
-def dense_half(ckpt) -> bool:
+def keeps_float16(ckpt) -> bool:
     """Whether a dense run keeps its matrices float16: a FLASHDIR of float16 (or int8) bundles. Not a quantized one:
     its FFN dequantizes to values float16 would round (its resident matrices stay in blocks: loader.load_tensor)."""
     return isinstance(ckpt, FlashCheckpoint) and ckpt.layout.dtype in ("f16", "int8")

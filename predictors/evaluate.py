@@ -22,7 +22,7 @@ from tqdm import tqdm
 from flashinfer_lite.errors import UserError
 from flashinfer_lite.loader import open_any
 from flashinfer_lite.model import half_matrix
-from flashinfer_lite.runtime import FFN_MODES, dense_half, load_runtime
+from flashinfer_lite.runtime import FFN_MODES, keeps_float16, load_runtime
 from flashinfer_lite.sizes import parse_size
 
 from .acts import read_corpus
@@ -68,10 +68,10 @@ def dense_reference(ckpt, segments, progress: bool = True) -> list[tuple[np.ndar
 
     Layer by layer over all segments (predictors/layerwise.py): one layer's weights in memory, so the model may be
     bigger than RAM. Each segment as one batch from an empty cache: the decode path's logits to float rounding.
-    As load_runtime's dense model (runtime.dense_half), a float16 FLASHDIR runs with float16 matrices, a quantized
+    As load_runtime's dense model (runtime.keeps_float16), a float16 FLASHDIR runs with float16 matrices, a quantized
     one with its resident matrices in blocks, anything else in float32."""
     out = []
-    with LayerStream(ckpt, segments, convert=half_matrix if dense_half(ckpt) else None, progress=progress,
+    with LayerStream(ckpt, segments, convert=half_matrix if keeps_float16(ckpt) else None, progress=progress,
                      desc="eval dense") as stream:
         stream.run()
         for k, logits in stream.logits():

@@ -221,7 +221,7 @@ def train_layer(x, absa, t: float, importance: np.ndarray, rank: int, max_rank: 
 # ----------------------------------------------------------------------------------------------------------------------
 # The command
 
-def open_flashdir(flashdir):
+def flashdir_checkpoint(flashdir):
     if not is_flashdir(flashdir):
         raise UserError(f"{flashdir} is not a flash directory: make one with `flashinfer-lite convert MODEL -o "
                         f"{flashdir}` first")
@@ -242,7 +242,7 @@ def train(acts_dir, flashdir, rank=None, max_rank=None, target_recall=0.99, max_
     if kept_mass is not None and not 0 < kept_mass <= 1:
         raise UserError(f"--kept-mass must be in (0, 1] (got {kept_mass})")
     acts = Acts(acts_dir)
-    ckpt = open_flashdir(flashdir)
+    ckpt = flashdir_checkpoint(flashdir)
     check_same_model(acts.identity, ckpt, acts_dir, flashdir)
     cfg = acts.config
     relu = relu_family(cfg)

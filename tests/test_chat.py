@@ -12,7 +12,7 @@ import pytest
 
 from conftest import STORIES
 from flashinfer_lite.generate import Sampler, Session
-from flashinfer_lite.loader import load
+from flashinfer_lite.loader import load_reference
 
 TEMPLATE = ("{% for m in messages %}{{ bos_token if loop.first else '' }}[{{ m['role'] }}] {{ m['content'] }}\n"
             "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
@@ -29,7 +29,7 @@ def stories_chat(tmp_path_factory):
 
 
 def test_second_turn_reuses_the_cache_and_equals_a_fresh_run(stories_chat):
-    model, tok = load(stories_chat)
+    model, tok = load_reference(stories_chat)
     chat = Session(model, tok, ctx=512)
     msgs = [{"role": "user", "content": "Once upon a time"}]
     first = list(chat.generate(tok.encode_chat(msgs), 20, Sampler(temp=0)))
@@ -112,7 +112,7 @@ def test_chat_through_a_terminal(stories_chat):
     out, code = run_pty(["chat", "-m", str(stories_chat), "--temp", "0", "-n", "30"], steps)
     assert code == 0, out
     out = out.replace("\r\n", "\n")
-    _, tok = load(stories_chat)
+    _, tok = load_reference(stories_chat)
     want = transformers_answer(stories_chat, tok, user, 30)
     assert len(want.strip()) > 10
     after_echo = out.split(user + "\n", 1)[1]              # the terminal echoes the typed line; the answer follows

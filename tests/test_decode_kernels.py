@@ -9,7 +9,7 @@ import pytest
 from flashinfer_lite import model as model_math
 from flashinfer_lite.kernels.attention import attention_rows
 from flashinfer_lite.kernels.norm import add_rms_norm_rows, rms_norm_rows
-from flashinfer_lite.loader import load
+from flashinfer_lite.loader import load_reference
 
 from conftest import STORIES
 
@@ -103,7 +103,7 @@ def test_add_rms_norm_rows_matches_float64():
 def test_kernel_and_batched_attention_agree(monkeypatch):
     """Every token decoded one at a time through attention_rows vs every token in one batched numpy pass: both
     read the same float16 cache, so they differ by float32 order (and its occasional float16 rounding flip)."""
-    model, tok = load(STORIES)
+    model, tok = load_reference(STORIES)
     ids = tok.encode("Once upon a time, there was a little dog")
     monkeypatch.setattr(model_math, "ATTENTION_KERNEL_MAX_T", 0)     # all numpy
     kv = model.new_cache(32)

@@ -6,7 +6,7 @@ import pytest
 
 from conftest import STORIES, write_llama_gguf
 from storage.checkpoint import open_checkpoint
-from flashinfer_lite.loader import load
+from flashinfer_lite.loader import load_reference
 
 
 TEXTS = ["Once upon a time, there was a little girl named Lily.", "  two  spaces\nand a newline!",
@@ -29,8 +29,8 @@ def test_sentencepiece_gguf_tokenizer_equals_the_hf_tokenizer(spm_gguf):
 
 def test_sentencepiece_gguf_weights_equal_the_hf_checkpoint(spm_gguf):
     ids = [1, 403, 407, 261, 378, 432, 383]
-    from_gguf, _ = load(spm_gguf)
+    from_gguf, _ = load_reference(spm_gguf)
     la = from_gguf.forward(ids, from_gguf.new_cache(16), all_logits=True)
-    from_hf, _ = load(STORIES)
+    from_hf, _ = load_reference(STORIES)
     lb = from_hf.forward(ids, from_hf.new_cache(16), all_logits=True)
     np.testing.assert_allclose(la, lb, rtol=0, atol=1e-5)  # q/k un-permuted correctly, tied embeddings detected

@@ -117,10 +117,10 @@ def test_collect_equals_the_whole_model_path(kind, tiny_model, stories_flash_f16
 def test_hidden_states_spill_to_a_memory_mapped_file(tmp_path, monkeypatch):
     """Beyond HIDDEN_IN_RAM_BYTES the hidden states live in a temporary file: same logits as in RAM, and as
     Transformer.forward on each window."""
-    from flashinfer_lite.loader import load, open_any
+    from flashinfer_lite.loader import load_reference, open_any
     from predictors import layerwise
     ckpt = open_any(STORIES)
-    model, _ = load(STORIES)
+    model, _ = load_reference(STORIES)
     rng = np.random.default_rng(0)
     windows = [rng.integers(3, 512, n) for n in (40, 17, 64)]
     monkeypatch.setattr(layerwise, "HIDDEN_IN_RAM_BYTES", 1024)

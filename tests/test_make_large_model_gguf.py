@@ -60,9 +60,9 @@ def test_llama_cpp_runs_the_gguf(tiny, kind, atol):
         pytest.skip(f"llama_cpp does not import: {e}")
     sys.path.insert(0, str(REPO))
     from bench.vs_llama_cpp import llama_model
-    from flashinfer_lite.loader import load
+    from flashinfer_lite.loader import load_reference
     path = tiny / f"model.{kind}.gguf"
-    model, tok = load(path)
+    model, tok = load_reference(path)
     ids = tok.encode("Once upon a time")
     ours = model.forward(ids, model.new_cache(32)).reshape(-1)[-512:]
     llm = llama_model(path, 32, 2)

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from storage.checkpoint import open_checkpoint
-from flashinfer_lite.loader import load, load_weights
+from flashinfer_lite.loader import load_reference, load_weights
 from flashinfer_lite.model import Transformer
 
 from conftest import STORIES, TINY, transformers_model
@@ -48,7 +48,7 @@ def test_mistral_sliding_window_is_exercised(tiny_model):
 
 def test_stories260k_greedy_100_tokens_equal_transformers():
     import torch
-    model, tok = load(STORIES)
+    model, tok = load_reference(STORIES)
     ids = tok.encode("Once upon a time")
     kv = model.new_cache(256)
     out, logits = list(ids), model.forward(ids, kv)
@@ -63,7 +63,7 @@ def test_stories260k_greedy_100_tokens_equal_transformers():
 
 def test_smollm2_gguf_matches_transformers(smollm2_gguf):
     import torch
-    model, tok = load(smollm2_gguf)
+    model, tok = load_reference(smollm2_gguf)
     hf = transformers_model(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
     ids = tok.encode("The capital of France is")
     kv = model.new_cache(128)
@@ -87,7 +87,7 @@ def test_smollm2_gguf_matches_transformers(smollm2_gguf):
 
 def test_smollm2_tokenizer_and_template_match_transformers(smollm2_gguf):
     from transformers import AutoTokenizer
-    _, tok = load(smollm2_gguf)
+    _, tok = load_reference(smollm2_gguf)
     hf = AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
     for text in ["The capital of France is", "Hello world, it's  a test!\n\nNew line éà 日本 <|im_end|>"]:
         assert tok.encode(text) == hf(text).input_ids

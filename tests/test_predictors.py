@@ -125,7 +125,7 @@ def test_thresholds_only(stories, tmp_path):
 def test_relu_recall_meets_target_on_heldout_text(tiny_model, tmp_path):
     """Random ReLU Llama: collect from the HF dir, train into its FLASHDIR, then check recall on text the predictor
     never saw against the dense activations (a != 0) computed from the source weights."""
-    from flashinfer_lite.loader import load
+    from flashinfer_lite.loader import load_reference
     from predictors.collect import collect
     from flashinfer_lite.predictor_set import load_predictors
     from predictors.train import train
@@ -138,7 +138,7 @@ def test_relu_recall_meets_target_on_heldout_text(tiny_model, tmp_path):
     cards = train(tmp_path / "acts", flash, target_recall=target, dense_layers=0, steps=150, progress=False)
     assert all(c["recall"] >= target for c in cards)
     ps = load_predictors(flash)
-    model, tok = load(model_dir)
+    model, tok = load_reference(model_dir)
     ids = tok.encode(held.read_text(encoding="utf-8"))[:120]
     hits = np.zeros(2)
     total = np.zeros(2)

@@ -84,11 +84,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=256, help="tokens of replay text")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    from flashinfer_lite.loader import load
+    from flashinfer_lite.loader import load_reference
     if a.model is None:
         from flashinfer_lite.default_model import ensure_default_model
         a.model = ensure_default_model()
-    model, tok = load(a.model)
+    model, tok = load_reference(a.model)
     cfg = model.cfg
     cal_text, replay_text = a.corpus / "wikitext2_valid.txt", a.corpus / "wikitext2_test.txt"
     cal = text_tokens(tok, cal_text, a.cal_tokens)
