@@ -152,7 +152,7 @@ class Worker:
     def setup_flash(self):
         """The runtime's own FlashFFN (neuron cache, reader, overlapped reads, sparse kernel), fed replayed sets."""
         from flashinfer_lite.budget import plan_budget
-        from flashinfer_lite.errors import UserError
+        from storage.errors import UserError
         from flashinfer_lite.ffn.flash import FlashFFN
         a, L = self.a, self.layout
         with np.load(a.active, allow_pickle=False) as z:

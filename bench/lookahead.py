@@ -49,7 +49,7 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from flashinfer_lite.errors import UserError  # noqa: E402
+from storage.errors import UserError  # noqa: E402
 
 CORPUS = REPO / "tests" / "data" / "corpus"
 CAL_CORPUS = [CORPUS / "wikitext2_valid.txt", CORPUS / "tinystories_cased_197KB.txt"]

@@ -34,7 +34,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flashinfer_lite.sizes import parse_size  # noqa: E402
+from storage.sizes import parse_size  # noqa: E402
 from storage.flash_bench import drop_caches, measure, synthetic_layout, write_scratch  # noqa: E402
 from storage.format import REGION_ALIGN, FlashLayout, align_up  # noqa: E402
 from storage.reader import BundleReader, aligned_empty  # noqa: E402

@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flashinfer_lite.sizes import parse_size  # noqa: E402
+from storage.sizes import parse_size  # noqa: E402
 from storage.flash_bench import drop_caches, measure, synthetic_layout, write_scratch  # noqa: E402
 from storage.reader import BundleReader  # noqa: E402
 

@@ -252,7 +252,7 @@ def probe_minimum(a) -> dict:
     """The runtime's own minimum DRAM budget for this FFN mode and context, from load_runtime itself: it plans (and
     refuses a budget below the minimum) in this fresh process, with its measured runtime line. Only a fresh process
     measures what a row's process will: after a refused load_runtime this one holds ~20 MiB more."""
-    from flashinfer_lite.errors import UserError
+    from storage.errors import UserError
     from flashinfer_lite.runtime import load_runtime
     ffn = a.worker.split("-")[1]                                   # probe-F / flash-F-B
     try:
@@ -276,7 +276,7 @@ def minimum_in(message: str) -> int:
 
 
 def worker_main(a) -> int:
-    from flashinfer_lite.errors import UserError
+    from storage.errors import UserError
     job = json.loads(Path(a.job).read_text())
     res = {"mode": a.worker}
     try:
@@ -344,7 +344,7 @@ def model_files(flashdir: Path) -> tuple[int, int, int]:
 
 def make_job(flashdir: Path, corpus: list[Path], n_tokens: int, ctx: int, n_gen: int, prompt: str) -> dict:
     """The tokens every row sees: evaluate.py's windows of the corpus, and the chat prompt as generate builds it."""
-    from flashinfer_lite.errors import UserError
+    from storage.errors import UserError
     from flashinfer_lite.generate import prompt_ids
     from predictors.acts import read_corpus
     from predictors.collect import token_segments
@@ -410,7 +410,7 @@ def main(argv=None) -> int:
     if a.worker:
         return worker_main(a)
 
-    from flashinfer_lite.sizes import parse_size
+    from storage.sizes import parse_size
     t_start, load_start = time.perf_counter(), os.getloadavg()
     work = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="smollm2-modes-", dir="/tmp"))
     work.mkdir(parents=True, exist_ok=True)
@@ -498,7 +498,7 @@ def main(argv=None) -> int:
 
 def accelerate_row(a, work: Path, cap: int) -> dict:
     """transformers + accelerate disk offload under the comparison cap (raised to what torch alone needs)."""
-    from flashinfer_lite.sizes import parse_size
+    from storage.sizes import parse_size
     row = {"mode": "accelerate-disk"}
     if not a.source:
         return dict(row, cap_bytes=None, error="skipped: pass --source (the HF dir or GGUF of the model)")

@@ -55,8 +55,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from flashinfer_lite.errors import UserError  # noqa: E402  (leaf modules: no numba)
-from flashinfer_lite.sizes import parse_size  # noqa: E402
+from storage.errors import UserError  # noqa: E402  (leaf modules: no numba)
+from storage.sizes import parse_size  # noqa: E402
 
 MEMCAP = REPO / "tools" / "memcap.py"
 CORPUS = REPO / "tests" / "data" / "corpus"

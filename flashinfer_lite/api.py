@@ -11,7 +11,7 @@ from typing import Iterator
 from .budget import peak_rss_bytes
 from .generate import Sampler, Session, context_size, open_model, prompt_ids
 from .model import Transformer
-from .tokenizer import StreamDecoder, Tokenizer, check_utf8
+from storage.tokenizer import StreamDecoder, Tokenizer, check_utf8
 
 
 @dataclass

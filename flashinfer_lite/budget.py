@@ -29,7 +29,7 @@ import numpy as np
 from storage.profile import DEFAULT_GAP_BYTES
 from storage.reader import BundleReader
 
-from .errors import UserError
+from storage.errors import UserError
 from .ffn.quant import sparse_ffn
 from .kernels.gemv import MATMUL_ROW_KERNEL_MAX_T, WIDEN_BLOCK_BYTES, matmul_t
 from .model import KVCache, ModelConfig

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import sys
 
-from .errors import UserError
+from storage.errors import UserError
 from .generate import ContextFull, Session, add_model_arguments, context_size, open_model, sampler_from
-from .tokenizer import StreamDecoder, check_utf8
+from storage.tokenizer import StreamDecoder, check_utf8
 
 HELP = "/exit quits, /reset forgets the conversation, /stats shows timings; Ctrl-C stops an answer, Ctrl-D exits"
 

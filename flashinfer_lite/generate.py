@@ -13,15 +13,15 @@ import numpy as np
 from storage.cache import flashdir_for
 
 from .budget import peak_rss_bytes, rss_bytes
-from .config import DEFAULT_MAX_CTX
+from storage.config import DEFAULT_MAX_CTX
 from .default_model import ensure_default_model
-from .errors import Reported, UserError
+from storage.errors import Reported, UserError
 from .loader import is_flashdir
 from .model import Transformer
 from .predictor_set import describe_calibration, has_trained_predictors, read_manifest
 from .runtime import load_runtime
-from .sizes import parse_size
-from .tokenizer import StreamDecoder, Tokenizer, check_utf8
+from storage.sizes import parse_size
+from storage.tokenizer import StreamDecoder, Tokenizer, check_utf8
 
 
 # ----------------------------------------------------------------------------------------------------------------------

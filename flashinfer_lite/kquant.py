@@ -25,7 +25,7 @@ from llvmlite import ir
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from flashinfer_lite.errors import UserError
+from storage.errors import UserError
 from flashinfer_lite.kernels.gemv import MATMUL_PARALLEL_MIN_WORK
 from flashinfer_lite.kernels.prefetch import prefetch_ahead
 from flashinfer_lite.quant import _F32, _I8, _I32, _arrays, _f32_block, _half_at, _load_vec, _rows_ok, _vec

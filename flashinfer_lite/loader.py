@@ -9,10 +9,10 @@ from tqdm import tqdm
 from storage.format import FlashCheckpoint, is_flashdir
 
 from storage.checkpoint import Checkpoint, open_checkpoint
-from .half import half_matrix
+from storage.half import half_matrix
 from .model import Transformer
 from .quant import QuantMatrix
-from .tokenizer import Tokenizer
+from storage.tokenizer import Tokenizer
 
 
 def open_any(path) -> Checkpoint:

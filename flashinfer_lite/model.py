@@ -11,9 +11,9 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from .config import ModelConfig
-from .errors import UserError
-from .half import half_matrix
+from storage.config import ModelConfig
+from storage.errors import UserError
+from storage.half import half_matrix
 from .ffn.gating import coefficients, threshold_of
 from .ffn.quant import DENSE_ROW_KERNEL_MAX_T, quant_ffn
 from .kernels.attention import attention_rows

@@ -26,7 +26,7 @@ import time
 import numpy as np
 from numba import njit, prange
 
-from flashinfer_lite.errors import UserError
+from storage.errors import UserError
 from storage.reader import aligned_empty
 from storage.stats import FlashStats
 

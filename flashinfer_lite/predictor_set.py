@@ -19,8 +19,8 @@ import numpy as np
 
 from storage.format import PREDICTOR_DIR, PREDICTOR_MANIFEST as MANIFEST, read_layout   # part of the format
 
-from .errors import UserError
-from .untrusted import read_json
+from storage.errors import UserError
+from storage.untrusted import read_json
 
 WEIGHTS_FILE = "weights.safetensors"
 FREQ_FILE = "frequencies.safetensors"

@@ -20,7 +20,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from flashinfer_lite.errors import UserError
+from storage.errors import UserError
 from flashinfer_lite.kernels.f16 import f16_bits_to_f32
 from flashinfer_lite.kernels.gemv import MATMUL_PARALLEL_MIN_WORK, MATMUL_ROW_KERNEL_MAX_T, matmul_widened
 from flashinfer_lite.kernels.prefetch import prefetch_ahead

@@ -22,8 +22,8 @@ from storage.format import FlashCheckpoint, verify_at_load
 from . import BLAS_THREADS_FROM_USER
 from .budget import (HEAP_SLACK_BYTES, auto_budget_bytes, keep_freed_arrays_out_of_rss, measure_runtime_bytes,
                      plan_budget, plan_resident_ffn, resident_bytes_for)
-from .errors import UserError
-from .half import half_matrix
+from storage.errors import UserError
+from storage.half import half_matrix
 from .loader import load_weights, open_any
 from .model import FeedForward, ModelConfig, Transformer
 from .ffn.flash import STREAM_CHUNK_BYTES, FlashFFN

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from flashinfer_lite.config import ModelConfig
-from flashinfer_lite.errors import UserError
-from flashinfer_lite.untrusted import read_json
+from storage.config import ModelConfig
+from storage.errors import UserError
+from storage.untrusted import read_json
 
 ACTS_FORMAT = "flashinfer-lite-acts"
 ACTS_VERSION = 1

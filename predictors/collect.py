@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flashinfer_lite.errors import UserError
+from storage.errors import UserError
 from flashinfer_lite.loader import open_any
 from storage.files import remove_stale_temp_dirs, temp_path
 

@@ -19,11 +19,11 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from flashinfer_lite.errors import UserError
+from storage.errors import UserError
 from flashinfer_lite.loader import open_any
 from flashinfer_lite.model import half_matrix
 from flashinfer_lite.runtime import FFN_MODES, keeps_float16, load_runtime
-from flashinfer_lite.sizes import parse_size
+from storage.sizes import parse_size
 
 from .acts import read_corpus
 from .collect import token_segments

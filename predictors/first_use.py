@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
 
-from flashinfer_lite.errors import UserError, child_exit_code
+from storage.errors import UserError, child_exit_code
 from flashinfer_lite.loader import open_any
 from flashinfer_lite.predictor_set import describe_calibration as describe, read_manifest
 from storage.files import remove_stale_temp_dirs, temp_path

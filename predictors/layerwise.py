@@ -19,7 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from flashinfer_lite.budget import keep_freed_arrays_out_of_rss
-from flashinfer_lite.errors import UserError
+from storage.errors import UserError
 from flashinfer_lite.loader import load_tensor
 from flashinfer_lite.model import (Block, FeedForward, KVCache, embed_tokens, linear, output_logits, rope_inv_freq,
                                    rope_tables)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashinfer_lite.errors import UserError
+from storage.errors import UserError
 
 BLOCK = 32                                              # weights per block, along a row
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}      # the kinds, and the bytes of one block of each

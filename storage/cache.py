@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from flashinfer_lite.errors import Reported, UserError, child_exit_code
+from storage.errors import Reported, UserError, child_exit_code
 
 from .checkpoint import open_checkpoint
 from .convert import DEFAULT_DTYPE, convert, layout_for

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from flashinfer_lite.errors import UserError
-from flashinfer_lite.config import ModelConfig
-from flashinfer_lite.tokenizer import Tokenizer
-from flashinfer_lite.untrusted import inside, read_json
+from storage.errors import UserError
+from storage.config import ModelConfig
+from storage.tokenizer import Tokenizer
+from storage.untrusted import inside, read_json
 
 from .blocks import BLOCK_BYTES, row_bytes
 

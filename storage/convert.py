@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from flashinfer_lite.errors import UserError
-from flashinfer_lite.half import half_matrix
+from storage.errors import UserError
+from storage.half import half_matrix
 
 from .checkpoint import open_checkpoint
 from .files import remove_stale_temp_dirs, temp_path
@@ -175,7 +175,7 @@ def resident_kinds(ckpt, names: list[str], quant: str | None) -> dict[str, str]:
 def write_resident(ckpt, names: list[str], path: Path, half: bool, quant: str | None = None) -> str:
     """Write the tensors `names` of ckpt into the safetensors file path, one at a time; return its checksum.
 
-    half (float16 or int8 bundles): matrices float16 by the runtime's rule (flashinfer_lite.half), so the file holds
+    half (float16 or int8 bundles): matrices float16 by the runtime's rule (storage.half), so the file holds
     what the runtime keeps in DRAM and is half the size; norms and biases float32. Else everything float32.
     quant (a block kind): the matrices of resident_kinds as uint8 [rows, row_bytes], named in the file's metadata."""
     store = half_matrix if half else (lambda a: a)

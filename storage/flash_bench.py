@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from flashinfer_lite.errors import UserError
+from storage.errors import UserError
 
 from .format import BUNDLE_ALIGN, FlashLayout, drop_from_page_cache, read_layout
-from flashinfer_lite.sizes import human, parse_size  # noqa: F401  (re-exported for bench scripts)
+from storage.sizes import human, parse_size  # noqa: F401  (re-exported for bench scripts)
 
 from .cache import cache_dir
 from .profile import device_key, save_profile

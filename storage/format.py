@@ -3,7 +3,7 @@
 FLASHDIR/
   manifest.json          format name + version, model config, dtype, bundle geometry, per-layer regions, checksums
   resident.safetensors   every non-FFN tensor (+ ffn.down.bias, ffn_norm) in canonical names; matrices float16 in
-                         f16/int8 FLASHDIRs (flashinfer_lite.half), float32 in f32 ones; in q8_0/q4_0/q4_1 ones the
+                         f16/int8 FLASHDIRs (storage.half), float32 in f32 ones; in q8_0/q4_0/q4_1 ones the
                          attention, embedding and lm_head matrices in a block format (uint8 [rows, row_bytes], the
                          kind in the file's metadata: {name: kind}), the rest as in f16
   ffn.bin                per layer a 4096-aligned region of n_neurons bundles, `stride` bytes each
@@ -29,10 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
-from flashinfer_lite.config import ModelConfig
-from flashinfer_lite.errors import UserError
-from flashinfer_lite.tokenizer import Tokenizer
-from flashinfer_lite.untrusted import inside, read_json
+from storage.config import ModelConfig
+from storage.errors import UserError
+from storage.tokenizer import Tokenizer
+from storage.untrusted import inside, read_json
 
 from . import blocks
 from .checkpoint import SafetensorsFile

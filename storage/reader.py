@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flashinfer_lite.errors import UserError
+from storage.errors import UserError
 
 from .format import BUNDLE_ALIGN, FlashLayout, drop_from_page_cache, read_layout
 from .profile import reader_defaults

@@ -87,7 +87,7 @@ def tiny_model(tmp_path_factory):
 def smollm2_gguf():
     """Path to the SmolLM2-135M-Instruct GGUF (fetched into the user cache on first use), or skip."""
     from flashinfer_lite.default_model import ensure_default_model
-    from flashinfer_lite.errors import UserError
+    from storage.errors import UserError
     try:
         return ensure_default_model(quiet=True)
     except UserError as e:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flashinfer_lite.config import ModelConfig
+from storage.config import ModelConfig
 from storage.checkpoint import Checkpoint
 from storage.convert import layout_for, write_flashdir
 

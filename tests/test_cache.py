@@ -11,7 +11,7 @@ import time
 import pytest
 
 from conftest import STORIES
-from flashinfer_lite.errors import UserError
+from storage.errors import UserError
 from storage import cache
 from storage.files import remove_stale_temp_dirs
 
@@ -136,7 +136,7 @@ def test_first_use_conversion_of_a_corrupt_model_is_one_line_and_leaves_nothing(
 
 def test_the_conversion_child_reports_one_line(tmp_path, capfd):
     """`python -m storage.cache` (the child convert_in_child runs) turns a bad source into one line and exit 1."""
-    from flashinfer_lite.errors import Reported
+    from storage.errors import Reported
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\xff" * 60)
     with pytest.raises(Reported) as e:

@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from conftest import STORIES
-from flashinfer_lite.errors import UserError
-from flashinfer_lite.config import ModelConfig
+from storage.errors import UserError
+from storage.config import ModelConfig
 
 BAD = {
     "num_hidden_layers=-1": ({"num_hidden_layers": -1}, "num_hidden_layers"),

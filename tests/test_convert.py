@@ -6,7 +6,7 @@ import pytest
 
 from flash_fixtures import STORIES, RandomCheckpoint, bundle_vectors, int8_bound, write_random_flashdir
 from storage.checkpoint import open_checkpoint
-from flashinfer_lite.errors import UserError
+from storage.errors import UserError
 from storage import convert as convert_mod
 from storage.convert import convert
 from storage.format import FlashCheckpoint, read_layout, unpack_bundles, verify

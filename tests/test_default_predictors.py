@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flashinfer_lite.errors import UserError
+from storage.errors import UserError
 
 from conftest import CORPUS, STORIES
 

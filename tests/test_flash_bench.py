@@ -8,7 +8,7 @@ import json
 import pytest
 
 from flash_fixtures import write_random_flashdir
-from flashinfer_lite.errors import UserError
+from storage.errors import UserError
 from storage import flash_bench
 from storage.profile import DEFAULT_GAP_BYTES, DEFAULT_THREADS, reader_defaults
 from storage.reader import BundleReader

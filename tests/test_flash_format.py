@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from flash_fixtures import assert_stored_equal, write_random_flashdir
-from flashinfer_lite.errors import UserError
+from storage.errors import UserError
 from storage import format as fmt
 from storage import verify as verify_cmd
 from storage.format import FlashCheckpoint, FlashLayout, pack_bundles, read_layout, unpack_bundles, verify

@@ -13,7 +13,7 @@ import numba
 import pytest
 from numba import njit
 
-from flashinfer_lite.errors import UserError
+from storage.errors import UserError
 from flashinfer_lite.ffn.sparse import SparseFFN
 from flashinfer_lite.kernels.f16 import (HAS_F16C, f16_bits_to_f32_f16c, f16_bits_to_f32_portable, f32_to_f16_bits_f16c,
                                          f32_to_f16_bits_portable)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from flashinfer_lite import kquant
-from flashinfer_lite.errors import UserError
+from storage.errors import UserError
 
 @numba.njit
 def axpy(y, c, r, kind):

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from flash_fixtures import write_random_flashdir
 from flashinfer_lite.budget import MIN_WINDOW_ROWS, plan_budget, resident_bytes_for
-from flashinfer_lite.errors import UserError
-from flashinfer_lite.config import ModelConfig
+from storage.errors import UserError
+from storage.config import ModelConfig
 from flashinfer_lite.neuron_cache import NeuronCache, select_hot
 from storage.format import FlashLayout, read_layout
 from storage.reader import BundleReader

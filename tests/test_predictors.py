@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from flashinfer_lite.errors import UserError
+from storage.errors import UserError
 from conftest import CORPUS, STORIES, assert_same_bits_at_every_budget, build_tiny
 
 TINYSTORIES = CORPUS / "tinystories_cased_197KB.txt"

@@ -13,7 +13,7 @@ import pytest
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from flashinfer_lite.errors import UserError
+from storage.errors import UserError
 from flashinfer_lite.kernels.gemv import MATMUL_ROW_KERNEL_MAX_T
 from flashinfer_lite.ffn.quant import DENSE_ROW_KERNEL_MAX_T, QuantSparseFFN, quant_ffn
 from flashinfer_lite.quant import BLOCK, KINDS, QuantMatrix, dequantize, quant_matmul_t, quantize, row_bytes

@@ -17,7 +17,7 @@ from gguf import quants as gguf_quants
 
 from conftest import assert_same_bits_at_every_budget, transformers_model, write_llama_gguf
 from flashinfer_lite.budget import resident_bytes_for
-from flashinfer_lite.errors import UserError
+from storage.errors import UserError
 from flashinfer_lite.model import Transformer
 from flashinfer_lite.quant import QuantMatrix, dequantize
 from flashinfer_lite.loader import open_any

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flash_fixtures import assert_stored_equal, bundle_vectors, write_random_flashdir
-from flashinfer_lite.errors import UserError
+from storage.errors import UserError
 from storage import reader as reader_mod
 from storage.format import read_layout, unpack_bundles, verify
 from storage.reader import aligned_empty

@@ -137,7 +137,7 @@ def test_f16_flashdir_loads_its_stored_halves(tiny_model, tmp_path, monkeypatch)
     for them)."""
     from storage.convert import convert
     from storage.format import FlashCheckpoint
-    from flashinfer_lite.half import half_matrix
+    from storage.half import half_matrix
     from flashinfer_lite.loader import load_tensor
 
     src = tiny_model("llama-bias-untied")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_same_bits_at_every_budget
-from flashinfer_lite.errors import UserError
+from storage.errors import UserError
 from flashinfer_lite.runtime import load_runtime
 from storage.convert import convert
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from storage.checkpoint import SafetensorsFile, open_checkpoint
-from flashinfer_lite.errors import UserError
+from storage.errors import UserError
 from flashinfer_lite.generate import Sampler
 from flashinfer_lite.model import softmax
 

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
-from flashinfer_lite.errors import UserError  # noqa: E402
-from flashinfer_lite.sizes import parse_size  # noqa: E402
+from storage.errors import UserError  # noqa: E402
+from storage.sizes import parse_size  # noqa: E402
 
 ROOT = Path("/sys/fs/cgroup/memory")
 UNAVAILABLE = 3

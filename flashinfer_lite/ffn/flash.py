@@ -17,7 +17,7 @@ from storage.reader import BundleReader, aligned_empty
 from storage.stats import FlashStats
 
 from ..budget import staging_rows
-from ..config import ModelConfig
+from storage.config import ModelConfig
 from ..neuron_cache import NeuronCache
 from .gating import threshold_of
 from .quant import sparse_ffn

@@ -15,7 +15,7 @@ import math
 import numpy as np
 from numba import njit
 
-from flashinfer_lite.errors import UserError
+from storage.errors import UserError
 
 ACT_RELU, ACT_SILU, ACT_DRELU = 0, 1, 2
 ACT_CODES = {"relu": ACT_RELU, "silu": ACT_SILU, "drelu": ACT_DRELU}

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
-from flashinfer_lite.errors import UserError
+from storage.errors import UserError
 from flashinfer_lite.kernels.gemv import WIDEN_BLOCK_BYTES
 from flashinfer_lite.kernels.prefetch import prefetch_ahead
 from flashinfer_lite.kernels.rows import scalar

@@ -6,7 +6,7 @@ from tqdm import tqdm
 
 from storage.format import FlashCheckpoint
 
-from ..config import ModelConfig
+from storage.config import ModelConfig
 from .quant import sparse_ffn
 
 

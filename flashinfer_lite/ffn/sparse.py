@@ -21,7 +21,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from flashinfer_lite.errors import UserError
+from storage.errors import UserError
 from flashinfer_lite.kernels.f16 import f32_at
 from flashinfer_lite.kernels.prefetch import prefetch_row
 from flashinfer_lite.kernels.rows import dot, scalar

@@ -1,5 +1,5 @@
 """Reading untrusted model files: JSON with a size bound, and paths that must stay inside their directory.
-A leaf module (it imports no other project module but errors), so storage/ and the tokenizer can both use it."""
+Every reader of a model file (checkpoint, format, tokenizer, predictors) goes through it."""
 from __future__ import annotations
 
 import json

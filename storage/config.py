@@ -1,5 +1,5 @@
 """ModelConfig: every architecture's numbers in one dataclass, checked once, whatever the source (config.json, GGUF
-metadata, a FLASHDIR's manifest). A leaf module: storage/ and the model math both import it."""
+metadata, a FLASHDIR's manifest): what a model file says, so it lives with the files; the model math imports it."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,5 +1,5 @@
 """Which weights are kept in float16: one rule for `convert` (what resident.safetensors stores) and the runtime (what
-it keeps in DRAM). A leaf module (numpy only) so that storage/ may use it."""
+it keeps in DRAM), kept here at the bottom so that both can use it."""
 from __future__ import annotations
 
 import numpy as np
