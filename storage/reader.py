@@ -2,13 +2,18 @@
 
 Why it is built this way:
 - O_DIRECT: the page cache would hide the flash cost we are budgeting, and would double the DRAM used for weights.
-- A persistent pool of threads, each looping over its own batch of os.preadv calls: Python dispatch per read (one
-  executor future each) caps at ~25k IOPS, while per-thread batches keep the device queue full from 16 KiB up.
-- Coalescing: bundles whose file gap is at most `coalesce_gap` bundles are fetched by one preadv whose iovecs scatter
-  into the destination rows; gap bundles land in a scratch buffer and count as over-read.
+- io_uring (storage/uring.py): a request's reads go into one ring with a few numpy operations and one system call,
+  so a small-request device sees its full queue depth (64+) at a fraction of a core, and no thread switches.
+- Fallback where io_uring is refused: a persistent pool of threads, each looping over its own batch of preadv calls
+  (Python dispatch per read, one executor future each, caps at ~25k IOPS); it keeps only `threads` reads in flight.
+- Coalescing: bundles whose file gap is at most `coalesce_gap` bundles are fetched by one readv whose iovecs scatter
+  into the destination rows; gap bundles land in a scratch buffer and count as over-read. Both engines run the
+  same plan (ReadPlan), with the same retry (once) and the same errors.
 """
 from __future__ import annotations
 
+import collections
+import ctypes
 import errno
 import os
 import queue
@@ -22,8 +27,9 @@ import numpy as np
 from flashinfer_lite.errors import UserError
 
 from .format import BUNDLE_ALIGN, FlashLayout, drop_from_page_cache, read_layout
-from .profile import reader_defaults
+from .profile import ENGINES, reader_defaults
 from .stats import FlashStats
+from .uring import Ring
 
 IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
 _warned_buffered = False
@@ -73,42 +79,52 @@ class BundleReader:
 
     dest: uint8 [slots, stride], C-contiguous, base 512-aligned (use storage.format.aligned_empty).
     Bundle ids are positions in the file; layout.order[layer][bundle_id] is the original neuron id.
-    threads / coalesce_gap (in bundles; < 0 disables coalescing, 0 merges only adjacent bundles) default to the
-    device profile saved by `flashinfer-lite flash-bench`, else to built-in defaults.
+    engine ("io_uring" or "threads"), depth (io_uring reads in flight), threads (the thread engine's) and
+    coalesce_gap (in bundles; < 0 disables coalescing, 0 merges only adjacent bundles) default to the device profile
+    saved by `flashinfer-lite flash-bench`, else to built-in defaults. Where the kernel refuses io_uring (old
+    kernels, sandboxes, not Linux on x86-64) the reader uses threads and says why in describe().
     """
 
     def __init__(self, layout_or_flashdir, threads: int | None = None, coalesce_gap: int | None = None,
-                 max_read_bytes: int = 1 << 20):
+                 max_read_bytes: int = 1 << 20, engine: str | None = None, depth: int | None = None):
         self.layout = layout_or_flashdir if isinstance(layout_or_flashdir, FlashLayout) \
             else read_layout(layout_or_flashdir)
         self.path = self.layout.ffn_path
         stride = self.layout.stride
-        prof_threads, prof_gap_bytes, self.settings_source = reader_defaults(self.path, stride)
-        self.threads = max(1, int(threads if threads is not None else prof_threads))
-        self.coalesce_gap = int(coalesce_gap if coalesce_gap is not None else prof_gap_bytes // stride)
+        prof = reader_defaults(self.path, stride)
+        self.settings_source = prof.source
+        self.threads = max(1, int(threads if threads is not None else prof.threads))
+        self.coalesce_gap = int(coalesce_gap if coalesce_gap is not None else prof.gap_bytes // stride)
+        engine = engine or prof.engine
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, not {engine!r}")
         # A dense run is still split so that a big request spreads over the threads.
         self.max_read_bundles = max(1, max_read_bytes // stride)
         self.fd, self.direct = open_for_reads(self.path)
         self._scratch = aligned_empty((max(self.coalesce_gap, 1) * stride,), np.uint8)
-        self._scratch_mv = memoryview(self._scratch)
-        self._jobs: list[queue.SimpleQueue] = []
-        self._workers: list[threading.Thread] = []
-        for i in range(self.threads):   # all preadv calls happen here, so the caller is free while a read is in flight
-            q = queue.SimpleQueue()
-            # The threads hold no reference to self, so an unclosed reader is still collected (and closed).
-            t = threading.Thread(target=_worker, args=(q,), name=f"BundleReader-{i}", daemon=True)
-            t.start()
-            self._jobs.append(q)
-            self._workers.append(t)
-        self._lock = threading.Lock()       # read_ops uses the shared scratch views; requests queue in order
+        self._lock = threading.Lock()       # read_ops plans from any thread
+        self.fallback_reason = ""
+        self._engine = None
+        if engine == "io_uring":
+            try:
+                self._engine = RingQueue(self.fd, max(1, int(depth if depth is not None else prof.depth)))
+            except OSError as e:
+                self.fallback_reason = f"io_uring unavailable: {e.strerror or e}"
+        if self._engine is None:
+            self._engine = ThreadPool(self.fd, self.threads)
+        self.engine = self._engine.name
+
+    def describe(self) -> str:
+        """One line: the engine and settings this reader uses, and where they come from."""
+        why = f" ({self.fallback_reason})" if self.fallback_reason else ""
+        return (f"reader: {self._engine.describe()}{why}, coalescing gap {self.coalesce_gap} rows, "
+                f"O_DIRECT {self.direct}; settings from the {self.settings_source}")
 
     # -- lifecycle ---------------------------------------------------------------------------------------------------
     def close(self) -> None:
-        for q in self._jobs:
-            q.put(None)
-        for t in self._workers:
-            t.join()
-        self._jobs, self._workers = [], []
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -126,8 +142,8 @@ class BundleReader:
             pass
 
     # -- read ops ----------------------------------------------------------------------------------------------------
-    def read_ops(self, layer: int, bundle_ids, dest: np.ndarray, slots) -> tuple[list, int, int]:
-        """Turn a request into preadv ops [(file offset, iovecs, nbytes)], requested bytes and read bytes."""
+    def read_ops(self, layer: int, bundle_ids, dest: np.ndarray, slots) -> tuple["ReadPlan", int, int]:
+        """Turn a request into readv ops (a ReadPlan), requested bytes and read bytes."""
         L = self.layout
         stride = L.stride
         if not 0 <= layer < L.n_layers:
@@ -141,7 +157,7 @@ class BundleReader:
         if dest.ctypes.data % BUNDLE_ALIGN:
             raise ValueError("dest must start on a 512-byte boundary (allocate it with storage.format.aligned_empty)")
         if ids.size == 0:
-            return [], 0, 0
+            return ReadPlan.empty(), 0, 0
         n = L.n_neurons[layer]
         if ids.min() < 0 or ids.max() >= n:
             raise ValueError(f"bundle ids must be in 0..{n - 1} for layer {layer}")
@@ -158,122 +174,287 @@ class BundleReader:
         new_run[0] = True
         new_run[1:] = (step - 1 > gap) if gap >= 0 else True
 
-        mv = memoryview(dest).cast("B")
-        scratch = self._scratch_mv
+        dest_at, scratch_at = dest.ctypes.data, self._scratch.ctypes.data
         base = L.offset[layer]
-        ops = []
-        read_bytes = 0
-        iov: list = []
+        offs, sizes, iov = [], [], []    # iov: address, length, address, length, ... of all ops
+        firsts = [0]                       # op k's iovecs are iov pairs firsts[k]..firsts[k+1]
         run_start = prev = 0
-        cur_slot = cur_len = -1   # pending destination extent: cur_len rows starting at row cur_slot
+        cur_slot = cur_len = -1   # pending destination extent: cur_len rows starting at row cur_slot (-1: none yet)
         for i, s, nr in zip(ids.tolist(), slots.tolist(), new_run.tolist()):
             hole = i - prev - 1
+            if cur_len < 0:
+                run_start = i
             # Close the current op at a run break, at IOV_MAX (pending extent + maybe a hole + the new row),
             # or when it would grow past max_read_bundles.
-            if iov or cur_len > 0:
-                if nr or len(iov) + 3 > IOV_MAX or i + 1 - run_start > self.max_read_bundles:
-                    if cur_len > 0:
-                        iov.append(mv[cur_slot * stride:(cur_slot + cur_len) * stride])
-                    nbytes = (prev + 1 - run_start) * stride
-                    ops.append((base + run_start * stride, iov, nbytes))
-                    read_bytes += nbytes
-                    iov, cur_len, run_start = [], -1, i
-                elif hole > 0:
-                    iov.append(mv[cur_slot * stride:(cur_slot + cur_len) * stride])
-                    iov.append(scratch[:hole * stride])
-                    cur_len = -1
-            else:
-                run_start = i
+            elif nr or len(iov) // 2 - firsts[-1] + 3 > IOV_MAX or i + 1 - run_start > self.max_read_bundles:
+                iov += (dest_at + cur_slot * stride, cur_len * stride)
+                offs.append(base + run_start * stride)
+                sizes.append((prev + 1 - run_start) * stride)
+                firsts.append(len(iov) // 2)
+                cur_len, run_start = 0, i
+            elif hole > 0:
+                iov += (dest_at + cur_slot * stride, cur_len * stride, scratch_at, hole * stride)
+                cur_len = 0
             if cur_len > 0 and s == cur_slot + cur_len:
                 cur_len += 1                      # next row of dest is also next in the file: one iovec
             else:
                 if cur_len > 0:
-                    iov.append(mv[cur_slot * stride:(cur_slot + cur_len) * stride])
+                    iov += (dest_at + cur_slot * stride, cur_len * stride)
                 cur_slot, cur_len = s, 1
             prev = i
-        iov.append(mv[cur_slot * stride:(cur_slot + cur_len) * stride])
-        nbytes = (prev + 1 - run_start) * stride
-        ops.append((base + run_start * stride, iov, nbytes))
-        read_bytes += nbytes
-        return ops, ids.size * stride, read_bytes
+        iov += (dest_at + cur_slot * stride, cur_len * stride)
+        offs.append(base + run_start * stride)
+        sizes.append((prev + 1 - run_start) * stride)
+        firsts.append(len(iov) // 2)
+        plan = ReadPlan(np.array(offs, np.int64), np.array(sizes, np.int64), np.array(firsts, np.int64),
+                        np.array(iov, np.uint64).reshape(-1, 2), dest)
+        return plan, ids.size * stride, int(plan.nbytes.sum())
 
     # -- reading -----------------------------------------------------------------------------------------------------
     def submit(self, layer: int, bundle_ids, dest: np.ndarray, slots) -> "PendingRead":
         """Start a read and return at once; the rows are valid after .wait(). The caller computes meanwhile.
 
         bundle_ids and slots may be reused as soon as this returns (they are planned into iovecs here); dest rows
-        must not be touched until wait(). Requests from several submits queue on the same threads in order.
+        must not be touched until wait(). Requests from several submits share the threads or the ring in order.
         """
         t0 = time.perf_counter()
         with self._lock:
-            ops, requested, read_bytes = self.read_ops(layer, bundle_ids, dest, slots)
-        done: queue.SimpleQueue = queue.SimpleQueue()
-        k = min(self.threads, len(ops))
-        # Round-robin keeps the batches balanced in bytes for the mostly equal-sized ops of one request.
-        for w in range(k):
-            self._jobs[w].put((self.fd, self.direct, self.path, layer, ops[w::k], done))
-        return PendingRead(done, k, FlashStats(requested_bytes=requested, read_bytes=read_bytes), t0)
+            plan, requested, read_bytes = self.read_ops(layer, bundle_ids, dest, slots)
+        req = Request(self, layer, plan, FlashStats(requested_bytes=requested, read_bytes=read_bytes), t0)
+        if len(plan):
+            self._engine.start(req)
+        return PendingRead(req)
 
     def read(self, layer: int, bundle_ids, dest: np.ndarray, slots) -> FlashStats:
         return self.submit(layer, bundle_ids, dest, slots).wait()
 
+    def failure(self, req: "Request", k: int, got: int) -> UserError:
+        """The error for op k of a request whose retry returned `got` bytes (or -errno)."""
+        off, nbytes = int(req.plan.off[k]), int(req.plan.nbytes[k])
+        if got < 0:
+            return UserError(f"{self.path}: read of {nbytes} bytes at offset {off} (layer {req.layer}) "
+                             f"failed: {os.strerror(-got)}")
+        return UserError(f"{self.path}: short read at offset {off} (layer {req.layer}): got {got} of {nbytes} "
+                         f"bytes; the file is truncated or damaged")
+
+    def completed(self, req: "Request", k: int) -> None:
+        if not self.direct:
+            drop_from_page_cache(self.fd, int(req.plan.off[k]), int(req.plan.nbytes[k]))
+
+
+class ReadPlan:
+    """A request's readv ops: op k reads nbytes[k] at file offset off[k] into the iovecs iov[first[k]:first[k+1]]
+    (struct iovec pairs: address, length). Holds dest so the rows outlive every read into them."""
+
+    def __init__(self, off, nbytes, first, iov, dest):
+        self.off, self.nbytes, self.first, self.iov, self.dest = off, nbytes, first, iov, dest
+        self.iov_count = np.diff(first)
+        self.iov_addr = iov.ctypes.data + 16 * first[:-1].astype(np.uint64)
+
+    @classmethod
+    def empty(cls) -> "ReadPlan":
+        return cls(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros((0, 2), np.uint64),
+                   None)
+
+    def __len__(self) -> int:
+        return len(self.off)
+
+
+class Request:
+    """One submit's progress: ops left, reads made (retries included), the first error, when the last op ended."""
+
+    def __init__(self, reader: BundleReader, layer: int, plan: ReadPlan, stats: FlashStats, t0: float):
+        self.reader, self.layer, self.plan, self.stats, self.t0 = reader, layer, plan, stats, t0
+        self.left, self.error, self.t_end = len(plan), None, t0
+        self.done = threading.Event()
+        self.lock = threading.Lock()          # the thread engine's workers finish ops of one request concurrently
+        self.serial = 0                       # the ring engine's name for it in completion tags
+
+    def op_done(self, k: int, got: int, retried: bool) -> bool:
+        """Account op k's read that returned `got` bytes (or -errno); False if it must be read once more."""
+        self.stats.n_reads += 1
+        if got == self.plan.nbytes[k]:
+            self.reader.completed(self, k)
+        elif not retried:
+            return False                       # a short read or EIO gets one retry
+        else:
+            self.error = self.error or self.reader.failure(self, k, got)
+        self.left -= 1
+        if not self.left:
+            self.t_end = time.perf_counter()
+            self.done.set()
+        return True
+
 
 class PendingRead:
-    """A read in flight: wait() blocks until every batch finished and returns its FlashStats (the reader's fields;
-    io_s = submit to last batch done, the I/O time, whether or not the caller was waiting)."""
+    """A read in flight: wait() blocks until every op finished and returns its FlashStats (the reader's fields;
+    io_s = submit to last op done, the I/O time, whether or not the caller was waiting)."""
 
-    def __init__(self, done: queue.SimpleQueue, n_batches: int, stats: FlashStats, t0: float):
-        self._done, self._left, self.stats, self._t0 = done, n_batches, stats, t0
-        self._end = t0
+    def __init__(self, req: Request):
+        self._req, self.stats = req, req.stats
 
     def wait(self) -> FlashStats:
-        err = None
-        while self._left:
-            n, e, t_end = self._done.get()
-            self._left -= 1
-            self.stats.n_reads += n
-            self._end = max(self._end, t_end)
-            err = err or e
-        self.stats.io_s = self._end - self._t0
-        if err is not None:
-            raise err
+        req = self._req
+        if req.left:
+            req.reader._engine.wait(req)
+        self.stats.io_s = req.t_end - req.t0
+        if req.error is not None:
+            raise req.error
         return self.stats
 
 
-def _worker(jobs: queue.SimpleQueue) -> None:
+class ThreadPool:
+    """The fallback engine: threads that each issue one blocking preadv at a time, in batches per request."""
+
+    name = "threads"
+
+    def __init__(self, fd: int, threads: int):
+        self.fd, self.threads = fd, threads
+        self._jobs: list[queue.SimpleQueue] = []
+        self._workers: list[threading.Thread] = []
+        for i in range(threads):   # all preadv calls happen here, so the caller is free while a read is in flight
+            q = queue.SimpleQueue()
+            # The threads hold no reference to the reader, so an unclosed reader is still collected (and closed).
+            t = threading.Thread(target=_worker, args=(q, fd), name=f"BundleReader-{i}", daemon=True)
+            t.start()
+            self._jobs.append(q)
+            self._workers.append(t)
+
+    def start(self, req: Request) -> None:
+        n = len(req.plan)
+        k = min(self.threads, n)
+        # Round-robin keeps the batches balanced in bytes for the mostly equal-sized ops of one request.
+        for w in range(k):
+            self._jobs[w].put((req, range(w, n, k)))
+
+    def wait(self, req: Request) -> None:
+        req.done.wait()
+
+    def describe(self) -> str:
+        return f"{self.threads} threads of preadv"
+
+    def close(self) -> None:
+        for q in self._jobs:
+            q.put(None)
+        for t in self._workers:
+            t.join()
+        self._jobs, self._workers = [], []
+
+
+def _worker(jobs: queue.SimpleQueue, fd: int) -> None:
     while True:
         job = jobs.get()
         if job is None:
             return
-        *batch, done = job
-        try:
-            n = _run_batch(*batch)
-            done.put((n, None, time.perf_counter()))
-        except BaseException as e:
-            done.put((0, e, time.perf_counter()))
+        req, ops = job
+        plan = req.plan
+        for k in ops:
+            retried = False
+            while True:
+                try:
+                    got = _preadv(fd, int(plan.iov_addr[k]), int(plan.iov_count[k]), int(plan.off[k]))
+                except OSError as e:
+                    got = -(e.errno or errno.EIO)
+                with req.lock:
+                    if req.op_done(k, got, retried):
+                        break
+                retried = True
 
 
-def _run_batch(fd: int, direct: bool, path: Path, layer: int, ops: list) -> int:
-    """Issue the preadv ops one after another; returns the number of calls made."""
-    n_reads = 0
-    for off, iov, nbytes in ops:
-        for attempt in (0, 1):   # a short read or EIO gets one retry
-            n_reads += 1
-            try:
-                got = os.preadv(fd, iov, off)
-            except OSError as e:
-                if attempt:
-                    raise UserError(f"{path}: read of {nbytes} bytes at offset {off} (layer {layer}) "
-                                    f"failed: {e.strerror}")
-                continue
-            if got == nbytes:
-                break
-            if attempt:
-                raise UserError(f"{path}: short read at offset {off} (layer {layer}): got {got} of {nbytes} "
-                                f"bytes; the file is truncated or damaged")
-        if not direct:
-            drop_from_page_cache(fd, off, nbytes)
-    return n_reads
+_libc = None
+
+
+def _preadv(fd: int, iov_addr: int, iov_count: int, offset: int) -> int:
+    """preadv(2) on a struct iovec array in memory (GIL released); bytes read, or OSError."""
+    global _libc
+    if _libc is None:
+        lib = ctypes.CDLL(None, use_errno=True)
+        lib.preadv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+        lib.preadv.restype = ctypes.c_ssize_t
+        _libc = lib
+    got = _libc.preadv(fd, iov_addr, iov_count, offset)
+    if got < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+    return got
+
+
+class RingQueue:
+    """The io_uring engine: every op goes into one ring from the submitting thread, at most `depth` in flight.
+
+    No threads: submit() fills the ring and returns; wait() reaps completions (for whichever request they belong to)
+    and refills the ring from the backlog until its request is done. One thread reaps at a time (_reaping), so no
+    waiter sleeps on a completion another one took.
+    """
+
+    name = "io_uring"
+
+    def __init__(self, fd: int, depth: int):
+        self.fd, self.ring = fd, Ring(depth)
+        self.depth = self.ring.entries
+        self._state = threading.Lock()       # ring, backlog, in-flight table
+        self._reaping = threading.Lock()
+        self._backlog: collections.deque = collections.deque()   # [request, first op, end op, retry]
+        self._requests: dict[int, Request] = {}
+        self._serial = 0
+        self._in_flight = 0
+
+    def start(self, req: Request) -> None:
+        with self._state:
+            self._serial = (self._serial + 1) & 0xFFFFFFFF
+            req.serial = self._serial
+            self._requests[req.serial] = req
+            self._backlog.append([req, 0, len(req.plan), 0])
+            self._fill()
+
+    def _fill(self) -> None:
+        """Move ops from the backlog into the ring while there is room, and submit them."""
+        while self._backlog and self._in_flight < self.depth:
+            item = self._backlog[0]
+            req, lo, hi, retry = item
+            k = min(hi - lo, self.depth - self._in_flight)
+            p = req.plan
+            ops = np.arange(lo, lo + k, dtype=np.uint64)
+            self.ring.push(self.fd, p.off[lo:lo + k], p.iov_addr[lo:lo + k], p.iov_count[lo:lo + k],
+                           (np.uint64(req.serial) << np.uint64(32)) | (ops << np.uint64(1)) | np.uint64(retry))
+            self._in_flight += k
+            item[1] += k
+            if item[1] == hi:
+                self._backlog.popleft()
+        self.ring.submit()
+
+    def _reap(self) -> None:
+        tags, res = self.ring.reap()
+        self._in_flight -= len(tags)
+        for tag, got in zip(tags.tolist(), res.tolist()):
+            req, k, retried = self._requests[tag >> 32], (tag & 0xFFFFFFFF) >> 1, bool(tag & 1)
+            if not req.op_done(k, got, retried):
+                self._backlog.appendleft([req, k, k + 1, 1])
+            elif not req.left:
+                del self._requests[req.serial]
+
+    def wait(self, req: Request) -> None:
+        with self._reaping:
+            while True:
+                with self._state:
+                    self._reap()
+                    self._fill()
+                    if not req.left:
+                        return
+                # Something is in flight: req is not done, and _fill leaves nothing queued while there is room.
+                self.ring.wait(1)
+
+    def describe(self) -> str:
+        return f"io_uring, {self.depth} reads in flight"
+
+    def close(self) -> None:
+        with self._reaping:
+            while self._in_flight:          # the kernel may still write into rows: let every read land first
+                with self._state:
+                    self._reap()
+                if self._in_flight:
+                    self.ring.wait(1)
+        self.ring.close()
 
 
 class CountingReader:

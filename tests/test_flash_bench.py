@@ -10,7 +10,7 @@ import pytest
 from flash_fixtures import write_random_flashdir
 from flashinfer_lite.errors import UserError
 from storage import flash_bench
-from storage.profile import DEFAULT_GAP_BYTES, DEFAULT_THREADS, reader_defaults
+from storage.profile import DEFAULT_DEPTH, DEFAULT_ENGINE, DEFAULT_GAP_BYTES, DEFAULT_THREADS, reader_defaults
 from storage.reader import BundleReader
 
 CHUNKS = [4096, 16384, 65536, 262144, 1 << 20]
@@ -97,7 +97,7 @@ def test_scratch_file_removed_on_interrupt(tmp_path, monkeypatch):
 
 def test_without_profile_reader_uses_builtin_defaults(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(tmp_path / "empty"))
-    assert reader_defaults(tmp_path, 4096) == (DEFAULT_THREADS, DEFAULT_GAP_BYTES,
+    assert reader_defaults(tmp_path, 4096) == (DEFAULT_THREADS, DEFAULT_GAP_BYTES, DEFAULT_ENGINE, DEFAULT_DEPTH,
                                              "built-in defaults (no flash-bench profile of this device)")
 
 
