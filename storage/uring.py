@@ -91,6 +91,7 @@ class Ring:
         self._sq_head = u32(sq_map, sq[0])
         u32(sq_map, sq[6], p.sq_entries)[:] = np.arange(p.sq_entries)   # slot i of the array names entry i, forever
         self._sqes = np.frombuffer(sqe_map, SQE, p.sq_entries)
+        np.frombuffer(sqe_map, np.uint8)[:] = 0          # push writes only the fields a READV needs
         self._cq_head, self._cq_tail = u32(cq_map, cq[0]), u32(cq_map, cq[1])
         self._cq_mask = int(u32(cq_map, cq[2])[0])
         self._cqes = np.frombuffer(cq_map, CQE, p.cq_entries, cq[5])
@@ -111,11 +112,15 @@ class Ring:
         offsets[i]. At most space() ops; the iovec arrays must stay alive until the op's completion is reaped."""
         n = len(offsets)
         tail = int(self._sq_tail[0])
-        idx = (tail + np.arange(n)) & self._sq_mask
-        e = np.zeros(n, SQE)
-        e["opcode"], e["fd"], e["off"] = IORING_OP_READV, fd, offsets
-        e["addr"], e["len"], e["user_data"] = iov_addrs, iov_counts, user_data
-        self._sqes[idx] = e
+        start = tail & self._sq_mask
+        done = 0
+        while done < n:      # at most two slices: up to the end of the entry array, then from its start
+            k = min(n - done, self.entries - start)
+            e = self._sqes[start:start + k]       # the fields not written here stay zero from setup
+            e["opcode"], e["fd"] = IORING_OP_READV, fd
+            e["off"], e["addr"] = offsets[done:done + k], iov_addrs[done:done + k]
+            e["len"], e["user_data"] = iov_counts[done:done + k], user_data[done:done + k]
+            done, start = done + k, 0
         self._sq_tail[0] = (tail + n) & 0xFFFFFFFF     # entries first, then the tail: x86 keeps stores in order
         self._unsubmitted += n
 
@@ -135,9 +140,14 @@ class Ring:
         """(user_data uint64[k], res int32[k]) of the ready completions, which are then released to the kernel."""
         head, tail = int(self._cq_head[0]), int(self._cq_tail[0])
         n = (tail - head) & 0xFFFFFFFF
-        c = self._cqes[(head + np.arange(n)) & self._cq_mask]          # a copy: the slots may be reused after this
+        start = head & self._cq_mask
+        if start + n <= len(self._cqes):
+            c = self._cqes[start:start + n]
+        else:
+            c = np.concatenate([self._cqes[start:], self._cqes[:start + n - len(self._cqes)]])
+        ud, res = c["user_data"].copy(), c["res"].copy()   # copies: the slots are the kernel's again after this
         self._cq_head[0] = tail
-        return c["user_data"], c["res"]
+        return ud, res
 
     def close(self) -> None:
         self._sq_tail = self._sq_head = self._sqes = self._cq_head = self._cq_tail = self._cqes = None
