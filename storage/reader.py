@@ -29,7 +29,7 @@ from flashinfer_lite.errors import UserError
 from .format import BUNDLE_ALIGN, FlashLayout, drop_from_page_cache, read_layout
 from .profile import ENGINES, reader_defaults
 from .stats import FlashStats
-from .uring import Ring
+from .uring import Ring, unavailable
 
 IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
 _warned_buffered = False
@@ -109,7 +109,7 @@ class BundleReader:
             try:
                 self._engine = RingQueue(self.fd, max(1, int(depth if depth is not None else prof.depth)))
             except OSError as e:
-                self.fallback_reason = f"io_uring unavailable: {e.strerror or e}"
+                self.fallback_reason = unavailable(e)
         if self._engine is None:
             self._engine = ThreadPool(self.fd, self.threads)
         self.engine = self._engine.name

@@ -160,3 +160,16 @@ class Ring:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def unavailable(e: OSError) -> str:
+    return f"io_uring unavailable: {e.strerror or e}"
+
+
+def refused() -> str:
+    """Why this kernel (or sandbox) refuses io_uring, "" if it does not."""
+    try:
+        Ring(1).close()
+    except OSError as e:
+        return unavailable(e)
+    return ""
