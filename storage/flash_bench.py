@@ -3,8 +3,8 @@ reader engines: threads (1 read in flight per thread) and io_uring (queue depth)
 
 Reads go through BundleReader (O_DIRECT) on a scratch file, so the numbers are what the runtime can get, not what a C
 tool gets; each cell also records the CPU seconds per GB it cost. From the table it saves a device profile (engine,
-queue depth, threads and coalescing gap per request size, see storage/profile.py) that BundleReader uses by default. With -m FLASHDIR it also reads random neuron
-sets of that model's real bundles.
+queue depth, threads and coalescing gap per request size, see storage/profile.py) that BundleReader uses by default.
+With -m FLASHDIR it also reads random neuron sets of that model's real bundles.
 """
 from __future__ import annotations
 

@@ -36,8 +36,9 @@ class _Params(ctypes.Structure):
     _fields_ = [("sq_entries", ctypes.c_uint32), ("cq_entries", ctypes.c_uint32), ("flags", ctypes.c_uint32),
                 ("sq_thread_cpu", ctypes.c_uint32), ("sq_thread_idle", ctypes.c_uint32),
                 ("features", ctypes.c_uint32), ("wq_fd", ctypes.c_uint32), ("resv", ctypes.c_uint32 * 3),
-                ("sq_off", ctypes.c_uint32 * 10),    # head tail ring_mask ring_entries flags dropped array resv1 user_addr(2)
-                ("cq_off", ctypes.c_uint32 * 10)]    # head tail ring_mask ring_entries overflow cqes flags resv1 user_addr(2)
+                # sq_off: head tail ring_mask ring_entries flags dropped array resv1 user_addr (2 words)
+                # cq_off: head tail ring_mask ring_entries overflow cqes flags resv1 user_addr (2 words)
+                ("sq_off", ctypes.c_uint32 * 10), ("cq_off", ctypes.c_uint32 * 10)]
 
 
 _libc = None
