@@ -422,10 +422,14 @@ class RingQueue:
                 self._backlog.popleft()
 
     def _reap(self) -> None:
+        """Take the ready completions, refill the slots they free before anything else (so the device idles least
+        while Python accounts), then account them; retries go to the front of the backlog."""
         tags, res = self.ring.reap()
         if not len(tags):
             return
         self._in_flight -= len(tags)
+        self._fill()
+        self.ring.submit()
         serial = tags >> np.uint64(32)
         one = serial[0] == serial[-1] and (serial == serial[0]).all()   # the usual case: a single request
         for s in [int(serial[0])] if one else np.unique(serial).tolist():
@@ -448,7 +452,7 @@ class RingQueue:
                 self._reap()
                 self._fill()
                 if not req.left:
-                    self.ring.submit()
+                    self.ring.submit()         # retries of other requests
                     return
                 # Submit and sleep in one call. Waiting for a quarter of the reads in flight, not one, keeps three
                 # quarters of the queue busy while a quarter of the system calls wake us.
