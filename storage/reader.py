@@ -174,40 +174,40 @@ class BundleReader:
         new_run[0] = True
         new_run[1:] = (step - 1 > gap) if gap >= 0 else True
 
-        dest_at, scratch_at = dest.ctypes.data, self._scratch.ctypes.data
-        base = L.offset[layer]
-        offs, sizes, iov = [], [], []    # iov: address, length, address, length, ... of all ops
-        firsts = [0]                       # op k's iovecs are iov pairs firsts[k]..firsts[k+1]
-        run_start = prev = 0
-        cur_slot = cur_len = -1   # pending destination extent: cur_len rows starting at row cur_slot (-1: none yet)
-        for i, s, nr in zip(ids.tolist(), slots.tolist(), new_run.tolist()):
-            hole = i - prev - 1
-            if cur_len < 0:
-                run_start = i
-            # Close the current op at a run break, at IOV_MAX (pending extent + maybe a hole + the new row),
-            # or when it would grow past max_read_bundles.
-            elif nr or len(iov) // 2 - firsts[-1] + 3 > IOV_MAX or i + 1 - run_start > self.max_read_bundles:
-                iov += (dest_at + cur_slot * stride, cur_len * stride)
-                offs.append(base + run_start * stride)
-                sizes.append((prev + 1 - run_start) * stride)
-                firsts.append(len(iov) // 2)
-                cur_len, run_start = 0, i
-            elif hole > 0:
-                iov += (dest_at + cur_slot * stride, cur_len * stride, scratch_at, hole * stride)
-                cur_len = 0
-            if cur_len > 0 and s == cur_slot + cur_len:
-                cur_len += 1                      # next row of dest is also next in the file: one iovec
-            else:
-                if cur_len > 0:
-                    iov += (dest_at + cur_slot * stride, cur_len * stride)
-                cur_slot, cur_len = s, 1
-            prev = i
-        iov += (dest_at + cur_slot * stride, cur_len * stride)
-        offs.append(base + run_start * stride)
-        sizes.append((prev + 1 - run_start) * stride)
-        firsts.append(len(iov) // 2)
-        plan = ReadPlan(np.array(offs, np.int64), np.array(sizes, np.int64), np.array(firsts, np.int64),
-                        np.array(iov, np.uint64).reshape(-1, 2), dest)
+        # An op starts at a run break, and every max_read_bundles bundles of file within a run (so that a big dense
+        # request still spreads over the queue).
+        run_first = ids[new_run][np.cumsum(new_run) - 1]
+        piece = (ids - run_first) // self.max_read_bundles
+        starts = new_run.copy()
+        starts[1:] |= piece[1:] != piece[:-1]
+        hole = np.zeros(ids.size, np.int64)
+        hole[1:] = step - 1
+        follows = np.zeros(ids.size, bool)
+        follows[1:] = np.diff(slots) == 1                   # the next row of dest is also next in the file
+        while True:
+            to_scratch = ~starts & (hole > 0)               # the hole before this bundle is read into scratch
+            new_extent = starts | to_scratch | ~follows     # this bundle begins a new destination extent
+            # The plan's iovecs in file order: per bundle, its hole (if read), then its extent (if it begins one).
+            has = np.empty(2 * ids.size, bool)
+            has[0::2], has[1::2] = to_scratch, new_extent
+            ahead = np.cumsum(has) - has
+            op_first = ahead[2 * np.flatnonzero(starts)]
+            if np.diff(np.append(op_first, has.sum())).max() <= IOV_MAX:
+                break
+            # Thousands of scattered rows in one run: also start an op every IOV_MAX - 2 iovecs (one more iovec
+            # at most per new start: the extent it forces).
+            block = (ahead[1::2] - op_first[np.cumsum(starts) - 1]) // (IOV_MAX - 2)
+            starts[1:] |= block[1:] != block[:-1]
+        s_idx = np.flatnonzero(starts)
+        e_idx = np.append(s_idx[1:], ids.size) - 1
+        e_at = np.flatnonzero(new_extent)
+        iov = np.empty((2 * ids.size, 2), np.uint64)
+        iov[0::2, 0], iov[0::2, 1] = self._scratch.ctypes.data, hole * stride
+        rows = iov[1::2]
+        rows[e_at, 0] = dest.ctypes.data + slots[e_at] * stride
+        rows[e_at, 1] = np.diff(np.append(e_at, ids.size)) * stride      # an extent runs to the next one
+        plan = ReadPlan(L.offset[layer] + ids[s_idx] * stride, (ids[e_idx] - ids[s_idx] + 1) * stride,
+                        np.append(op_first, has.sum()), iov[has], dest)
         return plan, ids.size * stride, int(plan.nbytes.sum())
 
     # -- reading -----------------------------------------------------------------------------------------------------
