@@ -382,7 +382,8 @@ class RingQueue:
     """The io_uring engine: every op goes into one ring from the submitting thread, at most `depth` in flight.
 
     No threads: submit() fills the ring and returns; wait() reaps completions (for whichever request they belong to)
-    and refills the ring from the backlog until its request is done. One lock over the ring: a waiter holds it while
+    and refills the ring from the backlog until its request is done. So a request of more than `depth` reads has
+    only `depth` in flight while the caller computes; the rest start at its next submit() or wait(). One lock over the ring: a waiter holds it while
     it sleeps in the kernel, so no waiter sleeps on a completion another one took.
     """
 
@@ -402,6 +403,7 @@ class RingQueue:
             self._serial = (self._serial + 1) & 0xFFFFFFFF
             req.serial = self._serial
             self._requests[req.serial] = req
+            self._reap()       # the ring moves on only when called: whatever finished since makes room now
             self._backlog.append([req, 0, len(req.plan), 0])
             self._fill()
             self.ring.submit()
