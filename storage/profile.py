@@ -76,8 +76,8 @@ def save_profile(path_on_device, entry: dict) -> Path:
 
 def reader_defaults(path, request_bytes: int) -> ReaderSettings:
     """The reader's settings for requests of `request_bytes` on the device holding `path`: the profile's entry of the
-    nearest chunk size, else the built-in defaults. Profiles saved before flash-bench measured depth name no engine:
-    they keep the thread engine they were measured with."""
+    nearest chunk size, else the built-in defaults. Profiles saved before flash-bench measured queue depth name no
+    engine: their threads serve the fallback, and the engine and depth are the defaults."""
     try:
         prof = load_profiles().get(device_key(path))
         entries = [e for e in prof["entries"] if int(e["chunk"]) > 0] if prof else []
@@ -89,7 +89,7 @@ def reader_defaults(path, request_bytes: int) -> ReaderSettings:
     best = min(entries, key=lambda e: abs(math.log(int(e["chunk"]) / max(request_bytes, 1))))
     source = (f"flash-bench profile of {prof.get('dir', '?')} from {prof.get('created', '?')} "
               f"({profile_path()}, {int(best['chunk']) // 1024} KiB row)")
-    engine = best.get("engine", "threads")
+    engine = best.get("engine", DEFAULT_ENGINE)
     if engine not in ENGINES:
         engine = DEFAULT_ENGINE
     return ReaderSettings(max(1, int(best.get("threads", DEFAULT_THREADS))), max(0, int(best["gap_bytes"])), engine,

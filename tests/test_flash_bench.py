@@ -130,3 +130,12 @@ def test_bad_arguments(tmp_path, argv, message):
     flash_bench.add_arguments(p)
     with pytest.raises(UserError, match=message):
         flash_bench.run(p.parse_args(["--dir", str(tmp_path)] + argv))
+
+
+def test_a_profile_from_before_queue_depth_keeps_its_threads_for_the_fallback(tmp_path, monkeypatch):
+    from storage.profile import save_profile
+    monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(tmp_path / "cache"))
+    save_profile(tmp_path, {"dir": str(tmp_path), "created": "2026-11-01T00:00:00",
+                            "entries": [{"chunk": 4096, "threads": 16, "gap_bytes": 8192}]})
+    s = reader_defaults(tmp_path, 4096)
+    assert (s.threads, s.gap_bytes, s.engine, s.depth) == (16, 8192, DEFAULT_ENGINE, DEFAULT_DEPTH)
