@@ -238,7 +238,6 @@ class BundleReader:
                          f"bytes; the file is truncated or damaged")
 
 
-
 class ReadPlan:
     """A request's readv ops: op k reads nbytes[k] at file offset off[k] into the iovecs iov[first[k]:first[k+1]]
     (struct iovec pairs: address, length). Holds dest so the rows outlive every read into them."""
