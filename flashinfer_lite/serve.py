@@ -169,6 +169,7 @@ class Server:
         self.ctx = self.model.ctx
         self.name = Path(args.model).name if args.model else Path(DEFAULT_MODEL_FILE).stem
         self.cache = make_prompt_cache(self.model, self.tokenizer)
+        self.tokens_predicted_total = 0   # llama-server's metric of that name: every token sampled, for /health
         self.lock = asyncio.Lock()   # FIFO: waiting requests get the model in arrival order
         # numba's thread count is per thread: the worker takes the one load() set here (-t)
         self.worker = ThreadPoolExecutor(1, "generate", initializer=numba.set_num_threads,
@@ -192,6 +193,7 @@ class Server:
                     if step is None:
                         break
                     n += 1
+                    self.tokens_predicted_total += 1
                     if n == job.max_tokens:
                         finish = "length"
                     piece = stops.push(step.text)
@@ -350,7 +352,8 @@ def make_app(server: Server):
                                                           "owned_by": "flashinfer-lite", "context_length": server.ctx}]})
 
     async def health(request):
-        return JSONResponse({"status": "ok", **rss_summary(server.model.runtime)})
+        return JSONResponse({"status": "ok", "tokens_predicted_total": server.tokens_predicted_total,
+                             **rss_summary(server.model.runtime)})
 
     async def http_error(request, exc: HTTPException):
         return error(BadRequest(str(exc.detail), status=exc.status_code))
