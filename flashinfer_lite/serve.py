@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
+import socket
 import sys
 import time
 import traceback
@@ -33,7 +35,7 @@ MAX_STOP_STRINGS = 16
 def add_arguments(p) -> None:
     add_model_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
+    p.add_argument("--port", type=int, default=8080, help="port to listen on, 0 = any free one (default 8080)")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -174,6 +176,15 @@ class Server:
         # numba's thread count is per thread: the worker takes the one load() set here (-t)
         self.worker = ThreadPoolExecutor(1, "generate", initializer=numba.set_num_threads,
                                          initargs=(numba.get_num_threads(),))
+        self.worker.submit(self.warm_up).result()
+
+    def warm_up(self) -> None:
+        """A two-token prompt and one decode step, as llama-server warms up: the kernels' first calls (compiling or
+        loading them from numba's cache) are paid before the first request, not by it."""
+        ids = self.tokenizer.encode("Hello there", add_special_tokens=True)[:2] or [0, 0]
+        for _ in stream_generate(self.model, self.tokenizer, ids, 2, prompt_cache=self.cache, ignore_eos=True):
+            pass
+        self.cache.reset()
 
     async def generate(self, job: Job):
         """Yield the text pieces of job's output, stop strings cut out, then its Outcome. Closing this generator
@@ -368,18 +379,30 @@ def make_app(server: Server):
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads so that a taken port is one line, not a wasted load."""
+    try:
+        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as e:
+        raise UserError(f"cannot listen on {host}:{port}: {os.strerror(e.errno) if e.errno else e}") from None
+
+
 def run(args) -> int:
     try:  # before the model loads, so that the budget's runtime line counts them
         import starlette  # noqa: F401
         import uvicorn
     except ImportError:
         raise UserError("serve needs starlette and uvicorn: pip install 'flashinfer-lite[serve]'") from None
-    server = Server(args)
-    print(f"serving {server.name} on http://{args.host}:{args.port}/v1 (context {server.ctx} tokens); "
-          f"Ctrl-C stops", file=sys.stderr, flush=True)
-    try:
-        uvicorn.run(make_app(server), host=args.host, port=args.port, log_level="warning",
-                    timeout_graceful_shutdown=5)
-    finally:
-        server.worker.shutdown(wait=True)
+    sock = listen(args.host, args.port)
+    with sock:
+        server = Server(args)
+        port = sock.getsockname()[1]    # --port 0: the one the system chose
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        print(f"serving {server.name} on http://{host}:{port}/v1 (context {server.ctx} tokens); Ctrl-C stops",
+              file=sys.stderr, flush=True)
+        try:
+            config = uvicorn.Config(make_app(server), log_level="warning", timeout_graceful_shutdown=5)
+            uvicorn.Server(config).run(sockets=[sock])
+        finally:
+            server.worker.shutdown(wait=True)
     return 0

@@ -2,10 +2,11 @@
 every answer is `flashinfer-lite generate --temp 0 --json` with the same model and flags; for the budget, the kernel's
 high-water mark of the server process (VmHWM in /proc/PID/status), not what the server says."""
 import json
+import math
 import os
+import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,6 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import STORIES
 
@@ -27,16 +30,9 @@ pytest.importorskip("uvicorn")
 REPO = Path(__file__).resolve().parents[1]
 # The stories server runs the flash path under a budget: its FFN read through the neuron cache (--ffn oracle), so
 # --dram-budget applies; --ignore-eos makes every answer max_tokens long, so a stopped generation is visible.
-BUDGET_MIB = 320
-STORIES_FLAGS = ["-m", str(STORIES), "--ffn", "oracle", "--dram-budget", f"{BUDGET_MIB}M", "-c", "256", "--ignore-eos"]
+STORIES_FLAGS = ["-m", str(STORIES), "--ffn", "oracle", "-c", "256", "--ignore-eos"]
 TEMPLATE = ("{% for m in messages %}{{ bos_token if loop.first else '' }}[{{ m['role'] }}] {{ m['content'] }}\n"
             "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Served:
@@ -73,23 +69,26 @@ class Served:
 
 @contextmanager
 def serving(*flags, env=None, timeout=240):
-    """A `flashinfer-lite serve` child on a free loopback port, up (answering /health) when entered, killed on exit."""
-    port = free_port()
+    """A `flashinfer-lite serve` child on a loopback port the system picks (--port 0; the startup line names it), up
+    (answering /health) when entered, stopped (Ctrl-C, then killed) on exit."""
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen([sys.executable, "-m", "flashinfer_lite", "serve", *flags, "--host", "127.0.0.1",
-                             "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                             "--port", "0"], stdout=log, stderr=subprocess.STDOUT,
                             env=dict(os.environ, **(env or {})), cwd=REPO)
-    served = Served(proc, port, log)
+    served = None
     try:
         deadline = time.time() + timeout
         while True:
-            assert proc.poll() is None, f"serve exited {proc.returncode}:\n{served.stderr()}"
-            assert time.time() < deadline, f"serve did not answer in {timeout} s:\n{served.stderr()}"
-            try:
-                served.health()
+            log.seek(0)
+            text = log.read().decode(errors="replace")
+            assert proc.poll() is None, f"serve exited {proc.returncode}:\n{text}"
+            assert time.time() < deadline, f"serve did not start in {timeout} s:\n{text}"
+            port = re.search(r"^serving .* on http://127\.0\.0\.1:(\d+)/v1 ", text, re.M)
+            if port:
                 break
-            except OSError:
-                time.sleep(0.3)
+            time.sleep(0.3)
+        served = Served(proc, int(port.group(1)), log)
+        assert served.health()["status"] == "ok"
         yield served
     finally:
         if proc.poll() is None:
@@ -118,8 +117,24 @@ def cache_env(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def stories(cache_env):
-    with serving(*STORIES_FLAGS, env=cache_env) as s:
+def budget_mib(cache_env) -> int:
+    """serve's own minimum budget (from its one-line error for 1M, the measured runtime included) + 16 MiB: little
+    room, so the load test's peak RSS is held to a budget that bites."""
+    r = subprocess.run([sys.executable, "-m", "flashinfer_lite", "serve", *STORIES_FLAGS, "--dram-budget", "1M",
+                        "--port", "0"], capture_output=True, timeout=300, env=dict(os.environ, **cache_env))
+    err = r.stderr.decode()
+    assert r.returncode == 1 and err.strip().splitlines()[-1].startswith("error: DRAM budget"), err
+    return math.ceil(float(re.search(r"below the minimum ([\d.]+) MiB", err).group(1))) + 16
+
+
+@pytest.fixture(scope="module")
+def flags(budget_mib):
+    return STORIES_FLAGS + ["--dram-budget", f"{budget_mib}M"]
+
+
+@pytest.fixture(scope="module")
+def stories(flags, cache_env):
+    with serving(*flags, env=cache_env) as s:
         yield s
 
 
@@ -135,10 +150,10 @@ def stories_chat(tmp_path_factory):
         yield s
 
 
-def test_greedy_completions_equal_generate_and_extend_the_cache(stories, cache_env):
+def test_greedy_completions_equal_generate_and_extend_the_cache(stories, flags, cache_env):
     first, second = "Once upon a time", "Once upon a time there was a big dog"   # the second extends the first
     for prompt, n in ((first, 24), (second, 20)):
-        want = generate_json(STORIES_FLAGS, prompt, n, env=cache_env)
+        want = generate_json(flags, prompt, n, env=cache_env)
         r = stories.client.completions.create(model="stories260K", prompt=prompt, max_tokens=n, temperature=0)
         assert r.choices[0].text == want["text"]
         assert r.choices[0].finish_reason == "length"
@@ -257,12 +272,12 @@ def test_default_model_chat_equals_generate(smollm2_gguf):
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(want["prompt_tokens"]), len(want["tokens"]))
 
 
-def test_load_8_clients_40_requests(stories, cache_env):
+def test_load_8_clients_40_requests(stories, flags, budget_mib, cache_env):
     """8 concurrent clients, 40 requests: streamed, whole, and streams dropped after two pieces. Every finished
     answer is generate's, none is lost, /health answers throughout, peak RSS stays within --dram-budget."""
     prompts = ["Once upon a time", "Once upon a time there was a big dog", "The little cat"]
     n = 16
-    want = {p: generate_json(STORIES_FLAGS, p, n, env=cache_env)["text"] for p in prompts}
+    want = {p: generate_json(flags, p, n, env=cache_env)["text"] for p in prompts}
 
     def one(i: int):
         prompt, kind = prompts[i % len(prompts)], ("stream", "whole", "drop", "whole")[i % 4]
@@ -293,4 +308,34 @@ def test_load_8_clients_40_requests(stories, cache_env):
             assert text == want[prompt], (kind, prompt)
     assert stories.health()["status"] == "ok"
     peak = stories.peak_rss_bytes()
-    assert peak <= BUDGET_MIB << 20, f"peak RSS {peak / 2**20:.1f} MiB > {BUDGET_MIB} MiB\n{stories.stderr()}"
+    assert peak <= budget_mib << 20, f"peak RSS {peak / 2**20:.1f} MiB > {budget_mib} MiB\n{stories.stderr()}"
+    print(f"peak RSS {peak / 2**20:.1f} MiB, budget {budget_mib} MiB")
+
+
+def test_a_taken_port_is_one_line_before_the_model_loads():
+    import socket
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "flashinfer_lite", "serve", "-m", str(STORIES), "--port", str(port)],
+                           capture_output=True, timeout=120, cwd=REPO)
+    err = r.stderr.decode().strip().splitlines()
+    assert r.returncode == 1 and len(err) == 1 and err[0].startswith(f"error: cannot listen on 127.0.0.1:{port}"), err
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text("abc", max_size=30), cuts=st.lists(st.integers(0, 30), max_size=8),
+       stops=st.lists(st.text("abc", max_size=4), max_size=3))
+def test_stop_strings_against_str_find(text, cuts, stops):
+    """Any text in any pieces: what StopStrings lets through, flushed, is the text before the first stop string."""
+    from flashinfer_lite.tokenizer import StopStrings
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    cut = StopStrings(stops)
+    shown = ""
+    for a, b in zip(bounds, bounds[1:]):
+        shown += cut.push(text[a:b])
+        if cut.stopped:
+            break
+    shown += cut.flush()
+    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    assert shown == text[:min(hits)] if hits else shown == text
+    assert cut.stopped == bool(hits) or len(bounds) == 1
