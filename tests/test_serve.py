@@ -5,7 +5,6 @@ import json
 import math
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import STORIES
+from conftest import STORIES, stories_with_chat_template
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
@@ -31,8 +30,6 @@ REPO = Path(__file__).resolve().parents[1]
 # The stories server runs the flash path under a budget: its FFN read through the neuron cache (--ffn oracle), so
 # --dram-budget applies; --ignore-eos makes every answer max_tokens long, so a stopped generation is visible.
 STORIES_FLAGS = ["-m", str(STORIES), "--ffn", "oracle", "-c", "256", "--ignore-eos"]
-TEMPLATE = ("{% for m in messages %}{{ bos_token if loop.first else '' }}[{{ m['role'] }}] {{ m['content'] }}\n"
-            "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
 
 
 class Served:
@@ -141,10 +138,7 @@ def stories(flags, cache_env):
 @pytest.fixture(scope="module")
 def stories_chat(tmp_path_factory):
     """stories260K with a chat template, served dense."""
-    d = shutil.copytree(STORIES, tmp_path_factory.mktemp("chat") / "stories-chat")
-    os.chmod(d / "tokenizer_config.json", 0o644)
-    cfg = json.loads((d / "tokenizer_config.json").read_text())
-    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TEMPLATE}))
+    d = stories_with_chat_template(tmp_path_factory.mktemp("chat") / "stories-chat")
     with serving("-m", str(d)) as s:
         s.model_dir = d
         yield s
