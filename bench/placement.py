@@ -145,7 +145,7 @@ def raw_grid(path: Path, size: int, threads: list[int], seconds: float) -> list[
     for name, stride in STRIDES.items():
         for t in threads:
             drop_caches(path)
-            with BundleReader(synthetic_layout(path, stride, size), threads=t, coalesce_gap=-1) as r:
+            with BundleReader(synthetic_layout(path, stride, size), threads=t, coalesce_gap=-1, engine="threads") as r:
                 assert r.direct, "O_DIRECT refused: put --dir on a real device"
                 m = measure(r, size // stride, FFN // 10, seconds, rng)
             rows.append({"bundle": name, "stride": stride, "threads": t,

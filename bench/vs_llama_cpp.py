@@ -13,7 +13,7 @@ compute threads (default 2), greedy:
                     spin between ops, which costs it several times its speed when other processes share the cores
   flash-dense       flashinfer-lite --ffn dense on the GGUF: every weight in DRAM in the GGUF's blocks (uncapped only)
   flash-auto        flashinfer-lite --ffn auto on FLASHDIR, what `generate` runs by default: the whole model fits, so
-                    dense over the FLASHDIR's own blocks (runtime.ResidentFFN) (uncapped only)
+                    dense over the FLASHDIR's own blocks (ffn.resident.ResidentFFN) (uncapped only)
   flash-predicted   flashinfer-lite --ffn predicted on FLASHDIR: --dram-budget auto uncapped, cap - --slack under a cap
 Caps (--caps, comma-separated):
   none       uncapped (the cgroup limit is physical RAM)

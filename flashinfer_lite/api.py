@@ -1,6 +1,7 @@
 """The Python API in mlx-lm's shape: load() returns (model, tokenizer); generate() returns text; stream_generate()
-yields one response per token. It runs the same code as `flashinfer-lite generate` (choose_ffn, open_model,
-Session.generate, Sampler, StreamDecoder): one decode loop for the CLI and the API."""
+yields one response per token; make_prompt_cache() keeps a KV cache across calls. It runs the same code as
+`flashinfer-lite generate` (choose_ffn, open_model, Session.generate, Sampler, StreamDecoder): one decode loop for the
+CLI, the API and `flashinfer-lite serve`."""
 from __future__ import annotations
 
 import time
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from .budget import peak_rss_bytes
-from .generate import Sampler, Session, context_size, open_model, prompt_ids
+from .generate import Sampler, Session, Timings, context_size, open_model, prompt_ids
 from .model import Transformer
 from storage.tokenizer import StreamDecoder, Tokenizer, check_utf8
 
@@ -28,7 +29,7 @@ class GenerationResponse:
     """One step of stream_generate: the new text piece (may be "" while a character's bytes are incomplete)."""
     text: str
     token: int
-    prompt_tokens: int
+    prompt_tokens: int       # prompt tokens evaluated (not those whose KV a prompt_cache already held)
     prompt_tps: float        # prompt tokens per second
     generation_tokens: int   # tokens sampled so far, this one included
     generation_tps: float    # decode tokens per second so far (forward passes after the prompt)
@@ -48,20 +49,36 @@ def load(path: str | None = None, dram_budget: int | str = "auto", ffn: str = "a
     return Model(transformer, runtime, context_size(args, transformer), load_ms), tokenizer
 
 
-def stream_generate(model: Model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: int = 256,
+def make_prompt_cache(model: Model, tokenizer: Tokenizer) -> Session:
+    """A KV cache kept across stream_generate calls (mlx-lm's make_prompt_cache): a call whose prompt extends the last
+    call's prompt and output evaluates only what it adds, as `flashinfer-lite chat` does between turns."""
+    return Session(model.transformer, tokenizer, model.ctx)
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int] | list[dict], system_prompt: str | None = None,
+                  use_chat_template: bool = True) -> tuple[list[int], bool]:
+    """(ids, raw) for a prompt: a str gets the chat template when the model has one (as the CLI does), a list of
+    {"role", "content"} messages always gets it, a list of ids is fed as is. raw: the output continues the prompt's
+    text, so its first piece is decoded after the prompt's last ids (keeping a SentencePiece leading space)."""
+    if isinstance(prompt, str):
+        check_utf8(prompt, "prompt")
+        return prompt_ids(tokenizer, prompt, system_prompt, use_chat_template), \
+            not (use_chat_template and tokenizer.chat_template)
+    if prompt and all(isinstance(m, dict) for m in prompt):
+        return tokenizer.encode_chat(list(prompt)), False
+    return [int(i) for i in prompt], True
+
+
+def stream_generate(model: Model, tokenizer: Tokenizer, prompt: str | list[int] | list[dict], max_tokens: int = 256,
                     temp: float = 0.0, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, seed: int = -1,
                     repeat_penalty: float = 1.0, repeat_last_n: int = 64,
                     system_prompt: str | None = None, use_chat_template: bool = True,
-                    ignore_eos: bool = False) -> Iterator[GenerationResponse]:
-    """Yield a GenerationResponse per sampled token. A str prompt gets the chat template when the model has one (as
-    the CLI does); a list of ids is fed as is. temp 0 = greedy (mlx-lm's default)."""
-    if isinstance(prompt, str):
-        check_utf8(prompt, "prompt")
-        ids = prompt_ids(tokenizer, prompt, system_prompt, use_chat_template)
-        raw = not (use_chat_template and tokenizer.chat_template)
-    else:
-        ids, raw = [int(i) for i in prompt], True
-    session = Session(model.transformer, tokenizer, model.ctx)
+                    ignore_eos: bool = False, prompt_cache: Session | None = None) -> Iterator[GenerationResponse]:
+    """Yield a GenerationResponse per sampled token (encode_prompt says how the prompt is read). temp 0 = greedy
+    (mlx-lm's default). prompt_cache (make_prompt_cache): reuse its KV cache; its timings are this call's."""
+    ids, raw = encode_prompt(tokenizer, prompt, system_prompt, use_chat_template)
+    session = prompt_cache or Session(model.transformer, tokenizer, model.ctx)
+    session.timings = Timings()
     stream = StreamDecoder(tokenizer, ids[-StreamDecoder.CONTEXT_IDS:] if raw else [])
     t = session.timings
     n = 0

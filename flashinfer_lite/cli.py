@@ -13,6 +13,7 @@ from storage.errors import Reported, UserError
 COMMANDS = {
     "generate": ("flashinfer_lite.generate", "generate text from one prompt"),
     "chat": ("flashinfer_lite.chat", "chat with a model, keeping the conversation across turns"),
+    "serve": ("flashinfer_lite.serve", "serve a model over HTTP with the OpenAI API (chat and text completions)"),
     "convert": ("storage.convert", "convert an HF directory or GGUF file into the flash layout"),
     "verify": ("storage.verify", "check a flash directory's checksums"),
     "flash-bench": ("storage.flash_bench", "profile flash read bandwidth (chunk size x threads) and tune the reader"),

@@ -141,9 +141,7 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | str | None = None,
                        threads=threads, verbose=verbose,
                        lookahead=lookahead_selector(cfg, weights, predictors) if lookahead else None)
     if verbose:
-        r = runtime.reader
-        print(f"reader: {r.threads} threads, coalescing gap {r.coalesce_gap} rows, O_DIRECT {r.direct}; "
-              f"settings from the {r.settings_source}", file=sys.stderr)
+        print(runtime.reader.describe(), file=sys.stderr)
     return Transformer(cfg, weights, ffn=runtime), tokenizer, runtime
 
 

@@ -1,9 +1,10 @@
-"""`flashinfer-lite flash-bench`: random-read bandwidth of the flash device, chunk size x threads (LLM in a Flash Fig. 2b).
+"""`flashinfer-lite flash-bench`: random-read bandwidth of the flash device, chunk size x reads in flight, for both
+reader engines: threads (1 read in flight per thread) and io_uring (queue depth) (LLM in a Flash Fig. 2b).
 
-Reads go through BundleReader (O_DIRECT, one persistent thread pool) on a scratch file, so the numbers are what the
-runtime can get, not what a C tool gets. From the table it saves a device profile (best threads and coalescing gap per
-request size, see storage/profile.py) that BundleReader uses by default. With -m FLASHDIR it also reads random neuron
-sets of that model's real bundles.
+Reads go through BundleReader (O_DIRECT) on a scratch file, so the numbers are what the runtime can get, not what a C
+tool gets; each cell also records the CPU seconds per GB it cost. From the table it saves a device profile (engine,
+queue depth, threads and coalescing gap per request size, see storage/profile.py) that BundleReader uses by default.
+With -m FLASHDIR it also reads random neuron sets of that model's real bundles.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import csv
 import json
 import math
 import os
+import resource
 import shutil
 import signal
 import sys
@@ -27,21 +29,25 @@ from .format import BUNDLE_ALIGN, FlashLayout, drop_from_page_cache, read_layout
 from storage.sizes import human, parse_size  # noqa: F401  (re-exported for bench scripts)
 
 from .cache import cache_dir
-from .profile import device_key, save_profile
+from .profile import DEFAULT_DEPTH, DEFAULT_THREADS, device_key, save_profile
+from . import uring
 from .reader import BundleReader, aligned_empty
 
 DEST_BYTES = 64 << 20          # destination buffer per measurement
-OPS_PER_THREAD = 32            # reads per thread per call: amortises the hand-off to the pool
+OPS_PER_THREAD = 32            # reads per thread (or per ring slot) per call: amortises the hand-off
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", default=".", help="directory on the device to measure (scratch file goes here)")
     parser.add_argument("--size", default="2GiB", help="scratch file size (default 2GiB)")
     parser.add_argument("--chunks", default="4K,16K,64K,256K,1M", help="read sizes, multiples of 512")
-    parser.add_argument("--threads", default="1,2,4,8,16,32", help="reader thread counts")
-    parser.add_argument("--seconds", type=float, default=1.0, help="measuring time per (chunk, threads) cell")
+    parser.add_argument("--threads", default="1,2,4,8,16,32", help="thread counts of the thread engine")
+    parser.add_argument("--depths", default="8,16,32,64,128",
+                        help="queue depths of the io_uring engine (skipped where the kernel refuses io_uring)")
+    parser.add_argument("--seconds", type=float, default=1.0, help="measuring time per cell")
     parser.add_argument("-m", "--model", help="also read random neuron sets of this flash directory")
     parser.add_argument("--out", help="where CSV/JSON/PNG go (default: <cache dir>/flash-bench)")
     parser.add_argument("--quick", action="store_true",
-                        help="smoke test: 64MiB file, 3 chunks, 2 thread counts, 0.2 s; never saves the profile")
+                        help="smoke test: 64MiB file, 3 chunks, 2 thread counts, 2 depths, 0.2 s; never saves the "
+                             "profile")
     parser.add_argument("--no-save-profile", action="store_true", help="do not write the device profile")
 
 
@@ -106,35 +112,54 @@ def measure(reader: BundleReader, n_bundles: int, batch: int, seconds: float, rn
     return {"requested_bytes": requested, "read_bytes": read, "n_reads": n_reads, "calls": calls, "seconds": el}
 
 
-def bench_grid(path: Path, size: int, chunks: list[int], threads: list[int], seconds: float) -> list[dict]:
+def cpu_seconds() -> float:
+    """User + system CPU of this process, all threads (the thread engine's and the kernel's work for our reads)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def bench_grid(path: Path, size: int, chunks: list[int], threads: list[int], seconds: float,
+               depths: list[int] = ()) -> list[dict]:
+    """One row per (chunk, engine, threads or depth): MB/s, IOPS and CPU seconds per GB of random reads."""
     rng = np.random.default_rng(1)
     rows = []
-    cells = [(c, t) for c in chunks for t in threads]
-    for c, t in tqdm(cells, desc="flash-bench", unit="cell", file=sys.stderr, leave=False):
+    cells = [(c, "threads", t) for c in chunks for t in threads] + [(c, "io_uring", d) for c in chunks for d in depths]
+    for c, engine, n in tqdm(cells, desc="flash-bench", unit="cell", file=sys.stderr, leave=False):
         drop_caches(path)
-        with BundleReader(synthetic_layout(path, c, size), threads=t, coalesce_gap=-1) as r:
+        with BundleReader(synthetic_layout(path, c, size), threads=n, depth=n, engine=engine, coalesce_gap=-1) as r:
             if not r.direct:
                 raise UserError(f"{path.parent}: O_DIRECT is refused here (tmpfs?); flash-bench measures devices")
-            batch = max(t, min(t * OPS_PER_THREAD, DEST_BYTES // c, size // c // 4))
+            batch = max(n, min(n * OPS_PER_THREAD, DEST_BYTES // c, size // c // 4))
+            cpu0 = cpu_seconds()
             m = measure(r, size // c, batch, seconds, rng)
-        rows.append({"chunk": c, "threads": t, "MBps": m["read_bytes"] / m["seconds"] / 1e6,
-                     "IOPS": m["n_reads"] / m["seconds"], "reads": m["n_reads"], "seconds": m["seconds"]})
+            cpu = cpu_seconds() - cpu0
+        rows.append({"chunk": c, "engine": engine, "threads": n if engine == "threads" else 0,
+                     "depth": n if engine == "io_uring" else 0, "MBps": m["read_bytes"] / m["seconds"] / 1e6,
+                     "IOPS": m["n_reads"] / m["seconds"], "reads": m["n_reads"], "seconds": m["seconds"],
+                     "cpu_s_per_GB": cpu / max(m["read_bytes"], 1) * 1e9})
     return rows
 
 
 def derive_profile(rows: list[dict]) -> list[dict]:
-    """Per chunk: the fewest threads within 5% of the best MB/s, and the widest gap worth reading through.
+    """Per chunk: the engine setting within 5% of the best MB/s that costs the least CPU (then the fewest reads in
+    flight), the fewest threads within 5% of the best thread cell (the fallback's), and the widest gap worth reading
+    through.
 
     A request of s bytes occupies the device for time(s) = 1 / IOPS(s) at the best thread count. Reading two
     bundles of size c and the g bytes between them as one request pays off while time(2c + g) <= 2 time(c).
     time(s) is interpolated in log2(s) between measured chunks and extended linearly in s (bandwidth bound) past them.
     """
-    best = {}
+    best, fewest_threads = {}, {}
     for c in sorted({r["chunk"] for r in rows}):
         cands = [r for r in rows if r["chunk"] == c]
         top = max(r["MBps"] for r in cands)
-        pick = min((r for r in cands if r["MBps"] >= 0.95 * top), key=lambda r: r["threads"])
-        best[c] = pick
+        # Within 5% of the best: the cheapest in CPU, then the fewest reads in flight.
+        best[c] = min((r for r in cands if r["MBps"] >= 0.95 * top),
+                      key=lambda r: (r.get("cpu_s_per_GB", 0.0), r["threads"] or r.get("depth", 0)))
+        pool = [r for r in cands if r.get("engine", "threads") == "threads"]
+        if pool:   # the fallback's setting, should the kernel refuse io_uring later
+            top = max(r["MBps"] for r in pool)
+            fewest_threads[c] = min(r["threads"] for r in pool if r["MBps"] >= 0.95 * top)
     sizes = sorted(best)
     log_s = np.log2(sizes)
     t_req = np.array([1.0 / max(best[c]["IOPS"], 1e-9) for c in sizes])
@@ -149,8 +174,10 @@ def derive_profile(rows: list[dict]) -> list[dict]:
         g = 0
         while g + c <= 256 * c and time_of(2 * c + (g + c)) <= 2 * time_of(c):
             g += c     # one more bundle of gap still pays off
-        entries.append({"chunk": c, "threads": best[c]["threads"], "gap_bytes": g, "MBps": round(best[c]["MBps"], 1),
-                        "IOPS": round(best[c]["IOPS"], 1)})
+        b = best[c]
+        entries.append({"chunk": c, "engine": b.get("engine", "threads"),
+                        "threads": fewest_threads.get(c, DEFAULT_THREADS), "depth": b.get("depth") or DEFAULT_DEPTH,
+                        "gap_bytes": g, "MBps": round(b["MBps"], 1), "IOPS": round(b["IOPS"], 1)})
     return entries
 
 
@@ -171,7 +198,8 @@ def bench_model(flashdir, seconds: float) -> list[dict]:
                     m = measure(r, layout.n_neurons[layer], batch, per_layer, rng, layer)
                     for k in tot:
                         tot[k] += m[k]
-                rows.append({"fraction": frac, "mode": label, "threads": r.threads, "coalesce_gap": r.coalesce_gap,
+                rows.append({"fraction": frac, "mode": label, "engine": r.engine, "threads": r.threads,
+                             "depth": getattr(r._engine, "depth", 0), "coalesce_gap": r.coalesce_gap,
                              "neurons_per_call": batch, "stride": layout.stride,
                              "useful_MBps": round(tot["requested_bytes"] / tot["seconds"] / 1e6, 1),
                              "read_MBps": round(tot["read_bytes"] / tot["seconds"] / 1e6, 1),
@@ -181,18 +209,28 @@ def bench_model(flashdir, seconds: float) -> list[dict]:
     return rows
 
 
-def print_table(rows: list[dict], chunks: list[int], threads: list[int]) -> None:
-    cell = {(r["chunk"], r["threads"]): r for r in rows}
-    print("MB/s (IOPS) of random O_DIRECT reads, chunk x threads")
-    print(f"{'chunk':>6} " + " ".join(f"{f'{t} thr':>17}" for t in threads))
+def columns(rows: list[dict]) -> list[tuple[str, int]]:
+    """(engine, threads or depth) of the grid, thread cells first."""
+    return sorted({(r.get("engine", "threads"), r["threads"] or r.get("depth", 0)) for r in rows},
+                  key=lambda k: (k[0] != "threads", k[1]))
+
+
+def label(col: tuple[str, int]) -> str:
+    return f"{col[1]} thr" if col[0] == "threads" else f"ring {col[1]}"
+
+
+def print_table(rows: list[dict], chunks: list[int]) -> None:
+    cols = columns(rows)
+    cell = {(r["chunk"], r.get("engine", "threads"), r["threads"] or r.get("depth", 0)): r for r in rows}
+    print("MB/s (IOPS) of random O_DIRECT reads, chunk x (threads | io_uring queue depth)")
+    print(f"{'chunk':>6} " + " ".join(f"{label(k):>17}" for k in cols))
     for c in chunks:
         print(f"{human(c):>6} " + " ".join(
-            f"{cell[c, t]['MBps']:8.1f} ({cell[c, t]['IOPS']:6.0f})" for t in threads))
+            f"{cell[c, e, n]['MBps']:8.1f} ({cell[c, e, n]['IOPS']:6.0f})" for e, n in cols))
 
 
-def plot(rows: list[dict], chunks: list[int], threads: list[int], png: Path, entries: list[dict] | None = None,
-         title: str = "") -> bool:
-    """MB/s per chunk size, one line per thread count; a star on the setting the profile chose for each chunk."""
+def plot(rows: list[dict], chunks: list[int], png: Path, entries: list[dict] | None = None, title: str = "") -> bool:
+    """MB/s per chunk size, one line per thread count and queue depth; a star on the setting the profile chose."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -200,21 +238,24 @@ def plot(rows: list[dict], chunks: list[int], threads: list[int], png: Path, ent
     except ImportError:
         print("matplotlib is not installed: skipping the chart (pip install 'flashinfer-lite[plot]')", file=sys.stderr)
         return False
-    cell = {(r["chunk"], r["threads"]): r["MBps"] for r in rows}
+    cell = {(r["chunk"], r.get("engine", "threads"), r["threads"] or r.get("depth", 0)): r["MBps"] for r in rows}
     fig, ax = plt.subplots(figsize=(6, 4))
-    for t in threads:
-        ax.plot([c / 1024 for c in chunks], [cell[c, t] for c in chunks], marker="o", label=f"{t} threads")
+    for e, n in columns(rows):
+        ax.plot([c / 1024 for c in chunks], [cell[c, e, n] for c in chunks], marker="o",
+                linestyle="-" if e == "threads" else "--", label=label((e, n)))
     if entries:
-        chosen = [(e["chunk"], e["threads"]) for e in entries if (e["chunk"], e["threads"]) in cell]
-        ax.plot([c / 1024 for c, _ in chosen], [cell[k] for k in chosen], linestyle="none", marker="*",
-                markersize=14, color="black", label="chosen (threads per chunk)")
-        for c, t in chosen:
-            ax.annotate(f"{t}", (c / 1024, cell[c, t]), textcoords="offset points", xytext=(6, 6), fontsize=8)
+        chosen = [(e["chunk"], e["engine"], e["threads"] if e["engine"] == "threads" else e["depth"])
+                  for e in entries]
+        chosen = [k for k in chosen if k in cell]
+        ax.plot([c / 1024 for c, _, _ in chosen], [cell[k] for k in chosen], linestyle="none", marker="*",
+                markersize=14, color="black", label="chosen per chunk")
+        for k in chosen:
+            ax.annotate(label(k[1:]), (k[0] / 1024, cell[k]), textcoords="offset points", xytext=(6, 6), fontsize=8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("chunk size (KiB)")
     ax.set_ylabel("random read MB/s")
     ax.set_title(title or "flash random-read bandwidth (O_DIRECT)", fontsize=9)
-    ax.legend()
+    ax.legend(fontsize=7, ncol=2)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
@@ -229,6 +270,7 @@ def _interrupt(signum, frame):
 def run(args) -> int:
     if args.quick:
         args.size, args.chunks, args.threads, args.seconds = "64MiB", "4K,64K,1M", "1,4", min(args.seconds, 0.2)
+        args.depths = "8,64"
     size = parse_size(args.size)
     chunks = sorted({parse_size(c) for c in args.chunks.split(",") if c.strip()})
     try:
@@ -239,6 +281,12 @@ def run(args) -> int:
         raise UserError(f"--chunks must be positive multiples of {BUNDLE_ALIGN} bytes, got {args.chunks!r}")
     if not threads or min(threads) < 1 or max(threads) > 256:
         raise UserError("--threads must be between 1 and 256")
+    try:
+        depths = sorted({int(t) for t in args.depths.split(",") if t.strip()})
+    except ValueError:
+        raise UserError(f"--depths must be a comma-separated list of integers, got {args.depths!r}")
+    if depths and (min(depths) < 1 or max(depths) > 4096):
+        raise UserError("--depths must be between 1 and 4096")
     if args.seconds <= 0:
         raise UserError("--seconds must be positive")
     size = size // max(chunks) * max(chunks)
@@ -256,12 +304,16 @@ def run(args) -> int:
     old_term = signal.signal(signal.SIGTERM, _interrupt)
     try:
         write_scratch(scratch, size)
-        rows = bench_grid(scratch, size, chunks, threads, args.seconds)
+        refused = uring.refused() if depths else ""
+        if refused:
+            print(f"{refused}: measuring the thread engine only", file=sys.stderr)
+            depths = []
+        rows = bench_grid(scratch, size, chunks, threads, args.seconds, depths)
     finally:   # also on Ctrl-C / SIGTERM: never leave gigabytes behind
         scratch.unlink(missing_ok=True)
         signal.signal(signal.SIGTERM, old_term)
 
-    print_table(rows, chunks, threads)
+    print_table(rows, chunks)
     entries = derive_profile(rows)
     result = {"dir": str(d.resolve()), "device": device_key(d), "size": size, "seconds": args.seconds,
               "grid": rows, "profile": entries}
@@ -271,8 +323,9 @@ def run(args) -> int:
         p = save_profile(d, {"dir": str(d.resolve()), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
                              "entries": entries})
         print(f"device profile saved to {p}")
-    print("profile (chunk: threads, coalescing gap): " + ", ".join(
-        f"{human(e['chunk'])}: {e['threads']} thr, gap {human(e['gap_bytes'])}" for e in entries))
+    print("profile (chunk: engine, coalescing gap): " + ", ".join(
+        f"{human(e['chunk'])}: " + (f"io_uring depth {e['depth']}" if e["engine"] == "io_uring" else
+                                    f"{e['threads']} thr") + f", gap {human(e['gap_bytes'])}" for e in entries))
     if args.model:
         result["model"] = {"flashdir": str(args.model), "reads": bench_model(args.model, args.seconds)}
         print(f"random neuron sets of {args.model}:")
@@ -288,7 +341,7 @@ def run(args) -> int:
     title = (f"random O_DIRECT reads on {d.resolve()}\ndevice {result['device']}, {size / 2**20:.0f} MiB file, "
              f"{args.seconds:g} s per cell, {time.strftime('%Y-%m-%d %H:%M')}"
              + (", --quick (profile not saved)" if args.quick else ""))
-    charted = plot(rows, chunks, threads, out / "flash_bench.png", entries, title)
+    charted = plot(rows, chunks, out / "flash_bench.png", entries, title)
     print(f"wrote {out / 'flash_bench.csv'}, {out / 'flash_bench.json'}" + (
         f", {out / 'flash_bench.png'}" if charted else ""))
     return 0

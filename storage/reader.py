@@ -2,13 +2,18 @@
 
 Why it is built this way:
 - O_DIRECT: the page cache would hide the flash cost we are budgeting, and would double the DRAM used for weights.
-- A persistent pool of threads, each looping over its own batch of os.preadv calls: Python dispatch per read (one
-  executor future each) caps at ~25k IOPS, while per-thread batches keep the device queue full from 16 KiB up.
-- Coalescing: bundles whose file gap is at most `coalesce_gap` bundles are fetched by one preadv whose iovecs scatter
-  into the destination rows; gap bundles land in a scratch buffer and count as over-read.
+- io_uring (storage/uring.py): a request's reads go into one ring with a few numpy operations and one system call,
+  so a small-request device sees its full queue depth (64+) at a fraction of a core, and no thread switches.
+- Fallback where io_uring is refused: a persistent pool of threads, each looping over its own batch of preadv calls
+  (Python dispatch per read, one executor future each, caps at ~25k IOPS); it keeps only `threads` reads in flight.
+- Coalescing: bundles whose file gap is at most `coalesce_gap` bundles are fetched by one readv whose iovecs scatter
+  into the destination rows; gap bundles land in a scratch buffer and count as over-read. Both engines run the
+  same plan (ReadPlan), with the same retry (once) and the same errors.
 """
 from __future__ import annotations
 
+import collections
+import ctypes
 import errno
 import os
 import queue
@@ -22,8 +27,9 @@ import numpy as np
 from storage.errors import UserError
 
 from .format import BUNDLE_ALIGN, FlashLayout, drop_from_page_cache, read_layout
-from .profile import reader_defaults
+from .profile import ENGINES, reader_defaults
 from .stats import FlashStats
+from .uring import Ring, unavailable
 
 IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
 _warned_buffered = False
@@ -73,42 +79,52 @@ class BundleReader:
 
     dest: uint8 [slots, stride], C-contiguous, base 512-aligned (use aligned_empty, above).
     Bundle ids are positions in the file; layout.order[layer][bundle_id] is the original neuron id.
-    threads / coalesce_gap (in bundles; < 0 disables coalescing, 0 merges only adjacent bundles) default to the
-    device profile saved by `flashinfer-lite flash-bench`, else to built-in defaults.
+    engine ("io_uring" or "threads"), depth (io_uring reads in flight), threads (the thread engine's) and
+    coalesce_gap (in bundles; < 0 disables coalescing, 0 merges only adjacent bundles) default to the device profile
+    saved by `flashinfer-lite flash-bench`, else to built-in defaults. Where the kernel refuses io_uring (old
+    kernels, sandboxes, not Linux on x86-64) the reader uses threads and says why in describe().
     """
 
     def __init__(self, layout_or_flashdir, threads: int | None = None, coalesce_gap: int | None = None,
-                 max_read_bytes: int = 1 << 20):
+                 max_read_bytes: int = 1 << 20, engine: str | None = None, depth: int | None = None):
         self.layout = layout_or_flashdir if isinstance(layout_or_flashdir, FlashLayout) \
             else read_layout(layout_or_flashdir)
         self.path = self.layout.ffn_path
         stride = self.layout.stride
-        prof_threads, prof_gap_bytes, self.settings_source = reader_defaults(self.path, stride)
-        self.threads = max(1, int(threads if threads is not None else prof_threads))
-        self.coalesce_gap = int(coalesce_gap if coalesce_gap is not None else prof_gap_bytes // stride)
+        prof = reader_defaults(self.path, stride)
+        self.settings_source = prof.source
+        self.threads = max(1, int(threads if threads is not None else prof.threads))
+        self.coalesce_gap = int(coalesce_gap if coalesce_gap is not None else prof.gap_bytes // stride)
+        engine = engine or prof.engine
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, not {engine!r}")
         # A dense run is still split so that a big request spreads over the threads.
         self.max_read_bundles = max(1, max_read_bytes // stride)
         self.fd, self.direct = open_for_reads(self.path)
         self._scratch = aligned_empty((max(self.coalesce_gap, 1) * stride,), np.uint8)
-        self._scratch_mv = memoryview(self._scratch)
-        self._jobs: list[queue.SimpleQueue] = []
-        self._workers: list[threading.Thread] = []
-        for i in range(self.threads):   # all preadv calls happen here, so the caller is free while a read is in flight
-            q = queue.SimpleQueue()
-            # The threads hold no reference to self, so an unclosed reader is still collected (and closed).
-            t = threading.Thread(target=_worker, args=(q,), name=f"BundleReader-{i}", daemon=True)
-            t.start()
-            self._jobs.append(q)
-            self._workers.append(t)
-        self._lock = threading.Lock()       # read_ops uses the shared scratch views; requests queue in order
+        self._lock = threading.Lock()       # read_ops plans from any thread
+        self.fallback_reason = ""
+        self._engine = None
+        if engine == "io_uring":
+            try:
+                self._engine = RingQueue(self.fd, max(1, int(depth if depth is not None else prof.depth)))
+            except OSError as e:
+                self.fallback_reason = unavailable(e)
+        if self._engine is None:
+            self._engine = ThreadPool(self.fd, self.threads)
+        self.engine = self._engine.name
+
+    def describe(self) -> str:
+        """One line: the engine and settings this reader uses, and where they come from."""
+        why = f" ({self.fallback_reason})" if self.fallback_reason else ""
+        return (f"reader: {self._engine.describe()}{why}, coalescing gap {self.coalesce_gap} rows, "
+                f"O_DIRECT {self.direct}; settings from the {self.settings_source}")
 
     # -- lifecycle ---------------------------------------------------------------------------------------------------
     def close(self) -> None:
-        for q in self._jobs:
-            q.put(None)
-        for t in self._workers:
-            t.join()
-        self._jobs, self._workers = [], []
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -126,8 +142,8 @@ class BundleReader:
             pass
 
     # -- read ops ----------------------------------------------------------------------------------------------------
-    def read_ops(self, layer: int, bundle_ids, dest: np.ndarray, slots) -> tuple[list, int, int]:
-        """Turn a request into preadv ops [(file offset, iovecs, nbytes)], requested bytes and read bytes."""
+    def read_ops(self, layer: int, bundle_ids, dest: np.ndarray, slots) -> tuple["ReadPlan", int, int]:
+        """Turn a request into readv ops (a ReadPlan), requested bytes and read bytes."""
         L = self.layout
         stride = L.stride
         if not 0 <= layer < L.n_layers:
@@ -141,7 +157,7 @@ class BundleReader:
         if dest.ctypes.data % BUNDLE_ALIGN:
             raise ValueError("dest must start on a 512-byte boundary (allocate it with storage.reader.aligned_empty)")
         if ids.size == 0:
-            return [], 0, 0
+            return ReadPlan.empty(), 0, 0
         n = L.n_neurons[layer]
         if ids.min() < 0 or ids.max() >= n:
             raise ValueError(f"bundle ids must be in 0..{n - 1} for layer {layer}")
@@ -158,122 +174,302 @@ class BundleReader:
         new_run[0] = True
         new_run[1:] = (step - 1 > gap) if gap >= 0 else True
 
-        mv = memoryview(dest).cast("B")
-        scratch = self._scratch_mv
-        base = L.offset[layer]
-        ops = []
-        read_bytes = 0
-        iov: list = []
-        run_start = prev = 0
-        cur_slot = cur_len = -1   # pending destination extent: cur_len rows starting at row cur_slot
-        for i, s, nr in zip(ids.tolist(), slots.tolist(), new_run.tolist()):
-            hole = i - prev - 1
-            # Close the current op at a run break, at IOV_MAX (pending extent + maybe a hole + the new row),
-            # or when it would grow past max_read_bundles.
-            if iov or cur_len > 0:
-                if nr or len(iov) + 3 > IOV_MAX or i + 1 - run_start > self.max_read_bundles:
-                    if cur_len > 0:
-                        iov.append(mv[cur_slot * stride:(cur_slot + cur_len) * stride])
-                    nbytes = (prev + 1 - run_start) * stride
-                    ops.append((base + run_start * stride, iov, nbytes))
-                    read_bytes += nbytes
-                    iov, cur_len, run_start = [], -1, i
-                elif hole > 0:
-                    iov.append(mv[cur_slot * stride:(cur_slot + cur_len) * stride])
-                    iov.append(scratch[:hole * stride])
-                    cur_len = -1
-            else:
-                run_start = i
-            if cur_len > 0 and s == cur_slot + cur_len:
-                cur_len += 1                      # next row of dest is also next in the file: one iovec
-            else:
-                if cur_len > 0:
-                    iov.append(mv[cur_slot * stride:(cur_slot + cur_len) * stride])
-                cur_slot, cur_len = s, 1
-            prev = i
-        iov.append(mv[cur_slot * stride:(cur_slot + cur_len) * stride])
-        nbytes = (prev + 1 - run_start) * stride
-        ops.append((base + run_start * stride, iov, nbytes))
-        read_bytes += nbytes
-        return ops, ids.size * stride, read_bytes
+        # An op starts at a run break, and every max_read_bundles bundles of file within a run (so that a big dense
+        # request still spreads over the queue).
+        run_first = ids[new_run][np.cumsum(new_run) - 1]
+        piece = (ids - run_first) // self.max_read_bundles
+        starts = new_run.copy()
+        starts[1:] |= piece[1:] != piece[:-1]
+        hole = np.zeros(ids.size, np.int64)
+        hole[1:] = step - 1
+        follows = np.zeros(ids.size, bool)
+        follows[1:] = np.diff(slots) == 1                   # the next row of dest is also next in the file
+        while True:
+            to_scratch = ~starts & (hole > 0)               # the hole before this bundle is read into scratch
+            new_extent = starts | to_scratch | ~follows     # this bundle begins a new destination extent
+            # The plan's iovecs in file order: per bundle, its hole (if read), then its extent (if it begins one).
+            has = np.empty(2 * ids.size, bool)
+            has[0::2], has[1::2] = to_scratch, new_extent
+            ahead = np.cumsum(has) - has
+            op_first = ahead[2 * np.flatnonzero(starts)]
+            if np.diff(np.append(op_first, has.sum())).max() <= IOV_MAX:
+                break
+            # Thousands of scattered rows in one run: also start an op every IOV_MAX - 2 iovecs (one more iovec
+            # at most per new start: the extent it forces).
+            block = (ahead[1::2] - op_first[np.cumsum(starts) - 1]) // (IOV_MAX - 2)
+            starts[1:] |= block[1:] != block[:-1]
+        s_idx = np.flatnonzero(starts)
+        e_idx = np.append(s_idx[1:], ids.size) - 1
+        e_at = np.flatnonzero(new_extent)
+        iov = np.empty((2 * ids.size, 2), np.uint64)
+        iov[0::2, 0], iov[0::2, 1] = self._scratch.ctypes.data, hole * stride
+        rows = iov[1::2]
+        rows[e_at, 0] = dest.ctypes.data + slots[e_at] * stride
+        rows[e_at, 1] = np.diff(np.append(e_at, ids.size)) * stride      # an extent runs to the next one
+        plan = ReadPlan(L.offset[layer] + ids[s_idx] * stride, (ids[e_idx] - ids[s_idx] + 1) * stride,
+                        np.append(op_first, has.sum()), iov[has], dest)
+        return plan, ids.size * stride, int(plan.nbytes.sum())
 
     # -- reading -----------------------------------------------------------------------------------------------------
     def submit(self, layer: int, bundle_ids, dest: np.ndarray, slots) -> "PendingRead":
         """Start a read and return at once; the rows are valid after .wait(). The caller computes meanwhile.
 
         bundle_ids and slots may be reused as soon as this returns (they are planned into iovecs here); dest rows
-        must not be touched until wait(). Requests from several submits queue on the same threads in order.
+        must not be touched until wait(). Requests from several submits share the threads or the ring in order.
         """
         t0 = time.perf_counter()
         with self._lock:
-            ops, requested, read_bytes = self.read_ops(layer, bundle_ids, dest, slots)
-        done: queue.SimpleQueue = queue.SimpleQueue()
-        k = min(self.threads, len(ops))
-        # Round-robin keeps the batches balanced in bytes for the mostly equal-sized ops of one request.
-        for w in range(k):
-            self._jobs[w].put((self.fd, self.direct, self.path, layer, ops[w::k], done))
-        return PendingRead(done, k, FlashStats(requested_bytes=requested, read_bytes=read_bytes), t0)
+            plan, requested, read_bytes = self.read_ops(layer, bundle_ids, dest, slots)
+        req = Request(self, layer, plan, FlashStats(requested_bytes=requested, read_bytes=read_bytes), t0)
+        if len(plan):
+            self._engine.start(req)
+        return PendingRead(req)
 
     def read(self, layer: int, bundle_ids, dest: np.ndarray, slots) -> FlashStats:
         return self.submit(layer, bundle_ids, dest, slots).wait()
 
+    def failure(self, req: "Request", k: int, got: int) -> UserError:
+        """The error for op k of a request whose retry returned `got` bytes (or -errno)."""
+        off, nbytes = int(req.plan.off[k]), int(req.plan.nbytes[k])
+        if got < 0:
+            return UserError(f"{self.path}: read of {nbytes} bytes at offset {off} (layer {req.layer}) "
+                             f"failed: {os.strerror(-got)}")
+        return UserError(f"{self.path}: short read at offset {off} (layer {req.layer}): got {got} of {nbytes} "
+                         f"bytes; the file is truncated or damaged")
+
+
+class ReadPlan:
+    """A request's readv ops: op k reads nbytes[k] at file offset off[k] into the iovecs iov[first[k]:first[k+1]]
+    (struct iovec pairs: address, length). Holds dest so the rows outlive every read into them."""
+
+    def __init__(self, off, nbytes, first, iov, dest):
+        self.off, self.nbytes, self.first, self.iov, self.dest = off, nbytes, first, iov, dest
+        self.iov_count = np.diff(first)
+        self.iov_addr = iov.ctypes.data + 16 * first[:-1].astype(np.uint64)
+
+    @classmethod
+    def empty(cls) -> "ReadPlan":
+        return cls(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros((0, 2), np.uint64),
+                   None)
+
+    def __len__(self) -> int:
+        return len(self.off)
+
+
+class Request:
+    """One submit's progress: ops left, reads made (retries included), the first error, when the last op ended."""
+
+    def __init__(self, reader: BundleReader, layer: int, plan: ReadPlan, stats: FlashStats, t0: float):
+        self.reader, self.layer, self.plan, self.stats, self.t0 = reader, layer, plan, stats, t0
+        self.left, self.error, self.t_end = len(plan), None, t0
+        self.done = threading.Event()
+        self.lock = threading.Lock()          # the thread engine's workers finish ops of one request concurrently
+        self.serial = 0                       # the ring engine's name for it in completion tags
+
+    def finish(self, k: np.ndarray, got: np.ndarray, n_reads: int) -> None:
+        """Ops k are done, each having read got bytes (or -errno) on its last try; n_reads counts the tries."""
+        self.stats.n_reads += n_reads
+        plan, reader = self.plan, self.reader
+        bad = got != plan.nbytes[k]
+        if not reader.direct:
+            for off, n in zip(plan.off[k].tolist(), plan.nbytes[k].tolist()):
+                drop_from_page_cache(reader.fd, off, n)
+        if bad.any() and self.error is None:
+            self.error = reader.failure(self, int(k[bad][0]), int(got[bad][0]))
+        self.left -= len(k)
+        if not self.left:
+            self.t_end = time.perf_counter()
+            self.done.set()
+
 
 class PendingRead:
-    """A read in flight: wait() blocks until every batch finished and returns its FlashStats (the reader's fields;
-    io_s = submit to last batch done, the I/O time, whether or not the caller was waiting)."""
+    """A read in flight: wait() blocks until every op finished and returns its FlashStats (the reader's fields;
+    io_s = submit to last op done, the I/O time, whether or not the caller was waiting)."""
 
-    def __init__(self, done: queue.SimpleQueue, n_batches: int, stats: FlashStats, t0: float):
-        self._done, self._left, self.stats, self._t0 = done, n_batches, stats, t0
-        self._end = t0
+    def __init__(self, req: Request):
+        self._req, self.stats = req, req.stats
 
     def wait(self) -> FlashStats:
-        err = None
-        while self._left:
-            n, e, t_end = self._done.get()
-            self._left -= 1
-            self.stats.n_reads += n
-            self._end = max(self._end, t_end)
-            err = err or e
-        self.stats.io_s = self._end - self._t0
-        if err is not None:
-            raise err
+        req = self._req
+        if req.left:
+            req.reader._engine.wait(req)
+        self.stats.io_s = req.t_end - req.t0
+        if req.error is not None:
+            raise req.error
         return self.stats
 
 
-def _worker(jobs: queue.SimpleQueue) -> None:
+class ThreadPool:
+    """The fallback engine: threads that each issue one blocking preadv at a time, in batches per request."""
+
+    name = "threads"
+
+    def __init__(self, fd: int, threads: int):
+        self.fd, self.threads = fd, threads
+        self._jobs: list[queue.SimpleQueue] = []
+        self._workers: list[threading.Thread] = []
+        for i in range(threads):   # all preadv calls happen here, so the caller is free while a read is in flight
+            q = queue.SimpleQueue()
+            # The threads hold no reference to the reader, so an unclosed reader is still collected (and closed).
+            t = threading.Thread(target=_worker, args=(q, fd), name=f"BundleReader-{i}", daemon=True)
+            t.start()
+            self._jobs.append(q)
+            self._workers.append(t)
+
+    def start(self, req: Request) -> None:
+        n = len(req.plan)
+        k = min(self.threads, n)
+        # Round-robin keeps the batches balanced in bytes for the mostly equal-sized ops of one request.
+        for w in range(k):
+            self._jobs[w].put((req, range(w, n, k)))
+
+    def wait(self, req: Request) -> None:
+        req.done.wait()
+
+    def describe(self) -> str:
+        return f"{self.threads} threads of preadv"
+
+    def close(self) -> None:
+        for q in self._jobs:
+            q.put(None)
+        for t in self._workers:
+            t.join()
+        self._jobs, self._workers = [], []
+
+
+def _worker(jobs: queue.SimpleQueue, fd: int) -> None:
     while True:
         job = jobs.get()
         if job is None:
             return
-        *batch, done = job
-        try:
-            n = _run_batch(*batch)
-            done.put((n, None, time.perf_counter()))
-        except BaseException as e:
-            done.put((0, e, time.perf_counter()))
+        req, ops = job
+        plan = req.plan
+        got, n_reads = [], 0
+        for k in ops:
+            for attempt in (0, 1):     # a short read or EIO gets one retry
+                n_reads += 1
+                try:
+                    n = _preadv(fd, int(plan.iov_addr[k]), int(plan.iov_count[k]), int(plan.off[k]))
+                except OSError as e:
+                    n = -(e.errno or errno.EIO)
+                if n == plan.nbytes[k]:
+                    break
+            got.append(n)
+        with req.lock:
+            req.finish(np.asarray(ops), np.array(got, np.int64), n_reads)
 
 
-def _run_batch(fd: int, direct: bool, path: Path, layer: int, ops: list) -> int:
-    """Issue the preadv ops one after another; returns the number of calls made."""
-    n_reads = 0
-    for off, iov, nbytes in ops:
-        for attempt in (0, 1):   # a short read or EIO gets one retry
-            n_reads += 1
-            try:
-                got = os.preadv(fd, iov, off)
-            except OSError as e:
-                if attempt:
-                    raise UserError(f"{path}: read of {nbytes} bytes at offset {off} (layer {layer}) "
-                                    f"failed: {e.strerror}")
-                continue
-            if got == nbytes:
-                break
-            if attempt:
-                raise UserError(f"{path}: short read at offset {off} (layer {layer}): got {got} of {nbytes} "
-                                f"bytes; the file is truncated or damaged")
-        if not direct:
-            drop_from_page_cache(fd, off, nbytes)
-    return n_reads
+_libc = None
+
+
+def _preadv(fd: int, iov_addr: int, iov_count: int, offset: int) -> int:
+    """preadv(2) on a struct iovec array in memory (GIL released); bytes read, or OSError."""
+    global _libc
+    if _libc is None:
+        lib = ctypes.CDLL(None, use_errno=True)
+        lib.preadv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+        lib.preadv.restype = ctypes.c_ssize_t
+        _libc = lib
+    got = _libc.preadv(fd, iov_addr, iov_count, offset)
+    if got < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+    return got
+
+
+class RingQueue:
+    """The io_uring engine: every op goes into one ring from the submitting thread, at most `depth` in flight.
+
+    No threads: submit() fills the ring and returns; wait() reaps completions (for whichever request they belong to)
+    and refills the ring from the backlog until its request is done. So a request of more than `depth` reads has
+    only `depth` in flight while the caller computes; the rest start at its next submit() or wait(). One lock over the ring: a waiter holds it while
+    it sleeps in the kernel, so no waiter sleeps on a completion another one took.
+    """
+
+    name = "io_uring"
+    wake_every = 4
+
+    def __init__(self, fd: int, depth: int):
+        self.fd, self.ring = fd, Ring(depth)
+        self.depth = self.ring.entries
+        self._lock = threading.Lock()
+        self._backlog: collections.deque = collections.deque()   # [request, first op, end op, retry]
+        self._requests: dict[int, Request] = {}
+        self._serial = 0
+        self._in_flight = 0
+
+    def start(self, req: Request) -> None:
+        with self._lock:
+            self._serial = (self._serial + 1) & 0xFFFFFFFF
+            req.serial = self._serial
+            self._requests[req.serial] = req
+            self._reap()       # the ring moves on only when called: whatever finished since makes room now
+            self._backlog.append([req, 0, len(req.plan), 0])
+            self._fill()
+            self.ring.submit()
+
+    def _fill(self) -> None:
+        """Move ops from the backlog into the ring while there is room (the next enter submits them)."""
+        while self._backlog and self._in_flight < self.depth:
+            item = self._backlog[0]
+            req, lo, hi, retry = item
+            k = min(hi - lo, self.depth - self._in_flight)
+            p = req.plan
+            ops = np.arange(lo, lo + k, dtype=np.uint64)
+            self.ring.push(self.fd, p.off[lo:lo + k], p.iov_addr[lo:lo + k], p.iov_count[lo:lo + k],
+                           (ops << np.uint64(1)) | np.uint64((req.serial << 32) | retry))
+            self._in_flight += k
+            item[1] += k
+            if item[1] == hi:
+                self._backlog.popleft()
+
+    def _reap(self) -> None:
+        """Take the ready completions, refill the slots they free before anything else (so the device idles least
+        while Python accounts), then account them; retries go to the front of the backlog."""
+        tags, res = self.ring.reap()
+        if not len(tags):
+            return
+        self._in_flight -= len(tags)
+        self._fill()
+        self.ring.submit()
+        serial = tags >> np.uint64(32)
+        one = serial[0] == serial[-1] and (serial == serial[0]).all()   # the usual case: a single request
+        for s in [int(serial[0])] if one else np.unique(serial).tolist():
+            mine = slice(None) if one else serial == s
+            req, t, got = self._requests[s], tags[mine], res[mine]
+            k = ((t & np.uint64(0xFFFFFFFF)) >> np.uint64(1)).astype(np.int64)
+            again = got != req.plan.nbytes[k]
+            if again.any():                  # a short read or EIO gets one retry
+                again &= (t & np.uint64(1)) == 0
+                for j in k[again].tolist():
+                    self._backlog.appendleft([req, j, j + 1, 1])
+                k, got = k[~again], got[~again]
+            req.finish(k, got, len(t))
+            if not req.left:
+                del self._requests[s]
+
+    def wait(self, req: Request) -> None:
+        with self._lock:
+            while True:
+                self._reap()
+                self._fill()
+                if not req.left:
+                    self.ring.submit()         # retries of other requests
+                    return
+                # Submit and sleep in one call, until 1/wake_every of the reads in flight are done: the queue stays
+                # mostly full while far fewer system calls wake us than one per read.
+                self.ring.submit(wait_for=max(1, min(self._in_flight // self.wake_every, req.left)))
+
+    def describe(self) -> str:
+        return f"io_uring, {self.depth} reads in flight"
+
+    def close(self) -> None:
+        with self._lock:
+            while self._in_flight:          # the kernel may still write into rows: let every read land first
+                self._reap()
+                if self._in_flight:
+                    self.ring.submit(wait_for=1)
+        self.ring.close()
 
 
 class CountingReader:

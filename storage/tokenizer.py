@@ -239,3 +239,30 @@ class StreamDecoder:
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             return text[len(prefix):]
         return ""
+
+
+class StopStrings:
+    """Cuts streamed text before the first stop string, as the OpenAI API's `stop` does. push() returns the text that
+    is safe to show: a tail that may be the start of a stop string is held back until the next piece decides it, and
+    flush() gives it at the end of the output. `stopped` once a stop string has appeared."""
+
+    def __init__(self, stops):
+        self.stops = [s for s in stops if s]
+        self.held = ""
+        self.stopped = False
+
+    def push(self, piece: str) -> str:
+        text = self.held + piece
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped, self.held = True, ""
+            return text[:min(hits)]
+        # the longest tail of text that begins some stop string
+        keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)
+                    if text.endswith(s[:k])), default=0)
+        self.held = text[len(text) - keep:]
+        return text[:len(text) - keep]
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out

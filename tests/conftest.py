@@ -17,6 +17,21 @@ STORIES = DATA / "stories260K"
 CORPUS = DATA / "corpus"
 
 
+# A toy chat template, so that stories260K can stand in for an instruct model in chat tests.
+CHAT_TEMPLATE = ("{% for m in messages %}{{ bos_token if loop.first else '' }}[{{ m['role'] }}] {{ m['content'] }}\n"
+                 "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
+
+
+def stories_with_chat_template(path: Path) -> Path:
+    """A copy of stories260K at path whose tokenizer_config.json carries CHAT_TEMPLATE."""
+    d = shutil.copytree(STORIES, path)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = CHAT_TEMPLATE
+    os.chmod(d / "tokenizer_config.json", 0o644)
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
+
+
 def run_bench(script: str, *args, timeout: int = 600) -> tuple[dict, str]:
     """(JSON document on stdout, stderr) of `python bench/SCRIPT ARGS...` run from the repository root, which must exit
     0 (its stderr's tail is the failure message)."""

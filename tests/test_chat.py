@@ -1,31 +1,21 @@
 """Chat as a person drives it (through a pty), and the KV cache kept across turns against fresh recomputation."""
-import json
 import os
 import pty
 import select
-import shutil
 import subprocess
 import sys
 import time
 
 import pytest
 
-from conftest import STORIES
+from conftest import STORIES, stories_with_chat_template
 from flashinfer_lite.generate import Sampler, Session
 from flashinfer_lite.loader import load_reference
-
-TEMPLATE = ("{% for m in messages %}{{ bos_token if loop.first else '' }}[{{ m['role'] }}] {{ m['content'] }}\n"
-            "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
 
 
 @pytest.fixture(scope="module")
 def stories_chat(tmp_path_factory):
-    d = shutil.copytree(STORIES, tmp_path_factory.mktemp("chat") / "m")
-    cfg = json.loads((d / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = TEMPLATE
-    os.chmod(d / "tokenizer_config.json", 0o644)
-    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return d
+    return stories_with_chat_template(tmp_path_factory.mktemp("chat") / "m")
 
 
 def test_second_turn_reuses_the_cache_and_equals_a_fresh_run(stories_chat):

@@ -10,7 +10,7 @@ import pytest
 from flash_fixtures import write_random_flashdir
 from storage.errors import UserError
 from storage import flash_bench
-from storage.profile import DEFAULT_GAP_BYTES, DEFAULT_THREADS, reader_defaults
+from storage.profile import DEFAULT_DEPTH, DEFAULT_ENGINE, DEFAULT_GAP_BYTES, DEFAULT_THREADS, reader_defaults
 from storage.reader import BundleReader
 
 CHUNKS = [4096, 16384, 65536, 262144, 1 << 20]
@@ -43,6 +43,20 @@ def test_mixed_device_gap_matches_the_cost_model():
     assert next(e for e in prof if e["chunk"] == 1 << 20)["gap_bytes"] == 0
 
 
+def test_profile_picks_the_engine_and_depth_that_reach_the_rate_at_least_cpu():
+    # Threads top out at 4 in flight; the ring reaches 1.5x that from depth 32 on, at a fifth of the CPU per byte.
+    threads = [{"chunk": c, "engine": "threads", "threads": t, "depth": 0, "IOPS": 1000.0 * min(t, 4),
+                "cpu_s_per_GB": 5.0} for c in CHUNKS for t in (1, 4, 16)]
+    ring = [{"chunk": c, "engine": "io_uring", "threads": 0, "depth": d, "IOPS": 6000.0 * min(d, 32) / 32,
+             "cpu_s_per_GB": 1.0 + d / 1000} for c in CHUNKS for d in (8, 32, 128)]
+    for r in threads + ring:
+        r["MBps"] = r["IOPS"] * r["chunk"] / 1e6
+    prof = flash_bench.derive_profile(threads + ring)
+    assert {(e["engine"], e["depth"], e["threads"]) for e in prof} == {("io_uring", 32, 4)}
+    # Old rows (no engine, no CPU) still give the thread engine's profile.
+    assert {e["engine"] for e in flash_bench.derive_profile(rows_from(lambda c, t: 1000.0 * t))} == {"threads"}
+
+
 def test_tiny_run_writes_results_and_a_profile_the_reader_uses(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(tmp_path / "cache"))
     flashdir = tmp_path / "model"
@@ -52,7 +66,7 @@ def test_tiny_run_writes_results_and_a_profile_the_reader_uses(tmp_path, monkeyp
     p = argparse.ArgumentParser()
     flash_bench.add_arguments(p)
     args = p.parse_args(["--dir", str(work), "--size", "2MiB", "--chunks", "1K,64K", "--threads", "1,2",
-                         "--seconds", "0.05", "-m", str(flashdir), "--out", str(tmp_path / "out")])
+                         "--depths", "4", "--seconds", "0.05", "-m", str(flashdir), "--out", str(tmp_path / "out")])
     try:
         assert flash_bench.run(args) == 0
     except UserError as e:
@@ -61,14 +75,19 @@ def test_tiny_run_writes_results_and_a_profile_the_reader_uses(tmp_path, monkeyp
         raise
     assert list(work.iterdir()) == []                                   # scratch file removed
     rows = list(csv.DictReader(open(tmp_path / "out" / "flash_bench.csv")))
-    assert {(int(r["chunk"]), int(r["threads"])) for r in rows} == {(1024, 1), (1024, 2), (65536, 1), (65536, 2)}
+    ring = flash_bench.uring.refused() == ""
+    assert {(int(r["chunk"]), r["engine"], int(r["threads"]), int(r["depth"])) for r in rows} == \
+        {(c, "threads", t, 0) for c in (1024, 65536) for t in (1, 2)} | \
+        ({(c, "io_uring", 0, 4) for c in (1024, 65536)} if ring else set())
+    assert all(float(r["cpu_s_per_GB"]) > 0 for r in rows)
     result = json.loads((tmp_path / "out" / "flash_bench.json").read_text())
     assert len(result["model"]["reads"]) == 8
     entry = next(e for e in result["profile"] if e["chunk"] == 1024)
     # The reader on the same device now defaults to the profile of the nearest chunk size (1 KiB for 1.5 KiB bundles).
     assert reader_defaults(flashdir / "ffn.bin", 1536)[:2] == (entry["threads"], entry["gap_bytes"])
     with BundleReader(flashdir) as r:
-        assert (r.threads, r.coalesce_gap) == (entry["threads"], entry["gap_bytes"] // 1536)
+        assert (r.threads, r.coalesce_gap, r.engine) == (entry["threads"], entry["gap_bytes"] // 1536, entry["engine"])
+        assert entry["engine"] == "threads" or r.describe().startswith(f"reader: io_uring, {entry['depth']} reads")
     assert "device profile saved" in capsys.readouterr().out
     assert r.settings_source.startswith(f"flash-bench profile of {work.resolve()} from ")
     # a --quick smoke run afterwards leaves that profile alone (it once moved the reader from 8 threads to 4)
@@ -97,7 +116,7 @@ def test_scratch_file_removed_on_interrupt(tmp_path, monkeypatch):
 
 def test_without_profile_reader_uses_builtin_defaults(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(tmp_path / "empty"))
-    assert reader_defaults(tmp_path, 4096) == (DEFAULT_THREADS, DEFAULT_GAP_BYTES,
+    assert reader_defaults(tmp_path, 4096) == (DEFAULT_THREADS, DEFAULT_GAP_BYTES, DEFAULT_ENGINE, DEFAULT_DEPTH,
                                              "built-in defaults (no flash-bench profile of this device)")
 
 
@@ -111,3 +130,12 @@ def test_bad_arguments(tmp_path, argv, message):
     flash_bench.add_arguments(p)
     with pytest.raises(UserError, match=message):
         flash_bench.run(p.parse_args(["--dir", str(tmp_path)] + argv))
+
+
+def test_a_profile_from_before_queue_depth_keeps_its_threads_for_the_fallback(tmp_path, monkeypatch):
+    from storage.profile import save_profile
+    monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(tmp_path / "cache"))
+    save_profile(tmp_path, {"dir": str(tmp_path), "created": "2026-11-01T00:00:00",
+                            "entries": [{"chunk": 4096, "threads": 16, "gap_bytes": 8192}]})
+    s = reader_defaults(tmp_path, 4096)
+    assert (s.threads, s.gap_bytes, s.engine, s.depth) == (16, 8192, DEFAULT_ENGINE, DEFAULT_DEPTH)

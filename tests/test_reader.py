@@ -1,9 +1,11 @@
 """BundleReader: any set of bundles lands in the right destination rows, bit-exact with the file and equal to the
-source weights (f32/f16 exactly, int8 within half a quantisation step); errors name file, offset and layer."""
+source weights (f32/f16 exactly, int8 within half a quantisation step); errors name file, offset and layer.
+Every test of reading runs both engines: io_uring (where this kernel allows it) and the thread fallback."""
 from __future__ import annotations
 
 import errno
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -13,11 +15,25 @@ from hypothesis import strategies as st
 from flash_fixtures import assert_stored_equal, bundle_vectors, write_random_flashdir
 from storage.errors import UserError
 from storage import reader as reader_mod
+from storage import uring
 from storage.format import read_layout, unpack_bundles, verify
 from storage.reader import aligned_empty
 from storage.reader import BundleReader
 
 N = 300
+ENGINES = ("io_uring", "threads")
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request):
+    return request.param
+
+
+def check_engine(r: BundleReader, engine: str) -> None:
+    """The reader runs the engine asked for, unless this kernel refuses io_uring: then the test covers threads."""
+    if r.engine != engine:
+        assert engine == "io_uring" and r.fallback_reason.startswith("io_uring unavailable"), r.describe()
+        pytest.skip(r.fallback_reason)
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +47,9 @@ def readers(flashdirs):
     rs = {}
     for dt, (path, _) in flashdirs.items():
         for gap in (-1, 0, 2, 40):
-            for threads in (1, 3):
-                rs[dt, gap, threads] = BundleReader(path, threads=threads, coalesce_gap=gap, max_read_bytes=16 << 10)
+            for threads in (1, 3):     # threads 1: the thread engine; 3: io_uring with 3 reads in flight
+                rs[dt, gap, threads] = BundleReader(path, threads=threads, coalesce_gap=gap, max_read_bytes=16 << 10,
+                                                    engine="threads" if threads == 1 else "io_uring", depth=threads)
     yield rs
     for r in rs.values():
         r.close()
@@ -82,18 +99,19 @@ def test_any_bundle_set_reads_back_the_source_weights(flashdirs, readers, ids, d
         assert stats.read_bytes <= stats.requested_bytes + over
 
 
-def test_iov_max_and_many_rows(tmp_path):
+def test_iov_max_and_many_rows(tmp_path, engine):
     """3000 bundles with 1-bundle holes and scattered rows need > IOV_MAX iovecs per run: the reader must split."""
     path = tmp_path / "f"
     ckpt = write_random_flashdir(path, "f32", d=8, n=6200, n_layers=1, bias=False)
     ids = np.arange(0, 6000, 2)
     rng = np.random.default_rng(0)
     slots = rng.permutation(len(ids))
-    with BundleReader(path, threads=2, coalesce_gap=1, max_read_bytes=1 << 30) as r:
+    with BundleReader(path, threads=2, coalesce_gap=1, max_read_bytes=1 << 30, engine=engine, depth=4) as r:
+        check_engine(r, engine)
         dest = aligned_empty((len(ids), r.layout.stride), np.uint8)
         ops, _, _ = r.read_ops(0, ids, dest, slots)
         # Each bundle needs two iovecs (its row, the hole after it): runs must be cut just below IOV_MAX.
-        assert max(len(iov) for _, iov, _ in ops) <= reader_mod.IOV_MAX
+        assert ops.iov_count.max() <= reader_mod.IOV_MAX
         assert len(ops) >= -(-2 * len(ids) // reader_mod.IOV_MAX)
         stats = r.read(0, ids, dest, slots)
         assert stats.n_reads == len(ops)
@@ -127,14 +145,15 @@ def refuse_o_direct(monkeypatch) -> None:
     monkeypatch.setattr(reader_mod.os, "open", open_refusing_direct)
 
 
-def test_buffered_fallback_when_o_direct_is_refused(flashdirs, monkeypatch, capsys):
+def test_buffered_fallback_when_o_direct_is_refused(flashdirs, monkeypatch, capsys, engine):
     """Filesystems that refuse O_DIRECT (tmpfs before Linux 6.6, some FUSE) get buffered reads + DONTNEED."""
     path, ckpt = flashdirs["f16"]
     advised = []
     monkeypatch.setattr(reader_mod, "_warned_buffered", False)
     refuse_o_direct(monkeypatch)
     monkeypatch.setattr(reader_mod.os, "posix_fadvise", lambda fd, off, n, adv: advised.append((off, n, adv)))
-    r1, r2 = BundleReader(path, threads=2), BundleReader(path, threads=1)
+    r1, r2 = BundleReader(path, threads=2, engine=engine), BundleReader(path, threads=1, engine=engine)
+    check_engine(r1, engine)
     assert not r1.direct and not r2.direct
     assert capsys.readouterr().err.count("O_DIRECT refused") == 1     # said once, not per reader
     ids = np.array([0, 1, 5, 299])
@@ -148,38 +167,84 @@ def test_buffered_fallback_when_o_direct_is_refused(flashdirs, monkeypatch, caps
     r1.close(), r2.close()
 
 
-def test_truncated_file_under_a_reader_names_file_offset_and_layer(tmp_path):
+def test_truncated_file_under_a_reader_names_file_offset_and_layer(tmp_path, engine):
     path = tmp_path / "f"
     write_random_flashdir(path, "f32", n=N)
-    with BundleReader(path, threads=1, coalesce_gap=-1) as r:
+    with BundleReader(path, threads=1, coalesce_gap=-1, engine=engine) as r:
+        check_engine(r, engine)
         L = r.layout
         os.truncate(path / "ffn.bin", L.offset[1] + 10 * L.stride)
         dest = aligned_empty((1, L.stride), np.uint8)
         r.read(1, [9], dest, [0])                                  # still inside the file
         with pytest.raises(UserError, match=rf"ffn\.bin.*offset {L.offset[1] + 20 * L.stride}.*layer 1"):
             r.read(1, [20], dest, [0])
+        # One bundle of a request past the end: the request waits for all its reads, then names the short one.
+        dest = aligned_empty((3, L.stride), np.uint8)
+        with pytest.raises(UserError, match=rf"short read at offset {L.offset[1] + 20 * L.stride} .*got 0 of"):
+            r.read(1, [0, 3, 20], dest, [0, 1, 2])
+        raw = np.fromfile(path / "ffn.bin", np.uint8)[L.offset[1]:].reshape(-1, L.stride)
+        assert np.array_equal(dest[:2], raw[[0, 3]])
 
 
-def test_eio_is_retried_once_then_reported(flashdirs, monkeypatch):
+def inject_eio(monkeypatch, engine: str, failures: dict) -> None:
+    """The next failures["left"] reads fail with EIO: the thread engine's preadv raises, the ring's completion says
+    -EIO (what the kernel reports for a bad sector)."""
+    if engine == "threads":
+        real = reader_mod._preadv
+
+        def flaky(fd, iov_addr, n, off):
+            if failures["left"] > 0:
+                failures["left"] -= 1
+                raise OSError(errno.EIO, "Input/output error")
+            return real(fd, iov_addr, n, off)
+        monkeypatch.setattr(reader_mod, "_preadv", flaky)
+    else:
+        real = uring.Ring.reap
+
+        def flaky(ring):
+            tags, res = real(ring)
+            k = min(failures["left"], len(res))
+            res[:k] = -errno.EIO
+            failures["left"] -= k
+            return tags, res
+        monkeypatch.setattr(uring.Ring, "reap", flaky)
+
+
+def test_eio_is_retried_once_then_reported(flashdirs, monkeypatch, engine):
     path, ckpt = flashdirs["f32"]
-    real = os.preadv
     failures = {"left": 1}
-
-    def flaky(fd, iov, off):
-        if failures["left"] > 0:
-            failures["left"] -= 1
-            raise OSError(errno.EIO, "Input/output error")
-        return real(fd, iov, off)
-
-    with BundleReader(path, threads=1) as r:
+    with BundleReader(path, threads=1, engine=engine) as r:
+        check_engine(r, engine)
         dest = aligned_empty((1, r.layout.stride), np.uint8)
-        monkeypatch.setattr(reader_mod.os, "preadv", flaky)
+        inject_eio(monkeypatch, engine, failures)
         stats = r.read(0, [5], dest, [0])                          # one EIO: the retry succeeds
         assert stats.n_reads == 2
         assert np.array_equal(unpack_bundles(r.layout, dest)[0][0], bundle_vectors(ckpt, 0, 5))
         failures["left"] = 2
         with pytest.raises(UserError, match=r"offset \d+ \(layer 0\) failed: Input/output error"):
             r.read(0, [5], dest, [0])
+        dest = aligned_empty((2, r.layout.stride), np.uint8)
+        r.read(0, [5, 9], dest, [0, 1])                            # and the reader goes on
+        assert np.array_equal(unpack_bundles(r.layout, dest)[0], np.stack([bundle_vectors(ckpt, 0, i) for i in (5, 9)]))
+
+
+@pytest.mark.parametrize("errno_", [errno.ENOSYS, errno.EPERM])
+def test_thread_fallback_where_io_uring_is_refused(flashdirs, monkeypatch, errno_):
+    """Old kernels (ENOSYS), seccomp sandboxes and io_uring_disabled (EPERM): same bytes, through threads, and
+    describe() (printed once by -v) says which engine and why."""
+    path, ckpt = flashdirs["f16"]
+
+    def refused(entries):
+        raise OSError(errno_, os.strerror(errno_))
+    monkeypatch.setattr(uring, "setup", refused)
+    with BundleReader(path, threads=2, engine="io_uring") as r:
+        assert r.engine == "threads"
+        assert f"2 threads of preadv (io_uring unavailable: {os.strerror(errno_)})" in r.describe()
+        ids = np.array([0, 1, 5, 299])
+        dest = aligned_empty((4, r.layout.stride), np.uint8)
+        r.read(1, ids, dest, np.arange(4))
+        raw = np.fromfile(path / "ffn.bin", np.uint8)[r.layout.offset[1]:].reshape(-1, r.layout.stride)
+        assert np.array_equal(dest, raw[ids])
 
 
 def test_reader_refuses_a_truncated_flashdir_at_open(tmp_path):
@@ -207,3 +272,29 @@ def test_buffered_reads_where_posix_fadvise_does_not_exist(flashdirs, monkeypatc
     src = np.stack([bundle_vectors(ckpt, 0, i) for i in ids])
     assert np.array_equal(vecs, src.astype(np.float16).astype(np.float32))
     verify(path)                                                         # checksums stream through the same path
+
+
+def test_requests_in_flight_together_finish_in_any_order(flashdirs, engine):
+    """Several submits before any wait (the neuron cache's lookahead does this), more ops than the ring holds, waited
+    in reverse order and from two threads: every request gets its own bytes."""
+    path, _ = flashdirs["int8"]
+    with BundleReader(path, threads=2, coalesce_gap=-1, engine=engine, depth=4) as r:
+        check_engine(r, engine)
+        L = r.layout
+        raw = np.fromfile(path / "ffn.bin", np.uint8)
+        rng = np.random.default_rng(3)
+        reqs = []
+        for k in range(6):
+            layer = k % 2
+            ids = rng.choice(N, 25, replace=False)
+            dest = aligned_empty((25, L.stride), np.uint8)
+            reqs.append((layer, ids, dest, r.submit(layer, ids, dest, np.arange(25))))
+        waiter = threading.Thread(target=lambda: [p.wait() for *_, p in reqs[::2]])
+        waiter.start()
+        for *_, p in reqs[::-1]:
+            p.wait()
+        waiter.join()
+        for layer, ids, dest, p in reqs:
+            rows = raw[L.offset[layer]:L.offset[layer] + N * L.stride].reshape(N, L.stride)
+            assert np.array_equal(dest, rows[ids])
+            assert p.wait().n_reads == 25

@@ -64,6 +64,28 @@ def test_small_budget_still_exact_and_reads_more(flashdirs, monkeypatch):
     assert reads[0] > reads[4 << 20]  # a bigger window re-reads less
 
 
+def test_thread_fallback_gives_the_same_logits_and_says_so_once(flashdirs, monkeypatch, capsys):
+    """With io_uring refused (as in a seccomp'd container), the reads go through threads: the same bits, and -v says
+    once which engine it uses and why."""
+    import errno
+    from storage import uring
+    path = flashdirs["llama-relu", "f16"]
+    ids = np.random.default_rng(5).integers(3, 512, size=12).tolist()
+    model, _, rt = load_runtime(path, "oracle", verbose=True)
+    want = logits_token_by_token(model, ids)
+    ring_line = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("reader: ")]
+    assert len(ring_line) == 1 and (rt.reader.engine == "threads" or "io_uring" in ring_line[0])
+
+    def refused(entries):
+        raise OSError(errno.EPERM, "Operation not permitted")
+    monkeypatch.setattr(uring, "setup", refused)
+    model, _, rt = load_runtime(path, "oracle", verbose=True)
+    assert rt.reader.engine == "threads"
+    assert np.array_equal(logits_token_by_token(model, ids), want)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("reader: ")]
+    assert len(lines) == 1 and "threads of preadv (io_uring unavailable: Operation not permitted)" in lines[0]
+
+
 @pytest.mark.parametrize("kind", ["llama-relu", "opt"])
 def test_same_logits_at_every_budget_thread_count_overlap_and_prefill(flashdirs, kind, monkeypatch):
     """Issue 14: the budget, -t, overlap and the prefill strategy change which rows are read when, never a bit of

@@ -1,0 +1,176 @@
+"""Ring: a minimal io_uring (Linux 5.1+) over the raw system calls, for many reads in flight at little CPU each.
+
+Why raw calls through ctypes rather than a binding: the PyPI binding (`liburing`) needs Linux 6.14+, is alpha, and
+prepares one SQE per Python call; here a whole request's reads are written into the mapped submission queue with a
+few numpy operations, and the two system calls (setup, enter) release the GIL like any ctypes call.
+
+Memory ordering: the kernel publishes a completion's entry before its tail (store-release) and reads our entries
+after the io_uring_enter call that submits them. x86-64 keeps loads in order and stores in order, so plain numpy
+loads and stores through the mapping are enough; other architectures would need acquire/release fences Python
+cannot express, so Ring refuses them (the caller falls back to threads).
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import platform
+
+import numpy as np
+
+SYS_IO_URING_SETUP, SYS_IO_URING_ENTER = 425, 426      # the same numbers on every architecture since Linux 5.1
+IORING_OFF_SQ_RING, IORING_OFF_CQ_RING, IORING_OFF_SQES = 0, 0x8000000, 0x10000000
+IORING_OP_READV = 1
+IORING_ENTER_GETEVENTS = 1
+
+SQE = np.dtype({"names": ["opcode", "flags", "ioprio", "fd", "off", "addr", "len", "rw_flags", "user_data"],
+                "formats": [np.uint8, np.uint8, np.uint16, np.int32, np.uint64, np.uint64, np.uint32, np.uint32,
+                            np.uint64],
+                "offsets": [0, 1, 2, 4, 8, 16, 24, 28, 32], "itemsize": 64})
+CQE = np.dtype({"names": ["user_data", "res", "flags"], "formats": [np.uint64, np.int32, np.uint32],
+                "offsets": [0, 8, 12], "itemsize": 16})
+
+
+class _Params(ctypes.Structure):
+    _fields_ = [("sq_entries", ctypes.c_uint32), ("cq_entries", ctypes.c_uint32), ("flags", ctypes.c_uint32),
+                ("sq_thread_cpu", ctypes.c_uint32), ("sq_thread_idle", ctypes.c_uint32),
+                ("features", ctypes.c_uint32), ("wq_fd", ctypes.c_uint32), ("resv", ctypes.c_uint32 * 3),
+                # sq_off: head tail ring_mask ring_entries flags dropped array resv1 user_addr (2 words)
+                # cq_off: head tail ring_mask ring_entries overflow cqes flags resv1 user_addr (2 words)
+                ("sq_off", ctypes.c_uint32 * 10), ("cq_off", ctypes.c_uint32 * 10)]
+
+
+_libc = None
+
+
+def _syscall(*args) -> int:
+    """A system call that releases the GIL; raises OSError on failure."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.syscall.restype = ctypes.c_long
+    while True:
+        r = _libc.syscall(*[ctypes.c_long(a) for a in args])
+        if r >= 0:
+            return r
+        e = ctypes.get_errno()
+        if e != errno.EINTR:
+            raise OSError(e, os.strerror(e))
+
+
+def setup(entries: int) -> tuple[int, _Params]:
+    """io_uring_setup: (ring fd, params). OSError ENOSYS on old kernels, EPERM where a sandbox or sysctl refuses it."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        raise OSError(errno.ENOSYS, f"io_uring through numpy needs Linux on x86-64, not {platform.system()} "
+                                    f"{platform.machine()}")
+    p = _Params()
+    return _syscall(SYS_IO_URING_SETUP, entries, ctypes.addressof(p)), p
+
+
+class Ring:
+    """One submission and one completion queue. Not thread-safe: the caller serialises push/submit/reap.
+
+    push() writes READV entries; submit() hands them to the kernel; wait(n) blocks (GIL released) until at least
+    n completions are ready; reap() returns (user_data, res) of every ready completion.
+    """
+
+    def __init__(self, entries: int):
+        self.fd, p = setup(entries)
+        self._maps = []
+        try:
+            sq, cq = p.sq_off, p.cq_off
+            sq_map = self._map(sq[6] + p.sq_entries * 4, IORING_OFF_SQ_RING)
+            cq_map = self._map(cq[5] + p.cq_entries * CQE.itemsize, IORING_OFF_CQ_RING)
+            sqe_map = self._map(p.sq_entries * SQE.itemsize, IORING_OFF_SQES)
+        except BaseException:
+            self.close()
+            raise
+        u32 = lambda m, off, n=1: np.frombuffer(m, np.uint32, n, off)   # noqa: E731
+        self.entries = p.sq_entries
+        self._sq_tail, self._sq_mask = u32(sq_map, sq[1]), int(u32(sq_map, sq[2])[0])
+        self._sq_head = u32(sq_map, sq[0])
+        u32(sq_map, sq[6], p.sq_entries)[:] = np.arange(p.sq_entries)   # slot i of the array names entry i, forever
+        self._sqes = np.frombuffer(sqe_map, SQE, p.sq_entries)
+        np.frombuffer(sqe_map, np.uint8)[:] = 0          # push writes only the fields a READV needs
+        self._cq_head, self._cq_tail = u32(cq_map, cq[0]), u32(cq_map, cq[1])
+        self._cq_mask = int(u32(cq_map, cq[2])[0])
+        self._cqes = np.frombuffer(cq_map, CQE, p.cq_entries, cq[5])
+        self._unsubmitted = 0
+
+    def _map(self, length: int, offset: int) -> mmap.mmap:
+        m = mmap.mmap(self.fd, length, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                      mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
+        self._maps.append(m)
+        return m
+
+    def space(self) -> int:
+        """Free submission entries."""
+        return self.entries - ((int(self._sq_tail[0]) - int(self._sq_head[0])) & 0xFFFFFFFF)
+
+    def push(self, fd: int, offsets, iov_addrs, iov_counts, user_data) -> None:
+        """Queue READVs: op i reads iov_counts[i] iovecs (struct iovec array at iov_addrs[i]) from file offset
+        offsets[i]. At most space() ops; the iovec arrays must stay alive until the op's completion is reaped."""
+        n = len(offsets)
+        tail = int(self._sq_tail[0])
+        start = tail & self._sq_mask
+        done = 0
+        while done < n:      # at most two slices: up to the end of the entry array, then from its start
+            k = min(n - done, self.entries - start)
+            e = self._sqes[start:start + k]       # the fields not written here stay zero from setup
+            e["opcode"], e["fd"] = IORING_OP_READV, fd
+            e["off"], e["addr"] = offsets[done:done + k], iov_addrs[done:done + k]
+            e["len"], e["user_data"] = iov_counts[done:done + k], user_data[done:done + k]
+            done, start = done + k, 0
+        self._sq_tail[0] = (tail + n) & 0xFFFFFFFF     # entries first, then the tail: x86 keeps stores in order
+        self._unsubmitted += n
+
+    def submit(self, wait_for: int = 0) -> None:
+        """Hand the pushed entries to the kernel; with wait_for > 0 also block until that many completions are
+        ready (one system call either way)."""
+        if self._unsubmitted or wait_for:
+            flags = IORING_ENTER_GETEVENTS if wait_for else 0
+            done = _syscall(SYS_IO_URING_ENTER, self.fd, self._unsubmitted, wait_for, flags, 0, 0)
+            self._unsubmitted -= min(done, self._unsubmitted)
+
+    def wait(self, n: int) -> None:
+        """Block (GIL released) until at least n completions are ready; submits nothing."""
+        _syscall(SYS_IO_URING_ENTER, self.fd, 0, n, IORING_ENTER_GETEVENTS, 0, 0)
+
+    def reap(self) -> tuple[np.ndarray, np.ndarray]:
+        """(user_data uint64[k], res int32[k]) of the ready completions, which are then released to the kernel."""
+        head, tail = int(self._cq_head[0]), int(self._cq_tail[0])
+        n = (tail - head) & 0xFFFFFFFF
+        start = head & self._cq_mask
+        if start + n <= len(self._cqes):
+            c = self._cqes[start:start + n]
+        else:
+            c = np.concatenate([self._cqes[start:], self._cqes[:start + n - len(self._cqes)]])
+        ud, res = c["user_data"].copy(), c["res"].copy()   # copies: the slots are the kernel's again after this
+        self._cq_head[0] = tail
+        return ud, res
+
+    def close(self) -> None:
+        self._sq_tail = self._sq_head = self._sqes = self._cq_head = self._cq_tail = self._cqes = None
+        for m in self._maps:
+            try:
+                m.close()
+            except BufferError:     # a numpy view still exported: the mapping goes with the process
+                pass
+        self._maps = []
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def unavailable(e: OSError) -> str:
+    return f"io_uring unavailable: {e.strerror or e}"
+
+
+def refused() -> str:
+    """Why this kernel (or sandbox) refuses io_uring, "" if it does not."""
+    try:
+        Ring(1).close()
+    except OSError as e:
+        return unavailable(e)
+    return ""

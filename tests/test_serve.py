@@ -1,0 +1,346 @@
+"""`flashinfer-lite serve` as a real server on a loopback port, driven by the `openai` client package. The oracle for
+every answer is `flashinfer-lite generate --temp 0 --json` with the same model and flags; for the budget, the kernel's
+high-water mark of the server process (VmHWM in /proc/PID/status), not what the server says."""
+import json
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import STORIES, stories_with_chat_template
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+REPO = Path(__file__).resolve().parents[1]
+# The stories server runs the flash path under a budget: its FFN read through the neuron cache (--ffn oracle), so
+# --dram-budget applies; --ignore-eos makes every answer max_tokens long, so a stopped generation is visible.
+STORIES_FLAGS = ["-m", str(STORIES), "--ffn", "oracle", "-c", "256", "--ignore-eos"]
+
+
+class Served:
+    def __init__(self, proc, port, log):
+        self.proc, self.port, self.log = proc, port, log
+        self.url = f"http://127.0.0.1:{port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def stderr(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
+
+    def health(self) -> dict:
+        with urllib.request.urlopen(self.url + "/health", timeout=30) as r:
+            return json.loads(r.read())
+
+    def post(self, path: str, body: bytes, headers=None) -> tuple[int, dict]:
+        """(status, JSON body) of a raw POST: the requests a client library would refuse to send."""
+        req = urllib.request.Request(self.url + path, data=body, method="POST",
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def raw_status(self, request: bytes) -> int:
+        """The status code of an answer to bytes sent as they are (the first line of the response)."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=60) as sock:
+            sock.sendall(request)
+            head = sock.recv(4096).split(b"\r\n", 1)[0]
+        return int(head.split()[1])
+
+    def peak_rss_bytes(self) -> int:
+        """VmHWM: the kernel's high-water mark of this process's RSS (its own memory map, made at exec)."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError("no VmHWM")
+
+
+@contextmanager
+def serving(*flags, env=None, timeout=240):
+    """A `flashinfer-lite serve` child on a loopback port the system picks (--port 0; the startup line names it), up
+    (answering /health) when entered, stopped (Ctrl-C, then killed) on exit."""
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "-m", "flashinfer_lite", "serve", *flags, "--host", "127.0.0.1",
+                             "--port", "0"], stdout=log, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, **(env or {})), cwd=REPO)
+    served = None
+    try:
+        deadline = time.time() + timeout
+        while True:
+            log.seek(0)
+            text = log.read().decode(errors="replace")
+            assert proc.poll() is None, f"serve exited {proc.returncode}:\n{text}"
+            assert time.time() < deadline, f"serve did not start in {timeout} s:\n{text}"
+            port = re.search(r"^serving .* on http://127\.0\.0\.1:(\d+)/v1 ", text, re.M)
+            if port:
+                break
+            time.sleep(0.3)
+        served = Served(proc, int(port.group(1)), log)
+        assert served.health()["status"] == "ok"
+        yield served
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+
+
+def generate_json(flags, prompt: str, n: int, env=None, template: bool = False) -> dict:
+    """The oracle: `flashinfer-lite generate --temp 0 --json`."""
+    args = [sys.executable, "-m", "flashinfer_lite", "generate", *flags, "-p", prompt, "-n", str(n), "--temp", "0",
+            "--json"] + ([] if template else ["--ignore-chat-template"])
+    r = subprocess.run(args, capture_output=True, timeout=300, env=dict(os.environ, **(env or {})), cwd=REPO)
+    assert r.returncode == 0, r.stderr.decode()
+    return json.loads(r.stdout.decode().strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def cache_env(tmp_path_factory):
+    """Its own cache for the FLASHDIR that --ffn oracle converts stories260K into."""
+    return {"FLASHINFER_LITE_CACHE": str(tmp_path_factory.mktemp("cache"))}
+
+
+@pytest.fixture(scope="module")
+def budget_mib(cache_env) -> int:
+    """serve's own minimum budget (from its one-line error for 1M, the measured runtime included) + 16 MiB: little
+    room, so the load test's peak RSS is held to a budget that bites."""
+    r = subprocess.run([sys.executable, "-m", "flashinfer_lite", "serve", *STORIES_FLAGS, "--dram-budget", "1M",
+                        "--port", "0"], capture_output=True, timeout=300, env=dict(os.environ, **cache_env))
+    err = r.stderr.decode()
+    assert r.returncode == 1 and err.strip().splitlines()[-1].startswith("error: DRAM budget"), err
+    return math.ceil(float(re.search(r"below the minimum ([\d.]+) MiB", err).group(1))) + 16
+
+
+@pytest.fixture(scope="module")
+def flags(budget_mib):
+    return STORIES_FLAGS + ["--dram-budget", f"{budget_mib}M"]
+
+
+@pytest.fixture(scope="module")
+def stories(flags, cache_env):
+    with serving(*flags, env=cache_env) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def stories_chat(tmp_path_factory):
+    """stories260K with a chat template, served dense."""
+    d = stories_with_chat_template(tmp_path_factory.mktemp("chat") / "stories-chat")
+    with serving("-m", str(d)) as s:
+        s.model_dir = d
+        yield s
+
+
+def test_greedy_completions_equal_generate_and_extend_the_cache(stories, flags, cache_env):
+    first, second = "Once upon a time", "Once upon a time there was a big dog"   # the second extends the first
+    for prompt, n in ((first, 24), (second, 20)):
+        want = generate_json(flags, prompt, n, env=cache_env)
+        r = stories.client.completions.create(model="stories260K", prompt=prompt, max_tokens=n, temperature=0)
+        assert r.choices[0].text == want["text"]
+        assert r.choices[0].finish_reason == "length"
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(want["prompt_tokens"]), n)
+        assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+        timings = r.model_extra["timings"]
+        assert timings["predicted_n"] == n and timings["prompt_n"] + timings["cache_n"] == r.usage.prompt_tokens
+    assert timings["cache_n"] >= len(want["prompt_tokens"]) - 6   # the second reused the first's prompt from the KV
+
+
+def test_streamed_pieces_join_to_the_whole_text(stories):
+    kw = dict(model="any", prompt="The little cat", max_tokens=30, temperature=0)
+    whole = stories.client.completions.create(**kw)
+    pieces = [c.choices[0].text for c in stories.client.completions.create(**kw, stream=True)]
+    assert len(pieces) > 10 and "".join(pieces) == whole.choices[0].text
+
+
+def test_stop_strings_cut_the_text_before_them(stories):
+    kw = dict(model="any", prompt="Once upon a time", max_tokens=40, temperature=0)
+    full = stories.client.completions.create(**kw).choices[0].text
+    stop = full[full.index("little") + 2:][:5]          # a stop string that starts inside a word, mid-token
+    want = full[:full.index(stop)]
+    r = stories.client.completions.create(**kw, stop=["never appears", stop])
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < 40
+    streamed = stories.client.completions.create(**kw, stop=stop, stream=True)
+    chunks = [c.choices[0] for c in streamed]
+    assert "".join(c.text for c in chunks) == want and chunks[-1].finish_reason == "stop"
+
+
+def test_bad_requests_get_openai_errors_and_the_server_carries_on(stories):
+    cases = {
+        b"{not json": (400, None),
+        b'"a string"': (400, None),
+        json.dumps({"prompt": 5}).encode(): (400, "prompt"),
+        json.dumps({"prompt": "hi", "max_tokens": "ten"}).encode(): (400, "max_tokens"),
+        json.dumps({"prompt": "hi", "max_tokens": 0}).encode(): (400, "max_tokens"),
+        json.dumps({"prompt": "hi", "temperature": True}).encode(): (400, "temperature"),
+        b'{"prompt": "hi", "temperature": NaN}': (400, "temperature"),
+        json.dumps({"prompt": "hi", "top_p": 2}).encode(): (400, "top_p"),
+        json.dumps({"prompt": "hi", "stop": [1]}).encode(): (400, "stop"),
+        json.dumps({"prompt": "hi", "stream": "yes"}).encode(): (400, "stream"),
+        json.dumps({"prompt": "word " * 400}).encode(): (400, "prompt"),          # over the 256-token context
+        b'{"prompt": "\\ud800"}': (400, "prompt"),                                   # a lone surrogate: not UTF-8
+        b'{"prompt": "caf\xe9"}': (400, None),                                       # a Latin-1 byte in the body
+        b"[" * 100000 + b"]" * 100000: (400, None),                                  # nesting deep enough to recurse
+    }
+    for body, (status, param) in cases.items():
+        got, doc = stories.post("/v1/completions", body)
+        assert got == status, (body[:60], doc)
+        assert doc["error"]["message"] and doc["error"]["param"] == param, doc
+    # A body over the limit is refused from its Content-Length, before it is read. Sent by hand: the server answers
+    # and closes without reading the rest, so a client still writing a real 3 MiB body would see a reset instead.
+    for declared in (3 << 20, 1 << 30):
+        assert stories.raw_status(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                  b"Content-Length: %d\r\n\r\n{\"prompt\": \"xxxx" % declared) == 413
+    assert stories.post("/v1/chat/completions", json.dumps({"messages": []}).encode())[0] == 400
+    # stories260K has no chat template: a chat request is the client's mistake, not a crash
+    status, doc = stories.post("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode())
+    assert status == 400 and "chat template" in doc["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as e:   # what an openai client sees
+        stories.client.completions.create(model="any", prompt="hi " * 300, max_tokens=4)
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError):
+        stories.client.embeddings.create(model="any", input="hi")
+    assert stories.health()["status"] == "ok"
+    assert stories.client.completions.create(model="any", prompt="Once", max_tokens=3).usage.completion_tokens == 3
+
+
+def test_models_lists_the_one_model(stories):
+    ids = [m.id for m in stories.client.models.list()]
+    assert ids == ["stories260K"]
+
+
+def test_a_client_gone_mid_stream_stops_its_generation(stories):
+    before = stories.health()["tokens_predicted_total"]
+    stream = stories.client.completions.create(model="any", prompt="Once upon a time", max_tokens=240,
+                                                temperature=0, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()
+    time.sleep(1.0)
+    generated = stories.health()["tokens_predicted_total"] - before
+    assert 3 <= generated < 240   # stopped well before its max_tokens (--ignore-eos: it would have run to 240)
+    assert stories.client.completions.create(model="any", prompt="Once", max_tokens=5).usage.completion_tokens == 5
+
+
+def test_chat_completions_use_the_template_and_reuse_the_conversation(stories_chat):
+    client = stories_chat.client
+    msgs = [{"role": "user", "content": "Once upon a time"}]
+    want = generate_json(["-m", str(stories_chat.model_dir)], "Once upon a time", 20, template=True)
+    r = client.chat.completions.create(model="any", messages=msgs, max_tokens=20, temperature=0)
+    assert r.choices[0].message.content == want["text"] and r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len(want["prompt_tokens"])
+    assert r.usage.completion_tokens == len(want["tokens"])
+    assert r.choices[0].finish_reason == ("length" if len(want["tokens"]) == 20 else "stop")
+    streamed = list(client.chat.completions.create(model="any", messages=msgs, max_tokens=20, temperature=0,
+                                                   stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == want["text"]
+    assert streamed[-1].usage.completion_tokens == len(want["tokens"])
+    # the next turn: its prompt extends the conversation the KV cache holds, and gives what a fresh cache gives
+    msgs += [{"role": "assistant", "content": want["text"]}, {"role": "user", "content": "The dog ran"}]
+    again = client.chat.completions.create(model="any", messages=msgs, max_tokens=20, temperature=0)
+    assert again.model_extra["timings"]["cache_n"] >= len(want["prompt_tokens"])   # the whole first turn's prompt
+    client.completions.create(model="any", prompt="Tom", max_tokens=2)                 # the cache now holds "Tom"
+    fresh = client.chat.completions.create(model="any", messages=msgs, max_tokens=20, temperature=0)
+    assert fresh.model_extra["timings"]["cache_n"] <= 1
+    assert fresh.choices[0].message.content == again.choices[0].message.content
+
+
+def test_default_model_chat_equals_generate(smollm2_gguf):
+    question = "What is the capital of France?"
+    want = generate_json(["-m", str(smollm2_gguf), "--ffn", "dense"], question, 16, template=True)
+    with serving("-m", str(smollm2_gguf), "--ffn", "dense") as s:
+        r = s.client.chat.completions.create(model="any", messages=[{"role": "user", "content": question}],
+                                             max_tokens=16, temperature=0)
+    assert r.choices[0].message.content == want["text"]
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(want["prompt_tokens"]), len(want["tokens"]))
+
+
+def test_load_8_clients_40_requests(stories, flags, budget_mib, cache_env):
+    """8 concurrent clients, 40 requests: streamed, whole, and streams dropped after two pieces. Every finished
+    answer is generate's, none is lost, /health answers throughout, peak RSS stays within --dram-budget."""
+    prompts = ["Once upon a time", "Once upon a time there was a big dog", "The little cat"]
+    n = 16
+    want = {p: generate_json(flags, p, n, env=cache_env)["text"] for p in prompts}
+
+    def one(i: int):
+        prompt, kind = prompts[i % len(prompts)], ("stream", "whole", "drop", "whole")[i % 4]
+        kw = dict(model="any", prompt=prompt, max_tokens=n, temperature=0)
+        if kind == "whole":
+            return kind, prompt, stories.client.completions.create(**kw).choices[0].text
+        stream = stories.client.completions.create(**kw, stream=True)
+        pieces = []
+        for c in stream:
+            pieces.append(c.choices[0].text)
+            if kind == "drop" and len(pieces) == 2:
+                stream.close()
+                break
+        return kind, prompt, "".join(pieces)
+
+    healthy = []
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(one, i) for i in range(40)]
+        while not all(f.done() for f in futures):
+            healthy.append(stories.health()["status"] == "ok")
+            time.sleep(0.2)
+        results = [f.result(timeout=300) for f in futures]   # none lost: each came back, none raised
+    assert len(results) == 40 and healthy and all(healthy)
+    for kind, prompt, text in results:
+        if kind == "drop":
+            assert want[prompt].startswith(text) and text
+        else:
+            assert text == want[prompt], (kind, prompt)
+    assert stories.health()["status"] == "ok"
+    peak = stories.peak_rss_bytes()
+    assert peak <= budget_mib << 20, f"peak RSS {peak / 2**20:.1f} MiB > {budget_mib} MiB\n{stories.stderr()}"
+    print(f"peak RSS {peak / 2**20:.1f} MiB, budget {budget_mib} MiB")
+
+
+def test_a_taken_port_is_one_line_before_the_model_loads():
+    import socket
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "flashinfer_lite", "serve", "-m", str(STORIES), "--port", str(port)],
+                           capture_output=True, timeout=120, cwd=REPO)
+    err = r.stderr.decode().strip().splitlines()
+    assert r.returncode == 1 and len(err) == 1 and err[0].startswith(f"error: cannot listen on 127.0.0.1:{port}"), err
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text("abc", max_size=30), cuts=st.lists(st.integers(0, 30), max_size=8),
+       stops=st.lists(st.text("abc", max_size=4), max_size=3))
+def test_stop_strings_against_str_find(text, cuts, stops):
+    """Any text in any pieces: what StopStrings lets through, flushed, is the text before the first stop string."""
+    from storage.tokenizer import StopStrings
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    cut = StopStrings(stops)
+    shown = ""
+    for a, b in zip(bounds, bounds[1:]):
+        shown += cut.push(text[a:b])
+        if cut.stopped:
+            break
+    shown += cut.flush()
+    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    assert shown == text[:min(hits)] if hits else shown == text
+    assert cut.stopped == bool(hits) or len(bounds) == 1
