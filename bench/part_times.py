@@ -18,7 +18,8 @@ import sys
 import time
 from collections import defaultdict
 
-from flashinfer_lite.generate import Sampler, Session, open_model, prompt_ids  # first: sets the BLAS threads
+from flashinfer_lite.generate import Sampler, Session, prompt_ids  # first: sets the BLAS threads
+from flashinfer_lite.runtime import load  # noqa: E402
 from flashinfer_lite import model as model_math
 from flashinfer_lite.model import linear
 
@@ -46,9 +47,8 @@ def main() -> int:
     ap.add_argument("-p", "--prompt", default="Write a short story about a robot who learns to paint.")
     ap.add_argument("-t", "--threads", type=int, default=None)
     args = ap.parse_args()
-    load_args = argparse.Namespace(model=args.model, ffn=args.ffn, ctx_size=0, threads=args.threads,
-                                   lookahead=False, verbose=False, dram_budget=None)
-    model, tokenizer, runtime, load_ms = open_model(load_args)
+    loaded, tokenizer = load(args.model, None, args.ffn, 0, args.threads)
+    model, runtime = loaded.transformer, loaded.runtime
     ids = prompt_ids(tokenizer, args.prompt, None, True)
 
     acc: dict = defaultdict(float)
@@ -95,7 +95,7 @@ def main() -> int:
     doc = {"model": args.model or "default (SmolLM2-135M-Instruct GGUF)", "ffn": args.ffn,
            "loadavg": [round(v, 2) for v in os.getloadavg()],   # the machine is shared: how busy it was
            "threads": args.threads, "prompt_tokens": len(ids), "decode_tokens": steps,
-           "load_ms": round(load_ms, 1),
+           "load_ms": round(loaded.load_ms, 1),
            "decode_ms_per_token": table(decode, steps, steps, 1),
            "prompt_ms_per_token": table(prompt, len(ids), 1, 1)}
     print(f"{'part':<12}{'decode ms/tok':>15}{'prompt ms/tok':>15}", file=sys.stderr)

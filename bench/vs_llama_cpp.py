@@ -24,7 +24,7 @@ Caps (--caps, comma-separated):
              process) plus --slack
 FLASHDIR defaults to flashinfer-lite's own conversion of the GGUF (float16, made on first use in the user cache, as
 `flashinfer-lite generate -m GGUF` does), with predictors trained on first use when it has none (generate's
-train_on_first_use). --quick instead converts the default model into a temp dir and trains a predictor for one layer
+runtime.train_on_first_use). --quick instead converts the default model into a temp dir and trains a predictor for one layer
 only (the other layers select every neuron), so the flash rows run predicted mode in seconds.
 Per row: load time; prompt ms/token; decode ms/token P50 and P99 and tokens/s over the decode steps (the first token
 comes from the prompt's pass); bytes read from storage per decode step (/proc/self/io read_bytes: page-cache misses,
@@ -145,13 +145,13 @@ def measure_llama(job: dict) -> dict:
 
 
 def measure_flash(ffn: str, budget: str, job: dict) -> dict:
-    """flashinfer-lite's generate path (open_model, Session.generate, greedy) on the GGUF (dense) or FLASHDIR."""
+    """flashinfer-lite's generate path (load, Session.generate, greedy) on the GGUF (dense) or FLASHDIR."""
     from bench.smollm2_modes import Counters
-    from flashinfer_lite.generate import Sampler, Session, open_model
+    from flashinfer_lite.generate import Sampler, Session
+    from flashinfer_lite.runtime import load
     path = job["gguf"] if ffn == "dense" else job["flash"]
-    args = argparse.Namespace(model=path, ffn=ffn, ctx_size=job["ctx"], threads=job["threads"], lookahead=False,
-                              verbose=False, dram_budget=budget)
-    model, tokenizer, runtime, load_ms = open_model(args)
+    loaded, tokenizer = load(path, budget, ffn, job["ctx"], job["threads"])
+    model, runtime, load_ms = loaded.transformer, loaded.runtime, loaded.load_ms
     session = Session(model, tokenizer, job["ctx"])
     out, c = [], None
     for tok in session.generate(job["prompt_ids"], job["n_gen"], Sampler(temp=0.0), ignore_eos=True):
@@ -226,7 +226,7 @@ def run_row(mode: str, cap: str, cap_bytes: int | None, work: Path, budget: str 
 
 def default_flashdir(gguf: Path) -> str:
     """flashinfer-lite's own FLASHDIR for the GGUF, with predictors: what `generate -m GGUF --ffn predicted` uses."""
-    from flashinfer_lite.generate import train_on_first_use
+    from flashinfer_lite.runtime import train_on_first_use
     from flashinfer_lite.predictor_set import has_trained_predictors
     from storage.cache import flashdir_for
     flash = flashdir_for(gguf, progress=sys.stderr.isatty())

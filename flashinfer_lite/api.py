@@ -1,27 +1,18 @@
 """The Python API in mlx-lm's shape: load() returns (model, tokenizer); generate() returns text; stream_generate()
-yields one response per token; make_prompt_cache() keeps a KV cache across calls. It runs the same code as
-`flashinfer-lite generate` (choose_ffn, open_model, Session.generate, Sampler, StreamDecoder): one decode loop for the
-CLI, the API and `flashinfer-lite serve`."""
+yields one response per token; make_prompt_cache() keeps a KV cache across calls. load is runtime.load, the one the
+commands call too, and the rest runs the same code as `flashinfer-lite generate` (Session.generate, Sampler,
+StreamDecoder): one decode loop for the CLI, the API and `flashinfer-lite serve`."""
 from __future__ import annotations
 
 import time
-from argparse import Namespace
 from dataclasses import dataclass
 from typing import Iterator
 
-from .budget import peak_rss_bytes
-from .generate import Sampler, Session, Timings, context_size, open_model, prompt_ids
-from .model import Transformer
 from storage.tokenizer import StreamDecoder, Tokenizer, check_utf8
 
-
-@dataclass
-class Model:
-    """What load() returns as `model`: the transformer, its flash runtime (None for a dense FFN) and the context."""
-    transformer: Transformer
-    runtime: object | None
-    ctx: int
-    load_ms: float
+from .budget import peak_rss_bytes
+from .generate import Sampler, Session, Timings, prompt_ids
+from .runtime import Model, load  # noqa: F401  (the library's entry: flashinfer_lite.load)
 
 
 @dataclass
@@ -35,18 +26,6 @@ class GenerationResponse:
     generation_tps: float    # decode tokens per second so far (forward passes after the prompt)
     token_ms: float          # this token's forward pass; 0 for the first (it came from the prompt's pass)
     peak_memory_mb: float    # the process's peak RSS
-
-
-def load(path: str | None = None, dram_budget: int | str = "auto", ffn: str = "auto", ctx: int = 0,
-         threads: int | None = None, lookahead: bool = False, verbose: bool = False) -> tuple[Model, Tokenizer]:
-    """(model, tokenizer) for an HF directory, a GGUF file or a FLASHDIR; None = the default model (fetched, and its
-    predictors trained, on first use, as the CLI does). dram_budget: bytes, a size string ("300M") or "auto" (the
-    default, as the CLI's)."""
-    args = Namespace(model=None if path is None else str(path), ffn=ffn, ctx_size=ctx, threads=threads,
-                     lookahead=lookahead, verbose=verbose,
-                     dram_budget=str(dram_budget))
-    transformer, tokenizer, runtime, load_ms = open_model(args)
-    return Model(transformer, runtime, context_size(args, transformer), load_ms), tokenizer
 
 
 def make_prompt_cache(model: Model, tokenizer: Tokenizer) -> Session:

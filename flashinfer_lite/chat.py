@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 from storage.errors import UserError
-from .generate import ContextFull, Session, add_model_arguments, context_size, open_model, sampler_from
+from .generate import ContextFull, Session, add_model_arguments, open_model, sampler_from
 from storage.tokenizer import StreamDecoder, check_utf8
 
 HELP = "/exit quits, /reset forgets the conversation, /stats shows timings; Ctrl-C stops an answer, Ctrl-D exits"
@@ -32,11 +32,12 @@ def print_stats(session: Session, runtime) -> None:
 
 
 def run(args) -> int:
-    model, tokenizer, runtime, load_ms = open_model(args)
+    model, tokenizer = open_model(args)
+    runtime = model.runtime
     if not tokenizer.chat_template:
         raise UserError("this model has no chat template; use `flashinfer-lite generate` for plain text")
-    session = Session(model, tokenizer, context_size(args, model))
-    session.timings.load_ms = load_ms
+    session = Session(model.transformer, tokenizer, model.ctx)
+    session.timings.load_ms = model.load_ms
     sampler = sampler_from(args)
     # Undecodable input bytes arrive as surrogates, so one bad line gets a message instead of killing the session.
     sys.stdin.reconfigure(errors="surrogateescape")

@@ -2,26 +2,19 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from importlib.util import find_spec
 
 import numpy as np
 
-from storage.cache import flashdir_for
+from storage.config import DEFAULT_MAX_CTX
+from storage.errors import UserError
+from storage.tokenizer import StreamDecoder, Tokenizer, check_utf8
 
 from .budget import peak_rss_bytes, rss_bytes
-from storage.config import DEFAULT_MAX_CTX
-from .default_model import ensure_default_model
-from storage.errors import Reported, UserError
-from .loader import is_flashdir
 from .model import Transformer
-from .predictor_set import describe_calibration, has_trained_predictors, read_manifest
-from .runtime import load_runtime
-from storage.sizes import parse_size
-from storage.tokenizer import StreamDecoder, Tokenizer, check_utf8
+from .runtime import FFN_MODES, load
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -226,7 +219,7 @@ def add_model_arguments(p) -> None:
     p.add_argument("-s", "--seed", type=int, default=-1, help="RNG seed, -1 = random (default -1)")
     p.add_argument("-sys", "--system-prompt", default=None, help="system prompt for the chat template")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
-    p.add_argument("--ffn", default="auto", choices=("auto", "dense", "oracle", "predicted"),
+    p.add_argument("--ffn", default="auto", choices=FFN_MODES,
                    help="FFN neurons to compute: all, the truly active ones, or the predicted ones; auto (default) = "
                         "predicted for the default model (predictors trained on first use) and for a FLASHDIR with "
                         "predictors, else dense")
@@ -251,75 +244,10 @@ def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object (tokens, text, timings) instead of text")
 
 
-def train_on_first_use(flashdir: str) -> None:
-    """Train the default model's predictors in a child process (predictors/first_use.py): this process never imports
-    torch, and its memory is not what training needed. The child's progress and its one error line go to stderr."""
-    if find_spec("torch") is None:
-        raise UserError("training the default model's predictors on first use needs torch: "
-                        "pip install 'flashinfer-lite[train]' (or run with --ffn dense)")
-    code = subprocess.run([sys.executable, "-m", "predictors.first_use", str(flashdir)]).returncode
-    if code != 0:
-        raise Reported(code)
-
-
-def choose_ffn(args) -> tuple[str, str, str | None]:
-    """(model path, FFN mode, why) for -m (or the default model) and --ffn; `why` is said once the model has loaded
-    (for --ffn auto only). The default model gets its FLASHDIR made on first use, and its predictors when it runs
-    sparse: at once for --ffn predicted, for auto only once load_runtime finds the whole model does not fit."""
-    if args.model is None:
-        path = ensure_default_model()
-        if args.ffn not in ("auto", "predicted"):
-            return str(path), args.ffn, None
-        flashdir = flashdir_for(path, progress=sys.stderr.isatty())
-        if args.ffn == "predicted" and not has_trained_predictors(flashdir):
-            train_on_first_use(flashdir)
-        return flashdir, args.ffn, "the default model"
-    if args.ffn != "auto":
-        return args.model, args.ffn, None
-    if is_flashdir(args.model):
-        if has_trained_predictors(args.model):
-            return args.model, "auto", f"{args.model} has trained predictors"
-    if args.dram_budget not in (None, "auto"):
-        raise UserError(f"--dram-budget needs a sparse FFN, and {args.model} has no predictors: run "
-                        f"`flashinfer-lite collect` and `flashinfer-lite train-predictor`, or use --ffn oracle")
-    return args.model, "dense", f"ffn: dense (--ffn auto, {args.model} has no trained predictors)"
-
-
-def default_model_predictors(flashdir: str) -> str:
-    record = (read_manifest(flashdir) or {}).get("calibration")
-    how = f"trained on first use from {describe_calibration(record)}" if record else "trained with train-predictor"
-    return f"its predictors were {how}"
-
-
 def open_model(args):
-    """(model, tokenizer, runtime, load_ms) for -m, or the default model."""
-    t0 = time.perf_counter()
-    path, ffn, why = choose_ffn(args)
-    if args.threads:
-        import numba
-        numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
-    budget = args.dram_budget if args.dram_budget in (None, "auto") else parse_size(args.dram_budget)
-    model, tokenizer, runtime = load_runtime(path, ffn, dram_budget=budget, ctx=args.ctx_size or None,
-                                             progress=sys.stderr.isatty(), verbose=args.verbose,
-                                             lookahead=args.lookahead,
-                                             make_predictors=train_on_first_use if args.model is None else None)
-    if args.model is None and runtime is not None:
-        why = f"{why}; {default_model_predictors(path)}"
-    if ffn == "auto":       # load_runtime chose: dense when the whole model fits the DRAM budget, else predicted
-        mode, fit = ("dense", "the whole model fits in DRAM") if runtime is None else ("predicted", "from flash")
-        print(f"ffn: {mode} (--ffn auto, {fit}; {why})", file=sys.stderr)
-    elif why and ffn != "predicted":
-        print(why, file=sys.stderr)
-    return model, tokenizer, runtime, (time.perf_counter() - t0) * 1e3
-
-
-def context_size(args, model: Transformer) -> int:
-    ctx = args.ctx_size or model.cfg.default_ctx
-    if ctx <= 0:
-        raise UserError(f"context size must be positive, got {ctx}")
-    if ctx > model.cfg.max_pos:
-        raise UserError(f"context size {ctx} exceeds the model's maximum of {model.cfg.max_pos}")
-    return ctx
+    """(Model, Tokenizer) for the command's flags: -m (or the default model), --ffn, --dram-budget, -c, -t,
+    --lookahead, -v, by the library's load()."""
+    return load(args.model, args.dram_budget, args.ffn, args.ctx_size, args.threads, args.lookahead, args.verbose)
 
 
 def read_prompt(args) -> str:
@@ -355,9 +283,10 @@ def prompt_ids(tokenizer: Tokenizer, text: str, system: str | None, use_template
 
 def run(args) -> int:
     text = read_prompt(args)
-    model, tokenizer, runtime, load_ms = open_model(args)
-    session = Session(model, tokenizer, context_size(args, model))
-    session.timings.load_ms = load_ms
+    model, tokenizer = open_model(args)
+    runtime = model.runtime
+    session = Session(model.transformer, tokenizer, model.ctx)
+    session.timings.load_ms = model.load_ms
     ids = prompt_ids(tokenizer, text, args.system_prompt, not args.ignore_chat_template)
     sampler = sampler_from(args)
     raw = args.ignore_chat_template or not tokenizer.chat_template

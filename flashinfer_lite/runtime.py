@@ -5,30 +5,41 @@
              needs the dense gate/up weights to know that, so it is a test mode, not a memory-saving one
   predicted  the neurons the low-rank predictor selects, read from flash (ffn.flash.FlashFFN): the product
 
-`load_runtime()` is the one way generate, chat and eval build a model, so they all run the same code path.
+Decide, then build: open_model_files reads what a decision needs, decide (pure) says what runs (the FFN mode and
+source, the DRAM plan, whether the default model's predictors must be trained first), build loads it. load() is the
+library's entry (flashinfer_lite.load), which generate, chat, serve and eval call; load_runtime() is decide + build
+for a given path, without first-use training.
 """
 from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
+import time
+from dataclasses import dataclass
+from importlib.util import find_spec
 
+import numba
 import numpy as np
 from threadpoolctl import threadpool_limits
 
 from storage.cache import flashdir_for
-from storage.format import FlashCheckpoint, verify_at_load
+from storage.config import ModelConfig
+from storage.errors import Reported, UserError
+from storage.format import FlashCheckpoint, is_flashdir, verify_at_load
+from storage.half import half_matrix
+from storage.sizes import parse_size
 
 from . import BLAS_THREADS_FROM_USER
-from .budget import (HEAP_SLACK_BYTES, auto_budget_bytes, keep_freed_arrays_out_of_rss, measure_runtime_bytes,
-                     plan_budget, plan_resident_ffn, resident_bytes_for)
-from storage.errors import UserError
-from storage.half import half_matrix
-from .loader import load_weights, open_any
-from .model import FeedForward, ModelConfig, Transformer
+from .budget import (HEAP_SLACK_BYTES, BudgetPlan, auto_budget_bytes, keep_freed_arrays_out_of_rss,
+                     measure_runtime_bytes, plan_budget, plan_resident_ffn, resident_bytes_for)
+from .default_model import ensure_default_model
 from .ffn.flash import STREAM_CHUNK_BYTES, FlashFFN
 from .ffn.resident import ResidentFFN
-from .predictor_set import load_predictors
+from .loader import load_weights, open_any
+from .model import FeedForward, Transformer
+from .predictor_set import describe_calibration, load_predictors, read_manifest
 
 FFN_MODES = ("auto", "dense", "oracle", "predicted")   # auto: dense when the model fits the budget, else predicted
 # FFN tensors that live in the bundles on flash; everything else (including ffn.down.bias) stays resident.
@@ -63,86 +74,12 @@ def lookahead_selector(cfg: ModelConfig, weights: dict, predictors):
     return guess
 
 
-def warn_if_dense_does_not_fit(path, cfg: ModelConfig) -> None:
-    """--ffn dense with --dram-budget auto: one line when the weights will not fit, naming what to run. A GGUF keeps
-    its blocks (about its file's size), anything else is float32."""
-    if str(path).endswith(".gguf") and os.path.isfile(path):
-        need = os.path.getsize(path)
-    else:
-        need = resident_bytes_for(cfg) + cfg.n_layers * cfg.ffn_dim * cfg.dim * 4 * (3 if cfg.glu else 2)
-    room = auto_budget_bytes()
-    if need > room:
-        print(f"note: {path} needs about {need / 2**20:.0f} MiB in DRAM dense and {room / 2**20:.0f} MiB is "
-              f"available; to run it from flash, make its predictors: `flashinfer-lite convert`, "
-              f"`flashinfer-lite collect`, `flashinfer-lite train-predictor` (docs/PREDICTORS.md)", file=sys.stderr)
-
-
 def one_blas_thread() -> None:
     """What OPENBLAS_NUM_THREADS=1 in flashinfer_lite/__init__.py does, for a process that loaded numpy first (the
     variable is read once, then): OpenBLAS's spinning threads made SmolLM2's dense FFN 296 ms/token instead of 21.
     A user's own OPENBLAS_NUM_THREADS is left alone."""
     if not BLAS_THREADS_FROM_USER:
         threadpool_limits(1, user_api="blas")
-
-
-def load_runtime(path, ffn: str = "dense", dram_budget: int | str | None = None, ctx: int | None = None, window: int = 5,
-                 threads: int | None = None, progress: bool = False, verbose: bool = False, verify: bool = True,
-                 runtime_bytes: int | None = None, lookahead: bool = False, make_predictors=None):
-    """(model, tokenizer, runtime) for a model path and an FFN mode; runtime is None for dense.
-
-    A model that is not a FLASHDIR is converted into the cache on first use for the sparse modes.
-    dram_budget: bytes for everything the process keeps (default: room for the whole model); "auto": the whole model
-    when it fits in what the machine can give (budget.auto_budget_bytes), else that much.
-    runtime_bytes: the plan's runtime line; None measures this process (budget.measure_runtime_bytes).
-    lookahead: in predicted mode, start each layer's reads one layer early on a guess (lookahead_selector). Off by
-    default: on the 7B-shaped bench at a 25% budget the device is the bottleneck and the wrong guesses' extra bytes
-    cost more than the early start hides (bench/README.md).
-    make_predictors(flashdir): called when --ffn auto must run from flash and the FLASHDIR has no predictors (the
-    default model's first use trains them); without it, that is an error naming the commands to run.
-    """
-    one_blas_thread()
-    if ffn not in FFN_MODES:
-        raise UserError(f"unknown --ffn mode '{ffn}' (choose from {', '.join(FFN_MODES)})")
-    if ffn == "dense":
-        return load_dense(path, dram_budget, progress)
-    keep_freed_arrays_out_of_rss()
-    ckpt, tokenizer, predictors = open_flashdir(path, ffn, verify, progress)
-    cfg = ckpt.config
-    ctx = ctx or cfg.default_ctx
-    if ffn == "auto":
-        # In RAM nothing is gained by predicting: the whole FFN computed from DRAM is both exact and faster
-        dense = plan_resident(ckpt, dram_budget, ctx, runtime_bytes)
-        if dense is not None:
-            if verbose or dense.requested:
-                print(dense.table(), file=sys.stderr)
-            return resident_model(ckpt, progress), tokenizer, None
-        if (predictors is None or not predictors.has_predictors) and make_predictors is not None:
-            if isinstance(dram_budget, int):   # below even the sparse minimum: refused before minutes of training
-                plan_dram(ckpt, None, "predicted", dram_budget, ctx, window,
-                          runtime_bytes, lookahead)
-            make_predictors(str(ckpt.path))
-            predictors = load_predictors(ckpt.path)
-        if predictors is None or not predictors.has_predictors:
-            raise UserError(f"{ckpt.path} does not fit the DRAM budget and has no predictors to run it from flash: "
-                            f"run `flashinfer-lite collect` and `flashinfer-lite train-predictor`")
-        ffn = "predicted"
-    lookahead = lookahead and ffn == "predicted"   # the guess is a predictor's
-    # Planned before any weight loads: a budget too small fails before the work, and the runtime line is measured
-    # on a process that holds everything but the weights (tokenizer, predictors, compiled kernels included).
-    plan = plan_dram(ckpt, predictors, ffn, dram_budget, ctx, window, runtime_bytes,
-                     lookahead)
-    if verbose or plan.requested:
-        print(plan.table(), file=sys.stderr)
-    weights = load_weights(ckpt, progress, skip=lambda n: bool(_BUNDLED.fullmatch(n)),
-                           convert=half_matrix if ckpt.layout.dtype != "f32" else None)
-    select = oracle_selector(cfg, ckpt, predictors) if ffn == "oracle" else predictors.predict
-    runtime = FlashFFN(cfg, ckpt.layout, plan, select, predictors,
-                       down_bias=[weights.get(f"layers.{i}.ffn.down.bias") for i in range(cfg.n_layers)],
-                       threads=threads, verbose=verbose,
-                       lookahead=lookahead_selector(cfg, weights, predictors) if lookahead else None)
-    if verbose:
-        print(runtime.reader.describe(), file=sys.stderr)
-    return Transformer(cfg, weights, ffn=runtime), tokenizer, runtime
 
 
 def resident_model(ckpt: FlashCheckpoint, progress: bool) -> Transformer:
@@ -158,33 +95,19 @@ def resident_model(ckpt: FlashCheckpoint, progress: bool) -> Transformer:
     return Transformer(ckpt.config, weights, ffn=ffn)
 
 
-def plan_resident(ckpt: FlashCheckpoint, dram_budget, ctx: int, runtime_bytes: int | None):
+def plan_resident(ckpt: FlashCheckpoint, dram_budget, ctx: int, runtime_bytes: int | None, room: int | None = None):
     """The in-RAM plan (budget.plan_resident_ffn) of --ffn auto, or None when the whole model does not fit
-    --dram-budget (a size, "auto": what the machine can give, None: no limit)."""
+    --dram-budget (a size, "auto": room, what the machine can give, None: no limit)."""
     cfg, layout = ckpt.config, ckpt.layout
     if runtime_bytes is None:
         runtime_bytes = measure_runtime_bytes(layout)
     resident = resident_bytes_for(cfg, half=layout.dtype != "f32", kinds=ckpt.resident_kinds)
-    budget = {None: 1 << 60, "auto": auto_budget_bytes()}.get(dram_budget, dram_budget)
+    if dram_budget == "auto" and room is None:
+        room = auto_budget_bytes()
+    budget = {None: 1 << 60, "auto": room}.get(dram_budget, dram_budget)
     return plan_resident_ffn(cfg, layout, budget, ctx, resident, runtime_bytes,
                              heap_slack_bytes=HEAP_SLACK_BYTES if runtime_bytes else 0,
                              requested=dram_budget not in (None, "auto"))
-
-
-def load_dense(path, dram_budget, progress: bool):
-    """--ffn dense: every weight in DRAM. A float16 FLASHDIR runs with float16 matrices (so dense and oracle compare
-    like for like), a quantized one as stored (resident matrices in blocks, the FFN as ResidentFFN over its bundles);
-    an HF directory stays float32, the reference checked against transformers, and a GGUF keeps its matrices in
-    their block formats where storage/blocks.py has them (loader.load_tensor)."""
-    if dram_budget not in (None, "auto"):
-        raise UserError("--dram-budget applies to --ffn predicted/oracle; --ffn dense keeps every weight in DRAM")
-    ckpt = open_any(path)
-    if dram_budget == "auto":
-        warn_if_dense_does_not_fit(path, ckpt.config)
-    if isinstance(ckpt, FlashCheckpoint):
-        return resident_model(ckpt, progress), ckpt.tokenizer(), None
-    weights = load_weights(ckpt, progress, keep_blocks=True)
-    return Transformer(ckpt.config, weights), ckpt.tokenizer(), None
 
 
 def keeps_float16(ckpt) -> bool:
@@ -193,27 +116,14 @@ def keeps_float16(ckpt) -> bool:
     return isinstance(ckpt, FlashCheckpoint) and ckpt.layout.dtype in ("f16", "int8")
 
 
-def open_flashdir(path, ffn: str, verify: bool, progress: bool):
-    """(FlashCheckpoint, tokenizer, PredictorSet or None) of the FLASHDIR for `path`: an HF directory or GGUF file is
-    converted into the cache on first use; a launch checks sizes and the verified stamp, not every byte."""
-    path = flashdir_for(path, progress)
-    if verify:
-        verify_at_load(path, progress=progress)
-    ckpt = FlashCheckpoint(path)
-    predictors = load_predictors(path)
-    if ffn == "predicted" and (predictors is None or not predictors.has_predictors):
-        raise UserError(f"{path} has no predictors: run `flashinfer-lite collect` and `flashinfer-lite train-predictor`")
-    return ckpt, ckpt.tokenizer(), predictors
-
-
-def plan_dram(ckpt, predictors, ffn: str, dram_budget, ctx: int, window: int, runtime_bytes: int | None,
-              lookahead: bool):
-    """The BudgetPlan for --dram-budget: a size, "auto" (the whole model when it fits in what the machine can give,
-    else that much, said in one line), or None (room for the whole model: every neuron pinned, the full window)."""
+def plan_dram(files: ModelFiles, ffn: str, dram_budget, ctx: int, window: int, lookahead: bool,
+              room: int | None) -> tuple[BudgetPlan, tuple[str, ...]]:
+    """The BudgetPlan for --dram-budget, and what to say about it: a size, "auto" (the whole model when it fits in
+    room, what the machine can give, else that much, said in one line), or None (room for the whole model: every
+    neuron pinned, the full window)."""
+    ckpt, runtime_bytes = files.ckpt, files.runtime_bytes
     cfg, layout = ckpt.config, ckpt.layout
-    max_active = expected_max_active(cfg, predictors)
-    if runtime_bytes is None:
-        runtime_bytes = measure_runtime_bytes(layout)
+    max_active = expected_max_active(cfg, files.predictors)
     # float16 bundles: the resident matrices go float16 too (half the DRAM, and GEMV reads half the bytes), quantized
     # ones in blocks; float32 bundles keep the whole model exact.
     resident = resident_bytes_for(cfg, half=layout.dtype != "f32", kinds=ckpt.resident_kinds)
@@ -226,14 +136,12 @@ def plan_dram(ckpt, predictors, ffn: str, dram_budget, ctx: int, window: int, ru
                            lookahead=lookahead, heap_slack_bytes=HEAP_SLACK_BYTES if runtime_bytes else 0)
     whole = plan_for(1 << 60, False).used_bytes
     if dram_budget == "auto":
-        room = auto_budget_bytes()
         if room >= whole:
-            return plan_for(whole, False)
-        print(f"dram budget: auto = {room / 2**20:.0f} MiB (available memory less a margin); the model's "
-              f"{whole / 2**20:.0f} MiB do not fit, so the FFN neurons that do not are read from flash",
-              file=sys.stderr)
-        return plan_for(room, True)
-    return plan_for(whole, False) if dram_budget is None else plan_for(dram_budget, True)
+            return plan_for(whole, False), ()
+        return plan_for(room, True), (f"dram budget: auto = {room / 2**20:.0f} MiB (available memory less a margin); "
+                                      f"the model's {whole / 2**20:.0f} MiB do not fit, so the FFN neurons that do "
+                                      f"not are read from flash",)
+    return (plan_for(whole, False) if dram_budget is None else plan_for(dram_budget, True)), ()
 
 
 def expected_max_active(cfg: ModelConfig, predictors) -> int:
@@ -245,3 +153,232 @@ def expected_max_active(cfg: ModelConfig, predictors) -> int:
         return max(1, n // 2)
     mean = max(float(predictors.neuron_freq(i).sum()) for i in range(cfg.n_layers))
     return int(min(n, max(16, 2 * mean)))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Decide, then build. open_model_files reads what a decision needs (converting a model into the cache when a FLASHDIR
+# must back the run); decide, a pure function of those facts and the flags, says what runs; build loads it. load() is
+# the library's entry (flashinfer_lite.load): the CLI's commands and the API call it, and it runs first-use training
+# as a step of its own, between deciding and building.
+
+
+@dataclass
+class ModelFiles:
+    """What decide() knows about a model, read before anything is decided."""
+    source: str                     # the model as named: -m, or the default model's file
+    path: str                       # the FLASHDIR when flash_backed, else source
+    default: bool                   # the default model: its predictors may be trained on first use
+    flash_backed: bool              # a FLASHDIR backs the run: ckpt is its FlashCheckpoint
+    ckpt: object                    # FlashCheckpoint, or the source's checkpoint (a dense run of an HF dir or GGUF)
+    tokenizer: object
+    predictors: object              # PredictorSet or None
+    runtime_bytes: int | None       # the plan's runtime line (None: no plan will be made)
+    dense_bytes: int = 0            # DRAM a dense run of the source needs (a GGUF keeps its blocks: its file size)
+
+    @property
+    def trained(self) -> bool:
+        return self.predictors is not None and self.predictors.has_predictors
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a run will be: the FFN mode, the FFN source it implies, the DRAM plan, and what must happen first."""
+    ffn: str                        # dense | oracle | predicted (auto decided)
+    plan: object                    # BudgetPlan (None: a dense run without a plan)
+    train_predictors: bool          # the default model's predictors must be trained first (then decide again)
+    lookahead: bool
+    notes: tuple[str, ...] = ()     # stderr lines for before the weights load
+    auto: tuple[str, str] | None = None   # --ffn auto's reason: (what it chose and why, whose predictors)
+
+    @property
+    def source(self) -> str:
+        """The FFN source: "flash" (FlashFFN) or "dram" (every weight in DRAM: FeedForward, or ResidentFFN)."""
+        return "dram" if self.ffn == "dense" else "flash"
+
+
+def open_model_files(model, ffn: str, verify: bool = True, progress: bool = False,
+                     runtime_bytes: int | None = None) -> ModelFiles:
+    """The facts decide() needs. A FLASHDIR backs every mode but dense of an HF directory or GGUF (and auto of one
+    that is not the default model: without predictors it runs dense); such a model is converted into the cache on
+    first use, and a launch checks sizes and the verified stamp, not every byte. The runtime line is measured here,
+    on a process that holds everything but the weights (tokenizer, predictors, compiled kernels)."""
+    if ffn not in FFN_MODES:
+        raise UserError(f"unknown --ffn mode '{ffn}' (choose from {', '.join(FFN_MODES)})")
+    default = model is None
+    source = str(ensure_default_model()) if default else str(model)
+    flash_backed = is_flashdir(source) or ffn in ("oracle", "predicted") or (ffn == "auto" and default)
+    if not flash_backed or ffn == "dense":     # every weight in DRAM, as stored: no plan, no predictors
+        ckpt = open_any(source)
+        cfg = ckpt.config
+        # a GGUF keeps its blocks (about its file's size), anything else counts float32
+        need = os.path.getsize(source) if source.endswith(".gguf") and os.path.isfile(source) else \
+            resident_bytes_for(cfg) + cfg.n_layers * cfg.ffn_dim * cfg.dim * 4 * (3 if cfg.glu else 2)
+        return ModelFiles(source, source, default, flash_backed, ckpt, ckpt.tokenizer(), None, None, need)
+    keep_freed_arrays_out_of_rss()
+    path = flashdir_for(source, progress)
+    if verify:
+        verify_at_load(path, progress=progress)
+    ckpt = FlashCheckpoint(path)
+    files = ModelFiles(source, str(path), default, True, ckpt, ckpt.tokenizer(), load_predictors(path), None)
+    files.runtime_bytes = measure_runtime_bytes(ckpt.layout) if runtime_bytes is None else runtime_bytes
+    return files
+
+
+def decide(files: ModelFiles, ffn: str, dram_budget=None, ctx: int | None = None, window: int = 5,
+           lookahead: bool = False, room: int | None = None, verbose: bool = False) -> Decision:
+    """What runs, from the model's facts and the flags; nothing is loaded, nothing printed. dram_budget: bytes,
+    "auto" (room: what the machine can give, budget.auto_budget_bytes) or None (no limit). --ffn auto: dense when
+    the whole model fits the budget (in RAM nothing is gained by predicting: every neuron from DRAM is exact and
+    faster), else predicted, which needs predictors (the default model's are trained first)."""
+    cfg = files.ckpt.config
+    ctx = ctx or cfg.default_ctx
+    if ffn == "dense" or (ffn == "auto" and not files.flash_backed):
+        if dram_budget not in (None, "auto"):
+            raise UserError("--dram-budget applies to --ffn predicted/oracle; --ffn dense keeps every weight in DRAM"
+                            if ffn == "dense" else
+                            f"--dram-budget needs a sparse FFN, and {files.source} has no predictors: run "
+                            f"`flashinfer-lite collect` and `flashinfer-lite train-predictor`, or use --ffn oracle")
+        notes = ()
+        if dram_budget == "auto" and files.dense_bytes > room:
+            notes = (f"note: {files.source} needs about {files.dense_bytes / 2**20:.0f} MiB in DRAM dense and "
+                     f"{room / 2**20:.0f} MiB is available; to run it from flash, make its predictors: "
+                     f"`flashinfer-lite convert`, `flashinfer-lite collect`, `flashinfer-lite train-predictor` "
+                     f"(docs/PREDICTORS.md)",)
+        auto = ("", f"{files.source} has no trained predictors") if ffn == "auto" else None
+        return Decision("dense", None, False, False, notes, auto)
+    whose = ("the default model" if files.default else
+             f"{files.source} has {'trained' if files.trained else 'no trained'} predictors")
+    if ffn == "auto":
+        resident = plan_resident(files.ckpt, dram_budget, ctx, files.runtime_bytes, room)
+        if resident is not None:
+            notes = (resident.table(),) if verbose or resident.requested else ()
+            return Decision("dense", resident, False, False, notes, ("the whole model fits in DRAM", whose))
+        if not files.trained and not files.default:
+            raise UserError(f"{files.path} does not fit the DRAM budget and has no predictors to run it from flash: "
+                            f"run `flashinfer-lite collect` and `flashinfer-lite train-predictor`")
+        auto = ("from flash", whose)
+        ffn = "predicted"
+    else:
+        auto = None
+        if ffn == "predicted" and not files.trained and not files.default:
+            raise UserError(f"{files.path} has no predictors: run `flashinfer-lite collect` and "
+                            f"`flashinfer-lite train-predictor`")
+    lookahead = lookahead and ffn == "predicted"   # the guess is a predictor's
+    # planned before any weight loads: a budget too small fails before the work (before first-use training too)
+    plan, notes = plan_dram(files, ffn, dram_budget, ctx, window, lookahead, room)
+    if verbose or plan.requested:
+        notes += (plan.table(),)
+    return Decision(ffn, plan, ffn == "predicted" and not files.trained, lookahead, notes, auto)
+
+
+def build(files: ModelFiles, decision: Decision, threads: int | None = None, progress: bool = False,
+          verbose: bool = False):
+    """(model, tokenizer, runtime) as decided; runtime is the FlashFFN, None when every weight is in DRAM."""
+    if decision.train_predictors:
+        raise UserError(f"{files.path} has no predictors yet: train them first (first use of the default model)")
+    if decision.source == "dram":
+        if files.flash_backed:
+            return resident_model(files.ckpt, progress), files.tokenizer, None
+        return Transformer(files.ckpt.config, load_weights(files.ckpt, progress, keep_blocks=True)), \
+            files.tokenizer, None
+    ckpt, predictors, cfg = files.ckpt, files.predictors, files.ckpt.config
+    weights = load_weights(ckpt, progress, skip=lambda n: bool(_BUNDLED.fullmatch(n)),
+                           convert=half_matrix if ckpt.layout.dtype != "f32" else None)
+    select = oracle_selector(cfg, ckpt, predictors) if decision.ffn == "oracle" else predictors.predict
+    runtime = FlashFFN(cfg, ckpt.layout, decision.plan, select, predictors,
+                       down_bias=[weights.get(f"layers.{i}.ffn.down.bias") for i in range(cfg.n_layers)],
+                       threads=threads, verbose=verbose,
+                       lookahead=lookahead_selector(cfg, weights, predictors) if decision.lookahead else None)
+    if verbose:
+        print(runtime.reader.describe(), file=sys.stderr)
+    return Transformer(cfg, weights, ffn=runtime), files.tokenizer, runtime
+
+
+def load_runtime(path, ffn: str = "dense", dram_budget: int | str | None = None, ctx: int | None = None, window: int = 5,
+                 threads: int | None = None, progress: bool = False, verbose: bool = False, verify: bool = True,
+                 runtime_bytes: int | None = None, lookahead: bool = False):
+    """(model, tokenizer, runtime) for a model path and an FFN mode: open_model_files, decide, build (no first-use
+    training: a model without the predictors its run needs is an error naming the commands to run).
+
+    dram_budget: bytes for everything the process keeps (default: room for the whole model); "auto": the whole model
+    when it fits in what the machine can give (budget.auto_budget_bytes), else that much.
+    runtime_bytes: the plan's runtime line; None measures this process (budget.measure_runtime_bytes).
+    lookahead: in predicted mode, start each layer's reads one layer early on a guess (lookahead_selector). Off by
+    default: on the 7B-shaped bench at a 25% budget the device is the bottleneck and the wrong guesses' extra bytes
+    cost more than the early start hides (bench/README.md).
+    """
+    one_blas_thread()
+    files = open_model_files(path, ffn, verify, progress, runtime_bytes)
+    decision = decide(files, ffn, dram_budget, ctx, window, lookahead,
+                      auto_budget_bytes() if dram_budget == "auto" else None, verbose)
+    for line in decision.notes:
+        print(line, file=sys.stderr)
+    return build(files, decision, threads, progress, verbose)
+
+
+@dataclass
+class Model:
+    """What load() returns as `model`: the transformer, its flash runtime (None when every weight is in DRAM), the
+    context and how long loading took."""
+    transformer: Transformer
+    runtime: FlashFFN | None
+    ctx: int
+    load_ms: float
+
+
+def load(path: str | None = None, dram_budget: int | str | None = "auto", ffn: str = "auto", ctx: int = 0,
+         threads: int | None = None, lookahead: bool = False, verbose: bool = False):
+    """(model, tokenizer) for an HF directory, a GGUF file or a FLASHDIR; None = the default model (fetched, and its
+    predictors trained, on first use). dram_budget: bytes, a size string ("300M"), "auto" (the default: what the
+    machine can give) or None (no limit); ffn as the CLI's --ffn; ctx 0: the model's default context."""
+    t0 = time.perf_counter()
+    one_blas_thread()
+    if threads:
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    budget = parse_size(dram_budget) if isinstance(dram_budget, str) and dram_budget != "auto" else dram_budget
+    progress = sys.stderr.isatty()
+    files = open_model_files(path, ffn, progress=progress)
+    ctx = context_size(ctx, files.ckpt.config)
+    room = auto_budget_bytes() if budget == "auto" else None
+    decision = decide(files, ffn, budget, ctx, lookahead=lookahead, room=room, verbose=verbose)
+    if decision.train_predictors:      # the default model's first sparse run: a step of its own, then decide again
+        train_on_first_use(files.path)
+        files.predictors = load_predictors(files.path)
+        files.runtime_bytes = measure_runtime_bytes(files.ckpt.layout)
+        decision = decide(files, ffn, budget, ctx, lookahead=lookahead, room=room, verbose=verbose)
+    for line in decision.notes:
+        print(line, file=sys.stderr)
+    transformer, tokenizer, runtime = build(files, decision, threads, progress, verbose)
+    if decision.auto is not None:
+        fit, whose = decision.auto
+        if files.default and runtime is not None:
+            whose = f"{whose}; {default_model_predictors(files.path)}"
+        print(f"ffn: {decision.ffn} (--ffn auto, {f'{fit}; ' if fit else ''}{whose})", file=sys.stderr)
+    return Model(transformer, runtime, ctx, (time.perf_counter() - t0) * 1e3), tokenizer
+
+
+def context_size(ctx: int, cfg: ModelConfig) -> int:
+    """-c: 0 means the model's default context (at most DEFAULT_MAX_CTX)."""
+    ctx = ctx or cfg.default_ctx
+    if ctx <= 0:
+        raise UserError(f"context size must be positive, got {ctx}")
+    if ctx > cfg.max_pos:
+        raise UserError(f"context size {ctx} exceeds the model's maximum of {cfg.max_pos}")
+    return ctx
+
+
+def train_on_first_use(flashdir: str) -> None:
+    """Train the default model's predictors in a child process (predictors/first_use.py): this process never imports
+    torch, and its memory is not what training needed. The child's progress and its one error line go to stderr."""
+    if find_spec("torch") is None:
+        raise UserError("training the default model's predictors on first use needs torch: "
+                        "pip install 'flashinfer-lite[train]' (or run with --ffn dense)")
+    code = subprocess.run([sys.executable, "-m", "predictors.first_use", str(flashdir)]).returncode
+    if code != 0:
+        raise Reported(code)
+
+
+def default_model_predictors(flashdir: str) -> str:
+    record = (read_manifest(flashdir) or {}).get("calibration")
+    how = f"trained on first use from {describe_calibration(record)}" if record else "trained with train-predictor"
+    return f"its predictors were {how}"

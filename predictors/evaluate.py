@@ -1,6 +1,6 @@
 """`flashinfer-lite eval -m FLASHDIR --corpus FILE --ffn MODE [--tokens N] [--dram-budget SIZE] [--json]`.
 
-Runs the model built by `flashinfer_lite.runtime.load_runtime` (the one generation uses), one token at a time through
+Runs the model built by `flashinfer_lite.load` (the one generation uses), one token at a time through
 `model.forward([t], kv)` (the decode path), in segments of --ctx tokens that each start from an empty cache, against
 the dense model on the same tokens. The dense reference is computed first, layer by layer over all segments
 (predictors/layerwise.py), so it never needs the whole model in memory; `--ffn dense` is that reference alone (its
@@ -22,7 +22,7 @@ from tqdm import tqdm
 from storage.errors import UserError
 from flashinfer_lite.loader import open_any
 from flashinfer_lite.model import half_matrix
-from flashinfer_lite.runtime import FFN_MODES, keeps_float16, load_runtime
+from flashinfer_lite.runtime import FFN_MODES, keeps_float16, load
 from storage.sizes import parse_size
 
 from .acts import read_corpus
@@ -68,7 +68,7 @@ def dense_reference(ckpt, segments, progress: bool = True) -> list[tuple[np.ndar
 
     Layer by layer over all segments (predictors/layerwise.py): one layer's weights in memory, so the model may be
     bigger than RAM. Each segment as one batch from an empty cache: the decode path's logits to float rounding.
-    As load_runtime's dense model (runtime.keeps_float16), a float16 FLASHDIR runs with float16 matrices, a quantized
+    As load's dense model (runtime.keeps_float16), a float16 FLASHDIR runs with float16 matrices, a quantized
     one with its resident matrices in blocks, anything else in float32."""
     out = []
     with LayerStream(ckpt, segments, convert=half_matrix if keeps_float16(ckpt) else None, progress=progress,
@@ -102,7 +102,8 @@ def evaluate(model_path, corpus, ffn: str, n_tokens: int = 2048, ctx: int = 256,
     if ffn == "dense":
         nll, agree, t_model = nll_dense, n_pred, t_dense
     else:
-        model, _, runtime = load_runtime(model_path, ffn=ffn, dram_budget=dram_budget, ctx=ctx)
+        loaded, _ = load(model_path, dram_budget, ffn, ctx)
+        model, runtime = loaded.transformer, loaded.runtime
         kv = model.new_cache(ctx)
         nll, agree, t_model = 0.0, 0, 0.0
         bar = tqdm(total=n_pred, desc=f"eval {ffn}", unit="tok", disable=not progress, file=sys.stderr)

@@ -23,18 +23,18 @@ PROMPT = ["-p", "Once upon a time", "-n", "16", "--temp", "0", "--json"]
 @pytest.fixture
 def default_is_stories(monkeypatch, tmp_path):
     """The default model is stories260K, the cache is empty and private. Returns the cache dir."""
-    generate = cli_generate_module()
+    runtime = load_module()
     cache = tmp_path / "cache"
     monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(cache))
     monkeypatch.delenv("FLASHINFER_LITE_CORPUS", raising=False)
-    monkeypatch.setattr(generate, "ensure_default_model", lambda quiet=False: STORIES)
+    monkeypatch.setattr(runtime, "ensure_default_model", lambda quiet=False: STORIES)
     return cache
 
 
-def cli_generate_module():
-    """The `generate` command's module. Not `from flashinfer_lite import generate`: once the Python API is loaded, that
-    name is the API's generate() function."""
-    return importlib.import_module("flashinfer_lite.generate")
+def load_module():
+    """The module of the library's load() (flashinfer_lite.runtime), which the `generate` command calls: where the
+    default model is found and first use trains its predictors."""
+    return importlib.import_module("flashinfer_lite.runtime")
 
 
 def run_cli(capfd, *argv) -> tuple[int, str, str]:
@@ -67,17 +67,16 @@ def test_first_use_trains_from_the_corpus_once_when_the_model_does_not_fit(defau
     from flashinfer_lite.predictor_set import load_predictors
     cache = default_is_stories
     monkeypatch.setenv("FLASHINFER_LITE_CORPUS", str(CORPUS))
-    generate = cli_generate_module()
+    runtime = load_module()
     # in RAM --ffn auto runs the whole model dense (ResidentFFN): no predictor is needed, none is trained
     with monkeypatch.context() as mp:
-        mp.setattr(generate, "train_on_first_use", lambda flashdir: pytest.fail("trained for a model that fits"))
+        mp.setattr(runtime, "train_on_first_use", lambda flashdir: pytest.fail("trained for a model that fits"))
         rc, out0, err = run_cli(capfd, "generate", *PROMPT)
     assert rc == 0, err
     assert "ffn: dense (--ffn auto, the whole model fits in DRAM; the default model)" in err
     flashdir = flashdir_of(cache)
     assert not (flashdir / "predictors").exists()
     # where the whole model does not fit, auto needs predictors: load_runtime has first use train them
-    from flashinfer_lite import runtime
     asked = []
 
     def train_stub(where):
@@ -85,12 +84,12 @@ def test_first_use_trains_from_the_corpus_once_when_the_model_does_not_fit(defau
         raise UserError("stub: not trained here")
     with monkeypatch.context() as mp:
         mp.setattr(runtime, "plan_resident", lambda *a, **k: None)         # as under a budget it does not fit
-        mp.setattr(generate, "train_on_first_use", train_stub)
+        mp.setattr(runtime, "train_on_first_use", train_stub)
         rc, _, err = run_cli(capfd, "generate", *PROMPT)
     assert rc == 1 and asked == [str(flashdir)] and "stub: not trained here" in err
     # a budget below even the sparse minimum is refused in one line before any training
     with monkeypatch.context() as mp:
-        mp.setattr(generate, "train_on_first_use", lambda flashdir: pytest.fail("trained for a refused budget"))
+        mp.setattr(runtime, "train_on_first_use", lambda flashdir: pytest.fail("trained for a refused budget"))
         rc, _, err = run_cli(capfd, "generate", "--dram-budget", "1M", *PROMPT)
     assert rc == 1 and len(err.strip().splitlines()) == 1 and "is below the minimum" in err, err
     # --ffn predicted: first use trains (in the child process), then runs sparse
@@ -122,7 +121,7 @@ def test_first_use_trains_from_the_corpus_once_when_the_model_does_not_fit(defau
 
     # second run: nothing is retrained (training would now fail), same tokens, the source is still named
     stamp = (flashdir / "predictors" / "weights.safetensors").stat().st_mtime_ns
-    monkeypatch.setattr(generate.subprocess, "run", lambda *a, **k: pytest.fail("trained again"))
+    monkeypatch.setattr(runtime.subprocess, "run", lambda *a, **k: pytest.fail("trained again"))
     rc, out2, err2 = run_cli(capfd, "generate", "--ffn", "predicted", *PROMPT)
     assert rc == 0, err2
     assert "predictors: trained" not in err2
@@ -187,9 +186,9 @@ def test_interrupted_first_use_leaves_no_predictors(default_is_stories, monkeypa
 
 
 def test_missing_torch_is_one_clear_line(default_is_stories, monkeypatch, capfd):
-    generate = cli_generate_module()
-    real = generate.find_spec
-    monkeypatch.setattr(generate, "find_spec", lambda name: None if name == "torch" else real(name))
+    runtime = load_module()
+    real = runtime.find_spec
+    monkeypatch.setattr(runtime, "find_spec", lambda name: None if name == "torch" else real(name))
     rc, out, err = run_cli(capfd, "generate", "--ffn", "predicted", *PROMPT)
     assert rc == 1
     lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
