@@ -1,0 +1,135 @@
+"""Untrusted files and real faults (issue 25): every bad input is one line on stderr and a non-zero exit, nothing the
+user owned is deleted, nothing half-written is left behind, nothing corrupt is trusted."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import STORIES
+from test_cli import cli
+
+PROGRESS = re.compile(r"^[\w -]+:\s+\d+%\|")   # a tqdm progress bar's line (stderr is not a terminal here)
+
+
+def assert_one_line_error(r, *fragments):
+    """Exit code 1, no traceback, and one line on stderr besides progress bars, holding every fragment."""
+    err = r.stderr.decode("utf-8", "replace").strip()
+    assert r.returncode == 1, err
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.strip() and not PROGRESS.match(ln)]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for f in fragments:
+        assert f in lines[0], err
+
+
+def leftovers(d: Path) -> list[str]:
+    """Names a writer leaves behind when it fails: its temp directories and files."""
+    return sorted(p.name for p in Path(d).rglob("*") if p.name.startswith(".") and ("-" in p.name or ".tmp" in p.name))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Data loss: --force replaces only a FLASHDIR this program wrote; two writers: one wins, the other says so
+
+def test_force_never_replaces_a_file(tmp_path):
+    f = tmp_path / "important.txt"
+    f.write_text("precious\n")
+    assert_one_line_error(cli("convert", str(STORIES), "-o", str(f), "--force"), "not a flash directory")
+    assert f.read_text() == "precious\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["important.txt"]
+
+
+def test_force_never_replaces_a_foreign_directory_holding_a_manifest(tmp_path):
+    d = tmp_path / "work"
+    d.mkdir()
+    (d / "manifest.json").write_text('{"name": "my project"}')
+    (d / "thesis.tex").write_text("years of work")
+    assert_one_line_error(cli("convert", str(STORIES), "-o", str(d), "--force"), "not a flash directory")
+    assert (d / "thesis.tex").read_text() == "years of work"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["work"]
+
+
+def test_force_never_replaces_a_flashdir_holding_a_foreign_file(tmp_path):
+    out = tmp_path / "flash"
+    assert cli("convert", str(STORIES), "-o", str(out)).returncode == 0
+    (out / "notes.txt").write_text("mine")
+    assert_one_line_error(cli("convert", str(STORIES), "-o", str(out), "--force"), "not a flash directory")
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_force_replaces_a_flashdir_this_program_wrote(tmp_path):
+    out = tmp_path / "flash"
+    assert cli("convert", str(STORIES), "-o", str(out), "--dtype", "f32").returncode == 0
+    r = cli("convert", str(STORIES), "-o", str(out), "--dtype", "f16", "--force")
+    assert r.returncode == 0, r.stderr.decode()
+    from storage.format import read_layout
+    assert read_layout(out).dtype == "f16"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["flash"]
+
+
+def test_two_writers_to_the_same_output_one_wins_the_other_says_so(tmp_path):
+    out = tmp_path / "flash"
+    env = dict(os.environ, PYTHONIOENCODING="utf-8")
+    procs = [subprocess.Popen([sys.executable, "-m", "flashinfer_lite", "convert", str(STORIES), "-o", str(out)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) for _ in range(2)]
+    results = [(p.wait(timeout=300), p.stderr.read().decode()) for p in procs]
+    codes = sorted(c for c, _ in results)
+    assert codes == [0, 1], results
+    err = next(e for c, e in results if c == 1).strip().splitlines()[-1]   # after the loser's progress bar, if any
+    assert err.startswith("error: ") and str(out) in err, results
+    from storage.format import verify
+    verify(out, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["flash"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# A full disk (ENOSPC) and a read-only one (EROFS): one line naming the path, nothing left behind
+
+def _root_mount(*args) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs or a read-only bind mount needs root")
+    r = subprocess.run(["mount", *map(str, args)], capture_output=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount ({r.stderr.decode().strip()})")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 256 KiB tmpfs: far smaller than stories260K's FLASHDIR."""
+    d = tmp_path / "small"
+    d.mkdir()
+    _root_mount("-t", "tmpfs", "-o", "size=256k", "tmpfs", d)
+    yield d
+    subprocess.run(["umount", d], check=True)
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """A directory seen through a read-only bind mount (writes fail with EROFS)."""
+    src, d = tmp_path / "rw", tmp_path / "ro"
+    src.mkdir()
+    d.mkdir()
+    _root_mount("--bind", src, d)
+    r = subprocess.run(["mount", "-o", "remount,bind,ro", d], capture_output=True)
+    if r.returncode:
+        subprocess.run(["umount", d])
+        pytest.skip(f"cannot remount read-only ({r.stderr.decode().strip()})")
+    yield d
+    subprocess.run(["umount", d], check=True)
+
+
+def test_convert_onto_a_full_disk(small_disk):
+    (small_disk / "keep.txt").write_text("mine")
+    r = cli("convert", str(STORIES), "-o", str(small_disk / "flash"))
+    assert_one_line_error(r, "No space left on device", str(small_disk))
+    assert sorted(p.name for p in small_disk.iterdir()) == ["keep.txt"]
+
+
+def test_convert_onto_a_read_only_disk(read_only):
+    assert_one_line_error(cli("convert", str(STORIES), "-o", str(read_only / "flash")), "Read-only file system",
+                          str(read_only))
+    assert list(read_only.iterdir()) == []
