@@ -133,3 +133,28 @@ def test_convert_onto_a_read_only_disk(read_only):
     assert_one_line_error(cli("convert", str(STORIES), "-o", str(read_only / "flash")), "Read-only file system",
                           str(read_only))
     assert list(read_only.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The default GGUF: its sha256 checked when it changed, remembered by a stamp (size, mtime, inode) otherwise
+
+def test_default_gguf_changed_in_place_is_refused(tmp_path, monkeypatch, smollm2_gguf):
+    import shutil
+    from flashinfer_lite import default_model
+    cache = tmp_path / "cache"
+    (cache / "models").mkdir(parents=True)
+    gguf = cache / "models" / default_model.FILENAME
+    shutil.copyfile(smollm2_gguf, gguf)
+    monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(cache))
+    r = cli("fetch")
+    assert r.returncode == 0 and r.stdout.decode().strip() == str(gguf), r.stderr.decode()
+    # the stamp spares the next launch the hash: a hash now would fail the test
+    monkeypatch.setattr(default_model, "sha256_of", lambda p: pytest.fail("hashed again although unchanged"))
+    assert default_model.ensure_default_model(quiet=True) == gguf
+    with open(gguf, "r+b") as f:              # in place: the size stays, the bytes do not
+        f.seek(50 << 20)
+        f.write(bytes(4096))
+    for args in (("fetch",), ("generate", "-p", "hi", "-n", "2", "--ffn", "dense")):
+        assert_one_line_error(cli(*args), str(gguf), "sha256")
+    assert gguf.stat().st_size == default_model.SIZE                 # reported, not deleted
+    assert not (cache / "flash").exists()                            # and never converted into a cache entry
