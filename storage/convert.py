@@ -30,7 +30,7 @@ from .checkpoint import open_checkpoint
 from .files import remove_stale_temp_dirs, temp_path
 from .blocks import BLOCK, quantize, row_bytes
 from .format import (BUNDLE_DTYPES, MANIFEST, PREDICTOR_DIR, VERIFIED_STAMP, FlashLayout, file_checksum,
-                     ffn_tensor_names, new_checksum, pack_bundles, read_layout, write_manifest, write_verified_stamp)
+                     ffn_tensor_names, pack_bundles, read_layout, write_manifest, write_verified_stamp)
 from .safetensors_out import SafetensorsWriter
 
 PACK_NEURONS = 4096   # neurons packed at a time: bounds the extra memory for wide FFNs
@@ -116,7 +116,7 @@ def _write_layer(f, ckpt, layout: FlashLayout, layer: int) -> str:
     the layer's float32 matrices are freed on return, before the next layer's are read."""
     mats, bs = _layer_vectors(ckpt, layout, layer)
     order = layout.order[layer]
-    h = new_checksum()
+    h = layout.layer_checksum(layer)
     for a in range(0, layout.n_neurons[layer], PACK_NEURONS):
         idx = order[a:a + PACK_NEURONS]               # bundle a+j holds original neuron order[a+j]
         vecs = [m[idx] for m in mats]                 # n_vec gathered [c, d] (or [c, vector_bytes]) copies

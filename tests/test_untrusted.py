@@ -158,3 +158,58 @@ def test_default_gguf_changed_in_place_is_refused(tmp_path, monkeypatch, smollm2
         assert_one_line_error(cli(*args), str(gguf), "sha256")
     assert gguf.stat().st_size == default_model.SIZE                 # reported, not deleted
     assert not (cache / "flash").exists()                            # and never converted into a cache entry
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Layer checksums bound to the layer and its geometry; a manifest whose neuron count disagrees with the config
+
+@pytest.fixture(scope="module")
+def flash(tmp_path_factory):
+    from storage.convert import convert
+    return convert(STORIES, tmp_path_factory.mktemp("untrusted") / "flash", dtype="f32", progress=False)
+
+
+def copy_flash(flash, tmp_path) -> Path:
+    import shutil
+    return shutil.copytree(flash, tmp_path / "flash")
+
+
+def edit_manifest(d: Path, edit) -> None:
+    import json
+    m = json.loads((d / "manifest.json").read_text())
+    edit(m)
+    (d / "manifest.json").write_text(json.dumps(m))
+
+
+def test_two_layers_swapped_with_their_checksums_are_refused(flash, tmp_path):
+    from storage.format import read_layout
+    d = copy_flash(flash, tmp_path)
+    L = read_layout(d)
+    a, b = (bytearray(L.region_bytes(0)), bytearray(L.region_bytes(1)))
+    with open(L.ffn_path, "r+b") as f:
+        f.seek(L.offset[0]); f.readinto(a)
+        f.seek(L.offset[1]); f.readinto(b)
+        f.seek(L.offset[0]); f.write(b)
+        f.seek(L.offset[1]); f.write(a)
+
+    def swap(m):
+        m["layers"][0]["checksum"], m["layers"][1]["checksum"] = m["layers"][1]["checksum"], m["layers"][0]["checksum"]
+    edit_manifest(d, swap)
+    assert_one_line_error(cli("verify", str(d)), "checksum mismatch in layer 0")
+    assert_one_line_error(cli("generate", "-m", str(d), "-p", "Once", "-n", "4", "--ffn", "dense"),
+                          "checksum mismatch in layer 0")
+
+
+def test_a_neuron_count_that_disagrees_with_the_config_is_one_line(flash, tmp_path):
+    """n_neurons 171 (stories260K's ffn_dim is 172), its checksum recomputed to match: still refused (an IndexError in
+    generate before)."""
+    from storage.format import read_layout, region_checksum
+    d = copy_flash(flash, tmp_path)
+    L = read_layout(d)
+    L.n_neurons[0] -= 1
+    edit_manifest(d, lambda m: m["layers"][0].__setitem__("n_neurons", L.n_neurons[0]))
+    with open(L.ffn_path, "rb") as f:
+        ck = region_checksum(f, L.offset[0], L.region_bytes(0), h=L.layer_checksum(0))
+    edit_manifest(d, lambda m: m["layers"][0].__setitem__("checksum", ck))
+    for args in (("verify", str(d)), ("generate", "-m", str(d), "-p", "Once", "-n", "4", "--ffn", "dense")):
+        assert_one_line_error(cli(*args), "layer 0 has 171 neurons but the config's ffn_dim is 172")
