@@ -259,7 +259,8 @@ class Checkpoint:
         layer so that no layer's bytes outlive its turn."""
 
     def check_complete(self) -> None:
-        """Every tensor the math needs is present (a clear error now instead of a KeyError mid-load)."""
+        """Every tensor the math needs is present (a clear error now instead of a KeyError mid-load), and of the shape
+        the config implies (check_shapes)."""
         c, need = self.config, ["embed.weight"]
         if not c.tie_embeddings:
             need.append("lm_head.weight")
@@ -272,6 +273,40 @@ class Checkpoint:
         missing = [n for n in need if n not in self._index]
         if missing:
             raise UserError(f"{self.path}: checkpoint lacks {len(missing)} tensors, e.g. '{missing[0]}'")
+        check_shapes(c, {n: self.shape(n) for n in self._index}, self.path)
+
+
+def expected_shape(c: ModelConfig, name: str) -> tuple[int, ...] | None:
+    """The shape the model math (and every kernel) assumes for canonical tensor `name`; None for names it never
+    reads."""
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    fixed = {"embed.weight": (c.vocab_size, c.dim), "lm_head.weight": (c.vocab_size, c.dim),
+             "norm.weight": (c.dim,), "norm.bias": (c.dim,)}
+    if c.pos_offset is not None:
+        fixed["pos_embed.weight"] = (c.max_pos + c.pos_offset, c.dim)
+    if name in fixed:
+        return fixed[name]
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    if not m or int(m[1]) >= c.n_layers:
+        return None
+    per_layer = {"attn_norm.weight": (c.dim,), "attn_norm.bias": (c.dim,), "ffn_norm.weight": (c.dim,),
+                 "ffn_norm.bias": (c.dim,), "attn.q.weight": (q, c.dim), "attn.k.weight": (kv, c.dim),
+                 "attn.v.weight": (kv, c.dim), "attn.o.weight": (c.dim, q), "attn.q.bias": (q,), "attn.k.bias": (kv,),
+                 "attn.v.bias": (kv,), "attn.o.bias": (c.dim,), "ffn.gate.weight": (c.ffn_dim, c.dim),
+                 "ffn.up.weight": (c.ffn_dim, c.dim), "ffn.down.weight": (c.dim, c.ffn_dim),
+                 "ffn.gate.bias": (c.ffn_dim,), "ffn.up.bias": (c.ffn_dim,), "ffn.down.bias": (c.dim,)}
+    return per_layer.get(m[2])
+
+
+def check_shapes(c: ModelConfig, shapes: dict[str, tuple], src) -> None:
+    """Every tensor of `shapes` ({canonical name: shape}) that the math reads has the shape the config implies, norms
+    and biases included: a kernel indexes by the config's numbers, never by an array's length, so a wrong shape is
+    one line here instead of reads past an array later. convert (Checkpoint.check_complete), verify and load
+    (FlashCheckpoint) all call this."""
+    for name, shape in shapes.items():
+        want = expected_shape(c, name)
+        if want is not None and tuple(shape) != want:
+            raise UserError(f"{src}: tensor {name} has shape {list(shape)}, but the config implies {list(want)}")
 
 
 class HFCheckpoint(Checkpoint):

@@ -34,7 +34,7 @@ from flashinfer_lite.tokenizer import Tokenizer
 from flashinfer_lite.untrusted import inside, read_json
 
 from . import blocks
-from .checkpoint import SafetensorsFile
+from .checkpoint import SafetensorsFile, check_shapes
 
 FORMAT_NAME = "flashinfer-lite-flash"
 FORMAT_VERSION = 1
@@ -539,6 +539,7 @@ def verify(flashdir, progress: bool = True) -> FlashLayout:
             raise UserError(f"{p}: predictor file is missing; re-run train-predictor")
         if file_checksum(p) != digest:
             raise UserError(f"{p}: checksum mismatch: the predictor file is damaged; re-run train-predictor")
+    FlashCheckpoint(layout.flashdir)              # config and every tensor's shape, from the headers
     write_verified_stamp(layout.flashdir)
     return layout
 
@@ -610,6 +611,19 @@ class FlashCheckpoint:
             for name in ffn_tensor_names(self.layout, i):
                 self._ffn_names[name] = i
         self._cached_layer: tuple[int, dict] | None = None
+        check_shapes(self.config, self.shapes(), self._resident_path)
+
+    def shapes(self) -> dict[str, tuple]:
+        """{name: shape tensor(name) has}, from the resident file's header and the layout, nothing read."""
+        out = {}
+        for name, (_, _, shape, _) in self._resident.entries.items():
+            kind = self.resident_kinds.get(name)
+            out[name] = shape if kind is None else (shape[0], shape[1] // blocks.BLOCK_BYTES[kind] * blocks.BLOCK)
+        L = self.layout
+        for name, i in self._ffn_names.items():
+            n = L.n_neurons[i]
+            out[name] = (L.d, n) if name.endswith("down.weight") else (n, L.d) if name.endswith("weight") else (n,)
+        return out
 
     def _open_resident(self) -> SafetensorsFile:
         # pread into a buffer the array then owns: a float32 tensor is read with no second copy and no mapping

@@ -213,3 +213,46 @@ def test_a_neuron_count_that_disagrees_with_the_config_is_one_line(flash, tmp_pa
     edit_manifest(d, lambda m: m["layers"][0].__setitem__("checksum", ck))
     for args in (("verify", str(d)), ("generate", "-m", str(d), "-p", "Once", "-n", "4", "--ffn", "dense")):
         assert_one_line_error(cli(*args), "layer 0 has 171 neurons but the config's ffn_dim is 172")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Every tensor's shape checked against the config: at convert, at verify and at load (norms included)
+
+def copy_model(tmp_path) -> Path:
+    import shutil
+    return shutil.copytree(STORIES, tmp_path / "model")
+
+
+def rewrite_safetensors(path: Path, edit) -> None:
+    from safetensors.numpy import load_file, save_file
+    t = load_file(str(path))
+    edit(t)
+    save_file(t, str(path))
+
+
+@pytest.mark.parametrize("name,shape", [("model.norm.weight", (32,)),
+                                        ("model.layers.2.post_attention_layernorm.weight", (63,)),
+                                        ("model.embed_tokens.weight", (512, 32)),
+                                        ("model.layers.0.self_attn.q_proj.weight", (64, 32))])
+def test_a_source_tensor_of_the_wrong_shape_is_refused_at_convert(tmp_path, name, shape):
+    import numpy as np
+    m = copy_model(tmp_path)
+    rewrite_safetensors(m / "model.safetensors", lambda t: t.__setitem__(name, np.ones(shape, np.float32)))
+    out = tmp_path / "flash"
+    assert_one_line_error(cli("convert", str(m), "-o", str(out)), "has shape", "the config implies")
+    assert_one_line_error(cli("generate", "-m", str(m), "-p", "Once", "-n", "2"), "has shape")
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("name,shape", [("norm.weight", (32,)), ("layers.1.ffn_norm.weight", (288,)),
+                                        ("embed.weight", (511, 64)), ("layers.0.attn.q.weight", (64, 32))])
+def test_a_resident_tensor_of_the_wrong_shape_is_refused_at_verify_and_load(flash, tmp_path, name, shape):
+    """Its checksum recomputed: a FLASHDIR built so on purpose, not damaged."""
+    import numpy as np
+    from storage.format import file_checksum
+    d = copy_flash(flash, tmp_path)
+    res = d / "resident.safetensors"
+    rewrite_safetensors(res, lambda t: t.__setitem__(name, np.ones(shape, np.float32)))
+    edit_manifest(d, lambda m: m.__setitem__("resident_checksum", file_checksum(res)))
+    for args in (("verify", str(d)), ("generate", "-m", str(d), "-p", "Once", "-n", "2", "--ffn", "dense")):
+        assert_one_line_error(cli(*args), f"tensor {name} has shape {list(shape)}, but the config implies")
