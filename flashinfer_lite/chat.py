@@ -32,9 +32,13 @@ def print_stats(session: Session, runtime) -> None:
 
 
 def run(args) -> int:
+    if sys.stdin is None:                      # started with stdin closed (`<&-`)
+        raise UserError("chat reads the conversation from standard input, which is closed")
     model, tokenizer, runtime, load_ms = open_model(args)
     if not tokenizer.chat_template:
         raise UserError("this model has no chat template; use `flashinfer-lite generate` for plain text")
+    # A template that fails to render (it comes from the model file) is one line now, not an error at every turn.
+    tokenizer.apply_chat_template([{"role": "user", "content": "hello"}])
     session = Session(model, tokenizer, context_size(args, model))
     session.timings.load_ms = load_ms
     sampler = sampler_from(args)

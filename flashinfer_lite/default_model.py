@@ -66,7 +66,7 @@ def check_cached(dest: Path) -> None:
         stamp = json.loads(_stamp_path(dest).read_text())
         if stamp == {"sha256": SHA256, "stat": _file_stamp(dest)}:
             return
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         pass
     got = sha256_of(dest)
     if got != SHA256:

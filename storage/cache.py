@@ -44,7 +44,7 @@ def _read(path: Path) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}             # a lost or damaged index only costs a re-hash, never a wrong answer
 
 

@@ -31,7 +31,7 @@ import numpy as np
 from flashinfer_lite.config import ModelConfig
 from flashinfer_lite.errors import UserError
 from flashinfer_lite.tokenizer import Tokenizer
-from flashinfer_lite.untrusted import inside, read_json
+from flashinfer_lite.untrusted import inside, parse_json, read_bytes, read_json
 
 from . import blocks
 from .checkpoint import SafetensorsFile, check_shapes
@@ -250,16 +250,9 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
     src = flashdir / MANIFEST
     if not flashdir.is_dir():
         raise UserError(f"{flashdir}: not a directory (expected a flash directory written by `flashinfer-lite convert`)")
-    try:
-        size = src.stat().st_size
-    except FileNotFoundError:
+    if not (src.exists() or src.is_symlink()):
         raise UserError(f"{flashdir}: no {MANIFEST} (not a converted flash directory, or the convert did not finish)")
-    if size > MAX_MANIFEST_BYTES:
-        raise UserError(f"{src}: manifest is {size} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
-    try:
-        m = json.loads(src.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"{src}: manifest is not valid JSON ({e})")
+    m = parse_json(read_bytes(src, "manifest", MAX_MANIFEST_BYTES), "manifest", src)
     if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
         raise UserError(f"{src}: not a {FORMAT_NAME} manifest")
     if m.get("version") != FORMAT_VERSION:
@@ -578,8 +571,8 @@ def verify_at_load(flashdir, progress: bool = False) -> FlashLayout:
     flashdir = Path(flashdir)
     layout = read_layout(flashdir)                                # manifest and sizes
     try:
-        stamp = json.loads((flashdir / VERIFIED_STAMP).read_text()).get("files")
-    except (OSError, ValueError, AttributeError):
+        stamp = parse_json(read_bytes(flashdir / VERIFIED_STAMP, "stamp", 64 << 10), "stamp", flashdir).get("files")
+    except (UserError, AttributeError):
         stamp = None
     if stamp and stamp == _stamped_files(flashdir):
         return layout

@@ -228,7 +228,7 @@ def test_garbage_and_oversized_manifests_are_refused(flashdir, monkeypatch):
     with pytest.raises(UserError, match="not valid JSON"):
         read_layout(flashdir)
     monkeypatch.setattr(fmt, "MAX_MANIFEST_BYTES", 5)
-    with pytest.raises(UserError, match="more than the 5 allowed"):
+    with pytest.raises(UserError, match="more than the 5 bytes allowed"):
         read_layout(flashdir)
 
 

@@ -21,7 +21,8 @@ def assert_one_line_error(r, *fragments):
     err = r.stderr.decode("utf-8", "replace").strip()
     assert r.returncode == 1, err
     assert "Traceback" not in err, err
-    lines = [ln for ln in err.splitlines() if ln.strip() and not PROGRESS.match(ln)]
+    # nor is the status line `--ffn auto` prints once the model has loaded
+    lines = [ln for ln in err.splitlines() if ln.strip() and not PROGRESS.match(ln) and not ln.startswith("ffn: ")]
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     for f in fragments:
         assert f in lines[0], err
@@ -256,3 +257,130 @@ def test_a_resident_tensor_of_the_wrong_shape_is_refused_at_verify_and_load(flas
     edit_manifest(d, lambda m: m.__setitem__("resident_checksum", file_checksum(res)))
     for args in (("verify", str(d)), ("generate", "-m", str(d), "-p", "Once", "-n", "2", "--ffn", "dense")):
         assert_one_line_error(cli(*args), f"tensor {name} has shape {list(shape)}, but the config implies")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Unbounded reads and hangs: regular files only, bounded by the bytes read; JSON nesting bounded
+
+MODEL_FILES = ["config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json",
+               "chat_template.jinja", "model.safetensors"]
+
+
+@pytest.mark.parametrize("special", ["/dev/zero", "fifo"])
+@pytest.mark.parametrize("name", MODEL_FILES)
+def test_a_model_file_that_is_a_device_or_a_fifo_is_refused(tmp_path, name, special):
+    m = copy_model(tmp_path)
+    (m / name).unlink(missing_ok=True)
+    if special == "fifo":
+        os.mkfifo(m / name)                          # nobody ever writes: a reader that opens it blocks forever
+    else:
+        (m / name).symlink_to(special)               # stat says 0 bytes; reading never ends
+    out = tmp_path / "flash"
+    r = cli("convert", str(m), "-o", str(out))       # cli's timeout (300 s) would fail a hang
+    escape = name == "model.safetensors" and special == "/dev/zero"    # weights are kept inside the model directory
+    assert_one_line_error(r, "outside the directory" if escape else "not a regular file", name)
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_a_flashdir_manifest_that_is_a_fifo_is_refused(flash, tmp_path):
+    d = copy_flash(flash, tmp_path)
+    (d / "manifest.json").unlink()
+    os.mkfifo(d / "manifest.json")
+    assert_one_line_error(cli("verify", str(d)), "not a regular file")
+
+
+DEEP = b"[" * 100_000 + b"]" * 100_000
+
+
+def safetensors_with_header(header: bytes, data: bytes = b"") -> bytes:
+    return len(header).to_bytes(8, "little") + header + data
+
+
+@pytest.mark.parametrize("name,content,message", [
+    ("config.json", DEEP, "nested too deeply"),
+    ("tokenizer_config.json", b'{"a": ' + DEEP + b"}", "nested too deeply"),
+    ("model.safetensors", safetensors_with_header(DEEP), "nested too deeply"),
+    ("model.safetensors", safetensors_with_header(b'[{"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}]',
+                                                  bytes(4)), "not a JSON object"),
+    # 2**32 * 2**32 wraps int64 to 0, which matched an empty data range before Python integers did the product
+    ("model.safetensors", safetensors_with_header(b'{"w": {"dtype": "F32", "shape": [4294967296, 4294967296], '
+                                                  b'"data_offsets": [0, 0]}}'), "does not match its shape"),
+    ("model.safetensors", safetensors_with_header(b'{"w": {"dtype": "F32", "shape": [-1, -4], '
+                                                  b'"data_offsets": [0, 16]}}', bytes(16)), "corrupt tensor entry"),
+    ("model.safetensors", safetensors_with_header(b'{"w": {"dtype": "F32", "shape": [4], '
+                                                  b'"data_offsets": [0, 16.5]}}', bytes(17)), "corrupt tensor entry"),
+])
+def test_hostile_json_in_model_files_is_one_line(tmp_path, name, content, message):
+    m = copy_model(tmp_path)
+    (m / name).write_bytes(content)
+    out = tmp_path / "flash"
+    assert_one_line_error(cli("convert", str(m), "-o", str(out)), message)
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "predictors/manifest.json"])
+def test_deeply_nested_flashdir_manifests_are_one_line(flash, tmp_path, name):
+    d = copy_flash(flash, tmp_path)
+    (d / name).parent.mkdir(exist_ok=True)
+    (d / name).write_bytes(b'{"a": ' + DEEP + b"}")
+    assert_one_line_error(cli("verify", str(d)), "nested too deeply")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Chat templates from the model file: rendered in jinja2's sandbox, every failure one line; chat without stdin
+
+@pytest.mark.parametrize("template,message", [("{{ 1 + 'a' }}", "chat template failed"),
+                                              ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "chat template failed"),
+                                              ("{% for %}", "chat template failed"),
+                                              (5, "not a string"), ({"x": 1}, "not a string")])
+def test_chat_templates_that_fail_are_one_line(flash, tmp_path, template, message):
+    import json
+    d = copy_flash(flash, tmp_path)
+    tc = d / "tokenizer" / "tokenizer_config.json"
+    cfg = json.loads(tc.read_text())
+    cfg["chat_template"] = template
+    tc.write_text(json.dumps(cfg))
+    assert_one_line_error(cli("chat", "-m", str(d), "-n", "4", stdin=b"hi\n"), message)
+
+
+def test_chat_with_stdin_closed_is_one_line(flash, tmp_path):
+    d = copy_flash(flash, tmp_path)
+    r = subprocess.run([sys.executable, "-m", "flashinfer_lite", "chat", "-m", str(d)], stdin=subprocess.DEVNULL,
+                       capture_output=True, timeout=300, preexec_fn=lambda: os.close(0))
+    assert_one_line_error(r, "standard input, which is closed")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Hugging Face hub cache snapshots: files symlinked into the same repository's blobs/ are the normal layout
+
+def hub_snapshot(root: Path, repo: str = "models--org--stories") -> Path:
+    """stories260K laid out as `huggingface-cli download` leaves it: REPO/snapshots/REV/NAME -> ../../blobs/HASH."""
+    import hashlib
+    import shutil
+    blobs, snap = root / repo / "blobs", root / repo / "snapshots" / "0123abc"
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in STORIES.iterdir():
+        h = hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copyfile(f, blobs / h)
+        (snap / f.name).symlink_to(Path("..") / ".." / "blobs" / h)
+    return snap
+
+
+def test_a_hub_cache_snapshot_converts_as_the_plain_directory(flash, tmp_path):
+    import json
+    snap = hub_snapshot(tmp_path / "hub")
+    out = tmp_path / "from_hub"
+    r = cli("convert", str(snap), "-o", str(out), "--dtype", "f32")
+    assert r.returncode == 0, r.stderr.decode()
+    want, got = (json.loads((d / "manifest.json").read_text()) for d in (flash, out))
+    assert got["layers"] == want["layers"] and got["resident_checksum"] == want["resident_checksum"]
+
+
+def test_a_hub_snapshot_symlink_into_another_repository_is_refused(tmp_path):
+    snap = hub_snapshot(tmp_path / "hub")
+    other = hub_snapshot(tmp_path / "hub", repo="models--org--other")
+    (snap / "model.safetensors").unlink()
+    (snap / "model.safetensors").symlink_to(other / "model.safetensors")
+    assert_one_line_error(cli("convert", str(snap), "-o", str(tmp_path / "out")),
+                          "weights file names a path outside the directory")
