@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -291,8 +292,28 @@ def default_model_predictors(flashdir: str) -> str:
     return f"its predictors were {how}"
 
 
+def check_arguments(args) -> None:
+    """Every number flag in its range, as one line before anything loads (argparse checks only the type: -t -1,
+    --min-p 5, --repeat-penalty 0 or --temp nan would crash or sample garbage later)."""
+    def need(ok: bool, flag: str, value, rule: str) -> None:
+        if not ok:
+            raise UserError(f"{flag} {value} is out of range: {rule}")
+    finite = math.isfinite
+    need(args.threads is None or args.threads >= 1, "-t", args.threads, "at least 1 thread")
+    need(finite(args.temp) and args.temp >= 0, "--temp", args.temp, "a number >= 0 (0 = greedy)")
+    need(args.top_k >= 0, "--top-k", args.top_k, ">= 0 (0 = off)")
+    need(finite(args.top_p) and 0 <= args.top_p <= 1, "--top-p", args.top_p, "between 0 and 1")
+    need(finite(args.min_p) and 0 <= args.min_p <= 1, "--min-p", args.min_p, "between 0 and 1 (0 = off)")
+    need(finite(args.repeat_penalty) and args.repeat_penalty > 0, "--repeat-penalty", args.repeat_penalty,
+         "a number > 0 (1 = off)")
+    need(args.repeat_last_n >= -1, "--repeat-last-n", args.repeat_last_n, ">= -1 (-1 = the whole context)")
+    need(args.n_predict >= -1, "-n", args.n_predict, ">= -1 (-1 = until end of sequence)")
+    need(args.ctx_size >= 0, "-c", args.ctx_size, ">= 1 (or 0: the model's default)")
+
+
 def open_model(args):
     """(model, tokenizer, runtime, load_ms) for -m, or the default model."""
+    check_arguments(args)
     t0 = time.perf_counter()
     path, ffn, why = choose_ffn(args)
     if args.threads:

@@ -384,3 +384,30 @@ def test_a_hub_snapshot_symlink_into_another_repository_is_refused(tmp_path):
     (snap / "model.safetensors").symlink_to(other / "model.safetensors")
     assert_one_line_error(cli("convert", str(snap), "-o", str(tmp_path / "out")),
                           "weights file names a path outside the directory")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Flags: every number in its range, one line before anything loads
+
+@pytest.mark.parametrize("flag,value,message", [("-t", "-1", "-t -1 is out of range"), ("-t", "0", "-t 0 is out"),
+                                                ("--min-p", "5", "--min-p 5.0 is out of range"),
+                                                ("--repeat-penalty", "0", "--repeat-penalty 0.0 is out of range"),
+                                                ("--temp", "nan", "--temp nan is out of range"),
+                                                ("--temp", "-1", "--temp -1.0 is out of range"),
+                                                ("--top-p", "inf", "--top-p inf is out of range"),
+                                                ("-c", "-5", "-c -5 is out of range"),
+                                                ("-n", "-7", "-n -7 is out of range")])
+def test_flags_out_of_range_are_one_line(flag, value, message):
+    assert_one_line_error(cli("generate", "-m", str(STORIES), "-p", "hi", flag, value), message)
+    assert_one_line_error(cli("chat", "-m", str(STORIES), flag, value, stdin=b""), message)
+
+
+def test_a_context_larger_than_memory_is_one_line(tmp_path):
+    """A config claiming 10^9 positions lets -c 3*10^8 past the model's maximum: its KV cache would be 179 GiB."""
+    import json
+    m = copy_model(tmp_path)
+    cfg = json.loads((m / "config.json").read_text())
+    cfg["max_position_embeddings"] = 10**9
+    (m / "config.json").write_text(json.dumps(cfg))
+    assert_one_line_error(cli("generate", "-m", str(m), "-p", "hi", "-n", "2", "-c", str(3 * 10**8)),
+                          "GiB of KV cache, more than this machine's")
