@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import math
 import sys
 import time
@@ -16,7 +15,7 @@ from storage.cache import flashdir_for
 from .budget import peak_rss_bytes, rss_bytes
 from .config import DEFAULT_MAX_CTX
 from .default_model import ensure_default_model
-from .errors import Reported, UserError
+from .errors import UserError, run_child
 from .loader import is_flashdir
 from .model import Transformer
 from .predictor_set import describe_calibration, has_trained_predictors, read_manifest
@@ -258,9 +257,7 @@ def train_on_first_use(flashdir: str) -> None:
     if find_spec("torch") is None:
         raise UserError("training the default model's predictors on first use needs torch: "
                         "pip install 'flashinfer-lite[train]' (or run with --ffn dense)")
-    code = subprocess.run([sys.executable, "-m", "predictors.first_use", str(flashdir)]).returncode
-    if code != 0:
-        raise Reported(code)
+    run_child([sys.executable, "-m", "predictors.first_use", str(flashdir)])
 
 
 def choose_ffn(args) -> tuple[str, str, str | None]:

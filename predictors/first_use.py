@@ -27,7 +27,8 @@ from pathlib import Path
 from flashinfer_lite.errors import UserError, child_exit_code
 from flashinfer_lite.loader import open_any
 from flashinfer_lite.predictor_set import describe_calibration as describe, read_manifest
-from storage.files import remove_stale_temp_dirs, temp_path
+from storage.files import exclusive, remove_stale_temp_dirs, temp_path
+from storage.format import PREDICTOR_DIR
 
 from .acts import Acts, corpus_chunks, read_corpus
 from .collect import collect
@@ -181,6 +182,12 @@ def ensure_predictors(flashdir, settings: Calibration | None = None, progress: b
     return record
 
 
+def ensure_predictors_once(flashdir) -> dict | None:
+    """ensure_predictors, one process at a time per FLASHDIR: a concurrent first use waits, then finds them."""
+    with exclusive(Path(flashdir) / PREDICTOR_DIR, "first-use training"):
+        return ensure_predictors(flashdir, progress=sys.stderr.isatty())
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m predictors.first_use FLASHDIR`: what `generate` runs, as a child process, when the default model has
     no predictors yet, so the inference process never imports torch and training has every core."""
@@ -188,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print("usage: python -m predictors.first_use FLASHDIR", file=sys.stderr)
         return 2
-    return child_exit_code(lambda: ensure_predictors(argv[0], progress=sys.stderr.isatty()))
+    return child_exit_code(lambda: ensure_predictors_once(argv[0]))
 
 
 if __name__ == "__main__":

@@ -27,9 +27,9 @@ from flashinfer_lite.errors import UserError
 from flashinfer_lite.half import half_matrix
 
 from .checkpoint import open_checkpoint
-from .files import remove_stale_temp_dirs, temp_path
+from .files import is_scratch, remove_stale_temp_dirs, temp_path
 from .blocks import BLOCK, quantize, row_bytes
-from .format import (BUNDLE_DTYPES, MANIFEST, PREDICTOR_DIR, VERIFIED_STAMP, FlashLayout, file_checksum,
+from .format import (BUNDLE_DTYPES, MANIFEST, PREDICTOR_DIR, FlashLayout, file_checksum,
                      ffn_tensor_names, pack_bundles, read_layout, write_manifest, write_verified_stamp)
 from .safetensors_out import SafetensorsWriter
 
@@ -208,8 +208,8 @@ def replaceable(out: Path) -> bool:
         layout = read_layout(out, check_size=False)
     except UserError:
         return False
-    ours = {MANIFEST, VERIFIED_STAMP, PREDICTOR_DIR, *layout.files.values()}
-    return all(p.name in ours for p in out.iterdir())
+    ours = {MANIFEST, PREDICTOR_DIR, *layout.files.values()}
+    return all(p.name in ours or is_scratch(p.name) for p in out.iterdir())
 
 
 def _check_output(out: Path, force: bool) -> None:

@@ -411,3 +411,88 @@ def test_a_context_larger_than_memory_is_one_line(tmp_path):
     (m / "config.json").write_text(json.dumps(cfg))
     assert_one_line_error(cli("generate", "-m", str(m), "-p", "hi", "-n", "2", "-c", str(3 * 10**8)),
                           "GiB of KV cache, more than this machine's")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Interruption: Ctrl-C and SIGKILL during first-use training, real signals to real processes
+
+# The parent side of first-use training exactly as `generate` runs it (generate.train_on_first_use), with cli's exits.
+PARENT = ("import sys\n"
+          "from flashinfer_lite.errors import Reported\n"
+          "from flashinfer_lite.generate import train_on_first_use\n"
+          "try:\n    train_on_first_use(sys.argv[1])\n"
+          "except KeyboardInterrupt:\n    sys.exit(130)\n"
+          "except Reported as e:\n    sys.exit(e.code)\n")
+
+
+def start_first_use(d: Path) -> subprocess.Popen:
+    env = dict(os.environ, FLASHINFER_LITE_CORPUS="builtin")
+    return subprocess.Popen([sys.executable, "-c", PARENT, str(d)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=env, start_new_session=True)      # its own process group, as a terminal's job
+
+
+def running(pid: int) -> bool:
+    """A process that exists and is not a zombie waiting for a reaper."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def wait_for(cond, timeout: float, what: str):
+    import time
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.1)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def training_child(d: Path, parent: subprocess.Popen) -> int:
+    """The pid of the training child, once its .NAME.calibrate-PID directory exists (training is under way)."""
+    def found():
+        assert parent.poll() is None, parent.stderr.read().decode()
+        hits = [p for p in d.parent.iterdir() if ".calibrate-" in p.name]
+        return int(hits[0].name.rsplit("-", 1)[1]) if hits else None
+    return wait_for(found, 240, "first-use training to start")
+
+
+def assert_nothing_left(d: Path, child: int):
+    wait_for(lambda: not running(child), 60, "the training child to end")
+    assert [p.name for p in d.parent.iterdir() if ".calibrate-" in p.name] == []
+    assert sorted(p.name for p in d.iterdir() if p.name.startswith(".") and "-" in p.name) == []
+    assert not (d / "predictors").exists()
+
+
+@pytest.mark.parametrize("to", ["group", "parent"])
+def test_ctrl_c_during_first_use_training_leaves_nothing(flash, tmp_path, to):
+    """group: the terminal's Ctrl-C reaches parent and child; parent: `kill -INT` to the parent alone (forwarded)."""
+    import signal
+    d = copy_flash(flash, tmp_path)
+    parent = start_first_use(d)
+    child = training_child(d, parent)
+    (os.killpg if to == "group" else os.kill)(parent.pid, signal.SIGINT)
+    assert parent.wait(timeout=120) == 130
+    assert_nothing_left(d, child)
+
+
+def test_sigkill_to_the_parent_ends_the_training_child(flash, tmp_path):
+    import signal
+    d = copy_flash(flash, tmp_path)
+    parent = start_first_use(d)
+    child = training_child(d, parent)
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait(timeout=30)
+    assert_nothing_left(d, child)          # the child was told (SIGTERM on its parent's death) and cleaned up
+
+
+def test_two_concurrent_first_uses_train_once(flash, tmp_path):
+    d = copy_flash(flash, tmp_path)
+    parents = [start_first_use(d) for _ in range(2)]
+    errs = [p.communicate(timeout=600)[1].decode() for p in parents]
+    assert [p.returncode for p in parents] == [0, 0], errs
+    assert sum(e.count("training them once") for e in errs) == 1, errs
+    from storage.format import verify
+    verify(d, progress=False)
