@@ -91,4 +91,12 @@ def child_exit_code(work) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
+    except OSError as e:     # a full disk (ENOSPC), a read-only one (EROFS): the writers removed their temp files
+        print(f"error: {os_error_line(e)}", file=sys.stderr)
+        return 1
     return 0
+
+
+def os_error_line(e: OSError) -> str:
+    """An OSError as one line naming the path: "cannot write PATH: No space left on device"."""
+    return f"cannot write {e.filename}: {e.strerror}" if e.filename else f"{e.strerror or e}"

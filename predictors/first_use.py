@@ -175,6 +175,8 @@ def ensure_predictors(flashdir, settings: Calibration | None = None, progress: b
             train(acts, flashdir, target_recall=settings.target_recall, sparsity=settings.sparsity,
                   steps=settings.steps, dense_layers=settings.dense_layers, progress=progress, calibration=record,
                   threads=threads)
+    except OSError as e:     # a full disk: one line naming where (a write() error names no file)
+        raise UserError(f"cannot write {e.filename or work}: {e.strerror or e}") from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
     say(f"predictors: trained on first use from {describe(record)} in {time.perf_counter() - t0:.0f} s, "

@@ -21,16 +21,19 @@ def assert_one_line_error(r, *fragments):
     err = r.stderr.decode("utf-8", "replace").strip()
     assert r.returncode == 1, err
     assert "Traceback" not in err, err
-    # nor is the status line `--ffn auto` prints once the model has loaded
-    lines = [ln for ln in err.splitlines() if ln.strip() and not PROGRESS.match(ln) and not ln.startswith("ffn: ")]
+    # nor are the status lines of --ffn auto and of first-use training
+    lines = [ln for ln in err.splitlines() if ln.strip() and not PROGRESS.match(ln)
+             and not ln.startswith(("ffn: ", "predictors: none yet", "converting "))]
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     for f in fragments:
         assert f in lines[0], err
 
 
 def leftovers(d: Path) -> list[str]:
-    """Names a writer leaves behind when it fails: its temp directories and files."""
-    return sorted(p.name for p in Path(d).rglob("*") if p.name.startswith(".") and ("-" in p.name or ".tmp" in p.name))
+    """Names a writer leaves behind when it fails: its temp directories and files. Not the empty .NAME.lock files of
+    first use (storage.files.exclusive): removing a lock file others may be waiting on would let two hold it."""
+    return sorted(p.name for p in Path(d).rglob("*") if p.name.startswith(".") and not p.name.endswith(".lock")
+                  and ("-" in p.name or ".tmp" in p.name))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -496,3 +499,40 @@ def test_two_concurrent_first_uses_train_once(flash, tmp_path):
     assert sum(e.count("training them once") for e in errs) == 1, errs
     from storage.format import verify
     verify(d, progress=False)
+
+
+def test_first_use_training_on_a_read_only_flashdir(flash, tmp_path, read_only):
+    import shutil
+    src = tmp_path / "rw"                       # what read_only shows, read-only
+    shutil.copytree(flash, src / "flash")
+    d = read_only / "flash"
+    p = start_first_use(d)
+    _, err = p.communicate(timeout=300)
+    assert_one_line_error(subprocess.CompletedProcess([], p.returncode, b"", err), str(d), "Read-only file system")
+    assert sorted(p.name for p in (src / "flash").iterdir()) == sorted(p.name for p in flash.iterdir())
+
+
+def test_first_use_training_onto_a_full_disk(flash, tmp_path):
+    """The FLASHDIR fits; the activations collected to train on do not (a tmpfs 256 KiB larger than it)."""
+    import shutil
+    from storage.files import disk_bytes
+    d = tmp_path / "small"
+    d.mkdir()
+    _root_mount("-t", "tmpfs", "-o", f"size={disk_bytes(flash) + (256 << 10)}", "tmpfs", d)
+    try:
+        shutil.copytree(flash, d / "flash")
+        p = start_first_use(d / "flash")
+        _, err = p.communicate(timeout=300)
+        assert_one_line_error(subprocess.CompletedProcess([], p.returncode, b"", err), str(d),
+                              "No space left on device")
+        assert [p.name for p in d.iterdir()] == ["flash"] and leftovers(d) == []
+        assert not (d / "flash" / "predictors").exists()
+    finally:
+        subprocess.run(["umount", d], check=True)
+
+
+def test_first_use_conversion_onto_a_full_disk(small_disk, monkeypatch):
+    monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(small_disk / "cache"))
+    r = cli("generate", "-m", str(STORIES), "-p", "hi", "-n", "2", "--ffn", "predicted")
+    assert_one_line_error(r, str(small_disk), "No space left on device")
+    assert leftovers(small_disk) == [] and not any((small_disk / "cache" / "flash").glob("*/manifest.json"))
