@@ -228,8 +228,10 @@ def write_manifest(layout: FlashLayout, flashdir: Path) -> None:
     """Write manifest.json atomically (temp file + fsync + rename)."""
     path = Path(flashdir) / MANIFEST
     tmp = path.with_suffix(".json.tmp")
+    m = layout.to_manifest()
+    m["manifest_checksum"] = manifest_checksum(m)
     with open(tmp, "w") as f:
-        json.dump(layout.to_manifest(), f, indent=1)
+        json.dump(m, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -255,6 +257,8 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
     m = parse_json(read_bytes(src, "manifest", MAX_MANIFEST_BYTES), "manifest", src)
     if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
         raise UserError(f"{src}: not a {FORMAT_NAME} manifest")
+    if m.get("manifest_checksum", None) not in (None, manifest_checksum(m)):     # None: converted before 2026-11
+        raise UserError(f"{src}: checksum mismatch: the manifest is damaged or edited; re-run convert")
     if m.get("version") != FORMAT_VERSION:
         raise UserError(f"{src}: format version {m.get('version')!r} is not supported (this build reads version "
                         f"{FORMAT_VERSION}); re-run `flashinfer-lite convert`")
@@ -472,9 +476,10 @@ def is_flashdir(path) -> bool:
     return p.is_dir() and (p / MANIFEST).exists()
 
 
-def predictor_manifest_checksum(m: dict) -> str:
-    """The digest a predictor manifest records of itself (field manifest_checksum): of its canonical JSON without
-    that field, so its thresholds and settings are checked as the files it lists are."""
+def manifest_checksum(m: dict) -> str:
+    """The digest a manifest (a FLASHDIR's, its predictors') records of itself (field manifest_checksum): of its
+    canonical JSON without that field, so its config, geometry, thresholds and settings are checked as the files
+    it lists are."""
     h = new_checksum()
     h.update(json.dumps({k: v for k, v in m.items() if k != "manifest_checksum"}, sort_keys=True).encode())
     return h.hexdigest()
@@ -491,7 +496,7 @@ def predictor_checksums(flashdir, warn: bool = False) -> dict[str, str]:
     if own is None and m.get("checksums") is not None and warn:     # written before it had one
         print(f"flashinfer-lite: {mpath} has no checksum of its own (an older train-predictor); re-run "
               f"train-predictor to have it checked", file=sys.stderr)
-    elif own is not None and own != predictor_manifest_checksum(m):
+    elif own is not None and own != manifest_checksum(m):
         raise UserError(f"{mpath}: checksum mismatch: the predictor manifest is damaged or edited; re-run "
                         f"train-predictor")
     sums = m.get("checksums")

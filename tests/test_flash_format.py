@@ -124,8 +124,11 @@ def flashdir(tmp_path):
 
 
 def edit_manifest(flashdir, change):
+    """Change the manifest as a hostile file would, its own checksum recomputed: what the checks below must catch."""
     m = json.loads((flashdir / "manifest.json").read_text())
     change(m)
+    if "manifest_checksum" in m:
+        m["manifest_checksum"] = fmt.manifest_checksum(m)
     (flashdir / "manifest.json").write_text(json.dumps(m))
 
 

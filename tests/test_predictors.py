@@ -350,12 +350,12 @@ def test_collect_removes_what_a_killed_collect_left(tmp_path):
 
 
 def _edit_predictor_manifest(flash, edit, rechecksum: bool):
-    from storage.format import predictor_manifest_checksum
+    from storage.format import manifest_checksum
     path = flash / "predictors" / "manifest.json"
     m = json.loads(path.read_text())
     edit(m)
     if rechecksum:
-        m["manifest_checksum"] = predictor_manifest_checksum(m)
+        m["manifest_checksum"] = manifest_checksum(m)
     path.write_text(json.dumps(m))
 
 

@@ -179,9 +179,12 @@ def copy_flash(flash, tmp_path) -> Path:
 
 
 def edit_manifest(d: Path, edit) -> None:
+    """As a hostile file would: the manifest's own checksum recomputed."""
     import json
+    from storage.format import manifest_checksum
     m = json.loads((d / "manifest.json").read_text())
     edit(m)
+    m["manifest_checksum"] = manifest_checksum(m)
     (d / "manifest.json").write_text(json.dumps(m))
 
 
@@ -536,3 +539,13 @@ def test_first_use_conversion_onto_a_full_disk(small_disk, monkeypatch):
     r = cli("generate", "-m", str(STORIES), "-p", "hi", "-n", "2", "--ffn", "predicted")
     assert_one_line_error(r, str(small_disk), "No space left on device")
     assert leftovers(small_disk) == [] and not any((small_disk / "cache" / "flash").glob("*/manifest.json"))
+
+
+def test_an_edited_flashdir_manifest_is_refused(flash, tmp_path):
+    """norm_eps 1e-5 -> 1e-6 in the manifest's config: a valid model, not this one."""
+    d = copy_flash(flash, tmp_path)
+    text = (d / "manifest.json").read_text()
+    assert '"norm_eps": 1e-05' in text
+    (d / "manifest.json").write_text(text.replace('"norm_eps": 1e-05', '"norm_eps": 1e-06'))
+    for args in (("verify", str(d)), ("generate", "-m", str(d), "-p", "Once", "-n", "2", "--ffn", "dense")):
+        assert_one_line_error(cli(*args), "manifest.json: checksum mismatch")
