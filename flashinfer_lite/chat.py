@@ -9,7 +9,8 @@ from __future__ import annotations
 import sys
 
 from .errors import UserError
-from .generate import ContextFull, Session, add_model_arguments, context_size, open_model, sampler_from
+from .generate import (ContextFull, Session, add_model_arguments, check_arguments, context_size, open_model,
+                       sampler_from)
 from .tokenizer import StreamDecoder, check_utf8
 
 HELP = "/exit quits, /reset forgets the conversation, /stats shows timings; Ctrl-C stops an answer, Ctrl-D exits"
@@ -32,6 +33,7 @@ def print_stats(session: Session, runtime) -> None:
 
 
 def run(args) -> int:
+    check_arguments(args)
     if sys.stdin is None:                      # started with stdin closed (`<&-`)
         raise UserError("chat reads the conversation from standard input, which is closed")
     model, tokenizer, runtime, load_ms = open_model(args)

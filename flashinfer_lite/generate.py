@@ -310,7 +310,6 @@ def check_arguments(args) -> None:
 
 def open_model(args):
     """(model, tokenizer, runtime, load_ms) for -m, or the default model."""
-    check_arguments(args)
     t0 = time.perf_counter()
     path, ffn, why = choose_ffn(args)
     if args.threads:
@@ -372,6 +371,7 @@ def prompt_ids(tokenizer: Tokenizer, text: str, system: str | None, use_template
 
 
 def run(args) -> int:
+    check_arguments(args)
     text = read_prompt(args)
     model, tokenizer, runtime, load_ms = open_model(args)
     session = Session(model, tokenizer, context_size(args, model))
