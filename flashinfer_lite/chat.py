@@ -9,7 +9,8 @@ from __future__ import annotations
 import sys
 
 from .errors import UserError
-from .generate import ContextFull, Session, add_model_arguments, context_size, open_model, sampler_from
+from .generate import (ContextFull, Session, add_model_arguments, check_arguments, context_size, open_model,
+                       sampler_from)
 from .tokenizer import StreamDecoder, check_utf8
 
 HELP = "/exit quits, /reset forgets the conversation, /stats shows timings; Ctrl-C stops an answer, Ctrl-D exits"
@@ -32,9 +33,14 @@ def print_stats(session: Session, runtime) -> None:
 
 
 def run(args) -> int:
+    check_arguments(args)
+    if sys.stdin is None:                      # started with stdin closed (`<&-`)
+        raise UserError("chat reads the conversation from standard input, which is closed")
     model, tokenizer, runtime, load_ms = open_model(args)
     if not tokenizer.chat_template:
         raise UserError("this model has no chat template; use `flashinfer-lite generate` for plain text")
+    # A template that fails to render (it comes from the model file) is one line now, not an error at every turn.
+    tokenizer.apply_chat_template([{"role": "user", "content": "hello"}])
     session = Session(model, tokenizer, context_size(args, model))
     session.timings.load_ms = load_ms
     sampler = sampler_from(args)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-import subprocess
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -15,7 +15,7 @@ from storage.cache import flashdir_for
 from .budget import peak_rss_bytes, rss_bytes
 from .config import DEFAULT_MAX_CTX
 from .default_model import ensure_default_model
-from .errors import Reported, UserError
+from .errors import UserError, run_child
 from .loader import is_flashdir
 from .model import Transformer
 from .predictor_set import describe_calibration, has_trained_predictors, read_manifest
@@ -257,9 +257,7 @@ def train_on_first_use(flashdir: str) -> None:
     if find_spec("torch") is None:
         raise UserError("training the default model's predictors on first use needs torch: "
                         "pip install 'flashinfer-lite[train]' (or run with --ffn dense)")
-    code = subprocess.run([sys.executable, "-m", "predictors.first_use", str(flashdir)]).returncode
-    if code != 0:
-        raise Reported(code)
+    run_child([sys.executable, "-m", "predictors.first_use", str(flashdir)])
 
 
 def choose_ffn(args) -> tuple[str, str, str | None]:
@@ -289,6 +287,25 @@ def default_model_predictors(flashdir: str) -> str:
     record = (read_manifest(flashdir) or {}).get("calibration")
     how = f"trained on first use from {describe_calibration(record)}" if record else "trained with train-predictor"
     return f"its predictors were {how}"
+
+
+def check_arguments(args) -> None:
+    """Every number flag in its range, as one line before anything loads (argparse checks only the type: -t -1,
+    --min-p 5, --repeat-penalty 0 or --temp nan would crash or sample garbage later)."""
+    def need(ok: bool, flag: str, value, rule: str) -> None:
+        if not ok:
+            raise UserError(f"{flag} {value} is out of range: {rule}")
+    finite = math.isfinite
+    need(args.threads is None or args.threads >= 1, "-t", args.threads, "at least 1 thread")
+    need(finite(args.temp) and args.temp >= 0, "--temp", args.temp, "a number >= 0 (0 = greedy)")
+    need(args.top_k >= 0, "--top-k", args.top_k, ">= 0 (0 = off)")
+    need(finite(args.top_p) and 0 <= args.top_p <= 1, "--top-p", args.top_p, "between 0 and 1")
+    need(finite(args.min_p) and 0 <= args.min_p <= 1, "--min-p", args.min_p, "between 0 and 1 (0 = off)")
+    need(finite(args.repeat_penalty) and args.repeat_penalty > 0, "--repeat-penalty", args.repeat_penalty,
+         "a number > 0 (1 = off)")
+    need(args.repeat_last_n >= -1, "--repeat-last-n", args.repeat_last_n, ">= -1 (-1 = the whole context)")
+    need(args.n_predict >= -1, "-n", args.n_predict, ">= -1 (-1 = until end of sequence)")
+    need(args.ctx_size >= 0, "-c", args.ctx_size, ">= 1 (or 0: the model's default)")
 
 
 def open_model(args):
@@ -354,6 +371,7 @@ def prompt_ids(tokenizer: Tokenizer, text: str, system: str | None, use_template
 
 
 def run(args) -> int:
+    check_arguments(args)
     text = read_prompt(args)
     model, tokenizer, runtime, load_ms = open_model(args)
     session = Session(model, tokenizer, context_size(args, model))

@@ -10,6 +10,7 @@ import math
 from typing import Callable, Mapping
 
 import numpy as np
+import psutil
 
 from .config import ModelConfig
 from .errors import UserError
@@ -139,8 +140,16 @@ class KVCache:
         # n_layers: the model's by default; 1 when layers run one at a time (predictors/layerwise.py)
         L = cfg.n_layers if n_layers is None else n_layers
         shape = (L, capacity, cfg.n_kv_heads, cfg.head_dim)  # [L, S, Hkv, hd]
-        self.k = np.zeros(shape, np.float16)
-        self.v = np.zeros(shape, np.float16)
+        need, ram = 2 * 2 * math.prod(shape), psutil.virtual_memory().total
+        if need > ram:       # -c 300000 on a model claiming 10M positions: 2.28 TiB, refused before allocating
+            raise UserError(f"a context of {capacity} positions needs {need / 2**30:.1f} GiB of KV cache, more than "
+                            f"this machine's {ram / 2**30:.1f} GiB of memory: give a smaller -c")
+        try:
+            self.k = np.zeros(shape, np.float16)
+            self.v = np.zeros(shape, np.float16)
+        except MemoryError:
+            raise UserError(f"cannot allocate the KV cache of a {capacity}-position context "
+                            f"({need / 2**30:.1f} GiB): give a smaller -c") from None
         self.k_bits, self.v_bits = self.k.view(np.uint16), self.v.view(np.uint16)  # what Numba reads (no float16)
         self.capacity = capacity
         self.length = 0  # positions filled

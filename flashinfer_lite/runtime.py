@@ -25,7 +25,7 @@ from threadpoolctl import threadpool_limits
 from tqdm import tqdm
 
 from storage.cache import flashdir_for
-from storage.format import FlashCheckpoint, verify_at_load
+from storage.format import FlashCheckpoint, is_flashdir, verify_at_load
 from storage.reader import BundleReader, aligned_empty
 from storage.stats import FlashStats
 
@@ -395,6 +395,8 @@ def load_dense(path, dram_budget, progress: bool):
     their block formats where storage/blocks.py has them (loader.load_tensor)."""
     if dram_budget not in (None, "auto"):
         raise UserError("--dram-budget applies to --ffn predicted/oracle; --ffn dense keeps every weight in DRAM")
+    if is_flashdir(path):      # as open_flashdir: the resident file and the manifest are checked, not only each layer
+        verify_at_load(path, progress=progress)
     ckpt = open_any(path)
     if dram_budget == "auto":
         warn_if_dense_does_not_fit(path, ckpt.config)

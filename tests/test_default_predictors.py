@@ -122,7 +122,7 @@ def test_first_use_trains_from_the_corpus_once_when_the_model_does_not_fit(defau
 
     # second run: nothing is retrained (training would now fail), same tokens, the source is still named
     stamp = (flashdir / "predictors" / "weights.safetensors").stat().st_mtime_ns
-    monkeypatch.setattr(generate.subprocess, "run", lambda *a, **k: pytest.fail("trained again"))
+    monkeypatch.setattr(generate, "run_child", lambda *a, **k: pytest.fail("trained again"))
     rc, out2, err2 = run_cli(capfd, "generate", "--ffn", "predicted", *PROMPT)
     assert rc == 0, err2
     assert "predictors: trained" not in err2
