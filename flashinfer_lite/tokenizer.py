@@ -252,9 +252,10 @@ class StreamDecoder:
 
 
 class StopStrings:
-    """Cuts streamed text before the first stop string, as the OpenAI API's `stop` does. push() returns the text that
-    is safe to show: a tail that may be the start of a stop string is held back until the next piece decides it, and
-    flush() gives it at the end of the output. `stopped` once a stop string has appeared."""
+    """Cuts streamed text before the first stop string to appear, as the OpenAI API's `stop` does: the one that ends
+    first (of two ending together, the longer), so the cut is the same however the text comes in pieces. push()
+    returns the text that is safe to show: a tail that may be the start of a stop string is held back until the next
+    piece decides it, and flush() gives it at the end of the output. `stopped` once a stop string has appeared."""
 
     def __init__(self, stops):
         self.stops = [s for s in stops if s]
@@ -263,10 +264,10 @@ class StopStrings:
 
     def push(self, piece: str) -> str:
         text = self.held + piece
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        hits = [(i + len(s), i) for s, i in ((s, text.find(s)) for s in self.stops) if i >= 0]
         if hits:
             self.stopped, self.held = True, ""
-            return text[:min(hits)]
+            return text[:min(hits)[1]]
         # the longest tail of text that begins some stop string
         keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)
                     if text.endswith(s[:k])), default=0)
