@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CORPUS
+from conftest import CORPUS, flash_model_with_predictors
 from test_dram_budget import LAUNCHER
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,18 +27,7 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "wait4"), reason="needs os.wait4
 @pytest.fixture(scope="module")
 def flashdir(tmp_path_factory):
     """2 layers x 4096 neurons x dim 256, f16 bundles, 4096 positions, with predictors."""
-    sys.path.insert(0, str(REPO / "tools"))
-    from make_large_model import main as make_large_model
-    from predictors.collect import collect
-    from predictors.train import train
-    from storage.convert import convert
-    root = tmp_path_factory.mktemp("promise")
-    assert make_large_model([str(root / "hf"), "--layers", "2", "--dim", "256", "--ffn", "4096", "--heads", "4",
-                             "--kv-heads", "2", "--check-tokens", "0"]) == 0
-    flash = convert(root / "hf", root / "flash", dtype="f16", progress=False)
-    collect(str(flash), [str(CORPUS / "tinystories_cased_197KB.txt")], 128, root / "acts", ctx=128, progress=False)
-    train(root / "acts", flash, rank=8, max_rank=8, steps=10, target_recall=0.9, progress=False)
-    return Path(flash)
+    return flash_model_with_predictors(tmp_path_factory.mktemp("promise"), 2, 256, 4096, 4, 2)
 
 
 def generate(flashdir: Path, tmp_path: Path, *args: str, cap: int | None = None, env: dict | None = None):
@@ -94,7 +83,6 @@ def prompt_of(flashdir: Path, n_tokens: int, path: Path) -> Path:
 
 
 def test_long_prompts_stay_within_a_budget_just_above_the_minimum(flashdir, tmp_path):
-    sys.path.insert(0, str(REPO / "tools"))
     from memcap import available
     why_not = available()
     budget_mib = math.ceil(minimum_mib(flashdir, tmp_path, "-c", str(CTX))) + 8
