@@ -6,7 +6,8 @@
                in blocks with q8_0/q4_0/q4_1 ones)
   kv cache     keys and values for the whole context (float16, model.KVCache)
   buffers      reader gap scratch, kernel scratch, cache bookkeeping (slot maps per neuron), the prefill
-               streaming chunk, the heap the prompt's transient arrays leave behind
+               streaming chunk, a prompt chunk's temporaries (prefill_transient_bytes), the heap the prompt's
+               transient arrays leave behind
   window       per layer `window_rows` bundle rows for the sliding window (LLM in a Flash)
   hot region   pinned hottest neurons across layers (PowerInfer), filled by neuron_cache.select_hot
 
@@ -27,13 +28,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from storage.profile import DEFAULT_GAP_BYTES
-from storage.reader import BundleReader
+from storage.reader import BundleReader, aligned_empty
 
 from .errors import UserError
-from .kernels import MATMUL_ROW_KERNEL_MAX_T, WIDEN_BLOCK_BYTES, matmul_t
-from .model import KVCache, ModelConfig
+from .kernels import (MATMUL_ROW_KERNEL_MAX_T, WIDEN_BLOCK_BYTES, add_rms_norm_rows, attention_rows, matmul_t,
+                      rms_norm_rows)
+from .model import ATTENTION_TILE_ROWS, PREFILL_CHUNK_ROWS, KVCache, ModelConfig
 from .neuron_cache import NeuronCache, select_hot
-from .quant import BLOCK, QuantMatrix, quant_matmul_t, quantize, row_bytes, sparse_ffn
+from .quant import (BLOCK, DENSE_ROW_KERNEL_MAX_T, QuantMatrix, quant_matmul_t, quantize, row_bytes,
+                    sparse_ffn)
 
 # per neuron per layer: slot_of int32 + last_used int64 + seen int64 + out_slots int32 + out_new uint8
 # (neuron_cache._Layer) + bundle_of int64 (runtime.FlashFFN)
@@ -170,7 +173,8 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
     kv = KVCache.nbytes_for(cfg, ctx)
     buffers = (max(read_scratch_bytes, stride) + threads * layout.d * 4 + n_max * 4
                + sum(layout.n_neurons) * MAP_BYTES_PER_NEURON + n_layers * MATRIX_SLACK_BYTES
-               + stream_transient_bytes(layout, stream_chunk_bytes) + heap_slack_bytes
+               + stream_transient_bytes(layout, stream_chunk_bytes) + prefill_transient_bytes(cfg, ctx)
+               + heap_slack_bytes
                + (staging_rows(max_active) * stride if lookahead else 0))
     minimum = runtime_bytes + res + kv + buffers + n_layers * reserve * row
     if dram_budget_bytes < minimum:
@@ -212,7 +216,7 @@ def plan_resident_ffn(config, layout, dram_budget_bytes: int, ctx: int, resident
     fit `dram_budget_bytes` (then the FFN runs from flash)."""
     cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_dict(config)
     n_max = max(layout.n_neurons)
-    buffers = 3 * WIDEN_BLOCK_BYTES + 2 * n_max * 4 + heap_slack_bytes
+    buffers = 3 * WIDEN_BLOCK_BYTES + 2 * n_max * 4 + prefill_transient_bytes(cfg, ctx) + heap_slack_bytes
     ffn = sum(layout.n_neurons) * dense_ffn_row_bytes(layout)
     kv = KVCache.nbytes_for(cfg, ctx)
     need = runtime_bytes + resident_bytes + kv + buffers + ffn
@@ -229,10 +233,27 @@ def staging_rows(max_active: int) -> int:
     return min(max_active, MIN_WINDOW_ROWS)
 
 
+def prefill_transient_bytes(cfg: ModelConfig, ctx: int) -> int:
+    """Peak bytes of one prompt chunk's temporaries (model.Transformer.forward runs a prompt PREFILL_CHUNK_ROWS tokens
+    at a time), float32 unless said:
+      rows       per token: the residual stream and its normed copies, q/k/v and their rotated copies, the attention
+                 output (~8 x d + 3 x (H + 2 Hkv) x hd), the FFN's rows of neurons (predictor scores, masks,
+                 coefficients or the dense FFN's activations: ~4 x n)
+      attention  the layer's keys and values widened [ctx, Hkv, hd] x 2, one tile's scores [g x tile, ctx] and its
+                 mask (float64 + float32 + bool: model.attention_mask) [tile, ctx]"""
+    U = min(PREFILL_CHUNK_ROWS, ctx)
+    qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+    rows = U * 4 * (8 * cfg.dim + 3 * qkv + 4 * cfg.ffn_dim)
+    g = cfg.n_heads // cfg.n_kv_heads
+    tile = min(ATTENTION_TILE_ROWS, U)
+    attention = 2 * ctx * cfg.n_kv_heads * cfg.head_dim * 4 + tile * ctx * (4 * g + 13)
+    return rows + attention
+
+
 def stream_transient_bytes(layout, chunk_bytes: int) -> int:
     """Peak bytes of prefill streaming (runtime.FlashFFN.stream_layer): the chunk of bundles it reads (the sparse
-    kernel computes on the bundles as they are, nothing is widened). Not counted: arrays of [prompt tokens, neurons]
-    (predictor masks, coefficients), which grow with the prompt."""
+    kernel computes on the bundles as they are, nothing is widened). The arrays of [chunk tokens, neurons] (predictor
+    masks, coefficients) are prefill_transient_bytes'."""
     if chunk_bytes <= 0:
         return 0
     return max(1, chunk_bytes // layout.stride) * layout.stride
@@ -340,44 +361,139 @@ def keep_freed_arrays_out_of_rss(threshold: int = 128 << 10) -> None:
         pass
 
 
-def compile_kernels(layout) -> None:
-    """Run the neuron cache and the sparse FFN kernel once on two real bundles of `layout`.
+def compile_kernels(layout, steps: list[int] | None = None) -> None:
+    """Run every kernel of a run once: the neuron cache, the sparse FFN on two real bundles of `layout` (and the
+    dense FFN over them, for a quantized layout), attention and the norms, the resident matrices' kernels.
 
     Numba compiles them (or loads them from its on-disk cache) on first call, with the argument types of that call;
     these are the types the runtime uses (uint8 bundle matrix viewed as the layout's dtype, int32 rows, float32
-    vectors), so their machine code and LLVM are in memory now, before the weights, and not on the first token.
+    vectors), so their machine code is in memory now, before the weights, and not on the first token.
+    steps: indices into compile_steps(layout) (default: all).
     """
+    all_steps = compile_steps(layout)
+    for i in range(len(all_steps)) if steps is None else steps:
+        all_steps[i]()
+
+
+def compile_steps(layout) -> list:
+    """compile_kernels' work in pieces that compile_in_child can give one child process each (the compiler's memory
+    grows with what one process compiles)."""
     k = min(2, layout.n_neurons[0])
-    with BundleReader(layout, threads=1) as reader:
-        cache = NeuronCache([k], layout.stride, reader, capacity=k, window=1)
-        slots = cache.fetch(0, np.arange(k))
-        x = np.zeros(layout.d, np.float32)
-        sparse_ffn(layout, max_active=k)(cache.matrix(0), slots, x, np.zeros_like(x))
-    if layout.dtype == "f32":
-        return   # resident matrices stay float32 (runtime.load_runtime): BLAS, no kernel to compile
+    x = np.zeros(layout.d, np.float32)
+
+    def bundles():
+        """Two real bundles [k, stride] as the cache keeps them, and their rows (int32 like the cache's slots)."""
+        B = aligned_empty((k, layout.stride), np.uint8)
+        with BundleReader(layout, threads=1) as reader:
+            reader.read(0, np.arange(k), dest=B, slots=np.arange(k))
+        return B, np.arange(k, dtype=np.int32)
+
+    def neuron_cache():
+        with BundleReader(layout, threads=1) as reader:
+            NeuronCache([k], layout.stride, reader, capacity=k, window=1).fetch(0, np.arange(k))
+
+    def sparse():
+        B, rows = bundles()
+        sparse_ffn(layout, max_active=k)(B, rows, x, np.zeros_like(x))
+
+    def dense():                # runtime.ResidentFFN: decode rows and a prompt's widened blocks
+        B, _ = bundles()
+        kernel = sparse_ffn(layout, max_active=k)
+        layer = kernel.dense_layer(B)
+        for T in (1, DENSE_ROW_KERNEL_MAX_T + 1):
+            kernel.dense(layer, np.zeros((T, layout.d), np.float32), np.zeros((T, layout.d), np.float32))
+
+    def attention():
+        X = np.zeros((1, layout.d), np.float32)
+        rms_norm_rows(X, x, 1e-5, np.empty_like(X))
+        add_rms_norm_rows(X, X.copy(), x, 1e-5, np.empty_like(X))
+        qkv, cache_bits = np.zeros((1, 1, 2), np.float32), np.zeros((1, 1, 2), np.uint16)
+        for half in (1, 0):          # with RoPE, without (model.Attention's T <= ATTENTION_KERNEL_MAX_T path)
+            cos = np.zeros((2, 1, half), np.float32)[:1, 0]
+            attention_rows(qkv.copy(), qkv.copy(), qkv.copy(), cos, cos, cache_bits, cache_bits, 0, 0,
+                           np.empty_like(qkv))
+
     # the resident matrices' kernels, float16 (and, in a quantized FLASHDIR, the blocks' too: one compiled function
     # serves every kind): decode (row kernel, serial and parallel), prefill (widened blocks), the embedding lookup
     d = layout.d if layout.d % BLOCK == 0 else BLOCK
-    w16, wq = np.zeros((2, d), np.float16), quantize(np.zeros((2, d), np.float32), "q8_0")
-    for T in (1, MATMUL_ROW_KERNEL_MAX_T + 1):
-        x = np.zeros((T, d), np.float32)
-        matmul_t(x, w16, parallel_min_work=0)
-        if layout.quantized:
-            quant_matmul_t(x, wq, "q8_0", parallel_min_work=0)
-    matmul_t(np.zeros((1, d), np.float32), w16)
-    if layout.quantized:
+
+    def half_matrices():
+        w16 = np.zeros((2, d), np.float16)
+        for T in (1, MATMUL_ROW_KERNEL_MAX_T + 1):
+            matmul_t(np.zeros((T, d), np.float32), w16, parallel_min_work=0)
+        matmul_t(np.zeros((1, d), np.float32), w16)
+
+    def block_matrices():
+        wq = quantize(np.zeros((2, d), np.float32), "q8_0")
+        for T in (1, MATMUL_ROW_KERNEL_MAX_T + 1):
+            quant_matmul_t(np.zeros((T, d), np.float32), wq, "q8_0", parallel_min_work=0)
         quant_matmul_t(np.zeros((1, d), np.float32), wq, "q8_0")
         QuantMatrix.of(("q8_0", wq))[np.zeros(1, np.int64)]
+
+    steps = [neuron_cache, sparse, attention]
+    if layout.dtype != "f32":   # float32 resident matrices stay float32 (runtime.load_runtime): BLAS, no kernel
+        steps.append(half_matrices)
+    if layout.quantized:
+        steps += [dense, block_matrices]
+    return steps
 
 
 def measure_runtime_bytes(layout) -> int:
     """The plan's runtime line: RSS after compile_kernels, measured in this process just before the weights load.
 
-    Measured rather than a constant because it differs by platform, library versions, tokenizer (SmolLM2's takes
-    ~40 MiB, stories260K's ~2 MiB) and whether numba had to compile (first run) or found its cache. In a process
-    that already holds other things (a test run, a notebook) they count too: the budget is the process's.
+    Measured rather than a constant because it differs by platform, library versions and tokenizer (SmolLM2's takes
+    ~40 MiB, stories260K's ~2 MiB). The kernels are compiled in a child process first (compile_in_child), so this
+    process only loads their machine code from Numba's on-disk cache: compiling would leave ~80 MiB of the
+    compiler's memory in this process (and in its peak) on a first run, and not on the next. In a process that
+    already holds other things (a test run, a notebook) they count too: the budget is the process's.
     """
     import gc
+    if not compiled_stamp(layout).exists():
+        compile_in_child(layout)
     compile_kernels(layout)
     gc.collect()
     return rss_bytes()
+
+
+def compile_in_child(layout) -> None:
+    """compile_kernels in a child process, which fills Numba's on-disk cache, leaves compiled_stamp(layout) there
+    and exits, returning the compiler's memory with it. Without a FLASHDIR on disk (a layout built in memory) or
+    when the child fails, this process compiles instead: its runtime line is then larger, never wrong."""
+    import subprocess
+    if layout.flashdir is None:
+        return
+    if sys.stderr.isatty():     # progress, like the bars: an error stays one line in a log
+        print("compiling the kernels once for this installation (Numba; a minute or more) ...", file=sys.stderr)
+    n = len(compile_steps(layout))
+    for i in range(n):          # one child per step: each one's peak is the libraries and one step's compiler
+        subprocess.run([sys.executable, "-m", "flashinfer_lite.budget", str(layout.flashdir), str(i),
+                        "stamp" if i == n - 1 else ""],
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, check=False)
+
+
+def compiled_stamp(layout):
+    """The file, in Numba's cache directory, that says compile_kernels ran there for these kernels and the argument
+    types of `layout`: its name hashes Numba's and Python's versions, the kernel modules' files (as Numba's own index
+    keys them: mtime and size) and what of the layout decides the types. Emptying the cache directory removes it."""
+    import hashlib
+    from pathlib import Path
+
+    import numba
+
+    from . import kernels, neuron_cache, quant
+    files = [Path(m.__file__) for m in (kernels, neuron_cache, quant)] + [Path(__file__)]
+    key = [numba.__version__, sys.version, *[(f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in files],
+           layout.d % BLOCK == 0, layout.dtype, layout.down_dtype, layout.vectors, layout.biases]
+    digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+    return Path(attention_rows._cache.cache_path) / f"flashinfer-lite-kernels-{digest}.stamp"
+
+
+if __name__ == "__main__":     # compile_in_child's child: python -m flashinfer_lite.budget FLASHDIR STEP [stamp]
+    from storage.format import read_layout
+    _layout = read_layout(sys.argv[1], check_size=False)
+    compile_kernels(_layout, steps=[int(sys.argv[2])])
+    if sys.argv[3:] == ["stamp"]:
+        try:
+            compiled_stamp(_layout).touch()
+        except OSError:         # a read-only cache: the next run compiles in a child again, as this one did
+            pass
