@@ -46,15 +46,13 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import harness as h
 
 from flashinfer_lite.errors import UserError  # noqa: E402
 
-CORPUS = REPO / "tests" / "data" / "corpus"
+REPO, CORPUS = h.REPO, h.CORPUS
 CAL_CORPUS = [CORPUS / "wikitext2_valid.txt", CORPUS / "tinystories_cased_197KB.txt"]
 EVAL_CORPUS = [CORPUS / "wikitext2_test.txt"]
-STORIES = REPO / "tests" / "data" / "stories260K"
 KINDS = ("same", "naive", "trained")
 AHEAD = ("naive", "trained")
 HYBRIDS = ("naive", "trained", "naive_drop", "trained_drop")
@@ -144,15 +142,10 @@ class LayerRows:
 
 def prepare_quick(work: Path) -> tuple[Path, Path]:
     """stories260K as an f32 FLASHDIR with predictors trained on calibration text, and its ACTS."""
-    from predictors.collect import collect
-    from predictors.train import train
-    from storage.convert import convert
-    if not STORIES.exists():
-        raise UserError(f"--quick needs {STORIES}")
-    flash = convert(STORIES, work / "flash", dtype="f32", force=True, progress=False)
-    acts = collect(STORIES, CAL_CORPUS, 3000, work / "acts", rows=1500, force=True, progress=False)
-    train(acts, flash, target_recall=0.9, sparsity=0.5, steps=100, progress=False)
-    return flash, acts
+    if not h.STORIES.exists():
+        raise UserError(f"--quick needs {h.STORIES}")
+    return h.trained_flashdir(h.STORIES, work, "f32", CAL_CORPUS, 3000, dict(rows=1500), target_recall=0.9,
+                              sparsity=0.5, steps=100)
 
 
 def measure(a, flash: Path, work: Path) -> dict:
@@ -172,8 +165,7 @@ def measure(a, flash: Path, work: Path) -> dict:
     L, d, stride = cfg.n_layers, cfg.dim, layout.stride
     if a.hot == "runtime":
         # the neuron cache as the runtime builds it by default (hot region + window rows from its budget plan)
-        from flashinfer_lite.runtime import load_runtime
-        rt = load_runtime(flash, ffn="predicted", window=a.window, verify=False)[2]
+        rt = h.load_model(flash, "predicted", window=a.window, verify=False)[2]
         hot, capacity = [np.asarray(rt.cache.hot(i)) for i in range(L)], rt.plan.window_rows
         del rt
     else:
