@@ -18,7 +18,10 @@ import sys
 import time
 from collections import defaultdict
 
-from flashinfer_lite.generate import Sampler, Session, open_model, prompt_ids  # first: sets the BLAS threads
+import harness as h  # first: flashinfer_lite sets the thread pools' variables before numpy loads
+
+from flashinfer_lite.default_model import ensure_default_model
+from flashinfer_lite.generate import Sampler, Session, prompt_ids
 from flashinfer_lite import model as model_math
 from flashinfer_lite.model import linear
 
@@ -46,9 +49,9 @@ def main() -> int:
     ap.add_argument("-p", "--prompt", default="Write a short story about a robot who learns to paint.")
     ap.add_argument("-t", "--threads", type=int, default=None)
     args = ap.parse_args()
-    load_args = argparse.Namespace(model=args.model, ffn=args.ffn, ctx_size=0, threads=args.threads,
-                                   lookahead=False, verbose=False, dram_budget=None)
-    model, tokenizer, runtime, load_ms = open_model(load_args)
+    t0 = time.perf_counter()
+    model, tokenizer, runtime = h.load_model(args.model or ensure_default_model(), args.ffn, threads=args.threads)
+    load_ms = 1e3 * (time.perf_counter() - t0)
     ids = prompt_ids(tokenizer, args.prompt, None, True)
 
     acc: dict = defaultdict(float)

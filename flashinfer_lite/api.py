@@ -9,9 +9,9 @@ from argparse import Namespace
 from dataclasses import dataclass
 from typing import Iterator
 
-from .budget import peak_rss_bytes
 from .generate import Sampler, Session, Timings, context_size, open_model, prompt_ids
 from .model import Transformer
+from .process import peak_rss_bytes
 from .tokenizer import StreamDecoder, Tokenizer, check_utf8
 
 

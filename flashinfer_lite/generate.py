@@ -12,13 +12,13 @@ import numpy as np
 
 from storage.cache import flashdir_for
 
-from .budget import peak_rss_bytes, rss_bytes
 from .config import DEFAULT_MAX_CTX
 from .default_model import ensure_default_model
 from .errors import UserError, run_child
 from .loader import is_flashdir
 from .model import Transformer
 from .predictor_set import describe_calibration, has_trained_predictors, read_manifest
+from .process import peak_rss_bytes, rss_bytes
 from .runtime import load_runtime
 from .sizes import parse_size
 from .tokenizer import StreamDecoder, Tokenizer, check_utf8

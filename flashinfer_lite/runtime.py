@@ -30,7 +30,7 @@ from storage.reader import BundleReader, aligned_empty
 from storage.stats import FlashStats
 
 from . import BLAS_THREADS_FROM_USER
-from .budget import (HEAP_SLACK_BYTES, auto_budget_bytes, keep_freed_arrays_out_of_rss, measure_runtime_bytes,
+from .budget import (HEAP_SLACK_BYTES, auto_budget_bytes, measure_runtime_bytes,
                      plan_budget, plan_resident_ffn, resident_bytes_for, staging_rows)
 from .errors import UserError
 from .half import half_matrix
@@ -38,6 +38,7 @@ from .loader import load_weights, open_any
 from .model import FeedForward, ModelConfig, Transformer
 from .neuron_cache import NeuronCache
 from .predictor_set import load_predictors
+from .process import keep_freed_arrays_out_of_rss
 from .quant import sparse_ffn
 
 FFN_MODES = ("auto", "dense", "oracle", "predicted")   # auto: dense when the model fits the budget, else predicted

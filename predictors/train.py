@@ -27,11 +27,11 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from flashinfer_lite.budget import keep_freed_arrays_out_of_rss
 from flashinfer_lite.errors import UserError
 from flashinfer_lite.loader import is_flashdir, open_any
 from flashinfer_lite.predictor_set import (CARD_FMT, MANIFEST, PRED_FORMAT, PRED_VERSION, PREDICTOR_DIR, FREQ_FILE,
                                           WEIGHTS_FILE)
+from flashinfer_lite.process import keep_freed_arrays_out_of_rss
 from storage.files import remove_stale_temp_dirs, temp_path
 from storage.format import file_checksum, manifest_checksum
 
