@@ -23,8 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
+import harness as h
+
 from flashinfer_lite.budget import plan_budget
-from flashinfer_lite.loader import load_reference
 from flashinfer_lite.neuron_cache import NeuronCache, select_hot
 from storage.convert import convert
 from storage.format import read_layout
@@ -36,7 +37,7 @@ DATA = ROOT / "tests" / "data"       # stories260K and corpus excerpts shipped w
 
 def record_trace(model_path: Path, corpus: Path, n_tokens: int, chunk: int) -> list[np.ndarray]:
     """Per layer |a| of every token, float32 [T, n], from the dense model over the first n_tokens of corpus."""
-    model, tok = load_reference(model_path)
+    model, tok, _ = h.load_model(model_path, "float32")
     ids = tok.encode(corpus.read_text(encoding="utf-8"))[:n_tokens]
     acts: list[list[np.ndarray]] = [[] for _ in range(model.cfg.n_layers)]
     dense = model.ffn

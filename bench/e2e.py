@@ -5,59 +5,31 @@
                                      [--tokens 24] [--slow-tokens 6] [--reference dense-ram|layer-stream]
     PYTHONPATH=. python bench/e2e.py --quick          # tiny generated model, < 1 minute, for smoke tests
 
-Modes (each one a subprocess under tools/memcap.py, page cache dropped before it):
-  dense-ram     every FFN weight in DRAM (ffn.bin read into RAM), uncapped: the compute floor
-  dense-mmap    FFN weights np.memmap'ed from ffn.bin under the cap (llama.cpp's default): the page cache thrashes
-  layer-stream  each layer's whole FFN read with O_DIRECT (BundleReader) per token, then computed (AirLLM)
-  flash-P%      NeuronCache (hot region + sliding window) + BundleReader + SparseFFN at a DRAM budget of P% of the
-                model files, active sets replayed from a trace:
-                  oracle: the exact active sets the dense-ram run recorded (a perfect predictor on random weights)
-                  trace:  real SmolLM2 activation sets mapped onto the big width (tools/record_trace.py)
-  llama.cpp     llama.cpp itself (llama-cpp-python, the `bench` extra; bench.vs_llama_cpp.measure_llama) mmap'ing the
-                --gguf paired with the FLASHDIR, under the cap of each flash-oracle row of that FLASHDIR (and --cap)
-Several FLASHDIRs (e.g. the same model converted to q4_0 and to f16) each get every mode; rows carry the FLASHDIR's
-dtype as their `model`. The reference mode (--reference: dense-ram, uncapped with the FFN in RAM, or layer-stream,
-which holds one layer of the FFN at a time and suits a model whose dense pass does not fit comfortably) runs first
-and uncapped: its greedy tokens are every other row's input and its active sets the oracle scenario's.
-Dense modes compute all three FFN matrices for every neuron (as llama.cpp does) with one Numba kernel over the
-bundle rows; flash modes compute only the active rows with flashinfer_lite.ffn.sparse.SparseFFN. Attention and the
-rest of the model are the same numpy math (flashinfer_lite.model.Transformer) in every mode.
-Tokens: dense-ram decodes greedily from a fixed prompt; every other mode is fed the same tokens one at a time
-(T = 1 each) and records its own argmax, so modes are compared on identical inputs.
-Prints one JSON document (stdout) and a markdown table (stderr, and --md FILE).
+Modes, each its own worker under a cap (bench/README.md, "What each mode is"): dense-ram, dense-mmap, layer-stream
+(harness.BundleFFN over the bundles in RAM, memmapped, or read per layer), flash-{oracle,trace}-P[-serial|-lookahead]
+(the runtime's FlashFFN at P% of the model files, replaying recorded active sets) and llama.cpp-P (llama.cpp itself on
+the paired GGUF, under the cap of the flash rows). The reference mode runs first, uncapped: its greedy tokens are
+every other row's input and its active sets the oracle's. Attention is the runtime's in every mode but llama.cpp.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import harness as h
 
-from bench.vs_llama_cpp import emit  # noqa: E402  (standard library and numpy only)
+from flashinfer_lite.process import read_bytes, rss_bytes  # noqa: E402  (standard library and numpy only)
 from storage.files import disk_bytes  # noqa: E402
 
-
-MEMCAP = REPO / "tools" / "memcap.py"
 PROMPT = "Once upon a time, there was a little"
 WINDOW = 5                                      # sliding window of the neuron cache, tokens
 CAP_SLACK = 640 << 20                           # interpreter + numba + numpy beyond the DRAM budget
-
-
-def proc_read_bytes() -> int:
-    """Bytes this process (all threads) caused to be fetched from storage: page-cache misses and O_DIRECT reads."""
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("read_bytes:"):
-            return int(line.split()[1])
-    return 0
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -65,115 +37,73 @@ def proc_read_bytes() -> int:
 
 class Worker:
     def __init__(self, a):
-        from flashinfer_lite.loader import load_weights
-        from flashinfer_lite.model import Transformer
-        from storage.format import FlashCheckpoint, ffn_tensor_names
         t0 = time.perf_counter()
-        self.a = a
-        ck = FlashCheckpoint(a.flashdir)
-        self.layout, self.cfg = ck.layout, ck.config
-        L = self.layout
-        if L.n_vec != 3 or L.biases:
-            raise SystemExit("bench/e2e.py: the dense modes support GLU bundles without biases")
-        ffn_names = {n for i in range(L.n_layers) for n in ffn_tensor_names(L, i)}
-        from flashinfer_lite.model import half_matrix   # as the runtime keeps them (runtime.load_runtime)
-        weights = load_weights(ck, skip=lambda n: n in ffn_names, convert=half_matrix if L.dtype != "f32" else None)
-        self.resident_bytes = sum(w.nbytes for w in weights.values())
-        self.prompt_ids = ck.tokenizer().encode(PROMPT)
-        self.model = Transformer(self.cfg, weights, ffn=self.ffn)
-        from flashinfer_lite.ffn.quant import sparse_ffn
-        # Dense = the runtime's own kernel over every row: the modes differ only in where the rows come from.
-        self.dense_kernel = sparse_ffn(L, max_active=max(L.n_neurons))   # act + threshold of the config
-        self.all_rows = np.arange(max(L.n_neurons), dtype=np.int32)
-        self.coef = self.dense_kernel.coef
-        self.t = 0                          # index of the token being decoded
-        self.ffn_s = self.read_s = self.lookup_s = self.compute_s = self.predictor_s = self.io_s = 0.0
+        self.a, self.t, self.info, self.flash, self.active_rec = a, 0, {}, None, None   # t: the token being decoded
+        self.ffn_s = self.read_s = self.io_s = 0.0
         self.flash_bytes = 0                # bytes read by our own readers (mmap: from /proc/self/io)
-        self.hits = self.misses = 0
-        self.active_rec = None
-        self.info = {}
-        self.setup()
-        self.warm_up()
+        self.model, tokenizer, _ = h.load_model(a.flashdir, self.build_ffn)
+        self.prompt_ids = tokenizer.encode(PROMPT)
+        self.warm_up_flash() if self.flash else self.dense.warm_up()
         self.load_s = time.perf_counter() - t0
 
-    def warm_up(self):
-        """Compile (or load from numba's cache) the kernels before the clock starts."""
-        L = self.layout
-        B = np.zeros((2, L.stride), np.uint8)
-        x = np.zeros(L.d, np.float32)
-        self.dense_kernel(B, self.all_rows[:2], x, np.empty(L.d, np.float32))
-        if hasattr(self, "flash"):
-            self.flash.kernel(B, np.zeros(1, np.int32), x, np.empty(L.d, np.float32))
-        self.compute_s = 0.0
-
-    def region(self, B_file, layer):
-        L = self.layout
-        off, n = L.offset[layer], L.n_neurons[layer]
-        return B_file[off:off + n * L.stride].reshape(n, L.stride)
-
-    def dense(self, B, x):
-        """y [1, d] of the dense FFN over bundle matrix B [n, stride]; self.coef[:n] <- activations."""
-        L = self.layout
-        y = np.empty(L.d, np.float32)
-        t0 = time.perf_counter()
-        self.dense_kernel(B, self.all_rows[:B.shape[0]], np.ascontiguousarray(x[0], np.float32), y)
-        self.compute_s += time.perf_counter() - t0
-        if self.active_rec is not None:                 # the reference run records the oracle's sets
-            self.active_rec[self.t, self.layer, :B.shape[0]] = self.coef[:B.shape[0]] != 0
-        return y[None, :]
-
-    # -- per mode ----------------------------------------------------------------------------------------------------
-    def setup(self):
-        a, L = self.a, self.layout
-        if a.mode == "dense-ram":
-            from storage.reader import aligned_empty
-            self.B = aligned_empty((L.ffn_size,), np.uint8)
-            with open(L.ffn_path, "rb", buffering=0) as f:
-                mv, pos = memoryview(self.B), 0
-                while pos < L.ffn_size:
-                    got = f.readinto(mv[pos:pos + (64 << 20)])
-                    if not got:
-                        raise SystemExit("bench/e2e.py: short read of ffn.bin")
-                    pos += got
-        elif a.mode == "dense-mmap":
-            self.B = np.memmap(L.ffn_path, np.uint8, mode="r")
-        elif a.mode == "layer-stream":
-            from storage.reader import aligned_empty
-            from storage.reader import BundleReader
-            self.reader = BundleReader(L)
-            self.buf = aligned_empty((max(L.n_neurons), L.stride), np.uint8)
-        elif a.mode.startswith("flash"):
-            self.setup_flash()
-        else:
-            raise SystemExit(f"unknown mode {a.mode}")
+    def build_ffn(self, ck, weights):
+        """The FFN function of this mode over the FLASHDIR's bundles."""
+        a, L = self.a, ck.layout
+        self.layout, self.cfg = L, ck.config
+        self.resident_bytes = sum(w.nbytes for w in weights.values())
+        if L.n_vec != 3 or L.biases:
+            raise SystemExit("bench/e2e.py: the dense modes support GLU bundles without biases")
         if a.record:
             self.active_rec = np.zeros((a.n_tokens, L.n_layers, max(L.n_neurons)), bool)
+        if a.mode.startswith("flash"):
+            inner = self.setup_flash()
+        elif a.mode == "layer-stream":
+            from storage.reader import BundleReader, aligned_empty
+            self.reader = BundleReader(L)
+            self.buf = aligned_empty((max(L.n_neurons), L.stride), np.uint8)
+            inner = self.dense = h.BundleFFN(L, self.stream, record=self.record if a.record else None)
+        elif a.mode in ("dense-ram", "dense-mmap"):
+            B = np.fromfile(L.ffn_path, np.uint8) if a.mode == "dense-ram" else np.memmap(L.ffn_path, np.uint8, "r")
+            inner = self.dense = h.BundleFFN(L, lambda i: h.region(B, L, i), record=self.record if a.record else None)
+        else:
+            raise SystemExit(f"unknown mode {a.mode}")
+
+        def ffn(layer, x):
+            t0 = time.perf_counter()
+            y = inner(layer, x)
+            self.ffn_s += time.perf_counter() - t0
+            return y
+        return ffn
+
+    def stream(self, layer):
+        """Layer `layer`'s whole FFN read with O_DIRECT into one buffer (AirLLM)."""
+        n = self.layout.n_neurons[layer]
+        ids = np.arange(n)
+        st = self.reader.read(layer, ids, self.buf[:n], ids)
+        self.read_s += st.io_s
+        self.flash_bytes += st.read_bytes
+        return self.buf[:n]
+
+    def record(self, layer, active):                 # the reference run records the oracle's sets
+        self.active_rec[self.t, layer, :active.size] = active
 
     def setup_flash(self):
         """The runtime's own FlashFFN (neuron cache, reader, overlapped reads, sparse kernel), fed replayed sets."""
         from flashinfer_lite.budget import plan_budget
-        from storage.errors import UserError
-        from flashinfer_lite.ffn.flash import FlashFFN
+        from flashinfer_lite.ffn.flash import FlashFFN, expected_max_active
         a, L = self.a, self.layout
         with np.load(a.active, allow_pickle=False) as z:
             n = int(z["n"])
             self.active = np.unpackbits(z["active"], axis=-1, count=n).astype(bool)   # [T, L, n] original ids
-            freq = z["freq"]                                                            # [L, n]
+            profile = TraceProfile(z["freq"])                                          # [L, n]
         if self.active.shape[0] < a.n_tokens or self.active.shape[1] < L.n_layers or n != max(L.n_neurons):
             raise SystemExit(f"bench/e2e.py: active sets {self.active.shape} do not cover {a.n_tokens} tokens x "
                              f"{L.n_layers} layers x {max(L.n_neurons)} neurons")
         self.active = self.active[:a.n_tokens, :L.n_layers]
-        # the window's per-token reservation as the runtime makes it (runtime.expected_max_active: twice the mean);
-        # a rarer, larger set is computed in window-sized pieces
-        counts = self.active.sum(axis=2)
-        max_active = int(min(counts.max(), 2 * counts.mean()))
+        max_active = expected_max_active(self.cfg, profile)      # the window's reservation, as the runtime makes it
         budget = int(a.budget)
-        try:
-            plan = plan_budget(self.cfg, L, budget, ctx=a.n_tokens, window=WINDOW, max_active=max_active,
-                               resident_bytes=self.resident_bytes, lookahead=a.mode.endswith("-lookahead"))
-        except UserError as e:
-            self.info["below_minimum"] = str(e)
-            raise BelowMinimum(str(e))
+        plan = plan_budget(self.cfg, L, budget, ctx=a.n_tokens, window=WINDOW, max_active=max_active,
+                           resident_bytes=self.resident_bytes, lookahead=a.mode.endswith("-lookahead"))
 
         def replay(layer, x):   # the recorded set of this token, whatever x is
             return self.active[self.t, layer][None, :L.n_neurons[layer]]
@@ -190,7 +120,7 @@ class Worker:
             return g[None, :]
 
         t0 = time.perf_counter()
-        self.flash = FlashFFN(self.cfg, L, plan, replay, TraceProfile(freq), overlap=not a.mode.endswith("-serial"),
+        self.flash = FlashFFN(self.cfg, L, plan, replay, profile, overlap=not a.mode.endswith("-serial"),
                               lookahead=guess if a.mode.endswith("-lookahead") else None)
         self.info.update(budget_bytes=budget, window_rows=plan.window_rows, overlap=self.flash.overlap,
                          hot_neurons=int(sum(len(self.flash.cache.hot(i)) for i in range(L.n_layers))),
@@ -199,24 +129,13 @@ class Worker:
                          coalesce_gap=self.flash.reader.coalesce_gap, plan=plan.table(),
                          lookahead={"recall": a.lookahead_recall, "precision": a.lookahead_precision}
                          if self.flash.lookahead else None)
+        return lambda layer, x: self.flash(layer, np.asarray(x, np.float32))
 
-    def ffn(self, layer, x):
-        t0 = time.perf_counter()
-        mode, L = self.a.mode, self.layout
-        self.layer = layer
-        if mode in ("dense-ram", "dense-mmap"):
-            y = self.dense(self.region(self.B, layer), x)
-        elif mode == "layer-stream":
-            n = L.n_neurons[layer]
-            ids = np.arange(n)
-            st = self.reader.read(layer, ids, self.buf[:n], ids)
-            self.read_s += st.io_s
-            self.flash_bytes += st.read_bytes
-            y = self.dense(self.buf[:n], x)
-        else:
-            y = self.flash(layer, np.asarray(x, np.float32))
-        self.ffn_s += time.perf_counter() - t0
-        return y
+    def warm_up_flash(self):
+        """Compile (or load from Numba's cache) the sparse kernel before the clock starts."""
+        L = self.layout
+        x = np.zeros(L.d, np.float32)
+        self.flash.kernel(np.zeros((2, L.stride), np.uint8), np.zeros(1, np.int32), x, np.empty(L.d, np.float32))
 
     # -- decode loop -------------------------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -225,7 +144,7 @@ class Worker:
         greedy = not a.ids
         kv = self.model.new_cache(a.n_tokens)
         step_ms, argmax = [], []
-        io0 = proc_read_bytes()
+        io0 = read_bytes()
         for t in range(a.n_tokens):
             self.t = t
             t0 = time.perf_counter()
@@ -235,17 +154,19 @@ class Worker:
             argmax.append(nxt)
             if greedy and t + 1 >= len(ids):
                 ids.append(nxt)
-        if flash := getattr(self, "flash", None):
-            s = flash.stats
-            self.read_s, self.lookup_s, self.compute_s = s.read_s, s.lookup_s, s.compute_s
-            self.predictor_s, self.io_s = s.predictor_s, s.io_s
-            self.flash_bytes, self.hits, self.misses = s.read_bytes, s.hits, s.misses
-        io_bytes = proc_read_bytes() - io0
+        hits = misses = 0
+        lookup_s = predictor_s = 0.0
+        comp_s = self.dense.compute_s if self.flash is None else self.flash.stats.compute_s
+        if self.flash:
+            s = self.flash.stats
+            self.read_s, lookup_s, predictor_s, self.io_s = s.read_s, s.lookup_s, s.predictor_s, s.io_s
+            self.flash_bytes, hits, misses = s.read_bytes, s.hits, s.misses
+        io_bytes = read_bytes() - io0
         ids = ids[:a.n_tokens]
         steady = step_ms[1:] if len(step_ms) > 1 else step_ms      # the first token pays cold caches
         total_s = sum(step_ms) / 1e3
         n = len(step_ms)
-        ffn_s, comp_s = self.ffn_s, self.compute_s
+        looked = hits + misses
         res = {"mode": a.mode, "tokens": n, "load_s": round(self.load_s, 3),
                "first_token_ms": round(step_ms[0], 2),
                "p50_ms": round(float(np.percentile(steady, 50)), 2),
@@ -254,19 +175,16 @@ class Worker:
                "flash_MB_per_token": round(io_bytes / n / 1e6, 2),
                "reader_MB_per_token": round(self.flash_bytes / n / 1e6, 2),
                "read_GBps": round(io_bytes / max(self.read_s if self.read_s else total_s, 1e-9) / 1e9, 3),
-               "hit_rate": round(self.hits / max(self.hits + self.misses, 1), 4) if self.hits + self.misses else None,
-               "active_per_token": round((self.hits + self.misses) / n / self.layout.n_layers, 1)
-               if self.hits + self.misses else None,
-               "time_split_s_per_token": {"ffn_total": round(ffn_s / n, 4), "ffn_compute": round(comp_s / n, 4),
+               "hit_rate": round(hits / looked, 4) if looked else None,
+               "active_per_token": round(looked / n / self.layout.n_layers, 1) if looked else None,
+               "time_split_s_per_token": {"ffn_total": round(self.ffn_s / n, 4), "ffn_compute": round(comp_s / n, 4),
                                           "flash_read_wait": round(self.read_s / n, 4),
                                           "flash_io_in_flight": round(self.io_s / n, 4),
-                                          "cache_bookkeeping": round(self.lookup_s / n, 4),
-                                          "predictor": round(self.predictor_s / n, 4),
-                                          "attention_and_rest": round((total_s - ffn_s) / n, 4)},
-               "resident_bytes": self.resident_bytes,
-               "peak_rss_bytes": peak_rss_bytes(),
-               "rss_end_bytes": _psutil_rss(), "argmax": argmax, "ids": [int(i) for i in ids],
-               "prompt_len": len(self.prompt_ids), **self.info}
+                                          "cache_bookkeeping": round(lookup_s / n, 4),
+                                          "predictor": round(predictor_s / n, 4),
+                                          "attention_and_rest": round((total_s - self.ffn_s) / n, 4)},
+               "resident_bytes": self.resident_bytes, "rss_end_bytes": rss_bytes(), "argmax": argmax,
+               "ids": [int(i) for i in ids], "prompt_len": len(self.prompt_ids), **self.info}
         if self.active_rec is not None:
             np.savez_compressed(a.record, active=np.packbits(self.active_rec, axis=-1),
                                 n=np.int64(self.active_rec.shape[2]),
@@ -275,13 +193,9 @@ class Worker:
         return res
 
 
-class BelowMinimum(Exception):
-    pass
-
-
 class TraceProfile:
-    """What FlashFFN asks of a PredictorSet, from a replayed trace: the neuron frequencies [L, n] that choose the hot
-    neurons; no magnitude threshold (the replayed sets are exact)."""
+    """What FlashFFN (and runtime.expected_max_active) ask of a PredictorSet, from a replayed trace: the neuron
+    frequencies [L, n] that choose the hot neurons; no magnitude threshold (the replayed sets are exact)."""
 
     def __init__(self, freq: np.ndarray):
         self.freq = freq
@@ -293,40 +207,17 @@ class TraceProfile:
         return 0.0
 
 
-def peak_rss_bytes() -> int:
-    from flashinfer_lite.budget import peak_rss_bytes as vm_hwm   # VmHWM: ru_maxrss inherits the parent's peak
-    return vm_hwm()
-
-
-def _psutil_rss() -> int:
-    import psutil
-    return psutil.Process().memory_info().rss
-
-
-def worker_main(a) -> int:
-    if a.mode.startswith("llama.cpp"):
-        res = llama_worker(a)
-    else:
-        try:
-            res = Worker(a).run()
-        except BelowMinimum as e:
-            res = {"mode": a.mode, "below_minimum": str(e), "budget_bytes": int(a.budget)}
-    Path(a.out).write_text(json.dumps(res))
-    return 0
-
-
 def llama_worker(a) -> dict:
     """llama.cpp itself, mmap'ing the GGUF: the reference's prompt in one batch, then --n-tokens greedy steps of its own
     (GGUF's llama computes SwiGLU, not FATReLU, so its tokens are its own; the bytes it reads per token are not).
     Imports neither numba nor the runtime: the cgroup charges only what llama.cpp itself holds."""
-    from bench.vs_llama_cpp import measure_llama, peak_rss
     ids = [int(i) for i in np.load(a.ids)][:a.prompt_len]
-    r = measure_llama({"gguf": a.gguf, "prompt_ids": ids, "n_gen": a.n_tokens + 1, "ctx": len(ids) + a.n_tokens + 2,
-                       "threads": a.threads, "llama_extra_bufts": False})
+    r = h.measure_llama({"gguf": a.gguf, "prompt_ids": ids, "n_gen": a.n_tokens + 1,
+                         "ctx": len(ids) + a.n_tokens + 2, "threads": a.threads, "llama_extra_bufts": False})
     return {"mode": a.mode, "engine": "llama.cpp", "tokens": r["decode_steps"], "load_s": r["load_s"],
             "prompt_ms_per_token": r["prompt_ms_per_token"], "p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"],
             "tokens_per_s": r["tokens_per_s"], "flash_MB_per_token": r["decode_MB_per_token"],
-            "hit_rate": None, "resident_bytes": None, "peak_rss_bytes": peak_rss(), "argmax": r["gen_tokens"][1:],
+            "hit_rate": None, "resident_bytes": None, "argmax": r["gen_tokens"][1:],
             "gguf": a.gguf, "gguf_bytes": os.path.getsize(a.gguf), "llama_cpp": r["llama_cpp"],
             "system_info": r["system_info"]}
 
@@ -366,46 +257,26 @@ def flash_gbps(ffn_path: Path, chunks: list[int], seconds: float) -> dict[int, f
 
 def run_mode(a, m: dict, mode: str, cap: int | None, work: Path, extra: list[str]) -> dict:
     """One row: `mode` on model m (a FLASHDIR, or its GGUF for llama.cpp) as a worker under tools/memcap.py."""
-    name = f"{m['tag']}-{mode}"
-    out = work / f"{name}.json"
-    capjson = work / f"{name}.memcap.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", mode, "-m", str(m["path"]), "--out", str(out),
-           "--lookahead-recall", str(a.lookahead_recall), "--lookahead-precision", str(a.lookahead_precision),
-           "--threads", str(a.threads), *extra]
-    limit = str(cap) if cap else str(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    full = [sys.executable, str(MEMCAP), "--limit", limit, "--drop-caches", "--json", str(capjson), "--", *cmd]
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    if mode.startswith("llama.cpp") and a.llama_omp == "passive":
-        env["OMP_WAIT_POLICY"] = "passive"
-    t0 = time.perf_counter()
-    p = subprocess.run(full, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    res = json.loads(out.read_text()) if out.exists() else {"mode": mode, "error": p.stderr.strip()[-2000:]}
-    if capjson.exists():
-        res["memcap"] = json.loads(capjson.read_text())
-    elif p.returncode == 3:
-        res["memcap"] = {"unavailable": p.stderr.strip()}
-    res.update(model=m["tag"], cap_bytes=cap, wall_s=round(time.perf_counter() - t0, 1), loadavg=os.getloadavg())
-    if p.returncode and "error" not in res:
-        res["error"] = f"exit {p.returncode}: {p.stderr.strip()[-1000:]}"
-    print(f"  {name}: {res.get('p50_ms', res.get('below_minimum', res.get('error', '?')))} ({res['wall_s']} s)",
-          file=sys.stderr)
-    return res
+    env = {"OMP_WAIT_POLICY": "passive"} if mode.startswith("llama.cpp") and a.llama_omp == "passive" else None
+    r = h.run_row(__file__, mode, f"{m['tag']}-{mode}", cap, work,
+                  ["-m", m["path"], "--lookahead-recall", a.lookahead_recall, "--lookahead-precision",
+                   a.lookahead_precision, "--threads", a.threads, *extra], env)
+    return dict(r, model=m["tag"])
 
 
 def prepare_quick(work: Path, dtypes: list[str], gguf: bool) -> tuple[list[Path], list[Path], Path]:
     """Tiny generated model converted to a FLASHDIR per dtype (and, for llama.cpp, written as GGUF of the same
     dtypes), and a stories260K trace mapped onto it."""
     from storage.convert import convert
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=str(h.REPO))
     hf, trace = work / "quick-hf", work / "quick-trace.npz"
-    subprocess.run([sys.executable, str(REPO / "tools" / "make_large_model.py"), str(hf), "--layers", "2", "--dim",
+    subprocess.run([sys.executable, str(h.REPO / "tools" / "make_large_model.py"), str(hf), "--layers", "2", "--dim",
                     "128", "--ffn", "2048", "--heads", "2", "--check-tokens", "0", "--force",
                     *(["--gguf", ",".join(dtypes)] if gguf else [])],
                    env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     flash = [convert(hf, work / f"quick-{d}.flash", dtype=d, force=True, progress=False) for d in dtypes]
-    stories = REPO / "tests" / "data" / "stories260K"
-    subprocess.run([sys.executable, str(REPO / "tools" / "record_trace.py"), "-o", str(trace), "--model",
-                    str(stories), "--layers", "2", "--ffn", "2048", "--cal-tokens", "256", "--tokens", "32"],
+    subprocess.run([sys.executable, str(h.REPO / "tools" / "record_trace.py"), "-o", str(trace), "--model",
+                    str(h.STORIES), "--layers", "2", "--ffn", "2048", "--cal-tokens", "256", "--tokens", "32"],
                    env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return flash, [hf / f"model.{d}.gguf" for d in dtypes] if gguf else [], trace
 
@@ -469,11 +340,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bw-seconds", type=float, default=1.0, help="seconds per flash bandwidth cell")
     ap.add_argument("--quick", action="store_true", help="tiny generated model, < 1 minute (smoke test)")
     ap.add_argument("--quick-dtypes", default="f16", help="--quick: convert the tiny model to these dtypes")
-    ap.add_argument("--keep", type=Path, help="keep worker outputs in this directory")
-    ap.add_argument("--md", type=Path, help="also write the markdown table here")
-    # worker side
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
+    h.add_arguments(ap)
     ap.add_argument("--ids", help=argparse.SUPPRESS)
     ap.add_argument("--prompt-len", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--n-tokens", type=int, help=argparse.SUPPRESS)
@@ -484,12 +351,12 @@ def main(argv=None) -> int:
     if a.worker:
         a.mode, a.flashdir = a.worker, a.model[0]
         a.gguf = str(a.model[0])
-        return worker_main(a)
+        return h.worker(a.out, a.mode, lambda: llama_worker(a) if a.mode.startswith("llama.cpp") else
+                        Worker(a).run())
 
     from storage.flash_bench import parse_size
     t_start = time.perf_counter()
-    work = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="e2e-", dir="/tmp"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = h.work_dir(a, "e2e-")
     modes = a.modes.split(",")
     unknown = set(modes) - {"dense-ram", "dense-mmap", "layer-stream", "flash", "llama.cpp"}
     if unknown:
@@ -505,9 +372,7 @@ def main(argv=None) -> int:
     if "llama.cpp" in modes and len(a.gguf) != len(a.model):
         ap.error("the llama.cpp mode needs one --gguf per FLASHDIR, in the same order")
     cap = parse_size(a.cap)
-    machine = {"cpus": os.cpu_count(), "load_avg_start": os.getloadavg(),
-               "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-               "dram_GBps": round(dram_gbps(256 << 20 if a.quick else 1 << 30), 2)}
+    machine = dict(h.machine(), dram_GBps=round(dram_gbps(256 << 20 if a.quick else 1 << 30), 2))
     models = []
     for i, path in enumerate(a.model):
         models.append(describe(path, a.gguf[i] if a.gguf else None, [m["tag"] for m in models], a.bw_seconds))
@@ -535,13 +400,12 @@ def main(argv=None) -> int:
             same = np.array(r["argmax"]) == np.array(ref["argmax"][:k])
             r["argmax_agree_with_dense"] = round(float(np.mean(same)), 4)
         floors(r, m, machine)
-    machine["load_avg_end"] = os.getloadavg()
     doc = {"models": [{k: v for k, v in m.items() if k not in ("layout", "bw")} for m in models], "cap_bytes": cap,
            "reference": a.reference, "machine": machine, "results": results, "speedups": speedups(results),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "seconds": round(time.perf_counter() - t_start, 1),
-           "command": " ".join(["python", "bench/e2e.py", *(argv if argv is not None else sys.argv[1:])])}
-    return emit(doc, markdown(doc), a.md, None if a.keep else work)
+           "command": h.command("e2e.py", argv)}
+    return h.emit(doc, markdown, a.md, None if a.keep else work)
 
 
 def run_round(a, m: dict, modes: list[str], cap: int, work: Path, variants: bool = True) -> list[dict] | None:
@@ -551,7 +415,7 @@ def run_round(a, m: dict, modes: list[str], cap: int, work: Path, variants: bool
     r = run_mode(a, m, a.reference, None, work, ["--n-tokens", str(a.tokens), "--record", str(oracle)])
     results = [r]
     if "ids" not in r:
-        print(json.dumps({"error": f"{a.reference} failed", "result": r}))
+        print(f"e2e: the reference {a.reference} failed: {h.failed(r)}", file=sys.stderr)
         return None
     np.save(ids_file, np.asarray(r["ids"], np.int64))
     fed, prompt_len = ["--ids", str(ids_file)], r["prompt_len"]
@@ -626,10 +490,6 @@ def floors(r: dict, m: dict, machine: dict) -> None:
     r["p50_over_floor"] = round(r["p50_ms"] / r["floor_ms"], 2) if r["floor_ms"] else None
 
 
-def _fmt(v, nd=1):
-    return "-" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
-
-
 def markdown(doc: dict) -> str:
     m, mib = doc["machine"], 2**20
     lines = []
@@ -643,44 +503,38 @@ def markdown(doc: dict) -> str:
                                  f"{x['flash_GBps_end'][k]})" for k, v in x["flash_GBps"].items())
                      + (f"; GGUF {Path(x['gguf']).name} {x['gguf_bytes'] / 2**30:.2f} GiB" if x["gguf"] else ""))
     lines += [f"{doc['date']}; {m['cpus']} CPUs, DRAM {m['dram_GBps']} GB/s; load avg {m['load_avg_start'][0]:.1f} -> "
-              f"{m['load_avg_end'][0]:.1f}; reference {doc['reference']}",
-              "",
-              "| round | model | mode | cap GiB | tokens | load s | ms/tok P50 | P99 | flash MB/tok | read GB/s "
-              "| hit rate | resident MiB | peak RSS MiB | memcap peak MiB | floor flash ms | floor DRAM ms | floor ms "
-              "| P50 / floor | argmax = ref | load avg |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              f"{m['load_avg_end'][0]:.1f}; reference {doc['reference']}", ""]
+    f, rows, split = h.fmt, [], []
     for r in doc["results"]:
-        cap = "uncapped" if r.get("cap_bytes") is None else f"{r['cap_bytes'] / 2**30:.2f}"
-        head = f"| {r['round']} | {r['model']} | {r['mode']} | {cap} |"
+        head = [r["round"], r["model"], r["mode"],
+                "uncapped" if r.get("cap_bytes") is None else f"{r['cap_bytes'] / 2**30:.2f}"]
         if "tokens" not in r:
-            why = r.get("below_minimum") or r.get("error", "?")
-            lines.append(f"{head} {why.splitlines()[0][:300]} |" + " |" * 15)
+            rows.append(head + [h.failed(r)] + [""] * 15)
             continue
-        mc = r.get("memcap", {})
-        res = r.get("resident_bytes")
-        lines.append(
-            f"{head} {r['tokens']} | {_fmt(r['load_s'])} | {_fmt(r['p50_ms'])} | {_fmt(r['p99_ms'])} | "
-            f"{_fmt(r['flash_MB_per_token'])} | {_fmt(r.get('read_GBps'), 3)} | {_fmt(r['hit_rate'], 3)} | "
-            f"{_fmt(res and res / mib, 0)} | {r['peak_rss_bytes'] / mib:.0f} | "
-            f"{_fmt(mc.get('peak_bytes', 0) / mib, 0)}{' OOM' if mc.get('oom_kills') else ''} | "
-            f"{_fmt(r.get('floor_flash_ms'))} | {_fmt(r.get('floor_dram_ms'))} | {_fmt(r.get('floor_ms'))} | "
-            f"{_fmt(r.get('p50_over_floor'), 2)} | {_fmt(r.get('argmax_agree_with_dense'), 2)} | "
-            f"{r['loadavg'][0]:.1f} |")
-    lines += ["", "| round | model | mode | s/token: FFN compute | flash read wait | reads in flight | "
-              "cache bookkeeping | predictor | attention + rest |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in doc["results"]:
+        mc, res = r.get("memcap", {}), r.get("resident_bytes")
+        rows.append(head + [r["tokens"], f(r["load_s"]), f(r["p50_ms"]), f(r["p99_ms"]), f(r["flash_MB_per_token"]),
+                            f(r.get("read_GBps"), 3), f(r["hit_rate"], 3), f(res and res / mib, 0),
+                            f"{r['peak_rss_bytes'] / mib:.0f}",
+                            f"{f(mc.get('peak_bytes', 0) / mib, 0)}{' OOM' if mc.get('oom_kills') else ''}",
+                            f(r.get("floor_flash_ms")), f(r.get("floor_dram_ms")), f(r.get("floor_ms")),
+                            f(r.get("p50_over_floor"), 2), f(r.get("argmax_agree_with_dense"), 2),
+                            f"{r['loadavg'][0]:.1f}"])
         if "time_split_s_per_token" in r:
             t = r["time_split_s_per_token"]
-            lines.append(f"| {r['round']} | {r['model']} | {r['mode']} | {t['ffn_compute']:.3f} | "
-                         f"{t['flash_read_wait']:.3f} | {t.get('flash_io_in_flight', 0):.3f} | "
-                         f"{t['cache_bookkeeping']:.3f} | {t['predictor']:.3f} | {t['attention_and_rest']:.3f} |")
+            split.append(head[:3] + [f"{t[k]:.3f}" for k in ("ffn_compute", "flash_read_wait", "flash_io_in_flight",
+                                                               "cache_bookkeeping", "predictor", "attention_and_rest")])
+    lines += h.table(["round", "model", "mode", "cap GiB", "tokens", "load s", "ms/tok P50", "P99", "flash MB/tok",
+                      "read GB/s", "hit rate", "resident MiB", "peak RSS MiB", "memcap peak MiB", "floor flash ms",
+                      "floor DRAM ms", "floor ms", "P50 / floor", "argmax = ref", "load avg"], rows)
+    lines += [""] + h.table(["round", "model", "mode", "s/token: FFN compute", "flash read wait", "reads in flight",
+                             "cache bookkeeping", "predictor", "attention + rest"], split)
     if doc["speedups"]:
-        lines += ["", "| round | model | flash row | cap GiB | P50 speed-up vs llama.cpp (same cap) | vs dense-mmap | "
-                  "vs layer-stream | vs dense-ram |", "|---|---|---|---|---|---|---|---|"]
-        for x in doc["speedups"]:
-            lines.append(f"| {x['round']} | {x['model']} | {x['mode']} | {x['cap_bytes'] / 2**30:.2f} | "
-                         f"{_fmt(x.get('vs_llama.cpp'), 2)} | {_fmt(x.get('vs_dense-mmap'), 2)} | "
-                         f"{_fmt(x.get('vs_layer-stream'), 2)} | {_fmt(x.get('vs_dense-ram'), 2)} |")
+        lines += [""] + h.table(
+            ["round", "model", "flash row", "cap GiB", "P50 speed-up vs llama.cpp (same cap)", "vs dense-mmap",
+             "vs layer-stream", "vs dense-ram"],
+            [[x["round"], x["model"], x["mode"], f"{x['cap_bytes'] / 2**30:.2f}",
+              *(f(x.get(f"vs_{b}"), 2) for b in ("llama.cpp", "dense-mmap", "layer-stream", "dense-ram"))]
+             for x in doc["speedups"]])
     return "\n".join(lines)
 
 

@@ -4,57 +4,34 @@
     PYTHONPATH=. python bench/lookahead.py -m FLASHDIR [--cal-acts ACTS] [--eval-tokens 3000] [--md FILE]
     PYTHONPATH=. python bench/lookahead.py --quick      # stories260K built on the fly, < 1 minute (smoke test)
 
-Today layer j's neuron ids are known only once its own FFN input exists (after attention j), so every missing
-bundle is read on the critical path. A lookahead predictor guesses layer j's set one layer earlier, so its reads can
-be in flight during layer j-1's FFN and layer j's attention. Per layer j >= 1, on held-out text:
-
-  same     layer j's predictor on layer j's true FFN input x_j (today's path)
-  naive    layer j's predictor on the residual stream after layer j-1's attention, normed with layer j's ffn_norm:
-           the earliest point at which reads can be issued a layer ahead (the moment layer j-1's own reads are).
-           With RMS norm, x_{j-1} = rms(h) * w_{j-1}, so that input is exactly x_{j-1} * w_j / w_{j-1}.
-  trained  a low-rank predictor trained on x_{j-1} to tell |a_j| > t_j (Deja Vu's lookahead), with the same
-           machinery as `train-predictor` (predictors.train.train_layer: balanced BCE, cut tuned to the same target
-           recall on held-out calibration rows, rank doubled when it misses), on the calibration ACTS.
-
-Recall, mass recall (share of sum |a| of the truly active covered) and precision are predictors.train.metrics.
-
-Bytes (bundle stride from the FLASHDIR manifest), per token, through a NeuronCache with the sliding window
-(capacity = the whole layer, no hot region unless --hot runtime, a counting reader; the cache runs continuously over
-the eval tokens, bytes are counted from token --warmup (default: the window) on, once the window has filled):
-  today    every exact-predicted neuron not resident is read on the critical path;
-  hybrid   the lookahead's neurons not resident are prefetched a layer ahead; the exact predictor then runs as today,
-           and what it selects that is neither resident nor prefetched is read on the critical path. The FFN
-           computes on the exact set, so its output equals today's. wasted = prefetched but not in the exact set
-           (they stay in the window, so later tokens may hit them: the simulation counts that).
---sparsity S measures another operating point: thresholds from the calibration histograms, and layer j's own
-predictor retrained for it next to the lookahead. --load-lookahead reuses a --save-lookahead file (vary --window
-without retraining).
-Layer 0 has no predictor (dense): its neurons are all in the window after the first token, it reads nothing and is
-left out. Prints one JSON document (stdout) and markdown tables (stderr, and --md FILE). No timings: bytes only.
+Per layer j >= 1 on held-out text, three predictors of layer j's active set (same: layer j's predictor on x_j, today's
+path; naive: the same predictor on the residual after attention j-1, normed with layer j's ffn_norm; trained: a
+low-rank predictor on x_{j-1}, predictors.train.train_layer on the calibration ACTS), their recall, mass recall and
+precision (predictors.train.metrics), and the bytes per token a NeuronCache with the sliding window reads on and off
+the critical path (today, and the hybrid that prefetches the lookahead's misses a layer early). bench/README.md,
+"Lookahead predictor", defines each measure. --sparsity S measures another operating point (predictors retrained);
+--load-lookahead reuses a --save-lookahead file (vary --window without retraining). Layer 0 (dense) is left out.
+Prints one JSON document (stdout) and markdown tables (stderr, and --md FILE). No timings: bytes only.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import harness as h
 
 from storage.errors import UserError  # noqa: E402
 
-CORPUS = REPO / "tests" / "data" / "corpus"
+REPO, CORPUS = h.REPO, h.CORPUS
 CAL_CORPUS = [CORPUS / "wikitext2_valid.txt", CORPUS / "tinystories_cased_197KB.txt"]
 EVAL_CORPUS = [CORPUS / "wikitext2_test.txt"]
-STORIES = REPO / "tests" / "data" / "stories260K"
 KINDS = ("same", "naive", "trained")
 AHEAD = ("naive", "trained")
 HYBRIDS = ("naive", "trained", "naive_drop", "trained_drop")
@@ -144,15 +121,10 @@ class LayerRows:
 
 def prepare_quick(work: Path) -> tuple[Path, Path]:
     """stories260K as an f32 FLASHDIR with predictors trained on calibration text, and its ACTS."""
-    from predictors.collect import collect
-    from predictors.train import train
-    from storage.convert import convert
-    if not STORIES.exists():
-        raise UserError(f"--quick needs {STORIES}")
-    flash = convert(STORIES, work / "flash", dtype="f32", force=True, progress=False)
-    acts = collect(STORIES, CAL_CORPUS, 3000, work / "acts", rows=1500, force=True, progress=False)
-    train(acts, flash, target_recall=0.9, sparsity=0.5, steps=100, progress=False)
-    return flash, acts
+    if not h.STORIES.exists():
+        raise UserError(f"--quick needs {h.STORIES}")
+    return h.trained_flashdir(h.STORIES, work, "f32", CAL_CORPUS, 3000, dict(rows=1500), target_recall=0.9,
+                              sparsity=0.5, steps=100)
 
 
 def measure(a, flash: Path, work: Path) -> dict:
@@ -172,8 +144,7 @@ def measure(a, flash: Path, work: Path) -> dict:
     L, d, stride = cfg.n_layers, cfg.dim, layout.stride
     if a.hot == "runtime":
         # the neuron cache as the runtime builds it by default (hot region + window rows from its budget plan)
-        from flashinfer_lite.runtime import load_runtime
-        rt = load_runtime(flash, ffn="predicted", window=a.window, verify=False)[2]
+        rt = h.load_model(flash, "predicted", window=a.window, verify=False)[2]
         hot, capacity = [np.asarray(rt.cache.hot(i)) for i in range(L)], rt.plan.window_rows
         del rt
     else:
@@ -405,12 +376,10 @@ def main(argv=None) -> int:
     ap.add_argument("--save-lookahead", type=Path, help="write the trained lookahead weights (safetensors: "
                     "layers.{j}.w_in/w_out/bias, j = the layer predicted, input x_{j-1}, cut folded into bias)")
     ap.add_argument("--quick", action="store_true", help="small sizes (stories260K unless -m), < 1 minute")
-    ap.add_argument("--keep", type=Path, help="work directory to keep (the quick model, ACTS)")
-    ap.add_argument("--md", type=Path, help="also write the markdown tables here")
+    h.add_arguments(ap)
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
-    work = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="lookahead-", dir="/tmp"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = h.work_dir(a, "lookahead-")
     try:
         if a.quick:
             a.cal_tokens, a.cal_rows, a.eval_tokens, a.steps, a.no_rank_growth = 3000, 1500, 400, 100, True
@@ -421,19 +390,14 @@ def main(argv=None) -> int:
         doc = measure(a, a.model, work)
         summarise(doc)
         doc["seconds"] = round(time.perf_counter() - t0, 1)
-        doc["command"] = " ".join(["python", "bench/lookahead.py", *(argv if argv is not None else sys.argv[1:])])
-        md = markdown(doc)
-        print(json.dumps(doc, indent=1))
-        print(md, file=sys.stderr)
-        if a.md:
-            a.md.write_text(md + "\n")
+        doc["command"] = h.command("lookahead.py", argv)
+        return h.emit(doc, markdown, a.md, None)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)
-    return 0
 
 
 if __name__ == "__main__":

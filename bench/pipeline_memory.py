@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -27,11 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import harness as h
+
 from storage.files import disk_bytes  # noqa: E402
 
-CORPUS = REPO / "tests" / "data" / "corpus"
+REPO, CORPUS = h.REPO, h.CORPUS
 CLI = [sys.executable, "-m", "flashinfer_lite"]
 STAGES = ("convert", "collect", "train-predictor", "eval", "generate")
 
@@ -71,7 +70,7 @@ def measure(work: Path, layers: int, shape: list[str], tokens: int) -> dict:
            "--temp", "0", "--json", "--dram-budget"]
     # the smallest budget the runtime accepts (its one-line refusal names it) plus a quarter of the FFN
     refusal = subprocess.run([*gen, "1M"], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
-    minimum = float(re.search(r"below the minimum ([\d.]+) MiB", refusal.stderr).group(1))
+    minimum = float(h.MINIMUM_RE.search(refusal.stderr).group(1))
     budget = int(minimum * 2**20) + (flash / "ffn.bin").stat().st_size // 4
     row["generate"] = peak_of([*gen, str(budget)])
     g = json.loads(row["generate"].pop("stdout").strip().splitlines()[-1])
@@ -87,13 +86,10 @@ def measure(work: Path, layers: int, shape: list[str], tokens: int) -> dict:
 def markdown(rows: list[dict]) -> str:
     """Peak MiB (seconds) per stage; generate's budget grows with the model (it is the runtime's minimum, which
     holds the resident weights, plus a quarter of ffn.bin), so its peak is shown next to that budget."""
-    head = "| layers | files GiB | " + " | ".join(f"{s} peak MiB (s)" for s in STAGES) + " | generate budget MiB |"
-    lines = [head, "|" + "---|" * (3 + len(STAGES))]
-    for r in rows:
-        cells = [f"{r[s]['peak_mib']:.0f} ({r[s]['seconds']:.0f})" for s in STAGES]
-        lines.append(f"| {r['layers']} | {r['hf_bytes'] / 2**30:.2f} | " + " | ".join(cells)
-                     + f" | {r['generate']['budget_mib']:.0f} |")
-    return "\n".join(lines)
+    return "\n".join(h.table(["layers", "files GiB", *(f"{s} peak MiB (s)" for s in STAGES), "generate budget MiB"],
+                             [[r["layers"], f"{r['hf_bytes'] / 2**30:.2f}",
+                               *(f"{r[s]['peak_mib']:.0f} ({r[s]['seconds']:.0f})" for s in STAGES),
+                               f"{r['generate']['budget_mib']:.0f}"] for r in rows]))
 
 
 def main(argv=None) -> int:
@@ -114,13 +110,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     rows = [measure(work, int(n), shape, a.tokens) for n in a.layers.split(",")]
     doc = {"shape": shape, "tokens": a.tokens, "load_avg": os.getloadavg(), "rows": rows,
-           "seconds": round(time.perf_counter() - t0, 1),
-           "command": " ".join(["python", "bench/pipeline_memory.py", *(argv if argv is not None else sys.argv[1:])])}
-    if a.quick:
-        shutil.rmtree(work, ignore_errors=True)
-    print(json.dumps(doc, indent=1))
-    print(markdown(rows), file=sys.stderr)
-    return 0
+           "seconds": round(time.perf_counter() - t0, 1), "command": h.command("pipeline_memory.py", argv)}
+    return h.emit(doc, lambda d: markdown(d["rows"]), None, work if a.quick else None)
 
 
 if __name__ == "__main__":

@@ -31,14 +31,14 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import harness as h
 
 from storage.sizes import parse_size  # noqa: E402
 from storage.flash_bench import drop_caches, measure, synthetic_layout, write_scratch  # noqa: E402
 from storage.format import REGION_ALIGN, FlashLayout, align_up  # noqa: E402
 from storage.reader import BundleReader, aligned_empty  # noqa: E402
 
+ROOT = h.REPO
 DIM, FFN = 4096, 11008      # Llama-2-7B
 STRIDES = {name: FlashLayout.create(DIM, [FFN], dtype, True, down_dtype=down).stride
            for name, dtype, down in (("f16", "f16", None), ("q4_0", "q4_0", None), ("q4_0+q8_0down", "q4_0", "q8_0"))}
@@ -286,8 +286,7 @@ def record(model: Path | None, corpus: Path, n_cal: int, n_eval: int, out: Path)
     from record_trace import record_abs_activations, text_tokens
 
     from flashinfer_lite.default_model import ensure_default_model
-    from flashinfer_lite.loader import load_reference
-    m, tok = load_reference(model or ensure_default_model())
+    m, tok, _ = h.load_model(model or ensure_default_model(), "float32")
     for path, text, n in zip(paths, ("wikitext2_valid.txt", "wikitext2_test.txt"), (n_cal, n_eval)):
         np.save(path, record_abs_activations(m, text_tokens(tok, corpus / text, n)))
     return paths

@@ -33,8 +33,9 @@ import time
 
 import numpy as np
 
+import harness as h
+
 from flashinfer_lite.predictor_set import load_predictors
-from flashinfer_lite.runtime import load_runtime
 from predictors.acts import read_corpus
 from predictors.collect import token_segments
 from predictors.first_use import builtin_text
@@ -63,7 +64,7 @@ def main(argv=None) -> int:
     ap.add_argument("--calibration-tokens", type=int, default=2048)
     a = ap.parse_args(argv)
 
-    model, tok, _ = load_runtime(a.model, "dense")
+    model, tok, _ = h.load_model(a.model, "dense")
     cfg = model.cfg
     if not cfg.glu or cfg.act != "silu":
         raise SystemExit("predictor_levers.py measures SwiGLU models")

@@ -1,8 +1,8 @@
-"""Quantized kernels (flashinfer_lite/quant.py) against float16 on Llama-7B shapes (or --rows / --cols), as JSON.
+"""The FFN and GEMV kernels on Llama-7B shapes (or --rows / --cols), every weight format, as JSON.
 
 gemv: one decode GEMV (T = 1) over an [11008, 4096] matrix: kernels.matmul_t on float16 against quant_matmul_t on
 q8_0 / q4_0 / q4_1. sparse_ffn: one token's sparse FFN of a 7B layer (d 4096, 11008 neurons, --frac active, GLU
-ReLU, every chosen neuron computed in full: threshold -inf), kernels.SparseFFN on f16 bundles against
+ReLU, every chosen neuron computed in full: threshold -inf), kernels.SparseFFN on f16 and int8 bundles against
 QuantSparseFFN on q8_0 / q4_0 bundles.
 
 Weights come from DRAM: every call reads another copy of the matrix (or layer) from a pool of at least --pool-mb
@@ -75,7 +75,7 @@ def bench_sparse_ffn(rng, calls: int, pool_mb: int, frac: float, threads: list[i
     y = np.zeros(D, np.float32)
     sets = [np.sort(rng.choice(N, k, replace=False)).astype(np.int32) for _ in range(16)]
     out = []
-    for fmt in ("f16", "q8_0", "q4_0"):
+    for fmt in ("f16", "int8", "q8_0", "q4_0"):
         layout = FlashLayout.create(D, [len(vecs)], fmt, glu=True)
         layer = pack_bundles(layout, vecs)
         make = lambda: sparse_ffn(layout, act="relu", relu_threshold=-np.inf, max_active=k)  # noqa: E731
@@ -104,11 +104,11 @@ def main() -> None:
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     threads = sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)})
-    N, D = args.rows, args.cols
-    res = {"shape": {"gemv": [N, D], "ffn": {"d": D, "n": N, "frac": args.frac}},
+    n, d = args.rows, args.cols          # not N, D: assigning those here made the defaults above unreadable
+    res = {"shape": {"gemv": [n, d], "ffn": {"d": d, "n": n, "frac": args.frac}},
            "loadavg_1m_start": os.getloadavg()[0],
-           "gemv": bench_gemv(rng, args.calls, args.pool_mb, threads, N, D),
-           "sparse_ffn": bench_sparse_ffn(rng, args.calls, args.pool_mb, args.frac, threads, N, D),
+           "gemv": bench_gemv(rng, args.calls, args.pool_mb, threads, n, d),
+           "sparse_ffn": bench_sparse_ffn(rng, args.calls, args.pool_mb, args.frac, threads, n, d),
            "loadavg_1m_end": os.getloadavg()[0]}
     print(json.dumps(res, indent=1))
 

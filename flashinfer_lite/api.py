@@ -10,8 +10,8 @@ from typing import Iterator
 
 from storage.tokenizer import StreamDecoder, Tokenizer, check_utf8
 
-from .budget import peak_rss_bytes
 from .generate import Sampler, Session, Timings, prompt_ids
+from .process import peak_rss_bytes
 from .runtime import Model, load  # noqa: F401  (the library's entry: flashinfer_lite.load)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 from storage.errors import UserError
-from .generate import ContextFull, Session, add_model_arguments, open_model, sampler_from
+from .generate import ContextFull, Session, add_model_arguments, check_arguments, open_model, sampler_from
 from storage.tokenizer import StreamDecoder, check_utf8
 
 HELP = "/exit quits, /reset forgets the conversation, /stats shows timings; Ctrl-C stops an answer, Ctrl-D exits"
@@ -32,10 +32,15 @@ def print_stats(session: Session, runtime) -> None:
 
 
 def run(args) -> int:
+    check_arguments(args)
+    if sys.stdin is None:                      # started with stdin closed (`<&-`)
+        raise UserError("chat reads the conversation from standard input, which is closed")
     model, tokenizer = open_model(args)
     runtime = model.runtime
     if not tokenizer.chat_template:
         raise UserError("this model has no chat template; use `flashinfer-lite generate` for plain text")
+    # A template that fails to render (it comes from the model file) is one line now, not an error at every turn.
+    tokenizer.apply_chat_template([{"role": "user", "content": "hello"}])
     session = Session(model.transformer, tokenizer, model.ctx)
     session.timings.load_ms = model.load_ms
     sampler = sampler_from(args)

@@ -7,7 +7,7 @@ import os
 import sys
 
 from . import __version__
-from storage.errors import Reported, UserError
+from storage.errors import Reported, UserError, os_error_line
 
 # name -> (module, help). Modules are imported only for the command that runs, so `generate` never pays for torch.
 COMMANDS = {
@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `| head` closed the pipe: not an error worth a traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as e:     # a full disk (ENOSPC), a read-only one (EROFS): every writer removed its temp files
+        print(f"error: {os_error_line(e)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

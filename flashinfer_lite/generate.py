@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -12,8 +13,8 @@ from storage.config import DEFAULT_MAX_CTX
 from storage.errors import UserError
 from storage.tokenizer import StreamDecoder, Tokenizer, check_utf8
 
-from .budget import peak_rss_bytes, rss_bytes
 from .model import Transformer
+from .process import peak_rss_bytes, rss_bytes
 from .runtime import FFN_MODES, load
 
 
@@ -244,6 +245,25 @@ def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object (tokens, text, timings) instead of text")
 
 
+def check_arguments(args) -> None:
+    """Every number flag in its range, as one line before anything loads (argparse checks only the type: -t -1,
+    --min-p 5, --repeat-penalty 0 or --temp nan would crash or sample garbage later)."""
+    def need(ok: bool, flag: str, value, rule: str) -> None:
+        if not ok:
+            raise UserError(f"{flag} {value} is out of range: {rule}")
+    finite = math.isfinite
+    need(args.threads is None or args.threads >= 1, "-t", args.threads, "at least 1 thread")
+    need(finite(args.temp) and args.temp >= 0, "--temp", args.temp, "a number >= 0 (0 = greedy)")
+    need(args.top_k >= 0, "--top-k", args.top_k, ">= 0 (0 = off)")
+    need(finite(args.top_p) and 0 <= args.top_p <= 1, "--top-p", args.top_p, "between 0 and 1")
+    need(finite(args.min_p) and 0 <= args.min_p <= 1, "--min-p", args.min_p, "between 0 and 1 (0 = off)")
+    need(finite(args.repeat_penalty) and args.repeat_penalty > 0, "--repeat-penalty", args.repeat_penalty,
+         "a number > 0 (1 = off)")
+    need(args.repeat_last_n >= -1, "--repeat-last-n", args.repeat_last_n, ">= -1 (-1 = the whole context)")
+    need(args.n_predict >= -1, "-n", args.n_predict, ">= -1 (-1 = until end of sequence)")
+    need(args.ctx_size >= 0, "-c", args.ctx_size, ">= 1 (or 0: the model's default)")
+
+
 def open_model(args):
     """(Model, Tokenizer) for the command's flags: -m (or the default model), --ffn, --dram-budget, -c, -t,
     --lookahead, -v, by the library's load()."""
@@ -282,6 +302,7 @@ def prompt_ids(tokenizer: Tokenizer, text: str, system: str | None, use_template
 
 
 def run(args) -> int:
+    check_arguments(args)
     text = read_prompt(args)
     model, tokenizer = open_model(args)
     runtime = model.runtime

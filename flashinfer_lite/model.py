@@ -10,6 +10,7 @@ import math
 from typing import Callable, Mapping
 
 import numpy as np
+import psutil
 
 from storage.config import ModelConfig
 from storage.errors import UserError
@@ -133,8 +134,16 @@ class KVCache:
         # n_layers: the model's by default; 1 when layers run one at a time (predictors/layerwise.py)
         L = cfg.n_layers if n_layers is None else n_layers
         shape = (L, capacity, cfg.n_kv_heads, cfg.head_dim)  # [L, S, Hkv, hd]
-        self.k = np.zeros(shape, np.float16)
-        self.v = np.zeros(shape, np.float16)
+        need, ram = 2 * 2 * math.prod(shape), psutil.virtual_memory().total
+        if need > ram:       # -c 300000 on a model claiming 10M positions: 2.28 TiB, refused before allocating
+            raise UserError(f"a context of {capacity} positions needs {need / 2**30:.1f} GiB of KV cache, more than "
+                            f"this machine's {ram / 2**30:.1f} GiB of memory: give a smaller -c")
+        try:
+            self.k = np.zeros(shape, np.float16)
+            self.v = np.zeros(shape, np.float16)
+        except MemoryError:
+            raise UserError(f"cannot allocate the KV cache of a {capacity}-position context "
+                            f"({need / 2**30:.1f} GiB): give a smaller -c") from None
         self.k_bits, self.v_bits = self.k.view(np.uint16), self.v.view(np.uint16)  # what Numba reads (no float16)
         self.capacity = capacity
         self.length = 0  # positions filled
@@ -195,17 +204,43 @@ class Attention:
         S = pos0 + T
         kv.k[self.slot, pos0:S] = k                            # rounded to float16 as attention_rows does
         kv.v[self.slot, pos0:S] = v
-        # Operands whose rows are unit-stride, the g query heads of a KV head stacked as rows: numpy's matmul hands
-        # such stacks to BLAS (a stack of transposed matrices goes to its naive loop, ~20x slower at T = 128).
-        g = H // Hkv
-        K = widened(kv.k_bits[self.slot, :S]).transpose(1, 0, 2)                      # [Hkv, S, hd]
-        Vv = widened(kv.v_bits[self.slot, :S]).transpose(1, 0, 2)                     # [Hkv, S, hd]
-        qg = np.ascontiguousarray(q.reshape(T, Hkv, g, hd).transpose(1, 2, 0, 3))      # [Hkv, g, T, hd]
-        scores = (qg.reshape(Hkv, g * T, hd) @ K.transpose(0, 2, 1)).reshape(Hkv, g, T, S)
-        scores = scores * (1.0 / math.sqrt(hd)) + attention_mask(pos0, T, cfg.sliding_window)
-        out = softmax(scores).reshape(Hkv, g * T, S) @ Vv                              # [Hkv, g * T, hd]
-        out = out.reshape(Hkv, g, T, hd).transpose(2, 0, 1, 3).reshape(T, H * hd)
+        out = prompt_attention(q, kv.k_bits[self.slot, :S], kv.v_bits[self.slot, :S], pos0, cfg.sliding_window)
+        out = out.reshape(T, H * hd)
         return linear(out, self.wo, self.bo)
+
+
+# A prompt's attention computes this many query rows of one KV head at a time: its scores are [g x rows, S], not
+# [H, T, S] for the whole prompt (at 3670 tokens that was 485 MiB per array), so the DRAM budget counts them
+# (budget.prefill_transient_bytes).
+ATTENTION_TILE_ROWS = 64
+
+
+def prompt_attention(q: np.ndarray, k_bits: np.ndarray, v_bits: np.ndarray, pos0: int,
+                     sliding_window: int | None) -> np.ndarray:
+    """Causal attention of q [T, H, hd] (positions pos0..) over the cache's keys and values [S, Hkv, hd] (float16
+    bits, S = pos0 + T, this chunk's included) -> [T, H, hd]: per KV head, ATTENTION_TILE_ROWS query rows at a time,
+    each over the keys up to its last position. The g query heads of a KV head are stacked as rows, so that one BLAS
+    product reads each key once for all of them."""
+    T, H, hd = q.shape
+    Hkv = k_bits.shape[1]
+    g = H // Hkv
+    K, V = widened(k_bits), widened(v_bits)                                # [S, Hkv, hd]
+    out = np.empty((T, H, hd), np.float32)
+    scale = np.float32(1.0 / math.sqrt(hd))
+    for h in range(Hkv):
+        heads = slice(h * g, (h + 1) * g)
+        for t0 in range(0, T, ATTENTION_TILE_ROWS):
+            rows = min(ATTENTION_TILE_ROWS, T - t0)
+            s = pos0 + t0 + rows                                           # keys the tile's last query sees
+            qt = np.ascontiguousarray(q[t0:t0 + rows, heads].transpose(1, 0, 2)).reshape(g * rows, hd)
+            scores = (qt @ K[:s, h].T).reshape(g, rows, s)
+            scores *= scale
+            scores += attention_mask(pos0 + t0, rows, sliding_window)
+            scores -= scores.max(axis=-1, keepdims=True)                   # softmax, in place
+            np.exp(scores, out=scores)
+            scores /= scores.sum(axis=-1, keepdims=True)
+            out[t0:t0 + rows, heads] = (scores.reshape(g * rows, s) @ V[:s, h]).reshape(g, rows, hd).transpose(1, 0, 2)
+    return out
 
 
 def stacked_rows(*ms):
@@ -274,6 +309,11 @@ class FeedForward:
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Transformer
+
+# A prompt runs through the model in chunks of this many tokens (llama.cpp's micro-batch): every layer's temporaries
+# (FFN rows, attention tiles, predictor scores) are a chunk's whatever the prompt's length, so the DRAM budget can
+# count them (budget.prefill_transient_bytes). The chunking does not depend on the budget, so neither do the bits.
+PREFILL_CHUNK_ROWS = 256
 
 FFNFn = Callable[[int, np.ndarray], np.ndarray]  # (layer, x [T, d]) -> y [T, d]
 
@@ -357,12 +397,22 @@ class Transformer:
             raise UserError("empty input: nothing to evaluate")
         if pos0 + T > kv.capacity:
             raise UserError(f"context overflow: {pos0 + T} tokens do not fit the context of {kv.capacity}")
-        x = embed_tokens(self.cfg, self.embed, self.pos_embed, tokens, pos0)    # [T, d]
-        rope = rope_tables(self.inv_freq, pos0, T)
+        logits = []
+        for start in range(0, T, PREFILL_CHUNK_ROWS):
+            chunk = tokens[start:start + PREFILL_CHUNK_ROWS]
+            x = self.forward_rows(chunk, kv)                                     # [t, d]
+            if all_logits or start + len(chunk) == T:
+                logits.append(output_logits(self.cfg, x if all_logits else x[-1:], (self.norm_w, self.norm_b),
+                                            self.lm_head))                       # [t, V]
+        return np.concatenate(logits) if all_logits else logits[-1][0]
+
+    def forward_rows(self, tokens: np.ndarray, kv: KVCache) -> np.ndarray:
+        """Every layer over tokens [t] (one chunk) at positions kv.length..; appends them to the cache and returns
+        the last layer's hidden states [t, d]."""
+        pos0 = kv.length
+        x = embed_tokens(self.cfg, self.embed, self.pos_embed, tokens, pos0)    # [t, d]
+        rope = rope_tables(self.inv_freq, pos0, len(tokens))
         for i in range(self.cfg.n_layers):
             x = self.block(i, x, kv, pos0, rope)
-        kv.length = pos0 + T
-        if not all_logits:
-            x = x[-1:]
-        logits = output_logits(self.cfg, x, (self.norm_w, self.norm_b), self.lm_head)  # [T, V]
-        return logits if all_logits else logits[0]
+        kv.length = pos0 + len(tokens)
+        return x

@@ -13,6 +13,7 @@ the tuned decision threshold (a logit cut per neuron) is already subtracted from
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -119,12 +120,15 @@ def read_manifest(flashdir) -> dict | None:
         raise UserError(f"{mpath} is not a predictor manifest")
     if m.get("version") != PRED_VERSION:
         raise UserError(f"{mpath}: unsupported predictor version {m.get('version')} (expected {PRED_VERSION})")
-    try:
-        L = int(m["n_layers"])
-        if len(m["act_threshold"]) != L:
-            raise ValueError
-    except (KeyError, TypeError, ValueError):
-        raise UserError(f"{mpath}: malformed predictor manifest") from None
+    L, thresholds, dense = m.get("n_layers"), m.get("act_threshold"), m.get("dense_layers", [])
+    number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)  # noqa: E731
+    layer = lambda x: isinstance(x, int) and not isinstance(x, bool) and 0 <= x < L                  # noqa: E731
+    if not (isinstance(L, int) and not isinstance(L, bool) and isinstance(thresholds, list) and len(thresholds) == L
+            and all(number(t) for t in thresholds) and isinstance(dense, list) and all(layer(i) for i in dense)
+            and isinstance(m.get("has_predictors", False), bool)
+            and isinstance(m.get("calibration") or {}, dict)):
+        raise UserError(f"{mpath}: malformed predictor manifest (n_layers, act_threshold, dense_layers, "
+                        f"has_predictors or calibration of the wrong type); re-run train-predictor")
     cfg = read_layout(flashdir, check_size=False).config
     if (cfg.get("n_layers"), cfg.get("dim"), cfg.get("ffn_dim")) != (L, m.get("dim"), m.get("ffn_dim")):
         raise UserError(f"{root} was trained for another model (layers/dim/ffn_dim differ): re-run train-predictor")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -26,20 +25,21 @@ from threadpoolctl import threadpool_limits
 
 from storage.cache import flashdir_for
 from storage.config import ModelConfig
-from storage.errors import Reported, UserError
+from storage.errors import UserError, run_child
 from storage.format import FlashCheckpoint, is_flashdir, verify_at_load
 from storage.half import half_matrix
 from storage.sizes import parse_size
 
 from . import BLAS_THREADS_FROM_USER
-from .budget import (HEAP_SLACK_BYTES, BudgetPlan, auto_budget_bytes, keep_freed_arrays_out_of_rss,
-                     measure_runtime_bytes, plan_budget, plan_resident_ffn, resident_bytes_for)
+from .budget import (HEAP_SLACK_BYTES, BudgetPlan, auto_budget_bytes, measure_runtime_bytes, plan_budget,
+                     plan_resident_ffn, resident_bytes_for)
 from .default_model import ensure_default_model
 from .ffn.flash import STREAM_CHUNK_BYTES, FlashFFN
 from .ffn.resident import ResidentFFN
 from .loader import load_weights, open_any
 from .model import FeedForward, Transformer
 from .predictor_set import describe_calibration, load_predictors, read_manifest
+from .process import keep_freed_arrays_out_of_rss
 
 FFN_MODES = ("auto", "dense", "oracle", "predicted")   # auto: dense when the model fits the budget, else predicted
 # FFN tensors that live in the bundles on flash; everything else (including ffn.down.bias) stays resident.
@@ -208,6 +208,8 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
     source = str(ensure_default_model()) if default else str(model)
     flash_backed = is_flashdir(source) or ffn in ("oracle", "predicted") or (ffn == "auto" and default)
     if not flash_backed or ffn == "dense":     # every weight in DRAM, as stored: no plan, no predictors
+        if flash_backed and verify:   # the resident file and the manifest are checked, not only each layer
+            verify_at_load(source, progress=progress)
         ckpt = open_any(source)
         cfg = ckpt.config
         # a GGUF keeps its blocks (about its file's size), anything else counts float32
@@ -373,9 +375,7 @@ def train_on_first_use(flashdir: str) -> None:
     if find_spec("torch") is None:
         raise UserError("training the default model's predictors on first use needs torch: "
                         "pip install 'flashinfer-lite[train]' (or run with --ffn dense)")
-    code = subprocess.run([sys.executable, "-m", "predictors.first_use", str(flashdir)]).returncode
-    if code != 0:
-        raise Reported(code)
+    run_child([sys.executable, "-m", "predictors.first_use", str(flashdir)])
 
 
 def default_model_predictors(flashdir: str) -> str:

@@ -27,7 +27,8 @@ from pathlib import Path
 from storage.errors import UserError, child_exit_code
 from flashinfer_lite.loader import open_any
 from flashinfer_lite.predictor_set import describe_calibration as describe, read_manifest
-from storage.files import remove_stale_temp_dirs, temp_path
+from storage.files import exclusive, remove_stale_temp_dirs, temp_path
+from storage.format import PREDICTOR_DIR
 
 from .acts import Acts, corpus_chunks, read_corpus
 from .collect import collect
@@ -174,11 +175,19 @@ def ensure_predictors(flashdir, settings: Calibration | None = None, progress: b
             train(acts, flashdir, target_recall=settings.target_recall, sparsity=settings.sparsity,
                   steps=settings.steps, dense_layers=settings.dense_layers, progress=progress, calibration=record,
                   threads=threads)
+    except OSError as e:     # a full disk: one line naming where (a write() error names no file)
+        raise UserError(f"cannot write {e.filename or work}: {e.strerror or e}") from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
     say(f"predictors: trained on first use from {describe(record)} in {time.perf_counter() - t0:.0f} s, "
         f"saved in {flashdir / 'predictors'}")
     return record
+
+
+def ensure_predictors_once(flashdir) -> dict | None:
+    """ensure_predictors, one process at a time per FLASHDIR: a concurrent first use waits, then finds them."""
+    with exclusive(Path(flashdir) / PREDICTOR_DIR, "first-use training"):
+        return ensure_predictors(flashdir, progress=sys.stderr.isatty())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print("usage: python -m predictors.first_use FLASHDIR", file=sys.stderr)
         return 2
-    return child_exit_code(lambda: ensure_predictors(argv[0], progress=sys.stderr.isatty()))
+    return child_exit_code(lambda: ensure_predictors_once(argv[0]))
 
 
 if __name__ == "__main__":

@@ -18,11 +18,11 @@ from typing import Callable, Iterator
 import numpy as np
 from tqdm import tqdm
 
-from flashinfer_lite.budget import keep_freed_arrays_out_of_rss
 from storage.errors import UserError
 from flashinfer_lite.loader import load_tensor
 from flashinfer_lite.model import (Block, FeedForward, KVCache, embed_tokens, linear, output_logits, rope_inv_freq,
                                    rope_tables)
+from flashinfer_lite.process import keep_freed_arrays_out_of_rss
 
 HIDDEN_IN_RAM_BYTES = 256 << 20     # hidden states beyond this live in a memory-mapped temporary file
 

@@ -27,13 +27,13 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from flashinfer_lite.budget import keep_freed_arrays_out_of_rss
 from storage.errors import UserError
 from flashinfer_lite.loader import is_flashdir, open_any
 from flashinfer_lite.predictor_set import (CARD_FMT, MANIFEST, PRED_FORMAT, PRED_VERSION, PREDICTOR_DIR, FREQ_FILE,
                                           WEIGHTS_FILE)
+from flashinfer_lite.process import keep_freed_arrays_out_of_rss
 from storage.files import remove_stale_temp_dirs, temp_path
-from storage.format import file_checksum
+from storage.format import file_checksum, manifest_checksum
 
 from .acts import Acts, check_same_model, relu_family, threshold_for
 
@@ -330,6 +330,7 @@ def save_predictors(flashdir, acts: Acts, cards, weights, freqs, info: dict) -> 
                     **info,
                     # verify (and a launch whose verified stamp is stale) checks these: a flipped byte is an error
                     "checksums": {f.name: file_checksum(f) for f in sorted(tmp.iterdir())}}
+        manifest["manifest_checksum"] = manifest_checksum(manifest)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         old = temp_path(dest, "old")
         if dest.exists():

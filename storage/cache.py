@@ -16,15 +16,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
-from storage.errors import Reported, UserError, child_exit_code
+from storage.errors import UserError, child_exit_code, run_child
 
 from .checkpoint import open_checkpoint
 from .convert import DEFAULT_DTYPE, convert, layout_for
-from .files import disk_bytes, remove_stale_temp_dirs
+from .files import disk_bytes, exclusive, remove_stale_temp_dirs
 from .format import MANIFEST, file_checksum, is_flashdir, new_checksum
 
 FLASH = "flash"
@@ -44,7 +43,7 @@ def _read(path: Path) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}             # a lost or damaged index only costs a re-hash, never a wrong answer
 
 
@@ -93,9 +92,12 @@ def flashdir_for(path, progress: bool) -> str:
     # the name's stem is for people; the key alone finds a conversion (a renamed model is the same model)
     dest = next((d for d in sorted(flash.glob(f"*-{key}")) if is_flashdir(d)), flash / f"{p.stem}-{key}")
     if not is_flashdir(dest):
-        remove_stale_temp_dirs(flash)
-        print(f"converting {p.name} into the flash layout at {dest} (first use)", file=sys.stderr)
-        convert_in_child(p, dest, progress)
+        flash.mkdir(parents=True, exist_ok=True)
+        with exclusive(dest, "the first-use conversion"):
+            if not is_flashdir(dest):                       # a concurrent first use may have made it meanwhile
+                remove_stale_temp_dirs(flash)
+                print(f"converting {p.name} into the flash layout at {dest} (first use)", file=sys.stderr)
+                convert_in_child(p, dest, progress)
     index = _read(flash / INDEX)
     if index.get(dest.name, {}).get("source") != str(p):
         index[dest.name] = {"source": str(p)}
@@ -107,10 +109,7 @@ def convert_in_child(src: Path, dest: Path, progress: bool) -> None:
     """convert(src, dest) with convert's default dtype (the source's precision), in a child process: the source's
     pages and the layer in transit are its memory, not this process's, whose --dram-budget counts its own peak (a
     first use in-process peaked 70 MiB above a 320 MiB budget)."""
-    argv = [sys.executable, "-m", "storage.cache", str(src), str(dest), *([] if progress else ["--quiet"])]
-    code = subprocess.run(argv).returncode
-    if code:
-        raise Reported(code)
+    run_child([sys.executable, "-m", "storage.cache", str(src), str(dest), *([] if progress else ["--quiet"])])
 
 
 def entries() -> list[dict]:

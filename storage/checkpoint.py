@@ -9,10 +9,11 @@ and every path stays inside the model directory.
 """
 from __future__ import annotations
 
-import json
+import math
 import mmap
 import os
 import re
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ import numpy as np
 from storage.errors import UserError
 from storage.config import ModelConfig
 from storage.tokenizer import Tokenizer
-from storage.untrusted import inside, read_json
+from storage.untrusted import hub_blobs, inside, parse_json, read_json
 
 from .blocks import BLOCK_BYTES, row_bytes
 
@@ -42,40 +43,47 @@ class SafetensorsFile:
     def __init__(self, path: Path):
         self.path = path
         try:
-            self.fd = os.open(path, os.O_RDONLY)
+            self.fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)    # a FIFO must not block the open
         except OSError as e:
             raise UserError(f"cannot open {path}: {e.strerror}") from None
-        size = os.fstat(self.fd).st_size
+        st = os.fstat(self.fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UserError(f"not a regular file: {path}")
+        size = st.st_size
         head = os.pread(self.fd, 8, 0)
         n = int.from_bytes(head, "little") if len(head) == 8 else -1
         if n < 2 or n > MAX_HEADER_BYTES or 8 + n > size:
             raise UserError(f"not a valid safetensors file (bad header length): {path}")
-        try:
-            header = json.loads(os.pread(self.fd, n, 8).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise UserError(f"not a valid safetensors file (corrupt header): {path}") from None
+        header = parse_json(os.pread(self.fd, n, 8), "safetensors header", path)
+        if not isinstance(header, dict):
+            raise UserError(f"not a valid safetensors file (its header is not a JSON object): {path}")
         meta = header.pop("__metadata__", None)
         self.metadata: dict = meta if isinstance(meta, dict) else {}
         data_size = size - 8 - n
         self.entries: dict[str, tuple[bool, np.dtype, tuple, int]] = {}  # name -> (is_bf16, raw dtype, shape, offset)
+        count = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0  # noqa: E731
         for name, e in header.items():
             try:
                 dtype = np.dtype(_ST_DTYPES[e["dtype"]])
-                shape = tuple(int(s) for s in e["shape"])
-                begin, end = (int(o) for o in e["data_offsets"])
+                shape, offsets = e["shape"], e["data_offsets"]
+                if not (isinstance(shape, list) and all(count(s) for s in shape) and isinstance(offsets, list)
+                        and len(offsets) == 2 and all(count(o) for o in offsets)):
+                    raise ValueError
+                shape, (begin, end) = tuple(shape), offsets
             except (KeyError, TypeError, ValueError):
                 raise UserError(f"unsupported or corrupt tensor entry '{name}' in {path}") from None
             if end > data_size:
                 raise UserError(f"truncated safetensors file {path}: tensor '{name}' ends at byte {8 + n + end} "
                                 f"but the file has {size}")
-            if begin < 0 or end - begin != int(np.prod(shape)) * dtype.itemsize:
+            # Python integers: a product of huge dims must not wrap around int64 into a plausible size
+            if end - begin != math.prod(shape) * dtype.itemsize:
                 raise UserError(f"corrupt safetensors file {path}: size of tensor '{name}' does not match its shape")
             self.entries[name] = (e["dtype"] == "BF16", dtype, shape, 8 + n + begin)
 
     def read(self, name: str, raw: bool = False) -> np.ndarray:
         """The tensor as float32 (bf16, f16 and integers widened), or with raw as stored."""
         bf16, raw_dtype, shape, offset = self.entries[name]
-        nbytes = int(np.prod(shape)) * raw_dtype.itemsize
+        nbytes = math.prod(shape) * raw_dtype.itemsize
         buf = bytearray(nbytes)
         view, done = memoryview(buf), 0
         while done < nbytes:
@@ -259,7 +267,8 @@ class Checkpoint:
         layer so that no layer's bytes outlive its turn."""
 
     def check_complete(self) -> None:
-        """Every tensor the math needs is present (a clear error now instead of a KeyError mid-load)."""
+        """Every tensor the math needs is present (a clear error now instead of a KeyError mid-load), and of the shape
+        the config implies (check_shapes)."""
         c, need = self.config, ["embed.weight"]
         if not c.tie_embeddings:
             need.append("lm_head.weight")
@@ -272,6 +281,40 @@ class Checkpoint:
         missing = [n for n in need if n not in self._index]
         if missing:
             raise UserError(f"{self.path}: checkpoint lacks {len(missing)} tensors, e.g. '{missing[0]}'")
+        check_shapes(c, {n: self.shape(n) for n in self._index}, self.path)
+
+
+def expected_shape(c: ModelConfig, name: str) -> tuple[int, ...] | None:
+    """The shape the model math (and every kernel) assumes for canonical tensor `name`; None for names it never
+    reads."""
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    fixed = {"embed.weight": (c.vocab_size, c.dim), "lm_head.weight": (c.vocab_size, c.dim),
+             "norm.weight": (c.dim,), "norm.bias": (c.dim,)}
+    if c.pos_offset is not None:
+        fixed["pos_embed.weight"] = (c.max_pos + c.pos_offset, c.dim)
+    if name in fixed:
+        return fixed[name]
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    if not m or int(m[1]) >= c.n_layers:
+        return None
+    per_layer = {"attn_norm.weight": (c.dim,), "attn_norm.bias": (c.dim,), "ffn_norm.weight": (c.dim,),
+                 "ffn_norm.bias": (c.dim,), "attn.q.weight": (q, c.dim), "attn.k.weight": (kv, c.dim),
+                 "attn.v.weight": (kv, c.dim), "attn.o.weight": (c.dim, q), "attn.q.bias": (q,), "attn.k.bias": (kv,),
+                 "attn.v.bias": (kv,), "attn.o.bias": (c.dim,), "ffn.gate.weight": (c.ffn_dim, c.dim),
+                 "ffn.up.weight": (c.ffn_dim, c.dim), "ffn.down.weight": (c.dim, c.ffn_dim),
+                 "ffn.gate.bias": (c.ffn_dim,), "ffn.up.bias": (c.ffn_dim,), "ffn.down.bias": (c.dim,)}
+    return per_layer.get(m[2])
+
+
+def check_shapes(c: ModelConfig, shapes: dict[str, tuple], src) -> None:
+    """Every tensor of `shapes` ({canonical name: shape}) that the math reads has the shape the config implies, norms
+    and biases included: a kernel indexes by the config's numbers, never by an array's length, so a wrong shape is
+    one line here instead of reads past an array later. convert (Checkpoint.check_complete), verify and load
+    (FlashCheckpoint) all call this."""
+    for name, shape in shapes.items():
+        want = expected_shape(c, name)
+        if want is not None and tuple(shape) != want:
+            raise UserError(f"{src}: tensor {name} has shape {list(shape)}, but the config implies {list(want)}")
 
 
 class HFCheckpoint(Checkpoint):
@@ -293,7 +336,9 @@ class HFCheckpoint(Checkpoint):
             pickled = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
             hint = f" (found {pickled[0]}: pickled checkpoints are not loaded; convert to safetensors)" if pickled else ""
             raise UserError(f"no .safetensors weights in {path}{hint}")
-        self._files = [SafetensorsFile(inside(path, f, "model.safetensors.index.json")) for f in files]
+        what = "model.safetensors.index.json" if index_path.exists() else "weights file"
+        blobs = hub_blobs(path)
+        self._files = [SafetensorsFile(inside(path, f, what, blobs)) for f in files]
         rules = _OPT_NAMES if self.config.arch == "opt" else _LLAMA_NAMES
         self._index: dict[str, tuple[SafetensorsFile, str]] = {}
         for f in self._files:
@@ -465,5 +510,7 @@ def open_checkpoint(path) -> Checkpoint:
             raise UserError(f"not a Hugging Face model directory (no config.json): {p}")
         return HFCheckpoint(p)
     if p.suffix.lower() == ".gguf":
+        if not p.is_file():
+            raise UserError(f"not a regular file: {p}")
         return GGUFCheckpoint(p)
     raise UserError(f"unrecognised model path (expected an HF directory or a .gguf file): {p}")

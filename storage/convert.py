@@ -13,6 +13,7 @@ interrupted convert never leaves a directory that read_layout would accept.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import re
 import shutil
@@ -26,10 +27,10 @@ from storage.errors import UserError
 from storage.half import half_matrix
 
 from .checkpoint import open_checkpoint
-from .files import remove_stale_temp_dirs, temp_path
+from .files import is_scratch, remove_stale_temp_dirs, temp_path
 from .blocks import BLOCK, quantize, row_bytes
-from .format import (BUNDLE_DTYPES, MANIFEST, FlashLayout, file_checksum, ffn_tensor_names, new_checksum,
-                     pack_bundles, read_layout, write_manifest, write_verified_stamp)
+from .format import (BUNDLE_DTYPES, MANIFEST, PREDICTOR_DIR, FlashLayout, file_checksum,
+                     ffn_tensor_names, pack_bundles, read_layout, write_manifest, write_verified_stamp)
 from .safetensors_out import SafetensorsWriter
 
 PACK_NEURONS = 4096   # neurons packed at a time: bounds the extra memory for wide FFNs
@@ -115,7 +116,7 @@ def _write_layer(f, ckpt, layout: FlashLayout, layer: int) -> str:
     the layer's float32 matrices are freed on return, before the next layer's are read."""
     mats, bs = _layer_vectors(ckpt, layout, layer)
     order = layout.order[layer]
-    h = new_checksum()
+    h = layout.layer_checksum(layer)
     for a in range(0, layout.n_neurons[layer], PACK_NEURONS):
         idx = order[a:a + PACK_NEURONS]               # bundle a+j holds original neuron order[a+j]
         vecs = [m[idx] for m in mats]                 # n_vec gathered [c, d] (or [c, vector_bytes]) copies
@@ -197,36 +198,67 @@ def write_resident(ckpt, names: list[str], path: Path, half: bool, quant: str | 
     return file_checksum(path)
 
 
+def replaceable(out: Path) -> bool:
+    """Whether --force may replace out: a FLASHDIR this program wrote (its manifest read whole: format tag, version,
+    every field) holding nothing but what such a directory holds. Never a file, a symlink or a foreign directory,
+    whatever it contains: --force must not delete what the user owns."""
+    if out.is_symlink() or not out.is_dir():
+        return False
+    try:
+        layout = read_layout(out, check_size=False)
+    except UserError:
+        return False
+    ours = {MANIFEST, PREDICTOR_DIR, *layout.files.values()}
+    return all(p.name in ours or is_scratch(p.name) for p in out.iterdir())
+
+
+def _check_output(out: Path, force: bool) -> None:
+    if not (out.exists() or out.is_symlink()):
+        return
+    if not force:
+        raise UserError(f"{out} already exists (use --force to replace it)")
+    if not replaceable(out):
+        raise UserError(f"{out} is not a flash directory written by flashinfer-lite convert; --force replaces only "
+                        f"those, refusing to replace it")
+
+
+def _place(tmp: Path, out: Path, force: bool) -> None:
+    """Rename the finished tmp to out. rename(2) refuses to replace a non-empty directory, so of two writers racing
+    for the same out without --force, the later one fails here and says so, and the first's output stays."""
+    if force and (out.exists() or out.is_symlink()):
+        _check_output(out, force)                 # again: it may have changed during the conversion
+        old = temp_path(out, "old")
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old)
+        return
+    try:
+        os.rename(tmp, out)                       # replaces at most an empty directory
+    except OSError as e:
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise UserError(f"{out} was created by someone else while this convert ran; left it as it is") from None
+        raise
+
+
 def convert(model, output, dtype: str = DEFAULT_DTYPE, force: bool = False, progress: bool = True) -> Path:
     out = Path(output).expanduser()
-    if out.exists() or out.is_symlink():
-        if not force:
-            raise UserError(f"{out} already exists (use --force to replace it)")
-        if out.is_dir() and not out.is_symlink() and any(out.iterdir()) and not (out / MANIFEST).exists():
-            # --force replaces flash directories, not arbitrary folders someone pointed -o at by mistake.
-            raise UserError(f"{out} is a non-empty directory that is not a flash directory; refusing to replace it")
+    _check_output(out, force)
     ckpt = open_checkpoint(model)
     layout = layout_for(ckpt, dtype)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temp_dirs(out.parent)
     tmp = temp_path(out, "tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     try:
-        write_flashdir(ckpt, layout, tmp, progress)
-        if out.exists() or out.is_symlink():
-            old = temp_path(out, "old")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            if old.is_dir() and not old.is_symlink():
-                shutil.rmtree(old)
-            else:
-                old.unlink()
-        else:
-            os.replace(tmp, out)
-        _fsync_dir(out.parent)
-        write_verified_stamp(out)                 # every checksum was computed from the bytes just written
-    except BaseException:   # includes Ctrl-C: no half-written directory survives
+        out.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temp_dirs(out.parent)
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        tmp.mkdir()
+        try:
+            write_flashdir(ckpt, layout, tmp, progress)
+            _place(tmp, out, force)
+            _fsync_dir(out.parent)
+        except BaseException:   # includes Ctrl-C: no half-written directory survives
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    except OSError as e:        # a full disk (ENOSPC), a read-only one (EROFS), no permission: one line
+        raise UserError(f"cannot write {e.filename or out}: {e.strerror or e}") from None
+    write_verified_stamp(out)                     # every checksum was computed from the bytes just written
     return out

@@ -6,10 +6,14 @@ the next writer in the same parent removes the temporary directories of processe
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
+
+from storage.errors import UserError
 
 TEMP_KINDS = ("tmp", "old", "calibrate")
 _TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<kind>" + "|".join(TEMP_KINDS) + r")-(?P<pid>\d+)$")
@@ -25,6 +29,12 @@ def temp_path(dest: Path, kind: str) -> Path:
     """Where this process builds (kind "tmp") or parks (kind "old") dest."""
     assert kind in TEMP_KINDS
     return dest.parent / f".{dest.name}.{kind}-{os.getpid()}"
+
+
+def is_scratch(name: str) -> bool:
+    """Whether a directory entry is one of the hidden files this program's writers leave beside what they make:
+    temp directories (.NAME.KIND-PID), locks (.NAME.lock), stamps (.NAME.json and its temp .NAME.json.PID)."""
+    return name.startswith(".") and bool(_TEMP.match(name) or re.fullmatch(r"\..+\.(lock|json(\.\d+)?)", name))
 
 
 def pid_alive(pid: int) -> bool:
@@ -54,3 +64,20 @@ def remove_stale_temp_dirs(parent: Path) -> list[Path]:
             p.unlink(missing_ok=True)
         removed.append(p)
     return removed
+
+
+@contextmanager
+def exclusive(dest: Path, what: str):
+    """Hold an exclusive lock for making dest (one first-use conversion or training at a time: a second process
+    waits here, then finds dest made). The lock is .NAME.lock beside dest, an flock that the kernel releases when
+    its holder exits, however it exits: a killed holder never leaves it held."""
+    path = dest.parent / f".{dest.name}.lock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as e:
+        raise UserError(f"cannot create the lock {path} for {what}: {e.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)

@@ -32,10 +32,10 @@ import numpy as np
 from storage.config import ModelConfig
 from storage.errors import UserError
 from storage.tokenizer import Tokenizer
-from storage.untrusted import inside, read_json
+from storage.untrusted import inside, parse_json, read_bytes, read_json
 
 from . import blocks
-from .checkpoint import SafetensorsFile
+from .checkpoint import SafetensorsFile, check_shapes
 
 FORMAT_NAME = "flashinfer-lite-flash"
 FORMAT_VERSION = 1
@@ -43,7 +43,8 @@ MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 64 << 20     # a permutation per layer of a 70B model is ~10 MB of JSON; anything past this is not ours
 BUNDLE_ALIGN = 512                # O_DIRECT granularity of offset, length and buffer address
 REGION_ALIGN = 4096               # layer regions start on a page
-CHECKSUM_ALGO = "blake2b-128"
+CHECKSUM_ALGO = "blake2b-128-bound"   # a layer's digest covers its index and geometry too (layer_checksum)
+UNBOUND_CHECKSUM_ALGO = "blake2b-128"  # before 2026-11: the region's bytes alone; still read (re-run convert to bind)
 PREDICTOR_DIR = "predictors"      # optional: written by train-predictor; its manifest lists its files' checksums
 PREDICTOR_MANIFEST = "manifest.json"
 VERIFIED_STAMP = ".verified.json" # sizes and mtimes of the files as they were when every checksum last matched
@@ -184,6 +185,7 @@ class FlashLayout:
     resident_checksum: str = ""
     flashdir: Path | None = None     # set when read from disk
     down_dtype: str | None = None    # quantized layouts: the down vector's block format, when not `dtype`
+    checksum_algo: str = CHECKSUM_ALGO
 
     # -- geometry --------------------------------------------------------------------------------------------------
     @property
@@ -248,6 +250,18 @@ class FlashLayout:
     def region_bytes(self, layer: int) -> int:
         return self.n_neurons[layer] * self.stride
 
+    def layer_checksum(self, layer: int):
+        """A digest to feed layer `layer`'s region into. It starts from the layer's index and geometry, so a region
+        moved to another layer with its checksum, or a manifest whose n_neurons, offset or dtype was changed, does not
+        match (directories written before 2026-11, checksum_algo UNBOUND_CHECKSUM_ALGO: the bytes alone)."""
+        h = new_checksum()
+        if self.checksum_algo == CHECKSUM_ALGO:
+            h.update(json.dumps({"layer": layer, "offset": self.offset[layer], "n_neurons": self.n_neurons[layer],
+                                 "stride": self.stride, "d": self.d, "dtype": self.dtype,
+                                 "down_dtype": self.down_dtype, "vectors": list(self.vectors),
+                                 "biases": list(self.biases)}, sort_keys=True).encode())
+        return h
+
     @property
     def ffn_path(self) -> Path:
         return self.flashdir / self.files["ffn"]
@@ -283,7 +297,7 @@ class FlashLayout:
                            "vector_bytes": self.vector_bytes, "down_dtype": self.down_dtype,
                            "stride": self.stride, "scalars_offset": self.scalars_offset,
                            "scalars": list(self.scalars)},
-                "files": dict(self.files), "ffn_size": self.ffn_size, "checksum_algo": CHECKSUM_ALGO,
+                "files": dict(self.files), "ffn_size": self.ffn_size, "checksum_algo": self.checksum_algo,
                 "resident_checksum": self.resident_checksum, "layers": layers}
 
 
@@ -292,8 +306,10 @@ def write_manifest(layout: FlashLayout, flashdir: Path) -> None:
     """Write manifest.json atomically (temp file + fsync + rename)."""
     path = Path(flashdir) / MANIFEST
     tmp = path.with_suffix(".json.tmp")
+    m = layout.to_manifest()
+    m["manifest_checksum"] = manifest_checksum(m)
     with open(tmp, "w") as f:
-        json.dump(layout.to_manifest(), f, indent=1)
+        json.dump(m, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -314,18 +330,13 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
     src = flashdir / MANIFEST
     if not flashdir.is_dir():
         raise UserError(f"{flashdir}: not a directory (expected a flash directory written by `flashinfer-lite convert`)")
-    try:
-        size = src.stat().st_size
-    except FileNotFoundError:
+    if not (src.exists() or src.is_symlink()):
         raise UserError(f"{flashdir}: no {MANIFEST} (not a converted flash directory, or the convert did not finish)")
-    if size > MAX_MANIFEST_BYTES:
-        raise UserError(f"{src}: manifest is {size} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
-    try:
-        m = json.loads(src.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"{src}: manifest is not valid JSON ({e})")
+    m = parse_json(read_bytes(src, "manifest", MAX_MANIFEST_BYTES), "manifest", src)
     if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
         raise UserError(f"{src}: not a {FORMAT_NAME} manifest")
+    if m.get("manifest_checksum", None) not in (None, manifest_checksum(m)):     # None: converted before 2026-11
+        raise UserError(f"{src}: checksum mismatch: the manifest is damaged or edited; re-run convert")
     if m.get("version") != FORMAT_VERSION:
         raise UserError(f"{src}: format version {m.get('version')!r} is not supported (this build reads version "
                         f"{FORMAT_VERSION}); re-run `flashinfer-lite convert`")
@@ -338,7 +349,7 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
         raise UserError(f"{src}: manifest fields have the wrong types")
     if dtype not in BUNDLE_DTYPES:
         raise UserError(f"{src}: unknown dtype {dtype!r} (this build reads {', '.join(BUNDLE_DTYPES)})")
-    if m.get("checksum_algo") != CHECKSUM_ALGO:
+    if m.get("checksum_algo") not in (CHECKSUM_ALGO, UNBOUND_CHECKSUM_ALGO):
         raise UserError(f"{src}: unknown checksum algorithm {m.get('checksum_algo')!r}")
     for key in ("ffn", "resident", "tokenizer"):
         if key not in files:
@@ -359,7 +370,7 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
                          stride=_int(b.get("stride"), "bundle.stride", src, BUNDLE_ALIGN),
                          offset=[], n_neurons=[], order=[], ffn_size=_int(ffn_size, "ffn_size", src),
                          config=cfg, files=dict(files), resident_checksum=str(m.get("resident_checksum", "")),
-                         flashdir=flashdir, down_dtype=down_dtype)
+                         flashdir=flashdir, down_dtype=down_dtype, checksum_algo=m["checksum_algo"])
     # The geometry the readers and kernels will rely on must be exactly what this build would compute (a d that is
     # not whole blocks of a quantized dtype is a UserError of its own). vector_bytes: absent before the block formats.
     if layout.scalars != scalars or b.get("scalars_offset") != layout.scalars_offset \
@@ -400,6 +411,10 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
     if cfg.get("n_layers") not in (None, len(layers)) or cfg.get("dim") not in (None, layout.d):
         raise UserError(f"{src}: config (n_layers={cfg.get('n_layers')}, dim={cfg.get('dim')}) disagrees with the "
                         f"{len(layers)} layers of width {layout.d} in the manifest")
+    if any(n != cfg.get("ffn_dim", n) for n in layout.n_neurons):     # the kernels index [ffn_dim] arrays by neuron
+        i = next(i for i, n in enumerate(layout.n_neurons) if n != cfg.get("ffn_dim"))
+        raise UserError(f"{src}: layer {i} has {layout.n_neurons[i]} neurons but the config's ffn_dim is "
+                        f"{cfg.get('ffn_dim')!r}")
     if check_size:
         ffn = flashdir / files["ffn"]
         try:
@@ -507,11 +522,12 @@ def drop_from_page_cache(fd: int, offset: int = 0, nbytes: int = 0) -> None:
         os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
 
 
-def region_checksum(f, offset: int, nbytes: int, chunk: int = CHECKSUM_CHUNK, progress=None) -> str:
+def region_checksum(f, offset: int, nbytes: int, chunk: int = CHECKSUM_CHUNK, progress=None, h=None) -> str:
     """Digest of nbytes at offset, read into one reused `chunk`-sized buffer: memory stays at one chunk whatever the
     file size, and the pages read are dropped from the page cache behind us (a verify of a bigger-than-RAM model
-    must not fill a memory cgroup with it; the runtime reads with O_DIRECT and never wants them)."""
-    h = new_checksum()
+    must not fill a memory cgroup with it; the runtime reads with O_DIRECT and never wants them). h: the digest to
+    continue (a layer's, FlashLayout.layer_checksum), else a new one."""
+    h = new_checksum() if h is None else h
     buf = bytearray(min(chunk, max(nbytes, 1)))
     view = memoryview(buf)
     fd = f.fileno()
@@ -538,12 +554,30 @@ def is_flashdir(path) -> bool:
     return p.is_dir() and (p / MANIFEST).exists()
 
 
+def manifest_checksum(m: dict) -> str:
+    """The digest a manifest (a FLASHDIR's, its predictors') records of itself (field manifest_checksum): of its
+    canonical JSON without that field, so its config, geometry, thresholds and settings are checked as the files
+    it lists are."""
+    h = new_checksum()
+    h.update(json.dumps({k: v for k, v in m.items() if k != "manifest_checksum"}, sort_keys=True).encode())
+    return h.hexdigest()
+
+
 def predictor_checksums(flashdir, warn: bool = False) -> dict[str, str]:
-    """{file name: checksum} that FLASHDIR/predictors/manifest.json lists ({} without predictors)."""
+    """{file name: checksum} that FLASHDIR/predictors/manifest.json lists ({} without predictors), once the manifest
+    matched its own checksum."""
     mpath = Path(flashdir) / PREDICTOR_DIR / PREDICTOR_MANIFEST
     if not mpath.is_file():
         return {}
-    sums = read_json(mpath, "predictor manifest").get("checksums")
+    m = read_json(mpath, "predictor manifest")
+    own = m.get("manifest_checksum")
+    if own is None and m.get("checksums") is not None and warn:     # written before it had one
+        print(f"flashinfer-lite: {mpath} has no checksum of its own (an older train-predictor); re-run "
+              f"train-predictor to have it checked", file=sys.stderr)
+    elif own is not None and own != manifest_checksum(m):
+        raise UserError(f"{mpath}: checksum mismatch: the predictor manifest is damaged or edited; re-run "
+                        f"train-predictor")
+    sums = m.get("checksums")
     if sums is None:      # written before predictors had checksums: usable, but nothing to check them against
         if warn:
             print(f"flashinfer-lite: {mpath} lists no checksums (an older train-predictor); re-run train-predictor to "
@@ -566,7 +600,8 @@ def verify(flashdir, progress: bool = True) -> FlashLayout:
     with open(layout.ffn_path, "rb") as f, tqdm(total=total, unit="B", unit_scale=True, desc="verify",
                                                 disable=not progress, leave=False) as bar:
         for i in range(layout.n_layers):
-            if region_checksum(f, layout.offset[i], layout.region_bytes(i), progress=bar) != layout.checksum[i]:
+            got = region_checksum(f, layout.offset[i], layout.region_bytes(i), progress=bar, h=layout.layer_checksum(i))
+            if got != layout.checksum[i]:
                 raise UserError(f"{layout.ffn_path}: checksum mismatch in layer {i} (bytes {layout.offset[i]}.."
                                 f"{layout.offset[i] + layout.region_bytes(i)}): the file is damaged; re-run convert")
     res = layout.flashdir / layout.files["resident"]
@@ -580,6 +615,7 @@ def verify(flashdir, progress: bool = True) -> FlashLayout:
             raise UserError(f"{p}: predictor file is missing; re-run train-predictor")
         if file_checksum(p) != digest:
             raise UserError(f"{p}: checksum mismatch: the predictor file is damaged; re-run train-predictor")
+    FlashCheckpoint(layout.flashdir)              # config and every tensor's shape, from the headers
     write_verified_stamp(layout.flashdir)
     return layout
 
@@ -618,8 +654,8 @@ def verify_at_load(flashdir, progress: bool = False) -> FlashLayout:
     flashdir = Path(flashdir)
     layout = read_layout(flashdir)                                # manifest and sizes
     try:
-        stamp = json.loads((flashdir / VERIFIED_STAMP).read_text()).get("files")
-    except (OSError, ValueError, AttributeError):
+        stamp = parse_json(read_bytes(flashdir / VERIFIED_STAMP, "stamp", 64 << 10), "stamp", flashdir).get("files")
+    except (UserError, AttributeError):
         stamp = None
     if stamp and stamp == _stamped_files(flashdir):
         return layout
@@ -651,6 +687,19 @@ class FlashCheckpoint:
             for name in ffn_tensor_names(self.layout, i):
                 self._ffn_names[name] = i
         self._cached_layer: tuple[int, dict] | None = None
+        check_shapes(self.config, self.shapes(), self._resident_path)
+
+    def shapes(self) -> dict[str, tuple]:
+        """{name: shape tensor(name) has}, from the resident file's header and the layout, nothing read."""
+        out = {}
+        for name, (_, _, shape, _) in self._resident.entries.items():
+            kind = self.resident_kinds.get(name)
+            out[name] = shape if kind is None else (shape[0], shape[1] // blocks.BLOCK_BYTES[kind] * blocks.BLOCK)
+        L = self.layout
+        for name, i in self._ffn_names.items():
+            n = L.n_neurons[i]
+            out[name] = (L.d, n) if name.endswith("down.weight") else (n, L.d) if name.endswith("weight") else (n,)
+        return out
 
     def _open_resident(self) -> SafetensorsFile:
         # pread into a buffer the array then owns: a float32 tensor is read with no second copy and no mapping
@@ -719,7 +768,7 @@ class FlashCheckpoint:
         out = np.empty((L.n_neurons[layer], L.stride), np.uint8)
         with open(L.ffn_path, "rb") as f:
             got = os.preadv(f.fileno(), [out], L.offset[layer])
-        h = new_checksum()
+        h = L.layer_checksum(layer)
         h.update(out)
         self._check_region(layer, h, got == L.region_bytes(layer))
         return out
@@ -733,7 +782,7 @@ class FlashCheckpoint:
         n, off = L.n_neurons[layer], L.offset[layer]
         step = max(1, chunk_bytes // L.stride)
         norms = np.empty(n, np.float32)
-        h, complete = new_checksum(), True
+        h, complete = L.layer_checksum(layer), True
         with open(L.ffn_path, "rb") as f:
             for b0 in range(0, n, step):
                 m = min(step, n - b0)

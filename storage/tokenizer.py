@@ -11,9 +11,10 @@ from datetime import datetime
 from pathlib import Path
 
 from .errors import UserError
-from .untrusted import read_json
+from .untrusted import read_bytes, read_json
 
 MAX_TOKENIZER_BYTES = 64 * 1024 * 1024
+MAX_TEMPLATE_BYTES = 1 << 20      # the largest HF chat templates are ~20 KB
 
 # Pre-tokenizer regexes by GGUF `tokenizer.ggml.pre` name: the splits each vocabulary's merges were learned on.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -35,6 +36,8 @@ def _token_text(t) -> str | None:
 
 class Tokenizer:
     def __init__(self, tok, *, bos_id: int | None, eos_ids: list[int], chat_template: str | None):
+        if chat_template is not None and not isinstance(chat_template, str):   # from a model file: anything
+            raise UserError(f"the model's chat template is not a string (got {type(chat_template).__name__})")
         self.tok = tok
         self.bos_id = bos_id
         self.eos_ids = list(eos_ids)
@@ -50,23 +53,26 @@ class Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer
         path = Path(path)
         tj = path / "tokenizer.json"
-        if not tj.exists():
+        if not (tj.exists() or tj.is_symlink()):
             raise UserError(f"no tokenizer.json in {path}")
-        if tj.stat().st_size > MAX_TOKENIZER_BYTES:
-            raise UserError(f"tokenizer.json is too large: {tj}")
+        data = read_bytes(tj, "tokenizer.json", MAX_TOKENIZER_BYTES)
         try:
-            tok = HFTokenizer.from_file(str(tj))
+            tok = HFTokenizer.from_str(data.decode("utf-8"))
         except Exception as e:
             raise UserError(f"cannot read {tj}: {e}") from None
         tc = {}
-        if (path / "tokenizer_config.json").exists():
+        if (path / "tokenizer_config.json").exists() or (path / "tokenizer_config.json").is_symlink():
             tc = read_json(path / "tokenizer_config.json", "tokenizer_config.json")
         template = tc.get("chat_template")
         if isinstance(template, list):  # named templates: use the default one
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default") or next(iter(named.values()), None)
-        if (path / "chat_template.jinja").exists():
-            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        jinja = path / "chat_template.jinja"
+        if jinja.exists() or jinja.is_symlink():
+            try:
+                template = read_bytes(jinja, "chat_template.jinja", MAX_TEMPLATE_BYTES).decode("utf-8")
+            except UnicodeDecodeError:
+                raise UserError(f"chat_template.jinja is not valid UTF-8: {jinja}") from None
         bos_id = config.bos_id if config is not None else None
         eos_ids = list(config.eos_ids) if config is not None else []
         for key, ids in (("bos_token", None), ("eos_token", eos_ids)):
@@ -214,8 +220,12 @@ def render_chat_template(template: str, messages: list[dict], add_generation_pro
     try:
         return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
                                                 **special)
+    except UserError:
+        raise
     except jinja2.TemplateError as e:
         raise UserError(f"chat template failed: {e}") from None
+    except Exception as e:   # the template's own errors at render time ({{ 1 + 'a' }}: TypeError), from the sandbox
+        raise UserError(f"chat template failed: {type(e).__name__}: {e}") from None
 
 
 class StreamDecoder:
@@ -242,9 +252,10 @@ class StreamDecoder:
 
 
 class StopStrings:
-    """Cuts streamed text before the first stop string, as the OpenAI API's `stop` does. push() returns the text that
-    is safe to show: a tail that may be the start of a stop string is held back until the next piece decides it, and
-    flush() gives it at the end of the output. `stopped` once a stop string has appeared."""
+    """Cuts streamed text before the first stop string to appear, as the OpenAI API's `stop` does: the one that ends
+    first (of two ending together, the longer), so the cut is the same however the text comes in pieces. push()
+    returns the text that is safe to show: a tail that may be the start of a stop string is held back until the next
+    piece decides it, and flush() gives it at the end of the output. `stopped` once a stop string has appeared."""
 
     def __init__(self, stops):
         self.stops = [s for s in stops if s]
@@ -253,10 +264,10 @@ class StopStrings:
 
     def push(self, piece: str) -> str:
         text = self.held + piece
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        hits = [(i + len(s), i) for s, i in ((s, text.find(s)) for s in self.stops) if i >= 0]
         if hits:
             self.stopped, self.held = True, ""
-            return text[:min(hits)]
+            return text[:min(hits)[1]]
         # the longest tail of text that begins some stop string
         keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)
                     if text.endswith(s[:k])), default=0)

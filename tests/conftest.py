@@ -32,6 +32,21 @@ def stories_with_chat_template(path: Path) -> Path:
     return d
 
 
+def flash_model_with_predictors(root: Path, layers: int, dim: int, ffn: int, heads: int, kv_heads: int) -> Path:
+    """A FLASHDIR of float16 bundles (tools/make_large_model.py, ~10% of neurons active per token, 4096 positions)
+    with rank-8 predictors trained on a little TinyStories: a model whose FFN the budget decides about."""
+    from make_large_model import main as make_large_model
+    from predictors.collect import collect
+    from predictors.train import train
+    from storage.convert import convert
+    assert make_large_model([str(root / "hf"), "--layers", str(layers), "--dim", str(dim), "--ffn", str(ffn),
+                             "--heads", str(heads), "--kv-heads", str(kv_heads), "--check-tokens", "0"]) == 0
+    flash = convert(root / "hf", root / "flash", dtype="f16", progress=False)
+    collect(str(flash), [str(CORPUS / "tinystories_cased_197KB.txt")], 128, root / "acts", ctx=128, progress=False)
+    train(root / "acts", flash, rank=8, max_rank=8, steps=10, target_recall=0.9, progress=False)
+    return Path(flash)
+
+
 def run_bench(script: str, *args, timeout: int = 600) -> tuple[dict, str]:
     """(JSON document on stdout, stderr) of `python bench/SCRIPT ARGS...` run from the repository root, which must exit
     0 (its stderr's tail is the failure message)."""

@@ -1,7 +1,7 @@
 """--dram-budget auto (the default): the machine's room, the memory cgroup's if it is smaller, less a margin."""
 import numpy as np
 
-from flashinfer_lite import budget, runtime
+from flashinfer_lite import process, runtime
 from flashinfer_lite.runtime import load_runtime
 from storage.convert import convert
 
@@ -13,17 +13,17 @@ def test_cgroup_room_v1_and_v2(tmp_path):
     (v2 / "job" / "memory.current").write_text(str(900 << 20))
     (v2 / "job" / "memory.stat").write_text("anon 1\nfile 104857600\n")
     (tmp_path / "cg2").write_text("0::/job\n")
-    assert budget._cgroup_room(str(tmp_path / "cg2"), str(v2)) == (1 << 30) - (900 << 20) + (100 << 20)
+    assert process.cgroup_room(str(tmp_path / "cg2"), str(v2)) == (1 << 30) - (900 << 20) + (100 << 20)
     (v2 / "job" / "memory.max").write_text("max\n")
-    assert budget._cgroup_room(str(tmp_path / "cg2"), str(v2)) is None
+    assert process.cgroup_room(str(tmp_path / "cg2"), str(v2)) is None
     v1 = tmp_path / "v1"
     (v1 / "memory" / "cap").mkdir(parents=True)
     (v1 / "memory" / "cap" / "memory.limit_in_bytes").write_text(str(512 << 20))
     (v1 / "memory" / "cap" / "memory.usage_in_bytes").write_text(str(500 << 20))
     (v1 / "memory" / "cap" / "memory.stat").write_text("cache 1\ntotal_cache 20971520\n")
     (tmp_path / "cg1").write_text("5:cpu,cpuacct:/x\n4:memory:/cap\n")
-    assert budget._cgroup_room(str(tmp_path / "cg1"), str(v1)) == (12 << 20) + (20 << 20)
-    assert budget._cgroup_room(str(tmp_path / "missing"), str(v1)) is None
+    assert process.cgroup_room(str(tmp_path / "cg1"), str(v1)) == (12 << 20) + (20 << 20)
+    assert process.cgroup_room(str(tmp_path / "missing"), str(v1)) is None
 
 
 def test_auto_is_the_whole_model_when_it_fits_else_the_room(tiny_model, tmp_path, monkeypatch, capsys):

@@ -16,6 +16,7 @@ from conftest import run_bench
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "bench"))    # as when a bench runs as a script: it imports `harness` from there
 
 
 def _why_not() -> str | None:
@@ -40,7 +41,7 @@ def quick(request):
 
 
 def test_every_row_has_the_fields(quick):
-    from bench.vs_llama_cpp import ROW_FIELDS
+    from vs_llama_cpp import ROW_FIELDS
     doc, err, rows = quick
     for key in ("gguf", "gguf_bytes", "flash", "prompt_ids", "tokens", "llama_baseline_bytes", "flash_minimum_bytes",
                 "machine", "results", "command"):
@@ -77,7 +78,7 @@ def test_flash_row_under_the_cap_reads_from_storage(quick):
 
 
 def test_llama_tokens_equal_llama_cpp_greedy_sampler(quick):
-    from bench.vs_llama_cpp import llama_model
+    from harness import llama_model
     doc, _, rows = quick
     llm = llama_model(doc["gguf"], doc["ctx"], doc["threads"])
     want = []
@@ -124,7 +125,7 @@ def test_e2e_llama_row_runs_under_the_flash_rows_cap(e2e_llama):
 
 
 def test_e2e_llama_tokens_equal_llama_cpp_greedy_sampler(e2e_llama):
-    from bench.vs_llama_cpp import llama_model
+    from harness import llama_model
     _, _, rows = e2e_llama
     ref, lr = rows["layer-stream"], rows["llama.cpp-75"]
     prompt = ref["ids"][:ref["prompt_len"]]

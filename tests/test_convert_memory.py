@@ -139,7 +139,7 @@ def test_runtime_loads_the_same_weights_and_logits_as_before(tiny_model, tmp_pat
 # high-water mark of this process, not inherited from pytest).
 PEAK = """
 import json, sys
-from flashinfer_lite.budget import peak_rss_bytes, rss_bytes
+from flashinfer_lite.process import peak_rss_bytes, rss_bytes
 from storage.convert import convert
 base = rss_bytes()
 convert(sys.argv[1], sys.argv[2], dtype="f16", progress=False)

@@ -76,7 +76,7 @@ def test_first_use_trains_from_the_corpus_once_when_the_model_does_not_fit(defau
     assert "ffn: dense (--ffn auto, the whole model fits in DRAM; the default model)" in err
     flashdir = flashdir_of(cache)
     assert not (flashdir / "predictors").exists()
-    # where the whole model does not fit, auto needs predictors: load_runtime has first use train them
+    # where the whole model does not fit, auto needs predictors: load() has first use train them
     asked = []
 
     def train_stub(where):
@@ -121,7 +121,7 @@ def test_first_use_trains_from_the_corpus_once_when_the_model_does_not_fit(defau
 
     # second run: nothing is retrained (training would now fail), same tokens, the source is still named
     stamp = (flashdir / "predictors" / "weights.safetensors").stat().st_mtime_ns
-    monkeypatch.setattr(runtime.subprocess, "run", lambda *a, **k: pytest.fail("trained again"))
+    monkeypatch.setattr(runtime, "run_child", lambda *a, **k: pytest.fail("trained again"))
     rc, out2, err2 = run_cli(capfd, "generate", "--ffn", "predicted", *PROMPT)
     assert rc == 0, err2
     assert "predictors: trained" not in err2

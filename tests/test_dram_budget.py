@@ -14,27 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CORPUS
+from conftest import flash_model_with_predictors
 
-REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Once upon a time there was a little dog"
 
 
 @pytest.fixture(scope="module")
 def flashdir(tmp_path_factory):
     """2 layers x 8192 neurons x dim 512, f16 bundles (48 MiB of FFN, ~10% active per token), with predictors."""
-    sys.path.insert(0, str(REPO / "tools"))
-    from make_large_model import main as make_large_model
-    from predictors.collect import collect
-    from predictors.train import train
-    from storage.convert import convert
-    root = tmp_path_factory.mktemp("budget")
-    assert make_large_model([str(root / "hf"), "--layers", "2", "--dim", "512", "--ffn", "8192", "--heads", "4",
-                             "--kv-heads", "2", "--check-tokens", "0"]) == 0
-    flash = convert(root / "hf", root / "flash", dtype="f16", progress=False)
-    collect(str(flash), [str(CORPUS / "tinystories_cased_197KB.txt")], 128, root / "acts", ctx=128, progress=False)
-    train(root / "acts", flash, rank=8, max_rank=8, steps=10, target_recall=0.9, progress=False)
-    return Path(flash)
+    return flash_model_with_predictors(tmp_path_factory.mktemp("budget"), 2, 512, 8192, 4, 2)
 
 
 # Runs argv[2:] and writes [exit code, ru_maxrss] of that child, from os.wait4, to argv[1]. A small process of its

@@ -124,8 +124,11 @@ def flashdir(tmp_path):
 
 
 def edit_manifest(flashdir, change):
+    """Change the manifest as a hostile file would, its own checksum recomputed: what the checks below must catch."""
     m = json.loads((flashdir / "manifest.json").read_text())
     change(m)
+    if "manifest_checksum" in m:
+        m["manifest_checksum"] = fmt.manifest_checksum(m)
     (flashdir / "manifest.json").write_text(json.dumps(m))
 
 
@@ -228,7 +231,7 @@ def test_garbage_and_oversized_manifests_are_refused(flashdir, monkeypatch):
     with pytest.raises(UserError, match="not valid JSON"):
         read_layout(flashdir)
     monkeypatch.setattr(fmt, "MAX_MANIFEST_BYTES", 5)
-    with pytest.raises(UserError, match="more than the 5 allowed"):
+    with pytest.raises(UserError, match="more than the 5 bytes allowed"):
         read_layout(flashdir)
 
 

@@ -78,3 +78,31 @@ def test_each_module_imports_alone(name):
         assert not [m for m in loaded if m.split(".")[0] in ("flashinfer_lite", "predictors")]
     if not name.startswith("predictors"):
         assert "torch" not in loaded and not [m for m in loaded if m.startswith("predictors")]
+
+
+def bench_imports(path: Path) -> set[tuple[str, int]]:
+    """(bench module, line) for every import of a module of bench/ in the file, whether as a script imports it
+    (`import harness`) or as a package module (`bench.harness`)."""
+    names = {f.stem for f in (REPO / "bench").glob("*.py")}
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            mods = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            mods = [a.name for a in node.names]
+        else:
+            continue
+        for m in mods:
+            parts = m.split(".")
+            if parts[0] == "bench" and len(parts) > 1 and parts[1] in names:
+                out.add((parts[1], node.lineno))
+            elif len(parts) == 1 and parts[0] in names:
+                out.add((parts[0], node.lineno))
+    return out
+
+
+def test_benches_import_only_the_harness():
+    """Each bench answers one question on top of bench/harness.py; none reaches into another (no import circle)."""
+    bad = [f"bench/{f.name}:{line} imports {m}" for f in sorted((REPO / "bench").glob("*.py"))
+           for m, line in sorted(bench_imports(f)) if m != "harness" or f.stem == "harness"]
+    assert not bad, "\n".join(bad)

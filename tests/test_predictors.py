@@ -347,3 +347,39 @@ def test_collect_removes_what_a_killed_collect_left(tmp_path):
         (d / "shard-00000.safetensors").write_bytes(b"half")
     collect(STORIES, [TINYSTORIES], 300, tmp_path / "acts", ctx=64, rows=50, progress=False)
     assert not stale.exists() and live.exists() and (tmp_path / "acts" / "manifest.json").is_file()
+
+
+def _edit_predictor_manifest(flash, edit, rechecksum: bool):
+    from storage.format import manifest_checksum
+    path = flash / "predictors" / "manifest.json"
+    m = json.loads(path.read_text())
+    edit(m)
+    if rechecksum:
+        m["manifest_checksum"] = manifest_checksum(m)
+    path.write_text(json.dumps(m))
+
+
+def test_an_edited_predictor_manifest_is_found_by_verify_and_at_launch(stories, tmp_path):
+    """act_threshold 100 everywhere passed verify before the manifest checksummed itself (then: "upon upon upon")."""
+    from test_untrusted import assert_one_line_error
+    from test_cli import cli
+    flash = shutil.copytree(stories["flash"], tmp_path / "flash")
+    assert cli("verify", str(flash)).returncode == 0
+    _edit_predictor_manifest(flash, lambda m: m.__setitem__("act_threshold", [100] * len(m["act_threshold"])),
+                             rechecksum=False)
+    assert_one_line_error(cli("verify", str(flash)), "predictors/manifest.json: checksum mismatch")
+    assert_one_line_error(cli("generate", "-m", str(flash), "-p", "Once", "-n", "4", "--ffn", "predicted"),
+                          "predictors/manifest.json: checksum mismatch")
+
+
+@pytest.mark.parametrize("field,value", [("act_threshold", ["high"] * 5), ("act_threshold", [float("nan")] * 5),
+                                         ("n_layers", "5"), ("dense_layers", ["0"]), ("dense_layers", [99]),
+                                         ("dense_layers", 3), ("has_predictors", "yes"), ("calibration", [1])])
+def test_predictor_manifest_fields_of_the_wrong_type_are_one_line(stories, tmp_path, field, value):
+    """Even with the manifest's own checksum recomputed (a hostile file, not a damaged one)."""
+    from test_untrusted import assert_one_line_error
+    from test_cli import cli
+    flash = shutil.copytree(stories["flash"], tmp_path / "flash")
+    _edit_predictor_manifest(flash, lambda m: m.__setitem__(field, value), rechecksum=True)
+    assert_one_line_error(cli("generate", "-m", str(flash), "-p", "Once", "-n", "4", "--ffn", "predicted"),
+                          "malformed predictor manifest")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
 from storage.errors import UserError  # noqa: E402
+from flashinfer_lite.process import drop_caches  # noqa: E402
 from storage.sizes import parse_size  # noqa: E402
 
 ROOT = Path("/sys/fs/cgroup/memory")
@@ -64,8 +65,7 @@ def main() -> int:
         if (cg / "memory.memsw.limit_in_bytes").exists():  # no swapping around the cap either
             (cg / "memory.memsw.limit_in_bytes").write_text(str(limit))
         if args.drop_caches:
-            os.sync()
-            Path("/proc/sys/vm/drop_caches").write_text("3")
+            drop_caches()
         procs = str(cg / "cgroup.procs")
         t0 = time.perf_counter()
         # The child joins the cgroup before exec, so everything it loads is charged to the cap.

@@ -1,0 +1,551 @@
+"""Untrusted files and real faults (issue 25): every bad input is one line on stderr and a non-zero exit, nothing the
+user owned is deleted, nothing half-written is left behind, nothing corrupt is trusted."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import STORIES
+from test_cli import cli
+
+PROGRESS = re.compile(r"^[\w -]+:\s+\d+%\|")   # a tqdm progress bar's line (stderr is not a terminal here)
+
+
+def assert_one_line_error(r, *fragments):
+    """Exit code 1, no traceback, and one line on stderr besides progress bars, holding every fragment."""
+    err = r.stderr.decode("utf-8", "replace").strip()
+    assert r.returncode == 1, err
+    assert "Traceback" not in err, err
+    # nor are the status lines of --ffn auto and of first-use training
+    lines = [ln for ln in err.splitlines() if ln.strip() and not PROGRESS.match(ln)
+             and not ln.startswith(("ffn: ", "predictors: none yet", "converting "))]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for f in fragments:
+        assert f in lines[0], err
+
+
+def leftovers(d: Path) -> list[str]:
+    """Names a writer leaves behind when it fails: its temp directories and files. Not the empty .NAME.lock files of
+    first use (storage.files.exclusive): removing a lock file others may be waiting on would let two hold it."""
+    return sorted(p.name for p in Path(d).rglob("*") if p.name.startswith(".") and not p.name.endswith(".lock")
+                  and ("-" in p.name or ".tmp" in p.name))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Data loss: --force replaces only a FLASHDIR this program wrote; two writers: one wins, the other says so
+
+def test_force_never_replaces_a_file(tmp_path):
+    f = tmp_path / "important.txt"
+    f.write_text("precious\n")
+    assert_one_line_error(cli("convert", str(STORIES), "-o", str(f), "--force"), "not a flash directory")
+    assert f.read_text() == "precious\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["important.txt"]
+
+
+def test_force_never_replaces_a_foreign_directory_holding_a_manifest(tmp_path):
+    d = tmp_path / "work"
+    d.mkdir()
+    (d / "manifest.json").write_text('{"name": "my project"}')
+    (d / "thesis.tex").write_text("years of work")
+    assert_one_line_error(cli("convert", str(STORIES), "-o", str(d), "--force"), "not a flash directory")
+    assert (d / "thesis.tex").read_text() == "years of work"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["work"]
+
+
+def test_force_never_replaces_a_flashdir_holding_a_foreign_file(tmp_path):
+    out = tmp_path / "flash"
+    assert cli("convert", str(STORIES), "-o", str(out)).returncode == 0
+    (out / "notes.txt").write_text("mine")
+    assert_one_line_error(cli("convert", str(STORIES), "-o", str(out), "--force"), "not a flash directory")
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_force_replaces_a_flashdir_this_program_wrote(tmp_path):
+    out = tmp_path / "flash"
+    assert cli("convert", str(STORIES), "-o", str(out), "--dtype", "f32").returncode == 0
+    r = cli("convert", str(STORIES), "-o", str(out), "--dtype", "f16", "--force")
+    assert r.returncode == 0, r.stderr.decode()
+    from storage.format import read_layout
+    assert read_layout(out).dtype == "f16"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["flash"]
+
+
+def test_two_writers_to_the_same_output_one_wins_the_other_says_so(tmp_path):
+    out = tmp_path / "flash"
+    env = dict(os.environ, PYTHONIOENCODING="utf-8")
+    procs = [subprocess.Popen([sys.executable, "-m", "flashinfer_lite", "convert", str(STORIES), "-o", str(out)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) for _ in range(2)]
+    results = [(p.wait(timeout=300), p.stderr.read().decode()) for p in procs]
+    codes = sorted(c for c, _ in results)
+    assert codes == [0, 1], results
+    err = next(e for c, e in results if c == 1).strip().splitlines()[-1]   # after the loser's progress bar, if any
+    assert err.startswith("error: ") and str(out) in err, results
+    from storage.format import verify
+    verify(out, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["flash"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# A full disk (ENOSPC) and a read-only one (EROFS): one line naming the path, nothing left behind
+
+def _root_mount(*args) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs or a read-only bind mount needs root")
+    r = subprocess.run(["mount", *map(str, args)], capture_output=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount ({r.stderr.decode().strip()})")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 256 KiB tmpfs: far smaller than stories260K's FLASHDIR."""
+    d = tmp_path / "small"
+    d.mkdir()
+    _root_mount("-t", "tmpfs", "-o", "size=256k", "tmpfs", d)
+    yield d
+    subprocess.run(["umount", d], check=True)
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """A directory seen through a read-only bind mount (writes fail with EROFS)."""
+    src, d = tmp_path / "rw", tmp_path / "ro"
+    src.mkdir()
+    d.mkdir()
+    _root_mount("--bind", src, d)
+    r = subprocess.run(["mount", "-o", "remount,bind,ro", d], capture_output=True)
+    if r.returncode:
+        subprocess.run(["umount", d])
+        pytest.skip(f"cannot remount read-only ({r.stderr.decode().strip()})")
+    yield d
+    subprocess.run(["umount", d], check=True)
+
+
+def test_convert_onto_a_full_disk(small_disk):
+    (small_disk / "keep.txt").write_text("mine")
+    r = cli("convert", str(STORIES), "-o", str(small_disk / "flash"))
+    assert_one_line_error(r, "No space left on device", str(small_disk))
+    assert sorted(p.name for p in small_disk.iterdir()) == ["keep.txt"]
+
+
+def test_convert_onto_a_read_only_disk(read_only):
+    assert_one_line_error(cli("convert", str(STORIES), "-o", str(read_only / "flash")), "Read-only file system",
+                          str(read_only))
+    assert list(read_only.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The default GGUF: its sha256 checked when it changed, remembered by a stamp (size, mtime, inode) otherwise
+
+def test_default_gguf_changed_in_place_is_refused(tmp_path, monkeypatch, smollm2_gguf):
+    import shutil
+    from flashinfer_lite import default_model
+    cache = tmp_path / "cache"
+    (cache / "models").mkdir(parents=True)
+    gguf = cache / "models" / default_model.FILENAME
+    shutil.copyfile(smollm2_gguf, gguf)
+    monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(cache))
+    r = cli("fetch")
+    assert r.returncode == 0 and r.stdout.decode().strip() == str(gguf), r.stderr.decode()
+    # the stamp spares the next launch the hash: a hash now would fail the test
+    monkeypatch.setattr(default_model, "sha256_of", lambda p: pytest.fail("hashed again although unchanged"))
+    assert default_model.ensure_default_model(quiet=True) == gguf
+    with open(gguf, "r+b") as f:              # in place: the size stays, the bytes do not
+        f.seek(50 << 20)
+        f.write(bytes(4096))
+    for args in (("fetch",), ("generate", "-p", "hi", "-n", "2", "--ffn", "dense")):
+        assert_one_line_error(cli(*args), str(gguf), "sha256")
+    assert gguf.stat().st_size == default_model.SIZE                 # reported, not deleted
+    assert not (cache / "flash").exists()                            # and never converted into a cache entry
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Layer checksums bound to the layer and its geometry; a manifest whose neuron count disagrees with the config
+
+@pytest.fixture(scope="module")
+def flash(tmp_path_factory):
+    from storage.convert import convert
+    return convert(STORIES, tmp_path_factory.mktemp("untrusted") / "flash", dtype="f32", progress=False)
+
+
+def copy_flash(flash, tmp_path) -> Path:
+    import shutil
+    return shutil.copytree(flash, tmp_path / "flash")
+
+
+def edit_manifest(d: Path, edit) -> None:
+    """As a hostile file would: the manifest's own checksum recomputed."""
+    import json
+    from storage.format import manifest_checksum
+    m = json.loads((d / "manifest.json").read_text())
+    edit(m)
+    m["manifest_checksum"] = manifest_checksum(m)
+    (d / "manifest.json").write_text(json.dumps(m))
+
+
+def test_two_layers_swapped_with_their_checksums_are_refused(flash, tmp_path):
+    from storage.format import read_layout
+    d = copy_flash(flash, tmp_path)
+    L = read_layout(d)
+    a, b = (bytearray(L.region_bytes(0)), bytearray(L.region_bytes(1)))
+    with open(L.ffn_path, "r+b") as f:
+        f.seek(L.offset[0]); f.readinto(a)
+        f.seek(L.offset[1]); f.readinto(b)
+        f.seek(L.offset[0]); f.write(b)
+        f.seek(L.offset[1]); f.write(a)
+
+    def swap(m):
+        m["layers"][0]["checksum"], m["layers"][1]["checksum"] = m["layers"][1]["checksum"], m["layers"][0]["checksum"]
+    edit_manifest(d, swap)
+    assert_one_line_error(cli("verify", str(d)), "checksum mismatch in layer 0")
+    assert_one_line_error(cli("generate", "-m", str(d), "-p", "Once", "-n", "4", "--ffn", "dense"),
+                          "checksum mismatch in layer 0")
+
+
+def test_a_neuron_count_that_disagrees_with_the_config_is_one_line(flash, tmp_path):
+    """n_neurons 171 (stories260K's ffn_dim is 172), its checksum recomputed to match: still refused (an IndexError in
+    generate before)."""
+    from storage.format import read_layout, region_checksum
+    d = copy_flash(flash, tmp_path)
+    L = read_layout(d)
+    L.n_neurons[0] -= 1
+    edit_manifest(d, lambda m: m["layers"][0].__setitem__("n_neurons", L.n_neurons[0]))
+    with open(L.ffn_path, "rb") as f:
+        ck = region_checksum(f, L.offset[0], L.region_bytes(0), h=L.layer_checksum(0))
+    edit_manifest(d, lambda m: m["layers"][0].__setitem__("checksum", ck))
+    for args in (("verify", str(d)), ("generate", "-m", str(d), "-p", "Once", "-n", "4", "--ffn", "dense")):
+        assert_one_line_error(cli(*args), "layer 0 has 171 neurons but the config's ffn_dim is 172")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Every tensor's shape checked against the config: at convert, at verify and at load (norms included)
+
+def copy_model(tmp_path) -> Path:
+    import shutil
+    return shutil.copytree(STORIES, tmp_path / "model")
+
+
+def rewrite_safetensors(path: Path, edit) -> None:
+    from safetensors.numpy import load_file, save_file
+    t = load_file(str(path))
+    edit(t)
+    save_file(t, str(path))
+
+
+@pytest.mark.parametrize("name,shape", [("model.norm.weight", (32,)),
+                                        ("model.layers.2.post_attention_layernorm.weight", (63,)),
+                                        ("model.embed_tokens.weight", (512, 32)),
+                                        ("model.layers.0.self_attn.q_proj.weight", (64, 32))])
+def test_a_source_tensor_of_the_wrong_shape_is_refused_at_convert(tmp_path, name, shape):
+    import numpy as np
+    m = copy_model(tmp_path)
+    rewrite_safetensors(m / "model.safetensors", lambda t: t.__setitem__(name, np.ones(shape, np.float32)))
+    out = tmp_path / "flash"
+    assert_one_line_error(cli("convert", str(m), "-o", str(out)), "has shape", "the config implies")
+    assert_one_line_error(cli("generate", "-m", str(m), "-p", "Once", "-n", "2"), "has shape")
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("name,shape", [("norm.weight", (32,)), ("layers.1.ffn_norm.weight", (288,)),
+                                        ("embed.weight", (511, 64)), ("layers.0.attn.q.weight", (64, 32))])
+def test_a_resident_tensor_of_the_wrong_shape_is_refused_at_verify_and_load(flash, tmp_path, name, shape):
+    """Its checksum recomputed: a FLASHDIR built so on purpose, not damaged."""
+    import numpy as np
+    from storage.format import file_checksum
+    d = copy_flash(flash, tmp_path)
+    res = d / "resident.safetensors"
+    rewrite_safetensors(res, lambda t: t.__setitem__(name, np.ones(shape, np.float32)))
+    edit_manifest(d, lambda m: m.__setitem__("resident_checksum", file_checksum(res)))
+    for args in (("verify", str(d)), ("generate", "-m", str(d), "-p", "Once", "-n", "2", "--ffn", "dense")):
+        assert_one_line_error(cli(*args), f"tensor {name} has shape {list(shape)}, but the config implies")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Unbounded reads and hangs: regular files only, bounded by the bytes read; JSON nesting bounded
+
+MODEL_FILES = ["config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json",
+               "chat_template.jinja", "model.safetensors"]
+
+
+@pytest.mark.parametrize("special", ["/dev/zero", "fifo"])
+@pytest.mark.parametrize("name", MODEL_FILES)
+def test_a_model_file_that_is_a_device_or_a_fifo_is_refused(tmp_path, name, special):
+    m = copy_model(tmp_path)
+    (m / name).unlink(missing_ok=True)
+    if special == "fifo":
+        os.mkfifo(m / name)                          # nobody ever writes: a reader that opens it blocks forever
+    else:
+        (m / name).symlink_to(special)               # stat says 0 bytes; reading never ends
+    out = tmp_path / "flash"
+    r = cli("convert", str(m), "-o", str(out))       # cli's timeout (300 s) would fail a hang
+    escape = name == "model.safetensors" and special == "/dev/zero"    # weights are kept inside the model directory
+    assert_one_line_error(r, "outside the directory" if escape else "not a regular file", name)
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_a_flashdir_manifest_that_is_a_fifo_is_refused(flash, tmp_path):
+    d = copy_flash(flash, tmp_path)
+    (d / "manifest.json").unlink()
+    os.mkfifo(d / "manifest.json")
+    assert_one_line_error(cli("verify", str(d)), "not a regular file")
+
+
+DEEP = b"[" * 100_000 + b"]" * 100_000
+
+
+def safetensors_with_header(header: bytes, data: bytes = b"") -> bytes:
+    return len(header).to_bytes(8, "little") + header + data
+
+
+@pytest.mark.parametrize("name,content,message", [
+    ("config.json", DEEP, "nested too deeply"),
+    ("tokenizer_config.json", b'{"a": ' + DEEP + b"}", "nested too deeply"),
+    ("model.safetensors", safetensors_with_header(DEEP), "nested too deeply"),
+    ("model.safetensors", safetensors_with_header(b'[{"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}]',
+                                                  bytes(4)), "not a JSON object"),
+    # 2**32 * 2**32 wraps int64 to 0, which matched an empty data range before Python integers did the product
+    ("model.safetensors", safetensors_with_header(b'{"w": {"dtype": "F32", "shape": [4294967296, 4294967296], '
+                                                  b'"data_offsets": [0, 0]}}'), "does not match its shape"),
+    ("model.safetensors", safetensors_with_header(b'{"w": {"dtype": "F32", "shape": [-1, -4], '
+                                                  b'"data_offsets": [0, 16]}}', bytes(16)), "corrupt tensor entry"),
+    ("model.safetensors", safetensors_with_header(b'{"w": {"dtype": "F32", "shape": [4], '
+                                                  b'"data_offsets": [0, 16.5]}}', bytes(17)), "corrupt tensor entry"),
+])
+def test_hostile_json_in_model_files_is_one_line(tmp_path, name, content, message):
+    m = copy_model(tmp_path)
+    (m / name).write_bytes(content)
+    out = tmp_path / "flash"
+    assert_one_line_error(cli("convert", str(m), "-o", str(out)), message)
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "predictors/manifest.json"])
+def test_deeply_nested_flashdir_manifests_are_one_line(flash, tmp_path, name):
+    d = copy_flash(flash, tmp_path)
+    (d / name).parent.mkdir(exist_ok=True)
+    (d / name).write_bytes(b'{"a": ' + DEEP + b"}")
+    assert_one_line_error(cli("verify", str(d)), "nested too deeply")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Chat templates from the model file: rendered in jinja2's sandbox, every failure one line; chat without stdin
+
+@pytest.mark.parametrize("template,message", [("{{ 1 + 'a' }}", "chat template failed"),
+                                              ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "chat template failed"),
+                                              ("{% for %}", "chat template failed"),
+                                              (5, "not a string"), ({"x": 1}, "not a string")])
+def test_chat_templates_that_fail_are_one_line(flash, tmp_path, template, message):
+    import json
+    d = copy_flash(flash, tmp_path)
+    tc = d / "tokenizer" / "tokenizer_config.json"
+    cfg = json.loads(tc.read_text())
+    cfg["chat_template"] = template
+    tc.write_text(json.dumps(cfg))
+    assert_one_line_error(cli("chat", "-m", str(d), "-n", "4", stdin=b"hi\n"), message)
+
+
+def test_chat_with_stdin_closed_is_one_line(flash, tmp_path):
+    d = copy_flash(flash, tmp_path)
+    r = subprocess.run([sys.executable, "-m", "flashinfer_lite", "chat", "-m", str(d)], stdin=subprocess.DEVNULL,
+                       capture_output=True, timeout=300, preexec_fn=lambda: os.close(0))
+    assert_one_line_error(r, "standard input, which is closed")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Hugging Face hub cache snapshots: files symlinked into the same repository's blobs/ are the normal layout
+
+def hub_snapshot(root: Path, repo: str = "models--org--stories") -> Path:
+    """stories260K laid out as `huggingface-cli download` leaves it: REPO/snapshots/REV/NAME -> ../../blobs/HASH."""
+    import hashlib
+    import shutil
+    blobs, snap = root / repo / "blobs", root / repo / "snapshots" / "0123abc"
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in STORIES.iterdir():
+        h = hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copyfile(f, blobs / h)
+        (snap / f.name).symlink_to(Path("..") / ".." / "blobs" / h)
+    return snap
+
+
+def test_a_hub_cache_snapshot_converts_as_the_plain_directory(flash, tmp_path):
+    import json
+    snap = hub_snapshot(tmp_path / "hub")
+    out = tmp_path / "from_hub"
+    r = cli("convert", str(snap), "-o", str(out), "--dtype", "f32")
+    assert r.returncode == 0, r.stderr.decode()
+    want, got = (json.loads((d / "manifest.json").read_text()) for d in (flash, out))
+    assert got["layers"] == want["layers"] and got["resident_checksum"] == want["resident_checksum"]
+
+
+def test_a_hub_snapshot_symlink_into_another_repository_is_refused(tmp_path):
+    snap = hub_snapshot(tmp_path / "hub")
+    other = hub_snapshot(tmp_path / "hub", repo="models--org--other")
+    (snap / "model.safetensors").unlink()
+    (snap / "model.safetensors").symlink_to(other / "model.safetensors")
+    assert_one_line_error(cli("convert", str(snap), "-o", str(tmp_path / "out")),
+                          "weights file names a path outside the directory")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Flags: every number in its range, one line before anything loads
+
+@pytest.mark.parametrize("flag,value,message", [("-t", "-1", "-t -1 is out of range"), ("-t", "0", "-t 0 is out"),
+                                                ("--min-p", "5", "--min-p 5.0 is out of range"),
+                                                ("--repeat-penalty", "0", "--repeat-penalty 0.0 is out of range"),
+                                                ("--temp", "nan", "--temp nan is out of range"),
+                                                ("--temp", "-1", "--temp -1.0 is out of range"),
+                                                ("--top-p", "inf", "--top-p inf is out of range"),
+                                                ("-c", "-5", "-c -5 is out of range"),
+                                                ("-n", "-7", "-n -7 is out of range")])
+def test_flags_out_of_range_are_one_line(flag, value, message):
+    assert_one_line_error(cli("generate", "-m", str(STORIES), "-p", "hi", flag, value), message)
+    assert_one_line_error(cli("chat", "-m", str(STORIES), flag, value, stdin=b""), message)
+
+
+def test_a_context_larger_than_memory_is_one_line(tmp_path):
+    """A config claiming 10^9 positions lets -c 3*10^8 past the model's maximum: its KV cache would be 179 GiB."""
+    import json
+    m = copy_model(tmp_path)
+    cfg = json.loads((m / "config.json").read_text())
+    cfg["max_position_embeddings"] = 10**9
+    (m / "config.json").write_text(json.dumps(cfg))
+    assert_one_line_error(cli("generate", "-m", str(m), "-p", "hi", "-n", "2", "-c", str(3 * 10**8)),
+                          "GiB of KV cache, more than this machine's")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Interruption: Ctrl-C and SIGKILL during first-use training, real signals to real processes
+
+# The parent side of first-use training exactly as `generate` runs it (generate.train_on_first_use), with cli's exits.
+PARENT = ("import sys\n"
+          "from storage.errors import Reported\n"
+          "from flashinfer_lite.runtime import train_on_first_use\n"
+          "try:\n    train_on_first_use(sys.argv[1])\n"
+          "except KeyboardInterrupt:\n    sys.exit(130)\n"
+          "except Reported as e:\n    sys.exit(e.code)\n")
+
+
+def start_first_use(d: Path) -> subprocess.Popen:
+    env = dict(os.environ, FLASHINFER_LITE_CORPUS="builtin")
+    return subprocess.Popen([sys.executable, "-c", PARENT, str(d)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=env, start_new_session=True)      # its own process group, as a terminal's job
+
+
+def running(pid: int) -> bool:
+    """A process that exists and is not a zombie waiting for a reaper."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def wait_for(cond, timeout: float, what: str):
+    import time
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.1)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def training_child(d: Path, parent: subprocess.Popen) -> int:
+    """The pid of the training child, once its .NAME.calibrate-PID directory exists (training is under way)."""
+    def found():
+        assert parent.poll() is None, parent.stderr.read().decode()
+        hits = [p for p in d.parent.iterdir() if ".calibrate-" in p.name]
+        return int(hits[0].name.rsplit("-", 1)[1]) if hits else None
+    return wait_for(found, 240, "first-use training to start")
+
+
+def assert_nothing_left(d: Path, child: int):
+    wait_for(lambda: not running(child), 60, "the training child to end")
+    assert [p.name for p in d.parent.iterdir() if ".calibrate-" in p.name] == []
+    assert sorted(p.name for p in d.iterdir() if p.name.startswith(".") and "-" in p.name) == []
+    assert not (d / "predictors").exists()
+
+
+@pytest.mark.parametrize("to", ["group", "parent"])
+def test_ctrl_c_during_first_use_training_leaves_nothing(flash, tmp_path, to):
+    """group: the terminal's Ctrl-C reaches parent and child; parent: `kill -INT` to the parent alone (forwarded)."""
+    import signal
+    d = copy_flash(flash, tmp_path)
+    parent = start_first_use(d)
+    child = training_child(d, parent)
+    (os.killpg if to == "group" else os.kill)(parent.pid, signal.SIGINT)
+    assert parent.wait(timeout=120) == 130
+    assert_nothing_left(d, child)
+
+
+def test_sigkill_to_the_parent_ends_the_training_child(flash, tmp_path):
+    import signal
+    d = copy_flash(flash, tmp_path)
+    parent = start_first_use(d)
+    child = training_child(d, parent)
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait(timeout=30)
+    assert_nothing_left(d, child)          # the child was told (SIGTERM on its parent's death) and cleaned up
+
+
+def test_two_concurrent_first_uses_train_once(flash, tmp_path):
+    d = copy_flash(flash, tmp_path)
+    parents = [start_first_use(d) for _ in range(2)]
+    errs = [p.communicate(timeout=600)[1].decode() for p in parents]
+    assert [p.returncode for p in parents] == [0, 0], errs
+    assert sum(e.count("training them once") for e in errs) == 1, errs
+    from storage.format import verify
+    verify(d, progress=False)
+
+
+def test_first_use_training_on_a_read_only_flashdir(flash, tmp_path, read_only):
+    import shutil
+    src = tmp_path / "rw"                       # what read_only shows, read-only
+    shutil.copytree(flash, src / "flash")
+    d = read_only / "flash"
+    p = start_first_use(d)
+    _, err = p.communicate(timeout=300)
+    assert_one_line_error(subprocess.CompletedProcess([], p.returncode, b"", err), str(d), "Read-only file system")
+    assert sorted(p.name for p in (src / "flash").iterdir()) == sorted(p.name for p in flash.iterdir())
+
+
+def test_first_use_training_onto_a_full_disk(flash, tmp_path):
+    """The FLASHDIR fits; the activations collected to train on do not (a tmpfs 256 KiB larger than it)."""
+    import shutil
+    from storage.files import disk_bytes
+    d = tmp_path / "small"
+    d.mkdir()
+    _root_mount("-t", "tmpfs", "-o", f"size={disk_bytes(flash) + (256 << 10)}", "tmpfs", d)
+    try:
+        shutil.copytree(flash, d / "flash")
+        p = start_first_use(d / "flash")
+        _, err = p.communicate(timeout=300)
+        assert_one_line_error(subprocess.CompletedProcess([], p.returncode, b"", err), str(d),
+                              "No space left on device")
+        assert [p.name for p in d.iterdir()] == ["flash"] and leftovers(d) == []
+        assert not (d / "flash" / "predictors").exists()
+    finally:
+        subprocess.run(["umount", d], check=True)
+
+
+def test_first_use_conversion_onto_a_full_disk(small_disk, monkeypatch):
+    monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(small_disk / "cache"))
+    r = cli("generate", "-m", str(STORIES), "-p", "hi", "-n", "2", "--ffn", "predicted")
+    assert_one_line_error(r, str(small_disk), "No space left on device")
+    assert leftovers(small_disk) == [] and not any((small_disk / "cache" / "flash").glob("*/manifest.json"))
+
+
+def test_an_edited_flashdir_manifest_is_refused(flash, tmp_path):
+    """norm_eps 1e-5 -> 1e-6 in the manifest's config: a valid model, not this one."""
+    d = copy_flash(flash, tmp_path)
+    text = (d / "manifest.json").read_text()
+    assert '"norm_eps": 1e-05' in text
+    (d / "manifest.json").write_text(text.replace('"norm_eps": 1e-05', '"norm_eps": 1e-06'))
+    for args in (("verify", str(d)), ("generate", "-m", str(d), "-p", "Once", "-n", "2", "--ffn", "dense")):
+        assert_one_line_error(cli(*args), "manifest.json: checksum mismatch")
