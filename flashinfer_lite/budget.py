@@ -22,6 +22,7 @@ The process's peak RSS (the kernel's high-water mark, `process.peak_rss_bytes`) 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import numpy as np
