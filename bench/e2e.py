@@ -90,7 +90,8 @@ class Worker:
     def setup_flash(self):
         """The runtime's own FlashFFN (neuron cache, reader, overlapped reads, sparse kernel), fed replayed sets."""
         from flashinfer_lite.budget import plan_budget
-        from flashinfer_lite.ffn.flash import FlashFFN, expected_max_active
+        from flashinfer_lite.ffn.flash import FlashFFN
+        from flashinfer_lite.runtime import expected_max_active
         a, L = self.a, self.layout
         with np.load(a.active, allow_pickle=False) as z:
             n = int(z["n"])
