@@ -12,6 +12,7 @@ import numpy as np
 
 from storage.cache import flashdir_for
 
+from .budget import refuse_below_minimum
 from .config import DEFAULT_MAX_CTX
 from .default_model import ensure_default_model
 from .errors import UserError, run_child
@@ -264,6 +265,8 @@ def choose_ffn(args) -> tuple[str, str, str | None]:
     """(model path, FFN mode, why) for -m (or the default model) and --ffn; `why` is said once the model has loaded
     (for --ffn auto only). The default model gets its FLASHDIR made on first use, and its predictors when it runs
     sparse: at once for --ffn predicted, for auto only once load_runtime finds the whole model does not fit."""
+    if args.dram_budget not in (None, "auto") and args.ffn != "dense":   # dense refuses any budget in load_dense
+        refuse_below_minimum(args.model or ensure_default_model(), parse_size(args.dram_budget), args.ctx_size)
     if args.model is None:
         path = ensure_default_model()
         if args.ffn not in ("auto", "predicted"):
