@@ -88,3 +88,18 @@ def test_a_too_small_budget_is_refused_before_any_work_on_a_cold_cache(tmp_path,
     compiled = [p for p in numba.rglob("*") if p.is_file()]    # Numba makes its directories on import, no files
     assert not compiled, compiled                                                     # nothing compiled
     assert wall < 20, wall      # a guard only: conversion, compilation or training would take minutes
+
+
+def test_first_use_training_says_how_long_the_layers_left_take(capsys):
+    from tqdm import tqdm
+
+    from predictors.first_use import say_time_left
+    on_layer = say_time_left(n_layers=5)
+    with tqdm(range(5), file=sys.stderr) as bar:
+        on_layer({"layer": 0, "dense": True}, bar)              # the dense first layer trains nothing: no pace yet
+        assert "layers left" not in capsys.readouterr().err
+        on_layer({"layer": 1, "seconds": 30.0}, bar)            # 3 layers left at 30 s each
+        on_layer({"layer": 2, "seconds": 90.0}, bar)            # said once
+        assert "(~2 min)" in bar.desc
+    err = capsys.readouterr().err
+    assert err.count("layers left") == 1 and "30 s per layer; the 3 layers left take about 2 min" in err, err
