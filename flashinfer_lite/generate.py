@@ -265,10 +265,12 @@ def choose_ffn(args) -> tuple[str, str, str | None]:
     """(model path, FFN mode, why) for -m (or the default model) and --ffn; `why` is said once the model has loaded
     (for --ffn auto only). The default model gets its FLASHDIR made on first use, and its predictors when it runs
     sparse: at once for --ffn predicted, for auto only once load_runtime finds the whole model does not fit."""
-    if args.dram_budget not in (None, "auto") and args.ffn != "dense":   # dense refuses any budget in load_dense
-        refuse_below_minimum(args.model or ensure_default_model(), parse_size(args.dram_budget), args.ctx_size)
+    def refuse_early(path) -> None:     # before conversion, compilation or training; dense is refused in load_dense
+        if args.dram_budget not in (None, "auto") and args.ffn != "dense":
+            refuse_below_minimum(path, parse_size(args.dram_budget), args.ctx_size)
     if args.model is None:
         path = ensure_default_model()
+        refuse_early(path)
         if args.ffn not in ("auto", "predicted"):
             return str(path), args.ffn, None
         flashdir = flashdir_for(path, progress=sys.stderr.isatty())
@@ -276,9 +278,11 @@ def choose_ffn(args) -> tuple[str, str, str | None]:
             train_on_first_use(flashdir)
         return flashdir, args.ffn, "the default model"
     if args.ffn != "auto":
+        refuse_early(args.model)
         return args.model, args.ffn, None
     if is_flashdir(args.model):
         if has_trained_predictors(args.model):
+            refuse_early(args.model)
             return args.model, "auto", f"{args.model} has trained predictors"
     if args.dram_budget not in (None, "auto"):
         raise UserError(f"--dram-budget needs a sparse FFN, and {args.model} has no predictors: run "
