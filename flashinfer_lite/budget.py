@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
-from storage.format import read_layout
+from storage.checkpoint import open_checkpoint
+from storage.format import is_flashdir, read_layout
 from storage.profile import DEFAULT_GAP_BYTES
 from storage.reader import BundleReader, aligned_empty
 
@@ -202,6 +204,34 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
                       max_active=max_active, requested=requested)
 
 
+def refuse_below_minimum(path, dram_budget: int, ctx: int | None, runtime_bytes: int | None = None) -> None:
+    """Raise UserError, naming the minimum, when `dram_budget` (bytes) is below a lower bound of what any plan for the
+    model at `path` (GGUF, HF directory or FLASHDIR) needs: checked from the sizes its header, config.json or
+    manifest give, before fetch, conversion, kernel compilation or training spend minutes.
+
+    The bound leaves out what only those steps tell (the window's rows, the slot maps, the neuron cache's scratch),
+    so every budget it refuses plan_budget and plan_resident_ffn refuse too:
+      runtime   `runtime_bytes`, default this process's RSS now (interpreter and libraries imported, before the model
+                is opened) plus what loading the kernels added when this installation last measured it (the
+                runtime line is measured later in this same process, after the tokenizer and the kernels load)
+      resident  the norms (float32) and the resident matrices at 2 bits per weight, below any kind they are kept in
+      kv, prompt chunk, heap slack: as the plan counts them"""
+    runtime = rss_bytes() + remembered_kernels_bytes() if runtime_bytes is None else runtime_bytes
+    if is_flashdir(path):
+        cfg = ModelConfig.from_dict(read_layout(path, check_size=False).config)
+    else:
+        cfg = open_checkpoint(Path(path)).config   # the GGUF header or config.json; no tensor is read
+    ctx = ctx or cfg.default_ctx
+    matrices = sum(rows * cols for rows, cols in resident_matrix_shapes(cfg).values())
+    resident = resident_bytes_for(cfg) - 4 * matrices + matrices // 4
+    kv = KVCache.nbytes_for(cfg, ctx)
+    minimum = runtime + resident + kv + prefill_transient_bytes(cfg, ctx) + HEAP_SLACK_BYTES
+    if dram_budget < minimum:
+        raise UserError(f"DRAM budget {_mib(dram_budget)} is below the minimum for this model, at least "
+                        f"{_mib(minimum)} (runtime {_mib(runtime)}, resident {_mib(resident)} or more, "
+                        f"kv {_mib(kv)} for {ctx} positions, buffers)")
+
+
 def dense_ffn_row_bytes(layout) -> int:
     """DRAM per neuron of the FFN in RAM (runtime.resident_model): a quantized layout's DenseLayer rows, else its
     vectors as the dense FeedForward keeps them (float16 matrices, float32 for f32 bundles)."""
@@ -368,9 +398,45 @@ def measure_runtime_bytes(layout) -> int:
     import gc
     if not compiled_stamp(layout).exists():
         compile_in_child(layout)
+    loaded, before = compiled_stamp(layout).exists(), rss_bytes()
     compile_kernels(layout)
     gc.collect()
-    return rss_bytes()
+    rss = rss_bytes()
+    if loaded:                  # only loaded from the cache: what the kernels add, for refuse_below_minimum
+        remember_kernels_bytes(rss - before)
+    return rss
+
+
+# What compile_kernels adds to RSS when it loads the kernels from Numba's cache, until this installation measured it:
+# 64 MiB (float16 layout) and 70 MiB (q4_1) measured with Numba 0.6x on Linux x86-64, 2026-11
+KERNELS_DEFAULT_BYTES = 32 << 20
+
+
+def kernels_record():
+    """The file, beside compiled_stamp in Numba's cache directory, that keeps the smallest such addition measured."""
+    from pathlib import Path
+    return Path(attention_rows._cache.cache_path) / "flashinfer-lite-kernels-rss"
+
+
+def remembered_kernels_bytes() -> int:
+    try:
+        return int(kernels_record().read_text())
+    except (OSError, ValueError):
+        return KERNELS_DEFAULT_BYTES
+
+
+def remember_kernels_bytes(n: int) -> None:
+    """Keep the smallest addition measured (best effort: a read-only cache keeps the default)."""
+    import os
+    path = kernels_record()
+    if path.exists() and remembered_kernels_bytes() <= n:
+        return
+    tmp = path.with_name(f"{path.name}.{os.getpid()}")
+    try:
+        tmp.write_text(str(max(0, n)))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def compile_in_child(layout) -> None:

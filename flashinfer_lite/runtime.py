@@ -32,7 +32,7 @@ from storage.sizes import parse_size
 
 from . import BLAS_THREADS_FROM_USER
 from .budget import (HEAP_SLACK_BYTES, BudgetPlan, auto_budget_bytes, measure_runtime_bytes, plan_budget,
-                     plan_resident_ffn, resident_bytes_for)
+                     plan_resident_ffn, refuse_below_minimum, resident_bytes_for)
 from .default_model import ensure_default_model
 from .ffn.flash import STREAM_CHUNK_BYTES, FlashFFN
 from .ffn.resident import ResidentFFN
@@ -197,16 +197,20 @@ class Decision:
 
 
 def open_model_files(model, ffn: str, verify: bool = True, progress: bool = False,
-                     runtime_bytes: int | None = None) -> ModelFiles:
+                     runtime_bytes: int | None = None, refuse_below: int | None = None, ctx: int = 0) -> ModelFiles:
     """The facts decide() needs. A FLASHDIR backs every mode but dense of an HF directory or GGUF (and auto of one
     that is not the default model: without predictors it runs dense); such a model is converted into the cache on
     first use, and a launch checks sizes and the verified stamp, not every byte. The runtime line is measured here,
-    on a process that holds everything but the weights (tokenizer, predictors, compiled kernels)."""
+    on a process that holds everything but the weights (tokenizer, predictors, compiled kernels). refuse_below: a
+    --dram-budget (bytes) under the model's lower bound is refused before any of that work
+    (budget.refuse_below_minimum), for the runs that plan it (the dense ones hold every weight, with no plan)."""
     if ffn not in FFN_MODES:
         raise UserError(f"unknown --ffn mode '{ffn}' (choose from {', '.join(FFN_MODES)})")
     default = model is None
     source = str(ensure_default_model()) if default else str(model)
     flash_backed = is_flashdir(source) or ffn in ("oracle", "predicted") or (ffn == "auto" and default)
+    if refuse_below is not None and flash_backed and ffn != "dense":
+        refuse_below_minimum(source, refuse_below, ctx)
     if not flash_backed or ffn == "dense":     # every weight in DRAM, as stored: no plan, no predictors
         if flash_backed and verify:   # the resident file and the manifest are checked, not only each layer
             verify_at_load(source, progress=progress)
@@ -339,7 +343,8 @@ def load(path: str | None = None, dram_budget: int | str | None = "auto", ffn: s
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     budget = parse_size(dram_budget) if isinstance(dram_budget, str) and dram_budget != "auto" else dram_budget
     progress = sys.stderr.isatty()
-    files = open_model_files(path, ffn, progress=progress)
+    files = open_model_files(path, ffn, progress=progress, refuse_below=budget if isinstance(budget, int) else None,
+                             ctx=ctx)
     ctx = context_size(ctx, files.ckpt.config)
     room = auto_budget_bytes() if budget == "auto" else None
     decision = decide(files, ffn, budget, ctx, lookahead=lookahead, room=room, verbose=verbose)

@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
 
+from tqdm import tqdm
+
 from storage.errors import UserError, child_exit_code
 from flashinfer_lite.loader import open_any
 from flashinfer_lite.predictor_set import describe_calibration as describe, read_manifest
@@ -130,6 +132,24 @@ def blas_threads(n: int):
     return threadpool_limits(n, user_api="blas")
 
 
+def say_time_left(n_layers: int):
+    """train's on_layer: once the first layer that trains a predictor is done, one line with the time the others
+    will take at its pace (the layers are the same size), and the bar's estimate of the time left from then on."""
+    said = False
+
+    def on_layer(card: dict, bar) -> None:
+        nonlocal said
+        if said or "seconds" not in card:
+            return
+        said = True
+        left = card["seconds"] * (n_layers - card["layer"] - 1)
+        done_at = time.strftime("%H:%M", time.localtime(time.time() + left))
+        tqdm.write(f"predictors: {card['seconds']:.0f} s per layer; the {n_layers - card['layer'] - 1} layers left "
+                   f"take about {left / 60:.0f} min (until {done_at})", file=sys.stderr)
+        bar.set_description(f"train-predictor (~{left / 60:.0f} min)")
+    return on_layer
+
+
 def ensure_predictors(flashdir, settings: Calibration | None = None, progress: bool = True) -> dict | None:
     """Train FLASHDIR's predictors unless it has them. Returns the manifest's calibration record (None for predictors
     trained by hand with `train-predictor`)."""
@@ -174,7 +194,7 @@ def ensure_predictors(flashdir, settings: Calibration | None = None, progress: b
             record["settings"] = asdict(settings)
             train(acts, flashdir, target_recall=settings.target_recall, sparsity=settings.sparsity,
                   steps=settings.steps, dense_layers=settings.dense_layers, progress=progress, calibration=record,
-                  threads=threads)
+                  threads=threads, on_layer=say_time_left(Acts(acts).config.n_layers))
     except OSError as e:     # a full disk: one line naming where (a write() error names no file)
         raise UserError(f"cannot write {e.filename or work}: {e.strerror or e}") from None
     finally:

@@ -230,9 +230,10 @@ def flashdir_checkpoint(flashdir):
 
 def train(acts_dir, flashdir, rank=None, max_rank=None, target_recall=0.99, max_ratio=4.0, sparsity=None,
           kept_mass=None, steps=400, dense_layers=1, max_read_share=DEFAULT_MAX_READ_SHARE, thresholds_only=False, seed=0, progress=True,
-          calibration: dict | None = None, threads: int | None = None) -> list[dict]:
+          calibration: dict | None = None, threads: int | None = None, on_layer=None) -> list[dict]:
     """Thresholds and predictors for every layer, saved into FLASHDIR/predictors; `calibration` (where the text came
-    from) is recorded in its manifest as is. threads: torch threads (default: up to 2)."""
+    from) is recorded in its manifest as is. threads: torch threads (default: up to 2). on_layer(card, bar): called
+    after each layer with its card (a trained layer's has "seconds") and the progress bar."""
     if not 0 < target_recall <= 1:
         raise UserError(f"--target-recall must be in (0, 1] (got {target_recall})")
     if sparsity is not None and not 0 <= sparsity < 1:
@@ -293,6 +294,8 @@ def train(acts_dir, flashdir, rank=None, max_rank=None, target_recall=0.99, max_
             card["seconds"] = round(time.perf_counter() - t0, 2)
             bar.set_postfix(rank=m["rank"], recall=f"{m['recall']:.3f}", ratio=f"{m['pred_true_ratio']:.2f}")
         cards.append(card)
+        if on_layer is not None:
+            on_layer(card, bar)
     save_predictors(flashdir, acts, cards, weights, freqs, dict(
         target_recall=target_recall, dense_layers=[c["layer"] for c in cards if c.get("dense")], sparsity=sparsity,
         max_read_share=max_read_share,
