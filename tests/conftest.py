@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -45,6 +46,21 @@ def flash_model_with_predictors(root: Path, layers: int, dim: int, ffn: int, hea
     collect(str(flash), [str(CORPUS / "tinystories_cased_197KB.txt")], 128, root / "acts", ctx=128, progress=False)
     train(root / "acts", flash, rank=8, max_rank=8, steps=10, target_recall=0.9, progress=False)
     return Path(flash)
+
+
+def planner_minimum(refuse) -> tuple[float, str]:
+    """(the planner's minimum DRAM budget in MiB, its one-line refusal). refuse(budget) runs the command with
+    --dram-budget budget and returns (exit code, stderr), whose last line is the refusal. 1 MiB is refused before any work, naming the early
+    estimate (budget.refuse_below_minimum, a lower bound); 1 MiB above that the planner refuses and names its own,
+    for the window rows and slot maps the bound leaves out."""
+    rc, err = refuse("1M")
+    early = re.search(r"below the minimum for this model, at least ([\d.]+) MiB", err)
+    if early:
+        rc, err = refuse(f"{float(early.group(1)) + 1}M")
+    last = err.strip().splitlines()[-1] if err.strip() else ""
+    planned = re.search(r"^error: DRAM budget .* below the minimum ([\d.]+) MiB", last)
+    assert rc == 1 and planned, err
+    return float(planned.group(1)), err
 
 
 def run_bench(script: str, *args, timeout: int = 600) -> tuple[dict, str]:

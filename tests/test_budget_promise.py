@@ -8,14 +8,13 @@ and, under tools/memcap.py, the cgroup's own limit: a process over it is OOM-kil
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import CORPUS, flash_model_with_predictors
+from conftest import CORPUS, flash_model_with_predictors, planner_minimum
 from test_dram_budget import LAUNCHER
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,14 +48,9 @@ def generate(flashdir: Path, tmp_path: Path, *args: str, cap: int | None = None,
 
 
 def minimum_mib(flashdir: Path, tmp_path: Path, *args: str, env: dict | None = None) -> float:
-    """The planner's minimum, named when generate refuses a budget at the estimate it refuses 1 MiB with before any
-    work (budget.refuse_below_minimum: a lower bound; 1 MiB above it the planner still refuses, for
-    the window rows and slot maps the bound leaves out)."""
-    rc, _, err, _, _ = generate(flashdir, tmp_path, "-p", "x", "--dram-budget", "1M", *args, env=env)
-    estimate = float(re.search(r"below the minimum for this model, at least ([\d.]+) MiB", err).group(1)) + 1
-    rc, _, err, _, _ = generate(flashdir, tmp_path, "-p", "x", "--dram-budget", f"{estimate}M", *args, env=env)
-    assert rc == 1 and len(err.strip().splitlines()) == 1, err
-    return float(re.search(r"below the minimum ([\d.]+) MiB", err).group(1))
+    """The planner's minimum (conftest.planner_minimum) for generate with these arguments."""
+    return planner_minimum(lambda budget: generate(flashdir, tmp_path, "-p", "x", "--dram-budget", budget, *args,
+                                                   env=env)[:3:2])[0]
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="Linux: Numba cache and VmHWM")

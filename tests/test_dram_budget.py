@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import flash_model_with_predictors
+from conftest import flash_model_with_predictors, planner_minimum
 
 PROMPT = "Once upon a time there was a little dog"
 
@@ -51,13 +51,8 @@ def generate(flashdir: Path, budget: str, tmp_path: Path) -> tuple[int, str, str
 @pytest.mark.skipif(not hasattr(os, "wait4"), reason="needs os.wait4 for the child's peak RSS")
 def test_generate_peak_rss_stays_within_the_dram_budget(flashdir, tmp_path):
     # The minimum this process needs, from the one-line error (it includes the measured runtime baseline).
-    # (1 MiB is refused before any work, naming an estimate: a lower bound the planner refuses too, and 1 MiB
-    # above it, its window rows and slot maps left out.)
-    _, _, err, _ = generate(flashdir, "1M", tmp_path)
-    estimate = float(re.search(r"below the minimum for this model, at least ([\d.]+) MiB", err).group(1)) + 1
-    rc, _, err, _ = generate(flashdir, f"{estimate}M", tmp_path)
-    assert rc == 1 and len(err.strip().splitlines()) == 1, err
-    minimum_mib = float(re.search(r"below the minimum ([\d.]+) MiB", err).group(1))
+    minimum_mib, err = planner_minimum(lambda budget: generate(flashdir, budget, tmp_path)[::2])
+    assert len(err.strip().splitlines()) == 1, err
     assert "runtime" in err
     budget_mib = math.ceil(minimum_mib) + 16
     budget = budget_mib << 20
