@@ -28,7 +28,8 @@ from numba.extending import intrinsic
 from storage.errors import UserError
 from flashinfer_lite.kernels.gemv import MATMUL_PARALLEL_MIN_WORK
 from flashinfer_lite.kernels.prefetch import prefetch_ahead
-from flashinfer_lite.quant import _F32, _I8, _I32, _arrays, _f32_block, _half_at, _load_vec, _rows_ok, _vec
+from flashinfer_lite.quant import (_F32, _I8, _I32, _accumulate_product, _add_product, _arrays, _f32_block,
+                                   _half_at, _horizontal_sum, _load_vec, _rows_ok, _vec)
 
 Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = 0, 1, 2, 3, 4     # kind codes the kernels branch on (once per block)
 KQUANTS = {"q5_0": (Q5_0, 32, 22), "q5_1": (Q5_1, 32, 24),    # name -> (code, weights per block, bytes per block)
@@ -155,17 +156,9 @@ def row_dot(typingctx, r, x, kind):
         acc = cgutils.alloca_once_value(builder, _vec(builder, _F32, 0.0))
 
         def body(w, i):
-            xs = builder.load(_f32_block(builder, x, i), align=4)
-            builder.store(builder.fadd(builder.load(acc), builder.fmul(w, xs, flags=("fast",)), flags=("fast",)),
-                          acc)
+            _accumulate_product(builder, acc, w, x, i)
         _for_subs(context, builder, kind, r.data, x.nitems, body)
-        v, n = builder.load(acc), SUB
-        while n > 1:  # horizontal sum, once per row
-            n //= 2
-            half = lambda lo: builder.shuffle_vector(  # noqa: E731
-                v, v, ir.Constant(ir.VectorType(_I32, n), list(range(lo, lo + n))))
-            v = builder.fadd(half(0), half(n), flags=("fast",))
-        return builder.extract_element(v, ir.Constant(_I32, 0))
+        return _horizontal_sum(builder, builder.load(acc))
     return types.float32(r, x, kind), codegen
 
 
@@ -194,8 +187,7 @@ def row_axpy(typingctx, y, c, r, kind):
         cs = _vec(builder, _F32, c)
 
         def body(w, i):
-            dst = _f32_block(builder, y, i)
-            builder.store(builder.fadd(builder.load(dst, align=4), builder.fmul(cs, w)), dst, align=4)
+            _add_product(builder, y, i, cs, w)
         _for_subs(context, builder, kind, r.data, y.nitems, body)
         return context.get_dummy_value()
     return types.none(y, c, r, kind), codegen

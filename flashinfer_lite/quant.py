@@ -113,6 +113,29 @@ def _for_blocks(context, builder, kind, nb, body):
                 body(k, loop.index, builder.mul(loop.index, ir.Constant(loop.index.type, bb)))
 
 
+def _accumulate_product(builder, acc, w, x, b):
+    """acc (a <32 x float> slot) += w * x[32b : 32b + 32], reassociable: the dot product's step."""
+    xs = builder.load(_f32_block(builder, x, b), align=4)
+    builder.store(builder.fadd(builder.load(acc), builder.fmul(w, xs, flags=("fast",)), flags=("fast",)), acc)
+
+
+def _horizontal_sum(builder, v):
+    """The sum of a <32 x float>'s lanes, by halving (once per row)."""
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        half = lambda lo: builder.shuffle_vector(  # noqa: E731
+            v, v, ir.Constant(ir.VectorType(_I32, n), list(range(lo, lo + n))))
+        v = builder.fadd(half(0), half(n), flags=("fast",))
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
+def _add_product(builder, y, b, cs, w):
+    """y[32b : 32b + 32] += cs * w in strict float32 (no contraction), so every call site rounds alike."""
+    dst = _f32_block(builder, y, b)
+    builder.store(builder.fadd(builder.load(dst, align=4), builder.fmul(cs, w)), dst, align=4)
+
+
 def _rows_ok(*arrays_and_dtypes) -> bool:
     """Typing guard of the row intrinsics: 1-D C-contiguous arrays of the given dtypes (else no such function)."""
     return all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and a.dtype == dt
@@ -137,17 +160,9 @@ def row_dot(typingctx, r, x, kind):
 
         def body(k, b, offset):
             w = _decode_block(context, builder, k, r.data, offset)
-            xs = builder.load(_f32_block(builder, x, b), align=4)
-            builder.store(builder.fadd(builder.load(acc), builder.fmul(w, xs, flags=("fast",)), flags=("fast",)),
-                          acc)
+            _accumulate_product(builder, acc, w, x, b)
         _for_blocks(context, builder, kind, nb, body)
-        v, n = builder.load(acc), BLOCK
-        while n > 1:  # horizontal sum, once per row
-            n //= 2
-            half = lambda lo: builder.shuffle_vector(  # noqa: E731
-                v, v, ir.Constant(ir.VectorType(_I32, n), list(range(lo, lo + n))))
-            v = builder.fadd(half(0), half(n), flags=("fast",))
-        return builder.extract_element(v, ir.Constant(_I32, 0))
+        return _horizontal_sum(builder, builder.load(acc))
     return types.float32(r, x, kind), codegen
 
 
@@ -179,8 +194,7 @@ def row_axpy(typingctx, y, c, r, kind):
 
         def body(k, b, offset):
             w = _decode_block(context, builder, k, r.data, offset)
-            dst = _f32_block(builder, y, b)
-            builder.store(builder.fadd(builder.load(dst, align=4), builder.fmul(cs, w)), dst, align=4)
+            _add_product(builder, y, b, cs, w)
         _for_blocks(context, builder, kind, builder.sdiv(y.nitems, ir.Constant(y.nitems.type, BLOCK)), body)
         return context.get_dummy_value()
     return types.none(y, c, r, kind), codegen
