@@ -26,7 +26,8 @@ import numpy as np
 
 from storage.errors import UserError
 
-from .format import BUNDLE_ALIGN, FlashLayout, drop_from_page_cache, read_layout
+from .checksums import drop_from_page_cache
+from .format import BUNDLE_ALIGN, FlashLayout, read_layout
 from .profile import ENGINES, reader_defaults
 from .stats import FlashStats
 from .uring import Ring, unavailable
