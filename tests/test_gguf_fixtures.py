@@ -16,9 +16,12 @@ import numpy as np
 import pytest
 
 import flashinfer_lite.model as model_module
+from conftest import assert_same_bits_at_every_budget
 from flashinfer_lite.ffn.gating import coefficients, gelu_tanh
 from flashinfer_lite.runtime import load_runtime
 from storage.checkpoint import open_checkpoint
+from storage.convert import convert
+from storage.errors import UserError
 
 DATA = Path(__file__).resolve().parent / "data" / "gguf"
 FIXTURES = sorted(p.stem for p in DATA.glob("*.gguf"))
@@ -160,3 +163,39 @@ def test_the_gguf_tokenizer_gives_the_hf_tokenizers_ids(family, name):
         assert tok.decode(tok.encode(text)) == hf.decode(hf.encode(text).ids), text
     ids = hf.encode("".join(TRICKY)).ids
     assert len(set(ids)) > 50      # the vocabulary is exercised, not just bytes
+
+
+@pytest.mark.parametrize("name", ["qwen2-q8_0", "gemma3-q8_0"])
+def test_the_gguf_from_flash_gives_the_dense_tokens_at_every_budget(name, tmp_path, monkeypatch):
+    """Its FLASHDIR (the GGUF's gate/up blocks kept, down requantized along d) in oracle mode gives the FLASHDIR's
+    dense greedy tokens, and the same bits at every DRAM budget."""
+    ids = recorded(name)["ids"].tolist()
+    flash = convert(DATA / f"{name}.gguf", tmp_path / "flash", progress=False)
+    dense, _, rt = load_runtime(flash, "dense")
+    assert rt is None
+    want = greedy(dense, ids, 32)
+    model, _, rt = load_runtime(flash, "oracle")
+    assert rt is not None and greedy(model, ids, 32) == want
+    assert_same_bits_at_every_budget(flash, "oracle", ids, 8, monkeypatch)
+
+
+def greedy(model, ids: list[int], n: int) -> list[int]:
+    kv = model.new_cache(128)
+    out, last = list(ids), model.forward(ids, kv)
+    for _ in range(n):
+        out.append(int(np.argmax(last)))
+        last = model.forward([out[-1]], kv)
+    return out
+
+
+def test_an_unsupported_gguf_architecture_is_one_line_naming_the_supported(tmp_path):
+    import gguf
+    w = gguf.GGUFWriter(str(tmp_path / "phi3.gguf"), "phi3")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UserError) as e:
+        open_checkpoint(tmp_path / "phi3.gguf")
+    assert str(e.value) == "unsupported GGUF architecture 'phi3' (supported: llama, qwen2, qwen3, gemma3)"
