@@ -147,6 +147,17 @@ def smollm2_gguf():
         pytest.skip(f"SmolLM2 GGUF unavailable: {e}")
 
 
+def greedy_tokens(model, ids: list[int], n: int, ctx: int = 128) -> list[int]:
+    """ids and model's n greedy tokens after them (a batched prompt, then one token at a time)."""
+    import numpy as np
+    kv = model.new_cache(ctx)
+    out, logits = list(ids), model.forward(ids, kv)
+    for _ in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = model.forward([out[-1]], kv)
+    return out
+
+
 def transformers_model(path: Path, **kw):
     """The transformers oracle, float32 with eager attention whose keys and values are rounded to float16 first: our
     KV cache stores them so (model.KVCache), and then what is left between the two is float32 summation order."""

@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import assert_same_bits_at_every_budget, transformers_model
+from conftest import assert_same_bits_at_every_budget, greedy_tokens, transformers_model
 from flashinfer_lite.loader import load_weights
 from flashinfer_lite.model import Transformer
 from flashinfer_lite.runtime import load_runtime
@@ -19,15 +19,6 @@ from storage.errors import UserError
 
 KINDS = ["qwen2", "qwen3", "gemma3"]
 PROMPT = np.random.default_rng(11).integers(3, 512, size=12).tolist()   # longer than gemma3's window (6)
-
-
-def greedy(model: Transformer, ids: list[int], n: int) -> list[int]:
-    kv = model.new_cache(64)
-    out, logits = list(ids), model.forward(ids, kv)
-    for _ in range(n):
-        out.append(int(np.argmax(logits)))
-        logits = model.forward([out[-1]], kv)
-    return out
 
 
 def transformers_greedy(path, ids: list[int], n: int) -> list[int]:
@@ -41,10 +32,10 @@ def test_greedy_32_tokens_equal_transformers_dense_and_oracle(tiny_model, tmp_pa
     path = tiny_model(kind)
     want = transformers_greedy(path, PROMPT, 32)
     model, _, rt = load_runtime(path, "dense")
-    assert rt is None and greedy(model, PROMPT, 32) == want
+    assert rt is None and greedy_tokens(model, PROMPT, 32) == want
     flash = convert(path, tmp_path / "flash", dtype="f32", progress=False)
     model, _, rt = load_runtime(flash, "oracle")
-    assert rt is not None and greedy(model, PROMPT, 32) == want
+    assert rt is not None and greedy_tokens(model, PROMPT, 32) == want
 
 
 @pytest.mark.parametrize("kind", KINDS)
