@@ -63,7 +63,8 @@ def rope_inv_freq(cfg: ModelConfig, sliding: bool = False) -> np.ndarray:
     with a sliding window, which have their own base and no scaling when the config gives one (Gemma 3)."""
     hd = cfg.head_dim
     own_base = sliding and cfg.rope_theta_sliding is not None
-    inv = 1.0 / ((cfg.rope_theta_sliding if own_base else cfg.rope_theta) ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    base = cfg.rope_theta_sliding if own_base else cfg.rope_theta
+    inv = 1.0 / (base ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
     sc = {} if own_base else cfg.rope_scaling or {}
     kind = sc.get("rope_type", sc.get("type", "default"))
     if kind == "default":
@@ -236,9 +237,8 @@ def prompt_attention(q: np.ndarray, k_bits: np.ndarray, v_bits: np.ndarray, pos0
                      sliding_window: int | None, scale: np.float32) -> np.ndarray:
     """Causal attention of q [T, H, hd] (positions pos0..) over the cache's keys and values [S, Hkv, hd] (float16
     bits, S = pos0 + T, this chunk's included), scores q.k times scale -> [T, H, hd]: per KV head,
-    ATTENTION_TILE_ROWS query rows at a time,
-    each over the keys up to its last position. The g query heads of a KV head are stacked as rows, so that one BLAS
-    product reads each key once for all of them."""
+    ATTENTION_TILE_ROWS query rows at a time, each over the keys up to its last position. The g query heads of a KV
+    head are stacked as rows, so that one BLAS product reads each key once for all of them."""
     T, H, hd = q.shape
     Hkv = k_bits.shape[1]
     g = H // Hkv

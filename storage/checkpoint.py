@@ -276,8 +276,8 @@ def gemma3_config(cfg: dict, common: dict) -> ModelConfig:
                        sliding_window=_count(cfg, "sliding_window", 4096),
                        sliding_layers=[t == "sliding_attention" for t in types], qk_norm=True, post_norms=True,
                        embed_scale=math.sqrt(dim),
-                       query_scale=float(_get(cfg, "query_pre_attn_scalar", head_dim)) ** -0.5,
-                       logit_softcap=None if softcap is None else float(softcap), **common)
+                       query_scale=_count(cfg, "query_pre_attn_scalar", head_dim) ** -0.5,
+                       logit_softcap=softcap, **common)
 
 
 class Checkpoint:
@@ -396,9 +396,9 @@ class HFCheckpoint(Checkpoint):
         what = "model.safetensors.index.json" if index_path.exists() else "weights file"
         blobs = hub_blobs(path)
         self._files = [SafetensorsFile(inside(path, f, what, blobs)) for f in files]
-        arch = (raw.get("architectures") or [None])[0]
-        rules = _OPT_NAMES if self.config.arch == "opt" else _GEMMA_NAMES if arch == "Gemma3ForCausalLM" else _LLAMA_NAMES
-        self._norm_shift = 1.0 if arch == "Gemma3ForCausalLM" else 0.0      # RMSNorm with (1 + w)
+        gemma = (raw.get("architectures") or [None])[0] == "Gemma3ForCausalLM"
+        rules = _OPT_NAMES if self.config.arch == "opt" else _GEMMA_NAMES if gemma else _LLAMA_NAMES
+        self._norm_shift = 1.0 if gemma else 0.0      # RMSNorm with (1 + w)
         self._index: dict[str, tuple[SafetensorsFile, str]] = {}
         for f in self._files:
             self._index.update({c: (f, n) for c, n in canonical_names(f.entries, rules).items()})
@@ -572,8 +572,13 @@ def gemma3_gguf_fields(field, n_layers: int, dim: int, heads: int, head_dim: int
     (its query_pre_attn_scalar), which the file does not record."""
     window = field("attention.sliding_window")
     pattern = field("attention.sliding_window_pattern", 6)
-    sliding = [bool(b) for b in pattern] if isinstance(pattern, list) else [i % pattern < pattern - 1
-                                                                             for i in range(n_layers)]
+    if isinstance(pattern, list):
+        sliding = [bool(b) for b in pattern]
+    elif isinstance(pattern, int) and pattern >= 1:
+        sliding = [i % pattern < pattern - 1 for i in range(n_layers)]
+    else:
+        raise UserError(f"GGUF field gemma3.attention.sliding_window_pattern must be a positive integer or one "
+                        f"boolean per layer (got {pattern!r})")
     softcap = field("final_logit_softcapping")
     return dict(act="gelu_tanh", post_norms=True, embed_scale=math.sqrt(dim),
                 query_scale=(dim / heads if n_layers == 62 else head_dim) ** -0.5,

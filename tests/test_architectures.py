@@ -77,3 +77,19 @@ def test_unsupported_architecture_is_one_line_naming_the_supported(tiny_model, t
     msg = str(e.value)
     assert "\n" not in msg and "'Phi3ForCausalLM'" in msg
     assert all(a in msg for a in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM"))
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("attn_logit_softcapping", 50.0, "unsupported Gemma 3 field attn_logit_softcapping"),
+    ("hidden_activation", "gelu", "unsupported activation 'gelu'"),
+    ("layer_types", ["sliding_attention"], "layer_types must name"),
+    ("query_pre_attn_scalar", 0, "'query_pre_attn_scalar' must be a positive integer"),
+    ("final_logit_softcapping", "x", "logit_softcap must be a positive number")])
+def test_a_gemma3_config_we_cannot_compute_is_one_line(tiny_model, tmp_path, field, value, says):
+    d = shutil.copytree(tiny_model("gemma3"), tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg[field] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match=says) as e:
+        open_checkpoint(d)
+    assert "\n" not in str(e.value)

@@ -142,7 +142,8 @@ def test_the_gguf_config_is_the_source_models(name):
         assert c.sliding_layers == [True] * 5 + [False] and c.sliding_window == 8 and c.embed_scale == 8.0
 
 
-TRICKY = ["Hello world", "  two  spaces, three   and a tab\there", "\n\nnewlines\r\n and CR\n", "digits 1234567 3.14 1,000",
+TRICKY = ["Hello world", "  two  spaces, three   and a tab\there", "\n\nnewlines\r\n and CR\n",
+          "digits 1234567 3.14 1,000",
           "unicode: émigré naïve Ünïcödé 日本語 😀 ﬁ", "don't I'll we've THEY'RE", "<|im_start|>user\nHi<|im_end|>",
           "<start_of_turn>user\nHi<end_of_turn>\n", "<bos>not at the start <eos>", " leading space", "trailing space ",
           "", "a" * 50, "  \n  ", "$%^&*()_+{}|:\"<>?~`"]

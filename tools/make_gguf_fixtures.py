@@ -116,7 +116,8 @@ def build_model(family: str, extra: dict, dest: Path, seed: int) -> None:
         model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(pad_token_id=0, eos_token_id=1, bos_token_id=2,
                                                          **common, **extra))
     else:
-        cls_cfg, cls = {"qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM)}[family]
+        cls_cfg, cls = {"qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+                        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM)}[family]
         model = cls(cls_cfg(bos_token_id=None, eos_token_id=QWEN_SPECIAL.index("<|im_end|>"), **common, **extra))
     with torch.no_grad():   # biases and norms off their 0/1 init, and an FFN loud enough to matter
         for name, p in model.named_parameters():
