@@ -93,3 +93,74 @@ def test_a_gemma3_config_we_cannot_compute_is_one_line(tiny_model, tmp_path, fie
     with pytest.raises(UserError, match=says) as e:
         open_checkpoint(d)
     assert "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The sparse paths with a GELU-gated FFN (Gemma 3), as with SwiGLU (tests/test_predictors.py)
+
+@pytest.fixture(scope="module")
+def gemma_predicted(tiny_model, tmp_path_factory):
+    """The tiny Gemma 3 as a FLASHDIR with thresholds at 50% sparsity and a predictor in every layer."""
+    from conftest import CORPUS
+    from predictors.collect import collect
+    from predictors.train import train
+    tmp = tmp_path_factory.mktemp("gemma_predicted")
+    flash = convert(tiny_model("gemma3"), tmp / "flash", dtype="f32", progress=False)
+    acts = collect(str(flash), [str(CORPUS / "tinystories_cased_197KB.txt")], 2000, tmp / "acts", ctx=64, rows=1500,
+                   progress=False)
+    train(acts, flash, sparsity=0.5, steps=100, max_read_share=1.0, progress=False)
+    return flash
+
+
+def test_gelu_thresholds_hit_the_target_sparsity(tiny_model, gemma_predicted):
+    """GELU goes negative like SiLU: the threshold is on |a|, calibrated to zero half the neurons, on text."""
+    from conftest import CORPUS
+    from flashinfer_lite.loader import load_reference
+    model, tok = load_reference(tiny_model("gemma3"))
+    preds = load_runtime(gemma_predicted, "predicted")[2].predictors
+    ids = tok.encode((CORPUS / "tinystories_cased_197KB.txt").read_text()[-2000:])[:120]
+    shares, dense = [], model.ffn
+
+    def record(layer, x):
+        a = model.dense_ffn[layer].activations(x)
+        shares.append((np.abs(a) > preds.act_threshold(layer)).mean())
+        return dense(layer, x)
+    model.ffn = record
+    model.forward(ids, model.new_cache(128))
+    assert len(shares) == model.cfg.n_layers and all(0.4 < s < 0.6 for s in shares), shares
+
+
+def test_gelu_predicted_ffn_equals_float64_dense_math_on_the_predicted_set(tiny_model, gemma_predicted):
+    """Every FFN call of a decode at the minimum budget equals float64 GeGLU math on the source checkpoint's weights
+    (GELU's tanh form written out here), restricted to the predicted neurons and thresholded as calibrated."""
+    src = open_checkpoint(tiny_model("gemma3"))
+    W = {n: src.tensor(n).astype(np.float64) for n in src.names() if ".ffn." in n}
+    probe = load_runtime(gemma_predicted, "predicted", ctx=64, runtime_bytes=0)[2]
+    model, _, rt = load_runtime(gemma_predicted, "predicted", ctx=64, runtime_bytes=0,
+                                dram_budget=probe.plan.minimum_bytes)
+    calls, ffn = [], model.ffn
+
+    def record(layer, x):
+        y = ffn(layer, x)
+        calls.append((layer, x.copy(), y.copy()))
+        return y
+    model.ffn = record
+    kv = model.new_cache(64)
+    for t in PROMPT[:8]:
+        model.forward([t], kv)
+    assert rt.stats.read_bytes > 0 and len(calls) == 8 * model.cfg.n_layers
+    preds, skipped = rt.predictors, 0
+    for layer, x, y in calls:
+        mask = preds.predict(layer, x, count=False)[0]
+        p, x64 = f"layers.{layer}.ffn.", x[0].astype(np.float64)
+        g = W[p + "gate.weight"] @ x64
+        a = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3))) * (W[p + "up.weight"] @ x64)
+        kept = np.abs(a) > preds.act_threshold(layer)
+        want = W[p + "down.weight"] @ np.where(mask & kept, a, 0.0)
+        assert np.linalg.norm(y[0] - want) <= 1e-5 * np.linalg.norm(want), layer
+        skipped += (kept & ~mask).any()
+    assert skipped > 0                 # the predictor left out neurons the threshold kept: its set is what decided
+
+
+def test_gelu_predicted_mode_same_bits_at_every_budget(gemma_predicted, monkeypatch):
+    assert_same_bits_at_every_budget(gemma_predicted, "predicted", PROMPT, 8, monkeypatch)
