@@ -359,7 +359,7 @@ def compile_steps(layout) -> list:
         for half in (1, 0):          # with RoPE, without (model.Attention's T <= ATTENTION_KERNEL_MAX_T path)
             cos = np.zeros((2, 1, half), np.float32)[:1, 0]
             attention_rows(qkv.copy(), qkv.copy(), qkv.copy(), cos, cos, cache_bits, cache_bits, 0, 0,
-                           np.empty_like(qkv))
+                           np.float32(1.0), np.empty_like(qkv))
 
     # the resident matrices' kernels, float16 (and, in a quantized FLASHDIR, the blocks' too: one compiled function
     # serves every kind): decode (row kernel, serial and parallel), prefill (widened blocks), the embedding lookup

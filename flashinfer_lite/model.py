@@ -58,11 +58,14 @@ def linear(x: np.ndarray, w: np.ndarray | QuantMatrix, b: np.ndarray | None = No
     return y if b is None else y + b
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [hd/2] of rotary embeddings, with the scalings that change them."""
+def rope_inv_freq(cfg: ModelConfig, sliding: bool = False) -> np.ndarray:
+    """Inverse frequencies [hd/2] of rotary embeddings, with the scalings that change them. sliding: for the layers
+    with a sliding window, which have their own base and no scaling when the config gives one (Gemma 3)."""
     hd = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
-    sc = cfg.rope_scaling or {}
+    own_base = sliding and cfg.rope_theta_sliding is not None
+    base = cfg.rope_theta_sliding if own_base else cfg.rope_theta
+    inv = 1.0 / (base ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    sc = {} if own_base else cfg.rope_scaling or {}
     kind = sc.get("rope_type", sc.get("type", "default"))
     if kind == "default":
         return inv
@@ -84,6 +87,15 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     h = x.shape[-1] // 2
     x1, x2 = x[..., :h], x[..., h:]
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def layer_ropes(cfg: ModelConfig) -> list[np.ndarray | None]:
+    """Each layer's RoPE inverse frequencies [hd/2] (None: no rotary embeddings, OPT); layers with a sliding window
+    share one array, the others another."""
+    if cfg.pos_offset is not None:
+        return [None] * cfg.n_layers
+    inv = {s: rope_inv_freq(cfg, s) for s in (False, True)}
+    return [inv[cfg.window(i) is not None] for i in range(cfg.n_layers)]
 
 
 def rope_tables(inv_freq: np.ndarray | None, pos0: int, T: int) -> tuple | None:
@@ -170,6 +182,9 @@ class Attention:
         p = f"layers.{layer}.attn."
         self.cfg, self.layer = cfg, layer
         self.slot = layer if kv_slot is None else kv_slot    # this layer's row in the KV cache
+        self.window = cfg.window(layer)
+        self.scale = np.float32(1.0 / math.sqrt(cfg.head_dim) if cfg.query_scale is None else cfg.query_scale)
+        self.q_norm, self.k_norm = w.get(p + "q_norm.weight"), w.get(p + "k_norm.weight")   # [hd] each (qk_norm)
         self.wq, self.wk, self.wv, self.wo = (w[p + n + ".weight"] for n in "qkvo")
         self.bq, self.bk, self.bv, self.bo = (w.get(p + n + ".bias") for n in "qkvo")
         # q, k and v as one matrix when they share a storage type: one GEMV reads x once, one kernel call instead of
@@ -192,19 +207,22 @@ class Attention:
             q = linear(x, self.wq, self.bq).reshape(T, H, hd)
             k = linear(x, self.wk, self.bk).reshape(T, Hkv, hd)
             v = linear(x, self.wv, self.bv).reshape(T, Hkv, hd)
+        if cfg.qk_norm:                                        # each head's vector normed on its own: [T * H, hd]
+            q = norm(cfg, q.reshape(T * H, hd), (self.q_norm, None)).reshape(T, H, hd)
+            k = norm(cfg, k.reshape(T * Hkv, hd), (self.k_norm, None)).reshape(T, Hkv, hd)
         if T <= ATTENTION_KERNEL_MAX_T:
             out = np.empty((T, H, hd), np.float32)
             no_rope = np.zeros((T, 0), np.float32)             # cos/sin [T, 0]: attention_rows rotates nothing
             cos, sin = (rope[0][:, 0], rope[1][:, 0]) if rope is not None else (no_rope, no_rope)
             attention_rows(q, k, v, cos, sin, kv.k_bits[self.slot], kv.v_bits[self.slot], pos0,
-                           cfg.sliding_window or 0, out)
+                           self.window or 0, self.scale, out)
             return linear(out.reshape(T, H * hd), self.wo, self.bo)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         S = pos0 + T
         kv.k[self.slot, pos0:S] = k                            # rounded to float16 as attention_rows does
         kv.v[self.slot, pos0:S] = v
-        out = prompt_attention(q, kv.k_bits[self.slot, :S], kv.v_bits[self.slot, :S], pos0, cfg.sliding_window)
+        out = prompt_attention(q, kv.k_bits[self.slot, :S], kv.v_bits[self.slot, :S], pos0, self.window, self.scale)
         out = out.reshape(T, H * hd)
         return linear(out, self.wo, self.bo)
 
@@ -216,17 +234,16 @@ ATTENTION_TILE_ROWS = 64
 
 
 def prompt_attention(q: np.ndarray, k_bits: np.ndarray, v_bits: np.ndarray, pos0: int,
-                     sliding_window: int | None) -> np.ndarray:
+                     sliding_window: int | None, scale: np.float32) -> np.ndarray:
     """Causal attention of q [T, H, hd] (positions pos0..) over the cache's keys and values [S, Hkv, hd] (float16
-    bits, S = pos0 + T, this chunk's included) -> [T, H, hd]: per KV head, ATTENTION_TILE_ROWS query rows at a time,
-    each over the keys up to its last position. The g query heads of a KV head are stacked as rows, so that one BLAS
-    product reads each key once for all of them."""
+    bits, S = pos0 + T, this chunk's included), scores q.k times scale -> [T, H, hd]: per KV head,
+    ATTENTION_TILE_ROWS query rows at a time, each over the keys up to its last position. The g query heads of a KV
+    head are stacked as rows, so that one BLAS product reads each key once for all of them."""
     T, H, hd = q.shape
     Hkv = k_bits.shape[1]
     g = H // Hkv
     K, V = widened(k_bits), widened(v_bits)                                # [S, Hkv, hd]
     out = np.empty((T, H, hd), np.float32)
-    scale = np.float32(1.0 / math.sqrt(hd))
     for h in range(Hkv):
         heads = slice(h * g, (h + 1) * g)
         for t0 in range(0, T, ATTENTION_TILE_ROWS):
@@ -290,7 +307,7 @@ class FeedForward:
         # matrices in blocks (a GGUF's) and no gate/up bias: a decode step's FFN is one Numba call (quant_ffn)
         mats = (self.w_up, self.w_down) + ((self.w_gate,) if cfg.glu else ())
         self.fused = (all(isinstance(m, QuantMatrix) for m in mats) and self.b_gate is None and self.b_up is None
-                      and cfg.act in ("relu", "drelu", "silu"))
+                      and cfg.act in ("relu", "drelu", "silu", "gelu_tanh"))
 
     def activations(self, x: np.ndarray) -> np.ndarray:
         # x [T, d] -> a [T, n]; what a sparse FFN predicts and skips where it is zero
@@ -320,8 +337,9 @@ FFNFn = Callable[[int, np.ndarray], np.ndarray]  # (layer, x [T, d]) -> y [T, d]
 
 class Block:
     """One decoder layer over the canonical weights `layers.{layer}.*`: attention and the FFN, each with its norm
-    (before it, or after the residual add for post-norm models). Needs only that layer's weights, so layers can
-    also be run one at a time (predictors/layerwise.py); kv_slot is the layer's row in the KV cache (default: layer).
+    (before it, or after the residual add for post-norm models; with post_norms, also a norm of each one's output
+    before its residual add). Needs only that layer's weights, so layers can also be run one at a time
+    (predictors/layerwise.py); kv_slot is the layer's row in the KV cache (default: layer).
     """
 
     def __init__(self, cfg: ModelConfig, w: Mapping[str, np.ndarray], layer: int, kv_slot: int | None = None):
@@ -329,13 +347,19 @@ class Block:
         self.attn = Attention(cfg, w, layer, kv_slot)
         self.attn_norm = (w.get(f"layers.{layer}.attn_norm.weight"), w.get(f"layers.{layer}.attn_norm.bias"))
         self.ffn_norm = (w.get(f"layers.{layer}.ffn_norm.weight"), w.get(f"layers.{layer}.ffn_norm.bias"))
+        self.attn_post_norm = (w.get(f"layers.{layer}.attn_post_norm.weight"), None)     # post_norms
+        self.ffn_post_norm = (w.get(f"layers.{layer}.ffn_post_norm.weight"), None)
 
     def __call__(self, x: np.ndarray, kv: KVCache, pos0: int, rope, ffn: FFNFn) -> np.ndarray:
         cfg, i = self.cfg, self.layer
         if cfg.pre_norm:
             h = x.copy()                                       # the residual stream; the caller's x is left as is
-            h_normed = add_norm(cfg, h, self.attn(norm(cfg, x, self.attn_norm), kv, pos0, rope), self.ffn_norm)
-            h += ffn(i, h_normed)
+            a = self.attn(norm(cfg, x, self.attn_norm), kv, pos0, rope)
+            if cfg.post_norms:
+                a = norm(cfg, a, self.attn_post_norm)
+            h_normed = add_norm(cfg, h, a, self.ffn_norm)
+            f = ffn(i, h_normed)
+            h += norm(cfg, f, self.ffn_post_norm) if cfg.post_norms else f
             return h
         h = norm(cfg, x + self.attn(x, kv, pos0, rope), self.attn_norm)
         return norm(cfg, h + ffn(i, h), self.ffn_norm)
@@ -343,20 +367,28 @@ class Block:
 
 def embed_tokens(cfg: ModelConfig, embed: np.ndarray, pos_embed: np.ndarray | None, tokens: np.ndarray,
                  pos0: int) -> np.ndarray:
-    """Hidden states [T, d] of tokens [T] at positions pos0..: token embeddings (plus OPT's learned positions)."""
+    """Hidden states [T, d] of tokens [T] at positions pos0..: token embeddings (times embed_scale; plus OPT's
+    learned positions)."""
     if tokens.min() < 0 or tokens.max() >= cfg.vocab_size:
         raise UserError(f"token id out of range for vocabulary of {cfg.vocab_size}")
     x = embed[tokens].astype(np.float32)                       # [T, d] (a QuantMatrix dequantizes just these rows)
+    if cfg.embed_scale != 1.0:
+        x *= np.float32(cfg.embed_scale)
     if pos_embed is not None:
         x = x + pos_embed[pos0 + cfg.pos_offset: pos0 + len(tokens) + cfg.pos_offset]
     return x
 
 
 def output_logits(cfg: ModelConfig, x: np.ndarray, final_norm: tuple, lm_head: np.ndarray) -> np.ndarray:
-    """Logits [T, V] of the last layer's hidden states [T, d]: the final norm (if the model has one), lm_head."""
+    """Logits [T, V] of the last layer's hidden states [T, d]: the final norm (if the model has one), lm_head, and the
+    soft cap (if the model has one)."""
     if final_norm[0] is not None:
         x = norm(cfg, x, final_norm)
-    return linear(x, lm_head)
+    logits = linear(x, lm_head)
+    if cfg.logit_softcap is not None:
+        cap = np.float32(cfg.logit_softcap)
+        logits = np.tanh(logits / cap) * cap
+    return logits
 
 
 class Transformer:
@@ -381,12 +413,12 @@ class Transformer:
             self.dense_ffn = [FeedForward(cfg, w, i) for i in range(cfg.n_layers)]
             ffn = lambda layer, x: self.dense_ffn[layer](x)  # noqa: E731
         self.ffn = ffn
-        self.inv_freq = rope_inv_freq(cfg) if cfg.pos_offset is None else None
+        self.inv_freq = layer_ropes(cfg)                                       # per layer: [hd/2] or None
 
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(self.cfg, capacity)
 
-    def block(self, i: int, x: np.ndarray, kv: KVCache, pos0: int, rope) -> np.ndarray:
+    def block(self, i: int, x: np.ndarray, kv: KVCache, pos0: int, rope: tuple | None) -> np.ndarray:
         return self.blocks[i](x, kv, pos0, rope, self.ffn)
 
     def forward(self, tokens, kv: KVCache, all_logits: bool = False) -> np.ndarray:
@@ -411,8 +443,8 @@ class Transformer:
         the last layer's hidden states [t, d]."""
         pos0 = kv.length
         x = embed_tokens(self.cfg, self.embed, self.pos_embed, tokens, pos0)    # [t, d]
-        rope = rope_tables(self.inv_freq, pos0, len(tokens))
+        tables = {id(f): rope_tables(f, pos0, len(tokens)) for f in self.inv_freq}   # one per distinct base
         for i in range(self.cfg.n_layers):
-            x = self.block(i, x, kv, pos0, rope)
+            x = self.block(i, x, kv, pos0, tables[id(self.inv_freq[i])])
         kv.length = pos0 + len(tokens)
         return x

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from storage.errors import UserError
 from flashinfer_lite.loader import load_tensor
-from flashinfer_lite.model import (Block, FeedForward, KVCache, embed_tokens, linear, output_logits, rope_inv_freq,
+from flashinfer_lite.model import (Block, FeedForward, KVCache, embed_tokens, layer_ropes, linear, output_logits,
                                    rope_tables)
 from flashinfer_lite.process import keep_freed_arrays_out_of_rss
 
@@ -100,7 +100,7 @@ class LayerStream:
             self.segment(k)[:] = embed_tokens(cfg, w["embed.weight"], w.get("pos_embed.weight"), tokens, 0)
         del w
         ckpt.release()
-        inv_freq = rope_inv_freq(cfg) if cfg.pos_offset is None else None
+        inv_freq = layer_ropes(cfg)                 # per layer
         kv = KVCache(cfg, max(len(t) for t in self.segments), n_layers=1)
         bar = tqdm(total=cfg.n_layers * len(self.segments), desc=self.desc, unit="segment", disable=not self.progress,
                    file=sys.stderr)
@@ -111,7 +111,7 @@ class LayerStream:
             for k in range(len(self.segments)):
                 h = self.segment(k)
                 kv.reset()
-                h[:] = block(h, kv, 0, rope_tables(inv_freq, 0, len(h)), self._ffn(dense, hook, k))
+                h[:] = block(h, kv, 0, rope_tables(inv_freq[i], 0, len(h)), self._ffn(dense, hook, k))
                 bar.update()
             del block, dense    # this layer's weights are gone before the next one loads
             ckpt.release()

@@ -4,6 +4,9 @@ Tensors are read one at a time by name, never a whole checkpoint at once. Canoni
   embed.weight, pos_embed.weight (OPT), lm_head.weight (absent when tied), norm.{weight,bias}
   layers.{i}.attn_norm.*, layers.{i}.attn.{q,k,v,o}.{weight,bias}, layers.{i}.ffn_norm.*
   layers.{i}.ffn.{gate,up,down}.{weight,bias}   (OPT: fc1 -> up, fc2 -> down)
+  layers.{i}.attn.{q,k}_norm.weight (qk_norm), layers.{i}.{attn,ffn}_post_norm.weight (post_norms)
+A norm weight is the factor the normed vector is multiplied by: Gemma's checkpoints store it less 1 (RMSNorm with
+(1 + w)), so their reader adds the 1, as llama.cpp's converter does when it writes a Gemma GGUF.
 Model files are untrusted: nothing is unpickled, header sizes are bounded, offsets are checked against the file size,
 and every path stays inside the model directory.
 """
@@ -114,7 +117,7 @@ class SafetensorsFile:
 
 # SparseLlamaForCausalLM: ProSparse's Llama with FATReLU (hidden_act "fatrelu", threshold in hidden_act_param).
 SUPPORTED_HF = ("LlamaForCausalLM", "SparseLlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                "OPTForCausalLM")
+                "Qwen3ForCausalLM", "Gemma3ForCausalLM", "OPTForCausalLM")
 
 _LLAMA_NAMES = [
     (r"model\.embed_tokens\.weight", "embed.weight"),
@@ -124,7 +127,14 @@ _LLAMA_NAMES = [
     (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"layers.\1.ffn_norm.weight"),
     (r"model\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.(weight|bias)", r"layers.\1.attn.\2.\3"),
     (r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.(weight|bias)", r"layers.\1.ffn.\2.\3"),
+    (r"model\.layers\.(\d+)\.self_attn\.([qk])_norm\.weight", r"layers.\1.attn.\2_norm.weight"),
 ]
+# Gemma 3: four norms a layer; its post_attention_layernorm norms the attention's output, not the FFN's input
+_GEMMA_NAMES = [
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"layers.\1.attn_post_norm.weight"),
+    (r"model\.layers\.(\d+)\.pre_feedforward_layernorm\.weight", r"layers.\1.ffn_norm.weight"),
+    (r"model\.layers\.(\d+)\.post_feedforward_layernorm\.weight", r"layers.\1.ffn_post_norm.weight"),
+] + _LLAMA_NAMES
 _OPT_NAMES = [
     (r"(?:model\.)?decoder\.embed_tokens\.weight", "embed.weight"),
     (r"(?:model\.)?decoder\.embed_positions\.weight", "pos_embed.weight"),
@@ -168,9 +178,9 @@ def _count(cfg: dict, key: str, default=None, required: bool = False) -> int:
 
 
 def _act(name: str, arch: str) -> str:
-    acts = {"silu": "silu", "swish": "silu", "relu": "relu", "fatrelu": "relu"}
+    acts = {"silu": "silu", "swish": "silu", "relu": "relu", "fatrelu": "relu", "gelu_pytorch_tanh": "gelu_tanh"}
     if name not in acts:
-        raise UserError(f"unsupported activation '{name}' for {arch} (supported: silu, relu, fatrelu)")
+        raise UserError(f"unsupported activation '{name}' for {arch} (supported: {', '.join(acts)})")
     return acts[name]
 
 
@@ -207,14 +217,16 @@ def hf_config(cfg: dict, generation: dict | None = None) -> ModelConfig:
                            glu=False, act=_act(_get(cfg, "activation_function", "relu"), arch), norm="layer",
                            norm_eps=1e-5, pos_offset=2, tie_embeddings=_get(cfg, "tie_word_embeddings", True),
                            qkv_bias=bias, o_bias=bias, mlp_bias=bias, pre_norm=pre, **common)
+    if arch == "Gemma3ForCausalLM":
+        return gemma3_config(cfg, common)
     rope = dict(cfg.get("rope_parameters") or {})
     theta = rope.pop("rope_theta", None) or _get(cfg, "rope_theta", 10000.0)
     scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     window = None
     if arch == "MistralForCausalLM":
         window = cfg.get("sliding_window")
-    elif arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
-        raise UserError("unsupported Qwen2 field use_sliding_window=true")
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
+        raise UserError(f"unsupported {arch} field use_sliding_window=true")
     qkv_bias = arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
     cfg_out = ModelConfig(arch="llama", n_kv_heads=_count(cfg, "num_key_value_heads", heads),
                           head_dim=_count(cfg, "head_dim", dim // heads),
@@ -225,8 +237,47 @@ def hf_config(cfg: dict, generation: dict | None = None) -> ModelConfig:
                           norm_eps=_get(cfg, "rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
                           tie_embeddings=bool(_get(cfg, "tie_word_embeddings", False)), qkv_bias=qkv_bias,
                           o_bias=bool(cfg.get("attention_bias", False)), mlp_bias=bool(cfg.get("mlp_bias", False)),
-                          sliding_window=window, **common)
+                          sliding_window=window, qk_norm=arch == "Qwen3ForCausalLM", **common)
     return cfg_out
+
+
+def gemma3_config(cfg: dict, common: dict) -> ModelConfig:
+    """Gemma 3's text model: GeGLU, four RMSNorms a layer, q/k norms, embeddings times sqrt(d), scores times
+    query_pre_attn_scalar^-1/2, sliding-window layers (RoPE base 10000) interleaved with global ones."""
+    for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if cfg.get(key):
+            raise UserError(f"unsupported Gemma 3 field {key}={cfg[key]!r}")
+    n_layers, dim = common["n_layers"], common["dim"]
+    types = cfg.get("layer_types")
+    if types is None:     # configs before layer_types: every sliding_window_pattern-th layer is global
+        pattern = _count(cfg, "sliding_window_pattern", 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+    if not isinstance(types, list) or len(types) != n_layers or \
+            not set(types) <= {"sliding_attention", "full_attention"}:
+        raise UserError(f"config.json: layer_types must name sliding_attention or full_attention for each of the "
+                        f"{n_layers} layers")
+    rope = cfg.get("rope_parameters") or {}
+    full, local = dict(rope.get("full_attention") or {}), dict(rope.get("sliding_attention") or {})
+    theta = full.pop("rope_theta", None) or _get(cfg, "rope_theta", 1_000_000.0)
+    theta_local = local.pop("rope_theta", None) or _get(cfg, "rope_local_base_freq", 10_000.0)
+    if local.get("rope_type", "default") != "default":
+        raise UserError(f"unsupported Gemma 3 rope_type {local['rope_type']!r} on the sliding layers")
+    scaling = cfg.get("rope_scaling") or (full if full.get("rope_type", "default") != "default" else None)
+    head_dim = _count(cfg, "head_dim", dim // common["n_heads"])
+    softcap = cfg.get("final_logit_softcapping")
+    return ModelConfig(arch="llama", n_kv_heads=_count(cfg, "num_key_value_heads", common["n_heads"]),
+                       head_dim=head_dim, ffn_dim=_count(cfg, "intermediate_size", required=True), glu=True,
+                       act=_act(_get(cfg, "hidden_activation", _get(cfg, "hidden_act", "gelu_pytorch_tanh")),
+                                "Gemma3ForCausalLM"),
+                       norm="rms", norm_eps=_get(cfg, "rms_norm_eps", 1e-6), rope_theta=float(theta),
+                       rope_scaling=scaling, rope_theta_sliding=float(theta_local),
+                       tie_embeddings=bool(_get(cfg, "tie_word_embeddings", True)),
+                       qkv_bias=bool(cfg.get("attention_bias", False)), o_bias=bool(cfg.get("attention_bias", False)),
+                       sliding_window=_count(cfg, "sliding_window", 4096),
+                       sliding_layers=[t == "sliding_attention" for t in types], qk_norm=True, post_norms=True,
+                       embed_scale=math.sqrt(dim),
+                       query_scale=_count(cfg, "query_pre_attn_scalar", head_dim) ** -0.5,
+                       logit_softcap=softcap, **common)
 
 
 class Checkpoint:
@@ -278,6 +329,10 @@ class Checkpoint:
             need += [f"layers.{i}.attn.{p}.weight" for p in "qkvo"]
             need += [f"layers.{i}.ffn.{p}.weight" for p in (("gate", "up", "down") if c.glu else ("up", "down"))]
             need += [f"layers.{i}.attn_norm.weight", f"layers.{i}.ffn_norm.weight"]
+            if c.qk_norm:
+                need += [f"layers.{i}.attn.q_norm.weight", f"layers.{i}.attn.k_norm.weight"]
+            if c.post_norms:
+                need += [f"layers.{i}.attn_post_norm.weight", f"layers.{i}.ffn_post_norm.weight"]
         missing = [n for n in need if n not in self._index]
         if missing:
             raise UserError(f"{self.path}: checkpoint lacks {len(missing)} tensors, e.g. '{missing[0]}'")
@@ -302,7 +357,9 @@ def expected_shape(c: ModelConfig, name: str) -> tuple[int, ...] | None:
                  "attn.v.weight": (kv, c.dim), "attn.o.weight": (c.dim, q), "attn.q.bias": (q,), "attn.k.bias": (kv,),
                  "attn.v.bias": (kv,), "attn.o.bias": (c.dim,), "ffn.gate.weight": (c.ffn_dim, c.dim),
                  "ffn.up.weight": (c.ffn_dim, c.dim), "ffn.down.weight": (c.dim, c.ffn_dim),
-                 "ffn.gate.bias": (c.ffn_dim,), "ffn.up.bias": (c.ffn_dim,), "ffn.down.bias": (c.dim,)}
+                 "ffn.gate.bias": (c.ffn_dim,), "ffn.up.bias": (c.ffn_dim,), "ffn.down.bias": (c.dim,),
+                 "attn.q_norm.weight": (c.head_dim,), "attn.k_norm.weight": (c.head_dim,),
+                 "attn_post_norm.weight": (c.dim,), "ffn_post_norm.weight": (c.dim,)}
     return per_layer.get(m[2])
 
 
@@ -339,7 +396,9 @@ class HFCheckpoint(Checkpoint):
         what = "model.safetensors.index.json" if index_path.exists() else "weights file"
         blobs = hub_blobs(path)
         self._files = [SafetensorsFile(inside(path, f, what, blobs)) for f in files]
-        rules = _OPT_NAMES if self.config.arch == "opt" else _LLAMA_NAMES
+        gemma = (raw.get("architectures") or [None])[0] == "Gemma3ForCausalLM"
+        rules = _OPT_NAMES if self.config.arch == "opt" else _GEMMA_NAMES if gemma else _LLAMA_NAMES
+        self._norm_shift = 1.0 if gemma else 0.0      # RMSNorm with (1 + w)
         self._index: dict[str, tuple[SafetensorsFile, str]] = {}
         for f in self._files:
             self._index.update({c: (f, n) for c, n in canonical_names(f.entries, rules).items()})
@@ -349,7 +408,10 @@ class HFCheckpoint(Checkpoint):
 
     def _read(self, name: str) -> np.ndarray:
         f, hf_name = self._index[name]
-        return f.read(hf_name)
+        a = f.read(hf_name)
+        if self._norm_shift and name.endswith("norm.weight"):
+            a += np.float32(self._norm_shift)
+        return a
 
     def shape(self, name: str) -> tuple[int, ...]:
         f, hf_name = self._index[name]
@@ -360,7 +422,7 @@ class HFCheckpoint(Checkpoint):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# GGUF (llama architecture)
+# GGUF (llama, qwen2, qwen3 and gemma3 architectures)
 
 # The GGUF tensor types read, each with the flash dtype that keeps its precision (convert --dtype auto: the FFN's):
 # q8_0 / q4_0 / q4_1 blocks are copied verbatim; wider quants go to 8 bits, narrower K-quants to q4_1.
@@ -379,7 +441,11 @@ _GGUF_NAMES = [
     (r"blk\.(\d+)\.attn_v\.(weight|bias)", r"layers.\1.attn.v.\2"),
     (r"blk\.(\d+)\.attn_output\.(weight|bias)", r"layers.\1.attn.o.\2"),
     (r"blk\.(\d+)\.ffn_(gate|up|down)\.(weight|bias)", r"layers.\1.ffn.\2.\3"),
+    (r"blk\.(\d+)\.attn_([qk])_norm\.weight", r"layers.\1.attn.\2_norm.weight"),
+    (r"blk\.(\d+)\.post_attention_norm\.weight", r"layers.\1.attn_post_norm.weight"),     # Gemma 3
+    (r"blk\.(\d+)\.post_ffw_norm\.weight", r"layers.\1.ffn_post_norm.weight"),
 ]
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 
 
 def gguf_field(reader, key: str, default=None):
@@ -406,9 +472,11 @@ class GGUFCheckpoint(Checkpoint):
             raise UserError(f"not a valid GGUF file: {path} ({type(e).__name__}: {e})") from None
         r = self.reader
         arch = gguf_field(r, "general.architecture")
-        if arch != "llama":
-            raise UserError(f"unsupported GGUF architecture {arch!r} (supported: llama)")
-        need = lambda k: _required_field(r, f"llama.{k}")  # noqa: E731
+        if arch not in GGUF_ARCHS:
+            raise UserError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(GGUF_ARCHS)})")
+        self.arch = arch
+        need = lambda k: _required_field(r, f"{arch}.{k}")  # noqa: E731
+        field = lambda k, default=None: gguf_field(r, f"{arch}.{k}", default)  # noqa: E731
         dim, heads = int(need("embedding_length")), int(need("attention.head_count"))
         if dim < 1 or heads < 1:
             raise UserError(f"{path}: GGUF embedding_length and attention.head_count must be positive "
@@ -420,29 +488,31 @@ class GGUFCheckpoint(Checkpoint):
                                 f"(supported: {', '.join(GGUF_TYPES)})")
         self._index = {c: by_name[n] for c, n in canonical_names(by_name, _GGUF_NAMES).items()}
         tokens = gguf_field(r, "tokenizer.ggml.tokens") or []
-        kv_heads = int(gguf_field(r, "llama.attention.head_count_kv", heads))
-        head_dim = int(gguf_field(r, "llama.attention.key_length", dim // heads))
-        if int(gguf_field(r, "llama.rope.dimension_count", head_dim)) != head_dim:
-            raise UserError("unsupported GGUF field llama.rope.dimension_count != head dim (partial rotary)")
+        kv_heads = int(field("attention.head_count_kv", heads))
+        head_dim = int(field("attention.key_length", dim // heads))
+        if int(field("rope.dimension_count", head_dim)) != head_dim:
+            raise UserError(f"unsupported GGUF field {arch}.rope.dimension_count != head dim (partial rotary)")
         scaling = None
-        stype = gguf_field(r, "llama.rope.scaling.type")
+        stype = field("rope.scaling.type")
         if stype not in (None, "none"):
             if stype != "linear":
                 raise UserError(f"unsupported GGUF rope scaling '{stype}' (supported: linear)")
-            scaling = {"rope_type": "linear", "factor": float(gguf_field(r, "llama.rope.scaling.factor", 1.0))}
+            scaling = {"rope_type": "linear", "factor": float(field("rope.scaling.factor", 1.0))}
         bos = gguf_field(r, "tokenizer.ggml.bos_token_id")
         eos = gguf_field(r, "tokenizer.ggml.eos_token_id")
-        ffn_dim = int(need("feed_forward_length"))
+        ffn_dim, n_layers = int(need("feed_forward_length")), int(need("block_count"))
+        per_arch = gemma3_gguf_fields(field, n_layers, dim, heads, head_dim) if arch == "gemma3" else {"act": "silu"}
         self.config = ModelConfig(
-            arch="llama", vocab_size=int(gguf_field(r, "llama.vocab_size", len(tokens))), dim=dim,
-            n_layers=int(need("block_count")), n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim, ffn_dim=ffn_dim,
-            glu=True, act="silu", norm="rms", norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-            rope_theta=float(gguf_field(r, "llama.rope.freq_base", 10000.0)), rope_scaling=scaling,
-            max_pos=int(gguf_field(r, "llama.context_length", 2048)),
+            arch="llama", vocab_size=int(field("vocab_size", len(tokens))), dim=dim,
+            n_layers=n_layers, n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim, ffn_dim=ffn_dim,
+            glu=True, norm="rms", norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(field("rope.freq_base", 10000.0)), rope_scaling=scaling,
+            max_pos=int(field("context_length", 2048)),
             tie_embeddings="lm_head.weight" not in self._index,
             qkv_bias="layers.0.attn.q.bias" in self._index, o_bias="layers.0.attn.o.bias" in self._index,
-            mlp_bias="layers.0.ffn.up.bias" in self._index,
-            bos_id=None if bos is None else int(bos), eos_ids=[] if eos is None else [int(eos)])
+            mlp_bias="layers.0.ffn.up.bias" in self._index, qk_norm="layers.0.attn.q_norm.weight" in self._index,
+            bos_id=None if bos is None else int(bos), eos_ids=[] if eos is None else [int(eos)],
+            **per_arch)
         self.check_complete()
 
     def _read(self, name: str) -> np.ndarray:
@@ -453,6 +523,8 @@ class GGUFCheckpoint(Checkpoint):
         except Exception as e:
             raise UserError(f"cannot dequantize GGUF tensor {t.name} ({t.tensor_type.name}): {e}") from None
         a = np.asarray(a, dtype=np.float32).reshape(self.shape(name))
+        if self.arch != "llama":      # NeoX RoPE (half-split, as HF): llama.cpp's converter left q and k as they were
+            return a
         if name.endswith("attn.q.weight") or name.endswith("attn.q.bias"):
             a = unpermute_qk(a, self.config.n_heads)
         elif name.endswith("attn.k.weight") or name.endswith("attn.k.bias"):
@@ -471,7 +543,9 @@ class GGUFCheckpoint(Checkpoint):
         if q.dtype != np.uint8 or q.shape != (shape[0], row_bytes(shape[1], kind)):
             raise UserError(f"{self.path}: GGUF tensor {t.name} ({t.tensor_type.name}) holds {q.dtype}{list(q.shape)}, "
                             f"not the blocks of a {list(shape)} matrix")
-        # q and k: llama.cpp interleaved their rows; un-permuting moves whole rows, blocks and all
+        # q and k: llama.cpp interleaved their rows (llama only); un-permuting moves whole rows, blocks and all
+        if self.arch != "llama":
+            return kind, q
         if name.endswith("attn.q.weight"):
             q = unpermute_qk(q, self.config.n_heads)
         elif name.endswith("attn.k.weight"):
@@ -489,6 +563,28 @@ class GGUFCheckpoint(Checkpoint):
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_gguf(lambda key, default=None: gguf_field(self.reader, key, default), self.config)
+
+
+def gemma3_gguf_fields(field, n_layers: int, dim: int, heads: int, head_dim: int) -> dict:
+    """The ModelConfig fields of a gemma3 GGUF, read as llama.cpp reads them: the norm weights hold 1 + w already (its
+    converter added the 1); without a sliding_window_pattern key every 6th layer is global and the sliding layers'
+    RoPE base is 10000; scores are scaled by 1/sqrt(head_dim), except 1/sqrt(dim / heads) for the 62-layer 27B
+    (its query_pre_attn_scalar), which the file does not record."""
+    window = field("attention.sliding_window")
+    pattern = field("attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):
+        sliding = [bool(b) for b in pattern]
+    elif isinstance(pattern, int) and pattern >= 1:
+        sliding = [i % pattern < pattern - 1 for i in range(n_layers)]
+    else:
+        raise UserError(f"GGUF field gemma3.attention.sliding_window_pattern must be a positive integer or one "
+                        f"boolean per layer (got {pattern!r})")
+    softcap = field("final_logit_softcapping")
+    return dict(act="gelu_tanh", post_norms=True, embed_scale=math.sqrt(dim),
+                query_scale=(dim / heads if n_layers == 62 else head_dim) ** -0.5,
+                sliding_window=None if not window else int(window), sliding_layers=sliding if window else None,
+                rope_theta_sliding=float(field("rope.freq_base_swa", 10000.0)),
+                logit_softcap=None if not softcap else float(softcap))
 
 
 def _required_field(reader, key: str):

@@ -11,7 +11,7 @@ from .errors import UserError
 
 
 ARCHS = ("llama", "opt")
-ACTIVATIONS = ("silu", "relu", "drelu")
+ACTIVATIONS = ("silu", "relu", "drelu", "gelu_tanh")
 DEFAULT_MAX_CTX = 4096   # positions of the context when -c is not given (or less: the model's maximum)
 NORMS = ("rms", "layer")
 ROPE_SCALINGS = {"default": (), "linear": ("factor",),                 # type -> the numbers it needs
@@ -20,7 +20,7 @@ ROPE_SCALINGS = {"default": (), "linear": ("factor",),                 # type ->
 
 @dataclass
 class ModelConfig:
-    arch: str                      # "llama" (Llama, Mistral, Qwen2 share its math) or "opt"
+    arch: str                      # "llama" (Llama, Mistral, Qwen2/3, Gemma 3: its math and the flags below) or "opt"
     vocab_size: int
     dim: int
     n_layers: int
@@ -29,7 +29,7 @@ class ModelConfig:
     head_dim: int
     ffn_dim: int
     glu: bool = True               # act(gate) * up -> down; False: OPT's fc1 -> act -> fc2
-    act: str = "silu"              # silu | relu | drelu (relu on gate and up, TurboSparse)
+    act: str = "silu"              # silu | relu | drelu (relu on gate and up, TurboSparse) | gelu_tanh (GeGLU, Gemma)
     relu_threshold: float = 0.0    # FATReLU (ProSparse): relu gate values <= t count as zero
     norm: str = "rms"              # rms | layer
     norm_eps: float = 1e-5
@@ -43,6 +43,15 @@ class ModelConfig:
     mlp_bias: bool = False
     pre_norm: bool = True          # False: OPT-350m style post-norm blocks
     sliding_window: int | None = None
+    sliding_layers: list[bool] | None = None   # which layers attend within sliding_window (None: all, as Mistral)
+    rope_theta_sliding: float | None = None    # RoPE base of the sliding layers, unscaled (Gemma 3: 10000); None: as
+                                               # the others (rope_theta, rope_scaling)
+    qk_norm: bool = False          # RMSNorm over each head's q and k, before RoPE (Qwen3, Gemma 3)
+    post_norms: bool = False       # RMSNorm on the attention and FFN outputs before their residual add (Gemma 3)
+    embed_scale: float = 1.0       # token embeddings times this (Gemma: sqrt(dim))
+    query_scale: float | None = None   # attention scores q.k times this; None: 1/sqrt(head_dim) (Gemma 3:
+                                       # query_pre_attn_scalar ** -0.5)
+    logit_softcap: float | None = None  # final logits -> cap * tanh(logits / cap) (Gemma 2, and Gemma 3 if set)
     bos_id: int | None = None
     eos_ids: list[int] = field(default_factory=list)
 
@@ -57,6 +66,10 @@ class ModelConfig:
             positive_int(name)
         if self.sliding_window is not None:
             positive_int("sliding_window")
+        if self.sliding_layers is not None and (not isinstance(self.sliding_layers, list)
+                                                or len(self.sliding_layers) != self.n_layers
+                                                or not all(isinstance(b, bool) for b in self.sliding_layers)):
+            raise UserError(f"invalid model config: sliding_layers must be {self.n_layers} booleans, one per layer")
         if self.n_heads % self.n_kv_heads:
             raise UserError(f"invalid model config: {self.n_heads} attention heads cannot be shared by "
                             f"{self.n_kv_heads} key/value heads (it must divide them)")
@@ -67,8 +80,10 @@ class ModelConfig:
             if getattr(self, name) not in allowed:
                 raise UserError(f"invalid model config: {name} {getattr(self, name)!r} (supported: "
                                 f"{', '.join(allowed)})")
-        for name in ("norm_eps", "rope_theta"):
+        for name in ("norm_eps", "rope_theta", "rope_theta_sliding", "embed_scale", "query_scale", "logit_softcap"):
             v = getattr(self, name)
+            if v is None and name not in ("norm_eps", "rope_theta"):
+                continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise UserError(f"invalid model config: {name} must be a positive number (got {v!r})")
         sc = self.rope_scaling or {}
@@ -83,6 +98,12 @@ class ModelConfig:
                                         or not 0 <= self.bos_id < self.vocab_size):
             raise UserError(f"invalid model config: bos token id {self.bos_id!r} outside the vocabulary "
                             f"(0..{self.vocab_size - 1})")
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window layer `layer` attends within (None: every earlier position)."""
+        if self.sliding_window is None or (self.sliding_layers is not None and not self.sliding_layers[layer]):
+            return None
+        return self.sliding_window
 
     @property
     def default_ctx(self) -> int:

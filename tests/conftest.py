@@ -82,6 +82,12 @@ TINY = {
                                         tie_word_embeddings=False, rope_theta=500000.0)),
     "mistral": ("mistral", dict(hidden_act="silu", num_key_value_heads=2, sliding_window=6)),
     "qwen2": ("qwen2", dict(hidden_act="silu", num_key_value_heads=2)),
+    "qwen3": ("qwen3", dict(hidden_act="silu", num_key_value_heads=2, head_dim=24)),
+    # a global layer between sliding ones (window 6 < the tests' 16 tokens), the scores' scale not 1/sqrt(head_dim),
+    # a soft cap the logits reach
+    "gemma3": ("gemma3", dict(num_hidden_layers=3, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+                              sliding_window=6, layer_types=["sliding_attention", "full_attention",
+                                                             "sliding_attention"], final_logit_softcapping=1.0)),
     "opt": ("opt", dict(do_layer_norm_before=True)),
     "opt-postnorm": ("opt", dict(do_layer_norm_before=False)),
 }
@@ -99,10 +105,11 @@ def build_tiny(kind: str, path: Path, seed: int = 0) -> Path:
         cfg = tf.OPTConfig(ffn_dim=160, word_embed_proj_dim=64, **common, **extra)
         model = tf.OPTForCausalLM(cfg)
     else:
-        cls_cfg = {"llama": tf.LlamaConfig, "mistral": tf.MistralConfig, "qwen2": tf.Qwen2Config}[family]
-        cls_model = {"llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM,
-                     "qwen2": tf.Qwen2ForCausalLM}[family]
-        model = cls_model(cls_cfg(intermediate_size=160, rms_norm_eps=1e-5, **common, **extra))
+        cls_cfg = {"llama": tf.LlamaConfig, "mistral": tf.MistralConfig, "qwen2": tf.Qwen2Config,
+                   "qwen3": tf.Qwen3Config, "gemma3": tf.Gemma3TextConfig}[family]
+        cls_model = {"llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
+                     "qwen3": tf.Qwen3ForCausalLM, "gemma3": tf.Gemma3ForCausalLM}[family]
+        model = cls_model(cls_cfg(intermediate_size=160, rms_norm_eps=1e-5, **{**common, **extra}))
     # Random init puts biases and norms at 0/1; perturb them so those code paths are actually tested.
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -140,6 +147,17 @@ def smollm2_gguf():
         pytest.skip(f"SmolLM2 GGUF unavailable: {e}")
 
 
+def greedy_tokens(model, ids: list[int], n: int, ctx: int = 128) -> list[int]:
+    """ids and model's n greedy tokens after them (a batched prompt, then one token at a time)."""
+    import numpy as np
+    kv = model.new_cache(ctx)
+    out, logits = list(ids), model.forward(ids, kv)
+    for _ in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = model.forward([out[-1]], kv)
+    return out
+
+
 def transformers_model(path: Path, **kw):
     """The transformers oracle, float32 with eager attention whose keys and values are rounded to float16 first: our
     KV cache stores them so (model.KVCache), and then what is left between the two is float32 summation order."""
@@ -153,7 +171,7 @@ def kv_float16_in_eager_attention() -> None:
     """Wrap eager_attention_forward of every family we import so it sees key.half().float(), value.half().float()
     (idempotent: float16 values round to themselves; patched once per process)."""
     import importlib
-    for family in ("llama", "mistral", "qwen2", "opt"):
+    for family in ("llama", "mistral", "qwen2", "qwen3", "gemma3", "opt"):
         mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
         eager = mod.eager_attention_forward
         if getattr(eager, "kv_float16", False):

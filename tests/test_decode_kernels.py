@@ -63,7 +63,8 @@ def test_attention_rows_matches_float64(T, pos0, window, rope):
         cos = sin = np.zeros((T, 0), np.float32)
         q64, k64 = q.astype(np.float64), k.astype(np.float64)
     out = np.empty((T, H, hd), np.float32)
-    attention_rows(q, k, v, cos, sin, K.view(np.uint16), V.view(np.uint16), pos0, window, out)
+    attention_rows(q, k, v, cos, sin, K.view(np.uint16), V.view(np.uint16), pos0, window,
+                   np.float32(1.0 / np.sqrt(hd)), out)
 
     new = slice(pos0, pos0 + T)
     # the new rows: float16 of the (rotated) keys and values, within float16's rounding; nothing else touched

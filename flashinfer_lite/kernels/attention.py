@@ -21,17 +21,17 @@ def _rope_inplace(x, cos, sin, half):
 
 
 @njit(cache=True, fastmath=True, nogil=True)
-def attention_rows(q, k, v, cos, sin, K, V, pos0, sliding_window, out):
+def attention_rows(q, k, v, cos, sin, K, V, pos0, sliding_window, scale, out):
     """Causal GQA attention of T new rows at positions pos0.., appending their keys and values to a layer's cache.
 
     q [T, H, hd], k and v [T, Hkv, hd] float32 (q and k are rotated in place); cos, sin [T, hd/2] float32 (shape
     [T, 0]: no RoPE); K, V [capacity, Hkv, hd] float16 bits (uint16), rows pos0 .. pos0+T-1 written here;
-    sliding_window: Mistral's (0: none); out [T, H, hd] float32. Query head h reads KV head h // (H / Hkv)."""
+    sliding_window: the layer's (0: none); scale: of the scores q.k (float32); out [T, H, hd] float32. Query head h
+    reads KV head h // (H / Hkv)."""
     T, H, hd = q.shape
     Hkv = k.shape[1]
     group = H // Hkv
     half = cos.shape[1]
-    scale = np.float32(1.0 / math.sqrt(hd))
     for t in range(T):
         for h in range(H if half else 0):
             _rope_inplace(q[t, h], cos[t], sin[t], half)
