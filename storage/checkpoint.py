@@ -114,7 +114,9 @@ class SafetensorsFile:
 
 # SparseLlamaForCausalLM: ProSparse's Llama with FATReLU (hidden_act "fatrelu", threshold in hidden_act_param).
 SUPPORTED_HF = ("LlamaForCausalLM", "SparseLlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                "OPTForCausalLM")
+                "OPTForCausalLM", *("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                                    "OlmoeForCausalLM"))
+MOE_HF = SUPPORTED_HF[5:]
 
 _LLAMA_NAMES = [
     (r"model\.embed_tokens\.weight", "embed.weight"),
@@ -124,6 +126,15 @@ _LLAMA_NAMES = [
     (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"layers.\1.ffn_norm.weight"),
     (r"model\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.(weight|bias)", r"layers.\1.attn.\2.\3"),
     (r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.(weight|bias)", r"layers.\1.ffn.\2.\3"),
+    (r"model\.layers\.(\d+)\.self_attn\.([qk])_norm\.weight", r"layers.\1.attn.\2_norm.weight"),
+    # mixtures of experts: the router, each expert's GLU (Mixtral's w1, w3, w2 are gate, up, down), a shared expert
+    (r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.gate\.weight", r"layers.\1.ffn.router.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", r"layers.\1.ffn.experts.\2.\3.weight"),
+    (r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.w1\.weight", r"layers.\1.ffn.experts.\2.gate.weight"),
+    (r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.w3\.weight", r"layers.\1.ffn.experts.\2.up.weight"),
+    (r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.w2\.weight", r"layers.\1.ffn.experts.\2.down.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.shared_expert\.(gate|up|down)_proj\.weight", r"layers.\1.ffn.shared.\2.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.shared_expert_gate\.weight", r"layers.\1.ffn.shared_gate.weight"),
 ]
 _OPT_NAMES = [
     (r"(?:model\.)?decoder\.embed_tokens\.weight", "embed.weight"),
@@ -215,18 +226,43 @@ def hf_config(cfg: dict, generation: dict | None = None) -> ModelConfig:
         window = cfg.get("sliding_window")
     elif arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
         raise UserError("unsupported Qwen2 field use_sliding_window=true")
-    qkv_bias = arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
+    qkv_bias = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") or bool(cfg.get("attention_bias", False))
+    moe = moe_fields(cfg, arch) if arch in MOE_HF else {}
+    if arch == "MixtralForCausalLM":
+        window = cfg.get("sliding_window")
     cfg_out = ModelConfig(arch="llama", n_kv_heads=_count(cfg, "num_key_value_heads", heads),
                           head_dim=_count(cfg, "head_dim", dim // heads),
-                          ffn_dim=_count(cfg, "intermediate_size", required=True),
+                          ffn_dim=moe.pop("ffn_dim", None) or _count(cfg, "intermediate_size", required=True),
                           glu=True, act=_act(_get(cfg, "hidden_act", "silu"), arch),
                           relu_threshold=float(cfg.get("hidden_act_param") or 0.0)
                           if cfg.get("hidden_act") == "fatrelu" else 0.0, norm="rms",
                           norm_eps=_get(cfg, "rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
                           tie_embeddings=bool(_get(cfg, "tie_word_embeddings", False)), qkv_bias=qkv_bias,
                           o_bias=bool(cfg.get("attention_bias", False)), mlp_bias=bool(cfg.get("mlp_bias", False)),
-                          sliding_window=window, **common)
+                          sliding_window=window, **moe, **common)
     return cfg_out
+
+
+def moe_fields(cfg: dict, arch: str) -> dict:
+    """ModelConfig's mixture-of-experts fields of an MoE config.json, refusing the variants we do not compute: dense
+    layers among the expert ones (decoder_sparse_step, mlp_only_layers), OLMoE's clip_qkv, sliding windows."""
+    if _get(cfg, "decoder_sparse_step", 1) != 1 or _get(cfg, "mlp_only_layers", []):
+        raise UserError(f"unsupported {arch} fields decoder_sparse_step != 1 / mlp_only_layers (dense layers among "
+                        f"the expert ones)")
+    if cfg.get("clip_qkv") is not None:
+        raise UserError(f"unsupported {arch} field clip_qkv={cfg['clip_qkv']!r}")
+    if arch != "MixtralForCausalLM" and cfg.get("use_sliding_window"):
+        raise UserError(f"unsupported {arch} field use_sliding_window=true")
+    experts_key = "num_local_experts" if "num_local_experts" in cfg and "num_experts" not in cfg else "num_experts"
+    out = dict(n_experts=_count(cfg, experts_key, required=True),
+               n_experts_used=_count(cfg, "num_experts_per_tok", required=True),
+               norm_topk_prob=True if arch == "MixtralForCausalLM" else bool(_get(cfg, "norm_topk_prob", False)),
+               qk_norm={"Qwen3MoeForCausalLM": "head", "OlmoeForCausalLM": "all"}.get(arch))
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        out["ffn_dim"] = _count(cfg, "moe_intermediate_size", required=True)
+    if arch == "Qwen2MoeForCausalLM" and _get(cfg, "shared_expert_intermediate_size", 0):
+        out["shared_expert_dim"] = _count(cfg, "shared_expert_intermediate_size")
+    return out
 
 
 class Checkpoint:
@@ -276,12 +312,28 @@ class Checkpoint:
             need.append("pos_embed.weight")
         for i in range(c.n_layers):
             need += [f"layers.{i}.attn.{p}.weight" for p in "qkvo"]
-            need += [f"layers.{i}.ffn.{p}.weight" for p in (("gate", "up", "down") if c.glu else ("up", "down"))]
+            need += ffn_tensor_names_of(c, i)
+            need += [f"layers.{i}.attn.{p}_norm.weight" for p in "qk"] if c.qk_norm else []
             need += [f"layers.{i}.attn_norm.weight", f"layers.{i}.ffn_norm.weight"]
         missing = [n for n in need if n not in self._index]
         if missing:
             raise UserError(f"{self.path}: checkpoint lacks {len(missing)} tensors, e.g. '{missing[0]}'")
         check_shapes(c, {n: self.shape(n) for n in self._index}, self.path)
+
+
+def ffn_tensor_names_of(c: ModelConfig, layer: int) -> list[str]:
+    """The FFN matrices layer `layer` of a model needs: gate, up, down; a mixture of experts': its router, every
+    expert's gate, up and down, and its shared expert's."""
+    if not c.moe:
+        return [f"layers.{layer}.ffn.{p}.weight" for p in (("gate", "up", "down") if c.glu else ("up", "down"))]
+    p = f"layers.{layer}.ffn."
+    names = [p + "router.weight"] + [f"{p}experts.{e}.{m}.weight" for e in range(c.n_experts) for m in GLU]
+    if c.shared_expert_dim:
+        names += [f"{p}shared.{m}.weight" for m in GLU] + [p + "shared_gate.weight"]
+    return names
+
+
+GLU = ("gate", "up", "down")
 
 
 def expected_shape(c: ModelConfig, name: str) -> tuple[int, ...] | None:
@@ -303,6 +355,17 @@ def expected_shape(c: ModelConfig, name: str) -> tuple[int, ...] | None:
                  "attn.v.bias": (kv,), "attn.o.bias": (c.dim,), "ffn.gate.weight": (c.ffn_dim, c.dim),
                  "ffn.up.weight": (c.ffn_dim, c.dim), "ffn.down.weight": (c.dim, c.ffn_dim),
                  "ffn.gate.bias": (c.ffn_dim,), "ffn.up.bias": (c.ffn_dim,), "ffn.down.bias": (c.dim,)}
+    if c.qk_norm:
+        per_layer.update({"attn.q_norm.weight": (c.head_dim if c.qk_norm == "head" else q,),
+                          "attn.k_norm.weight": (c.head_dim if c.qk_norm == "head" else kv,)})
+    if c.moe:
+        s = c.shared_expert_dim
+        per_layer.update({"ffn.router.weight": (c.n_experts, c.dim), "ffn.shared.gate.weight": (s, c.dim),
+                          "ffn.shared.up.weight": (s, c.dim), "ffn.shared.down.weight": (c.dim, s),
+                          "ffn.shared_gate.weight": (1, c.dim)})
+        e = re.fullmatch(r"ffn\.experts\.(\d+)\.(gate|up|down)\.weight", m[2])
+        if e:
+            return None if int(e[1]) >= c.n_experts else (c.dim, c.ffn_dim) if e[2] == "down" else (c.ffn_dim, c.dim)
     return per_layer.get(m[2])
 
 

@@ -45,6 +45,14 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_id: int | None = None
     eos_ids: list[int] = field(default_factory=list)
+    # Mixture of experts (0 experts: a dense FFN). Every layer's FFN is then a router over n_experts experts, each a
+    # GLU FFN of ffn_dim neurons; n_experts_used of them run per token, weighted by the router's softmax, the chosen
+    # weights renormalised to sum to 1 when norm_topk_prob (Mixtral always, Qwen2/3-MoE and OLMoE per config).
+    n_experts: int = 0
+    n_experts_used: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_dim: int = 0     # Qwen2-MoE: an always-on GLU FFN of this many neurons, scaled by sigmoid(x.w)
+    qk_norm: str | None = None     # RMSNorm of queries and keys before RoPE: "head" (Qwen3, per head) or "all" (OLMoE)
 
     def __post_init__(self):
         """Every field checked here, once, for every source (config.json, GGUF metadata, a FLASHDIR's manifest): an
@@ -57,6 +65,17 @@ class ModelConfig:
             positive_int(name)
         if self.sliding_window is not None:
             positive_int("sliding_window")
+        if self.n_experts:
+            positive_int("n_experts")
+            positive_int("n_experts_used")
+            if self.n_experts_used > self.n_experts or not self.glu:
+                raise UserError(f"invalid model config: {self.n_experts_used} experts per token of {self.n_experts} "
+                                f"(a mixture of experts needs 1..n_experts gated experts)")
+        if isinstance(self.shared_expert_dim, bool) or not isinstance(self.shared_expert_dim, int) \
+                or self.shared_expert_dim < 0 or (self.shared_expert_dim and not self.n_experts):
+            raise UserError(f"invalid model config: shared_expert_dim {self.shared_expert_dim!r}")
+        if self.qk_norm not in (None, "head", "all"):
+            raise UserError(f"invalid model config: qk_norm {self.qk_norm!r} (supported: head, all)")
         if self.n_heads % self.n_kv_heads:
             raise UserError(f"invalid model config: {self.n_heads} attention heads cannot be shared by "
                             f"{self.n_kv_heads} key/value heads (it must divide them)")
@@ -83,6 +102,10 @@ class ModelConfig:
                                         or not 0 <= self.bos_id < self.vocab_size):
             raise UserError(f"invalid model config: bos token id {self.bos_id!r} outside the vocabulary "
                             f"(0..{self.vocab_size - 1})")
+
+    @property
+    def moe(self) -> bool:
+        return self.n_experts > 0
 
     @property
     def default_ctx(self) -> int:
