@@ -86,15 +86,15 @@ TINY = {
     "opt-postnorm": ("opt", dict(do_layer_norm_before=False)),
 }
 
-# Tiny mixtures of experts (issue 30): 4 or 6 experts of 48 neurons, 2 per token; apart from TINY, whose models the
+# Tiny mixtures of experts (issue 30): 4 or 6 experts of 64 neurons, 2 per token; apart from TINY, whose models the
 # dense-FFN tests run with predictors.
 _MOE = dict(num_key_value_heads=2, num_experts_per_tok=2)
 TINY_MOE = {
-    "mixtral": ("mixtral", dict(intermediate_size=48, num_local_experts=4, **_MOE)),
-    "qwen2moe": ("qwen2_moe", dict(intermediate_size=96, moe_intermediate_size=48, shared_expert_intermediate_size=80,
+    "mixtral": ("mixtral", dict(intermediate_size=64, num_local_experts=4, **_MOE)),
+    "qwen2moe": ("qwen2_moe", dict(intermediate_size=96, moe_intermediate_size=64, shared_expert_intermediate_size=80,
                                    num_experts=6, norm_topk_prob=False, **_MOE)),
-    "olmoe": ("olmoe", dict(intermediate_size=48, num_experts=4, norm_topk_prob=False, **_MOE)),
-    "qwen3moe": ("qwen3_moe", dict(moe_intermediate_size=48, intermediate_size=96, num_experts=6, head_dim=16,
+    "olmoe": ("olmoe", dict(intermediate_size=64, num_experts=4, norm_topk_prob=False, **_MOE)),
+    "qwen3moe": ("qwen3_moe", dict(moe_intermediate_size=64, intermediate_size=96, num_experts=6, head_dim=16,
                                    norm_topk_prob=True, **_MOE)),
 }
 MOE_CLASSES = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "olmoe": "Olmoe", "qwen3_moe": "Qwen3Moe"}

@@ -1,0 +1,107 @@
+"""Mixtures of experts from flash (issue 30): experts converted into checksummed chunks, read whole through the
+expert cache; the same bits at every --dram-budget, thread count and overlap setting, equal to every expert in DRAM,
+and transformers' logits and greedy tokens."""
+import numba
+import numpy as np
+import pytest
+
+from conftest import TINY_MOE, transformers_model
+from flashinfer_lite.runtime import load_runtime
+from storage.convert import convert
+from storage.errors import UserError
+from storage.format import read_layout, verify
+
+
+@pytest.fixture(scope="module")
+def flashdirs(tiny_model, tmp_path_factory):
+    """flashdirs(kind, dtype) -> a FLASHDIR of the tiny mixture of experts `kind` (converted once)."""
+    made = {}
+
+    def make(kind, dtype):
+        if (kind, dtype) not in made:
+            out = tmp_path_factory.mktemp(f"{kind}_{dtype}") / "flash"
+            made[kind, dtype] = convert(tiny_model(kind), out, dtype=dtype, progress=False)
+        return made[kind, dtype]
+    return make
+
+
+def greedy(model, prompt, n, ctx=64):
+    """(logits of the prompt and of each decoded token [len(prompt) + n, V], the decoded tokens)."""
+    kv = model.new_cache(ctx)
+    out = [model.forward(prompt, kv, all_logits=True)]
+    tokens = []
+    for _ in range(n):
+        tokens.append(int(np.argmax(out[-1][-1])))
+        out.append(model.forward([tokens[-1]], kv)[None, :])
+    return np.concatenate(out), tokens
+
+
+PROMPT = np.random.default_rng(5).integers(3, 512, size=11).tolist()
+
+
+@pytest.mark.parametrize("kind", sorted(TINY_MOE))
+def test_experts_from_flash_match_transformers(flashdirs, tiny_model, kind):
+    import torch
+    flash = flashdirs(kind, "f32")
+    L = read_layout(flash)
+    assert L.experts is not None and L.experts.chunk % 4096 == 0 and not L.n_layers
+    model, _, rt = load_runtime(flash, "auto", dram_budget=None, runtime_bytes=0)
+    got, tokens = greedy(model, PROMPT, 8)
+    hf = transformers_model(tiny_model(kind))
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPT + tokens])).logits[0].numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+    ref = hf.generate(torch.tensor([PROMPT]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0].tolist()
+    assert PROMPT + tokens == ref
+    E = L.experts            # no budget: every expert pinned, each read once before the first token
+    assert rt.stats.misses == 0 and rt.stats.read_bytes == E.n_layers * E.n_experts * E.chunk
+
+
+@pytest.mark.parametrize("kind,dtype", [("qwen2moe", "f16"), ("qwen3moe", "q8_0"), ("mixtral", "q4_0")])
+def test_same_bits_at_every_budget_thread_count_and_overlap(flashdirs, kind, dtype):
+    """Every expert in DRAM (--ffn dense) is the reference; from flash at no budget, at the minimum (2 slots a layer:
+    experts evicted and read again within a token's prompt) and between, on 1 and 2 threads, overlap on and off, the
+    logits are the same bits."""
+    flash = flashdirs(kind, dtype)
+    want, _ = greedy(load_runtime(flash, "dense")[0], PROMPT, 6)
+    _, _, rt = load_runtime(flash, "auto", dram_budget=None, runtime_bytes=0)
+    plan = rt.plan
+    per_slot = plan.n_layers * plan.chunk
+    most = max(1, numba.config.NUMBA_NUM_THREADS)
+    seen = set()
+    for budget in (None, plan.minimum_bytes, plan.minimum_bytes + per_slot):
+        for threads in sorted({1, most}):
+            for overlap in (True, False):
+                model, _, rt = load_runtime(flash, "auto", dram_budget=budget, runtime_bytes=0)
+                rt.overlap = overlap
+                before = numba.get_num_threads()
+                numba.set_num_threads(threads)
+                try:
+                    got, _ = greedy(model, PROMPT, 6)
+                finally:
+                    numba.set_num_threads(before)
+                assert np.array_equal(got, want), (budget, threads, overlap)
+                seen.add((rt.plan.slots, rt.stats.misses))
+    slots = sorted(s for s, _ in seen)
+    assert slots[0] == 2 and slots[-1] == plan.n_experts          # the budgets did make different caches
+    assert len({m for _, m in seen}) > 1                           # and different reads
+
+
+def test_a_budget_below_the_minimum_is_refused(flashdirs):
+    flash = flashdirs("mixtral", "f16")
+    _, _, rt = load_runtime(flash, "auto", dram_budget=None, runtime_bytes=0)
+    with pytest.raises(UserError, match="below the minimum"):
+        load_runtime(flash, "auto", dram_budget=rt.plan.minimum_bytes - 1, runtime_bytes=0)
+    with pytest.raises(UserError, match="mixture of experts runs --ffn auto"):
+        load_runtime(flash, "predicted", runtime_bytes=0)
+
+
+def test_a_damaged_expert_is_named(flashdirs, tmp_path):
+    import shutil
+    flash = shutil.copytree(flashdirs("olmoe", "f16"), tmp_path / "damaged")
+    L = read_layout(flash)
+    with open(L.ffn_path, "r+b") as f:
+        f.seek(L.experts.chunk_offset(1, 2) + 100)
+        f.write(b"\x55")
+    with pytest.raises(UserError, match="layer 1's expert 2"):
+        verify(flash, progress=False)
