@@ -347,12 +347,14 @@ class MixtureOfExperts:
         self.shared_gate = w.get(p + "shared_gate.weight")                          # [1, d]
         self.experts = experts or (lambda layer, ids: ((int(e), FeedForward(cfg, w, layer, f"{p}experts.{e}."))
                                                        for e in ids))
+        self.routed = np.zeros(cfg.n_experts, np.int64)     # tokens routed to each expert so far (calibration counts)
 
     def route(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return route(self.cfg, linear(x, self.router))
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         ids, weights = self.route(x)                                                # [T, k] each
+        np.add.at(self.routed, ids.ravel(), 1)
         out = {}
         for e, expert in self.experts(self.layer, np.unique(ids)):
             rows = np.nonzero((ids == e).any(axis=1))[0]

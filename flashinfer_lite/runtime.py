@@ -40,7 +40,7 @@ from .ffn.flash import STREAM_CHUNK_BYTES, FlashFFN
 from .ffn.resident import ResidentFFN
 from .loader import load_weights, open_any
 from .model import FeedForward, Transformer
-from .predictor_set import describe_calibration, load_predictors, read_manifest
+from .predictor_set import describe_calibration, load_expert_freq, load_predictors, read_manifest
 from .process import keep_freed_arrays_out_of_rss, rss_bytes
 
 FFN_MODES = ("auto", "dense", "oracle", "predicted", "experts")   # experts: a mixture of experts from flash   # auto: dense when the model fits the budget, else predicted
@@ -232,7 +232,8 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
     if verify:
         verify_at_load(path, progress=progress)
     ckpt = FlashCheckpoint(path)
-    files = ModelFiles(source, str(path), default, True, ckpt, ckpt.tokenizer(), load_predictors(path), None)
+    files = ModelFiles(source, str(path), default, True, ckpt, ckpt.tokenizer(), load_predictors(path), None,
+                       expert_freq=load_expert_freq(path) if ckpt.config.moe else None)
     if runtime_bytes is None:     # a mixture of experts compiles no bundle kernels: what they add, as remembered
         runtime_bytes = rss_bytes() + remembered_kernels_bytes() if ckpt.config.moe else \
             measure_runtime_bytes(ckpt.layout)

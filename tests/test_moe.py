@@ -1,6 +1,8 @@
 """Mixtures of experts from flash (issue 30): experts converted into checksummed chunks, read whole through the
 expert cache; the same bits at every --dram-budget, thread count and overlap setting, equal to every expert in DRAM,
 and transformers' logits and greedy tokens."""
+import json
+
 import numba
 import numpy as np
 import pytest
@@ -105,3 +107,34 @@ def test_a_damaged_expert_is_named(flashdirs, tmp_path):
         f.write(b"\x55")
     with pytest.raises(UserError, match="layer 1's expert 2"):
         verify(flash, progress=False)
+
+
+def test_the_most_routed_experts_are_pinned_from_calibration_counts(flashdirs, tmp_path):
+    """count-experts counts the router's choices on calibration text into the FLASHDIR; the expert cache then pins the
+    most routed of each layer: read once, never a miss, and the bits stay those of every expert in DRAM."""
+    import shutil
+    from conftest import CORPUS
+    from predictors.expert_freq import count_routes
+    from flashinfer_lite.predictor_set import load_expert_freq, save_expert_freq
+    flash = shutil.copytree(flashdirs("qwen2moe", "f16"), tmp_path / "flash")
+    counts = count_routes(flash, [CORPUS / "tinystories_cased_197KB.txt"], 96, ctx=32, progress=False)
+    assert counts.shape == (2, 6) and (counts.sum(axis=1) == 96 * 2).all()    # 96 tokens, 2 experts each
+    save_expert_freq(flash, counts)
+    assert np.array_equal(load_expert_freq(flash), counts)
+    want, _ = greedy(load_runtime(flash, "dense")[0], PROMPT, 6)
+    _, _, rt = load_runtime(flash, "auto", dram_budget=None, runtime_bytes=0)
+    budget = rt.plan.minimum_bytes + 2 * rt.plan.n_layers * rt.plan.chunk      # 4 slots a layer: 2 pinned
+    model, _, rt = load_runtime(flash, "auto", dram_budget=budget, runtime_bytes=0)
+    assert rt.plan.slots == 4 and rt.plan.pinned == 2
+    for layer in range(2):
+        top = set(np.argsort(-counts[layer], kind="stable")[:2].tolist())
+        assert rt.cache.pinned[layer] == top
+    got, _ = greedy(model, PROMPT, 6)
+    assert np.array_equal(got, want)
+    assert all(rt.cache.pinned[i] <= set(rt.cache.slot_of[i]) for i in range(2))   # never evicted
+    m = tmp_path / "flash" / "predictors" / "expert_frequencies.json"
+    doc = json.loads(m.read_text())
+    doc["counts"][0][0] += 1                                                   # an edited count
+    m.write_text(json.dumps(doc))
+    with pytest.raises(UserError, match="checksum mismatch"):
+        load_expert_freq(flash)
