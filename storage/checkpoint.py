@@ -442,7 +442,17 @@ _GGUF_NAMES = [
     (r"blk\.(\d+)\.attn_v\.(weight|bias)", r"layers.\1.attn.v.\2"),
     (r"blk\.(\d+)\.attn_output\.(weight|bias)", r"layers.\1.attn.o.\2"),
     (r"blk\.(\d+)\.ffn_(gate|up|down)\.(weight|bias)", r"layers.\1.ffn.\2.\3"),
+    (r"blk\.(\d+)\.attn_([qk])_norm\.weight", r"layers.\1.attn.\2_norm.weight"),
+    # mixtures of experts: the router, a shared expert and its gate; the experts' 3-D tensors are split by
+    # GGUFCheckpoint (_GGUF_EXPERTS)
+    (r"blk\.(\d+)\.ffn_gate_inp\.weight", r"layers.\1.ffn.router.weight"),
+    (r"blk\.(\d+)\.ffn_(gate|up|down)_shexp\.weight", r"layers.\1.ffn.shared.\2.weight"),
+    (r"blk\.(\d+)\.ffn_gate_inp_shexp\.weight", r"layers.\1.ffn.shared_gate.weight"),
 ]
+# blk.N.ffn_{gate,up,down}_exps.weight: every expert of a layer in one tensor, ne = [cols, rows, experts] (llama.cpp
+# stores the experts' matrices back to back, each as a 2-D tensor would be)
+_GGUF_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+GGUF_ARCHS = ("llama", "qwen2moe", "qwen3moe")
 
 
 def gguf_field(reader, key: str, default=None):
@@ -469,9 +479,11 @@ class GGUFCheckpoint(Checkpoint):
             raise UserError(f"not a valid GGUF file: {path} ({type(e).__name__}: {e})") from None
         r = self.reader
         arch = gguf_field(r, "general.architecture")
-        if arch != "llama":
-            raise UserError(f"unsupported GGUF architecture {arch!r} (supported: llama)")
-        need = lambda k: _required_field(r, f"llama.{k}")  # noqa: E731
+        if arch not in GGUF_ARCHS:
+            raise UserError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(GGUF_ARCHS)})")
+        self.arch = arch
+        need = lambda k: _required_field(r, f"{arch}.{k}")  # noqa: E731
+        field = lambda k, default=None: gguf_field(r, f"{arch}.{k}", default)  # noqa: E731
         dim, heads = int(need("embedding_length")), int(need("attention.head_count"))
         if dim < 1 or heads < 1:
             raise UserError(f"{path}: GGUF embedding_length and attention.head_count must be positive "
@@ -482,40 +494,64 @@ class GGUFCheckpoint(Checkpoint):
                 raise UserError(f"{path}: tensor {t.name} has GGUF type {t.tensor_type.name}, which is not supported "
                                 f"(supported: {', '.join(GGUF_TYPES)})")
         self._index = {c: by_name[n] for c, n in canonical_names(by_name, _GGUF_NAMES).items()}
+        moe, self._expert_of = {}, {}     # canonical name of one expert's matrix -> its index in the 3-D tensor
+        if field("expert_count"):
+            moe = dict(n_experts=int(need("expert_count")), n_experts_used=int(need("expert_used_count")),
+                       # llama.cpp renormalises the chosen weights for Mixtral and Qwen3-MoE, not Qwen2-MoE
+                       norm_topk_prob=arch != "qwen2moe", qk_norm="head" if arch == "qwen3moe" else None)
+            if arch != "llama":
+                moe["ffn_dim"] = int(need("expert_feed_forward_length"))
+            if field("expert_shared_feed_forward_length"):
+                moe["shared_expert_dim"] = int(field("expert_shared_feed_forward_length"))
+            for t in r.tensors:
+                m = _GGUF_EXPERTS.fullmatch(t.name)
+                if m:
+                    if len(t.shape) != 3 or int(t.shape[2]) != moe["n_experts"]:
+                        raise UserError(f"{path}: {t.name} holds {list(t.shape)}, not {moe['n_experts']} experts")
+                    for e in range(moe["n_experts"]):
+                        self._index[f"layers.{m[1]}.ffn.experts.{e}.{m[2]}.weight"] = t
+                        self._expert_of[f"layers.{m[1]}.ffn.experts.{e}.{m[2]}.weight"] = e
         tokens = gguf_field(r, "tokenizer.ggml.tokens") or []
-        kv_heads = int(gguf_field(r, "llama.attention.head_count_kv", heads))
-        head_dim = int(gguf_field(r, "llama.attention.key_length", dim // heads))
-        if int(gguf_field(r, "llama.rope.dimension_count", head_dim)) != head_dim:
+        kv_heads = int(field("attention.head_count_kv", heads))
+        head_dim = int(field("attention.key_length", dim // heads))
+        if int(field("rope.dimension_count", head_dim)) != head_dim:
             raise UserError("unsupported GGUF field llama.rope.dimension_count != head dim (partial rotary)")
         scaling = None
-        stype = gguf_field(r, "llama.rope.scaling.type")
+        stype = field("rope.scaling.type")
         if stype not in (None, "none"):
             if stype != "linear":
                 raise UserError(f"unsupported GGUF rope scaling '{stype}' (supported: linear)")
-            scaling = {"rope_type": "linear", "factor": float(gguf_field(r, "llama.rope.scaling.factor", 1.0))}
+            scaling = {"rope_type": "linear", "factor": float(field("rope.scaling.factor", 1.0))}
         bos = gguf_field(r, "tokenizer.ggml.bos_token_id")
         eos = gguf_field(r, "tokenizer.ggml.eos_token_id")
-        ffn_dim = int(need("feed_forward_length"))
+        ffn_dim = moe.pop("ffn_dim", None) or int(need("feed_forward_length"))
         self.config = ModelConfig(
-            arch="llama", vocab_size=int(gguf_field(r, "llama.vocab_size", len(tokens))), dim=dim,
+            arch="llama", vocab_size=int(field("vocab_size", len(tokens))), dim=dim,
             n_layers=int(need("block_count")), n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim, ffn_dim=ffn_dim,
             glu=True, act="silu", norm="rms", norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-            rope_theta=float(gguf_field(r, "llama.rope.freq_base", 10000.0)), rope_scaling=scaling,
-            max_pos=int(gguf_field(r, "llama.context_length", 2048)),
+            rope_theta=float(field("rope.freq_base", 10000.0)), rope_scaling=scaling,
+            max_pos=int(field("context_length", 2048)),
             tie_embeddings="lm_head.weight" not in self._index,
             qkv_bias="layers.0.attn.q.bias" in self._index, o_bias="layers.0.attn.o.bias" in self._index,
             mlp_bias="layers.0.ffn.up.bias" in self._index,
-            bos_id=None if bos is None else int(bos), eos_ids=[] if eos is None else [int(eos)])
+            bos_id=None if bos is None else int(bos), eos_ids=[] if eos is None else [int(eos)], **moe)
         self.check_complete()
+
+    def _tensor(self, name: str):
+        """(GGUF tensor, its data: one expert's slice of a 3-D expert tensor)."""
+        t = self._index[name]
+        return (t, t.data[self._expert_of[name]]) if name in self._expert_of else (t, t.data)
 
     def _read(self, name: str) -> np.ndarray:
         import gguf
-        t = self._index[name]
+        t, data = self._tensor(name)
         try:
-            a = gguf.quants.dequantize(t.data, t.tensor_type)
+            a = gguf.quants.dequantize(data, t.tensor_type)
         except Exception as e:
             raise UserError(f"cannot dequantize GGUF tensor {t.name} ({t.tensor_type.name}): {e}") from None
         a = np.asarray(a, dtype=np.float32).reshape(self.shape(name))
+        if self.arch != "llama":      # q/k rows as HF has them: only the llama converter interleaves them
+            return a
         if name.endswith("attn.q.weight") or name.endswith("attn.q.bias"):
             a = unpermute_qk(a, self.config.n_heads)
         elif name.endswith("attn.k.weight") or name.endswith("attn.k.bias"):
@@ -523,18 +559,25 @@ class GGUFCheckpoint(Checkpoint):
         return a
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(s) for s in reversed(self._index[name].shape))
+        t = self._index[name]
+        if name in self._expert_of:                   # one expert: [rows, cols] of ne = [cols, rows, experts]
+            return int(t.shape[1]), int(t.shape[0])
+        if name.endswith("shared_gate.weight"):       # a vector [d] in the file, the [1, d] matrix of the math
+            return (1, int(t.shape[0]))
+        return tuple(int(s) for s in reversed(t.shape))
 
     def quantized(self, name: str) -> tuple[str, np.ndarray] | None:
-        t, shape = self._index[name], self.shape(name)
+        (t, data), shape = self._tensor(name), self.shape(name)
         kind = t.tensor_type.name.lower()
         if kind not in BLOCK_BYTES or len(shape) != 2:
             return None
-        q = np.asarray(t.data)
+        q = np.asarray(data)
         if q.dtype != np.uint8 or q.shape != (shape[0], row_bytes(shape[1], kind)):
             raise UserError(f"{self.path}: GGUF tensor {t.name} ({t.tensor_type.name}) holds {q.dtype}{list(q.shape)}, "
                             f"not the blocks of a {list(shape)} matrix")
         # q and k: llama.cpp interleaved their rows; un-permuting moves whole rows, blocks and all
+        if self.arch != "llama":
+            return kind, q
         if name.endswith("attn.q.weight"):
             q = unpermute_qk(q, self.config.n_heads)
         elif name.endswith("attn.k.weight"):
@@ -542,7 +585,7 @@ class GGUFCheckpoint(Checkpoint):
         return kind, q
 
     def precision(self, name: str) -> str:
-        return GGUF_TYPES[self._index[name].tensor_type.name]
+        return GGUF_TYPES[self._tensor(name)[0].tensor_type.name]
 
     def release(self) -> None:
         # the file is memory-mapped read-only: its pages read so far count in RSS until dropped (re-read on demand)

@@ -138,3 +138,47 @@ def test_the_most_routed_experts_are_pinned_from_calibration_counts(flashdirs, t
     m.write_text(json.dumps(doc))
     with pytest.raises(UserError, match="checksum mismatch"):
         load_expert_freq(flash)
+
+
+GGUF_ARCH = {"mixtral": "llama", "qwen2moe": "qwen2moe", "qwen3moe": "qwen3moe"}
+
+
+@pytest.mark.parametrize("kind", sorted(GGUF_ARCH))
+def test_gguf_mixtures_of_experts_match_transformers(tiny_model, kind, tmp_path):
+    """GGUF `llama` with llama.expert_count (Mixtral), `qwen2moe` and `qwen3moe`, their experts in 3-D
+    ffn_{gate,up,down}_exps tensors: float32, the logits of transformers on the HF model they were written from."""
+    import torch
+    from flashinfer_lite.loader import load_reference
+    from moe_gguf import write_moe_gguf
+    src = tiny_model(kind)
+    path = write_moe_gguf(src, tmp_path / "m.gguf", GGUF_ARCH[kind])
+    model, _ = load_reference(path)
+    got = model.forward(PROMPT, model.new_cache(32), all_logits=True)
+    with torch.no_grad():
+        want = transformers_model(src)(torch.tensor([PROMPT])).logits[0].numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+
+
+def test_a_quantized_gguf_keeps_its_expert_blocks_on_flash(tiny_model, tmp_path):
+    """Q8_0 experts are copied into the chunks as they are (no second rounding); from flash at the minimum budget the
+    bits are those of the FLASHDIR with every weight in DRAM, and its prompt's logits near the GGUF's own (the FLASHDIR
+    keeps the GGUF's float32 attention matrices in q8_0 blocks: convert --dtype auto's rule for resident matrices)."""
+    import gguf
+    from moe_gguf import write_moe_gguf
+    path = write_moe_gguf(tiny_model("qwen3moe"), tmp_path / "m.gguf", "qwen3moe", expert_type="Q8_0")
+    flash = convert(path, tmp_path / "flash", progress=False)
+    L = read_layout(flash)
+    assert L.experts.dtypes == ("q8_0",) * 3
+    t = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "blk.1.ffn_down_exps.weight")
+    with open(L.ffn_path, "rb") as f:
+        f.seek(L.experts.chunk_offset(1, 3))
+        chunk = np.frombuffer(f.read(L.experts.chunk), np.uint8)
+    assert np.array_equal(chunk[L.experts.span("down")], np.asarray(t.data[3]).reshape(-1))
+    want, _ = greedy(load_runtime(flash, "dense")[0], PROMPT, 5)
+    gguf_model = load_runtime(path, "dense")[0]
+    gguf_run = gguf_model.forward(PROMPT, gguf_model.new_cache(32), all_logits=True)
+    assert np.abs(gguf_run - want[:len(PROMPT)]).max() < 0.05
+    _, _, rt = load_runtime(flash, "auto", runtime_bytes=0, dram_budget=None)
+    model, _, rt = load_runtime(flash, "auto", runtime_bytes=0, dram_budget=rt.plan.minimum_bytes)
+    got, _ = greedy(model, PROMPT, 5)
+    assert np.array_equal(got, want) and rt.stats.misses > 0
