@@ -2,7 +2,8 @@
 """A mixture of experts at Qwen3-30B-A3B's shape from flash, against llama.cpp itself, under the same memory caps
 (issue 30).
 
-    PYTHONPATH=. python bench/moe_vs_llama_cpp.py [--layers 48] [-n 16] [--caps none,50%,25%] [--md FILE] [--keep DIR]
+    PYTHONPATH=. python bench/moe_vs_llama_cpp.py [--layers 48] [-n 16] [--caps none,50%,25%] [--lookahead]
+                                                  [--md FILE] [--keep DIR]
 
 The model: Qwen3-30B-A3B's shape (d 2048, 32 query and 4 KV heads of 128, 128 experts of 768 neurons, 8 routed per
 token, renormalised; per-head q/k RMSNorm), --layers of its 48, stories260K's 512-token vocabulary, random weights,
@@ -11,7 +12,9 @@ written directly as a `qwen3moe` GGUF in Q4_0 (random blocks: scales set so each
 expert chunks as they are). Random weights route about uniformly: the worst case for any expert cache.
 Rows, each its own process under tools/memcap.py with the page cache dropped: llama.cpp (mmap of the GGUF) and
 flashinfer-lite (the FLASHDIR, its experts through the expert cache, --dram-budget = the cap less --slack) per cap,
-greedy from the same prompt ids. Caps: none, a size or P% of the GGUF.
+from the same prompt ids, then -n decode steps over the same fixed random tokens (greedy decoding of a random model
+repeats one token, and its experts with it); "same tokens" compares the argmax after every step. Caps: none, a size or
+P% of the GGUF.
 """
 from __future__ import annotations
 
@@ -87,26 +90,55 @@ def write_gguf(path: Path, layers: int, seed: int = 0) -> int:
     return path.stat().st_size
 
 
-def measure_flash(budget: int | None, job: dict) -> dict:
-    from flashinfer_lite.generate import Sampler, Session
+def measure_llama(job: dict) -> dict:
+    """llama.cpp: eval(prompt ids), then one eval per token of job["steps"]; the argmax after each."""
+    import llama_cpp
+    import numpy as np
     t0 = time.perf_counter()
-    model, tokenizer, runtime = h.load_model(job["flash"], "auto", threads=job["threads"], ctx=job["ctx"],
-                                             dram_budget=budget)
+    llm = h.llama_model(job["gguf"], job["ctx"], job["threads"], job["llama_extra_bufts"])
     load_s = time.perf_counter() - t0
-    session = Session(model, tokenizer, job["ctx"])
-    out, c = [], None
-    for tok in session.generate(job["prompt_ids"], job["n_gen"], Sampler(temp=0.0), ignore_eos=True):
-        if c is None:
-            c = h.Counters(runtime)                                    # after the prompt: decode steps only
-        out.append(tok)
-    t = session.timings
-    d = c.since(len(t.token_ms))
-    st = runtime.stats
+    n_vocab = llm.n_vocab()
+
+    def argmax() -> int:
+        return int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))))
+    t0 = time.perf_counter()
+    llm.eval(job["prompt_ids"])
+    prompt_ms = 1e3 * (time.perf_counter() - t0)
+    out, step_ms, io0 = [argmax()], [], h.read_bytes()
+    for tok in job["steps"]:
+        t0 = time.perf_counter()
+        llm.eval([tok])
+        step_ms.append(1e3 * (time.perf_counter() - t0))
+        out.append(argmax())
+    return {"engine": "llama.cpp", "load_s": round(load_s, 3), "gen_tokens": out, "llama_cpp": llama_cpp.__version__,
+            **h.step_stats(prompt_ms, len(job["prompt_ids"]), step_ms, h.read_bytes() - io0)}
+
+
+def measure_flash(budget: int | None, job: dict, lookahead: bool = False) -> dict:
+    """flashinfer-lite: the prompt, then one forward per token of job["steps"]; the argmax after each."""
+    import numpy as np
+    t0 = time.perf_counter()
+    model, _, runtime = h.load_model(job["flash"], "auto", threads=job["threads"], ctx=job["ctx"], dram_budget=budget,
+                                     lookahead=lookahead)
+    load_s = time.perf_counter() - t0
+    kv = model.new_cache(job["ctx"])
+    t0 = time.perf_counter()
+    logits = model.forward(job["prompt_ids"], kv)
+    prompt_ms = 1e3 * (time.perf_counter() - t0)
+    out, step_ms, c = [int(np.argmax(logits))], [], h.Counters(runtime)
+    for tok in job["steps"]:
+        t0 = time.perf_counter()
+        logits = model.forward([tok], kv)
+        step_ms.append(1e3 * (time.perf_counter() - t0))
+        out.append(int(np.argmax(logits)))
+    d, st = c.since(len(step_ms)), runtime.stats.as_dict()
     return {"engine": "flashinfer-lite", "load_s": round(load_s, 3), "gen_tokens": out,
-            **h.step_stats(t.prompt_ms, t.prompt_tokens, t.token_ms, 0),
+            **h.step_stats(prompt_ms, len(job["prompt_ids"]), step_ms, 0),
             "decode_MB_per_token": d["reader_MB_per_token"], "hit_rate": d["hit_rate"],
-            "read_MB_per_s": st.as_dict()["read_mb_per_s"], "overlapped_share": st.as_dict()["overlapped_share"],
-            "budget_bytes": runtime.plan.budget_bytes, "slots": runtime.plan.slots, "plan": runtime.plan.table()}
+            "read_MB_per_s": st["read_mb_per_s"], "overlapped_share": st["overlapped_share"],
+            "read_wait_ms_per_token": st["read_wait_ms_per_token"], "budget_bytes": runtime.plan.budget_bytes,
+            "slots": runtime.plan.slots, "plan": runtime.plan.table(),
+            "prefetched": runtime.stats.prefetched, "prefetch_used": runtime.stats.prefetch_used}
 
 
 def main(argv=None) -> int:
@@ -115,6 +147,8 @@ def main(argv=None) -> int:
     ap.add_argument("-n", type=int, default=16, help="tokens to generate")
     ap.add_argument("--caps", default="none,50%,25%")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--lookahead", action="store_true", help="also rows with the next layer's expert reads started "
+                                                                 "early on its router's guess")
     ap.add_argument("--slack", default=SLACK, help="under a cap, the flash row's DRAM budget is the cap less this")
     ap.add_argument("--job")
     ap.add_argument("--budget")
@@ -123,8 +157,8 @@ def main(argv=None) -> int:
     if a.worker:
         job = json.loads(Path(a.job).read_text())
         budget = None if a.budget in (None, "none") else int(a.budget)
-        return h.worker(a.out, a.worker, lambda: h.measure_llama(job) if a.worker == "llama.cpp"
-                        else measure_flash(budget, job))
+        return h.worker(a.out, a.worker, lambda: measure_llama(job) if a.worker == "llama.cpp"
+                        else measure_flash(budget, job, lookahead=a.worker == "flash-lookahead"))
     work = h.work_dir(a, "moe-bench-")
     from storage.convert import convert
     from storage.tokenizer import Tokenizer  # noqa: F401  (the GGUF's own tokenizer, through the checkpoint)
@@ -137,7 +171,11 @@ def main(argv=None) -> int:
         convert(gguf, flash, progress=sys.stderr.isatty())
     build_s = time.perf_counter() - t0
     tok = open_checkpoint(gguf).tokenizer()
-    job = {"gguf": str(gguf), "flash": str(flash), "ctx": 256, "threads": a.threads, "n_gen": a.n,
+    # decode steps over fixed random tokens, not greedy: a random model's greedy output repeats one token, whose
+    # experts then never change (an expert cache's best case, not its worst)
+    import numpy as np
+    steps = np.random.default_rng(1).integers(3, SHAPE["vocab"], a.n).tolist()
+    job = {"gguf": str(gguf), "flash": str(flash), "ctx": 256, "threads": a.threads, "steps": steps,
            "prompt_ids": tok.encode("Once upon a time there was a robot who"), "llama_extra_bufts": False}
     (work / "job.json").write_text(json.dumps(job))
     rows = []
@@ -145,7 +183,7 @@ def main(argv=None) -> int:
         cap = None if spec == "none" else int(gguf_bytes * float(spec[:-1]) / 100) if spec.endswith("%") \
             else parse_size(spec)
         budget = "none" if cap is None else str(cap - parse_size(a.slack))
-        for mode in ("llama.cpp", "flash"):
+        for mode in ("llama.cpp", "flash", *(("flash-lookahead",) if a.lookahead else ())):
             r = h.run_row(__file__, mode, f"{mode}@{spec}", cap, work, ["--job", work / "job.json", "--budget", budget])
             rows.append(dict(r, cap=spec))
     doc = {"bench": "moe_vs_llama_cpp", "command": h.command("moe_vs_llama_cpp.py", argv), "machine": h.machine(),
@@ -171,7 +209,7 @@ def markdown(doc: dict) -> str:
             f"{m['used']} routed, d {m['dim']}), Q4_0 GGUF {m['gguf_bytes'] / 2**30:.2f} GiB; "
             f"load average {doc['machine']['load_avg_start']}")
     return "\n".join([head, ""] + h.table(["row", "cap", "load s", "ms/token P50", "P99", "flash MB/token",
-                                           "expert hit rate", "vs llama.cpp", "same tokens"], out))
+                                           "expert hit rate", "vs llama.cpp", "same argmax"], out))
 
 
 if __name__ == "__main__":

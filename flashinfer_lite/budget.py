@@ -107,10 +107,15 @@ class BudgetPlan:
                     ("hot region", self.hot_bytes, f"{self.hot_rows} pinned neurons")]),
                 ("unused", self.budget_bytes - self.used_bytes, ""),
                 ("budget", self.budget_bytes, f"minimum {_mib(self.minimum_bytes)}")]
-        lines = [f"{'DRAM budget':<16}{'MiB':>10}{'%':>7}  note"]
-        for name, b, note in rows:
-            lines.append(f"{name:<16}{b / 2**20:>10.1f}{100 * b / self.budget_bytes:>6.1f}%  {note}")
-        return "\n".join(lines)
+        return budget_table(rows, self.budget_bytes)
+
+
+def budget_table(rows: list[tuple[str, int, str]], budget_bytes: int) -> str:
+    """A plan's split as printed: per (name, bytes, note) its MiB and share of the budget."""
+    lines = [f"{'DRAM budget':<16}{'MiB':>10}{'%':>7}  note"]
+    for name, b, note in rows:
+        lines.append(f"{name:<16}{b / 2**20:>10.1f}{100 * b / budget_bytes:>6.1f}%  {note}")
+    return "\n".join(lines)
 
 
 def _mib(n: int) -> str:
@@ -526,10 +531,7 @@ class ExpertPlan:
                                                 f"({self.pinned} pinned per layer), {self.chunk / 2**20:.2f} MiB each"),
                 ("unused", self.budget_bytes - self.used_bytes, ""),
                 ("budget", self.budget_bytes, f"minimum {_mib(self.minimum_bytes)}")]
-        lines = [f"{'DRAM budget':<16}{'MiB':>10}{'%':>7}  note"]
-        for name, b, note in rows:
-            lines.append(f"{name:<16}{b / 2**20:>10.1f}{100 * b / self.budget_bytes:>6.1f}%  {note}")
-        return "\n".join(lines)
+        return budget_table(rows, self.budget_bytes)
 
 
 def plan_experts(cfg: ModelConfig, experts, dram_budget_bytes: int | None, ctx: int, resident_bytes: int,

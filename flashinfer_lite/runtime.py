@@ -250,7 +250,7 @@ def decide(files: ModelFiles, ffn: str, dram_budget=None, ctx: int | None = None
     cfg = files.ckpt.config
     ctx = ctx or cfg.default_ctx
     if cfg.moe and files.flash_backed and ffn != "dense":
-        return decide_experts(files, ffn, dram_budget, ctx, room, verbose)
+        return decide_experts(files, ffn, dram_budget, ctx, room, verbose, lookahead)
     if ffn == "dense" or (ffn == "auto" and not files.flash_backed):
         if dram_budget not in (None, "auto"):
             raise UserError("--dram-budget applies to --ffn predicted/oracle; --ffn dense keeps every weight in DRAM"
@@ -290,7 +290,8 @@ def decide(files: ModelFiles, ffn: str, dram_budget=None, ctx: int | None = None
     return Decision(ffn, plan, ffn == "predicted" and not files.trained, lookahead, notes, auto)
 
 
-def decide_experts(files: ModelFiles, ffn: str, dram_budget, ctx: int, room: int | None, verbose: bool) -> Decision:
+def decide_experts(files: ModelFiles, ffn: str, dram_budget, ctx: int, room: int | None, verbose: bool,
+                   lookahead: bool = False) -> Decision:
     """A mixture of experts from a FLASHDIR: its experts read from flash through the expert cache, as many per layer
     as the budget holds (every one with no budget). No predictor: the router says exactly which experts run."""
     if ffn not in ("auto", "experts"):
@@ -302,7 +303,7 @@ def decide_experts(files: ModelFiles, ffn: str, dram_budget, ctx: int, room: int
     plan = plan_experts(ckpt.config, ckpt.layout.experts, budget, ctx, resident, files.runtime_bytes,
                         pin=files.expert_freq is not None, requested=dram_budget is not None)
     notes = (plan.table(),) if verbose or plan.requested else ()
-    return Decision("experts", plan, False, False, notes, ("experts from flash", "the router") if ffn == "auto"
+    return Decision("experts", plan, False, lookahead, notes, ("experts from flash", "the router") if ffn == "auto"
                     else None)
 
 
@@ -321,7 +322,7 @@ def build(files: ModelFiles, decision: Decision, threads: int | None = None, pro
         weights = load_weights(ckpt, progress, skip=lambda n: bool(_EXPERT.fullmatch(n)),
                                convert=half_matrix if ckpt.layout.dtype != "f32" else None)
         runtime = ExpertFFN(cfg, ckpt.layout, weights, decision.plan, files.expert_freq, threads=threads,
-                            verbose=verbose)
+                            lookahead=decision.lookahead, verbose=verbose)
         if verbose:
             print(runtime.reader.describe(), file=sys.stderr)
         return Transformer(cfg, weights, ffn=runtime), files.tokenizer, runtime

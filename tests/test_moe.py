@@ -62,8 +62,8 @@ def test_experts_from_flash_match_transformers(flashdirs, tiny_model, kind):
 @pytest.mark.parametrize("kind,dtype", [("qwen2moe", "f16"), ("qwen3moe", "q8_0"), ("mixtral", "q4_0")])
 def test_same_bits_at_every_budget_thread_count_and_overlap(flashdirs, kind, dtype):
     """Every expert in DRAM (--ffn dense) is the reference; from flash at no budget, at the minimum (2 slots a layer:
-    experts evicted and read again within a token's prompt) and between, on 1 and 2 threads, overlap on and off, the
-    logits are the same bits."""
+    experts evicted and read again within a token's prompt) and between, on 1 and 2 threads, overlap on and off, and
+    with the next layer's reads started early on a guess, the logits are the same bits."""
     flash = flashdirs(kind, dtype)
     want, _ = greedy(load_runtime(flash, "dense")[0], PROMPT, 6)
     _, _, rt = load_runtime(flash, "auto", dram_budget=None, runtime_bytes=0)
@@ -84,6 +84,10 @@ def test_same_bits_at_every_budget_thread_count_and_overlap(flashdirs, kind, dty
                     numba.set_num_threads(before)
                 assert np.array_equal(got, want), (budget, threads, overlap)
                 seen.add((rt.plan.slots, rt.stats.misses))
+    for budget in (plan.minimum_bytes, plan.minimum_bytes + per_slot):    # reads started a layer early on a guess
+        model, _, rt = load_runtime(flash, "auto", dram_budget=budget, runtime_bytes=0, lookahead=True)
+        got, _ = greedy(model, PROMPT, 6)
+        assert np.array_equal(got, want) and rt.stats.prefetched > 0, budget
     slots = sorted(s for s, _ in seen)
     assert slots[0] == 2 and slots[-1] == plan.n_experts          # the budgets did make different caches
     assert len({m for _, m in seen}) > 1                           # and different reads

@@ -39,6 +39,8 @@ class ExpertCache:
         self.lru = [collections.OrderedDict() for _ in range(cfg.n_layers)]   # unpinned experts, oldest first
         self.free = [list(range(slots - 1, -1, -1)) for _ in range(cfg.n_layers)]
         self.pinned = [set() for _ in range(cfg.n_layers)]
+        self.early = [dict() for _ in range(cfg.n_layers)]    # expert -> its read started on a guess, not yet waited
+        self.on_submitted = None     # called with the layer once its misses' reads are queued (ExpertFFN's guess)
         for layer, ids in enumerate(pinned or []):
             ids = [int(e) for e in ids][:slots]
             if ids:
@@ -86,9 +88,26 @@ class ExpertCache:
         self.stats.io_s += st.io_s
         self.lru[layer][e] = None                 # most recent
 
+    def prefetch(self, layer: int, ids) -> None:
+        """Start reading the experts of a guess (the next layer's router applied early) into slots of LRU experts; the
+        exact router still decides what is computed, so a wrong guess costs only its bytes (and the evicted
+        experts)."""
+        for e in (int(e) for e in ids):
+            if e in self.slot_of[layer]:
+                continue
+            pending = self._start(layer, e, set())
+            if pending is None:
+                return
+            self.early[layer][e] = pending
+            self.stats.prefetched += 1
+
     def __call__(self, layer: int, ids: np.ndarray):
         ids = [int(e) for e in ids]
-        slot_of, lru = self.slot_of[layer], self.lru[layer]
+        slot_of, lru, early = self.slot_of[layer], self.lru[layer], self.early[layer]
+        for e in list(early):                    # reads started on a guess: land them all (their slots settle)
+            self._land(layer, e, early.pop(e))
+            if e in ids:
+                self.stats.prefetch_used += 1
         hits = [e for e in ids if e in slot_of]
         misses = collections.deque(e for e in ids if e not in slot_of)
         self.stats.hits += len(hits)
@@ -106,6 +125,8 @@ class ExpertCache:
                     break
                 inflight.append((misses.popleft(), pending))
         refill()                                  # the misses' reads run while the hits compute
+        if self.on_submitted is not None:
+            self.on_submitted(layer)
         if not self.overlap:
             while inflight:
                 e, pending = inflight.popleft()
@@ -132,7 +153,7 @@ class ExpertFFN:
     text (pins the plan's `pinned` most routed), or None."""
 
     def __init__(self, cfg: ModelConfig, layout, weights: dict, plan, freq: np.ndarray | None = None,
-                 threads: int | None = None, overlap: bool = True, verbose: bool = False):
+                 threads: int | None = None, overlap: bool = True, lookahead: bool = False, verbose: bool = False):
         self.cfg, self.layout, self.plan = cfg, layout, plan
         self.stats = FlashStats.for_layers(cfg.n_layers, cfg.n_experts)
         pinned = None
@@ -143,6 +164,12 @@ class ExpertFFN:
         self.cache = ExpertCache(cfg, layout, plan.slots, pinned, threads, self.stats, overlap)
         self.reader = self.cache.reader
         self.layers = [MixtureOfExperts(cfg, weights, i, experts=self.cache) for i in range(cfg.n_layers)]
+        # lookahead: layer l+1's router on layer l's FFN input, re-weighted from layer l's norm to layer l+1's (as
+        # runtime.lookahead_selector does for neurons), names the experts whose reads start while layer l computes
+        self.norms = [weights.get(f"layers.{i}.ffn_norm.weight") for i in range(cfg.n_layers)]
+        self.lookahead = lookahead
+        self._x = None
+        self.cache.on_submitted = self._guess_next
 
     @property
     def overlap(self) -> bool:
@@ -154,6 +181,7 @@ class ExpertFFN:
 
     def __call__(self, layer: int, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
+        self._x = x
         t0, waited = time.perf_counter(), self.stats.read_s
         y = self.layers[layer](x)
         self.stats.compute_s += time.perf_counter() - t0 - (self.stats.read_s - waited)
@@ -162,3 +190,15 @@ class ExpertFFN:
         if layer == self.cfg.n_layers - 1:
             self.stats.tokens += x.shape[0]
         return y
+
+    def _guess_next(self, layer: int) -> None:
+        nxt = layer + 1
+        if not self.lookahead or nxt >= self.cfg.n_layers or self._x is None:
+            return
+        t0 = time.perf_counter()
+        x, w0, w1 = self._x, self.norms[layer], self.norms[nxt]
+        if w0 is not None and w1 is not None:
+            x = np.divide(x, w0, out=np.zeros_like(x), where=w0 != 0) * w1
+        ids, _ = self.layers[nxt].route(x.astype(np.float32))
+        self.stats.predictor_s += time.perf_counter() - t0
+        self.cache.prefetch(nxt, np.unique(ids))
