@@ -35,11 +35,14 @@ SHAPE = dict(dim=2048, heads=32, kv_heads=4, head_dim=128, experts=128, expert_d
 
 def q4_0_random(rng, rows: int, cols: int, std: float) -> "np.ndarray":
     """uint8 [rows, cols / 32 * 18]: random Q4_0 blocks (float16 scale, 16 bytes of nibbles) whose weights
-    d * (q - 8), q uniform in 0..15, have standard deviation about std."""
+    d * (q - 8), q uniform in 0..15, have standard deviation about std. q - 8 has mean -1/2, so each block's scale
+    gets a random sign: one sign for all would give every row the same mean, every token the same hidden direction
+    and so the same experts."""
     import numpy as np
     n = rows * cols // 32
     blocks = np.empty((n, 18), np.uint8)
-    blocks[:, :2] = np.frombuffer(np.float16(std / 4.61).tobytes() * n, np.uint8).reshape(n, 2)
+    scale = np.float16(std / 4.61) * rng.choice(np.array([-1, 1], np.float16), n)
+    blocks[:, :2] = scale.astype("<f2").view(np.uint8).reshape(n, 2)
     blocks[:, 2:] = rng.integers(0, 256, (n, 16), dtype=np.uint8)
     return blocks.reshape(rows, cols // 32 * 18)
 
