@@ -107,10 +107,15 @@ class BudgetPlan:
                     ("hot region", self.hot_bytes, f"{self.hot_rows} pinned neurons")]),
                 ("unused", self.budget_bytes - self.used_bytes, ""),
                 ("budget", self.budget_bytes, f"minimum {_mib(self.minimum_bytes)}")]
-        lines = [f"{'DRAM budget':<16}{'MiB':>10}{'%':>7}  note"]
-        for name, b, note in rows:
-            lines.append(f"{name:<16}{b / 2**20:>10.1f}{100 * b / self.budget_bytes:>6.1f}%  {note}")
-        return "\n".join(lines)
+        return budget_table(rows, self.budget_bytes)
+
+
+def budget_table(rows: list[tuple[str, int, str]], budget_bytes: int) -> str:
+    """A plan's split as printed: per (name, bytes, note) its MiB and share of the budget."""
+    lines = [f"{'DRAM budget':<16}{'MiB':>10}{'%':>7}  note"]
+    for name, b, note in rows:
+        lines.append(f"{name:<16}{b / 2**20:>10.1f}{100 * b / budget_bytes:>6.1f}%  {note}")
+    return "\n".join(lines)
 
 
 def _mib(n: int) -> str:
@@ -482,3 +487,70 @@ if __name__ == "__main__":     # compile_in_child's child: python -m flashinfer_
             compiled_stamp(_layout).touch()
         except OSError:         # a read-only cache: the next run compiles in a child again, as this one did
             pass
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# A mixture of experts: the budget buys whole experts (ffn.experts.ExpertCache)
+
+# Expert slots per layer at the minimum: one expert computed while the next is read into the other.
+MIN_EXPERT_SLOTS = 2
+
+
+@dataclass
+class ExpertPlan:
+    """The DRAM split of a mixture of experts run from flash: what stays resident, then per layer `slots` whole
+    experts (chunk bytes each), `pinned` of them the most routed ones on calibration text, the rest an LRU."""
+    budget_bytes: int
+    runtime_bytes: int
+    resident_bytes: int
+    kv_bytes: int
+    buffer_bytes: int
+    slots: int                  # per layer
+    pinned: int                 # per layer, of the slots (0 without calibration counts)
+    chunk: int
+    n_layers: int
+    n_experts: int
+    ctx: int
+    minimum_bytes: int
+    requested: bool = True
+
+    @property
+    def experts_bytes(self) -> int:
+        return self.n_layers * self.slots * self.chunk
+
+    @property
+    def used_bytes(self) -> int:
+        return self.runtime_bytes + self.resident_bytes + self.kv_bytes + self.buffer_bytes + self.experts_bytes
+
+    def table(self) -> str:
+        rows = [("runtime", self.runtime_bytes, "interpreter, libraries, tokenizer (measured)"),
+                ("resident dense", self.resident_bytes, "embeddings, attention, routers, shared experts, norms"),
+                ("kv cache", self.kv_bytes, f"{self.ctx} positions"),
+                ("buffers", self.buffer_bytes, "prefill chunk, heap"),
+                ("experts", self.experts_bytes, f"{self.slots} of {self.n_experts} experts x {self.n_layers} layers "
+                                                f"({self.pinned} pinned per layer), {self.chunk / 2**20:.2f} MiB each"),
+                ("unused", self.budget_bytes - self.used_bytes, ""),
+                ("budget", self.budget_bytes, f"minimum {_mib(self.minimum_bytes)}")]
+        return budget_table(rows, self.budget_bytes)
+
+
+def plan_experts(cfg: ModelConfig, experts, dram_budget_bytes: int | None, ctx: int, resident_bytes: int,
+                 runtime_bytes: int, pin: bool, requested: bool = True) -> ExpertPlan:
+    """Slots per layer for whole experts (experts: storage.experts.ExpertLayout) in what the budget leaves after the
+    runtime, the resident weights, the KV cache and a prompt chunk's temporaries; None: every expert. pin: calibration
+    counts exist, so half the slots hold the most routed experts (at least MIN_EXPERT_SLOTS stay an LRU)."""
+    kv = KVCache.nbytes_for(cfg, ctx)
+    buffers = prefill_transient_bytes(cfg, ctx) + HEAP_SLACK_BYTES
+    fixed = runtime_bytes + resident_bytes + kv + buffers
+    per_slot = cfg.n_layers * experts.chunk
+    minimum = fixed + MIN_EXPERT_SLOTS * per_slot
+    E = cfg.n_experts
+    budget = fixed + E * per_slot if dram_budget_bytes is None else dram_budget_bytes
+    if budget < minimum:
+        raise UserError(f"DRAM budget {_mib(budget)} is below the minimum {_mib(minimum)} for this mixture of experts "
+                        f"({MIN_EXPERT_SLOTS} experts per layer of {_mib(experts.chunk)} each, resident "
+                        f"{_mib(resident_bytes)}, kv {_mib(kv)} for {ctx} positions, runtime {_mib(runtime_bytes)})")
+    slots = min(E, (budget - fixed) // per_slot)
+    pinned = min(slots // 2, slots - MIN_EXPERT_SLOTS) if pin and slots < E else (slots if slots == E else 0)
+    return ExpertPlan(budget, runtime_bytes, resident_bytes, kv, buffers, slots, max(0, pinned), experts.chunk,
+                      cfg.n_layers, E, ctx, minimum, requested)

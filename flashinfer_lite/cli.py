@@ -18,6 +18,8 @@ COMMANDS = {
     "verify": ("storage.verify", "check a flash directory's checksums"),
     "flash-bench": ("storage.flash_bench", "profile flash read bandwidth (chunk size x threads) and tune the reader"),
     "collect": ("predictors.collect", "record FFN inputs and activations of a model over a corpus"),
+    "count-experts": ("predictors.expert_freq", "count how often a mixture of experts routes to each expert on "
+                                                "calibration text: the most routed are pinned in DRAM"),
     "train-predictor": ("predictors.train", "calibrate thresholds and train low-rank activation predictors"),
     "eval": ("predictors.evaluate", "perplexity, agreement with dense and active share of an FFN mode"),
     "fetch": ("flashinfer_lite.fetch", "download the default model (SmolLM2-135M-Instruct) into the cache"),

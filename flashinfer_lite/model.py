@@ -7,7 +7,7 @@ The FFN is a pluggable callable so that the sparse flash runtime can replace the
 from __future__ import annotations
 
 import math
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import numpy as np
 import psutil
@@ -184,9 +184,9 @@ class Attention:
         self.slot = layer if kv_slot is None else kv_slot    # this layer's row in the KV cache
         self.window = cfg.window(layer)
         self.scale = np.float32(1.0 / math.sqrt(cfg.head_dim) if cfg.query_scale is None else cfg.query_scale)
-        self.q_norm, self.k_norm = w.get(p + "q_norm.weight"), w.get(p + "k_norm.weight")   # [hd] each (qk_norm)
         self.wq, self.wk, self.wv, self.wo = (w[p + n + ".weight"] for n in "qkvo")
         self.bq, self.bk, self.bv, self.bo = (w.get(p + n + ".bias") for n in "qkvo")
+        self.q_norm, self.k_norm = w.get(p + "q_norm.weight"), w.get(p + "k_norm.weight")   # qk_norm: Qwen3, Gemma 3, OLMoE
         # q, k and v as one matrix when they share a storage type: one GEMV reads x once, one kernel call instead of
         # three (per layer per token, the call overhead is a fair share of a small model's attention)
         self.wqkv = stacked_rows(self.wq, self.wk, self.wv)
@@ -207,9 +207,8 @@ class Attention:
             q = linear(x, self.wq, self.bq).reshape(T, H, hd)
             k = linear(x, self.wk, self.bk).reshape(T, Hkv, hd)
             v = linear(x, self.wv, self.bv).reshape(T, Hkv, hd)
-        if cfg.qk_norm:                                        # each head's vector normed on its own: [T * H, hd]
-            q = norm(cfg, q.reshape(T * H, hd), (self.q_norm, None)).reshape(T, H, hd)
-            k = norm(cfg, k.reshape(T * Hkv, hd), (self.k_norm, None)).reshape(T, Hkv, hd)
+        if self.q_norm is not None:
+            q, k = self.qk_normed(q, self.q_norm), self.qk_normed(k, self.k_norm)
         if T <= ATTENTION_KERNEL_MAX_T:
             out = np.empty((T, H, hd), np.float32)
             no_rope = np.zeros((T, 0), np.float32)             # cos/sin [T, 0]: attention_rows rotates nothing
@@ -225,6 +224,11 @@ class Attention:
         out = prompt_attention(q, kv.k_bits[self.slot, :S], kv.v_bits[self.slot, :S], pos0, self.window, self.scale)
         out = out.reshape(T, H * hd)
         return linear(out, self.wo, self.bo)
+
+    def qk_normed(self, a: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """RMSNorm of queries or keys [T, heads, hd] before RoPE: over each head (Qwen3) or all heads at once (OLMoE)."""
+        rows = a.reshape(-1, a.shape[-1]) if self.cfg.qk_norm == "head" else a.reshape(a.shape[0], -1)
+        return norm(self.cfg, rows, (w, None)).reshape(a.shape)
 
 
 # A prompt's attention computes this many query rows of one KV head at a time: its scores are [g x rows, S], not
@@ -298,8 +302,8 @@ def attention_mask(pos0: int, T: int, sliding_window: int | None) -> np.ndarray:
 class FeedForward:
     """Dense FFN: GLU y = a(x) Wd^T + bd with a = act(x Wg^T + bg) * (x Wu^T + bu); MLP y = act(x W1^T + b1) W2^T + b2."""
 
-    def __init__(self, cfg: ModelConfig, w: Mapping[str, np.ndarray], layer: int):
-        p = f"layers.{layer}.ffn."
+    def __init__(self, cfg: ModelConfig, w: Mapping[str, np.ndarray], layer: int, prefix: str | None = None):
+        p = f"layers.{layer}.ffn." if prefix is None else prefix    # prefix: one expert's (MixtureOfExperts)
         self.cfg = cfg
         self.w_gate, self.b_gate = w.get(p + "gate.weight"), w.get(p + "gate.bias")
         self.w_up, self.b_up = w[p + "up.weight"], w.get(p + "up.bias")
@@ -322,6 +326,61 @@ class FeedForward:
             y = quant_ffn(x, self.w_gate, self.w_up, self.w_down, self.cfg.act, self.cfg.relu_threshold)
             return y if self.b_down is None else y + self.b_down
         return linear(self.activations(x), self.w_down, self.b_down)
+
+
+def route(cfg: ModelConfig, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The router's choice, as transformers computes it: softmax over the experts' logits [T, E] (float32), the
+    n_experts_used most probable (ties: the lower expert id), their probabilities renormalised to sum to 1 when
+    norm_topk_prob (Mixtral's softmax of the top-k logits is the same numbers). -> (ids, weights) [T, k]."""
+    p = softmax(logits.astype(np.float32), axis=-1)
+    ids = np.argsort(-p, axis=-1, kind="stable")[:, :cfg.n_experts_used]
+    weights = np.take_along_axis(p, ids, axis=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return ids, weights
+
+
+ExpertSource = Callable[[int, np.ndarray], Iterable[tuple[int, FeedForward]]]  # (layer, ids) -> (id, expert), ...
+
+
+class MixtureOfExperts:
+    """A mixture-of-experts FFN: y = sum over the k experts the router picks of weight_e * expert_e(x) (each expert a
+    GLU FeedForward), plus Qwen2-MoE's shared expert scaled by sigmoid(x . w_shared_gate).
+
+    experts(layer, ids) yields (id, FeedForward) for every id of `ids`, in any order: the weights in DRAM by default;
+    the flash runtime's expert cache (ffn.experts) yields those it holds first and the rest as their reads land. Each
+    expert's rows are computed as it arrives, and summed afterwards in ascending expert id: one summation order
+    (transformers' too) whatever arrived first, so the bits do not depend on the cache."""
+
+    def __init__(self, cfg: ModelConfig, w: Mapping[str, np.ndarray], layer: int, experts: ExpertSource | None = None):
+        p = f"layers.{layer}.ffn."
+        self.cfg, self.layer = cfg, layer
+        self.router = w[p + "router.weight"]                                        # [E, d]
+        self.shared = FeedForward(cfg, w, layer, p + "shared.") if cfg.shared_expert_dim else None
+        self.shared_gate = w.get(p + "shared_gate.weight")                          # [1, d]
+        self.experts = experts or (lambda layer, ids: ((int(e), FeedForward(cfg, w, layer, f"{p}experts.{e}."))
+                                                       for e in ids))
+        self.routed = np.zeros(cfg.n_experts, np.int64)     # tokens routed to each expert so far (calibration counts)
+
+    def route(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return route(self.cfg, linear(x, self.router))
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        ids, weights = self.route(x)                                                # [T, k] each
+        np.add.at(self.routed, ids.ravel(), 1)
+        out = {}
+        for e, expert in self.experts(self.layer, np.unique(ids)):
+            rows = np.nonzero((ids == e).any(axis=1))[0]
+            out[e] = expert(x[rows])                                                # [rows, d]
+        y = np.zeros(x.shape, np.float32)
+        for e in np.unique(ids):
+            hit = ids == e
+            rows = np.nonzero(hit.any(axis=1))[0]
+            y[rows] += out[int(e)] * weights[hit][:, None]                          # a row picks e at most once
+        if self.shared is not None:
+            gate = 1.0 / (1.0 + np.exp(-linear(x, self.shared_gate)))                # [T, 1]
+            y += gate.astype(np.float32) * self.shared(x)
+        return y
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -410,7 +469,7 @@ class Transformer:
         self.blocks = [Block(cfg, w, i) for i in range(cfg.n_layers)]
         self.dense_ffn = None
         if ffn is None:
-            self.dense_ffn = [FeedForward(cfg, w, i) for i in range(cfg.n_layers)]
+            self.dense_ffn = [(MixtureOfExperts if cfg.moe else FeedForward)(cfg, w, i) for i in range(cfg.n_layers)]
             ffn = lambda layer, x: self.dense_ffn[layer](x)  # noqa: E731
         self.ffn = ffn
         self.inv_freq = layer_ropes(cfg)                                       # per layer: [hd/2] or None

@@ -6,13 +6,17 @@ the tuned decision threshold (a logit cut per neuron) is already subtracted from
 """
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import numpy as np
 
 from storage.errors import UserError
+from storage.checksums import manifest_checksum
 from storage.format import read_layout
 from storage.predictor_files import PREDICTOR_DIR, read_predictor_arrays, read_predictor_manifest
+from storage.untrusted import read_json
 
 
 class PredictorSet:
@@ -117,3 +121,41 @@ def load_predictors(flashdir) -> PredictorSet | None:
         return None
     weights, freqs = read_predictor_arrays(flashdir, m)
     return PredictorSet(Path(flashdir) / PREDICTOR_DIR, m, weights, freqs)
+
+# ----------------------------------------------------------------------------------------------------------------------
+# A mixture of experts' routing counts (predictors/expert_freq.py counts them; the expert cache pins the most routed)
+
+EXPERT_FREQ_FILE = "expert_frequencies.json"
+EXPERT_FREQ_FORMAT = "flashinfer-lite-expert-frequencies"
+
+
+def save_expert_freq(flashdir, counts: np.ndarray) -> Path:
+    """Write the counts atomically into FLASHDIR/predictors/."""
+    root = Path(flashdir) / PREDICTOR_DIR
+    root.mkdir(exist_ok=True)
+    m = {"format": EXPERT_FREQ_FORMAT, "n_layers": int(counts.shape[0]), "n_experts": int(counts.shape[1]),
+         "counts": counts.astype(int).tolist()}
+    m["checksum"] = manifest_checksum(m)
+    tmp = root / f".{EXPERT_FREQ_FILE}.{os.getpid()}"
+    tmp.write_text(json.dumps(m))
+    os.replace(tmp, root / EXPERT_FREQ_FILE)
+    return root / EXPERT_FREQ_FILE
+
+
+def load_expert_freq(flashdir) -> np.ndarray | None:
+    """The counts of FLASHDIR (checked: the file comes from disk), or None when it has none."""
+    path = Path(flashdir) / PREDICTOR_DIR / EXPERT_FREQ_FILE
+    if not path.is_file():
+        return None
+    m = read_json(path, "expert frequencies")
+    cfg = read_layout(flashdir, check_size=False).config
+    L, E = cfg.get("n_layers"), cfg.get("n_experts")
+    counts = m.get("counts") if isinstance(m, dict) else None
+    ok = (isinstance(counts, list) and len(counts) == L and m.get("format") == EXPERT_FREQ_FORMAT
+          and all(isinstance(r, list) and len(r) == E and all(isinstance(c, int) and not isinstance(c, bool)
+                                                               and c >= 0 for c in r) for r in counts))
+    if not ok:
+        raise UserError(f"{path}: not the expert frequencies of this model; re-run count-experts")
+    if m.get("checksum") != manifest_checksum({k: v for k, v in m.items() if k != "checksum"}):
+        raise UserError(f"{path}: checksum mismatch: the file is damaged or edited; re-run count-experts")
+    return np.asarray(counts, np.int64)

@@ -32,18 +32,21 @@ from storage.sizes import parse_size
 
 from . import BLAS_THREADS_FROM_USER
 from .budget import (HEAP_SLACK_BYTES, BudgetPlan, auto_budget_bytes, measure_runtime_bytes, plan_budget,
-                     plan_resident_ffn, refuse_below_minimum, resident_bytes_for)
+                     plan_experts, plan_resident_ffn, refuse_below_minimum, remembered_kernels_bytes,
+                     resident_bytes_for)
 from .default_model import ensure_default_model
+from .ffn.experts import ExpertFFN
 from .ffn.flash import STREAM_CHUNK_BYTES, FlashFFN
 from .ffn.resident import ResidentFFN
 from .loader import load_weights, open_any
 from .model import FeedForward, Transformer
-from .predictor_set import describe_calibration, load_predictors, read_manifest
-from .process import keep_freed_arrays_out_of_rss
+from .predictor_set import describe_calibration, load_expert_freq, load_predictors, read_manifest
+from .process import keep_freed_arrays_out_of_rss, rss_bytes
 
-FFN_MODES = ("auto", "dense", "oracle", "predicted")   # auto: dense when the model fits the budget, else predicted
+FFN_MODES = ("auto", "dense", "oracle", "predicted", "experts")   # experts: a mixture of experts from flash   # auto: dense when the model fits the budget, else predicted
 # FFN tensors that live in the bundles on flash; everything else (including ffn.down.bias) stays resident.
 _BUNDLED = re.compile(r"layers\.\d+\.ffn\.(gate|up|down)\.weight|layers\.\d+\.ffn\.(gate|up)\.bias")
+_EXPERT = re.compile(r"layers\.\d+\.ffn\.experts\.\d+\.(gate|up|down)\.weight")   # in ffn.bin's expert chunks
 def oracle_selector(cfg: ModelConfig, ckpt, predictors):
     """The true active set: needs the dense gate/up weights in DRAM, so it is a test mode, not a memory-saving one."""
     full_w = {n: ckpt.tensor(n) for n in ckpt.names() if _BUNDLED.fullmatch(n) and ".down." not in n}
@@ -86,6 +89,9 @@ def resident_model(ckpt: FlashCheckpoint, progress: bool) -> Transformer:
     """A FLASHDIR's model with every weight in DRAM (--ffn dense, and auto when it fits): a quantized one as stored,
     resident matrices in blocks and the FFN as ResidentFFN; any other as dense FeedForward matrices (float16, float32
     for f32 bundles)."""
+    if ckpt.config.moe:    # every expert read from its chunk, kept as stored (float16, float32 or blocks)
+        return Transformer(ckpt.config, load_weights(ckpt, progress,
+                                                     convert=half_matrix if ckpt.layout.dtype != "f32" else None))
     if not ckpt.layout.quantized:
         return Transformer(ckpt.config, load_weights(ckpt, progress, convert=half_matrix if keeps_float16(ckpt) else None))
     weights = load_weights(ckpt, progress, skip=lambda n: bool(_BUNDLED.fullmatch(n)),
@@ -174,6 +180,7 @@ class ModelFiles:
     predictors: object              # PredictorSet or None
     runtime_bytes: int | None       # the plan's runtime line (None: no plan will be made)
     dense_bytes: int = 0            # DRAM a dense run of the source needs (a GGUF keeps its blocks: its file size)
+    expert_freq: object = None      # a mixture of experts: [L, E] routings counted on calibration text, or None
 
     @property
     def trained(self) -> bool:
@@ -208,7 +215,7 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
         raise UserError(f"unknown --ffn mode '{ffn}' (choose from {', '.join(FFN_MODES)})")
     default = model is None
     source = str(ensure_default_model()) if default else str(model)
-    flash_backed = is_flashdir(source) or ffn in ("oracle", "predicted") or (ffn == "auto" and default)
+    flash_backed = is_flashdir(source) or ffn in ("oracle", "predicted", "experts") or (ffn == "auto" and default)
     if refuse_below is not None and flash_backed and ffn != "dense":
         refuse_below_minimum(source, refuse_below, ctx)
     if not flash_backed or ffn == "dense":     # every weight in DRAM, as stored: no plan, no predictors
@@ -225,8 +232,12 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
     if verify:
         verify_at_load(path, progress=progress)
     ckpt = FlashCheckpoint(path)
-    files = ModelFiles(source, str(path), default, True, ckpt, ckpt.tokenizer(), load_predictors(path), None)
-    files.runtime_bytes = measure_runtime_bytes(ckpt.layout) if runtime_bytes is None else runtime_bytes
+    files = ModelFiles(source, str(path), default, True, ckpt, ckpt.tokenizer(), load_predictors(path), None,
+                       expert_freq=load_expert_freq(path) if ckpt.config.moe else None)
+    if runtime_bytes is None:     # a mixture of experts compiles no bundle kernels: what they add, as remembered
+        runtime_bytes = rss_bytes() + remembered_kernels_bytes() if ckpt.config.moe else \
+            measure_runtime_bytes(ckpt.layout)
+    files.runtime_bytes = runtime_bytes
     return files
 
 
@@ -238,6 +249,8 @@ def decide(files: ModelFiles, ffn: str, dram_budget=None, ctx: int | None = None
     faster), else predicted, which needs predictors (the default model's are trained first)."""
     cfg = files.ckpt.config
     ctx = ctx or cfg.default_ctx
+    if cfg.moe and files.flash_backed and ffn != "dense":
+        return decide_experts(files, ffn, dram_budget, ctx, room, verbose, lookahead)
     if ffn == "dense" or (ffn == "auto" and not files.flash_backed):
         if dram_budget not in (None, "auto"):
             raise UserError("--dram-budget applies to --ffn predicted/oracle; --ffn dense keeps every weight in DRAM"
@@ -277,6 +290,23 @@ def decide(files: ModelFiles, ffn: str, dram_budget=None, ctx: int | None = None
     return Decision(ffn, plan, ffn == "predicted" and not files.trained, lookahead, notes, auto)
 
 
+def decide_experts(files: ModelFiles, ffn: str, dram_budget, ctx: int, room: int | None, verbose: bool,
+                   lookahead: bool = False) -> Decision:
+    """A mixture of experts from a FLASHDIR: its experts read from flash through the expert cache, as many per layer
+    as the budget holds (every one with no budget). No predictor: the router says exactly which experts run."""
+    if ffn not in ("auto", "experts"):
+        raise UserError(f"--ffn {ffn} predicts neurons of a dense FFN; a mixture of experts runs --ffn auto (its "
+                        f"experts read from flash as the router picks them) or dense")
+    ckpt = files.ckpt
+    resident = os.path.getsize(ckpt.flashdir / ckpt.layout.files["resident"])
+    budget = room if dram_budget == "auto" else dram_budget
+    plan = plan_experts(ckpt.config, ckpt.layout.experts, budget, ctx, resident, files.runtime_bytes,
+                        pin=files.expert_freq is not None, requested=dram_budget is not None)
+    notes = (plan.table(),) if verbose or plan.requested else ()
+    return Decision("experts", plan, False, lookahead, notes, ("experts from flash", "the router") if ffn == "auto"
+                    else None)
+
+
 def build(files: ModelFiles, decision: Decision, threads: int | None = None, progress: bool = False,
           verbose: bool = False):
     """(model, tokenizer, runtime) as decided; runtime is the FlashFFN, None when every weight is in DRAM."""
@@ -288,6 +318,14 @@ def build(files: ModelFiles, decision: Decision, threads: int | None = None, pro
         return Transformer(files.ckpt.config, load_weights(files.ckpt, progress, keep_blocks=True)), \
             files.tokenizer, None
     ckpt, predictors, cfg = files.ckpt, files.predictors, files.ckpt.config
+    if decision.ffn == "experts":
+        weights = load_weights(ckpt, progress, skip=lambda n: bool(_EXPERT.fullmatch(n)),
+                               convert=half_matrix if ckpt.layout.dtype != "f32" else None)
+        runtime = ExpertFFN(cfg, ckpt.layout, weights, decision.plan, files.expert_freq, threads=threads,
+                            lookahead=decision.lookahead, verbose=verbose)
+        if verbose:
+            print(runtime.reader.describe(), file=sys.stderr)
+        return Transformer(cfg, weights, ffn=runtime), files.tokenizer, runtime
     weights = load_weights(ckpt, progress, skip=lambda n: bool(_BUNDLED.fullmatch(n)),
                            convert=half_matrix if ckpt.layout.dtype != "f32" else None)
     select = oracle_selector(cfg, ckpt, predictors) if decision.ffn == "oracle" else predictors.predict

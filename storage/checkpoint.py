@@ -116,8 +116,9 @@ class SafetensorsFile:
 # Hugging Face directories
 
 # SparseLlamaForCausalLM: ProSparse's Llama with FATReLU (hidden_act "fatrelu", threshold in hidden_act_param).
+MOE_HF = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
 SUPPORTED_HF = ("LlamaForCausalLM", "SparseLlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                "Qwen3ForCausalLM", "Gemma3ForCausalLM", "OPTForCausalLM")
+                "Qwen3ForCausalLM", "Gemma3ForCausalLM", "OPTForCausalLM", *MOE_HF)
 
 _LLAMA_NAMES = [
     (r"model\.embed_tokens\.weight", "embed.weight"),
@@ -128,6 +129,14 @@ _LLAMA_NAMES = [
     (r"model\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.(weight|bias)", r"layers.\1.attn.\2.\3"),
     (r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.(weight|bias)", r"layers.\1.ffn.\2.\3"),
     (r"model\.layers\.(\d+)\.self_attn\.([qk])_norm\.weight", r"layers.\1.attn.\2_norm.weight"),
+    # mixtures of experts: the router, each expert's GLU (Mixtral's w1, w3, w2 are gate, up, down), a shared expert
+    (r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.gate\.weight", r"layers.\1.ffn.router.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", r"layers.\1.ffn.experts.\2.\3.weight"),
+    (r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.w1\.weight", r"layers.\1.ffn.experts.\2.gate.weight"),
+    (r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.w3\.weight", r"layers.\1.ffn.experts.\2.up.weight"),
+    (r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.w2\.weight", r"layers.\1.ffn.experts.\2.down.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.shared_expert\.(gate|up|down)_proj\.weight", r"layers.\1.ffn.shared.\2.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.shared_expert_gate\.weight", r"layers.\1.ffn.shared_gate.weight"),
 ]
 # Gemma 3: four norms a layer; its post_attention_layernorm norms the attention's output, not the FFN's input
 _GEMMA_NAMES = [
@@ -227,17 +236,20 @@ def hf_config(cfg: dict, generation: dict | None = None) -> ModelConfig:
         window = cfg.get("sliding_window")
     elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
         raise UserError(f"unsupported {arch} field use_sliding_window=true")
-    qkv_bias = arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
+    qkv_bias = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") or bool(cfg.get("attention_bias", False))
+    moe = moe_fields(cfg, arch) if arch in MOE_HF else {"qk_norm": "head" if arch == "Qwen3ForCausalLM" else None}
+    if arch == "MixtralForCausalLM":
+        window = cfg.get("sliding_window")
     cfg_out = ModelConfig(arch="llama", n_kv_heads=_count(cfg, "num_key_value_heads", heads),
                           head_dim=_count(cfg, "head_dim", dim // heads),
-                          ffn_dim=_count(cfg, "intermediate_size", required=True),
+                          ffn_dim=moe.pop("ffn_dim", None) or _count(cfg, "intermediate_size", required=True),
                           glu=True, act=_act(_get(cfg, "hidden_act", "silu"), arch),
                           relu_threshold=float(cfg.get("hidden_act_param") or 0.0)
                           if cfg.get("hidden_act") == "fatrelu" else 0.0, norm="rms",
                           norm_eps=_get(cfg, "rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
                           tie_embeddings=bool(_get(cfg, "tie_word_embeddings", False)), qkv_bias=qkv_bias,
                           o_bias=bool(cfg.get("attention_bias", False)), mlp_bias=bool(cfg.get("mlp_bias", False)),
-                          sliding_window=window, qk_norm=arch == "Qwen3ForCausalLM", **common)
+                          sliding_window=window, **moe, **common)
     return cfg_out
 
 
@@ -274,10 +286,30 @@ def gemma3_config(cfg: dict, common: dict) -> ModelConfig:
                        tie_embeddings=bool(_get(cfg, "tie_word_embeddings", True)),
                        qkv_bias=bool(cfg.get("attention_bias", False)), o_bias=bool(cfg.get("attention_bias", False)),
                        sliding_window=_count(cfg, "sliding_window", 4096),
-                       sliding_layers=[t == "sliding_attention" for t in types], qk_norm=True, post_norms=True,
+                       sliding_layers=[t == "sliding_attention" for t in types], qk_norm="head", post_norms=True,
                        embed_scale=math.sqrt(dim),
                        query_scale=_count(cfg, "query_pre_attn_scalar", head_dim) ** -0.5,
                        logit_softcap=softcap, **common)
+def moe_fields(cfg: dict, arch: str) -> dict:
+    """ModelConfig's mixture-of-experts fields of an MoE config.json, refusing the variants we do not compute: dense
+    layers among the expert ones (decoder_sparse_step, mlp_only_layers), OLMoE's clip_qkv, sliding windows."""
+    if _get(cfg, "decoder_sparse_step", 1) != 1 or _get(cfg, "mlp_only_layers", []):
+        raise UserError(f"unsupported {arch} fields decoder_sparse_step != 1 / mlp_only_layers (dense layers among "
+                        f"the expert ones)")
+    if cfg.get("clip_qkv") is not None:
+        raise UserError(f"unsupported {arch} field clip_qkv={cfg['clip_qkv']!r}")
+    if arch != "MixtralForCausalLM" and cfg.get("use_sliding_window"):
+        raise UserError(f"unsupported {arch} field use_sliding_window=true")
+    experts_key = "num_local_experts" if "num_local_experts" in cfg and "num_experts" not in cfg else "num_experts"
+    out = dict(n_experts=_count(cfg, experts_key, required=True),
+               n_experts_used=_count(cfg, "num_experts_per_tok", required=True),
+               norm_topk_prob=True if arch == "MixtralForCausalLM" else bool(_get(cfg, "norm_topk_prob", False)),
+               qk_norm={"Qwen3MoeForCausalLM": "head", "OlmoeForCausalLM": "all"}.get(arch))
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        out["ffn_dim"] = _count(cfg, "moe_intermediate_size", required=True)
+    if arch == "Qwen2MoeForCausalLM" and _get(cfg, "shared_expert_intermediate_size", 0):
+        out["shared_expert_dim"] = _count(cfg, "shared_expert_intermediate_size")
+    return out
 
 
 class Checkpoint:
@@ -327,16 +359,30 @@ class Checkpoint:
             need.append("pos_embed.weight")
         for i in range(c.n_layers):
             need += [f"layers.{i}.attn.{p}.weight" for p in "qkvo"]
-            need += [f"layers.{i}.ffn.{p}.weight" for p in (("gate", "up", "down") if c.glu else ("up", "down"))]
+            need += ffn_tensor_names_of(c, i)
+            need += [f"layers.{i}.attn.{p}_norm.weight" for p in "qk"] if c.qk_norm else []
             need += [f"layers.{i}.attn_norm.weight", f"layers.{i}.ffn_norm.weight"]
-            if c.qk_norm:
-                need += [f"layers.{i}.attn.q_norm.weight", f"layers.{i}.attn.k_norm.weight"]
             if c.post_norms:
                 need += [f"layers.{i}.attn_post_norm.weight", f"layers.{i}.ffn_post_norm.weight"]
         missing = [n for n in need if n not in self._index]
         if missing:
             raise UserError(f"{self.path}: checkpoint lacks {len(missing)} tensors, e.g. '{missing[0]}'")
         check_shapes(c, {n: self.shape(n) for n in self._index}, self.path)
+
+
+def ffn_tensor_names_of(c: ModelConfig, layer: int) -> list[str]:
+    """The FFN matrices layer `layer` of a model needs: gate, up, down; a mixture of experts': its router, every
+    expert's gate, up and down, and its shared expert's."""
+    if not c.moe:
+        return [f"layers.{layer}.ffn.{p}.weight" for p in (("gate", "up", "down") if c.glu else ("up", "down"))]
+    p = f"layers.{layer}.ffn."
+    names = [p + "router.weight"] + [f"{p}experts.{e}.{m}.weight" for e in range(c.n_experts) for m in GLU]
+    if c.shared_expert_dim:
+        names += [f"{p}shared.{m}.weight" for m in GLU] + [p + "shared_gate.weight"]
+    return names
+
+
+GLU = ("gate", "up", "down")
 
 
 def expected_shape(c: ModelConfig, name: str) -> tuple[int, ...] | None:
@@ -358,8 +404,18 @@ def expected_shape(c: ModelConfig, name: str) -> tuple[int, ...] | None:
                  "attn.v.bias": (kv,), "attn.o.bias": (c.dim,), "ffn.gate.weight": (c.ffn_dim, c.dim),
                  "ffn.up.weight": (c.ffn_dim, c.dim), "ffn.down.weight": (c.dim, c.ffn_dim),
                  "ffn.gate.bias": (c.ffn_dim,), "ffn.up.bias": (c.ffn_dim,), "ffn.down.bias": (c.dim,),
-                 "attn.q_norm.weight": (c.head_dim,), "attn.k_norm.weight": (c.head_dim,),
                  "attn_post_norm.weight": (c.dim,), "ffn_post_norm.weight": (c.dim,)}
+    if c.qk_norm:
+        per_layer.update({"attn.q_norm.weight": (c.head_dim if c.qk_norm == "head" else q,),
+                          "attn.k_norm.weight": (c.head_dim if c.qk_norm == "head" else kv,)})
+    if c.moe:
+        s = c.shared_expert_dim
+        per_layer.update({"ffn.router.weight": (c.n_experts, c.dim), "ffn.shared.gate.weight": (s, c.dim),
+                          "ffn.shared.up.weight": (s, c.dim), "ffn.shared.down.weight": (c.dim, s),
+                          "ffn.shared_gate.weight": (1, c.dim)})
+        e = re.fullmatch(r"ffn\.experts\.(\d+)\.(gate|up|down)\.weight", m[2])
+        if e:
+            return None if int(e[1]) >= c.n_experts else (c.dim, c.ffn_dim) if e[2] == "down" else (c.ffn_dim, c.dim)
     return per_layer.get(m[2])
 
 
@@ -444,8 +500,16 @@ _GGUF_NAMES = [
     (r"blk\.(\d+)\.attn_([qk])_norm\.weight", r"layers.\1.attn.\2_norm.weight"),
     (r"blk\.(\d+)\.post_attention_norm\.weight", r"layers.\1.attn_post_norm.weight"),     # Gemma 3
     (r"blk\.(\d+)\.post_ffw_norm\.weight", r"layers.\1.ffn_post_norm.weight"),
+    # mixtures of experts: the router, a shared expert and its gate; the experts' 3-D tensors are split by
+    # GGUFCheckpoint (_GGUF_EXPERTS)
+    (r"blk\.(\d+)\.ffn_gate_inp\.weight", r"layers.\1.ffn.router.weight"),
+    (r"blk\.(\d+)\.ffn_(gate|up|down)_shexp\.weight", r"layers.\1.ffn.shared.\2.weight"),
+    (r"blk\.(\d+)\.ffn_gate_inp_shexp\.weight", r"layers.\1.ffn.shared_gate.weight"),
 ]
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+# blk.N.ffn_{gate,up,down}_exps.weight: every expert of a layer in one tensor, ne = [cols, rows, experts] (llama.cpp
+# stores the experts' matrices back to back, each as a 2-D tensor would be)
+_GGUF_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen2moe", "qwen3moe")
 
 
 def gguf_field(reader, key: str, default=None):
@@ -487,6 +551,23 @@ class GGUFCheckpoint(Checkpoint):
                 raise UserError(f"{path}: tensor {t.name} has GGUF type {t.tensor_type.name}, which is not supported "
                                 f"(supported: {', '.join(GGUF_TYPES)})")
         self._index = {c: by_name[n] for c, n in canonical_names(by_name, _GGUF_NAMES).items()}
+        moe, self._expert_of = {}, {}     # canonical name of one expert's matrix -> its index in the 3-D tensor
+        if field("expert_count"):
+            moe = dict(n_experts=int(need("expert_count")), n_experts_used=int(need("expert_used_count")),
+                       # llama.cpp renormalises the chosen weights for Mixtral and Qwen3-MoE, not Qwen2-MoE
+                       norm_topk_prob=arch != "qwen2moe")
+            if arch != "llama":
+                moe["ffn_dim"] = int(need("expert_feed_forward_length"))
+            if field("expert_shared_feed_forward_length"):
+                moe["shared_expert_dim"] = int(field("expert_shared_feed_forward_length"))
+            for t in r.tensors:
+                m = _GGUF_EXPERTS.fullmatch(t.name)
+                if m:
+                    if len(t.shape) != 3 or int(t.shape[2]) != moe["n_experts"]:
+                        raise UserError(f"{path}: {t.name} holds {list(t.shape)}, not {moe['n_experts']} experts")
+                    for e in range(moe["n_experts"]):
+                        self._index[f"layers.{m[1]}.ffn.experts.{e}.{m[2]}.weight"] = t
+                        self._expert_of[f"layers.{m[1]}.ffn.experts.{e}.{m[2]}.weight"] = e
         tokens = gguf_field(r, "tokenizer.ggml.tokens") or []
         kv_heads = int(field("attention.head_count_kv", heads))
         head_dim = int(field("attention.key_length", dim // heads))
@@ -500,7 +581,7 @@ class GGUFCheckpoint(Checkpoint):
             scaling = {"rope_type": "linear", "factor": float(field("rope.scaling.factor", 1.0))}
         bos = gguf_field(r, "tokenizer.ggml.bos_token_id")
         eos = gguf_field(r, "tokenizer.ggml.eos_token_id")
-        ffn_dim, n_layers = int(need("feed_forward_length")), int(need("block_count"))
+        ffn_dim, n_layers = moe.pop("ffn_dim", None) or int(need("feed_forward_length")), int(need("block_count"))
         per_arch = gemma3_gguf_fields(field, n_layers, dim, heads, head_dim) if arch == "gemma3" else {"act": "silu"}
         self.config = ModelConfig(
             arch="llama", vocab_size=int(field("vocab_size", len(tokens))), dim=dim,
@@ -510,16 +591,22 @@ class GGUFCheckpoint(Checkpoint):
             max_pos=int(field("context_length", 2048)),
             tie_embeddings="lm_head.weight" not in self._index,
             qkv_bias="layers.0.attn.q.bias" in self._index, o_bias="layers.0.attn.o.bias" in self._index,
-            mlp_bias="layers.0.ffn.up.bias" in self._index, qk_norm="layers.0.attn.q_norm.weight" in self._index,
+            mlp_bias="layers.0.ffn.up.bias" in self._index,
+            qk_norm="head" if "layers.0.attn.q_norm.weight" in self._index else None,
             bos_id=None if bos is None else int(bos), eos_ids=[] if eos is None else [int(eos)],
-            **per_arch)
+            **per_arch, **moe)
         self.check_complete()
+
+    def _tensor(self, name: str):
+        """(GGUF tensor, its data: one expert's slice of a 3-D expert tensor)."""
+        t = self._index[name]
+        return (t, t.data[self._expert_of[name]]) if name in self._expert_of else (t, t.data)
 
     def _read(self, name: str) -> np.ndarray:
         import gguf
-        t = self._index[name]
+        t, data = self._tensor(name)
         try:
-            a = gguf.quants.dequantize(t.data, t.tensor_type)
+            a = gguf.quants.dequantize(data, t.tensor_type)
         except Exception as e:
             raise UserError(f"cannot dequantize GGUF tensor {t.name} ({t.tensor_type.name}): {e}") from None
         a = np.asarray(a, dtype=np.float32).reshape(self.shape(name))
@@ -532,14 +619,19 @@ class GGUFCheckpoint(Checkpoint):
         return a
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(s) for s in reversed(self._index[name].shape))
+        t = self._index[name]
+        if name in self._expert_of:                   # one expert: [rows, cols] of ne = [cols, rows, experts]
+            return int(t.shape[1]), int(t.shape[0])
+        if name.endswith("shared_gate.weight"):       # a vector [d] in the file, the [1, d] matrix of the math
+            return (1, int(t.shape[0]))
+        return tuple(int(s) for s in reversed(t.shape))
 
     def quantized(self, name: str) -> tuple[str, np.ndarray] | None:
-        t, shape = self._index[name], self.shape(name)
+        (t, data), shape = self._tensor(name), self.shape(name)
         kind = t.tensor_type.name.lower()
         if kind not in BLOCK_BYTES or len(shape) != 2:
             return None
-        q = np.asarray(t.data)
+        q = np.asarray(data)
         if q.dtype != np.uint8 or q.shape != (shape[0], row_bytes(shape[1], kind)):
             raise UserError(f"{self.path}: GGUF tensor {t.name} ({t.tensor_type.name}) holds {q.dtype}{list(q.shape)}, "
                             f"not the blocks of a {list(shape)} matrix")
@@ -553,7 +645,7 @@ class GGUFCheckpoint(Checkpoint):
         return kind, q
 
     def precision(self, name: str) -> str:
-        return GGUF_TYPES[self._index[name].tensor_type.name]
+        return GGUF_TYPES[self._tensor(name)[0].tensor_type.name]
 
     def release(self) -> None:
         # the file is memory-mapped read-only: its pages read so far count in RSS until dropped (re-read on demand)

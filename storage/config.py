@@ -46,7 +46,6 @@ class ModelConfig:
     sliding_layers: list[bool] | None = None   # which layers attend within sliding_window (None: all, as Mistral)
     rope_theta_sliding: float | None = None    # RoPE base of the sliding layers, unscaled (Gemma 3: 10000); None: as
                                                # the others (rope_theta, rope_scaling)
-    qk_norm: bool = False          # RMSNorm over each head's q and k, before RoPE (Qwen3, Gemma 3)
     post_norms: bool = False       # RMSNorm on the attention and FFN outputs before their residual add (Gemma 3)
     embed_scale: float = 1.0       # token embeddings times this (Gemma: sqrt(dim))
     query_scale: float | None = None   # attention scores q.k times this; None: 1/sqrt(head_dim) (Gemma 3:
@@ -54,6 +53,15 @@ class ModelConfig:
     logit_softcap: float | None = None  # final logits -> cap * tanh(logits / cap) (Gemma 2, and Gemma 3 if set)
     bos_id: int | None = None
     eos_ids: list[int] = field(default_factory=list)
+    # Mixture of experts (0 experts: a dense FFN). Every layer's FFN is then a router over n_experts experts, each a
+    # GLU FFN of ffn_dim neurons; n_experts_used of them run per token, weighted by the router's softmax, the chosen
+    # weights renormalised to sum to 1 when norm_topk_prob (Mixtral always, Qwen2/3-MoE and OLMoE per config).
+    n_experts: int = 0
+    n_experts_used: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_dim: int = 0     # Qwen2-MoE: an always-on GLU FFN of this many neurons, scaled by sigmoid(x.w)
+    qk_norm: str | None = None     # RMSNorm of queries and keys before RoPE: "head" (Qwen3, Gemma 3: each head's
+                                   # vector on its own) or "all" (OLMoE: every head at once)
 
     def __post_init__(self):
         """Every field checked here, once, for every source (config.json, GGUF metadata, a FLASHDIR's manifest): an
@@ -70,6 +78,17 @@ class ModelConfig:
                                                 or len(self.sliding_layers) != self.n_layers
                                                 or not all(isinstance(b, bool) for b in self.sliding_layers)):
             raise UserError(f"invalid model config: sliding_layers must be {self.n_layers} booleans, one per layer")
+        if self.n_experts:
+            positive_int("n_experts")
+            positive_int("n_experts_used")
+            if self.n_experts_used > self.n_experts or not self.glu:
+                raise UserError(f"invalid model config: {self.n_experts_used} experts per token of {self.n_experts} "
+                                f"(a mixture of experts needs 1..n_experts gated experts)")
+        if isinstance(self.shared_expert_dim, bool) or not isinstance(self.shared_expert_dim, int) \
+                or self.shared_expert_dim < 0 or (self.shared_expert_dim and not self.n_experts):
+            raise UserError(f"invalid model config: shared_expert_dim {self.shared_expert_dim!r}")
+        if self.qk_norm not in (None, "head", "all"):
+            raise UserError(f"invalid model config: qk_norm {self.qk_norm!r} (supported: head, all)")
         if self.n_heads % self.n_kv_heads:
             raise UserError(f"invalid model config: {self.n_heads} attention heads cannot be shared by "
                             f"{self.n_kv_heads} key/value heads (it must divide them)")
@@ -104,6 +123,10 @@ class ModelConfig:
         if self.sliding_window is None or (self.sliding_layers is not None and not self.sliding_layers[layer]):
             return None
         return self.sliding_window
+
+    @property
+    def moe(self) -> bool:
+        return self.n_experts > 0
 
     @property
     def default_ctx(self) -> int:

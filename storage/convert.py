@@ -27,9 +27,10 @@ from storage.errors import UserError
 from storage.half import half_matrix
 
 from .checkpoint import open_checkpoint
+from .experts import EXPERT_DTYPES, MATRICES, ExpertLayout, expert_tensor_name
 from .files import is_scratch, remove_stale_temp_dirs, temp_path
 from .blocks import BLOCK, quantize, row_bytes
-from .format import (BUNDLE_DTYPES, MANIFEST, PREDICTOR_DIR, FlashLayout, file_checksum,
+from .format import (BUNDLE_DTYPES, MANIFEST, PREDICTOR_DIR, FlashLayout, expert_checksum, file_checksum,
                      ffn_tensor_names, pack_bundles, read_layout, write_manifest, write_verified_stamp)
 from .safetensors_out import SafetensorsWriter
 
@@ -51,6 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     out = convert(args.model, args.output, dtype=args.dtype, force=args.force)
     L = read_layout(out)
+    if L.experts is not None:
+        E = L.experts
+        print(f"wrote {out}: {E.n_layers} layers x {E.n_experts} experts of {E.n} neurons, {'/'.join(E.dtypes)} "
+              f"chunks of {E.chunk} bytes, ffn.bin {L.ffn_size / 2**20:.1f} MiB")
+        return 0
     print(f"wrote {out}: {L.n_layers} layers x {L.n_neurons[0]} neurons, {L.dtype} bundles of {L.stride} bytes, "
           f"ffn.bin {L.ffn_size / 2**20:.1f} MiB")
     return 0
@@ -68,6 +74,8 @@ def layout_for(ckpt, dtype: str, orders=None) -> FlashLayout:
     """The layout of a checkpoint: which biases travel in the bundles, the neuron count of every layer, and (dtype
     auto) the dtype that keeps the checkpoint's precision."""
     cfg = ckpt.config
+    if cfg.moe:
+        return expert_layout_for(ckpt, dtype)
     names = set(ckpt.names())
     if dtype == "auto":
         dtype = ckpt.precision(f"layers.0.ffn.{'gate' if cfg.glu else 'up'}.weight")
@@ -85,6 +93,48 @@ def layout_for(ckpt, dtype: str, orders=None) -> FlashLayout:
         if missing:
             raise UserError(f"{ckpt.path}: layer {i} lacks {missing[0]} (layer 0 has it)")
     return layout
+
+
+def expert_layout_for(ckpt, dtype: str) -> FlashLayout:
+    """The layout of a mixture of experts: no bundles, every expert one chunk (storage.experts). dtype auto keeps the
+    source's precision: each matrix in a GGUF's own block format where it has one this format stores (its blocks
+    copied as they are), else f16 (an HF checkpoint's)."""
+    cfg = ckpt.config
+    if dtype not in ("auto", *EXPERT_DTYPES):
+        raise UserError(f"experts are stored as {', '.join(EXPERT_DTYPES)} (or auto), not {dtype}")
+    if dtype == "auto":
+        kinds = []
+        for m in MATRICES:
+            stored = ckpt.quantized(expert_tensor_name(0, 0, m))
+            kinds.append(stored[0] if stored is not None else "f16")
+        dtypes = tuple(kinds)
+    else:
+        dtypes = (dtype,) * 3
+    main = dtypes[0]
+    layout = FlashLayout.create(cfg.dim, [], main, True, config=cfg.to_dict())
+    layout.experts = ExpertLayout(cfg.dim, cfg.ffn_dim, cfg.n_experts, cfg.n_layers, dtypes)
+    layout.ffn_size = layout.experts.end
+    return layout
+
+
+def _write_experts(f, ckpt, layout: FlashLayout, layer: int) -> list[str]:
+    """Write one layer's experts at their offsets, one expert in memory at a time; return their checksums."""
+    E, sums = layout.experts, []
+    for e in range(E.n_experts):
+        mats = {}
+        for k, m in enumerate(MATRICES):
+            name = expert_tensor_name(layer, e, m)
+            stored = ckpt.quantized(name)
+            mats[m] = stored[1] if stored is not None and stored[0] == E.dtypes[k] else ckpt.tensor(name)
+        chunk = E.pack(mats)
+        del mats
+        h = expert_checksum(E, layer, e)
+        h.update(chunk)
+        sums.append(h.hexdigest())
+        f.seek(E.chunk_offset(layer, e))
+        f.write(chunk)
+    ckpt.release()
+    return sums
 
 
 def _layer_vectors(ckpt, layout: FlashLayout, layer: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -134,8 +184,12 @@ def write_flashdir(ckpt, layout: FlashLayout, dest: Path, progress: bool = True)
     Memory stays at about one layer whatever the layer count: a layer's FFN is read, packed and written before the
     next is read, and resident tensors are written one at a time as they are read."""
     bundle_names = {n for i in range(layout.n_layers) for n in ffn_tensor_names(layout, i)}
+    E = layout.experts
+    if E is not None:
+        bundle_names |= {expert_tensor_name(i, e, m) for i in range(E.n_layers) for e in range(E.n_experts)
+                         for m in MATRICES}
     resident_names = [n for n in ckpt.names() if n not in bundle_names]
-    steps = tqdm(total=layout.n_layers + 2, desc="convert", unit="step", disable=not progress, file=sys.stderr)
+    steps = tqdm(total=layout.n_layers + (E.n_layers if E is not None else 0) + 2, desc="convert", unit="step", disable=not progress, file=sys.stderr)
     layout.checksum = []
     with steps, open(dest / layout.files["ffn"], "wb") as f:
         for i in range(layout.n_layers):
@@ -143,6 +197,13 @@ def write_flashdir(ckpt, layout: FlashLayout, dest: Path, progress: bool = True)
             f.write(b"\0" * (layout.offset[i] - f.tell()))  # pad to the 4096-aligned region start
             layout.checksum.append(_write_layer(f, ckpt, layout, i))
             steps.update()
+        if E is not None:
+            E.checksum = []
+            for i in range(E.n_layers):
+                steps.set_postfix_str(f"layer {i}'s experts")
+                E.checksum.append(_write_experts(f, ckpt, layout, i))
+                steps.update()
+            f.seek(0, os.SEEK_END)
         f.write(b"\0" * (layout.ffn_size - f.tell()))
         f.flush()
         os.fsync(f.fileno())

@@ -36,6 +36,7 @@ from . import blocks
 from .checksums import file_checksum, manifest_checksum, new_checksum, region_checksum  # noqa: F401 (the format's)
 from .predictor_files import PREDICTOR_DIR, PREDICTOR_MANIFEST, predictor_checksums
 from .checkpoint import SafetensorsFile, check_shapes
+from .experts import MATRICES, ExpertLayout, expert_tensor_name
 
 FORMAT_NAME = "flashinfer-lite-flash"
 FORMAT_VERSION = 1
@@ -180,6 +181,7 @@ class FlashLayout:
     flashdir: Path | None = None     # set when read from disk
     down_dtype: str | None = None    # quantized layouts: the down vector's block format, when not `dtype`
     checksum_algo: str = CHECKSUM_ALGO
+    experts: ExpertLayout | None = None   # a mixture of experts: ffn.bin holds expert chunks, not bundles (no layers)
 
     # -- geometry --------------------------------------------------------------------------------------------------
     @property
@@ -292,7 +294,8 @@ class FlashLayout:
                            "stride": self.stride, "scalars_offset": self.scalars_offset,
                            "scalars": list(self.scalars)},
                 "files": dict(self.files), "ffn_size": self.ffn_size, "checksum_algo": self.checksum_algo,
-                "resident_checksum": self.resident_checksum, "layers": layers}
+                "resident_checksum": self.resident_checksum, "layers": layers,
+                **({"experts": self.experts.to_manifest()} if self.experts is not None else {})}
 
 
 
@@ -400,9 +403,18 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
         layout.n_neurons.append(n)
         layout.order.append(order)
         layout.checksum.append(ck)
-    if not layers:
+    if m.get("experts") is not None:
+        layout.experts = ExpertLayout.from_manifest(m["experts"], src)
+        E = layout.experts
+        if layers or E.offset < end or E.end > layout.ffn_size:
+            raise UserError(f"{src}: the experts' chunks (bytes {E.offset}..{E.end}) overlap bundle regions or pass "
+                            f"ffn_size {layout.ffn_size}")
+        if (cfg.get("n_layers"), cfg.get("dim"), cfg.get("ffn_dim"), cfg.get("n_experts")) != \
+                (E.n_layers, E.d, E.n, E.n_experts):
+            raise UserError(f"{src}: config disagrees with the experts' geometry in the manifest")
+    elif not layers:
         raise UserError(f"{src}: manifest lists no layers")
-    if cfg.get("n_layers") not in (None, len(layers)) or cfg.get("dim") not in (None, layout.d):
+    if layout.experts is None and cfg.get("n_layers") not in (None, len(layers)) or cfg.get("dim") not in (None, layout.d):
         raise UserError(f"{src}: config (n_layers={cfg.get('n_layers')}, dim={cfg.get('dim')}) disagrees with the "
                         f"{len(layers)} layers of width {layout.d} in the manifest")
     if any(n != cfg.get("ffn_dim", n) for n in layout.n_neurons):     # the kernels index [ffn_dim] arrays by neuron
@@ -506,6 +518,31 @@ def ffn_tensor_names(layout: FlashLayout, layer: int) -> list[str]:
 # ----------------------------------------------------------------------------------------------------------------------
 # Verification (the checksum primitives: storage/checksums.py)
 
+def expert_checksum(E: ExpertLayout, layer: int, expert: int):
+    """A digest to feed expert (layer, expert)'s chunk into, bound to its place and geometry: a chunk moved to another
+    expert with its checksum, or a manifest whose geometry was edited, does not match."""
+    h = new_checksum()
+    h.update(json.dumps({"layer": layer, "expert": expert, **E.geometry()}, sort_keys=True).encode())
+    return h
+
+
+def expert_ids(layout: FlashLayout) -> list[tuple[int, int]]:
+    """(layer, expert) of every expert chunk of a FLASHDIR, in file order (none without experts)."""
+    E = layout.experts
+    return [] if E is None else [(i, e) for i in range(E.n_layers) for e in range(E.n_experts)]
+
+
+def expert_chunks(layout: FlashLayout) -> FlashLayout:
+    """The experts of a FLASHDIR as storage.reader.BundleReader reads rows: "layer" l's rows are its experts, each a
+    row of `chunk` bytes (a multiple of 4096), so reader.submit(l, expert ids, slots, slot ids) reads whole experts
+    straight into cache slots, one large O_DIRECT request each."""
+    E = layout.experts
+    return FlashLayout(d=E.d, dtype=layout.dtype, vectors=GLU_VECTORS, biases=(), stride=E.chunk,
+                       offset=[E.chunk_offset(i, 0) for i in range(E.n_layers)], n_neurons=[E.n_experts] * E.n_layers,
+                       order=[np.arange(E.n_experts)] * E.n_layers, ffn_size=layout.ffn_size, config=layout.config,
+                       files=layout.files, flashdir=layout.flashdir)
+
+
 def is_flashdir(path) -> bool:
     p = Path(path)
     return p.is_dir() and (p / MANIFEST).exists()
@@ -519,7 +556,8 @@ def verify(flashdir, progress: bool = True) -> FlashLayout:
     """
     from tqdm import tqdm
     layout = read_layout(flashdir)
-    total = sum(layout.region_bytes(i) for i in range(layout.n_layers))
+    total = sum(layout.region_bytes(i) for i in range(layout.n_layers)) + \
+        (layout.experts.end - layout.experts.offset if layout.experts is not None else 0)
     with open(layout.ffn_path, "rb") as f, tqdm(total=total, unit="B", unit_scale=True, desc="verify",
                                                 disable=not progress, leave=False) as bar:
         for i in range(layout.n_layers):
@@ -527,6 +565,12 @@ def verify(flashdir, progress: bool = True) -> FlashLayout:
             if got != layout.checksum[i]:
                 raise UserError(f"{layout.ffn_path}: checksum mismatch in layer {i} (bytes {layout.offset[i]}.."
                                 f"{layout.offset[i] + layout.region_bytes(i)}): the file is damaged; re-run convert")
+        E = layout.experts
+        for i, e in expert_ids(layout):
+            if region_checksum(f, E.chunk_offset(i, e), E.chunk, progress=bar, h=expert_checksum(E, i, e)) \
+                    != E.checksum[i][e]:
+                raise UserError(f"{layout.ffn_path}: checksum mismatch in layer {i}'s expert {e}: the file is "
+                                f"damaged; re-run convert")
     res = layout.flashdir / layout.files["resident"]
     if not res.is_file():
         raise UserError(f"{res}: resident weights file is missing")
@@ -609,6 +653,9 @@ class FlashCheckpoint:
         for i in range(self.layout.n_layers):
             for name in ffn_tensor_names(self.layout, i):
                 self._ffn_names[name] = i
+        self._expert_names = {expert_tensor_name(i, e, m): (i, e, k) for i, e in expert_ids(self.layout)
+                              for k, m in enumerate(MATRICES)}
+        self._cached_expert: tuple[tuple[int, int], np.ndarray] | None = None
         self._cached_layer: tuple[int, dict] | None = None
         check_shapes(self.config, self.shapes(), self._resident_path)
 
@@ -622,6 +669,8 @@ class FlashCheckpoint:
         for name, i in self._ffn_names.items():
             n = L.n_neurons[i]
             out[name] = (L.d, n) if name.endswith("down.weight") else (n, L.d) if name.endswith("weight") else (n,)
+        for name, (_, _, k) in self._expert_names.items():
+            out[name] = L.experts.shape(MATRICES[k])
         return out
 
     def _open_resident(self) -> SafetensorsFile:
@@ -645,6 +694,9 @@ class FlashCheckpoint:
 
     def quantized(self, name: str) -> tuple[str, np.ndarray] | None:
         """(kind, uint8 [rows, row_bytes]) of a resident matrix stored in a block format; else None."""
+        if name in self._expert_names:
+            kind, a = self._expert_matrix(name)
+            return (kind, a) if kind in blocks.BLOCK_BYTES else None
         kind = self.resident_kinds.get(name)
         return None if kind is None else (kind, self._resident.read(name, raw=True))
 
@@ -652,18 +704,24 @@ class FlashCheckpoint:
         """A resident matrix that resident.safetensors stores as float16, as stored (float16 [rows, cols]); else None.
         The runtime keeps such a matrix in float16 (half.half_matrix): read so, it is not widened to float32 and
         rounded back (a 7B float16 FLASHDIR: 4 GiB of resident matrices)."""
+        if name in self._expert_names:
+            kind, a = self._expert_matrix(name)
+            return a if kind == "f16" else None
         e = self._resident.entries.get(name)
         if e is None or e[0] or e[1] != np.float16 or len(e[2]) != 2:
             return None
         return self._resident.read(name, raw=True)
 
     def names(self) -> list[str]:
-        return self._resident_names + list(self._ffn_names)
+        return self._resident_names + list(self._ffn_names) + list(self._expert_names)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._ffn_names or name in self._resident_names
+        return name in self._ffn_names or name in self._resident_names or name in self._expert_names
 
     def tensor(self, name: str) -> np.ndarray:
+        if name in self._expert_names:
+            kind, a = self._expert_matrix(name)
+            return blocks.dequantize(a, kind) if kind in blocks.BLOCK_BYTES else a.astype(np.float32)
         if name in self._ffn_names:
             return self._layer_tensors(self._ffn_names[name])[name]
         if name not in self._resident.entries:
@@ -683,6 +741,24 @@ class FlashCheckpoint:
         out = bundle_tensors(L, layer, vecs, biases)
         self._cached_layer = (layer, out)
         return out
+
+    def _expert_matrix(self, name: str) -> tuple[str, np.ndarray]:
+        """(dtype, matrix as stored) of an expert's tensor: its chunk read whole, checksum checked, and kept until
+        another expert's is asked for (its three matrices are read one after the other)."""
+        i, e, k = self._expert_names[name]
+        if self._cached_expert is None or self._cached_expert[0] != (i, e):
+            E = self.layout.experts
+            buf = np.empty(E.chunk, np.uint8)
+            with open(self.layout.ffn_path, "rb") as f:
+                got = os.preadv(f.fileno(), [buf], E.chunk_offset(i, e))
+            h = expert_checksum(E, i, e)
+            h.update(buf)
+            if got != E.chunk or h.hexdigest() != E.checksum[i][e]:
+                raise UserError(f"{self.layout.ffn_path}: checksum mismatch in layer {i}'s expert {e}: the file is "
+                                f"damaged; re-run convert")
+            self._cached_expert = ((i, e), buf)
+        kind, a = self.layout.experts.matrices(self._cached_expert[1])[k]
+        return kind, a.copy()     # its own memory: the chunk buffer is replaced by the next expert's
 
     def bundles(self, layer: int) -> np.ndarray:
         """A layer's bundles as ffn.bin holds them, uint8 [n_neurons, stride] in bundle order, checksum checked (the
@@ -727,7 +803,7 @@ class FlashCheckpoint:
 
     def release(self) -> None:
         """Drop the cached FFN layer (layer-streaming: the next layer's bundles load without it)."""
-        self._cached_layer = None
+        self._cached_layer = self._cached_expert = None
 
     def tokenizer(self):
         return Tokenizer.from_dir(self.flashdir / self.layout.files["tokenizer"], self.config)

@@ -12,6 +12,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     layout = verify(args.flashdir)
+    E = layout.experts
+    if E is not None:
+        print(f"ok: {args.flashdir}: {E.n_layers * E.n_experts} expert chunks ({(E.end - E.offset) / 2**20:.1f} MiB) "
+              f"and resident weights match their checksums")
+        return 0
     total = sum(layout.region_bytes(i) for i in range(layout.n_layers))
     print(f"ok: {args.flashdir}: {layout.n_layers} layer regions ({total / 2**20:.1f} MiB) and resident weights "
           f"match their checksums")

@@ -92,18 +92,34 @@ TINY = {
     "opt-postnorm": ("opt", dict(do_layer_norm_before=False)),
 }
 
+# Tiny mixtures of experts (issue 30): 4 or 6 experts of 64 neurons, 2 per token; apart from TINY, whose models the
+# dense-FFN tests run with predictors.
+_MOE = dict(num_key_value_heads=2, num_experts_per_tok=2)
+TINY_MOE = {
+    "mixtral": ("mixtral", dict(intermediate_size=64, num_local_experts=4, **_MOE)),
+    "qwen2moe": ("qwen2_moe", dict(intermediate_size=96, moe_intermediate_size=64, shared_expert_intermediate_size=80,
+                                   num_experts=6, norm_topk_prob=False, **_MOE)),
+    "olmoe": ("olmoe", dict(intermediate_size=64, num_experts=4, norm_topk_prob=False, **_MOE)),
+    "qwen3moe": ("qwen3_moe", dict(moe_intermediate_size=64, intermediate_size=96, num_experts=6, head_dim=16,
+                                   norm_topk_prob=True, **_MOE)),
+}
+MOE_CLASSES = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "olmoe": "Olmoe", "qwen3_moe": "Qwen3Moe"}
+
 
 def build_tiny(kind: str, path: Path, seed: int = 0) -> Path:
-    """save_pretrained a seeded random model of `kind` into path (safetensors, float32)."""
+    """save_pretrained a seeded random model of `kind` (TINY or TINY_MOE) into path (safetensors, float32)."""
     import torch
     import transformers as tf
-    family, extra = TINY[kind]
+    family, extra = {**TINY, **TINY_MOE}[kind]
     torch.manual_seed(seed)
     common = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   max_position_embeddings=128, bos_token_id=1, eos_token_id=2)
     if family == "opt":
         cfg = tf.OPTConfig(ffn_dim=160, word_embed_proj_dim=64, **common, **extra)
         model = tf.OPTForCausalLM(cfg)
+    elif family in MOE_CLASSES:
+        cls = MOE_CLASSES[family]
+        model = getattr(tf, cls + "ForCausalLM")(getattr(tf, cls + "Config")(rms_norm_eps=1e-5, **common, **extra))
     else:
         cls_cfg = {"llama": tf.LlamaConfig, "mistral": tf.MistralConfig, "qwen2": tf.Qwen2Config,
                    "qwen3": tf.Qwen3Config, "gemma3": tf.Gemma3TextConfig}[family]
@@ -115,7 +131,7 @@ def build_tiny(kind: str, path: Path, seed: int = 0) -> Path:
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-            if family != "opt" and "mlp" in name and name.endswith("weight"):
+            if family != "opt" and "mlp" in name and name.endswith(("weight", "_proj")):
                 p.mul_(8.0)  # a tiny random FFN is near-silent; give it a voice in the output
     model.eval()
     model.save_pretrained(path, safe_serialization=True)
@@ -171,7 +187,7 @@ def kv_float16_in_eager_attention() -> None:
     """Wrap eager_attention_forward of every family we import so it sees key.half().float(), value.half().float()
     (idempotent: float16 values round to themselves; patched once per process)."""
     import importlib
-    for family in ("llama", "mistral", "qwen2", "qwen3", "gemma3", "opt"):
+    for family in ("llama", "mistral", "qwen2", "qwen3", "gemma3", "opt", *MOE_CLASSES):
         mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
         eager = mod.eager_attention_forward
         if getattr(eager, "kv_float16", False):

@@ -6,7 +6,7 @@ from storage.checkpoint import open_checkpoint
 from flashinfer_lite.loader import load_reference, load_weights
 from flashinfer_lite.model import Transformer
 
-from conftest import STORIES, TINY, transformers_model
+from conftest import STORIES, TINY, TINY_MOE, transformers_model
 
 
 def incremental_logits(model: Transformer, ids: list[int], prefill: int) -> np.ndarray:
@@ -17,7 +17,7 @@ def incremental_logits(model: Transformer, ids: list[int], prefill: int) -> np.n
     return np.concatenate(rows)
 
 
-@pytest.mark.parametrize("kind", sorted(TINY))
+@pytest.mark.parametrize("kind", sorted(TINY) + sorted(TINY_MOE))
 def test_tiny_random_models_match_transformers(tiny_model, kind):
     import torch
     path = tiny_model(kind)
@@ -120,3 +120,36 @@ def test_prosparse_fatrelu_matches_transformers_with_the_same_activation(tiny_mo
         plain = transformers_model(src)(torch.tensor([ids])).logits[0].numpy()
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
     assert np.abs(want - plain).max() > 1e-3  # the threshold changed the output, so the check has teeth
+
+
+@pytest.mark.parametrize("kind", sorted(TINY_MOE))
+def test_tiny_moe_greedy_tokens_equal_transformers_and_every_part_counts(tiny_model, kind):
+    """Greedy decoding of each mixture of experts equals transformers'; and the parts that make it one (the router's
+    top-k with its renormalisation, the shared expert, q/k norms) each change the logits, so the match has teeth."""
+    import torch
+    from flashinfer_lite import model as M
+    path = tiny_model(kind)
+    ckpt = open_checkpoint(path)
+    cfg, w = ckpt.config, load_weights(ckpt)
+    ids = np.random.default_rng(3).integers(3, 512, size=9).tolist()
+    kv = Transformer(cfg, w).new_cache(64)
+    ours = Transformer(cfg, w)
+    out, logits = list(ids), ours.forward(ids, kv)
+    for _ in range(12):
+        out.append(int(np.argmax(logits)))
+        logits = ours.forward([out[-1]], kv)
+    hf = transformers_model(path)
+    want = hf.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False)[0].tolist()
+    assert out == want
+    base = Transformer(cfg, w).forward(ids, Transformer(cfg, w).new_cache(32), all_logits=True)
+    changes = {"one expert": dict(n_experts_used=1), "renormalised": dict(norm_topk_prob=not cfg.norm_topk_prob)}
+    if cfg.shared_expert_dim:
+        changes["no shared expert"] = dict(shared_expert_dim=0)
+    for what, change in changes.items():
+        other = M.ModelConfig(**{**cfg.to_dict(), **change})
+        got = Transformer(other, w).forward(ids, Transformer(other, w).new_cache(32), all_logits=True)
+        assert np.abs(got - base).max() > 1e-3, what
+    if cfg.qk_norm:
+        w2 = {n: (np.ones_like(t) if n.endswith(("q_norm.weight", "k_norm.weight")) else t) for n, t in w.items()}
+        got = Transformer(cfg, w2).forward(ids, Transformer(cfg, w2).new_cache(32), all_logits=True)
+        assert np.abs(got - base).max() > 1e-3, "q/k norm weights"

@@ -3,7 +3,7 @@
 
     python tools/make_large_model.py OUT_DIR [--layers 32] [--dim 4096] [--ffn 11008] [--heads 32] [--kv-heads H]
                                              [--head-dim 128] [--vocab 512] [--active 0.10] [--seed 0]
-                                             [--gguf f16,q4_0]
+                                             [--gguf f16,q4_0] [--experts E --experts-used K]
 
 Default: Llama-2-7B shape (32 layers, dim 4096, ffn 11008, 32 heads of 128), f16, ProSparse convention
 (architecture SparseLlamaForCausalLM, hidden_act "fatrelu", threshold in hidden_act_param).
@@ -21,6 +21,10 @@ permuted as llama.cpp's converter does, norms float32, every matrix f16 or Q4_0 
 f16 values), one tensor in memory at a time, so llama.cpp can run them (bench/vs_llama_cpp.py). GGUF's llama has
 no FATReLU: llama.cpp computes SwiGLU (silu(gate) x up) over the same matrices, so its output differs, but the bytes
 it must read per token (every FFN row, dense) are the same.
+
+--experts E: a mixture of experts of Qwen3-MoE's layout instead (Qwen3MoeForCausalLM: per-head q/k RMSNorm, a
+softmax router over E experts of --ffn neurons each, --experts-used of them per token, renormalised; SwiGLU).
+Random router weights route about uniformly: the worst case for an expert cache.
 """
 from __future__ import annotations
 
@@ -50,6 +54,18 @@ def tensor_plan(a) -> list[tuple[str, tuple[int, ...], float]]:
     plan = [("model.embed_tokens.weight", (a.vocab, d), 1.0)]
     for i in range(a.layers):
         p = f"model.layers.{i}."
+        if a.experts:
+            plan += [(p + "input_layernorm.weight", (d,), 0.0),
+                     (p + "self_attn.q_proj.weight", (q, d), s), (p + "self_attn.k_proj.weight", (kv, d), s),
+                     (p + "self_attn.v_proj.weight", (kv, d), s), (p + "self_attn.o_proj.weight", (d, q), q ** -0.5),
+                     (p + "self_attn.q_norm.weight", (a.head_dim,), 0.0),
+                     (p + "self_attn.k_norm.weight", (a.head_dim,), 0.0),
+                     (p + "post_attention_layernorm.weight", (d,), 0.0), (p + "mlp.gate.weight", (a.experts, d), s)]
+            for e in range(a.experts):
+                plan += [(p + f"mlp.experts.{e}.gate_proj.weight", (n, d), s),
+                         (p + f"mlp.experts.{e}.up_proj.weight", (n, d), s),
+                         (p + f"mlp.experts.{e}.down_proj.weight", (d, n), n ** -0.5)]
+            continue
         plan += [(p + "input_layernorm.weight", (d,), 0.0),
                  (p + "self_attn.q_proj.weight", (q, d), s),
                  (p + "self_attn.k_proj.weight", (kv, d), s),
@@ -190,6 +206,15 @@ def write_gguf(path: Path, a, plan, qtype: str, threshold: float) -> int:
 
 
 def hf_config(a, threshold: float) -> dict:
+    if a.experts:
+        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": a.vocab,
+                "hidden_size": a.dim, "moe_intermediate_size": a.ffn, "intermediate_size": a.ffn,
+                "num_hidden_layers": a.layers, "num_attention_heads": a.heads, "num_key_value_heads": a.kv_heads,
+                "head_dim": a.head_dim, "hidden_act": "silu", "num_experts": a.experts,
+                "num_experts_per_tok": a.experts_used, "norm_topk_prob": True, "max_position_embeddings": 4096,
+                "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "attention_bias": False, "tie_word_embeddings": False,
+                "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float16", "decoder_sparse_step": 1,
+                "mlp_only_layers": [], "flashinfer_lite_bench": {"seed": a.seed}}
     return {"architectures": ["SparseLlamaForCausalLM"], "model_type": "llama", "vocab_size": a.vocab,
             "hidden_size": a.dim, "intermediate_size": a.ffn, "num_hidden_layers": a.layers,
             "num_attention_heads": a.heads, "num_key_value_heads": a.kv_heads, "head_dim": a.head_dim,
@@ -240,8 +265,17 @@ def main(argv=None) -> int:
     ap.add_argument("--check-tokens", type=int, default=8, help="tokens for the active-share check (0: skip)")
     ap.add_argument("--check-layers", type=int, default=4, help="layers for the active-share check")
     ap.add_argument("--gguf", default="", help=f"also write these GGUF copies, comma-separated: {', '.join(GGUF_TYPES)}")
+    ap.add_argument("--experts", type=int, default=0, help="a mixture of this many experts of --ffn neurons per "
+                                                           "layer (Qwen3-MoE's layout; 0: dense)")
+    ap.add_argument("--experts-used", type=int, default=8, help="experts routed per token")
     ap.add_argument("--force", action="store_true", help="replace OUT if it exists")
     a = ap.parse_args(argv)
+    if a.experts:
+        if a.gguf:
+            sys.exit("make_large_model: --gguf is not written for --experts (yet)")
+        if not 0 < a.experts_used <= a.experts:
+            sys.exit("make_large_model: --experts-used must be in 1..--experts")
+        a.check_tokens = 0             # the active-share check measures FATReLU neurons: a dense model's
     a.kv_heads = a.kv_heads or a.heads
     a.head_dim = a.head_dim or a.dim // a.heads
     if a.vocab != 512:
@@ -275,7 +309,7 @@ def main(argv=None) -> int:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    ffn_bytes = 3 * a.layers * a.dim * a.ffn * 2
+    ffn_bytes = 3 * a.layers * a.dim * a.ffn * 2 * max(a.experts, 1)
     info = {"dir": str(out), "bytes": size, "ffn_bytes": ffn_bytes, "fatrelu_threshold": t,
             "target_active": a.active, **{f"gguf_{q}": str(out / f"model.{q}.gguf") for q in ggufs},
             **{f"gguf_{q}_bytes": n for q, n in gguf_bytes.items()}}

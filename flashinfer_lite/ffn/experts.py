@@ -1,0 +1,204 @@
+"""ExpertFFN: a mixture of experts whose experts stay on flash, read whole into an expert cache as the router asks.
+
+Per layer the cache has `slots` expert-sized rows (budget.plan_experts sizes them from --dram-budget): `pinned` of
+them hold the layer's most routed experts on calibration text for the whole run, the others an LRU over recent
+tokens. A miss is one O_DIRECT read of the expert's chunk (storage.experts: gate, up and down back to back) straight
+into its slot, and the slot's bytes are the expert's matrices (views, no copy). The reads of a layer's misses are
+submitted before the experts already in DRAM are computed, and each missing expert is computed as soon as its read
+lands (model.MixtureOfExperts sums them in expert order afterwards, so the bits never depend on what was cached).
+"""
+from __future__ import annotations
+
+import collections
+import time
+
+import numpy as np
+
+from storage.config import ModelConfig
+from storage.format import expert_chunks
+from storage.reader import BundleReader, aligned_empty
+from storage.stats import FlashStats
+
+from ..model import FeedForward, MixtureOfExperts
+from ..quant import QuantMatrix
+
+
+class ExpertCache:
+    """slots whole experts per layer; experts(layer, ids) yields (id, FeedForward) for every id, the ones in DRAM
+    first, then each miss as its read lands. Counts expert hits and misses, and the bytes read, into stats."""
+
+    def __init__(self, cfg: ModelConfig, layout, slots: int, pinned: list[np.ndarray] | None = None,
+                 threads: int | None = None, stats: FlashStats | None = None, overlap: bool = True):
+        E = self.experts_layout = layout.experts
+        self.cfg, self.overlap = cfg, overlap
+        self.slots = slots
+        self.reader = BundleReader(expert_chunks(layout), threads=threads)
+        self.stats = stats if stats is not None else FlashStats.for_layers(cfg.n_layers, cfg.n_experts)
+        self.buf = aligned_empty((cfg.n_layers, slots, E.chunk), np.uint8)
+        self.slot_of = [dict() for _ in range(cfg.n_layers)]           # expert -> slot
+        self.lru = [collections.OrderedDict() for _ in range(cfg.n_layers)]   # unpinned experts, oldest first
+        self.free = [list(range(slots - 1, -1, -1)) for _ in range(cfg.n_layers)]
+        self.pinned = [set() for _ in range(cfg.n_layers)]
+        self.early = [dict() for _ in range(cfg.n_layers)]    # expert -> its read started on a guess, not yet waited
+        self.on_submitted = None     # called with the layer once its misses' reads are queued (ExpertFFN's guess)
+        for layer, ids in enumerate(pinned or []):
+            ids = [int(e) for e in ids][:slots]
+            if ids:
+                got = [self.free[layer].pop() for _ in ids]
+                st = self.reader.read(layer, ids, self.buf[layer], got)
+                self.stats.read_bytes += st.read_bytes           # loaded once, before any token: no miss
+                self.slot_of[layer].update(zip(ids, got))
+                self.pinned[layer].update(ids)
+
+    def expert(self, layer: int, e: int) -> FeedForward:
+        """Expert e of `layer` over its slot's bytes: the matrices as the dense path keeps them (float16 / float32
+        arrays, QuantMatrix blocks), so both compute with the same kernels."""
+        mats = self.experts_layout.matrices(self.buf[layer, self.slot_of[layer][e]])
+        p = f"layers.{layer}.ffn.experts.{e}."
+        w = {}
+        for m, (kind, a) in zip(("gate", "up", "down"), mats):
+            w[f"{p}{m}.weight"] = QuantMatrix(a, kind, self.experts_layout.shape(m)[1]) if a.dtype == np.uint8 else a
+        return FeedForward(self.cfg, w, layer, p)
+
+    def _victim(self, layer: int, keep: set) -> int | None:
+        """A slot to read into: a free one, else the least recently used unpinned expert's not in keep."""
+        if self.free[layer]:
+            return self.free[layer].pop()
+        for e in self.lru[layer]:
+            if e not in keep:
+                del self.lru[layer][e]
+                return self.slot_of[layer].pop(e)
+        return None
+
+    def _start(self, layer: int, e: int, keep: set):
+        """Submit the read of expert e into a slot; None when every slot holds an expert still needed."""
+        slot = self._victim(layer, keep)
+        if slot is None:
+            return None
+        self.slot_of[layer][e] = slot
+        return self.reader.submit(layer, [e], self.buf[layer], [slot])
+
+    def _land(self, layer: int, e: int, pending) -> None:
+        t0 = time.perf_counter()
+        st = pending.wait()
+        self.stats.read_s += time.perf_counter() - t0
+        self.stats.read_bytes += st.read_bytes
+        self.stats.requested_bytes += st.requested_bytes
+        self.stats.n_reads += st.n_reads
+        self.stats.io_s += st.io_s
+        self.lru[layer][e] = None                 # most recent
+
+    def prefetch(self, layer: int, ids) -> None:
+        """Start reading the experts of a guess (the next layer's router applied early) into slots of LRU experts; the
+        exact router still decides what is computed, so a wrong guess costs only its bytes (and the evicted
+        experts)."""
+        for e in (int(e) for e in ids):
+            if e in self.slot_of[layer]:
+                continue
+            pending = self._start(layer, e, set())
+            if pending is None:
+                return
+            self.early[layer][e] = pending
+            self.stats.prefetched += 1
+
+    def __call__(self, layer: int, ids: np.ndarray):
+        ids = [int(e) for e in ids]
+        slot_of, lru, early = self.slot_of[layer], self.lru[layer], self.early[layer]
+        for e in list(early):                    # reads started on a guess: land them all (their slots settle)
+            self._land(layer, e, early.pop(e))
+            if e in ids:
+                self.stats.prefetch_used += 1
+        hits = [e for e in ids if e in slot_of]
+        misses = collections.deque(e for e in ids if e not in slot_of)
+        self.stats.hits += len(hits)
+        self.stats.misses += len(misses)
+        for e in hits:
+            if e in lru:
+                lru.move_to_end(e)
+        waiting = set(ids)                        # not yet computed: their slots must stay
+        inflight = collections.deque()
+
+        def refill():
+            while misses and (self.overlap or not inflight):
+                pending = self._start(layer, misses[0], waiting)
+                if pending is None:
+                    break
+                inflight.append((misses.popleft(), pending))
+        refill()                                  # the misses' reads run while the hits compute
+        if self.on_submitted is not None:
+            self.on_submitted(layer)
+        if not self.overlap:
+            while inflight:
+                e, pending = inflight.popleft()
+                self._land(layer, e, pending)
+                waiting.discard(e)
+                yield e, self.expert(layer, e)
+                refill()
+        for e in hits:
+            waiting.discard(e)
+            yield e, self.expert(layer, e)
+            refill()
+        while inflight:
+            e, pending = inflight.popleft()
+            self._land(layer, e, pending)
+            waiting.discard(e)
+            yield e, self.expert(layer, e)        # computed now: its slot may take the next miss
+            refill()
+        assert not misses, "an expert cache needs at least one slot per layer"
+
+
+class ExpertFFN:
+    """The FFNFn of a mixture of experts from flash: per layer its router (and shared expert) in DRAM, its experts
+    through the ExpertCache. plan: budget.ExpertPlan; freq: per layer how often each expert was routed on calibration
+    text (pins the plan's `pinned` most routed), or None."""
+
+    def __init__(self, cfg: ModelConfig, layout, weights: dict, plan, freq: np.ndarray | None = None,
+                 threads: int | None = None, overlap: bool = True, lookahead: bool = False, verbose: bool = False):
+        self.cfg, self.layout, self.plan = cfg, layout, plan
+        self.stats = FlashStats.for_layers(cfg.n_layers, cfg.n_experts)
+        pinned = None
+        if freq is not None and plan.pinned:
+            pinned = [np.argsort(-np.asarray(f), kind="stable")[:plan.pinned] for f in freq]
+        elif plan.pinned == cfg.n_experts:        # room for every expert: all pinned, read once
+            pinned = [np.arange(cfg.n_experts)] * cfg.n_layers
+        self.cache = ExpertCache(cfg, layout, plan.slots, pinned, threads, self.stats, overlap)
+        self.reader = self.cache.reader
+        self.layers = [MixtureOfExperts(cfg, weights, i, experts=self.cache) for i in range(cfg.n_layers)]
+        # lookahead: layer l+1's router on layer l's FFN input, re-weighted from layer l's norm to layer l+1's (as
+        # runtime.lookahead_selector does for neurons), names the experts whose reads start while layer l computes
+        self.norms = [weights.get(f"layers.{i}.ffn_norm.weight") for i in range(cfg.n_layers)]
+        self.lookahead = lookahead
+        self._x = None
+        self.cache.on_submitted = self._guess_next
+
+    @property
+    def overlap(self) -> bool:
+        return self.cache.overlap
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        self.cache.overlap = on
+
+    def __call__(self, layer: int, x: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        self._x = x
+        t0, waited = time.perf_counter(), self.stats.read_s
+        y = self.layers[layer](x)
+        self.stats.compute_s += time.perf_counter() - t0 - (self.stats.read_s - waited)
+        self.stats.rows[layer] += x.shape[0]
+        self.stats.active[layer] += x.shape[0] * self.cfg.n_experts_used
+        if layer == self.cfg.n_layers - 1:
+            self.stats.tokens += x.shape[0]
+        return y
+
+    def _guess_next(self, layer: int) -> None:
+        nxt = layer + 1
+        if not self.lookahead or nxt >= self.cfg.n_layers or self._x is None:
+            return
+        t0 = time.perf_counter()
+        x, w0, w1 = self._x, self.norms[layer], self.norms[nxt]
+        if w0 is not None and w1 is not None:
+            x = np.divide(x, w0, out=np.zeros_like(x), where=w0 != 0) * w1
+        ids, _ = self.layers[nxt].route(x.astype(np.float32))
+        self.stats.predictor_s += time.perf_counter() - t0
+        self.cache.prefetch(nxt, np.unique(ids))
