@@ -136,7 +136,7 @@ def test_the_gguf_config_is_the_source_models(name):
     """What llama.cpp's converter wrote is read as the architecture it is (spot checks of the fields that matter)."""
     c = open_checkpoint(DATA / f"{name}.gguf").config
     arch = name.split("-")[0]
-    assert c.qk_norm == (arch != "qwen2") and c.qkv_bias == (arch == "qwen2")
+    assert c.qk_norm == (None if arch == "qwen2" else "head") and c.qkv_bias == (arch == "qwen2")
     assert c.post_norms == (arch == "gemma3") and c.act == ("gelu_tanh" if arch == "gemma3" else "silu")
     if arch == "gemma3":
         assert c.sliding_layers == [True] * 5 + [False] and c.sliding_window == 8 and c.embed_scale == 8.0
