@@ -161,6 +161,9 @@ def test_mixed_gguf_flashdir_keeps_its_blocks(mixed_gguf, tmp_path, monkeypatch)
         src = gguf_dequant(np.asarray(by_name[f"blk.{i}.ffn_down.weight"].data), kinds[2].lower())
         got = flash.tensor(f"layers.{i}.ffn.down.weight")
         assert np.abs(got - src.reshape(got.shape)).max() <= np.abs(src).max() / 127   # half a q8_0 step at most
+    from test_quant_e2e import resident_data_bytes
+    from flashinfer_lite.budget import resident_bytes_for
+    assert resident_bytes_for(flash.config, half=True, kinds=flash.resident_kinds) == resident_data_bytes(out)
     ids = np.random.default_rng(12).integers(3, 512, size=9).tolist()
     want_tokens, want = greedy(float64_model(out), ids, 8)
     for mode in ("dense", "oracle"):
