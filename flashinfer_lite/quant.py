@@ -37,9 +37,6 @@ from flashinfer_lite.kernels.prefetch import prefetch_ahead
 from flashinfer_lite.kernels.rows import dot
 from storage.blocks import BLOCK, KIND_SIZES, check_kind, quantize, row_bytes  # noqa: F401 (quantize: re-exported)
 
-# The one space of kind codes the kernels branch on (once per row, not per element), bundles and resident matrices
-Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = range(8)
-
 
 @dataclass(frozen=True)
 class QuantKind:
@@ -48,8 +45,10 @@ class QuantKind:
     block_bytes: int
 
 
-KINDS = {name: QuantKind(code, *KIND_SIZES[name]) for code, name in
-         enumerate(("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"))}
+# The one space of kind codes the kernels branch on (once per row, not per element), bundles and resident matrices
+KINDS = {name: QuantKind(code, *size) for code, (name, size) in enumerate(KIND_SIZES.items())}
+Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = (KINDS[k].code for k in
+                                                  ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"))
 
 
 def quant_kind(kind: str) -> QuantKind:
