@@ -179,3 +179,10 @@ def test_uniform_old_kinds_still_write_version_1(tiny_model, tmp_path):
     out = convert(tiny_model("llama-relu"), tmp_path / "flash", dtype="q4_0", progress=False)
     m = json.loads((out / "manifest.json").read_text())
     assert m["version"] == 1 and "vector_dtypes" not in m["layers"][0]
+
+
+def test_convert_says_what_the_down_matrix_becomes(mixed_gguf, tmp_path, capsys):
+    from storage.convert import convert
+    convert(mixed_gguf, tmp_path / "flash")
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "down matrix" in ln]
+    assert len(lines) == 1 and "(q6_k" in lines[0] and "becomes q8_0 along d=256" in lines[0], lines
