@@ -136,7 +136,7 @@ class Worker:
         """Compile (or load from Numba's cache) the sparse kernel before the clock starts."""
         L = self.layout
         x = np.zeros(L.d, np.float32)
-        self.flash.kernel(np.zeros((2, L.stride), np.uint8), np.zeros(1, np.int32), x, np.empty(L.d, np.float32))
+        self.flash.kernels[0](np.zeros((2, L.stride), np.uint8), np.zeros(1, np.int32), x, np.empty(L.d, np.float32))
 
     # -- decode loop -------------------------------------------------------------------------------------------------
     def run(self) -> dict:

@@ -1,9 +1,12 @@
 """The FFN and GEMV kernels on Llama-7B shapes (or --rows / --cols), every weight format, as JSON.
 
 gemv: one decode GEMV (T = 1) over an [11008, 4096] matrix: kernels.matmul_t on float16 against quant_matmul_t on
-q8_0 / q4_0 / q4_1. sparse_ffn: one token's sparse FFN of a 7B layer (d 4096, 11008 neurons, --frac active, GLU
-ReLU, every chosen neuron computed in full: threshold -inf), kernels.SparseFFN on f16 and int8 bundles against
-QuantSparseFFN on q8_0 / q4_0 bundles.
+every block format (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k). sparse_ffn: one token's sparse FFN of a 7B layer
+(d 4096, 11008 neurons, --frac active, GLU ReLU, every chosen neuron computed in full: threshold -inf),
+kernels.SparseFFN on f16 and int8 bundles against QuantSparseFFN on bundles of each block format (gate, up and down
+in it). Each row's "vs_q4_0" is its GB/s over q4_0's at the same thread count: the kernels' speed per byte read.
+K-quant blocks are random bytes with small float16 scales (gguf-py cannot make them; the kernels' work does not
+depend on the values).
 
 Weights come from DRAM: every call reads another copy of the matrix (or layer) from a pool of at least --pool-mb
 (default 1024 MB, twice the 504 MB L3 this machine reports), as a real model finds them after the other layers ran.
@@ -27,10 +30,29 @@ import numpy as np
 
 from flashinfer_lite.ffn.quant import sparse_ffn
 from flashinfer_lite.kernels.gemv import matmul_t
-from flashinfer_lite.quant import quant_matmul_t, quantize
+from flashinfer_lite.quant import KINDS, quant_matmul_t, quantize
+from storage.blocks import QUANTIZABLE
 from storage.format import FlashLayout, pack_bundles
 
 N, D = 11008, 4096
+HALVES = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}     # byte offsets of a K-quant block's float16 scales
+
+
+def blocks_of(w: np.ndarray, kind: str, rng) -> np.ndarray:
+    """w [rows, cols] in `kind`: llama.cpp's rounding, or for a K-quant random blocks of w's shape."""
+    if kind in QUANTIZABLE:
+        return quantize(w, kind)
+    k = KINDS[kind]
+    q = rng.integers(0, 256, (w.size // k.weights, k.block_bytes), dtype=np.uint8)
+    for o in HALVES[kind]:
+        q[:, o:o + 2] = np.full(q.shape[0], 1e-4, np.float16).view(np.uint8).reshape(-1, 2)
+    return q.reshape(w.shape[0], -1)
+
+
+def relative_to_q4_0(rows: list[dict]) -> list[dict]:
+    """Each row's GB/s over q4_0's at its thread count."""
+    base = {r["threads"]: r["gbps"] for r in rows if r["format"] == "q4_0"}
+    return [{**r, "vs_q4_0": round(r["gbps"] / base[r["threads"]], 2)} for r in rows]
 
 
 def pool_of(a: np.ndarray, pool_mb: int) -> np.ndarray:
@@ -53,8 +75,8 @@ def bench_gemv(rng, calls: int, pool_mb: int, threads: list[int], N: int = N, D:
     w = rng.standard_normal((N, D), dtype=np.float32) * 0.02
     x = rng.standard_normal((1, D), dtype=np.float32)
     out = []
-    for fmt in ("f16", "q8_0", "q4_0", "q4_1"):
-        one = w.astype(np.float16) if fmt == "f16" else quantize(w, fmt)
+    for fmt in ("f16", *KINDS):
+        one = w.astype(np.float16) if fmt == "f16" else blocks_of(w, fmt, rng)
         pool = pool_of(one, pool_mb)
         for t in threads:
             numba.set_num_threads(t)
@@ -63,7 +85,7 @@ def bench_gemv(rng, calls: int, pool_mb: int, threads: list[int], N: int = N, D:
             out.append({"format": fmt, "threads": t, **r, "matrix_mb": round(one.nbytes / 1e6, 1),
                         "gbps": round(one.nbytes / r["ms_median"] / 1e6, 2)})
         del pool
-    return out
+    return relative_to_q4_0(out)
 
 
 def bench_sparse_ffn(rng, calls: int, pool_mb: int, frac: float, threads: list[int], N: int = N,
@@ -75,9 +97,12 @@ def bench_sparse_ffn(rng, calls: int, pool_mb: int, frac: float, threads: list[i
     y = np.zeros(D, np.float32)
     sets = [np.sort(rng.choice(N, k, replace=False)).astype(np.int32) for _ in range(16)]
     out = []
-    for fmt in ("f16", "int8", "q8_0", "q4_0"):
+    for fmt in ("f16", "int8", *KINDS):
         layout = FlashLayout.create(D, [len(vecs)], fmt, glu=True)
-        layer = pack_bundles(layout, vecs)
+        if fmt in KINDS:
+            layer = pack_bundles(layout, [blocks_of(vecs[:, k], fmt, rng) for k in range(3)])
+        else:
+            layer = pack_bundles(layout, vecs)
         make = lambda: sparse_ffn(layout, act="relu", relu_threshold=-np.inf, max_active=k)  # noqa: E731
         touched = k * layout.scalars_offset
         pool = pool_of(np.resize(layer, (N, layer.shape[1])), pool_mb)
@@ -91,7 +116,7 @@ def bench_sparse_ffn(rng, calls: int, pool_mb: int, frac: float, threads: list[i
                         "weight_mb_touched": round(touched / 1e6, 2),
                         "gbps": round(touched / r["ms_median"] / 1e6, 2)})
         del pool
-    return out
+    return relative_to_q4_0(out)
 
 
 def main() -> None:

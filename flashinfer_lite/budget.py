@@ -34,7 +34,7 @@ from storage.profile import DEFAULT_GAP_BYTES
 from storage.reader import BundleReader, aligned_empty
 
 from storage.errors import UserError
-from .ffn.quant import DENSE_ROW_KERNEL_MAX_T, sparse_ffn
+from .ffn.quant import DENSE_ROW_KERNEL_MAX_T, sparse_ffn, sparse_ffns
 from .kernels.attention import attention_rows
 from .kernels.gemv import MATMUL_ROW_KERNEL_MAX_T, WIDEN_BLOCK_BYTES, matmul_t
 from .kernels.norm import add_rms_norm_rows, rms_norm_rows
@@ -237,12 +237,14 @@ def refuse_below_minimum(path, dram_budget: int, ctx: int | None, runtime_bytes:
                         f"kv {_mib(kv)} for {ctx} positions, buffers)")
 
 
-def dense_ffn_row_bytes(layout) -> int:
-    """DRAM per neuron of the FFN in RAM (runtime.resident_model): a quantized layout's DenseLayer rows, else its
-    vectors as the dense FeedForward keeps them (float16 matrices, float32 for f32 bundles)."""
+def dense_ffn_bytes(layout) -> int:
+    """DRAM of the FFN in RAM (runtime.resident_model): a quantized layout's DenseLayer rows (each layer's in its
+    block formats), else its vectors as the dense FeedForward keeps them (float16 matrices, float32 for f32
+    bundles)."""
     if layout.quantized:
-        return sparse_ffn(layout).dense_row_bytes
-    return layout.n_vec * layout.d * (4 if layout.dtype == "f32" else 2) + 4 * len(layout.scalars)
+        return sum(n * k.dense_row_bytes for n, k in zip(layout.n_neurons, sparse_ffns(layout)))
+    return sum(layout.n_neurons) * (layout.n_vec * layout.d * (4 if layout.dtype == "f32" else 2)
+                                    + 4 * len(layout.scalars))
 
 
 def plan_resident_ffn(config, layout, dram_budget_bytes: int, ctx: int, resident_bytes: int, runtime_bytes: int = 0,
@@ -253,7 +255,7 @@ def plan_resident_ffn(config, layout, dram_budget_bytes: int, ctx: int, resident
     cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_dict(config)
     n_max = max(layout.n_neurons)
     buffers = 3 * WIDEN_BLOCK_BYTES + 2 * n_max * 4 + prefill_transient_bytes(cfg, ctx) + heap_slack_bytes
-    ffn = sum(layout.n_neurons) * dense_ffn_row_bytes(layout)
+    ffn = dense_ffn_bytes(layout)
     kv = KVCache.nbytes_for(cfg, ctx)
     need = runtime_bytes + resident_bytes + kv + buffers + ffn
     if need > dram_budget_bytes:
@@ -471,7 +473,7 @@ def compiled_stamp(layout):
 
     here = Path(__file__).parent      # every module holding a kernel: kernels/, ffn/, the block formats, the cache
     files = [*sorted((here / "kernels").glob("*.py")), *sorted((here / "ffn").glob("*.py")), here / "quant.py",
-             here / "kquant.py", here / "neuron_cache.py", Path(__file__)]
+             here / "neuron_cache.py", Path(__file__)]
     key = [numba.__version__, sys.version, *[(str(f.relative_to(here)), f.stat().st_mtime_ns, f.stat().st_size)
                                              for f in files],
            layout.d % BLOCK == 0, layout.dtype, layout.down_dtype, layout.vectors, layout.biases]

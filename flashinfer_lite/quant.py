@@ -1,7 +1,17 @@
-"""The Numba kernels that compute on weights in GGUF's block formats (q8_0, q4_0, q4_1: storage/blocks.py).
+"""The Numba kernels that compute on weights in GGUF's block formats (storage/blocks.py: q8_0, q4_0, q4_1, q5_0,
+q5_1 and the K-quants q4_k, q5_k, q6_k).
 
-A quantized matrix [rows, cols] is uint8 [rows, row_bytes], each row cols / 32 blocks in llama.cpp's byte layout, so
-blocks copied verbatim from a GGUF file dequantize bit-exactly (tests/test_quant.py checks against gguf.quants).
+A quantized matrix [rows, cols] is uint8 [rows, row_bytes], each row whole blocks in llama.cpp's byte layout, so
+blocks copied verbatim from a GGUF file dequantize bit-exactly (tests/test_quant.py, tests/test_kquant.py check
+against gguf.quants). The layouts beyond storage/blocks.py's summary:
+
+  q5_0 / q5_1: q4_0 / q4_1's with a u32 qh after the float16 fields (bit l: element l's 5th bit)
+  q4_k  f16 d, f16 dmin, 12 bytes of 6-bit (scale, min) x 8, 128 bytes of nibbles;
+        sub-block j (32 weights): (d * sc[j]) * q - dmin * m[j]
+  q5_k  q4_k's header, 32 bytes qh (bit j of byte l: sub-block j's element l), 128 bytes of nibbles
+  q6_k  128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, f16 d: (d * scale[e // 16]) * (q - 32)
+  (nibbles: within a 32-weight block, byte k holds element k low and k + 16 high; within each run of 64 weights of a
+  K-quant, byte k holds weight k low and weight k + 32 high)
 Compute stays float32: x is never quantized (llama.cpp's int8 dot products would round it), so a kernel's result is
 the float32 math on the dequantized weights. Quantizing is storage.blocks.quantize (gguf.quants, llama.cpp's).
 
@@ -25,18 +35,20 @@ from flashinfer_lite.kernels.f16 import f16_bits_to_f32
 from flashinfer_lite.kernels.gemv import MATMUL_PARALLEL_MIN_WORK, MATMUL_ROW_KERNEL_MAX_T, matmul_widened
 from flashinfer_lite.kernels.prefetch import prefetch_ahead
 from flashinfer_lite.kernels.rows import dot
-from storage.blocks import BLOCK, BLOCK_BYTES, check_kind, quantize, row_bytes  # noqa: F401 (quantize: re-exported)
-
-Q8_0, Q4_0, Q4_1 = 0, 1, 2       # kind codes the kernels branch on (once per row, not per element)
+from storage.blocks import BLOCK, KIND_SIZES, check_kind, quantize, row_bytes  # noqa: F401 (quantize: re-exported)
 
 
 @dataclass(frozen=True)
 class QuantKind:
     code: int
+    weights: int          # per block
     block_bytes: int
 
 
-KINDS = {name: QuantKind(code, BLOCK_BYTES[name]) for name, code in (("q8_0", Q8_0), ("q4_0", Q4_0), ("q4_1", Q4_1))}
+# The one space of kind codes the kernels branch on (once per row, not per element), bundles and resident matrices
+KINDS = {name: QuantKind(code, *size) for code, (name, size) in enumerate(KIND_SIZES.items())}
+Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = (KINDS[k].code for k in
+                                                  ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"))
 
 
 def quant_kind(kind: str) -> QuantKind:
@@ -53,15 +65,16 @@ def _check_matrix(q: np.ndarray, kind: str, cols: int) -> QuantKind:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Row operations, written as LLVM IR: a block becomes one <32 x float> vector (load 16 or 32 bytes, split nibbles,
-# convert, scale), and the dot product keeps a vector accumulator across blocks. The same loops in Numba either
-# vectorise across blocks with gathers or reduce each block horizontally (2-3x slower, bench/quant_kernels.py).
-# The kind is a runtime argument: each kind's loop is emitted once, and one branch per row picks it.
-# No bounds checks: callers pass whole rows (a row of `x`'s or `out`'s length in blocks), which the Python entry
-# points and ffn.quant.QuantSparseFFN's geometry guarantee.
+# Row operations, written as LLVM IR: each run of 32 weights (a 32-weight block, a K-quant sub-block) becomes one
+# <32 x float> vector (load 16 or 32 bytes, split nibbles, add high bits, convert, scale), and the dot product keeps
+# a vector accumulator across runs. The same loops in Numba either vectorise across blocks with gathers or reduce
+# each block horizontally (2-3x slower, bench/quant_kernels.py). The kind is a runtime argument: each kind's loop
+# is emitted once, and one branch per row picks it; a K-quant super-block's 8 sub-blocks are emitted unrolled, so
+# their offsets and shifts are constants. No bounds checks: callers pass whole rows (a row of `x`'s or `out`'s
+# length in blocks), which the Python entry points and ffn.quant.QuantSparseFFN's geometry guarantee.
 
 _F32, _I8, _I16, _I32 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32)
-_BLOCK_BYTES = {k.code: k.block_bytes for k in KINDS.values()}
+_GEOMETRY = {k.code: (k.weights, k.block_bytes) for k in KINDS.values()}
 
 
 def _vec(builder, ty, value, n=BLOCK):
@@ -88,29 +101,89 @@ def _half_at(context, builder, ptr, offset):
     return context.compile_internal(builder, lambda h: f16_bits_to_f32(h), types.float32(types.uint16), [bits])
 
 
-def _decode_block(context, builder, kind, ptr, offset):
-    """<32 x float>: the block at byte ptr[offset] dequantized with the float32 operations of gguf.quants (the
-    same products and sums, so the same bits)."""
-    at = lambda k: builder.add(offset, ir.Constant(offset.type, k))  # noqa: E731
-    d = _vec(builder, _F32, _half_at(context, builder, ptr, offset))
-    if kind == Q8_0:
-        return builder.fmul(builder.sitofp(_load_vec(builder, ptr, _I8, BLOCK, at(2)), d.type), d)
-    packed = _load_vec(builder, ptr, _I8, 16, at(4 if kind == Q4_1 else 2))
-    q = builder.shuffle_vector(builder.and_(packed, _vec(builder, _I8, 15, 16)),  # elements 0..15: low nibbles
-                               builder.lshr(packed, _vec(builder, _I8, 4, 16)),   # 16..31: high nibbles
-                               ir.Constant(ir.VectorType(_I32, BLOCK), list(range(BLOCK))))
-    if kind == Q4_0:
-        return builder.fmul(d, builder.sitofp(builder.sub(q, _vec(builder, _I8, 8)), d.type))
-    m = _vec(builder, _F32, _half_at(context, builder, ptr, at(2)))
-    return builder.fadd(builder.fmul(d, builder.uitofp(q, d.type)), m)
+def _byte(builder, ptr, offset):
+    return builder.load(builder.gep(ptr, [offset]))
 
 
-def _for_blocks(context, builder, kind, nb, body):
-    """body(k, block, byte_offset) for every block of a row, in a loop specialised to each kind k."""
-    for k, bb in _BLOCK_BYTES.items():
+def _I8c(v):
+    return ir.Constant(_I8, v)
+
+
+def _bits(builder, ptr, at, shift, mask):
+    """<32 x i8>: (the 32 bytes at `at` >> shift) & mask."""
+    v = _load_vec(builder, ptr, _I8, BLOCK, at)
+    if shift:
+        v = builder.lshr(v, _vec(builder, _I8, shift))
+    return builder.and_(v, _vec(builder, _I8, mask))
+
+
+def _q4k_scale_min(builder, ptr, at, s):
+    """(scale, min) of sub-block s, 6-bit each, from the 12 bytes at block byte 4 (llama.cpp's get_scale_min_k4)."""
+    b = lambda k: _byte(builder, ptr, at(4 + k))  # noqa: E731
+    if s < 4:
+        return builder.and_(b(s), _I8c(63)), builder.and_(b(s + 4), _I8c(63))
+    sc = builder.or_(builder.and_(b(s + 4), _I8c(0x0F)), builder.and_(builder.lshr(b(s - 4), _I8c(2)), _I8c(0x30)))
+    mn = builder.or_(builder.lshr(b(s + 4), _I8c(4)), builder.and_(builder.lshr(b(s), _I8c(2)), _I8c(0x30)))
+    return sc, mn
+
+
+def _decode(context, builder, kind, ptr, o, s):
+    """<32 x float>: weights 32s .. 32s + 31 of the block at byte ptr[o] dequantized with the float32 operations of
+    gguf.quants (the same products and sums in the same order, no fused multiply-add: the same bits)."""
+    at = lambda k: builder.add(o, ir.Constant(o.type, k))  # noqa: E731
+    if kind in (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1):
+        d = _vec(builder, _F32, _half_at(context, builder, ptr, o))
+        if kind == Q8_0:
+            return builder.fmul(builder.sitofp(_load_vec(builder, ptr, _I8, BLOCK, at(2)), d.type), d)
+        head = 4 if kind in (Q4_1, Q5_1) else 2                  # the float16 fields
+        five = kind in (Q5_0, Q5_1)
+        packed = _load_vec(builder, ptr, _I8, 16, at(head + 4 * five))
+        q = builder.shuffle_vector(builder.and_(packed, _vec(builder, _I8, 15, 16)),  # elements 0..15: low nibbles
+                                   builder.lshr(packed, _vec(builder, _I8, 4, 16)),   # 16..31: high nibbles
+                                   ir.Constant(ir.VectorType(_I32, BLOCK), list(range(BLOCK))))
+        if five:                                                  # element l's 5th bit: bit l of the u32 qh
+            qh = builder.load(builder.bitcast(builder.gep(ptr, [at(head)]), _I32.as_pointer()), align=1)
+            bit = builder.lshr(_vec(builder, _I32, qh), ir.Constant(ir.VectorType(_I32, BLOCK), list(range(BLOCK))))
+            bit = builder.trunc(builder.and_(bit, _vec(builder, _I32, 1)), ir.VectorType(_I8, BLOCK))
+            q = builder.or_(q, builder.shl(bit, _vec(builder, _I8, 4)))
+        if kind in (Q4_0, Q5_0):
+            return builder.fmul(d, builder.sitofp(builder.sub(q, _vec(builder, _I8, 8 if kind == Q4_0 else 16)),
+                                                  d.type))
+        m = _vec(builder, _F32, _half_at(context, builder, ptr, at(2)))
+        return builder.fadd(builder.fmul(d, builder.uitofp(q, d.type)), m)
+    vt = ir.VectorType(_F32, BLOCK)
+    if kind in (Q4_K, Q5_K):
+        sc, mn = _q4k_scale_min(builder, ptr, at, s)
+        dl = builder.fmul(_half_at(context, builder, ptr, o), builder.uitofp(sc, _F32))
+        ml = builder.fmul(_half_at(context, builder, ptr, at(2)), builder.uitofp(mn, _F32))
+        q = _bits(builder, ptr, at((16 if kind == Q4_K else 48) + (s >> 1) * 32), 4 * (s & 1), 0x0F)
+        if kind == Q5_K:
+            q = builder.or_(q, builder.shl(_bits(builder, ptr, at(16), s, 1), _vec(builder, _I8, 4)))
+        return builder.fsub(builder.fmul(_vec(builder, _F32, dl), builder.uitofp(q, vt)), _vec(builder, _F32, ml))
+    # Q6_K: half h of 128 weights, quarter r of 32 within it
+    h, r = s >> 2, s & 3
+    lo = _bits(builder, ptr, at(h * 64 + (r & 1) * 32), 4 * (r >> 1), 0x0F)
+    hi = _bits(builder, ptr, at(128 + h * 32), 2 * r, 3)
+    q = builder.sub(builder.or_(lo, builder.shl(hi, _vec(builder, _I8, 4))), _vec(builder, _I8, 32))
+    d = _half_at(context, builder, ptr, at(208))
+    scale = [builder.fmul(d, builder.sitofp(_byte(builder, ptr, at(192 + 2 * s + k)), _F32)) for k in (0, 1)]
+    sv = builder.shuffle_vector(_vec(builder, _F32, scale[0], 16), _vec(builder, _F32, scale[1], 16),
+                                ir.Constant(ir.VectorType(_I32, BLOCK), list(range(BLOCK))))
+    return builder.fmul(sv, builder.sitofp(q, vt))
+
+
+def _for_runs(context, builder, kind, ptr, n_items, body):
+    """body(w, i) for each run i of 32 weights of a row of n_items (w: the run decoded, <32 x float>), in a loop over
+    the row's blocks specialised to each kind."""
+    for k, (per_block, block_bytes) in _GEOMETRY.items():
+        subs = per_block // BLOCK
         with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
-            with cgutils.for_range(builder, nb) as loop:
-                body(k, loop.index, builder.mul(loop.index, ir.Constant(loop.index.type, bb)))
+            with cgutils.for_range(builder, builder.sdiv(n_items, ir.Constant(n_items.type, per_block))) as loop:
+                b = loop.index
+                o = builder.mul(b, ir.Constant(b.type, block_bytes))
+                for s in range(subs):
+                    i = builder.add(builder.mul(b, ir.Constant(b.type, subs)), ir.Constant(b.type, s))
+                    body(_decode(context, builder, k, ptr, o, s), i)
 
 
 def _accumulate_product(builder, acc, w, x, b):
@@ -149,53 +222,42 @@ def _arrays(context, builder, sig, args):
 
 @intrinsic
 def row_dot(typingctx, r, x, kind):
-    """dequant(r) . x, for x float32[nb * 32] and r the nb blocks of a quantized row (uint8)."""
+    """dequant(r) . x, for x float32[cols] and r a quantized row of cols weights (uint8, whole blocks)."""
     if not _rows_ok(r, types.uint8, x, types.float32):
         return None
 
     def codegen(context, builder, sig, args):
         r, x, kind = _arrays(context, builder, sig, args)
-        nb = builder.sdiv(x.nitems, ir.Constant(x.nitems.type, BLOCK))
         acc = cgutils.alloca_once_value(builder, _vec(builder, _F32, 0.0))
-
-        def body(k, b, offset):
-            w = _decode_block(context, builder, k, r.data, offset)
-            _accumulate_product(builder, acc, w, x, b)
-        _for_blocks(context, builder, kind, nb, body)
+        _for_runs(context, builder, kind, r.data, x.nitems, lambda w, i: _accumulate_product(builder, acc, w, x, i))
         return _horizontal_sum(builder, builder.load(acc))
     return types.float32(r, x, kind), codegen
 
 
 @intrinsic
 def row_dequant(typingctx, r, out, kind):
-    """out[:] = dequant(r), out float32[nb * 32], bit-identical to gguf.quants.dequantize."""
+    """out[:] = dequant(r), out float32[cols], bit-identical to gguf.quants.dequantize."""
     if not _rows_ok(r, types.uint8, out, types.float32):
         return None
 
     def codegen(context, builder, sig, args):
         r, out, kind = _arrays(context, builder, sig, args)
-
-        def body(k, b, offset):
-            builder.store(_decode_block(context, builder, k, r.data, offset), _f32_block(builder, out, b), align=4)
-        _for_blocks(context, builder, kind, builder.sdiv(out.nitems, ir.Constant(out.nitems.type, BLOCK)), body)
+        _for_runs(context, builder, kind, r.data, out.nitems,
+                  lambda w, i: builder.store(w, _f32_block(builder, out, i), align=4))
         return context.get_dummy_value()
     return types.none(r, out, kind), codegen
 
 
 @intrinsic
 def row_axpy(typingctx, y, c, r, kind):
-    """y[:] += c * dequant(r), y float32[nb * 32]; strict float32 (no contraction), so every call site rounds alike."""
+    """y[:] += c * dequant(r), y float32[cols]; strict float32 (no contraction), so every call site rounds alike."""
     if not _rows_ok(r, types.uint8, y, types.float32):
         return None
 
     def codegen(context, builder, sig, args):
         y, c, r, kind = _arrays(context, builder, sig, args)
         cs = _vec(builder, _F32, c)
-
-        def body(k, b, offset):
-            w = _decode_block(context, builder, k, r.data, offset)
-            _add_product(builder, y, b, cs, w)
-        _for_blocks(context, builder, kind, builder.sdiv(y.nitems, ir.Constant(y.nitems.type, BLOCK)), body)
+        _for_runs(context, builder, kind, r.data, y.nitems, lambda w, i: _add_product(builder, y, i, cs, w))
         return context.get_dummy_value()
     return types.none(y, c, r, kind), codegen
 
@@ -292,7 +354,8 @@ class QuantMatrix:
     def of(cls, stored: tuple[str, np.ndarray]) -> "QuantMatrix":
         """From a checkpoint's quantized(name): (kind, uint8 [rows, row_bytes])."""
         kind, q = stored
-        return cls(np.ascontiguousarray(q), kind, q.shape[1] // quant_kind(kind).block_bytes * BLOCK)
+        k = quant_kind(kind)
+        return cls(np.ascontiguousarray(q), kind, q.shape[1] // k.block_bytes * k.weights)
 
     @property
     def shape(self) -> tuple[int, int]:

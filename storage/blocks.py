@@ -1,16 +1,20 @@
-"""GGUF's block formats as FLASHDIRs store them: q8_0, q4_0, q4_1 (names, sizes, quantize, dequantize).
+"""GGUF's block formats as FLASHDIRs store them: names, sizes, quantize, dequantize.
 
-A quantized matrix [rows, cols] is uint8 [rows, row_bytes]: each row is cols / 32 blocks in llama.cpp's byte layout,
-so a GGUF tensor's bytes (rows along ne1, blocks along ne0) are such a matrix as they are:
+A quantized matrix [rows, cols] is uint8 [rows, row_bytes]: each row is cols / weights-per-block blocks in llama.cpp's
+byte layout, so a GGUF tensor's bytes (rows along ne1, blocks along ne0) are such a matrix as they are:
 
-  q8_0  34 bytes: float16 d, 32 x int8 q                          value = d * q
-  q4_0  18 bytes: float16 d, 16 bytes of nibbles                    value = d * (q - 8)
-  q4_1  20 bytes: float16 d, float16 m, 16 bytes of nibbles         value = d * q + m
-  (nibbles: byte k holds element k in its low 4 bits and element k + 16 in its high 4 bits)
+  q8_0   34 bytes / 32 weights: float16 d, 32 x int8 q                        value = d * q
+  q4_0   18 bytes / 32: float16 d, 16 bytes of nibbles                          value = d * (q - 8)
+  q4_1   20 bytes / 32: float16 d, float16 m, 16 bytes of nibbles               value = d * q + m
+  q5_0   22 bytes / 32: float16 d, u32 of 5th bits, 16 bytes of nibbles          value = d * (q - 16)
+  q5_1   24 bytes / 32: float16 d, float16 m, u32 of 5th bits, nibbles           value = d * q + m
+  q4_k  144 bytes / 256, q5_k 176 / 256, q6_k 210 / 256: llama.cpp's K-quants (super-blocks of 8 sub-blocks of 32
+        with 6-bit (q4_k, q5_k) or 8-bit (q6_k) sub-block scales; the layouts: flashinfer_lite/quant.py)
 
 Here in numpy through gguf.quants (llama.cpp's reference, ported bit-exactly): what convert writes and what
 FlashCheckpoint reads back. The runtime computes on the blocks directly (flashinfer_lite/quant.py, bit-exact with
-these). gguf is imported on first use: only quantized models pay for it.
+these). gguf.quants has no quantizer for the K-quants: they are only ever copied from a GGUF, never made here.
+gguf is imported on first use: only quantized models pay for it.
 """
 from __future__ import annotations
 
@@ -18,22 +22,40 @@ import numpy as np
 
 from storage.errors import UserError
 
-BLOCK = 32                                              # weights per block, along a row
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}      # the kinds, and the bytes of one block of each
+BLOCK = 32                   # weights of the smallest block (and of a K-quant sub-block): every row length divides by it
+KIND_SIZES = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24),
+              "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}    # kind -> (weights, bytes) of a block
+BLOCK_BYTES = {k: b for k, (_, b) in KIND_SIZES.items()}
+QUANTIZABLE = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")                    # the kinds gguf.quants can write
 
 
 def check_kind(kind: str) -> str:
-    if kind not in BLOCK_BYTES:
-        raise UserError(f"unknown quantized format {kind!r} (expected one of {', '.join(BLOCK_BYTES)})")
+    if kind not in KIND_SIZES:
+        raise UserError(f"unknown quantized format {kind!r} (expected one of {', '.join(KIND_SIZES)})")
     return kind
+
+
+def block_weights(kind: str) -> int:
+    return KIND_SIZES[check_kind(kind)][0]
 
 
 def row_bytes(cols: int, kind: str) -> int:
     """Bytes of one quantized row of `cols` weights."""
-    check_kind(kind)
-    if cols <= 0 or cols % BLOCK:
-        raise UserError(f"{kind} rows need a length that is a positive multiple of {BLOCK}, got {cols}")
-    return cols // BLOCK * BLOCK_BYTES[kind]
+    per_block, nbytes = KIND_SIZES[check_kind(kind)]
+    if cols <= 0 or cols % per_block:
+        raise UserError(f"{kind} rows need a length that is a positive multiple of {per_block}, got {cols}")
+    return cols // per_block * nbytes
+
+
+def row_cols(nbytes: int, kind: str) -> int:
+    """Weights of a quantized row of `nbytes` bytes (whole blocks: the caller checked nbytes % BLOCK_BYTES[kind])."""
+    per_block, size = KIND_SIZES[check_kind(kind)]
+    return nbytes // size * per_block
+
+
+def fits(cols: int, kind: str) -> bool:
+    """Whether a row of `cols` weights is whole blocks of `kind`."""
+    return cols > 0 and cols % block_weights(kind) == 0
 
 
 def _ggml(kind: str):
@@ -46,14 +68,17 @@ def quantize(w: np.ndarray, kind: str) -> np.ndarray:
     from gguf import quants
     if w.ndim != 2:
         raise UserError(f"quantize expects a matrix [rows, cols], got shape {list(w.shape)}")
+    if kind not in QUANTIZABLE:
+        raise UserError(f"cannot quantize into {kind} (kept only as a GGUF stores it); quantizable: "
+                        f"{', '.join(QUANTIZABLE)}")
     rb = row_bytes(w.shape[1], kind)
     if not np.isfinite(w).all():
         raise UserError(f"cannot quantize to {kind}: the weights hold non-finite values")
     with np.errstate(over="ignore"):  # reported below as one clear error
         q = np.ascontiguousarray(quants.quantize(np.ascontiguousarray(w, dtype=np.float32), _ggml(kind)))
-    # the float16 scale (and q4_1's minimum) overflow for weights beyond ~1e6: refuse rather than store inf
+    # the float16 scale (and the minimum of q4_1 and q5_1) overflow for weights beyond ~1e6: refuse rather than store inf
     blocks = q.reshape(-1, BLOCK_BYTES[kind])
-    scales = blocks[:, :4 if kind == "q4_1" else 2].copy().view(np.float16)
+    scales = blocks[:, :4 if kind in ("q4_1", "q5_1") else 2].copy().view(np.float16)
     if not np.isfinite(scales).all():
         raise UserError(f"weights do not fit in {kind} (a block's float16 scale overflows)")
     return q.reshape(w.shape[0], rb)
@@ -65,4 +90,5 @@ def dequantize(q: np.ndarray, kind: str) -> np.ndarray:
     if q.dtype != np.uint8 or q.ndim != 2 or q.shape[1] % BLOCK_BYTES[check_kind(kind)]:
         raise UserError(f"a {kind} matrix must be uint8 [rows, whole blocks], got {q.dtype}{list(q.shape)}")
     with np.errstate(invalid="ignore", over="ignore"):  # blocks from a file may hold inf or NaN scales: kept as is
-        return np.asarray(quants.dequantize(np.ascontiguousarray(q), _ggml(kind)), dtype=np.float32)
+        out = np.asarray(quants.dequantize(np.ascontiguousarray(q), _ggml(kind)), dtype=np.float32)
+    return out.reshape(q.shape[0], row_cols(q.shape[1], kind))

@@ -480,10 +480,10 @@ class HFCheckpoint(Checkpoint):
 # ----------------------------------------------------------------------------------------------------------------------
 # GGUF (llama, qwen2, qwen3 and gemma3 architectures)
 
-# The GGUF tensor types read, each with the flash dtype that keeps its precision (convert --dtype auto: the FFN's):
-# q8_0 / q4_0 / q4_1 blocks are copied verbatim; wider quants go to 8 bits, narrower K-quants to q4_1.
+# The GGUF tensor types read, each with the flash dtype that keeps its precision (convert --dtype auto): the block
+# formats the kernels compute on (storage/blocks.py) are copied verbatim; Q3_K and Q2_K, which they do not, go to q4_1.
 GGUF_TYPES = {"F32": "f16", "F16": "f16", "BF16": "f16", "Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1",
-              "Q5_0": "q8_0", "Q5_1": "q8_0", "Q6_K": "q8_0", "Q5_K": "q8_0", "Q4_K": "q4_1", "Q3_K": "q4_1",
+              "Q5_0": "q5_0", "Q5_1": "q5_1", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "Q3_K": "q4_1",
               "Q2_K": "q4_1"}
 
 _GGUF_NAMES = [

@@ -1,11 +1,12 @@
-"""`flashinfer-lite convert MODEL -o FLASHDIR [--dtype auto|q4_0|q4_1|q8_0|f16|f32|int8] [--force]`: write the on-flash
-format.
+"""`flashinfer-lite convert MODEL -o FLASHDIR [--dtype auto|q8_0|q4_0|q4_1|q5_0|q5_1|f16|f32|int8] [--force]`: write the
+on-flash format.
 
---dtype auto keeps the source's precision: a GGUF's block format (its FFN's type, checkpoint.GGUF_TYPES), f16 for an
-HF checkpoint. With a block format (q8_0, q4_0, q4_1) the bundles' gate and up rows and the resident attention,
-embedding and lm_head matrices are copied from the GGUF verbatim where it stores them in a block format already, and
-quantized (llama.cpp's rounding) otherwise; the down matrix is always requantized, since the bundles need its blocks
-along d and a GGUF runs them along n (in 8 bits when the GGUF's are 4: layout_for).
+--dtype auto keeps the source's precision: a GGUF's block formats (checkpoint.GGUF_TYPES), matrix by matrix and layer
+by layer as the GGUF mixes them (a Q4_K_M: q4_k or q5_0 gate and up, ...), f16 for an HF checkpoint. With block
+formats the bundles' gate and up rows and the resident attention, embedding and lm_head matrices are copied from the
+GGUF verbatim where it stores them in a block format already, and quantized (llama.cpp's rounding) otherwise; the
+down matrix is always requantized, since the bundles need its blocks along d and a GGUF runs them along n (into q8_0
+from a GGUF: down_note).
 
 Everything is written into a temp directory next to the output, fsynced, and renamed into place last, so an
 interrupted convert never leaves a directory that read_layout would accept.
@@ -29,8 +30,8 @@ from storage.half import half_matrix
 from .checkpoint import open_checkpoint
 from .experts import EXPERT_DTYPES, MATRICES, ExpertLayout, expert_tensor_name
 from .files import is_scratch, remove_stale_temp_dirs, temp_path
-from .blocks import BLOCK, quantize, row_bytes
-from .format import (BUNDLE_DTYPES, MANIFEST, PREDICTOR_DIR, FlashLayout, expert_checksum, file_checksum,
+from .blocks import QUANTIZABLE, fits, quantize, row_bytes
+from .format import (DTYPES, MANIFEST, QUANT_DTYPES, PREDICTOR_DIR, FlashLayout, expert_checksum, file_checksum,
                      ffn_tensor_names, pack_bundles, read_layout, write_manifest, write_verified_stamp)
 from .safetensors_out import SafetensorsWriter
 
@@ -43,9 +44,10 @@ QUANTIZED_RESIDENT = re.compile(r"embed\.weight|lm_head\.weight|layers\.\d+\.att
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="Hugging Face model directory or .gguf file")
     parser.add_argument("-o", "--output", required=True, help="flash directory to create")
-    parser.add_argument("--dtype", choices=("auto", *BUNDLE_DTYPES), default=DEFAULT_DTYPE,
+    parser.add_argument("--dtype", choices=("auto", *DTYPES, *QUANTIZABLE), default=DEFAULT_DTYPE,
                         help="storage type of the FFN bundles and resident matrices (default auto: a GGUF's own block "
-                             "format or f16; q8_0/q4_0/q4_1: GGUF blocks; int8: symmetric per-vector scale)")
+                             "formats, K-quants included, or f16; q8_0/q4_0/q4_1/q5_0/q5_1: GGUF blocks; int8: "
+                             "symmetric per-vector scale)")
     parser.add_argument("--force", action="store_true", help="replace an existing flash directory")
 
 
@@ -70,24 +72,65 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+# The bundles need the down matrix's blocks along d, and a GGUF's run along n: it is requantized. Into q8_0: its
+# rounding is 1/254 of a 32-weight block's largest weight, ~1/16 of a 4-bit step and ~1/4 of a 6-bit one, so the
+# source's own rounding stays the error that counts (SmolLM2's Q4_1 down rounded to q4_1 a second time: perplexity
+# +8%; into q8_0 +0.35%). The K-quants' 6-bit type (q6_k) would be smaller, but needs d a multiple of 256 and a
+# quantizer gguf-py does not have (SmolLM2's d is 576 anyway).
+DOWN_REQUANT = "q8_0"
+
+
+def down_dtype_for(ckpt, dtype: str) -> str | None:
+    """The down vector's block format in bundles of `dtype` (None: dtype itself): q8_0 when the source holds the down
+    matrix in blocks of fewer bits than 8, so that it is not rounded twice to as few bits."""
+    src = ckpt.precision("layers.0.ffn.down.weight")
+    low = src in QUANT_DTYPES and src != DOWN_REQUANT
+    return DOWN_REQUANT if low and dtype in QUANT_DTYPES and dtype != DOWN_REQUANT else None
+
+
+def down_note(ckpt, layout: FlashLayout) -> str:
+    """One line: what a GGUF's down matrix becomes in the bundles, and why."""
+    src = ckpt.precision("layers.0.ffn.down.weight")
+    if not layout.quantized or src not in QUANT_DTYPES:
+        return ""
+    return (f"the down matrix ({src}, its blocks along the {layout.n_neurons[0]} neurons) becomes "
+            f"{layout.geometry_of(0).dtype_of('down')} along d={layout.d}: a bundle holds a neuron's down column as "
+            f"one row, and 8-bit rounding stays far below the source's own")
+
+
+def _auto_dtypes(ckpt, layer: int) -> tuple[str, ...]:
+    """--dtype auto: each bundle vector's block format in layer `layer` (gate and up as the GGUF stores them, down
+    requantized into DOWN_REQUANT), or f16 for every vector when the FFN is not in blocks."""
+    cfg = ckpt.config
+    first = ckpt.precision(f"layers.{layer}.ffn.{'gate' if cfg.glu else 'up'}.weight")
+    if first not in QUANT_DTYPES:
+        return ("f16",) * (3 if cfg.glu else 2)
+    kinds = []
+    for v in ("gate", "up") if cfg.glu else ("up",):
+        k = ckpt.precision(f"layers.{layer}.ffn.{v}.weight")
+        kinds.append(k if k in QUANT_DTYPES and fits(cfg.dim, k) else DOWN_REQUANT)  # a float gate or up: 8 bits
+    return (*kinds, DOWN_REQUANT)
+
+
 def layout_for(ckpt, dtype: str, orders=None) -> FlashLayout:
     """The layout of a checkpoint: which biases travel in the bundles, the neuron count of every layer, and (dtype
-    auto) the dtype that keeps the checkpoint's precision."""
+    auto) each layer's vector dtypes that keep the checkpoint's precision."""
     cfg = ckpt.config
     if cfg.moe:
         return expert_layout_for(ckpt, dtype)
     names = set(ckpt.names())
+    down_dtype, per_layer = None, None
     if dtype == "auto":
-        dtype = ckpt.precision(f"layers.0.ffn.{'gate' if cfg.glu else 'up'}.weight")
-    # The bundles need the down matrix's blocks along d, and a GGUF's run along n: it is requantized. One the source
-    # holds in 4 bits would be rounded to 4 bits twice (SmolLM2's Q4_1: perplexity +8%), so it takes 8 bits (q8_0:
-    # its rounding is ~1/16 of the first; SmolLM2's bundle stride stays 1536 bytes, padded to 512 either way).
-    four_bit = ("q4_0", "q4_1")
-    down_dtype = "q8_0" if dtype in four_bit and ckpt.precision("layers.0.ffn.down.weight") in four_bit else None
+        per_layer = [_auto_dtypes(ckpt, i) for i in range(cfg.n_layers)]
+        dtype = per_layer[0][0]
+        if dtype not in QUANT_DTYPES:
+            per_layer = None
+    if per_layer is None:
+        down_dtype = down_dtype_for(ckpt, dtype)
     biases = [b for b, part in (("bias.gate", "gate"), ("bias.up", "up"))
               if (cfg.glu or part == "up") and f"layers.0.ffn.{part}.bias" in names]
     layout = FlashLayout.create(cfg.dim, [cfg.ffn_dim] * cfg.n_layers, dtype, cfg.glu, biases, orders,
-                                down_dtype=down_dtype, config=cfg.to_dict())
+                                down_dtype=down_dtype, layer_dtypes=per_layer, config=cfg.to_dict())
     for i in range(cfg.n_layers):
         missing = [n for n in ffn_tensor_names(layout, i) if n not in names]
         if missing:
@@ -141,10 +184,11 @@ def _layer_vectors(ckpt, layout: FlashLayout, layer: int) -> tuple[list[np.ndarr
     """Per vector the [n, d] matrix whose row i goes into bundle of neuron i (or, already in the layout's blocks,
     uint8 [n, vector_bytes]: a GGUF's gate/up rows); per bias the [n] vector."""
     n, d = layout.n_neurons[layer], layout.d
+    g = layout.geometry_of(layer)
     mats = []
     for v in layout.vectors:
         stored = ckpt.quantized(f"layers.{layer}.ffn.{v}.weight") if layout.quantized and v != "down" else None
-        if stored is not None and stored[0] == layout.dtype and stored[1].shape == (n, layout.vector_bytes):
+        if stored is not None and stored[0] == g.dtype_of(v) and stored[1].shape == (n, g.vector_bytes(v)):
             mats.append(stored[1])                      # rows along d: the bundle's vector as it is
             continue
         w = ckpt.tensor(f"layers.{layer}.ffn.{v}.weight")
@@ -171,7 +215,7 @@ def _write_layer(f, ckpt, layout: FlashLayout, layer: int) -> str:
         idx = order[a:a + PACK_NEURONS]               # bundle a+j holds original neuron order[a+j]
         vecs = [m[idx] for m in mats]                 # n_vec gathered [c, d] (or [c, vector_bytes]) copies
         bias = np.stack([b[idx] for b in bs], axis=1) if bs else None                   # [c, n_bias]
-        packed = pack_bundles(layout, vecs, bias)
+        packed = pack_bundles(layout, vecs, bias, layer)
         del vecs                                      # before the next chunk's are allocated
         h.update(packed)
         f.write(packed)
@@ -211,7 +255,7 @@ def write_flashdir(ckpt, layout: FlashLayout, dest: Path, progress: bool = True)
         steps.set_postfix_str("resident")
         layout.resident_checksum = write_resident(ckpt, resident_names, dest / layout.files["resident"],
                                                   half=layout.dtype != "f32",
-                                                  quant=layout.dtype if layout.quantized else None)
+                                                  quant=resident_quant(layout))
         steps.update()
 
         steps.set_postfix_str("tokenizer")
@@ -223,14 +267,25 @@ def write_flashdir(ckpt, layout: FlashLayout, dest: Path, progress: bool = True)
     _fsync_dir(dest)
 
 
+def resident_quant(layout: FlashLayout) -> str | None:
+    """The block format a quantized FLASHDIR quantizes its resident matrices into when the source has none: the
+    bundles' first kind, or q8_0 when that one cannot be made here (a K-quant)."""
+    if not layout.quantized:
+        return None
+    return layout.dtype if layout.dtype in QUANTIZABLE else DOWN_REQUANT
+
+
 def resident_kinds(ckpt, names: list[str], quant: str | None) -> dict[str, str]:
     """{name: block kind} of the resident matrices a FLASHDIR of bundle kind `quant` keeps in blocks: the GGUF's own
     kind where it stores the matrix in one (copied verbatim), else `quant`; none whose rows are not whole blocks."""
     kinds = {}
     for n in names if quant else ():
-        if QUANTIZED_RESIDENT.fullmatch(n) and ckpt.shape(n)[1] % BLOCK == 0:
+        if QUANTIZED_RESIDENT.fullmatch(n):
             stored = ckpt.quantized(n)
-            kinds[n] = quant if stored is None else stored[0]
+            if stored is not None:
+                kinds[n] = stored[0]
+            elif fits(ckpt.shape(n)[1], quant):
+                kinds[n] = quant
     return kinds
 
 
@@ -306,6 +361,9 @@ def convert(model, output, dtype: str = DEFAULT_DTYPE, force: bool = False, prog
     _check_output(out, force)
     ckpt = open_checkpoint(model)
     layout = layout_for(ckpt, dtype)
+    note = down_note(ckpt, layout)
+    if note and progress:
+        print(f"convert: {note}", file=sys.stderr)
     tmp = temp_path(out, "tmp")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -3,15 +3,16 @@
 FLASHDIR/
   manifest.json          format name + version, model config, dtype, bundle geometry, per-layer regions, checksums
   resident.safetensors   every non-FFN tensor (+ ffn.down.bias, ffn_norm) in canonical names; matrices float16 in
-                         f16/int8 FLASHDIRs (storage.half), float32 in f32 ones; in q8_0/q4_0/q4_1 ones the
+                         f16/int8 FLASHDIRs (storage.half), float32 in f32 ones; in block-format ones the
                          attention, embedding and lm_head matrices in a block format (uint8 [rows, row_bytes], the
                          kind in the file's metadata: {name: kind}), the rest as in f16
   ffn.bin                per layer a 4096-aligned region of n_neurons bundles, `stride` bytes each
   tokenizer/             tokenizer.json + tokenizer_config.json
 
 A bundle holds everything one neuron needs, so one read fetches it (row-column bundling, LLM in a Flash):
-  n_vec vectors of length d in `dtype` back to back (d elements each, or for q8_0/q4_0/q4_1 d/32 GGUF blocks,
-  storage/blocks.py; a quantized layout may keep the down vector in another block format, `down_dtype`), then
+  n_vec vectors of length d back to back (d elements of `dtype` each, or GGUF blocks along d, storage/blocks.py:
+  each vector of each layer may have a block format of its own, `layer_dtypes`, as llama.cpp's Q4_K_M mixes them;
+  version 1 manifests say only `dtype` and `down_dtype`), then
   float32 scalars at `scalars_offset` (int8: one symmetric scale per vector; then per-neuron biases), zero padding
   up to `stride` (a multiple of 512, so every run of bundles is an O_DIRECT-aligned read that lands directly in a
   cache row).
@@ -39,7 +40,9 @@ from .checkpoint import SafetensorsFile, check_shapes
 from .experts import MATRICES, ExpertLayout, expert_tensor_name
 
 FORMAT_NAME = "flashinfer-lite-flash"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2                # written when version 1 cannot say it: per-matrix or per-layer types, 5-bit, K-quants
+READ_VERSIONS = (1, 2)
+V1_DTYPES = ("f32", "f16", "int8", "q8_0", "q4_0", "q4_1")   # what a version 1 manifest can name
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 64 << 20     # a permutation per layer of a 70B model is ~10 MB of JSON; anything past this is not ours
 BUNDLE_ALIGN = 512                # O_DIRECT granularity of offset, length and buffer address
@@ -85,6 +88,18 @@ def check_down_dtype(dtype: str, down_dtype: str | None, src: str = "") -> None:
                         f"({', '.join(QUANT_DTYPES)}), not {dtype!r}")
 
 
+def check_vector_dtypes(dtypes, n_vec: int, src: str = "") -> tuple[str, ...]:
+    """A bundle's per-vector dtypes: n_vec known names, one float dtype for all or block formats only (each vector
+    may have its own: the kernels take the kind per vector)."""
+    dtypes = tuple(dtypes) if isinstance(dtypes, (list, tuple)) else ()
+    if len(dtypes) != n_vec or not all(isinstance(t, str) and t in BUNDLE_DTYPES for t in dtypes):
+        raise UserError(f"{src}bundle vector dtypes {list(dtypes)} are not {n_vec} of {', '.join(BUNDLE_DTYPES)}")
+    if not (all(t in QUANT_DTYPES for t in dtypes) or len(set(dtypes)) == 1):
+        raise UserError(f"{src}a bundle mixes block formats and float dtypes ({', '.join(dtypes)}): either one "
+                        f"float dtype for every vector or block formats ({', '.join(QUANT_DTYPES)}) only")
+    return dtypes
+
+
 @dataclass(frozen=True)
 class BundleGeometry:
     """Where each part of one bundle sits: the one place these offsets are computed. The writer packs by it, the
@@ -103,14 +118,15 @@ class BundleGeometry:
 
     @classmethod
     def of(cls, d: int, dtype: str, glu: bool, biases=(), down_dtype: str | None = None,
-           stride: int | None = None) -> "BundleGeometry":
-        """The geometry of a bundle of `dtype` (the down vector in down_dtype, if given) with these biases; stride
-        None: the smallest aligned one."""
+           stride: int | None = None, dtypes: tuple[str, ...] | None = None) -> "BundleGeometry":
+        """The geometry of a bundle of `dtype` (the down vector in down_dtype, if given; or each vector in its own
+        block format, `dtypes`) with these biases; stride None: the smallest aligned one."""
         check_down_dtype(dtype, down_dtype)
         vectors = GLU_VECTORS if glu else MLP_VECTORS
         scales = tuple(f"scale.{v}" for v in vectors) if dtype == "int8" else ()
         scalars = scales + tuple(b for b in BIAS_NAMES if b in biases)
-        dtypes = vector_dtypes(dtype, len(vectors), down_dtype)
+        dtypes = vector_dtypes(dtype, len(vectors), down_dtype) if dtypes is None else \
+            check_vector_dtypes(dtypes, len(vectors))
         if stride is None:
             stride = bundle_geometry(d, dtypes, len(scalars))[1]
         return cls(d, vectors, dtypes, scalars, stride)
@@ -141,6 +157,10 @@ class BundleGeometry:
         """Byte offset of a vector (gate, up, down)."""
         return self.vector_offsets[self.vectors.index(vector)]
 
+    def dtype_of(self, vector: str) -> str:
+        """The dtype (block format) of a vector (gate, up, down)."""
+        return self.vector_dtypes[self.vectors.index(vector)]
+
     def vector_bytes(self, vector: str) -> int:
         k = self.vectors.index(vector)
         return vector_bytes(self.d, self.vector_dtypes[k])
@@ -162,10 +182,12 @@ class FlashLayout:
     """Bundle geometry and where each layer's bundles live in ffn.bin.
 
     Per layer i: offset[i] (byte offset of bundle 0), n_neurons[i], order[i] (int64 [n]: bundle index -> original
-    neuron id), checksum[i] (hex digest of the region's n_neurons*stride bytes).
+    neuron id), checksum[i] (hex digest of the region's n_neurons*stride bytes). Each layer's bundles may keep its
+    vectors in block formats of their own (layer_dtypes, as a GGUF's Q4_K_M mixes them): geometry_of(layer); one
+    stride for all layers (the largest), so the reader, the cache and the budget see one row size.
     """
     d: int
-    dtype: str                       # f32 | f16 | int8 | q8_0 | q4_0 | q4_1
+    dtype: str                       # a BUNDLE_DTYPES name; with layer_dtypes, layer 0's first vector's
     vectors: tuple[str, ...]         # ("gate", "up", "down") for GLU, ("up", "down") for OPT-style MLPs
     biases: tuple[str, ...]          # subset of BIAS_NAMES, stored as float32 scalars after the scales
     stride: int
@@ -182,6 +204,7 @@ class FlashLayout:
     down_dtype: str | None = None    # quantized layouts: the down vector's block format, when not `dtype`
     checksum_algo: str = CHECKSUM_ALGO
     experts: ExpertLayout | None = None   # a mixture of experts: ffn.bin holds expert chunks, not bundles (no layers)
+    layer_dtypes: list[tuple[str, ...]] | None = None   # per layer each vector's block format (None: dtype, down_dtype)
 
     # -- geometry --------------------------------------------------------------------------------------------------
     @property
@@ -205,11 +228,38 @@ class FlashLayout:
         """Bytes per weight; None for the block formats."""
         return None if self.quantized else self.np_dtype.itemsize
 
+    def dtypes_of(self, layer: int) -> tuple[str, ...]:
+        """The dtype of each vector of layer `layer`'s bundles."""
+        return self.layer_dtypes[layer] if self.layer_dtypes else vector_dtypes(self.dtype, self.n_vec, self.down_dtype)
+
+    @cached_property
+    def geometries(self) -> list[BundleGeometry]:
+        """Per layer its bundles' geometry, built once (one object per distinct geometry)."""
+        seen: dict[tuple, BundleGeometry] = {}
+        return [seen.setdefault(t, BundleGeometry(self.d, self.vectors, t, self.scalars, self.stride))
+                for t in map(self.dtypes_of, range(self.n_layers))]
+
+    def geometry_of(self, layer: int) -> BundleGeometry:
+        return self.geometries[layer]
+
+    @property
+    def uniform(self) -> bool:
+        """Every layer's bundles have one geometry (no per-layer block formats)."""
+        return self.layer_dtypes is None or len(set(self.layer_dtypes)) == 1
+
     @cached_property
     def geometry(self) -> BundleGeometry:
-        """The bundle's geometry, built once (the manifest's bundle fields, checked by read_layout)."""
-        return BundleGeometry(self.d, self.vectors, vector_dtypes(self.dtype, self.n_vec, self.down_dtype),
-                              self.scalars, self.stride)
+        """The bundles' geometry when every layer has the same (else geometry_of(layer): asking for one geometry of
+        a mixed layout is a bug, not a guess at layer 0's)."""
+        if not self.uniform:
+            raise ValueError("this layout's layers have bundle geometries of their own: use geometry_of(layer)")
+        return BundleGeometry(self.d, self.vectors, self.dtypes_of(0), self.scalars, self.stride)
+
+    @property
+    def version(self) -> int:
+        """The manifest version that can say this layout: 1 unless a vector type or a per-layer type needs 2."""
+        names = {t for i in range(self.n_layers) for t in self.dtypes_of(i)} | {self.dtype}
+        return 1 if self.layer_dtypes is None and names <= set(V1_DTYPES) else FORMAT_VERSION
 
     @property
     def vector_dtypes(self) -> tuple[str, ...]:
@@ -227,6 +277,11 @@ class FlashLayout:
     @property
     def scalars_offset(self) -> int:
         return self.geometry.scalars_offset
+
+    @property
+    def max_head_bytes(self) -> int:
+        """The most bytes before the down vector in any layer's bundle."""
+        return max(g.offset("down") for g in self.geometries)
 
     @property
     def scalars(self) -> tuple[str, ...]:
@@ -252,10 +307,12 @@ class FlashLayout:
         match (directories written before 2026-11, checksum_algo UNBOUND_CHECKSUM_ALGO: the bytes alone)."""
         h = new_checksum()
         if self.checksum_algo == CHECKSUM_ALGO:
-            h.update(json.dumps({"layer": layer, "offset": self.offset[layer], "n_neurons": self.n_neurons[layer],
-                                 "stride": self.stride, "d": self.d, "dtype": self.dtype,
-                                 "down_dtype": self.down_dtype, "vectors": list(self.vectors),
-                                 "biases": list(self.biases)}, sort_keys=True).encode())
+            bound = {"layer": layer, "offset": self.offset[layer], "n_neurons": self.n_neurons[layer],
+                     "stride": self.stride, "d": self.d, "dtype": self.dtype, "down_dtype": self.down_dtype,
+                     "vectors": list(self.vectors), "biases": list(self.biases)}
+            if self.version > 1:
+                bound["vector_dtypes"] = list(self.dtypes_of(layer))
+            h.update(json.dumps(bound, sort_keys=True).encode())
         return h
 
     @property
@@ -264,10 +321,18 @@ class FlashLayout:
 
     @classmethod
     def create(cls, d: int, n_neurons: list[int], dtype: str, glu: bool, biases=(), orders=None,
-               down_dtype: str | None = None, **kw) -> "FlashLayout":
-        """Compute stride and region offsets for a model; checksums are filled in by the writer."""
-        g = BundleGeometry.of(d, dtype, glu, biases, down_dtype)
-        stride, vectors, biases = g.stride, g.vectors, tuple(b for b in BIAS_NAMES if b in biases)
+               down_dtype: str | None = None, layer_dtypes=None, **kw) -> "FlashLayout":
+        """Compute stride and region offsets for a model; checksums are filled in by the writer. layer_dtypes: per
+        layer each vector's block format (dtype and down_dtype are then derived from them)."""
+        if layer_dtypes is not None:
+            layer_dtypes = [check_vector_dtypes(t, len(GLU_VECTORS if glu else MLP_VECTORS)) for t in layer_dtypes]
+            first = layer_dtypes[0]
+            dtype, down_dtype = first[0], None
+            if len(set(layer_dtypes)) == 1 and len(set(first[:-1])) == 1:    # as dtype + down_dtype can say it
+                down_dtype, layer_dtypes = (first[-1] if first[-1] != dtype else None), None
+        gs = [BundleGeometry.of(d, dtype, glu, biases, down_dtype, dtypes=t) for t in set(layer_dtypes or [None])]
+        g = gs[0]
+        stride, vectors, biases = max(x.stride for x in gs), g.vectors, tuple(b for b in BIAS_NAMES if b in biases)
         offsets, pos = [], 0
         for n in n_neurons:
             pos = align_up(pos, REGION_ALIGN)
@@ -277,21 +342,24 @@ class FlashLayout:
             [np.asarray(o, dtype=np.int64) for o in orders]
         return cls(d=d, dtype=dtype, vectors=vectors, biases=biases, stride=stride, offset=offsets,
                    n_neurons=list(n_neurons), order=orders, ffn_size=align_up(pos, REGION_ALIGN),
-                   down_dtype=down_dtype, **kw)
+                   down_dtype=down_dtype, layer_dtypes=layer_dtypes, **kw)
 
     # -- manifest ----------------------------------------------------------------------------------------------------
     def to_manifest(self) -> dict:
         layers = []
+        version = self.version
         for i in range(self.n_layers):
             o = self.order[i]
             identity = bool(np.array_equal(o, np.arange(len(o))))
             layers.append({"offset": self.offset[i], "n_neurons": self.n_neurons[i],
                            "order": "identity" if identity else [int(x) for x in o],
                            "checksum": self.checksum[i]})
-        return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "config": self.config, "dtype": self.dtype,
+            if version > 1:
+                layers[-1]["vector_dtypes"] = list(self.dtypes_of(i))
+        return {"format": FORMAT_NAME, "version": version, "config": self.config, "dtype": self.dtype,
                 "bundle": {"d": self.d, "vectors": list(self.vectors), "itemsize": self.itemsize,
                            "vector_bytes": self.vector_bytes, "down_dtype": self.down_dtype,
-                           "stride": self.stride, "scalars_offset": self.scalars_offset,
+                           "stride": self.stride, "scalars_offset": self.geometry_of(0).scalars_offset,
                            "scalars": list(self.scalars)},
                 "files": dict(self.files), "ffn_size": self.ffn_size, "checksum_algo": self.checksum_algo,
                 "resident_checksum": self.resident_checksum, "layers": layers,
@@ -334,9 +402,9 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
         raise UserError(f"{src}: not a {FORMAT_NAME} manifest")
     if m.get("manifest_checksum", None) not in (None, manifest_checksum(m)):     # None: converted before 2026-11
         raise UserError(f"{src}: checksum mismatch: the manifest is damaged or edited; re-run convert")
-    if m.get("version") != FORMAT_VERSION:
-        raise UserError(f"{src}: format version {m.get('version')!r} is not supported (this build reads version "
-                        f"{FORMAT_VERSION}); re-run `flashinfer-lite convert`")
+    if m.get("version") not in READ_VERSIONS:
+        raise UserError(f"{src}: format version {m.get('version')!r} is not supported (this build reads versions "
+                        f"{', '.join(map(str, READ_VERSIONS))}); re-run `flashinfer-lite convert`")
     try:
         b, layers, files, cfg = m["bundle"], m["layers"], m["files"], m["config"]
         dtype, ffn_size = m["dtype"], m["ffn_size"]
@@ -368,15 +436,9 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
                          offset=[], n_neurons=[], order=[], ffn_size=_int(ffn_size, "ffn_size", src),
                          config=cfg, files=dict(files), resident_checksum=str(m.get("resident_checksum", "")),
                          flashdir=flashdir, down_dtype=down_dtype, checksum_algo=m["checksum_algo"])
-    # The geometry the readers and kernels will rely on must be exactly what this build would compute (a d that is
-    # not whole blocks of a quantized dtype is a UserError of its own). vector_bytes: absent before the block formats.
-    if layout.scalars != scalars or b.get("scalars_offset") != layout.scalars_offset \
-            or b.get("itemsize") != layout.itemsize \
-            or b.get("vector_bytes", layout.vector_bytes) != layout.vector_bytes:
-        raise UserError(f"{src}: bundle scalars/offsets do not match dtype {dtype} and vectors {list(vectors)}")
-    if layout.stride % BUNDLE_ALIGN or layout.stride < layout.scalars_offset + 4 * len(scalars):
+    if layout.stride % BUNDLE_ALIGN:
         raise UserError(f"{src}: bundle stride {layout.stride} is not a multiple of {BUNDLE_ALIGN} holding the payload")
-    end = 0
+    end, per_layer = 0, []
     for i, L in enumerate(layers):
         if not isinstance(L, dict):
             raise UserError(f"{src}: layer {i} entry is not an object")
@@ -399,6 +461,8 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
         ck = L.get("checksum")
         if not isinstance(ck, str) or len(ck) != 32:
             raise UserError(f"{src}: layer {i} has no valid checksum")
+        if m["version"] > 1:          # version 2: each layer names its vectors' dtypes
+            per_layer.append(check_vector_dtypes(L.get("vector_dtypes"), len(vectors), f"{src}: layer {i}: "))
         layout.offset.append(off)
         layout.n_neurons.append(n)
         layout.order.append(order)
@@ -414,6 +478,20 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
             raise UserError(f"{src}: config disagrees with the experts' geometry in the manifest")
     elif not layers:
         raise UserError(f"{src}: manifest lists no layers")
+    if per_layer and layout.experts is None:
+        if per_layer[0][0] != dtype or per_layer[0][-1] != (down_dtype or per_layer[0][-1]):
+            raise UserError(f"{src}: dtype {dtype!r} and down_dtype {down_dtype!r} are not layer 0's "
+                            f"{list(per_layer[0])}")
+        if set(per_layer) != {vector_dtypes(dtype, len(vectors), down_dtype)}:   # as FlashLayout.create keeps them
+            layout.layer_dtypes = per_layer
+    # The geometry the readers and kernels will rely on must be exactly what this build would compute (a d that is
+    # not whole blocks of a quantized dtype is a UserError of its own). vector_bytes: absent before the block formats.
+    if layout.experts is None and layout.scalars != scalars or b.get("scalars_offset") != layout.geometry_of(0).scalars_offset \
+            or b.get("itemsize") != layout.itemsize \
+            or b.get("vector_bytes", layout.vector_bytes) != layout.vector_bytes:
+        raise UserError(f"{src}: bundle scalars/offsets do not match dtype {dtype} and vectors {list(vectors)}")
+    if layout.experts is None and any(layout.stride < g.scalars_offset + 4 * len(scalars) for g in layout.geometries):
+        raise UserError(f"{src}: bundle stride {layout.stride} is not a multiple of {BUNDLE_ALIGN} holding the payload")
     if layout.experts is None and cfg.get("n_layers") not in (None, len(layers)) or cfg.get("dim") not in (None, layout.d):
         raise UserError(f"{src}: config (n_layers={cfg.get('n_layers')}, dim={cfg.get('dim')}) disagrees with the "
                         f"{len(layers)} layers of width {layout.d} in the manifest")
@@ -436,15 +514,16 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
 # ----------------------------------------------------------------------------------------------------------------------
 # Bundles
 
-def pack_bundles(layout: FlashLayout, vecs, biases: np.ndarray | None = None) -> np.ndarray:
+def pack_bundles(layout: FlashLayout, vecs, biases: np.ndarray | None = None, layer: int = 0) -> np.ndarray:
     """vecs float32 [n, n_vec, d] (or a list of n_vec matrices [n, d]), biases float32 [n, len(layout.biases)] ->
-    bundles uint8 [n, stride]. A quantized layout also takes any vector already in its blocks, uint8
-    [n, vector_bytes] (convert copies a GGUF's gate and up rows so, verbatim)."""
+    layer `layer`'s bundles uint8 [n, stride]. A quantized layout also takes any vector already in its blocks, uint8
+    [n, vector bytes] (convert copies a GGUF's gate and up rows so, verbatim)."""
     vecs = [vecs[:, k] for k in range(vecs.shape[1])] if isinstance(vecs, np.ndarray) else list(vecs)
     n = vecs[0].shape[0]
     assert len(vecs) == layout.n_vec and all(v.shape[0] == n for v in vecs), [v.shape for v in vecs]
     out = np.zeros((n, layout.stride), np.uint8)
-    at, kinds = layout.vector_offsets, layout.vector_dtypes
+    g = layout.geometry_of(layer)
+    at, kinds = g.vector_offsets, g.vector_dtypes
     scalars = []
     for k, v in enumerate(vecs):
         dest = out[:, at[k]:at[k + 1]]
@@ -472,21 +551,22 @@ def pack_bundles(layout: FlashLayout, vecs, biases: np.ndarray | None = None) ->
         scalars.append(biases.astype(np.float32))
     if scalars:
         s = np.ascontiguousarray(np.concatenate(scalars, axis=1), dtype="<f4")
-        so = layout.scalars_offset
+        so = g.scalars_offset
         out[:, so:so + s.shape[1] * 4] = s.view(np.uint8)
     return out
 
 
-def unpack_bundles(layout: FlashLayout, bundles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """bundles uint8 [n, stride] -> (vecs float32 [n, n_vec, d], biases float32 [n, len(layout.biases)]); quantized
-    vectors dequantized (bit-exact with the runtime's kernels)."""
+def unpack_bundles(layout: FlashLayout, bundles: np.ndarray, layer: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Layer `layer`'s bundles uint8 [n, stride] -> (vecs float32 [n, n_vec, d], biases float32
+    [n, len(layout.biases)]); quantized vectors dequantized (bit-exact with the runtime's kernels)."""
     n = bundles.shape[0]
     assert bundles.dtype == np.uint8 and bundles.shape[1] == layout.stride
-    at, so = layout.vector_offsets, layout.scalars_offset
+    g = layout.geometry_of(layer)
+    at, so = g.vector_offsets, g.scalars_offset
     s = np.ascontiguousarray(bundles[:, so:so + 4 * len(layout.scalars)]).view("<f4").astype(np.float32)
     if layout.quantized:
         vecs = np.stack([blocks.dequantize(bundles[:, at[k]:at[k + 1]], kind)
-                         for k, kind in enumerate(layout.vector_dtypes)], axis=1)
+                         for k, kind in enumerate(g.vector_dtypes)], axis=1)
         return vecs, s
     raw = np.ascontiguousarray(bundles[:, :at[-1]])
     vecs = raw.view(layout.np_dtype).reshape(n, layout.n_vec, layout.d).astype(np.float32)
@@ -664,7 +744,7 @@ class FlashCheckpoint:
         out = {}
         for name, (_, _, shape, _) in self._resident.entries.items():
             kind = self.resident_kinds.get(name)
-            out[name] = shape if kind is None else (shape[0], shape[1] // blocks.BLOCK_BYTES[kind] * blocks.BLOCK)
+            out[name] = shape if kind is None else (shape[0], blocks.row_cols(shape[1], kind))
         L = self.layout
         for name, i in self._ffn_names.items():
             n = L.n_neurons[i]
@@ -733,7 +813,7 @@ class FlashCheckpoint:
         if self._cached_layer is not None and self._cached_layer[0] == layer:
             return self._cached_layer[1]
         L, n = self.layout, self.layout.n_neurons[layer]
-        vecs, biases = unpack_bundles(L, self.bundles(layer))
+        vecs, biases = unpack_bundles(L, self.bundles(layer), layer)
         # Bundle b holds original neuron order[b]: scatter back to original rows.
         inv = np.empty(n, np.int64)
         inv[L.order[layer]] = np.arange(n)
@@ -790,7 +870,7 @@ class FlashCheckpoint:
                 complete = len(raw) == m * L.stride
                 if not complete:
                     break
-                vecs, _ = unpack_bundles(L, np.frombuffer(raw, np.uint8).reshape(m, L.stride))
+                vecs, _ = unpack_bundles(L, np.frombuffer(raw, np.uint8).reshape(m, L.stride), layer)
                 norms[L.order[layer][b0:b0 + m]] = np.linalg.norm(vecs[:, k, :], axis=1)
         self._check_region(layer, h, complete)
         return norms

@@ -90,6 +90,8 @@ TINY = {
                                                              "sliding_attention"], final_logit_softcapping=1.0)),
     "opt": ("opt", dict(do_layer_norm_before=True)),
     "opt-postnorm": ("opt", dict(do_layer_norm_before=False)),
+    # d and ffn_dim multiples of 256: rows the K-quants (q4_k, q5_k, q6_k: 256-weight blocks) can hold
+    "llama-wide": ("llama", dict(hidden_act="silu", num_key_value_heads=2, hidden_size=256, intermediate_size=512)),
 }
 
 # Tiny mixtures of experts (issue 30): 4 or 6 experts of 64 neurons, 2 per token; apart from TINY, whose models the
@@ -125,7 +127,7 @@ def build_tiny(kind: str, path: Path, seed: int = 0) -> Path:
                    "qwen3": tf.Qwen3Config, "gemma3": tf.Gemma3TextConfig}[family]
         cls_model = {"llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
                      "qwen3": tf.Qwen3ForCausalLM, "gemma3": tf.Gemma3ForCausalLM}[family]
-        model = cls_model(cls_cfg(intermediate_size=160, rms_norm_eps=1e-5, **{**common, **extra}))
+        model = cls_model(cls_cfg(**{"intermediate_size": 160, "rms_norm_eps": 1e-5, **common, **extra}))
     # Random init puts biases and norms at 0/1; perturb them so those code paths are actually tested.
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -248,6 +250,27 @@ def assert_same_bits_at_every_budget(path, ffn: str, prompt: list[int], n_decode
     return stats
 
 
+# K-quant blocks: byte offsets of their float16 scales, and the scale that gives weights of about the tensor's size
+KQUANT_UNITS = {"Q4_K": ((0, 2), 1 / 300), "Q5_K": ((0, 2), 1 / 600), "Q6_K": ((208,), 1 / 600)}
+
+
+def kquant_blocks(t, kind: str):
+    """uint8 [rows, row bytes] of K-quant blocks in place of matrix t (gguf.quants cannot quantize into K-quants):
+    random nibbles, high bits and sub-block scales (every pattern llama.cpp's quantizer can write decodes the same
+    way), float16 scales sized to t's spread. The model is then whatever the blocks dequantize to (gguf.quants)."""
+    import numpy as np
+    from storage.blocks import row_bytes
+    halves, unit = KQUANT_UNITS[kind]
+    rows, cols = t.shape
+    rng = np.random.default_rng(cols * rows + len(kind))
+    rb = row_bytes(cols, kind.lower())
+    q = rng.integers(0, 256, (rows * rb // (rb // (cols // 256)), rb // (cols // 256)), dtype=np.uint8)
+    for o in halves:
+        q[:, o:o + 2] = (np.abs(rng.normal(0, 1, q.shape[0])) * unit * float(np.std(t))
+                         ).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return q.reshape(rows, rb)
+
+
 def write_llama_gguf(ckpt, path: Path, types: dict | None = None) -> Path:
     """A llama-architecture GGUF of a checkpoint's weights (stories260K's SentencePiece-style vocabulary, as
     ReluLLaMA / ProSparse GGUFs ship), written with the gguf package as llama.cpp's converter would: q/k rows
@@ -283,7 +306,8 @@ def write_llama_gguf(ckpt, path: Path, types: dict | None = None) -> Path:
             w.add_tensor(theirs, np.ascontiguousarray(t))
         else:
             ggml = gguf.GGMLQuantizationType[kind]
-            w.add_tensor(theirs, gguf.quants.quantize(np.ascontiguousarray(t), ggml), raw_dtype=ggml)
+            q = kquant_blocks(t, kind) if kind in KQUANT_UNITS else gguf.quants.quantize(np.ascontiguousarray(t), ggml)
+            w.add_tensor(theirs, q, raw_dtype=ggml)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

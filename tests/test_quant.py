@@ -16,7 +16,8 @@ from gguf import quants as gguf_quants
 from storage.errors import UserError
 from flashinfer_lite.kernels.gemv import MATMUL_ROW_KERNEL_MAX_T
 from flashinfer_lite.ffn.quant import DENSE_ROW_KERNEL_MAX_T, QuantSparseFFN, quant_ffn
-from flashinfer_lite.quant import BLOCK, KINDS, QuantMatrix, dequantize, quant_matmul_t, quantize, row_bytes
+from storage.blocks import QUANTIZABLE
+from flashinfer_lite.quant import BLOCK, QuantMatrix, dequantize, quant_matmul_t, quantize, row_bytes
 from storage.format import BundleGeometry, FlashLayout, bundle_geometry, pack_bundles
 from test_kernels import CASES, dense_coefficients, dense_ffn, make_model, numba_threads, rel_err, scatter_rows
 
@@ -42,7 +43,7 @@ def same_values(a, b):
 # ---------------------------------------------------------------------------------------------------------------
 # Formats
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("kind", list(QUANTIZABLE))
 def test_dequantize_is_bit_exact_with_gguf(kind):
     rng = np.random.default_rng(zlib.crc32(kind.encode()))
     ggml = GGMLQuantizationType[kind.upper()]
@@ -61,10 +62,11 @@ def test_dequantize_is_bit_exact_with_gguf(kind):
 # Worst error of one weight, in units of its block's step d (q4_1: plus the float16 rounding of the minimum):
 # half a step from rounding, plus the float16 rounding of d (2^-11 relative) times the largest level. q4_0 maps the
 # largest magnitude to level -8, so the other extreme may need +8 and is clipped to +7: a whole step there.
-ERROR_STEPS = {"q8_0": 0.5 + 127 * 2 ** -11, "q4_0": 1 + 8 * 2 ** -11, "q4_1": 0.5 + 15 * 2 ** -11}
+ERROR_STEPS = {"q8_0": 0.5 + 127 * 2 ** -11, "q4_0": 1 + 8 * 2 ** -11, "q4_1": 0.5 + 15 * 2 ** -11,
+               "q5_0": 1 + 16 * 2 ** -11, "q5_1": 0.5 + 31 * 2 ** -11}
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("kind", list(QUANTIZABLE))
 def test_quantize_is_gguf_and_within_half_a_step(kind):
     rng = np.random.default_rng(zlib.crc32(kind.encode()) + 1)
     w = weights(rng, 64, 12 * BLOCK)
@@ -75,15 +77,16 @@ def test_quantize_is_gguf_and_within_half_a_step(kind):
     blocks = w.reshape(-1, BLOCK).astype(np.float64)
     err = np.abs(dequantize(q, kind, w.shape[1]).reshape(-1, BLOCK) - blocks).max(axis=1)
     lo, hi = blocks.min(axis=1), blocks.max(axis=1)
-    step = {"q8_0": np.maximum(-lo, hi) / 127, "q4_0": np.maximum(-lo, hi) / 8, "q4_1": (hi - lo) / 15}[kind]
-    slack = np.abs(lo) * 2 ** -11 if kind == "q4_1" else 0
+    step = {"q8_0": np.maximum(-lo, hi) / 127, "q4_0": np.maximum(-lo, hi) / 8, "q4_1": (hi - lo) / 15,
+            "q5_0": np.maximum(-lo, hi) / 16, "q5_1": (hi - lo) / 31}[kind]
+    slack = np.abs(lo) * 2 ** -11 if kind in ("q4_1", "q5_1") else 0
     assert (err <= step * ERROR_STEPS[kind] + slack + 1e-30).all()
     assert dequantize(q, kind, w.shape[1])[0, :BLOCK].tolist() == [0.0] * BLOCK  # a zero block stays exactly zero
 
 
 def test_bad_input_is_a_user_error():
     w = np.ones((2, 64), np.float32)
-    for bad in (lambda: quantize(w, "q5_0"), lambda: quantize(w[:, :48], "q4_0"), lambda: quantize(w[0], "q8_0"),
+    for bad in (lambda: quantize(w, "q4_k"), lambda: quantize(w, "iq2_xs"), lambda: quantize(w[:, :48], "q4_0"), lambda: quantize(w[0], "q8_0"),
                 lambda: quantize(np.where(w > 0, np.inf, 0).astype(np.float32), "q8_0"),
                 lambda: quantize(w * 1e9, "q4_0"),                       # the float16 scale would overflow
                 lambda: dequantize(np.zeros((2, 40), np.uint8), "q4_0", 64),
@@ -96,7 +99,7 @@ def test_bad_input_is_a_user_error():
 # ---------------------------------------------------------------------------------------------------------------
 # Resident matrices: x @ W^T
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("kind", list(QUANTIZABLE))
 @pytest.mark.parametrize("T", [1, 3, MATMUL_ROW_KERNEL_MAX_T, MATMUL_ROW_KERNEL_MAX_T + 1, 40])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_matmul_equals_float64(kind, T, threads):
@@ -134,7 +137,7 @@ def pack(w, kind, glu):
     return dict(geometry=layout.geometry), bundles, dq
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS) + ["q4_1/q8_0"])
+@pytest.mark.parametrize("kind", list(QUANTIZABLE) + ["q4_1/q8_0"])
 @pytest.mark.parametrize("glu,act", CASES)
 @pytest.mark.parametrize("biased", [False, True])
 def test_sparse_equals_dense(kind, glu, act, biased):
@@ -160,7 +163,7 @@ def test_sparse_equals_dense(kind, glu, act, biased):
     assert rel_err(y, dense_ffn(dq, h_S)) < RTOL
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS) + ["q4_0/q8_0"])
+@pytest.mark.parametrize("kind", list(QUANTIZABLE) + ["q4_0/q8_0"])
 def test_sparse_same_bits_whatever_the_split_or_threads(kind):
     """ffn.sparse's one summation order holds here too: pieces, thread counts and batched rows give the same bits."""
     rng = np.random.default_rng(zlib.crc32(kind.encode()) + 2)
@@ -189,7 +192,7 @@ def test_sparse_same_bits_whatever_the_split_or_threads(kind):
             assert np.array_equal(y[0], Y[t]), (t, threads, piece)
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS) + ["q4_1/q8_0"])
+@pytest.mark.parametrize("kind", list(QUANTIZABLE) + ["q4_1/q8_0"])
 @pytest.mark.parametrize("glu,act", CASES)
 @pytest.mark.parametrize("T", [1, DENSE_ROW_KERNEL_MAX_T, DENSE_ROW_KERNEL_MAX_T + 1, 40])
 def test_dense_layer_equals_float64(kind, glu, act, T):
@@ -210,7 +213,7 @@ def test_dense_layer_equals_float64(kind, glu, act, T):
         assert rel_err(Y, ref) < RTOL, threads
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("kind", list(QUANTIZABLE))
 @pytest.mark.parametrize("glu,act", CASES)
 def test_fused_ffn_over_matrices_equals_float64(kind, glu, act):
     """quant_ffn (a GGUF's FFN at decode: gate/up [n, d], down [d, n] in blocks along n): one call per row."""

@@ -20,7 +20,7 @@ from ..budget import staging_rows
 from storage.config import ModelConfig
 from ..neuron_cache import NeuronCache
 from .gating import threshold_of
-from .quant import sparse_ffn
+from .quant import sparse_ffns
 
 # prefill streaming reads a layer in chunks of this size: from 1 MiB up sequential reads run at full device speed,
 # and the chunk (budget.stream_transient_bytes) is what the DRAM budget pays for it
@@ -58,8 +58,8 @@ class FlashFFN:
         self.cache = NeuronCache(layout.n_neurons, layout.stride, self.reader, capacity=plan.window_rows,
                                  window=plan.window, hot=hot,
                                  staging_rows=staging_rows(plan.max_active) if lookahead else 0, stats=self.stats)
-        self.kernel = sparse_ffn(layout, act=cfg.act, relu_threshold=threshold_of(cfg.act, cfg.relu_threshold),
-                                 max_active=max(layout.n_neurons))
+        self.kernels = sparse_ffns(layout, act=cfg.act, relu_threshold=threshold_of(cfg.act, cfg.relu_threshold),
+                                   max_active=max(layout.n_neurons))    # per layer: its block formats
         self._coef = np.zeros(max(layout.n_neurons), np.float32)   # one piece's coefficients
         self._chunk = None  # prefill streaming buffer, allocated on first use (counted in the plan's buffers)
         self._pass_lookups = 0   # hits + misses when the current forward pass began
@@ -127,7 +127,7 @@ class FlashFFN:
                 f.finish()
                 self._coefficients(layer, f.slots, None, X, coef)
             t0 = time.perf_counter()
-            self.kernel.accumulate(self.cache.matrix(layer), f.slots, coef, Y)
+            self.kernels[layer].accumulate(self.cache.matrix(layer), f.slots, coef, Y)
             self.stats.compute_s += time.perf_counter() - t0
             fired += int(np.count_nonzero(coef))   # 0 = did not fire
         return fired
@@ -148,7 +148,7 @@ class FlashFFN:
             return
         t0 = time.perf_counter()
         t = self.act_threshold[layer] if self.act_threshold[layer] > 0 else -1.0
-        self.kernel.coefficients(self.cache.matrix(layer) if B is None else B, slots, js, X, coef, sel=sel,
+        self.kernels[layer].coefficients(self.cache.matrix(layer) if B is None else B, slots, js, X, coef, sel=sel,
                                  act_threshold=t)
         self.stats.compute_s += time.perf_counter() - t0
 
@@ -198,5 +198,5 @@ class FlashFFN:
                                sel=np.ascontiguousarray(selected[:, start:start + m]).view(np.uint8),
                                B=self._chunk[:m])
             t2 = time.perf_counter()
-            self.kernel.accumulate(self._chunk[:m], chunk_rows[:m], coef, y)
+            self.kernels[layer].accumulate(self._chunk[:m], chunk_rows[:m], coef, y)
             self.stats.compute_s += time.perf_counter() - t2

@@ -1,7 +1,8 @@
-"""The FFN over weights in GGUF's block formats (q8_0, q4_0, q4_1; their row kernels: flashinfer_lite.quant).
+"""The FFN over weights in GGUF's block formats (storage/blocks.py; their row kernels: flashinfer_lite.quant).
 
-QuantSparseFFN: ffn.sparse.SparseFFN over bundles whose gate, up and down vectors are quantized rows along d (the
-bundle's geometry as storage.format.BundleGeometry says: blocks in place of elements). Its dense() computes a whole
+QuantSparseFFN: ffn.sparse.SparseFFN over bundles whose gate, up and down vectors are quantized rows along d, each
+vector in its own block format (the bundle's geometry as storage.format.BundleGeometry says: blocks in place of
+elements). Its dense() computes a whole
 layer in RAM (DenseLayer, ffn.resident.ResidentFFN). quant_ffn: the dense FFN over a GGUF's QuantMatrix weights.
 Compute stays float32 on the dequantized weights; the gating rule is ffn.gating's.
 """
@@ -16,7 +17,7 @@ from storage.errors import UserError
 from flashinfer_lite.kernels.gemv import WIDEN_BLOCK_BYTES
 from flashinfer_lite.kernels.prefetch import prefetch_ahead
 from flashinfer_lite.kernels.rows import scalar
-from flashinfer_lite.quant import BLOCK, KINDS, QuantMatrix, quant_kind, row_axpy, row_dequant, row_dot
+from flashinfer_lite.quant import KINDS, QuantMatrix, quant_kind, row_axpy, row_dequant, row_dot
 
 from .gating import act_code, gate_activation, glu_coefficient, threshold_of
 from .sparse import OUT_BLOCK, SparseFFN, coefficient
@@ -27,23 +28,23 @@ DENSE_ROW_KERNEL_MAX_T = 2
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def quant_ffn_accumulate(B, slots, coef, Y, down_at, kind, block_bytes):
+def quant_ffn_accumulate(B, slots, coef, Y, down_at, kind, weights, block_bytes, out_block):
     """Y[t] += sum over j = 0, 1, ... of coef[t, j] * down(slots[j]), in that order (zero coefficients skipped);
-    the down rows (at byte down_at of a bundle) are in `kind`, blocks of block_bytes.
+    the down rows (at byte down_at of a bundle) are in `kind`, blocks of `weights` weights in block_bytes.
 
-    As ffn.sparse.ffn_accumulate: one thread per (row, OUT_BLOCK output elements), so each element sums its terms in
-    slot order and a set accumulated in pieces gives the bit-identical sum. OUT_BLOCK is a multiple of BLOCK, so a
-    task's outputs are whole blocks of the down rows."""
+    As ffn.sparse.ffn_accumulate: one thread per (row, out_block output elements), so each element sums its terms in
+    slot order and a set accumulated in pieces gives the bit-identical sum. out_block is a multiple of the block's
+    weights, so a task's outputs are whole blocks of the down rows."""
     n = slots.shape[0]
     d = Y.shape[1]
-    nb = (d + OUT_BLOCK - 1) // OUT_BLOCK
+    nb = (d + out_block - 1) // out_block
     for q in prange(Y.shape[0] * nb):
         t = q // nb
-        lo = (q % nb) * OUT_BLOCK
-        hi = min(d, lo + OUT_BLOCK)
+        lo = (q % nb) * out_block
+        hi = min(d, lo + out_block)
         y = Y[t, lo:hi]
-        b_lo = down_at + lo // BLOCK * block_bytes
-        b_hi = down_at + hi // BLOCK * block_bytes
+        b_lo = down_at + lo // weights * block_bytes
+        b_hi = down_at + hi // weights * block_bytes
         for j in range(n):
             c = coef[t, j]
             if c != np.float32(0.0):
@@ -63,7 +64,7 @@ def quant_ffn_accumulate(B, slots, coef, Y, down_at, kind, block_bytes):
 @dataclass(frozen=True, eq=False)
 class DenseLayer:
     """One layer's FFN for QuantSparseFFN.dense: head uint8 [n, head_bytes] (gate and up rows, or up for MLP, then
-    the float32 biases at bg / bu of its float32 view, -1: none) and down uint8 [n, row_bytes(d)]."""
+    the float32 biases at bg / bu of its float32 view, -1: none) and down uint8 [n, row bytes of d weights]."""
     head: np.ndarray
     down: np.ndarray
     bg: int
@@ -81,9 +82,11 @@ DOWN_PARTIALS = 4
 
 
 @njit(cache=True, parallel=True, fastmath=True, nogil=True)
-def quant_dense_ffn_row(H, Hf, D, x, y, coef, partial, rb, glu, act, threshold, kind, bg, bu, down_kind):
+def quant_dense_ffn_row(H, Hf, D, x, y, coef, partial, rb, glu, act, threshold, kind, bg, bu, down_kind, up_rb,
+                        up_kind):
     """y[:] = sum over neurons j of coef[j] * dequant(D[j]), coef[j] = the coefficient of head row H[j] (Hf: its
-    float32 view) on x: partial[p] sums the p-th of len(partial) neuron ranges in order, then they add up in order."""
+    float32 view) on x: partial[p] sums the p-th of len(partial) neuron ranges in order, then they add up in order.
+    H's rows: the first vector (rb bytes in `kind`), then (GLU) up (up_rb bytes in up_kind)."""
     n, P = H.shape[0], partial.shape[0]
     for p in prange(P):
         acc = partial[p]
@@ -91,7 +94,7 @@ def quant_dense_ffn_row(H, Hf, D, x, y, coef, partial, rb, glu, act, threshold, 
         for j in range(p * n // P, (p + 1) * n // P):
             prefetch_ahead(H, j, 0, H.shape[1])
             prefetch_ahead(D, j, 0, D.shape[1])
-            c = coefficient(H[j], Hf[j], x, rb, glu, act, threshold, rb, -1, -1, bg, bu, kind)
+            c = coefficient(H[j], Hf[j], x, rb, glu, act, threshold, rb, -1, -1, bg, bu, kind, up_rb, up_kind)
             coef[j] = c
             if c != np.float32(0.0):
                 row_axpy(acc, c, D[j], down_kind)
@@ -101,14 +104,14 @@ def quant_dense_ffn_row(H, Hf, D, x, y, coef, partial, rb, glu, act, threshold, 
 
 
 @njit(cache=True, nogil=True)
-def dequantize_dense_layer(H, Hf, D, lo, G, U, Dw, bias_g, bias_u, rb, glu, kind, bg, bu, down_kind):
+def dequantize_dense_layer(H, Hf, D, lo, G, U, Dw, bias_g, bias_u, rb, glu, kind, bg, bu, down_kind, up_rb, up_kind):
     """Neurons lo .. lo + len(Dw) widened to float32 rows: gate G (GLU only), up U, down Dw; their gate and up
-    biases (0 where there are none)."""
+    biases (0 where there are none). Kinds and row bytes as quant_dense_ffn_row's."""
     for r in range(Dw.shape[0]):
         row = H[lo + r]
         if glu:
             row_dequant(row[:rb], G[r], kind)
-            row_dequant(row[rb:2 * rb], U[r], kind)
+            row_dequant(row[rb:rb + up_rb], U[r], up_kind)
         else:
             row_dequant(row[:rb], U[r], kind)
         row_dequant(D[lo + r], Dw[r], down_kind)
@@ -130,8 +133,8 @@ def ffn_coefficients_from_products(g, u, bias_g, bias_u, glu, act, threshold):
 
 
 class QuantSparseFFN(SparseFFN):
-    """SparseFFN over quantized bundles (storage.format.pack_bundles): the geometry's dtype is a kind of KINDS (its
-    down vector may be in another), the rest as SparseFFN:
+    """SparseFFN over quantized bundles (storage.format.pack_bundles): each vector in a kind of KINDS (gate, up and
+    down each its own, as the geometry's vector_dtypes say), the rest as SparseFFN:
 
     ffn = QuantSparseFFN(BundleGeometry.of(4096, "q4_0", glu=True, down_dtype="q8_0"), act="relu")
     ffn(B, slots, x, y)  |  ffn.coefficients(B, slots, js, X, coef)  +  ffn.accumulate(B, slots, coef, Y)
@@ -140,9 +143,12 @@ class QuantSparseFFN(SparseFFN):
 
     def __init__(self, geometry, *args, **kw):
         super().__init__(geometry, *args, **kw)
-        self.kind, self.down_kind = KINDS[geometry.dtype], quant_kind(geometry.vector_dtypes[-1])
-        self.row_bytes = geometry.vector_bytes("up")   # gate and up rows alike
-        self.vector_len, self.block_kind = self.row_bytes, self.kind.code
+        g = geometry
+        self.kind, up, self.down_kind = (quant_kind(g.dtype_of(v)) for v in (g.vectors[0], "up", "down"))
+        self.row_bytes, self.up_len = g.vector_bytes(g.vectors[0]), g.vector_bytes("up")
+        self.vector_len, self.block_kind, self.up_kind = self.row_bytes, self.kind.code, up.code
+        # the down pass's task: OUT_BLOCK outputs, or one block of the down's kind when that is longer (K-quants)
+        self.out_block = max(OUT_BLOCK, self.down_kind.weights)
         self._widened = None     # dense(): float32 blocks of a prompt's widened bundles, allocated on first use
         self._partial = np.empty((DOWN_PARTIALS, geometry.d), np.float32)  # dense(): the down pass's partial sums
 
@@ -164,7 +170,8 @@ class QuantSparseFFN(SparseFFN):
 
     def _accumulate(self, W, F, slots, coef, Y) -> None:
         self._rows_of_d(Y)
-        quant_ffn_accumulate(W, slots, coef, Y, self.down_at, self.down_kind.code, self.down_kind.block_bytes)
+        quant_ffn_accumulate(W, slots, coef, Y, self.down_at, self.down_kind.code, self.down_kind.weights,
+                             self.down_kind.block_bytes, self.out_block)
 
     def _dense_geometry(self) -> tuple[int, int]:
         """(offset of the scalars in a head row of dense_layer: after the gate and up rows, float32-aligned; bytes of
@@ -201,7 +208,7 @@ class QuantSparseFFN(SparseFFN):
             for t in range(T):
                 quant_dense_ffn_row(H, Hf, D, X[t], Y[t], self.coef, self._partial, self.row_bytes, self.glu,
                                     self.act_code, self.relu_threshold, self.kind.code, layer.bg, layer.bu,
-                                    self.down_kind.code)
+                                    self.down_kind.code, self.up_len, self.up_kind)
             return
         d = self.d
         block = max(1, min(n, WIDEN_BLOCK_BYTES // (4 * d)))
@@ -213,16 +220,23 @@ class QuantSparseFFN(SparseFFN):
         for lo in range(0, n, block):
             m = min(block, n - lo)
             dequantize_dense_layer(H, Hf, D, lo, G[:m], U[:m], Dw[:m], bg[:m], bu[:m], self.row_bytes, self.glu,
-                                   self.kind.code, layer.bg, layer.bu, self.down_kind.code)
+                                   self.kind.code, layer.bg, layer.bu, self.down_kind.code, self.up_len, self.up_kind)
             a = X @ U[:m].T                                            # [T, m], then the coefficients in place
             ffn_coefficients_from_products(X @ G[:m].T if self.glu else a, a, bg[:m], bu[:m], self.glu,
                                            self.act_code, self.relu_threshold)
             Y += a @ Dw[:m]
 
 
-def sparse_ffn(layout, **kw) -> SparseFFN:
-    """The sparse FFN kernel of a FlashLayout's bundles (SparseFFN.from_layout's arguments)."""
-    return (QuantSparseFFN if layout.quantized else SparseFFN).from_layout(layout, **kw)
+def sparse_ffn(layout, layer: int = 0, **kw) -> SparseFFN:
+    """The sparse FFN kernel of a FlashLayout's bundles of layer `layer` (SparseFFN.from_layout's arguments)."""
+    return (QuantSparseFFN if layout.quantized else SparseFFN).from_layout(layout, layer=layer, **kw)
+
+
+def sparse_ffns(layout, **kw) -> list[SparseFFN]:
+    """Per layer its sparse FFN kernel: one object per distinct bundle geometry (most layouts have one)."""
+    made: dict = {}
+    return [made.setdefault(g, sparse_ffn(layout, layer=i, **kw)) if g not in made else made[g]
+            for i, g in enumerate(layout.geometries)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -232,14 +246,16 @@ def sparse_ffn(layout, **kw) -> SparseFFN:
 
 
 @njit(cache=True, parallel=True, fastmath=True, nogil=True)
-def quant_ffn_row(Wg, Wu, Wd, x, a, y, partial, glu, act, threshold, kind_g, kind_u, kind_d, down_block_bytes):
+def quant_ffn_row(Wg, Wu, Wd, x, a, y, partial, glu, act, threshold, kind_g, kind_u, kind_d, down_weights,
+                  down_block_bytes):
     """y = Wd @ a with a[j] the coefficient of neuron j from Wg[j].x and Wu[j].x (MLP: Wu[j].x; ffn.gating). One
-    task per range of whole blocks of neurons (as quant_dense_ffn_row: len(partial) of them, one parallel region):
-    its coefficients, then its share of every down row's dot product into partial[p]; the partials add up in order."""
+    task per range of whole blocks of neurons (blocks of Wd's rows, down_weights each; as quant_dense_ffn_row:
+    len(partial) of them, one parallel region): its coefficients, then its share of every down row's dot product
+    into partial[p]; the partials add up in order."""
     n, P = Wu.shape[0], partial.shape[0]
-    nb = n // BLOCK
+    nb = n // down_weights
     for p in prange(P):
-        lo, hi = p * nb // P * BLOCK, (p + 1) * nb // P * BLOCK
+        lo, hi = p * nb // P * down_weights, (p + 1) * nb // P * down_weights
         for j in range(lo, hi):
             prefetch_ahead(Wu, j, 0, Wu.shape[1])
             if glu:
@@ -251,7 +267,7 @@ def quant_ffn_row(Wg, Wu, Wd, x, a, y, partial, glu, act, threshold, kind_g, kin
                 v = gate_activation(act, row_dot(Wu[j], x, kind_u), threshold)
             a[j] = v
         acc = partial[p]
-        b_lo, b_hi = lo // BLOCK * down_block_bytes, hi // BLOCK * down_block_bytes
+        b_lo, b_hi = lo // down_weights * down_block_bytes, hi // down_weights * down_block_bytes
         for i in range(Wd.shape[0]):
             prefetch_ahead(Wd, i, b_lo, b_hi)
             acc[i] = row_dot(Wd[i, b_lo:b_hi], a[lo:hi], kind_d) if hi > lo else np.float32(0.0)
@@ -274,5 +290,5 @@ def quant_ffn(x: np.ndarray, gate: QuantMatrix | None, up: QuantMatrix, down: Qu
     for r in range(T):
         quant_ffn_row(g.q, up.q, down.q, x[r], a, y[r], partial, gate is not None, act_code(act),
                       threshold_of(act, relu_threshold), quant_kind(g.kind).code, quant_kind(up.kind).code, kd.code,
-                      kd.block_bytes)
+                      kd.weights, kd.block_bytes)
     return y

@@ -7,7 +7,7 @@ from tqdm import tqdm
 from storage.format import FlashCheckpoint
 
 from storage.config import ModelConfig
-from .quant import sparse_ffn
+from .quant import sparse_ffns
 
 
 class ResidentFFN:
@@ -18,15 +18,15 @@ class ResidentFFN:
     def __init__(self, cfg: ModelConfig, ckpt: FlashCheckpoint, down_bias=None, progress: bool = False):
         L = ckpt.layout
         self.cfg = cfg
-        self.kernel = sparse_ffn(L, max_active=max(L.n_neurons))
-        self.layers = [self.kernel.dense_layer(ckpt.bundles(i))    # one layer's bundles at a time in transit
+        self.kernels = sparse_ffns(L, max_active=max(L.n_neurons))      # per layer: its block formats
+        self.layers = [self.kernels[i].dense_layer(ckpt.bundles(i))    # one layer's bundles at a time in transit
                        for i in tqdm(range(L.n_layers), desc="ffn", unit="layer", disable=not progress, leave=False)]
         self.down_bias = list(down_bias) if down_bias is not None else [None] * cfg.n_layers
 
     def __call__(self, layer: int, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
         y = np.empty_like(x)
-        self.kernel.dense(self.layers[layer], x, y)
+        self.kernels[layer].dense(self.layers[layer], x, y)
         if self.down_bias[layer] is not None:
             y += self.down_bias[layer]
         return y

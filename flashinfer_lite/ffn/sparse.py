@@ -51,16 +51,17 @@ def _vector_dot_impl(v, x, n, kind):
 
 
 @njit(cache=True, fastmath=True)
-def coefficient(wr, fr, x, n, glu, act, threshold, up_at, s_first, s_up, bg, bu, kind):
+def coefficient(wr, fr, x, n, glu, act, threshold, up_at, s_first, s_up, bg, bu, kind, up_n, up_kind):
     """The coefficient of the neuron in row wr (its stored type; fr: its float32 view) on x, by ffn.gating's rule.
-    wr[:n] is the first vector (GLU: gate, MLP: up), GLU's up vector wr[up_at:up_at + n]; s_first, s_up, bg, bu:
+    wr[:n] is the first vector (GLU: gate, MLP: up) in block format `kind`, GLU's up vector wr[up_at:up_at + up_n]
+    in up_kind (blocks: a bundle's gate and up may differ, as in llama.cpp's mixtures); s_first, s_up, bg, bu:
     float32 slots (-1: none) of the first vector's scale, up's scale, the gate and up biases."""
     if glu:
         g = vector_dot(wr[:n], x, n, kind) * scalar(fr, s_first, 1.0) + scalar(fr, bg, 0.0)
         a = gate_activation(act, g, threshold)
         if a == np.float32(0.0):          # did not fire: the up vector is not read
             return a
-        u = vector_dot(wr[up_at:up_at + n], x, n, kind) * scalar(fr, s_up, 1.0) + scalar(fr, bu, 0.0)
+        u = vector_dot(wr[up_at:up_at + up_n], x, up_n, up_kind) * scalar(fr, s_up, 1.0) + scalar(fr, bu, 0.0)
         return glu_coefficient(act, a, u)
     return gate_activation(act, vector_dot(wr[:n], x, n, kind) * scalar(fr, s_first, 1.0) + scalar(fr, bu, 0.0),
                            threshold)
@@ -69,7 +70,7 @@ def coefficient(wr, fr, x, n, glu, act, threshold, up_at, s_first, s_up, bg, bu,
 # nogil: flash reads run in Python threads while these compute the rows already cached.
 @njit(cache=True, parallel=True, fastmath=True, nogil=True)
 def ffn_coefficients(W, F, slots, js, X, sel, coef, n, glu, act, threshold, up_at, s_first, s_up, bg, bu, kind,
-                     head_bytes, act_threshold):
+                     up_n, up_kind, head_bytes, act_threshold):
     """coef[t, j] = coefficient of neuron row slots[j] on X[t] if sel[t, j] else 0, for every j in js.
 
     W: the bundle matrix [rows, stride // itemsize] in its stored type (uint8 for blocks); F: its float32 view;
@@ -88,7 +89,8 @@ def ffn_coefficients(W, F, slots, js, X, sel, coef, n, glu, act, threshold, up_a
         for t in range(X.shape[0]):
             c = np.float32(0.0)
             if sel[t, j]:
-                c = coefficient(wr, fr, X[t], n, glu, act, threshold, up_at, s_first, s_up, bg, bu, kind)
+                c = coefficient(wr, fr, X[t], n, glu, act, threshold, up_at, s_first, s_up, bg, bu, kind, up_n,
+                                up_kind)
                 if abs(c) <= act_threshold:
                     c = np.float32(0.0)
             coef[t, j] = c
@@ -171,19 +173,22 @@ class SparseFFN:
         self.s_first, self.s_up, self.s_down = (g.scalar_slot(f"scale.{v}") for v in (first, "up", "down"))
         self.bg, self.bu = g.scalar_slot("bias.gate"), g.scalar_slot("bias.up")
         self.up_at, self.down_at = self._offset("up"), self._offset("down")
-        self.vector_len, self.block_kind = g.d, 0    # coefficient's n and kind: d elements, no block format
+        # coefficient's n and kind of the first and the up vector: d elements, no block format
+        self.vector_len, self.block_kind, self.up_len, self.up_kind = g.d, 0, g.d, 0
         self.head_bytes = g.offset("down")
         self.coef = np.zeros(max(max_active, 1), np.float32)  # per-call activation coefficients
         self._ones = np.ones(max(max_active, 1), np.uint8)     # "every listed neuron is selected"
         self._positions = np.arange(max(max_active, 1), dtype=np.int64)
 
     @classmethod
-    def from_layout(cls, layout, act: str | None = None, relu_threshold: float | None = None, **kw) -> "SparseFFN":
-        """Bound to a storage.format.FlashLayout's geometry; act and the threshold default to the model config's."""
+    def from_layout(cls, layout, act: str | None = None, relu_threshold: float | None = None, layer: int = 0,
+                    **kw) -> "SparseFFN":
+        """Bound to a storage.format.FlashLayout's geometry (of layer `layer`: a layout may mix block formats from
+        layer to layer); act and the threshold default to the model config's."""
         act = act or layout.config["act"]
         if relu_threshold is None:
             relu_threshold = threshold_of(act, layout.config.get("relu_threshold"))
-        return cls(layout.geometry, act, relu_threshold=relu_threshold, **kw)
+        return cls(layout.geometry_of(layer), act, relu_threshold=relu_threshold, **kw)
 
     def views(self, B: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(typed weight view, float32 scalar view) of a bundle matrix uint8[rows, stride]."""
@@ -220,8 +225,8 @@ class SparseFFN:
 
     def _coefficients(self, W, F, slots, js, X, sel, coef, act_threshold) -> None:
         ffn_coefficients(W, F, slots, js, X, sel, coef, self.vector_len, self.glu, self.act_code, self.relu_threshold,
-                         self.up_at, self.s_first, self.s_up, self.bg, self.bu, self.block_kind,
-                         self.head_bytes, act_threshold)
+                         self.up_at, self.s_first, self.s_up, self.bg, self.bu, self.block_kind, self.up_len,
+                         self.up_kind, self.head_bytes, act_threshold)
 
     def accumulate(self, B: np.ndarray, slots: np.ndarray, coef: np.ndarray, Y: np.ndarray) -> None:
         """Y[t] += sum of coef[t, j] * down(slots[j]) over j in order (Y float32[T, d])."""
