@@ -89,7 +89,9 @@ def down_dtype_for(ckpt, dtype: str) -> str | None:
 
 
 def down_note(ckpt, layout: FlashLayout) -> str:
-    """One line: what a GGUF's down matrix becomes in the bundles, and why."""
+    """One line: what a GGUF's down matrix becomes in the bundles, and why (experts keep their blocks: nothing)."""
+    if layout.experts is not None:
+        return ""
     src = ckpt.precision("layers.0.ffn.down.weight")
     if not layout.quantized or src not in QUANT_DTYPES:
         return ""

@@ -359,7 +359,7 @@ class FlashLayout:
         return {"format": FORMAT_NAME, "version": version, "config": self.config, "dtype": self.dtype,
                 "bundle": {"d": self.d, "vectors": list(self.vectors), "itemsize": self.itemsize,
                            "vector_bytes": self.vector_bytes, "down_dtype": self.down_dtype,
-                           "stride": self.stride, "scalars_offset": self.geometry_of(0).scalars_offset,
+                           "stride": self.stride, "scalars_offset": (self.geometry_of(0) if self.layer_dtypes else self.geometry).scalars_offset,
                            "scalars": list(self.scalars)},
                 "files": dict(self.files), "ffn_size": self.ffn_size, "checksum_algo": self.checksum_algo,
                 "resident_checksum": self.resident_checksum, "layers": layers,
@@ -478,7 +478,7 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
             raise UserError(f"{src}: config disagrees with the experts' geometry in the manifest")
     elif not layers:
         raise UserError(f"{src}: manifest lists no layers")
-    if per_layer and layout.experts is None:
+    if per_layer:
         if per_layer[0][0] != dtype or per_layer[0][-1] != (down_dtype or per_layer[0][-1]):
             raise UserError(f"{src}: dtype {dtype!r} and down_dtype {down_dtype!r} are not layer 0's "
                             f"{list(per_layer[0])}")
@@ -486,13 +486,14 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
             layout.layer_dtypes = per_layer
     # The geometry the readers and kernels will rely on must be exactly what this build would compute (a d that is
     # not whole blocks of a quantized dtype is a UserError of its own). vector_bytes: absent before the block formats.
-    if layout.experts is None and layout.scalars != scalars or b.get("scalars_offset") != layout.geometry_of(0).scalars_offset \
+    first = layout.geometry_of(0) if layout.layer_dtypes else layout.geometry     # a mixture of experts has no layers
+    if layout.scalars != scalars or b.get("scalars_offset") != first.scalars_offset \
             or b.get("itemsize") != layout.itemsize \
             or b.get("vector_bytes", layout.vector_bytes) != layout.vector_bytes:
         raise UserError(f"{src}: bundle scalars/offsets do not match dtype {dtype} and vectors {list(vectors)}")
-    if layout.experts is None and any(layout.stride < g.scalars_offset + 4 * len(scalars) for g in layout.geometries):
+    if any(layout.stride < g.scalars_offset + 4 * len(scalars) for g in layout.geometries or [first]):
         raise UserError(f"{src}: bundle stride {layout.stride} is not a multiple of {BUNDLE_ALIGN} holding the payload")
-    if layout.experts is None and cfg.get("n_layers") not in (None, len(layers)) or cfg.get("dim") not in (None, layout.d):
+    if (layout.experts is None and cfg.get("n_layers") not in (None, len(layers))) or cfg.get("dim") not in (None, layout.d):
         raise UserError(f"{src}: config (n_layers={cfg.get('n_layers')}, dim={cfg.get('dim')}) disagrees with the "
                         f"{len(layers)} layers of width {layout.d} in the manifest")
     if any(n != cfg.get("ffn_dim", n) for n in layout.n_neurons):     # the kernels index [ffn_dim] arrays by neuron

@@ -187,4 +187,4 @@ def test_an_unsupported_gguf_architecture_is_one_line_naming_the_supported(tmp_p
     w.close()
     with pytest.raises(UserError) as e:
         open_checkpoint(tmp_path / "phi3.gguf")
-    assert str(e.value) == "unsupported GGUF architecture 'phi3' (supported: llama, qwen2, qwen3, gemma3)"
+    assert str(e.value) == "unsupported GGUF architecture 'phi3' (supported: llama, qwen2, qwen3, gemma3, qwen2moe, qwen3moe)"
