@@ -77,6 +77,8 @@ class BudgetPlan:
     max_active: int
     requested: bool = True      # False: no --dram-budget was given, the budget is "room for the whole model"
     ffn_bytes: int = 0          # the whole FFN resident (plan_resident_ffn): no window, no hot region
+    gate_bytes: int = 0         # the exact-gate FFN's gate|up rows in DRAM (plan_gate), and its stream buffer
+    gate_layers: int = 0        # of plan_gate: the layers whose gate|up rows are resident (from the first)
 
     @property
     def hot_rows(self) -> int:
@@ -90,7 +92,7 @@ class BudgetPlan:
     @property
     def used_bytes(self) -> int:
         return (self.runtime_bytes + self.resident_bytes + self.kv_bytes + self.buffer_bytes + self.window_bytes
-                + self.hot_bytes + self.ffn_bytes)
+                + self.hot_bytes + self.ffn_bytes + self.gate_bytes)
 
     def table(self) -> str:
         rows = [("runtime", self.runtime_bytes, "interpreter, libraries, compiled kernels, tokenizer, "
@@ -98,6 +100,9 @@ class BudgetPlan:
                 ("resident dense", self.resident_bytes, "embeddings, attention, norms, head"),
                 *([("resident ffn", self.ffn_bytes, "every layer's FFN weights, computed dense")] if self.ffn_bytes
                   else []),
+                *([("gate|up rows", self.gate_bytes, f"{self.gate_layers} of {self.n_layers} layers resident"
+                   + ("" if self.gate_layers == self.n_layers else ", the rest streamed through one layer's buffer"))]
+                  if self.gate_bytes else []),
                 ("kv cache", self.kv_bytes, f"{self.ctx} positions"),
                 ("buffers", self.buffer_bytes, "a prompt's widened blocks, kernel scratch, heap" if self.ffn_bytes
                  else "reader scratch, kernel scratch, slot maps, prefill chunk"),
@@ -202,6 +207,31 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
                       buffer_bytes=buffers, window_rows=rows, window_bytes=n_layers * rows * row, hot_bytes=hot,
                       minimum_bytes=minimum, n_layers=n_layers, stride=stride, ctx=ctx, window=window,
                       max_active=max_active, requested=requested)
+
+
+def plan_gate(config, layout, dram_budget_bytes: int, ctx: int, window: int, sparsity: float, **kw) -> BudgetPlan:
+    """The exact-gate FFN's plan (ffn.gate.GateFFN): layout a FlashLayout with the split parts. Every token needs every
+    layer's gate|up rows, so they come first: all layers resident when the budget holds them with the minimum
+    down-row window, else as many layers as fit, from the first, and the others streamed through a buffer of one
+    layer's rows (what is read then is said by the runtime). The rest is plan_budget's for the down rows (window and
+    hot region), with the active count of `sparsity` as its expected set. kw: plan_budget's."""
+    gu, dn = layout.parts["gate_up"], layout.parts["down"]
+    rows = [gu.region_bytes(i) for i in range(gu.n_layers)]
+    resident = kw.pop("resident_bytes", 0)
+    max_active = max(1, int(np.ceil((1.0 - sparsity) * max(dn.n_neurons))))
+
+    def plan(k: int) -> BudgetPlan:
+        gate = sum(rows[:k]) + (max(rows) if k < len(rows) else 0)
+        p = plan_budget(config, dn, dram_budget_bytes, ctx, window, max_active=max_active,
+                        resident_bytes=resident + gate, **kw)
+        p.resident_bytes, p.gate_bytes, p.gate_layers = resident, gate, k
+        return p
+    for k in range(len(rows), 0, -1):
+        try:
+            return plan(k)
+        except UserError:
+            continue
+    return plan(0)        # raises, naming the minimum, when even streaming every layer does not fit
 
 
 def refuse_below_minimum(path, dram_budget: int, ctx: int | None, runtime_bytes: int | None = None) -> None:
