@@ -34,10 +34,11 @@ def calibrate(flashdir: str, n_tokens: int = CALIBRATION_TOKENS, progress: bool 
     files.gate = GateCalibration(0.0, (-1.0,) * cfg.n_layers, (np.zeros(n, np.float32),) * cfg.n_layers, {})
     model, tokenizer, runtime = build(files, decide(files, "gate"))
     text = (resources.files("predictors") / "calibration.txt").read_text()
-    segments = list(token_segments(tokenizer, text, n_tokens, CTX, cfg.bos_id))
+    ctx = min(CTX, cfg.max_pos)
+    segments = list(token_segments(tokenizer, text, n_tokens, ctx, cfg.bos_id))
     seen = [[] for _ in range(cfg.n_layers)]
     runtime.observe = lambda layer, coef: seen[layer].append(np.abs(coef))
-    kv = model.new_cache(CTX)
+    kv = model.new_cache(ctx)
     for w in tqdm(segments, desc="calibrate gate", unit="window", disable=not progress, file=sys.stderr):
         kv.reset()
         model.forward(w, kv)
