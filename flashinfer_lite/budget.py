@@ -35,6 +35,7 @@ from storage.reader import BundleReader, aligned_empty
 
 from storage.errors import UserError
 from .ffn.quant import DENSE_ROW_KERNEL_MAX_T, sparse_ffn
+from .ffn.split import SplitKernels
 from .kernels.attention import attention_rows
 from .kernels.gemv import MATMUL_ROW_KERNEL_MAX_T, WIDEN_BLOCK_BYTES, matmul_t
 from .kernels.norm import add_rms_norm_rows, rms_norm_rows
@@ -408,7 +409,17 @@ def compile_steps(layout) -> list:
         quant_matmul_t(np.zeros((1, d), np.float32), wq, "q8_0")
         QuantMatrix.of(("q8_0", wq))[np.zeros(1, np.int64)]
 
+    def gate():                 # ffn.gate.GateFFN: coefficients over gate|up rows, the down sum over down rows
+        gu, dn = layout.parts["gate_up"], layout.parts["down"]
+        kernels = SplitKernels(gu, dn, layout.config.get("act", "silu"), layout.config.get("relu_threshold"))
+        X, coef = np.zeros((1, layout.d), np.float32), np.zeros((1, k), np.float32)
+        kernels.coefficients(np.zeros((k, gu.stride), np.uint8), X, coef, 0.0)
+        kernels.accumulate(aligned_empty((k, dn.stride), np.uint8), np.arange(k, dtype=np.int32), coef,
+                           np.zeros_like(X))
+
     steps = [neuron_cache, sparse, attention]
+    if layout.parts:
+        steps.append(gate)
     if layout.dtype != "f32":   # float32 resident matrices stay float32 (runtime.load_runtime): BLAS, no kernel
         steps.append(half_matrices)
     if layout.quantized:
@@ -499,7 +510,7 @@ def compiled_stamp(layout):
              here / "kquant.py", here / "neuron_cache.py", Path(__file__)]
     key = [numba.__version__, sys.version, *[(str(f.relative_to(here)), f.stat().st_mtime_ns, f.stat().st_size)
                                              for f in files],
-           layout.d % BLOCK == 0, layout.dtype, layout.down_dtype, layout.vectors, layout.biases]
+           layout.d % BLOCK == 0, layout.dtype, layout.down_dtype, layout.vectors, layout.biases, bool(layout.parts)]
     digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
     return Path(attention_rows._cache.cache_path) / f"flashinfer-lite-kernels-{digest}.stamp"
 
