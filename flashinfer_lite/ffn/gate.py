@@ -104,33 +104,32 @@ class GateFFN(FlashFFN):
         coef = self.coefficients(layer, x)
         if self.observe is not None:
             self.observe(layer, coef)
-        ids = [np.flatnonzero(c) for c in coef]          # bundle ids, ascending
+        ids = np.flatnonzero(coef.any(axis=0))          # bundle ids any row needs, ascending
         y = np.zeros_like(x)
-        if T > 1 and self.prefer_streaming(layer, ids):
+        if T > 1 and self.prefer_streaming(layer, [ids]):
             self.stream_down(layer, coef, y)
             self.stats.streamed_layers += 1
         else:
-            for t in range(T):
-                self.decode_row(layer, ids[t], coef[t], y[t])
+            self.accumulate_rows(layer, ids, coef, y)
         if self.down_bias[layer] is not None:
             y += self.down_bias[layer]
         self.stats.rows[layer] += T
-        self.stats.active[layer] += sum(len(i) for i in ids)
+        self.stats.active[layer] += int(np.count_nonzero(coef))
         if layer == self.cfg.n_layers - 1:
             self._close_pass(T)
         return y
 
-    def decode_row(self, layer: int, ids: np.ndarray, coef: np.ndarray, out: np.ndarray) -> None:
-        """out += the down rows of `ids` (ascending) weighted by coef[ids], through the neuron cache in window-sized
-        pieces accumulated one after the other (the same bits as one pass: ffn.sparse)."""
+    def accumulate_rows(self, layer: int, ids: np.ndarray, coef: np.ndarray, Y: np.ndarray) -> None:
+        """Y[t] += the down rows of `ids` (ascending) weighted by coef[t, ids], through the neuron cache in
+        window-sized pieces accumulated one after the other. Each row's sum skips its zero coefficients and adds the
+        rest in bundle order, so a token gives the same bits alone or in a prompt, in one piece or many (ffn.sparse)."""
         cap = self.plan.window_rows
-        Y = out[None, :]
         for start in range(0, len(ids), cap):
             piece = ids[start:start + cap]
             f = self.cache.start_fetch(layer, piece)
             f.finish()
             t0 = time.perf_counter()
-            self.kernels.accumulate(self.cache.matrix(layer), f.slots, coef[piece][None, :], Y)
+            self.kernels.accumulate(self.cache.matrix(layer), f.slots, np.ascontiguousarray(coef[:, piece]), Y)
             self.stats.compute_s += time.perf_counter() - t0
 
     def stream_down(self, layer: int, coef: np.ndarray, y: np.ndarray) -> None:
