@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_same_bits_at_every_budget
+from test_quant_e2e import greedy          # n greedy tokens after a batched prompt, and every step's logits
 from flashinfer_lite.loader import open_any
 from flashinfer_lite.model import Transformer
 from flashinfer_lite.runtime import load_runtime
@@ -92,16 +93,6 @@ def float64_gated_model(source, flash, thresholds, masks=None):
             masks.append((layer, np.abs(c), keep))
         return np.where(keep, c, 0.0) @ W[p + "down.weight"].T + W.get(p + "down.bias", 0.0)
     return Transformer(ck.config, {n: w for n, w in W.items() if ".ffn." not in n or "norm" in n}, ffn=ffn)
-
-
-def greedy(model, ids, n, ctx=64):
-    kv = model.new_cache(ctx)
-    rows = [model.forward(ids, kv, all_logits=True)]
-    out = []
-    for _ in range(n):
-        out.append(int(np.argmax(rows[-1][-1])))
-        rows.append(model.forward([out[-1]], kv)[None, :])
-    return out, np.concatenate(rows)[:-1]
 
 
 @pytest.mark.parametrize("dtype", ["f32", "q8_0"])
