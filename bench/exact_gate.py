@@ -15,7 +15,6 @@ same function with every weight in DRAM.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
