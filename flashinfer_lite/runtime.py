@@ -251,9 +251,11 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
 def decide(files: ModelFiles, ffn: str, dram_budget=None, ctx: int | None = None, window: int = 5,
            lookahead: bool = False, room: int | None = None, verbose: bool = False) -> Decision:
     """What runs, from the model's facts and the flags; nothing is loaded, nothing printed. dram_budget: bytes,
-    "auto" (room: what the machine can give, budget.auto_budget_bytes) or None (no limit). --ffn auto: dense when
-    the whole model fits the budget (in RAM nothing is gained by predicting: every neuron from DRAM is exact and
-    faster), else predicted, which needs predictors (the default model's are trained first)."""
+    "auto" (room: what the machine can give, budget.auto_budget_bytes) or None (no limit). --ffn auto: a SiLU-gated
+    model with the split layout runs the exact gate at every budget (decide_gate: one function, the same tokens at
+    any budget); any other model dense when the whole model fits the budget (in RAM nothing is gained by predicting:
+    every neuron from DRAM is exact and faster), else predicted, which needs predictors (the default model's are
+    trained first)."""
     cfg = files.ckpt.config
     ctx = ctx or cfg.default_ctx
     if ffn == "dense" or (ffn == "auto" and not files.flash_backed):
