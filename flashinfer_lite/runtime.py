@@ -461,8 +461,10 @@ def train_on_first_use(flashdir: str) -> None:
 def calibrate_on_first_use(flashdir: str) -> None:
     """Calibrate the exact gate's thresholds (predictors/calibrate_gate.py) in a child process: its model in DRAM
     is not this process's memory, which the budget counts."""
-    print(f"gate: calibrating the thresholds of {flashdir} once, on first use", file=sys.stderr)
-    run_child([sys.executable, "-m", "predictors.calibrate_gate", str(flashdir)])
+    if sys.stderr.isatty():     # on a terminal, with its progress bar; a script's stderr keeps its one error line
+        print(f"gate: calibrating the thresholds of {flashdir} once, on first use", file=sys.stderr)
+    run_child([sys.executable, "-m", "predictors.calibrate_gate", str(flashdir),
+               *([] if sys.stderr.isatty() else ["--quiet"])])
 
 
 def default_model_predictors(flashdir: str) -> str:
