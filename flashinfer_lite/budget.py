@@ -35,6 +35,7 @@ from storage.reader import BundleReader, aligned_empty
 
 from storage.errors import UserError
 from .ffn.quant import DENSE_ROW_KERNEL_MAX_T, sparse_ffn, sparse_ffns
+from .ffn.split import SplitKernels
 from .kernels.attention import attention_rows
 from .kernels.gemv import MATMUL_ROW_KERNEL_MAX_T, WIDEN_BLOCK_BYTES, matmul_t
 from .kernels.norm import add_rms_norm_rows, rms_norm_rows
@@ -77,6 +78,8 @@ class BudgetPlan:
     max_active: int
     requested: bool = True      # False: no --dram-budget was given, the budget is "room for the whole model"
     ffn_bytes: int = 0          # the whole FFN resident (plan_resident_ffn): no window, no hot region
+    gate_bytes: int = 0         # the exact-gate FFN's gate|up rows in DRAM (plan_gate), and its stream buffer
+    gate_layers: int = 0        # of plan_gate: the layers whose gate|up rows are resident (from the first)
 
     @property
     def hot_rows(self) -> int:
@@ -90,7 +93,7 @@ class BudgetPlan:
     @property
     def used_bytes(self) -> int:
         return (self.runtime_bytes + self.resident_bytes + self.kv_bytes + self.buffer_bytes + self.window_bytes
-                + self.hot_bytes + self.ffn_bytes)
+                + self.hot_bytes + self.ffn_bytes + self.gate_bytes)
 
     def table(self) -> str:
         rows = [("runtime", self.runtime_bytes, "interpreter, libraries, compiled kernels, tokenizer, "
@@ -98,6 +101,9 @@ class BudgetPlan:
                 ("resident dense", self.resident_bytes, "embeddings, attention, norms, head"),
                 *([("resident ffn", self.ffn_bytes, "every layer's FFN weights, computed dense")] if self.ffn_bytes
                   else []),
+                *([("gate|up rows", self.gate_bytes, f"{self.gate_layers} of {self.n_layers} layers resident"
+                   + ("" if self.gate_layers == self.n_layers else ", the rest streamed through one layer's buffer"))]
+                  if self.gate_bytes else []),
                 ("kv cache", self.kv_bytes, f"{self.ctx} positions"),
                 ("buffers", self.buffer_bytes, "a prompt's widened blocks, kernel scratch, heap" if self.ffn_bytes
                  else "reader scratch, kernel scratch, slot maps, prefill chunk"),
@@ -207,6 +213,31 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
                       buffer_bytes=buffers, window_rows=rows, window_bytes=n_layers * rows * row, hot_bytes=hot,
                       minimum_bytes=minimum, n_layers=n_layers, stride=stride, ctx=ctx, window=window,
                       max_active=max_active, requested=requested)
+
+
+def plan_gate(config, layout, dram_budget_bytes: int, ctx: int, window: int, sparsity: float, **kw) -> BudgetPlan:
+    """The exact-gate FFN's plan (ffn.gate.GateFFN): layout a FlashLayout with the split parts. Every token needs every
+    layer's gate|up rows, so they come first: all layers resident when the budget holds them with the minimum
+    down-row window, else as many layers as fit, from the first, and the others streamed through a buffer of one
+    layer's rows (what is read then is said by the runtime). The rest is plan_budget's for the down rows (window and
+    hot region), with the active count of `sparsity` as its expected set. kw: plan_budget's."""
+    gu, dn = layout.parts["gate_up"], layout.parts["down"]
+    rows = [gu.region_bytes(i) for i in range(gu.n_layers)]
+    resident = kw.pop("resident_bytes", 0)
+    max_active = max(1, int(np.ceil((1.0 - sparsity) * max(dn.n_neurons))))
+
+    def plan(k: int) -> BudgetPlan:
+        gate = sum(rows[:k]) + (max(rows) if k < len(rows) else 0)
+        p = plan_budget(config, dn, dram_budget_bytes, ctx, window, max_active=max_active,
+                        resident_bytes=resident + gate, **kw)
+        p.resident_bytes, p.gate_bytes, p.gate_layers = resident, gate, k
+        return p
+    for k in range(len(rows), 0, -1):
+        try:
+            return plan(k)
+        except UserError:
+            continue
+    return plan(0)        # raises, naming the minimum, when even streaming every layer does not fit
 
 
 def refuse_below_minimum(path, dram_budget: int, ctx: int | None, runtime_bytes: int | None = None) -> None:
@@ -385,7 +416,17 @@ def compile_steps(layout) -> list:
         quant_matmul_t(np.zeros((1, d), np.float32), wq, "q8_0")
         QuantMatrix.of(("q8_0", wq))[np.zeros(1, np.int64)]
 
+    def gate():                 # ffn.gate.GateFFN: coefficients over gate|up rows, the down sum over down rows
+        gu, dn = layout.parts["gate_up"], layout.parts["down"]
+        kernels = SplitKernels(gu, dn, layout.config.get("act", "silu"), layout.config.get("relu_threshold"))
+        X, coef = np.zeros((1, layout.d), np.float32), np.zeros((1, k), np.float32)
+        kernels.coefficients(np.zeros((k, gu.stride), np.uint8), X, coef, 0.0)
+        kernels.accumulate(aligned_empty((k, dn.stride), np.uint8), np.arange(k, dtype=np.int32), coef,
+                           np.zeros_like(X))
+
     steps = [neuron_cache, sparse, attention]
+    if layout.parts:
+        steps.append(gate)
     if layout.dtype != "f32":   # float32 resident matrices stay float32 (runtime.load_runtime): BLAS, no kernel
         steps.append(half_matrices)
     if layout.quantized:
@@ -476,7 +517,7 @@ def compiled_stamp(layout):
              here / "neuron_cache.py", Path(__file__)]
     key = [numba.__version__, sys.version, *[(str(f.relative_to(here)), f.stat().st_mtime_ns, f.stat().st_size)
                                              for f in files],
-           layout.d % BLOCK == 0, layout.dtype, layout.down_dtype, layout.vectors, layout.biases]
+           layout.d % BLOCK == 0, layout.dtype, layout.down_dtype, layout.vectors, layout.biases, bool(layout.parts)]
     digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
     return Path(attention_rows._cache.cache_path) / f"flashinfer-lite-kernels-{digest}.stamp"
 

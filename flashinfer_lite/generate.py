@@ -11,10 +11,12 @@ import numpy as np
 
 from storage.config import DEFAULT_MAX_CTX
 from storage.errors import UserError
+from storage.gate_file import DEFAULT_SPARSITY, SPARSITIES
 from storage.tokenizer import StreamDecoder, Tokenizer, check_utf8
 
 from .model import Transformer
 from .process import peak_rss_bytes, rss_bytes
+
 from .runtime import FFN_MODES, load
 
 
@@ -221,9 +223,14 @@ def add_model_arguments(p) -> None:
     p.add_argument("-sys", "--system-prompt", default=None, help="system prompt for the chat template")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     p.add_argument("--ffn", default="auto", choices=FFN_MODES,
-                   help="FFN neurons to compute: all, the truly active ones, or the predicted ones; auto (default) = "
-                        "predicted for the default model (predictors trained on first use) and for a FLASHDIR with "
-                        "predictors, else dense")
+                   help="FFN neurons to compute: all (dense), the truly active ones (oracle), the predicted ones "
+                        "(predicted), or a gated model's exact gate (gate: gate|up in DRAM, down rows from flash); "
+                        "auto (default) = gate for a SiLU-gated model with the split layout (the default model: "
+                        "thresholds calibrated on first use), else dense when the model fits the budget, else "
+                        "predicted")
+    p.add_argument("--sparsity", type=float, default=DEFAULT_SPARSITY,
+                   help=f"--ffn gate: the calibrated share of neurons dropped, one of {', '.join(map(str, SPARSITIES))} "
+                        f"(default {DEFAULT_SPARSITY})")
     p.add_argument("--dram-budget", default="auto",
                    help="bytes the process may keep (e.g. 300M, 2GiB): weights, KV cache, neuron cache, buffers; "
                         "auto (default): available memory (and the memory cgroup's room) less a margin")
@@ -267,7 +274,8 @@ def check_arguments(args) -> None:
 def open_model(args):
     """(Model, Tokenizer) for the command's flags: -m (or the default model), --ffn, --dram-budget, -c, -t,
     --lookahead, -v, by the library's load()."""
-    return load(args.model, args.dram_budget, args.ffn, args.ctx_size, args.threads, args.lookahead, args.verbose)
+    return load(args.model, args.dram_budget, args.ffn, args.ctx_size, args.threads, args.lookahead, args.verbose,
+                sparsity=args.sparsity)
 
 
 def read_prompt(args) -> str:

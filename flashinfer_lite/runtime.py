@@ -3,7 +3,11 @@
   dense      every neuron, weights in DRAM (model.FeedForward; a quantized FLASHDIR: ffn.resident.ResidentFFN)
   oracle     the neurons whose true activation is nonzero (ReLU) or clears the calibrated threshold (SwiGLU);
              needs the dense gate/up weights to know that, so it is a test mode, not a memory-saving one
-  predicted  the neurons the low-rank predictor selects, read from flash (ffn.flash.FlashFFN): the product
+  predicted  the neurons the low-rank predictor selects, read from flash (ffn.flash.FlashFFN): the product for
+             ReLU-family models
+  gate       a GLU model's exact gate (ffn.gate.GateFFN): every neuron's act(gate.x) * up.x from gate|up rows in DRAM,
+             the calibrated threshold, the down rows of the neurons that clear it from flash; one function at every
+             budget, and what --ffn auto runs for a gated (SiLU) model with the split layout
 
 Decide, then build: open_model_files reads what a decision needs, decide (pure) says what runs (the FFN mode and
 source, the DRAM plan, whether the default model's predictors must be trained first), build loads it. load() is the
@@ -27,23 +31,27 @@ from storage.cache import flashdir_for
 from storage.config import ModelConfig
 from storage.errors import UserError, run_child
 from storage.format import FlashCheckpoint, is_flashdir, verify_at_load
+from storage.gate_file import DEFAULT_SPARSITY, read_gate_file
 from storage.half import half_matrix
 from storage.sizes import parse_size
 
 from . import BLAS_THREADS_FROM_USER
 from .budget import (HEAP_SLACK_BYTES, BudgetPlan, auto_budget_bytes, measure_runtime_bytes, plan_budget,
-                     plan_experts, plan_resident_ffn, refuse_below_minimum, remembered_kernels_bytes,
+                     plan_experts, plan_gate, plan_resident_ffn, refuse_below_minimum, remembered_kernels_bytes,
                      resident_bytes_for)
 from .default_model import ensure_default_model
 from .ffn.experts import ExpertFFN
 from .ffn.flash import STREAM_CHUNK_BYTES, FlashFFN
+from .ffn.gate import GateFFN
 from .ffn.resident import ResidentFFN
 from .loader import load_weights, open_any
 from .model import FeedForward, Transformer
 from .predictor_set import describe_calibration, load_expert_freq, load_predictors, read_manifest
 from .process import keep_freed_arrays_out_of_rss, rss_bytes
 
-FFN_MODES = ("auto", "dense", "oracle", "predicted", "experts")   # experts: a mixture of experts from flash   # auto: dense when the model fits the budget, else predicted
+# auto: a gated (SiLU) model with the split layout: gate at every budget; a mixture of experts: experts from flash;
+# else dense when the model fits, else predicted
+FFN_MODES = ("auto", "dense", "oracle", "predicted", "gate", "experts")
 # FFN tensors that live in the bundles on flash; everything else (including ffn.down.bias) stays resident.
 _BUNDLED = re.compile(r"layers\.\d+\.ffn\.(gate|up|down)\.weight|layers\.\d+\.ffn\.(gate|up)\.bias")
 _EXPERT = re.compile(r"layers\.\d+\.ffn\.experts\.\d+\.(gate|up|down)\.weight")   # in ffn.bin's expert chunks
@@ -181,6 +189,14 @@ class ModelFiles:
     runtime_bytes: int | None       # the plan's runtime line (None: no plan will be made)
     dense_bytes: int = 0            # DRAM a dense run of the source needs (a GGUF keeps its blocks: its file size)
     expert_freq: object = None      # a mixture of experts: [L, E] routings counted on calibration text, or None
+    gate: object = None             # storage.gate_file.GateCalibration at the run's sparsity, or None
+
+    @property
+    def exact_gate(self) -> bool:
+        """A gated (SiLU) model with the split layout: --ffn auto runs the exact gate (ffn.gate) at every budget.
+        ReLU-family models keep the predictor over full bundles (their zeros are what it predicts)."""
+        L = self.ckpt.layout if self.flash_backed else None
+        return L is not None and bool(L.parts) and self.ckpt.config.act == "silu"
 
     @property
     def trained(self) -> bool:
@@ -190,12 +206,13 @@ class ModelFiles:
 @dataclass(frozen=True)
 class Decision:
     """What a run will be: the FFN mode, the FFN source it implies, the DRAM plan, and what must happen first."""
-    ffn: str                        # dense | oracle | predicted (auto decided)
+    ffn: str                        # dense | oracle | predicted | gate (auto decided)
     plan: object                    # BudgetPlan (None: a dense run without a plan)
     train_predictors: bool          # the default model's predictors must be trained first (then decide again)
     lookahead: bool
     notes: tuple[str, ...] = ()     # stderr lines for before the weights load
     auto: tuple[str, str] | None = None   # --ffn auto's reason: (what it chose and why, whose predictors)
+    calibrate_gate: bool = False    # gate: the thresholds must be calibrated first (then decide again)
 
     @property
     def source(self) -> str:
@@ -204,7 +221,8 @@ class Decision:
 
 
 def open_model_files(model, ffn: str, verify: bool = True, progress: bool = False,
-                     runtime_bytes: int | None = None, refuse_below: int | None = None, ctx: int = 0) -> ModelFiles:
+                     runtime_bytes: int | None = None, refuse_below: int | None = None, ctx: int = 0,
+                     sparsity: float = DEFAULT_SPARSITY) -> ModelFiles:
     """The facts decide() needs. A FLASHDIR backs every mode but dense of an HF directory or GGUF (and auto of one
     that is not the default model: without predictors it runs dense); such a model is converted into the cache on
     first use, and a launch checks sizes and the verified stamp, not every byte. The runtime line is measured here,
@@ -215,7 +233,7 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
         raise UserError(f"unknown --ffn mode '{ffn}' (choose from {', '.join(FFN_MODES)})")
     default = model is None
     source = str(ensure_default_model()) if default else str(model)
-    flash_backed = is_flashdir(source) or ffn in ("oracle", "predicted", "experts") or (ffn == "auto" and default)
+    flash_backed = is_flashdir(source) or ffn in ("oracle", "predicted", "gate", "experts") or (ffn == "auto" and default)
     if refuse_below is not None and flash_backed and ffn != "dense":
         refuse_below_minimum(source, refuse_below, ctx)
     if not flash_backed or ffn == "dense":     # every weight in DRAM, as stored: no plan, no predictors
@@ -238,15 +256,19 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
         runtime_bytes = rss_bytes() + remembered_kernels_bytes() if ckpt.config.moe else \
             measure_runtime_bytes(ckpt.layout)
     files.runtime_bytes = runtime_bytes
+    if not ckpt.config.moe:
+        files.gate = read_gate_file(path, ckpt.config.n_layers, ckpt.config.ffn_dim, sparsity)
     return files
 
 
 def decide(files: ModelFiles, ffn: str, dram_budget=None, ctx: int | None = None, window: int = 5,
            lookahead: bool = False, room: int | None = None, verbose: bool = False) -> Decision:
     """What runs, from the model's facts and the flags; nothing is loaded, nothing printed. dram_budget: bytes,
-    "auto" (room: what the machine can give, budget.auto_budget_bytes) or None (no limit). --ffn auto: dense when
-    the whole model fits the budget (in RAM nothing is gained by predicting: every neuron from DRAM is exact and
-    faster), else predicted, which needs predictors (the default model's are trained first)."""
+    "auto" (room: what the machine can give, budget.auto_budget_bytes) or None (no limit). --ffn auto: a SiLU-gated
+    model with the split layout runs the exact gate at every budget (decide_gate: one function, the same tokens at
+    any budget); any other model dense when the whole model fits the budget (in RAM nothing is gained by predicting:
+    every neuron from DRAM is exact and faster), else predicted, which needs predictors (the default model's are
+    trained first)."""
     cfg = files.ckpt.config
     ctx = ctx or cfg.default_ctx
     if cfg.moe and files.flash_backed and ffn != "dense":
@@ -265,6 +287,8 @@ def decide(files: ModelFiles, ffn: str, dram_budget=None, ctx: int | None = None
                      f"(docs/PREDICTORS.md)",)
         auto = ("", f"{files.source} has no trained predictors") if ffn == "auto" else None
         return Decision("dense", None, False, False, notes, auto)
+    if ffn == "gate" or (ffn == "auto" and files.exact_gate):
+        return decide_gate(files, ffn, dram_budget, ctx, window, room, verbose)
     whose = ("the default model" if files.default else
              f"{files.source} has {'trained' if files.trained else 'no trained'} predictors")
     if ffn == "auto":
@@ -307,11 +331,51 @@ def decide_experts(files: ModelFiles, ffn: str, dram_budget, ctx: int, room: int
                     else None)
 
 
+def decide_gate(files: ModelFiles, ffn: str, dram_budget, ctx: int, window: int, room: int | None,
+                verbose: bool) -> Decision:
+    """The exact gate's decision: its plan (budget.plan_gate) at any budget, including none (every down row in
+    DRAM: the same function), and whether its thresholds must be calibrated first."""
+    layout, cfg = files.ckpt.layout, files.ckpt.config
+    if not layout.parts or not layout.glu:
+        raise UserError(f"--ffn gate needs a GLU model converted with the split layout (gate_up.bin, down.bin); "
+                        f"{files.path} has none: re-run `flashinfer-lite convert`")
+    if cfg.act != "silu":
+        raise UserError(f"--ffn gate is for SiLU-gated models; {files.path} uses {cfg.act}: use --ffn predicted")
+    why = (f"gated model ({cfg.act}): the exact gate, no predictor",
+           "the default model" if files.default else files.source) if ffn == "auto" else None
+    if files.gate is None:
+        return Decision("gate", None, False, False, (), why, calibrate_gate=True)
+    resident = resident_bytes_for(cfg, half=layout.dtype != "f32", kinds=files.ckpt.resident_kinds)
+
+    def plan_for(budget: int, requested: bool):
+        return plan_gate(cfg, layout, budget, ctx, window, files.gate.sparsity, resident_bytes=resident,
+                         runtime_bytes=files.runtime_bytes, stream_chunk_bytes=STREAM_CHUNK_BYTES,
+                         requested=requested, heap_slack_bytes=HEAP_SLACK_BYTES if files.runtime_bytes else 0)
+    whole = plan_for(1 << 60, False).used_bytes
+    notes = ()
+    if dram_budget is None or (dram_budget == "auto" and room >= whole):
+        plan = plan_for(whole, False)
+    else:
+        plan = plan_for(room if dram_budget == "auto" else dram_budget, True)
+    gu = layout.parts["gate_up"]
+    if plan.gate_layers < cfg.n_layers:
+        streamed = sum(gu.region_bytes(i) for i in range(plan.gate_layers, cfg.n_layers))
+        notes += (f"gate: the gate|up rows of {plan.gate_layers} of {cfg.n_layers} layers fit in the DRAM budget; the "
+                  f"other {cfg.n_layers - plan.gate_layers} are read from flash as one sequential stream per layer "
+                  f"({streamed / 1e6:.1f} MB per token more)",)
+    if verbose or plan.requested:
+        notes += (plan.table(),)
+    return Decision("gate", plan, False, False, notes, why)
+
+
 def build(files: ModelFiles, decision: Decision, threads: int | None = None, progress: bool = False,
           verbose: bool = False):
     """(model, tokenizer, runtime) as decided; runtime is the FlashFFN, None when every weight is in DRAM."""
     if decision.train_predictors:
         raise UserError(f"{files.path} has no predictors yet: train them first (first use of the default model)")
+    if decision.calibrate_gate:
+        raise UserError(f"{files.path} has no gate thresholds yet: calibrate them first "
+                        f"(python -m predictors.calibrate_gate {files.path})")
     if decision.source == "dram":
         if files.flash_backed:
             return resident_model(files.ckpt, progress), files.tokenizer, None
@@ -328,6 +392,12 @@ def build(files: ModelFiles, decision: Decision, threads: int | None = None, pro
         return Transformer(cfg, weights, ffn=runtime), files.tokenizer, runtime
     weights = load_weights(ckpt, progress, skip=lambda n: bool(_BUNDLED.fullmatch(n)),
                            convert=half_matrix if ckpt.layout.dtype != "f32" else None)
+    down_bias = [weights.get(f"layers.{i}.ffn.down.bias") for i in range(cfg.n_layers)]
+    if decision.ffn == "gate":
+        runtime = GateFFN(cfg, ckpt.layout, decision.plan, files.gate, down_bias, threads=threads, verbose=verbose)
+        if verbose:
+            print(runtime.reader.describe(), file=sys.stderr)
+        return Transformer(cfg, weights, ffn=runtime), files.tokenizer, runtime
     select = oracle_selector(cfg, ckpt, predictors) if decision.ffn == "oracle" else predictors.predict
     runtime = FlashFFN(cfg, ckpt.layout, decision.plan, select, predictors,
                        down_bias=[weights.get(f"layers.{i}.ffn.down.bias") for i in range(cfg.n_layers)],
@@ -340,7 +410,7 @@ def build(files: ModelFiles, decision: Decision, threads: int | None = None, pro
 
 def load_runtime(path, ffn: str = "dense", dram_budget: int | str | None = None, ctx: int | None = None, window: int = 5,
                  threads: int | None = None, progress: bool = False, verbose: bool = False, verify: bool = True,
-                 runtime_bytes: int | None = None, lookahead: bool = False):
+                 runtime_bytes: int | None = None, lookahead: bool = False, sparsity: float = DEFAULT_SPARSITY):
     """(model, tokenizer, runtime) for a model path and an FFN mode: open_model_files, decide, build (no first-use
     training: a model without the predictors its run needs is an error naming the commands to run).
 
@@ -352,7 +422,7 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | str | None = None,
     cost more than the early start hides (bench/README.md).
     """
     one_blas_thread()
-    files = open_model_files(path, ffn, verify, progress, runtime_bytes)
+    files = open_model_files(path, ffn, verify, progress, runtime_bytes, sparsity=sparsity)
     decision = decide(files, ffn, dram_budget, ctx, window, lookahead,
                       auto_budget_bytes() if dram_budget == "auto" else None, verbose)
     for line in decision.notes:
@@ -371,7 +441,8 @@ class Model:
 
 
 def load(path: str | None = None, dram_budget: int | str | None = "auto", ffn: str = "auto", ctx: int = 0,
-         threads: int | None = None, lookahead: bool = False, verbose: bool = False):
+         threads: int | None = None, lookahead: bool = False, verbose: bool = False,
+         sparsity: float = DEFAULT_SPARSITY):
     """(model, tokenizer) for an HF directory, a GGUF file or a FLASHDIR; None = the default model (fetched, and its
     predictors trained, on first use). dram_budget: bytes, a size string ("300M"), "auto" (the default: what the
     machine can give) or None (no limit); ffn as the CLI's --ffn; ctx 0: the model's default context."""
@@ -382,7 +453,7 @@ def load(path: str | None = None, dram_budget: int | str | None = "auto", ffn: s
     budget = parse_size(dram_budget) if isinstance(dram_budget, str) and dram_budget != "auto" else dram_budget
     progress = sys.stderr.isatty()
     files = open_model_files(path, ffn, progress=progress, refuse_below=budget if isinstance(budget, int) else None,
-                             ctx=ctx)
+                             ctx=ctx, sparsity=sparsity)
     ctx = context_size(ctx, files.ckpt.config)
     room = auto_budget_bytes() if budget == "auto" else None
     decision = decide(files, ffn, budget, ctx, lookahead=lookahead, room=room, verbose=verbose)
@@ -391,13 +462,19 @@ def load(path: str | None = None, dram_budget: int | str | None = "auto", ffn: s
         files.predictors = load_predictors(files.path)
         files.runtime_bytes = measure_runtime_bytes(files.ckpt.layout)
         decision = decide(files, ffn, budget, ctx, lookahead=lookahead, room=room, verbose=verbose)
+    if decision.calibrate_gate:        # the first exact-gate run of a FLASHDIR: seconds, in a child process
+        calibrate_on_first_use(files.path)
+        files.gate = read_gate_file(files.path, files.ckpt.config.n_layers, files.ckpt.config.ffn_dim, sparsity)
+        decision = decide(files, ffn, budget, ctx, lookahead=lookahead, room=room, verbose=verbose)
     for line in decision.notes:
         print(line, file=sys.stderr)
     transformer, tokenizer, runtime = build(files, decision, threads, progress, verbose)
     if decision.auto is not None:
         fit, whose = decision.auto
-        if files.default and runtime is not None:
+        if files.default and decision.ffn == "predicted":
             whose = f"{whose}; {default_model_predictors(files.path)}"
+        if decision.ffn == "gate":
+            whose = f"{whose}; sparsity {files.gate.sparsity:g}, thresholds calibrated on {files.gate.calibration.get('text', '?')}"
         print(f"ffn: {decision.ffn} (--ffn auto, {f'{fit}; ' if fit else ''}{whose})", file=sys.stderr)
     return Model(transformer, runtime, ctx, (time.perf_counter() - t0) * 1e3), tokenizer
 
@@ -419,6 +496,15 @@ def train_on_first_use(flashdir: str) -> None:
         raise UserError("training the default model's predictors on first use needs torch: "
                         "pip install 'flashinfer-lite[train]' (or run with --ffn dense)")
     run_child([sys.executable, "-m", "predictors.first_use", str(flashdir)])
+
+
+def calibrate_on_first_use(flashdir: str) -> None:
+    """Calibrate the exact gate's thresholds (predictors/calibrate_gate.py) in a child process: its model in DRAM
+    is not this process's memory, which the budget counts."""
+    if sys.stderr.isatty():     # on a terminal, with its progress bar; a script's stderr keeps its one error line
+        print(f"gate: calibrating the thresholds of {flashdir} once, on first use", file=sys.stderr)
+    run_child([sys.executable, "-m", "predictors.calibrate_gate", str(flashdir),
+               *([] if sys.stderr.isatty() else ["--quiet"])])
 
 
 def default_model_predictors(flashdir: str) -> str:

@@ -23,6 +23,7 @@ from storage.errors import UserError
 from flashinfer_lite.loader import open_any
 from flashinfer_lite.model import half_matrix
 from flashinfer_lite.runtime import FFN_MODES, keeps_float16, load
+from storage.gate_file import DEFAULT_SPARSITY
 from storage.sizes import parse_size
 
 from .acts import read_corpus
@@ -33,7 +34,10 @@ from .layerwise import LayerStream
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-m", "--model", required=True, help="FLASHDIR (or an HF dir / GGUF for --ffn dense)")
     parser.add_argument("--corpus", nargs="+", required=True, metavar="FILE", help="evaluation text file(s)")
-    parser.add_argument("--ffn", choices=("dense", "oracle", "predicted"), default="predicted")
+    parser.add_argument("--ffn", choices=FFN_MODES, default="predicted",
+                        help="as generate's; auto measures what generate runs by default at that --dram-budget")
+    parser.add_argument("--sparsity", type=float, default=DEFAULT_SPARSITY,
+                        help=f"--ffn gate: the calibrated share of neurons dropped (default {DEFAULT_SPARSITY})")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens to evaluate (default 2048)")
     parser.add_argument("--ctx", type=int, default=256, help="segment length (default 256)")
     parser.add_argument("--dram-budget", default="auto", metavar="SIZE|auto",
@@ -44,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     budget = args.dram_budget if args.dram_budget == "auto" else parse_size(args.dram_budget)
-    res = evaluate(args.model, args.corpus, args.ffn, n_tokens=args.tokens, ctx=args.ctx, dram_budget=budget)
+    res = evaluate(args.model, args.corpus, args.ffn, n_tokens=args.tokens, ctx=args.ctx, dram_budget=budget,
+                   sparsity=args.sparsity)
     print(format_result(res), file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(res))
@@ -80,7 +85,7 @@ def dense_reference(ckpt, segments, progress: bool = True) -> list[tuple[np.ndar
 
 
 def evaluate(model_path, corpus, ffn: str, n_tokens: int = 2048, ctx: int = 256, progress: bool = True,
-             dram_budget: int | str | None = None) -> dict:
+             dram_budget: int | str | None = None, sparsity: float = DEFAULT_SPARSITY) -> dict:
     if n_tokens < 2:
         raise UserError(f"--tokens must be at least 2 (got {n_tokens})")
     if ffn not in FFN_MODES:
@@ -102,7 +107,7 @@ def evaluate(model_path, corpus, ffn: str, n_tokens: int = 2048, ctx: int = 256,
     if ffn == "dense":
         nll, agree, t_model = nll_dense, n_pred, t_dense
     else:
-        loaded, _ = load(model_path, dram_budget, ffn, ctx)
+        loaded, _ = load(model_path, dram_budget, ffn, ctx, sparsity=sparsity)
         model, runtime = loaded.transformer, loaded.runtime
         kv = model.new_cache(ctx)
         nll, agree, t_model = 0.0, 0, 0.0
@@ -126,6 +131,9 @@ def evaluate(model_path, corpus, ffn: str, n_tokens: int = 2048, ctx: int = 256,
     else:
         share = runtime.stats.active_share()
     res["active_share"] = float(share.mean())
+    res["ffn_source"] = "dram" if runtime is None else type(runtime).__name__     # what auto ran
+    if runtime is not None:
+        res["flash_mb_per_token"] = (runtime.stats.read_bytes + runtime.stats.prefill_bytes_read) / 1e6 / n_pred
     res["active_share_per_layer"] = [round(float(s), 4) for s in share]
     preds = getattr(runtime, "predictors", None) if runtime is not None else None
     if preds is not None and ffn == "predicted":

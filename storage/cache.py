@@ -89,7 +89,9 @@ def flashdir_for(path, progress: bool) -> str:
     flash = cache_dir() / FLASH
     # The dtype convert's default gives this source is part of the key: a conversion made under an older default
     # (first uses before q4_1 made float16 ones) is not reused, and `flashinfer-lite cache` lists it for removal.
-    key = f"{source_key(p)}-{layout_for(open_checkpoint(p), DEFAULT_DTYPE).dtype}"
+    # "-split": GLU conversions made before the split layout (ffn.gate's gate|up and down files) are not reused.
+    layout = layout_for(open_checkpoint(p), DEFAULT_DTYPE)
+    key = f"{source_key(p)}-{layout.dtype}{'-split' if layout.glu else ''}"
     # the name's stem is for people; the key alone finds a conversion (a renamed model is the same model)
     dest = next((d for d in sorted(flash.glob(f"*-{key}")) if is_flashdir(d)), flash / f"{p.stem}-{key}")
     if not is_flashdir(dest):

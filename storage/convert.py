@@ -31,7 +31,7 @@ from .checkpoint import open_checkpoint
 from .experts import EXPERT_DTYPES, MATRICES, ExpertLayout, expert_tensor_name
 from .files import is_scratch, remove_stale_temp_dirs, temp_path
 from .blocks import QUANTIZABLE, fits, quantize, row_bytes
-from .format import (DTYPES, MANIFEST, QUANT_DTYPES, PREDICTOR_DIR, FlashLayout, expert_checksum, file_checksum,
+from .format import (DTYPES, MANIFEST, QUANT_DTYPES, PREDICTOR_DIR, SPLIT_PARTS, FlashLayout, expert_checksum, file_checksum,
                      ffn_tensor_names, pack_bundles, read_layout, write_manifest, write_verified_stamp)
 from .safetensors_out import SafetensorsWriter
 
@@ -60,7 +60,8 @@ def run(args) -> int:
               f"chunks of {E.chunk} bytes, ffn.bin {L.ffn_size / 2**20:.1f} MiB")
         return 0
     print(f"wrote {out}: {L.n_layers} layers x {L.n_neurons[0]} neurons, {L.dtype} bundles of {L.stride} bytes, "
-          f"ffn.bin {L.ffn_size / 2**20:.1f} MiB")
+          f"ffn.bin {L.ffn_size / 2**20:.1f} MiB"
+          + "".join(f", {P.files['ffn']} {P.ffn_size / 2**20:.1f} MiB" for P in L.parts.values()))
     return 0
 
 
@@ -253,6 +254,9 @@ def write_flashdir(ckpt, layout: FlashLayout, dest: Path, progress: bool = True)
         f.write(b"\0" * (layout.ffn_size - f.tell()))
         f.flush()
         os.fsync(f.fileno())
+        if layout.glu and layout.experts is None and layout.uniform:   # the exact gate's files (ffn.gate)
+            steps.set_postfix_str("split")
+            write_split(layout, dest)
 
         steps.set_postfix_str("resident")
         layout.resident_checksum = write_resident(ckpt, resident_names, dest / layout.files["resident"],
@@ -275,6 +279,31 @@ def resident_quant(layout: FlashLayout) -> str | None:
     if not layout.quantized:
         return None
     return layout.dtype if layout.dtype in QUANTIZABLE else DOWN_REQUANT
+
+
+def write_split(layout: FlashLayout, dest: Path) -> None:
+    """The split layout's files (SPLIT_PARTS: gate|up rows, down rows; ffn.gate reads them), cut from the bundles
+    just written to ffn.bin: the same bytes in the same bundle order, one layer in memory at a time."""
+    parts = {name: layout.make_part(name) for name in SPLIT_PARTS}
+    with open(dest / layout.files["ffn"], "rb") as src:
+        for name, P in parts.items():
+            P.checksum = []
+            with open(dest / P.files["ffn"], "wb") as f:
+                for i in range(layout.n_layers):
+                    B = np.empty((layout.n_neurons[i], layout.stride), np.uint8)
+                    if os.preadv(src.fileno(), [B], layout.offset[i]) != B.nbytes:
+                        raise UserError(f"{src.name}: short read of layer {i} while writing the split layout")
+                    rows = layout.geometry.extract(B, P.geometry)
+                    f.write(b"\0" * (P.offset[i] - f.tell()))
+                    h = P.layer_checksum(i)
+                    h.update(rows)
+                    P.checksum.append(h.hexdigest())
+                    f.write(rows)
+                f.write(b"\0" * (P.ffn_size - f.tell()))
+                f.flush()
+                os.fsync(f.fileno())
+    layout.parts = parts
+    layout.files.update({name: P.files["ffn"] for name, P in parts.items()})
 
 
 def resident_kinds(ckpt, names: list[str], quant: str | None) -> dict[str, str]:

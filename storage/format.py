@@ -57,6 +57,10 @@ BUNDLE_DTYPES = (*DTYPES, *QUANT_DTYPES)
 GLU_VECTORS = ("gate", "up", "down")
 MLP_VECTORS = ("up", "down")
 BIAS_NAMES = ("bias.gate", "bias.up")
+# The split layout of a GLU FLASHDIR (the exact-gate FFN, ffn.gate): the same neurons, in the same bundle order, cut
+# in two files. name: (vectors, row alignment). gate|up rows are kept in DRAM or read as one stream per layer, so they
+# need no O_DIRECT padding; a down row is read on its own from flash.
+SPLIT_PARTS = {"gate_up": (("gate", "up"), 4), "down": (("down",), BUNDLE_ALIGN)}
 
 
 def align_up(n: int, a: int) -> int:
@@ -115,6 +119,7 @@ class BundleGeometry:
     vector_dtypes: tuple[str, ...]
     scalars: tuple[str, ...]
     stride: int
+    align: int = BUNDLE_ALIGN        # stride is a multiple of it: BUNDLE_ALIGN on flash; 4 for rows kept in DRAM
 
     @classmethod
     def of(cls, d: int, dtype: str, glu: bool, biases=(), down_dtype: str | None = None,
@@ -132,8 +137,8 @@ class BundleGeometry:
         return cls(d, vectors, dtypes, scalars, stride)
 
     def __post_init__(self):
-        if self.stride % BUNDLE_ALIGN or self.stride < self.scalars_offset + 4 * len(self.scalars):
-            raise UserError(f"bundle stride {self.stride} is not a multiple of {BUNDLE_ALIGN} holding the "
+        if self.stride % self.align or self.stride < self.scalars_offset + 4 * len(self.scalars):
+            raise UserError(f"bundle stride {self.stride} is not a multiple of {self.align} holding the "
                             f"{self.scalars_offset + 4 * len(self.scalars)} bytes of vectors and scalars")
 
     @property
@@ -173,6 +178,25 @@ class BundleGeometry:
         """Column of a scalar in a bundle row's float32 view (B.view(np.float32)[:, slot]); -1 when there is none."""
         return self.scalars_offset // 4 + self.scalars.index(name) if name in self.scalars else -1
 
+    def part(self, vectors: tuple[str, ...], align: int = BUNDLE_ALIGN) -> "BundleGeometry":
+        """The geometry of a row holding only `vectors` of this bundle (the split layout's parts, SPLIT_PARTS): their
+        dtypes back to back, then the scalars that belong to them (`scale.<v>`, `bias.<v>`), padded to `align`."""
+        dtypes = tuple(self.vector_dtypes[self.vectors.index(v)] for v in vectors)
+        scalars = tuple(s for s in self.scalars if s.split(".")[1] in vectors)
+        stride = align_up(bundle_geometry(self.d, dtypes, 0)[0] + 4 * len(scalars), align)
+        return BundleGeometry(self.d, tuple(vectors), dtypes, scalars, stride, align)
+
+    def extract(self, B: np.ndarray, part: "BundleGeometry") -> np.ndarray:
+        """Bundles uint8 [n, stride] -> their `part` rows uint8 [n, part.stride]: the bytes copied, nothing recoded."""
+        out = np.zeros((B.shape[0], part.stride), np.uint8)
+        for v in part.vectors:
+            out[:, part.offset(v):part.offset(v) + part.vector_bytes(v)] = \
+                B[:, self.offset(v):self.offset(v) + self.vector_bytes(v)]
+        for s in part.scalars:
+            at, to = 4 * self.scalar_slot(s), 4 * part.scalar_slot(s)
+            out[:, to:to + 4] = B[:, at:at + 4]
+        return out
+
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Layout
@@ -205,6 +229,8 @@ class FlashLayout:
     checksum_algo: str = CHECKSUM_ALGO
     experts: ExpertLayout | None = None   # a mixture of experts: ffn.bin holds expert chunks, not bundles (no layers)
     layer_dtypes: list[tuple[str, ...]] | None = None   # per layer each vector's block format (None: dtype, down_dtype)
+    align: int = BUNDLE_ALIGN        # stride's alignment (a split part's gate|up rows: 4)
+    parts: dict = field(default_factory=dict)   # the split layout: SPLIT_PARTS name -> its FlashLayout (own file)
 
     # -- geometry --------------------------------------------------------------------------------------------------
     @property
@@ -214,6 +240,10 @@ class FlashLayout:
     @property
     def n_vec(self) -> int:
         return len(self.vectors)
+
+    @property
+    def glu(self) -> bool:
+        return self.vectors == GLU_VECTORS
 
     @property
     def quantized(self) -> bool:
@@ -236,7 +266,7 @@ class FlashLayout:
     def geometries(self) -> list[BundleGeometry]:
         """Per layer its bundles' geometry, built once (one object per distinct geometry)."""
         seen: dict[tuple, BundleGeometry] = {}
-        return [seen.setdefault(t, BundleGeometry(self.d, self.vectors, t, self.scalars, self.stride))
+        return [seen.setdefault(t, BundleGeometry(self.d, self.vectors, t, self.scalars, self.stride, self.align))
                 for t in map(self.dtypes_of, range(self.n_layers))]
 
     def geometry_of(self, layer: int) -> BundleGeometry:
@@ -253,7 +283,7 @@ class FlashLayout:
         a mixed layout is a bug, not a guess at layer 0's)."""
         if not self.uniform:
             raise ValueError("this layout's layers have bundle geometries of their own: use geometry_of(layer)")
-        return BundleGeometry(self.d, self.vectors, self.dtypes_of(0), self.scalars, self.stride)
+        return BundleGeometry(self.d, self.vectors, self.dtypes_of(0), self.scalars, self.stride, self.align)
 
     @property
     def version(self) -> int:
@@ -344,6 +374,22 @@ class FlashLayout:
                    n_neurons=list(n_neurons), order=orders, ffn_size=align_up(pos, REGION_ALIGN),
                    down_dtype=down_dtype, layer_dtypes=layer_dtypes, **kw)
 
+    def make_part(self, name: str) -> "FlashLayout":
+        """The layout of one split part (SPLIT_PARTS) of these bundles: its rows (BundleGeometry.part) in the same
+        bundle order, each layer a REGION_ALIGN-aligned region of its own file; checksums filled in by the writer."""
+        vectors, align = SPLIT_PARTS[name]
+        g = self.geometry.part(vectors, align)
+        offsets, pos = [], 0
+        for n in self.n_neurons:
+            pos = align_up(pos, REGION_ALIGN)
+            offsets.append(pos)
+            pos += n * g.stride
+        return FlashLayout(d=self.d, dtype=g.dtype, vectors=g.vectors,
+                           biases=tuple(b for b in self.biases if b.split(".")[1] in vectors), stride=g.stride,
+                           offset=offsets, n_neurons=list(self.n_neurons), order=self.order,
+                           ffn_size=align_up(pos, REGION_ALIGN), config=self.config, files={"ffn": f"{name}.bin"},
+                           flashdir=self.flashdir, checksum_algo=self.checksum_algo, align=align)
+
     # -- manifest ----------------------------------------------------------------------------------------------------
     def to_manifest(self) -> dict:
         layers = []
@@ -363,7 +409,9 @@ class FlashLayout:
                            "scalars": list(self.scalars)},
                 "files": dict(self.files), "ffn_size": self.ffn_size, "checksum_algo": self.checksum_algo,
                 "resident_checksum": self.resident_checksum, "layers": layers,
-                **({"experts": self.experts.to_manifest()} if self.experts is not None else {})}
+                **({"experts": self.experts.to_manifest()} if self.experts is not None else {}),
+                **({"split": {name: {"stride": P.stride, "ffn_size": P.ffn_size, "offsets": P.offset,
+                                     "checksums": P.checksum} for name, P in self.parts.items()}} if self.parts else {})}
 
 
 
@@ -500,16 +548,40 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
         i = next(i for i, n in enumerate(layout.n_neurons) if n != cfg.get("ffn_dim"))
         raise UserError(f"{src}: layer {i} has {layout.n_neurons[i]} neurons but the config's ffn_dim is "
                         f"{cfg.get('ffn_dim')!r}")
+    if m.get("split") is not None:
+        _read_split(layout, m["split"], src)
     if check_size:
-        ffn = flashdir / files["ffn"]
-        try:
-            actual = ffn.stat().st_size
-        except FileNotFoundError:
-            raise UserError(f"{ffn}: FFN file is missing")
-        if actual != layout.ffn_size:
-            raise UserError(f"{ffn}: size is {actual} bytes but the manifest says {layout.ffn_size} "
-                            f"({'truncated' if actual < layout.ffn_size else 'extra bytes'}); re-run convert")
+        for L in (layout, *layout.parts.values()):
+            _check_file_size(L.ffn_path, L.ffn_size)
     return layout
+
+
+def _check_file_size(ffn: Path, size: int) -> None:
+    try:
+        actual = ffn.stat().st_size
+    except FileNotFoundError:
+        raise UserError(f"{ffn}: FFN file is missing")
+    if actual != size:
+        raise UserError(f"{ffn}: size is {actual} bytes but the manifest says {size} "
+                        f"({'truncated' if actual < size else 'extra bytes'}); re-run convert")
+
+
+def _read_split(layout: FlashLayout, split, src: Path) -> None:
+    """layout.parts from the manifest's `split` section: each part's geometry and regions must be exactly what this
+    build computes from the bundles' (FlashLayout.make_part); only the checksums are the part's own."""
+    if not layout.glu or not isinstance(split, dict) or set(split) != set(SPLIT_PARTS):
+        raise UserError(f"{src}: manifest field split must name the parts {sorted(SPLIT_PARTS)} of GLU bundles")
+    for name in SPLIT_PARTS:
+        part, rec = layout.make_part(name), split[name]
+        sums = rec.get("checksums") if isinstance(rec, dict) else None
+        if not isinstance(rec, dict) or rec.get("stride") != part.stride or rec.get("ffn_size") != part.ffn_size \
+                or rec.get("offsets") != part.offset or not isinstance(sums, list) or len(sums) != part.n_layers \
+                or not all(isinstance(c, str) and len(c) == 32 for c in sums):
+            raise UserError(f"{src}: split part {name!r} does not match the bundles' geometry; re-run convert")
+        if layout.files.get(name) != part.files["ffn"]:
+            raise UserError(f"{src}: manifest names no {name} file {part.files['ffn']!r}")
+        part.checksum = list(sums)
+        layout.parts[name] = part
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -637,21 +709,24 @@ def verify(flashdir, progress: bool = True) -> FlashLayout:
     """
     from tqdm import tqdm
     layout = read_layout(flashdir)
-    total = sum(layout.region_bytes(i) for i in range(layout.n_layers)) + \
+    regions = (layout, *layout.parts.values())      # ffn.bin, then the split parts' files
+    total = sum(L.region_bytes(i) for L in regions for i in range(L.n_layers)) + \
         (layout.experts.end - layout.experts.offset if layout.experts is not None else 0)
-    with open(layout.ffn_path, "rb") as f, tqdm(total=total, unit="B", unit_scale=True, desc="verify",
-                                                disable=not progress, leave=False) as bar:
-        for i in range(layout.n_layers):
-            got = region_checksum(f, layout.offset[i], layout.region_bytes(i), progress=bar, h=layout.layer_checksum(i))
-            if got != layout.checksum[i]:
-                raise UserError(f"{layout.ffn_path}: checksum mismatch in layer {i} (bytes {layout.offset[i]}.."
-                                f"{layout.offset[i] + layout.region_bytes(i)}): the file is damaged; re-run convert")
+    with tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=not progress, leave=False) as bar:
+        for L in regions:
+            with open(L.ffn_path, "rb") as f:
+                for i in range(L.n_layers):
+                    got = region_checksum(f, L.offset[i], L.region_bytes(i), progress=bar, h=L.layer_checksum(i))
+                    if got != L.checksum[i]:
+                        raise UserError(f"{L.ffn_path}: checksum mismatch in layer {i} (bytes {L.offset[i]}.."
+                                        f"{L.offset[i] + L.region_bytes(i)}): the file is damaged; re-run convert")
         E = layout.experts
-        for i, e in expert_ids(layout):
-            if region_checksum(f, E.chunk_offset(i, e), E.chunk, progress=bar, h=expert_checksum(E, i, e)) \
-                    != E.checksum[i][e]:
-                raise UserError(f"{layout.ffn_path}: checksum mismatch in layer {i}'s expert {e}: the file is "
-                                f"damaged; re-run convert")
+        with open(layout.ffn_path, "rb") as f:
+            for i, e in expert_ids(layout):
+                if region_checksum(f, E.chunk_offset(i, e), E.chunk, progress=bar, h=expert_checksum(E, i, e)) \
+                        != E.checksum[i][e]:
+                    raise UserError(f"{layout.ffn_path}: checksum mismatch in layer {i}'s expert {e}: the file is "
+                                    f"damaged; re-run convert")
     res = layout.flashdir / layout.files["resident"]
     if not res.is_file():
         raise UserError(f"{res}: resident weights file is missing")

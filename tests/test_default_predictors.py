@@ -68,25 +68,15 @@ def test_first_use_trains_from_the_corpus_once_when_the_model_does_not_fit(defau
     cache = default_is_stories
     monkeypatch.setenv("FLASHINFER_LITE_CORPUS", str(CORPUS))
     runtime = load_module()
-    # in RAM --ffn auto runs the whole model dense (ResidentFFN): no predictor is needed, none is trained
+    # --ffn auto on the (SiLU-gated) default model is the exact gate at every budget (issue 28): its thresholds are
+    # calibrated on first use, no predictor is trained
     with monkeypatch.context() as mp:
-        mp.setattr(runtime, "train_on_first_use", lambda flashdir: pytest.fail("trained for a model that fits"))
+        mp.setattr(runtime, "train_on_first_use", lambda flashdir: pytest.fail("trained predictors for the gate"))
         rc, out0, err = run_cli(capfd, "generate", *PROMPT)
     assert rc == 0, err
-    assert "ffn: dense (--ffn auto, the whole model fits in DRAM; the default model)" in err
+    assert "ffn: gate (--ffn auto, gated model (silu): the exact gate, no predictor; the default model" in err
     flashdir = flashdir_of(cache)
-    assert not (flashdir / "predictors").exists()
-    # where the whole model does not fit, auto needs predictors: load() has first use train them
-    asked = []
-
-    def train_stub(where):
-        asked.append(where)
-        raise UserError("stub: not trained here")
-    with monkeypatch.context() as mp:
-        mp.setattr(runtime, "plan_resident", lambda *a, **k: None)         # as under a budget it does not fit
-        mp.setattr(runtime, "train_on_first_use", train_stub)
-        rc, _, err = run_cli(capfd, "generate", *PROMPT)
-    assert rc == 1 and asked == [str(flashdir)] and "stub: not trained here" in err
+    assert not (flashdir / "predictors").exists() and (flashdir / "gate.json").is_file()
     # a budget below even the sparse minimum is refused in one line before any training
     with monkeypatch.context() as mp:
         mp.setattr(runtime, "train_on_first_use", lambda flashdir: pytest.fail("trained for a refused budget"))
@@ -127,13 +117,10 @@ def test_first_use_trains_from_the_corpus_once_when_the_model_does_not_fit(defau
     assert "predictors: trained" not in err2
     assert (flashdir / "predictors" / "weights.safetensors").stat().st_mtime_ns == stamp
     assert tokens_of(out2) == first["tokens"]
-    # in RAM --ffn auto is exactly --ffn dense on the same FLASHDIR, predictors or not
+    # --ffn auto on the same FLASHDIR, predictors or not, is still the exact gate: the first run's tokens
     monkeypatch.undo()
-    rc, out3, err3 = run_cli(capfd, "generate", "-m", str(flashdir), "--ffn", "dense", *PROMPT)
-    assert rc == 0, err3
-    assert tokens_of(out3) == tokens_of(out0)
     rc, out4, err4 = run_cli(capfd, "generate", "-m", str(flashdir), *PROMPT)
-    assert rc == 0 and "ffn: dense (--ffn auto, the whole model fits in DRAM; " in err4
+    assert rc == 0 and "ffn: gate (--ffn auto, gated model (silu): the exact gate" in err4
     assert tokens_of(out4) == tokens_of(out0)
 
 

@@ -1,0 +1,153 @@
+"""GateFFN: the exact-gate FFN of a GLU model over the split layout (an FFNFn, model.py).
+
+Per layer and token: every neuron's coefficient act(gate.x) * (up.x) from its gate|up row (kept in DRAM; a layer whose
+rows do not fit the budget is read as one sequential stream), the calibrated magnitude threshold (|c| <= t: the
+neuron does not count), then the down rows of the neurons that cleared it, through the neuron cache from down.bin.
+No predictor: the set is the thresholded model's own, so the output is one function of x whatever the budget.
+
+Why gate AND up in DRAM (docs/PREDICTORS.md, bench/exact_gate.py): on SmolLM2 a gate-only score (CATS) costs +15%
+perplexity at 40% of the neurons dropped, the product |act(g) * u| +1.5%; the product needs the up row, and with both
+rows resident only the down row (a third of a bundle's weights) is read for the neurons that count.
+
+One summation order (ffn.sparse): the coefficients are per neuron, computed by the same kernel for any T; the down
+rows are added in bundle order, whatever the cache holds, the pieces or the prefill strategy.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from storage.errors import UserError
+from storage.format import drop_from_page_cache
+from storage.reader import BundleReader, aligned_empty
+from storage.stats import FlashStats
+
+from ..neuron_cache import NeuronCache
+from .flash import STREAM_CHUNK_BYTES, FlashFFN
+from .split import SplitKernels
+
+
+class GateFFN(FlashFFN):
+    """The exact-gate FFN of every layer (see the module docstring).
+
+    layout: a FlashLayout with the split parts (layout.parts); plan: the budget.BudgetPlan sizing the down rows' neuron
+    cache; calibration: storage.gate_file.GateCalibration (per layer the |coefficient| threshold, and the neuron
+    frequencies that choose the pinned hot rows);
+    resident_layers: how many layers, from the first, keep their gate|up rows in DRAM (the rest are streamed).
+    FlashFFN's prefill choice (stream whole layers or go through the cache) and statistics apply unchanged.
+    """
+
+    def __init__(self, cfg, layout, plan, calibration, down_bias=None, resident_layers: int | None = None,
+                 threads: int | None = None, verbose: bool = False):
+        self.cfg, self.plan, self.verbose = cfg, plan, verbose
+        self.gate_up, self.layout = layout.parts["gate_up"], layout.parts["down"]
+        self.thresholds = list(calibration.thresholds)
+        self.stats = FlashStats.for_layers(cfg.n_layers, cfg.ffn_dim)
+        self.down_bias = list(down_bias) if down_bias is not None else [None] * cfg.n_layers
+        self.reader = BundleReader(self.layout, threads=threads)
+        hot = plan.hot_neurons(list(calibration.freq)) if plan.hot_bytes else None
+        self.cache = NeuronCache(self.layout.n_neurons, self.layout.stride, self.reader, capacity=plan.window_rows,
+                                 window=plan.window, hot=hot, stats=self.stats)
+        self.kernels = SplitKernels(self.gate_up, self.layout, cfg.act, cfg.relu_threshold)
+        k = plan.gate_layers if resident_layers is None else resident_layers
+        self.heads = [self._read_gate_up(i) if i < k else None for i in range(cfg.n_layers)]
+        self._head = None       # the stream buffer of a layer whose gate|up rows are not resident
+        self._chunk = None      # prefill streaming buffer (FlashFFN.prefer_streaming chose it)
+        self._pass_lookups = 0
+        self.observe = None     # observe(layer, coef [T, n]): calibration's view of every coefficient
+
+    @property
+    def resident_layers(self) -> int:
+        return sum(h is not None for h in self.heads)
+
+    def _read_gate_up(self, layer: int, dest: np.ndarray | None = None) -> np.ndarray:
+        """Layer `layer`'s gate|up rows uint8 [n, stride]: one sequential read of its region (into dest if given),
+        its pages dropped from the page cache behind it (the rows live in DRAM as this array, not twice)."""
+        G = self.gate_up
+        out = np.empty((G.n_neurons[layer], G.stride), np.uint8) if dest is None else dest
+        with open(G.ffn_path, "rb") as f:
+            got = os.preadv(f.fileno(), [out], G.offset[layer])
+            drop_from_page_cache(f.fileno(), G.offset[layer], out.nbytes)
+        if got != out.nbytes:
+            raise UserError(f"{G.ffn_path}: short read of layer {layer}: the file is truncated; re-run convert")
+        return out
+
+    def head(self, layer: int) -> np.ndarray:
+        """The gate|up rows of a layer: resident, or streamed into the one stream buffer (counted as read bytes)."""
+        if self.heads[layer] is not None:
+            return self.heads[layer]
+        G = self.gate_up
+        if self._head is None:
+            self._head = np.empty((max(G.n_neurons), G.stride), np.uint8)
+        t0 = time.perf_counter()
+        H = self._read_gate_up(layer, self._head[:G.n_neurons[layer]])
+        self.stats.read_s += time.perf_counter() - t0
+        self.stats.read_bytes += H.nbytes
+        return H
+
+    def coefficients(self, layer: int, x: np.ndarray) -> np.ndarray:
+        """coef float32 [T, n] in bundle order: every neuron's coefficient, 0 where it did not clear the threshold."""
+        H = self.head(layer)
+        coef = np.empty((x.shape[0], H.shape[0]), np.float32)
+        t0 = time.perf_counter()
+        self.kernels.coefficients(H, x, coef, self.thresholds[layer])
+        self.stats.compute_s += time.perf_counter() - t0
+        return coef
+
+    def __call__(self, layer: int, x: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        T = x.shape[0]
+        if layer == 0:
+            self._pass_lookups = self.stats.hits + self.stats.misses
+        coef = self.coefficients(layer, x)
+        if self.observe is not None:
+            self.observe(layer, coef)
+        ids = np.flatnonzero(coef.any(axis=0))          # bundle ids any row needs, ascending
+        y = np.zeros_like(x)
+        if T > 1 and self.prefer_streaming(layer, [ids]):
+            self.stream_down(layer, coef, y)
+            self.stats.streamed_layers += 1
+        else:
+            self.accumulate_rows(layer, ids, coef, y)
+        if self.down_bias[layer] is not None:
+            y += self.down_bias[layer]
+        self.stats.rows[layer] += T
+        self.stats.active[layer] += int(np.count_nonzero(coef))
+        if layer == self.cfg.n_layers - 1:
+            self._close_pass(T)
+        return y
+
+    def accumulate_rows(self, layer: int, ids: np.ndarray, coef: np.ndarray, Y: np.ndarray) -> None:
+        """Y[t] += the down rows of `ids` (ascending) weighted by coef[t, ids], through the neuron cache in
+        window-sized pieces accumulated one after the other. Each row's sum skips its zero coefficients and adds the
+        rest in bundle order, so a token gives the same bits alone or in a prompt, in one piece or many (ffn.sparse)."""
+        cap = self.plan.window_rows
+        for start in range(0, len(ids), cap):
+            piece = ids[start:start + cap]
+            f = self.cache.start_fetch(layer, piece)
+            f.finish()
+            t0 = time.perf_counter()
+            self.kernels.accumulate(self.cache.matrix(layer), f.slots, np.ascontiguousarray(coef[:, piece]), Y)
+            self.stats.compute_s += time.perf_counter() - t0
+
+    def stream_down(self, layer: int, coef: np.ndarray, y: np.ndarray) -> None:
+        """A prompt's down sum reading the layer's down rows in large sequential chunks, rows in bundle order (zero
+        coefficients skipped): the sum the cache path computes."""
+        L = self.layout
+        rows_per_chunk = max(1, STREAM_CHUNK_BYTES // L.stride)
+        if self._chunk is None:
+            self._chunk = aligned_empty((rows_per_chunk, L.stride), np.uint8)
+        n = L.n_neurons[layer]
+        slots = np.arange(rows_per_chunk, dtype=np.int32)
+        for start in range(0, n, rows_per_chunk):
+            m = min(rows_per_chunk, n - start)
+            t0 = time.perf_counter()
+            rs = self.reader.read(layer, np.arange(start, start + m), dest=self._chunk, slots=np.arange(m))
+            self.stats.read_s += time.perf_counter() - t0
+            self.stats.io_s += rs.io_s
+            self.stats.prefill_bytes_read += rs.read_bytes
+            t1 = time.perf_counter()
+            self.kernels.accumulate(self._chunk[:m], slots[:m], np.ascontiguousarray(coef[:, start:start + m]), y)
+            self.stats.compute_s += time.perf_counter() - t1

@@ -1,0 +1,52 @@
+"""SplitKernels: ffn.sparse's two kernels bound to the split layout's rows (storage.format.SPLIT_PARTS), for
+ffn.gate.GateFFN: the coefficients over gate|up rows, the down sum over down rows."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..quant import KINDS
+from .gating import act_code, threshold_of
+from .quant import quant_ffn_accumulate
+from .sparse import STORAGE_VIEWS, ffn_accumulate, ffn_coefficients
+
+
+class SplitKernels:
+    """The two kernels of ffn.sparse over the split layout's rows: coefficients over gate|up rows, the down sum over
+    down rows; their offsets and scalar slots from the parts' BundleGeometry."""
+
+    def __init__(self, gate_up, down, act: str, relu_threshold):
+        self.gu, self.dn = gate_up.geometry, down.geometry
+        self.quantized = gate_up.quantized
+        self.act = act_code(act)
+        self.threshold = threshold_of(act, relu_threshold)
+        g = self.gu
+        if self.quantized:
+            self.kind = KINDS[g.dtype].code
+            self.n, self.up_at = g.vector_bytes("up"), g.offset("up")
+            self.down_kind = KINDS[self.dn.dtype]
+        else:
+            size = np.dtype(STORAGE_VIEWS[g.dtype]).itemsize
+            self.kind, self.n, self.up_at = 0, g.d, g.offset("up") // size
+        self.s_gate, self.s_up = g.scalar_slot("scale.gate"), g.scalar_slot("scale.up")
+        self.bg, self.bu = g.scalar_slot("bias.gate"), g.scalar_slot("bias.up")
+        self.s_down = self.dn.scalar_slot("scale.down")
+
+    def _view(self, B: np.ndarray, dtype: str) -> np.ndarray:
+        return B if self.quantized else B.view(STORAGE_VIEWS[dtype])
+
+    def coefficients(self, H: np.ndarray, X: np.ndarray, coef: np.ndarray, act_threshold: float) -> None:
+        """coef[t, j] = the coefficient of gate|up row j (H uint8 [n, stride]) on X[t], 0 where |c| <= act_threshold."""
+        n = H.shape[0]
+        ones = np.ones((X.shape[0], n), np.uint8)
+        ffn_coefficients(self._view(H, self.gu.dtype), H.view(np.float32), np.arange(n, dtype=np.int32),
+                         np.arange(n, dtype=np.int64), X, ones, coef, self.n, True, self.act, self.threshold,
+                         self.up_at, self.s_gate, self.s_up, self.bg, self.bu, self.kind, self.gu.stride,
+                         np.float32(act_threshold))
+
+    def accumulate(self, D: np.ndarray, slots: np.ndarray, coef: np.ndarray, Y: np.ndarray) -> None:
+        """Y[t] += sum over j in order of coef[t, j] * down row slots[j] of D (uint8 [rows, stride])."""
+        if self.quantized:
+            quant_ffn_accumulate(D, slots, coef, Y, 0, self.down_kind.code, self.down_kind.block_bytes)
+        else:
+            ffn_accumulate(self._view(D, self.dn.dtype), D.view(np.float32), slots, coef, Y, self.dn.d, 0,
+                           self.s_down)

@@ -1,0 +1,147 @@
+"""Issue 28: the exact-gate FFN (ffn/gate.py) over the split layout, on a tiny random SiLU llama built by transformers.
+
+The oracle is float64 numpy on the source weights, outside the runtime: per layer act(gate.x) * (up.x), the neurons
+whose |coefficient| clears the calibrated threshold, their down columns; the runtime's logits equal it within 1e-4.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from conftest import assert_same_bits_at_every_budget
+from test_quant_e2e import greedy          # n greedy tokens after a batched prompt, and every step's logits
+from flashinfer_lite.loader import open_any
+from flashinfer_lite.model import Transformer
+from flashinfer_lite.runtime import load_runtime
+from predictors.calibrate_gate import calibrate
+from storage.convert import convert
+from storage.errors import UserError
+from storage.format import FlashCheckpoint, read_layout, verify
+from storage.gate_file import DEFAULT_SPARSITY, GATE_FILE, read_gate_file
+
+IDS = [1, 403, 261, 324, 281, 384, 265, 427, 298, 410]
+
+
+@pytest.fixture(scope="module")
+def gated(tiny_model, tmp_path_factory):
+    """{dtype: FLASHDIR} of the tiny SiLU llama, converted (split layout) and calibrated, and the source path."""
+    src = tiny_model("llama-bias-untied")          # SiLU, with gate/up biases (in the gate|up rows) and down's
+    root = tmp_path_factory.mktemp("gate")
+    out = {"source": src}
+    for dtype in ("f32", "q8_0"):
+        flash = convert(src, root / dtype, dtype=dtype, progress=False)
+        calibrate(str(flash), n_tokens=256, progress=False)
+        out[dtype] = flash
+    yield out
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_split_parts_hold_the_bundles_bytes(gated):
+    """gate_up.bin and down.bin are the bundles' bytes cut by BundleGeometry, checksummed and verified."""
+    for dtype in ("f32", "q8_0"):
+        L = read_layout(gated[dtype])
+        gu, dn = L.parts["gate_up"], L.parts["down"]
+        assert gu.vectors == ("gate", "up") and dn.vectors == ("down",) and dn.stride % 512 == 0
+        ck = FlashCheckpoint(gated[dtype])
+        for i in range(L.n_layers):
+            B = ck.bundles(i)
+            for P in (gu, dn):
+                with open(P.ffn_path, "rb") as f:
+                    f.seek(P.offset[i])
+                    rows = np.frombuffer(f.read(P.region_bytes(i)), np.uint8).reshape(-1, P.stride)
+                for v in P.vectors:
+                    a, b = L.geometry.offset(v), P.geometry.offset(v)
+                    n = L.geometry.vector_bytes(v)
+                    assert np.array_equal(rows[:, b:b + n], B[:, a:a + n])
+        verify(gated[dtype], progress=False)
+
+
+def test_a_flipped_byte_of_a_split_part_is_found(gated, tmp_path):
+    flash = shutil.copytree(gated["q8_0"], tmp_path / "flash")
+    p = flash / "down.bin"
+    data = bytearray(p.read_bytes())
+    data[100] ^= 1
+    p.write_bytes(bytes(data))
+    with pytest.raises(UserError, match="down.bin: checksum mismatch in layer 0"):
+        verify(flash, progress=False)
+
+
+def test_an_edited_gate_file_is_refused(gated, tmp_path):
+    flash = shutil.copytree(gated["f32"], tmp_path / "flash")
+    m = json.loads((flash / GATE_FILE).read_text())
+    m["sparsity"]["0.4"]["thresholds"][0] = 0.0
+    (flash / GATE_FILE).write_text(json.dumps(m))
+    with pytest.raises(UserError, match="checksum mismatch: the gate calibration is damaged"):
+        read_gate_file(flash, 2, 160, DEFAULT_SPARSITY)
+
+
+def float64_gated_model(source, flash, thresholds, masks=None):
+    """The float64 model on `source`'s weights whose FFN is numpy float64 math over the neurons that clear the
+    threshold: computed outside the runtime (its Transformer only for attention and norms, in float64)."""
+    ck = open_any(source)
+    W = {n: ck.tensor(n).astype(np.float64) for n in ck.names()}
+
+    def ffn(layer: int, x: np.ndarray) -> np.ndarray:
+        p = f"layers.{layer}.ffn."
+        g = x @ W[p + "gate.weight"].T + W.get(p + "gate.bias", 0.0)
+        c = g / (1 + np.exp(-g)) * (x @ W[p + "up.weight"].T + W.get(p + "up.bias", 0.0))
+        keep = np.abs(c) > thresholds[layer]
+        if masks is not None:
+            masks.append((layer, np.abs(c), keep))
+        return np.where(keep, c, 0.0) @ W[p + "down.weight"].T + W.get(p + "down.bias", 0.0)
+    return Transformer(ck.config, {n: w for n, w in W.items() if ".ffn." not in n or "norm" in n}, ffn=ffn)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "q8_0"])
+def test_runtime_logits_equal_float64_math_on_the_neurons_that_cleared_the_threshold(gated, dtype):
+    """Issue 28's oracle. f32: the HF checkpoint's weights; q8_0: the FLASHDIR's dequantized ones (the blocks are
+    the model). Bounded budget, so gate|up rows of a layer are streamed and the down rows come from flash."""
+    source = gated["source"] if dtype == "f32" else gated[dtype]
+    cal = read_gate_file(gated[dtype], 2, 160, DEFAULT_SPARSITY)
+    probe = load_runtime(gated[dtype], "gate", ctx=64, runtime_bytes=0)[2].plan
+    budget = probe.minimum_bytes - 1          # the gate|up rows do not all fit: each layer streams them
+    model, _, rt = load_runtime(gated[dtype], "gate", ctx=64, runtime_bytes=0, dram_budget=budget)
+    assert rt.resident_layers == 0
+    tokens, got = greedy(model, IDS, 12)
+    masks = []
+    want_tokens, want = greedy(float64_gated_model(source, gated[dtype], cal.thresholds, masks), IDS, 12)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), np.abs(got - want).max()
+    assert tokens == want_tokens
+    assert rt.stats.read_bytes > 0
+    kept = np.mean([k.mean() for _, _, k in masks])
+    assert 0.4 < kept < 0.8           # the threshold really drops neurons (calibrated for 40%)
+    # and the dropped neurons matter: the dense model differs
+    dense = float64_gated_model(source, gated[dtype], [-1.0, -1.0])
+    assert np.abs(greedy(dense, IDS, 12)[1] - want).max() > 1e-2 * np.abs(want).max()
+
+
+def test_same_bits_at_every_budget_thread_count_and_prefill(gated, monkeypatch):
+    stats = assert_same_bits_at_every_budget(gated["q8_0"], "gate", IDS, 10, monkeypatch)
+    assert stats["no budget"].active.sum() < 0.8 * stats["no budget"].rows.sum() * 160
+
+
+def test_default_ffn_gives_the_same_tokens_with_no_budget_and_at_three_budgets(gated):
+    """--ffn auto on a gated model with the split layout is the exact gate at every budget: from the minimum (gate|up
+    rows streamed) to the whole model in DRAM, the same greedy tokens (and logits) as with no budget."""
+    model, _, rt = load_runtime(gated["q8_0"], "auto", ctx=64, runtime_bytes=0)
+    assert rt is not None and rt.plan.gate_layers == 2
+    want = greedy(model, IDS, 16)
+    p = rt.plan
+    gu = read_layout(gated["q8_0"]).parts["gate_up"]
+    lowest = p.minimum_bytes - p.gate_bytes + gu.region_bytes(0)     # streams every layer's gate|up rows
+    for budget in (lowest, p.minimum_bytes, p.used_bytes):
+        model, _, rt = load_runtime(gated["q8_0"], "auto", ctx=64, runtime_bytes=0, dram_budget=budget)
+        got = greedy(model, IDS, 16)
+        assert got[0] == want[0] and np.array_equal(got[1], want[1]), budget
+        assert rt.plan.gate_layers == (0 if budget == lowest else 2)
+
+
+def test_dense_stays_exact_dense(gated):
+    """--ffn dense is the dense model, not the thresholded one."""
+    model = load_runtime(gated["q8_0"], "dense", ctx=64)[0]
+    src = float64_gated_model(gated["q8_0"], gated["q8_0"], [-1.0, -1.0])
+    got, want = greedy(model, IDS, 8)[1], greedy(src, IDS, 8)[1]
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
