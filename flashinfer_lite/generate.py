@@ -16,6 +16,7 @@ from storage.tokenizer import StreamDecoder, Tokenizer, check_utf8
 from .model import Transformer
 from .process import peak_rss_bytes, rss_bytes
 from .runtime import FFN_MODES, load
+from .threads import StepThreads
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -149,6 +150,7 @@ class Session:
         self.kv = model.new_cache(ctx)
         self.cached: list[int] = []
         self.timings = Timings()
+        self.threads = StepThreads()     # each decode step's thread count, by its measured time
 
     @property
     def ctx(self) -> int:
@@ -189,7 +191,8 @@ class Session:
             if self.kv.length >= self.ctx:
                 raise ContextFull(self.ctx)
             t0 = time.perf_counter()
-            logits = self.model.forward([tok], self.kv)
+            with self.threads.step():
+                logits = self.model.forward([tok], self.kv)
             self.cached.append(tok)
             self.timings.token_ms.append((time.perf_counter() - t0) * 1e3)
 

@@ -19,7 +19,6 @@ import time
 from dataclasses import dataclass
 from importlib.util import find_spec
 
-import numba
 import numpy as np
 from threadpoolctl import threadpool_limits
 
@@ -40,6 +39,7 @@ from .loader import load_weights, open_any
 from .model import FeedForward, Transformer
 from .predictor_set import describe_calibration, load_predictors, read_manifest
 from .process import keep_freed_arrays_out_of_rss
+from .threads import set_threads
 
 FFN_MODES = ("auto", "dense", "oracle", "predicted")   # auto: dense when the model fits the budget, else predicted
 # FFN tensors that live in the bundles on flash; everything else (including ffn.down.bias) stays resident.
@@ -339,8 +339,7 @@ def load(path: str | None = None, dram_budget: int | str | None = "auto", ffn: s
     machine can give) or None (no limit); ffn as the CLI's --ffn; ctx 0: the model's default context."""
     t0 = time.perf_counter()
     one_blas_thread()
-    if threads:
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    set_threads(threads)
     budget = parse_size(dram_budget) if isinstance(dram_budget, str) and dram_budget != "auto" else dram_budget
     progress = sys.stderr.isatty()
     files = open_model_files(path, ffn, progress=progress, refuse_below=budget if isinstance(budget, int) else None,

@@ -1,0 +1,141 @@
+"""How many of Numba's threads a decode step uses: the thread policy, in one place.
+
+The pools themselves are configured in flashinfer_lite/__init__.py (before numba loads: OpenMP first, one OpenBLAS
+thread, a short spin). This module sets Numba's thread count (`set_threads`, what -t asks for) and, per decode step,
+chooses among fewer (`StepThreads`).
+
+Why choose per step: a decode step is ~90 parallel regions (per layer the q/k/v and o GEMVs and the FFN, then
+lm_head) and each ends when its slowest thread does. When another process takes a core, a thread of ours waits in the
+run queue for the scheduler's next slice (EEVDF: ~1-3 ms) and every region waits with it: SmolLM2 in RAM took
+200-440 ms per token on 2 threads beside one spinning process, 23-50 ms on 1 (bench/busy_decode.py). Which count is
+faster depends on what else runs, and that changes while we run, so it is measured, not guessed: the step times at
+the chosen count against a few steps at another, now and then, with the probes spaced out exponentially while the
+choice holds. It starts on one thread: under contention a probe of more threads costs one step many times slower
+(ABORT_RATIO ends it), on an idle machine a step on one thread costs about 1.6x, so one is the cheaper place to
+start from. A probe of more threads is skipped while this thread itself waits in the run queue for a sizeable share
+of its steps (its schedstat): the cores are taken, and a second thread of ours would wait too. The threads change no
+bits (every kernel's work split is a constant, not the thread count), so the
+choice can change at any step.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import Counter, deque
+from contextlib import contextmanager
+
+import numba
+import numpy as np
+
+PROBE_STEPS = 3        # decode steps per probe of another thread count
+FIRST_PERIOD = 16      # steps at the chosen count before it is probed again, after a switch
+MAX_PERIOD = 512       # ... doubling each time the chosen count stays, up to this
+ABORT_RATIO = 1.5      # a probe step this much slower than the chosen count's median ends the probe at once
+SWITCH_RATIO = 0.95    # the probed count is taken when its median step is at most this share of the chosen one's
+HISTORY = 8            # recent steps per count, for their median
+RUN_QUEUE_SHARE = 0.2  # no probe of more threads while this thread waited in the run queue for this share of its steps
+
+
+def set_threads(threads: int | None) -> None:
+    """Numba's thread count for this Python thread (numba's count is per thread): -t, at most the pool's size."""
+    if threads:
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+
+
+class StepThreads:
+    """The thread count of each decode step, chosen by timing the steps (the module's docstring says why).
+
+    `most` is the thread count in force when the first step runs (-t); the candidates are 1, most // 2 and most.
+    Around each step, `with step_threads.step():` sets the chosen (or probed) count and restores `most` after, so a
+    prompt between decode steps runs on every thread."""
+
+    def __init__(self):
+        self.most: int | None = None
+        self.counts: list[int] = []
+        self.recent: dict[int, deque] = {}
+        self.chosen = 0
+        self.period = PROBE_STEPS          # the first probe comes once the chosen count has a median
+        self.until_probe = PROBE_STEPS
+        self.probing: int | None = None
+        self.probe: list[float] = []
+        self.next_alt = 0
+        self.switches = 0
+        self.steps: Counter = Counter()              # decode steps run at each thread count
+        self.queued: deque = deque(maxlen=HISTORY)   # share of each recent step this thread spent in the run queue
+        self._schedstat: tuple[int, int] | None = None     # (native thread id, fd of its schedstat)
+
+    def _start(self) -> None:
+        self.most = numba.get_num_threads()
+        self.counts = sorted({self.most, max(1, self.most // 2), 1})
+        self.recent = {c: deque(maxlen=HISTORY) for c in self.counts}
+        self.chosen = 1
+
+    def _queued_ns(self) -> int | None:
+        """Nanoseconds this thread has waited in the run queue (Linux schedstat's second field), None elsewhere."""
+        tid = threading.get_native_id()
+        if self._schedstat is None or self._schedstat[0] != tid:
+            if self._schedstat is not None:
+                os.close(self._schedstat[1])
+            try:
+                self._schedstat = (tid, os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY))
+            except OSError:
+                self._schedstat = (tid, -1)
+        if self._schedstat[1] < 0:
+            return None
+        return int(os.pread(self._schedstat[1], 64, 0).split()[1])
+
+    @property
+    def current(self) -> int:
+        return self.probing or self.chosen
+
+    @contextmanager
+    def step(self):
+        if self.most is None:
+            self._start()
+        numba.set_num_threads(self.current)
+        q0, t0 = self._queued_ns(), time.perf_counter()
+        try:
+            yield
+        finally:
+            numba.set_num_threads(self.most)
+        ms, q1 = (time.perf_counter() - t0) * 1e3, self._queued_ns()
+        if q1 is not None and self.probing is None:
+            self.queued.append((q1 - q0) / 1e6 / max(ms, 1e-3))
+        self.record(self.current, ms)
+
+    def record(self, count: int, ms: float) -> None:
+        """One decode step at `count` threads took `ms`: keep it, and move the probe schedule on."""
+        self.steps[count] += 1
+        if len(self.counts) < 2:
+            return
+        base = self.recent[self.chosen]
+        if self.probing is None:
+            base.append(ms)
+            self.until_probe -= 1
+            if self.until_probe <= 0:
+                others = [c for c in self.counts if c != self.chosen]
+                self.probing = others[self.next_alt % len(others)]
+                self.next_alt += 1
+                self.probe = []
+                if self.probing > self.chosen and self.queued and float(np.median(self.queued)) > RUN_QUEUE_SHARE:
+                    self._end_probe(switch=False)     # the cores are taken: more threads would queue too
+            return
+        self.probe.append(ms)
+        median = float(np.median(base))
+        if ms > ABORT_RATIO * median:
+            self._end_probe(switch=False)
+        elif len(self.probe) >= PROBE_STEPS:
+            self._end_probe(switch=float(np.median(self.probe)) <= SWITCH_RATIO * median)
+
+    def _end_probe(self, switch: bool) -> None:
+        if switch:
+            self.chosen = self.probing
+            self.recent[self.chosen].clear()
+            self.recent[self.chosen].extend(self.probe)
+            self.period = FIRST_PERIOD
+            self.switches += 1
+        else:
+            self.period = min(2 * self.period if self.period >= FIRST_PERIOD else FIRST_PERIOD, MAX_PERIOD)
+        self.until_probe = self.period
+        self.probing = None

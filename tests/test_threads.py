@@ -1,0 +1,75 @@
+"""The decode step's thread count (flashinfer_lite/threads.py): the choice follows the measured step times."""
+import numba
+import pytest
+
+from flashinfer_lite import threads as T
+
+
+def tuner(most=2):
+    st = T.StepThreads()
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(most, numba.config.NUMBA_NUM_THREADS))
+    try:
+        with st.step():        # the first step reads -t (numba's count now) and runs on one thread
+            assert numba.get_num_threads() == 1
+        assert numba.get_num_threads() == st.most    # restored after the step: a prompt runs on every thread
+    finally:
+        numba.set_num_threads(before)
+    return st
+
+
+def run(st, ms_at: dict, steps: int) -> list[int]:
+    """`steps` decode steps, each taking ms_at[count]; the counts they ran at."""
+    used = []
+    for _ in range(steps):
+        c = st.current
+        used.append(c)
+        st.record(c, ms_at[c])
+    return used
+
+
+needs_two = pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 Numba threads")
+
+
+@needs_two
+def test_idle_machine_moves_to_more_threads_and_still_probes_one_now_and_then():
+    st = tuner()
+    used = run(st, {1: 20.0, 2: 12.0}, 600)
+    assert st.chosen == 2 and st.switches == 1
+    first_two = used.index(2)
+    assert used[first_two:first_two + T.PROBE_STEPS] == [2] * T.PROBE_STEPS
+    probes = [i for i in range(first_two + T.PROBE_STEPS, len(used)) if used[i] == 1]
+    assert len(probes) >= T.PROBE_STEPS                       # it keeps checking, with growing gaps
+    assert probes[-1] - probes[0] > 2 * T.FIRST_PERIOD
+
+
+@needs_two
+def test_busy_machine_stays_on_one_thread_and_a_slow_probe_ends_after_one_step():
+    st = tuner()
+    used = run(st, {1: 25.0, 2: 300.0}, 200)
+    assert st.chosen == 1 and st.switches == 0
+    twos = [i for i, c in enumerate(used) if c == 2]
+    assert twos and all(b - a > 1 for a, b in zip(twos, twos[1:]))    # each probe cut short after its first step
+    assert len(twos) <= 5                                               # spaced out: 3, 16, 32, 64, 128 ...
+
+
+@needs_two
+def test_load_arriving_later_moves_back_to_one_thread():
+    st = tuner()
+    run(st, {1: 20.0, 2: 12.0}, 50)
+    assert st.chosen == 2
+    run(st, {1: 25.0, 2: 300.0}, 600)
+    assert st.chosen == 1
+
+
+@needs_two
+def test_no_probe_of_more_threads_while_this_thread_waits_in_the_run_queue():
+    st = tuner()
+    st.queued.extend([0.5] * T.HISTORY)          # half of each step spent waiting for a core
+    used = run(st, {1: 25.0, 2: 10.0}, 100)
+    assert used == [1] * 100 and st.chosen == 1
+
+
+def test_one_thread_has_nothing_to_choose():
+    st = tuner(most=1)
+    assert run(st, {1: 20.0}, 50) == [1] * 50
