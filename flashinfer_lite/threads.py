@@ -37,6 +37,23 @@ HISTORY = 8            # recent steps per count, for their median
 RUN_QUEUE_SHARE = 0.2  # no probe of more threads while this thread waited in the run queue for this share of its steps
 
 
+@contextmanager
+def beside_reads(engine: str):
+    """Numba's thread count while a reader's requests are in flight. The thread engine's reader threads issue and
+    complete the reads on the CPU: one compute thread, so that a core stays free for them. The io_uring engine has no
+    threads (the kernel completes its reads; the submitting thread refills the ring when it calls in), so compute
+    keeps every thread the step has."""
+    if engine != "threads":
+        yield
+        return
+    n = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(n)
+
+
 def set_threads(threads: int | None) -> None:
     """Numba's thread count for this Python thread (numba's count is per thread): -t, at most the pool's size."""
     if threads:

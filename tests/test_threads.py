@@ -73,3 +73,16 @@ def test_no_probe_of_more_threads_while_this_thread_waits_in_the_run_queue():
 def test_one_thread_has_nothing_to_choose():
     st = tuner(most=1)
     assert run(st, {1: 20.0}, 50) == [1] * 50
+
+
+@needs_two
+@pytest.mark.parametrize("engine, inside", [("threads", 1), ("io_uring", 2)])
+def test_compute_beside_reads_leaves_a_core_to_reader_threads_only(engine, inside):
+    before = numba.get_num_threads()
+    numba.set_num_threads(2)
+    try:
+        with T.beside_reads(engine):
+            assert numba.get_num_threads() == inside
+        assert numba.get_num_threads() == 2
+    finally:
+        numba.set_num_threads(before)
