@@ -186,16 +186,19 @@ def test_truncated_file_under_a_reader_names_file_offset_and_layer(tmp_path, eng
         assert np.array_equal(dest[:2], raw[[0, 3]])
 
 
-def inject_eio(monkeypatch, engine: str, failures: dict) -> None:
-    """The next failures["left"] reads fail with EIO: the thread engine's preadv raises, the ring's completion says
-    -EIO (what the kernel reports for a bad sector)."""
+def inject_eio(monkeypatch, engine: str, failures: dict, short_by: int = 0) -> None:
+    """The next failures["left"] reads fail with EIO (short_by > 0: come back short_by bytes short instead): the
+    thread engine's preadv raises (returns less), the ring's completion says -EIO (less): what the kernel reports for
+    a bad sector (a read cut short by a signal or a device reset)."""
     if engine == "threads":
         real = reader_mod._preadv
 
         def flaky(fd, iov_addr, n, off):
             if failures["left"] > 0:
                 failures["left"] -= 1
-                raise OSError(errno.EIO, "Input/output error")
+                if not short_by:
+                    raise OSError(errno.EIO, "Input/output error")
+                return real(fd, iov_addr, n, off) - short_by
             return real(fd, iov_addr, n, off)
         monkeypatch.setattr(reader_mod, "_preadv", flaky)
     else:
@@ -204,10 +207,26 @@ def inject_eio(monkeypatch, engine: str, failures: dict) -> None:
         def flaky(ring):
             tags, res = real(ring)
             k = min(failures["left"], len(res))
-            res[:k] = -errno.EIO
+            res[:k] = res[:k] - short_by if short_by else -errno.EIO
             failures["left"] -= k
             return tags, res
         monkeypatch.setattr(uring.Ring, "reap", flaky)
+
+
+def test_a_short_read_is_retried_once_then_reported(flashdirs, monkeypatch, engine):
+    path, ckpt = flashdirs["f32"]
+    failures = {"left": 1}
+    with BundleReader(path, threads=1, engine=engine) as r:
+        check_engine(r, engine)
+        dest = aligned_empty((1, r.layout.stride), np.uint8)
+        inject_eio(monkeypatch, engine, failures, short_by=512)
+        stats = r.read(0, [7], dest, [0])                          # short once: the retry reads it whole
+        assert stats.n_reads == 2
+        assert np.array_equal(unpack_bundles(r.layout, dest)[0][0], bundle_vectors(ckpt, 0, 7))
+        failures["left"] = 2
+        with pytest.raises(UserError, match=rf"short read at offset \d+ \(layer 0\): got {r.layout.stride - 512} of "
+                                            rf"{r.layout.stride} bytes"):
+            r.read(0, [7], dest, [0])
 
 
 def test_eio_is_retried_once_then_reported(flashdirs, monkeypatch, engine):
