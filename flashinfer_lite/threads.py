@@ -29,8 +29,8 @@ import numba
 import numpy as np
 
 PROBE_STEPS = 3        # decode steps per probe of another thread count
-FIRST_PERIOD = 16      # steps at the chosen count before it is probed again, after a switch
-MAX_PERIOD = 512       # ... doubling each time the chosen count stays, up to this
+FIRST_PERIOD = 16      # steps at a newly chosen count before another is probed
+MAX_PERIOD = 512       # after a probe that lost, twice the gap before (at least 2 * FIRST_PERIOD), up to this
 ABORT_RATIO = 1.5      # a probe step this much slower than the chosen count's median ends the probe at once
 SWITCH_RATIO = 0.95    # the probed count is taken when its median step is at most this share of the chosen one's
 HISTORY = 8            # recent steps per count, for their median
@@ -153,6 +153,6 @@ class StepThreads:
             self.period = FIRST_PERIOD
             self.switches += 1
         else:
-            self.period = min(2 * self.period if self.period >= FIRST_PERIOD else FIRST_PERIOD, MAX_PERIOD)
+            self.period = min(max(2 * self.period, 2 * FIRST_PERIOD), MAX_PERIOD)
         self.until_probe = self.period
         self.probing = None

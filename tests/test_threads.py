@@ -50,7 +50,7 @@ def test_busy_machine_stays_on_one_thread_and_a_slow_probe_ends_after_one_step()
     assert st.chosen == 1 and st.switches == 0
     twos = [i for i, c in enumerate(used) if c == 2]
     assert twos and all(b - a > 1 for a, b in zip(twos, twos[1:]))    # each probe cut short after its first step
-    assert len(twos) <= 5                                               # spaced out: 3, 16, 32, 64, 128 ...
+    assert len(twos) <= 5                                               # spaced out: after 3, 32, 64, 128 ... steps
 
 
 @needs_two
