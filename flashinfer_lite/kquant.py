@@ -17,7 +17,6 @@ quantized).
 """
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numba import njit, prange, types
 
@@ -28,6 +27,7 @@ from numba.extending import intrinsic
 from storage.errors import UserError
 from flashinfer_lite.kernels.gemv import MATMUL_PARALLEL_MIN_WORK
 from flashinfer_lite.kernels.prefetch import prefetch_ahead
+from flashinfer_lite.threads import numba_threads
 from flashinfer_lite.quant import (_F32, _I8, _I32, _accumulate_product, _add_product, _arrays, _f32_block,
                                    _half_at, _horizontal_sum, _load_vec, _rows_ok, _vec)
 
@@ -243,7 +243,7 @@ def matmul_t(x: np.ndarray, q: np.ndarray, kind: str) -> np.ndarray:
     code = _check(q, kind, x.shape[1])
     (T, d), n = x.shape, q.shape[0]
     y = np.empty((T, n), np.float32)
-    threads = numba.get_num_threads()
+    threads = numba_threads()
     if threads > 1 and T * n * d >= MATMUL_PARALLEL_MIN_WORK:
         matmul_kernel(q, x, y, threads, code)
     else:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -25,6 +24,7 @@ from flashinfer_lite.kernels.f16 import f16_bits_to_f32
 from flashinfer_lite.kernels.gemv import MATMUL_PARALLEL_MIN_WORK, MATMUL_ROW_KERNEL_MAX_T, matmul_widened
 from flashinfer_lite.kernels.prefetch import prefetch_ahead
 from flashinfer_lite.kernels.rows import dot
+from flashinfer_lite.threads import numba_threads
 from storage.blocks import BLOCK, BLOCK_BYTES, check_kind, quantize, row_bytes  # noqa: F401 (quantize: re-exported)
 
 Q8_0, Q4_0, Q4_1 = 0, 1, 2       # kind codes the kernels branch on (once per row, not per element)
@@ -264,7 +264,7 @@ def quant_matmul_t(x: np.ndarray, q: np.ndarray, kind: str, row_kernel_max_t: in
     (T, d), n = x.shape, q.shape[0]
     y = np.empty((T, n), np.float32)
     if T <= row_kernel_max_t:
-        threads = numba.get_num_threads()
+        threads = numba_threads()
         if threads > 1 and T * n * d >= parallel_min_work:
             quant_matmul_kernel(q, x, y, threads, k.code)
         else:

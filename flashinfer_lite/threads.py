@@ -26,6 +26,7 @@ from collections import Counter, deque
 from contextlib import contextmanager
 
 import numba
+import numba.np.ufunc.parallel
 import numpy as np
 
 PROBE_STEPS = 3        # decode steps per probe of another thread count
@@ -52,6 +53,20 @@ def beside_reads(engine: str):
         yield
     finally:
         numba.set_num_threads(n)
+
+
+_get_num_threads = None
+
+
+def numba_threads() -> int:
+    """numba.get_num_threads(), without its two locks on every call (~6 us, and a decode step asks ~60 times whether
+    a GEMV should run parallel): the pool's own count function once the pool is up."""
+    global _get_num_threads
+    if _get_num_threads is None:
+        n = numba.get_num_threads()                    # launches the pool
+        _get_num_threads = getattr(numba.np.ufunc.parallel, "_get_num_threads", None) or numba.get_num_threads
+        return n
+    return _get_num_threads()
 
 
 def set_threads(threads: int | None) -> None:
