@@ -7,7 +7,8 @@ that spins on one core.
 Each round runs llama.cpp (harness.measure_llama) and flashinfer-lite (the GGUF in RAM, --ffn dense, generate's
 Session: its per-step thread choice, flashinfer_lite/threads.py) back to back, in alternating order, as worker
 processes (harness.run_row), first with nothing of ours running beside them ("quiet"), then beside one spinning
-process ("busy"; --pin pins it to CPU 0). Both engines get --threads threads. The machine may be shared: every row
+process ("busy"; --pin pins it to CPU 0). flashinfer-lite gets -t --threads, llama.cpp --llama-threads (default the
+same). The machine may be shared: every row
 carries the load average at its start. Prints JSON (stdout) and a markdown table (stderr): ms/token and P50 per row,
 and per load flashinfer-lite / llama.cpp per round and the spread (max / min) of each engine's P50 across rounds.
 """
@@ -45,7 +46,9 @@ def measure_flash(job: dict) -> dict:
 
 def measure(a) -> dict:
     job = json.loads(Path(a.job).read_text())
-    return h.measure_llama(job) if a.worker == "llama.cpp" else measure_flash(job)
+    if a.worker == "llama.cpp":
+        return h.measure_llama(dict(job, threads=job["llama_threads"]))
+    return measure_flash(job)
 
 
 def spinner(pin: bool) -> subprocess.Popen:
@@ -58,7 +61,8 @@ def main(argv=None) -> int:
     ap.add_argument("-p", "--prompt", default=PROMPT)
     ap.add_argument("-n", "--tokens", type=int, default=64, help="greedy tokens per row (default 64)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds per load (default 3)")
-    ap.add_argument("--threads", type=int, default=2, help="threads of both engines (default 2)")
+    ap.add_argument("--threads", type=int, default=2, help="flashinfer-lite's -t: at most this many (default 2)")
+    ap.add_argument("--llama-threads", type=int, help="llama.cpp's threads (default --threads)")
     ap.add_argument("--loads", default="quiet,busy", help="comma-separated: quiet, busy (default both)")
     ap.add_argument("--pin", action="store_true", help="pin the spinning process to CPU 0")
     h.add_arguments(ap, "--job")
@@ -79,7 +83,8 @@ def main(argv=None) -> int:
     ids = prompt_ids(open_any(gguf).tokenizer(), a.prompt, None, use_template=True)
     ctx = len(ids) + a.tokens + 1
     (work / "job.json").write_text(json.dumps({"gguf": str(gguf), "prompt_ids": ids, "n_gen": a.tokens, "ctx": ctx,
-                                               "threads": a.threads, "llama_extra_bufts": False}))
+                                               "threads": a.threads, "llama_threads": a.llama_threads or a.threads,
+                                               "llama_extra_bufts": False}))
     results = []
     for load in loads:
         spin = spinner(a.pin) if load == "busy" else None
@@ -93,7 +98,8 @@ def main(argv=None) -> int:
             if spin is not None:
                 spin.kill()
                 spin.wait()
-    doc = {"gguf": str(gguf), "prompt_ids": ids, "tokens": a.tokens, "threads": a.threads, "rounds": a.rounds,
+    doc = {"gguf": str(gguf), "prompt_ids": ids, "tokens": a.tokens, "threads": a.threads,
+           "llama_threads": a.llama_threads or a.threads, "rounds": a.rounds,
            "spinner_pinned": a.pin, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": mach,
            "results": results, "summary": summary(results, loads, a.rounds),
            "seconds": round(time.perf_counter() - t_start, 1), "command": h.command("busy_decode.py", argv)}
@@ -125,7 +131,8 @@ def summary(results: list[dict], loads: list[str], rounds: int) -> dict:
 
 def markdown(doc: dict) -> str:
     m = doc["machine"]
-    lines = [f"{Path(doc['gguf']).name}, {doc['tokens']} greedy tokens, {doc['threads']} threads each, spinner "
+    lines = [f"{Path(doc['gguf']).name}, {doc['tokens']} greedy tokens, flashinfer-lite -t {doc['threads']}, llama.cpp "
+             f"{doc['llama_threads']} threads, spinner "
              f"{'pinned to CPU 0' if doc['spinner_pinned'] else 'unpinned'}; {m['cpus']} CPUs; {doc['date']}, "
              f"load avg {m['load_avg_start'][0]:.2f} -> {m['load_avg_end'][0]:.2f}", ""]
     rows = []
@@ -139,8 +146,8 @@ def markdown(doc: dict) -> str:
     lines += h.table(["load", "round", "engine", "ms/token", "P50 ms", "steps at thread count", "load avg"], rows)
     lines += ["", "flashinfer-lite / llama.cpp per round, and the P50 spread across rounds (max / min)", ""]
     lines += h.table(["load", "ms/token ratio", "P50 ratio", "P50 spread llama.cpp", "P50 spread flashinfer-lite"],
-                     [[load, " / ".join(map(h.fmt, s["ms_per_token_ratio"])), " / ".join(map(h.fmt, s["p50_ratio"])),
-                       h.fmt(s["p50_spread"]["llama.cpp"]), h.fmt(s["p50_spread"]["flashinfer-lite"])]
+                     [[load, *(" / ".join(h.fmt(v, 3) for v in s[k]) for k in ("ms_per_token_ratio", "p50_ratio")),
+                       *(h.fmt(s["p50_spread"][e], 3) for e in ("llama.cpp", "flashinfer-lite"))]
                       for load, s in doc["summary"].items()])
     return "\n".join(lines)
 
