@@ -191,7 +191,7 @@ class Session:
             if self.kv.length >= self.ctx:
                 raise ContextFull(self.ctx)
             t0 = time.perf_counter()
-            with self.threads.step():
+            with self.threads.step(self.model):
                 logits = self.model.forward([tok], self.kv)
             self.cached.append(tok)
             self.timings.token_ms.append((time.perf_counter() - t0) * 1e3)

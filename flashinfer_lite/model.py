@@ -382,6 +382,7 @@ class Transformer:
             self.dense_ffn = [FeedForward(cfg, w, i) for i in range(cfg.n_layers)]
             ffn = lambda layer, x: self.dense_ffn[layer](x)  # noqa: E731
         self.ffn = ffn
+        self.after_layer: Callable[[], None] | None = None    # called after each layer (threads.StepThreads.step)
         self.inv_freq = rope_inv_freq(cfg) if cfg.pos_offset is None else None
 
     def new_cache(self, capacity: int) -> KVCache:
@@ -415,5 +416,7 @@ class Transformer:
         rope = rope_tables(self.inv_freq, pos0, len(tokens))
         for i in range(self.cfg.n_layers):
             x = self.block(i, x, kv, pos0, rope)
+            if self.after_layer is not None:
+                self.after_layer()
         kv.length = pos0 + len(tokens)
         return x

@@ -12,7 +12,7 @@ faster depends on what else runs, and that changes while we run, so it is measur
 the chosen count against a few steps at another, now and then, with the probes spaced out exponentially while the
 choice holds. It starts on one thread: under contention a probe of more threads costs one step many times slower
 (ABORT_RATIO ends it), on an idle machine a step on one thread costs about 1.6x, so one is the cheaper place to
-start from. A probe of more threads is skipped while this thread itself waits in the run queue for a sizeable share
+start from, and a probe step that runs slow goes back to the chosen count at its next layer. A probe of more threads is skipped while this thread itself waits in the run queue for a sizeable share
 of its steps (its schedstat): the cores are taken, and a second thread of ours would wait too. The threads change no
 bits (every kernel's work split is a constant, not the thread count), so the
 choice can change at any step.
@@ -96,6 +96,8 @@ class StepThreads:
         self.steps: Counter = Counter()              # decode steps run at each thread count
         self.queued: deque = deque(maxlen=HISTORY)   # share of each recent step this thread spent in the run queue
         self._schedstat: tuple[int, int] | None = None     # (native thread id, fd of its schedstat)
+        self._deadline: float | None = None   # perf_counter() past which a probe step goes back to the chosen count
+        self._cut = False
 
     def _start(self) -> None:
         self.most = numba.get_num_threads()
@@ -122,22 +124,37 @@ class StepThreads:
         return self.probing or self.chosen
 
     @contextmanager
-    def step(self):
+    def step(self, model=None):
+        """One decode step. With `model` (a Transformer), a probe step that has already taken ABORT_RATIO times the
+        chosen count's median goes back to the chosen count at its next layer (model.after_layer), so a probe on a
+        busy machine costs that much, not a whole step of stalled regions."""
         if self.most is None:
             self._start()
         numba.set_num_threads(self.current)
         q0, t0 = self._queued_ns(), time.perf_counter()
+        self._deadline = t0 + ABORT_RATIO * float(np.median(self.recent[self.chosen])) / 1e3 if self.probing else None
+        self._cut = False
+        if model is not None:
+            model.after_layer = self._after_layer
         try:
             yield
         finally:
             numba.set_num_threads(self.most)
+            if model is not None:
+                model.after_layer = None
         ms, q1 = (time.perf_counter() - t0) * 1e3, self._queued_ns()
         if q1 is not None and self.probing is None:
             self.queued.append((q1 - q0) / 1e6 / max(ms, 1e-3))
-        self.record(self.current, ms)
+        self.record(self.current, ms, cut=self._cut)
 
-    def record(self, count: int, ms: float) -> None:
-        """One decode step at `count` threads took `ms`: keep it, and move the probe schedule on."""
+    def _after_layer(self) -> None:
+        if self._deadline is not None and time.perf_counter() > self._deadline:
+            numba.set_num_threads(self.chosen)
+            self._deadline, self._cut = None, True
+
+    def record(self, count: int, ms: float, cut: bool = False) -> None:
+        """One decode step at `count` threads took `ms` (cut: a probe step sent back to the chosen count midway):
+        keep it, and move the probe schedule on."""
         self.steps[count] += 1
         if len(self.counts) < 2:
             return
@@ -155,7 +172,7 @@ class StepThreads:
             return
         self.probe.append(ms)
         median = float(np.median(base))
-        if ms > ABORT_RATIO * median:
+        if cut or ms > ABORT_RATIO * median:
             self._end_probe(switch=False)
         elif len(self.probe) >= PROBE_STEPS:
             self._end_probe(switch=float(np.median(self.probe)) <= SWITCH_RATIO * median)

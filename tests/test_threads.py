@@ -6,16 +6,26 @@ from flashinfer_lite import threads as T
 
 
 def tuner(most=2):
+    """A StepThreads as its first step finds Numba at `most` threads (-t)."""
     st = T.StepThreads()
     before = numba.get_num_threads()
     numba.set_num_threads(min(most, numba.config.NUMBA_NUM_THREADS))
     try:
-        with st.step():        # the first step reads -t (numba's count now) and runs on one thread
-            assert numba.get_num_threads() == 1
-        assert numba.get_num_threads() == st.most    # restored after the step: a prompt runs on every thread
+        st._start()
     finally:
         numba.set_num_threads(before)
     return st
+
+
+def test_a_step_runs_on_one_thread_first_and_restores_the_count_after():
+    st = T.StepThreads()
+    before = numba.get_num_threads()
+    try:
+        with st.step():
+            assert numba.get_num_threads() == 1
+        assert numba.get_num_threads() == st.most == before    # a prompt after it runs on every thread
+    finally:
+        numba.set_num_threads(before)
 
 
 def run(st, ms_at: dict, steps: int) -> list[int]:
@@ -86,3 +96,35 @@ def test_compute_beside_reads_leaves_a_core_to_reader_threads_only(engine, insid
         assert numba.get_num_threads() == 2
     finally:
         numba.set_num_threads(before)
+
+
+class Layers:
+    """A stand-in for Transformer.forward_rows: calls after_layer (as the model does) after each of its layers, each
+    layer taking `ms` of fake time; records Numba's thread count per layer."""
+
+    def __init__(self, clock, ms: float, n: int = 10):
+        self.after_layer, self.clock, self.ms, self.n, self.threads = None, clock, ms, n, []
+
+    def forward(self):
+        for _ in range(self.n):
+            self.threads.append(numba.get_num_threads())
+            self.clock[0] += self.ms / 1e3
+            if self.after_layer is not None:
+                self.after_layer()
+
+
+@needs_two
+def test_a_slow_probe_step_goes_back_to_one_thread_at_its_next_layer(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(T.time, "perf_counter", lambda: clock[0])
+    st = tuner()
+    fast, slow = Layers(clock, 2.0), Layers(clock, 40.0)      # steps of 20 ms on one thread, 400 ms on two
+    while st.current == 1:
+        with st.step(fast):
+            fast.forward()
+    assert fast.after_layer is None                          # the hook is the step's only
+    with st.step(slow):
+        slow.forward()
+    # over 1.5 x 20 ms after its first layer: the rest of the step ran on the chosen count
+    assert slow.threads == [2] + [1] * 9
+    assert st.current == 1 and st.chosen == 1 and numba.get_num_threads() == st.most
