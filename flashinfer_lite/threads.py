@@ -9,13 +9,13 @@ lm_head) and each ends when its slowest thread does. When another process takes 
 run queue for the scheduler's next slice (EEVDF: ~1-3 ms) and every region waits with it: SmolLM2 in RAM took
 200-440 ms per token on 2 threads beside one spinning process, 23-50 ms on 1 (bench/busy_decode.py). Which count is
 faster depends on what else runs, and that changes while we run, so it is measured, not guessed: the step times at
-the chosen count against a few steps at another, now and then, with the probes spaced out exponentially while the
-choice holds. It starts on one thread: under contention a probe of more threads costs one step many times slower
-(ABORT_RATIO ends it), on an idle machine a step on one thread costs about 1.6x, so one is the cheaper place to
-start from, and a probe step that runs slow goes back to the chosen count at its next layer. A probe of more threads is skipped while this thread itself waits in the run queue for a sizeable share
-of its steps (its schedstat): the cores are taken, and a second thread of ours would wait too. The threads change no
-bits (every kernel's work split is a constant, not the thread count), so the
-choice can change at any step.
+the chosen count against a few steps at another, now and then, the probes spaced out exponentially while the choice
+holds. It starts on one thread: on an idle machine a step on one thread costs about 1.6x, on a busy one a step on two
+many times more, so one is the cheaper place to start from. A probe step that runs slow goes back to the chosen count
+at its next layer, and a probe of more threads is skipped while this thread itself waits in the run queue for a
+sizeable share of its steps (its schedstat): the cores are taken, and a second thread of ours would wait too. The
+threads change no bits (every kernel's work split is a constant, not the thread count), so the choice can change at
+any step.
 """
 from __future__ import annotations
 

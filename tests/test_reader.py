@@ -213,36 +213,24 @@ def inject_eio(monkeypatch, engine: str, failures: dict, short_by: int = 0) -> N
         monkeypatch.setattr(uring.Ring, "reap", flaky)
 
 
-def test_a_short_read_is_retried_once_then_reported(flashdirs, monkeypatch, engine):
+@pytest.mark.parametrize("short_by", [0, 512], ids=["EIO", "short read"])
+def test_a_failed_read_is_retried_once_then_reported(flashdirs, monkeypatch, engine, short_by):
     path, ckpt = flashdirs["f32"]
     failures = {"left": 1}
     with BundleReader(path, threads=1, engine=engine) as r:
         check_engine(r, engine)
-        dest = aligned_empty((1, r.layout.stride), np.uint8)
-        inject_eio(monkeypatch, engine, failures, short_by=512)
-        stats = r.read(0, [7], dest, [0])                          # short once: the retry reads it whole
-        assert stats.n_reads == 2
-        assert np.array_equal(unpack_bundles(r.layout, dest)[0][0], bundle_vectors(ckpt, 0, 7))
-        failures["left"] = 2
-        with pytest.raises(UserError, match=rf"short read at offset \d+ \(layer 0\): got {r.layout.stride - 512} of "
-                                            rf"{r.layout.stride} bytes"):
-            r.read(0, [7], dest, [0])
-
-
-def test_eio_is_retried_once_then_reported(flashdirs, monkeypatch, engine):
-    path, ckpt = flashdirs["f32"]
-    failures = {"left": 1}
-    with BundleReader(path, threads=1, engine=engine) as r:
-        check_engine(r, engine)
-        dest = aligned_empty((1, r.layout.stride), np.uint8)
-        inject_eio(monkeypatch, engine, failures)
-        stats = r.read(0, [5], dest, [0])                          # one EIO: the retry succeeds
+        stride = r.layout.stride
+        dest = aligned_empty((1, stride), np.uint8)
+        inject_eio(monkeypatch, engine, failures, short_by)
+        stats = r.read(0, [5], dest, [0])                          # one failure: the retry reads it whole
         assert stats.n_reads == 2
         assert np.array_equal(unpack_bundles(r.layout, dest)[0][0], bundle_vectors(ckpt, 0, 5))
         failures["left"] = 2
-        with pytest.raises(UserError, match=r"offset \d+ \(layer 0\) failed: Input/output error"):
+        why = (rf"short read at offset \d+ \(layer 0\): got {stride - short_by} of {stride} bytes" if short_by else
+               r"offset \d+ \(layer 0\) failed: Input/output error")
+        with pytest.raises(UserError, match=why):
             r.read(0, [5], dest, [0])
-        dest = aligned_empty((2, r.layout.stride), np.uint8)
+        dest = aligned_empty((2, stride), np.uint8)
         r.read(0, [5, 9], dest, [0, 1])                            # and the reader goes on
         assert np.array_equal(unpack_bundles(r.layout, dest)[0], np.stack([bundle_vectors(ckpt, 0, i) for i in (5, 9)]))
 
