@@ -7,7 +7,7 @@ chooses among fewer (`StepThreads`).
 Why choose per step: a decode step is ~90 parallel regions (per layer the q/k/v and o GEMVs and the FFN, then
 lm_head) and each ends when its slowest thread does. When another process takes a core, a thread of ours waits in the
 run queue for the scheduler's next slice (EEVDF: ~1-3 ms) and every region waits with it: SmolLM2 in RAM took
-200-440 ms per token on 2 threads beside one spinning process, 23-50 ms on 1 (bench/busy_decode.py). Which count is
+200-440 ms per token on 2 threads beside one spinning process, 23-50 ms on 1 (2026-11-24, load 3-5). Which count is
 faster depends on what else runs, and that changes while we run, so it is measured, not guessed: the step times at
 the chosen count against a few steps at another, now and then, the probes spaced out exponentially while the choice
 holds. It starts on one thread: on an idle machine a step on one thread costs about 1.6x, on a busy one a step on two
