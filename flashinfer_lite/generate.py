@@ -145,12 +145,14 @@ class Session:
     conversation added since (the rendered template of the whole conversation shares a prefix with the last one).
     """
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, ctx: int):
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, ctx: int, choose_threads: bool = True):
         self.model, self.tokenizer = model, tokenizer
         self.kv = model.new_cache(ctx)
         self.cached: list[int] = []
         self.timings = Timings()
-        self.threads = StepThreads()     # each decode step's thread count, by its measured time
+        # each decode step's thread count, by measured step times (choose_threads False: always -t, as a bench
+        # that times the parts of a step at a given thread count needs)
+        self.threads = StepThreads(choose=choose_threads)
 
     @property
     def ctx(self) -> int:

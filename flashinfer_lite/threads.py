@@ -82,7 +82,8 @@ class StepThreads:
     Around each step, `with step_threads.step():` sets the chosen (or probed) count and restores `most` after, so a
     prompt between decode steps runs on every thread."""
 
-    def __init__(self):
+    def __init__(self, choose: bool = True):
+        self.choose = choose                    # False: every step on `most` threads (no probes)
         self.most: int | None = None
         self.counts: list[int] = []
         self.recent: dict[int, deque] = {}
@@ -101,9 +102,9 @@ class StepThreads:
 
     def _start(self) -> None:
         self.most = numba.get_num_threads()
-        self.counts = sorted({self.most, max(1, self.most // 2), 1})
+        self.counts = sorted({self.most, max(1, self.most // 2), 1}) if self.choose else [self.most]
         self.recent = {c: deque(maxlen=HISTORY) for c in self.counts}
-        self.chosen = 1
+        self.chosen = self.counts[0]
 
     def _queued_ns(self) -> int | None:
         """Nanoseconds this thread has waited in the run queue (Linux schedstat's second field), None elsewhere."""

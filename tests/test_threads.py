@@ -128,3 +128,17 @@ def test_a_slow_probe_step_goes_back_to_one_thread_at_its_next_layer(monkeypatch
     # over 1.5 x 20 ms after its first layer: the rest of the step ran on the chosen count
     assert slow.threads == [2] + [1] * 9
     assert st.current == 1 and st.chosen == 1 and numba.get_num_threads() == st.most
+
+
+@needs_two
+def test_a_session_can_keep_every_step_on_its_thread_count():
+    before = numba.get_num_threads()
+    numba.set_num_threads(2)
+    try:
+        st = T.StepThreads(choose=False)
+        for _ in range(40):
+            with st.step():
+                assert numba.get_num_threads() == 2
+        assert st.steps == {2: 40}
+    finally:
+        numba.set_num_threads(before)
