@@ -42,9 +42,8 @@ def load_model(path, ffn="dense", threads: int | None = None, **kw):
     reference whose activations the placement and cache benches record); or a function (checkpoint, resident weights) -> FFN for a bench's own
     FFN source (bundles memmapped, streamed by layer, replayed sets): the resident weights are then loaded as the
     runtime keeps them (matrices float16 unless the FLASHDIR is f32). threads: Numba's compute threads."""
-    if threads:
-        import numba
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    from flashinfer_lite.threads import set_threads
+    set_threads(threads)
     if ffn == "float32":
         from flashinfer_lite.loader import load_reference
         return (*load_reference(path), None)

@@ -68,10 +68,11 @@ def main() -> int:
 
     # one warm-up generation (the prompt and 3 decode steps) compiles the Numba kernels and fills caches; then the
     # measured one
-    for _ in Session(model, tokenizer, len(ids) + args.n + 1).generate(ids, 4, greedy, ignore_eos=True):
+    for _ in Session(model, tokenizer, len(ids) + args.n + 1, choose_threads=False).generate(ids, 4, greedy,
+                                                                                         ignore_eos=True):
         pass
     acc.clear()
-    session = Session(model, tokenizer, len(ids) + args.n + 1)
+    session = Session(model, tokenizer, len(ids) + args.n + 1, choose_threads=False)   # every step on -t threads
     gen = session.generate(ids, args.n, sampler, ignore_eos=True)
     next(gen)                                           # the prompt's forward pass and the first sample
     prompt = {k: v for k, v in acc.items()}

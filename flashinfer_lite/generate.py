@@ -18,6 +18,7 @@ from .model import Transformer
 from .process import peak_rss_bytes, rss_bytes
 
 from .runtime import FFN_MODES, load
+from .threads import StepThreads
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -146,11 +147,14 @@ class Session:
     conversation added since (the rendered template of the whole conversation shares a prefix with the last one).
     """
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, ctx: int):
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, ctx: int, choose_threads: bool = True):
         self.model, self.tokenizer = model, tokenizer
         self.kv = model.new_cache(ctx)
         self.cached: list[int] = []
         self.timings = Timings()
+        # each decode step's thread count, by measured step times (choose_threads False: always -t, as a bench
+        # that times the parts of a step at a given thread count needs)
+        self.threads = StepThreads(choose=choose_threads)
 
     @property
     def ctx(self) -> int:
@@ -191,7 +195,8 @@ class Session:
             if self.kv.length >= self.ctx:
                 raise ContextFull(self.ctx)
             t0 = time.perf_counter()
-            logits = self.model.forward([tok], self.kv)
+            with self.threads.step(self.model):
+                logits = self.model.forward([tok], self.kv)
             self.cached.append(tok)
             self.timings.token_ms.append((time.perf_counter() - t0) * 1e3)
 

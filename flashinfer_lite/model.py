@@ -200,7 +200,8 @@ class Attention:
         H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         if self.wqkv is not None:
             qkv = linear(x, self.wqkv)
-            q, k, v = (np.ascontiguousarray(a) for a in np.split(qkv, [H * hd, (H + Hkv) * hd], axis=1))
+            cut = (0, H * hd, (H + Hkv) * hd, qkv.shape[1])    # slices, not np.split: ~10 us less per layer
+            q, k, v = (np.ascontiguousarray(qkv[:, a:b]) for a, b in zip(cut, cut[1:]))
             q, k, v = (a if b is None else a + b for a, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
             q, k, v = q.reshape(T, H, hd), k.reshape(T, Hkv, hd), v.reshape(T, Hkv, hd)
         else:
@@ -472,6 +473,7 @@ class Transformer:
             self.dense_ffn = [(MixtureOfExperts if cfg.moe else FeedForward)(cfg, w, i) for i in range(cfg.n_layers)]
             ffn = lambda layer, x: self.dense_ffn[layer](x)  # noqa: E731
         self.ffn = ffn
+        self.after_layer: Callable[[], None] | None = None    # called after each layer (threads.StepThreads.step)
         self.inv_freq = layer_ropes(cfg)                                       # per layer: [hd/2] or None
 
     def new_cache(self, capacity: int) -> KVCache:
@@ -505,5 +507,7 @@ class Transformer:
         tables = {id(f): rope_tables(f, pos0, len(tokens)) for f in self.inv_freq}   # one per distinct base
         for i in range(self.cfg.n_layers):
             x = self.block(i, x, kv, pos0, tables[id(self.inv_freq[i])])
+            if self.after_layer is not None:
+                self.after_layer()
         kv.length = pos0 + len(tokens)
         return x

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -35,6 +34,7 @@ from flashinfer_lite.kernels.f16 import f16_bits_to_f32
 from flashinfer_lite.kernels.gemv import MATMUL_PARALLEL_MIN_WORK, MATMUL_ROW_KERNEL_MAX_T, matmul_widened
 from flashinfer_lite.kernels.prefetch import prefetch_ahead
 from flashinfer_lite.kernels.rows import dot
+from flashinfer_lite.threads import numba_threads
 from storage.blocks import BLOCK, KIND_SIZES, check_kind, quantize, row_bytes  # noqa: F401 (quantize: re-exported)
 
 
@@ -326,7 +326,7 @@ def quant_matmul_t(x: np.ndarray, q: np.ndarray, kind: str, row_kernel_max_t: in
     (T, d), n = x.shape, q.shape[0]
     y = np.empty((T, n), np.float32)
     if T <= row_kernel_max_t:
-        threads = numba.get_num_threads()
+        threads = numba_threads()
         if threads > 1 and T * n * d >= parallel_min_work:
             quant_matmul_kernel(q, x, y, threads, k.code)
         else:

@@ -23,7 +23,6 @@ import time
 from dataclasses import dataclass
 from importlib.util import find_spec
 
-import numba
 import numpy as np
 from threadpoolctl import threadpool_limits
 
@@ -46,8 +45,14 @@ from .ffn.gate import GateFFN
 from .ffn.resident import ResidentFFN
 from .loader import load_weights, open_any
 from .model import FeedForward, Transformer
+<<<<<<< HEAD
 from .predictor_set import describe_calibration, load_expert_freq, load_predictors, read_manifest
 from .process import keep_freed_arrays_out_of_rss, rss_bytes
+=======
+from .predictor_set import describe_calibration, load_predictors, read_manifest
+from .process import keep_freed_arrays_out_of_rss
+from .threads import set_threads
+>>>>>>> cores
 
 # auto: a gated (SiLU) model with the split layout: gate at every budget; a mixture of experts: experts from flash;
 # else dense when the model fits, else predicted
@@ -448,8 +453,7 @@ def load(path: str | None = None, dram_budget: int | str | None = "auto", ffn: s
     machine can give) or None (no limit); ffn as the CLI's --ffn; ctx 0: the model's default context."""
     t0 = time.perf_counter()
     one_blas_thread()
-    if threads:
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    set_threads(threads)
     budget = parse_size(dram_budget) if isinstance(dram_budget, str) and dram_budget != "auto" else dram_budget
     progress = sys.stderr.isatty()
     files = open_model_files(path, ffn, progress=progress, refuse_below=budget if isinstance(budget, int) else None,

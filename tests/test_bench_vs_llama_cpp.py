@@ -144,3 +144,26 @@ def test_e2e_flash_rows_on_q4_follow_the_layer_stream_reference(e2e_llama):
     assert ref["cap_bytes"] is None and ref["reader_MB_per_token"] > 0       # uncapped, reads every layer per token
     got = rows["flash-oracle-75"]
     assert got["argmax"] == ref["argmax"][:len(got["argmax"])] and got["argmax_agree_with_dense"] == 1.0
+
+
+def test_busy_decode_runs_both_engines_beside_a_spinner_and_they_agree(smollm2_gguf):
+    """bench/busy_decode.py, one busy round of 4 tokens: both rows measured, the spinner gone after, and
+    flashinfer-lite's greedy tokens are llama.cpp's (the first 3: float32 math on the same blocks, not its int8 dots)."""
+    why = _why_not()
+    if why:
+        pytest.skip(why)
+    import psutil
+    before = {p.pid for p in psutil.process_iter()}
+    doc, err = run_bench("busy_decode.py", "-m", smollm2_gguf, "-n", "4", "--rounds", "1", "--loads", "busy",
+                         timeout=900)
+    rows = {r["mode"]: r for r in doc["results"]}
+    assert set(rows) == {"llama.cpp", "flashinfer-lite"} and all(r["load"] == "busy" for r in rows.values())
+    for r in rows.values():
+        assert "error" not in r, r
+        assert r["decode_steps"] == 3 and 0 < r["p50_ms"] and len(r["loadavg"]) == 3
+    assert sum(rows["flashinfer-lite"]["steps_at_threads"].values()) == 3
+    assert rows["flashinfer-lite"]["gen_tokens"][:3] == rows["llama.cpp"]["gen_tokens"][:3]
+    assert set(doc["summary"]) == {"busy"} and doc["summary"]["busy"]["ms_per_token_ratio"][0] > 0
+    spinning = [p for p in psutil.process_iter(["cmdline"]) if p.pid not in before
+                and "while True: pass" in " ".join(p.info["cmdline"] or [])]
+    assert not spinning

@@ -186,16 +186,19 @@ def test_truncated_file_under_a_reader_names_file_offset_and_layer(tmp_path, eng
         assert np.array_equal(dest[:2], raw[[0, 3]])
 
 
-def inject_eio(monkeypatch, engine: str, failures: dict) -> None:
-    """The next failures["left"] reads fail with EIO: the thread engine's preadv raises, the ring's completion says
-    -EIO (what the kernel reports for a bad sector)."""
+def inject_eio(monkeypatch, engine: str, failures: dict, short_by: int = 0) -> None:
+    """The next failures["left"] reads fail with EIO (short_by > 0: come back short_by bytes short instead): the
+    thread engine's preadv raises (returns less), the ring's completion says -EIO (less): what the kernel reports for
+    a bad sector (a read cut short by a signal or a device reset)."""
     if engine == "threads":
         real = reader_mod._preadv
 
         def flaky(fd, iov_addr, n, off):
             if failures["left"] > 0:
                 failures["left"] -= 1
-                raise OSError(errno.EIO, "Input/output error")
+                if not short_by:
+                    raise OSError(errno.EIO, "Input/output error")
+                return real(fd, iov_addr, n, off) - short_by
             return real(fd, iov_addr, n, off)
         monkeypatch.setattr(reader_mod, "_preadv", flaky)
     else:
@@ -204,26 +207,30 @@ def inject_eio(monkeypatch, engine: str, failures: dict) -> None:
         def flaky(ring):
             tags, res = real(ring)
             k = min(failures["left"], len(res))
-            res[:k] = -errno.EIO
+            res[:k] = res[:k] - short_by if short_by else -errno.EIO
             failures["left"] -= k
             return tags, res
         monkeypatch.setattr(uring.Ring, "reap", flaky)
 
 
-def test_eio_is_retried_once_then_reported(flashdirs, monkeypatch, engine):
+@pytest.mark.parametrize("short_by", [0, 512], ids=["EIO", "short read"])
+def test_a_failed_read_is_retried_once_then_reported(flashdirs, monkeypatch, engine, short_by):
     path, ckpt = flashdirs["f32"]
     failures = {"left": 1}
     with BundleReader(path, threads=1, engine=engine) as r:
         check_engine(r, engine)
-        dest = aligned_empty((1, r.layout.stride), np.uint8)
-        inject_eio(monkeypatch, engine, failures)
-        stats = r.read(0, [5], dest, [0])                          # one EIO: the retry succeeds
+        stride = r.layout.stride
+        dest = aligned_empty((1, stride), np.uint8)
+        inject_eio(monkeypatch, engine, failures, short_by)
+        stats = r.read(0, [5], dest, [0])                          # one failure: the retry reads it whole
         assert stats.n_reads == 2
         assert np.array_equal(unpack_bundles(r.layout, dest)[0][0], bundle_vectors(ckpt, 0, 5))
         failures["left"] = 2
-        with pytest.raises(UserError, match=r"offset \d+ \(layer 0\) failed: Input/output error"):
+        why = (rf"short read at offset \d+ \(layer 0\): got {stride - short_by} of {stride} bytes" if short_by else
+               r"offset \d+ \(layer 0\) failed: Input/output error")
+        with pytest.raises(UserError, match=why):
             r.read(0, [5], dest, [0])
-        dest = aligned_empty((2, r.layout.stride), np.uint8)
+        dest = aligned_empty((2, stride), np.uint8)
         r.read(0, [5, 9], dest, [0, 1])                            # and the reader goes on
         assert np.array_equal(unpack_bundles(r.layout, dest)[0], np.stack([bundle_vectors(ckpt, 0, i) for i in (5, 9)]))
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import sys
 import time
 
-import numba
 import numpy as np
 
 from storage.reader import BundleReader, aligned_empty
@@ -19,6 +18,7 @@ from storage.stats import FlashStats
 from ..budget import staging_rows
 from storage.config import ModelConfig
 from ..neuron_cache import NeuronCache
+from ..threads import beside_reads
 from .gating import threshold_of
 from .quant import sparse_ffns
 
@@ -113,14 +113,10 @@ class FlashFFN:
                 self._prefetch_next(layer + 1, x)
             coef = self._coef[: len(f.slots)][None, :]
             if self.overlap and f.reading:
-                # The misses are in flight: the cached rows' coefficients meanwhile, on one thread, so that a
-                # core stays free for the reader threads issuing and completing the reads.
-                n_threads = numba.get_num_threads()
-                numba.set_num_threads(1)
-                try:
+                # The misses are in flight: the cached rows' coefficients meanwhile (threads.beside_reads: how
+                # many threads compute beside the reader)
+                with beside_reads(self.reader.engine):
                     self._coefficients(layer, f.slots, np.flatnonzero(~f.new), X, coef)
-                finally:
-                    numba.set_num_threads(n_threads)
                 f.finish()
                 self._coefficients(layer, f.slots, np.flatnonzero(f.new), X, coef)
             else:

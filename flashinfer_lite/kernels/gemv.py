@@ -6,9 +6,10 @@ widened to float32 one cache-sized row block at a time and given to numpy matmul
 both sides (a closed study, in git history)."""
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numba import njit, prange
+
+from ..threads import numba_threads
 
 from .f16 import f32_at
 from .prefetch import prefetch_ahead
@@ -67,7 +68,7 @@ def matmul_t(x: np.ndarray, w: np.ndarray, row_kernel_max_t: int = MATMUL_ROW_KE
     W = w.view(np.uint16) if w.dtype == np.float16 else w
     y = np.empty((T, n), np.float32)
     if T <= row_kernel_max_t:
-        threads = numba.get_num_threads()
+        threads = numba_threads()
         if threads > 1 and T * n * d >= parallel_min_work:
             matmul_t_kernel(W, x, y, threads)
         else:

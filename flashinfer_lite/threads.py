@@ -1,0 +1,191 @@
+"""How many of Numba's threads a decode step uses: the thread policy, in one place.
+
+The pools themselves are configured in flashinfer_lite/__init__.py (before numba loads: OpenMP first, one OpenBLAS
+thread, a short spin). This module sets Numba's thread count (`set_threads`, what -t asks for) and, per decode step,
+chooses among fewer (`StepThreads`).
+
+Why choose per step: a decode step is ~90 parallel regions (per layer the q/k/v and o GEMVs and the FFN, then
+lm_head) and each ends when its slowest thread does. When another process takes a core, a thread of ours waits in the
+run queue for the scheduler's next slice (EEVDF: ~1-3 ms) and every region waits with it: SmolLM2 in RAM took
+200-440 ms per token on 2 threads beside one spinning process, 23-50 ms on 1 (2026-11-24, load 3-5). Which count is
+faster depends on what else runs, and that changes while we run, so it is measured, not guessed: the step times at
+the chosen count against a few steps at another, now and then, the probes spaced out exponentially while the choice
+holds. It starts on one thread: on an idle machine a step on one thread costs about 1.6x, on a busy one a step on two
+many times more, so one is the cheaper place to start from. A probe step that runs slow goes back to the chosen count
+at its next layer, and a probe of more threads is skipped while this thread itself waits in the run queue for a
+sizeable share of its steps (its schedstat): the cores are taken, and a second thread of ours would wait too. The
+threads change no bits (every kernel's work split is a constant, not the thread count), so the choice can change at
+any step.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import Counter, deque
+from contextlib import contextmanager
+
+import numba
+import numba.np.ufunc.parallel
+import numpy as np
+
+PROBE_STEPS = 3        # decode steps per probe of another thread count
+FIRST_PERIOD = 16      # steps at a newly chosen count before another is probed
+MAX_PERIOD = 512       # after a probe that lost, twice the gap before (at least 2 * FIRST_PERIOD), up to this
+ABORT_RATIO = 1.5      # a probe step this much slower than the chosen count's median ends the probe at once
+SWITCH_RATIO = 0.95    # the probed count is taken when its median step is at most this share of the chosen one's
+HISTORY = 8            # recent steps per count, for their median
+RUN_QUEUE_SHARE = 0.2  # no probe of more threads while this thread waited in the run queue for this share of its steps
+
+
+@contextmanager
+def beside_reads(engine: str):
+    """Numba's thread count while a reader's requests are in flight. The thread engine's reader threads issue and
+    complete the reads on the CPU: one compute thread, so that a core stays free for them. The io_uring engine has no
+    threads (the kernel completes its reads; the submitting thread refills the ring when it calls in), so compute
+    keeps every thread the step has."""
+    if engine != "threads":
+        yield
+        return
+    n = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(n)
+
+
+_get_num_threads = None
+
+
+def numba_threads() -> int:
+    """numba.get_num_threads(), without its two locks on every call (~6 us, and a decode step asks ~60 times whether
+    a GEMV should run parallel): the pool's own count function once the pool is up."""
+    global _get_num_threads
+    if _get_num_threads is None:
+        n = numba.get_num_threads()                    # launches the pool
+        _get_num_threads = getattr(numba.np.ufunc.parallel, "_get_num_threads", None) or numba.get_num_threads
+        return n
+    return _get_num_threads()
+
+
+def set_threads(threads: int | None) -> None:
+    """Numba's thread count for this Python thread (numba's count is per thread): -t, at most the pool's size."""
+    if threads:
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+
+
+class StepThreads:
+    """The thread count of each decode step, chosen by timing the steps (the module's docstring says why).
+
+    `most` is the thread count in force when the first step runs (-t); the candidates are 1, most // 2 and most.
+    Around each step, `with step_threads.step():` sets the chosen (or probed) count and restores `most` after, so a
+    prompt between decode steps runs on every thread."""
+
+    def __init__(self, choose: bool = True):
+        self.choose = choose                    # False: every step on `most` threads (no probes)
+        self.most: int | None = None
+        self.counts: list[int] = []
+        self.recent: dict[int, deque] = {}
+        self.chosen = 0
+        self.period = PROBE_STEPS          # the first probe comes once the chosen count has a median
+        self.until_probe = PROBE_STEPS
+        self.probing: int | None = None
+        self.probe: list[float] = []
+        self.next_alt = 0
+        self.switches = 0
+        self.steps: Counter = Counter()              # decode steps run at each thread count
+        self.queued: deque = deque(maxlen=HISTORY)   # share of each recent step this thread spent in the run queue
+        self._schedstat: tuple[int, int] | None = None     # (native thread id, fd of its schedstat)
+        self._deadline: float | None = None   # perf_counter() past which a probe step goes back to the chosen count
+        self._cut = False
+
+    def _start(self) -> None:
+        self.most = numba.get_num_threads()
+        self.counts = sorted({self.most, max(1, self.most // 2), 1}) if self.choose else [self.most]
+        self.recent = {c: deque(maxlen=HISTORY) for c in self.counts}
+        self.chosen = self.counts[0]
+
+    def _queued_ns(self) -> int | None:
+        """Nanoseconds this thread has waited in the run queue (Linux schedstat's second field), None elsewhere."""
+        tid = threading.get_native_id()
+        if self._schedstat is None or self._schedstat[0] != tid:
+            if self._schedstat is not None:
+                os.close(self._schedstat[1])
+            try:
+                self._schedstat = (tid, os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY))
+            except OSError:
+                self._schedstat = (tid, -1)
+        if self._schedstat[1] < 0:
+            return None
+        return int(os.pread(self._schedstat[1], 64, 0).split()[1])
+
+    @property
+    def current(self) -> int:
+        return self.probing or self.chosen
+
+    @contextmanager
+    def step(self, model=None):
+        """One decode step. With `model` (a Transformer), a probe step that has already taken ABORT_RATIO times the
+        chosen count's median goes back to the chosen count at its next layer (model.after_layer), so a probe on a
+        busy machine costs that much, not a whole step of stalled regions."""
+        if self.most is None:
+            self._start()
+        numba.set_num_threads(self.current)
+        q0, t0 = self._queued_ns(), time.perf_counter()
+        self._deadline = t0 + ABORT_RATIO * float(np.median(self.recent[self.chosen])) / 1e3 if self.probing else None
+        self._cut = False
+        if model is not None:
+            model.after_layer = self._after_layer
+        try:
+            yield
+        finally:
+            numba.set_num_threads(self.most)
+            if model is not None:
+                model.after_layer = None
+        ms, q1 = (time.perf_counter() - t0) * 1e3, self._queued_ns()
+        if q1 is not None and self.probing is None:
+            self.queued.append((q1 - q0) / 1e6 / max(ms, 1e-3))
+        self.record(self.current, ms, cut=self._cut)
+
+    def _after_layer(self) -> None:
+        if self._deadline is not None and time.perf_counter() > self._deadline:
+            numba.set_num_threads(self.chosen)
+            self._deadline, self._cut = None, True
+
+    def record(self, count: int, ms: float, cut: bool = False) -> None:
+        """One decode step at `count` threads took `ms` (cut: a probe step sent back to the chosen count midway):
+        keep it, and move the probe schedule on."""
+        self.steps[count] += 1
+        if len(self.counts) < 2:
+            return
+        base = self.recent[self.chosen]
+        if self.probing is None:
+            base.append(ms)
+            self.until_probe -= 1
+            if self.until_probe <= 0:
+                others = [c for c in self.counts if c != self.chosen]
+                self.probing = others[self.next_alt % len(others)]
+                self.next_alt += 1
+                self.probe = []
+                if self.probing > self.chosen and self.queued and float(np.median(self.queued)) > RUN_QUEUE_SHARE:
+                    self._end_probe(switch=False)     # the cores are taken: more threads would queue too
+            return
+        self.probe.append(ms)
+        median = float(np.median(base))
+        if cut or ms > ABORT_RATIO * median:
+            self._end_probe(switch=False)
+        elif len(self.probe) >= PROBE_STEPS:
+            self._end_probe(switch=float(np.median(self.probe)) <= SWITCH_RATIO * median)
+
+    def _end_probe(self, switch: bool) -> None:
+        if switch:
+            self.chosen = self.probing
+            self.recent[self.chosen].clear()
+            self.recent[self.chosen].extend(self.probe)
+            self.period = FIRST_PERIOD
+            self.switches += 1
+        else:
+            self.period = min(max(2 * self.period, 2 * FIRST_PERIOD), MAX_PERIOD)
+        self.until_probe = self.period
+        self.probing = None
