@@ -14,6 +14,7 @@ import mmap
 import os
 import re
 import stat
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -255,6 +256,10 @@ class Checkpoint:
         (rows as tensor(name)'s), so that convert can copy its blocks verbatim; else None."""
         return None
 
+    def block_kind(self, name: str) -> str | None:
+        """The block format quantized(name) would return the matrix in, read from the header alone."""
+        return None
+
     def precision(self, name: str) -> str:
         """The flash dtype that keeps tensor `name`'s precision (convert --dtype auto)."""
         return "f16"
@@ -396,58 +401,181 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-class GGUFCheckpoint(Checkpoint):
+class GGUFArray:
+    """An array field of a GGUF header (the vocabulary, the merges), skipped by GGUFHeader: only its length is kept."""
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+# GGUF metadata value types (the format's spec): struct formats of the scalars, 8 = string, 9 = array
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+GGML_MAX_DIMS = 4
+
+
+class GGUFHeader:
+    """A GGUF file's metadata and tensor table, read without gguf.GGUFReader: that reader builds numpy arrays for every
+    token and merge (SmolLM2's 98k of them: 160 MiB of RSS and seconds), where deciding what a run needs (the config,
+    the tensors' kinds and shapes, the cache key) reads scalars only. Array fields are skipped, their lengths kept.
+    Untrusted: every length and offset is checked against the file's size.
+
+    fields: {key: value} (GGUFArray for arrays); tensors: {name: (GGML type name, dims as the file lists them)}."""
+
     def __init__(self, path: Path):
-        import gguf  # imported here: only GGUF users pay for it
+        import struct
+
+        import gguf
         self.path = path
         try:
-            self.reader = gguf.GGUFReader(str(path), "r")
-        except Exception as e:  # the reader raises many types on corrupt input
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                self._m, self._at = m, 4
+                try:
+                    if m[:4] != b"GGUF" or self._scalar("I") not in (2, 3):
+                        raise ValueError("not GGUF version 2 or 3")
+                    n_tensors, n_fields = self._scalar("Q"), self._scalar("Q")
+                    if n_tensors > len(m) or n_fields > len(m):       # each takes at least a byte
+                        raise ValueError("counts beyond the file's size")
+                    self.fields = {}
+                    for _ in range(n_fields):
+                        key = self._string()
+                        self.fields[key] = self._value(self._scalar("I"))
+                    tensors = []
+                    for _ in range(n_tensors):
+                        name, n_dims = self._string(), self._scalar("I")
+                        if n_dims > GGML_MAX_DIMS:
+                            raise ValueError(f"tensor {name} has {n_dims} dimensions")
+                        dims = tuple(self._scalar("Q") for _ in range(n_dims))
+                        kind, offset = gguf.GGMLQuantizationType(self._scalar("I")), self._scalar("Q")
+                        tensors.append((name, kind, dims, offset))
+                    align = self.fields.get("general.alignment", 32)
+                    if not isinstance(align, int) or not 0 < align <= 1 << 20:
+                        raise ValueError(f"alignment {align}")
+                    start = -(-self._at // align) * align
+                    self.tensors = {}
+                    for name, kind, dims, offset in tensors:
+                        block, size = gguf.GGML_QUANT_SIZES[kind]
+                        count = math.prod(dims)
+                        if count % block or start + offset + count // block * size > len(m):
+                            raise ValueError(f"tensor {name} lies beyond the file's end")
+                        self.tensors[name] = (kind.name, dims)
+                finally:
+                    del self._m
+        except (ValueError, KeyError, struct.error, OSError, UnicodeDecodeError) as e:
             raise UserError(f"not a valid GGUF file: {path} ({type(e).__name__}: {e})") from None
-        r = self.reader
-        arch = gguf_field(r, "general.architecture")
+
+    def _scalar(self, fmt: str):
+        import struct
+        v = struct.unpack_from("<" + fmt, self._m, self._at)[0]
+        self._at += struct.calcsize(fmt)
+        return v
+
+    def _string(self) -> str:
+        n = self._scalar("Q")
+        if self._at + n > len(self._m):
+            raise ValueError("a string runs beyond the file's end")
+        self._at += n
+        return self._m[self._at - n:self._at].decode("utf-8")
+
+    def _value(self, kind: int, depth: int = 0):
+        import struct
+        if kind in _GGUF_SCALARS:
+            return self._scalar(_GGUF_SCALARS[kind])
+        if kind == _GGUF_STRING:
+            return self._string()
+        if kind != _GGUF_ARRAY or depth > 1:
+            raise ValueError(f"metadata value type {kind}")
+        item, n = self._scalar("I"), self._scalar("Q")
+        if n > len(self._m):
+            raise ValueError("an array longer than the file")
+        if item in _GGUF_SCALARS:               # skipped whole
+            self._at += n * struct.calcsize(_GGUF_SCALARS[item])
+        else:
+            for _ in range(n):
+                if item == _GGUF_STRING:        # skipped string by string: no text decoded
+                    length = self._scalar("Q")
+                    self._at += length
+                else:
+                    self._value(item, depth + 1)
+        if self._at > len(self._m):
+            raise ValueError("an array runs beyond the file's end")
+        return GGUFArray(n)
+
+    def field(self, key: str, default=None):
+        return self.fields.get(key, default)
+
+
+class GGUFCheckpoint(Checkpoint):
+    """A GGUF file: its config and tensor table from the header alone (GGUFHeader); gguf.GGUFReader, which maps the
+    tensors and parses the vocabulary, is opened when a tensor or the tokenizer is read (conversion)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        h = GGUFHeader(path)
+        arch = h.field("general.architecture")
         if arch != "llama":
             raise UserError(f"unsupported GGUF architecture {arch!r} (supported: llama)")
-        need = lambda k: _required_field(r, f"llama.{k}")  # noqa: E731
+        need = lambda k: _required_field(h, f"llama.{k}")  # noqa: E731
         dim, heads = int(need("embedding_length")), int(need("attention.head_count"))
         if dim < 1 or heads < 1:
             raise UserError(f"{path}: GGUF embedding_length and attention.head_count must be positive "
                             f"(got {dim}, {heads})")
-        by_name = {t.name: t for t in r.tensors}
-        for t in r.tensors:
-            if t.tensor_type.name not in GGUF_TYPES:
-                raise UserError(f"{path}: tensor {t.name} has GGUF type {t.tensor_type.name}, which is not supported "
+        for name, (kind, _) in h.tensors.items():
+            if kind not in GGUF_TYPES:
+                raise UserError(f"{path}: tensor {name} has GGUF type {kind}, which is not supported "
                                 f"(supported: {', '.join(GGUF_TYPES)})")
-        self._index = {c: by_name[n] for c, n in canonical_names(by_name, _GGUF_NAMES).items()}
-        tokens = gguf_field(r, "tokenizer.ggml.tokens") or []
-        kv_heads = int(gguf_field(r, "llama.attention.head_count_kv", heads))
-        head_dim = int(gguf_field(r, "llama.attention.key_length", dim // heads))
-        if int(gguf_field(r, "llama.rope.dimension_count", head_dim)) != head_dim:
+        self._tensors = h.tensors
+        self._index = canonical_names(h.tensors, _GGUF_NAMES)      # canonical name -> the file's
+        tokens = h.field("tokenizer.ggml.tokens") or []
+        kv_heads = int(h.field("llama.attention.head_count_kv", heads))
+        head_dim = int(h.field("llama.attention.key_length", dim // heads))
+        if int(h.field("llama.rope.dimension_count", head_dim)) != head_dim:
             raise UserError("unsupported GGUF field llama.rope.dimension_count != head dim (partial rotary)")
         scaling = None
-        stype = gguf_field(r, "llama.rope.scaling.type")
+        stype = h.field("llama.rope.scaling.type")
         if stype not in (None, "none"):
             if stype != "linear":
                 raise UserError(f"unsupported GGUF rope scaling '{stype}' (supported: linear)")
-            scaling = {"rope_type": "linear", "factor": float(gguf_field(r, "llama.rope.scaling.factor", 1.0))}
-        bos = gguf_field(r, "tokenizer.ggml.bos_token_id")
-        eos = gguf_field(r, "tokenizer.ggml.eos_token_id")
+            scaling = {"rope_type": "linear", "factor": float(h.field("llama.rope.scaling.factor", 1.0))}
+        bos = h.field("tokenizer.ggml.bos_token_id")
+        eos = h.field("tokenizer.ggml.eos_token_id")
         ffn_dim = int(need("feed_forward_length"))
         self.config = ModelConfig(
-            arch="llama", vocab_size=int(gguf_field(r, "llama.vocab_size", len(tokens))), dim=dim,
+            arch="llama", vocab_size=int(h.field("llama.vocab_size", len(tokens))), dim=dim,
             n_layers=int(need("block_count")), n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim, ffn_dim=ffn_dim,
             glu=True, act="silu", norm="rms", norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-            rope_theta=float(gguf_field(r, "llama.rope.freq_base", 10000.0)), rope_scaling=scaling,
-            max_pos=int(gguf_field(r, "llama.context_length", 2048)),
+            rope_theta=float(h.field("llama.rope.freq_base", 10000.0)), rope_scaling=scaling,
+            max_pos=int(h.field("llama.context_length", 2048)),
             tie_embeddings="lm_head.weight" not in self._index,
             qkv_bias="layers.0.attn.q.bias" in self._index, o_bias="layers.0.attn.o.bias" in self._index,
             mlp_bias="layers.0.ffn.up.bias" in self._index,
             bos_id=None if bos is None else int(bos), eos_ids=[] if eos is None else [int(eos)])
         self.check_complete()
 
+    @cached_property
+    def reader(self):
+        import gguf  # imported here: only GGUF users pay for it
+        try:
+            return gguf.GGUFReader(str(self.path), "r")
+        except Exception as e:  # the reader raises many types on corrupt input
+            raise UserError(f"not a valid GGUF file: {self.path} ({type(e).__name__}: {e})") from None
+
+    @cached_property
+    def _mapped(self) -> dict:
+        return {t.name: t for t in self.reader.tensors}
+
+    def _data(self, name: str):
+        """The reader's tensor for canonical `name` (data mapped, not read)."""
+        return self._mapped[self._index[name]]
+
+    def _kind(self, name: str) -> str:
+        return self._tensors[self._index[name]][0]
+
     def _read(self, name: str) -> np.ndarray:
         import gguf
-        t = self._index[name]
+        t = self._data(name)
         try:
             a = gguf.quants.dequantize(t.data, t.tensor_type)
         except Exception as e:
@@ -460,13 +588,17 @@ class GGUFCheckpoint(Checkpoint):
         return a
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(s) for s in reversed(self._index[name].shape))
+        return tuple(int(s) for s in reversed(self._tensors[self._index[name]][1]))
+
+    def block_kind(self, name: str) -> str | None:
+        kind, shape = self._kind(name).lower(), self.shape(name)
+        return kind if kind in BLOCK_BYTES and len(shape) == 2 else None
 
     def quantized(self, name: str) -> tuple[str, np.ndarray] | None:
-        t, shape = self._index[name], self.shape(name)
-        kind = t.tensor_type.name.lower()
-        if kind not in BLOCK_BYTES or len(shape) != 2:
+        kind, shape = self.block_kind(name), self.shape(name)
+        if kind is None:
             return None
+        t = self._data(name)
         q = np.asarray(t.data)
         if q.dtype != np.uint8 or q.shape != (shape[0], row_bytes(shape[1], kind)):
             raise UserError(f"{self.path}: GGUF tensor {t.name} ({t.tensor_type.name}) holds {q.dtype}{list(q.shape)}, "
@@ -479,10 +611,12 @@ class GGUFCheckpoint(Checkpoint):
         return kind, q
 
     def precision(self, name: str) -> str:
-        return GGUF_TYPES[self._index[name].tensor_type.name]
+        return GGUF_TYPES[self._kind(name)]
 
     def release(self) -> None:
         # the file is memory-mapped read-only: its pages read so far count in RSS until dropped (re-read on demand)
+        if "reader" not in self.__dict__:
+            return
         mm = getattr(self.reader.data, "_mmap", None)
         if mm is not None and hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
             mm.madvise(mmap.MADV_DONTNEED)
@@ -491,8 +625,8 @@ class GGUFCheckpoint(Checkpoint):
         return Tokenizer.from_gguf(lambda key, default=None: gguf_field(self.reader, key, default), self.config)
 
 
-def _required_field(reader, key: str):
-    v = gguf_field(reader, key)
+def _required_field(header: GGUFHeader, key: str):
+    v = header.field(key)
     if v is None:
         raise UserError(f"GGUF file lacks required field '{key}'")
     return v

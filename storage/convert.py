@@ -168,8 +168,7 @@ def resident_kinds(ckpt, names: list[str], quant: str | None) -> dict[str, str]:
     kinds = {}
     for n in names if quant else ():
         if QUANTIZED_RESIDENT.fullmatch(n) and ckpt.shape(n)[1] % BLOCK == 0:
-            stored = ckpt.quantized(n)
-            kinds[n] = quant if stored is None else stored[0]
+            kinds[n] = ckpt.block_kind(n) or quant
     return kinds
 
 

@@ -103,3 +103,26 @@ def test_first_use_training_says_how_long_the_layers_left_take(capsys):
         assert "(~2 min)" in bar.desc
     err = capsys.readouterr().err
     assert err.count("layers left") == 1 and "30 s per layer; the 3 layers left take about 2 min" in err, err
+
+
+def test_the_gguf_header_reads_what_gguf_reader_reads(smollm2_gguf, tmp_path):
+    """storage.checkpoint.GGUFHeader (scalars, array lengths, the tensor table; no array read) against gguf.GGUFReader,
+    the format's reference reader; a file cut anywhere in its header is refused with one UserError."""
+    import gguf
+    from storage.checkpoint import GGUFArray, GGUFHeader
+    ref, got = gguf.GGUFReader(str(smollm2_gguf)), GGUFHeader(smollm2_gguf)
+    assert {t.name: (t.tensor_type.name, tuple(int(s) for s in t.shape)) for t in ref.tensors} == got.tensors
+    fields = {k: f for k, f in ref.fields.items() if not k.startswith("GGUF.")}     # the reader's own: version, counts
+    assert set(fields) == set(got.fields)
+    for key, field in fields.items():
+        value = got.fields[key]
+        if isinstance(value, GGUFArray):
+            assert len(value) == len(field.data), key
+        else:
+            assert value == pytest.approx(field.contents()), key
+    head = smollm2_gguf.read_bytes()[:4 << 20]          # the metadata and tensor table end before 4 MiB
+    for cut in (3, 20, 1000, 500_000, len(head)):
+        bad = tmp_path / "cut.gguf"
+        bad.write_bytes(head[:cut])
+        with pytest.raises(UserError, match="not a valid GGUF file"):
+            GGUFHeader(bad)
