@@ -133,8 +133,7 @@ def write_flashdir(ckpt, layout: FlashLayout, dest: Path, progress: bool = True)
 
     Memory stays at about one layer whatever the layer count: a layer's FFN is read, packed and written before the
     next is read, and resident tensors are written one at a time as they are read."""
-    bundle_names = {n for i in range(layout.n_layers) for n in ffn_tensor_names(layout, i)}
-    resident_names = [n for n in ckpt.names() if n not in bundle_names]
+    names = resident_names(ckpt, layout)
     steps = tqdm(total=layout.n_layers + 2, desc="convert", unit="step", disable=not progress, file=sys.stderr)
     layout.checksum = []
     with steps, open(dest / layout.files["ffn"], "wb") as f:
@@ -148,7 +147,7 @@ def write_flashdir(ckpt, layout: FlashLayout, dest: Path, progress: bool = True)
         os.fsync(f.fileno())
 
         steps.set_postfix_str("resident")
-        layout.resident_checksum = write_resident(ckpt, resident_names, dest / layout.files["resident"],
+        layout.resident_checksum = write_resident(ckpt, names, dest / layout.files["resident"],
                                                   half=layout.dtype != "f32",
                                                   quant=layout.dtype if layout.quantized else None)
         steps.update()
@@ -160,6 +159,12 @@ def write_flashdir(ckpt, layout: FlashLayout, dest: Path, progress: bool = True)
         steps.update()
     write_manifest(layout, dest)
     _fsync_dir(dest)
+
+
+def resident_names(ckpt, layout: FlashLayout) -> list[str]:
+    """The tensors of ckpt that go to resident.safetensors: all but the bundles'."""
+    bundled = {n for i in range(layout.n_layers) for n in ffn_tensor_names(layout, i)}
+    return [n for n in ckpt.names() if n not in bundled]
 
 
 def resident_kinds(ckpt, names: list[str], quant: str | None) -> dict[str, str]:
