@@ -428,8 +428,10 @@ def remember(layout, figures: dict) -> None:
     """Keep in the stamp the smaller of each figure and the one it holds (best effort: a read-only cache keeps none)."""
     import json
     import os
-    record = stamp_record(layout)
-    record.update({k: max(0, min(v, record.get(k, v))) for k, v in figures.items()})
+    old = stamp_record(layout)
+    record = {**old, **{k: max(0, min(v, old.get(k, v))) for k, v in figures.items()}}
+    if record == old:
+        return
     path = compiled_stamp(layout)
     tmp = path.with_name(f"{path.name}.{os.getpid()}")
     try:
