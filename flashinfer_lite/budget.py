@@ -28,8 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from storage.checkpoint import open_checkpoint
-from storage.format import is_flashdir, read_layout
+from storage.format import read_layout
 from storage.profile import DEFAULT_GAP_BYTES
 from storage.reader import BundleReader, aligned_empty
 
@@ -240,34 +239,6 @@ def plan_gate(config, layout, dram_budget_bytes: int, ctx: int, window: int, spa
     return plan(0)        # raises, naming the minimum, when even streaming every layer does not fit
 
 
-def refuse_below_minimum(path, dram_budget: int, ctx: int | None, runtime_bytes: int | None = None) -> None:
-    """Raise UserError, naming the minimum, when `dram_budget` (bytes) is below a lower bound of what any plan for the
-    model at `path` (GGUF, HF directory or FLASHDIR) needs: checked from the sizes its header, config.json or
-    manifest give, before fetch, conversion, kernel compilation or training spend minutes.
-
-    The bound leaves out what only those steps tell (the window's rows, the slot maps, the neuron cache's scratch),
-    so every budget it refuses plan_budget and plan_resident_ffn refuse too:
-      runtime   `runtime_bytes`, default this process's RSS now (interpreter and libraries imported, before the model
-                is opened) plus what loading the kernels added when this installation last measured it (the
-                runtime line is measured later in this same process, after the tokenizer and the kernels load)
-      resident  the norms (float32) and the resident matrices at 2 bits per weight, below any kind they are kept in
-      kv, prompt chunk, heap slack: as the plan counts them"""
-    runtime = rss_bytes() + remembered_kernels_bytes() if runtime_bytes is None else runtime_bytes
-    if is_flashdir(path):
-        cfg = ModelConfig.from_dict(read_layout(path, check_size=False).config)
-    else:
-        cfg = open_checkpoint(Path(path)).config   # the GGUF header or config.json; no tensor is read
-    ctx = ctx or cfg.default_ctx
-    matrices = sum(rows * cols for rows, cols in resident_matrix_shapes(cfg).values())
-    resident = resident_bytes_for(cfg) - 4 * matrices + matrices // 4
-    kv = KVCache.nbytes_for(cfg, ctx)
-    minimum = runtime + resident + kv + prefill_transient_bytes(cfg, ctx) + HEAP_SLACK_BYTES
-    if dram_budget < minimum:
-        raise UserError(f"DRAM budget {_mib(dram_budget)} is below the minimum for this model, at least "
-                        f"{_mib(minimum)} (runtime {_mib(runtime)}, resident {_mib(resident)} or more, "
-                        f"kv {_mib(kv)} for {ctx} positions, buffers)")
-
-
 def dense_ffn_bytes(layout) -> int:
     """DRAM of the FFN in RAM (runtime.resident_model): a quantized layout's DenseLayer rows (each layer's in its
     block formats), else its vectors as the dense FeedForward keeps them (float16 matrices, float32 for f32
@@ -438,10 +409,12 @@ def measure_runtime_bytes(layout) -> int:
     """The plan's runtime line: RSS after compile_kernels, measured in this process just before the weights load.
 
     Measured rather than a constant because it differs by platform, library versions and tokenizer (SmolLM2's takes
-    ~40 MiB, stories260K's ~2 MiB). The kernels are compiled in a child process first (compile_in_child), so this
+    ~43 MiB, stories260K's ~2 MiB). The kernels are compiled in a child process first (compile_in_child), so this
     process only loads their machine code from Numba's on-disk cache: compiling would leave ~80 MiB of the
     compiler's memory in this process (and in its peak) on a first run, and not on the next. In a process that
     already holds other things (a test run, a notebook) they count too: the budget is the process's.
+    What loading the kernels added, and what the line added to the RSS of the early refusal (runtime_estimate_bytes),
+    are kept in the compile stamp for the next run's estimate.
     """
     import gc
     if not compiled_stamp(layout).exists():
@@ -450,38 +423,67 @@ def measure_runtime_bytes(layout) -> int:
     compile_kernels(layout)
     gc.collect()
     rss = rss_bytes()
-    if loaded:                  # only loaded from the cache: what the kernels add, for refuse_below_minimum
-        remember_kernels_bytes(rss - before)
+    if loaded:                  # only loaded from the cache (never compiled here): figures of this installation
+        remember(layout, {"kernels": rss - before,
+                          **({model_key(layout): rss - _early_rss} if _early_rss is not None else {})})
     return rss
 
 
-# What compile_kernels adds to RSS when it loads the kernels from Numba's cache, until this installation measured it:
-# 64 MiB (float16 layout) and 70 MiB (q4_1) measured with Numba 0.6x on Linux x86-64, 2026-11
-KERNELS_DEFAULT_BYTES = 32 << 20
+# Until this installation has measured them (the compile stamp keeps what it measured): what loading the kernels from
+# Numba's cache adds to RSS (45-65 MiB measured for SmolLM2 q4_1 and stories260K f16, Numba 0.6x, Linux x86-64,
+# 2026-11: the lowest, as the estimate is a lower bound), and what a tokenizer takes per vocabulary entry
+# (tokenizers 0.2x: SmolLM2's 49,152 entries 43 MiB, stories260K's 512 entries 2 MiB).
+KERNELS_DEFAULT_BYTES = 44 << 20
+TOKENIZER_BYTES_PER_TOKEN = 800
+# RSS of this process when runtime_estimate_bytes last ran: the start of what measure_runtime_bytes records
+_early_rss: int | None = None
 
 
-def kernels_record():
-    """The file, beside compiled_stamp in Numba's cache directory, that keeps the smallest such addition measured."""
-    from pathlib import Path
-    return Path(attention_rows._cache.cache_path) / "flashinfer-lite-kernels-rss"
+def runtime_estimate_bytes(layout, vocab_size: int) -> int:
+    """The runtime line a run of `layout` will measure (measure_runtime_bytes), estimated before the model is fetched,
+    converted, compiled or trained: this process's RSS now plus what the line added to it when this installation
+    last ran the model (kept in the compile stamp; the smallest seen), else the kernels (the stamp's figure, or
+    KERNELS_DEFAULT_BYTES) and the tokenizer (TOKENIZER_BYTES_PER_TOKEN per vocabulary entry)."""
+    global _early_rss
+    _early_rss = rss_bytes()
+    record = stamp_record(layout)
+    extra = record.get(model_key(layout))
+    if extra is None:
+        extra = record.get("kernels", KERNELS_DEFAULT_BYTES) + TOKENIZER_BYTES_PER_TOKEN * vocab_size
+    return _early_rss + extra
 
 
-def remembered_kernels_bytes() -> int:
+def model_key(layout) -> str:
+    """What names a model in the stamp's record: its config and bundle kinds (a FLASHDIR and the source it was
+    converted from give the same)."""
+    import hashlib
+    import json
+    key = json.dumps([layout.config, layout.dtype, layout.down_dtype], sort_keys=True)
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def stamp_record(layout) -> dict:
+    """The figures compiled_stamp(layout) keeps: {"kernels": bytes, model_key: bytes}; {} when none (or unreadable)."""
+    import json
     try:
-        return int(kernels_record().read_text())
-    except (OSError, ValueError):
-        return KERNELS_DEFAULT_BYTES
+        record = json.loads(compiled_stamp(layout).read_text() or "{}")
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return {k: v for k, v in record.items() if isinstance(v, int)} if isinstance(record, dict) else {}
 
 
-def remember_kernels_bytes(n: int) -> None:
-    """Keep the smallest addition measured (best effort: a read-only cache keeps the default)."""
+def remember(layout, figures: dict) -> None:
+    """Keep in the stamp the smaller of each figure and the one it holds (best effort: a read-only cache keeps none)."""
+    import json
     import os
-    path = kernels_record()
-    if path.exists() and remembered_kernels_bytes() <= n:
+    old = stamp_record(layout)
+    record = {**old, **{k: max(0, min(v, old.get(k, v))) for k, v in figures.items()}}
+    if record == old:
         return
+    path = compiled_stamp(layout)
     tmp = path.with_name(f"{path.name}.{os.getpid()}")
     try:
-        tmp.write_text(str(max(0, n)))
+        tmp.write_text(json.dumps(record))
         os.replace(tmp, path)
     except OSError:
         tmp.unlink(missing_ok=True)
@@ -508,7 +510,6 @@ def compiled_stamp(layout):
     types of `layout`: its name hashes Numba's and Python's versions, the kernel modules' files (as Numba's own index
     keys them: mtime and size) and what of the layout decides the types. Emptying the cache directory removes it."""
     import hashlib
-    from pathlib import Path
 
     import numba
 

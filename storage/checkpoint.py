@@ -17,6 +17,7 @@ import mmap
 import os
 import re
 import stat
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -338,6 +339,10 @@ class Checkpoint:
         (rows as tensor(name)'s), so that convert can copy its blocks verbatim; else None."""
         return None
 
+    def block_kind(self, name: str) -> str | None:
+        """The block format quantized(name) would return the matrix in, read from the header alone."""
+        return None
+
     def precision(self, name: str) -> str:
         """The flash dtype that keeps tensor `name`'s precision (convert --dtype auto)."""
         return "f16"
@@ -526,31 +531,139 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-class GGUFCheckpoint(Checkpoint):
+class GGUFArray:
+    """An array field of a GGUF header (the vocabulary, the merges), skipped by GGUFHeader: only its length is kept."""
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+# GGUF metadata value types (the format's spec): struct formats of the scalars, 8 = string, 9 = array
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+GGML_MAX_DIMS = 4
+
+
+class GGUFHeader:
+    """A GGUF file's metadata and tensor table, read without gguf.GGUFReader: that reader builds numpy arrays for every
+    token and merge (SmolLM2's 98k of them: 160 MiB of RSS and seconds), where deciding what a run needs (the config,
+    the tensors' kinds and shapes, the cache key) reads scalars only. Array fields are skipped, their lengths kept.
+    Untrusted: every length and offset is checked against the file's size.
+
+    fields: {key: value} (GGUFArray for arrays); tensors: {name: (GGML type name, dims as the file lists them)}."""
+
     def __init__(self, path: Path):
-        import gguf  # imported here: only GGUF users pay for it
+        import struct
+
+        import gguf
         self.path = path
         try:
-            self.reader = gguf.GGUFReader(str(path), "r")
-        except Exception as e:  # the reader raises many types on corrupt input
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                self._m, self._at = m, 4
+                try:
+                    if m[:4] != b"GGUF" or self._scalar("I") not in (2, 3):
+                        raise ValueError("not GGUF version 2 or 3")
+                    n_tensors, n_fields = self._scalar("Q"), self._scalar("Q")
+                    if n_tensors > len(m) or n_fields > len(m):       # each takes at least a byte
+                        raise ValueError("counts beyond the file's size")
+                    self.fields = {}
+                    for _ in range(n_fields):
+                        key = self._string()
+                        self.fields[key] = self._value(self._scalar("I"))
+                    tensors = []
+                    for _ in range(n_tensors):
+                        name, n_dims = self._string(), self._scalar("I")
+                        if n_dims > GGML_MAX_DIMS:
+                            raise ValueError(f"tensor {name} has {n_dims} dimensions")
+                        dims = tuple(self._scalar("Q") for _ in range(n_dims))
+                        kind, offset = gguf.GGMLQuantizationType(self._scalar("I")), self._scalar("Q")
+                        tensors.append((name, kind, dims, offset))
+                    align = self.fields.get("general.alignment", 32)
+                    if not isinstance(align, int) or not 0 < align <= 1 << 20:
+                        raise ValueError(f"alignment {align}")
+                    start = -(-self._at // align) * align
+                    self.tensors = {}
+                    for name, kind, dims, offset in tensors:
+                        block, size = gguf.GGML_QUANT_SIZES[kind]
+                        count = math.prod(dims)
+                        if count % block or start + offset + count // block * size > len(m):
+                            raise ValueError(f"tensor {name} lies beyond the file's end")
+                        self.tensors[name] = (kind.name, dims)
+                finally:
+                    del self._m
+        except (ValueError, KeyError, struct.error, OSError, UnicodeDecodeError) as e:
             raise UserError(f"not a valid GGUF file: {path} ({type(e).__name__}: {e})") from None
-        r = self.reader
-        arch = gguf_field(r, "general.architecture")
+
+    def _scalar(self, fmt: str):
+        import struct
+        v = struct.unpack_from("<" + fmt, self._m, self._at)[0]
+        self._at += struct.calcsize(fmt)
+        return v
+
+    def _string(self) -> str:
+        n = self._scalar("Q")
+        if self._at + n > len(self._m):
+            raise ValueError("a string runs beyond the file's end")
+        self._at += n
+        return self._m[self._at - n:self._at].decode("utf-8")
+
+    def _value(self, kind: int, depth: int = 0):
+        import struct
+        if kind in _GGUF_SCALARS:
+            return self._scalar(_GGUF_SCALARS[kind])
+        if kind == _GGUF_STRING:
+            return self._string()
+        if kind != _GGUF_ARRAY or depth > 1:
+            raise ValueError(f"metadata value type {kind}")
+        item, n = self._scalar("I"), self._scalar("Q")
+        if n > len(self._m):
+            raise ValueError("an array longer than the file")
+        if item in _GGUF_SCALARS:               # skipped whole
+            self._at += n * struct.calcsize(_GGUF_SCALARS[item])
+        else:
+            for _ in range(n):
+                if item == _GGUF_STRING:        # skipped string by string: no text decoded
+                    length = self._scalar("Q")
+                    self._at += length
+                else:
+                    self._value(item, depth + 1)
+        if self._at > len(self._m):
+            raise ValueError("an array runs beyond the file's end")
+        return GGUFArray(n)
+
+    def field(self, key: str, default=None):
+        return self.fields.get(key, default)
+
+
+class GGUFCheckpoint(Checkpoint):
+    """A GGUF file: its config and tensor table from the header alone (GGUFHeader); gguf.GGUFReader, which maps the
+    tensors and parses the vocabulary, is opened when a tensor or the tokenizer is read (conversion)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        h = GGUFHeader(path)
+        arch = h.field("general.architecture")
         if arch not in GGUF_ARCHS:
             raise UserError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(GGUF_ARCHS)})")
         self.arch = arch
-        need = lambda k: _required_field(r, f"{arch}.{k}")  # noqa: E731
-        field = lambda k, default=None: gguf_field(r, f"{arch}.{k}", default)  # noqa: E731
+        need = lambda k: _required_field(h, f"{arch}.{k}")  # noqa: E731
+
+        def field(k: str, default=None):
+            """{arch}.k from the header; an array's values (the header keeps only its length) from the reader."""
+            v = h.field(f"{arch}.{k}", default)
+            return gguf_field(self.reader, f"{arch}.{k}", default) if isinstance(v, GGUFArray) else v
         dim, heads = int(need("embedding_length")), int(need("attention.head_count"))
         if dim < 1 or heads < 1:
             raise UserError(f"{path}: GGUF embedding_length and attention.head_count must be positive "
                             f"(got {dim}, {heads})")
-        by_name = {t.name: t for t in r.tensors}
-        for t in r.tensors:
-            if t.tensor_type.name not in GGUF_TYPES:
-                raise UserError(f"{path}: tensor {t.name} has GGUF type {t.tensor_type.name}, which is not supported "
+        for name, (kind, _) in h.tensors.items():
+            if kind not in GGUF_TYPES:
+                raise UserError(f"{path}: tensor {name} has GGUF type {kind}, which is not supported "
                                 f"(supported: {', '.join(GGUF_TYPES)})")
-        self._index = {c: by_name[n] for c, n in canonical_names(by_name, _GGUF_NAMES).items()}
+        self._tensors = h.tensors
+        self._index = canonical_names(h.tensors, _GGUF_NAMES)      # canonical name -> the file's
         moe, self._expert_of = {}, {}     # canonical name of one expert's matrix -> its index in the 3-D tensor
         if field("expert_count"):
             moe = dict(n_experts=int(need("expert_count")), n_experts_used=int(need("expert_used_count")),
@@ -560,15 +673,15 @@ class GGUFCheckpoint(Checkpoint):
                 moe["ffn_dim"] = int(need("expert_feed_forward_length"))
             if field("expert_shared_feed_forward_length"):
                 moe["shared_expert_dim"] = int(field("expert_shared_feed_forward_length"))
-            for t in r.tensors:
-                m = _GGUF_EXPERTS.fullmatch(t.name)
+            for t, (_, dims) in h.tensors.items():
+                m = _GGUF_EXPERTS.fullmatch(t)
                 if m:
-                    if len(t.shape) != 3 or int(t.shape[2]) != moe["n_experts"]:
-                        raise UserError(f"{path}: {t.name} holds {list(t.shape)}, not {moe['n_experts']} experts")
+                    if len(dims) != 3 or int(dims[2]) != moe["n_experts"]:
+                        raise UserError(f"{path}: {t} holds {list(dims)}, not {moe['n_experts']} experts")
                     for e in range(moe["n_experts"]):
                         self._index[f"layers.{m[1]}.ffn.experts.{e}.{m[2]}.weight"] = t
                         self._expert_of[f"layers.{m[1]}.ffn.experts.{e}.{m[2]}.weight"] = e
-        tokens = gguf_field(r, "tokenizer.ggml.tokens") or []
+        tokens = h.field("tokenizer.ggml.tokens") or []
         kv_heads = int(field("attention.head_count_kv", heads))
         head_dim = int(field("attention.key_length", dim // heads))
         if int(field("rope.dimension_count", head_dim)) != head_dim:
@@ -579,8 +692,8 @@ class GGUFCheckpoint(Checkpoint):
             if stype != "linear":
                 raise UserError(f"unsupported GGUF rope scaling '{stype}' (supported: linear)")
             scaling = {"rope_type": "linear", "factor": float(field("rope.scaling.factor", 1.0))}
-        bos = gguf_field(r, "tokenizer.ggml.bos_token_id")
-        eos = gguf_field(r, "tokenizer.ggml.eos_token_id")
+        bos = h.field("tokenizer.ggml.bos_token_id")
+        eos = h.field("tokenizer.ggml.eos_token_id")
         ffn_dim, n_layers = moe.pop("ffn_dim", None) or int(need("feed_forward_length")), int(need("block_count"))
         per_arch = gemma3_gguf_fields(field, n_layers, dim, heads, head_dim) if arch == "gemma3" else {"act": "silu"}
         self.config = ModelConfig(
@@ -597,9 +710,28 @@ class GGUFCheckpoint(Checkpoint):
             **per_arch, **moe)
         self.check_complete()
 
+    @cached_property
+    def reader(self):
+        import gguf  # imported here: only GGUF users pay for it
+        try:
+            return gguf.GGUFReader(str(self.path), "r")
+        except Exception as e:  # the reader raises many types on corrupt input
+            raise UserError(f"not a valid GGUF file: {self.path} ({type(e).__name__}: {e})") from None
+
+    @cached_property
+    def _mapped(self) -> dict:
+        return {t.name: t for t in self.reader.tensors}
+
+    def _data(self, name: str):
+        """The reader's tensor for canonical `name` (data mapped, not read)."""
+        return self._mapped[self._index[name]]
+
+    def _kind(self, name: str) -> str:
+        return self._tensors[self._index[name]][0]
+
     def _tensor(self, name: str):
-        """(GGUF tensor, its data: one expert's slice of a 3-D expert tensor)."""
-        t = self._index[name]
+        """(the reader's tensor, its data: one expert's slice of a 3-D expert tensor), mapped, not read."""
+        t = self._data(name)
         return (t, t.data[self._expert_of[name]]) if name in self._expert_of else (t, t.data)
 
     def _read(self, name: str) -> np.ndarray:
@@ -619,18 +751,22 @@ class GGUFCheckpoint(Checkpoint):
         return a
 
     def shape(self, name: str) -> tuple[int, ...]:
-        t = self._index[name]
+        dims = self._tensors[self._index[name]][1]
         if name in self._expert_of:                   # one expert: [rows, cols] of ne = [cols, rows, experts]
-            return int(t.shape[1]), int(t.shape[0])
+            return int(dims[1]), int(dims[0])
         if name.endswith("shared_gate.weight"):       # a vector [d] in the file, the [1, d] matrix of the math
-            return (1, int(t.shape[0]))
-        return tuple(int(s) for s in reversed(t.shape))
+            return (1, int(dims[0]))
+        return tuple(int(s) for s in reversed(dims))
+
+    def block_kind(self, name: str) -> str | None:
+        kind, shape = self._kind(name).lower(), self.shape(name)
+        return kind if kind in BLOCK_BYTES and len(shape) == 2 else None
 
     def quantized(self, name: str) -> tuple[str, np.ndarray] | None:
-        (t, data), shape = self._tensor(name), self.shape(name)
-        kind = t.tensor_type.name.lower()
-        if kind not in BLOCK_BYTES or len(shape) != 2:
+        kind, shape = self.block_kind(name), self.shape(name)
+        if kind is None:
             return None
+        t, data = self._tensor(name)
         q = np.asarray(data)
         if q.dtype != np.uint8 or q.shape != (shape[0], row_bytes(shape[1], kind)):
             raise UserError(f"{self.path}: GGUF tensor {t.name} ({t.tensor_type.name}) holds {q.dtype}{list(q.shape)}, "
@@ -645,10 +781,12 @@ class GGUFCheckpoint(Checkpoint):
         return kind, q
 
     def precision(self, name: str) -> str:
-        return GGUF_TYPES[self._tensor(name)[0].tensor_type.name]
+        return GGUF_TYPES[self._kind(name)]
 
     def release(self) -> None:
         # the file is memory-mapped read-only: its pages read so far count in RSS until dropped (re-read on demand)
+        if "reader" not in self.__dict__:
+            return
         mm = getattr(self.reader.data, "_mmap", None)
         if mm is not None and hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
             mm.madvise(mmap.MADV_DONTNEED)
@@ -679,8 +817,8 @@ def gemma3_gguf_fields(field, n_layers: int, dim: int, heads: int, head_dim: int
                 logit_softcap=None if not softcap else float(softcap))
 
 
-def _required_field(reader, key: str):
-    v = gguf_field(reader, key)
+def _required_field(header: GGUFHeader, key: str):
+    v = header.field(key)
     if v is None:
         raise UserError(f"GGUF file lacks required field '{key}'")
     return v

@@ -230,13 +230,10 @@ def write_flashdir(ckpt, layout: FlashLayout, dest: Path, progress: bool = True)
 
     Memory stays at about one layer whatever the layer count: a layer's FFN is read, packed and written before the
     next is read, and resident tensors are written one at a time as they are read."""
-    bundle_names = {n for i in range(layout.n_layers) for n in ffn_tensor_names(layout, i)}
+    names = resident_names(ckpt, layout)
     E = layout.experts
-    if E is not None:
-        bundle_names |= {expert_tensor_name(i, e, m) for i in range(E.n_layers) for e in range(E.n_experts)
-                         for m in MATRICES}
-    resident_names = [n for n in ckpt.names() if n not in bundle_names]
-    steps = tqdm(total=layout.n_layers + (E.n_layers if E is not None else 0) + 2, desc="convert", unit="step", disable=not progress, file=sys.stderr)
+    steps = tqdm(total=layout.n_layers + (E.n_layers if E is not None else 0) + 2, desc="convert", unit="step",
+                 disable=not progress, file=sys.stderr)
     layout.checksum = []
     with steps, open(dest / layout.files["ffn"], "wb") as f:
         for i in range(layout.n_layers):
@@ -259,7 +256,7 @@ def write_flashdir(ckpt, layout: FlashLayout, dest: Path, progress: bool = True)
             write_split(layout, dest)
 
         steps.set_postfix_str("resident")
-        layout.resident_checksum = write_resident(ckpt, resident_names, dest / layout.files["resident"],
+        layout.resident_checksum = write_resident(ckpt, names, dest / layout.files["resident"],
                                                   half=layout.dtype != "f32",
                                                   quant=resident_quant(layout))
         steps.update()
@@ -306,15 +303,25 @@ def write_split(layout: FlashLayout, dest: Path) -> None:
     layout.files.update({name: P.files["ffn"] for name, P in parts.items()})
 
 
+def resident_names(ckpt, layout: FlashLayout) -> list[str]:
+    """The tensors of ckpt that go to resident.safetensors: all but the bundles' (or the experts' chunks')."""
+    bundled = {n for i in range(layout.n_layers) for n in ffn_tensor_names(layout, i)}
+    E = layout.experts
+    if E is not None:
+        bundled |= {expert_tensor_name(i, e, m) for i in range(E.n_layers) for e in range(E.n_experts)
+                    for m in MATRICES}
+    return [n for n in ckpt.names() if n not in bundled]
+
+
 def resident_kinds(ckpt, names: list[str], quant: str | None) -> dict[str, str]:
     """{name: block kind} of the resident matrices a FLASHDIR of bundle kind `quant` keeps in blocks: the GGUF's own
     kind where it stores the matrix in one (copied verbatim), else `quant`; none whose rows are not whole blocks."""
     kinds = {}
     for n in names if quant else ():
         if QUANTIZED_RESIDENT.fullmatch(n):
-            stored = ckpt.quantized(n)
+            stored = ckpt.block_kind(n)             # from the header: no tensor read
             if stored is not None:
-                kinds[n] = stored[0]
+                kinds[n] = stored
             elif fits(ckpt.shape(n)[1], quant):
                 kinds[n] = quant
     return kinds

@@ -50,13 +50,17 @@ def flash_model_with_predictors(root: Path, layers: int, dim: int, ffn: int, hea
 
 def planner_minimum(refuse) -> tuple[float, str]:
     """(the planner's minimum DRAM budget in MiB, its one-line refusal). refuse(budget) runs the command with
-    --dram-budget budget and returns (exit code, stderr), whose last line is the refusal. 1 MiB is refused before any work, naming the early
-    estimate (budget.refuse_below_minimum, a lower bound); 1 MiB above that the planner refuses and names its own,
-    for the window rows and slot maps the bound leaves out."""
-    rc, err = refuse("1M")
-    early = re.search(r"below the minimum for this model, at least ([\d.]+) MiB", err)
-    if early:
-        rc, err = refuse(f"{float(early.group(1)) + 1}M")
+    --dram-budget budget and returns (exit code, stderr), whose last line is the refusal. 1 MiB is refused before any
+    work, naming the early estimate (runtime.refuse_below_minimum, EARLY_SLACK_BYTES or more below the planner's);
+    0.5 MiB above it the planner refuses and names its own (the estimate starts from the process's RSS, which differs
+    by a few tenths of a MiB from one process to the next: a budget the estimate still refuses is raised again)."""
+    budget = "1M"
+    for _ in range(4):
+        rc, err = refuse(budget)
+        early = re.search(r"below the minimum for this model, at least ([\d.]+) MiB", err)
+        if not early:
+            break
+        budget = f"{float(early.group(1)) + 0.5:.1f}M"
     last = err.strip().splitlines()[-1] if err.strip() else ""
     planned = re.search(r"^error: DRAM budget .* below the minimum ([\d.]+) MiB", last)
     assert rc == 1 and planned, err

@@ -8,6 +8,7 @@ and, under tools/memcap.py, the cgroup's own limit: a process over it is OOM-kil
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import CORPUS, flash_model_with_predictors, planner_minimum
+from flashinfer_lite.runtime import EARLY_SLACK_BYTES
 from test_dram_budget import LAUNCHER
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,6 +61,10 @@ def test_first_run_on_an_empty_numba_cache_keeps_the_minimum_and_the_budget(flas
     first = minimum_mib(flashdir, tmp_path, "-c", "128", env=cold)       # compiles, in child processes
     again = minimum_mib(flashdir, tmp_path, "-c", "128", env=cold)       # loads from Numba's cache
     assert abs(first - again) < 4, (first, again)
+    # the early refusal, once this installation has run the model, is the planner's minimum within its slack
+    err = generate(flashdir, tmp_path, "-p", "x", "-c", "128", "--dram-budget", "1M", env=cold)[2]
+    early = float(re.search(r"below the minimum for this model, at least ([\d.]+) MiB", err).group(1))
+    assert again - (EARLY_SLACK_BYTES >> 20) - 1 <= early <= again, (early, again)
     budget_mib = math.ceil(first) + 8
     for name, env in (("first run", {**cold, "NUMBA_CACHE_DIR": str(tmp_path / "numba-2")}), ("second run", cold)):
         rc, out, err, tree_peak, _ = generate(flashdir, tmp_path, "-p", "Once upon a time", "-c", "128",

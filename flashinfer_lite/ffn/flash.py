@@ -80,10 +80,13 @@ class FlashFFN:
             self._pass_lookups = self.stats.hits + self.stats.misses
         ids = self.active_ids(layer, x)
         y = np.empty_like(x)
+        union = np.unique(np.concatenate(ids)) if T > 1 else np.zeros(0, np.int64)
         if T > 1 and self.prefer_streaming(layer, ids):
             self.stream_layer(layer, x, y, ids)
             self.stats.streamed_layers += 1
             n_active = T * self.layout.n_neurons[layer]
+        elif union.size and np.all(self.cache.slot_of(layer)[union] >= 0):
+            n_active = self.cached_rows(layer, x, y, ids, union)
         else:
             n_active = 0
             for t in range(T):
@@ -166,6 +169,25 @@ class FlashFFN:
             how = "streaming whole layers" if choice else "through the neuron cache"
             print(f"prefill of {len(ids)} tokens: {uncached} uncached neurons in layer 0 -> {how}", file=sys.stderr)
         return choice
+
+    def cached_rows(self, layer: int, x: np.ndarray, y: np.ndarray, ids: list[np.ndarray], union: np.ndarray) -> int:
+        """The FFN of all rows of x at once when the cache holds every neuron they selected (`union`, sorted): each
+        row's coefficients over the union (0 where it did not select), then each row's sum in bundle order, zeros
+        skipped: stream_layer's kernels and order on the cache's rows instead of a chunk read from flash, so the bits
+        are decode_row's. One kernel pass per layer instead of one per row (a 4,000-token prompt with the whole model
+        pinned went row by row). Returns how many neurons fired."""
+        selected = np.zeros((x.shape[0], union.size), np.uint8)
+        for t, row in enumerate(ids):
+            selected[t, np.searchsorted(union, row)] = 1
+        rows = self.cache.slot_of(layer)[union].astype(np.int32)   # int32 like the cache's: the same compiled kernel
+        coef = np.empty((x.shape[0], union.size), np.float32)
+        self._coefficients(layer, rows, None, x, coef, sel=selected)
+        y[:] = 0.0
+        t0 = time.perf_counter()
+        self.kernel.accumulate(self.cache.matrix(layer), rows, coef, y)
+        self.stats.compute_s += time.perf_counter() - t0
+        self.stats.hits += sum(map(len, ids))          # every selected neuron was in the cache, as start_fetch counts
+        return int(np.count_nonzero(coef))
 
     def stream_layer(self, layer: int, x: np.ndarray, y: np.ndarray, ids: list[np.ndarray]) -> None:
         """The FFN of all rows of x over each row's selected bundle ids, reading the layer's bundles in large
