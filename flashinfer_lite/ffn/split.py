@@ -7,7 +7,7 @@ import numpy as np
 from ..quant import KINDS
 from .gating import act_code, threshold_of
 from .quant import quant_ffn_accumulate
-from .sparse import STORAGE_VIEWS, ffn_accumulate, ffn_coefficients
+from .sparse import OUT_BLOCK, STORAGE_VIEWS, ffn_accumulate, ffn_coefficients
 
 
 class SplitKernels:
@@ -21,12 +21,14 @@ class SplitKernels:
         self.threshold = threshold_of(act, relu_threshold)
         g = self.gu
         if self.quantized:
-            self.kind = KINDS[g.dtype].code
-            self.n, self.up_at = g.vector_bytes("up"), g.offset("up")
-            self.down_kind = KINDS[self.dn.dtype]
+            self.kind, self.up_kind = KINDS[g.dtype_of("gate")].code, KINDS[g.dtype_of("up")].code
+            self.n, self.up_n, self.up_at = g.vector_bytes("gate"), g.vector_bytes("up"), g.offset("up")
+            self.down_kind = KINDS[self.dn.dtype_of("down")]
+            self.out_block = max(OUT_BLOCK, self.down_kind.weights)   # a task covers whole blocks (as QuantSparseFFN)
         else:
             size = np.dtype(STORAGE_VIEWS[g.dtype]).itemsize
             self.kind, self.n, self.up_at = 0, g.d, g.offset("up") // size
+            self.up_kind, self.up_n = 0, g.d
         self.s_gate, self.s_up = g.scalar_slot("scale.gate"), g.scalar_slot("scale.up")
         self.bg, self.bu = g.scalar_slot("bias.gate"), g.scalar_slot("bias.up")
         self.s_down = self.dn.scalar_slot("scale.down")
@@ -40,13 +42,14 @@ class SplitKernels:
         ones = np.ones((X.shape[0], n), np.uint8)
         ffn_coefficients(self._view(H, self.gu.dtype), H.view(np.float32), np.arange(n, dtype=np.int32),
                          np.arange(n, dtype=np.int64), X, ones, coef, self.n, True, self.act, self.threshold,
-                         self.up_at, self.s_gate, self.s_up, self.bg, self.bu, self.kind, self.gu.stride,
-                         np.float32(act_threshold))
+                         self.up_at, self.s_gate, self.s_up, self.bg, self.bu, self.kind, self.up_n, self.up_kind,
+                         self.gu.stride, np.float32(act_threshold))
 
     def accumulate(self, D: np.ndarray, slots: np.ndarray, coef: np.ndarray, Y: np.ndarray) -> None:
         """Y[t] += sum over j in order of coef[t, j] * down row slots[j] of D (uint8 [rows, stride])."""
         if self.quantized:
-            quant_ffn_accumulate(D, slots, coef, Y, 0, self.down_kind.code, self.down_kind.block_bytes)
+            quant_ffn_accumulate(D, slots, coef, Y, 0, self.down_kind.code, self.down_kind.weights,
+                                 self.down_kind.block_bytes, self.out_block)
         else:
             ffn_accumulate(self._view(D, self.dn.dtype), D.view(np.float32), slots, coef, Y, self.dn.d, 0,
                            self.s_down)
