@@ -19,7 +19,9 @@ these families ships with an installed package):
 Written per model NAME: NAME.gguf and NAME.llama_cpp.npz (ids: the prompt; greedy: the prompt then llama.cpp's 32
 greedy tokens; logits [len(greedy), V]: llama.cpp's logits at each position of greedy, the prompt's evaluated as one
 batch, then each greedy token's as it was decoded), and per family the HF tokenizer of the source directory
-(qwen.tokenizer.json, gemma3.tokenizer.json: the same for every model of the family, trained deterministically).
+(qwen.tokenizer.json, gemma3.tokenizer.json: the same for every model of the family, trained deterministically);
+NAME.transformers.npz: transformers' greedy tokens on the float32 source directory (greedy) and its logits where it
+chose each (logits [32, V], float16).
 """
 from __future__ import annotations
 
@@ -159,6 +161,19 @@ def llama_cpp_outputs(gguf_path: Path, ids: list[int]) -> dict:
                 logits=np.array(llm.scores[:len(out)], np.float32))
 
 
+def transformers_outputs(hf: Path, ids: list[int]) -> dict:
+    """transformers' greedy continuation of ids on the float32 source, and its logits (float16: what a near tie needs)
+    where it chose each of the 32 tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS,
+                             do_sample=False)[0]
+        logits = model(out[None]).logits[0, len(ids) - 1:-1].numpy()
+    return dict(greedy=out.numpy().astype(np.int64), logits=logits.astype(np.float16))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("llama_cpp", type=Path, help="llama.cpp source directory (convert_hf_to_gguf.py, conversion/, "
@@ -183,6 +198,7 @@ def main(argv=None) -> int:
                             "--outtype", outtype], check=True, stdout=subprocess.DEVNULL)
             ids = AutoTokenizer.from_pretrained(hf)(PROMPT).input_ids
             np.savez(args.out / f"{name}.llama_cpp.npz", **llama_cpp_outputs(gguf_path, ids))
+            np.savez(args.out / f"{name}.transformers.npz", **transformers_outputs(hf, ids))
             shutil.copy(hf / "tokenizer.json", args.out / f"{'qwen' if family.startswith('qwen') else family}"
                                                           f".tokenizer.json")
         print(f"{name}: {gguf_path.stat().st_size / 1024:.0f} KB", file=sys.stderr)
