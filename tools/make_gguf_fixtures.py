@@ -9,9 +9,10 @@ llama-cpp-python (the `bench` extra) to run; the tests that read what it writes 
 
 Each model gets a real tokenizer, trained here on the corpus excerpts in tests/data/corpus (no tokenizer file of
 these families ships with an installed package):
-- Qwen2/Qwen3: a byte-level BPE with Qwen2's pre-tokenizer (its split regex, NFC) and its special tokens, trained with
-  the `tokenizers` library. llama.cpp names a BPE pre-tokenizer by hashing the ids of a test string, which only the
-  real 151k vocabulary reproduces, so its converter is told "qwen2" when its hash check does not know ours.
+- Qwen2/Qwen3: transformers' Qwen2Tokenizer (byte-level BPE, NFC, Qwen2's split regex as transformers defines it)
+  over merges learned on the corpus with the `tokenizers` library, with Qwen's special tokens. llama.cpp names a BPE
+  pre-tokenizer by hashing the ids of a test string, which only the real 151k vocabulary reproduces, so its converter
+  is told "qwen2" when its hash check does not know ours.
 - Gemma 3: a SentencePiece BPE with byte fallback and no dummy prefix, Gemma's special tokens (<pad> <eos> <bos>
   <unk>, <start_of_turn> <end_of_turn>), trained with `sentencepiece`; its tokenizer.json is transformers' conversion
   of the same tokenizer.model, as Google's repositories ship both.
@@ -41,8 +42,6 @@ PROMPT = "Once upon a time, there was a robot. 1, 2, 3"
 GREEDY_TOKENS = 32
 QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 GEMMA_TURNS = ["<start_of_turn>", "<end_of_turn>"]
-QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-              r"|\s+(?!\S)|\s+")
 
 # name -> (family, llama.cpp --outtype, config fields). dim 64, 4 heads: a few hundred KB per file. Gemma 3 has 6
 # layers because llama.cpp reads no layer pattern from a gemma3 GGUF: every 6th layer is global.
@@ -61,22 +60,24 @@ MODELS = {
 
 
 def qwen_tokenizer(dest: Path) -> int:
-    """A byte-level BPE as Qwen2's tokenizer.json is built, trained on the corpus; returns its vocabulary size."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE(fuse_unk=False))
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+    """transformers' Qwen2Tokenizer (its byte-level BPE, NFC, pre-tokenizer regex) over merges learned on the corpus
+    with that same split; returns the vocabulary size."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+    learner = Tokenizer(models.BPE())
+    learner.normalizer = normalizers.NFC()
+    learner.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=800, special_tokens=QWEN_SPECIAL, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train([str(f) for f in CORPUS], trainer)
-    tok.save(str(dest / "tokenizer.json"))
-    (dest / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "bos_token": None, "add_bos_token": False}))
-    return tok.get_vocab_size(with_added_tokens=True)
+    learner.train([str(f) for f in CORPUS], trainers.BpeTrainer(
+        vocab_size=800, special_tokens=QWEN_SPECIAL, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    learned = json.loads(learner.to_str())["model"]
+    tok = Qwen2Tokenizer(vocab=learned["vocab"], merges=[tuple(m) for m in learned["merges"]],
+                         unk_token=None, eos_token="<|im_end|>", extra_special_tokens=["<|im_start|>"])
+    tok.save_pretrained(dest)
+    return len(tok)
 
 
 def gemma_tokenizer(dest: Path) -> int:
