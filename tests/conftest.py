@@ -169,6 +169,25 @@ def smollm2_gguf():
         pytest.skip(f"SmolLM2 GGUF unavailable: {e}")
 
 
+def predicted_ffn_calls(flashdir, tokens: list[int]) -> tuple[list, object]:
+    """([(layer, x [1, d], y [1, d]) for every FFN call], runtime) of decoding tokens one at a time in predicted mode
+    at the minimum DRAM budget (so reads, pieces and the window all take part)."""
+    from flashinfer_lite.runtime import load_runtime
+    probe = load_runtime(flashdir, "predicted", ctx=64, runtime_bytes=0)[2]
+    model, _, rt = load_runtime(flashdir, "predicted", ctx=64, runtime_bytes=0, dram_budget=probe.plan.minimum_bytes)
+    calls, ffn = [], model.ffn
+
+    def record(layer, x):
+        y = ffn(layer, x)
+        calls.append((layer, x.copy(), y.copy()))
+        return y
+    model.ffn = record
+    kv = model.new_cache(64)
+    for t in tokens:
+        model.forward([t], kv)
+    return calls, rt
+
+
 def greedy_tokens(model, ids: list[int], n: int, ctx: int = 128) -> list[int]:
     """ids and model's n greedy tokens after them (a batched prompt, then one token at a time)."""
     import numpy as np

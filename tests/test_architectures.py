@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import assert_same_bits_at_every_budget, greedy_tokens, transformers_model
+from conftest import assert_same_bits_at_every_budget, greedy_tokens, predicted_ffn_calls, transformers_model
 from flashinfer_lite.loader import load_weights
 from flashinfer_lite.model import Transformer
 from flashinfer_lite.runtime import load_runtime
@@ -135,20 +135,8 @@ def test_gelu_predicted_ffn_equals_float64_dense_math_on_the_predicted_set(tiny_
     (GELU's tanh form written out here), restricted to the predicted neurons and thresholded as calibrated."""
     src = open_checkpoint(tiny_model("gemma3"))
     W = {n: src.tensor(n).astype(np.float64) for n in src.names() if ".ffn." in n}
-    probe = load_runtime(gemma_predicted, "predicted", ctx=64, runtime_bytes=0)[2]
-    model, _, rt = load_runtime(gemma_predicted, "predicted", ctx=64, runtime_bytes=0,
-                                dram_budget=probe.plan.minimum_bytes)
-    calls, ffn = [], model.ffn
-
-    def record(layer, x):
-        y = ffn(layer, x)
-        calls.append((layer, x.copy(), y.copy()))
-        return y
-    model.ffn = record
-    kv = model.new_cache(64)
-    for t in PROMPT[:8]:
-        model.forward([t], kv)
-    assert rt.stats.read_bytes > 0 and len(calls) == 8 * model.cfg.n_layers
+    calls, rt = predicted_ffn_calls(gemma_predicted, PROMPT[:8])
+    assert rt.stats.read_bytes > 0 and len(calls) == 8 * src.config.n_layers
     preds, skipped = rt.predictors, 0
     for layer, x, y in calls:
         mask = preds.predict(layer, x, count=False)[0]

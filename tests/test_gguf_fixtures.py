@@ -71,6 +71,27 @@ def test_dense_logits_and_greedy_tokens_equal_llama_cpps(name):
         assert tokens == path
 
 
+@pytest.mark.parametrize("name", FIXTURES)
+def test_greedy_tokens_equal_transformers_on_the_source(name):
+    """The GGUF against transformers on the float32 HF directory it was converted from (recorded by the same script):
+    the same 32 greedy tokens where transformers' choice is clear; F32 weights: all of them, and the same logits."""
+    hf = np.load(DATA / f"{name}.transformers.npz", allow_pickle=False)
+    n_prompt = len(recorded(name)["ids"])
+    ids = hf["greedy"][:n_prompt].tolist()
+    model, _, _ = load_runtime(DATA / f"{name}.gguf", "dense")
+    tokens = greedy_tokens(model, ids, len(hf["greedy"]) - n_prompt)
+    if weight_type(name) == "f32":
+        assert tokens == hf["greedy"].tolist()
+        kv = model.new_cache(128)
+        logits = model.forward(tokens[:-1], kv, all_logits=True)[n_prompt - 1:]
+        np.testing.assert_allclose(logits, hf["logits"].astype(np.float32), rtol=0, atol=2e-3)  # float16-recorded
+    for step in range(len(hf["logits"])):       # to the first difference: after it the two continue other texts
+        mine, theirs = tokens[n_prompt + step], int(hf["greedy"][n_prompt + step])
+        if mine != theirs:     # the GGUF's rounded weights (F16, Q8_0) may pick the other of a near tie
+            assert hf["logits"][step, theirs] - hf["logits"][step, mine] < 2 * TOL[weight_type(name)], step
+            break
+
+
 def f16(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float16).astype(np.float32)
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from storage.errors import UserError
-from conftest import CORPUS, STORIES, assert_same_bits_at_every_budget, build_tiny
+from conftest import CORPUS, STORIES, assert_same_bits_at_every_budget, build_tiny, predicted_ffn_calls
 
 TINYSTORIES = CORPUS / "tinystories_cased_197KB.txt"
 
@@ -260,24 +260,10 @@ def test_predicted_ffn_equals_float64_dense_math_on_the_predicted_set(stories):
     so reads, pieces and the window all take part), float64 dense math on the source checkpoint's weights,
     restricted to the neurons the predictor chose and thresholded as calibrated, equals the runtime's output."""
     from flashinfer_lite.loader import open_any
-    from flashinfer_lite.runtime import load_runtime
     src = open_any(STORIES)                        # the HF checkpoint, not the FLASHDIR the runtime reads
     cfg = src.config
     W = {n: src.tensor(n).astype(np.float64) for n in src.names() if ".ffn." in n}
-    probe = load_runtime(stories["flash"], "predicted", ctx=64, runtime_bytes=0)[2]
-    model, _, rt = load_runtime(stories["flash"], "predicted", ctx=64, runtime_bytes=0,
-                                dram_budget=probe.plan.minimum_bytes)
-    calls = []
-    ffn = model.ffn
-
-    def record(layer, x):
-        y = ffn(layer, x)
-        calls.append((layer, x.copy(), y.copy()))
-        return y
-    model.ffn = record
-    kv = model.new_cache(64)
-    for t in [1, 403, 261, 324, 281, 384, 265, 427]:
-        model.forward([t], kv)
+    calls, rt = predicted_ffn_calls(stories["flash"], [1, 403, 261, 324, 281, 384, 265, 427])
     assert rt.stats.read_bytes > 0 and len(calls) == 8 * cfg.n_layers
     preds = rt.predictors
     restricted_differs = 0

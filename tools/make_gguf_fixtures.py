@@ -9,9 +9,10 @@ llama-cpp-python (the `bench` extra) to run; the tests that read what it writes 
 
 Each model gets a real tokenizer, trained here on the corpus excerpts in tests/data/corpus (no tokenizer file of
 these families ships with an installed package):
-- Qwen2/Qwen3: a byte-level BPE with Qwen2's pre-tokenizer (its split regex, NFC) and its special tokens, trained with
-  the `tokenizers` library. llama.cpp names a BPE pre-tokenizer by hashing the ids of a test string, which only the
-  real 151k vocabulary reproduces, so its converter is told "qwen2" when its hash check does not know ours.
+- Qwen2/Qwen3: transformers' Qwen2Tokenizer (byte-level BPE, NFC, Qwen2's split regex as transformers defines it)
+  over merges learned on the corpus with the `tokenizers` library, with Qwen's special tokens. llama.cpp names a BPE
+  pre-tokenizer by hashing the ids of a test string, which only the real 151k vocabulary reproduces, so its converter
+  is told "qwen2" when its hash check does not know ours.
 - Gemma 3: a SentencePiece BPE with byte fallback and no dummy prefix, Gemma's special tokens (<pad> <eos> <bos>
   <unk>, <start_of_turn> <end_of_turn>), trained with `sentencepiece`; its tokenizer.json is transformers' conversion
   of the same tokenizer.model, as Google's repositories ship both.
@@ -19,7 +20,9 @@ these families ships with an installed package):
 Written per model NAME: NAME.gguf and NAME.llama_cpp.npz (ids: the prompt; greedy: the prompt then llama.cpp's 32
 greedy tokens; logits [len(greedy), V]: llama.cpp's logits at each position of greedy, the prompt's evaluated as one
 batch, then each greedy token's as it was decoded), and per family the HF tokenizer of the source directory
-(qwen.tokenizer.json, gemma3.tokenizer.json: the same for every model of the family, trained deterministically).
+(qwen.tokenizer.json, gemma3.tokenizer.json: the same for every model of the family, trained deterministically);
+NAME.transformers.npz: transformers' greedy tokens on the float32 source directory (greedy) and its logits where it
+chose each (logits [32, V], float16).
 """
 from __future__ import annotations
 
@@ -39,8 +42,6 @@ PROMPT = "Once upon a time, there was a robot. 1, 2, 3"
 GREEDY_TOKENS = 32
 QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 GEMMA_TURNS = ["<start_of_turn>", "<end_of_turn>"]
-QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-              r"|\s+(?!\S)|\s+")
 
 # name -> (family, llama.cpp --outtype, config fields). dim 64, 4 heads: a few hundred KB per file. Gemma 3 has 6
 # layers because llama.cpp reads no layer pattern from a gemma3 GGUF: every 6th layer is global.
@@ -59,22 +60,24 @@ MODELS = {
 
 
 def qwen_tokenizer(dest: Path) -> int:
-    """A byte-level BPE as Qwen2's tokenizer.json is built, trained on the corpus; returns its vocabulary size."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE(fuse_unk=False))
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+    """transformers' Qwen2Tokenizer (its byte-level BPE, NFC, pre-tokenizer regex) over merges learned on the corpus
+    with that same split; returns the vocabulary size."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+    learner = Tokenizer(models.BPE())
+    learner.normalizer = normalizers.NFC()
+    learner.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=800, special_tokens=QWEN_SPECIAL, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train([str(f) for f in CORPUS], trainer)
-    tok.save(str(dest / "tokenizer.json"))
-    (dest / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "bos_token": None, "add_bos_token": False}))
-    return tok.get_vocab_size(with_added_tokens=True)
+    learner.train([str(f) for f in CORPUS], trainers.BpeTrainer(
+        vocab_size=800, special_tokens=QWEN_SPECIAL, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    learned = json.loads(learner.to_str())["model"]
+    tok = Qwen2Tokenizer(vocab=learned["vocab"], merges=[tuple(m) for m in learned["merges"]],
+                         unk_token=None, eos_token="<|im_end|>", extra_special_tokens=["<|im_start|>"])
+    tok.save_pretrained(dest)
+    return len(tok)
 
 
 def gemma_tokenizer(dest: Path) -> int:
@@ -159,6 +162,19 @@ def llama_cpp_outputs(gguf_path: Path, ids: list[int]) -> dict:
                 logits=np.array(llm.scores[:len(out)], np.float32))
 
 
+def transformers_outputs(hf: Path, ids: list[int]) -> dict:
+    """transformers' greedy continuation of ids on the float32 source, and its logits (float16: what a near tie needs)
+    where it chose each of the 32 tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS,
+                             do_sample=False)[0]
+        logits = model(out[None]).logits[0, len(ids) - 1:-1].numpy()
+    return dict(greedy=out.numpy().astype(np.int64), logits=logits.astype(np.float16))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("llama_cpp", type=Path, help="llama.cpp source directory (convert_hf_to_gguf.py, conversion/, "
@@ -183,6 +199,7 @@ def main(argv=None) -> int:
                             "--outtype", outtype], check=True, stdout=subprocess.DEVNULL)
             ids = AutoTokenizer.from_pretrained(hf)(PROMPT).input_ids
             np.savez(args.out / f"{name}.llama_cpp.npz", **llama_cpp_outputs(gguf_path, ids))
+            np.savez(args.out / f"{name}.transformers.npz", **transformers_outputs(hf, ids))
             shutil.copy(hf / "tokenizer.json", args.out / f"{'qwen' if family.startswith('qwen') else family}"
                                                           f".tokenizer.json")
         print(f"{name}: {gguf_path.stat().st_size / 1024:.0f} KB", file=sys.stderr)
