@@ -309,11 +309,6 @@ class FlashLayout:
         return self.geometry.scalars_offset
 
     @property
-    def max_head_bytes(self) -> int:
-        """The most bytes before the down vector in any layer's bundle."""
-        return max(g.offset("down") for g in self.geometries)
-
-    @property
     def scalars(self) -> tuple[str, ...]:
         """Names of the float32 scalars at scalars_offset, in order: `scale.<vector>` (int8 only), then biases."""
         scales = tuple(f"scale.{v}" for v in self.vectors) if self.dtype == "int8" else ()

@@ -2,8 +2,8 @@
 
 QuantSparseFFN: ffn.sparse.SparseFFN over bundles whose gate, up and down vectors are quantized rows along d, each
 vector in its own block format (the bundle's geometry as storage.format.BundleGeometry says: blocks in place of
-elements). Its dense() computes a whole
-layer in RAM (DenseLayer, ffn.resident.ResidentFFN). quant_ffn: the dense FFN over a GGUF's QuantMatrix weights.
+elements). Its dense() computes a whole layer in RAM (DenseLayer, ffn.resident.ResidentFFN). quant_ffn: the dense
+FFN over a GGUF's QuantMatrix weights.
 Compute stays float32 on the dequantized weights; the gating rule is ffn.gating's.
 """
 from __future__ import annotations
