@@ -321,9 +321,9 @@ def main(argv=None) -> int:
     ap.add_argument("--lookahead-budgets", default="25",
                     help="also run these flash budgets with lookahead prefetch (rows '-lookahead'); '' for none")
     ap.add_argument("--lookahead-recall", type=float, default=1.0,
-                    help="recall of the simulated lookahead guess (take it from bench/lookahead.py; 1 = perfect)")
+                    help="recall of the simulated lookahead guess (bench/README.md, Lookahead predictor; 1 = perfect)")
     ap.add_argument("--lookahead-precision", type=float, default=1.0,
-                    help="precision of the simulated lookahead guess (from bench/lookahead.py; 1 = perfect)")
+                    help="precision of the simulated lookahead guess (bench/README.md, Lookahead predictor; 1 = perfect)")
     ap.add_argument("--serial-budgets", default="25",
                     help="also run these flash budgets with reads NOT overlapped with compute (rows '-serial'): "
                          "the measurement of what the overlap gains; '' for none")

@@ -3,7 +3,7 @@ import os
 
 # Thread pools, before numpy/numba load (a user's explicit setting wins). OpenBLAS threads busy-wait between calls
 # and take the cores from the Numba kernels and the reader threads: one BLAS thread was faster than the default in
-# every decode and prefill measured here (bench/resident_gemv.py). Numba's pool: OpenMP where it loads, as a decode
+# every decode and prefill measured here (bench/resident_gemv.py, a closed study: bench/README.md). Numba's pool: OpenMP where it loads, as a decode
 # step launches ~32 parallel regions and the workqueue layer's threads take ~0.2 ms each to wake (SmolLM2 in RAM:
 # 17 ms/token on workqueue, 7.5 on OpenMP); its threads spin only ~20k rounds before they sleep, so little CPU is
 # taken from the reader threads or other processes (bench/part_times.py, bench/README.md).

@@ -1,42 +1,18 @@
 """`load_predictors(flashdir) -> PredictorSet | None`: what the runtime asks about each layer's neurons. Numpy only.
 
-FLASHDIR/predictors/
-  manifest.json           format + version, model fingerprint, per layer act_threshold, settings
-  weights.safetensors     layers.{i}.w_in float16 [r, d], layers.{i}.w_out float16 [n, r], layers.{i}.bias float32 [n]
-                          (absent after `train-predictor --thresholds-only`)
-  frequencies.safetensors layers.{i}.freq float32 [n]: how often each neuron is active on the calibration text
-                          (profile.safetensors in directories trained before 2026-11: still read)
-  (no weights for the `dense_layers` listed in the manifest: every neuron is predicted there)
-  layer_000.json ...      one card per layer: rank, recall, precision, predicted/true ratio, bytes (for people)
+The files (FLASHDIR/predictors/: manifest, weights, frequencies, per-layer cards) are storage/predictor_files.py's.
 A neuron is predicted active when x W_in^T W_out^T + bias > 0: the sigmoid is monotone, so it is never computed, and
 the tuned decision threshold (a logit cut per neuron) is already subtracted from the bias.
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
 
-from storage.format import PREDICTOR_DIR, PREDICTOR_MANIFEST as MANIFEST, read_layout   # part of the format
-
 from storage.errors import UserError
-from storage.untrusted import read_json
-
-WEIGHTS_FILE = "weights.safetensors"
-FREQ_FILE = "frequencies.safetensors"
-OLD_FREQ_FILE = "profile.safetensors"     # its name before 2026-11, when "profile" came to mean the device's only
-CARD_FMT = "layer_{:03d}.json"
-PRED_FORMAT = "flashinfer-lite-predictors"
-PRED_VERSION = 1
-
-
-def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
-    try:
-        return load_file(str(path))
-    except Exception as e:   # safetensors raises its own types for damaged files
-        raise UserError(f"cannot read {path}: {e}") from None
+from storage.format import read_layout
+from storage.predictor_files import PREDICTOR_DIR, read_predictor_arrays, read_predictor_manifest
 
 
 class PredictorSet:
@@ -111,27 +87,13 @@ class PredictorSet:
 
 def read_manifest(flashdir) -> dict | None:
     """FLASHDIR's validated predictor manifest (no weights read); None when it has no predictors directory."""
-    root = Path(flashdir) / PREDICTOR_DIR
-    mpath = root / MANIFEST
-    if not mpath.is_file():
+    m = read_predictor_manifest(flashdir)
+    if m is None:
         return None
-    m = read_json(mpath, "predictor manifest")
-    if m.get("format") != PRED_FORMAT:
-        raise UserError(f"{mpath} is not a predictor manifest")
-    if m.get("version") != PRED_VERSION:
-        raise UserError(f"{mpath}: unsupported predictor version {m.get('version')} (expected {PRED_VERSION})")
-    L, thresholds, dense = m.get("n_layers"), m.get("act_threshold"), m.get("dense_layers", [])
-    number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)  # noqa: E731
-    layer = lambda x: isinstance(x, int) and not isinstance(x, bool) and 0 <= x < L                  # noqa: E731
-    if not (isinstance(L, int) and not isinstance(L, bool) and isinstance(thresholds, list) and len(thresholds) == L
-            and all(number(t) for t in thresholds) and isinstance(dense, list) and all(layer(i) for i in dense)
-            and isinstance(m.get("has_predictors", False), bool)
-            and isinstance(m.get("calibration") or {}, dict)):
-        raise UserError(f"{mpath}: malformed predictor manifest (n_layers, act_threshold, dense_layers, "
-                        f"has_predictors or calibration of the wrong type); re-run train-predictor")
     cfg = read_layout(flashdir, check_size=False).config
-    if (cfg.get("n_layers"), cfg.get("dim"), cfg.get("ffn_dim")) != (L, m.get("dim"), m.get("ffn_dim")):
-        raise UserError(f"{root} was trained for another model (layers/dim/ffn_dim differ): re-run train-predictor")
+    if (cfg.get("n_layers"), cfg.get("dim"), cfg.get("ffn_dim")) != (m["n_layers"], m.get("dim"), m.get("ffn_dim")):
+        raise UserError(f"{Path(flashdir) / PREDICTOR_DIR} was trained for another model (layers/dim/ffn_dim differ): "
+                        f"re-run train-predictor")
     return m
 
 
@@ -153,7 +115,5 @@ def load_predictors(flashdir) -> PredictorSet | None:
     m = read_manifest(flashdir)
     if m is None:
         return None
-    root = Path(flashdir) / PREDICTOR_DIR
-    weights = _read_safetensors(root / WEIGHTS_FILE) if m.get("has_predictors") else None
-    freq_file = root / FREQ_FILE if (root / FREQ_FILE).exists() else root / OLD_FREQ_FILE
-    return PredictorSet(root, m, weights, _read_safetensors(freq_file))
+    weights, freqs = read_predictor_arrays(flashdir, m)
+    return PredictorSet(Path(flashdir) / PREDICTOR_DIR, m, weights, freqs)

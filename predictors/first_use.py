@@ -30,7 +30,7 @@ from storage.errors import UserError, child_exit_code
 from flashinfer_lite.loader import open_any
 from flashinfer_lite.predictor_set import describe_calibration as describe, read_manifest
 from storage.files import exclusive, remove_stale_temp_dirs, temp_path
-from storage.format import PREDICTOR_DIR
+from storage.predictor_files import PREDICTOR_DIR
 
 from .acts import Acts, corpus_chunks, read_corpus
 from .collect import collect

@@ -16,10 +16,8 @@ Everything lands in FLASHDIR/predictors/ (read by flashinfer_lite/predictor_set.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -29,11 +27,8 @@ from tqdm import tqdm
 
 from storage.errors import UserError
 from flashinfer_lite.loader import is_flashdir, open_any
-from flashinfer_lite.predictor_set import (CARD_FMT, MANIFEST, PRED_FORMAT, PRED_VERSION, PREDICTOR_DIR, FREQ_FILE,
-                                          WEIGHTS_FILE)
 from flashinfer_lite.process import keep_freed_arrays_out_of_rss
-from storage.files import remove_stale_temp_dirs, temp_path
-from storage.format import file_checksum, manifest_checksum
+from storage.predictor_files import write_predictor_files
 
 from .acts import Acts, check_same_model, relu_family, threshold_for
 
@@ -312,35 +307,10 @@ def ffn_bytes(ckpt) -> int:
 
 
 def save_predictors(flashdir, acts: Acts, cards, weights, freqs, info: dict) -> Path:
-    from safetensors.numpy import save_file
-    flashdir = Path(flashdir)
-    dest = flashdir / PREDICTOR_DIR
-    remove_stale_temp_dirs(flashdir)
-    tmp = temp_path(dest, "tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        if info.get("has_predictors"):
-            save_file(weights, str(tmp / WEIGHTS_FILE))           # empty when every layer is dense
-        save_file(freqs, str(tmp / FREQ_FILE))
-        for c in cards:
-            (tmp / CARD_FMT.format(c["layer"])).write_text(json.dumps(c, indent=1))
-        manifest = {"format": PRED_FORMAT, "version": PRED_VERSION, "fingerprint": acts.identity["fingerprint"],
-                    "n_layers": acts.config.n_layers, "dim": acts.config.dim, "ffn_dim": acts.config.ffn_dim,
-                    "acts": {"path": str(acts.path), "tokens": acts.tokens, "corpus": acts.manifest["corpus"]},
-                    "predictor_bytes": int(sum(v.nbytes for v in weights.values())),
-                    "act_threshold": [c["act_threshold"] for c in cards],
-                    **info,
-                    # verify (and a launch whose verified stamp is stale) checks these: a flipped byte is an error
-                    "checksums": {f.name: file_checksum(f) for f in sorted(tmp.iterdir())}}
-        manifest["manifest_checksum"] = manifest_checksum(manifest)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        old = temp_path(dest, "old")
-        if dest.exists():
-            os.replace(dest, old)
-        os.replace(tmp, dest)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dest
+    manifest = {"fingerprint": acts.identity["fingerprint"],
+                "n_layers": acts.config.n_layers, "dim": acts.config.dim, "ffn_dim": acts.config.ffn_dim,
+                "acts": {"path": str(acts.path), "tokens": acts.tokens, "corpus": acts.manifest["corpus"]},
+                "predictor_bytes": int(sum(v.nbytes for v in weights.values())),
+                "act_threshold": [c["act_threshold"] for c in cards],
+                **info}
+    return write_predictor_files(flashdir, manifest, weights if info.get("has_predictors") else None, freqs, cards)

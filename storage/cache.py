@@ -24,7 +24,8 @@ from storage.errors import UserError, child_exit_code, run_child
 from .checkpoint import open_checkpoint
 from .convert import DEFAULT_DTYPE, convert, layout_for
 from .files import disk_bytes, exclusive, remove_stale_temp_dirs
-from .format import MANIFEST, file_checksum, is_flashdir, new_checksum
+from .checksums import file_checksum, new_checksum
+from .format import MANIFEST, is_flashdir
 
 FLASH = "flash"
 INDEX = "index.json"

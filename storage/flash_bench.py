@@ -25,7 +25,8 @@ from tqdm import tqdm
 
 from storage.errors import UserError
 
-from .format import BUNDLE_ALIGN, FlashLayout, drop_from_page_cache, read_layout
+from .checksums import drop_from_page_cache
+from .format import BUNDLE_ALIGN, FlashLayout, read_layout
 from storage.sizes import human, parse_size  # noqa: F401  (re-exported for bench scripts)
 
 from .cache import cache_dir

@@ -19,10 +19,8 @@ See docs/FORMAT.md.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import sys
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -32,9 +30,11 @@ import numpy as np
 from storage.config import ModelConfig
 from storage.errors import UserError
 from storage.tokenizer import Tokenizer
-from storage.untrusted import inside, parse_json, read_bytes, read_json
+from storage.untrusted import inside, parse_json, read_bytes
 
 from . import blocks
+from .checksums import file_checksum, manifest_checksum, new_checksum, region_checksum  # noqa: F401 (the format's)
+from .predictor_files import PREDICTOR_DIR, PREDICTOR_MANIFEST, predictor_checksums
 from .checkpoint import SafetensorsFile, check_shapes
 
 FORMAT_NAME = "flashinfer-lite-flash"
@@ -45,8 +45,6 @@ BUNDLE_ALIGN = 512                # O_DIRECT granularity of offset, length and b
 REGION_ALIGN = 4096               # layer regions start on a page
 CHECKSUM_ALGO = "blake2b-128-bound"   # a layer's digest covers its index and geometry too (layer_checksum)
 UNBOUND_CHECKSUM_ALGO = "blake2b-128"  # before 2026-11: the region's bytes alone; still read (re-run convert to bind)
-PREDICTOR_DIR = "predictors"      # optional: written by train-predictor; its manifest lists its files' checksums
-PREDICTOR_MANIFEST = "manifest.json"
 VERIFIED_STAMP = ".verified.json" # sizes and mtimes of the files as they were when every checksum last matched
 
 DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "int8": np.dtype("i1")}   # one element per weight
@@ -63,10 +61,6 @@ SPLIT_PARTS = {"gate_up": (("gate", "up"), 4), "down": (("down",), BUNDLE_ALIGN)
 
 def align_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
-
-
-def new_checksum():
-    return hashlib.blake2b(digest_size=16)
 
 
 def vector_bytes(d: int, dtype: str) -> int:
@@ -582,82 +576,11 @@ def ffn_tensor_names(layout: FlashLayout, layer: int) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Checksums
-
-CHECKSUM_CHUNK = 1 << 20
-
-
-def drop_from_page_cache(fd: int, offset: int = 0, nbytes: int = 0) -> None:
-    """Ask the kernel to forget these pages (0 bytes: the whole file). A no-op where posix_fadvise does not exist
-    (macOS): there buffered reads simply stay cached."""
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
-
-
-def region_checksum(f, offset: int, nbytes: int, chunk: int = CHECKSUM_CHUNK, progress=None, h=None) -> str:
-    """Digest of nbytes at offset, read into one reused `chunk`-sized buffer: memory stays at one chunk whatever the
-    file size, and the pages read are dropped from the page cache behind us (a verify of a bigger-than-RAM model
-    must not fill a memory cgroup with it; the runtime reads with O_DIRECT and never wants them). h: the digest to
-    continue (a layer's, FlashLayout.layer_checksum), else a new one."""
-    h = new_checksum() if h is None else h
-    buf = bytearray(min(chunk, max(nbytes, 1)))
-    view = memoryview(buf)
-    fd = f.fileno()
-    pos, end = offset, offset + nbytes
-    while pos < end:
-        got = os.preadv(fd, [view[:min(len(buf), end - pos)]], pos)
-        if got <= 0:
-            break   # truncated: the digest will not match
-        h.update(view[:got])
-        drop_from_page_cache(fd, pos, got)
-        pos += got
-        if progress is not None:
-            progress.update(got)
-    return h.hexdigest()
-
-
-def file_checksum(path: Path) -> str:
-    with open(path, "rb") as f:
-        return region_checksum(f, 0, os.fstat(f.fileno()).st_size)
-
+# Verification (the checksum primitives: storage/checksums.py)
 
 def is_flashdir(path) -> bool:
     p = Path(path)
     return p.is_dir() and (p / MANIFEST).exists()
-
-
-def manifest_checksum(m: dict) -> str:
-    """The digest a manifest (a FLASHDIR's, its predictors') records of itself (field manifest_checksum): of its
-    canonical JSON without that field, so its config, geometry, thresholds and settings are checked as the files
-    it lists are."""
-    h = new_checksum()
-    h.update(json.dumps({k: v for k, v in m.items() if k != "manifest_checksum"}, sort_keys=True).encode())
-    return h.hexdigest()
-
-
-def predictor_checksums(flashdir, warn: bool = False) -> dict[str, str]:
-    """{file name: checksum} that FLASHDIR/predictors/manifest.json lists ({} without predictors), once the manifest
-    matched its own checksum."""
-    mpath = Path(flashdir) / PREDICTOR_DIR / PREDICTOR_MANIFEST
-    if not mpath.is_file():
-        return {}
-    m = read_json(mpath, "predictor manifest")
-    own = m.get("manifest_checksum")
-    if own is None and m.get("checksums") is not None and warn:     # written before it had one
-        print(f"flashinfer-lite: {mpath} has no checksum of its own (an older train-predictor); re-run "
-              f"train-predictor to have it checked", file=sys.stderr)
-    elif own is not None and own != manifest_checksum(m):
-        raise UserError(f"{mpath}: checksum mismatch: the predictor manifest is damaged or edited; re-run "
-                        f"train-predictor")
-    sums = m.get("checksums")
-    if sums is None:      # written before predictors had checksums: usable, but nothing to check them against
-        if warn:
-            print(f"flashinfer-lite: {mpath} lists no checksums (an older train-predictor); re-run train-predictor to "
-                  f"have them checked", file=sys.stderr)
-        return {}
-    if not isinstance(sums, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in sums.items()):
-        raise UserError(f"{mpath}: malformed checksums: re-run train-predictor")
-    return sums
 
 
 def verify(flashdir, progress: bool = True) -> FlashLayout:

@@ -26,7 +26,8 @@ import numpy as np
 
 from storage.errors import UserError
 
-from .format import BUNDLE_ALIGN, FlashLayout, drop_from_page_cache, read_layout
+from .checksums import drop_from_page_cache
+from .format import BUNDLE_ALIGN, FlashLayout, read_layout
 from .profile import ENGINES, reader_defaults
 from .stats import FlashStats
 from .uring import Ring, unavailable
@@ -471,25 +472,3 @@ class RingQueue:
                     self.ring.submit(wait_for=1)
         self.ring.close()
 
-
-class CountingReader:
-    """A reader with no file: counts `stride` bytes per bundle and copies nothing. For replaying recorded active sets
-    through a NeuronCache (bench/cache_window.py, bench/lookahead.py), where only the accounting matters."""
-
-    def __init__(self, stride: int):
-        self.stride = stride
-
-    def submit(self, layer: int, bundle_ids, dest=None, slots=None) -> "CountedRead":
-        b = len(bundle_ids) * self.stride
-        return CountedRead(FlashStats(requested_bytes=b, read_bytes=b, n_reads=1))
-
-    def read(self, layer: int, bundle_ids, dest=None, slots=None) -> FlashStats:
-        return self.submit(layer, bundle_ids).wait()
-
-
-class CountedRead:
-    def __init__(self, stats: FlashStats):
-        self.stats = stats
-
-    def wait(self) -> FlashStats:
-        return self.stats

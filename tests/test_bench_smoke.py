@@ -8,12 +8,9 @@ match as well.
 """
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from conftest import run_bench
@@ -82,137 +79,6 @@ def test_markdown_table_lists_every_mode(quick_doc):
     doc, err = quick_doc
     for r in doc["results"]:
         assert f"| {r['mode']} |" in err
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# bench/lookahead.py --quick: stories260K with predictors trained on the fly. The oracle is transformers on the same
-# tokens: FFN inputs, residuals and activations from hooks, the stored predictors and the saved lookahead applied to
-# them, and the 5-token window replayed with Python sets.
-
-@pytest.fixture(scope="module")
-def lookahead(tmp_path_factory):
-    work = tmp_path_factory.mktemp("lookahead")
-    doc, err = run_bench("lookahead.py", "--quick", "--keep", work / "w", "--save-lookahead",
-                         work / "lookahead.safetensors")
-    return doc, err, work, _hf_rows(doc)
-
-
-def _hf_rows(doc):
-    """Per layer, from transformers on the bench's eval tokens: FFN input x [T, d], |a| [T, n], and the residual
-    after attention h [T, d] normed with the NEXT layer's ffn norm (what the naive lookahead of that layer sees)."""
-    import torch
-    from conftest import transformers_model
-    from predictors.acts import read_corpus
-    from predictors.collect import token_segments
-    from storage.format import FlashCheckpoint
-    ck = FlashCheckpoint(doc["model"])
-    m = transformers_model(REPO / "tests" / "data" / "stories260K")
-    layers = m.model.layers
-    xs, hs = [[] for _ in layers], [[] for _ in layers]
-    hooks = []
-    for i, layer in enumerate(layers):
-        hooks.append(layer.mlp.register_forward_pre_hook(lambda mod, args, i=i: xs[i].append(args[0][0])))
-        hooks.append(layer.post_attention_layernorm.register_forward_pre_hook(
-            lambda mod, args, i=i: hs[i].append(args[0][0])))
-    text = read_corpus(doc["eval"]["corpus"]).text
-    with torch.no_grad():
-        for w in token_segments(ck.tokenizer(), text, doc["eval"]["tokens"], doc["eval"]["ctx"], ck.config.bos_id):
-            m(torch.tensor([w]))
-        for hk in hooks:
-            hk.remove()
-        x, h = [torch.cat(v) for v in xs], [torch.cat(v) for v in hs]
-        absa = [(layer.mlp.act_fn(layer.mlp.gate_proj(xi)) * layer.mlp.up_proj(xi)).abs().numpy()
-                for layer, xi in zip(layers, x)]
-        h_next = [layers[i + 1].post_attention_layernorm(h[i]).numpy() for i in range(len(layers) - 1)]
-    return {"x": [xi.numpy() for xi in x], "absa": absa, "h_next": h_next}
-
-
-def _recall_precision(mask, y):
-    tp = (mask & y).sum()
-    return tp / y.sum(), tp / mask.sum()
-
-
-def test_lookahead_recalls_match_transformers(lookahead):
-    from flashinfer_lite.predictor_set import load_predictors
-    from safetensors.numpy import load_file
-    doc, _, work, hf = lookahead
-    preds = load_predictors(doc["model"])
-    la = load_file(str(work / "lookahead.safetensors"))
-    assert [r["layer"] for r in doc["layers"]] == list(range(1, doc["config"]["n_layers"]))
-    assert doc["eval"]["tokens"] == len(hf["x"][0])
-    for r in doc["layers"]:
-        j = r["layer"]
-        y = hf["absa"][j] > preds.act_threshold(j)
-        W1, W2, b = (la[f"layers.{j}.{k}"].astype(np.float32) for k in ("w_in", "w_out", "bias"))
-        masks = {"same": preds.predict(j, hf["x"][j]),
-                 "naive": preds.predict(j, hf["h_next"][j - 1]),
-                 "trained": (hf["x"][j - 1] @ W1.T) @ W2.T + b > 0}
-        for kind, mask in masks.items():
-            rec, prec = _recall_precision(mask, y)
-            # |a| passes through float16 in the bench's ACTS: a few borderline neurons may flip
-            assert r[kind]["recall"] == pytest.approx(rec, abs=2e-3), (j, kind)
-            assert r[kind]["precision"] == pytest.approx(prec, abs=2e-3), (j, kind)
-            assert r[kind]["pred_share"] == pytest.approx(mask.mean(), abs=1e-3), (j, kind)
-        assert 0.5 < r["same"]["recall"] < 1.0 and r["same"]["pred_share"] < 1.0   # a real predictor, not all-on
-
-
-def test_lookahead_bytes_match_a_replayed_window(lookahead):
-    """Today: exact-set neurons outside the union of the last 5 tokens' sets. Hybrid (naive lookahead): the window
-    holds lookahead | exact ("naive") or only the exact sets ("naive_drop"); prefetched = lookahead outside it;
-    critical = exact outside it and the lookahead. Counted from token `warmup_tokens` on."""
-    from flashinfer_lite.predictor_set import load_predictors
-    doc, _, _, hf = lookahead
-    assert doc["hot"] == "none" and doc["window"] == 5
-    preds, stride, w0 = load_predictors(doc["model"]), doc["stride"], doc["warmup_tokens"]
-    assert w0 == 5
-    for r in doc["layers"]:
-        j = r["layer"]
-        exact = preds.predict(j, hf["x"][j])
-        ahead = preds.predict(j, hf["h_next"][j - 1])
-        got = {"today": 0, **{p: {"prefetched": 0, "wasted": 0, "critical": 0} for p in ("naive", "naive_drop")}}
-        hist_today, hist_hyb = [], []
-        for t, (e, a) in enumerate(zip(exact, ahead)):
-            e, a = set(np.flatnonzero(e)), set(np.flatnonzero(a))
-            win_today = set().union(*hist_today[-5:])
-            if t >= w0:
-                got["today"] += len(e - win_today)
-                for p, win in (("naive", set().union(*hist_hyb[-5:])), ("naive_drop", win_today)):
-                    got[p]["prefetched"] += len(a - win)
-                    got[p]["wasted"] += len(a - win - e)
-                    got[p]["critical"] += len(e - win - a)
-            hist_today.append(e)
-            hist_hyb.append(e | a)
-        T = len(exact) - w0
-        b = r["bytes_per_token"]
-        assert b["today"]["critical"] == pytest.approx(got["today"] * stride / T, rel=0.01, abs=1), j
-        for p in ("naive", "naive_drop"):
-            for k in ("prefetched", "wasted", "critical"):
-                assert b[p][k] == pytest.approx(got[p][k] * stride / T, rel=0.01, abs=1), (j, p, k)
-
-
-def test_lookahead_byte_accounting_adds_up(lookahead):
-    doc, err, _, _ = lookahead
-    for r in doc["layers"]:
-        for k in ("naive", "trained", "naive_drop", "trained_drop"):
-            b = r["bytes_per_token"][k]
-            assert b["total"] == pytest.approx(b["prefetched"] + b["critical"], abs=0.2)
-            assert 0 <= b["wasted"] <= b["prefetched"]
-            assert r["resident_bytes"][k] >= r["resident_bytes"]["today"] * 0.999   # it holds exact | lookahead
-        for k in ("naive_drop", "trained_drop"):
-            # same window as today: every prefetched row is either one today reads or one nobody selected
-            b = r["bytes_per_token"][k]
-            assert b["total"] == pytest.approx(r["bytes_per_token"]["today"]["critical"] + b["wasted"], abs=0.3)
-            assert r["resident_bytes"][k] == r["resident_bytes"]["today"]
-        assert f"| {r['layer']} |" in err
-    tot = doc["bytes_per_token"]
-    for p, parts in tot.items():
-        for m, v in parts.items():
-            assert v == pytest.approx(sum(r["bytes_per_token"][p][m] for r in doc["layers"]), abs=1)
-    for k in ("naive", "trained", "naive_drop", "trained_drop"):
-        c = doc["conclusion"][k]
-        assert c["moved_off_critical_share"] == pytest.approx(1 - tot[k]["critical"] / tot["today"]["critical"],
-                                                              abs=1e-3)
-        assert c["extra_MB_per_token"] == pytest.approx((tot[k]["total"] - tot["today"]["critical"]) / 1e6, abs=1e-4)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -285,32 +151,3 @@ def test_modes_markdown_lists_every_row(modes_run):
     doc, err, _ = modes_run
     for r in doc["results"]:
         assert f"| {r['mode']} |" in err
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# bench/cache_window.py --trace: the counting reader under a real NeuronCache. The oracle is set arithmetic on the
-# trace: with an unbounded window of k tokens and nothing pinned, token t misses exactly the neurons of A_t that are
-# in none of A_{t-k} .. A_{t-1}.
-
-def test_cache_window_trace_bytes_match_set_arithmetic(tmp_path):
-    from record_trace import load_trace
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    trace = tmp_path / "trace.npz"
-    subprocess.run([sys.executable, str(REPO / "tools" / "record_trace.py"), "-o", str(trace), "--model",
-                    str(REPO / "tests" / "data" / "stories260K"), "--layers", "2", "--ffn", "512",
-                    "--cal-tokens", "64", "--tokens", "24"], env=env, check=True, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL, timeout=300)
-    stride = 3000
-    doc, _ = run_bench("cache_window.py", "--trace", trace, "--stride", stride, timeout=300)
-    active, _, _ = load_trace(trace)                         # [T, L, n]
-    T = active.shape[0]
-    for row in doc["window_sweep"]:
-        if row["hot_frac_of_ffn"] != 0.0:
-            continue
-        k = row["window"]
-        misses = 0
-        for t in range(T):
-            seen = active[max(0, t - k):t].any(axis=0)       # [L, n]: active in the last k tokens
-            misses += int((active[t] & ~seen).sum())
-        assert row["bytes_requested_per_token"] == round(misses * stride / T), row
-        assert row["hit_rate"] == round(1 - misses / active.sum(), 4), row

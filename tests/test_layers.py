@@ -106,3 +106,10 @@ def test_benches_import_only_the_harness():
     bad = [f"bench/{f.name}:{line} imports {m}" for f in sorted((REPO / "bench").glob("*.py"))
            for m, line in sorted(bench_imports(f)) if m != "harness" or f.stem == "harness"]
     assert not bad, "\n".join(bad)
+
+
+def test_bench_stays_small():
+    """bench/ answers today's questions through one harness; closed studies leave (bench/README.md keeps their answers
+    and the commit to rerun them from), so the benches stay readable next to the code they measure."""
+    lines = sum(len(f.read_text().splitlines()) for f in (REPO / "bench").glob("*.py"))
+    assert lines <= 2500, f"bench/ has {lines} lines of Python (at most 2,500: close a study or fold it into another)"

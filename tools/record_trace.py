@@ -15,7 +15,7 @@ Mapping to the big model (kept: per-neuron frequency, co-activation, and window 
   small layer l mod n_small_layers.
   The ~n_big / n_small copies of a small neuron fire on exactly the same tokens: the trace holds n_small independent
   neurons per layer, not n_big. Frequencies, window locality and random-order reads hold; neuron placement does not
-  (an order storing copies side by side looks ~7x better than it is), so bench/placement.py measures at the small
+  (an order storing copies side by side looks ~7x better than it is), so the placement study (bench/README.md) measured at the small
   model's own width.
 Stored (npz, no pickles): active [T, L, n] packed bits (replay text), freq [L, n] (calibration text), parent,
 layer_map, thresholds, token ids and the provenance.

@@ -2,8 +2,8 @@
 or float32. Decode (T = 1) is a GEMV bound by how fast W streams from DRAM: float16 halves those bytes, and a
 Numba kernel runs on the sparse FFN's thread pool instead of OpenBLAS threads that compete with it. Prefill (large
 T) is compute bound, where OpenBLAS's register-blocked sgemm is ~7x this row kernel at T = 128, so there W is
-widened to float32 one cache-sized row block at a time and given to numpy matmul. bench/resident_gemv.py measures
-both sides."""
+widened to float32 one cache-sized row block at a time and given to numpy matmul. bench/resident_gemv.py measured
+both sides (a closed study, in git history)."""
 from __future__ import annotations
 
 import numba
