@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from storage.errors import UserError
-from storage.format import drop_from_page_cache
+from storage.checksums import drop_from_page_cache
 from storage.reader import BundleReader, aligned_empty
 from storage.stats import FlashStats
 
