@@ -20,7 +20,7 @@ import numpy as np
 from storage.errors import UserError
 from storage.untrusted import read_json
 
-from .format import manifest_checksum
+from .checksums import manifest_checksum
 
 GATE_FILE = "gate.json"
 GATE_FORMAT = "flashinfer-lite-gate"
