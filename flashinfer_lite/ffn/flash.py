@@ -184,7 +184,7 @@ class FlashFFN:
         self._coefficients(layer, rows, None, x, coef, sel=selected)
         y[:] = 0.0
         t0 = time.perf_counter()
-        self.kernel.accumulate(self.cache.matrix(layer), rows, coef, y)
+        self.kernels[layer].accumulate(self.cache.matrix(layer), rows, coef, y)
         self.stats.compute_s += time.perf_counter() - t0
         self.stats.hits += sum(map(len, ids))          # every selected neuron was in the cache, as start_fetch counts
         return int(np.count_nonzero(coef))
