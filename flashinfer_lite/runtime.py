@@ -491,7 +491,8 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | str | None = None,
                  threads: int | None = None, progress: bool = False, verbose: bool = False, verify: bool = True,
                  runtime_bytes: int | None = None, lookahead: bool = False, sparsity: float = DEFAULT_SPARSITY):
     """(model, tokenizer, runtime) for a model path and an FFN mode: open_model_files, decide, build (no first-use
-    training: a model without the predictors its run needs is an error naming the commands to run).
+    training: a model without the predictors its run needs is an error naming the commands to run; the exact gate's
+    thresholds are calibrated on first use, as load() does: seconds, in a child process).
 
     dram_budget: bytes for everything the process keeps (default: room for the whole model); "auto": the whole model
     when it fits in what the machine can give (budget.auto_budget_bytes), else that much.
@@ -502,8 +503,12 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | str | None = None,
     """
     one_blas_thread()
     files = open_model_files(path, ffn, verify, progress, runtime_bytes, sparsity=sparsity)
-    decision = decide(files, ffn, dram_budget, ctx, window, lookahead,
-                      auto_budget_bytes() if dram_budget == "auto" else None, verbose)
+    room = auto_budget_bytes() if dram_budget == "auto" else None
+    decision = decide(files, ffn, dram_budget, ctx, window, lookahead, room, verbose)
+    if decision.calibrate_gate:
+        calibrate_on_first_use(files.path)
+        files.gate = read_gate_file(files.path, files.ckpt.config.n_layers, files.ckpt.config.ffn_dim, sparsity)
+        decision = decide(files, ffn, dram_budget, ctx, window, lookahead, room, verbose)
     for line in decision.notes:
         print(line, file=sys.stderr)
     return build(files, decision, threads, progress, verbose)

@@ -71,9 +71,9 @@ def test_unknown_architecture(tiny_model, tmp_path):
 def test_unsupported_activation_is_named(tiny_model, tmp_path):
     d = shutil.copytree(tiny_model("llama-relu"), tmp_path / "m")
     cfg = json.loads((d / "config.json").read_text())
-    cfg["hidden_act"] = "gelu_pytorch_tanh"
+    cfg["hidden_act"] = "gelu_new"
     (d / "config.json").write_text(json.dumps(cfg))
-    assert_one_line_error(cli("generate", "-m", str(d), "-p", "hi"), "gelu_pytorch_tanh")
+    assert_one_line_error(cli("generate", "-m", str(d), "-p", "hi"), "gelu_new")
 
 
 def test_truncated_safetensors(tmp_path):

@@ -28,7 +28,8 @@ def test_tiny_random_models_match_transformers(tiny_model, kind):
     with torch.no_grad():
         want = transformers_model(path)(torch.tensor([ids])).logits[0].numpy()
     assert np.abs(want).max() > 0.1  # the oracle says something, so agreement means something
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+    # float32 rounding of the two implementations grows with the reduction length, as sqrt(d): 1e-4 at d = 64
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * max(1.0, (ckpt.config.dim / 64) ** 0.5))
 
 
 def test_mistral_sliding_window_is_exercised(tiny_model):

@@ -122,8 +122,12 @@ def test_default_model_keeps_its_blocks_and_size(smollm2_gguf, tmp_path):
     L = read_layout(out)
     assert (L.dtype, L.down_dtype) == ("q4_1", "q8_0")
     assert_gguf_blocks_verbatim(smollm2_gguf, out, [0, L.n_layers - 1])
-    size = disk_bytes(out)
+    # the bundles (ffn.bin) and the resident file keep the GGUF's size; the exact gate's split files (gate_up.bin,
+    # down.bin) hold the same rows again, rearranged, so the directory is about 2x (a known cost: docs/FORMAT.md)
+    split = sum((out / L.files[p]).stat().st_size for p in ("gate_up", "down"))
+    size = disk_bytes(out) - split
     assert size <= 1.25 * smollm2_gguf.stat().st_size, size / smollm2_gguf.stat().st_size
+    assert split <= (out / L.files["ffn"]).stat().st_size
     flash = FlashCheckpoint(out)
     assert resident_bytes_for(flash.config, half=True, kinds=flash.resident_kinds) == resident_data_bytes(out)
 
@@ -185,16 +189,16 @@ def test_quantized_flashdir_computes_the_dequantized_math(tiny_model, tmp_path, 
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-def test_in_ram_modes_compute_on_the_blocks(tiny_gguf, tmp_path, kind, capsys):
-    """--ffn dense on a GGUF keeps its blocks (QuantMatrix FFN); on its FLASHDIR dense, and auto when the model fits
-    the budget, run ResidentFFN over the bundles as stored: each the float64 math on its own dequantized weights."""
+def test_in_ram_modes_compute_on_the_blocks(tiny_gguf, tmp_path, kind):
+    """--ffn dense on a GGUF keeps its blocks (QuantMatrix FFN); on its FLASHDIR it runs ResidentFFN over the bundles
+    as stored: each the float64 math on its own dequantized weights. (--ffn auto on this SiLU model is the exact
+    gate at every budget: tests/test_exact_gate.py; auto in RAM for a ReLU-family model: tests/test_auto_budget.py.)"""
     gguf = tiny_gguf(kind)
     flash = convert(gguf, tmp_path / "flash", progress=False)
     ids = np.random.default_rng(3).integers(3, 512, size=9).tolist()
-    for path, mode, budget in ((gguf, "dense", None), (flash, "dense", None), (flash, "auto", None),
-                               (flash, "auto", "auto"), (flash, "auto", 1 << 30)):
+    for path in (gguf, flash):
         want_tokens, want = greedy(float64_model(path), ids, 6)
-        model, _, rt = load_runtime(path, mode, dram_budget=budget)
+        model, _, rt = load_runtime(path, "dense")
         assert rt is None and isinstance(model.embed, QuantMatrix)
         if path == gguf:
             assert isinstance(model.dense_ffn[0].w_down, QuantMatrix)
@@ -202,15 +206,10 @@ def test_in_ram_modes_compute_on_the_blocks(tiny_gguf, tmp_path, kind, capsys):
             assert isinstance(model.ffn, ResidentFFN) and model.ffn.layers[0].head.dtype == np.uint8
         tokens, got = greedy(model, ids, 6)
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
-        assert tokens == want_tokens, (path, mode)
-    assert "resident ffn" in capsys.readouterr().err     # a given budget prints the plan, the FFN as one line
-    # the plan counts what ResidentFFN holds
-    model, _, _ = load_runtime(flash, "auto", dram_budget=1 << 30)
+        assert tokens == want_tokens, path
+    # the in-RAM plan counts what ResidentFFN holds
     plan = plan_resident(FlashCheckpoint(flash), 1 << 30, 64, 0)
     assert plan.ffn_bytes == sum(layer.nbytes for layer in model.ffn.layers)
-    # a budget the whole model does not fit: auto runs from flash, which needs predictors
-    with pytest.raises(UserError, match="does not fit the DRAM budget and has no predictors"):
-        load_runtime(flash, "auto", dram_budget=1 << 20)
 
 
 @pytest.mark.parametrize("source", ["hf q4_0", "gguf q4_1"])

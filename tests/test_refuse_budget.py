@@ -66,7 +66,7 @@ def test_the_model_part_is_the_planners_minimum_from_the_header_alone(models):
                 assert early == planner, (path, ctx)
                 # auto: the smallest of its plans (a SiLU model's exact gate among them), never above the planner's
                 early, planner = minimum_bytes(cfg, layout, kinds, "auto", ctx, 0), planner_minimum(flashdir, ctx, "auto")
-                assert planner - (1 << 20) <= early <= planner, (path, ctx)
+                assert early <= planner, (path, ctx, early, planner)
 
 
 def test_the_default_models_facts_before_its_fetch_are_its_headers(smollm2_gguf, tmp_path, monkeypatch):
