@@ -127,7 +127,7 @@ def test_default_model_keeps_its_blocks_and_size(smollm2_gguf, tmp_path):
     split = sum((out / L.files[p]).stat().st_size for p in ("gate_up", "down"))
     size = disk_bytes(out) - split
     assert size <= 1.25 * smollm2_gguf.stat().st_size, size / smollm2_gguf.stat().st_size
-    assert split <= (out / L.files["ffn"]).stat().st_size
+    assert split <= 1.2 * (out / L.files["ffn"]).stat().st_size   # down rows padded to 512 bytes each: 1.14x
     flash = FlashCheckpoint(out)
     assert resident_bytes_for(flash.config, half=True, kinds=flash.resident_kinds) == resident_data_bytes(out)
 
