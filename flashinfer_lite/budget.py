@@ -214,13 +214,17 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
                       max_active=max_active, requested=requested)
 
 
-def plan_gate(config, layout, dram_budget_bytes: int, ctx: int, window: int, sparsity: float, **kw) -> BudgetPlan:
+def plan_gate(config, layout, dram_budget_bytes: int, ctx: int, window: int, sparsity: float,
+              layers: int | None = None, parts: dict | None = None, **kw) -> BudgetPlan:
     """The exact-gate FFN's plan (ffn.gate.GateFFN): layout a FlashLayout with the split parts. Every token needs every
     layer's gate|up rows, so they come first: all layers resident when the budget holds them with the minimum
     down-row window, else as many layers as fit, from the first, and the others streamed through a buffer of one
     layer's rows (what is read then is said by the runtime). The rest is plan_budget's for the down rows (window and
-    hot region), with the active count of `sparsity` as its expected set. kw: plan_budget's."""
-    gu, dn = layout.parts["gate_up"], layout.parts["down"]
+    hot region), with the active count of `sparsity` as its expected set. layers: plan exactly this many layers'
+    rows resident (no search; 0: the plan's smallest). parts: the split parts when the layout does not carry them
+    (layout.make_part, before conversion). kw: plan_budget's."""
+    parts = layout.parts if parts is None else parts
+    gu, dn = parts["gate_up"], parts["down"]
     rows = [gu.region_bytes(i) for i in range(gu.n_layers)]
     resident = kw.pop("resident_bytes", 0)
     max_active = max(1, int(np.ceil((1.0 - sparsity) * max(dn.n_neurons))))
@@ -231,6 +235,8 @@ def plan_gate(config, layout, dram_budget_bytes: int, ctx: int, window: int, spa
                         resident_bytes=resident + gate, **kw)
         p.resident_bytes, p.gate_bytes, p.gate_layers = resident, gate, k
         return p
+    if layers is not None:
+        return plan(layers)
     for k in range(len(rows), 0, -1):
         try:
             return plan(k)

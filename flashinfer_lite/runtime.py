@@ -31,7 +31,7 @@ from storage.checkpoint import open_checkpoint
 from storage.convert import DEFAULT_DTYPE, layout_for, resident_kinds, resident_names
 from storage.config import ModelConfig
 from storage.errors import UserError, run_child
-from storage.format import FlashCheckpoint, FlashLayout, is_flashdir, verify_at_load
+from storage.format import SPLIT_PARTS, FlashCheckpoint, FlashLayout, is_flashdir, verify_at_load
 from storage.gate_file import DEFAULT_SPARSITY, read_gate_file
 from storage.half import half_matrix
 from storage.sizes import parse_size
@@ -176,13 +176,11 @@ def minimum_bytes(cfg: ModelConfig, layout, kinds: dict, ffn: str, ctx: int, run
         return 0
     candidates = []
     if ffn in ("auto", "gate") and layout.glu and cfg.act == "silu" and layout.uniform:
-        dn, gu = layout.make_part("down"), layout.make_part("gate_up")
-        streamed = max(gu.region_bytes(i) for i in range(gu.n_layers))      # plan_gate with no layer resident
-        max_active = max(1, int(np.ceil((1.0 - DEFAULT_SPARSITY) * max(dn.n_neurons))))
-        candidates.append(plan_budget(cfg, dn, 1 << 60, ctx, max_active=max_active,
-                                      resident_bytes=resident_bytes_of(cfg, layout, kinds) + streamed,
-                                      runtime_bytes=runtime_bytes, stream_chunk_bytes=STREAM_CHUNK_BYTES,
-                                      heap_slack_bytes=HEAP_SLACK_BYTES).minimum_bytes)
+        parts = {name: layout.make_part(name) for name in SPLIT_PARTS}          # as convert will write them
+        candidates.append(plan_gate(cfg, layout, 1 << 60, ctx, 5, DEFAULT_SPARSITY, layers=0, parts=parts,
+                                    resident_bytes=resident_bytes_of(cfg, layout, kinds), runtime_bytes=runtime_bytes,
+                                    stream_chunk_bytes=STREAM_CHUNK_BYTES,
+                                    heap_slack_bytes=HEAP_SLACK_BYTES).minimum_bytes)
         if ffn == "gate":
             return candidates[0]
     sparse = plan_budget(cfg, layout, 1 << 60, ctx, resident_bytes=resident_bytes_of(cfg, layout, kinds, ffn),
@@ -506,8 +504,7 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | str | None = None,
     room = auto_budget_bytes() if dram_budget == "auto" else None
     decision = decide(files, ffn, dram_budget, ctx, window, lookahead, room, verbose)
     if decision.calibrate_gate:
-        calibrate_on_first_use(files.path)
-        files.gate = read_gate_file(files.path, files.ckpt.config.n_layers, files.ckpt.config.ffn_dim, sparsity)
+        calibrate_on_first_use(files, sparsity)
         decision = decide(files, ffn, dram_budget, ctx, window, lookahead, room, verbose)
     for line in decision.notes:
         print(line, file=sys.stderr)
@@ -546,8 +543,7 @@ def load(path: str | None = None, dram_budget: int | str | None = "auto", ffn: s
         files.runtime_bytes = measure_runtime_bytes(files.ckpt.layout)
         decision = decide(files, ffn, budget, ctx, lookahead=lookahead, room=room, verbose=verbose)
     if decision.calibrate_gate:        # the first exact-gate run of a FLASHDIR: seconds, in a child process
-        calibrate_on_first_use(files.path)
-        files.gate = read_gate_file(files.path, files.ckpt.config.n_layers, files.ckpt.config.ffn_dim, sparsity)
+        calibrate_on_first_use(files, sparsity)
         decision = decide(files, ffn, budget, ctx, lookahead=lookahead, room=room, verbose=verbose)
     for line in decision.notes:
         print(line, file=sys.stderr)
@@ -581,13 +577,14 @@ def train_on_first_use(flashdir: str) -> None:
     run_child([sys.executable, "-m", "predictors.first_use", str(flashdir)])
 
 
-def calibrate_on_first_use(flashdir: str) -> None:
-    """Calibrate the exact gate's thresholds (predictors/calibrate_gate.py) in a child process: its model in DRAM
-    is not this process's memory, which the budget counts."""
+def calibrate_on_first_use(files: ModelFiles, sparsity: float) -> None:
+    """Calibrate the exact gate's thresholds (predictors/calibrate_gate.py) in a child process, its model in DRAM
+    not this process's memory, which the budget counts; then read them into files.gate (decide again after)."""
     if sys.stderr.isatty():     # on a terminal, with its progress bar; a script's stderr keeps its one error line
-        print(f"gate: calibrating the thresholds of {flashdir} once, on first use", file=sys.stderr)
-    run_child([sys.executable, "-m", "predictors.calibrate_gate", str(flashdir),
+        print(f"gate: calibrating the thresholds of {files.path} once, on first use", file=sys.stderr)
+    run_child([sys.executable, "-m", "predictors.calibrate_gate", str(files.path),
                *([] if sys.stderr.isatty() else ["--quiet"])])
+    files.gate = read_gate_file(files.path, files.ckpt.config.n_layers, files.ckpt.config.ffn_dim, sparsity)
 
 
 def default_model_predictors(flashdir: str) -> str:
