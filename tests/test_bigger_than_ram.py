@@ -36,15 +36,27 @@ def capped(cap: int, summary: Path, *args, timeout=900):
     return r, cg
 
 
+def large_checkpoint(tmp_path_factory, name: str, *args: str) -> Path:
+    """A new temporary directory whose hf/ holds tools/make_large_model.py's checkpoint for args; skipped where
+    there is no memory cgroup to cap it with."""
+    if available() is not None:
+        pytest.skip(f"no memory cgroup here: {available()}")
+    root = tmp_path_factory.mktemp(name)
+    run(sys.executable, str(REPO / "tools" / "make_large_model.py"), str(root / "hf"), *args)
+    return root
+
+
+def last_json(r) -> dict:
+    """The JSON document on the last line of a command's stdout (generate --json)."""
+    return json.loads(r.stdout.decode().strip().splitlines()[-1])
+
+
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     """The checkpoint, then each stage under the cap; returns (root, cap, {stage: memcap summary})."""
-    if available() is not None:
-        pytest.skip(f"no memory cgroup here: {available()}")
-    root = tmp_path_factory.mktemp("big")
     # 12 layers x 16384 neurons x dim 1024 in f16: 1.2 GB of FFN weights, ~10% active per token (FATReLU).
-    run(sys.executable, str(REPO / "tools" / "make_large_model.py"), str(root / "hf"), "--layers", "12", "--dim",
-        "1024", "--ffn", "16384", "--heads", "8", "--kv-heads", "2", "--check-tokens", "0")
+    root = large_checkpoint(tmp_path_factory, "big", "--layers", "12", "--dim", "1024", "--ffn", "16384", "--heads",
+                            "8", "--kv-heads", "2", "--check-tokens", "0")
     cap = disk_bytes(root / "hf") // 2
     stories = str(CORPUS / "tinystories_cased_197KB.txt")
     peaks = {}
@@ -86,8 +98,8 @@ def test_generate_under_the_cap_gives_the_uncapped_tokens_reading_from_flash(pip
     root, cap, _ = pipeline
     args = [*CLI, "generate", "-m", str(root / "flash"), "-p", "Once upon a time", "-n", "5", "--temp", "0",
             "--json", "--ffn", "predicted", "--dram-budget", str(cap - CAP_OVER_BUDGET), "-c", "256"]
-    free = json.loads(run(*args).stdout.decode().strip().splitlines()[-1])
+    free = last_json(run(*args))
     r, cg = capped(cap, tmp_path / "generate.json", *args)
-    out = json.loads(r.stdout.decode().strip().splitlines()[-1])
+    out = last_json(r)
     assert out["tokens"] == free["tokens"] and len(free["tokens"]) == 5
     assert out["flash"]["mb_read"] > 0  # decode read bundles from flash under the cap

@@ -6,7 +6,7 @@ from storage.checkpoint import open_checkpoint
 from flashinfer_lite.loader import load_reference, load_weights
 from flashinfer_lite.model import Transformer
 
-from conftest import STORIES, TINY, TINY_MOE, transformers_model
+from conftest import STORIES, TINY, TINY_MOE, greedy_tokens, transformers_model
 
 
 def incremental_logits(model: Transformer, ids: list[int], prefill: int) -> np.ndarray:
@@ -51,11 +51,7 @@ def test_stories260k_greedy_100_tokens_equal_transformers():
     import torch
     model, tok = load_reference(STORIES)
     ids = tok.encode("Once upon a time")
-    kv = model.new_cache(256)
-    out, logits = list(ids), model.forward(ids, kv)
-    for _ in range(100):
-        out.append(int(np.argmax(logits)))
-        logits = model.forward([out[-1]], kv)
+    out = greedy_tokens(model, ids, 100, ctx=256)
     hf = transformers_model(STORIES)
     want = hf.generate(torch.tensor([ids]), max_new_tokens=100, min_new_tokens=100, do_sample=False)[0].tolist()
     assert out == want
@@ -133,12 +129,7 @@ def test_tiny_moe_greedy_tokens_equal_transformers_and_every_part_counts(tiny_mo
     ckpt = open_checkpoint(path)
     cfg, w = ckpt.config, load_weights(ckpt)
     ids = np.random.default_rng(3).integers(3, 512, size=9).tolist()
-    kv = Transformer(cfg, w).new_cache(64)
-    ours = Transformer(cfg, w)
-    out, logits = list(ids), ours.forward(ids, kv)
-    for _ in range(12):
-        out.append(int(np.argmax(logits)))
-        logits = ours.forward([out[-1]], kv)
+    out = greedy_tokens(Transformer(cfg, w), ids, 12, ctx=64)
     hf = transformers_model(path)
     want = hf.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False)[0].tolist()
     assert out == want

@@ -2,27 +2,21 @@
 cgroup memory cap (which also bounds the page cache) is converted and generates under that cap, its experts read
 from flash through a cache of 2 of its 24 experts per layer; nothing is OOM-killed and the greedy tokens equal the
 same run uncapped."""
-import json
 import shutil
-import sys
 
 import pytest
 
-from memcap import available
 from storage.files import disk_bytes
-from test_bigger_than_ram import CLI, REPO, capped, run
+from test_bigger_than_ram import CLI, capped, large_checkpoint, last_json, run
 
 CAP_OVER_BUDGET = 60 << 20    # the cap leaves this over generate's DRAM budget: page cache of the files it reads
 
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
-    if available() is not None:
-        pytest.skip(f"no memory cgroup here: {available()}")
-    root = tmp_path_factory.mktemp("bigmoe")
     # 8 layers x 24 experts of 768 neurons at dim 768, f16: 650 MiB of experts, 2 routed per token
-    run(sys.executable, str(REPO / "tools" / "make_large_model.py"), str(root / "hf"), "--layers", "8", "--dim",
-        "768", "--ffn", "768", "--heads", "12", "--kv-heads", "4", "--experts", "24", "--experts-used", "2")
+    root = large_checkpoint(tmp_path_factory, "bigmoe", "--layers", "8", "--dim", "768", "--ffn", "768", "--heads",
+                            "12", "--kv-heads", "4", "--experts", "24", "--experts-used", "2")
     yield root
     shutil.rmtree(root, ignore_errors=True)
 
@@ -34,9 +28,9 @@ def test_convert_and_generate_under_half_the_checkpoint(moe, tmp_path):
     assert disk_bytes(moe / "hf") >= 2 * cap and disk_bytes(moe / "flash") >= 2 * cap
     args = [*CLI, "generate", "-m", str(moe / "flash"), "-p", "Once upon a time", "-n", "6", "--temp", "0", "--json",
             "-c", "256", "--dram-budget", str(cap - CAP_OVER_BUDGET)]
-    free = json.loads(run(*args).stdout.decode().strip().splitlines()[-1])
+    free = last_json(run(*args))
     r, cg = capped(cap, tmp_path / "generate.json", *args)
-    out = json.loads(r.stdout.decode().strip().splitlines()[-1])
+    out = last_json(r)
     assert out["tokens"] == free["tokens"] and len(free["tokens"]) == 6
     f = out["flash"]
     assert f["mb_read"] > 0 and f["hit_rate"] < 1          # experts were read from flash, and evicted
