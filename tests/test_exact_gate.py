@@ -16,7 +16,7 @@ from test_quant_e2e import greedy          # n greedy tokens after a batched pro
 from flashinfer_lite.loader import open_any
 from flashinfer_lite.model import Transformer
 from flashinfer_lite.runtime import load_runtime
-from predictors.calibrate_gate import calibrate
+from predictors.calibrate_gate import LayerMagnitudes, calibrate
 from storage.convert import convert
 from storage.errors import UserError
 from storage.format import FlashCheckpoint, read_layout, verify
@@ -37,6 +37,30 @@ def gated(tiny_model, tmp_path_factory):
         out[dtype] = flash
     yield out
     shutil.rmtree(root, ignore_errors=True)
+
+
+def test_calibration_quantiles_in_bounded_memory_equal_numpys():
+    """Calibration holds a histogram and two bins' magnitudes, not every magnitude (the default model's would be
+    189 MiB beside the model, inside the user's budget): its thresholds must still be np.quantile's on all of them, and
+    the per-neuron shares above them the plain comparison's, with ties, zeros and the extreme quantiles."""
+    rng = np.random.default_rng(0)
+    sparsities = (0.0, 0.3, 0.4, 0.5, 0.6, 1.0)
+    for trial in range(30):
+        n = int(rng.integers(1, 40))
+        chunks = [(np.abs(rng.standard_normal((int(rng.integers(1, 9)), n))) * rng.choice([1e-3, 1, 50]))
+                  .astype(np.float32) for _ in range(int(rng.integers(1, 10)))]
+        if trial % 3 == 0:
+            chunks = [np.round(c, 1).astype(np.float32) for c in chunks]
+        m = LayerMagnitudes(n, sparsities)
+        for c in chunks:
+            m.count(c)
+        for c in chunks:
+            m.keep(c)
+        every = np.concatenate(chunks)
+        for s in sparsities:
+            t = m.threshold(s)
+            assert t == float(np.quantile(every, s)), (trial, s)
+            assert np.array_equal(m.freq(s, t), (every > t).mean(axis=0)), (trial, s)
 
 
 def test_split_parts_hold_the_bundles_bytes(gated):

@@ -87,6 +87,10 @@ class FlashFFN:
             n_active = T * self.layout.n_neurons[layer]
         elif union.size and np.all(self.cache.slot_of(layer)[union] >= 0):
             n_active = self.cached_rows(layer, x, y, ids, union)
+        elif union.size and union.size <= self.plan.window_rows:
+            # Partly cached and the union fits the window: one read of its misses, then every row in one pass
+            self.cache.start_fetch(layer, union).finish()
+            n_active = self.cached_rows(layer, x, y, ids, union, looked_up=union.size)
         else:
             n_active = 0
             for t in range(T):
@@ -170,12 +174,14 @@ class FlashFFN:
             print(f"prefill of {len(ids)} tokens: {uncached} uncached neurons in layer 0 -> {how}", file=sys.stderr)
         return choice
 
-    def cached_rows(self, layer: int, x: np.ndarray, y: np.ndarray, ids: list[np.ndarray], union: np.ndarray) -> int:
+    def cached_rows(self, layer: int, x: np.ndarray, y: np.ndarray, ids: list[np.ndarray], union: np.ndarray,
+                    looked_up: int = 0) -> int:
         """The FFN of all rows of x at once when the cache holds every neuron they selected (`union`, sorted): each
         row's coefficients over the union (0 where it did not select), then each row's sum in bundle order, zeros
         skipped: stream_layer's kernels and order on the cache's rows instead of a chunk read from flash, so the bits
         are decode_row's. One kernel pass per layer instead of one per row (a 4,000-token prompt with the whole model
-        pinned went row by row). Returns how many neurons fired."""
+        pinned went row by row). `looked_up`: how many of the selections a fetch of the union already counted as a
+        hit or a miss (each of the union's neurons once). Returns how many neurons fired."""
         selected = np.zeros((x.shape[0], union.size), np.uint8)
         for t, row in enumerate(ids):
             selected[t, np.searchsorted(union, row)] = 1
@@ -186,7 +192,7 @@ class FlashFFN:
         t0 = time.perf_counter()
         self.kernels[layer].accumulate(self.cache.matrix(layer), rows, coef, y)
         self.stats.compute_s += time.perf_counter() - t0
-        self.stats.hits += sum(map(len, ids))          # every selected neuron was in the cache, as start_fetch counts
+        self.stats.hits += sum(map(len, ids)) - looked_up   # every other selection found its neuron cached
         return int(np.count_nonzero(coef))
 
     def stream_layer(self, layer: int, x: np.ndarray, y: np.ndarray, ids: list[np.ndarray]) -> None:
