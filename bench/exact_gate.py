@@ -23,7 +23,7 @@ import numpy as np
 import harness as h
 
 from predictors.acts import read_corpus
-from predictors.collect import token_segments
+from storage.tokenizer import token_segments
 from predictors.evaluate import log_probs_at
 from storage.sizes import parse_size
 

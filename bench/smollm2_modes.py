@@ -201,7 +201,7 @@ def make_job(flashdir: Path, corpus: list[Path], n_tokens: int, ctx: int, n_gen:
     from storage.errors import UserError
     from flashinfer_lite.generate import prompt_ids
     from predictors.acts import read_corpus
-    from predictors.collect import token_segments
+    from storage.tokenizer import token_segments
     from storage.format import FlashCheckpoint
     ck = FlashCheckpoint(flashdir)
     tok = ck.tokenizer()

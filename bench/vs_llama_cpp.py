@@ -71,7 +71,7 @@ def measure(a) -> dict:
     if a.worker.startswith("llama.cpp"):
         return h.measure_llama(job)
     if a.worker == "probe":
-        return h.probe_minimum(job["flash"], "predicted", job["ctx"])
+        return h.probe_minimum(job["flash"], job["capped_ffn"], job["ctx"])
     return measure_flash(a.worker.split("-")[1], a.budget, job)
 
 
@@ -146,6 +146,9 @@ def main(argv=None) -> int:
                                                                  "steps are one fewer)")
     ap.add_argument("--caps", default="none,base+50%,min", help="comma-separated: none, SIZE, P%% of the GGUF, "
                     "base+P%% (llama.cpp's baseline + P%% of the GGUF), min (flashinfer-lite's minimum + --slack)")
+    ap.add_argument("--capped-ffn", default="predicted", choices=("predicted", "auto"),
+                    help="--ffn of the flash rows under the caps (default predicted; auto: the exact gate of a SiLU "
+                         "model, which needs no predictors)")
     ap.add_argument("--threads", type=int, default=2, help="compute threads of both engines (default 2)")
     ap.add_argument("--slack", default=SLACK, help=f"cap minus DRAM budget of the flash rows (default {SLACK})")
     ap.add_argument("--llama-omp", default="active", help="llama.cpp rows per cap: active (OpenMP's default "
@@ -185,7 +188,7 @@ def main(argv=None) -> int:
         ids = prompt_ids(tokenizer, a.prompt, None, use_template=True)
     ctx = a.ctx or len(ids) + a.tokens + 1
     job = {"gguf": str(gguf), "flash": str(flash), "prompt_ids": ids, "n_gen": a.tokens, "ctx": ctx,
-           "threads": a.threads, "llama_extra_bufts": a.llama_extra_bufts}
+           "threads": a.threads, "llama_extra_bufts": a.llama_extra_bufts, "capped_ffn": a.capped_ffn}
     (work / "job.json").write_text(json.dumps(job))
     gguf_bytes, slack = gguf.stat().st_size, parse_size(a.slack)
     L = read_layout(flash)
@@ -217,10 +220,11 @@ def main(argv=None) -> int:
                 results += [row(m, spec, cap) for m in llamas]
             else:
                 results += [row("flash-dense", spec, None), row("flash-auto", spec, None)]
-            fr = row("flash-predicted", spec, cap, "auto" if cap is None else str(cap - slack))
+            fr = row(f"flash-{a.capped_ffn}", spec, cap, "auto" if cap is None else str(cap - slack))
             if spec == "min" and "below_minimum" in fr:  # its own process measured more than the probe's
                 need = h.minimum_in(fr["below_minimum"])
-                fr = dict(row("flash-predicted", spec, need + slack, str(need)), first_attempt=fr["below_minimum"])
+                fr = dict(row(f"flash-{a.capped_ffn}", spec, need + slack, str(need)),
+                          first_attempt=fr["below_minimum"])
             results.append(fr)
 
     # leading greedy tokens equal to llama.cpp's uncapped row's, and to flash-dense's (same engine, every neuron)

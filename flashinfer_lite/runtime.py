@@ -16,6 +16,7 @@ for a given path, without first-use training.
 """
 from __future__ import annotations
 
+import gc
 import os
 import re
 import sys
@@ -32,9 +33,10 @@ from storage.convert import DEFAULT_DTYPE, layout_for, resident_kinds, resident_
 from storage.config import ModelConfig
 from storage.errors import UserError, run_child
 from storage.format import SPLIT_PARTS, FlashCheckpoint, FlashLayout, is_flashdir, verify_at_load
-from storage.gate_file import DEFAULT_SPARSITY, read_gate_file
+from storage.gate_file import DEFAULT_SPARSITY, SPARSITIES, GateCalibration, read_gate_file, write_gate_file
 from storage.half import half_matrix
 from storage.sizes import parse_size
+from storage.tokenizer import token_segments
 
 from . import BLAS_THREADS_FROM_USER
 from . import default_model
@@ -44,12 +46,12 @@ from .budget import (HEAP_SLACK_BYTES, BudgetPlan, auto_budget_bytes, measure_ru
 from .default_model import default_model_path, ensure_default_model
 from .ffn.experts import ExpertFFN
 from .ffn.flash import STREAM_CHUNK_BYTES, FlashFFN
-from .ffn.gate import GateFFN
+from .ffn.gate import CALIBRATION_CTX, CALIBRATION_TOKENS, GateFFN, LayerMagnitudes, measure_thresholds
 from .ffn.resident import ResidentFFN
 from .loader import load_weights, open_any
 from .model import FeedForward, Transformer
 from .predictor_set import describe_calibration, load_expert_freq, load_predictors, read_manifest
-from .process import keep_freed_arrays_out_of_rss
+from .process import keep_freed_arrays_out_of_rss, return_freed_heap
 from .threads import set_threads
 
 # auto: a gated (SiLU) model with the split layout: gate at every budget; a mixture of experts: experts from flash;
@@ -504,7 +506,7 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | str | None = None,
     room = auto_budget_bytes() if dram_budget == "auto" else None
     decision = decide(files, ffn, dram_budget, ctx, window, lookahead, room, verbose)
     if decision.calibrate_gate:
-        calibrate_on_first_use(files, sparsity)
+        calibrate_on_first_use(files, sparsity, room if dram_budget == "auto" else dram_budget)
         decision = decide(files, ffn, dram_budget, ctx, window, lookahead, room, verbose)
     for line in decision.notes:
         print(line, file=sys.stderr)
@@ -542,8 +544,8 @@ def load(path: str | None = None, dram_budget: int | str | None = "auto", ffn: s
         files.predictors = load_predictors(files.path)
         files.runtime_bytes = measure_runtime_bytes(files.ckpt.layout)
         decision = decide(files, ffn, budget, ctx, lookahead=lookahead, room=room, verbose=verbose)
-    if decision.calibrate_gate:        # the first exact-gate run of a FLASHDIR: seconds, in a child process
-        calibrate_on_first_use(files, sparsity)
+    if decision.calibrate_gate:        # the first exact-gate run of a FLASHDIR: seconds, under the budget
+        calibrate_on_first_use(files, sparsity, budget if isinstance(budget, int) else room)
         decision = decide(files, ffn, budget, ctx, lookahead=lookahead, room=room, verbose=verbose)
     for line in decision.notes:
         print(line, file=sys.stderr)
@@ -577,13 +579,43 @@ def train_on_first_use(flashdir: str) -> None:
     run_child([sys.executable, "-m", "predictors.first_use", str(flashdir)])
 
 
-def calibrate_on_first_use(files: ModelFiles, sparsity: float) -> None:
-    """Calibrate the exact gate's thresholds (predictors/calibrate_gate.py) in a child process, its model in DRAM
-    not this process's memory, which the budget counts; then read them into files.gate (decide again after)."""
-    if sys.stderr.isatty():     # on a terminal, with its progress bar; a script's stderr keeps its one error line
+def calibrate_gate(files: ModelFiles, dram_budget: int | None = None, n_tokens: int = CALIBRATION_TOKENS,
+                   progress: bool = False) -> None:
+    """Calibrate the exact gate's thresholds of files' FLASHDIR (ffn.gate.measure_thresholds, on the built-in
+    calibration text: predictors/calibration.txt, written for the project, never an evaluation text) and write them
+    to FLASHDIR/gate.json. The model runs in this process under dram_budget (bytes; None: no limit), planned like
+    the run after it, and is freed before that run: a child process beside this one would hold a second copy of the
+    libraries and the runtime (a cold first run under a memory cgroup equal to the budget was killed so)."""
+    from importlib import resources
+    cfg = files.ckpt.config
+    no_threshold = (np.zeros(cfg.ffn_dim, np.float32),) * cfg.n_layers
+    files.gate = GateCalibration(0.0, (-1.0,) * cfg.n_layers, no_threshold, {})
+    ctx = min(CALIBRATION_CTX, cfg.max_pos)
+    # beside the model: the magnitudes' bins, and a window's [ctx, n] arrays of magnitudes, bins and masks
+    held = cfg.n_layers * LayerMagnitudes.nbytes(cfg.ffn_dim, SPARSITIES) + 4 * ctx * cfg.ffn_dim * 4
+    model, tokenizer, ffn = build(files, decide(files, "gate", None if dram_budget is None else dram_budget - held,
+                                                ctx))
+    text = (resources.files("predictors") / "calibration.txt").read_text()
+    windows = list(token_segments(tokenizer, text, n_tokens, ctx, cfg.bos_id))
+    try:
+        by_sparsity = measure_thresholds(model, ffn, windows, SPARSITIES, progress)
+    finally:
+        ffn.reader.close()
+        del model, ffn
+    write_gate_file(files.path, cfg.ffn_dim, {"text": "the built-in calibration text (calibration.txt)",
+                                              "tokens": int(sum(map(len, windows)))}, by_sparsity)
+    del by_sparsity
+    gc.collect()
+    return_freed_heap()
+
+
+def calibrate_on_first_use(files: ModelFiles, sparsity: float, dram_budget: int | None = None) -> None:
+    """calibrate_gate on a FLASHDIR's first exact-gate run, under the run's budget; then read the thresholds into
+    files.gate (decide again after)."""
+    progress = sys.stderr.isatty()
+    if progress:                # on a terminal, with its progress bar; a script's stderr keeps its one error line
         print(f"gate: calibrating the thresholds of {files.path} once, on first use", file=sys.stderr)
-    run_child([sys.executable, "-m", "predictors.calibrate_gate", str(files.path),
-               *([] if sys.stderr.isatty() else ["--quiet"])])
+    calibrate_gate(files, dram_budget, progress=progress)
     files.gate = read_gate_file(files.path, files.ckpt.config.n_layers, files.ckpt.config.ffn_dim, sparsity)
 
 

@@ -78,18 +78,6 @@ def read_corpus(files) -> CorpusText:
     return CorpusText(text, replaced, [str(f) for f in files])
 
 
-def corpus_chunks(text: str, chunk_chars: int = 1 << 16):
-    """The text in pieces that end at a newline, so the tokenizer sees whole lines and memory stays bounded."""
-    i = 0
-    while i < len(text):
-        j = min(len(text), i + chunk_chars)
-        if j < len(text):
-            nl = text.rfind("\n", i, j)
-            j = nl + 1 if nl > i else j
-        yield text[i:j]
-        i = j
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Model identity: the config plus a fingerprint of weights that every form of the model stores identically
 

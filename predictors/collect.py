@@ -22,8 +22,9 @@ import numpy as np
 from storage.errors import UserError
 from flashinfer_lite.loader import open_any
 from storage.files import remove_stale_temp_dirs, temp_path
+from storage.tokenizer import token_segments
 
-from .acts import (ACTS_FORMAT, ACTS_VERSION, MANIFEST, N_BINS, ShardWriter, corpus_chunks, histogram,
+from .acts import (ACTS_FORMAT, ACTS_VERSION, MANIFEST, N_BINS, ShardWriter, histogram,
                    model_identity, read_corpus)
 from .layerwise import LayerStream
 
@@ -114,25 +115,6 @@ def shard_tensors(cfg, rows: int) -> dict:
     L, d, n = cfg.n_layers, cfg.dim, cfg.ffn_dim
     return {**{f"layers.{i}.x": (np.float32, (rows, d)) for i in range(L)},
             **{f"layers.{i}.a": (np.float16, (rows, n)) for i in range(L)}}
-
-
-def token_segments(tokenizer, text: str, n_tokens: int, ctx: int, bos: int | None):
-    """Segments of ctx tokens ([bos] + text tokens), n_tokens in all (the last segment may be shorter)."""
-    body = ctx - (bos is not None)
-    buf: list[int] = []
-    left = n_tokens
-    for chunk in corpus_chunks(text):
-        buf.extend(tokenizer.encode(chunk, add_special_tokens=False))
-        while len(buf) >= body and left > 0:
-            w = ([bos] if bos is not None else []) + buf[:body]
-            w = w[:left]
-            del buf[:body]
-            left -= len(w)
-            yield w
-        if left <= 0:
-            return
-    if buf and left > (bos is not None):
-        yield (([bos] if bos is not None else []) + buf)[:left]
 
 
 def collect(model, corpus, n_tokens: int, output, ctx: int = 256, rows: int = DEFAULT_ROWS, seed: int = 0,

@@ -27,7 +27,7 @@ from storage.gate_file import DEFAULT_SPARSITY
 from storage.sizes import parse_size
 
 from .acts import read_corpus
-from .collect import token_segments
+from storage.tokenizer import token_segments
 from .layerwise import LayerStream
 
 

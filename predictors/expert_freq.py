@@ -17,8 +17,9 @@ from flashinfer_lite.predictor_set import save_expert_freq
 from flashinfer_lite.runtime import load_runtime
 from storage.errors import UserError
 from storage.sizes import parse_size
+from storage.tokenizer import corpus_chunks
 
-from .acts import corpus_chunks, read_corpus
+from .acts import read_corpus
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -31,8 +31,9 @@ from flashinfer_lite.loader import open_any
 from flashinfer_lite.predictor_set import describe_calibration as describe, read_manifest
 from storage.files import exclusive, remove_stale_temp_dirs, temp_path
 from storage.predictor_files import PREDICTOR_DIR
+from storage.tokenizer import corpus_chunks
 
-from .acts import Acts, corpus_chunks, read_corpus
+from .acts import Acts, read_corpus
 from .collect import collect
 from .train import train
 

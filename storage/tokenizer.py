@@ -277,3 +277,37 @@ class StopStrings:
     def flush(self) -> str:
         out, self.held = self.held, ""
         return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Text into token windows (collect, eval, the gate's calibration)
+
+def corpus_chunks(text: str, chunk_chars: int = 1 << 16):
+    """The text in pieces that end at a newline, so the tokenizer sees whole lines and memory stays bounded."""
+    i = 0
+    while i < len(text):
+        j = min(len(text), i + chunk_chars)
+        if j < len(text):
+            nl = text.rfind("\n", i, j)
+            j = nl + 1 if nl > i else j
+        yield text[i:j]
+        i = j
+
+
+def token_segments(tokenizer, text: str, n_tokens: int, ctx: int, bos: int | None):
+    """Segments of ctx tokens ([bos] + text tokens), n_tokens in all (the last segment may be shorter)."""
+    body = ctx - (bos is not None)
+    buf: list[int] = []
+    left = n_tokens
+    for chunk in corpus_chunks(text):
+        buf.extend(tokenizer.encode(chunk, add_special_tokens=False))
+        while len(buf) >= body and left > 0:
+            w = ([bos] if bos is not None else []) + buf[:body]
+            w = w[:left]
+            del buf[:body]
+            left -= len(w)
+            yield w
+        if left <= 0:
+            return
+    if buf and left > (bos is not None):
+        yield (([bos] if bos is not None else []) + buf)[:left]

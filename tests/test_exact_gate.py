@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import assert_same_bits_at_every_budget
+from conftest import assert_same_bits_at_every_budget, planner_minimum
 from test_quant_e2e import greedy          # n greedy tokens after a batched prompt, and every step's logits
 from flashinfer_lite.loader import open_any
 from flashinfer_lite.model import Transformer
 from flashinfer_lite.runtime import load_runtime
-from predictors.calibrate_gate import LayerMagnitudes, calibrate
+from flashinfer_lite.ffn.gate import LayerMagnitudes
+from predictors.calibrate_gate import calibrate
 from storage.convert import convert
 from storage.errors import UserError
 from storage.format import FlashCheckpoint, read_layout, verify
@@ -169,3 +173,40 @@ def test_dense_stays_exact_dense(gated):
     src = float64_gated_model(gated["q8_0"], gated["q8_0"], [-1.0, -1.0])
     got, want = greedy(model, IDS, 8)[1], greedy(src, IDS, 8)[1]
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_first_use_calibrates_inside_the_budget(gated, tmp_path):
+    """Issue 24: a FLASHDIR's first exact-gate run calibrates its thresholds in its own process, planned under the
+    run's --dram-budget (a child beside it held a second runtime: a cold run under a cgroup equal to the budget was
+    killed). Under such a cap where the machine allows it: exit 0, no OOM kill, the run's peak within the budget,
+    and the thresholds and tokens of a calibration with no budget at all."""
+    tools = Path(__file__).resolve().parents[1] / "tools"
+    sys.path.insert(0, str(tools))
+    from memcap import available
+    fresh, free = (Path(shutil.copytree(gated["q8_0"], tmp_path / name)) for name in ("fresh", "free"))
+    for d in (fresh, free):
+        (d / GATE_FILE).unlink()
+    calibrate(str(free), progress=False)            # the default tokens, no budget
+
+    def generate(path, budget, cap=None):
+        argv = [sys.executable, "-m", "flashinfer_lite", "generate", "-m", str(path), "-p", "Once upon a time",
+                "-n", "6", "--temp", "0", "--json", "-c", "64", "--ignore-chat-template", "--dram-budget", budget]
+        if cap:
+            argv = [sys.executable, str(tools / "memcap.py"), "--limit", str(cap), "--json", str(tmp_path / "cap.json"),
+                    "--", *argv]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=300)
+
+    minimum = planner_minimum(lambda b: (lambda r: (r.returncode, r.stderr))(generate(free, b)))[0]
+    budget = int((minimum + 8) * 2**20)
+    want = generate(free, str(budget))
+    assert want.returncode == 0, want.stderr
+    capped = available() is None
+    got = generate(fresh, str(budget), cap=budget if capped else None)
+    assert got.returncode == 0, got.stderr[-3000:]
+    if capped:
+        assert json.loads((tmp_path / "cap.json").read_text())["oom_kills"] == 0
+    run = json.loads(got.stdout.strip().splitlines()[-1])
+    assert run["peak_rss_mb"] * 2**20 <= budget, (run["peak_rss_mb"], budget / 2**20)
+    assert run["tokens"] == json.loads(want.stdout.strip().splitlines()[-1])["tokens"]
+    sparsity = json.loads((fresh / GATE_FILE).read_text())["sparsity"]
+    assert sparsity == json.loads((free / GATE_FILE).read_text())["sparsity"]

@@ -31,7 +31,7 @@ def whole_model_collect(model, corpus_file, n_tokens, ctx, rows, seed, shard_row
     from flashinfer_lite.loader import load_weights, open_any
     from flashinfer_lite.model import FeedForward, Transformer, linear
     from predictors.acts import N_BINS, histogram, read_corpus
-    from predictors.collect import token_segments
+    from storage.tokenizer import token_segments
     ckpt = open_any(model)
     cfg = ckpt.config
     weights = load_weights(ckpt)
@@ -140,7 +140,7 @@ def decode_loop_perplexity(path, corpus_file, n_tokens, ctx):
     """eval's dense perplexity as it was: the dense runtime (every weight loaded), one token at a time."""
     from flashinfer_lite.runtime import load_runtime
     from predictors.acts import read_corpus
-    from predictors.collect import token_segments
+    from storage.tokenizer import token_segments
     from predictors.evaluate import log_softmax_at
     model, tok, _ = load_runtime(path, ffn="dense")
     nll, n = 0.0, 0

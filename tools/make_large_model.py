@@ -3,7 +3,7 @@
 
     python tools/make_large_model.py OUT_DIR [--layers 32] [--dim 4096] [--ffn 11008] [--heads 32] [--kv-heads H]
                                              [--head-dim 128] [--vocab 512] [--active 0.10] [--seed 0]
-                                             [--gguf f16,q4_0] [--experts E --experts-used K]
+                                             [--gguf f16,q4_0] [--experts E --experts-used K] [--act silu]
 
 Default: Llama-2-7B shape (32 layers, dim 4096, ffn 11008, 32 heads of 128), f16, ProSparse convention
 (architecture SparseLlamaForCausalLM, hidden_act "fatrelu", threshold in hidden_act_param).
@@ -21,6 +21,9 @@ permuted as llama.cpp's converter does, norms float32, every matrix f16 or Q4_0 
 f16 values), one tensor in memory at a time, so llama.cpp can run them (bench/vs_llama_cpp.py). GGUF's llama has
 no FATReLU: llama.cpp computes SwiGLU (silu(gate) x up) over the same matrices, so its output differs, but the bytes
 it must read per token (every FFN row, dense) are the same.
+
+--act silu: a SwiGLU Llama (LlamaForCausalLM, hidden_act "silu") instead, the function llama.cpp computes on the GGUF
+copies: the gated model of the exact-gate bench (issue #28), which has no natural zeros to predict.
 
 --experts E: a mixture of experts of Qwen3-MoE's layout instead (Qwen3MoeForCausalLM: per-head q/k RMSNorm, a
 softmax router over E experts of --ffn neurons each, --experts-used of them per token, renormalised; SwiGLU).
@@ -74,8 +77,8 @@ def tensor_plan(a) -> list[tuple[str, tuple[int, ...], float]]:
                  (p + "post_attention_layernorm.weight", (d,), 0.0),
                  (p + "mlp.gate_proj.weight", (n, d), s),
                  (p + "mlp.up_proj.weight", (n, d), s),
-                 # down scaled so that the ~active*n firing neurons add O(1) to the residual stream
-                 (p + "mlp.down_proj.weight", (d, n), (a.active * n) ** -0.5)]
+                 # down scaled so that the ~active*n firing neurons (SiLU: all n) add O(1) to the residual stream
+                 (p + "mlp.down_proj.weight", (d, n), ((a.active if a.act == "fatrelu" else 1.0) * n) ** -0.5)]
     plan += [("model.norm.weight", (d,), 0.0), ("lm_head.weight", (a.vocab, d), s)]
     return plan
 
@@ -176,7 +179,8 @@ def write_gguf(path: Path, a, plan, qtype: str, threshold: float) -> int:
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name(f"flashinfer-lite make_large_model seed {a.seed} ({qtype})")
     w.add_description(f"random Llama weights; the HF copy's activation is FATReLU at {threshold:.4f}, which GGUF's "
-                      "llama cannot express: llama.cpp computes SwiGLU on these matrices")
+                      "llama cannot express: llama.cpp computes SwiGLU on these matrices" if a.act == "fatrelu" else
+                      "random SwiGLU Llama weights, as the HF copy")
     add_llama_metadata(w, a.layers, 4096, a.dim, a.ffn, a.heads, a.kv_heads, 1e-5, 10000.0)
     w.add_key_length(a.head_dim)
     w.add_value_length(a.head_dim)
@@ -215,6 +219,13 @@ def hf_config(a, threshold: float) -> dict:
                 "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "attention_bias": False, "tie_word_embeddings": False,
                 "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float16", "decoder_sparse_step": 1,
                 "mlp_only_layers": [], "flashinfer_lite_bench": {"seed": a.seed}}
+    if a.act == "silu":
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": a.vocab,
+                "hidden_size": a.dim, "intermediate_size": a.ffn, "num_hidden_layers": a.layers,
+                "num_attention_heads": a.heads, "num_key_value_heads": a.kv_heads, "head_dim": a.head_dim,
+                "hidden_act": "silu", "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False, "bos_token_id": 1,
+                "eos_token_id": 2, "torch_dtype": "float16", "flashinfer_lite_bench": {"seed": a.seed}}
     return {"architectures": ["SparseLlamaForCausalLM"], "model_type": "llama", "vocab_size": a.vocab,
             "hidden_size": a.dim, "intermediate_size": a.ffn, "num_hidden_layers": a.layers,
             "num_attention_heads": a.heads, "num_key_value_heads": a.kv_heads, "head_dim": a.head_dim,
@@ -268,8 +279,16 @@ def main(argv=None) -> int:
     ap.add_argument("--experts", type=int, default=0, help="a mixture of this many experts of --ffn neurons per "
                                                            "layer (Qwen3-MoE's layout; 0: dense)")
     ap.add_argument("--experts-used", type=int, default=8, help="experts routed per token")
+    ap.add_argument("--act", choices=("fatrelu", "silu"), default="fatrelu",
+                    help="the FFN: ProSparse's FATReLU at --active (default) or SwiGLU")
+    ap.add_argument("--gguf-only", action="store_true",
+                    help="write only the --gguf copies and config.json, not the HF weights (13 GB at the 7B shape)")
     ap.add_argument("--force", action="store_true", help="replace OUT if it exists")
     a = ap.parse_args(argv)
+    if a.gguf_only and not a.gguf:
+        sys.exit("make_large_model: --gguf-only needs --gguf")
+    if a.act == "silu":
+        a.check_tokens = 0             # the active-share check measures FATReLU neurons
     if a.experts:
         if a.gguf:
             sys.exit("make_large_model: --gguf is not written for --experts (yet)")
@@ -298,7 +317,7 @@ def main(argv=None) -> int:
     try:
         t = fatrelu_threshold(a.active, a.dim ** -0.5, a.dim)
         plan = tensor_plan(a)
-        size = write_safetensors(tmp / "model.safetensors", plan, a.seed)
+        size = 0 if a.gguf_only else write_safetensors(tmp / "model.safetensors", plan, a.seed)
         (tmp / "config.json").write_text(json.dumps(hf_config(a, t), indent=1))
         gguf_bytes = {q: write_gguf(tmp / f"model.{q}.gguf", a, plan, q, t) for q in ggufs}
         (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
@@ -310,10 +329,11 @@ def main(argv=None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     ffn_bytes = 3 * a.layers * a.dim * a.ffn * 2 * max(a.experts, 1)
-    info = {"dir": str(out), "bytes": size, "ffn_bytes": ffn_bytes, "fatrelu_threshold": t,
-            "target_active": a.active, **{f"gguf_{q}": str(out / f"model.{q}.gguf") for q in ggufs},
+    info = {"dir": str(out), "bytes": size, "ffn_bytes": ffn_bytes, "act": a.act,
+            **({"fatrelu_threshold": t, "target_active": a.active} if a.act == "fatrelu" else {}),
+            **{f"gguf_{q}": str(out / f"model.{q}.gguf") for q in ggufs},
             **{f"gguf_{q}_bytes": n for q, n in gguf_bytes.items()}}
-    if a.check_tokens > 0:
+    if a.check_tokens > 0 and not a.gguf_only:
         shares = measure_active_share(out, a.check_tokens, min(a.check_layers, a.layers), a.seed)
         info["active_share_per_layer"] = [round(s, 4) for s in shares]
         info["active_share_mean"] = round(float(np.mean(shares)), 4)
