@@ -14,12 +14,14 @@ import time
 
 import numpy as np
 
+from storage.blocks import BLOCK_BYTES
 from storage.config import ModelConfig
 from storage.format import expert_chunks
 from storage.reader import BundleReader, aligned_empty
 from storage.stats import FlashStats
 
-from ..model import FeedForward, MixtureOfExperts
+from ..model import ExpertBatch, FeedForward, MixtureOfExperts
+from .quant import QUANT_FFN_ACTS
 from ..quant import QuantMatrix
 
 
@@ -32,6 +34,7 @@ class ExpertCache:
         E = self.experts_layout = layout.experts
         self.cfg, self.overlap = cfg, overlap
         self.slots = slots
+        self.stacked = all(t in BLOCK_BYTES for t in E.dtypes) and cfg.act in QUANT_FFN_ACTS   # ExpertBatch.stack
         self.reader = BundleReader(expert_chunks(layout), threads=threads)
         self.stats = stats if stats is not None else FlashStats.for_layers(cfg.n_layers, cfg.n_experts)
         self.buf = aligned_empty((cfg.n_layers, slots, E.chunk), np.uint8)
@@ -124,27 +127,35 @@ class ExpertCache:
                 if pending is None:
                     break
                 inflight.append((misses.popleft(), pending))
+
+        def landed():
+            """The first read in flight, waited for, and every other one already done (one batch)."""
+            got = []
+            while inflight and (not got or inflight[0][1].ready()):
+                e, pending = inflight.popleft()
+                self._land(layer, e, pending)
+                got.append(e)
+            return got
         refill()                                  # the misses' reads run while the hits compute
         if self.on_submitted is not None:
             self.on_submitted(layer)
-        if not self.overlap:
-            while inflight:
-                e, pending = inflight.popleft()
-                self._land(layer, e, pending)
-                waiting.discard(e)
-                yield e, self.expert(layer, e)
-                refill()
-        for e in hits:
-            waiting.discard(e)
-            yield e, self.expert(layer, e)
+        if self.overlap and hits:
+            yield self.batch(layer, hits)
+            waiting.difference_update(hits)
             refill()
         while inflight:
-            e, pending = inflight.popleft()
-            self._land(layer, e, pending)
-            waiting.discard(e)
-            yield e, self.expert(layer, e)        # computed now: its slot may take the next miss
+            got = landed()
+            yield self.batch(layer, got)          # computed now: its slots may take the next misses
+            waiting.difference_update(got)
             refill()
+        if hits and not self.overlap:             # without overlap: the hits after the reads
+            yield self.batch(layer, hits)
         assert not misses, "an expert cache needs at least one slot per layer"
+
+    def batch(self, layer: int, ids: list[int]) -> ExpertBatch:
+        """Experts ids of `layer`, all in slots: stacked for the row kernel when their matrices are in blocks."""
+        return ExpertBatch(ids, lambda e: self.expert(layer, e), self.buf[layer] if self.stacked else None,
+                           [self.slot_of[layer][e] for e in ids], self.experts_layout)
 
 
 class ExpertFFN:
