@@ -170,10 +170,12 @@ def resident_bytes_of(cfg: ModelConfig, layout, kinds: dict, ffn: str = "dense")
 def minimum_bytes(cfg: ModelConfig, layout, kinds: dict, ffn: str, ctx: int, runtime_bytes: int) -> int:
     """The smallest --dram-budget decide() accepts for a sparse run (--lookahead off): plan_dram's minimum, or for
     --ffn auto the in-RAM plan's (plan_resident) when that is smaller, and for the exact gate (auto or gate on a SiLU
-    model) its plan with every layer's gate|up rows streamed when that is smaller still. A mixture of experts: 0 (its
-    plan, budget.plan_experts, refuses later; no early estimate yet)."""
-    if cfg.moe:
-        return 0
+    model) its plan with every layer's gate|up rows streamed when that is smaller still. A mixture of experts (auto or
+    experts): budget.plan_experts' minimum, with the resident file's tensor bytes (decide_experts plans with the file's
+    size: its header more)."""
+    if cfg.moe:     # other modes: decide_experts names the mode, not the budget
+        return plan_experts(cfg, layout.experts, None, ctx, resident_bytes_of(cfg, layout, kinds), runtime_bytes,
+                            pin=False).minimum_bytes if ffn in ("auto", "experts") else 0
     candidates = []
     if ffn in ("auto", "gate") and layout.glu and cfg.act == "silu" and layout.uniform:
         parts = {name: layout.make_part(name) for name in SPLIT_PARTS}          # as convert will write them
