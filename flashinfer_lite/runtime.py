@@ -302,8 +302,9 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
                      runtime_bytes: int | None = None, refuse_below: int | None = None, ctx: int = 0,
                      sparsity: float = DEFAULT_SPARSITY) -> ModelFiles:
     """The facts decide() needs. A FLASHDIR backs every mode but dense of an HF directory or GGUF (and auto of one
-    that is not the default model: without predictors it runs dense); such a model is converted into the cache on
-    first use, and a launch checks sizes and the verified stamp, not every byte. The runtime line is measured here,
+    that is not the default model or a mixture of experts: without predictors it runs dense; a mixture of experts
+    needs none, its router says which experts run); such a model is converted into the cache on first use, and a
+    launch checks sizes and the verified stamp, not every byte. The runtime line is measured here,
     on a process that holds everything but the weights (tokenizer, predictors, compiled kernels). refuse_below: a
     --dram-budget (bytes) under the model's minimum is refused before any of that work, the default model's fetch
     included (refuse_below_minimum), for the runs that plan it (the dense ones hold every weight, with no plan)."""
@@ -311,7 +312,7 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
         raise UserError(f"unknown --ffn mode '{ffn}' (choose from {', '.join(FFN_MODES)})")
     default = model is None
     flash_backed = (not default and is_flashdir(model)) or ffn in ("oracle", "predicted", "gate", "experts") \
-        or (ffn == "auto" and default)
+        or (ffn == "auto" and (default or open_checkpoint(model).config.moe))      # the source's header alone
     if refuse_below is not None and flash_backed and ffn != "dense":
         refuse_below_minimum(None if default else str(model), ffn, refuse_below, ctx)
     source = str(ensure_default_model()) if default else str(model)

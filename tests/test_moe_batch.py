@@ -56,3 +56,20 @@ def test_a_decode_step_is_one_kernel_call_per_layer(tiny_model, tmp_path, monkey
     model.forward([8], kv)
     cfg = rt.cfg
     assert calls == [cfg.n_experts_used] * cfg.n_layers
+
+
+def test_auto_runs_an_hf_mixture_of_experts_from_flash(tiny_model, tmp_path, monkeypatch):
+    """--ffn auto on an HF mixture of experts converts it on first use and reads its experts through the expert cache
+    (it needs no predictors): at the minimum budget the logits are the bits of the converted model in DRAM."""
+    from flashinfer_lite.ffn.experts import ExpertFFN
+    from flashinfer_lite.runtime import load_runtime
+    monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(tmp_path / "cache"))
+    src = tiny_model("olmoe")
+    _, _, rt = load_runtime(src, "auto", runtime_bytes=0)
+    assert isinstance(rt, ExpertFFN)
+    flash = next((tmp_path / "cache").rglob("manifest.json")).parent
+    want = load_runtime(flash, "dense")[0]
+    model, _, rt = load_runtime(src, "auto", dram_budget=rt.plan.minimum_bytes, runtime_bytes=0)
+    prompt = [5, 9, 200, 31, 7]
+    got = model.forward(prompt, model.new_cache(16), all_logits=True)
+    assert np.array_equal(got, want.forward(prompt, want.new_cache(16), all_logits=True)) and rt.stats.misses > 0

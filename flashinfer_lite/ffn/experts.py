@@ -4,8 +4,10 @@ Per layer the cache has `slots` expert-sized rows (budget.plan_experts sizes the
 them hold the layer's most routed experts on calibration text for the whole run, the others an LRU over recent
 tokens. A miss is one O_DIRECT read of the expert's chunk (storage.experts: gate, up and down back to back) straight
 into its slot, and the slot's bytes are the expert's matrices (views, no copy). The reads of a layer's misses are
-submitted before the experts already in DRAM are computed, and each missing expert is computed as soon as its read
-lands (model.MixtureOfExperts sums them in expert order afterwards, so the bits never depend on what was cached).
+submitted before the experts already in DRAM are computed; those are handed over as one batch (model.ExpertBatch:
+the layer's slots and which expert is in which, so model.MixtureOfExperts computes them in one kernel call), then
+each read as it lands with every other one already done. MixtureOfExperts sums the outputs in expert order
+afterwards, so the bits never depend on what was cached or which experts shared a call.
 """
 from __future__ import annotations
 
@@ -26,8 +28,8 @@ from ..quant import QuantMatrix
 
 
 class ExpertCache:
-    """slots whole experts per layer; experts(layer, ids) yields (id, FeedForward) for every id, the ones in DRAM
-    first, then each miss as its read lands. Counts expert hits and misses, and the bytes read, into stats."""
+    """slots whole experts per layer; cache(layer, ids) yields ExpertBatch-es covering ids: the ones in DRAM first,
+    then the misses as their reads land. Counts expert hits and misses, and the bytes read, into stats."""
 
     def __init__(self, cfg: ModelConfig, layout, slots: int, pinned: list[np.ndarray] | None = None,
                  threads: int | None = None, stats: FlashStats | None = None, overlap: bool = True):
