@@ -392,17 +392,17 @@ class MixtureOfExperts:
         order = np.lexsort((row, ids.ravel()))
         pair_e, pair_t = ids.ravel()[order], row[order]
         pair_w = np.ascontiguousarray(weights.ravel()[order], dtype=np.float32)
-        first = dict(zip(*np.unique(pair_e, return_index=True)))
-        count = dict(zip(*np.unique(pair_e, return_counts=True)))
+        experts, first, count = np.unique(pair_e, return_index=True, return_counts=True)
+        pairs = {int(e): slice(a, a + c) for e, a, c in zip(experts, first, count)}         # expert -> its pairs
         O = np.empty((len(order), x.shape[1]), np.float32)
-        for batch in self.experts(self.layer, np.unique(ids)):
+        for batch in self.experts(self.layer, experts):
             rows, slots, dest = [], [], []
             for i, e in enumerate(batch.ids):
-                q = slice(first[e], first[e] + count[e])
-                if batch.stack is not None and count[e] <= DENSE_ROW_KERNEL_MAX_T:
+                q = pairs[e]
+                if batch.stack is not None and q.stop - q.start <= DENSE_ROW_KERNEL_MAX_T:
                     rows += pair_t[q].tolist()
-                    slots += [batch.slots[i]] * count[e]
-                    dest += list(range(q.start, q.stop))
+                    slots += [batch.slots[i]] * (q.stop - q.start)
+                    dest += range(q.start, q.stop)
                 else:
                     O[q] = batch.expert(e)(x[pair_t[q]])
             if rows:
