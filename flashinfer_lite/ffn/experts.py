@@ -23,8 +23,8 @@ from storage.reader import BundleReader, aligned_empty
 from storage.stats import FlashStats
 
 from ..model import ExpertBatch, FeedForward, MixtureOfExperts
-from .quant import QUANT_FFN_ACTS
 from ..quant import QuantMatrix
+from .quant import QUANT_FFN_ACTS
 
 
 class ExpertCache:
