@@ -142,9 +142,10 @@ def resident_matrix_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 def resident_bytes_for(cfg: ModelConfig, half: bool = False, kinds: dict[str, str] | None = None) -> int:
-    """Bytes of every non-FFN tensor (+ FFN down bias and norm) as the runtime keeps them: matrices (embeddings,
-    attention, lm_head) in the block format `kinds` names for them (a quantized FLASHDIR's resident_kinds), else
-    float16 when `half` (half.half_matrix), else float32; norms and biases float32."""
+    """Bytes of every non-FFN tensor (+ FFN down bias and norm; a mixture of experts' routers, shared experts and
+    their gates) as the runtime keeps them: matrices (embeddings, attention, lm_head) in the block format `kinds`
+    names for them (a quantized FLASHDIR's resident_kinds), else float16 when `half` (half.half_matrix), else float32;
+    norms and biases float32."""
     kinds = kinds or {}
     matrices = sum(rows * row_bytes(cols, kinds[n]) if n in kinds else rows * cols * (2 if half else 4)
                    for n, (rows, cols) in resident_matrix_shapes(cfg).items())
@@ -152,6 +153,11 @@ def resident_bytes_for(cfg: ModelConfig, half: bool = False, kinds: dict[str, st
     norm = d * (2 if cfg.norm == "layer" else 1)
     vectors = cfg.n_layers * (2 * norm + (q + 2 * kv) * cfg.qkv_bias + d * cfg.o_bias + d * cfg.mlp_bias)
     vectors += norm if cfg.pre_norm else 0
+    if cfg.qk_norm:                 # per head (Qwen3: [hd] each) or over all heads (OLMoE: [q] and [kv])
+        vectors += cfg.n_layers * (2 * cfg.head_dim if cfg.qk_norm == "head" else q + kv)
+    if cfg.moe:                     # router [E, d]; shared expert gate, up [s, d], down [d, s] and its gate [1, d]
+        s = cfg.shared_expert_dim or 0
+        matrices += cfg.n_layers * d * (cfg.n_experts + 3 * s + (s > 0)) * (2 if half else 4)
     return matrices + 4 * vectors
 
 

@@ -7,6 +7,7 @@ The FFN is a pluggable callable so that the sparse flash runtime can replace the
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 import numpy as np
@@ -14,9 +15,10 @@ import psutil
 
 from storage.config import ModelConfig
 from storage.errors import UserError
+from storage.experts import ExpertLayout
 from storage.half import half_matrix
 from .ffn.gating import coefficients, threshold_of
-from .ffn.quant import DENSE_ROW_KERNEL_MAX_T, quant_ffn
+from .ffn.quant import DENSE_ROW_KERNEL_MAX_T, QUANT_FFN_ACTS, add_weighted_rows, quant_experts, quant_ffn
 from .kernels.attention import attention_rows
 from .kernels.gemv import matmul_t, widen_rows
 from .kernels.norm import add_rms_norm_rows, rms_norm_rows
@@ -312,7 +314,7 @@ class FeedForward:
         # matrices in blocks (a GGUF's) and no gate/up bias: a decode step's FFN is one Numba call (quant_ffn)
         mats = (self.w_up, self.w_down) + ((self.w_gate,) if cfg.glu else ())
         self.fused = (all(isinstance(m, QuantMatrix) for m in mats) and self.b_gate is None and self.b_up is None
-                      and cfg.act in ("relu", "drelu", "silu", "gelu_tanh"))
+                      and cfg.act in QUANT_FFN_ACTS)
 
     def activations(self, x: np.ndarray) -> np.ndarray:
         # x [T, d] -> a [T, n]; what a sparse FFN predicts and skips where it is zero
@@ -341,17 +343,32 @@ def route(cfg: ModelConfig, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     return ids, weights
 
 
-ExpertSource = Callable[[int, np.ndarray], Iterable[tuple[int, FeedForward]]]  # (layer, ids) -> (id, expert), ...
+@dataclass
+class ExpertBatch:
+    """Experts in DRAM at once, as an ExpertSource hands them over: ids, and expert(e) the FeedForward of each. With
+    a stack (uint8 [rows, layout.chunk]: storage.experts' chunks, every matrix in a block format; expert ids[i] in row
+    slots[i]), their decode rows compute in one kernel call (ffn.quant.quant_experts)."""
+    ids: list[int]
+    expert: Callable[[int], FeedForward]
+    stack: np.ndarray | None = None
+    slots: list[int] | None = None
+    layout: ExpertLayout | None = None
+
+
+ExpertSource = Callable[[int, np.ndarray], Iterable[ExpertBatch]]  # (layer, ids) -> batches covering every id
 
 
 class MixtureOfExperts:
     """A mixture-of-experts FFN: y = sum over the k experts the router picks of weight_e * expert_e(x) (each expert a
     GLU FeedForward), plus Qwen2-MoE's shared expert scaled by sigmoid(x . w_shared_gate).
 
-    experts(layer, ids) yields (id, FeedForward) for every id of `ids`, in any order: the weights in DRAM by default;
-    the flash runtime's expert cache (ffn.experts) yields those it holds first and the rest as their reads land. Each
-    expert's rows are computed as it arrives, and summed afterwards in ascending expert id: one summation order
-    (transformers' too) whatever arrived first, so the bits do not depend on the cache."""
+    experts(layer, ids) yields ExpertBatch-es covering `ids`, in any order: one of the weights in DRAM by default;
+    the flash runtime's expert cache (ffn.experts) first those it holds, then the rest as their reads land. A batch is
+    computed as it arrives: an expert with at most DENSE_ROW_KERNEL_MAX_T rows (a decode step) by quant_ffn's row
+    kernel, all of a stacked batch's such rows in one call; an expert with more rows (a prompt) by its FeedForward,
+    whose matrix products read it once for all of them. The experts' outputs are summed afterwards, per row in
+    ascending expert id: one summation order (transformers' too) whatever arrived first and whatever shared a
+    call, so the bits do not depend on the cache."""
 
     def __init__(self, cfg: ModelConfig, w: Mapping[str, np.ndarray], layer: int, experts: ExpertSource | None = None):
         p = f"layers.{layer}.ffn."
@@ -359,25 +376,40 @@ class MixtureOfExperts:
         self.router = w[p + "router.weight"]                                        # [E, d]
         self.shared = FeedForward(cfg, w, layer, p + "shared.") if cfg.shared_expert_dim else None
         self.shared_gate = w.get(p + "shared_gate.weight")                          # [1, d]
-        self.experts = experts or (lambda layer, ids: ((int(e), FeedForward(cfg, w, layer, f"{p}experts.{e}."))
-                                                       for e in ids))
+        self.experts = experts or (lambda layer, ids: [ExpertBatch(
+            [int(e) for e in ids], lambda e: FeedForward(cfg, w, layer, f"{p}experts.{e}."))])
         self.routed = np.zeros(cfg.n_experts, np.int64)     # tokens routed to each expert so far (calibration counts)
 
     def route(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return route(self.cfg, linear(x, self.router))
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
         ids, weights = self.route(x)                                                # [T, k] each
         np.add.at(self.routed, ids.ravel(), 1)
-        out = {}
-        for e, expert in self.experts(self.layer, np.unique(ids)):
-            rows = np.nonzero((ids == e).any(axis=1))[0]
-            out[e] = expert(x[rows])                                                # [rows, d]
+        # every (row, expert) pair, by expert id then row: pair q's output is O[q]
+        row = np.repeat(np.arange(x.shape[0]), ids.shape[1])
+        order = np.lexsort((row, ids.ravel()))
+        pair_e, pair_t = ids.ravel()[order], row[order]
+        pair_w = np.ascontiguousarray(weights.ravel()[order], dtype=np.float32)
+        experts, first, count = np.unique(pair_e, return_index=True, return_counts=True)
+        pairs = {int(e): slice(a, a + c) for e, a, c in zip(experts, first, count)}         # expert -> its pairs
+        O = np.empty((len(order), x.shape[1]), np.float32)
+        for batch in self.experts(self.layer, experts):
+            rows, slots, dest = [], [], []
+            for i, e in enumerate(batch.ids):
+                q = pairs[e]
+                if batch.stack is not None and q.stop - q.start <= DENSE_ROW_KERNEL_MAX_T:
+                    rows += pair_t[q].tolist()
+                    slots += [batch.slots[i]] * (q.stop - q.start)
+                    dest += range(q.start, q.stop)
+                else:
+                    O[q] = batch.expert(e)(x[pair_t[q]])
+            if rows:
+                quant_experts(batch.stack, batch.layout, x, rows, slots, dest, O, self.cfg.act,
+                              self.cfg.relu_threshold)
         y = np.zeros(x.shape, np.float32)
-        for e in np.unique(ids):
-            hit = ids == e
-            rows = np.nonzero(hit.any(axis=1))[0]
-            y[rows] += out[int(e)] * weights[hit][:, None]                          # a row picks e at most once
+        add_weighted_rows(y, O, pair_t, pair_w)                                     # a row picks e at most once
         if self.shared is not None:
             gate = 1.0 / (1.0 + np.exp(-linear(x, self.shared_gate)))                # [T, 1]
             y += gate.astype(np.float32) * self.shared(x)

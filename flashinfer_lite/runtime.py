@@ -172,10 +172,12 @@ def resident_bytes_of(cfg: ModelConfig, layout, kinds: dict, ffn: str = "dense")
 def minimum_bytes(cfg: ModelConfig, layout, kinds: dict, ffn: str, ctx: int, runtime_bytes: int) -> int:
     """The smallest --dram-budget decide() accepts for a sparse run (--lookahead off): plan_dram's minimum, or for
     --ffn auto the in-RAM plan's (plan_resident) when that is smaller, and for the exact gate (auto or gate on a SiLU
-    model) its plan with every layer's gate|up rows streamed when that is smaller still. A mixture of experts: 0 (its
-    plan, budget.plan_experts, refuses later; no early estimate yet)."""
-    if cfg.moe:
-        return 0
+    model) its plan with every layer's gate|up rows streamed when that is smaller still. A mixture of experts (auto or
+    experts): budget.plan_experts' minimum, with the resident file's tensor bytes (decide_experts plans with the file's
+    size: its header more)."""
+    if cfg.moe:     # other modes: decide_experts names the mode, not the budget
+        return plan_experts(cfg, layout.experts, None, ctx, resident_bytes_of(cfg, layout, kinds), runtime_bytes,
+                            pin=False).minimum_bytes if ffn in ("auto", "experts") else 0
     candidates = []
     if ffn in ("auto", "gate") and layout.glu and cfg.act == "silu" and layout.uniform:
         parts = {name: layout.make_part(name) for name in SPLIT_PARTS}          # as convert will write them
@@ -302,8 +304,9 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
                      runtime_bytes: int | None = None, refuse_below: int | None = None, ctx: int = 0,
                      sparsity: float = DEFAULT_SPARSITY) -> ModelFiles:
     """The facts decide() needs. A FLASHDIR backs every mode but dense of an HF directory or GGUF (and auto of one
-    that is not the default model: without predictors it runs dense); such a model is converted into the cache on
-    first use, and a launch checks sizes and the verified stamp, not every byte. The runtime line is measured here,
+    that is not the default model or a mixture of experts: without predictors it runs dense; a mixture of experts
+    needs none, its router says which experts run); such a model is converted into the cache on first use, and a
+    launch checks sizes and the verified stamp, not every byte. The runtime line is measured here,
     on a process that holds everything but the weights (tokenizer, predictors, compiled kernels). refuse_below: a
     --dram-budget (bytes) under the model's minimum is refused before any of that work, the default model's fetch
     included (refuse_below_minimum), for the runs that plan it (the dense ones hold every weight, with no plan)."""
@@ -311,7 +314,7 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
         raise UserError(f"unknown --ffn mode '{ffn}' (choose from {', '.join(FFN_MODES)})")
     default = model is None
     flash_backed = (not default and is_flashdir(model)) or ffn in ("oracle", "predicted", "gate", "experts") \
-        or (ffn == "auto" and default)
+        or (ffn == "auto" and (default or open_checkpoint(model).config.moe))      # the source's header alone
     if refuse_below is not None and flash_backed and ffn != "dense":
         refuse_below_minimum(None if default else str(model), ffn, refuse_below, ctx)
     source = str(ensure_default_model()) if default else str(model)

@@ -290,6 +290,10 @@ class PendingRead:
     def __init__(self, req: Request):
         self._req, self.stats = req, req.stats
 
+    def ready(self) -> bool:
+        """Every op finished (wait() would not block)."""
+        return not self._req.left
+
     def wait(self) -> FlashStats:
         req = self._req
         if req.left:

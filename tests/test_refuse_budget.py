@@ -145,3 +145,41 @@ def test_the_gguf_header_reads_what_gguf_reader_reads(smollm2_gguf, tmp_path):
         bad.write_bytes(head[:cut])
         with pytest.raises(UserError, match="not a valid GGUF file"):
             GGUFHeader(bad)
+
+
+def test_a_mixture_of_experts_minimum_is_the_planners_from_the_header_alone(tiny_model, tmp_path):
+    """A mixture of experts (HF directories of the four kinds: shared experts, q/k norms per head and over all heads;
+    a GGUF with Q8_0 experts): model_facts of the source, the conversion not made, gives the expert cache's minimum
+    that the converted FLASHDIR's plan (budget.plan_experts in decide_experts) has, less only the resident file's
+    safetensors header, and the model's part of the early refusal is that minimum."""
+    from moe_gguf import write_moe_gguf
+    from flashinfer_lite.runtime import load_runtime
+    from test_quant_e2e import resident_data_bytes
+    sources = [tiny_model(k) for k in ("qwen2moe", "olmoe", "qwen3moe", "mixtral")]
+    sources.append(write_moe_gguf(tiny_model("qwen3moe"), tmp_path / "m.gguf", "qwen3moe", expert_type="Q8_0"))
+    for src in sources:
+        flash = convert(src, tmp_path / f"{src.name}-flash", progress=False)
+        header = (flash / "resident.safetensors").stat().st_size - resident_data_bytes(flash)
+        cfg, layout, kinds = model_facts(str(src))
+        assert layout.experts.geometry() == FlashCheckpoint(flash).layout.experts.geometry(), src
+        for ctx in (64, 128):
+            planner = load_runtime(flash, "auto", ctx=ctx, runtime_bytes=0)[2].plan.minimum_bytes
+            for ffn in ("auto", "experts"):
+                assert minimum_bytes(cfg, layout, kinds, ffn, ctx, 0) == planner - header, (src, ctx, ffn)
+
+
+def test_a_too_small_budget_for_a_mixture_of_experts_is_refused_before_conversion(tiny_model, tmp_path):
+    """An HF mixture of experts with --ffn experts and a budget below its minimum: one line naming the minimum, and
+    nothing converted into the empty model cache (the planner alone would refuse only after converting)."""
+    cache = tmp_path / "cache"
+    env = dict(os.environ, FLASHINFER_LITE_CACHE=str(cache),
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", "flashinfer_lite", "generate", "-m", str(tiny_model("qwen2moe")),
+                        "--ffn", "experts", "-c", "64", "--dram-budget", "50M", "-n", "2", "-p", "Hello"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(lines) == 1, r.stderr
+    assert re.match(r"error: DRAM budget 50\.0 MiB is below the minimum for this model, at least [0-9.]+ MiB",
+                    lines[0]), r.stderr
+    made = [p for p in cache.rglob("*") if p.is_file()] if cache.exists() else []
+    assert not made, made

@@ -4,8 +4,10 @@ Per layer the cache has `slots` expert-sized rows (budget.plan_experts sizes the
 them hold the layer's most routed experts on calibration text for the whole run, the others an LRU over recent
 tokens. A miss is one O_DIRECT read of the expert's chunk (storage.experts: gate, up and down back to back) straight
 into its slot, and the slot's bytes are the expert's matrices (views, no copy). The reads of a layer's misses are
-submitted before the experts already in DRAM are computed, and each missing expert is computed as soon as its read
-lands (model.MixtureOfExperts sums them in expert order afterwards, so the bits never depend on what was cached).
+submitted before the experts already in DRAM are computed; those are handed over as one batch (model.ExpertBatch:
+the layer's slots and which expert is in which, so model.MixtureOfExperts computes them in one kernel call), then
+each read as it lands with every other one already done. MixtureOfExperts sums the outputs in expert order
+afterwards, so the bits never depend on what was cached or which experts shared a call.
 """
 from __future__ import annotations
 
@@ -14,24 +16,27 @@ import time
 
 import numpy as np
 
+from storage.blocks import BLOCK_BYTES
 from storage.config import ModelConfig
 from storage.format import expert_chunks
 from storage.reader import BundleReader, aligned_empty
 from storage.stats import FlashStats
 
-from ..model import FeedForward, MixtureOfExperts
+from ..model import ExpertBatch, FeedForward, MixtureOfExperts
 from ..quant import QuantMatrix
+from .quant import QUANT_FFN_ACTS
 
 
 class ExpertCache:
-    """slots whole experts per layer; experts(layer, ids) yields (id, FeedForward) for every id, the ones in DRAM
-    first, then each miss as its read lands. Counts expert hits and misses, and the bytes read, into stats."""
+    """slots whole experts per layer; cache(layer, ids) yields ExpertBatch-es covering ids: the ones in DRAM first,
+    then the misses as their reads land. Counts expert hits and misses, and the bytes read, into stats."""
 
     def __init__(self, cfg: ModelConfig, layout, slots: int, pinned: list[np.ndarray] | None = None,
                  threads: int | None = None, stats: FlashStats | None = None, overlap: bool = True):
         E = self.experts_layout = layout.experts
         self.cfg, self.overlap = cfg, overlap
         self.slots = slots
+        self.stacked = all(t in BLOCK_BYTES for t in E.dtypes) and cfg.act in QUANT_FFN_ACTS   # ExpertBatch.stack
         self.reader = BundleReader(expert_chunks(layout), threads=threads)
         self.stats = stats if stats is not None else FlashStats.for_layers(cfg.n_layers, cfg.n_experts)
         self.buf = aligned_empty((cfg.n_layers, slots, E.chunk), np.uint8)
@@ -124,27 +129,35 @@ class ExpertCache:
                 if pending is None:
                     break
                 inflight.append((misses.popleft(), pending))
+
+        def landed():
+            """The first read in flight, waited for, and every other one already done (one batch)."""
+            got = []
+            while inflight and (not got or inflight[0][1].ready()):
+                e, pending = inflight.popleft()
+                self._land(layer, e, pending)
+                got.append(e)
+            return got
         refill()                                  # the misses' reads run while the hits compute
         if self.on_submitted is not None:
             self.on_submitted(layer)
-        if not self.overlap:
-            while inflight:
-                e, pending = inflight.popleft()
-                self._land(layer, e, pending)
-                waiting.discard(e)
-                yield e, self.expert(layer, e)
-                refill()
-        for e in hits:
-            waiting.discard(e)
-            yield e, self.expert(layer, e)
+        if self.overlap and hits:
+            yield self.batch(layer, hits)
+            waiting.difference_update(hits)
             refill()
         while inflight:
-            e, pending = inflight.popleft()
-            self._land(layer, e, pending)
-            waiting.discard(e)
-            yield e, self.expert(layer, e)        # computed now: its slot may take the next miss
+            got = landed()
+            yield self.batch(layer, got)          # computed now: its slots may take the next misses
+            waiting.difference_update(got)
             refill()
+        if hits and not self.overlap:             # without overlap: the hits after the reads
+            yield self.batch(layer, hits)
         assert not misses, "an expert cache needs at least one slot per layer"
+
+    def batch(self, layer: int, ids: list[int]) -> ExpertBatch:
+        """Experts ids of `layer`, all in slots: stacked for the row kernel when their matrices are in blocks."""
+        return ExpertBatch(ids, lambda e: self.expert(layer, e), self.buf[layer] if self.stacked else None,
+                           [self.slot_of[layer][e] for e in ids], self.experts_layout)
 
 
 class ExpertFFN:

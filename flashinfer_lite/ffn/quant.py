@@ -26,6 +26,9 @@ from .sparse import OUT_BLOCK, SparseFFN, coefficient
 # (a prompt): widened blocks + BLAS, which read them once for all rows
 DENSE_ROW_KERNEL_MAX_T = 2
 
+# The activations of the fused FFN row kernels (quant_ffn_row, quant_experts_rows)
+QUANT_FFN_ACTS = ("relu", "drelu", "silu", "gelu_tanh")
+
 
 @njit(cache=True, parallel=True, nogil=True)
 def quant_ffn_accumulate(B, slots, coef, Y, down_at, kind, weights, block_bytes, out_block):
@@ -245,35 +248,75 @@ def sparse_ffns(layout, **kw) -> list[SparseFFN]:
 # activation's numpy ops in between.
 
 
+@njit(cache=True, fastmath=True, nogil=True, inline="always")
+def ffn_part(Wg, Wu, Wd, x, a, acc, lo, hi, glu, act, threshold, kind_g, kind_u, kind_d, down_weights,
+             down_block_bytes):
+    """One task of a quantized FFN on x: the coefficients a[j] of neurons lo .. hi (whole blocks of Wd's rows) from
+    Wg[j].x and Wu[j].x (MLP: Wu[j].x; ffn.gating), then acc[i] = their share of down row i's dot product."""
+    for j in range(lo, hi):
+        prefetch_ahead(Wu, j, 0, Wu.shape[1])
+        if glu:
+            prefetch_ahead(Wg, j, 0, Wg.shape[1])
+            v = gate_activation(act, row_dot(Wg[j], x, kind_g), threshold)
+            if v != np.float32(0.0):
+                v = glu_coefficient(act, v, row_dot(Wu[j], x, kind_u))
+        else:
+            v = gate_activation(act, row_dot(Wu[j], x, kind_u), threshold)
+        a[j] = v
+    b_lo, b_hi = lo // down_weights * down_block_bytes, hi // down_weights * down_block_bytes
+    for i in range(Wd.shape[0]):
+        prefetch_ahead(Wd, i, b_lo, b_hi)
+        acc[i] = row_dot(Wd[i, b_lo:b_hi], a[lo:hi], kind_d) if hi > lo else np.float32(0.0)
+
+
 @njit(cache=True, parallel=True, fastmath=True, nogil=True)
 def quant_ffn_row(Wg, Wu, Wd, x, a, y, partial, glu, act, threshold, kind_g, kind_u, kind_d, down_weights,
                   down_block_bytes):
     """y = Wd @ a with a[j] the coefficient of neuron j from Wg[j].x and Wu[j].x (MLP: Wu[j].x; ffn.gating). One
     task per range of whole blocks of neurons (blocks of Wd's rows, down_weights each; as quant_dense_ffn_row:
-    len(partial) of them, one parallel region): its coefficients, then its share of every down row's dot product
-    into partial[p]; the partials add up in order."""
+    len(partial) of them, one parallel region): ffn_part; the partials add up in order."""
     n, P = Wu.shape[0], partial.shape[0]
     nb = n // down_weights
     for p in prange(P):
-        lo, hi = p * nb // P * down_weights, (p + 1) * nb // P * down_weights
-        for j in range(lo, hi):
-            prefetch_ahead(Wu, j, 0, Wu.shape[1])
-            if glu:
-                prefetch_ahead(Wg, j, 0, Wg.shape[1])
-                v = gate_activation(act, row_dot(Wg[j], x, kind_g), threshold)
-                if v != np.float32(0.0):
-                    v = glu_coefficient(act, v, row_dot(Wu[j], x, kind_u))
-            else:
-                v = gate_activation(act, row_dot(Wu[j], x, kind_u), threshold)
-            a[j] = v
-        acc = partial[p]
-        b_lo, b_hi = lo // down_weights * down_block_bytes, hi // down_weights * down_block_bytes
-        for i in range(Wd.shape[0]):
-            prefetch_ahead(Wd, i, b_lo, b_hi)
-            acc[i] = row_dot(Wd[i, b_lo:b_hi], a[lo:hi], kind_d) if hi > lo else np.float32(0.0)
+        ffn_part(Wg, Wu, Wd, x, a, partial[p], p * nb // P * down_weights, (p + 1) * nb // P * down_weights, glu,
+                 act, threshold, kind_g, kind_u, kind_d, down_weights, down_block_bytes)
     y[:] = partial[0]
     for p in range(1, P):
         y += partial[p]
+
+
+@njit(cache=True, parallel=True, fastmath=True, nogil=True)
+def quant_experts_rows(S, X, rows, slots, dest, A, partial, O, at_g, at_u, at_d, n, act, threshold, kind_g, kind_u,
+                       kind_d, rb_g, rb_u, rb_d, down_weights, down_block_bytes):
+    """O[dest[q]] = the GLU FFN of expert slot slots[q] on X[rows[q]], for every pair q, in one parallel region:
+    each expert is a row of S (uint8 [slots, chunk]) holding gate [n, d], up [n, d] and down [d, n] in block formats
+    at bytes at_g, at_u, at_d (storage.experts). One task per (pair, neuron range): quant_ffn_row's tasks, so a
+    pair's result has quant_ffn_row's bits whichever other pairs share the call. A [pairs, n] and partial [pairs, P,
+    d]: scratch."""
+    Q, P, d = rows.shape[0], partial.shape[1], partial.shape[2]
+    nb = n // down_weights
+    for task in prange(Q * P):
+        q, p = task // P, task % P
+        s = S[slots[q]]
+        ffn_part(s[at_g:at_g + n * rb_g].reshape((n, rb_g)), s[at_u:at_u + n * rb_u].reshape((n, rb_u)),
+                 s[at_d:at_d + d * rb_d].reshape((d, rb_d)), X[rows[q]], A[q], partial[q, p],
+                 p * nb // P * down_weights, (p + 1) * nb // P * down_weights, True, act, threshold, kind_g, kind_u,
+                 kind_d, down_weights, down_block_bytes)
+    for q in range(Q):
+        y = O[dest[q]]
+        y[:] = partial[q, 0]
+        for p in range(1, P):
+            y += partial[q, p]
+
+
+@njit(cache=True, nogil=True)
+def add_weighted_rows(Y, O, rows, w):
+    """Y[rows[q]] += O[q] * w[q] for q = 0, 1, ... in order: float32 products, then sums (numpy's bits: no fused
+    multiply-add without fastmath)."""
+    for q in range(rows.shape[0]):
+        y, o, c = Y[rows[q]], O[q], w[q]
+        for i in range(y.shape[0]):
+            y[i] += o[i] * c
 
 
 def quant_ffn(x: np.ndarray, gate: QuantMatrix | None, up: QuantMatrix, down: QuantMatrix, act: str,
@@ -292,3 +335,18 @@ def quant_ffn(x: np.ndarray, gate: QuantMatrix | None, up: QuantMatrix, down: Qu
                       threshold_of(act, relu_threshold), quant_kind(g.kind).code, quant_kind(up.kind).code, kd.code,
                       kd.weights, kd.block_bytes)
     return y
+
+
+def quant_experts(S: np.ndarray, layout, X: np.ndarray, rows, slots, dest, O: np.ndarray, act: str,
+                  relu_threshold: float) -> None:
+    """O[dest[q]] = the FFN of the expert in row slots[q] of S (uint8 [slots, layout.chunk]: storage.experts'
+    chunks, every matrix in a block format) on X[rows[q]] (float32 [T, d]), every pair q in one kernel call
+    (quant_experts_rows): each pair's bits are quant_ffn's on that expert's matrices. layout: an ExpertLayout."""
+    rows, slots, dest = (np.asarray(v, np.int64) for v in (rows, slots, dest))
+    kg, ku, kd = (quant_kind(t) for t in layout.dtypes)
+    at_g, at_u, at_d, _ = layout.matrix_offsets
+    A = np.empty((len(rows), layout.n), np.float32)
+    partial = np.empty((len(rows), DOWN_PARTIALS, layout.d), np.float32)
+    quant_experts_rows(S, X, rows, slots, dest, A, partial, O, at_g, at_u, at_d, layout.n, act_code(act),
+                       threshold_of(act, relu_threshold), kg.code, ku.code, kd.code, layout.row_bytes("gate"),
+                       layout.row_bytes("up"), layout.row_bytes("down"), kd.weights, kd.block_bytes)
