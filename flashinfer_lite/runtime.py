@@ -495,7 +495,7 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | str | None = None,
                  runtime_bytes: int | None = None, lookahead: bool = False, sparsity: float = DEFAULT_SPARSITY):
     """(model, tokenizer, runtime) for a model path and an FFN mode: open_model_files, decide, build (no first-use
     training: a model without the predictors its run needs is an error naming the commands to run; the exact gate's
-    thresholds are calibrated on first use, as load() does: seconds, in a child process).
+    thresholds are calibrated on first use, as load() does: seconds, in this process under the budget).
 
     dram_budget: bytes for everything the process keeps (default: room for the whole model); "auto": the whole model
     when it fits in what the machine can give (budget.auto_budget_bytes), else that much.
