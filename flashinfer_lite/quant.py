@@ -370,3 +370,79 @@ class QuantMatrix:
 
     def matmul_t(self, x: np.ndarray) -> np.ndarray:
         return quant_matmul_t(x, self.q, self.kind)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Columns (storage/columns.py): a GGUF down matrix kept exactly. Neuron j's column holds its raw values along d;
+# the scales are the layer's resident tables S = (d, m, sc, mn), rows by block / sub-block of neurons. Plain Numba
+# (no fastmath: every weight is formed by gguf.quants' float32 operations, and y += c * w rounds as row_axpy).
+
+
+def column_tables(tables: dict | None, d: int) -> tuple:
+    """The kernels' S tuple of a layer's tables (storage.columns.TABLES; the ones a kind lacks: empty)."""
+    tables = tables or {}
+    empty = {"d": np.uint16, "m": np.uint16, "sc": np.uint8, "mn": np.uint8}
+    return tuple(np.ascontiguousarray(tables[t]) if t in tables else np.zeros((0, d), dt) for t, dt in empty.items())
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _col_groups(kind):
+    """(neurons per block, per sub-block scale) of a kind's tables."""
+    if kind <= Q5_1:
+        return 32, 32
+    return 256, 16 if kind == Q6_K else 32
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _col_weight(kind, C, i, half, dr, mr, scr, mnr):
+    """Element i of a column C (d = 2 * half elements) with its row's fields dr (d), mr (m), scr (sc), mnr (mn)."""
+    if kind == Q8_0:
+        q = np.int32(C[i])
+        return f16_bits_to_f32(dr[i]) * np.float32(q - 256 if q > 127 else q)
+    q = (np.int32(C[i >> 1]) >> ((i & 1) * 4)) & 15
+    if kind == Q5_0 or kind == Q5_1 or kind == Q5_K:
+        q |= ((np.int32(C[half + (i >> 3)]) >> (i & 7)) & 1) << 4
+    elif kind == Q6_K:
+        q |= ((np.int32(C[half + (i >> 2)]) >> ((i & 3) * 2)) & 3) << 4
+    d = f16_bits_to_f32(dr[i])
+    if kind == Q4_0:
+        return d * np.float32(q - 8)
+    if kind == Q5_0:
+        return d * np.float32(q - 16)
+    if kind == Q4_1 or kind == Q5_1:
+        return d * np.float32(q) + f16_bits_to_f32(mr[i])
+    if kind == Q6_K:
+        s = np.int32(scr[i])
+        return (d * np.float32(s - 256 if s > 127 else s)) * np.float32(q - 32)
+    return (d * np.float32(scr[i])) * np.float32(q) - f16_bits_to_f32(mr[i]) * np.float32(mnr[i])
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _col_rows(kind, j, S):
+    """The table rows of neuron j: (d, m, sc, mn) of its block and sub-block (a table the kind lacks: d's row)."""
+    Dt, Mt, SC, MN = S
+    bw, sw = _col_groups(kind)
+    b, s = j // bw, j // sw
+    dr = Dt[b]
+    mr = Mt[b] if Mt.shape[0] else dr
+    scr = SC[s] if SC.shape[0] else Dt[0].view(np.uint8)
+    mnr = MN[s] if MN.shape[0] else scr
+    return dr, mr, scr, mnr
+
+
+@njit(cache=True, nogil=True)
+def col_axpy(y, c, C, lo, kind, j, S):
+    """y[k] += c * (element lo + k of neuron j's column C), k < len(y): strict float32, as row_axpy."""
+    dr, mr, scr, mnr = _col_rows(kind, j, S)
+    half = S[0].shape[1] // 2
+    for k in range(y.shape[0]):
+        y[k] += c * _col_weight(kind, C, lo + k, half, dr, mr, scr, mnr)
+
+
+@njit(cache=True, nogil=True)
+def col_dequant(C, out, kind, j, S):
+    """out[:] = neuron j's column C, bit-identical to gguf.quants' dequantization of the source rows."""
+    dr, mr, scr, mnr = _col_rows(kind, j, S)
+    half = S[0].shape[1] // 2
+    for i in range(out.shape[0]):
+        out[i] = _col_weight(kind, C, i, half, dr, mr, scr, mnr)

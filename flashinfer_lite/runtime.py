@@ -39,7 +39,7 @@ from storage.sizes import parse_size
 from . import BLAS_THREADS_FROM_USER
 from . import default_model
 from .budget import (HEAP_SLACK_BYTES, BudgetPlan, auto_budget_bytes, measure_runtime_bytes, plan_budget,
-                     plan_experts, plan_gate, plan_resident_ffn, resident_bytes_for, resident_matrix_shapes,
+                     plan_experts, plan_gate, plan_resident_ffn, resident_bytes_for, down_scale_bytes, resident_matrix_shapes,
                      runtime_estimate_bytes)
 from .default_model import default_model_path, ensure_default_model
 from .ffn.experts import ExpertFFN
@@ -161,7 +161,7 @@ def resident_bytes_of(cfg: ModelConfig, layout, kinds: dict, ffn: str = "dense")
     """The resident line: float16 bundles take the resident matrices float16 too (half the DRAM, and GEMV reads half
     the bytes), quantized ones in blocks (`kinds`); float32 bundles keep the whole model exact. --ffn oracle adds the
     dense gate/up weights, float32, kept for the run: the true activations need them."""
-    resident = resident_bytes_for(cfg, half=layout.dtype != "f32", kinds=kinds)
+    resident = resident_bytes_for(cfg, half=layout.dtype != "f32", kinds=kinds) + down_scale_bytes(layout)
     if ffn == "oracle":
         resident += cfg.n_layers * cfg.ffn_dim * cfg.dim * 4 * (2 if cfg.glu else 1)
     return resident
@@ -422,7 +422,7 @@ def decide_gate(files: ModelFiles, ffn: str, dram_budget, ctx: int, window: int,
            "the default model" if files.default else files.source) if ffn == "auto" else None
     if files.gate is None:
         return Decision("gate", None, False, False, (), why, calibrate_gate=True)
-    resident = resident_bytes_for(cfg, half=layout.dtype != "f32", kinds=files.ckpt.resident_kinds)
+    resident = resident_bytes_of(cfg, layout, files.ckpt.resident_kinds)
 
     def plan_for(budget: int, requested: bool):
         return plan_gate(cfg, layout, budget, ctx, window, files.gate.sparsity, resident_bytes=resident,
@@ -471,14 +471,15 @@ def build(files: ModelFiles, decision: Decision, threads: int | None = None, pro
                            convert=half_matrix if ckpt.layout.dtype != "f32" else None)
     down_bias = [weights.get(f"layers.{i}.ffn.down.bias") for i in range(cfg.n_layers)]
     if decision.ffn == "gate":
-        runtime = GateFFN(cfg, ckpt.layout, decision.plan, files.gate, down_bias, threads=threads, verbose=verbose)
+        runtime = GateFFN(cfg, ckpt.layout, decision.plan, files.gate, down_bias, threads=threads, verbose=verbose,
+                          down_scales=ckpt.down_scales_all())
         if verbose:
             print(runtime.reader.describe(), file=sys.stderr)
         return Transformer(cfg, weights, ffn=runtime), files.tokenizer, runtime
     select = oracle_selector(cfg, ckpt, predictors) if decision.ffn == "oracle" else predictors.predict
     runtime = FlashFFN(cfg, ckpt.layout, decision.plan, select, predictors,
                        down_bias=[weights.get(f"layers.{i}.ffn.down.bias") for i in range(cfg.n_layers)],
-                       threads=threads, verbose=verbose,
+                       threads=threads, verbose=verbose, down_scales=ckpt.down_scales_all(),
                        lookahead=lookahead_selector(cfg, weights, predictors) if decision.lookahead else None)
     if verbose:
         print(runtime.reader.describe(), file=sys.stderr)
