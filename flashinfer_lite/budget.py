@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from storage import columns
-from storage.format import read_layout
+from storage.format import BUNDLE_ALIGN, read_layout
 from storage.profile import DEFAULT_GAP_BYTES
 from storage.reader import BundleReader, aligned_empty
 
@@ -156,6 +156,14 @@ def resident_bytes_for(cfg: ModelConfig, half: bool = False, kinds: dict[str, st
     return matrices + 4 * vectors
 
 
+def packed_staging_bytes(layout, rows: int) -> int:
+    """The reader's staging buffer for a request of `rows` packed bundles (storage.reader: a stride that is not a
+    multiple of 512), at most: each bundle alone, widened to 512-byte boundaries on both sides. 0 when not packed."""
+    if layout.stride % BUNDLE_ALIGN == 0:
+        return 0
+    return rows * (layout.stride + 2 * BUNDLE_ALIGN)
+
+
 def down_scale_bytes(layout) -> int:
     """DRAM of the down columns' scale tables (storage.columns: resident per layer for the run), 0 without."""
     return sum(columns.table_bytes(k, layout.d, n) for k, n in
@@ -195,7 +203,8 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
                + n_layers * MATRIX_SLACK_BYTES
                + stream_transient_bytes(layout, stream_chunk_bytes) + prefill_transient_bytes(cfg, ctx)
                + heap_slack_bytes
-               + (staging_rows(max_active) * stride if lookahead else 0))
+               + (staging_rows(max_active) * stride if lookahead else 0)
+               + packed_staging_bytes(layout, max(n_max, stream_chunk_bytes // stride)) * (2 if lookahead else 1))
     minimum = runtime_bytes + res + kv + buffers + n_layers * reserve * row
     if dram_budget_bytes < minimum:
         raise UserError(f"DRAM budget {_mib(dram_budget_bytes)} is below the minimum {_mib(minimum)} for this model "

@@ -47,6 +47,7 @@ V1_DTYPES = ("f32", "f16", "int8", "q8_0", "q4_0", "q4_1")   # what a version 1 
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 64 << 20     # a permutation per layer of a 70B model is ~10 MB of JSON; anything past this is not ours
 BUNDLE_ALIGN = 512                # O_DIRECT granularity of offset, length and buffer address
+PACKED_ALIGN = 4                  # bundles with down columns (version 3) are packed: the reader aligns its reads instead
 REGION_ALIGN = 4096               # layer regions start on a page
 CHECKSUM_ALGO = "blake2b-128-bound"   # a layer's digest covers its index and geometry too (layer_checksum)
 UNBOUND_CHECKSUM_ALGO = "blake2b-128"  # before 2026-11: the region's bytes alone; still read (re-run convert to bind)
@@ -83,11 +84,12 @@ def vector_dtypes(dtype: str, n_vec: int, down_dtype: str | None) -> tuple[str, 
     return (dtype,) * (n_vec - 1) + (down_dtype or dtype,)
 
 
-def bundle_geometry(d: int, vector_dtypes: tuple[str, ...], n_scalars: int) -> tuple[int, int]:
+def bundle_geometry(d: int, vector_dtypes: tuple[str, ...], n_scalars: int,
+                    align: int = BUNDLE_ALIGN) -> tuple[int, int]:
     """(scalars_offset, stride) of a bundle: one vector of d weights per dtype of `vector_dtypes`, back to back, then
-    n_scalars float32 from a 4-aligned offset, then zero padding to a multiple of BUNDLE_ALIGN."""
+    n_scalars float32 from a 4-aligned offset, then zero padding to a multiple of `align`."""
     scalars_offset = align_up(sum(vector_bytes(d, t) for t in vector_dtypes), 4)
-    return scalars_offset, align_up(scalars_offset + 4 * n_scalars, BUNDLE_ALIGN)
+    return scalars_offset, align_up(scalars_offset + 4 * n_scalars, align)
 
 
 def check_down_dtype(dtype: str, down_dtype: str | None, src: str = "") -> None:
@@ -147,9 +149,10 @@ class BundleGeometry:
         dtypes = vector_dtypes(dtype, len(vectors), down_dtype) if dtypes is None else \
             check_vector_dtypes(dtypes, len(vectors))
         scalars = scalar_names(vectors, dtypes, biases)
+        align = PACKED_ALIGN if dtypes[-1] in columns.COLUMN_DTYPES else BUNDLE_ALIGN
         if stride is None:
-            stride = bundle_geometry(d, dtypes, len(scalars))[1]
-        return cls(d, vectors, dtypes, scalars, stride)
+            stride = bundle_geometry(d, dtypes, len(scalars), align)[1]
+        return cls(d, vectors, dtypes, scalars, stride, align)
 
     def __post_init__(self):
         if self.stride % self.align or self.stride < self.scalars_offset + 4 * len(self.scalars):
@@ -396,7 +399,7 @@ class FlashLayout:
             [np.asarray(o, dtype=np.int64) for o in orders]
         return cls(d=d, dtype=dtype, vectors=vectors, biases=biases, stride=stride, offset=offsets,
                    n_neurons=list(n_neurons), order=orders, ffn_size=align_up(pos, REGION_ALIGN),
-                   down_dtype=down_dtype, layer_dtypes=layer_dtypes, **kw)
+                   down_dtype=down_dtype, layer_dtypes=layer_dtypes, align=min(x.align for x in gs), **kw)
 
     def make_part(self, name: str) -> "FlashLayout":
         """The layout of one split part (SPLIT_PARTS) of these bundles: its rows (BundleGeometry.part) in the same
@@ -429,6 +432,7 @@ class FlashLayout:
         return {"format": FORMAT_NAME, "version": version, "config": self.config, "dtype": self.dtype,
                 "bundle": {"d": self.d, "vectors": list(self.vectors), "itemsize": self.itemsize,
                            "vector_bytes": self.vector_bytes, "down_dtype": self.down_dtype,
+                           **({"align": self.align} if version >= COLUMNS_VERSION else {}),
                            "stride": self.stride, "scalars_offset": (self.geometry_of(0) if self.layer_dtypes else self.geometry).scalars_offset,
                            "scalars": list(self.scalars)},
                 "files": dict(self.files), "ffn_size": self.ffn_size, "checksum_algo": self.checksum_algo,
@@ -504,12 +508,13 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
         raise UserError(f"{src}: unknown bundle scalars {list(scalars)}")
     layout = FlashLayout(d=_int(b.get("d"), "bundle.d", src, 1), dtype=dtype, vectors=vectors,
                          biases=tuple(x for x in BIAS_NAMES if x in biases),
-                         stride=_int(b.get("stride"), "bundle.stride", src, BUNDLE_ALIGN),
+                         stride=_int(b.get("stride"), "bundle.stride", src, 4),
                          offset=[], n_neurons=[], order=[], ffn_size=_int(ffn_size, "ffn_size", src),
                          config=cfg, files=dict(files), resident_checksum=str(m.get("resident_checksum", "")),
                          flashdir=flashdir, down_dtype=down_dtype, checksum_algo=m["checksum_algo"])
-    if layout.stride % BUNDLE_ALIGN:
-        raise UserError(f"{src}: bundle stride {layout.stride} is not a multiple of {BUNDLE_ALIGN} holding the payload")
+    layout.align = b.get("align", BUNDLE_ALIGN) if m["version"] >= COLUMNS_VERSION else BUNDLE_ALIGN
+    if layout.align not in (PACKED_ALIGN, BUNDLE_ALIGN) or layout.stride % layout.align:
+        raise UserError(f"{src}: bundle stride {layout.stride} is not a multiple of {layout.align} holding the payload")
     end, per_layer = 0, []
     for i, L in enumerate(layers):
         if not isinstance(L, dict):
@@ -564,7 +569,7 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
             or b.get("vector_bytes", layout.vector_bytes) != layout.vector_bytes:
         raise UserError(f"{src}: bundle scalars/offsets do not match dtype {dtype} and vectors {list(vectors)}")
     if any(layout.stride < g.scalars_offset + 4 * len(scalars) for g in layout.geometries or [first]):
-        raise UserError(f"{src}: bundle stride {layout.stride} is not a multiple of {BUNDLE_ALIGN} holding the payload")
+        raise UserError(f"{src}: bundle stride {layout.stride} is not a multiple of {layout.align} holding the payload")
     if (layout.experts is None and cfg.get("n_layers") not in (None, len(layers))) or cfg.get("dim") not in (None, layout.d):
         raise UserError(f"{src}: config (n_layers={cfg.get('n_layers')}, dim={cfg.get('dim')}) disagrees with the "
                         f"{len(layers)} layers of width {layout.d} in the manifest")
