@@ -165,8 +165,9 @@ def packed_staging_bytes(layout, rows: int) -> int:
 
 
 def down_scale_bytes(layout) -> int:
-    """DRAM of the down columns' scale tables (storage.columns: resident per layer for the run), 0 without."""
-    return sum(columns.table_bytes(k, layout.d, n) for k, n in
+    """DRAM of the down columns' scale tables, decoded (storage.columns.decode: resident per layer for the run), 0
+    without."""
+    return sum(columns.decoded_bytes(k, layout.d, n) for k, n in
                ((layout.down_column(i), n) for i, n in enumerate(layout.n_neurons)) if k)
 
 

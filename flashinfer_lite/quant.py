@@ -36,6 +36,7 @@ from flashinfer_lite.kernels.prefetch import prefetch_ahead
 from flashinfer_lite.kernels.rows import dot
 from flashinfer_lite.threads import numba_threads
 from storage.blocks import BLOCK, KIND_SIZES, check_kind, quantize, row_bytes  # noqa: F401 (quantize: re-exported)
+from storage.columns import decode as decode_columns
 
 
 @dataclass(frozen=True)
@@ -374,75 +375,83 @@ class QuantMatrix:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Columns (storage/columns.py): a GGUF down matrix kept exactly. Neuron j's column holds its raw values along d;
-# the scales are the layer's resident tables S = (d, m, sc, mn), rows by block / sub-block of neurons. Plain Numba
-# (no fastmath: every weight is formed by gguf.quants' float32 operations, and y += c * w rounds as row_axpy).
+# the scales are the layer's tables decoded to float32, S = (a, m): rows by sub-block of neurons, one value per row
+# of d. Plain Numba (no fastmath: every weight is formed by gguf.quants' float32 operations, and y += c * w rounds as
+# row_axpy does).
 
 
-def column_tables(tables: dict | None, d: int) -> tuple:
-    """The kernels' S tuple of a layer's tables (storage.columns.TABLES; the ones a kind lacks: empty)."""
-    tables = tables or {}
-    empty = {"d": np.uint16, "m": np.uint16, "sc": np.uint8, "mn": np.uint8}
-    return tuple(np.ascontiguousarray(tables[t]) if t in tables else np.zeros((0, d), dt) for t, dt in empty.items())
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _col_groups(kind):
-    """(neurons per block, per sub-block scale) of a kind's tables."""
-    if kind <= Q5_1:
-        return 32, 32
-    return 256, 16 if kind == Q6_K else 32
+def column_tables(tables: dict | None, kind: str | None, d: int) -> tuple:
+    """The kernels' S = (a, m) of a layer's raw tables (storage.columns.decode; none, or no m: empty)."""
+    dec = decode_columns(tables, kind) if tables is not None else {}
+    return tuple(dec[t] if t in dec else np.zeros((0, d), np.float32) for t in ("a", "m"))
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _col_weight(kind, C, i, half, dr, mr, scr, mnr):
-    """Element i of a column C (d = 2 * half elements) with its row's fields dr (d), mr (m), scr (sc), mnr (mn)."""
+def _col_weight(kind, q, a, m):
+    """The weight of raw value q (q8_0: its byte) with its row's a and m (storage.columns.decode): gguf.quants'
+    float32 operations. Scalars only: an array argument per element would cost a reference count each."""
     if kind == Q8_0:
-        q = np.int32(C[i])
-        return f16_bits_to_f32(dr[i]) * np.float32(q - 256 if q > 127 else q)
-    q = (np.int32(C[i >> 1]) >> ((i & 1) * 4)) & 15
-    if kind == Q5_0 or kind == Q5_1 or kind == Q5_K:
-        q |= ((np.int32(C[half + (i >> 3)]) >> (i & 7)) & 1) << 4
-    elif kind == Q6_K:
-        q |= ((np.int32(C[half + (i >> 2)]) >> ((i & 3) * 2)) & 3) << 4
-    d = f16_bits_to_f32(dr[i])
+        return a * np.float32(q - 256 if q > 127 else q)
     if kind == Q4_0:
-        return d * np.float32(q - 8)
+        return a * np.float32(q - 8)
     if kind == Q5_0:
-        return d * np.float32(q - 16)
+        return a * np.float32(q - 16)
     if kind == Q4_1 or kind == Q5_1:
-        return d * np.float32(q) + f16_bits_to_f32(mr[i])
+        return a * np.float32(q) + m
     if kind == Q6_K:
-        s = np.int32(scr[i])
-        return (d * np.float32(s - 256 if s > 127 else s)) * np.float32(q - 32)
-    return (d * np.float32(scr[i])) * np.float32(q) - f16_bits_to_f32(mr[i]) * np.float32(mnr[i])
+        return a * np.float32(q - 32)
+    return a * np.float32(q) - m
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _col_rows(kind, j, S):
-    """The table rows of neuron j: (d, m, sc, mn) of its block and sub-block (a table the kind lacks: d's row)."""
-    Dt, Mt, SC, MN = S
-    bw, sw = _col_groups(kind)
-    b, s = j // bw, j // sw
-    dr = Dt[b]
-    mr = Mt[b] if Mt.shape[0] else dr
-    scr = SC[s] if SC.shape[0] else Dt[0].view(np.uint8)
-    mnr = MN[s] if MN.shape[0] else scr
-    return dr, mr, scr, mnr
+def _col_loop(y, c, C, lo, kind, ar, mr, half):
+    """col_axpy's loop for one kind (a constant where it is inlined, so the branches fold away): 8 elements at a
+    time (lo and len(y) are multiples of 8), their nibbles in 4 bytes, their high bits in 1 (5-bit) or 2 (6-bit)."""
+    for g in range(y.shape[0] // 8):
+        i0 = lo + 8 * g
+        for e in range(8):
+            i = i0 + e
+            if kind == Q8_0:
+                q = np.int32(C[i])
+            else:
+                q = (np.int32(C[(i0 >> 1) + (e >> 1)]) >> (4 * (e & 1))) & 15
+            if kind == Q5_0 or kind == Q5_1 or kind == Q5_K:
+                q |= ((np.int32(C[half + (i0 >> 3)]) >> e) & 1) << 4
+            elif kind == Q6_K:
+                q |= ((np.int32(C[half + (i0 >> 2) + (e >> 2)]) >> (2 * (e & 3))) & 3) << 4
+            y[i - lo] += c * _col_weight(kind, q, ar[i], mr[i])
 
 
 @njit(cache=True, nogil=True)
 def col_axpy(y, c, C, lo, kind, j, S):
-    """y[k] += c * (element lo + k of neuron j's column C), k < len(y): strict float32, as row_axpy."""
-    dr, mr, scr, mnr = _col_rows(kind, j, S)
-    half = S[0].shape[1] // 2
-    for k in range(y.shape[0]):
-        y[k] += c * _col_weight(kind, C, lo + k, half, dr, mr, scr, mnr)
+    """y[k] += c * (element lo + k of neuron j's column C), k < len(y) (lo and len(y) multiples of 8): strict
+    float32, as row_axpy. One branch per call picks the kind's loop."""
+    A, M = S
+    g = j // (16 if kind == Q6_K else 32)          # the row of neuron j's sub-block (storage.columns.groups)
+    ar = A[g]
+    mr = M[g] if M.shape[0] else ar
+    h = A.shape[1] // 2
+    if kind == Q8_0:
+        _col_loop(y, c, C, lo, Q8_0, ar, mr, h)
+    elif kind == Q4_0:
+        _col_loop(y, c, C, lo, Q4_0, ar, mr, h)
+    elif kind == Q4_1:
+        _col_loop(y, c, C, lo, Q4_1, ar, mr, h)
+    elif kind == Q5_0:
+        _col_loop(y, c, C, lo, Q5_0, ar, mr, h)
+    elif kind == Q5_1:
+        _col_loop(y, c, C, lo, Q5_1, ar, mr, h)
+    elif kind == Q4_K:
+        _col_loop(y, c, C, lo, Q4_K, ar, mr, h)
+    elif kind == Q5_K:
+        _col_loop(y, c, C, lo, Q5_K, ar, mr, h)
+    else:
+        _col_loop(y, c, C, lo, Q6_K, ar, mr, h)
 
 
 @njit(cache=True, nogil=True)
 def col_dequant(C, out, kind, j, S):
-    """out[:] = neuron j's column C, bit-identical to gguf.quants' dequantization of the source rows."""
-    dr, mr, scr, mnr = _col_rows(kind, j, S)
-    half = S[0].shape[1] // 2
-    for i in range(out.shape[0]):
-        out[i] = _col_weight(kind, C, i, half, dr, mr, scr, mnr)
+    """out[:] = neuron j's column C, bit-identical to gguf.quants' dequantization of the source rows: col_axpy of
+    1 onto -0.0 (1 * w is w, and -0.0 + w is w for every w, negative zero included)."""
+    out[:] = np.float32(-0.0)
+    col_axpy(out, np.float32(1.0), C, 0, kind, j, S)

@@ -850,7 +850,8 @@ class FlashCheckpoint:
         tables = {scale_table_name(i, t) for i in range(self.layout.n_layers) for t in columns.TABLES}
         self._resident_names = [n for n in self._resident.entries if n not in tables]   # tables: down_scales
         self.resident_kinds = self._resident_kinds()
-        self._down_scales = [self._read_down_scales(i) for i in range(self.layout.n_layers)]
+        for i in range(self.layout.n_layers):      # checked once here; read again when a kernel decodes them
+            self.down_scales(i)
         self._ffn_names = {}
         for i in range(self.layout.n_layers):
             for name in ffn_tensor_names(self.layout, i):
@@ -875,9 +876,10 @@ class FlashCheckpoint:
             out[name] = L.experts.shape(MATRICES[k])
         return out
 
-    def _read_down_scales(self, layer: int) -> dict[str, np.ndarray] | None:
-        """Layer `layer`'s down column tables from resident.safetensors, checked against the layout (the kernels
-        index them by neuron); None when its down vectors are rows."""
+    def down_scales(self, layer: int) -> dict[str, np.ndarray] | None:
+        """Layer `layer`'s down column scale tables {name: raw array} (storage.columns) from resident.safetensors,
+        checked against the layout (the kernels index them by neuron); None when its down vectors are rows. Read
+        on each call, not kept: the kernels keep them decoded."""
         kind = self.layout.down_column(layer)
         if kind is None:
             return None
@@ -888,12 +890,7 @@ class FlashCheckpoint:
 
     def down_scales_all(self) -> list | None:
         """Every layer's down_scales, None when no layer's down vectors are columns."""
-        return self._down_scales if self.layout.columns else None
-
-    def down_scales(self, layer: int) -> dict[str, np.ndarray] | None:
-        """Layer `layer`'s down column scale tables {name: array} (storage.columns), kept in DRAM for the run; None
-        when its down vectors are rows along d."""
-        return self._down_scales[layer]
+        return [self.down_scales(i) for i in range(self.layout.n_layers)] if self.layout.columns else None
 
     def _open_resident(self) -> SafetensorsFile:
         # pread into a buffer the array then owns: a float32 tensor is read with no second copy and no mapping

@@ -36,7 +36,8 @@ def test_columns_are_gguf_bit_for_bit(kind):
     perm = np.random.default_rng(1).permutation(n)
     got = columns.dequantize_columns(cols[perm], kind, tables, perm)
     assert np.array_equal(got.view(np.uint32), want.T[perm].view(np.uint32))
-    S, code = quant.column_tables(tables, D), quant.KINDS[kind].code
+    S, code = quant.column_tables(tables, kind, D), quant.KINDS[kind].code
+    assert sum(t.nbytes for t in S) == columns.decoded_bytes(kind, D, n)
     out = np.empty(D, np.float32)
     for j in perm[:64]:
         quant.col_dequant(cols[j], out, code, j, S)

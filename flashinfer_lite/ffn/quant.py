@@ -173,7 +173,8 @@ class QuantSparseFFN(SparseFFN):
     ffn(B, slots, x, y)  |  ffn.coefficients(B, slots, js, X, coef)  +  ffn.accumulate(B, slots, coef, Y)
 
     A down vector of columns (storage.columns: a GGUF's down kept exactly) needs its layer's scale tables,
-    down_scales ({name: array}, FlashCheckpoint.down_scales): such a kernel belongs to one layer.
+    down_scales ({name: array}, FlashCheckpoint.down_scales; kept decoded, storage.columns.decode): such a kernel
+    belongs to one layer.
     """
     DTYPES = KINDS
 
@@ -186,7 +187,7 @@ class QuantSparseFFN(SparseFFN):
         if column and down_scales is None:
             raise ValueError("a down vector of columns needs its layer's scale tables (down_scales)")
         self.s_neuron = g.scalar_slot("neuron.down")     # columns: the bundle's neuron id (tables are by neuron)
-        self.S = column_tables(down_scales if column else None, g.d)   # checked by FlashCheckpoint.down_scales
+        self.S = column_tables(down_scales if column else None, column, g.d)   # decoded for the run
         self.row_bytes, self.up_len = g.vector_bytes(g.vectors[0]), g.vector_bytes("up")
         self.vector_len, self.block_kind, self.up_kind = self.row_bytes, self.kind.code, up.code
         # the down pass's task: OUT_BLOCK outputs, or one block of the down's kind when that is longer (K-quants;

@@ -30,7 +30,8 @@ class SplitKernels:
             self.out_block = OUT_BLOCK if column else max(OUT_BLOCK, self.down_kind.weights)
             if column and down_scales is None:
                 raise ValueError("down columns need their layers' scale tables (down_scales)")
-            self.S = [column_tables(down_scales[i] if column else None, self.dn.d) for i in range(down.n_layers)]
+            self.S = [column_tables(down_scales[i] if column else None, column, self.dn.d)
+                      for i in range(down.n_layers)]
         else:
             size = np.dtype(STORAGE_VIEWS[g.dtype]).itemsize
             self.kind, self.n, self.up_at = 0, g.d, g.offset("up") // size
