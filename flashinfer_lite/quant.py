@@ -404,54 +404,69 @@ def _col_weight(kind, q, a, m):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _col_loop(y, c, C, lo, kind, ar, mr, half):
-    """col_axpy's loop for one kind (a constant where it is inlined, so the branches fold away): 8 elements at a
-    time (lo and len(y) are multiples of 8), their nibbles in 4 bytes, their high bits in 1 (5-bit) or 2 (6-bit)."""
-    for g in range(y.shape[0] // 8):
-        i0 = lo + 8 * g
-        for e in range(8):
-            i = i0 + e
-            if kind == Q8_0:
-                q = np.int32(C[i])
-            else:
-                q = (np.int32(C[(i0 >> 1) + (e >> 1)]) >> (4 * (e & 1))) & 15
-            if kind == Q5_0 or kind == Q5_1 or kind == Q5_K:
-                q |= ((np.int32(C[half + (i0 >> 3)]) >> e) & 1) << 4
-            elif kind == Q6_K:
-                q |= ((np.int32(C[half + (i0 >> 2) + (e >> 2)]) >> (2 * (e & 3))) & 3) << 4
-            y[i - lo] += c * _col_weight(kind, q, ar[i], mr[i])
+def _col_loop(y, c, B, r, at, lo, kind, A, M, g, half):
+    """col_axpy's loop for one kind (a constant where it is inlined, so the branches fold away), group by group of
+    64 elements (storage.columns' layout): runs of 8 (5-bit), 16 (6-bit) or 32 (4-bit) neighbours share their
+    shifts, so each run is one SIMD loop over contiguous bytes. Arrays are indexed in place, never sliced: a slice
+    per call costs as much as a 64-element group."""
+    for G in range(y.shape[0] // 64):
+        o = 64 * G                       # in y
+        i0 = lo + o                      # in the column
+        if kind == Q8_0:
+            for k in range(64):
+                q = np.int32(B[r, at + i0 + k])
+                y[o + k] += c * _col_weight(kind, q, A[g, i0 + k], np.float32(0))
+            continue
+        per = 8 if (kind == Q5_0 or kind == Q5_1 or kind == Q5_K) else 16 if kind == Q6_K else 32
+        nib = at + (i0 >> 1)
+        for s in range(32 // per):
+            for k in range(per):
+                e = s * per + k          # element e low nibble, 32 + e high nibble
+                b = np.int32(B[r, nib + e])
+                q0, q1 = b & 15, b >> 4
+                if per == 8:
+                    hb = np.int32(B[r, at + half + (i0 >> 3) + k])
+                    q0 |= ((hb >> s) & 1) << 4
+                    q1 |= ((hb >> (4 + s)) & 1) << 4
+                elif per == 16:
+                    hb = np.int32(B[r, at + half + (i0 >> 2) + k])
+                    q0 |= ((hb >> (2 * s)) & 3) << 4
+                    q1 |= ((hb >> (2 * s + 4)) & 3) << 4
+                m0 = M[g, i0 + e] if (kind == Q4_1 or kind == Q5_1 or kind == Q4_K or kind == Q5_K) else np.float32(0)
+                m1 = M[g, i0 + 32 + e] if (kind == Q4_1 or kind == Q5_1 or kind == Q4_K or kind == Q5_K) \
+                    else np.float32(0)
+                y[o + e] += c * _col_weight(kind, q0, A[g, i0 + e], m0)
+                y[o + 32 + e] += c * _col_weight(kind, q1, A[g, i0 + 32 + e], m1)
 
 
 @njit(cache=True, nogil=True)
-def col_axpy(y, c, C, lo, kind, j, S):
-    """y[k] += c * (element lo + k of neuron j's column C), k < len(y) (lo and len(y) multiples of 8): strict
-    float32, as row_axpy. One branch per call picks the kind's loop."""
+def col_axpy(y, c, B, r, at, lo, kind, j, S):
+    """y[k] += c * (element lo + k of the column at byte `at` of row r of B, neuron j's), k < len(y) (lo and len(y)
+    multiples of 64): strict float32, as row_axpy. One branch per call picks the kind's loop."""
     A, M = S
     g = j // (16 if kind == Q6_K else 32)          # the row of neuron j's sub-block (storage.columns.groups)
-    ar = A[g]
-    mr = M[g] if M.shape[0] else ar
     h = A.shape[1] // 2
     if kind == Q8_0:
-        _col_loop(y, c, C, lo, Q8_0, ar, mr, h)
+        _col_loop(y, c, B, r, at, lo, Q8_0, A, M, g, h)
     elif kind == Q4_0:
-        _col_loop(y, c, C, lo, Q4_0, ar, mr, h)
+        _col_loop(y, c, B, r, at, lo, Q4_0, A, M, g, h)
     elif kind == Q4_1:
-        _col_loop(y, c, C, lo, Q4_1, ar, mr, h)
+        _col_loop(y, c, B, r, at, lo, Q4_1, A, M, g, h)
     elif kind == Q5_0:
-        _col_loop(y, c, C, lo, Q5_0, ar, mr, h)
+        _col_loop(y, c, B, r, at, lo, Q5_0, A, M, g, h)
     elif kind == Q5_1:
-        _col_loop(y, c, C, lo, Q5_1, ar, mr, h)
+        _col_loop(y, c, B, r, at, lo, Q5_1, A, M, g, h)
     elif kind == Q4_K:
-        _col_loop(y, c, C, lo, Q4_K, ar, mr, h)
+        _col_loop(y, c, B, r, at, lo, Q4_K, A, M, g, h)
     elif kind == Q5_K:
-        _col_loop(y, c, C, lo, Q5_K, ar, mr, h)
+        _col_loop(y, c, B, r, at, lo, Q5_K, A, M, g, h)
     else:
-        _col_loop(y, c, C, lo, Q6_K, ar, mr, h)
+        _col_loop(y, c, B, r, at, lo, Q6_K, A, M, g, h)
 
 
 @njit(cache=True, nogil=True)
-def col_dequant(C, out, kind, j, S):
-    """out[:] = neuron j's column C, bit-identical to gguf.quants' dequantization of the source rows: col_axpy of
-    1 onto -0.0 (1 * w is w, and -0.0 + w is w for every w, negative zero included)."""
+def col_dequant(B, r, at, out, kind, j, S):
+    """out[:] = neuron j's column (at byte `at` of row r of B), bit-identical to gguf.quants' dequantization of the
+    source rows: col_axpy of 1 onto -0.0 (1 * w is w, and -0.0 + w is w for every w, negative zero included)."""
     out[:] = np.float32(-0.0)
-    col_axpy(out, np.float32(1.0), C, 0, kind, j, S)
+    col_axpy(out, np.float32(1.0), B, r, at, 0, kind, j, S)

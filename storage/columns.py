@@ -5,9 +5,11 @@ neurons) and, in the K-quants, to (row i, sub-block of 16 or 32 neurons). A bund
 matrix is cut in two parts that together hold exactly the block's bits:
 
   column   neuron j's quantized values q[:, j] along d, as the block stored them (unsigned, q8_0's int8 bits), packed
-           to the kind's bits (column_bytes): 4-bit kinds two per byte (element i: byte i // 2, nibble i % 2);
-           5- and 6-bit kinds those low nibbles, then the high bits (5-bit: element i's at byte d/2 + i // 8, bit
-           i % 8; 6-bit: byte d/2 + i // 4, bits 2 * (i % 4)); q8_0 one byte each
+           to the kind's bits (column_bytes) in groups of 64 elements, as the K-quants lay out theirs so that a
+           kernel decodes 8, 16 or 32 neighbours with the same shift (SIMD): group G's low nibbles in bytes
+           32G + k (element 64G + k low, 64G + 32 + k high), then after all d/2 nibble bytes the high bits (5-bit:
+           byte d/2 + 8G + k, bit r: element 64G + 8r + k; 6-bit: byte d/2 + 16G + k, bits 2r, 2r + 1: element
+           64G + 16r + k); q8_0 one byte each
   tables   per layer, resident: the blocks' other fields, transposed so row i runs along d (TABLES):
              d   uint16 [n / block weights, d]   every kind's float16 d (K-quants: the super-block's)
              m   uint16 [n / block weights, d]   q4_1, q5_1: float16 m; q4_k, q5_k: float16 dmin
@@ -59,15 +61,18 @@ def groups(kind: str) -> tuple[int, int]:
     return w, SUB_WEIGHTS.get(kind, w)
 
 
+GROUP = 64        # elements of a column group (the kernels' output block, ffn.sparse.OUT_BLOCK, is one)
+
+
 def column_bytes(d: int, kind: str) -> int:
-    if d <= 0 or d % 8:
-        raise UserError(f"a {kind} column needs d a positive multiple of 8, got {d}")
+    if d <= 0 or d % GROUP:
+        raise UserError(f"a {kind} column needs d a positive multiple of {GROUP}, got {d}")
     return d * BITS[check_kind(kind)] // 8
 
 
 def fits(d: int, n: int, kind: str) -> bool:
     """Whether a down matrix [d, n] of `kind` can be kept as columns."""
-    return d > 0 and d % 8 == 0 and n > 0 and n % KIND_SIZES[kind][0] == 0
+    return d > 0 and d % GROUP == 0 and n > 0 and n % KIND_SIZES[kind][0] == 0
 
 
 def table_shapes(kind: str, d: int, n: int) -> dict[str, tuple[tuple[int, int], np.dtype]]:
@@ -188,15 +193,18 @@ def pack(q: np.ndarray, kind: str) -> np.ndarray:
     bits = BITS[kind]
     if bits == 8:
         return np.ascontiguousarray(q)
-    low = (q[:, 0::2] & 15) | ((q[:, 1::2] & 15) << 4)
+    n, d = q.shape
+    g = q.reshape(n, d // GROUP, GROUP)
+    low = ((g[..., :32] & 15) | ((g[..., 32:] & 15) << 4)).reshape(n, d // 2)
     if bits == 4:
         return np.ascontiguousarray(low)
-    if bits == 5:
-        high = np.packbits((q >> 4) & 1, axis=1, bitorder="little")
-    else:
-        h = (q >> 4) & 3
-        high = h[:, 0::4] | (h[:, 1::4] << 2) | (h[:, 2::4] << 4) | (h[:, 3::4] << 6)
-    return np.ascontiguousarray(np.concatenate([low, high], axis=1))
+    h = g >> 4                                      # [n, groups, 64]: the high bits
+    per = 8 if bits == 5 else 16                    # bytes of high bits per group; element r * per + k in byte k
+    h = h.reshape(n, d // GROUP, GROUP // per, per)
+    high = np.zeros((n, d // GROUP, per), np.uint8)
+    for r in range(GROUP // per):
+        high |= h[:, :, r] << ((bits - 4) * r)
+    return np.ascontiguousarray(np.concatenate([low, high.reshape(n, -1)], axis=1))
 
 
 def unpack(cols: np.ndarray, kind: str, d: int) -> np.ndarray:
@@ -204,15 +212,15 @@ def unpack(cols: np.ndarray, kind: str, d: int) -> np.ndarray:
     bits = BITS[kind]
     if bits == 8:
         return cols[:, :d].copy()
-    q = np.empty((cols.shape[0], d), np.uint8)
-    q[:, 0::2], q[:, 1::2] = cols[:, :d // 2] & 15, cols[:, :d // 2] >> 4
-    high = cols[:, d // 2:]
-    if bits == 5:
-        q |= np.unpackbits(high, axis=1, count=d, bitorder="little") << 4
-    elif bits == 6:
-        for k in range(4):
-            q[:, k::4] |= ((high >> (2 * k)) & 3) << 4
-    return q
+    n = cols.shape[0]
+    low = cols[:, :d // 2].reshape(n, d // GROUP, 32)
+    q = np.concatenate([low & 15, low >> 4], axis=2)           # [n, groups, 64]
+    if bits > 4:
+        per, width = (8, 1) if bits == 5 else (16, 2)
+        high = cols[:, d // 2:d // 2 + d // GROUP * per].reshape(n, d // GROUP, 1, per)
+        r = np.arange(GROUP // per, dtype=np.uint8).reshape(1, 1, -1, 1)
+        q |= (((high >> (width * r)) & ((1 << width) - 1)) << 4).reshape(n, d // GROUP, GROUP)
+    return np.ascontiguousarray(q.reshape(n, d))
 
 
 def dequantize_columns(cols: np.ndarray, kind: str, tables: dict, neurons: np.ndarray) -> np.ndarray:

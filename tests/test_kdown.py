@@ -25,7 +25,7 @@ def source(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_columns_are_gguf_bit_for_bit(kind):
-    D, n = 40, 512
+    D, n = 128, 512
     raw = source(kind, D, n)
     want = gguf_dequant(raw, kind).reshape(D, n)
     cols, tables = columns.split(raw, kind, n)
@@ -40,29 +40,29 @@ def test_columns_are_gguf_bit_for_bit(kind):
     assert sum(t.nbytes for t in S) == columns.decoded_bytes(kind, D, n)
     out = np.empty(D, np.float32)
     for j in perm[:64]:
-        quant.col_dequant(cols[j], out, code, j, S)
+        quant.col_dequant(cols, j, 0, out, code, j, S)
         assert np.array_equal(out.view(np.uint32), want[:, j].view(np.uint32)), j
-    y = np.ones(D - 8, np.float32)
-    quant.col_axpy(y, np.float32(0.75), cols[5], 8, code, 5, S)
-    assert np.array_equal(y, np.float32(1) + np.float32(0.75) * want[8:, 5])
+    y = np.ones(D - 64, np.float32)
+    quant.col_axpy(y, np.float32(0.75), cols, 5, 0, 64, code, 5, S)
+    assert np.array_equal(y, np.float32(1) + np.float32(0.75) * want[64:, 5])
 
 
 def test_pack_unpack_roundtrip():
-    q = np.random.default_rng(2).integers(0, 64, (7, 48), dtype=np.uint8)
+    q = np.random.default_rng(2).integers(0, 64, (7, 128), dtype=np.uint8)
     for kind, bits in (("q4_0", 4), ("q5_0", 5), ("q6_k", 6)):
         v = q & ((1 << bits) - 1)
-        assert np.array_equal(columns.unpack(columns.pack(v, kind), kind, 48), v)
+        assert np.array_equal(columns.unpack(columns.pack(v, kind), kind, 128), v)
 
 
 def test_tables_from_a_file_are_checked():
-    raw = source("q4_k", 16, 256)
+    raw = source("q4_k", 64, 256)
     _, tables = columns.split(raw, "q4_k", 256)
-    columns.check_tables(tables, "q4_k", 16, 256)
+    columns.check_tables(tables, "q4_k", 64, 256)
     bad = dict(tables, sc=tables["sc"][:-1])
     with pytest.raises(UserError, match="down column scales"):
-        columns.check_tables(bad, "q4_k", 16, 256)
+        columns.check_tables(bad, "q4_k", 64, 256)
     with pytest.raises(UserError, match="down column scales"):
-        columns.check_tables({k: v for k, v in tables.items() if k != "mn"}, "q4_k", 16, 256)
+        columns.check_tables({k: v for k, v in tables.items() if k != "mn"}, "q4_k", 64, 256)
     with pytest.raises(UserError, match="cannot be cut"):
         columns.split(raw[:, :-1], "q4_k", 256)
 

@@ -52,7 +52,7 @@ def quant_ffn_accumulate(B, F, slots, coef, Y, down_at, kind, weights, block_byt
                 c = coef[t, j]
                 if c != np.float32(0.0):
                     r = slots[j]
-                    col_axpy(y, c, B[r, down_at:], lo, kind, np.int64(F[r, s_neuron]), S)
+                    col_axpy(y, c, B, r, down_at, lo, kind, np.int64(F[r, s_neuron]), S)
             continue
         b_lo = down_at + lo // weights * block_bytes
         b_hi = down_at + hi // weights * block_bytes
@@ -112,7 +112,7 @@ def quant_dense_ffn_row(H, Hf, D, x, y, coef, partial, rb, glu, act, threshold, 
             coef[j] = c
             if c != np.float32(0.0):
                 if s_neuron >= 0:
-                    col_axpy(acc, c, D[j], 0, down_kind, np.int64(Hf[j, s_neuron]), S)
+                    col_axpy(acc, c, D, j, 0, 0, down_kind, np.int64(Hf[j, s_neuron]), S)
                 else:
                     row_axpy(acc, c, D[j], down_kind)
     y[:] = partial[0]
@@ -133,7 +133,7 @@ def dequantize_dense_layer(H, Hf, D, lo, G, U, Dw, bias_g, bias_u, rb, glu, kind
         else:
             row_dequant(row[:rb], U[r], kind)
         if s_neuron >= 0:
-            col_dequant(D[lo + r], Dw[r], down_kind, np.int64(Hf[lo + r, s_neuron]), S)
+            col_dequant(D, lo + r, 0, Dw[r], down_kind, np.int64(Hf[lo + r, s_neuron]), S)
         else:
             row_dequant(D[lo + r], Dw[r], down_kind)
         bias_g[r] = scalar(Hf[lo + r], bg, 0.0)
