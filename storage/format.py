@@ -405,6 +405,7 @@ class FlashLayout:
         """The layout of one split part (SPLIT_PARTS) of these bundles: its rows (BundleGeometry.part) in the same
         bundle order, each layer a REGION_ALIGN-aligned region of its own file; checksums filled in by the writer."""
         vectors, align = SPLIT_PARTS[name]
+        align = min(align, self.align)          # packed bundles (down columns): packed down rows too
         g = self.geometry.part(vectors, align)
         offsets, pos = [], 0
         for n in self.n_neurons:

@@ -182,3 +182,47 @@ def test_old_layout_kinds_keep_512_byte_bundles(tiny_model, tmp_path):
     from storage.format import read_layout
     L = read_layout(convert(tiny_model("llama-relu"), tmp_path / "flash", dtype="q4_0", progress=False))
     assert L.stride % 512 == 0 and L.align == 512 and not L.columns
+
+
+@pytest.fixture(scope="module")
+def uniform_gated(tiny_model, tmp_path_factory):
+    """A uniform GGUF (every layer: gate/up Q8_0, down Q6_K) converted with down columns and the split layout,
+    calibrated for the exact gate."""
+    import shutil
+    from conftest import write_llama_gguf
+    from predictors.calibrate_gate import calibrate
+    from storage.checkpoint import open_checkpoint
+    from storage.convert import convert
+    src = open_checkpoint(tiny_model("llama-wide"))
+    root = tmp_path_factory.mktemp("kdown-gate")
+    types = {"embed.weight": "Q8_0"}
+    for i in range(src.config.n_layers):
+        types.update({f"layers.{i}.ffn.gate.weight": "Q8_0", f"layers.{i}.ffn.up.weight": "Q8_0",
+                      f"layers.{i}.ffn.down.weight": "Q6_K"})
+    flash = convert(write_llama_gguf(src, root / "uniform.gguf", types), root / "flash", progress=False)
+    calibrate(str(flash), n_tokens=256, progress=False)
+    yield flash
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_exact_gate_over_down_columns(uniform_gated, monkeypatch):
+    """The split layout's down.bin holds the same packed columns: the exact gate from flash equals float64 math on
+    the GGUF's own down weights (those of the neurons that cleared the threshold), with the same bits at every
+    budget."""
+    from conftest import assert_same_bits_at_every_budget
+    from test_exact_gate import IDS, float64_gated_model
+    from test_quant_e2e import greedy
+    from flashinfer_lite.runtime import load_runtime
+    from storage.format import read_layout
+    from storage.gate_file import DEFAULT_SPARSITY, read_gate_file
+    L = read_layout(uniform_gated)
+    down = L.parts["down"]
+    assert L.uniform and L.down_column(0) == "q6_k" and down.stride % 512 and down.geometry.dtype == "q6_k.col"
+    cal = read_gate_file(uniform_gated, L.n_layers, L.n_neurons[0], DEFAULT_SPARSITY)
+    probe = load_runtime(uniform_gated, "gate", ctx=64, runtime_bytes=0)[2].plan
+    model, _, rt = load_runtime(uniform_gated, "gate", ctx=64, runtime_bytes=0, dram_budget=probe.minimum_bytes)
+    tokens, got = greedy(model, IDS, 8)
+    want_tokens, want = greedy(float64_gated_model(uniform_gated, uniform_gated, cal.thresholds, []), IDS, 8)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), np.abs(got - want).max()
+    assert tokens == want_tokens and rt.stats.read_bytes > 0
+    assert_same_bits_at_every_budget(uniform_gated, "gate", IDS, 6, monkeypatch)
