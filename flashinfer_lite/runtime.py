@@ -200,8 +200,8 @@ def model_facts(source: str | None) -> tuple[ModelConfig, FlashLayout, dict]:
     if source is None:
         if not default_model_path().is_file():
             cfg = ModelConfig(**default_model.CONFIG)
-            layout = FlashLayout.create(cfg.dim, [cfg.ffn_dim] * cfg.n_layers, default_model.FFN_DTYPE, cfg.glu,
-                                        down_dtype=default_model.DOWN_DTYPE, config=cfg.to_dict())
+            layout = FlashLayout.create(cfg.dim, [cfg.ffn_dim] * cfg.n_layers, default_model.FFN_DTYPES[0], cfg.glu,
+                                        layer_dtypes=[default_model.FFN_DTYPES] * cfg.n_layers, config=cfg.to_dict())
             kinds = {n: default_model.EMBED_KIND if n == "embed.weight" else default_model.ATTENTION_KIND
                      for n in resident_matrix_shapes(cfg)}
             return cfg, layout, kinds
