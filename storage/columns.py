@@ -35,7 +35,7 @@ import numpy as np
 
 from storage.errors import UserError
 
-from .blocks import KIND_SIZES, check_kind, dequantize
+from .blocks import KIND_SIZES, check_kind
 
 SUFFIX = ".col"
 BITS = {"q8_0": 8, "q4_0": 4, "q4_1": 4, "q5_0": 5, "q5_1": 5, "q4_k": 4, "q5_k": 5, "q6_k": 6}

@@ -123,7 +123,7 @@ def test_split_down_rows_are_the_bundles_columns():
     """The split layout's down.bin rows hold the same column bytes and neuron id: SplitKernels sums them as
     QuantSparseFFN sums the bundles, to the bit."""
     from flashinfer_lite.ffn.split import SplitKernels
-    from storage.format import FlashLayout, SPLIT_PARTS, pack_bundles
+    from storage.format import FlashLayout, SPLIT_PARTS
     ffn, B, order, g, u, down = bundles_with_columns("q6_k")
     d, n = g.shape[1], g.shape[0]
     L = FlashLayout.create(d, [n], "q8_0", True, layer_dtypes=[("q8_0", "q8_0", "q6_k.col")])
