@@ -102,17 +102,13 @@ def bench_sparse_ffn(rng, calls: int, pool_mb: int, frac: float, threads: list[i
     out = []
     for fmt in ("f16", "int8", *KINDS, *columns.COLUMN_DTYPES):
         kind, tables = columns.kind_of(fmt), None
+        layout = FlashLayout.create(D, [len(vecs)], kind or fmt, glu=True, layer_dtypes=kind and [(kind, kind, fmt)])
         if kind:             # the down matrix [D, neurons] in a GGUF's blocks along the neurons, cut into columns
-            layout = FlashLayout.create(D, [len(vecs)], kind, glu=True, layer_dtypes=[(kind, kind, fmt)])
             cols, tables = columns.split(blocks_of(np.ascontiguousarray(vecs[:, 2].T), kind, rng), kind, len(vecs))
             layer = pack_bundles(layout, [blocks_of(vecs[:, k], kind, rng) for k in range(2)] + [cols],
                                  neurons=np.arange(len(vecs)))
-        elif fmt in KINDS:
-            layout = FlashLayout.create(D, [len(vecs)], fmt, glu=True)
-            layer = pack_bundles(layout, [blocks_of(vecs[:, k], fmt, rng) for k in range(3)])
         else:
-            layout = FlashLayout.create(D, [len(vecs)], fmt, glu=True)
-            layer = pack_bundles(layout, vecs)
+            layer = pack_bundles(layout, [blocks_of(vecs[:, k], fmt, rng) for k in range(3)] if fmt in KINDS else vecs)
         make = lambda: sparse_ffn(layout, act="relu", relu_threshold=-np.inf, max_active=k,  # noqa: E731
                                   down_scales=[tables] if tables else None)
         touched = k * layout.scalars_offset

@@ -22,11 +22,12 @@ import sys
 import time
 from dataclasses import dataclass
 from importlib.util import find_spec
+from pathlib import Path
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from storage.cache import flashdir_for
+from storage.cache import cached_conversion, flashdir_for
 from storage.checkpoint import open_checkpoint
 from storage.convert import DEFAULT_DTYPE, layout_for, resident_kinds, resident_names
 from storage.config import ModelConfig
@@ -193,10 +194,11 @@ def minimum_bytes(cfg: ModelConfig, layout, kinds: dict, ffn: str, ctx: int, run
     return min(sparse, in_ram, *candidates)
 
 
-def model_facts(source: str | None) -> tuple[ModelConfig, FlashLayout, dict]:
+def model_facts(source: str | None, cached: bool = True) -> tuple[ModelConfig, FlashLayout, dict]:
     """(config, layout, resident kinds) of the FLASHDIR a run of the model plans with, from a header, config.json or
-    manifest alone: a source's as conversion will make them (convert.layout_for, resident_kinds). source None: the
-    default model, from default_model's record of its header while the file is not fetched yet."""
+    manifest alone: its cached conversion's when there is one (cached: a build before this one may have made it,
+    e.g. with a q8_0 down), else a source's as conversion will make them (convert.layout_for, resident_kinds).
+    source None: the default model, from default_model's record of its header while the file is not fetched yet."""
     if source is None:
         if not default_model_path().is_file():
             cfg = ModelConfig(**default_model.CONFIG)
@@ -206,8 +208,11 @@ def model_facts(source: str | None) -> tuple[ModelConfig, FlashLayout, dict]:
                      for n in resident_matrix_shapes(cfg)}
             return cfg, layout, kinds
         source = str(default_model_path())
-    if is_flashdir(source):
-        ckpt = FlashCheckpoint(source)
+    path = Path(source).expanduser().resolve()
+    made = source if is_flashdir(source) or not (cached and path.exists()) else \
+        cached_conversion(path, known_only=True)                  # no model read, nothing written
+    if made is not None and is_flashdir(made):       # the FLASHDIR the run will use
+        ckpt = FlashCheckpoint(made)
         return ckpt.config, ckpt.layout, ckpt.resident_kinds
     ckpt = open_checkpoint(source)
     layout = layout_for(ckpt, DEFAULT_DTYPE)
