@@ -143,23 +143,14 @@ def test_split_down_rows_are_the_bundles_columns():
         SplitKernels(parts["gate_up"], parts["down"], "silu", None)
 
 
-from test_kquant import mixed_gguf  # noqa: E402,F401 (the fixture: a GGUF mixing block formats per matrix and layer)
-
-
-@pytest.fixture(scope="module")
-def packed_flashdir(mixed_gguf, tmp_path_factory):
-    from storage.convert import convert
-    return convert(mixed_gguf, tmp_path_factory.mktemp("kdown") / "flash", progress=False)
-
-
 @pytest.mark.parametrize("engine", ["io_uring", "threads"])
 @pytest.mark.parametrize("gap", [-1, 0, 5])
-def test_packed_bundles_read_into_their_rows(packed_flashdir, engine, gap):
+def test_packed_bundles_read_into_their_rows(uniform_gated, engine, gap):
     """Bundles with down columns are packed (no padding to 512): the reader widens each op to 512-byte boundaries
     and copies every bundle into its row: the rows are the file's bytes, whatever the coalescing."""
     from storage.format import BUNDLE_ALIGN, FlashCheckpoint
     from storage.reader import BundleReader, aligned_empty
-    ckpt = FlashCheckpoint(packed_flashdir)
+    ckpt = FlashCheckpoint(uniform_gated)
     L = ckpt.layout
     assert L.stride % BUNDLE_ALIGN and L.stride % 4 == 0 and L.align == 4
     rng = np.random.default_rng(gap + 10)
