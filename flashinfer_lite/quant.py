@@ -403,40 +403,45 @@ def _col_weight(kind, q, a, m):
     return a * np.float32(q) - m
 
 
+_U = np.uint64
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _col_loop(y, c, B, r, at, lo, kind, A, M, g, half):
     """col_axpy's loop for one kind (a constant where it is inlined, so the branches fold away), group by group of
     64 elements (storage.columns' layout): runs of 8 (5-bit), 16 (6-bit) or 32 (4-bit) neighbours share their
-    shifts, so each run is one SIMD loop over contiguous bytes. Arrays are indexed in place, never sliced: a slice
-    per call costs as much as a 64-element group."""
+    shifts, so each run is one SIMD loop over contiguous bytes. Indices are unsigned (a signed index makes Numba
+    check for wrap-around on every access, which kept LLVM from vectorising: ~6x slower)."""
+    Br, Ar = B[r], A[g]
+    Mr = M[g] if M.shape[0] else Ar
     for G in range(y.shape[0] // 64):
-        o = 64 * G                       # in y
-        i0 = lo + o                      # in the column
+        o = _U(64 * G)                       # in y
+        i0 = _U(lo) + o                      # in the column
         if kind == Q8_0:
             for k in range(64):
-                q = np.int32(B[r, at + i0 + k])
-                y[o + k] += c * _col_weight(kind, q, A[g, i0 + k], np.float32(0))
+                e = _U(k)
+                q = np.int32(Br[_U(at) + i0 + e])
+                y[o + e] += c * _col_weight(kind, q, Ar[i0 + e], np.float32(0))
             continue
         per = 8 if (kind == Q5_0 or kind == Q5_1 or kind == Q5_K) else 16 if kind == Q6_K else 32
-        nib = at + (i0 >> 1)
+        nib = _U(at) + (i0 >> _U(1))
+        high = _U(at) + _U(half) + (i0 >> _U(3 if per == 8 else 2))
         for s in range(32 // per):
             for k in range(per):
-                e = s * per + k          # element e low nibble, 32 + e high nibble
-                b = np.int32(B[r, nib + e])
+                e = _U(s * per + k)          # element e low nibble, 32 + e high nibble
+                b = np.int32(Br[nib + e])
                 q0, q1 = b & 15, b >> 4
                 if per == 8:
-                    hb = np.int32(B[r, at + half + (i0 >> 3) + k])
+                    hb = np.int32(Br[high + _U(k)])
                     q0 |= ((hb >> s) & 1) << 4
                     q1 |= ((hb >> (4 + s)) & 1) << 4
                 elif per == 16:
-                    hb = np.int32(B[r, at + half + (i0 >> 2) + k])
+                    hb = np.int32(Br[high + _U(k)])
                     q0 |= ((hb >> (2 * s)) & 3) << 4
                     q1 |= ((hb >> (2 * s + 4)) & 3) << 4
-                m0 = M[g, i0 + e] if (kind == Q4_1 or kind == Q5_1 or kind == Q4_K or kind == Q5_K) else np.float32(0)
-                m1 = M[g, i0 + 32 + e] if (kind == Q4_1 or kind == Q5_1 or kind == Q4_K or kind == Q5_K) \
-                    else np.float32(0)
-                y[o + e] += c * _col_weight(kind, q0, A[g, i0 + e], m0)
-                y[o + 32 + e] += c * _col_weight(kind, q1, A[g, i0 + 32 + e], m1)
+                e1 = e + _U(32)
+                y[o + e] += c * _col_weight(kind, q0, Ar[i0 + e], Mr[i0 + e])
+                y[o + e1] += c * _col_weight(kind, q1, Ar[i0 + e1], Mr[i0 + e1])
 
 
 @njit(cache=True, nogil=True)
