@@ -4,7 +4,9 @@ gemv: one decode GEMV (T = 1) over an [11008, 4096] matrix: kernels.matmul_t on 
 every block format (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k). sparse_ffn: one token's sparse FFN of a 7B layer
 (d 4096, 11008 neurons, --frac active, GLU ReLU, every chosen neuron computed in full: threshold -inf),
 kernels.SparseFFN on f16 and int8 bundles against QuantSparseFFN on bundles of each block format (gate, up and down
-in it). Each row's "vs_q4_0" is its GB/s over q4_0's at the same thread count: the kernels' speed per byte read.
+in it; `<kind>.col`: the down vector as a GGUF's down columns of that kind, storage.columns, with its decoded
+scale tables). Each row's "vs_q4_0" is its GB/s over q4_0's at the same thread count: the kernels' speed per byte
+read.
 K-quant blocks are random bytes with small float16 scales (gguf-py cannot make them; the kernels' work does not
 depend on the values).
 
@@ -31,6 +33,7 @@ import numpy as np
 from flashinfer_lite.ffn.quant import sparse_ffn
 from flashinfer_lite.kernels.gemv import matmul_t
 from flashinfer_lite.quant import KINDS, quant_matmul_t, quantize
+from storage import columns
 from storage.blocks import QUANTIZABLE
 from storage.format import FlashLayout, pack_bundles
 
@@ -97,13 +100,17 @@ def bench_sparse_ffn(rng, calls: int, pool_mb: int, frac: float, threads: list[i
     y = np.zeros(D, np.float32)
     sets = [np.sort(rng.choice(N, k, replace=False)).astype(np.int32) for _ in range(16)]
     out = []
-    for fmt in ("f16", "int8", *KINDS):
-        layout = FlashLayout.create(D, [len(vecs)], fmt, glu=True)
-        if fmt in KINDS:
-            layer = pack_bundles(layout, [blocks_of(vecs[:, k], fmt, rng) for k in range(3)])
+    for fmt in ("f16", "int8", *KINDS, *columns.COLUMN_DTYPES):
+        kind, tables = columns.kind_of(fmt), None
+        layout = FlashLayout.create(D, [len(vecs)], kind or fmt, glu=True, layer_dtypes=kind and [(kind, kind, fmt)])
+        if kind:             # the down matrix [D, neurons] in a GGUF's blocks along the neurons, cut into columns
+            cols, tables = columns.split(blocks_of(np.ascontiguousarray(vecs[:, 2].T), kind, rng), kind, len(vecs))
+            layer = pack_bundles(layout, [blocks_of(vecs[:, k], kind, rng) for k in range(2)] + [cols],
+                                 neurons=np.arange(len(vecs)))
         else:
-            layer = pack_bundles(layout, vecs)
-        make = lambda: sparse_ffn(layout, act="relu", relu_threshold=-np.inf, max_active=k)  # noqa: E731
+            layer = pack_bundles(layout, [blocks_of(vecs[:, k], fmt, rng) for k in range(3)] if fmt in KINDS else vecs)
+        make = lambda: sparse_ffn(layout, act="relu", relu_threshold=-np.inf, max_active=k,  # noqa: E731
+                                  down_scales=[tables] if tables else None)
         touched = k * layout.scalars_offset
         pool = pool_of(np.resize(layer, (N, layer.shape[1])), pool_mb)
         del layer

@@ -28,12 +28,13 @@ from pathlib import Path
 
 import numpy as np
 
-from storage.format import read_layout
+from storage import columns
+from storage.format import BUNDLE_ALIGN, read_layout
 from storage.profile import DEFAULT_GAP_BYTES
 from storage.reader import BundleReader, aligned_empty
 
 from storage.errors import UserError
-from .ffn.quant import DENSE_ROW_KERNEL_MAX_T, sparse_ffn, sparse_ffns
+from .ffn.quant import DENSE_ROW_KERNEL_MAX_T, dense_row_bytes, sparse_ffn
 from .ffn.split import SplitKernels
 from .kernels.attention import attention_rows
 from .kernels.gemv import MATMUL_ROW_KERNEL_MAX_T, WIDEN_BLOCK_BYTES, matmul_t
@@ -161,6 +162,21 @@ def resident_bytes_for(cfg: ModelConfig, half: bool = False, kinds: dict[str, st
     return matrices + 4 * vectors
 
 
+def packed_staging_bytes(layout, rows: int) -> int:
+    """The reader's staging buffer for a request of `rows` packed bundles (storage.reader: a stride that is not a
+    multiple of 512), at most: each bundle alone, widened to 512-byte boundaries on both sides. 0 when not packed."""
+    if layout.stride % BUNDLE_ALIGN == 0:
+        return 0
+    return rows * (layout.stride + 2 * BUNDLE_ALIGN)
+
+
+def down_scale_bytes(layout) -> int:
+    """DRAM of the down columns' scale tables, decoded (storage.columns.decode: resident per layer for the run), 0
+    without."""
+    return sum(columns.decoded_bytes(k, layout.d, n) for k, n in
+               ((layout.down_column(i), n) for i, n in enumerate(layout.n_neurons)) if k)
+
+
 def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 5, max_active: int | None = None,
                 hot_share: float = 0.5, resident_bytes: int | None = None, threads: int = 2,
                 read_scratch_bytes: int = DEFAULT_GAP_BYTES, runtime_bytes: int = 0,
@@ -194,7 +210,8 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
                + n_layers * MATRIX_SLACK_BYTES
                + stream_transient_bytes(layout, stream_chunk_bytes) + prefill_transient_bytes(cfg, ctx)
                + heap_slack_bytes
-               + (staging_rows(max_active) * stride if lookahead else 0))
+               + (staging_rows(max_active) * stride if lookahead else 0)
+               + packed_staging_bytes(layout, max(n_max, stream_chunk_bytes // stride)) * (2 if lookahead else 1))
     minimum = runtime_bytes + res + kv + buffers + n_layers * reserve * row
     if dram_budget_bytes < minimum:
         raise UserError(f"DRAM budget {_mib(dram_budget_bytes)} is below the minimum {_mib(minimum)} for this model "
@@ -256,7 +273,7 @@ def dense_ffn_bytes(layout) -> int:
     block formats), else its vectors as the dense FeedForward keeps them (float16 matrices, float32 for f32
     bundles)."""
     if layout.quantized:
-        return sum(n * k.dense_row_bytes for n, k in zip(layout.n_neurons, sparse_ffns(layout)))
+        return sum(n * dense_row_bytes(g) for n, g in zip(layout.n_neurons, layout.geometries))
     return sum(layout.n_neurons) * (layout.n_vec * layout.d * (4 if layout.dtype == "f32" else 2)
                                     + 4 * len(layout.scalars))
 
@@ -361,13 +378,16 @@ def compile_steps(layout) -> list:
         with BundleReader(layout, threads=1) as reader:
             NeuronCache([k], layout.stride, reader, capacity=k, window=1).fetch(0, np.arange(k))
 
+    kind = layout.down_column(0) if layout.n_layers else None       # columns: tables of the right types
+    scales = [columns.zero_tables(kind, layout.d, layout.n_neurons[0])] if kind else None
+
     def sparse():
         B, rows = bundles()
-        sparse_ffn(layout, max_active=k)(B, rows, x, np.zeros_like(x))
+        sparse_ffn(layout, max_active=k, down_scales=scales)(B, rows, x, np.zeros_like(x))
 
     def dense():                # runtime.ResidentFFN: decode rows and a prompt's widened blocks
         B, _ = bundles()
-        kernel = sparse_ffn(layout, max_active=k)
+        kernel = sparse_ffn(layout, max_active=k, down_scales=scales)
         layer = kernel.dense_layer(B)
         for T in (1, DENSE_ROW_KERNEL_MAX_T + 1):
             kernel.dense(layer, np.zeros((T, layout.d), np.float32), np.zeros((T, layout.d), np.float32))
@@ -401,11 +421,12 @@ def compile_steps(layout) -> list:
 
     def gate():                 # ffn.gate.GateFFN: coefficients over gate|up rows, the down sum over down rows
         gu, dn = layout.parts["gate_up"], layout.parts["down"]
-        kernels = SplitKernels(gu, dn, layout.config.get("act", "silu"), layout.config.get("relu_threshold"))
+        kernels = SplitKernels(gu, dn, layout.config.get("act", "silu"), layout.config.get("relu_threshold"),
+                               scales and scales * layout.n_layers)
         X, coef = np.zeros((1, layout.d), np.float32), np.zeros((1, k), np.float32)
         kernels.coefficients(np.zeros((k, gu.stride), np.uint8), X, coef, 0.0)
         kernels.accumulate(aligned_empty((k, dn.stride), np.uint8), np.arange(k, dtype=np.int32), coef,
-                           np.zeros_like(X))
+                           np.zeros_like(X), 0)
 
     steps = [neuron_cache, sparse, attention]
     if layout.parts:

@@ -33,7 +33,7 @@ SIZE = 98_362_432
 CONFIG = dict(arch="llama", vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
               ffn_dim=1536, glu=True, act="silu", norm="rms", norm_eps=9.999999747378752e-06, rope_theta=100000.0,
               max_pos=8192, tie_embeddings=True, bos_id=1, eos_ids=[2])
-FFN_DTYPE, DOWN_DTYPE = "q4_1", "q8_0"
+FFN_DTYPES = ("q4_1", "q4_1", "q4_1.col")     # gate, up, down as convert keeps them (down: columns, exact)
 EMBED_KIND, ATTENTION_KIND = "q8_0", "q4_1"
 
 

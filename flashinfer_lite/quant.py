@@ -36,6 +36,7 @@ from flashinfer_lite.kernels.prefetch import prefetch_ahead
 from flashinfer_lite.kernels.rows import dot
 from flashinfer_lite.threads import numba_threads
 from storage.blocks import BLOCK, KIND_SIZES, check_kind, quantize, row_bytes  # noqa: F401 (quantize: re-exported)
+from storage.columns import decode as decode_columns
 
 
 @dataclass(frozen=True)
@@ -370,3 +371,108 @@ class QuantMatrix:
 
     def matmul_t(self, x: np.ndarray) -> np.ndarray:
         return quant_matmul_t(x, self.q, self.kind)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Columns (storage/columns.py): a GGUF down matrix kept exactly. Neuron j's column holds its raw values along d;
+# the scales are the layer's tables decoded to float32, S = (a, m): rows by sub-block of neurons, one value per row
+# of d. Plain Numba (no fastmath: every weight is formed by gguf.quants' float32 operations, and y += c * w rounds as
+# row_axpy does).
+
+
+def column_tables(tables: dict | None, kind: str | None, d: int) -> tuple:
+    """The kernels' S = (a, m) of a layer's raw tables (storage.columns.decode; none, or no m: empty)."""
+    dec = decode_columns(tables, kind) if tables is not None else {}
+    return tuple(dec[t] if t in dec else np.zeros((0, d), np.float32) for t in ("a", "m"))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _col_weight(kind, q, a, m):
+    """The weight of raw value q (q8_0: its byte) with its row's a and m (storage.columns.decode): gguf.quants'
+    float32 operations. Scalars only: an array argument per element would cost a reference count each."""
+    if kind == Q8_0:
+        return a * np.float32(q - 256 if q > 127 else q)
+    if kind == Q4_0:
+        return a * np.float32(q - 8)
+    if kind == Q5_0:
+        return a * np.float32(q - 16)
+    if kind == Q4_1 or kind == Q5_1:
+        return a * np.float32(q) + m
+    if kind == Q6_K:
+        return a * np.float32(q - 32)
+    return a * np.float32(q) - m
+
+
+_U = np.uint64
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _col_loop(y, c, B, r, at, lo, kind, A, M, g, half):
+    """col_axpy's loop for one kind (a constant where it is inlined, so the branches fold away), group by group of
+    64 elements (storage.columns' layout): runs of 8 (5-bit), 16 (6-bit) or 32 (4-bit) neighbours share their
+    shifts, so each run is one SIMD loop over contiguous bytes. Indices are unsigned (a signed index makes Numba
+    check for wrap-around on every access, which kept LLVM from vectorising: ~6x slower)."""
+    Br, Ar = B[r], A[g]
+    Mr = M[g] if M.shape[0] else Ar
+    for G in range(y.shape[0] // 64):
+        o = _U(64 * G)                       # in y
+        i0 = _U(lo) + o                      # in the column
+        if kind == Q8_0:
+            for k in range(64):
+                e = _U(k)
+                q = np.int32(Br[_U(at) + i0 + e])
+                y[o + e] += c * _col_weight(kind, q, Ar[i0 + e], np.float32(0))
+            continue
+        per = 8 if (kind == Q5_0 or kind == Q5_1 or kind == Q5_K) else 16 if kind == Q6_K else 32
+        nib = _U(at) + (i0 >> _U(1))
+        high = _U(at) + _U(half) + (i0 >> _U(3 if per == 8 else 2))
+        for s in range(32 // per):
+            for k in range(per):
+                e = _U(s * per + k)          # element e low nibble, 32 + e high nibble
+                b = np.int32(Br[nib + e])
+                q0, q1 = b & 15, b >> 4
+                if per == 8:
+                    hb = np.int32(Br[high + _U(k)])
+                    q0 |= ((hb >> s) & 1) << 4
+                    q1 |= ((hb >> (4 + s)) & 1) << 4
+                elif per == 16:
+                    hb = np.int32(Br[high + _U(k)])
+                    q0 |= ((hb >> (2 * s)) & 3) << 4
+                    q1 |= ((hb >> (2 * s + 4)) & 3) << 4
+                e1 = e + _U(32)
+                y[o + e] += c * _col_weight(kind, q0, Ar[i0 + e], Mr[i0 + e])
+                y[o + e1] += c * _col_weight(kind, q1, Ar[i0 + e1], Mr[i0 + e1])
+
+
+@njit(cache=True, nogil=True)
+def col_axpy(y, c, B, r, at, lo, kind, j, S):
+    """y[k] += c * (element lo + k of the column at byte `at` of row r of B, neuron j's), k < len(y) (lo and len(y)
+    multiples of 64): strict float32, as row_axpy. One branch per call picks the kind's loop."""
+    A, M = S
+    g = j // (16 if kind == Q6_K else 32)          # the row of neuron j's sub-block (storage.columns.groups)
+    h = A.shape[1] // 2
+    # written out per kind: a literal kind is what lets _col_loop's branches fold (a runtime kind ran ~4x slower)
+    if kind == Q8_0:
+        _col_loop(y, c, B, r, at, lo, Q8_0, A, M, g, h)
+    elif kind == Q4_0:
+        _col_loop(y, c, B, r, at, lo, Q4_0, A, M, g, h)
+    elif kind == Q4_1:
+        _col_loop(y, c, B, r, at, lo, Q4_1, A, M, g, h)
+    elif kind == Q5_0:
+        _col_loop(y, c, B, r, at, lo, Q5_0, A, M, g, h)
+    elif kind == Q5_1:
+        _col_loop(y, c, B, r, at, lo, Q5_1, A, M, g, h)
+    elif kind == Q4_K:
+        _col_loop(y, c, B, r, at, lo, Q4_K, A, M, g, h)
+    elif kind == Q5_K:
+        _col_loop(y, c, B, r, at, lo, Q5_K, A, M, g, h)
+    else:
+        _col_loop(y, c, B, r, at, lo, Q6_K, A, M, g, h)
+
+
+@njit(cache=True, nogil=True)
+def col_dequant(B, r, at, out, kind, j, S):
+    """out[:] = neuron j's column (at byte `at` of row r of B), bit-identical to gguf.quants' dequantization of the
+    source rows: col_axpy of 1 onto -0.0 (1 * w is w, and -0.0 + w is w for every w, negative zero included)."""
+    out[:] = np.float32(-0.0)
+    col_axpy(out, np.float32(1.0), B, r, at, 0, kind, j, S)

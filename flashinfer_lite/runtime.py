@@ -23,11 +23,12 @@ import sys
 import time
 from dataclasses import dataclass
 from importlib.util import find_spec
+from pathlib import Path
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from storage.cache import flashdir_for
+from storage.cache import cached_conversion, flashdir_for
 from storage.checkpoint import open_checkpoint
 from storage.convert import DEFAULT_DTYPE, layout_for, resident_kinds, resident_names
 from storage.config import ModelConfig
@@ -41,7 +42,7 @@ from storage.tokenizer import token_segments
 from . import BLAS_THREADS_FROM_USER
 from . import default_model
 from .budget import (HEAP_SLACK_BYTES, BudgetPlan, auto_budget_bytes, measure_runtime_bytes, plan_budget,
-                     plan_experts, plan_gate, plan_resident_ffn, resident_bytes_for, resident_matrix_shapes,
+                     plan_experts, plan_gate, plan_resident_ffn, resident_bytes_for, down_scale_bytes, resident_matrix_shapes,
                      runtime_estimate_bytes)
 from .default_model import default_model_path, ensure_default_model
 from .ffn.experts import ExpertFFN
@@ -163,7 +164,7 @@ def resident_bytes_of(cfg: ModelConfig, layout, kinds: dict, ffn: str = "dense")
     """The resident line: float16 bundles take the resident matrices float16 too (half the DRAM, and GEMV reads half
     the bytes), quantized ones in blocks (`kinds`); float32 bundles keep the whole model exact. --ffn oracle adds the
     dense gate/up weights, float32, kept for the run: the true activations need them."""
-    resident = resident_bytes_for(cfg, half=layout.dtype != "f32", kinds=kinds)
+    resident = resident_bytes_for(cfg, half=layout.dtype != "f32", kinds=kinds) + down_scale_bytes(layout)
     if ffn == "oracle":
         resident += cfg.n_layers * cfg.ffn_dim * cfg.dim * 4 * (2 if cfg.glu else 1)
     return resident
@@ -197,21 +198,25 @@ def minimum_bytes(cfg: ModelConfig, layout, kinds: dict, ffn: str, ctx: int, run
     return min(sparse, in_ram, *candidates)
 
 
-def model_facts(source: str | None) -> tuple[ModelConfig, FlashLayout, dict]:
+def model_facts(source: str | None, cached: bool = True) -> tuple[ModelConfig, FlashLayout, dict]:
     """(config, layout, resident kinds) of the FLASHDIR a run of the model plans with, from a header, config.json or
-    manifest alone: a source's as conversion will make them (convert.layout_for, resident_kinds). source None: the
-    default model, from default_model's record of its header while the file is not fetched yet."""
+    manifest alone: its cached conversion's when there is one (cached: a build before this one may have made it,
+    e.g. with a q8_0 down), else a source's as conversion will make them (convert.layout_for, resident_kinds).
+    source None: the default model, from default_model's record of its header while the file is not fetched yet."""
     if source is None:
         if not default_model_path().is_file():
             cfg = ModelConfig(**default_model.CONFIG)
-            layout = FlashLayout.create(cfg.dim, [cfg.ffn_dim] * cfg.n_layers, default_model.FFN_DTYPE, cfg.glu,
-                                        down_dtype=default_model.DOWN_DTYPE, config=cfg.to_dict())
+            layout = FlashLayout.create(cfg.dim, [cfg.ffn_dim] * cfg.n_layers, default_model.FFN_DTYPES[0], cfg.glu,
+                                        layer_dtypes=[default_model.FFN_DTYPES] * cfg.n_layers, config=cfg.to_dict())
             kinds = {n: default_model.EMBED_KIND if n == "embed.weight" else default_model.ATTENTION_KIND
                      for n in resident_matrix_shapes(cfg)}
             return cfg, layout, kinds
         source = str(default_model_path())
-    if is_flashdir(source):
-        ckpt = FlashCheckpoint(source)
+    path = Path(source).expanduser().resolve()
+    made = source if is_flashdir(source) or not (cached and path.exists()) else \
+        cached_conversion(path, known_only=True)                  # no model read, nothing written
+    if made is not None and is_flashdir(made):       # the FLASHDIR the run will use
+        ckpt = FlashCheckpoint(made)
         return ckpt.config, ckpt.layout, ckpt.resident_kinds
     ckpt = open_checkpoint(source)
     layout = layout_for(ckpt, DEFAULT_DTYPE)
@@ -427,7 +432,7 @@ def decide_gate(files: ModelFiles, ffn: str, dram_budget, ctx: int, window: int,
            "the default model" if files.default else files.source) if ffn == "auto" else None
     if files.gate is None:
         return Decision("gate", None, False, False, (), why, calibrate_gate=True)
-    resident = resident_bytes_for(cfg, half=layout.dtype != "f32", kinds=files.ckpt.resident_kinds)
+    resident = resident_bytes_of(cfg, layout, files.ckpt.resident_kinds)
 
     def plan_for(budget: int, requested: bool):
         return plan_gate(cfg, layout, budget, ctx, window, files.gate.sparsity, resident_bytes=resident,
@@ -476,14 +481,15 @@ def build(files: ModelFiles, decision: Decision, threads: int | None = None, pro
                            convert=half_matrix if ckpt.layout.dtype != "f32" else None)
     down_bias = [weights.get(f"layers.{i}.ffn.down.bias") for i in range(cfg.n_layers)]
     if decision.ffn == "gate":
-        runtime = GateFFN(cfg, ckpt.layout, decision.plan, files.gate, down_bias, threads=threads, verbose=verbose)
+        runtime = GateFFN(cfg, ckpt.layout, decision.plan, files.gate, down_bias, threads=threads, verbose=verbose,
+                          down_scales=ckpt.down_scales_all())
         if verbose:
             print(runtime.reader.describe(), file=sys.stderr)
         return Transformer(cfg, weights, ffn=runtime), files.tokenizer, runtime
     select = oracle_selector(cfg, ckpt, predictors) if decision.ffn == "oracle" else predictors.predict
     runtime = FlashFFN(cfg, ckpt.layout, decision.plan, select, predictors,
                        down_bias=[weights.get(f"layers.{i}.ffn.down.bias") for i in range(cfg.n_layers)],
-                       threads=threads, verbose=verbose,
+                       threads=threads, verbose=verbose, down_scales=ckpt.down_scales_all(),
                        lookahead=lookahead_selector(cfg, weights, predictors) if decision.lookahead else None)
     if verbose:
         print(runtime.reader.describe(), file=sys.stderr)

@@ -58,8 +58,9 @@ def _write(path: Path, data: dict) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def source_key(path: Path) -> str:
-    """Digest of a model file's or directory's content; file digests are remembered by (size, mtime, inode)."""
+def source_key(path: Path, known_only: bool = False) -> str | None:
+    """Digest of a model file's or directory's content; file digests are remembered by (size, mtime, inode).
+    known_only: None rather than read a file whose digest is not remembered (and nothing written)."""
     path = Path(path).resolve()
     files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path]
     memo_path = cache_dir() / DIGESTS
@@ -70,6 +71,8 @@ def source_key(path: Path) -> str:
         stamp = [st.st_size, st.st_mtime_ns, st.st_ino]
         seen = memo.get(str(f))
         if not (isinstance(seen, dict) and seen.get("stat") == stamp):
+            if known_only:
+                return None
             seen = memo[str(f)] = {"stat": stamp, "digest": file_checksum(f)}
             changed = True
         name = f.relative_to(path).as_posix() if path.is_dir() else ""
@@ -77,6 +80,22 @@ def source_key(path: Path) -> str:
     if changed:
         _write(memo_path, memo)
     return h.hexdigest()[:16]
+
+
+def cached_conversion(p: Path, known_only: bool = False) -> Path | None:
+    """Where the cached conversion of model file/directory p is (or will be made): an existing one is reused as it
+    is, whatever build wrote it (a FLASHDIR from before the down columns still runs, with its q8_0 down).
+    known_only: None when finding it would read the model (its digest is not remembered)."""
+    flash = cache_dir() / FLASH
+    if known_only and source_key(p, known_only=True) is None:
+        return None
+    # The dtype convert's default gives this source is part of the key: a conversion made under an older default
+    # (first uses before q4_1 made float16 ones) is not reused, and `flashinfer-lite cache` lists it for removal.
+    # "-split": GLU conversions made before the split layout (ffn.gate's gate|up and down files) are not reused.
+    layout = layout_for(open_checkpoint(p), DEFAULT_DTYPE)
+    key = f"{source_key(p)}-{layout.dtype}{'-split' if layout.glu else ''}"
+    # the name's stem is for people; the key alone finds a conversion (a renamed model is the same model)
+    return next((d for d in sorted(flash.glob(f"*-{key}")) if is_flashdir(d)), flash / f"{p.stem}-{key}")
 
 
 def flashdir_for(path, progress: bool) -> str:
@@ -87,13 +106,7 @@ def flashdir_for(path, progress: bool) -> str:
     if not p.exists():
         raise UserError(f"model not found: {p}")
     flash = cache_dir() / FLASH
-    # The dtype convert's default gives this source is part of the key: a conversion made under an older default
-    # (first uses before q4_1 made float16 ones) is not reused, and `flashinfer-lite cache` lists it for removal.
-    # "-split": GLU conversions made before the split layout (ffn.gate's gate|up and down files) are not reused.
-    layout = layout_for(open_checkpoint(p), DEFAULT_DTYPE)
-    key = f"{source_key(p)}-{layout.dtype}{'-split' if layout.glu else ''}"
-    # the name's stem is for people; the key alone finds a conversion (a renamed model is the same model)
-    dest = next((d for d in sorted(flash.glob(f"*-{key}")) if is_flashdir(d)), flash / f"{p.stem}-{key}")
+    dest = cached_conversion(p)
     if not is_flashdir(dest):
         flash.mkdir(parents=True, exist_ok=True)
         with exclusive(dest, "the first-use conversion"):

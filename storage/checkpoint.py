@@ -34,7 +34,8 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 # safetensors
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
-              "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+              "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "U16": np.uint16,
+              "BOOL": np.bool_}
 
 
 class SafetensorsFile:

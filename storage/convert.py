@@ -4,9 +4,10 @@ on-flash format.
 --dtype auto keeps the source's precision: a GGUF's block formats (checkpoint.GGUF_TYPES), matrix by matrix and layer
 by layer as the GGUF mixes them (a Q4_K_M: q4_k or q5_0 gate and up, ...), f16 for an HF checkpoint. With block
 formats the bundles' gate and up rows and the resident attention, embedding and lm_head matrices are copied from the
-GGUF verbatim where it stores them in a block format already, and quantized (llama.cpp's rounding) otherwise; the
-down matrix is always requantized, since the bundles need its blocks along d and a GGUF runs them along n (into q8_0
-from a GGUF: down_note).
+GGUF verbatim where it stores them in a block format already, and quantized (llama.cpp's rounding) otherwise. A
+GGUF's down matrix runs its blocks along n, where a bundle needs a column: --dtype auto keeps it exactly as columns
+(storage.columns: each bundle its column's values, the blocks' scales resident per layer); an explicit block dtype
+requantizes it along d (down_note).
 
 Everything is written into a temp directory next to the output, fsynced, and renamed into place last, so an
 interrupted convert never leaves a directory that read_layout would accept.
@@ -30,9 +31,11 @@ from storage.half import half_matrix
 from .checkpoint import open_checkpoint
 from .experts import EXPERT_DTYPES, MATRICES, ExpertLayout, expert_tensor_name
 from .files import is_scratch, remove_stale_temp_dirs, temp_path
+from . import columns
 from .blocks import QUANTIZABLE, fits, quantize, row_bytes
 from .format import (DTYPES, MANIFEST, QUANT_DTYPES, PREDICTOR_DIR, SPLIT_PARTS, FlashLayout, expert_checksum, file_checksum,
-                     ffn_tensor_names, pack_bundles, read_layout, write_manifest, write_verified_stamp)
+                     ffn_tensor_names, pack_bundles, read_layout, scale_table_name, write_manifest,
+                     write_verified_stamp)
 from .safetensors_out import SafetensorsWriter
 
 PACK_NEURONS = 4096   # neurons packed at a time: bounds the extra memory for wide FFNs
@@ -96,6 +99,10 @@ def down_note(ckpt, layout: FlashLayout) -> str:
     src = ckpt.precision("layers.0.ffn.down.weight")
     if not layout.quantized or src not in QUANT_DTYPES:
         return ""
+    if layout.down_column(0):
+        return (f"the down matrix ({src}, its blocks along the {layout.n_neurons[0]} neurons) is kept exactly: each "
+                f"bundle holds its column's {columns.BITS[layout.down_column(0)]}-bit values, the blocks' scales stay "
+                f"in DRAM per layer")
     return (f"the down matrix ({src}, its blocks along the {layout.n_neurons[0]} neurons) becomes "
             f"{layout.geometry_of(0).dtype_of('down')} along d={layout.d}: a bundle holds a neuron's down column as "
             f"one row, and 8-bit rounding stays far below the source's own")
@@ -103,7 +110,8 @@ def down_note(ckpt, layout: FlashLayout) -> str:
 
 def _auto_dtypes(ckpt, layer: int) -> tuple[str, ...]:
     """--dtype auto: each bundle vector's block format in layer `layer` (gate and up as the GGUF stores them, down
-    requantized into DOWN_REQUANT), or f16 for every vector when the FFN is not in blocks."""
+    as the GGUF's own blocks cut into columns, else requantized into DOWN_REQUANT), or f16 for every vector when the
+    FFN is not in blocks."""
     cfg = ckpt.config
     first = ckpt.precision(f"layers.{layer}.ffn.{'gate' if cfg.glu else 'up'}.weight")
     if first not in QUANT_DTYPES:
@@ -112,6 +120,9 @@ def _auto_dtypes(ckpt, layer: int) -> tuple[str, ...]:
     for v in ("gate", "up") if cfg.glu else ("up",):
         k = ckpt.precision(f"layers.{layer}.ffn.{v}.weight")
         kinds.append(k if k in QUANT_DTYPES and fits(cfg.dim, k) else DOWN_REQUANT)  # a float gate or up: 8 bits
+    down = ckpt.block_kind(f"layers.{layer}.ffn.down.weight")
+    if down is not None and columns.fits(cfg.dim, cfg.ffn_dim, down):
+        return (*kinds, down + columns.SUFFIX)
     return (*kinds, DOWN_REQUANT)
 
 
@@ -190,6 +201,9 @@ def _layer_vectors(ckpt, layout: FlashLayout, layer: int) -> tuple[list[np.ndarr
     g = layout.geometry_of(layer)
     mats = []
     for v in layout.vectors:
+        if v == "down" and layout.down_column(layer):
+            mats.append(_down_columns(ckpt, layout, layer)[0])
+            continue
         stored = ckpt.quantized(f"layers.{layer}.ffn.{v}.weight") if layout.quantized and v != "down" else None
         if stored is not None and stored[0] == g.dtype_of(v) and stored[1].shape == (n, g.vector_bytes(v)):
             mats.append(stored[1])                      # rows along d: the bundle's vector as it is
@@ -208,6 +222,27 @@ def _layer_vectors(ckpt, layout: FlashLayout, layer: int) -> tuple[list[np.ndarr
     return mats, bs
 
 
+def _down_columns(ckpt, layout: FlashLayout, layer: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Layer `layer`'s down matrix cut into (columns uint8 [n, column bytes], scale tables): storage.columns.split."""
+    kind = layout.down_column(layer)
+    stored = ckpt.quantized(f"layers.{layer}.ffn.down.weight")
+    if stored is None or stored[0] != kind:
+        raise UserError(f"{ckpt.path}: layers.{layer}.ffn.down.weight is not in {kind} blocks")
+    return columns.split(stored[1], kind, layout.n_neurons[layer])
+
+
+def scale_tables(ckpt, layout: FlashLayout) -> list[tuple[str, tuple, np.dtype, callable]]:
+    """(name, shape, dtype, read) of every down column table resident.safetensors holds; read() cuts its layer again
+    (cheap beside the write: no layer's tables are held while the bundles are written)."""
+    out = []
+    for i in range(layout.n_layers):
+        kind = layout.down_column(i)
+        for t, (shape, dt) in columns.table_shapes(kind, layout.d, layout.n_neurons[i]).items() if kind else ():
+            out.append((scale_table_name(i, t), shape, dt,
+                        lambda i=i, t=t: _down_columns(ckpt, layout, i)[1][t]))
+    return out
+
+
 def _write_layer(f, ckpt, layout: FlashLayout, layer: int) -> str:
     """Read, pack and write one layer's bundles at f's position; return the region's checksum. A function so that
     the layer's float32 matrices are freed on return, before the next layer's are read."""
@@ -218,7 +253,7 @@ def _write_layer(f, ckpt, layout: FlashLayout, layer: int) -> str:
         idx = order[a:a + PACK_NEURONS]               # bundle a+j holds original neuron order[a+j]
         vecs = [m[idx] for m in mats]                 # n_vec gathered [c, d] (or [c, vector_bytes]) copies
         bias = np.stack([b[idx] for b in bs], axis=1) if bs else None                   # [c, n_bias]
-        packed = pack_bundles(layout, vecs, bias, layer)
+        packed = pack_bundles(layout, vecs, bias, layer, neurons=idx)
         del vecs                                      # before the next chunk's are allocated
         h.update(packed)
         f.write(packed)
@@ -258,7 +293,7 @@ def write_flashdir(ckpt, layout: FlashLayout, dest: Path, progress: bool = True)
         steps.set_postfix_str("resident")
         layout.resident_checksum = write_resident(ckpt, names, dest / layout.files["resident"],
                                                   half=layout.dtype != "f32",
-                                                  quant=resident_quant(layout))
+                                                  quant=resident_quant(layout), tables=scale_tables(ckpt, layout))
         steps.update()
 
         steps.set_postfix_str("tokenizer")
@@ -327,19 +362,22 @@ def resident_kinds(ckpt, names: list[str], quant: str | None) -> dict[str, str]:
     return kinds
 
 
-def write_resident(ckpt, names: list[str], path: Path, half: bool, quant: str | None = None) -> str:
+def write_resident(ckpt, names: list[str], path: Path, half: bool, quant: str | None = None, tables=()) -> str:
     """Write the tensors `names` of ckpt into the safetensors file path, one at a time; return its checksum.
 
     half (float16 or int8 bundles): matrices float16 by the runtime's rule (storage.half), so the file holds
     what the runtime keeps in DRAM and is half the size; norms and biases float32. Else everything float32.
-    quant (a block kind): the matrices of resident_kinds as uint8 [rows, row_bytes], named in the file's metadata."""
+    quant (a block kind): the matrices of resident_kinds as uint8 [rows, row_bytes], named in the file's metadata.
+    tables: the down columns' scale tables (scale_tables), as they are."""
     store = half_matrix if half else (lambda a: a)
     kinds = resident_kinds(ckpt, names, quant)
     shapes = [(n, ckpt.shape(n)) for n in names]
     shapes = [(n, (s[0], row_bytes(s[1], kinds[n])) if n in kinds else s) for n, s in shapes]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)   # umask applies: the runtime may be another user
     with open(fd, "wb") as f:
-        out = SafetensorsWriter(f, shapes, metadata=kinds or None)
+        out = SafetensorsWriter(f, [(n, s) for n, s, _, _ in tables] + shapes, metadata=kinds or None)
+        for n, _, _, read in tables:
+            out.write(n, read())
         for n in names:
             if n in kinds:
                 stored = ckpt.quantized(n)

@@ -33,7 +33,7 @@ from storage.errors import UserError
 from storage.tokenizer import Tokenizer
 from storage.untrusted import inside, parse_json, read_bytes
 
-from . import blocks
+from . import blocks, columns
 from .checksums import file_checksum, manifest_checksum, new_checksum, region_checksum  # noqa: F401 (the format's)
 from .predictor_files import PREDICTOR_DIR, PREDICTOR_MANIFEST, predictor_checksums
 from .checkpoint import SafetensorsFile, check_shapes
@@ -41,11 +41,13 @@ from .experts import MATRICES, ExpertLayout, expert_tensor_name
 
 FORMAT_NAME = "flashinfer-lite-flash"
 FORMAT_VERSION = 2                # written when version 1 cannot say it: per-matrix or per-layer types, 5-bit, K-quants
-READ_VERSIONS = (1, 2)
+COLUMNS_VERSION = 3               # written when the down vectors are columns (storage.columns: a GGUF's down kept exactly)
+READ_VERSIONS = (1, 2, 3)
 V1_DTYPES = ("f32", "f16", "int8", "q8_0", "q4_0", "q4_1")   # what a version 1 manifest can name
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 64 << 20     # a permutation per layer of a 70B model is ~10 MB of JSON; anything past this is not ours
 BUNDLE_ALIGN = 512                # O_DIRECT granularity of offset, length and buffer address
+PACKED_ALIGN = 4                  # bundles with down columns (version 3) are packed: the reader aligns its reads instead
 REGION_ALIGN = 4096               # layer regions start on a page
 CHECKSUM_ALGO = "blake2b-128-bound"   # a layer's digest covers its index and geometry too (layer_checksum)
 UNBOUND_CHECKSUM_ALGO = "blake2b-128"  # before 2026-11: the region's bytes alone; still read (re-run convert to bind)
@@ -53,7 +55,8 @@ VERIFIED_STAMP = ".verified.json" # sizes and mtimes of the files as they were w
 
 DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "int8": np.dtype("i1")}   # one element per weight
 QUANT_DTYPES = tuple(blocks.BLOCK_BYTES)                                           # GGUF blocks along d
-BUNDLE_DTYPES = (*DTYPES, *QUANT_DTYPES)
+BUNDLE_DTYPES = (*DTYPES, *QUANT_DTYPES, *columns.COLUMN_DTYPES)   # columns: the down vector only
+NEURON_SCALAR = "neuron.down"     # a down column's neuron id (float32, exact below 2**24): its scale tables' row
 GLU_VECTORS = ("gate", "up", "down")
 MLP_VECTORS = ("up", "down")
 BIAS_NAMES = ("bias.gate", "bias.up")
@@ -71,6 +74,8 @@ def vector_bytes(d: int, dtype: str) -> int:
     """Bytes of one bundle vector of d weights in `dtype`."""
     if dtype not in BUNDLE_DTYPES:
         raise UserError(f"unknown flash dtype '{dtype}' (choose one of {', '.join(BUNDLE_DTYPES)})")
+    if dtype in columns.COLUMN_DTYPES:
+        return columns.column_bytes(d, columns.kind_of(dtype))
     return blocks.row_bytes(d, dtype) if dtype in QUANT_DTYPES else d * DTYPES[dtype].itemsize
 
 
@@ -79,11 +84,12 @@ def vector_dtypes(dtype: str, n_vec: int, down_dtype: str | None) -> tuple[str, 
     return (dtype,) * (n_vec - 1) + (down_dtype or dtype,)
 
 
-def bundle_geometry(d: int, vector_dtypes: tuple[str, ...], n_scalars: int) -> tuple[int, int]:
+def bundle_geometry(d: int, vector_dtypes: tuple[str, ...], n_scalars: int,
+                    align: int = BUNDLE_ALIGN) -> tuple[int, int]:
     """(scalars_offset, stride) of a bundle: one vector of d weights per dtype of `vector_dtypes`, back to back, then
-    n_scalars float32 from a 4-aligned offset, then zero padding to a multiple of BUNDLE_ALIGN."""
+    n_scalars float32 from a 4-aligned offset, then zero padding to a multiple of `align`."""
     scalars_offset = align_up(sum(vector_bytes(d, t) for t in vector_dtypes), 4)
-    return scalars_offset, align_up(scalars_offset + 4 * n_scalars, BUNDLE_ALIGN)
+    return scalars_offset, align_up(scalars_offset + 4 * n_scalars, align)
 
 
 def check_down_dtype(dtype: str, down_dtype: str | None, src: str = "") -> None:
@@ -98,10 +104,22 @@ def check_vector_dtypes(dtypes, n_vec: int, src: str = "") -> tuple[str, ...]:
     dtypes = tuple(dtypes) if isinstance(dtypes, (list, tuple)) else ()
     if len(dtypes) != n_vec or not all(isinstance(t, str) and t in BUNDLE_DTYPES for t in dtypes):
         raise UserError(f"{src}bundle vector dtypes {list(dtypes)} are not {n_vec} of {', '.join(BUNDLE_DTYPES)}")
-    if not (all(t in QUANT_DTYPES for t in dtypes) or len(set(dtypes)) == 1):
+    if any(t in columns.COLUMN_DTYPES for t in dtypes[:-1]) or \
+            (dtypes[-1] in columns.COLUMN_DTYPES and not all(t in QUANT_DTYPES for t in dtypes[:-1])):
+        raise UserError(f"{src}bundle vector dtypes {list(dtypes)}: only the down vector may be columns, beside "
+                        f"block formats")
+    if not (all(t in QUANT_DTYPES for t in dtypes[:-1]) and dtypes[-1] in (*QUANT_DTYPES, *columns.COLUMN_DTYPES)
+            or len(set(dtypes)) == 1):
         raise UserError(f"{src}a bundle mixes block formats and float dtypes ({', '.join(dtypes)}): either one "
                         f"float dtype for every vector or block formats ({', '.join(QUANT_DTYPES)}) only")
     return dtypes
+
+
+def scalar_names(vectors, dtypes, biases) -> tuple[str, ...]:
+    """The float32 scalars of a bundle, in order: int8's scale per vector, the biases, a down column's neuron id."""
+    scales = tuple(f"scale.{v}" for v in vectors) if dtypes[0] == "int8" else ()
+    neuron = (NEURON_SCALAR,) if dtypes[-1] in columns.COLUMN_DTYPES else ()
+    return scales + tuple(b for b in BIAS_NAMES if b in biases) + neuron
 
 
 @dataclass(frozen=True)
@@ -128,13 +146,13 @@ class BundleGeometry:
         block format, `dtypes`) with these biases; stride None: the smallest aligned one."""
         check_down_dtype(dtype, down_dtype)
         vectors = GLU_VECTORS if glu else MLP_VECTORS
-        scales = tuple(f"scale.{v}" for v in vectors) if dtype == "int8" else ()
-        scalars = scales + tuple(b for b in BIAS_NAMES if b in biases)
         dtypes = vector_dtypes(dtype, len(vectors), down_dtype) if dtypes is None else \
             check_vector_dtypes(dtypes, len(vectors))
+        scalars = scalar_names(vectors, dtypes, biases)
+        align = PACKED_ALIGN if dtypes[-1] in columns.COLUMN_DTYPES else BUNDLE_ALIGN
         if stride is None:
-            stride = bundle_geometry(d, dtypes, len(scalars))[1]
-        return cls(d, vectors, dtypes, scalars, stride)
+            stride = bundle_geometry(d, dtypes, len(scalars), align)[1]
+        return cls(d, vectors, dtypes, scalars, stride, align)
 
     def __post_init__(self):
         if self.stride % self.align or self.stride < self.scalars_offset + 4 * len(self.scalars):
@@ -273,6 +291,16 @@ class FlashLayout:
         return self.geometries[layer]
 
     @property
+    def columns(self) -> bool:
+        """Some layer's down vectors are columns (storage.columns): its scale tables live in resident.safetensors."""
+        return any(self.dtypes_of(i)[-1] in columns.COLUMN_DTYPES for i in range(self.n_layers)) or \
+            (not self.n_layers and self.dtype in columns.COLUMN_DTYPES)
+
+    def down_column(self, layer: int) -> str | None:
+        """The block kind of layer `layer`'s down columns; None when its down vectors are rows along d."""
+        return columns.kind_of(self.dtypes_of(layer)[-1])
+
+    @property
     def uniform(self) -> bool:
         """Every layer's bundles have one geometry (no per-layer block formats)."""
         return self.layer_dtypes is None or len(set(self.layer_dtypes)) == 1
@@ -289,6 +317,8 @@ class FlashLayout:
     def version(self) -> int:
         """The manifest version that can say this layout: 1 unless a vector type or a per-layer type needs 2."""
         names = {t for i in range(self.n_layers) for t in self.dtypes_of(i)} | {self.dtype}
+        if self.columns:
+            return COLUMNS_VERSION
         return 1 if self.layer_dtypes is None and names <= set(V1_DTYPES) else FORMAT_VERSION
 
     @property
@@ -310,9 +340,10 @@ class FlashLayout:
 
     @property
     def scalars(self) -> tuple[str, ...]:
-        """Names of the float32 scalars at scalars_offset, in order: `scale.<vector>` (int8 only), then biases."""
-        scales = tuple(f"scale.{v}" for v in self.vectors) if self.dtype == "int8" else ()
-        return scales + tuple(self.biases)
+        """Names of the float32 scalars at scalars_offset, in order: `scale.<vector>` (int8 only), then biases, then
+        (down columns) the neuron id."""
+        last = columns.COLUMN_DTYPES[0] if self.columns else self.dtype
+        return scalar_names(self.vectors, (self.dtype, last), self.biases)
 
     def scalar_index(self, name: str) -> int:
         """j such that the scalar sits at B.view(np.float32)[:, scalars_offset // 4 + j]."""
@@ -353,7 +384,8 @@ class FlashLayout:
             layer_dtypes = [check_vector_dtypes(t, len(GLU_VECTORS if glu else MLP_VECTORS)) for t in layer_dtypes]
             first = layer_dtypes[0]
             dtype, down_dtype = first[0], None
-            if len(set(layer_dtypes)) == 1 and len(set(first[:-1])) == 1:    # as dtype + down_dtype can say it
+            if len(set(layer_dtypes)) == 1 and len(set(first[:-1])) == 1 and first[-1] in BUNDLE_DTYPES[:-len(
+                    columns.COLUMN_DTYPES)]:      # as dtype + down_dtype can say it (columns: only per layer)
                 down_dtype, layer_dtypes = (first[-1] if first[-1] != dtype else None), None
         gs = [BundleGeometry.of(d, dtype, glu, biases, down_dtype, dtypes=t) for t in set(layer_dtypes or [None])]
         g = gs[0]
@@ -367,12 +399,13 @@ class FlashLayout:
             [np.asarray(o, dtype=np.int64) for o in orders]
         return cls(d=d, dtype=dtype, vectors=vectors, biases=biases, stride=stride, offset=offsets,
                    n_neurons=list(n_neurons), order=orders, ffn_size=align_up(pos, REGION_ALIGN),
-                   down_dtype=down_dtype, layer_dtypes=layer_dtypes, **kw)
+                   down_dtype=down_dtype, layer_dtypes=layer_dtypes, align=min(x.align for x in gs), **kw)
 
     def make_part(self, name: str) -> "FlashLayout":
         """The layout of one split part (SPLIT_PARTS) of these bundles: its rows (BundleGeometry.part) in the same
         bundle order, each layer a REGION_ALIGN-aligned region of its own file; checksums filled in by the writer."""
         vectors, align = SPLIT_PARTS[name]
+        align = min(align, self.align)          # packed bundles (down columns): packed down rows too
         g = self.geometry.part(vectors, align)
         offsets, pos = [], 0
         for n in self.n_neurons:
@@ -400,6 +433,7 @@ class FlashLayout:
         return {"format": FORMAT_NAME, "version": version, "config": self.config, "dtype": self.dtype,
                 "bundle": {"d": self.d, "vectors": list(self.vectors), "itemsize": self.itemsize,
                            "vector_bytes": self.vector_bytes, "down_dtype": self.down_dtype,
+                           **({"align": self.align} if version >= COLUMNS_VERSION else {}),
                            "stride": self.stride, "scalars_offset": (self.geometry_of(0) if self.layer_dtypes else self.geometry).scalars_offset,
                            "scalars": list(self.scalars)},
                 "files": dict(self.files), "ffn_size": self.ffn_size, "checksum_algo": self.checksum_algo,
@@ -468,19 +502,20 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
         raise UserError(f"{src}: bundle vectors {list(vectors)} are neither {list(GLU_VECTORS)} nor {list(MLP_VECTORS)}")
     scalars = tuple(b.get("scalars") or ())
     n_scales = len(vectors) if dtype == "int8" else 0
-    biases = scalars[n_scales:]
+    biases = tuple(x for x in scalars[n_scales:] if x != NEURON_SCALAR)
     down_dtype = b.get("down_dtype")        # absent before the block formats
     check_down_dtype(dtype, down_dtype, f"{src}: ")
     if not set(biases) <= set(BIAS_NAMES) or len(set(biases)) != len(biases):
         raise UserError(f"{src}: unknown bundle scalars {list(scalars)}")
     layout = FlashLayout(d=_int(b.get("d"), "bundle.d", src, 1), dtype=dtype, vectors=vectors,
                          biases=tuple(x for x in BIAS_NAMES if x in biases),
-                         stride=_int(b.get("stride"), "bundle.stride", src, BUNDLE_ALIGN),
+                         stride=_int(b.get("stride"), "bundle.stride", src, 4),
                          offset=[], n_neurons=[], order=[], ffn_size=_int(ffn_size, "ffn_size", src),
                          config=cfg, files=dict(files), resident_checksum=str(m.get("resident_checksum", "")),
                          flashdir=flashdir, down_dtype=down_dtype, checksum_algo=m["checksum_algo"])
-    if layout.stride % BUNDLE_ALIGN:
-        raise UserError(f"{src}: bundle stride {layout.stride} is not a multiple of {BUNDLE_ALIGN} holding the payload")
+    layout.align = b.get("align", BUNDLE_ALIGN) if m["version"] >= COLUMNS_VERSION else BUNDLE_ALIGN
+    if layout.align not in (PACKED_ALIGN, BUNDLE_ALIGN) or layout.stride % layout.align:
+        raise UserError(f"{src}: bundle stride {layout.stride} is not a multiple of {layout.align} holding the payload")
     end, per_layer = 0, []
     for i, L in enumerate(layers):
         if not isinstance(L, dict):
@@ -535,7 +570,7 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
             or b.get("vector_bytes", layout.vector_bytes) != layout.vector_bytes:
         raise UserError(f"{src}: bundle scalars/offsets do not match dtype {dtype} and vectors {list(vectors)}")
     if any(layout.stride < g.scalars_offset + 4 * len(scalars) for g in layout.geometries or [first]):
-        raise UserError(f"{src}: bundle stride {layout.stride} is not a multiple of {BUNDLE_ALIGN} holding the payload")
+        raise UserError(f"{src}: bundle stride {layout.stride} is not a multiple of {layout.align} holding the payload")
     if (layout.experts is None and cfg.get("n_layers") not in (None, len(layers))) or cfg.get("dim") not in (None, layout.d):
         raise UserError(f"{src}: config (n_layers={cfg.get('n_layers')}, dim={cfg.get('dim')}) disagrees with the "
                         f"{len(layers)} layers of width {layout.d} in the manifest")
@@ -582,10 +617,12 @@ def _read_split(layout: FlashLayout, split, src: Path) -> None:
 # ----------------------------------------------------------------------------------------------------------------------
 # Bundles
 
-def pack_bundles(layout: FlashLayout, vecs, biases: np.ndarray | None = None, layer: int = 0) -> np.ndarray:
+def pack_bundles(layout: FlashLayout, vecs, biases: np.ndarray | None = None, layer: int = 0,
+                 neurons: np.ndarray | None = None) -> np.ndarray:
     """vecs float32 [n, n_vec, d] (or a list of n_vec matrices [n, d]), biases float32 [n, len(layout.biases)] ->
     layer `layer`'s bundles uint8 [n, stride]. A quantized layout also takes any vector already in its blocks, uint8
-    [n, vector bytes] (convert copies a GGUF's gate and up rows so, verbatim)."""
+    [n, vector bytes] (convert copies a GGUF's gate and up rows so, verbatim; down columns come only so, with
+    `neurons`, the original neuron id of each bundle)."""
     vecs = [vecs[:, k] for k in range(vecs.shape[1])] if isinstance(vecs, np.ndarray) else list(vecs)
     n = vecs[0].shape[0]
     assert len(vecs) == layout.n_vec and all(v.shape[0] == n for v in vecs), [v.shape for v in vecs]
@@ -599,7 +636,7 @@ def pack_bundles(layout: FlashLayout, vecs, biases: np.ndarray | None = None, la
             assert v.shape == dest.shape, v.shape
             dest[:] = v
             continue
-        assert v.shape == (n, layout.d), v.shape
+        assert v.shape == (n, layout.d) and kinds[k] not in columns.COLUMN_DTYPES, (v.shape, kinds[k])
         if layout.quantized:
             dest[:] = blocks.quantize(np.ascontiguousarray(v, dtype=np.float32), kinds[k])
         elif layout.dtype == "int8":
@@ -617,6 +654,9 @@ def pack_bundles(layout: FlashLayout, vecs, biases: np.ndarray | None = None, la
     if layout.biases:
         assert biases is not None and biases.shape == (n, len(layout.biases)), None if biases is None else biases.shape
         scalars.append(biases.astype(np.float32))
+    if NEURON_SCALAR in layout.scalars:
+        assert neurons is not None and neurons.shape == (n,), None if neurons is None else neurons.shape
+        scalars.append(neurons.astype(np.float32)[:, None])
     if scalars:
         s = np.ascontiguousarray(np.concatenate(scalars, axis=1), dtype="<f4")
         so = g.scalars_offset
@@ -624,18 +664,23 @@ def pack_bundles(layout: FlashLayout, vecs, biases: np.ndarray | None = None, la
     return out
 
 
-def unpack_bundles(layout: FlashLayout, bundles: np.ndarray, layer: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def unpack_bundles(layout: FlashLayout, bundles: np.ndarray, layer: int = 0,
+                   down_scales: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Layer `layer`'s bundles uint8 [n, stride] -> (vecs float32 [n, n_vec, d], biases float32
-    [n, len(layout.biases)]); quantized vectors dequantized (bit-exact with the runtime's kernels)."""
+    [n, len(layout.biases)]); quantized vectors dequantized (bit-exact with the runtime's kernels); down columns
+    with the layer's scale tables (FlashCheckpoint.down_scales)."""
     n = bundles.shape[0]
     assert bundles.dtype == np.uint8 and bundles.shape[1] == layout.stride
     g = layout.geometry_of(layer)
     at, so = g.vector_offsets, g.scalars_offset
     s = np.ascontiguousarray(bundles[:, so:so + 4 * len(layout.scalars)]).view("<f4").astype(np.float32)
     if layout.quantized:
-        vecs = np.stack([blocks.dequantize(bundles[:, at[k]:at[k + 1]], kind)
+        neurons = s[:, layout.scalars.index(NEURON_SCALAR)].astype(np.int64) if layout.columns else None
+        vecs = np.stack([columns.dequantize_columns(bundles[:, at[k]:at[k + 1]], columns.kind_of(kind), down_scales,
+                                                    neurons) if kind in columns.COLUMN_DTYPES else
+                         blocks.dequantize(bundles[:, at[k]:at[k + 1]], kind)
                          for k, kind in enumerate(g.vector_dtypes)], axis=1)
-        return vecs, s
+        return vecs, s[:, :len(layout.biases)]
     raw = np.ascontiguousarray(bundles[:, :at[-1]])
     vecs = raw.view(layout.np_dtype).reshape(n, layout.n_vec, layout.d).astype(np.float32)
     if layout.dtype == "int8":
@@ -654,6 +699,11 @@ def bundle_tensors(layout: FlashLayout, layer: int, vecs: np.ndarray, biases: np
     for j, b in enumerate(layout.biases):
         out[f"layers.{layer}.ffn.{b.split('.')[1]}.bias"] = np.ascontiguousarray(biases[:, j])
     return out
+
+
+def scale_table_name(layer: int, table: str) -> str:
+    """The resident.safetensors name of one of layer `layer`'s down column tables (storage.columns.TABLES)."""
+    return f"layers.{layer}.ffn.down.scales.{table}"
 
 
 def ffn_tensor_names(layout: FlashLayout, layer: int) -> list[str]:
@@ -798,8 +848,11 @@ class FlashCheckpoint:
         self.config = ModelConfig.from_dict(self.layout.config)
         self._resident_path = self.flashdir / self.layout.files["resident"]
         self._resident = self._open_resident()
-        self._resident_names = list(self._resident.entries)
+        tables = {scale_table_name(i, t) for i in range(self.layout.n_layers) for t in columns.TABLES}
+        self._resident_names = [n for n in self._resident.entries if n not in tables]   # tables: down_scales
         self.resident_kinds = self._resident_kinds()
+        for i in range(self.layout.n_layers):      # checked once here; read again when a kernel decodes them
+            self.down_scales(i)
         self._ffn_names = {}
         for i in range(self.layout.n_layers):
             for name in ffn_tensor_names(self.layout, i):
@@ -813,8 +866,8 @@ class FlashCheckpoint:
     def shapes(self) -> dict[str, tuple]:
         """{name: shape tensor(name) has}, from the resident file's header and the layout, nothing read."""
         out = {}
-        for name, (_, _, shape, _) in self._resident.entries.items():
-            kind = self.resident_kinds.get(name)
+        for name in self._resident_names:
+            shape, kind = self._resident.entries[name][2], self.resident_kinds.get(name)
             out[name] = shape if kind is None else (shape[0], blocks.row_cols(shape[1], kind))
         L = self.layout
         for name, i in self._ffn_names.items():
@@ -823,6 +876,22 @@ class FlashCheckpoint:
         for name, (_, _, k) in self._expert_names.items():
             out[name] = L.experts.shape(MATRICES[k])
         return out
+
+    def down_scales(self, layer: int) -> dict[str, np.ndarray] | None:
+        """Layer `layer`'s down column scale tables {name: raw array} (storage.columns) from resident.safetensors,
+        checked against the layout (the kernels index them by neuron); None when its down vectors are rows. Read
+        on each call, not kept: the kernels keep them decoded."""
+        kind = self.layout.down_column(layer)
+        if kind is None:
+            return None
+        found = {t: self._resident.read(scale_table_name(layer, t), raw=True) for t in columns.TABLES
+                 if scale_table_name(layer, t) in self._resident.entries}
+        return columns.check_tables(found, kind, self.layout.d, self.layout.n_neurons[layer],
+                                    f"{self._resident_path}: layer {layer}: ")
+
+    def down_scales_all(self) -> list | None:
+        """Every layer's down_scales, None when no layer's down vectors are columns."""
+        return [self.down_scales(i) for i in range(self.layout.n_layers)] if self.layout.columns else None
 
     def _open_resident(self) -> SafetensorsFile:
         # pread into a buffer the array then owns: a float32 tensor is read with no second copy and no mapping
@@ -884,7 +953,7 @@ class FlashCheckpoint:
         if self._cached_layer is not None and self._cached_layer[0] == layer:
             return self._cached_layer[1]
         L, n = self.layout, self.layout.n_neurons[layer]
-        vecs, biases = unpack_bundles(L, self.bundles(layer), layer)
+        vecs, biases = unpack_bundles(L, self.bundles(layer), layer, self.down_scales(layer))
         # Bundle b holds original neuron order[b]: scatter back to original rows.
         inv = np.empty(n, np.int64)
         inv[L.order[layer]] = np.arange(n)
@@ -941,7 +1010,8 @@ class FlashCheckpoint:
                 complete = len(raw) == m * L.stride
                 if not complete:
                     break
-                vecs, _ = unpack_bundles(L, np.frombuffer(raw, np.uint8).reshape(m, L.stride), layer)
+                vecs, _ = unpack_bundles(L, np.frombuffer(raw, np.uint8).reshape(m, L.stride), layer,
+                                         self.down_scales(layer))
                 norms[L.order[layer][b0:b0 + m]] = np.linalg.norm(vecs[:, k, :], axis=1)
         self._check_region(layer, h, complete)
         return norms

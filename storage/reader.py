@@ -9,6 +9,9 @@ Why it is built this way:
 - Coalescing: bundles whose file gap is at most `coalesce_gap` bundles are fetched by one readv whose iovecs scatter
   into the destination rows; gap bundles land in a scratch buffer and count as over-read. Both engines run the
   same plan (ReadPlan), with the same retry (once) and the same errors.
+- Packed bundles (a stride that is not a multiple of 512: FLASHDIRs with down columns, storage.format.PACKED_ALIGN):
+  each op reads its run widened to 512-byte boundaries into a staging buffer of the request, and wait() copies the
+  bundles into their rows. The file holds no padding; a lone bundle reads at most 1023 bytes more than itself.
 """
 from __future__ import annotations
 
@@ -101,6 +104,7 @@ class BundleReader:
             raise ValueError(f"engine must be one of {ENGINES}, not {engine!r}")
         # A dense run is still split so that a big request spreads over the threads.
         self.max_read_bundles = max(1, max_read_bytes // stride)
+        self.packed = stride % BUNDLE_ALIGN != 0
         self.fd, self.direct = open_for_reads(self.path)
         self._scratch = aligned_empty((max(self.coalesce_gap, 1) * stride,), np.uint8)
         self._lock = threading.Lock()       # read_ops plans from any thread
@@ -183,6 +187,8 @@ class BundleReader:
         starts[1:] |= piece[1:] != piece[:-1]
         hole = np.zeros(ids.size, np.int64)
         hole[1:] = step - 1
+        if self.packed:
+            return self._packed_ops(L.offset[layer], ids, slots, starts, dest)
         follows = np.zeros(ids.size, bool)
         follows[1:] = np.diff(slots) == 1                   # the next row of dest is also next in the file
         while True:
@@ -210,6 +216,23 @@ class BundleReader:
         plan = ReadPlan(L.offset[layer] + ids[s_idx] * stride, (ids[e_idx] - ids[s_idx] + 1) * stride,
                         np.append(op_first, has.sum()), iov[has], dest)
         return plan, ids.size * stride, int(plan.nbytes.sum())
+
+    def _packed_ops(self, region: int, ids, slots, starts, dest) -> tuple["ReadPlan", int, int]:
+        """read_ops for packed bundles: op k reads its run [first, last] widened to BUNDLE_ALIGN boundaries into its
+        own aligned span of a staging buffer; the plan's copies say where each bundle then sits in it."""
+        stride = self.layout.stride
+        s_idx = np.flatnonzero(starts)
+        e_idx = np.append(s_idx[1:], ids.size) - 1
+        lo = region + ids[s_idx] * stride
+        a0 = lo // BUNDLE_ALIGN * BUNDLE_ALIGN
+        size = -(-(region + (ids[e_idx] + 1) * stride) // BUNDLE_ALIGN) * BUNDLE_ALIGN - a0
+        pos = np.cumsum(size) - size
+        staging = aligned_empty((int(size.sum()),), np.uint8)
+        op = np.cumsum(starts) - 1                          # each bundle's op
+        iov = np.stack([staging.ctypes.data + pos.astype(np.uint64), size.astype(np.uint64)], axis=1)
+        plan = ReadPlan(a0, size, np.arange(len(s_idx) + 1), iov, dest)
+        plan.copies = (staging, pos[op] + region + ids * stride - a0[op], slots)
+        return plan, ids.size * stride, int(size.sum())
 
     # -- reading -----------------------------------------------------------------------------------------------------
     def submit(self, layer: int, bundle_ids, dest: np.ndarray, slots) -> "PendingRead":
@@ -245,6 +268,7 @@ class ReadPlan:
 
     def __init__(self, off, nbytes, first, iov, dest):
         self.off, self.nbytes, self.first, self.iov, self.dest = off, nbytes, first, iov, dest
+        self.copies = None      # packed bundles: (staging buffer, each bundle's byte in it, its dest row)
         self.iov_count = np.diff(first)
         self.iov_addr = iov.ctypes.data + 16 * first[:-1].astype(np.uint64)
 
@@ -301,6 +325,13 @@ class PendingRead:
         self.stats.io_s = req.t_end - req.t0
         if req.error is not None:
             raise req.error
+        if req.plan.copies is not None:                    # packed bundles: from the staging buffer into their rows
+            staging, at, slots = req.plan.copies
+            stride = req.plan.dest.shape[1]
+            spans = np.lib.stride_tricks.as_strided(staging, (staging.size - stride + 1, stride), (1, 1),
+                                                    writeable=False)
+            req.plan.dest[slots] = spans[at]
+            req.plan.copies = None
         return self.stats
 
 

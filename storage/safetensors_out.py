@@ -12,7 +12,7 @@ import numpy as np
 
 # What FLASHDIRs and the benchmark models store (U8: matrices in a block format). No name is longer than "F32", which
 # the room SafetensorsWriter reserves for its header relies on.
-ST_NAMES = {np.dtype("<f4"): "F32", np.dtype("<f2"): "F16", np.dtype("u1"): "U8"}
+ST_NAMES = {np.dtype("<f4"): "F32", np.dtype("<f2"): "F16", np.dtype("u1"): "U8", np.dtype("<u2"): "U16"}
 
 
 def header_bytes(entries, metadata: dict | None = None, size: int = 0) -> bytes:

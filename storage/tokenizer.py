@@ -145,7 +145,7 @@ class Tokenizer:
     def save(self, path: Path) -> None:
         """tokenizer.json + tokenizer_config.json, readable back by from_dir and by Hugging Face."""
         path = Path(path)
-        self.tok.save(str(path / "tokenizer.json"))
+        self.tok.save(str(path / "tokenizer.json"), pretty=False)    # half the bytes of the indented JSON
         cfg = {"bos_token": self.bos_token, "eos_token": self.eos_token, "chat_template": self.chat_template,
                "tokenizer_class": "PreTrainedTokenizerFast"}
         (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1, ensure_ascii=False), encoding="utf-8")

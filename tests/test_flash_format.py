@@ -189,7 +189,7 @@ def test_symlink_out_of_flashdir_is_refused(flashdir, tmp_path):
         read_layout(flashdir)
 
 
-@pytest.mark.parametrize("version", [0, 3, "1", None])
+@pytest.mark.parametrize("version", [0, 4, "1", None])
 def test_wrong_version_is_refused(flashdir, version):
     edit_manifest(flashdir, lambda m: m.__setitem__("version", version))
     with pytest.raises(UserError, match="version .* is not supported"):

@@ -146,12 +146,12 @@ def test_mixed_gguf_flashdir_keeps_its_blocks(mixed_gguf, tmp_path, monkeypatch)
     out = convert(mixed_gguf, tmp_path / "flash", progress=False)
     L = verify(out, progress=False)
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["version"] == 2 and not L.uniform
+    assert manifest["version"] == 3 and not L.uniform
     by_name = {t.name: t for t in GGUFReader(str(mixed_gguf)).tensors}
     flash = FlashCheckpoint(out)
     for i, kinds in enumerate(MIXED):
         g = L.geometry_of(i)
-        assert g.vector_dtypes == (kinds[0].lower(), kinds[1].lower(), "q8_0")       # down: requantized along d
+        assert g.vector_dtypes == (kinds[0].lower(), kinds[1].lower(), kinds[2].lower() + ".col")  # down: exact
         B = bundles_of(out, i)
         for v in ("gate", "up"):
             at = g.offset(v)
@@ -160,10 +160,14 @@ def test_mixed_gguf_flashdir_keeps_its_blocks(mixed_gguf, tmp_path, monkeypatch)
             assert flash.quantized(f"layers.{i}.attn.{m}.weight")[0] == kind.lower()
         src = gguf_dequant(np.asarray(by_name[f"blk.{i}.ffn_down.weight"].data), kinds[2].lower())
         got = flash.tensor(f"layers.{i}.ffn.down.weight")
-        assert np.abs(got - src.reshape(got.shape)).max() <= np.abs(src).max() / 127   # half a q8_0 step at most
+        assert np.array_equal(got.view(np.uint32), src.reshape(got.shape).view(np.uint32))   # the same bits
     from test_quant_e2e import resident_data_bytes
-    from flashinfer_lite.budget import resident_bytes_for
-    assert resident_bytes_for(flash.config, half=True, kinds=flash.resident_kinds) == resident_data_bytes(out)
+    from flashinfer_lite.budget import down_scale_bytes, resident_bytes_for
+    from storage.columns import decode, table_bytes
+    raw = sum(table_bytes(L.down_column(i), L.d, n) for i, n in enumerate(L.n_neurons))
+    assert resident_bytes_for(flash.config, half=True, kinds=flash.resident_kinds) + raw == resident_data_bytes(out)
+    assert down_scale_bytes(L) == sum(t.nbytes for i in range(L.n_layers)       # the budget counts them decoded
+                                      for t in decode(flash.down_scales(i), L.down_column(i)).values())
     ids = np.random.default_rng(12).integers(3, 512, size=9).tolist()
     want_tokens, want = greedy(float64_model(out), ids, 8)
     for mode in ("dense", "oracle"):
@@ -185,4 +189,4 @@ def test_convert_says_what_the_down_matrix_becomes(mixed_gguf, tmp_path, capsys)
     from storage.convert import convert
     convert(mixed_gguf, tmp_path / "flash")
     lines = [ln for ln in capsys.readouterr().err.splitlines() if "down matrix" in ln]
-    assert len(lines) == 1 and "(q6_k" in lines[0] and "becomes q8_0 along d=256" in lines[0], lines
+    assert len(lines) == 1 and "(q6_k" in lines[0] and "kept exactly" in lines[0], lines

@@ -40,10 +40,12 @@ class FlashFFN:
     overlap: compute on the cached rows while the misses are read (False: read, then compute; for measuring).
     lookahead(layer, x [1, d]) -> bool [1, n_neurons]: a guess of `layer`'s set from the previous layer's FFN input
     x, so its reads start one layer early (Deja Vu); the exact set still decides, a wrong guess costs only bytes.
+    down_scales: per layer the down columns' scale tables (FlashCheckpoint.down_scales), if the bundles have them.
     """
 
     def __init__(self, cfg: ModelConfig, layout, plan, select, predictors=None, down_bias=None,
-                 threads: int | None = None, overlap: bool = True, lookahead=None, verbose: bool = False):
+                 threads: int | None = None, overlap: bool = True, lookahead=None, verbose: bool = False,
+                 down_scales=None):
         self.cfg, self.layout, self.plan, self.select, self.predictors = cfg, layout, plan, select, predictors
         self.verbose, self.overlap, self.lookahead = verbose, overlap, lookahead
         self.stats = FlashStats.for_layers(cfg.n_layers, cfg.ffn_dim)
@@ -59,7 +61,7 @@ class FlashFFN:
                                  window=plan.window, hot=hot,
                                  staging_rows=staging_rows(plan.max_active) if lookahead else 0, stats=self.stats)
         self.kernels = sparse_ffns(layout, act=cfg.act, relu_threshold=threshold_of(cfg.act, cfg.relu_threshold),
-                                   max_active=max(layout.n_neurons))    # per layer: its block formats
+                                   max_active=max(layout.n_neurons), down_scales=down_scales)   # per layer
         self._coef = np.zeros(max(layout.n_neurons), np.float32)   # one piece's coefficients
         self._chunk = None  # prefill streaming buffer, allocated on first use (counted in the plan's buffers)
         self._pass_lookups = 0   # hits + misses when the current forward pass began

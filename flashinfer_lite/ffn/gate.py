@@ -41,7 +41,7 @@ class GateFFN(FlashFFN):
     FlashFFN's prefill choice (stream whole layers or go through the cache) and statistics apply unchanged.
     """
 
-    def __init__(self, cfg, layout, plan, calibration, down_bias=None, resident_layers: int | None = None,
+    def __init__(self, cfg, layout, plan, calibration, down_bias=None, resident_layers: int | None = None, down_scales=None,
                  threads: int | None = None, verbose: bool = False):
         self.cfg, self.plan, self.verbose = cfg, plan, verbose
         self.gate_up, self.layout = layout.parts["gate_up"], layout.parts["down"]
@@ -52,7 +52,7 @@ class GateFFN(FlashFFN):
         hot = plan.hot_neurons(list(calibration.freq)) if plan.hot_bytes else None
         self.cache = NeuronCache(self.layout.n_neurons, self.layout.stride, self.reader, capacity=plan.window_rows,
                                  window=plan.window, hot=hot, stats=self.stats)
-        self.kernels = SplitKernels(self.gate_up, self.layout, cfg.act, cfg.relu_threshold)
+        self.kernels = SplitKernels(self.gate_up, self.layout, cfg.act, cfg.relu_threshold, down_scales)
         k = plan.gate_layers if resident_layers is None else resident_layers
         self.heads = [self._read_gate_up(i) if i < k else None for i in range(cfg.n_layers)]
         self._head = None       # the stream buffer of a layer whose gate|up rows are not resident
@@ -131,7 +131,7 @@ class GateFFN(FlashFFN):
             f = self.cache.start_fetch(layer, piece)
             f.finish()
             t0 = time.perf_counter()
-            self.kernels.accumulate(self.cache.matrix(layer), f.slots, np.ascontiguousarray(coef[:, piece]), Y)
+            self.kernels.accumulate(self.cache.matrix(layer), f.slots, np.ascontiguousarray(coef[:, piece]), Y, layer)
             self.stats.compute_s += time.perf_counter() - t0
 
     def stream_down(self, layer: int, coef: np.ndarray, y: np.ndarray) -> None:
@@ -151,7 +151,8 @@ class GateFFN(FlashFFN):
             self.stats.io_s += rs.io_s
             self.stats.prefill_bytes_read += rs.read_bytes
             t1 = time.perf_counter()
-            self.kernels.accumulate(self._chunk[:m], slots[:m], np.ascontiguousarray(coef[:, start:start + m]), y)
+            self.kernels.accumulate(self._chunk[:m], slots[:m], np.ascontiguousarray(coef[:, start:start + m]), y,
+                                   layer)
             self.stats.compute_s += time.perf_counter() - t1
 
 

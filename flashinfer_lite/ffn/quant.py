@@ -17,7 +17,9 @@ from storage.errors import UserError
 from flashinfer_lite.kernels.gemv import WIDEN_BLOCK_BYTES
 from flashinfer_lite.kernels.prefetch import prefetch_ahead
 from flashinfer_lite.kernels.rows import scalar
-from flashinfer_lite.quant import KINDS, QuantMatrix, quant_kind, row_axpy, row_dequant, row_dot
+from flashinfer_lite.quant import (KINDS, QuantMatrix, col_axpy, col_dequant, column_tables, quant_kind, row_axpy,
+                                   row_dequant, row_dot)
+from storage import columns
 
 from .gating import act_code, gate_activation, glu_coefficient, threshold_of
 from .sparse import OUT_BLOCK, SparseFFN, coefficient
@@ -31,9 +33,11 @@ QUANT_FFN_ACTS = ("relu", "drelu", "silu", "gelu_tanh")
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def quant_ffn_accumulate(B, slots, coef, Y, down_at, kind, weights, block_bytes, out_block):
+def quant_ffn_accumulate(B, F, slots, coef, Y, down_at, kind, weights, block_bytes, out_block, s_neuron, S):
     """Y[t] += sum over j = 0, 1, ... of coef[t, j] * down(slots[j]), in that order (zero coefficients skipped);
-    the down rows (at byte down_at of a bundle) are in `kind`, blocks of `weights` weights in block_bytes.
+    the down rows (at byte down_at of a bundle) are in `kind`, blocks of `weights` weights in block_bytes; or, with
+    s_neuron >= 0, columns of `kind` (storage.columns: the neuron id at float32 slot s_neuron of F = B's float32
+    view, the layer's scale tables S).
 
     As ffn.sparse.ffn_accumulate: one thread per (row, out_block output elements), so each element sums its terms in
     slot order and a set accumulated in pieces gives the bit-identical sum. out_block is a multiple of the block's
@@ -46,6 +50,13 @@ def quant_ffn_accumulate(B, slots, coef, Y, down_at, kind, weights, block_bytes,
         lo = (q % nb) * out_block
         hi = min(d, lo + out_block)
         y = Y[t, lo:hi]
+        if s_neuron >= 0:
+            for j in range(n):
+                c = coef[t, j]
+                if c != np.float32(0.0):
+                    r = slots[j]
+                    col_axpy(y, c, B, r, down_at, lo, kind, np.int64(F[r, s_neuron]), S)
+            continue
         b_lo = down_at + lo // weights * block_bytes
         b_hi = down_at + hi // weights * block_bytes
         for j in range(n):
@@ -67,11 +78,13 @@ def quant_ffn_accumulate(B, slots, coef, Y, down_at, kind, weights, block_bytes,
 @dataclass(frozen=True, eq=False)
 class DenseLayer:
     """One layer's FFN for QuantSparseFFN.dense: head uint8 [n, head_bytes] (gate and up rows, or up for MLP, then
-    the float32 biases at bg / bu of its float32 view, -1: none) and down uint8 [n, row bytes of d weights]."""
+    the float32 scalars: biases at bg / bu of its float32 view, a column's neuron id at `neuron`, -1: none) and down
+    uint8 [n, row bytes of d weights]."""
     head: np.ndarray
     down: np.ndarray
     bg: int
     bu: int
+    neuron: int = -1
 
     @property
     def nbytes(self) -> int:
@@ -86,10 +99,11 @@ DOWN_PARTIALS = 4
 
 @njit(cache=True, parallel=True, fastmath=True, nogil=True)
 def quant_dense_ffn_row(H, Hf, D, x, y, coef, partial, rb, glu, act, threshold, kind, bg, bu, down_kind, up_rb,
-                        up_kind):
+                        up_kind, s_neuron, S):
     """y[:] = sum over neurons j of coef[j] * dequant(D[j]), coef[j] = the coefficient of head row H[j] (Hf: its
     float32 view) on x: partial[p] sums the p-th of len(partial) neuron ranges in order, then they add up in order.
-    H's rows: the first vector (rb bytes in `kind`), then (GLU) up (up_rb bytes in up_kind)."""
+    H's rows: the first vector (rb bytes in `kind`), then (GLU) up (up_rb bytes in up_kind); D's: as
+    quant_ffn_accumulate's (s_neuron: the neuron id's slot in Hf)."""
     n, P = H.shape[0], partial.shape[0]
     for p in prange(P):
         acc = partial[p]
@@ -100,14 +114,18 @@ def quant_dense_ffn_row(H, Hf, D, x, y, coef, partial, rb, glu, act, threshold, 
             c = coefficient(H[j], Hf[j], x, rb, glu, act, threshold, rb, -1, -1, bg, bu, kind, up_rb, up_kind)
             coef[j] = c
             if c != np.float32(0.0):
-                row_axpy(acc, c, D[j], down_kind)
+                if s_neuron >= 0:
+                    col_axpy(acc, c, D, j, 0, 0, down_kind, np.int64(Hf[j, s_neuron]), S)
+                else:
+                    row_axpy(acc, c, D[j], down_kind)
     y[:] = partial[0]
     for p in range(1, P):
         y += partial[p]
 
 
 @njit(cache=True, nogil=True)
-def dequantize_dense_layer(H, Hf, D, lo, G, U, Dw, bias_g, bias_u, rb, glu, kind, bg, bu, down_kind, up_rb, up_kind):
+def dequantize_dense_layer(H, Hf, D, lo, G, U, Dw, bias_g, bias_u, rb, glu, kind, bg, bu, down_kind, up_rb, up_kind,
+                           s_neuron, S):
     """Neurons lo .. lo + len(Dw) widened to float32 rows: gate G (GLU only), up U, down Dw; their gate and up
     biases (0 where there are none). Kinds and row bytes as quant_dense_ffn_row's."""
     for r in range(Dw.shape[0]):
@@ -117,7 +135,10 @@ def dequantize_dense_layer(H, Hf, D, lo, G, U, Dw, bias_g, bias_u, rb, glu, kind
             row_dequant(row[rb:rb + up_rb], U[r], up_kind)
         else:
             row_dequant(row[:rb], U[r], kind)
-        row_dequant(D[lo + r], Dw[r], down_kind)
+        if s_neuron >= 0:
+            col_dequant(D, lo + r, 0, Dw[r], down_kind, np.int64(Hf[lo + r, s_neuron]), S)
+        else:
+            row_dequant(D[lo + r], Dw[r], down_kind)
         bias_g[r] = scalar(Hf[lo + r], bg, 0.0)
         bias_u[r] = scalar(Hf[lo + r], bu, 0.0)
 
@@ -135,23 +156,46 @@ def ffn_coefficients_from_products(g, u, bias_g, bias_u, glu, act, threshold):
                 u[t, j] = gate_activation(act, u[t, j] + bias_u[j], threshold)
 
 
+def dense_geometry(g) -> tuple[int, int]:
+    """(offset of the scalars in a head row of QuantSparseFFN.dense_layer: after the gate and up rows, float32-aligned;
+    bytes of the head row) for bundles of geometry g."""
+    at = -(-g.offset("down") // 4) * 4
+    return at, at + 4 * len(g.scalars)
+
+
+def dense_row_bytes(g) -> int:
+    """DRAM per neuron of QuantSparseFFN.dense_layer (what the budget counts for a resident FFN)."""
+    return dense_geometry(g)[1] + g.vector_bytes("down")
+
+
 class QuantSparseFFN(SparseFFN):
     """SparseFFN over quantized bundles (storage.format.pack_bundles): each vector in a kind of KINDS (gate, up and
     down each its own, as the geometry's vector_dtypes say), the rest as SparseFFN:
 
     ffn = QuantSparseFFN(BundleGeometry.of(4096, "q4_0", glu=True, down_dtype="q8_0"), act="relu")
     ffn(B, slots, x, y)  |  ffn.coefficients(B, slots, js, X, coef)  +  ffn.accumulate(B, slots, coef, Y)
+
+    A down vector of columns (storage.columns: a GGUF's down kept exactly) needs its layer's scale tables,
+    down_scales ({name: array}, FlashCheckpoint.down_scales; kept decoded, storage.columns.decode): such a kernel
+    belongs to one layer.
     """
     DTYPES = KINDS
 
-    def __init__(self, geometry, *args, **kw):
+    def __init__(self, geometry, *args, down_scales: dict | None = None, **kw):
         super().__init__(geometry, *args, **kw)
         g = geometry
-        self.kind, up, self.down_kind = (quant_kind(g.dtype_of(v)) for v in (g.vectors[0], "up", "down"))
+        self.kind, up = (quant_kind(g.dtype_of(v)) for v in (g.vectors[0], "up"))
+        column = columns.kind_of(g.dtype_of("down"))
+        self.down_kind = quant_kind(column or g.dtype_of("down"))
+        if column and down_scales is None:
+            raise ValueError("a down vector of columns needs its layer's scale tables (down_scales)")
+        self.s_neuron = g.scalar_slot("neuron.down")     # columns: the bundle's neuron id (tables are by neuron)
+        self.S = column_tables(down_scales if column else None, column, g.d)   # decoded for the run
         self.row_bytes, self.up_len = g.vector_bytes(g.vectors[0]), g.vector_bytes("up")
         self.vector_len, self.block_kind, self.up_kind = self.row_bytes, self.kind.code, up.code
-        # the down pass's task: OUT_BLOCK outputs, or one block of the down's kind when that is longer (K-quants)
-        self.out_block = max(OUT_BLOCK, self.down_kind.weights)
+        # the down pass's task: OUT_BLOCK outputs, or one block of the down's kind when that is longer (K-quants;
+        # a column's elements stand alone)
+        self.out_block = OUT_BLOCK if column else max(OUT_BLOCK, self.down_kind.weights)
         self._widened = None     # dense(): float32 blocks of a prompt's widened bundles, allocated on first use
         self._partial = np.empty((DOWN_PARTIALS, geometry.d), np.float32)  # dense(): the down pass's partial sums
 
@@ -173,19 +217,11 @@ class QuantSparseFFN(SparseFFN):
 
     def _accumulate(self, W, F, slots, coef, Y) -> None:
         self._rows_of_d(Y)
-        quant_ffn_accumulate(W, slots, coef, Y, self.down_at, self.down_kind.code, self.down_kind.weights,
-                             self.down_kind.block_bytes, self.out_block)
+        quant_ffn_accumulate(W, F, slots, coef, Y, self.down_at, self.down_kind.code, self.down_kind.weights,
+                             self.down_kind.block_bytes, self.out_block, self.s_neuron, self.S)
 
     def _dense_geometry(self) -> tuple[int, int]:
-        """(offset of the scalars in a head row of dense_layer: after the gate and up rows, float32-aligned; bytes of
-        the head row)."""
-        at = -(-self.down_at // 4) * 4
-        return at, at + 4 * len(self.geometry.scalars)
-
-    @property
-    def dense_row_bytes(self) -> int:
-        """DRAM per neuron of dense_layer (what the budget counts for a resident FFN)."""
-        return self._dense_geometry()[1] + self.geometry.vector_bytes("down")
+        return dense_geometry(self.geometry)
 
     def dense_layer(self, B: np.ndarray) -> DenseLayer:
         """A whole layer's bundles uint8 [n, stride] as the two contiguous matrices of dense() (copies: B can go)."""
@@ -198,7 +234,7 @@ class QuantSparseFFN(SparseFFN):
         head[:, at:] = B[:, so:so + row - at]
         down = np.ascontiguousarray(B[:, head_bytes:head_bytes + g.vector_bytes("down")])
         slot = lambda name: at // 4 + g.scalars.index(name) if name in g.scalars else -1  # noqa: E731
-        return DenseLayer(head, down, slot("bias.gate"), slot("bias.up"))
+        return DenseLayer(head, down, slot("bias.gate"), slot("bias.up"), slot("neuron.down"))
 
     def dense(self, layer: DenseLayer, X: np.ndarray, Y: np.ndarray) -> None:
         """Y[:] = the FFN of every neuron of `layer` (dense_layer) on X [T, d] (down bias not included)."""
@@ -211,7 +247,7 @@ class QuantSparseFFN(SparseFFN):
             for t in range(T):
                 quant_dense_ffn_row(H, Hf, D, X[t], Y[t], self.coef, self._partial, self.row_bytes, self.glu,
                                     self.act_code, self.relu_threshold, self.kind.code, layer.bg, layer.bu,
-                                    self.down_kind.code, self.up_len, self.up_kind)
+                                    self.down_kind.code, self.up_len, self.up_kind, layer.neuron, self.S)
             return
         d = self.d
         block = max(1, min(n, WIDEN_BLOCK_BYTES // (4 * d)))
@@ -223,23 +259,30 @@ class QuantSparseFFN(SparseFFN):
         for lo in range(0, n, block):
             m = min(block, n - lo)
             dequantize_dense_layer(H, Hf, D, lo, G[:m], U[:m], Dw[:m], bg[:m], bu[:m], self.row_bytes, self.glu,
-                                   self.kind.code, layer.bg, layer.bu, self.down_kind.code, self.up_len, self.up_kind)
+                                   self.kind.code, layer.bg, layer.bu, self.down_kind.code, self.up_len, self.up_kind,
+                                   layer.neuron, self.S)
             a = X @ U[:m].T                                            # [T, m], then the coefficients in place
             ffn_coefficients_from_products(X @ G[:m].T if self.glu else a, a, bg[:m], bu[:m], self.glu,
                                            self.act_code, self.relu_threshold)
             Y += a @ Dw[:m]
 
 
-def sparse_ffn(layout, layer: int = 0, **kw) -> SparseFFN:
-    """The sparse FFN kernel of a FlashLayout's bundles of layer `layer` (SparseFFN.from_layout's arguments)."""
-    return (QuantSparseFFN if layout.quantized else SparseFFN).from_layout(layout, layer=layer, **kw)
+def sparse_ffn(layout, layer: int = 0, down_scales=None, **kw) -> SparseFFN:
+    """The sparse FFN kernel of a FlashLayout's bundles of layer `layer` (SparseFFN.from_layout's arguments);
+    down_scales: per layer the down columns' scale tables (FlashCheckpoint.down_scales; None: a layout without)."""
+    if not layout.quantized:
+        return SparseFFN.from_layout(layout, layer=layer, **kw)
+    tables = down_scales[layer] if down_scales is not None else None
+    return QuantSparseFFN.from_layout(layout, layer=layer, down_scales=tables, **kw)
 
 
-def sparse_ffns(layout, **kw) -> list[SparseFFN]:
-    """Per layer its sparse FFN kernel: one object per distinct bundle geometry (most layouts have one)."""
+def sparse_ffns(layout, down_scales=None, **kw) -> list[SparseFFN]:
+    """Per layer its sparse FFN kernel: one object per distinct bundle geometry (most layouts have one), one per
+    layer when its down columns have tables of their own."""
     made: dict = {}
-    return [made.setdefault(g, sparse_ffn(layout, layer=i, **kw)) if g not in made else made[g]
-            for i, g in enumerate(layout.geometries)]
+    key = lambda i, g: (g, i) if layout.columns else g  # noqa: E731
+    return [made.setdefault(key(i, g), sparse_ffn(layout, layer=i, down_scales=down_scales, **kw))
+            if key(i, g) not in made else made[key(i, g)] for i, g in enumerate(layout.geometries)]
 
 
 # ---------------------------------------------------------------------------------------------------------------

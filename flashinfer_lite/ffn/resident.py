@@ -18,7 +18,8 @@ class ResidentFFN:
     def __init__(self, cfg: ModelConfig, ckpt: FlashCheckpoint, down_bias=None, progress: bool = False):
         L = ckpt.layout
         self.cfg = cfg
-        self.kernels = sparse_ffns(L, max_active=max(L.n_neurons))      # per layer: its block formats
+        self.kernels = sparse_ffns(L, max_active=max(L.n_neurons),     # per layer: its block formats
+                                   down_scales=[ckpt.down_scales(i) for i in range(L.n_layers)])
         self.layers = [self.kernels[i].dense_layer(ckpt.bundles(i))    # one layer's bundles at a time in transit
                        for i in tqdm(range(L.n_layers), desc="ffn", unit="layer", disable=not progress, leave=False)]
         self.down_bias = list(down_bias) if down_bias is not None else [None] * cfg.n_layers

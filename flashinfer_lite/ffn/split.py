@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..quant import KINDS
+from storage import columns
+from ..quant import KINDS, column_tables
 from .gating import act_code, threshold_of
 from .quant import quant_ffn_accumulate
 from .sparse import OUT_BLOCK, STORAGE_VIEWS, ffn_accumulate, ffn_coefficients
@@ -14,7 +15,7 @@ class SplitKernels:
     """The two kernels of ffn.sparse over the split layout's rows: coefficients over gate|up rows, the down sum over
     down rows; their offsets and scalar slots from the parts' BundleGeometry."""
 
-    def __init__(self, gate_up, down, act: str, relu_threshold):
+    def __init__(self, gate_up, down, act: str, relu_threshold, down_scales=None):
         self.gu, self.dn = gate_up.geometry, down.geometry
         self.quantized = gate_up.quantized
         self.act = act_code(act)
@@ -23,15 +24,21 @@ class SplitKernels:
         if self.quantized:
             self.kind, self.up_kind = KINDS[g.dtype_of("gate")].code, KINDS[g.dtype_of("up")].code
             self.n, self.up_n, self.up_at = g.vector_bytes("gate"), g.vector_bytes("up"), g.offset("up")
-            self.down_kind = KINDS[self.dn.dtype_of("down")]
-            self.out_block = max(OUT_BLOCK, self.down_kind.weights)   # a task covers whole blocks (as QuantSparseFFN)
+            column = columns.kind_of(self.dn.dtype_of("down"))
+            self.down_kind = KINDS[column or self.dn.dtype_of("down")]
+            # a task covers whole blocks (as QuantSparseFFN); a column's elements stand alone
+            self.out_block = OUT_BLOCK if column else max(OUT_BLOCK, self.down_kind.weights)
+            if column and down_scales is None:
+                raise ValueError("down columns need their layers' scale tables (down_scales)")
+            self.S = [column_tables(down_scales[i] if column else None, column, self.dn.d)
+                      for i in range(down.n_layers)]
         else:
             size = np.dtype(STORAGE_VIEWS[g.dtype]).itemsize
             self.kind, self.n, self.up_at = 0, g.d, g.offset("up") // size
             self.up_kind, self.up_n = 0, g.d
         self.s_gate, self.s_up = g.scalar_slot("scale.gate"), g.scalar_slot("scale.up")
         self.bg, self.bu = g.scalar_slot("bias.gate"), g.scalar_slot("bias.up")
-        self.s_down = self.dn.scalar_slot("scale.down")
+        self.s_down, self.s_neuron = self.dn.scalar_slot("scale.down"), self.dn.scalar_slot("neuron.down")
 
     def _view(self, B: np.ndarray, dtype: str) -> np.ndarray:
         return B if self.quantized else B.view(STORAGE_VIEWS[dtype])
@@ -45,11 +52,11 @@ class SplitKernels:
                          self.up_at, self.s_gate, self.s_up, self.bg, self.bu, self.kind, self.up_n, self.up_kind,
                          self.gu.stride, np.float32(act_threshold))
 
-    def accumulate(self, D: np.ndarray, slots: np.ndarray, coef: np.ndarray, Y: np.ndarray) -> None:
-        """Y[t] += sum over j in order of coef[t, j] * down row slots[j] of D (uint8 [rows, stride])."""
+    def accumulate(self, D: np.ndarray, slots: np.ndarray, coef: np.ndarray, Y: np.ndarray, layer: int) -> None:
+        """Y[t] += sum over j in order of coef[t, j] * down row slots[j] of D (uint8 [rows, stride]) of layer `layer`."""
         if self.quantized:
-            quant_ffn_accumulate(D, slots, coef, Y, 0, self.down_kind.code, self.down_kind.weights,
-                                 self.down_kind.block_bytes, self.out_block)
+            quant_ffn_accumulate(D, D.view(np.float32), slots, coef, Y, 0, self.down_kind.code, self.down_kind.weights,
+                                 self.down_kind.block_bytes, self.out_block, self.s_neuron, self.S[layer])
         else:
             ffn_accumulate(self._view(D, self.dn.dtype), D.view(np.float32), slots, coef, Y, self.dn.d, 0,
                            self.s_down)

@@ -1,0 +1,219 @@
+"""The exact down (storage.columns): a GGUF down matrix cut into per-neuron columns + resident scale tables.
+
+Oracles: gguf.quants' dequantization of the source rows (bit for bit), float64 math on those weights for the FFN
+kernels (sparse accumulate, dense row, widened prompt, split layout's down rows). The end-to-end FLASHDIR (convert,
+manifest, runtime in every mode, every budget) is tests/test_kquant.py's mixed GGUF."""
+import numpy as np
+import pytest
+
+from flashinfer_lite import quant
+from storage import columns
+from storage.errors import UserError
+from test_kquant import gguf_dequant, random_matrix
+
+KINDS = list(columns.BITS)
+
+
+def source(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """uint8 [rows, row_bytes] of a GGUF matrix [rows, cols]: gguf's quantizer where it has one, else random blocks."""
+    if kind in ("q8_0", "q4_0", "q4_1"):
+        from gguf import GGMLQuantizationType, quants
+        w = np.random.default_rng(seed).normal(0, 0.02, (rows, cols)).astype(np.float32)
+        return np.asarray(quants.quantize(w, GGMLQuantizationType[kind.upper()]))
+    return random_matrix(kind, rows, cols, seed)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_columns_are_gguf_bit_for_bit(kind):
+    D, n = 128, 512
+    raw = source(kind, D, n)
+    want = gguf_dequant(raw, kind).reshape(D, n)
+    cols, tables = columns.split(raw, kind, n)
+    assert cols.shape == (n, columns.column_bytes(D, kind))
+    assert sum(t.nbytes for t in tables.values()) == columns.table_bytes(kind, D, n)
+    # every source bit is kept: the columns and tables hold no more than the blocks' bytes
+    assert cols.nbytes + columns.table_bytes(kind, D, n) <= raw.nbytes + (D * n // 256) * 4
+    perm = np.random.default_rng(1).permutation(n)
+    got = columns.dequantize_columns(cols[perm], kind, tables, perm)
+    assert np.array_equal(got.view(np.uint32), want.T[perm].view(np.uint32))
+    S, code = quant.column_tables(tables, kind, D), quant.KINDS[kind].code
+    assert sum(t.nbytes for t in S) == columns.decoded_bytes(kind, D, n)
+    out = np.empty(D, np.float32)
+    for j in perm[:64]:
+        quant.col_dequant(cols, j, 0, out, code, j, S)
+        assert np.array_equal(out.view(np.uint32), want[:, j].view(np.uint32)), j
+    y = np.ones(D - 64, np.float32)
+    quant.col_axpy(y, np.float32(0.75), cols, 5, 0, 64, code, 5, S)
+    assert np.array_equal(y, np.float32(1) + np.float32(0.75) * want[64:, 5])
+
+
+def test_pack_unpack_roundtrip():
+    q = np.random.default_rng(2).integers(0, 64, (7, 128), dtype=np.uint8)
+    for kind, bits in (("q4_0", 4), ("q5_0", 5), ("q6_k", 6)):
+        v = q & ((1 << bits) - 1)
+        assert np.array_equal(columns.unpack(columns.pack(v, kind), kind, 128), v)
+
+
+def test_tables_from_a_file_are_checked():
+    raw = source("q4_k", 64, 256)
+    _, tables = columns.split(raw, "q4_k", 256)
+    columns.check_tables(tables, "q4_k", 64, 256)
+    bad = dict(tables, sc=tables["sc"][:-1])
+    with pytest.raises(UserError, match="down column scales"):
+        columns.check_tables(bad, "q4_k", 64, 256)
+    with pytest.raises(UserError, match="down column scales"):
+        columns.check_tables({k: v for k, v in tables.items() if k != "mn"}, "q4_k", 64, 256)
+    with pytest.raises(UserError, match="cannot be cut"):
+        columns.split(raw[:, :-1], "q4_k", 256)
+
+
+def bundles_with_columns(kind, d=64, n=512, seed=3):
+    """QuantSparseFFN over bundles [q8_0 gate | q8_0 up | `kind` down columns], neurons permuted as convert does;
+    returns (kernel, B, order, float64 gate, up, down [d, n])."""
+    from gguf import GGMLQuantizationType, quants
+    from flashinfer_lite.ffn.quant import QuantSparseFFN
+    from storage.format import FlashLayout, pack_bundles
+    rng = np.random.default_rng(seed)
+    gu = [np.asarray(quants.quantize(rng.normal(0, 0.3, (n, d)).astype(np.float32), GGMLQuantizationType.Q8_0))
+          for _ in range(2)]
+    raw = source(kind, d, n, seed)
+    cols, tables = columns.split(raw, kind, n)
+    order = rng.permutation(n)
+    L = FlashLayout.create(d, [n], "q8_0", True, layer_dtypes=[("q8_0", "q8_0", kind + ".col")])
+    B = pack_bundles(L, [gu[0][order], gu[1][order], cols[order]], layer=0, neurons=order)
+    ffn = QuantSparseFFN.from_layout(L, act="silu", max_active=n, down_scales=tables)
+    g64, u64 = (gguf_dequant(m, "q8_0").reshape(n, d).astype(np.float64) for m in gu)
+    down64 = gguf_dequant(raw, kind).reshape(d, n).astype(np.float64)
+    return ffn, B, order, g64, u64, down64
+
+
+def float64_ffn(x, g, u, down, neurons):
+    a = g[neurons] @ x
+    c = a / (1 + np.exp(-a)) * (u[neurons] @ x)
+    return down[:, neurons] @ c
+
+
+@pytest.mark.parametrize("kind", ["q4_k", "q6_k", "q5_1"])
+def test_column_ffn_is_the_float64_math(kind):
+    ffn, B, order, g, u, down = bundles_with_columns(kind)
+    d, n = g.shape[1], g.shape[0]
+    X = np.random.default_rng(4).normal(size=(3, d)).astype(np.float32)
+    rows = np.sort(np.random.default_rng(5).choice(n, 200, replace=False)).astype(np.int32)  # bundle ids
+    y = np.empty(d, np.float32)
+    ffn(B, rows, X[0], y)
+    want = float64_ffn(X[0].astype(np.float64), g, u, down, order[rows])
+    np.testing.assert_allclose(y, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    # in pieces, into the same Y: the same bits as in one call (the runtime's budget and overlap rely on it)
+    coef = np.zeros((1, len(rows)), np.float32)
+    ffn.coefficients(B, rows, None, X[:1], coef)
+    Y = np.zeros((1, d), np.float32)
+    ffn.accumulate(B, rows[:77], np.ascontiguousarray(coef[:, :77]), Y)
+    ffn.accumulate(B, rows[77:], np.ascontiguousarray(coef[:, 77:]), Y)
+    assert np.array_equal(Y[0], y)
+    # the whole layer in RAM: decode rows and a prompt's widened blocks
+    layer = ffn.dense_layer(B)
+    want = np.stack([float64_ffn(x.astype(np.float64), g, u, down, np.arange(n)) for x in X])
+    for T in (1, 3):
+        Yd = np.empty((T, d), np.float32)
+        ffn.dense(layer, X[:T], Yd)
+        np.testing.assert_allclose(Yd, want[:T], rtol=0, atol=1e-4 * np.abs(want).max())
+
+
+def test_split_down_rows_are_the_bundles_columns():
+    """The split layout's down.bin rows hold the same column bytes and neuron id: SplitKernels sums them as
+    QuantSparseFFN sums the bundles, to the bit."""
+    from flashinfer_lite.ffn.split import SplitKernels
+    from storage.format import FlashLayout, SPLIT_PARTS
+    ffn, B, order, g, u, down = bundles_with_columns("q6_k")
+    d, n = g.shape[1], g.shape[0]
+    L = FlashLayout.create(d, [n], "q8_0", True, layer_dtypes=[("q8_0", "q8_0", "q6_k.col")])
+    parts = {name: L.make_part(name) for name in SPLIT_PARTS}
+    H, D = (L.geometry.extract(B, parts[p].geometry) for p in ("gate_up", "down"))
+    _, tables = columns.split(source("q6_k", d, n, 3), "q6_k", n)
+    k = SplitKernels(parts["gate_up"], parts["down"], "silu", None, [tables])
+    X = np.random.default_rng(6).normal(size=(1, d)).astype(np.float32)
+    coef = np.zeros((1, n), np.float32)
+    k.coefficients(H, X, coef, 0.0)
+    Y = np.zeros((1, d), np.float32)
+    k.accumulate(D, np.arange(n, dtype=np.int32), coef, Y, 0)
+    y = np.empty(d, np.float32)
+    ffn(B, np.arange(n, dtype=np.int32), X[0], y)
+    assert np.array_equal(Y[0], y)
+    with pytest.raises(ValueError, match="scale tables"):
+        SplitKernels(parts["gate_up"], parts["down"], "silu", None)
+
+
+@pytest.mark.parametrize("engine", ["io_uring", "threads"])
+@pytest.mark.parametrize("gap", [-1, 0, 5])
+def test_packed_bundles_read_into_their_rows(uniform_gated, engine, gap):
+    """Bundles with down columns are packed (no padding to 512): the reader widens each op to 512-byte boundaries
+    and copies every bundle into its row: the rows are the file's bytes, whatever the coalescing."""
+    from storage.format import BUNDLE_ALIGN, FlashCheckpoint
+    from storage.reader import BundleReader, aligned_empty
+    ckpt = FlashCheckpoint(uniform_gated)
+    L = ckpt.layout
+    assert L.stride % BUNDLE_ALIGN and L.stride % 4 == 0 and L.align == 4
+    rng = np.random.default_rng(gap + 10)
+    with BundleReader(L, engine=engine, coalesce_gap=gap, max_read_bytes=7 * L.stride) as reader:
+        for layer in range(L.n_layers):
+            file_rows = ckpt.bundles(layer)
+            n = L.n_neurons[layer]
+            ids = rng.choice(n, 60, replace=False)
+            dest = aligned_empty((80, L.stride), np.uint8)
+            slots = rng.choice(80, 60, replace=False)
+            st = reader.read(layer, ids, dest, slots)
+            assert np.array_equal(dest[slots], file_rows[ids])
+            assert st.requested_bytes == 60 * L.stride and st.read_bytes % BUNDLE_ALIGN == 0
+            assert st.read_bytes <= 60 * (L.stride + 2 * BUNDLE_ALIGN) + (n * L.stride if gap > 0 else 0)
+
+
+def test_old_layout_kinds_keep_512_byte_bundles(tiny_model, tmp_path):
+    """Only layouts with down columns (version 3) are packed: the others are the directories they always were."""
+    from storage.convert import convert
+    from storage.format import read_layout
+    L = read_layout(convert(tiny_model("llama-relu"), tmp_path / "flash", dtype="q4_0", progress=False))
+    assert L.stride % 512 == 0 and L.align == 512 and not L.columns
+
+
+@pytest.fixture(scope="module")
+def uniform_gated(tiny_model, tmp_path_factory):
+    """A uniform GGUF (every layer: gate/up Q8_0, down Q6_K) converted with down columns and the split layout,
+    calibrated for the exact gate."""
+    import shutil
+    from conftest import write_llama_gguf
+    from predictors.calibrate_gate import calibrate
+    from storage.checkpoint import open_checkpoint
+    from storage.convert import convert
+    src = open_checkpoint(tiny_model("llama-wide"))
+    root = tmp_path_factory.mktemp("kdown-gate")
+    types = {"embed.weight": "Q8_0"}
+    for i in range(src.config.n_layers):
+        types.update({f"layers.{i}.ffn.gate.weight": "Q8_0", f"layers.{i}.ffn.up.weight": "Q8_0",
+                      f"layers.{i}.ffn.down.weight": "Q6_K"})
+    flash = convert(write_llama_gguf(src, root / "uniform.gguf", types), root / "flash", progress=False)
+    calibrate(str(flash), n_tokens=256, progress=False)
+    yield flash
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_exact_gate_over_down_columns(uniform_gated, monkeypatch):
+    """The split layout's down.bin holds the same packed columns: the exact gate from flash equals float64 math on
+    the GGUF's own down weights (those of the neurons that cleared the threshold), with the same bits at every
+    budget."""
+    from conftest import assert_same_bits_at_every_budget
+    from test_exact_gate import IDS, float64_gated_model
+    from test_quant_e2e import greedy
+    from flashinfer_lite.runtime import load_runtime
+    from storage.format import read_layout
+    from storage.gate_file import DEFAULT_SPARSITY, read_gate_file
+    L = read_layout(uniform_gated)
+    down = L.parts["down"]
+    assert L.uniform and L.down_column(0) == "q6_k" and down.stride % 512 and down.geometry.dtype == "q6_k.col"
+    cal = read_gate_file(uniform_gated, L.n_layers, L.n_neurons[0], DEFAULT_SPARSITY)
+    probe = load_runtime(uniform_gated, "gate", ctx=64, runtime_bytes=0)[2].plan
+    model, _, rt = load_runtime(uniform_gated, "gate", ctx=64, runtime_bytes=0, dram_budget=probe.minimum_bytes)
+    tokens, got = greedy(model, IDS, 8)
+    want_tokens, want = greedy(float64_gated_model(uniform_gated, uniform_gated, cal.thresholds, []), IDS, 8)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), np.abs(got - want).max()
+    assert tokens == want_tokens and rt.stats.read_bytes > 0
+    assert_same_bits_at_every_budget(uniform_gated, "gate", IDS, 6, monkeypatch)
