@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import llvmlite.binding as llvm_binding
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -30,7 +31,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from storage.errors import UserError
-from flashinfer_lite.kernels.f16 import f16_bits_to_f32
+from flashinfer_lite.kernels.f16 import f16_bits_to_f32, f32_to_f16_bits
 from flashinfer_lite.kernels.gemv import MATMUL_PARALLEL_MIN_WORK, MATMUL_ROW_KERNEL_MAX_T, matmul_widened
 from flashinfer_lite.kernels.prefetch import prefetch_ahead
 from flashinfer_lite.kernels.rows import dot
@@ -263,6 +264,171 @@ def row_axpy(typingctx, y, c, r, kind):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# 8-bit activations (llama.cpp's dot products, for the 32-weight block kinds). x is rounded once per GEMV into
+# blocks of 32 int8 as ggml's x86 CPU backend rounds it (quantize_row_q8_0 / q8_1): the scale max|x| / 127 kept as
+# float16, the values rint(x * (127 / max|x|)), ties to even. A weight block's dot product with such a block is then
+# an exact integer, computed as 8 lanes of 4 products each (one vpdpbusd where the host has AVX512-VNNI), and only
+# the 8 lanes' float sums depend on rounding: their order is fixed here, so the bits do not depend on the host's
+# instructions, the thread count or the call site. K-quant rows keep the float32 dot product (row_dot).
+
+INT8_KINDS = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)   # the kinds with an 8-bit dot product: codes 0 .. Q5_1 (act_dot)
+assert INT8_KINDS == tuple(range(Q5_1 + 1))
+LANES = 8                                     # int32 lanes per 32-weight block: 4 products each
+# unsigned weight values u = q + offset (q8_0: q + 128; q4_0: the nibble, q = u - 8; q5_0: u - 16): the products are
+# u8 x s8 (vpdpbusd's), and offset * (x's lane sums) is taken off in integers
+_OFFSET_SHIFT = {Q8_0: 7, Q4_0: 3, Q5_0: 4}
+
+
+@njit(cache=True, nogil=True)
+def quantize_act(x, xq, xd, xs, xl):
+    """x float32[n] (n a multiple of 32) -> 8-bit blocks: xq int8[n], xd float32[n // 32] (each block's float16 scale
+    as float32), xs float32[n // 32] (q8_1's s: float16 of the unrounded scale times the block's sum of xq) and xl
+    int32[n // 4] (the sums of each 4 consecutive xq: the lanes' offset terms)."""
+    for b in range(x.shape[0] // BLOCK):
+        amax = np.float32(0.0)
+        for k in range(BLOCK):
+            amax = max(amax, abs(x[b * BLOCK + k]))
+        d = amax / np.float32(127.0)
+        inv = np.float32(127.0) / amax if amax != np.float32(0.0) else np.float32(0.0)
+        total = 0
+        for k in range(BLOCK):
+            q = np.int32(np.rint(x[b * BLOCK + k] * inv))
+            xq[b * BLOCK + k] = q
+            total += q
+        for k in range(BLOCK // 4):
+            i = b * BLOCK + 4 * k
+            xl[b * LANES + k] = np.int32(xq[i]) + np.int32(xq[i + 1]) + np.int32(xq[i + 2]) + np.int32(xq[i + 3])
+        xd[b] = f16_bits_to_f32(f32_to_f16_bits(d))
+        xs[b] = f16_bits_to_f32(f32_to_f16_bits(d * np.float32(total)))
+
+
+ACT8 = [False]   # set_act8: 8-bit activations where a kind has them, else float32 x everywhere
+
+
+def set_act8(on: bool) -> None:
+    """Process-wide: dot products with 32-weight block rows round x to 8 bits as llama.cpp does (on, the default and
+    faster), or keep it float32 (off: the float32 math on the dequantized weights, exact but for summation order)."""
+    ACT8[0] = bool(on)
+
+
+def act8_buffers(T: int, n: int, *kinds: str) -> tuple:
+    """quantize_act's arrays (q, d, s, lanes) for T rows of n values; empty ([T, 0]: the kernels then take float32
+    x) when set_act8 is off, n is not whole blocks or none of `kinds` has an 8-bit dot product."""
+    m = n if ACT8[0] and n % BLOCK == 0 and any(KINDS[k].code in INT8_KINDS for k in kinds) else 0
+    return (np.empty((T, m), np.int8), np.empty((T, m // BLOCK), np.float32), np.empty((T, m // BLOCK), np.float32),
+            np.empty((T, m // 4), np.int32))
+
+
+def act8_of(x: np.ndarray, *kinds: str) -> tuple:
+    """x [T, n] float32 as 8-bit blocks for the kernels (act8_buffers, filled row by row)."""
+    a = act8_buffers(*x.shape, *kinds)
+    for t in range(x.shape[0] if a[0].shape[1] else 0):
+        quantize_act(x[t], a[0][t], a[1][t], a[2][t], a[3][t])
+    return a
+
+
+_HOST = set(llvm_binding.get_host_cpu_features().flatten().split(","))
+HAS_VNNI = {"+avx512vnni", "+avx512vl"} <= _HOST
+
+
+def _lanes_of(builder, u, xv):
+    """<8 x i32>: lane l = sum of u[k] * xv[k] over k = 4l .. 4l + 3 (u unsigned, xv signed <32 x i8>): exact. One
+    vpdpbusd with AVX512-VNNI; elsewhere the same integers from 32-bit products."""
+    v8 = ir.VectorType(_I32, LANES)
+    if HAS_VNNI:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8, v8, v8]),
+                                            "llvm.x86.avx512.vpdpbusd.256")
+        return builder.call(fn, [ir.Constant(v8, [ir.Constant(_I32, 0)] * LANES), builder.bitcast(u, v8),
+                                 builder.bitcast(xv, v8)])
+    w = ir.VectorType(_I32, BLOCK)
+    p = builder.mul(builder.zext(u, w), builder.sext(xv, w))
+    pick = lambda k: builder.shuffle_vector(p, p, ir.Constant(v8, list(range(k, BLOCK, 4))))  # noqa: E731
+    return builder.add(builder.add(pick(0), pick(1)), builder.add(pick(2), pick(3)))
+
+
+def _unsigned_values(builder, kind, ptr, o):
+    """<32 x i8>: the block at byte ptr[o]'s weights as unsigned values u (see _OFFSET_SHIFT)."""
+    at = lambda k: builder.add(o, ir.Constant(o.type, k))  # noqa: E731
+    if kind == Q8_0:
+        return builder.xor(_load_vec(builder, ptr, _I8, BLOCK, at(2)), _vec(builder, _I8, 0x80))
+    head = 4 if kind in (Q4_1, Q5_1) else 2
+    five = kind in (Q5_0, Q5_1)
+    packed = _load_vec(builder, ptr, _I8, 16, at(head + 4 * five))
+    u = builder.shuffle_vector(builder.and_(packed, _vec(builder, _I8, 15, 16)),
+                               builder.lshr(packed, _vec(builder, _I8, 4, 16)),
+                               ir.Constant(ir.VectorType(_I32, BLOCK), list(range(BLOCK))))
+    if five:
+        qh = builder.load(builder.bitcast(builder.gep(ptr, [at(head)]), _I32.as_pointer()), align=1)
+        bit = builder.lshr(_vec(builder, _I32, qh), ir.Constant(ir.VectorType(_I32, BLOCK), list(range(BLOCK))))
+        bit = builder.trunc(builder.and_(bit, _vec(builder, _I32, 1)), ir.VectorType(_I8, BLOCK))
+        u = builder.or_(u, builder.shl(bit, _vec(builder, _I8, 4)))
+    return u
+
+
+def _strict_sum(builder, v):
+    """The sum of a <8 x float>'s lanes by halving, in this order (no reassociation: the same bits everywhere)."""
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        half = lambda lo: builder.shuffle_vector(  # noqa: E731
+            v, v, ir.Constant(ir.VectorType(_I32, n), list(range(lo, lo + n))))
+        v = builder.fadd(half(0), half(n))
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
+@intrinsic
+def row_dot8(typingctx, r, xq, xd, xs, xl, kind):
+    """r . x for a quantized row r of a kind in INT8_KINDS and x as 8-bit blocks (quantize_act's xq, xd, xs, xl):
+    per block the exact integer dot product in 8 lanes, times (weight scale * x scale), summed lane-wise block after
+    block, the lanes then summed by halving; q4_1 / q5_1 add min * s per block, summed apart (llama.cpp's order)."""
+    if not _rows_ok(r, types.uint8, xq, types.int8, xd, types.float32, xs, types.float32, xl, types.int32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        r, xq, xd, xs, xl, kind = _arrays(context, builder, sig, args)
+        vf = ir.VectorType(_F32, LANES)
+        zero = ir.Constant(vf, [ir.Constant(_F32, 0.0)] * LANES)
+        accs = [cgutils.alloca_once_value(builder, zero) for _ in range(2)]   # even and odd blocks: two chains
+        mins = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
+        n_blocks = builder.sdiv(xq.nitems, ir.Constant(xq.nitems.type, BLOCK))
+        c = lambda v: ir.Constant(n_blocks.type, v)  # noqa: E731
+
+        def block(k, b, acc):
+            o = builder.mul(b, c(_GEOMETRY[k][1]))
+            xv = _load_vec(builder, xq.data, _I8, BLOCK, builder.mul(b, c(BLOCK)))
+            lanes = _lanes_of(builder, _unsigned_values(builder, k, r.data, o), xv)
+            if k in _OFFSET_SHIFT:
+                xsum = _load_vec(builder, xl.data, _I32, LANES, builder.mul(b, c(LANES)))
+                lanes = builder.sub(lanes, builder.shl(xsum, _vec(builder, _I32, _OFFSET_SHIFT[k], LANES)))
+            scale = builder.fmul(_half_at(context, builder, r.data, o), builder.load(builder.gep(xd.data, [b])))
+            term = builder.fmul(builder.sitofp(lanes, vf), _vec(builder, _F32, scale, LANES))
+            builder.store(builder.fadd(builder.load(acc), term), acc)
+            if k in (Q4_1, Q5_1):
+                m = builder.fmul(_half_at(context, builder, r.data, builder.add(o, c(2))),
+                                 builder.load(builder.gep(xs.data, [b])))
+                builder.store(builder.fadd(builder.load(mins), m), mins)
+
+        for k in INT8_KINDS:
+            with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
+                with cgutils.for_range(builder, builder.sdiv(n_blocks, c(2))) as loop:
+                    block(k, builder.mul(loop.index, c(2)), accs[0])
+                    block(k, builder.add(builder.mul(loop.index, c(2)), c(1)), accs[1])
+                with builder.if_then(builder.icmp_signed("==", builder.srem(n_blocks, c(2)), c(1))):
+                    block(k, builder.sub(n_blocks, c(1)), accs[0])
+        total = builder.fadd(builder.load(accs[0]), builder.load(accs[1]))
+        return builder.fadd(_strict_sum(builder, total), builder.load(mins))
+    return types.float32(r, xq, xd, xs, xl, kind), codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def act_dot(r, x, a, t, kind):
+    """r . x[t]: by row_dot8 on a (act8_of's arrays of x) where it holds blocks and kind has them, else row_dot."""
+    if a[0].shape[1] != 0 and kind <= Q5_1:
+        return row_dot8(r, a[0][t], a[1][t], a[2][t], a[3][t], kind)
+    return row_dot(r, x[t], kind)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Dequantize (whole matrices, embedding rows, and the widened blocks of the prefill matmul)
 
 
@@ -290,14 +456,15 @@ def dequantize(q: np.ndarray, kind: str, cols: int, rows: np.ndarray | None = No
 
 
 @njit(cache=True, fastmath=True, nogil=True)
-def quant_matmul_rows(Q, x, y, lo, hi, kind):
-    """y[:, lo:hi] = x[T, d] @ dequant(Q[lo:hi])^T."""
+def quant_matmul_rows(Q, x, y, lo, hi, kind, a):
+    """y[:, lo:hi] = x[T, d] @ dequant(Q[lo:hi])^T; with 8-bit activations a (act8_of) row_dot8's products."""
     T, d = x.shape
     rb = Q.shape[1]
-    if T == 1:  # decode: decode each block straight into the dot product, nothing written
+    if T == 1 or a[0].shape[1] != 0:  # decode each block straight into the dot product, nothing written
         for j in range(lo, hi):
             prefetch_ahead(Q, j, 0, rb)
-            y[0, j] = row_dot(Q[j], x[0], kind)
+            for t in range(T):
+                y[t, j] = act_dot(Q[j], x, a, t, kind)
         return
     w = np.empty(d, np.float32)  # a few tokens: each row decoded once, then its T dot products run from L1
     for j in range(lo, hi):
@@ -308,11 +475,11 @@ def quant_matmul_rows(Q, x, y, lo, hi, kind):
 
 
 @njit(cache=True, parallel=True, fastmath=True, nogil=True)
-def quant_matmul_kernel(Q, x, y, chunks, kind):
+def quant_matmul_kernel(Q, x, y, chunks, kind, a):
     """quant_matmul_rows over all rows, split into `chunks` contiguous row ranges run in parallel."""
     n = Q.shape[0]
     for c in prange(chunks):
-        quant_matmul_rows(Q, x, y, c * n // chunks, (c + 1) * n // chunks, kind)
+        quant_matmul_rows(Q, x, y, c * n // chunks, (c + 1) * n // chunks, kind, a)
 
 
 def quant_matmul_t(x: np.ndarray, q: np.ndarray, kind: str, row_kernel_max_t: int = MATMUL_ROW_KERNEL_MAX_T,
@@ -325,15 +492,17 @@ def quant_matmul_t(x: np.ndarray, q: np.ndarray, kind: str, row_kernel_max_t: in
     x = np.ascontiguousarray(x, dtype=np.float32)
     (T, d), n = x.shape, q.shape[0]
     y = np.empty((T, n), np.float32)
+    a = act8_of(x, kind)
     if T <= row_kernel_max_t:
         threads = numba_threads()
         if threads > 1 and T * n * d >= parallel_min_work:
-            quant_matmul_kernel(q, x, y, threads, k.code)
+            quant_matmul_kernel(q, x, y, threads, k.code, a)
         else:
-            quant_matmul_rows(q, x, y, 0, n, k.code)
-    else:
-        matmul_widened(x, n, d, lambda lo, block: dequantize_rows(q, np.arange(lo, lo + block.shape[0]), block,
-                                                                  k.code), y)
+            quant_matmul_rows(q, x, y, 0, n, k.code, a)
+    else:  # BLAS on x as its 8-bit blocks round it (q4_1 / q5_1: their min term from it, not from s: float rounding)
+        xr = x if a[0].shape[1] == 0 else (a[0].reshape(T, -1, BLOCK) * a[1][:, :, None]).reshape(T, d)
+        matmul_widened(xr, n, d, lambda lo, block: dequantize_rows(q, np.arange(lo, lo + block.shape[0]), block,
+                                                                   k.code), y)
     return y
 
 

@@ -17,7 +17,8 @@ from storage.errors import UserError
 from flashinfer_lite.kernels.gemv import WIDEN_BLOCK_BYTES
 from flashinfer_lite.kernels.prefetch import prefetch_ahead
 from flashinfer_lite.kernels.rows import scalar
-from flashinfer_lite.quant import KINDS, QuantMatrix, quant_kind, row_axpy, row_dequant, row_dot
+from flashinfer_lite.quant import (BLOCK, KINDS, QuantMatrix, act8_buffers, act8_of, act_dot, quant_kind, quantize_act, row_axpy,
+                                   row_dequant, row_dot, row_dot8)
 
 from .gating import act_code, gate_activation, glu_coefficient, threshold_of
 from .sparse import OUT_BLOCK, SparseFFN, coefficient
@@ -246,12 +247,13 @@ def sparse_ffns(layout, **kw) -> list[SparseFFN]:
 
 
 @njit(cache=True, parallel=True, fastmath=True, nogil=True)
-def quant_ffn_row(Wg, Wu, Wd, x, a, y, partial, glu, act, threshold, kind_g, kind_u, kind_d, down_weights,
+def quant_ffn_row(Wg, Wu, Wd, x, xa, t, a, aa, y, partial, glu, act, threshold, kind_g, kind_u, kind_d, down_weights,
                   down_block_bytes):
-    """y = Wd @ a with a[j] the coefficient of neuron j from Wg[j].x and Wu[j].x (MLP: Wu[j].x; ffn.gating). One
-    task per range of whole blocks of neurons (blocks of Wd's rows, down_weights each; as quant_dense_ffn_row:
-    len(partial) of them, one parallel region): its coefficients, then its share of every down row's dot product
-    into partial[p]; the partials add up in order."""
+    """y = Wd @ a with a[j] the coefficient of neuron j from Wg[j].x and Wu[j].x (MLP: Wu[j].x; ffn.gating), x = x[t]
+    (xa: act8_of(x), 8-bit blocks or empty). One task per range of whole blocks of neurons (blocks of Wd's rows,
+    down_weights each; as quant_dense_ffn_row: len(partial) of them, one parallel region): its coefficients, then
+    (aa: 8-bit blocks of a, filled here per range, or empty) its share of every down row's dot product into
+    partial[p]; the partials add up in order."""
     n, P = Wu.shape[0], partial.shape[0]
     nb = n // down_weights
     for p in prange(P):
@@ -260,17 +262,27 @@ def quant_ffn_row(Wg, Wu, Wd, x, a, y, partial, glu, act, threshold, kind_g, kin
             prefetch_ahead(Wu, j, 0, Wu.shape[1])
             if glu:
                 prefetch_ahead(Wg, j, 0, Wg.shape[1])
-                v = gate_activation(act, row_dot(Wg[j], x, kind_g), threshold)
+                v = gate_activation(act, act_dot(Wg[j], x, xa, t, kind_g), threshold)
                 if v != np.float32(0.0):
-                    v = glu_coefficient(act, v, row_dot(Wu[j], x, kind_u))
+                    v = glu_coefficient(act, v, act_dot(Wu[j], x, xa, t, kind_u))
             else:
-                v = gate_activation(act, row_dot(Wu[j], x, kind_u), threshold)
+                v = gate_activation(act, act_dot(Wu[j], x, xa, t, kind_u), threshold)
             a[j] = v
         acc = partial[p]
         b_lo, b_hi = lo // down_weights * down_block_bytes, hi // down_weights * down_block_bytes
+        eight = aa[0].shape[0] != 0
+        if eight and hi > lo:
+            quantize_act(a[lo:hi], aa[0][lo:hi], aa[1][lo // BLOCK:hi // BLOCK], aa[2][lo // BLOCK:hi // BLOCK],
+                         aa[3][lo // 4:hi // 4])
         for i in range(Wd.shape[0]):
             prefetch_ahead(Wd, i, b_lo, b_hi)
-            acc[i] = row_dot(Wd[i, b_lo:b_hi], a[lo:hi], kind_d) if hi > lo else np.float32(0.0)
+            if hi == lo:
+                acc[i] = np.float32(0.0)
+            elif eight:
+                acc[i] = row_dot8(Wd[i, b_lo:b_hi], aa[0][lo:hi], aa[1][lo // BLOCK:hi // BLOCK],
+                                  aa[2][lo // BLOCK:hi // BLOCK], aa[3][lo // 4:hi // 4], kind_d)
+            else:
+                acc[i] = row_dot(Wd[i, b_lo:b_hi], a[lo:hi], kind_d)
     y[:] = partial[0]
     for p in range(1, P):
         y += partial[p]
@@ -279,16 +291,19 @@ def quant_ffn_row(Wg, Wu, Wd, x, a, y, partial, glu, act, threshold, kind_g, kin
 def quant_ffn(x: np.ndarray, gate: QuantMatrix | None, up: QuantMatrix, down: QuantMatrix, act: str,
               relu_threshold: float) -> np.ndarray:
     """The FFN of the rows of x [T, d] over QuantMatrix weights without gate/up biases (down's bias not included):
-    quant_ffn_row per row. act, relu_threshold: the model config's (ffn.gating.threshold_of)."""
+    quant_ffn_row per row. act, relu_threshold: the model config's (ffn.gating.threshold_of). With set_act8 on, x
+    and the coefficients are rounded to 8-bit blocks for the dot products of the kinds that have them."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     T, n = x.shape[0], up.shape[0]
     y = np.empty((T, down.shape[0]), np.float32)
     a = np.empty(n, np.float32)
     partial = np.empty((DOWN_PARTIALS, down.shape[0]), np.float32)
     g = gate if gate is not None else up
+    xa = act8_of(x, g.kind, up.kind)
+    aa = tuple(v[0] for v in act8_buffers(1, n, down.kind))   # quant_ffn_row fills them, range by range
     kd = quant_kind(down.kind)
     for r in range(T):
-        quant_ffn_row(g.q, up.q, down.q, x[r], a, y[r], partial, gate is not None, act_code(act),
+        quant_ffn_row(g.q, up.q, down.q, x, xa, r, a, aa, y[r], partial, gate is not None, act_code(act),
                       threshold_of(act, relu_threshold), quant_kind(g.kind).code, quant_kind(up.kind).code, kd.code,
                       kd.weights, kd.block_bytes)
     return y
