@@ -88,7 +88,8 @@ def bench_gemv(rng, calls: int, pool_mb: int, threads: list[int], N: int = N, D:
                 fn = (lambda i: matmul_t(x, pool[i])) if fmt == "f16" else (lambda i: quant_matmul_t(x, pool[i], fmt))
                 r = timed(fn, calls, len(pool))
                 out.append({"format": fmt, "threads": t, **({"act8": True} if eight else {}), **r,
-                            "matrix_mb": round(one.nbytes / 1e6, 1), "gbps": round(one.nbytes / r["ms_median"] / 1e6, 2)})
+                            "matrix_mb": round(one.nbytes / 1e6, 1),
+                            "gbps": round(one.nbytes / r["ms_median"] / 1e6, 2)})
             set_act8(False)
         del pool
     return relative_to_q4_0(out)

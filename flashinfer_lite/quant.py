@@ -311,20 +311,53 @@ def set_act8(on: bool) -> None:
     ACT8[0] = bool(on)
 
 
-def act8_buffers(T: int, n: int, *kinds: str) -> tuple:
-    """quantize_act's arrays (q, d, s, lanes) for T rows of n values; empty ([T, 0]: the kernels then take float32
-    x) when set_act8 is off, n is not whole blocks or none of `kinds` has an 8-bit dot product."""
-    m = n if ACT8[0] and n % BLOCK == 0 and any(KINDS[k].code in INT8_KINDS for k in kinds) else 0
-    return (np.empty((T, m), np.int8), np.empty((T, m // BLOCK), np.float32), np.empty((T, m // BLOCK), np.float32),
-            np.empty((T, m // 4), np.int32))
+def _act8_new(T: int, n: int) -> tuple:
+    return (np.empty((T, n), np.int8), np.empty((T, n // BLOCK), np.float32), np.empty((T, n // BLOCK), np.float32),
+            np.empty((T, n // 4), np.int32))
 
 
-def act8_of(x: np.ndarray, *kinds: str) -> tuple:
-    """x [T, n] float32 as 8-bit blocks for the kernels (act8_buffers, filled row by row)."""
-    a = act8_buffers(*x.shape, *kinds)
-    for t in range(x.shape[0] if a[0].shape[1] else 0):
-        quantize_act(x[t], a[0][t], a[1][t], a[2][t], a[3][t])
+@njit(cache=True, nogil=True)
+def quantize_act_rows(x, xq, xd, xs, xl):
+    """quantize_act on each row of x [T, n] into the rows of the others (nothing when they are empty: act8_buffers)."""
+    for t in range(x.shape[0] if xq.shape[1] != 0 else 0):
+        quantize_act(x[t], xq[t], xd[t], xs[t], xl[t])
+
+
+_NONE: dict[int, tuple] = {}     # T -> the empty arrays of T rows (shared: nothing is ever written into them)
+
+
+def _wanted(n: int, kinds) -> bool:
+    return ACT8[0] and n % BLOCK == 0 and any((KINDS[k].code if isinstance(k, str) else k) in INT8_KINDS
+                                              for k in kinds)
+
+
+def act8_buffers(T: int, n: int, *kinds: str | int) -> tuple:
+    """quantize_act's arrays (q, d, s, lanes) for T rows of n values, for a kernel to fill (quantize_act_rows);
+    empty ([T, 0]: the kernels then take float32 x) when set_act8 is off, n is not whole blocks or none of `kinds`
+    (names or codes) has an 8-bit dot product."""
+    if _wanted(n, kinds):
+        return _act8_new(T, n)
+    if T not in _NONE:
+        _NONE[T] = _act8_new(T, 0)
+    return _NONE[T]
+
+
+def act8_of(x: np.ndarray, *kinds: str | int) -> tuple:
+    """x [T, n] float32 (C-contiguous) as 8-bit blocks for the kernels (act8_buffers, filled row by row)."""
+    if not _wanted(x.shape[1], kinds):
+        return act8_buffers(x.shape[0], 0)
+    a = _act8_new(*x.shape)
+    quantize_act_rows(x, *a)
     return a
+
+
+def act8_rounded(x: np.ndarray, a: tuple, kind: int = Q8_0) -> np.ndarray:
+    """x [T, n] as its 8-bit blocks a (act8_of) round it, float32: what a prompt's BLAS products multiply by, so
+    they round x as the row kernels do (q4_1 / q5_1: their min term from it, not from the float16 s; float rounding
+    apart). x itself where a is empty or `kind` (a code) has no 8-bit dot product."""
+    if a[0].shape[1] == 0 or kind not in INT8_KINDS:
+        return x
+    return (a[0].reshape(x.shape[0], -1, BLOCK) * a[1][:, :, None]).reshape(x.shape)
 
 
 _HOST = set(llvm_binding.get_host_cpu_features().flatten().split(","))
@@ -422,7 +455,8 @@ def row_dot8(typingctx, r, xq, xd, xs, xl, kind):
 
 @njit(cache=True, nogil=True, inline="always")
 def act_dot(r, x, a, t, kind):
-    """r . x[t]: by row_dot8 on a (act8_of's arrays of x) where it holds blocks and kind has them, else row_dot."""
+    """r . x[t]: by row_dot8 on a (x's 8-bit blocks, act8_buffers filled) where it holds blocks and kind has them, else
+    row_dot."""
     if a[0].shape[1] != 0 and kind <= Q5_1:
         return row_dot8(r, a[0][t], a[1][t], a[2][t], a[3][t], kind)
     return row_dot(r, x[t], kind)
@@ -474,9 +508,17 @@ def quant_matmul_rows(Q, x, y, lo, hi, kind, a):
             y[t, j] = dot(w, x[t], d)
 
 
+@njit(cache=True, fastmath=True, nogil=True)
+def quant_matmul_serial(Q, x, y, kind, a):
+    """quant_matmul_rows over all rows, x first rounded into a (act8_buffers: empty, or to fill)."""
+    quantize_act_rows(x, a[0], a[1], a[2], a[3])
+    quant_matmul_rows(Q, x, y, 0, Q.shape[0], kind, a)
+
+
 @njit(cache=True, parallel=True, fastmath=True, nogil=True)
 def quant_matmul_kernel(Q, x, y, chunks, kind, a):
-    """quant_matmul_rows over all rows, split into `chunks` contiguous row ranges run in parallel."""
+    """quant_matmul_serial's work, its rows split into `chunks` contiguous ranges run in parallel."""
+    quantize_act_rows(x, a[0], a[1], a[2], a[3])
     n = Q.shape[0]
     for c in prange(chunks):
         quant_matmul_rows(Q, x, y, c * n // chunks, (c + 1) * n // chunks, kind, a)
@@ -492,15 +534,15 @@ def quant_matmul_t(x: np.ndarray, q: np.ndarray, kind: str, row_kernel_max_t: in
     x = np.ascontiguousarray(x, dtype=np.float32)
     (T, d), n = x.shape, q.shape[0]
     y = np.empty((T, n), np.float32)
-    a = act8_of(x, kind)
     if T <= row_kernel_max_t:
+        a = act8_buffers(T, d, kind)
         threads = numba_threads()
         if threads > 1 and T * n * d >= parallel_min_work:
             quant_matmul_kernel(q, x, y, threads, k.code, a)
         else:
-            quant_matmul_rows(q, x, y, 0, n, k.code, a)
-    else:  # BLAS on x as its 8-bit blocks round it (q4_1 / q5_1: their min term from it, not from s: float rounding)
-        xr = x if a[0].shape[1] == 0 else (a[0].reshape(T, -1, BLOCK) * a[1][:, :, None]).reshape(T, d)
+            quant_matmul_serial(q, x, y, k.code, a)
+    else:
+        xr = act8_rounded(x, act8_of(x, kind), k.code)
         matmul_widened(xr, n, d, lambda lo, block: dequantize_rows(q, np.arange(lo, lo + block.shape[0]), block,
                                                                    k.code), y)
     return y

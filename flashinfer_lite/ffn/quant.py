@@ -17,7 +17,8 @@ from storage.errors import UserError
 from flashinfer_lite.kernels.gemv import WIDEN_BLOCK_BYTES
 from flashinfer_lite.kernels.prefetch import prefetch_ahead
 from flashinfer_lite.kernels.rows import scalar
-from flashinfer_lite.quant import (BLOCK, KINDS, QuantMatrix, act8_buffers, act8_of, act_dot, quant_kind, quantize_act, row_axpy,
+from flashinfer_lite.quant import (BLOCK, KINDS, QuantMatrix, act8_buffers, act8_of, act8_rounded, act_dot, quant_kind,
+                                   quantize_act, row_axpy,
                                    row_dequant, row_dot, row_dot8)
 
 from .gating import act_code, gate_activation, glu_coefficient, threshold_of
@@ -83,11 +84,14 @@ DOWN_PARTIALS = 4
 
 
 @njit(cache=True, parallel=True, fastmath=True, nogil=True)
-def quant_dense_ffn_row(H, Hf, D, x, y, coef, partial, rb, glu, act, threshold, kind, bg, bu, down_kind, up_rb,
-                        up_kind):
+def quant_dense_ffn_row(H, Hf, D, X, xa, t, y, coef, partial, rb, glu, act, threshold, kind, bg, bu, down_kind,
+                        up_rb, up_kind):
     """y[:] = sum over neurons j of coef[j] * dequant(D[j]), coef[j] = the coefficient of head row H[j] (Hf: its
-    float32 view) on x: partial[p] sums the p-th of len(partial) neuron ranges in order, then they add up in order.
+    float32 view) on X[t] (xa: act8_buffers of X: row t filled here, or empty): partial[p] sums the p-th of
+    len(partial) neuron ranges in order, then they add up in order.
     H's rows: the first vector (rb bytes in `kind`), then (GLU) up (up_rb bytes in up_kind)."""
+    if xa[0].shape[1] != 0:
+        quantize_act(X[t], xa[0][t], xa[1][t], xa[2][t], xa[3][t])
     n, P = H.shape[0], partial.shape[0]
     for p in prange(P):
         acc = partial[p]
@@ -95,7 +99,7 @@ def quant_dense_ffn_row(H, Hf, D, x, y, coef, partial, rb, glu, act, threshold, 
         for j in range(p * n // P, (p + 1) * n // P):
             prefetch_ahead(H, j, 0, H.shape[1])
             prefetch_ahead(D, j, 0, D.shape[1])
-            c = coefficient(H[j], Hf[j], x, rb, glu, act, threshold, rb, -1, -1, bg, bu, kind, up_rb, up_kind)
+            c = coefficient(H[j], Hf[j], X, xa, t, rb, glu, act, threshold, rb, -1, -1, bg, bu, kind, up_rb, up_kind)
             coef[j] = c
             if c != np.float32(0.0):
                 row_axpy(acc, c, D[j], down_kind)
@@ -169,6 +173,9 @@ class QuantSparseFFN(SparseFFN):
         self._rows_of_d(X)       # the row kernels read as many weights as x has
         super()._coefficients(W, F, slots, js, X, sel, coef, act_threshold)
 
+    def act8(self, X: np.ndarray) -> tuple:
+        return act8_buffers(*X.shape, self.block_kind, self.up_kind)
+
     def _accumulate(self, W, F, slots, coef, Y) -> None:
         self._rows_of_d(Y)
         quant_ffn_accumulate(W, slots, coef, Y, self.down_at, self.down_kind.code, self.down_kind.weights,
@@ -205,12 +212,16 @@ class QuantSparseFFN(SparseFFN):
         self._rows_of_d(Y)
         n, T = H.shape[0], X.shape[0]
         if T <= DENSE_ROW_KERNEL_MAX_T:
+            xa = act8_buffers(T, self.d, self.kind.code, self.up_kind)
             self._grow(n)
             for t in range(T):
-                quant_dense_ffn_row(H, Hf, D, X[t], Y[t], self.coef, self._partial, self.row_bytes, self.glu,
+                quant_dense_ffn_row(H, Hf, D, X, xa, t, Y[t], self.coef, self._partial, self.row_bytes, self.glu,
                                     self.act_code, self.relu_threshold, self.kind.code, layer.bg, layer.bu,
                                     self.down_kind.code, self.up_len, self.up_kind)
             return
+        # BLAS on x as its 8-bit blocks round it, for the kinds that have them (as quant.quant_matmul_t)
+        xa = act8_of(X, self.kind.code, self.up_kind)
+        Xf, Xu = act8_rounded(X, xa, self.kind.code), act8_rounded(X, xa, self.up_kind)
         d = self.d
         block = max(1, min(n, WIDEN_BLOCK_BYTES // (4 * d)))
         if self._widened is None or self._widened[0].shape[0] != block:
@@ -222,8 +233,8 @@ class QuantSparseFFN(SparseFFN):
             m = min(block, n - lo)
             dequantize_dense_layer(H, Hf, D, lo, G[:m], U[:m], Dw[:m], bg[:m], bu[:m], self.row_bytes, self.glu,
                                    self.kind.code, layer.bg, layer.bu, self.down_kind.code, self.up_len, self.up_kind)
-            a = X @ U[:m].T                                            # [T, m], then the coefficients in place
-            ffn_coefficients_from_products(X @ G[:m].T if self.glu else a, a, bg[:m], bu[:m], self.glu,
+            a = (Xu if self.glu else Xf) @ U[:m].T                    # [T, m], then the coefficients in place
+            ffn_coefficients_from_products(Xf @ G[:m].T if self.glu else a, a, bg[:m], bu[:m], self.glu,
                                            self.act_code, self.relu_threshold)
             Y += a @ Dw[:m]
 
@@ -250,10 +261,13 @@ def sparse_ffns(layout, **kw) -> list[SparseFFN]:
 def quant_ffn_row(Wg, Wu, Wd, x, xa, t, a, aa, y, partial, glu, act, threshold, kind_g, kind_u, kind_d, down_weights,
                   down_block_bytes):
     """y = Wd @ a with a[j] the coefficient of neuron j from Wg[j].x and Wu[j].x (MLP: Wu[j].x; ffn.gating), x = x[t]
-    (xa: act8_of(x), 8-bit blocks or empty). One task per range of whole blocks of neurons (blocks of Wd's rows,
+    (xa: act8_buffers of x: row t filled here, or empty). One task per range of whole blocks of neurons (blocks of
+    Wd's rows,
     down_weights each; as quant_dense_ffn_row: len(partial) of them, one parallel region): its coefficients, then
     (aa: 8-bit blocks of a, filled here per range, or empty) its share of every down row's dot product into
     partial[p]; the partials add up in order."""
+    if xa[0].shape[1] != 0:
+        quantize_act(x[t], xa[0][t], xa[1][t], xa[2][t], xa[3][t])
     n, P = Wu.shape[0], partial.shape[0]
     nb = n // down_weights
     for p in prange(P):
@@ -299,7 +313,7 @@ def quant_ffn(x: np.ndarray, gate: QuantMatrix | None, up: QuantMatrix, down: Qu
     a = np.empty(n, np.float32)
     partial = np.empty((DOWN_PARTIALS, down.shape[0]), np.float32)
     g = gate if gate is not None else up
-    xa = act8_of(x, g.kind, up.kind)
+    xa = act8_buffers(T, x.shape[1], g.kind, up.kind)
     aa = tuple(v[0] for v in act8_buffers(1, n, down.kind))   # quant_ffn_row fills them, range by range
     kd = quant_kind(down.kind)
     for r in range(T):
