@@ -302,7 +302,7 @@ def quantize_act(x, xq, xd, xs, xl):
         xs[b] = f16_bits_to_f32(f32_to_f16_bits(d * np.float32(total)))
 
 
-ACT8 = [False]   # set_act8: 8-bit activations where a kind has them, else float32 x everywhere
+ACT8 = [True]    # set_act8: 8-bit activations where a kind has them (the default), else float32 x everywhere
 
 
 def set_act8(on: bool) -> None:

@@ -17,10 +17,8 @@ f16 = np.float16
 
 
 @pytest.fixture
-def act8():
-    set_act8(True)
-    yield
-    set_act8(False)
+def act8(float32_activations):
+    set_act8(True)         # float32_activations restores the default after the test
 
 
 def q8_blocks(x: np.ndarray):
@@ -63,7 +61,7 @@ def oracle_dot(row, kind, x):
         float(np.sum(np.abs(d.astype(np.float64) * xd * sums)) + np.sum(np.abs(m.astype(np.float64) * xs)))
 
 
-def test_the_8_bit_blocks_are_llama_cpps():
+def test_the_8_bit_blocks_are_llama_cpps(act8):
     rng = np.random.default_rng(0)
     x = (rng.standard_normal(40 * BLOCK) * np.exp(rng.uniform(-8, 4, 40 * BLOCK))).astype(np.float32)
     x[:BLOCK] = 0                                           # an all-zero block: d = 0, q = 0
@@ -78,11 +76,7 @@ def test_the_8_bit_blocks_are_llama_cpps():
 
 
 def quant_act(x):
-    set_act8(True)
-    try:
-        return act8_of(x[None], "q4_0")
-    finally:
-        set_act8(False)
+    return act8_of(x[None], "q4_0")
 
 
 @pytest.mark.parametrize("kind", QUANTIZABLE)
