@@ -4,7 +4,9 @@ QuantSparseFFN: ffn.sparse.SparseFFN over bundles whose gate, up and down vector
 vector in its own block format (the bundle's geometry as storage.format.BundleGeometry says: blocks in place of
 elements). Its dense() computes a whole layer in RAM (DenseLayer, ffn.resident.ResidentFFN). quant_ffn: the dense
 FFN over a GGUF's QuantMatrix weights.
-Compute stays float32 on the dequantized weights; the gating rule is ffn.gating's.
+The gate and up products (and quant_ffn's down products, rows along n) round x (the coefficients) to 8 bits where the
+kind has an 8-bit dot product (quant.set_act8); the rest is float32 on the dequantized weights. The gating rule is
+ffn.gating's.
 """
 from __future__ import annotations
 
