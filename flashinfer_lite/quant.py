@@ -393,11 +393,12 @@ def _unsigned_values(builder, kind, ptr, o):
     u = builder.shuffle_vector(builder.and_(packed, _vec(builder, _I8, 15, 16)),
                                builder.lshr(packed, _vec(builder, _I8, 4, 16)),
                                ir.Constant(ir.VectorType(_I32, BLOCK), list(range(BLOCK))))
-    if five:
-        qh = builder.load(builder.bitcast(builder.gep(ptr, [at(head)]), _I32.as_pointer()), align=1)
-        bit = builder.lshr(_vec(builder, _I32, qh), ir.Constant(ir.VectorType(_I32, BLOCK), list(range(BLOCK))))
-        bit = builder.trunc(builder.and_(bit, _vec(builder, _I32, 1)), ir.VectorType(_I8, BLOCK))
-        u = builder.or_(u, builder.shl(bit, _vec(builder, _I8, 4)))
+    if five:   # element k's 5th bit: bit k % 8 of qh's byte k // 8 (a byte shuffle and a test, not 32 shifts)
+        qh = _load_vec(builder, ptr, _I8, 4, at(head))
+        spread = builder.shuffle_vector(qh, qh, ir.Constant(ir.VectorType(_I32, BLOCK), [k // 8 for k in range(BLOCK)]))
+        bits = builder.and_(spread, ir.Constant(ir.VectorType(_I8, BLOCK), [1 << (k % 8) for k in range(BLOCK)]))
+        u = builder.or_(u, builder.select(builder.icmp_unsigned("!=", bits, _vec(builder, _I8, 0)),
+                                          _vec(builder, _I8, 16), _vec(builder, _I8, 0)))
     return u
 
 
