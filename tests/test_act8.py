@@ -67,7 +67,7 @@ def test_the_8_bit_blocks_are_llama_cpps(act8):
     x[:BLOCK] = 0                                           # an all-zero block: d = 0, q = 0
     x[BLOCK:2 * BLOCK] = np.arange(BLOCK) - 15.5            # halves: ties round to even
     x[2 * BLOCK:3 * BLOCK] *= 1e-6
-    q, d, s, lanes = (v[0] for v in quant_act(x))
+    q, d, s, lanes = (v[0] for v in quant_act(x)[:4])
     xq, xd, xs = q8_blocks(x)
     assert np.array_equal(q, xq) and np.array_equal(d.view(np.uint32), xd.view(np.uint32))
     assert np.array_equal(s.view(np.uint32), xs.view(np.uint32))
@@ -123,3 +123,55 @@ def test_the_fused_ffn_rounds_x_and_the_coefficients(kinds, act8):
         np.testing.assert_allclose(y[t], ref, rtol=0, atol=1e-4 * np.abs(ref).max())
     set_act8(False)
     assert np.abs(quant_ffn(x, gate, up, down, "silu", None) - y).max() > 1e-4 * np.abs(y).max()   # it did round
+
+
+def q8k_blocks(x: np.ndarray):
+    """x [n] -> (q int8 [n], d [n/256]) as ggml's quantize_row_q8_K rounds it: scale -127 / (the first value of
+    largest |x|), q = x times it rounded to even (at most 127), d = 1 / scale."""
+    b = x.astype(np.float32).reshape(-1, 256)
+    top = b[np.arange(len(b)), np.abs(b).argmax(axis=1)]
+    iscale = np.divide(np.float32(-127), top, out=np.zeros_like(top), where=top != 0)
+    q = np.minimum(np.rint(b * iscale[:, None]), 127).astype(np.int8)
+    d = np.divide(np.float32(1), iscale, out=np.zeros_like(iscale), where=iscale != 0)
+    return q.reshape(-1), d
+
+
+def test_the_q8_k_blocks_are_llama_cpps(act8):
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(6 * 256) * np.exp(rng.uniform(-6, 3, 6 * 256))).astype(np.float32)
+    x[:256] = 0
+    x[256:512] = (np.arange(256) - 100.5) / 4        # the largest |x| positive: the scale's sign
+    x[300] = -x[256:512].max()                       # a tie for the largest |x|: the first one (negative) counts
+    a = act8_of(x[None], "q4_k")
+    q, d = q8k_blocks(x)
+    assert a[0].shape[1] == 0 and np.array_equal(a[4][0], q) and np.array_equal(a[5][0].view(np.uint32),
+                                                                                 d.view(np.uint32))
+    assert np.array_equal(a[6][0], q.astype(np.int32).reshape(-1, 16).sum(axis=1))
+    assert q.min() == -127 and q.max() == 127
+
+
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
+def test_the_k_quant_dot_products_are_on_q8_k_blocks(kind, act8):
+    """row_dot8k against float64 on gguf's dequantized weights times x as its q8_K blocks round it: the same sum,
+    which the kernel takes in exact integers per block (so only float32 rounding apart)."""
+    from conftest import kquant_blocks
+    rng = np.random.default_rng(4)
+    n, d = 29, 768
+    Q = kquant_blocks(rng.standard_normal((n, d)).astype(np.float32), kind.upper())
+    w = quant.dequantize(Q, kind, d).astype(np.float64)
+    x = rng.standard_normal((3, d)).astype(np.float32)
+    xr = np.stack([(lambda q, dd: (q.reshape(-1, 256) * dd[:, None].astype(np.float64)).reshape(-1))(*q8k_blocks(r))
+                   for r in x])
+    ref, scale = xr @ w.T, np.abs(xr) @ np.abs(w).T
+    for T, threads, min_work in ((1, 1, 1 << 40), (1, 2, 0), (3, 1, 1 << 40)):
+        with numba_threads(threads):
+            y = quant_matmul_t(x[:T], Q, kind, parallel_min_work=min_work)
+        assert np.all(np.abs(y - ref[:T]) <= 2e-6 * scale[:T]), kind
+        if T == 1 and threads == 1:
+            first = y
+        elif T == 1:
+            assert np.array_equal(y.view(np.uint32), first.view(np.uint32))
+    X = rng.standard_normal((20, d)).astype(np.float32)     # a prompt: BLAS on x as its blocks round it
+    Xr = np.stack([(lambda q, dd: (q.reshape(-1, 256) * dd[:, None].astype(np.float64)).reshape(-1))(*q8k_blocks(r))
+                   for r in X])
+    np.testing.assert_allclose(quant_matmul_t(X, Q, kind), Xr @ w.T, rtol=0, atol=2e-5 * np.abs(Xr @ w.T).max())

@@ -19,9 +19,8 @@ from storage.errors import UserError
 from flashinfer_lite.kernels.gemv import WIDEN_BLOCK_BYTES
 from flashinfer_lite.kernels.prefetch import prefetch_ahead
 from flashinfer_lite.kernels.rows import scalar
-from flashinfer_lite.quant import (BLOCK, KINDS, QuantMatrix, act8_buffers, act8_of, act8_rounded, act_dot, quant_kind,
-                                   quantize_act, row_axpy,
-                                   row_dequant, row_dot, row_dot8)
+from flashinfer_lite.quant import (KINDS, QuantMatrix, act8_buffers, act8_dot, act8_of, act8_rounded, act8_row,
+                                   act8_slice, act_dot, quant_kind, quantize_act1, row_axpy, row_dequant)
 
 from .gating import act_code, gate_activation, glu_coefficient, threshold_of
 from .sparse import OUT_BLOCK, SparseFFN, coefficient
@@ -92,8 +91,7 @@ def quant_dense_ffn_row(H, Hf, D, X, xa, t, y, coef, partial, rb, glu, act, thre
     float32 view) on X[t] (xa: act8_buffers of X: row t filled here, or empty): partial[p] sums the p-th of
     len(partial) neuron ranges in order, then they add up in order.
     H's rows: the first vector (rb bytes in `kind`), then (GLU) up (up_rb bytes in up_kind)."""
-    if xa[0].shape[1] != 0:
-        quantize_act(X[t], xa[0][t], xa[1][t], xa[2][t], xa[3][t])
+    quantize_act1(X[t], act8_row(xa, t))
     n, P = H.shape[0], partial.shape[0]
     for p in prange(P):
         acc = partial[p]
@@ -268,8 +266,7 @@ def quant_ffn_row(Wg, Wu, Wd, x, xa, t, a, aa, y, partial, glu, act, threshold, 
     down_weights each; as quant_dense_ffn_row: len(partial) of them, one parallel region): its coefficients, then
     (aa: 8-bit blocks of a, filled here per range, or empty) its share of every down row's dot product into
     partial[p]; the partials add up in order."""
-    if xa[0].shape[1] != 0:
-        quantize_act(x[t], xa[0][t], xa[1][t], xa[2][t], xa[3][t])
+    quantize_act1(x[t], act8_row(xa, t))
     n, P = Wu.shape[0], partial.shape[0]
     nb = n // down_weights
     for p in prange(P):
@@ -286,19 +283,11 @@ def quant_ffn_row(Wg, Wu, Wd, x, xa, t, a, aa, y, partial, glu, act, threshold, 
             a[j] = v
         acc = partial[p]
         b_lo, b_hi = lo // down_weights * down_block_bytes, hi // down_weights * down_block_bytes
-        eight = aa[0].shape[0] != 0
-        if eight and hi > lo:
-            quantize_act(a[lo:hi], aa[0][lo:hi], aa[1][lo // BLOCK:hi // BLOCK], aa[2][lo // BLOCK:hi // BLOCK],
-                         aa[3][lo // 4:hi // 4])
+        mine = act8_slice(aa, lo, hi)
+        quantize_act1(a[lo:hi], mine)
         for i in range(Wd.shape[0]):
             prefetch_ahead(Wd, i, b_lo, b_hi)
-            if hi == lo:
-                acc[i] = np.float32(0.0)
-            elif eight:
-                acc[i] = row_dot8(Wd[i, b_lo:b_hi], aa[0][lo:hi], aa[1][lo // BLOCK:hi // BLOCK],
-                                  aa[2][lo // BLOCK:hi // BLOCK], aa[3][lo // 4:hi // 4], kind_d)
-            else:
-                acc[i] = row_dot(Wd[i, b_lo:b_hi], a[lo:hi], kind_d)
+            acc[i] = act8_dot(Wd[i, b_lo:b_hi], a[lo:hi], mine, kind_d) if hi > lo else np.float32(0.0)
     y[:] = partial[0]
     for p in range(1, P):
         y += partial[p]
@@ -316,7 +305,7 @@ def quant_ffn(x: np.ndarray, gate: QuantMatrix | None, up: QuantMatrix, down: Qu
     partial = np.empty((DOWN_PARTIALS, down.shape[0]), np.float32)
     g = gate if gate is not None else up
     xa = act8_buffers(T, x.shape[1], g.kind, up.kind)
-    aa = tuple(v[0] for v in act8_buffers(1, n, down.kind))   # quant_ffn_row fills them, range by range
+    aa = act8_row(act8_buffers(1, n, down.kind), 0)   # quant_ffn_row fills them, range by range
     kd = quant_kind(down.kind)
     for r in range(T):
         quant_ffn_row(g.q, up.q, down.q, x, xa, r, a, aa, y[r], partial, gate is not None, act_code(act),

@@ -81,7 +81,7 @@ def ffn_coefficients(W, F, slots, js, X, xa, sel, coef, n, glu, act, threshold, 
     zero (SwiGLU's calibrated act_threshold; -1: none). head_bytes: the bytes before the down vector, asked for
     (prefetch_row) one row ahead. The rest: coefficient's.
     """
-    quantize_act_rows(X, xa[0], xa[1], xa[2], xa[3])
+    quantize_act_rows(X, xa)
     for q in prange(js.shape[0]):
         j = js[q]
         r = slots[j]
