@@ -196,14 +196,15 @@ def _accumulate_product(builder, acc, w, x, b):
     builder.store(builder.fadd(builder.load(acc), builder.fmul(w, xs, flags=("fast",)), flags=("fast",)), acc)
 
 
-def _horizontal_sum(builder, v):
-    """The sum of a <32 x float>'s lanes, by halving (once per row)."""
+def _horizontal_sum(builder, v, flags=("fast",)):
+    """The sum of a vector's lanes by halving (once per row); flags () keeps exactly this order (row_dot8: the same
+    bits whatever LLVM does around it)."""
     n = v.type.count
     while n > 1:
         n //= 2
         half = lambda lo: builder.shuffle_vector(  # noqa: E731
             v, v, ir.Constant(ir.VectorType(_I32, n), list(range(lo, lo + n))))
-        v = builder.fadd(half(0), half(n), flags=("fast",))
+        v = builder.fadd(half(0), half(n), flags=flags)
     return builder.extract_element(v, ir.Constant(_I32, 0))
 
 
@@ -459,17 +460,6 @@ def _unsigned_values(builder, kind, ptr, o):
     return u
 
 
-def _strict_sum(builder, v):
-    """The sum of a <8 x float>'s lanes by halving, in this order (no reassociation: the same bits everywhere)."""
-    n = v.type.count
-    while n > 1:
-        n //= 2
-        half = lambda lo: builder.shuffle_vector(  # noqa: E731
-            v, v, ir.Constant(ir.VectorType(_I32, n), list(range(lo, lo + n))))
-        v = builder.fadd(half(0), half(n))
-    return builder.extract_element(v, ir.Constant(_I32, 0))
-
-
 @intrinsic
 def row_dot8(typingctx, r, xq, xd, xs, xl, kind):
     """r . x for a quantized row r of a kind in INT8_KINDS and x as 8-bit blocks (quantize_act's xq, xd, xs, xl):
@@ -510,7 +500,7 @@ def row_dot8(typingctx, r, xq, xd, xs, xl, kind):
                 with builder.if_then(builder.icmp_signed("==", builder.srem(n_blocks, c(2)), c(1))):
                     block(k, builder.sub(n_blocks, c(1)), accs[0])
         total = builder.fadd(builder.load(accs[0]), builder.load(accs[1]))
-        return builder.fadd(_strict_sum(builder, total), builder.load(mins))
+        return builder.fadd(_horizontal_sum(builder, total, ()), builder.load(mins))
     return types.float32(r, xq, xd, xs, xl, kind), codegen
 
 
@@ -582,7 +572,7 @@ def row_dot8k(typingctx, r, kq, kd, kb, kind):
                         m = builder.fmul(builder.fmul(_half_at(context, builder, r.data, builder.add(o, c(2))), xd),
                                          builder.sitofp(low, _F32))
                     builder.store(builder.fadd(builder.load(mins), m), mins)
-        return builder.fsub(_strict_sum(builder, builder.load(acc)), builder.load(mins))
+        return builder.fsub(_horizontal_sum(builder, builder.load(acc), ()), builder.load(mins))
     return types.float32(r, kq, kd, kb, kind), codegen
 
 

@@ -105,21 +105,33 @@ def test_the_dot_products_are_llama_cpps_integers(kind, act8):
     np.testing.assert_allclose(quant_matmul_t(X, Q, kind), xr @ wd.T, rtol=0, atol=2e-5 * np.abs(xr @ wd.T).max())
 
 
-@pytest.mark.parametrize("kinds", [("q4_1", "q4_1", "q4_1"), ("q4_0", "q5_1", "q8_0"), ("q5_0", "q8_0", "q5_1")])
+@pytest.mark.parametrize("kinds", [("q4_1", "q4_1", "q4_1"), ("q4_0", "q5_1", "q8_0"), ("q5_0", "q8_0", "q6_k"),
+                                   ("q4_k", "q5_k", "q5_1")])
 def test_the_fused_ffn_rounds_x_and_the_coefficients(kinds, act8):
-    """quant_ffn's gate/up products on x's 8-bit blocks, the down products on the coefficients' (per neuron range)."""
+    """quant_ffn's gate/up products on x's 8-bit blocks, the down products on the coefficients' (per neuron range:
+    with a q6_k down, 2 blocks of 256 neurons over 4 ranges, two of them empty)."""
+    from conftest import kquant_blocks
     rng = np.random.default_rng(2)
     d, n = 256, 512
-    mats = [QuantMatrix(quantize(rng.standard_normal(s).astype(np.float32) * 0.2, k), k, s[1])
-            for k, s in zip(kinds, ((n, d), (n, d), (d, n)))]
-    gate, up, down = mats
+
+    def matrix(kind, shape):
+        w = rng.standard_normal(shape).astype(np.float32) * 0.2
+        return QuantMatrix(kquant_blocks(w, kind.upper()) if kind.endswith("_k") else quantize(w, kind), kind, shape[1])
+
+    def dot(m, j, v):       # the oracle of one row's product: 32-weight kinds by integers, K-quants on q8_K blocks
+        if not m.kind.endswith("_k"):
+            return oracle_dot(m.q[j], m.kind, v)[0]
+        q, dd = q8k_blocks(v)
+        return float(quant.dequantize(m.q[j:j + 1], m.kind, m.cols)[0].astype(np.float64)
+                     @ (q.reshape(-1, 256) * dd[:, None].astype(np.float64)).reshape(-1))
+    gate, up, down = (matrix(k, s) for k, s in zip(kinds, ((n, d), (n, d), (d, n))))
     x = rng.standard_normal((2, d)).astype(np.float32)
     y = quant_ffn(x, gate, up, down, "silu", None)
     for t in range(2):
-        g = np.array([oracle_dot(gate.q[j], gate.kind, x[t])[0] for j in range(n)])
-        u = np.array([oracle_dot(up.q[j], up.kind, x[t])[0] for j in range(n)])
+        g = np.array([dot(gate, j, x[t]) for j in range(n)])
+        u = np.array([dot(up, j, x[t]) for j in range(n)])
         a = (g / (1 + np.exp(-g)) * u).astype(np.float32)
-        ref = np.array([oracle_dot(down.q[i], down.kind, a)[0] for i in range(d)])
+        ref = np.array([dot(down, i, a) for i in range(d)])
         np.testing.assert_allclose(y[t], ref, rtol=0, atol=1e-4 * np.abs(ref).max())
     set_act8(False)
     assert np.abs(quant_ffn(x, gate, up, down, "silu", None) - y).max() > 1e-4 * np.abs(y).max()   # it did round
