@@ -16,7 +16,6 @@ Weights come from DRAM: every call reads another copy of the matrix (or layer) f
 Times are the median and best of --calls calls; the machine is shared, so compare within one run (loadavg shown).
 
   PYTHONPATH=. python bench/quant_kernels.py [--calls 40] [--frac 0.1] [--pool-mb 1024] [--rows 11008 --cols 4096]
-                                             [--act8-off]
 
 SmolLM2-135M's FFN is --rows 1536 --cols 576: rows of 360-612 bytes, where the kernels' software prefetch
 (kernels.prefetch_ahead, prefetch_row) matters; 7B rows of 2-8 KiB stream without it.
@@ -74,10 +73,7 @@ def timed(fn, calls: int, pool_len: int) -> dict:
     return {"ms_median": round(1e3 * float(np.median(times)), 3), "ms_best": round(1e3 * min(times), 3)}
 
 
-def bench_gemv(rng, calls: int, pool_mb: int, threads: list[int], N: int = N, D: int = D,
-               act8_off: bool = False) -> list[dict]:
-    """Block kinds with 8-bit activations (quant.set_act8, the default: "act8" true); act8_off: once more with float32
-    x ("act8" false), before/after on the same matrices."""
+def bench_gemv(rng, calls: int, pool_mb: int, threads: list[int], N: int = N, D: int = D, act8_off=False) -> list:
     w = rng.standard_normal((N, D), dtype=np.float32) * 0.02
     x = rng.standard_normal((1, D), dtype=np.float32)
     out = []
@@ -90,9 +86,8 @@ def bench_gemv(rng, calls: int, pool_mb: int, threads: list[int], N: int = N, D:
                 set_act8(eight is not False)
                 fn = (lambda i: matmul_t(x, pool[i])) if fmt == "f16" else (lambda i: quant_matmul_t(x, pool[i], fmt))
                 r = timed(fn, calls, len(pool))
-                out.append({"format": fmt, "threads": t, **({} if eight is None else {"act8": eight}), **r,
-                            "matrix_mb": round(one.nbytes / 1e6, 1),
-                            "gbps": round(one.nbytes / r["ms_median"] / 1e6, 2)})
+                out.append({"format": fmt, "threads": t, **({} if eight is None else {"act8": eight}), **r, "matrix_mb":
+                            round(one.nbytes / 1e6, 1), "gbps": round(one.nbytes / r["ms_median"] / 1e6, 2)})
             set_act8(True)
         del pool
     return relative_to_q4_0(out)
@@ -136,8 +131,7 @@ def main() -> None:
     ap.add_argument("--pool-mb", type=int, default=1024, help="bytes each format's calls rotate through")
     ap.add_argument("--rows", type=int, default=N, help="GEMV rows and FFN neurons (default 11008)")
     ap.add_argument("--cols", type=int, default=D, help="GEMV columns and FFN width d, a multiple of 32 (default 4096)")
-    ap.add_argument("--act8-off", action="store_true",
-                    help="GEMV rows with float32 activations too (quant.set_act8 off: the float32 kernels)")
+    ap.add_argument("--act8-off", action="store_true", help="GEMV rows with float32 x too (quant.set_act8 off)")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     threads = sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)})
