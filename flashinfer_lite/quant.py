@@ -473,11 +473,11 @@ def row_dot8(typingctx, r, xq, xd, xs, xl, kind):
         vf = ir.VectorType(_F32, LANES)
         zero = ir.Constant(vf, [ir.Constant(_F32, 0.0)] * LANES)
         accs = [cgutils.alloca_once_value(builder, zero) for _ in range(2)]   # even and odd blocks: two chains
-        mins = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
+        mins = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(2)]   # (of each)
         n_blocks = builder.sdiv(xq.nitems, ir.Constant(xq.nitems.type, BLOCK))
         c = lambda v: ir.Constant(n_blocks.type, v)  # noqa: E731
 
-        def block(k, b, acc):
+        def block(k, b, acc, mn):
             o = builder.mul(b, c(_GEOMETRY[k][1]))
             xv = _load_vec(builder, xq.data, _I8, BLOCK, builder.mul(b, c(BLOCK)))
             lanes = _lanes_of(builder, _unsigned_values(builder, k, r.data, o), xv)
@@ -490,17 +490,18 @@ def row_dot8(typingctx, r, xq, xd, xs, xl, kind):
             if k in (Q4_1, Q5_1):
                 m = builder.fmul(_half_at(context, builder, r.data, builder.add(o, c(2))),
                                  builder.load(builder.gep(xs.data, [b])))
-                builder.store(builder.fadd(builder.load(mins), m), mins)
+                builder.store(builder.fadd(builder.load(mn), m), mn)
 
         for k in INT8_KINDS:
             with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
                 with cgutils.for_range(builder, builder.sdiv(n_blocks, c(2))) as loop:
-                    block(k, builder.mul(loop.index, c(2)), accs[0])
-                    block(k, builder.add(builder.mul(loop.index, c(2)), c(1)), accs[1])
+                    block(k, builder.mul(loop.index, c(2)), accs[0], mins[0])
+                    block(k, builder.add(builder.mul(loop.index, c(2)), c(1)), accs[1], mins[1])
                 with builder.if_then(builder.icmp_signed("==", builder.srem(n_blocks, c(2)), c(1))):
-                    block(k, builder.sub(n_blocks, c(1)), accs[0])
+                    block(k, builder.sub(n_blocks, c(1)), accs[0], mins[0])
         total = builder.fadd(builder.load(accs[0]), builder.load(accs[1]))
-        return builder.fadd(_horizontal_sum(builder, total, ()), builder.load(mins))
+        return builder.fadd(_horizontal_sum(builder, total, ()), builder.fadd(builder.load(mins[0]),
+                                                                                builder.load(mins[1])))
     return types.float32(r, xq, xd, xs, xl, kind), codegen
 
 
