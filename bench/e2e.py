@@ -168,8 +168,7 @@ class Worker:
         total_s = sum(step_ms) / 1e3
         n = len(step_ms)
         looked = hits + misses
-        res = {"mode": a.mode, "tokens": n, "load_s": round(self.load_s, 3),
-               "first_token_ms": round(step_ms[0], 2),
+        res = {"mode": a.mode, "tokens": n, "load_s": round(self.load_s, 3), "first_token_ms": round(step_ms[0], 2),
                "p50_ms": round(float(np.percentile(steady, 50)), 2),
                "p99_ms": round(float(np.percentile(steady, 99)), 2),
                "tokens_per_s": round(1e3 / float(np.mean(steady)), 4),
@@ -404,8 +403,7 @@ def main(argv=None) -> int:
     doc = {"models": [{k: v for k, v in m.items() if k not in ("layout", "bw")} for m in models], "cap_bytes": cap,
            "reference": a.reference, "machine": machine, "results": results, "speedups": speedups(results),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "seconds": round(time.perf_counter() - t_start, 1),
-           "command": h.command("e2e.py", argv)}
+           "seconds": round(time.perf_counter() - t_start, 1), "command": h.command("e2e.py", argv)}
     return h.emit(doc, markdown, a.md, None if a.keep else work)
 
 

@@ -98,8 +98,7 @@ def main() -> int:
 
     doc = {"model": args.model or "default (SmolLM2-135M-Instruct GGUF)", "ffn": args.ffn,
            "loadavg": [round(v, 2) for v in os.getloadavg()],   # the machine is shared: how busy it was
-           "threads": args.threads, "prompt_tokens": len(ids), "decode_tokens": steps,
-           "load_ms": round(load_ms, 1),
+           "threads": args.threads, "prompt_tokens": len(ids), "decode_tokens": steps, "load_ms": round(load_ms, 1),
            "decode_ms_per_token": table(decode, steps, steps, 1),
            "prompt_ms_per_token": table(prompt, len(ids), 1, 1)}
     print(f"{'part':<12}{'decode ms/tok':>15}{'prompt ms/tok':>15}", file=sys.stderr)

@@ -5,8 +5,9 @@ every block format (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k). sparse_ffn:
 (d 4096, 11008 neurons, --frac active, GLU ReLU, every chosen neuron computed in full: threshold -inf),
 kernels.SparseFFN on f16 and int8 bundles against QuantSparseFFN on bundles of each block format (gate, up and down
 in it; `<kind>.col`: the down vector as a GGUF's down columns of that kind, storage.columns, with its decoded
-scale tables). Each row's "vs_q4_0" is its GB/s over q4_0's at the same thread count: the kernels' speed per byte
-read.
+scale tables). The block formats' dot products round x to 8 bits (quant.set_act8, the default; --act8-off adds GEMV
+rows with float32 x: "act8" false). Each row's "vs_q4_0" is its GB/s over q4_0's at the same thread count (and act8):
+the kernels' speed per byte read.
 K-quant blocks are random bytes with small float16 scales (gguf-py cannot make them; the kernels' work does not
 depend on the values).
 
@@ -32,7 +33,7 @@ import numpy as np
 
 from flashinfer_lite.ffn.quant import sparse_ffn
 from flashinfer_lite.kernels.gemv import matmul_t
-from flashinfer_lite.quant import KINDS, quant_matmul_t, quantize
+from flashinfer_lite.quant import KINDS, quant_matmul_t, quantize, set_act8
 from storage import columns
 from storage.blocks import QUANTIZABLE
 from storage.format import FlashLayout, pack_bundles
@@ -54,8 +55,8 @@ def blocks_of(w: np.ndarray, kind: str, rng) -> np.ndarray:
 
 def relative_to_q4_0(rows: list[dict]) -> list[dict]:
     """Each row's GB/s over q4_0's at its thread count."""
-    base = {r["threads"]: r["gbps"] for r in rows if r["format"] == "q4_0"}
-    return [{**r, "vs_q4_0": round(r["gbps"] / base[r["threads"]], 2)} for r in rows]
+    base = {(r["threads"], r.get("act8", True)): r["gbps"] for r in rows if r["format"] == "q4_0"}
+    return [{**r, "vs_q4_0": round(r["gbps"] / base[r["threads"], r.get("act8", True)], 2)} for r in rows]
 
 
 def pool_of(a: np.ndarray, pool_mb: int) -> np.ndarray:
@@ -74,7 +75,7 @@ def timed(fn, calls: int, pool_len: int) -> dict:
     return {"ms_median": round(1e3 * float(np.median(times)), 3), "ms_best": round(1e3 * min(times), 3)}
 
 
-def bench_gemv(rng, calls: int, pool_mb: int, threads: list[int], N: int = N, D: int = D) -> list[dict]:
+def bench_gemv(rng, calls: int, pool_mb: int, threads: list[int], N: int = N, D: int = D, act8_off=False) -> list:
     w = rng.standard_normal((N, D), dtype=np.float32) * 0.02
     x = rng.standard_normal((1, D), dtype=np.float32)
     out = []
@@ -83,10 +84,13 @@ def bench_gemv(rng, calls: int, pool_mb: int, threads: list[int], N: int = N, D:
         pool = pool_of(one, pool_mb)
         for t in threads:
             numba.set_num_threads(t)
-            fn = (lambda i: matmul_t(x, pool[i])) if fmt == "f16" else (lambda i: quant_matmul_t(x, pool[i], fmt))
-            r = timed(fn, calls, len(pool))
-            out.append({"format": fmt, "threads": t, **r, "matrix_mb": round(one.nbytes / 1e6, 1),
-                        "gbps": round(one.nbytes / r["ms_median"] / 1e6, 2)})
+            for eight in ((False, True) if act8_off else (True,)) if fmt in KINDS else (None,):
+                set_act8(eight is not False)
+                fn = (lambda i: matmul_t(x, pool[i])) if fmt == "f16" else (lambda i: quant_matmul_t(x, pool[i], fmt))
+                r = timed(fn, calls, len(pool))
+                out.append({"format": fmt, "threads": t, **({} if eight is None else {"act8": eight}), **r, "matrix_mb":
+                            round(one.nbytes / 1e6, 1), "gbps": round(one.nbytes / r["ms_median"] / 1e6, 2)})
+            set_act8(True)
         del pool
     return relative_to_q4_0(out)
 
@@ -133,14 +137,12 @@ def main() -> None:
     ap.add_argument("--pool-mb", type=int, default=1024, help="bytes each format's calls rotate through")
     ap.add_argument("--rows", type=int, default=N, help="GEMV rows and FFN neurons (default 11008)")
     ap.add_argument("--cols", type=int, default=D, help="GEMV columns and FFN width d, a multiple of 32 (default 4096)")
-    args = ap.parse_args()
-    rng = np.random.default_rng(0)
-    threads = sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)})
-    n, d = args.rows, args.cols          # not N, D: assigning those here made the defaults above unreadable
-    res = {"shape": {"gemv": [n, d], "ffn": {"d": d, "n": n, "frac": args.frac}},
-           "loadavg_1m_start": os.getloadavg()[0],
-           "gemv": bench_gemv(rng, args.calls, args.pool_mb, threads, n, d),
-           "sparse_ffn": bench_sparse_ffn(rng, args.calls, args.pool_mb, args.frac, threads, n, d),
+    ap.add_argument("--act8-off", action="store_true", help="GEMV rows with float32 x too (quant.set_act8 off)")
+    a, rng, threads = ap.parse_args(), np.random.default_rng(0), sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)})
+    res = {"shape": {"gemv": [a.rows, a.cols], "ffn": {"d": a.cols, "n": a.rows, "frac": a.frac}},
+           "loadavg_1m_start": os.getloadavg()[0], "gemv": bench_gemv(rng, a.calls, a.pool_mb, threads, a.rows,
+                                                                      a.cols, a.act8_off),
+           "sparse_ffn": bench_sparse_ffn(rng, a.calls, a.pool_mb, a.frac, threads, a.rows, a.cols),
            "loadavg_1m_end": os.getloadavg()[0]}
     print(json.dumps(res, indent=1))
 

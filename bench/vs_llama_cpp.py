@@ -146,9 +146,8 @@ def main(argv=None) -> int:
                                                                  "steps are one fewer)")
     ap.add_argument("--caps", default="none,base+50%,min", help="comma-separated: none, SIZE, P%% of the GGUF, "
                     "base+P%% (llama.cpp's baseline + P%% of the GGUF), min (flashinfer-lite's minimum + --slack)")
-    ap.add_argument("--capped-ffn", default="predicted", choices=("predicted", "auto"),
-                    help="--ffn of the flash rows under the caps (default predicted; auto: the exact gate of a SiLU "
-                         "model, which needs no predictors)")
+    ap.add_argument("--capped-ffn", default="predicted", choices=("predicted", "auto"), help="--ffn of the flash "
+                    "rows under the caps (default predicted; auto: a SiLU model's exact gate, needing no predictors)")
     ap.add_argument("--threads", type=int, default=2, help="compute threads of both engines (default 2)")
     ap.add_argument("--slack", default=SLACK, help=f"cap minus DRAM budget of the flash rows (default {SLACK})")
     ap.add_argument("--llama-omp", default="active", help="llama.cpp rows per cap: active (OpenMP's default "
@@ -223,8 +222,7 @@ def main(argv=None) -> int:
             fr = row(f"flash-{a.capped_ffn}", spec, cap, "auto" if cap is None else str(cap - slack))
             if spec == "min" and "below_minimum" in fr:  # its own process measured more than the probe's
                 need = h.minimum_in(fr["below_minimum"])
-                fr = dict(row(f"flash-{a.capped_ffn}", spec, need + slack, str(need)),
-                          first_attempt=fr["below_minimum"])
+                fr = dict(row(fr["mode"], spec, need + slack, str(need)), first_attempt=fr["below_minimum"])
             results.append(fr)
 
     # leading greedy tokens equal to llama.cpp's uncapped row's, and to flash-dense's (same engine, every neuron)

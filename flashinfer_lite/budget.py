@@ -307,12 +307,14 @@ def prefill_transient_bytes(cfg: ModelConfig, ctx: int) -> int:
     at a time), float32 unless said:
       rows       per token: the residual stream and its normed copies, q/k/v and their rotated copies, the attention
                  output (~8 x d + 3 x (H + 2 Hkv) x hd), the FFN's rows of neurons (predictor scores, masks,
-                 coefficients or the dense FFN's activations: ~4 x n)
+                 coefficients or the dense FFN's activations: ~4 x n), and one product's input in 8-bit blocks
+                 (quant.act8_of: both block sizes, and the prompt's BLAS copy of the rounded values: < 8 bytes a value
+                 of the longer of d and n)
       attention  the layer's keys and values widened [ctx, Hkv, hd] x 2, one tile's scores [g x tile, ctx] and its
                  mask (float64 + float32 + bool: model.attention_mask) [tile, ctx]"""
     U = min(PREFILL_CHUNK_ROWS, ctx)
     qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
-    rows = U * 4 * (8 * cfg.dim + 3 * qkv + 4 * cfg.ffn_dim)
+    rows = U * (4 * (8 * cfg.dim + 3 * qkv + 4 * cfg.ffn_dim) + 8 * max(cfg.dim, cfg.ffn_dim))
     g = cfg.n_heads // cfg.n_kv_heads
     tile = min(ATTENTION_TILE_ROWS, U)
     attention = 2 * ctx * cfg.n_kv_heads * cfg.head_dim * 4 + tile * ctx * (4 * g + 13)

@@ -12,17 +12,21 @@ against gguf.quants). The layouts beyond storage/blocks.py's summary:
   q6_k  128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, f16 d: (d * scale[e // 16]) * (q - 32)
   (nibbles: within a 32-weight block, byte k holds element k low and k + 16 high; within each run of 64 weights of a
   K-quant, byte k holds weight k low and weight k + 32 high)
-Compute stays float32: x is never quantized (llama.cpp's int8 dot products would round it), so a kernel's result is
-the float32 math on the dequantized weights. Quantizing is storage.blocks.quantize (gguf.quants, llama.cpp's).
+Dot products with rows of the 32-weight kinds round x to 8-bit blocks first, as llama.cpp's CPU backend does (row_dot8,
+set_act8: on by default, 1.5-2x faster than decoding the blocks to float32); the rest is the float32 math on the
+dequantized weights: the K-quants' dot products, every axpy (the down rows of bundles), and all of it with set_act8
+off. Quantizing weights is storage.blocks.quantize (gguf.quants, llama.cpp's).
 
-Kernels: the row operations row_dot, row_dequant and row_axpy (the FFN over blocks, ffn.quant, is built on them),
-quant_matmul_t (x @ W^T for resident matrices) and dequantize (whole matrix or given rows: the embedding lookup).
+Kernels: the row operations row_dot, row_dot8, row_dequant and row_axpy (the FFN over blocks, ffn.quant, is built on
+them), quant_matmul_t (x @ W^T for resident matrices) and dequantize (whole matrix or given rows: the embedding
+lookup).
 QuantMatrix is a resident matrix kept so (model.linear dispatches on it).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import llvmlite.binding as llvm_binding
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -30,7 +34,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from storage.errors import UserError
-from flashinfer_lite.kernels.f16 import f16_bits_to_f32
+from flashinfer_lite.kernels.f16 import f16_bits_to_f32, f32_to_f16_bits
 from flashinfer_lite.kernels.gemv import MATMUL_PARALLEL_MIN_WORK, MATMUL_ROW_KERNEL_MAX_T, matmul_widened
 from flashinfer_lite.kernels.prefetch import prefetch_ahead
 from flashinfer_lite.kernels.rows import dot
@@ -193,14 +197,15 @@ def _accumulate_product(builder, acc, w, x, b):
     builder.store(builder.fadd(builder.load(acc), builder.fmul(w, xs, flags=("fast",)), flags=("fast",)), acc)
 
 
-def _horizontal_sum(builder, v):
-    """The sum of a <32 x float>'s lanes, by halving (once per row)."""
+def _horizontal_sum(builder, v, flags=("fast",)):
+    """The sum of a vector's lanes by halving (once per row); flags () keeps exactly this order (row_dot8: the same
+    bits whatever LLVM does around it)."""
     n = v.type.count
     while n > 1:
         n //= 2
         half = lambda lo: builder.shuffle_vector(  # noqa: E731
             v, v, ir.Constant(ir.VectorType(_I32, n), list(range(lo, lo + n))))
-        v = builder.fadd(half(0), half(n), flags=("fast",))
+        v = builder.fadd(half(0), half(n), flags=flags)
     return builder.extract_element(v, ir.Constant(_I32, 0))
 
 
@@ -264,6 +269,333 @@ def row_axpy(typingctx, y, c, r, kind):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# 8-bit activations (llama.cpp's dot products, for the 32-weight block kinds). x is rounded once per GEMV into
+# blocks of 32 int8 as ggml's x86 CPU backend rounds it (quantize_row_q8_0 / q8_1): the scale max|x| / 127 kept as
+# float16, the values rint(x * (127 / max|x|)), ties to even. A weight block's dot product with such a block is then
+# an exact integer, computed as 8 lanes of 4 products each (one vpdpbusd where the host has AVX512-VNNI), and only
+# the 8 lanes' float sums depend on rounding: their order is fixed here, so the bits do not depend on the host's
+# instructions, the thread count or the call site. K-quant rows keep the float32 dot product (row_dot).
+
+INT8_KINDS = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)   # x in blocks of 32 (q8_0 / q8_1): codes 0 .. Q5_1 (act_dot)
+K_KINDS = (Q4_K, Q5_K, Q6_K)                  # x in blocks of 256 (q8_K): codes Q4_K .. (act_dot)
+assert INT8_KINDS == tuple(range(Q5_1 + 1)) and K_KINDS == tuple(range(Q4_K, Q6_K + 1))
+SUPER = 256                                   # weights of a K-quant block (and of a q8_K block of x)
+LANES = 8                                     # int32 lanes per 32-weight block: 4 products each
+# unsigned weight values u = q + offset (q8_0: q + 128; q4_0: the nibble, q = u - 8; q5_0: u - 16): the products are
+# u8 x s8 (vpdpbusd's), and offset * (x's lane sums) is taken off in integers
+_OFFSET_SHIFT = {Q8_0: 7, Q4_0: 3, Q5_0: 4}
+
+
+@njit(cache=True, nogil=True)
+def quantize_act(x, xq, xd, xs, xl):
+    """x float32[n] (n a multiple of 32) -> 8-bit blocks: xq int8[n], xd float32[n // 32] (each block's float16 scale
+    as float32), xs float32[n // 32] (q8_1's s: float16 of the unrounded scale times the block's sum of xq) and xl
+    int32[n // 4] (the sums of each 4 consecutive xq: the lanes' offset terms)."""
+    for b in range(x.shape[0] // BLOCK):
+        amax = np.float32(0.0)
+        for k in range(BLOCK):
+            amax = max(amax, abs(x[b * BLOCK + k]))
+        d = amax / np.float32(127.0)
+        inv = np.float32(127.0) / amax if amax != np.float32(0.0) else np.float32(0.0)
+        total = 0
+        for k in range(BLOCK):
+            q = np.int32(np.rint(x[b * BLOCK + k] * inv))
+            xq[b * BLOCK + k] = q
+            total += q
+        for k in range(BLOCK // 4):
+            i = b * BLOCK + 4 * k
+            xl[b * LANES + k] = np.int32(xq[i]) + np.int32(xq[i + 1]) + np.int32(xq[i + 2]) + np.int32(xq[i + 3])
+        xd[b] = f16_bits_to_f32(f32_to_f16_bits(d))
+        xs[b] = f16_bits_to_f32(f32_to_f16_bits(d * np.float32(total)))
+
+
+@njit(cache=True, nogil=True)
+def quantize_act_k(x, kq, kd, kb):
+    """x float32[n] (n a multiple of 256) -> q8_K blocks as ggml's quantize_row_q8_K rounds them: per 256 values the
+    scale -127 / (the first value of largest |x|), kq int8[n] = rint(x * scale) (ties to even, at most 127), kd
+    float32[n // 256] = 1 / scale, kb int32[n // 16] the sums of each 16 consecutive kq."""
+    for b in range(x.shape[0] // SUPER):
+        amax, top = np.float32(0.0), np.float32(0.0)
+        for k in range(SUPER):
+            v = x[b * SUPER + k]
+            if abs(v) > amax:
+                amax, top = abs(v), v
+        if amax == np.float32(0.0):
+            kd[b] = 0.0
+            kq[b * SUPER:(b + 1) * SUPER] = 0
+        else:
+            iscale = np.float32(-127.0) / top
+            for k in range(SUPER):
+                kq[b * SUPER + k] = min(127, np.int32(np.rint(iscale * x[b * SUPER + k])))
+            kd[b] = np.float32(1.0) / iscale
+        for g in range(SUPER // 16):
+            total = 0
+            for k in range(16):
+                total += np.int32(kq[b * SUPER + g * 16 + k])
+            kb[b * SUPER // 16 + g] = total
+
+
+ACT8 = [True]    # set_act8: 8-bit activations where a kind has them (the default), else float32 x everywhere
+
+
+def set_act8(on: bool) -> None:
+    """Process-wide: dot products with 32-weight block rows round x to 8 bits as llama.cpp does (on, the default and
+    faster), or keep it float32 (off: the float32 math on the dequantized weights, exact but for summation order)."""
+    ACT8[0] = bool(on)
+
+
+# x's 8-bit blocks for the kernels, one tuple of 2-D arrays (a row per row of x): quantize_act's (q, d, s, lanes) for
+# the 32-weight kinds, then quantize_act_k's (kq, kd, kb) for the K-quants; a part is empty ([T, 0]) where no kind
+# needs it, set_act8 is off or x's length is not whole blocks (the kernels then take float32 x).
+
+
+def _act8_new(T: int, n: int, nk: int) -> tuple:
+    return (np.empty((T, n), np.int8), np.empty((T, n // BLOCK), np.float32), np.empty((T, n // BLOCK), np.float32),
+            np.empty((T, n // 4), np.int32), np.empty((T, nk), np.int8), np.empty((T, nk // SUPER), np.float32),
+            np.empty((T, nk // 16), np.int32))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def act8_row(a, t):
+    """Row t of act8_buffers' arrays: the 1-D tuple act8_dot and quantize_act1 take."""
+    return a[0][t], a[1][t], a[2][t], a[3][t], a[4][t], a[5][t], a[6][t]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def act8_slice(a, lo, hi):
+    """Values lo .. hi of a 1-D tuple (act8_row), lo and hi whole blocks of the kinds it holds."""
+    return (a[0][lo:hi], a[1][lo // BLOCK:hi // BLOCK], a[2][lo // BLOCK:hi // BLOCK], a[3][lo // 4:hi // 4],
+            a[4][lo:hi], a[5][lo // SUPER:hi // SUPER], a[6][lo // 16:hi // 16])
+
+
+@njit(cache=True, nogil=True, inline="always")
+def quantize_act1(x, a):
+    """x float32[n] into the 1-D tuple a (act8_row, act8_slice): the parts it has room for."""
+    if a[0].shape[0] != 0:
+        quantize_act(x, a[0], a[1], a[2], a[3])
+    if a[4].shape[0] != 0:
+        quantize_act_k(x, a[4], a[5], a[6])
+
+
+@njit(cache=True, nogil=True)
+def quantize_act_rows(x, a):
+    """Each row of x [T, n] into its row of a (act8_buffers; nothing where a is empty)."""
+    for t in range(x.shape[0]):
+        quantize_act1(x[t], act8_row(a, t))
+
+
+_NONE: dict[int, tuple] = {}     # T -> the empty arrays of T rows (shared: nothing is ever written into them)
+
+
+def _codes(kinds) -> set:
+    return {KINDS[k].code if isinstance(k, str) else k for k in kinds}
+
+
+def act8_buffers(T: int, n: int, *kinds: str | int) -> tuple:
+    """Room for T rows of n values of x in the 8-bit blocks that `kinds` (names or codes) dot with, for a kernel to
+    fill (quantize_act_rows, quantize_act1); empty when set_act8 is off (see above)."""
+    codes = _codes(kinds)
+    m = n if ACT8[0] and n % BLOCK == 0 and codes & set(INT8_KINDS) else 0
+    mk = n if ACT8[0] and n % SUPER == 0 and codes & set(K_KINDS) else 0
+    if m or mk:
+        return _act8_new(T, m, mk)
+    if T not in _NONE:
+        _NONE[T] = _act8_new(T, 0, 0)
+    return _NONE[T]
+
+
+def act8_of(x: np.ndarray, *kinds: str | int) -> tuple:
+    """x [T, n] float32 (C-contiguous) as the 8-bit blocks `kinds` dot with (act8_buffers, filled)."""
+    a = act8_buffers(*x.shape, *kinds)
+    if a[0].shape[1] or a[4].shape[1]:
+        quantize_act_rows(x, a)
+    return a
+
+
+def act8_rounded(x: np.ndarray, a: tuple, kind: int = Q8_0) -> np.ndarray:
+    """x [T, n] as its 8-bit blocks a (act8_of) for `kind` (a code) round it, float32: what a prompt's BLAS products
+    multiply by, so they round x as the row kernels do (q4_1 / q5_1: their min term from it, not from the float16 s;
+    float rounding apart). x itself where a has no blocks for kind."""
+    q, d, size = (a[0], a[1], BLOCK) if kind in INT8_KINDS else (a[4], a[5], SUPER)
+    if q.shape[1] == 0:
+        return x
+    return (q.reshape(x.shape[0], -1, size) * d[:, :, None]).reshape(x.shape)
+
+
+_HOST = set(llvm_binding.get_host_cpu_features().flatten().split(","))
+HAS_VNNI = {"+avx512vnni", "+avx512vl"} <= _HOST
+
+
+def _lanes_of(builder, u, xv):
+    """<8 x i32>: lane l = sum of u[k] * xv[k] over k = 4l .. 4l + 3 (u unsigned, xv signed <32 x i8>): exact. One
+    vpdpbusd with AVX512-VNNI; elsewhere the same integers from 32-bit products."""
+    v8 = ir.VectorType(_I32, LANES)
+    if HAS_VNNI:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8, v8, v8]),
+                                            "llvm.x86.avx512.vpdpbusd.256")
+        return builder.call(fn, [ir.Constant(v8, [ir.Constant(_I32, 0)] * LANES), builder.bitcast(u, v8),
+                                 builder.bitcast(xv, v8)])
+    w = ir.VectorType(_I32, BLOCK)
+    p = builder.mul(builder.zext(u, w), builder.sext(xv, w))
+    pick = lambda k: builder.shuffle_vector(p, p, ir.Constant(v8, list(range(k, BLOCK, 4))))  # noqa: E731
+    return builder.add(builder.add(pick(0), pick(1)), builder.add(pick(2), pick(3)))
+
+
+def _unsigned_values(builder, kind, ptr, o):
+    """<32 x i8>: the block at byte ptr[o]'s weights as unsigned values u (see _OFFSET_SHIFT)."""
+    at = lambda k: builder.add(o, ir.Constant(o.type, k))  # noqa: E731
+    if kind == Q8_0:
+        return builder.xor(_load_vec(builder, ptr, _I8, BLOCK, at(2)), _vec(builder, _I8, 0x80))
+    head = 4 if kind in (Q4_1, Q5_1) else 2
+    five = kind in (Q5_0, Q5_1)
+    packed = _load_vec(builder, ptr, _I8, 16, at(head + 4 * five))
+    u = builder.shuffle_vector(builder.and_(packed, _vec(builder, _I8, 15, 16)),
+                               builder.lshr(packed, _vec(builder, _I8, 4, 16)),
+                               ir.Constant(ir.VectorType(_I32, BLOCK), list(range(BLOCK))))
+    if five:   # element k's 5th bit: bit k % 8 of qh's byte k // 8 (a byte shuffle and a test, not 32 shifts)
+        qh = _load_vec(builder, ptr, _I8, 4, at(head))
+        spread = builder.shuffle_vector(qh, qh, ir.Constant(ir.VectorType(_I32, BLOCK), [k // 8 for k in range(BLOCK)]))
+        bits = builder.and_(spread, ir.Constant(ir.VectorType(_I8, BLOCK), [1 << (k % 8) for k in range(BLOCK)]))
+        u = builder.or_(u, builder.select(builder.icmp_unsigned("!=", bits, _vec(builder, _I8, 0)),
+                                          _vec(builder, _I8, 16), _vec(builder, _I8, 0)))
+    return u
+
+
+@intrinsic
+def row_dot8(typingctx, r, xq, xd, xs, xl, kind):
+    """r . x for a quantized row r of a kind in INT8_KINDS and x as 8-bit blocks (quantize_act's xq, xd, xs, xl):
+    per block the exact integer dot product in 8 lanes, times (weight scale * x scale), summed lane-wise block after
+    block, the lanes then summed by halving; q4_1 / q5_1 add min * s per block, summed apart (llama.cpp's order)."""
+    if not _rows_ok(r, types.uint8, xq, types.int8, xd, types.float32, xs, types.float32, xl, types.int32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        r, xq, xd, xs, xl, kind = _arrays(context, builder, sig, args)
+        vf = ir.VectorType(_F32, LANES)
+        zero = ir.Constant(vf, [ir.Constant(_F32, 0.0)] * LANES)
+        accs = [cgutils.alloca_once_value(builder, zero) for _ in range(2)]   # even and odd blocks: two chains
+        mins = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(2)]   # (of each)
+        n_blocks = builder.sdiv(xq.nitems, ir.Constant(xq.nitems.type, BLOCK))
+        c = lambda v: ir.Constant(n_blocks.type, v)  # noqa: E731
+
+        def block(k, b, acc, mn):
+            o = builder.mul(b, c(_GEOMETRY[k][1]))
+            xv = _load_vec(builder, xq.data, _I8, BLOCK, builder.mul(b, c(BLOCK)))
+            lanes = _lanes_of(builder, _unsigned_values(builder, k, r.data, o), xv)
+            if k in _OFFSET_SHIFT:
+                xsum = _load_vec(builder, xl.data, _I32, LANES, builder.mul(b, c(LANES)))
+                lanes = builder.sub(lanes, builder.shl(xsum, _vec(builder, _I32, _OFFSET_SHIFT[k], LANES)))
+            scale = builder.fmul(_half_at(context, builder, r.data, o), builder.load(builder.gep(xd.data, [b])))
+            term = builder.fmul(builder.sitofp(lanes, vf), _vec(builder, _F32, scale, LANES))
+            builder.store(builder.fadd(builder.load(acc), term), acc)
+            if k in (Q4_1, Q5_1):
+                m = builder.fmul(_half_at(context, builder, r.data, builder.add(o, c(2))),
+                                 builder.load(builder.gep(xs.data, [b])))
+                builder.store(builder.fadd(builder.load(mn), m), mn)
+
+        for k in INT8_KINDS:
+            with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
+                with cgutils.for_range(builder, builder.sdiv(n_blocks, c(2))) as loop:
+                    block(k, builder.mul(loop.index, c(2)), accs[0], mins[0])
+                    block(k, builder.add(builder.mul(loop.index, c(2)), c(1)), accs[1], mins[1])
+                with builder.if_then(builder.icmp_signed("==", builder.srem(n_blocks, c(2)), c(1))):
+                    block(k, builder.sub(n_blocks, c(1)), accs[0], mins[0])
+        total = builder.fadd(builder.load(accs[0]), builder.load(accs[1]))
+        return builder.fadd(_horizontal_sum(builder, total, ()), builder.fadd(builder.load(mins[0]),
+                                                                                builder.load(mins[1])))
+    return types.float32(r, xq, xd, xs, xl, kind), codegen
+
+
+def _k_values(builder, kind, ptr, o, s):
+    """<32 x i8>: sub-block s (weights 32s .. 32s + 31) of the K-quant block at byte ptr[o] as unsigned values (q6_k:
+    q + 32) and its scale(s): q4_k / q5_k (sc, min) 6-bit; q6_k the two int8 scales of its halves."""
+    at = lambda k: builder.add(o, ir.Constant(o.type, k))  # noqa: E731
+    if kind in (Q4_K, Q5_K):
+        sc, mn = _q4k_scale_min(builder, ptr, at, s)
+        u = _bits(builder, ptr, at((16 if kind == Q4_K else 48) + (s >> 1) * 32), 4 * (s & 1), 0x0F)
+        if kind == Q5_K:
+            u = builder.or_(u, builder.shl(_bits(builder, ptr, at(16), s, 1), _vec(builder, _I8, 4)))
+        return u, (sc, mn)
+    h, r = s >> 2, s & 3
+    lo = _bits(builder, ptr, at(h * 64 + (r & 1) * 32), 4 * (r >> 1), 0x0F)
+    hi = _bits(builder, ptr, at(128 + h * 32), 2 * r, 3)
+    return builder.or_(lo, builder.shl(hi, _vec(builder, _I8, 4))), (_byte(builder, ptr, at(192 + 2 * s)),
+                                                                      _byte(builder, ptr, at(193 + 2 * s)))
+
+
+@intrinsic
+def row_dot8k(typingctx, r, kq, kd, kb, kind):
+    """r . x for a K-quant row r (q4_k, q5_k, q6_k) and x as q8_K blocks (quantize_act_k's kq, kd, kb): per block of
+    256 the exact integer sum over its sub-blocks of scale * (8 lanes of products), in 8 lanes, times (d * x's
+    scale), summed lane-wise block after block and then by halving; the mins (q4_k, q5_k: dmin * m * x's sums) and
+    q6_k's offset (32 * scale * x's sums) are integers per block too, scaled and summed apart."""
+    if not _rows_ok(r, types.uint8, kq, types.int8, kd, types.float32, kb, types.int32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        r, kq, kd, kb, kind = _arrays(context, builder, sig, args)
+        vf, vi = ir.VectorType(_F32, LANES), ir.VectorType(_I32, LANES)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(vf, [ir.Constant(_F32, 0.0)] * LANES))
+        mins = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
+        n_blocks = builder.sdiv(kq.nitems, ir.Constant(kq.nitems.type, SUPER))
+        c = lambda v: ir.Constant(n_blocks.type, v)  # noqa: E731
+        i32 = lambda v: builder.sext(v, _I32)  # noqa: E731
+        bsum = lambda b, g: builder.load(  # noqa: E731  (x's sum of 16 values g of block b)
+            builder.gep(kb.data, [builder.add(builder.mul(b, c(SUPER // 16)), c(g))]))
+        for k in K_KINDS:
+            with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
+                with cgutils.for_range(builder, n_blocks) as loop:
+                    b = loop.index
+                    o = builder.mul(b, c(_GEOMETRY[k][1]))
+                    lanes, low = ir.Constant(vi, [ir.Constant(_I32, 0)] * LANES), ir.Constant(_I32, 0)
+                    for s in range(SUPER // BLOCK):
+                        u, scales = _k_values(builder, k, r.data, o, s)
+                        xv = _load_vec(builder, kq.data, _I8, BLOCK,
+                                       builder.add(builder.mul(b, c(SUPER)), c(BLOCK * s)))
+                        dot = _lanes_of(builder, u, xv)
+                        if k == Q6_K:      # lanes 0-3: the first 16 weights (scale 2s), 4-7: the next 16 (2s + 1)
+                            sv = builder.shuffle_vector(_vec(builder, _I32, i32(scales[0]), 4),
+                                                        _vec(builder, _I32, i32(scales[1]), 4),
+                                                        ir.Constant(vi, list(range(LANES))))
+                            low = builder.add(low, builder.add(builder.mul(i32(scales[0]), bsum(b, 2 * s)),
+                                                               builder.mul(i32(scales[1]), bsum(b, 2 * s + 1))))
+                        else:
+                            sv = _vec(builder, _I32, builder.zext(scales[0], _I32), LANES)
+                            low = builder.add(low, builder.mul(builder.zext(scales[1], _I32),
+                                                               builder.add(bsum(b, 2 * s), bsum(b, 2 * s + 1))))
+                        lanes = builder.add(lanes, builder.mul(dot, sv))
+                    xd = builder.load(builder.gep(kd.data, [b]))
+                    d = builder.fmul(_half_at(context, builder, r.data, o if k != Q6_K else builder.add(o, c(208))), xd)
+                    term = builder.fmul(builder.sitofp(lanes, vf), _vec(builder, _F32, d, LANES))
+                    builder.store(builder.fadd(builder.load(acc), term), acc)
+                    if k == Q6_K:          # sum of scale * (q + 32) * x, less 32 * scale * x's sums
+                        m = builder.fmul(d, builder.sitofp(builder.mul(low, ir.Constant(_I32, 32)), _F32))
+                    else:                  # (d * sc) * q - (dmin * m): the mins times x's sums
+                        m = builder.fmul(builder.fmul(_half_at(context, builder, r.data, builder.add(o, c(2))), xd),
+                                         builder.sitofp(low, _F32))
+                    builder.store(builder.fadd(builder.load(mins), m), mins)
+        return builder.fsub(_horizontal_sum(builder, builder.load(acc), ()), builder.load(mins))
+    return types.float32(r, kq, kd, kb, kind), codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def act8_dot(r, x, a, kind):
+    """r . x (float32[n]) by 8-bit blocks a (a 1-D tuple: act8_row, act8_slice) where a holds the blocks kind dots
+    with (row_dot8, row_dot8k), else row_dot on x."""
+    if kind <= Q5_1 and a[0].shape[0] != 0:
+        return row_dot8(r, a[0], a[1], a[2], a[3], kind)
+    if kind >= Q4_K and a[4].shape[0] != 0:
+        return row_dot8k(r, a[4], a[5], a[6], kind)
+    return row_dot(r, x, kind)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def act_dot(r, x, a, t, kind):
+    """r . x[t] with act8_buffers' a (filled): act8_dot on row t."""
+    return act8_dot(r, x[t], act8_row(a, t), kind)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Dequantize (whole matrices, embedding rows, and the widened blocks of the prefill matmul)
 
 
@@ -291,14 +623,15 @@ def dequantize(q: np.ndarray, kind: str, cols: int, rows: np.ndarray | None = No
 
 
 @njit(cache=True, fastmath=True, nogil=True)
-def quant_matmul_rows(Q, x, y, lo, hi, kind):
-    """y[:, lo:hi] = x[T, d] @ dequant(Q[lo:hi])^T."""
+def quant_matmul_rows(Q, x, y, lo, hi, kind, a):
+    """y[:, lo:hi] = x[T, d] @ dequant(Q[lo:hi])^T; with 8-bit activations a (act8_of) row_dot8's products."""
     T, d = x.shape
     rb = Q.shape[1]
-    if T == 1:  # decode: decode each block straight into the dot product, nothing written
+    if T == 1 or a[0].shape[1] != 0 or a[4].shape[1] != 0:  # each block straight into the dot product
         for j in range(lo, hi):
             prefetch_ahead(Q, j, 0, rb)
-            y[0, j] = row_dot(Q[j], x[0], kind)
+            for t in range(T):
+                y[t, j] = act_dot(Q[j], x, a, t, kind)
         return
     w = np.empty(d, np.float32)  # a few tokens: each row decoded once, then its T dot products run from L1
     for j in range(lo, hi):
@@ -308,12 +641,20 @@ def quant_matmul_rows(Q, x, y, lo, hi, kind):
             y[t, j] = dot(w, x[t], d)
 
 
+@njit(cache=True, fastmath=True, nogil=True)
+def quant_matmul_serial(Q, x, y, kind, a):
+    """quant_matmul_rows over all rows, x first rounded into a (act8_buffers: empty, or to fill)."""
+    quantize_act_rows(x, a)
+    quant_matmul_rows(Q, x, y, 0, Q.shape[0], kind, a)
+
+
 @njit(cache=True, parallel=True, fastmath=True, nogil=True)
-def quant_matmul_kernel(Q, x, y, chunks, kind):
-    """quant_matmul_rows over all rows, split into `chunks` contiguous row ranges run in parallel."""
+def quant_matmul_kernel(Q, x, y, chunks, kind, a):
+    """quant_matmul_serial's work, its rows split into `chunks` contiguous ranges run in parallel."""
+    quantize_act_rows(x, a)
     n = Q.shape[0]
     for c in prange(chunks):
-        quant_matmul_rows(Q, x, y, c * n // chunks, (c + 1) * n // chunks, kind)
+        quant_matmul_rows(Q, x, y, c * n // chunks, (c + 1) * n // chunks, kind, a)
 
 
 def quant_matmul_t(x: np.ndarray, q: np.ndarray, kind: str, row_kernel_max_t: int = MATMUL_ROW_KERNEL_MAX_T,
@@ -327,14 +668,16 @@ def quant_matmul_t(x: np.ndarray, q: np.ndarray, kind: str, row_kernel_max_t: in
     (T, d), n = x.shape, q.shape[0]
     y = np.empty((T, n), np.float32)
     if T <= row_kernel_max_t:
+        a = act8_buffers(T, d, kind)
         threads = numba_threads()
         if threads > 1 and T * n * d >= parallel_min_work:
-            quant_matmul_kernel(q, x, y, threads, k.code)
+            quant_matmul_kernel(q, x, y, threads, k.code, a)
         else:
-            quant_matmul_rows(q, x, y, 0, n, k.code)
+            quant_matmul_serial(q, x, y, k.code, a)
     else:
-        matmul_widened(x, n, d, lambda lo, block: dequantize_rows(q, np.arange(lo, lo + block.shape[0]), block,
-                                                                  k.code), y)
+        xr = act8_rounded(x, act8_of(x, kind), k.code)
+        matmul_widened(xr, n, d, lambda lo, block: dequantize_rows(q, np.arange(lo, lo + block.shape[0]), block,
+                                                                   k.code), y)
     return y
 
 

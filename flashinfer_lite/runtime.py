@@ -53,6 +53,7 @@ from .loader import load_weights, open_any
 from .model import FeedForward, Transformer
 from .predictor_set import describe_calibration, load_expert_freq, load_predictors, read_manifest
 from .process import keep_freed_arrays_out_of_rss, return_freed_heap
+from .quant import set_act8
 from .threads import set_threads
 
 # auto: a gated (SiLU) model with the split layout: gate at every budget; a mixture of experts: experts from flash;
@@ -534,13 +535,16 @@ class Model:
 
 def load(path: str | None = None, dram_budget: int | str | None = "auto", ffn: str = "auto", ctx: int = 0,
          threads: int | None = None, lookahead: bool = False, verbose: bool = False,
-         sparsity: float = DEFAULT_SPARSITY):
+         sparsity: float = DEFAULT_SPARSITY, act8: bool = True):
     """(model, tokenizer) for an HF directory, a GGUF file or a FLASHDIR; None = the default model (fetched, and its
     predictors trained, on first use). dram_budget: bytes, a size string ("300M"), "auto" (the default: what the
-    machine can give) or None (no limit); ffn as the CLI's --ffn; ctx 0: the model's default context."""
+    machine can give) or None (no limit); ffn as the CLI's --ffn; ctx 0: the model's default context. act8: the dot
+    products with weights in 32-weight blocks (q4_0, q4_1, q5_0, q5_1, q8_0) round x to 8 bits as llama.cpp does
+    (faster); False keeps x float32, the float math on the dequantized weights (quant.set_act8: for the process)."""
     t0 = time.perf_counter()
     one_blas_thread()
     set_threads(threads)
+    set_act8(act8)
     budget = parse_size(dram_budget) if isinstance(dram_budget, str) and dram_budget != "auto" else dram_budget
     progress = sys.stderr.isatty()
     files = open_model_files(path, ffn, progress=progress, refuse_below=budget if isinstance(budget, int) else None,

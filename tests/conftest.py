@@ -18,6 +18,17 @@ STORIES = DATA / "stories260K"
 CORPUS = DATA / "corpus"
 
 
+@pytest.fixture
+def float32_activations():
+    """Dot products on float32 x (quant.set_act8 off), for tests whose oracle is the float64 math on the dequantized
+    weights: 8-bit activations round x as llama.cpp does, which that oracle does not (tests/test_act8.py has theirs)."""
+    from flashinfer_lite.quant import ACT8, set_act8
+    was = ACT8[0]
+    set_act8(False)
+    yield
+    set_act8(was)
+
+
 # A toy chat template, so that stories260K can stand in for an instruct model in chat tests.
 CHAT_TEMPLATE = ("{% for m in messages %}{{ bos_token if loop.first else '' }}[{{ m['role'] }}] {{ m['content'] }}\n"
                  "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")

@@ -124,9 +124,11 @@ def float64_gated_model(source, flash, thresholds, masks=None):
 
 
 @pytest.mark.parametrize("dtype", ["f32", "q8_0"])
-def test_runtime_logits_equal_float64_math_on_the_neurons_that_cleared_the_threshold(gated, dtype):
+def test_runtime_logits_equal_float64_math_on_the_neurons_that_cleared_the_threshold(gated, dtype,
+                                                                                    float32_activations):
     """Issue 28's oracle. f32: the HF checkpoint's weights; q8_0: the FLASHDIR's dequantized ones (the blocks are
-    the model). Bounded budget, so gate|up rows of a layer are streamed and the down rows come from flash."""
+    the model; float32 activations, which that math assumes). Bounded budget, so gate|up rows of a layer are streamed
+    and the down rows come from flash."""
     source = gated["source"] if dtype == "f32" else gated[dtype]
     cal = read_gate_file(gated[dtype], 2, 160, DEFAULT_SPARSITY)
     probe = load_runtime(gated[dtype], "gate", ctx=64, runtime_bytes=0)[2].plan
@@ -167,8 +169,8 @@ def test_default_ffn_gives_the_same_tokens_with_no_budget_and_at_three_budgets(g
         assert rt.plan.gate_layers == (0 if budget == lowest else 2)
 
 
-def test_dense_stays_exact_dense(gated):
-    """--ffn dense is the dense model, not the thresholded one."""
+def test_dense_stays_exact_dense(gated, float32_activations):
+    """--ffn dense is the dense model, not the thresholded one (float32 activations: the float64 oracle's)."""
     model = load_runtime(gated["q8_0"], "dense", ctx=64)[0]
     src = float64_gated_model(gated["q8_0"], gated["q8_0"], [-1.0, -1.0])
     got, want = greedy(model, IDS, 8)[1], greedy(src, IDS, 8)[1]

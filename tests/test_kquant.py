@@ -11,6 +11,9 @@ import pytest
 from flashinfer_lite import quant
 from storage.errors import UserError
 
+pytestmark = pytest.mark.usefixtures("float32_activations")   # oracle: float64 on the dequantized weights
+
+
 @numba.njit
 def axpy(y, c, r, kind):
     quant.row_axpy(y, c, r, kind)

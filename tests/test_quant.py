@@ -21,6 +21,8 @@ from flashinfer_lite.quant import BLOCK, QuantMatrix, dequantize, quant_matmul_t
 from storage.format import BundleGeometry, FlashLayout, bundle_geometry, pack_bundles
 from test_kernels import CASES, dense_coefficients, dense_ffn, make_model, numba_threads, rel_err, scatter_rows
 
+pytestmark = pytest.mark.usefixtures("float32_activations")   # oracle: float64 on the dequantized weights
+
 RTOL = 1e-5
 
 

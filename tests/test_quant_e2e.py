@@ -28,6 +28,8 @@ from storage.convert import convert
 from storage.files import disk_bytes
 from storage.format import FlashCheckpoint, read_layout, verify
 
+pytestmark = pytest.mark.usefixtures("float32_activations")   # oracle: float64 on the dequantized weights
+
 ATTN = ("attn.q", "attn.k", "attn.v", "attn.o")
 
 

@@ -4,7 +4,9 @@ QuantSparseFFN: ffn.sparse.SparseFFN over bundles whose gate, up and down vector
 vector in its own block format (the bundle's geometry as storage.format.BundleGeometry says: blocks in place of
 elements). Its dense() computes a whole layer in RAM (DenseLayer, ffn.resident.ResidentFFN). quant_ffn: the dense
 FFN over a GGUF's QuantMatrix weights.
-Compute stays float32 on the dequantized weights; the gating rule is ffn.gating's.
+The gate and up products (and quant_ffn's down products, rows along n) round x (the coefficients) to 8 bits where the
+kind has an 8-bit dot product (quant.set_act8); the rest is float32 on the dequantized weights. The gating rule is
+ffn.gating's.
 """
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ from storage.errors import UserError
 from flashinfer_lite.kernels.gemv import WIDEN_BLOCK_BYTES
 from flashinfer_lite.kernels.prefetch import prefetch_ahead
 from flashinfer_lite.kernels.rows import scalar
-from flashinfer_lite.quant import (KINDS, QuantMatrix, col_axpy, col_dequant, column_tables, quant_kind, row_axpy,
-                                   row_dequant, row_dot)
+from flashinfer_lite.quant import (KINDS, QuantMatrix, act8_buffers, act8_dot, act8_of, act8_rounded, act8_row,
+                                   act8_slice, act_dot, col_axpy, col_dequant, column_tables, quant_kind, quantize_act1,
+                                   row_axpy, row_dequant)
 from storage import columns
 
 from .gating import act_code, gate_activation, glu_coefficient, threshold_of
@@ -98,12 +101,14 @@ DOWN_PARTIALS = 4
 
 
 @njit(cache=True, parallel=True, fastmath=True, nogil=True)
-def quant_dense_ffn_row(H, Hf, D, x, y, coef, partial, rb, glu, act, threshold, kind, bg, bu, down_kind, up_rb,
-                        up_kind, s_neuron, S):
+def quant_dense_ffn_row(H, Hf, D, X, xa, t, y, coef, partial, rb, glu, act, threshold, kind, bg, bu, down_kind,
+                        up_rb, up_kind, s_neuron, S):
     """y[:] = sum over neurons j of coef[j] * dequant(D[j]), coef[j] = the coefficient of head row H[j] (Hf: its
-    float32 view) on x: partial[p] sums the p-th of len(partial) neuron ranges in order, then they add up in order.
+    float32 view) on X[t] (xa: act8_buffers of X: row t filled here, or empty): partial[p] sums the p-th of
+    len(partial) neuron ranges in order, then they add up in order.
     H's rows: the first vector (rb bytes in `kind`), then (GLU) up (up_rb bytes in up_kind); D's: as
     quant_ffn_accumulate's (s_neuron: the neuron id's slot in Hf)."""
+    quantize_act1(X[t], act8_row(xa, t))
     n, P = H.shape[0], partial.shape[0]
     for p in prange(P):
         acc = partial[p]
@@ -111,7 +116,7 @@ def quant_dense_ffn_row(H, Hf, D, x, y, coef, partial, rb, glu, act, threshold, 
         for j in range(p * n // P, (p + 1) * n // P):
             prefetch_ahead(H, j, 0, H.shape[1])
             prefetch_ahead(D, j, 0, D.shape[1])
-            c = coefficient(H[j], Hf[j], x, rb, glu, act, threshold, rb, -1, -1, bg, bu, kind, up_rb, up_kind)
+            c = coefficient(H[j], Hf[j], X, xa, t, rb, glu, act, threshold, rb, -1, -1, bg, bu, kind, up_rb, up_kind)
             coef[j] = c
             if c != np.float32(0.0):
                 if s_neuron >= 0:
@@ -215,6 +220,9 @@ class QuantSparseFFN(SparseFFN):
         self._rows_of_d(X)       # the row kernels read as many weights as x has
         super()._coefficients(W, F, slots, js, X, sel, coef, act_threshold)
 
+    def act8(self, X: np.ndarray) -> tuple:
+        return act8_buffers(*X.shape, self.block_kind, self.up_kind)
+
     def _accumulate(self, W, F, slots, coef, Y) -> None:
         self._rows_of_d(Y)
         quant_ffn_accumulate(W, F, slots, coef, Y, self.down_at, self.down_kind.code, self.down_kind.weights,
@@ -243,12 +251,16 @@ class QuantSparseFFN(SparseFFN):
         self._rows_of_d(Y)
         n, T = H.shape[0], X.shape[0]
         if T <= DENSE_ROW_KERNEL_MAX_T:
+            xa = act8_buffers(T, self.d, self.kind.code, self.up_kind)
             self._grow(n)
             for t in range(T):
-                quant_dense_ffn_row(H, Hf, D, X[t], Y[t], self.coef, self._partial, self.row_bytes, self.glu,
+                quant_dense_ffn_row(H, Hf, D, X, xa, t, Y[t], self.coef, self._partial, self.row_bytes, self.glu,
                                     self.act_code, self.relu_threshold, self.kind.code, layer.bg, layer.bu,
                                     self.down_kind.code, self.up_len, self.up_kind, layer.neuron, self.S)
             return
+        # BLAS on x as its 8-bit blocks round it, for the kinds that have them (as quant.quant_matmul_t)
+        xa = act8_of(X, self.kind.code, self.up_kind)
+        Xf, Xu = act8_rounded(X, xa, self.kind.code), act8_rounded(X, xa, self.up_kind)
         d = self.d
         block = max(1, min(n, WIDEN_BLOCK_BYTES // (4 * d)))
         if self._widened is None or self._widened[0].shape[0] != block:
@@ -261,8 +273,8 @@ class QuantSparseFFN(SparseFFN):
             dequantize_dense_layer(H, Hf, D, lo, G[:m], U[:m], Dw[:m], bg[:m], bu[:m], self.row_bytes, self.glu,
                                    self.kind.code, layer.bg, layer.bu, self.down_kind.code, self.up_len, self.up_kind,
                                    layer.neuron, self.S)
-            a = X @ U[:m].T                                            # [T, m], then the coefficients in place
-            ffn_coefficients_from_products(X @ G[:m].T if self.glu else a, a, bg[:m], bu[:m], self.glu,
+            a = (Xu if self.glu else Xf) @ U[:m].T                    # [T, m], then the coefficients in place
+            ffn_coefficients_from_products(Xf @ G[:m].T if self.glu else a, a, bg[:m], bu[:m], self.glu,
                                            self.act_code, self.relu_threshold)
             Y += a @ Dw[:m]
 
@@ -292,57 +304,63 @@ def sparse_ffns(layout, down_scales=None, **kw) -> list[SparseFFN]:
 
 
 @njit(cache=True, fastmath=True, nogil=True, inline="always")
-def ffn_part(Wg, Wu, Wd, x, a, acc, lo, hi, glu, act, threshold, kind_g, kind_u, kind_d, down_weights,
+def ffn_part(Wg, Wu, Wd, X, xa, t, a, aa, acc, lo, hi, glu, act, threshold, kind_g, kind_u, kind_d, down_weights,
              down_block_bytes):
-    """One task of a quantized FFN on x: the coefficients a[j] of neurons lo .. hi (whole blocks of Wd's rows) from
-    Wg[j].x and Wu[j].x (MLP: Wu[j].x; ffn.gating), then acc[i] = their share of down row i's dot product."""
+    """One task of a quantized FFN on X[t] (xa: act8_buffers of X, row t filled, or empty): the coefficients a[j] of
+    neurons lo .. hi (whole blocks of Wd's rows) from Wg[j].x and Wu[j].x (MLP: Wu[j].x; ffn.gating), then (aa: a
+    1-D act8_row tuple for a, its range filled here, or empty) acc[i] = their share of down row i's dot product."""
     for j in range(lo, hi):
         prefetch_ahead(Wu, j, 0, Wu.shape[1])
         if glu:
             prefetch_ahead(Wg, j, 0, Wg.shape[1])
-            v = gate_activation(act, row_dot(Wg[j], x, kind_g), threshold)
+            v = gate_activation(act, act_dot(Wg[j], X, xa, t, kind_g), threshold)
             if v != np.float32(0.0):
-                v = glu_coefficient(act, v, row_dot(Wu[j], x, kind_u))
+                v = glu_coefficient(act, v, act_dot(Wu[j], X, xa, t, kind_u))
         else:
-            v = gate_activation(act, row_dot(Wu[j], x, kind_u), threshold)
+            v = gate_activation(act, act_dot(Wu[j], X, xa, t, kind_u), threshold)
         a[j] = v
     b_lo, b_hi = lo // down_weights * down_block_bytes, hi // down_weights * down_block_bytes
+    mine = act8_slice(aa, lo, hi)
+    quantize_act1(a[lo:hi], mine)
     for i in range(Wd.shape[0]):
         prefetch_ahead(Wd, i, b_lo, b_hi)
-        acc[i] = row_dot(Wd[i, b_lo:b_hi], a[lo:hi], kind_d) if hi > lo else np.float32(0.0)
+        acc[i] = act8_dot(Wd[i, b_lo:b_hi], a[lo:hi], mine, kind_d) if hi > lo else np.float32(0.0)
 
 
 @njit(cache=True, parallel=True, fastmath=True, nogil=True)
-def quant_ffn_row(Wg, Wu, Wd, x, a, y, partial, glu, act, threshold, kind_g, kind_u, kind_d, down_weights,
+def quant_ffn_row(Wg, Wu, Wd, x, xa, t, a, aa, y, partial, glu, act, threshold, kind_g, kind_u, kind_d, down_weights,
                   down_block_bytes):
-    """y = Wd @ a with a[j] the coefficient of neuron j from Wg[j].x and Wu[j].x (MLP: Wu[j].x; ffn.gating). One
-    task per range of whole blocks of neurons (blocks of Wd's rows, down_weights each; as quant_dense_ffn_row:
+    """y = Wd @ a with a[j] the coefficient of neuron j from Wg[j].x and Wu[j].x (MLP: Wu[j].x; ffn.gating), x = x[t]
+    (xa: act8_buffers of x: row t filled here, or empty; aa: 8-bit blocks of a, filled per range, or empty). One task
+    per range of whole blocks of neurons (blocks of Wd's rows, down_weights each; as quant_dense_ffn_row:
     len(partial) of them, one parallel region): ffn_part; the partials add up in order."""
+    quantize_act1(x[t], act8_row(xa, t))
     n, P = Wu.shape[0], partial.shape[0]
     nb = n // down_weights
     for p in prange(P):
-        ffn_part(Wg, Wu, Wd, x, a, partial[p], p * nb // P * down_weights, (p + 1) * nb // P * down_weights, glu,
-                 act, threshold, kind_g, kind_u, kind_d, down_weights, down_block_bytes)
+        ffn_part(Wg, Wu, Wd, x, xa, t, a, aa, partial[p], p * nb // P * down_weights,
+                 (p + 1) * nb // P * down_weights, glu, act, threshold, kind_g, kind_u, kind_d, down_weights,
+                 down_block_bytes)
     y[:] = partial[0]
     for p in range(1, P):
         y += partial[p]
 
 
 @njit(cache=True, parallel=True, fastmath=True, nogil=True)
-def quant_experts_rows(S, X, rows, slots, dest, A, partial, O, at_g, at_u, at_d, n, act, threshold, kind_g, kind_u,
-                       kind_d, rb_g, rb_u, rb_d, down_weights, down_block_bytes):
+def quant_experts_rows(S, X, xa, rows, slots, dest, A, aa, partial, O, at_g, at_u, at_d, n, act, threshold, kind_g,
+                       kind_u, kind_d, rb_g, rb_u, rb_d, down_weights, down_block_bytes):
     """O[dest[q]] = the GLU FFN of expert slot slots[q] on X[rows[q]], for every pair q, in one parallel region:
     each expert is a row of S (uint8 [slots, chunk]) holding gate [n, d], up [n, d] and down [d, n] in block formats
     at bytes at_g, at_u, at_d (storage.experts). One task per (pair, neuron range): quant_ffn_row's tasks, so a
-    pair's result has quant_ffn_row's bits whichever other pairs share the call. A [pairs, n] and partial [pairs, P,
-    d]: scratch."""
+    pair's result has quant_ffn_row's bits whichever other pairs share the call. xa: act8_buffers of X, filled (or
+    empty); A [pairs, n], aa (act8_buffers of A, or empty) and partial [pairs, P, d]: scratch."""
     Q, P, d = rows.shape[0], partial.shape[1], partial.shape[2]
     nb = n // down_weights
     for task in prange(Q * P):
         q, p = task // P, task % P
         s = S[slots[q]]
         ffn_part(s[at_g:at_g + n * rb_g].reshape((n, rb_g)), s[at_u:at_u + n * rb_u].reshape((n, rb_u)),
-                 s[at_d:at_d + d * rb_d].reshape((d, rb_d)), X[rows[q]], A[q], partial[q, p],
+                 s[at_d:at_d + d * rb_d].reshape((d, rb_d)), X, xa, rows[q], A[q], act8_row(aa, q), partial[q, p],
                  p * nb // P * down_weights, (p + 1) * nb // P * down_weights, True, act, threshold, kind_g, kind_u,
                  kind_d, down_weights, down_block_bytes)
     for q in range(Q):
@@ -365,16 +383,19 @@ def add_weighted_rows(Y, O, rows, w):
 def quant_ffn(x: np.ndarray, gate: QuantMatrix | None, up: QuantMatrix, down: QuantMatrix, act: str,
               relu_threshold: float) -> np.ndarray:
     """The FFN of the rows of x [T, d] over QuantMatrix weights without gate/up biases (down's bias not included):
-    quant_ffn_row per row. act, relu_threshold: the model config's (ffn.gating.threshold_of)."""
+    quant_ffn_row per row. act, relu_threshold: the model config's (ffn.gating.threshold_of). With set_act8 on, x
+    and the coefficients are rounded to 8-bit blocks for the dot products of the kinds that have them."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     T, n = x.shape[0], up.shape[0]
     y = np.empty((T, down.shape[0]), np.float32)
     a = np.empty(n, np.float32)
     partial = np.empty((DOWN_PARTIALS, down.shape[0]), np.float32)
     g = gate if gate is not None else up
+    xa = act8_buffers(T, x.shape[1], g.kind, up.kind)
+    aa = act8_row(act8_buffers(1, n, down.kind), 0)   # quant_ffn_row fills them, range by range
     kd = quant_kind(down.kind)
     for r in range(T):
-        quant_ffn_row(g.q, up.q, down.q, x[r], a, y[r], partial, gate is not None, act_code(act),
+        quant_ffn_row(g.q, up.q, down.q, x, xa, r, a, aa, y[r], partial, gate is not None, act_code(act),
                       threshold_of(act, relu_threshold), quant_kind(g.kind).code, quant_kind(up.kind).code, kd.code,
                       kd.weights, kd.block_bytes)
     return y
@@ -390,6 +411,8 @@ def quant_experts(S: np.ndarray, layout, X: np.ndarray, rows, slots, dest, O: np
     at_g, at_u, at_d, _ = layout.matrix_offsets
     A = np.empty((len(rows), layout.n), np.float32)
     partial = np.empty((len(rows), DOWN_PARTIALS, layout.d), np.float32)
-    quant_experts_rows(S, X, rows, slots, dest, A, partial, O, at_g, at_u, at_d, layout.n, act_code(act),
+    X = np.ascontiguousarray(X, dtype=np.float32)
+    xa, aa = act8_of(X, kg.code, ku.code), act8_buffers(len(rows), layout.n, kd.code)
+    quant_experts_rows(S, X, xa, rows, slots, dest, A, aa, partial, O, at_g, at_u, at_d, layout.n, act_code(act),
                        threshold_of(act, relu_threshold), kg.code, ku.code, kd.code, layout.row_bytes("gate"),
                        layout.row_bytes("up"), layout.row_bytes("down"), kd.weights, kd.block_bytes)

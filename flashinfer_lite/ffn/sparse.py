@@ -25,7 +25,7 @@ from storage.errors import UserError
 from flashinfer_lite.kernels.f16 import f32_at
 from flashinfer_lite.kernels.prefetch import prefetch_row
 from flashinfer_lite.kernels.rows import dot, scalar
-from flashinfer_lite.quant import row_dot
+from flashinfer_lite.quant import act8_buffers, act_dot, quantize_act_rows
 from storage.format import BundleGeometry
 
 from .gating import ACT_DRELU, act_code, gate_activation, glu_coefficient, threshold_of
@@ -37,48 +37,51 @@ STORAGE_VIEWS = {"f32": np.float32, "f16": np.uint16, "int8": np.int8}  # dtype 
 OUT_BLOCK = 64
 
 
-def vector_dot(v, x, n, kind):
-    """v . x for one bundle vector v: n elements of float32, float16 bits or int8, or GGUF blocks (uint8: n bytes,
-    as many weights as x has, `kind` the block format's code). Resolved per row type at compile time, so the float
-    and the quantized FFN share one coefficient body."""
+def vector_dot(v, X, xa, t, n, kind):
+    """v . X[t] for one bundle vector v: n elements of float32, float16 bits or int8, or GGUF blocks (uint8: n bytes,
+    as many weights as X has columns, `kind` the block format's code; xa: X's 8-bit blocks, quant.act8_buffers, or
+    empty). Resolved per row type at compile time, so the float and the quantized FFN share one coefficient body."""
 
 
 @overload(vector_dot)
-def _vector_dot_impl(v, x, n, kind):
+def _vector_dot_impl(v, X, xa, t, n, kind):
     if v.dtype == types.uint8:
-        return lambda v, x, n, kind: row_dot(v, x, kind)
-    return lambda v, x, n, kind: dot(v, x, n)
+        return lambda v, X, xa, t, n, kind: act_dot(v, X, xa, t, kind)
+    return lambda v, X, xa, t, n, kind: dot(v, X[t], n)
 
 
 @njit(cache=True, fastmath=True)
-def coefficient(wr, fr, x, n, glu, act, threshold, up_at, s_first, s_up, bg, bu, kind, up_n, up_kind):
-    """The coefficient of the neuron in row wr (its stored type; fr: its float32 view) on x, by ffn.gating's rule.
+def coefficient(wr, fr, X, xa, t, n, glu, act, threshold, up_at, s_first, s_up, bg, bu, kind, up_n, up_kind):
+    """The coefficient of the neuron in row wr (its stored type; fr: its float32 view) on X[t] (xa: X's 8-bit blocks
+    or empty: vector_dot), by ffn.gating's rule.
     wr[:n] is the first vector (GLU: gate, MLP: up) in block format `kind`, GLU's up vector wr[up_at:up_at + up_n]
     in up_kind (blocks: a bundle's gate and up may differ, as in llama.cpp's mixtures); s_first, s_up, bg, bu:
     float32 slots (-1: none) of the first vector's scale, up's scale, the gate and up biases."""
     if glu:
-        g = vector_dot(wr[:n], x, n, kind) * scalar(fr, s_first, 1.0) + scalar(fr, bg, 0.0)
+        g = vector_dot(wr[:n], X, xa, t, n, kind) * scalar(fr, s_first, 1.0) + scalar(fr, bg, 0.0)
         a = gate_activation(act, g, threshold)
         if a == np.float32(0.0):          # did not fire: the up vector is not read
             return a
-        u = vector_dot(wr[up_at:up_at + up_n], x, up_n, up_kind) * scalar(fr, s_up, 1.0) + scalar(fr, bu, 0.0)
+        u = vector_dot(wr[up_at:up_at + up_n], X, xa, t, up_n, up_kind) * scalar(fr, s_up, 1.0) + scalar(fr, bu, 0.0)
         return glu_coefficient(act, a, u)
-    return gate_activation(act, vector_dot(wr[:n], x, n, kind) * scalar(fr, s_first, 1.0) + scalar(fr, bu, 0.0),
+    return gate_activation(act, vector_dot(wr[:n], X, xa, t, n, kind) * scalar(fr, s_first, 1.0) + scalar(fr, bu, 0.0),
                            threshold)
 
 
 # nogil: flash reads run in Python threads while these compute the rows already cached.
 @njit(cache=True, parallel=True, fastmath=True, nogil=True)
-def ffn_coefficients(W, F, slots, js, X, sel, coef, n, glu, act, threshold, up_at, s_first, s_up, bg, bu, kind,
+def ffn_coefficients(W, F, slots, js, X, xa, sel, coef, n, glu, act, threshold, up_at, s_first, s_up, bg, bu, kind,
                      up_n, up_kind, head_bytes, act_threshold):
     """coef[t, j] = coefficient of neuron row slots[j] on X[t] if sel[t, j] else 0, for every j in js.
 
     W: the bundle matrix [rows, stride // itemsize] in its stored type (uint8 for blocks); F: its float32 view;
     slots: int32[n] rows; js: int64 positions into slots to compute now (the rest of coef is left alone);
-    X: float32[T, d]; sel: uint8[T, >=n]; coef: float32[T, >=n]. act_threshold: coefficients with |c| <= it count as
+    X: float32[T, d]; xa: quant.act8_buffers of X (filled here first) or empty; sel: uint8[T, >=n]; coef:
+    float32[T, >=n]. act_threshold: coefficients with |c| <= it count as
     zero (SwiGLU's calibrated act_threshold; -1: none). head_bytes: the bytes before the down vector, asked for
     (prefetch_row) one row ahead. The rest: coefficient's.
     """
+    quantize_act_rows(X, xa)
     for q in prange(js.shape[0]):
         j = js[q]
         r = slots[j]
@@ -89,7 +92,7 @@ def ffn_coefficients(W, F, slots, js, X, sel, coef, n, glu, act, threshold, up_a
         for t in range(X.shape[0]):
             c = np.float32(0.0)
             if sel[t, j]:
-                c = coefficient(wr, fr, X[t], n, glu, act, threshold, up_at, s_first, s_up, bg, bu, kind, up_n,
+                c = coefficient(wr, fr, X, xa, t, n, glu, act, threshold, up_at, s_first, s_up, bg, bu, kind, up_n,
                                 up_kind)
                 if abs(c) <= act_threshold:
                     c = np.float32(0.0)
@@ -224,9 +227,14 @@ class SparseFFN:
         self._coefficients(W, F, slots, js, X, sel, coef, np.float32(act_threshold))
 
     def _coefficients(self, W, F, slots, js, X, sel, coef, act_threshold) -> None:
-        ffn_coefficients(W, F, slots, js, X, sel, coef, self.vector_len, self.glu, self.act_code, self.relu_threshold,
+        ffn_coefficients(W, F, slots, js, X, self.act8(X), sel, coef, self.vector_len, self.glu, self.act_code,
+                         self.relu_threshold,
                          self.up_at, self.s_first, self.s_up, self.bg, self.bu, self.block_kind, self.up_len,
                          self.up_kind, self.head_bytes, act_threshold)
+
+    def act8(self, X: np.ndarray) -> tuple:
+        """Room for X's 8-bit blocks, which ffn_coefficients fills (quant.act8_buffers): none for float rows."""
+        return act8_buffers(*X.shape)
 
     def accumulate(self, B: np.ndarray, slots: np.ndarray, coef: np.ndarray, Y: np.ndarray) -> None:
         """Y[t] += sum of coef[t, j] * down(slots[j]) over j in order (Y float32[T, d])."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from storage import columns
-from ..quant import KINDS, column_tables
+from ..quant import KINDS, act8_buffers, column_tables
 from .gating import act_code, threshold_of
 from .quant import quant_ffn_accumulate
 from .sparse import OUT_BLOCK, STORAGE_VIEWS, ffn_accumulate, ffn_coefficients
@@ -48,7 +48,9 @@ class SplitKernels:
         n = H.shape[0]
         ones = np.ones((X.shape[0], n), np.uint8)
         ffn_coefficients(self._view(H, self.gu.dtype), H.view(np.float32), np.arange(n, dtype=np.int32),
-                         np.arange(n, dtype=np.int64), X, ones, coef, self.n, True, self.act, self.threshold,
+                         np.arange(n, dtype=np.int64), X, act8_buffers(*X.shape, self.kind, self.up_kind)
+                         if self.quantized else act8_buffers(*X.shape), ones, coef, self.n, True, self.act,
+                         self.threshold,
                          self.up_at, self.s_gate, self.s_up, self.bg, self.bu, self.kind, self.up_n, self.up_kind,
                          self.gu.stride, np.float32(act_threshold))
 
