@@ -80,6 +80,8 @@ class BudgetPlan:
     ffn_bytes: int = 0          # the whole FFN resident (plan_resident_ffn): no window, no hot region
     gate_bytes: int = 0         # the exact-gate FFN's gate|up rows in DRAM (plan_gate), and its stream buffer
     gate_layers: int = 0        # of plan_gate: the layers whose gate|up rows are resident (from the first)
+    floor_bytes: int = 0        # of plan_gate: its smallest budget (every layer's rows streamed); minimum_bytes is
+                                # the smallest with gate_layers resident
 
     @property
     def hot_rows(self) -> int:
@@ -112,7 +114,7 @@ class BudgetPlan:
                                                   f"window {self.window} tokens"),
                     ("hot region", self.hot_bytes, f"{self.hot_rows} pinned neurons")]),
                 ("unused", self.budget_bytes - self.used_bytes, ""),
-                ("budget", self.budget_bytes, f"minimum {_mib(self.minimum_bytes)}")]
+                ("budget", self.budget_bytes, f"minimum {_mib(self.floor_bytes or self.minimum_bytes)}")]
         return budget_table(rows, self.budget_bytes)
 
 
@@ -262,9 +264,11 @@ def plan_gate(config, layout, dram_budget_bytes: int, ctx: int, window: int, spa
         return plan(layers)
     for k in range(len(rows), 0, -1):
         try:
-            return plan(k)
+            p = plan(k)
         except UserError:
             continue
+        p.floor_bytes = plan(0).minimum_bytes      # what the table names: the budget could go down to it
+        return p
     return plan(0)        # raises, naming the minimum, when even streaming every layer does not fit
 
 
