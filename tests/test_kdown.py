@@ -94,7 +94,7 @@ def float64_ffn(x, g, u, down, neurons):
 
 
 @pytest.mark.parametrize("kind", ["q4_k", "q6_k", "q5_1"])
-def test_column_ffn_is_the_float64_math(kind):
+def test_column_ffn_is_the_float64_math(kind, float32_activations):
     ffn, B, order, g, u, down = bundles_with_columns(kind)
     d, n = g.shape[1], g.shape[0]
     X = np.random.default_rng(4).normal(size=(3, d)).astype(np.float32)
@@ -196,7 +196,7 @@ def uniform_gated(tiny_model, tmp_path_factory):
     shutil.rmtree(root, ignore_errors=True)
 
 
-def test_exact_gate_over_down_columns(uniform_gated, monkeypatch):
+def test_exact_gate_over_down_columns(uniform_gated, monkeypatch, float32_activations):
     """The split layout's down.bin holds the same packed columns: the exact gate from flash equals float64 math on
     the GGUF's own down weights (those of the neurons that cleared the threshold), with the same bits at every
     budget."""
