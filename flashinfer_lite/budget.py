@@ -164,12 +164,16 @@ def resident_bytes_for(cfg: ModelConfig, half: bool = False, kinds: dict[str, st
     return matrices + 4 * vectors
 
 
-def packed_staging_bytes(layout, rows: int) -> int:
-    """The reader's staging buffer for a request of `rows` packed bundles (storage.reader: a stride that is not a
-    multiple of 512), at most: each bundle alone, widened to 512-byte boundaries on both sides. 0 when not packed."""
+def packed_staging_bytes(layout, rows: int, stream_bytes: int = 0) -> int:
+    """The reader's staging buffer for packed bundles (storage.reader: a stride that is not a multiple of 512), at
+    most: a request of up to `rows` bundles of a layer, each op's span widened to 512-byte boundaries on both sides
+    (at worst every bundle an op of its own; the holes a coalesced op reads never make its span more than the layer),
+    or a prefill stream's chunk of stream_bytes read whole (an op per MiB at most, storage.reader's max_read_bytes).
+    0 when not packed. (Every stream chunk's rows as lone ops counted 4.5x the chunk: 9.5 MiB on the default model.)"""
     if layout.stride % BUNDLE_ALIGN == 0:
         return 0
-    return rows * (layout.stride + 2 * BUNDLE_ALIGN)
+    stream = stream_bytes + 2 * BUNDLE_ALIGN * (stream_bytes // (1 << 20) + 2) if stream_bytes > 0 else 0
+    return max(rows * (layout.stride + 2 * BUNDLE_ALIGN), stream)
 
 
 def down_scale_bytes(layout) -> int:
@@ -213,7 +217,7 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
                + stream_transient_bytes(layout, stream_chunk_bytes) + prefill_transient_bytes(cfg, ctx)
                + heap_slack_bytes
                + (staging_rows(max_active) * stride if lookahead else 0)
-               + packed_staging_bytes(layout, max(n_max, stream_chunk_bytes // stride)) * (2 if lookahead else 1))
+               + packed_staging_bytes(layout, n_max, stream_chunk_bytes) * (2 if lookahead else 1))
     minimum = runtime_bytes + res + kv + buffers + n_layers * reserve * row
     if dram_budget_bytes < minimum:
         raise UserError(f"DRAM budget {_mib(dram_budget_bytes)} is below the minimum {_mib(minimum)} for this model "

@@ -185,10 +185,11 @@ class GateFFN(FlashFFN):
 
 CALIBRATION_TOKENS = 1024
 CALIBRATION_CTX = 256
-# A magnitude's bin: the top 16 bits of its float32 pattern (sign 0, the exponent, 7 mantissa bits). The patterns of
-# non-negative floats sort as the floats do, so bins are ordered intervals, each at most 1/128 of its values wide.
-BIN_SHIFT = 15
-BINS = 1 << 16
+# A magnitude's bin: the top 14 bits of its float32 pattern (sign 0, the exponent, 5 mantissa bits). The patterns of
+# non-negative floats sort as the floats do, so bins are ordered intervals, each at most 1/32 of its values wide (the
+# second pass keeps a bin's magnitudes: narrower bins keep fewer, but their counts take 4 bytes each per layer).
+BIN_SHIFT = 17
+BINS = 1 << 14
 
 
 class LayerMagnitudes:
