@@ -31,7 +31,7 @@ import numpy as np
 from storage import columns
 from storage.format import BUNDLE_ALIGN, read_layout
 from storage.profile import DEFAULT_GAP_BYTES
-from storage.reader import BundleReader, aligned_empty
+from storage.reader import MAX_READ_BYTES, BundleReader, aligned_empty
 
 from storage.errors import UserError
 from .ffn.quant import DENSE_ROW_KERNEL_MAX_T, dense_row_bytes, sparse_ffn
@@ -168,11 +168,11 @@ def packed_staging_bytes(layout, rows: int, stream_bytes: int = 0) -> int:
     """The reader's staging buffer for packed bundles (storage.reader: a stride that is not a multiple of 512), at
     most: a request of up to `rows` bundles of a layer, each op's span widened to 512-byte boundaries on both sides
     (at worst every bundle an op of its own; the holes a coalesced op reads never make its span more than the layer),
-    or a prefill stream's chunk of stream_bytes read whole (an op per MiB at most, storage.reader's max_read_bytes).
+    or a prefill stream's chunk of stream_bytes read whole (an op per MAX_READ_BYTES at most: storage.reader's).
     0 when not packed. (Every stream chunk's rows as lone ops counted 4.5x the chunk: 9.5 MiB on the default model.)"""
     if layout.stride % BUNDLE_ALIGN == 0:
         return 0
-    stream = stream_bytes + 2 * BUNDLE_ALIGN * (stream_bytes // (1 << 20) + 2) if stream_bytes > 0 else 0
+    stream = stream_bytes + 2 * BUNDLE_ALIGN * (stream_bytes // MAX_READ_BYTES + 2) if stream_bytes > 0 else 0
     return max(rows * (layout.stride + 2 * BUNDLE_ALIGN), stream)
 
 

@@ -87,22 +87,22 @@ def keep_freed_arrays_out_of_rss(threshold: int = 128 << 10) -> None:
         np._core.multiarray._set_madvise_hugepage(False)
     except AttributeError:
         pass
-    import ctypes
-    try:
-        ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, int(threshold))
-    except (OSError, AttributeError):
-        pass
+    _glibc("mallopt", M_MMAP_THRESHOLD, int(threshold))
 
 
 def return_freed_heap() -> None:
     """Give the heap's free pages back to the system (glibc's malloc_trim; elsewhere a no-op): after a model is
     freed in this process (runtime.calibrate_gate), its small allocations' pages otherwise stay resident (9 MiB on
     the default model) and the run planned after it would pass its budget by that much."""
-    if not sys.platform.startswith("linux"):
-        return
+    if sys.platform.startswith("linux"):
+        _glibc("malloc_trim", 0)
+
+
+def _glibc(name: str, *args: int) -> None:
+    """Call one of glibc's allocator functions; a no-op where the C library has none (musl, a failed load)."""
     import ctypes
     try:
-        ctypes.CDLL(None).malloc_trim(0)
+        getattr(ctypes.CDLL(None), name)(*args)
     except (OSError, AttributeError):
         pass
 

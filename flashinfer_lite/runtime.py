@@ -41,9 +41,9 @@ from storage.tokenizer import token_segments
 
 from . import BLAS_THREADS_FROM_USER
 from . import default_model
-from .budget import (HEAP_SLACK_BYTES, BudgetPlan, auto_budget_bytes, measure_runtime_bytes, plan_budget,
-                     plan_experts, plan_gate, plan_resident_ffn, resident_bytes_for, down_scale_bytes, resident_matrix_shapes,
-                     runtime_estimate_bytes)
+from .budget import (HEAP_SLACK_BYTES, BudgetPlan, auto_budget_bytes, down_scale_bytes, measure_runtime_bytes,
+                     plan_budget, plan_experts, plan_gate, plan_resident_ffn, resident_bytes_for,
+                     resident_matrix_shapes, runtime_estimate_bytes)
 from .default_model import default_model_path, ensure_default_model
 from .ffn.experts import ExpertFFN
 from .ffn.flash import STREAM_CHUNK_BYTES, FlashFFN

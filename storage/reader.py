@@ -36,6 +36,7 @@ from .stats import FlashStats
 from .uring import Ring, unavailable
 
 IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
+MAX_READ_BYTES = 1 << 20      # a dense run is read as ops of at most this size, spread over the queue
 _warned_buffered = False
 
 
@@ -90,7 +91,7 @@ class BundleReader:
     """
 
     def __init__(self, layout_or_flashdir, threads: int | None = None, coalesce_gap: int | None = None,
-                 max_read_bytes: int = 1 << 20, engine: str | None = None, depth: int | None = None):
+                 max_read_bytes: int = MAX_READ_BYTES, engine: str | None = None, depth: int | None = None):
         self.layout = layout_or_flashdir if isinstance(layout_or_flashdir, FlashLayout) \
             else read_layout(layout_or_flashdir)
         self.path = self.layout.ffn_path

@@ -157,10 +157,11 @@ class FlashFFN:
                                  act_threshold=t)
         self.stats.compute_s += time.perf_counter() - t0
 
-    def _close_pass(self, T: int) -> None:
-        """Count the pass's T tokens as decode-path tokens if any went through the neuron cache. Token boundaries
-        come from the pass, not from decode_row: a batched prompt calls decode_row T times per layer."""
-        if self.stats.hits + self.stats.misses > self._pass_lookups:
+    def _close_pass(self, T: int, decoded: bool = False) -> None:
+        """Count the pass's T tokens as decode-path tokens if any went through the neuron cache, or were decoded
+        reading their layers whole (decoded: GateFFN.stream_decode). Token boundaries come from the pass, not from
+        decode_row: a batched prompt calls decode_row T times per layer."""
+        if decoded or self.stats.hits + self.stats.misses > self._pass_lookups:
             self.stats.tokens += T
 
     # -- prefill streaming ------------------------------------------------------------------------------------------

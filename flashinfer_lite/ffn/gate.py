@@ -41,8 +41,8 @@ class GateFFN(FlashFFN):
     FlashFFN's prefill choice (stream whole layers or go through the cache) and statistics apply unchanged.
     """
 
-    def __init__(self, cfg, layout, plan, calibration, down_bias=None, resident_layers: int | None = None, down_scales=None,
-                 threads: int | None = None, verbose: bool = False):
+    def __init__(self, cfg, layout, plan, calibration, down_bias=None, resident_layers: int | None = None,
+                 down_scales=None, threads: int | None = None, verbose: bool = False):
         self.cfg, self.plan, self.verbose = cfg, plan, verbose
         self.gate_up, self.layout = layout.parts["gate_up"], layout.parts["down"]
         self.thresholds = list(calibration.thresholds)
@@ -122,10 +122,7 @@ class GateFFN(FlashFFN):
         self.stats.rows[layer] += T
         self.stats.active[layer] += int(np.count_nonzero(coef))
         if layer == self.cfg.n_layers - 1:
-            if self._pass_streamed and self.stats.hits + self.stats.misses == self._pass_lookups:
-                self.stats.tokens += T      # a decoded token none of whose layers went through the cache
-            else:
-                self._close_pass(T)
+            self._close_pass(T, decoded=self._pass_streamed)
         return y
 
     def stream_decode(self, layer: int, ids: np.ndarray) -> bool:
@@ -135,7 +132,7 @@ class GateFFN(FlashFFN):
         bytes several times slower than sequential ones (fio on this machine's SSD: 0.5-0.9 GB/s at 7 KiB, 4.5 GB/s
         sequential). On the 7B shape at 75% of its q4_0 GGUF the cache path read 1.98 GB per token in 4.3 s."""
         n = self.layout.n_neurons[layer]
-        if self.cache.layers[layer].n_hot + self.cache.layers[layer].capacity >= n:
+        if self.cache.matrix(layer).shape[0] >= n:      # its pinned rows and window hold the whole layer
             return False
         uncached = ids.size - np.count_nonzero(self.cache.slot_of(layer)[ids] >= 0)
         return uncached > n / 3
@@ -194,7 +191,7 @@ BINS = 1 << 14
 
 class LayerMagnitudes:
     """One layer's |coefficients| [tokens, n] over two passes of the same tokens: count() every row in the first,
-    keep() in the second; then threshold(s) is np.quantile(all, s) and freq(s) per neuron the share of tokens above it.
+    keep() in the second; then result(s): np.quantile(all, s), and per neuron the share of tokens above it.
     Held: a histogram of BINS counts, per sparsity n counts and the magnitudes of (usually) two bins."""
 
     def __init__(self, n: int, sparsities):
@@ -233,17 +230,14 @@ class LayerMagnitudes:
             r, c = np.nonzero((b >= lo) & (b <= hi))
             self.kept[s].append((mags[r, c], c))
 
-    def threshold(self, s: float) -> float:
+    def result(self, s: float) -> tuple[float, np.ndarray]:
+        """(the threshold: np.quantile(all, s), per neuron the share of tokens whose magnitude is above it)."""
         k, gamma, _, _, below = self.order[s]
-        vals = np.sort(np.concatenate([v for v, _ in self.kept[s]]))
-        pair = vals[k - below: k - below + 2]   # order statistics k and k + 1 (one at the very top)
-        return float(np.quantile(pair, gamma)) if len(pair) == 2 else float(pair[0])
-
-    def freq(self, s: float, t: float) -> np.ndarray:
         vals = np.concatenate([v for v, _ in self.kept[s]])
         cols = np.concatenate([c for _, c in self.kept[s]])
-        over = self.above[s] + np.bincount(cols[vals > t], minlength=self.n)
-        return over / self.tokens
+        pair = np.sort(vals)[k - below: k - below + 2]   # order statistics k and k + 1 (one at the very top)
+        t = float(np.quantile(pair, gamma)) if len(pair) == 2 else float(pair[0])
+        return t, (self.above[s] + np.bincount(cols[vals > t], minlength=self.n)) / self.tokens
 
 
 def measure_thresholds(model, ffn: GateFFN, windows, sparsities, progress: bool = False) -> dict:
@@ -267,6 +261,6 @@ def measure_thresholds(model, ffn: GateFFN, windows, sparsities, progress: bool 
     ffn.observe = None
     out = {}
     for s in sparsities:
-        th = [m.threshold(s) for m in layers]
-        out[s] = (th, [m.freq(s, t) for m, t in zip(layers, th)])
+        th, freq = zip(*(m.result(s) for m in layers))
+        out[s] = (list(th), list(freq))
     return out
