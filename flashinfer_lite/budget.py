@@ -187,7 +187,7 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
                 hot_share: float = 0.5, resident_bytes: int | None = None, threads: int = 2,
                 read_scratch_bytes: int = DEFAULT_GAP_BYTES, runtime_bytes: int = 0,
                 stream_chunk_bytes: int = 0, requested: bool = True, lookahead: bool = False,
-                heap_slack_bytes: int = 0) -> BudgetPlan:
+                heap_slack_bytes: int = 0, gate: bool = False) -> BudgetPlan:
     """Split `dram_budget_bytes` (see module docstring). config: ModelConfig or its dict; layout: FlashLayout.
 
     max_active: the cold neurons one token is expected to need per layer (runtime.expected_max_active): sizes the
@@ -198,6 +198,7 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
     heap_slack_bytes: what the process's heap keeps of transient arrays (HEAP_SLACK_BYTES for the runtime; 0 plans
     the model's part only).
     lookahead: the neuron cache keeps staging rows (staging_rows(max_active)) for reads started a layer early.
+    gate: the exact gate's plan (plan_gate): a prompt chunk's rows of neurons as prefill_transient_bytes' gate.
     """
     cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_dict(config)
     if ctx < 1 or window < 1:
@@ -214,7 +215,7 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
     buffers = (max(read_scratch_bytes, stride) + threads * layout.d * 4 + n_max * 4
                + sum(layout.n_neurons) * (MAP_BYTES_PER_NEURON + layout.bundle_of[0].itemsize)
                + n_layers * MATRIX_SLACK_BYTES
-               + stream_transient_bytes(layout, stream_chunk_bytes) + prefill_transient_bytes(cfg, ctx)
+               + stream_transient_bytes(layout, stream_chunk_bytes) + prefill_transient_bytes(cfg, ctx, gate)
                + heap_slack_bytes
                + (staging_rows(max_active) * stride if lookahead else 0)
                + packed_staging_bytes(layout, n_max, stream_chunk_bytes) * (2 if lookahead else 1))
@@ -259,10 +260,10 @@ def plan_gate(config, layout, dram_budget_bytes: int, ctx: int, window: int, spa
     max_active = max(1, int(np.ceil((1.0 - sparsity) * max(dn.n_neurons))))
 
     def plan(k: int) -> BudgetPlan:
-        gate = sum(rows[:k]) + (max(rows) if k < len(rows) else 0)
+        held = sum(rows[:k]) + (max(rows) if k < len(rows) else 0)
         p = plan_budget(config, dn, dram_budget_bytes, ctx, window, max_active=max_active,
-                        resident_bytes=resident + gate, **kw)
-        p.resident_bytes, p.gate_bytes, p.gate_layers = resident, gate, k
+                        resident_bytes=resident + held, gate=True, **kw)
+        p.resident_bytes, p.gate_bytes, p.gate_layers = resident, held, k
         return p
     if layers is not None:
         return plan(layers)
@@ -310,19 +311,23 @@ def staging_rows(max_active: int) -> int:
     return min(max_active, MIN_WINDOW_ROWS)
 
 
-def prefill_transient_bytes(cfg: ModelConfig, ctx: int) -> int:
+def prefill_transient_bytes(cfg: ModelConfig, ctx: int, gate: bool = False) -> int:
     """Peak bytes of one prompt chunk's temporaries (model.Transformer.forward runs a prompt PREFILL_CHUNK_ROWS tokens
     at a time), float32 unless said:
       rows       per token: the residual stream and its normed copies, q/k/v and their rotated copies, the attention
                  output (~8 x d + 3 x (H + 2 Hkv) x hd), the FFN's rows of neurons (predictor scores, masks,
                  coefficients or the dense FFN's activations: ~4 x n), and one product's input in 8-bit blocks
                  (quant.act8_of: both block sizes, and the prompt's BLAS copy of the rounded values: < 8 bytes a value
-                 of the longer of d and n)
+                 of the longer of d and n). gate: ffn.gate.GateFFN's rows of neurons are its coefficients (float32),
+                 the kernel's row selection and the rows' any-mask (a byte each), and its 8-bit input is x's (d)
       attention  the layer's keys and values widened [ctx, Hkv, hd] x 2, one tile's scores [g x tile, ctx] and its
-                 mask (float64 + float32 + bool: model.attention_mask) [tile, ctx]"""
+                 mask (float64 + float32 + bool: model.attention_mask) [tile, ctx]
+    SmolLM2 at -c 1024, measured (tracemalloc, a 256-token chunk after 768 cached): the exact gate's chunk peaks at
+    7.4 MiB (planned: 13.8), a predicted run's of a 4096-neuron model at 25.4 MiB (planned: 29.8)."""
     U = min(PREFILL_CHUNK_ROWS, ctx)
     qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
-    rows = U * (4 * (8 * cfg.dim + 3 * qkv + 4 * cfg.ffn_dim) + 8 * max(cfg.dim, cfg.ffn_dim))
+    neurons = 6 * cfg.ffn_dim + 8 * cfg.dim if gate else 16 * cfg.ffn_dim + 8 * max(cfg.dim, cfg.ffn_dim)
+    rows = U * (4 * (8 * cfg.dim + 3 * qkv) + neurons)
     g = cfg.n_heads // cfg.n_kv_heads
     tile = min(ATTENTION_TILE_ROWS, U)
     attention = 2 * ctx * cfg.n_kv_heads * cfg.head_dim * 4 + tile * ctx * (4 * g + 13)
@@ -357,23 +362,24 @@ def auto_budget_bytes() -> int:
     return max(0, total - max(AUTO_MARGIN_FLOOR, int(total * AUTO_MARGIN_SHARE)))
 
 
-def compile_kernels(layout, steps: list[int] | None = None) -> None:
+def compile_kernels(layout, steps: list[int] | None = None, source: str | None = None) -> None:
     """Run every kernel of a run once: the neuron cache, the sparse FFN on two real bundles of `layout` (and the
     dense FFN over them, for a quantized layout), attention and the norms, the resident matrices' kernels.
 
     Numba compiles them (or loads them from its on-disk cache) on first call, with the argument types of that call;
     these are the types the runtime uses (uint8 bundle matrix viewed as the layout's dtype, int32 rows, float32
     vectors), so their machine code is in memory now, before the weights, and not on the first token.
-    steps: indices into compile_steps(layout) (default: all).
+    steps: indices into compile_steps(layout, source) (default: all); source: as compile_steps'.
     """
-    all_steps = compile_steps(layout)
+    all_steps = compile_steps(layout, source)
     for i in range(len(all_steps)) if steps is None else steps:
         all_steps[i]()
 
 
-def compile_steps(layout) -> list:
+def compile_steps(layout, source: str | None = None) -> list:
     """compile_kernels' work in pieces that compile_in_child can give one child process each (the compiler's memory
-    grows with what one process compiles)."""
+    grows with what one process compiles). source "gate": only what ffn.gate.GateFFN's runs use (not the bundle FFN's
+    nor the in-RAM FFN's kernels: loaded, they would add 7.6 MiB to SmolLM2's runtime line); None: every kernel."""
     k = min(2, layout.n_neurons[0])
     x = np.zeros(layout.d, np.float32)
 
@@ -445,11 +451,14 @@ def compile_steps(layout) -> list:
         steps.append(half_matrices)
     if layout.quantized:
         steps += [dense, block_matrices]
+    if source == "gate":
+        steps = [step for step in steps if step not in (sparse, dense)]
     return steps
 
 
-def measure_runtime_bytes(layout) -> int:
-    """The plan's runtime line: RSS after compile_kernels, measured in this process just before the weights load.
+def measure_runtime_bytes(layout, source: str | None = None) -> int:
+    """The plan's runtime line: RSS after compile_kernels (of the FFN source's kernels: compile_steps), measured in
+    this process just before the weights load.
 
     Measured rather than a constant because it differs by platform, library versions and tokenizer (SmolLM2's takes
     ~43 MiB, stories260K's ~2 MiB). The kernels are compiled in a child process first (compile_in_child), so this
@@ -463,7 +472,7 @@ def measure_runtime_bytes(layout) -> int:
     if not compiled_stamp(layout).exists():
         compile_in_child(layout)
     loaded, before = compiled_stamp(layout).exists(), rss_bytes()
-    compile_kernels(layout)
+    compile_kernels(layout, source=source)
     gc.collect()
     rss = rss_bytes()
     if loaded:                  # only loaded from the cache (never compiled here): figures of this installation

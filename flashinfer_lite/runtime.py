@@ -342,7 +342,8 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
                        expert_freq=load_expert_freq(path) if ckpt.config.moe else None)
     if runtime_bytes is None:     # a mixture of experts compiles no bundle kernels: what they add, as remembered
         runtime_bytes = runtime_estimate_bytes(ckpt.layout, ckpt.config.vocab_size) if ckpt.config.moe else \
-            measure_runtime_bytes(ckpt.layout)
+            measure_runtime_bytes(ckpt.layout, "gate" if ffn == "gate" or (ffn == "auto" and files.exact_gate)
+                                  else None)
     files.runtime_bytes = runtime_bytes
     if not ckpt.config.moe:
         files.gate = read_gate_file(path, ckpt.config.n_layers, ckpt.config.ffn_dim, sparsity)

@@ -32,7 +32,7 @@ def flashdir(tmp_path_factory):
 
 
 def generate(flashdir: Path, tmp_path: Path, *args: str, cap: int | None = None, env: dict | None = None):
-    """(exit code, stdout, stderr, peak RSS bytes of the generate process tree, memcap summary or None)."""
+    """generate --ffn predicted (args may name another --ffn: the last one counts): (exit code, stdout, stderr, peak RSS bytes of the generate process tree, memcap summary or None)."""
     argv = [sys.executable, "-m", "flashinfer_lite", "generate", "-m", str(flashdir), "-n", "4", "--temp", "0",
             "--json", "--ffn", "predicted", "--ignore-chat-template", *args]
     summary = tmp_path / "rusage.json"
@@ -86,17 +86,35 @@ def prompt_of(flashdir: Path, n_tokens: int, path: Path) -> Path:
     return path
 
 
-def test_long_prompts_stay_within_a_budget_just_above_the_minimum(flashdir, tmp_path):
+@pytest.fixture(scope="module")
+def gated_flashdir(tmp_path_factory):
+    """The same shape with a SiLU gate, converted with the split layout and calibrated: --ffn auto runs the exact
+    gate, whose prompt chunks the plan counts apart (budget.prefill_transient_bytes)."""
+    from make_large_model import main as make_large_model
+    from predictors.calibrate_gate import calibrate
+    from storage.convert import convert
+    root = tmp_path_factory.mktemp("promise-gate")
+    assert make_large_model([str(root / "hf"), "--layers", "2", "--dim", "256", "--ffn", "4096", "--heads", "4",
+                             "--kv-heads", "2", "--act", "silu", "--check-tokens", "0"]) == 0
+    flash = convert(root / "hf", root / "flash", dtype="f16", progress=False)
+    calibrate(str(flash), n_tokens=256, progress=False)
+    return Path(flash)
+
+
+@pytest.mark.parametrize("mode", ["predicted", "gate"])
+def test_long_prompts_stay_within_a_budget_just_above_the_minimum(mode, request, tmp_path):
     from memcap import available
     why_not = available()
-    budget_mib = math.ceil(minimum_mib(flashdir, tmp_path, "-c", str(CTX))) + 8
-    for n in (500, 2000, 4000):
+    flashdir = request.getfixturevalue("flashdir" if mode == "predicted" else "gated_flashdir")
+    ffn = ("--ffn", "auto") if mode == "gate" else ()          # the exact gate: what auto runs for a SiLU model
+    budget_mib = math.ceil(minimum_mib(flashdir, tmp_path, "-c", str(CTX), *ffn)) + 8
+    for n in (500, 2000, 4000) if mode == "predicted" else (4000,):     # the gate: the longest, chunks like all
         prompt = prompt_of(flashdir, n, tmp_path / f"prompt-{n}.txt")
-        rc, out, err, _, _ = generate(flashdir, tmp_path, "-f", str(prompt), "-c", str(CTX))
+        rc, out, err, _, _ = generate(flashdir, tmp_path, "-f", str(prompt), "-c", str(CTX), *ffn)
         assert rc == 0, err[-3000:]
         want = json.loads(out.strip().splitlines()[-1])
         assert abs(len(want["prompt_tokens"]) - n) < n // 20
-        rc, out, err, peak, capped = generate(flashdir, tmp_path, "-f", str(prompt), "-c", str(CTX),
+        rc, out, err, peak, capped = generate(flashdir, tmp_path, "-f", str(prompt), "-c", str(CTX), *ffn,
                                               "--dram-budget", f"{budget_mib}M",
                                               cap=None if why_not else budget_mib << 20)
         assert rc == 0, f"{n} tokens: exit {rc}, memcap {capped}\n{err[-3000:]}"
