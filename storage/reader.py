@@ -439,6 +439,8 @@ class RingQueue:
         with self._lock:
             self._serial = (self._serial + 1) & 0xFFFFFFFF
             req.serial = self._serial
+            # Completion tags: request serial << 32 | op << 1 | retry.
+            req.tags = (np.arange(len(req.plan), dtype=np.uint64) << np.uint64(1)) | np.uint64(req.serial << 32)
             self._requests[req.serial] = req
             self._reap()       # the ring moves on only when called: whatever finished since makes room now
             self._backlog.append([req, 0, len(req.plan), 0])
@@ -451,10 +453,9 @@ class RingQueue:
             item = self._backlog[0]
             req, lo, hi, retry = item
             k = min(hi - lo, self.depth - self._in_flight)
-            p = req.plan
-            ops = np.arange(lo, lo + k, dtype=np.uint64)
+            p, tags = req.plan, req.tags[lo:lo + k]
             self.ring.push(self.fd, p.off[lo:lo + k], p.iov_addr[lo:lo + k], p.iov_count[lo:lo + k],
-                           (ops << np.uint64(1)) | np.uint64((req.serial << 32) | retry))
+                           tags | np.uint64(1) if retry else tags)
             self._in_flight += k
             item[1] += k
             if item[1] == hi:
