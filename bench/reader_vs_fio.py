@@ -1,7 +1,7 @@
 """BundleReader vs fio: random O_DIRECT reads per request size, threads and queue depth, with CPU cost. Prints JSON.
 
     PYTHONPATH=. python bench/reader_vs_fio.py [--dir DIR] [--size 2GiB] [--chunks 4K,7K,8K,16K,24K,64K]
-                            [--threads 1,4,16,64] [--depths 16,32,64,128] [--seconds 2] [--rounds 1]
+                            [--threads 1,4,16,64] [--depths 16,64,128,256] [--seconds 2] [--rounds 1]
 
 Pairs run back to back on one scratch file, alternating which tool goes first, because this (shared, virtual) disk
 drifts over minutes: fio psync (numjobs=T) against the reader's T threads, fio io_uring (one job, iodepth=D) against
@@ -71,7 +71,7 @@ def main() -> int:
     ap.add_argument("--size", default="2GiB")
     ap.add_argument("--chunks", default="4K,7K,8K,16K,24K,64K")
     ap.add_argument("--threads", default="1,4,16,64", help="fio psync jobs = reader threads")
-    ap.add_argument("--depths", default="16,32,64,128", help="fio io_uring/libaio iodepth = reader ring depth")
+    ap.add_argument("--depths", default="16,64,128,256", help="fio io_uring/libaio iodepth = reader ring depth")
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--rounds", type=int, default=1, help="repeats of the grid; each cell reports its median")
     args = ap.parse_args()

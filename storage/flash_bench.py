@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", default="2GiB", help="scratch file size (default 2GiB)")
     parser.add_argument("--chunks", default="4K,16K,64K,256K,1M", help="read sizes, multiples of 512")
     parser.add_argument("--threads", default="1,2,4,8,16,32", help="thread counts of the thread engine")
-    parser.add_argument("--depths", default="8,16,32,64,128",
+    parser.add_argument("--depths", default="8,16,32,64,128,256",
                         help="queue depths of the io_uring engine (skipped where the kernel refuses io_uring)")
     parser.add_argument("--seconds", type=float, default=1.0, help="measuring time per cell")
     parser.add_argument("-m", "--model", help="also read random neuron sets of this flash directory")
