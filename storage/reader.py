@@ -424,7 +424,7 @@ class RingQueue:
     """
 
     name = "io_uring"
-    wake_every = 4
+    wake_every = 16
 
     def __init__(self, fd: int, depth: int):
         self.fd, self.ring = fd, Ring(depth)
@@ -494,9 +494,11 @@ class RingQueue:
                 if not req.left:
                     self.ring.submit()         # retries of other requests
                     return
-                # Submit and sleep in one call, until 1/wake_every of the reads in flight are done: the queue stays
-                # mostly full while far fewer system calls wake us than one per read.
-                self.ring.submit(wait_for=max(1, min(self._in_flight // self.wake_every, req.left)))
+                # Submit and sleep in one call. With reads waiting for a slot, until 1/wake_every of those in flight
+                # are done: the queue stays full even when this thread waits for a core after its wake-up, while far
+                # fewer system calls wake it than one per read. With none waiting, until this request is done.
+                n = req.left if not self._backlog else max(1, min(self._in_flight // self.wake_every, req.left))
+                self.ring.submit(wait_for=n)
 
     def describe(self) -> str:
         return f"io_uring, {self.depth} reads in flight"
