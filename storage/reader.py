@@ -419,8 +419,8 @@ class RingQueue:
 
     No threads: submit() fills the ring and returns; wait() reaps completions (for whichever request they belong to)
     and refills the ring from the backlog until its request is done. So a request of more than `depth` reads has
-    only `depth` in flight while the caller computes; the rest start at its next submit() or wait(). One lock over the ring: a waiter holds it while
-    it sleeps in the kernel, so no waiter sleeps on a completion another one took.
+    only `depth` in flight while the caller computes; the rest start at its next submit() or wait(). One lock over
+    the ring: a waiter holds it while it sleeps in the kernel, so no waiter sleeps on a completion another one took.
     """
 
     name = "io_uring"
