@@ -1,14 +1,14 @@
 """BundleReader vs fio: random O_DIRECT reads per request size, threads and queue depth, with CPU cost. Prints JSON.
 
     PYTHONPATH=. python bench/reader_vs_fio.py [--dir DIR] [--size 2GiB] [--chunks 4K,7K,8K,16K,24K,64K]
-                                                [--threads 1,4,16,64] [--depths 16,32,64,128] [--seconds 2]
+                            [--threads 1,4,16,64] [--depths 16,64,128,256] [--seconds 2] [--rounds 1]
 
 Pairs run back to back on one scratch file, alternating which tool goes first, because this (shared, virtual) disk
-drifts over minutes: fio psync with numjobs=T against the reader's thread engine with T threads, fio io_uring
-(one job, iodepth=D) against the reader's io_uring engine at depth D; fio libaio at each depth runs beside them so
-that "fio's best" is the best of its three engines. CPU is user + system time of the whole process (fio's threads,
-the reader's threads or ring, the kernel's work on their behalf), from getrusage; "cores" is CPU seconds per second.
-Compare ratios within one run, not absolutes across runs; record `loadavg` with the numbers.
+drifts over minutes: fio psync (numjobs=T) against the reader's T threads, fio io_uring (one job, iodepth=D) against
+the reader's ring of depth D; fio libaio (iodepth=D) runs beside them, so "fio's best" is the best of three engines.
+Each cell reports its median over --rounds repeats of the grid, so that no single lucky cell decides a best. CPU is
+user + system time of the whole process (fio's threads, the reader's threads or ring, the kernel's work for them),
+from getrusage; "cores" is CPU seconds per second. Compare ratios within one run; record `loadavg` with them.
 """
 from __future__ import annotations
 
@@ -31,23 +31,18 @@ from storage.flash_bench import cpu_seconds, measure, synthetic_layout, write_sc
 from storage.reader import BundleReader  # noqa: E402
 
 
-def children_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
-
-
 def run_fio(path: Path, size: int, chunk: int, engine: str, n: int, seconds: float) -> dict:
     """fio with `engine`: psync with n jobs, or one job of iodepth n (io_uring, libaio)."""
     queue = [f"--numjobs={n}"] if engine == "psync" else ["--numjobs=1", f"--iodepth={n}"]
     cmd = ["fio", "--name=randread", f"--filename={path}", "--rw=randread", f"--bs={chunk}", "--direct=1",
            f"--ioengine={engine}", *queue, "--thread", "--group_reporting", "--time_based",
            f"--runtime={seconds}s", f"--size={size}", "--randrepeat=0", "--output-format=json"]
-    cpu0 = children_cpu()
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     res = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    cpu = children_cpu() - cpu0
-    job = json.loads(res.stdout[res.stdout.index("{"):])["jobs"][0]
-    secs = job["read"]["runtime"] / 1e3 or seconds
-    return cell(job["read"]["iops"], job["read"]["bw_bytes"], cpu, secs)
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
+    rd = json.loads(res.stdout[res.stdout.index("{"):])["jobs"][0]["read"]
+    return cell(rd["iops"], rd["bw_bytes"], cpu, rd["runtime"] / 1e3 or seconds)
 
 
 def run_reader(path: Path, size: int, chunk: int, engine: str, n: int, seconds: float, rng) -> dict:
@@ -67,10 +62,7 @@ def cell(iops: float, bytes_per_s: float, cpu_s: float, seconds: float) -> dict:
 
 
 def loadavg() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "?"
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main() -> int:
@@ -79,8 +71,9 @@ def main() -> int:
     ap.add_argument("--size", default="2GiB")
     ap.add_argument("--chunks", default="4K,7K,8K,16K,24K,64K")
     ap.add_argument("--threads", default="1,4,16,64", help="fio psync jobs = reader threads")
-    ap.add_argument("--depths", default="16,32,64,128", help="fio io_uring/libaio iodepth = reader ring depth")
+    ap.add_argument("--depths", default="16,64,128,256", help="fio io_uring/libaio iodepth = reader ring depth")
     ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--rounds", type=int, default=1, help="repeats of the grid; each cell reports its median")
     args = ap.parse_args()
     if shutil.which("fio") is None:
         print(json.dumps({"error": "fio not installed (apt-get install fio)"}))
@@ -98,31 +91,38 @@ def main() -> int:
     # (fio engine, reader engine or None, threads or depth)
     pairs = [("psync", "threads", t) for t in threads] + \
         [("io_uring", None if refused else "io_uring", d) for d in depths] + [("libaio", None, d) for d in depths]
-    cells = []
+    runs = {}       # (chunk, tool, engine, n) -> one cell per round
     load_start = loadavg()
     try:
         write_scratch(path, size)
-        for i, (c, (fio_engine, reader_engine, n)) in enumerate((c, p) for c in chunks for p in pairs):
+        grid = [(c, p) for c in chunks for p in pairs]
+        for i, (c, (fio_engine, reader_engine, n)) in enumerate(g for _ in range(args.rounds) for g in grid):
             tools = [("fio", fio_engine)] + ([("reader", reader_engine)] if reader_engine else [])
             for tool, engine in (tools if i % 2 == 0 else tools[::-1]):
                 out = run_fio(path, size, c, engine, n, args.seconds) if tool == "fio" \
                     else run_reader(path, size, c, engine, n, args.seconds, rng)
-                cells.append({"chunk_KiB": c / 1024, "tool": tool, "engine": engine,
-                              "threads" if engine in ("psync", "threads") else "depth": n, **out})
+                out["loadavg"] = loadavg()
+                runs.setdefault((c, tool, engine, n), []).append(out)
                 print(f"{c / 1024:5g} KiB {tool:>6} {engine:>8} x {n:3d}: {out['IOPS']:7d} IOPS "
                       f"{out['MBps']:7.1f} MB/s, {out['cores']:.2f} cores, {out['cpu_s_per_GB']:.2f} CPU s/GB "
-                      f"(load {loadavg()})", file=sys.stderr)
+                      f"(load {out['loadavg']})", file=sys.stderr)
     finally:
         path.unlink(missing_ok=True)
+    cells = [{"chunk_KiB": c / 1024, "tool": tool, "engine": engine,
+              "threads" if engine in ("psync", "threads") else "depth": n,
+              **sorted(rs, key=lambda x: x["IOPS"])[len(rs) // 2], "IOPS_rounds": [x["IOPS"] for x in rs]}
+             for (c, tool, engine, n), rs in runs.items()]
     best = []
     for c in chunks:
-        fio = max((x for x in cells if x["chunk_KiB"] == c / 1024 and x["tool"] == "fio"), key=lambda x: x["IOPS"])
-        rd = max((x for x in cells if x["chunk_KiB"] == c / 1024 and x["tool"] == "reader"), key=lambda x: x["IOPS"])
+        of = lambda tool: [x for x in cells if x["chunk_KiB"] == c / 1024 and x["tool"] == tool]  # noqa: E731
+        fio, rd = max(of("fio"), key=lambda x: x["IOPS"]), max(of("reader"), key=lambda x: x["IOPS"])
+        same = {x["depth"]: round(x["IOPS"] / max(f["IOPS"], 1), 3) for x in of("reader") for f in of("fio")
+                if x["engine"] == f["engine"] == "io_uring" and x["depth"] == f["depth"]}
         best.append({"chunk_KiB": c / 1024, "fio_best": fio, "reader_best": rd,
-                     "IOPS_ratio": round(rd["IOPS"] / max(fio["IOPS"], 1), 3)})
-    print(json.dumps({"file_bytes": size, "seconds_per_cell": args.seconds, "io_uring": refused or "available",
-                      "loadavg_start": load_start, "loadavg_end": loadavg(), "best_per_chunk": best, "cells": cells},
-                     indent=1))
+                     "IOPS_ratio": round(rd["IOPS"] / max(fio["IOPS"], 1), 3), "io_uring_ratio_per_depth": same})
+    print(json.dumps({"file_bytes": size, "seconds_per_cell": args.seconds, "rounds": args.rounds,
+                      "io_uring": refused or "available", "loadavg_start": load_start, "loadavg_end": loadavg(),
+                      "best_per_chunk": best, "cells": cells}, indent=1))
     return 0
 
 

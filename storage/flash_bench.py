@@ -9,6 +9,7 @@ With -m FLASHDIR it also reads random neuron sets of that model's real bundles.
 from __future__ import annotations
 
 import argparse
+import collections
 import csv
 import json
 import math
@@ -41,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", default="2GiB", help="scratch file size (default 2GiB)")
     parser.add_argument("--chunks", default="4K,16K,64K,256K,1M", help="read sizes, multiples of 512")
     parser.add_argument("--threads", default="1,2,4,8,16,32", help="thread counts of the thread engine")
-    parser.add_argument("--depths", default="8,16,32,64,128",
+    parser.add_argument("--depths", default="8,16,32,64,128,256",
                         help="queue depths of the io_uring engine (skipped where the kernel refuses io_uring)")
     parser.add_argument("--seconds", type=float, default=1.0, help="measuring time per cell")
     parser.add_argument("-m", "--model", help="also read random neuron sets of this flash directory")
@@ -94,23 +95,30 @@ def synthetic_layout(path: Path, chunk: int, size: int) -> FlashLayout:
     return layout
 
 
-def measure(reader: BundleReader, n_bundles: int, batch: int, seconds: float, rng, layer: int = 0) -> dict:
-    """Random reads of `batch` distinct bundles per call for `seconds`; returns bytes, reads and wall time."""
+def measure(reader: BundleReader, n_bundles: int, batch: int, seconds: float, rng, layer: int = 0,
+            in_flight: int = 2) -> dict:
+    """Random reads of `batch` distinct bundles per call for `seconds`; returns bytes, reads and wall time.
+
+    `in_flight` calls at once: with 2 the next is submitted before the last is waited for, as a reader fed ahead of
+    its consumer is used, so the queue does not drain between calls and planning overlaps the reads."""
     stride = reader.layout.stride
-    dest = aligned_empty((batch, stride), np.uint8)
-    requested = read = n_reads = calls = 0
+    dests = [aligned_empty((batch, stride), np.uint8) for _ in range(in_flight)]
+    tot = {"requested_bytes": 0, "read_bytes": 0, "n_reads": 0}
+    pending = collections.deque()
+    calls = 0
     t0 = time.perf_counter()
     while True:
         ids = np.unique(rng.integers(0, n_bundles, batch))
-        st = reader.read(layer, ids, dest, np.arange(ids.size))
-        requested += st.requested_bytes
-        read += st.read_bytes
-        n_reads += st.n_reads
+        pending.append(reader.submit(layer, ids, dests[calls % in_flight], np.arange(ids.size)))
         calls += 1
-        el = time.perf_counter() - t0
-        if el >= seconds:
-            break
-    return {"requested_bytes": requested, "read_bytes": read, "n_reads": n_reads, "calls": calls, "seconds": el}
+        # Past the time, the calls still in flight are waited for and counted: their reads were made in it.
+        done = time.perf_counter() - t0 >= seconds
+        while pending and (done or len(pending) == in_flight):
+            st = pending.popleft().wait()
+            for k in tot:
+                tot[k] += getattr(st, k)
+        if done:
+            return {**tot, "calls": calls, "seconds": time.perf_counter() - t0}
 
 
 def cpu_seconds() -> float:
@@ -196,7 +204,7 @@ def bench_model(flashdir, seconds: float) -> list[dict]:
                 per_layer = max(seconds / layout.n_layers, 0.01)
                 for layer in range(layout.n_layers):
                     drop_caches(layout.ffn_path)
-                    m = measure(r, layout.n_neurons[layer], batch, per_layer, rng, layer)
+                    m = measure(r, layout.n_neurons[layer], batch, per_layer, rng, layer, in_flight=1)
                     for k in tot:
                         tot[k] += m[k]
                 rows.append({"fraction": frac, "mode": label, "engine": r.engine, "threads": r.threads,

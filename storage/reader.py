@@ -419,12 +419,12 @@ class RingQueue:
 
     No threads: submit() fills the ring and returns; wait() reaps completions (for whichever request they belong to)
     and refills the ring from the backlog until its request is done. So a request of more than `depth` reads has
-    only `depth` in flight while the caller computes; the rest start at its next submit() or wait(). One lock over the ring: a waiter holds it while
-    it sleeps in the kernel, so no waiter sleeps on a completion another one took.
+    only `depth` in flight while the caller computes; the rest start at its next submit() or wait(). One lock over
+    the ring: a waiter holds it while it sleeps in the kernel, so no waiter sleeps on a completion another one took.
     """
 
     name = "io_uring"
-    wake_every = 4
+    wake_every = 16
 
     def __init__(self, fd: int, depth: int):
         self.fd, self.ring = fd, Ring(depth)
@@ -439,6 +439,8 @@ class RingQueue:
         with self._lock:
             self._serial = (self._serial + 1) & 0xFFFFFFFF
             req.serial = self._serial
+            # Completion tags: request serial << 32 | op << 1 | retry.
+            req.tags = (np.arange(len(req.plan), dtype=np.uint64) << np.uint64(1)) | np.uint64(req.serial << 32)
             self._requests[req.serial] = req
             self._reap()       # the ring moves on only when called: whatever finished since makes room now
             self._backlog.append([req, 0, len(req.plan), 0])
@@ -451,10 +453,9 @@ class RingQueue:
             item = self._backlog[0]
             req, lo, hi, retry = item
             k = min(hi - lo, self.depth - self._in_flight)
-            p = req.plan
-            ops = np.arange(lo, lo + k, dtype=np.uint64)
+            p, tags = req.plan, req.tags[lo:lo + k]
             self.ring.push(self.fd, p.off[lo:lo + k], p.iov_addr[lo:lo + k], p.iov_count[lo:lo + k],
-                           (ops << np.uint64(1)) | np.uint64((req.serial << 32) | retry))
+                           tags | np.uint64(1) if retry else tags)
             self._in_flight += k
             item[1] += k
             if item[1] == hi:
@@ -493,9 +494,11 @@ class RingQueue:
                 if not req.left:
                     self.ring.submit()         # retries of other requests
                     return
-                # Submit and sleep in one call, until 1/wake_every of the reads in flight are done: the queue stays
-                # mostly full while far fewer system calls wake us than one per read.
-                self.ring.submit(wait_for=max(1, min(self._in_flight // self.wake_every, req.left)))
+                # Submit and sleep in one call. With reads waiting for a slot, until 1/wake_every of those in flight
+                # are done: the queue stays full even when this thread waits for a core after its wake-up, while far
+                # fewer system calls wake it than one per read. With none waiting, until this request is done.
+                n = req.left if not self._backlog else max(1, min(self._in_flight // self.wake_every, req.left))
+                self.ring.submit(wait_for=n)
 
     def describe(self) -> str:
         return f"io_uring, {self.depth} reads in flight"

@@ -23,13 +23,11 @@ SYS_IO_URING_SETUP, SYS_IO_URING_ENTER = 425, 426      # the same numbers on eve
 IORING_OFF_SQ_RING, IORING_OFF_CQ_RING, IORING_OFF_SQES = 0, 0x8000000, 0x10000000
 IORING_OP_READV = 1
 IORING_ENTER_GETEVENTS = 1
+IORING_SETUP_COOP_TASKRUN = 1 << 8
 
-SQE = np.dtype({"names": ["opcode", "flags", "ioprio", "fd", "off", "addr", "len", "rw_flags", "user_data"],
-                "formats": [np.uint8, np.uint8, np.uint16, np.int32, np.uint64, np.uint64, np.uint32, np.uint32,
-                            np.uint64],
-                "offsets": [0, 1, 2, 4, 8, 16, 24, 28, 32], "itemsize": 64})
-CQE = np.dtype({"names": ["user_data", "res", "flags"], "formats": [np.uint64, np.int32, np.uint32],
-                "offsets": [0, 8, 12], "itemsize": 16})
+SQE_WORDS, CQE_WORDS = 8, 2   # 64-byte submission and 16-byte completion entries, seen as rows of uint64 words
+# A READV entry's words: 0 = opcode | flags << 8 | ioprio << 16 | fd << 32; 1 = file offset; 2 = iovec array address;
+# 3 = iovec count | rw_flags << 32; 4 = user_data; 5-7 = zero. A completion's: 0 = user_data; 1 = res | flags << 32.
 
 
 class _Params(ctypes.Structure):
@@ -59,12 +57,12 @@ def _syscall(*args) -> int:
             raise OSError(e, os.strerror(e))
 
 
-def setup(entries: int) -> tuple[int, _Params]:
+def setup(entries: int, flags: int = 0) -> tuple[int, _Params]:
     """io_uring_setup: (ring fd, params). OSError ENOSYS on old kernels, EPERM where a sandbox or sysctl refuses it."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         raise OSError(errno.ENOSYS, f"io_uring through numpy needs Linux on x86-64, not {platform.system()} "
                                     f"{platform.machine()}")
-    p = _Params()
+    p = _Params(flags=flags)
     return _syscall(SYS_IO_URING_SETUP, entries, ctypes.addressof(p)), p
 
 
@@ -75,14 +73,23 @@ class Ring:
     n completions are ready; reap() returns (user_data, res) of every ready completion.
     """
 
+    # Completions are posted by the submitting thread's next entry to the kernel (or timer tick), not by an
+    # interrupt of it while it computes: fewer interruptions, and the reader enters the kernel to reap anyway.
+    flags = IORING_SETUP_COOP_TASKRUN
+
     def __init__(self, entries: int):
-        self.fd, p = setup(entries)
+        try:
+            self.fd, p = setup(entries, self.flags)
+        except OSError as e:        # before Linux 5.19: no cooperative task running
+            if e.errno != errno.EINVAL or not self.flags:
+                raise
+            self.fd, p = setup(entries)
         self._maps = []
         try:
             sq, cq = p.sq_off, p.cq_off
             sq_map = self._map(sq[6] + p.sq_entries * 4, IORING_OFF_SQ_RING)
-            cq_map = self._map(cq[5] + p.cq_entries * CQE.itemsize, IORING_OFF_CQ_RING)
-            sqe_map = self._map(p.sq_entries * SQE.itemsize, IORING_OFF_SQES)
+            cq_map = self._map(cq[5] + p.cq_entries * 8 * CQE_WORDS, IORING_OFF_CQ_RING)
+            sqe_map = self._map(p.sq_entries * 8 * SQE_WORDS, IORING_OFF_SQES)
         except BaseException:
             self.close()
             raise
@@ -91,11 +98,12 @@ class Ring:
         self._sq_tail, self._sq_mask = u32(sq_map, sq[1]), int(u32(sq_map, sq[2])[0])
         self._sq_head = u32(sq_map, sq[0])
         u32(sq_map, sq[6], p.sq_entries)[:] = np.arange(p.sq_entries)   # slot i of the array names entry i, forever
-        self._sqes = np.frombuffer(sqe_map, SQE, p.sq_entries)
-        np.frombuffer(sqe_map, np.uint8)[:] = 0          # push writes only the fields a READV needs
+        self._sqes = np.frombuffer(sqe_map, np.uint64).reshape(p.sq_entries, SQE_WORDS)
+        self._sqes[:] = 0                                # push writes only the words a READV needs
         self._cq_head, self._cq_tail = u32(cq_map, cq[0]), u32(cq_map, cq[1])
         self._cq_mask = int(u32(cq_map, cq[2])[0])
-        self._cqes = np.frombuffer(cq_map, CQE, p.cq_entries, cq[5])
+        self._cqes = np.frombuffer(cq_map, np.uint64, p.cq_entries * CQE_WORDS, cq[5]).reshape(-1, CQE_WORDS)
+        self._res = self._cqes.view(np.int32)[:, 2]      # res, the low half of word 1 (little-endian x86-64)
         self._unsubmitted = 0
 
     def _map(self, length: int, offset: int) -> mmap.mmap:
@@ -114,13 +122,13 @@ class Ring:
         n = len(offsets)
         tail = int(self._sq_tail[0])
         start = tail & self._sq_mask
+        head = np.uint64(IORING_OP_READV | fd << 32)
         done = 0
         while done < n:      # at most two slices: up to the end of the entry array, then from its start
             k = min(n - done, self.entries - start)
-            e = self._sqes[start:start + k]       # the fields not written here stay zero from setup
-            e["opcode"], e["fd"] = IORING_OP_READV, fd
-            e["off"], e["addr"] = offsets[done:done + k], iov_addrs[done:done + k]
-            e["len"], e["user_data"] = iov_counts[done:done + k], user_data[done:done + k]
+            e = self._sqes[start:start + k]
+            e[:, 0], e[:, 1], e[:, 2] = head, offsets[done:done + k], iov_addrs[done:done + k]
+            e[:, 3], e[:, 4] = iov_counts[done:done + k], user_data[done:done + k]
             done, start = done + k, 0
         self._sq_tail[0] = (tail + n) & 0xFFFFFFFF     # entries first, then the tail: x86 keeps stores in order
         self._unsubmitted += n
@@ -142,16 +150,17 @@ class Ring:
         head, tail = int(self._cq_head[0]), int(self._cq_tail[0])
         n = (tail - head) & 0xFFFFFFFF
         start = head & self._cq_mask
-        if start + n <= len(self._cqes):
-            c = self._cqes[start:start + n]
+        end = start + n
+        if end <= len(self._cqes):      # copies: the slots are the kernel's again after this
+            ud, res = self._cqes[start:end, 0].copy(), self._res[start:end].copy()
         else:
-            c = np.concatenate([self._cqes[start:], self._cqes[:start + n - len(self._cqes)]])
-        ud, res = c["user_data"].copy(), c["res"].copy()   # copies: the slots are the kernel's again after this
+            wrap = np.r_[start:len(self._cqes), 0:end - len(self._cqes)]
+            ud, res = self._cqes[wrap, 0], self._res[wrap]
         self._cq_head[0] = tail
         return ud, res
 
     def close(self) -> None:
-        self._sq_tail = self._sq_head = self._sqes = self._cq_head = self._cq_tail = self._cqes = None
+        self._sq_tail = self._sq_head = self._sqes = self._cq_head = self._cq_tail = self._cqes = self._res = None
         for m in self._maps:
             try:
                 m.close()

@@ -241,7 +241,7 @@ def test_thread_fallback_where_io_uring_is_refused(flashdirs, monkeypatch, errno
     describe() (printed once by -v) says which engine and why."""
     path, ckpt = flashdirs["f16"]
 
-    def refused(entries):
+    def refused(*args):
         raise OSError(errno_, os.strerror(errno_))
     monkeypatch.setattr(uring, "setup", refused)
     with BundleReader(path, threads=2, engine="io_uring") as r:
@@ -250,6 +250,28 @@ def test_thread_fallback_where_io_uring_is_refused(flashdirs, monkeypatch, errno
         ids = np.array([0, 1, 5, 299])
         dest = aligned_empty((4, r.layout.stride), np.uint8)
         r.read(1, ids, dest, np.arange(4))
+        raw = np.fromfile(path / "ffn.bin", np.uint8)[r.layout.offset[1]:].reshape(-1, r.layout.stride)
+        assert np.array_equal(dest, raw[ids])
+
+
+def test_ring_without_cooperative_task_running(flashdirs, monkeypatch):
+    """Before Linux 5.19 io_uring_setup refuses IORING_SETUP_COOP_TASKRUN with EINVAL: the ring is set up without it
+    and reads the same bytes."""
+    path, _ = flashdirs["f16"]
+    real, asked = uring.setup, []
+
+    def old_kernel(entries, flags=0):
+        asked.append(flags)
+        if flags:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real(entries, flags)
+    monkeypatch.setattr(uring, "setup", old_kernel)
+    with BundleReader(path, engine="io_uring", depth=4) as r:
+        check_engine(r, "io_uring")
+        assert asked == [uring.IORING_SETUP_COOP_TASKRUN, 0]
+        ids = np.array([3, 0, 7, 150, 299, 42])
+        dest = aligned_empty((6, r.layout.stride), np.uint8)
+        r.read(1, ids, dest, np.arange(6))
         raw = np.fromfile(path / "ffn.bin", np.uint8)[r.layout.offset[1]:].reshape(-1, r.layout.stride)
         assert np.array_equal(dest, raw[ids])
 

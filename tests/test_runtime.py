@@ -76,7 +76,7 @@ def test_thread_fallback_gives_the_same_logits_and_says_so_once(flashdirs, monke
     ring_line = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("reader: ")]
     assert len(ring_line) == 1 and (rt.reader.engine == "threads" or "io_uring" in ring_line[0])
 
-    def refused(entries):
+    def refused(*args):
         raise OSError(errno.EPERM, "Operation not permitted")
     monkeypatch.setattr(uring, "setup", refused)
     model, _, rt = load_runtime(path, "oracle", verbose=True)
