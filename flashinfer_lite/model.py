@@ -386,7 +386,7 @@ class MixtureOfExperts:
     def __call__(self, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
         ids, weights = self.route(x)                                                # [T, k] each
-        np.add.at(self.routed, ids.ravel(), 1)
+        self.routed += np.bincount(ids.ravel(), minlength=len(self.routed))
         # every (row, expert) pair, by expert id then row: pair q's output is O[q]
         row = np.repeat(np.arange(x.shape[0]), ids.shape[1])
         order = np.lexsort((row, ids.ravel()))
