@@ -103,3 +103,35 @@ def test_collect_counts_transformers_routing_and_train_writes_them_for_the_cache
     (out / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(UserError, match="no expert counts"):
         train(out, flash, progress=False)
+
+
+def test_collect_holds_one_routed_expert_at_a_time(tmp_path):
+    """collect's peak allocation does not grow with a layer's experts (4 against 64 experts of 128 neurons, d 256: the
+    60 more are 22.5 MiB in float32), while loading every weight, the control, grows by all of them."""
+    import sys
+    import tracemalloc
+    from pathlib import Path
+    from flashinfer_lite.loader import load_weights, open_any
+    from predictors.collect import collect
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from make_large_model import main as make_model
+
+    def peak(run) -> int:
+        tracemalloc.start()
+        try:
+            run()
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    models = {}
+    for E in (4, 64):
+        models[E] = tmp_path / f"e{E}"
+        make_model([str(models[E]), "--layers", "1", "--dim", "256", "--ffn", "128", "--heads", "4", "--experts", str(E),
+                    "--experts-used", "4", "--check-tokens", "0"])
+    run = lambda E, out: collect(models[E], [TEXT], 256, tmp_path / out, ctx=128, progress=False)  # noqa: E731
+    run(4, "warm")                                        # what a first call allocates once (tokenizer, kernels)
+    streamed = [peak(lambda: run(E, f"acts{E}")) for E in (4, 64)]
+    whole = [peak(lambda: load_weights(open_any(models[E]))) for E in (4, 64)]
+    more = 60 * 3 * 256 * 128 * 4
+    assert whole[1] - whole[0] > 0.9 * more               # the measurement sees the experts' weights
+    assert streamed[1] - streamed[0] < more / 16, f"64 experts cost {(streamed[1] - streamed[0]) / 2**20:.1f} MiB more"
