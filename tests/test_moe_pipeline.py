@@ -75,9 +75,10 @@ def test_eval_from_flash_under_the_minimum_budget_has_transformers_perplexity(qw
 
 
 def test_collect_counts_transformers_routing_and_train_writes_them_for_the_cache(qwen3moe, tmp_path, monkeypatch):
-    """collect records per layer how often the router picked each expert (transformers' top-k on the same tokens), with
-    the FFN run over small groups of segments (one expert in memory at a time) as well as over all of them;
-    train-predictor writes those counts into the FLASHDIR, where they pin the most routed experts."""
+    """collect records per layer how often the router picked each expert (transformers' top-k on the same tokens), from
+    the HF directory, its GGUF (3-D expert tensors) and its FLASHDIR, with the FFN run over small groups of segments
+    as well as over all of them; train-predictor writes those counts into the FLASHDIR, where they pin the most routed
+    experts."""
     import shutil
     import predictors.layerwise as layerwise
     from predictors.collect import collect
@@ -91,8 +92,10 @@ def test_collect_counts_transformers_routing_and_train_writes_them_for_the_cache
     assert np.array_equal(np.sum(m["hist_count"], axis=1), [120 * 2 * 64] * 2)   # every routed expert's |a|
     monkeypatch.setattr(layerwise, "MOE_FFN_BYTES", 50 * 2 * 64 * 4)       # one segment per FFN group
     flash = shutil.copytree(flash0, tmp_path / "flash")
-    again = collect(flash, [TEXT], TOKENS, tmp_path / "acts2", ctx=CTX, progress=False)
-    assert json.loads((again / "manifest.json").read_text())["expert_counts"] == m["expert_counts"]
+    from moe_gguf import write_moe_gguf
+    for k, model in enumerate((flash, write_moe_gguf(src, tmp_path / "m.gguf", "qwen3moe"))):
+        again = collect(model, [TEXT], TOKENS, tmp_path / f"acts{k}", ctx=CTX, progress=False)
+        assert json.loads((again / "manifest.json").read_text())["expert_counts"] == m["expert_counts"], model
     assert train(out, flash, progress=False) == []                          # no neuron predictor
     assert np.array_equal(load_expert_freq(flash), want)
     _, _, rt = load_runtime(flash, "auto", dram_budget=None, runtime_bytes=0)
@@ -108,13 +111,10 @@ def test_collect_counts_transformers_routing_and_train_writes_them_for_the_cache
 def test_collect_holds_one_routed_expert_at_a_time(tmp_path):
     """collect's peak allocation does not grow with a layer's experts (4 against 64 experts of 128 neurons, d 256: the
     60 more are 22.5 MiB in float32), while loading every weight, the control, grows by all of them."""
-    import sys
     import tracemalloc
-    from pathlib import Path
     from flashinfer_lite.loader import load_weights, open_any
     from predictors.collect import collect
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-    from make_large_model import main as make_model
+    from make_large_model import main as make_model      # tools/ (conftest puts it on the path)
 
     def peak(run) -> int:
         tracemalloc.start()
