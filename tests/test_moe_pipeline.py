@@ -45,22 +45,24 @@ def transformers_run(src, segments):
     return float(np.exp(nll / n)), counts
 
 
-@pytest.fixture(scope="module")
-def qwen3moe(tiny_model, tmp_path_factory):
-    """(HF directory, f32 FLASHDIR, transformers' perplexity and router counts on the test's segments)."""
-    src = tiny_model("qwen3moe")
-    flash = convert(src, tmp_path_factory.mktemp("qwen3moe_f32") / "flash", dtype="f32", progress=False)
+@pytest.fixture(scope="module", params=["qwen3moe", "qwen2moe"])
+def moe(request, tiny_model, tmp_path_factory):
+    """(kind, also its GGUF architecture; HF directory; f32 FLASHDIR; transformers' perplexity and router counts on
+    the test's segments) of a tiny Qwen3-MoE (q/k norms, renormalised top-k) and Qwen2-MoE (a shared expert with its
+    sigmoid gate)."""
+    src = tiny_model(request.param)
+    flash = convert(src, tmp_path_factory.mktemp(f"{request.param}_f32") / "flash", dtype="f32", progress=False)
     segments = segments_of(src)
     assert [len(w) for w in segments] == [48, 48, 24]
-    return src, flash, *transformers_run(src, segments)
+    return request.param, src, flash, *transformers_run(src, segments)
 
 
-def test_eval_from_flash_under_the_minimum_budget_has_transformers_perplexity(qwen3moe, monkeypatch):
+def test_eval_from_flash_under_the_minimum_budget_has_transformers_perplexity(moe, monkeypatch):
     """eval's dense reference (one expert loaded at a time) and its auto mode (the expert cache, experts read from
     flash under the smallest budget the model runs in) give transformers' perplexity."""
     import flashinfer_lite.runtime as runtime
     from predictors.evaluate import evaluate
-    src, flash, want, _ = qwen3moe
+    _, src, flash, want, _ = moe
     dense = evaluate(src, [TEXT], "dense", n_tokens=TOKENS, ctx=CTX, progress=False)
     assert dense["tokens"] == 117 and dense["perplexity"] == pytest.approx(want, rel=1e-5)
     monkeypatch.setattr(runtime, "runtime_estimate_bytes", lambda *a: 0)   # the runtime line the minimum is made of
@@ -74,7 +76,7 @@ def test_eval_from_flash_under_the_minimum_budget_has_transformers_perplexity(qw
         evaluate(flash, [TEXT], "auto", n_tokens=TOKENS, ctx=CTX, dram_budget=minimum - 4096, progress=False)
 
 
-def test_collect_counts_transformers_routing_and_train_writes_them_for_the_cache(qwen3moe, tmp_path, monkeypatch):
+def test_collect_counts_transformers_routing_and_train_writes_them_for_the_cache(moe, tmp_path, monkeypatch):
     """collect records per layer how often the router picked each expert (transformers' top-k on the same tokens), from
     the HF directory, its GGUF (3-D expert tensors) and its FLASHDIR, with the FFN run over small groups of segments
     as well as over all of them; train-predictor writes those counts into the FLASHDIR, where they pin the most routed
@@ -84,7 +86,7 @@ def test_collect_counts_transformers_routing_and_train_writes_them_for_the_cache
     from predictors.collect import collect
     from predictors.train import train
     from flashinfer_lite.predictor_set import load_expert_freq
-    src, flash0, _, want = qwen3moe
+    kind, src, flash0, _, want = moe
     assert want.sum() == 120 * 2 * 2                                         # tokens x k x layers
     out = collect(src, [TEXT], TOKENS, tmp_path / "acts", ctx=CTX, progress=False)
     m = json.loads((out / "manifest.json").read_text())
@@ -93,7 +95,7 @@ def test_collect_counts_transformers_routing_and_train_writes_them_for_the_cache
     monkeypatch.setattr(layerwise, "MOE_FFN_BYTES", 50 * 2 * 64 * 4)       # one segment per FFN group
     flash = shutil.copytree(flash0, tmp_path / "flash")
     from moe_gguf import write_moe_gguf
-    for k, model in enumerate((flash, write_moe_gguf(src, tmp_path / "m.gguf", "qwen3moe"))):
+    for k, model in enumerate((flash, write_moe_gguf(src, tmp_path / "m.gguf", kind))):
         again = collect(model, [TEXT], TOKENS, tmp_path / f"acts{k}", ctx=CTX, progress=False)
         assert json.loads((again / "manifest.json").read_text())["expert_counts"] == m["expert_counts"], model
     assert train(out, flash, progress=False) == []                          # no neuron predictor
