@@ -128,8 +128,8 @@ def test_collect_holds_one_routed_expert_at_a_time(tmp_path):
     models = {}
     for E in (4, 64):
         models[E] = tmp_path / f"e{E}"
-        make_model([str(models[E]), "--layers", "1", "--dim", "256", "--ffn", "128", "--heads", "4", "--experts", str(E),
-                    "--experts-used", "4", "--check-tokens", "0"])
+        make_model([str(models[E]), "--layers", "1", "--dim", "256", "--ffn", "128", "--heads", "4",
+                    "--experts", str(E), "--experts-used", "4", "--check-tokens", "0"])
     run = lambda E, out: collect(models[E], [TEXT], 256, tmp_path / out, ctx=128, progress=False)  # noqa: E731
     run(4, "warm")                                        # what a first call allocates once (tokenizer, kernels)
     streamed = [peak(lambda: run(E, f"acts{E}")) for E in (4, 64)]
