@@ -19,6 +19,7 @@ from storage.errors import UserError
 from flashinfer_lite.kernels.gemv import WIDEN_BLOCK_BYTES
 from flashinfer_lite.kernels.prefetch import prefetch_ahead
 from flashinfer_lite.kernels.rows import scalar
+from flashinfer_lite.threads import numba_threads
 from flashinfer_lite.quant import (KINDS, QuantMatrix, act8_buffers, act8_dot, act8_of, act8_rounded, act8_row,
                                    act8_slice, act_dot, col_axpy, col_dequant, column_tables, quant_kind, quantize_act1,
                                    row_axpy, row_dequant)
@@ -32,7 +33,8 @@ from .sparse import OUT_BLOCK, SparseFFN, coefficient
 DENSE_ROW_KERNEL_MAX_T = 2
 
 # quant_experts_rows: tasks per (row, expert) pair in each of its two passes. Any number gives the same bits (each
-# coefficient and each down row is one task's whole); 2 keeps both threads busy on a batch of one expert.
+# coefficient and each down row is one task's whole); 2 keeps both threads busy on a batch of one expert. A batch of
+# at least as many pairs as threads runs each pair as one task instead, in one parallel region.
 EXPERT_TASKS = 2
 
 # The activations of the fused FFN row kernels (quant_ffn_row, quant_experts_rows)
@@ -356,10 +358,19 @@ def quant_experts_rows(S, X, xa, rows, slots, dest, A, aa, O, tasks, at_g, at_u,
     """O[dest[q]] = the GLU FFN of expert slot slots[q] on X[rows[q]], for every pair q: each expert is a row of S
     (uint8 [slots, chunk]) holding gate [n, d], up [n, d] and down [d, n] in block formats at bytes at_g, at_u, at_d
     (storage.experts). quant_ffn_row's two passes, each over (pair, range) tasks of every pair at once, so a pair's
-    result has quant_ffn_row's bits whichever other pairs share the call. xa: act8_buffers of X, filled (or empty);
+    result has quant_ffn_row's bits whichever other pairs share the call; tasks 0: one parallel region, each task a
+    whole pair's two passes (the same bits, one region less to wait for). xa: act8_buffers of X, filled (or empty);
     A [pairs, n] and aa (act8_buffers of A, or empty): scratch."""
     Q, d = rows.shape[0], O.shape[1]
     nb = n // down_weights
+    if tasks == 0:
+        for q in prange(Q):
+            s = S[slots[q]]
+            ffn_coefficients(s[at_g:at_g + n * rb_g].reshape((n, rb_g)), s[at_u:at_u + n * rb_u].reshape((n, rb_u)),
+                             X, xa, rows[q], A[q], act8_row(aa, q), 0, nb * down_weights, True, act, threshold,
+                             kind_g, kind_u)
+            ffn_down(s[at_d:at_d + d * rb_d].reshape((d, rb_d)), A[q], act8_row(aa, q), O[dest[q]], 0, d, kind_d)
+        return
     for task in prange(Q * tasks):
         q, p = task // tasks, task % tasks
         s = S[slots[q]]
@@ -414,6 +425,7 @@ def quant_experts(S: np.ndarray, layout, X: np.ndarray, rows, slots, dest, O: np
     A = np.empty((len(rows), layout.n), np.float32)
     X = np.ascontiguousarray(X, dtype=np.float32)
     xa, aa = act8_of(X, kg.code, ku.code), act8_buffers(len(rows), layout.n, kd.code)
-    quant_experts_rows(S, X, xa, rows, slots, dest, A, aa, O, EXPERT_TASKS, at_g, at_u, at_d, layout.n,
+    tasks = 0 if len(rows) >= numba_threads() else EXPERT_TASKS
+    quant_experts_rows(S, X, xa, rows, slots, dest, A, aa, O, tasks, at_g, at_u, at_d, layout.n,
                        act_code(act), threshold_of(act, relu_threshold), kg.code, ku.code, kd.code,
                        layout.row_bytes("gate"), layout.row_bytes("up"), layout.row_bytes("down"), kd.weights)
