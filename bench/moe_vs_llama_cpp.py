@@ -14,8 +14,8 @@ Rows, each its own process under tools/memcap.py with the page cache dropped: ll
 flashinfer-lite (the FLASHDIR, its experts through the expert cache, --dram-budget = the cap less --slack) per cap,
 from the same prompt ids, then -n decode steps over the same fixed random tokens (greedy decoding of a random model
 repeats one token, and its experts with it); "same tokens" compares the argmax after every step. Caps: none, a size or
-P% of the GGUF. Its flash MB/s figure is left out: the reader's io_s adds up the requests' time in flight, which overlap.
-"""
+P% of the GGUF. In RAM (no cap) llama.cpp decodes the same tokens once first, warm as flash is. Its flash MB/s figure is
+left out: the reader's io_s adds up the requests' time in flight, which overlap."""
 from __future__ import annotations
 
 # Only the standard library and numpy at the top: the llama.cpp worker must not load numba and LLVM into its memory.
@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 import harness as h
-
 from storage.sizes import parse_size  # noqa: E402
 
 SLACK = "48M"
@@ -93,13 +92,17 @@ def write_gguf(path: Path, layers: int, seed: int = 0) -> int:
     return path.stat().st_size
 
 
-def measure_llama(job: dict) -> dict:
-    """llama.cpp: eval(prompt ids), then one eval per token of job["steps"]; the argmax after each."""
+def measure_llama(job: dict, warm: bool = False) -> dict:
+    """llama.cpp: eval(prompt ids), then one eval per token of job["steps"]; the argmax after each. warm (in RAM): the
+    same tokens once before, so that decode does not fault the mmap'ed experts in (flash reads them all at load)."""
     import llama_cpp
     import numpy as np
     t0 = time.perf_counter()
     llm = h.llama_model(job["gguf"], job["ctx"], job["threads"], job["llama_extra_bufts"])
     load_s = time.perf_counter() - t0
+    if warm:
+        llm.eval(job["prompt_ids"] + job["steps"])
+        llm.reset()
     n_vocab = llm.n_vocab()
 
     def argmax() -> int:
@@ -160,14 +163,12 @@ def main(argv=None) -> int:
     if a.worker:
         job = json.loads(Path(a.job).read_text())
         budget = None if a.budget in (None, "none") else int(a.budget)
-        return h.worker(a.out, a.worker, lambda: measure_llama(job) if a.worker == "llama.cpp"
+        return h.worker(a.out, a.worker, lambda: measure_llama(job, budget is None) if a.worker == "llama.cpp"
                         else measure_flash(budget, job, lookahead=a.worker == "flash-lookahead"))
     work = h.work_dir(a, "moe-bench-")
     from storage.convert import convert
-    from storage.tokenizer import Tokenizer  # noqa: F401  (the GGUF's own tokenizer, through the checkpoint)
     from storage.checkpoint import open_checkpoint
-    gguf = work / "qwen3moe-shape.q4_0.gguf"
-    t0 = time.perf_counter()
+    gguf, t0 = work / "qwen3moe-shape.q4_0.gguf", time.perf_counter()
     gguf_bytes = gguf.stat().st_size if gguf.exists() else write_gguf(gguf, a.layers)
     flash = work / "flash"
     if not flash.exists():
@@ -176,8 +177,7 @@ def main(argv=None) -> int:
     tok = open_checkpoint(gguf).tokenizer()
     # decode steps over fixed random tokens, not greedy: a random model's greedy output repeats one token, whose
     # experts then never change (an expert cache's best case, not its worst)
-    import numpy as np
-    steps = np.random.default_rng(1).integers(3, SHAPE["vocab"], a.n).tolist()
+    steps = __import__("numpy").random.default_rng(1).integers(3, SHAPE["vocab"], a.n).tolist()
     job = {"gguf": str(gguf), "flash": str(flash), "ctx": 256, "threads": a.threads, "steps": steps,
            "prompt_ids": tok.encode("Once upon a time there was a robot who"), "llama_extra_bufts": False}
     (work / "job.json").write_text(json.dumps(job))

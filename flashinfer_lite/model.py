@@ -386,7 +386,7 @@ class MixtureOfExperts:
     def __call__(self, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
         ids, weights = self.route(x)                                                # [T, k] each
-        np.add.at(self.routed, ids.ravel(), 1)
+        self.routed += np.bincount(ids.ravel(), minlength=len(self.routed))
         # every (row, expert) pair, by expert id then row: pair q's output is O[q]
         row = np.repeat(np.arange(x.shape[0]), ids.shape[1])
         order = np.lexsort((row, ids.ravel()))
@@ -445,16 +445,24 @@ class Block:
     def __call__(self, x: np.ndarray, kv: KVCache, pos0: int, rope, ffn: FFNFn) -> np.ndarray:
         cfg, i = self.cfg, self.layer
         if cfg.pre_norm:
-            h = x.copy()                                       # the residual stream; the caller's x is left as is
-            a = self.attn(norm(cfg, x, self.attn_norm), kv, pos0, rope)
-            if cfg.post_norms:
-                a = norm(cfg, a, self.attn_post_norm)
-            h_normed = add_norm(cfg, h, a, self.ffn_norm)
-            f = ffn(i, h_normed)
-            h += norm(cfg, f, self.ffn_post_norm) if cfg.post_norms else f
+            h, h_normed = self.attend(x, kv, pos0, rope)
+            self.add_ffn(h, ffn(i, h_normed))
             return h
         h = norm(cfg, x + self.attn(x, kv, pos0, rope), self.attn_norm)
         return norm(cfg, h + ffn(i, h), self.ffn_norm)
+
+    def attend(self, x: np.ndarray, kv: KVCache, pos0: int, rope) -> tuple[np.ndarray, np.ndarray]:
+        """A pre-norm layer's first half: (the residual stream after attention, the FFN's normed input)."""
+        cfg = self.cfg
+        h = x.copy()                                           # the residual stream; the caller's x is left as is
+        a = self.attn(norm(cfg, x, self.attn_norm), kv, pos0, rope)
+        if cfg.post_norms:
+            a = norm(cfg, a, self.attn_post_norm)
+        return h, add_norm(cfg, h, a, self.ffn_norm)
+
+    def add_ffn(self, h: np.ndarray, f: np.ndarray) -> None:
+        """A pre-norm layer's second half: the FFN's output f added to the residual stream h, in place."""
+        h += norm(self.cfg, f, self.ffn_post_norm) if self.cfg.post_norms else f
 
 
 def embed_tokens(cfg: ModelConfig, embed: np.ndarray, pos_embed: np.ndarray | None, tokens: np.ndarray,

@@ -7,6 +7,10 @@ records, per layer:
     stays bounded whatever N is),
   - over every token: the histogram of |a| (counts and mass, for CATS/TEAL-style thresholds) and how often each
     neuron is nonzero (the hot and cold neurons of ReLU models).
+A mixture of experts needs no neuron predictor (its router picks the experts exactly), so for it collect samples no
+rows and records, per layer over every token: how often the router picked each expert (`expert_counts` [L, E], what
+the expert cache pins: train-predictor writes them into the FLASHDIR) and the histogram of |a| inside the routed
+experts (each expert loaded alone, as predictors/layerwise.py runs it).
 """
 from __future__ import annotations
 
@@ -48,6 +52,12 @@ def run(args) -> int:
     out = collect(args.model, args.corpus, args.tokens, args.output, ctx=args.ctx, rows=args.rows, seed=args.seed,
                   force=args.force)
     m = json.loads((out / MANIFEST).read_text())
+    if m.get("expert_counts") is not None:
+        E = len(m["expert_counts"][0])
+        print(f"wrote {out}: {m['tokens']} tokens in {m['segments']} segments, the router's choices over "
+              f"{m['identity']['config']['n_layers']} layers x {E} experts (no rows sampled: a mixture of experts "
+              f"needs no neuron predictor)")
+        return 0
     print(f"wrote {out}: {m['tokens']} tokens in {m['segments']} segments, {m['rows']} sampled rows x "
           f"{m['identity']['config']['n_layers']} layers in {len(m['shards'])} shards")
     return 0
@@ -91,23 +101,31 @@ class Recorder:
     shards in place."""
 
     def __init__(self, cfg, draws: RowDraws, shards: list[ShardWriter]):
-        L, n = cfg.n_layers, cfg.ffn_dim
+        L, n = cfg.n_layers, 0 if cfg.moe else cfg.ffn_dim      # no neuron of an expert is counted across experts
         self.draws, self.shards = draws, shards
         self.hist_count = np.zeros((L, N_BINS))
         self.hist_mass = np.zeros((L, N_BINS))
         self.nonzero = np.zeros((L, n), np.int64)
 
     def __call__(self, layer: int, segment: int, x: np.ndarray, a: np.ndarray) -> None:
-        absa = np.abs(a)                                      # [T, n]
-        c, m = histogram(absa)
-        self.hist_count[layer] += c
-        self.hist_mass[layer] += m
+        absa = self.add_histogram(layer, a)                   # [T, n]
         self.nonzero[layer] += (absa > 0).sum(axis=0)
         sel = self.draws.sel[segment]
         if len(sel):
             shard, row0 = self.shards[self.draws.shard[segment]], self.draws.row0[segment]
             shard.write_rows(f"layers.{layer}.x", row0, x[sel].astype(np.float32))
             shard.write_rows(f"layers.{layer}.a", row0, np.minimum(absa[sel], 65504.0).astype(np.float16))
+
+    def add_histogram(self, layer: int, a: np.ndarray) -> np.ndarray:
+        absa = np.abs(a)
+        c, m = histogram(absa)
+        self.hist_count[layer] += c
+        self.hist_mass[layer] += m
+        return absa
+
+    def expert(self, layer: int, expert: int, a: np.ndarray) -> None:
+        """A mixture of experts' hook (LayerStream's expert_hook): the histogram of |a| over the routed experts."""
+        self.add_histogram(layer, a)
 
 
 def shard_tensors(cfg, rows: int) -> dict:
@@ -141,8 +159,8 @@ def collect(model, corpus, n_tokens: int, output, ctx: int = 256, rows: int = DE
     seen = sum(len(w) for w in segments)
     if seen == 0:
         raise UserError(f"the corpus gives no tokens: {', '.join(text.files)}")
-    draws = RowDraws([len(w) for w in segments], n_tokens, rows, seed)
-    if not draws.shard_rows:
+    draws = RowDraws([len(w) for w in segments], n_tokens, 0 if cfg.moe else rows, seed)
+    if not draws.shard_rows and not cfg.moe:
         raise UserError("no token rows were sampled (raise --tokens or --rows)")
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -156,13 +174,15 @@ def collect(model, corpus, n_tokens: int, output, ctx: int = 256, rows: int = DE
         rec = Recorder(cfg, draws, writers)
         # layer by layer over all segments: one layer's weights in memory, whatever the model's size
         with LayerStream(ckpt, segments, progress=progress, desc="collect") as stream:
-            stream.run(rec)
+            stream.run(rec, rec.expert)
+            counts = stream.expert_counts
         manifest = {
             "format": ACTS_FORMAT, "version": ACTS_VERSION, "identity": identity, "model": str(model),
             "corpus": text.files, "replaced_bytes": text.replaced_bytes, "tokens": seen,
             "segments": len(segments), "ctx": ctx, "rows": draws.kept, "seed": seed, "shards": shards,
             "hist_count": rec.hist_count.tolist(), "hist_mass": rec.hist_mass.tolist(),
             "nonzero_count": rec.nonzero.tolist(),
+            **({"expert_counts": counts.tolist()} if counts is not None else {}),
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest))
         if out.exists():

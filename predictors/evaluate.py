@@ -6,8 +6,10 @@ the dense model on the same tokens. The dense reference is computed first, layer
 (predictors/layerwise.py), so it never needs the whole model in memory; `--ffn dense` is that reference alone (its
 ms_per_token: the layer-streamed batched pass, weight loads included, per token). The mode's model runs under
 --dram-budget as generate's does (default auto), so a model bigger than RAM is evaluated from flash.
-Reports perplexity (and the dense one), top-1 agreement with dense, the mean share of neurons computed per layer,
-the share the predictors selected (what has to be read from flash), and the predictors' time and memory.
+Reports perplexity (and the dense one), top-1 agreement with dense, the mean share of neurons computed per layer
+(of a mixture of experts: of experts, k/E), the share the predictors selected (what has to be read from flash), and
+the predictors' time and memory. A mixture of experts' dense reference loads one routed expert at a time; its mode
+(auto: the expert cache, as generate runs it) reads its experts from flash under the budget.
 """
 from __future__ import annotations
 
@@ -134,6 +136,7 @@ def evaluate(model_path, corpus, ffn: str, n_tokens: int = 2048, ctx: int = 256,
     res["ffn_source"] = "dram" if runtime is None else type(runtime).__name__     # what auto ran
     if runtime is not None:
         res["flash_mb_per_token"] = (runtime.stats.read_bytes + runtime.stats.prefill_bytes_read) / 1e6 / n_pred
+        res["hit_rate"] = runtime.stats.hit_rate        # of neurons, or of a mixture of experts' experts
     res["active_share_per_layer"] = [round(float(s), 4) for s in share]
     preds = getattr(runtime, "predictors", None) if runtime is not None else None
     if preds is not None and ffn == "predicted":
@@ -160,6 +163,9 @@ def format_result(res: dict) -> str:
     lines.append(f"ffn={res['ffn']}  tokens={res['tokens']}  perplexity={res['perplexity']:.4f}  "
                  f"dense={res['dense_perplexity']:.4f}  top1_agreement={res['top1_agreement']:.4f}  "
                  f"active_share={res['active_share']:.3f}")
+    if "hit_rate" in res:
+        lines.append(f"flash {res['flash_mb_per_token']:.3f} MB/token  hit_rate={res['hit_rate']:.3f}  "
+                     f"{res['ms_per_token']:.1f} ms/token")
     if "predicted_share" in res:
         share = res["predictor_share_of_ffn_bytes"]
         lines.append(f"predicted_share={res['predicted_share']:.3f}  predictor {res['predictor_ms_per_token']:.3f} "

@@ -28,6 +28,7 @@ from tqdm import tqdm
 from storage.errors import UserError
 from flashinfer_lite.loader import is_flashdir, open_any
 from flashinfer_lite.process import keep_freed_arrays_out_of_rss
+from flashinfer_lite.predictor_set import save_expert_freq
 from storage.predictor_files import write_predictor_files
 
 from .acts import Acts, check_same_model, relu_family, threshold_for
@@ -71,7 +72,8 @@ def run(args) -> int:
                   max_ratio=args.max_ratio, sparsity=args.sparsity, kept_mass=args.kept_mass, steps=args.steps,
                   dense_layers=args.dense_layers, max_read_share=args.max_read_share,
                   thresholds_only=args.thresholds_only, seed=args.seed)
-    print(format_cards(cards))
+    if cards:                                  # none for a mixture of experts: train said what it wrote
+        print(format_cards(cards))
     return 0
 
 
@@ -241,6 +243,12 @@ def train(acts_dir, flashdir, rank=None, max_rank=None, target_recall=0.99, max_
     ckpt = flashdir_checkpoint(flashdir)
     check_same_model(acts.identity, ckpt, acts_dir, flashdir)
     cfg = acts.config
+    if cfg.moe:
+        path = save_expert_freq(flashdir, expert_counts(acts))
+        print(f"a mixture of experts: its router picks the experts exactly, so no neuron predictor is trained; "
+              f"wrote the router's choices collected in {acts_dir} to {path} (the expert cache pins the most routed "
+              f"experts)", file=sys.stderr)
+        return []
     relu = relu_family(cfg)
     if relu and (sparsity or kept_mass):
         print("note: ReLU-family model: the activation threshold is 0 (a != 0); --sparsity/--kept-mass ignored",
@@ -298,6 +306,20 @@ def train(acts_dir, flashdir, rank=None, max_rank=None, target_recall=0.99, max_
         has_predictors=not thresholds_only, ffn_bytes=ffn_bytes(ckpt),
         **({"calibration": calibration} if calibration is not None else {})))
     return cards
+
+
+def expert_counts(acts: Acts) -> np.ndarray:
+    """[L, E] the router's choices a mixture of experts' `collect` counted (checked: the manifest comes from disk)."""
+    cfg, counts = acts.config, acts.manifest.get("expert_counts")
+    try:
+        a = np.asarray(counts, np.int64)
+    except (TypeError, ValueError, OverflowError):
+        a = None
+    if a is None or a.shape != (cfg.n_layers, cfg.n_experts) or (a < 0).any() or \
+            not all(isinstance(c, int) and not isinstance(c, bool) for row in counts for c in row):
+        raise UserError(f"{acts.path}: no expert counts of {cfg.n_layers} layers x {cfg.n_experts} experts in its "
+                        f"manifest: re-run `flashinfer-lite collect`")
+    return a
 
 
 def ffn_bytes(ckpt) -> int:

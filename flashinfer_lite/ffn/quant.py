@@ -19,6 +19,7 @@ from storage.errors import UserError
 from flashinfer_lite.kernels.gemv import WIDEN_BLOCK_BYTES
 from flashinfer_lite.kernels.prefetch import prefetch_ahead
 from flashinfer_lite.kernels.rows import scalar
+from flashinfer_lite.threads import numba_threads
 from flashinfer_lite.quant import (KINDS, QuantMatrix, act8_buffers, act8_dot, act8_of, act8_rounded, act8_row,
                                    act8_slice, act_dot, col_axpy, col_dequant, column_tables, quant_kind, quantize_act1,
                                    row_axpy, row_dequant)
@@ -30,6 +31,11 @@ from .sparse import OUT_BLOCK, SparseFFN, coefficient
 # QuantSparseFFN.dense: up to this many rows, the row kernel per row (the layer's blocks read once per row); more
 # (a prompt): widened blocks + BLAS, which read them once for all rows
 DENSE_ROW_KERNEL_MAX_T = 2
+
+# quant_experts_rows: tasks per (row, expert) pair in each of its two passes. Any number gives the same bits (each
+# coefficient and each down row is one task's whole); 2 keeps both threads busy on a batch of one expert. A batch of
+# at least as many pairs as threads runs each pair as one task instead, in one parallel region.
+EXPERT_TASKS = 2
 
 # The activations of the fused FFN row kernels (quant_ffn_row, quant_experts_rows)
 QUANT_FFN_ACTS = ("relu", "drelu", "silu", "gelu_tanh")
@@ -304,11 +310,10 @@ def sparse_ffns(layout, down_scales=None, **kw) -> list[SparseFFN]:
 
 
 @njit(cache=True, fastmath=True, nogil=True, inline="always")
-def ffn_part(Wg, Wu, Wd, X, xa, t, a, aa, acc, lo, hi, glu, act, threshold, kind_g, kind_u, kind_d, down_weights,
-             down_block_bytes):
-    """One task of a quantized FFN on X[t] (xa: act8_buffers of X, row t filled, or empty): the coefficients a[j] of
-    neurons lo .. hi (whole blocks of Wd's rows) from Wg[j].x and Wu[j].x (MLP: Wu[j].x; ffn.gating), then (aa: a
-    1-D act8_row tuple for a, its range filled here, or empty) acc[i] = their share of down row i's dot product."""
+def ffn_coefficients(Wg, Wu, X, xa, t, a, aa, lo, hi, glu, act, threshold, kind_g, kind_u):
+    """The first pass of a quantized FFN on X[t] (xa: act8_buffers of X, row t filled, or empty), for neurons lo ..
+    hi (whole blocks of the down rows): the coefficients a[j] from Wg[j].x and Wu[j].x (MLP: Wu[j].x; ffn.gating),
+    then their 8-bit blocks into aa (a 1-D act8_row tuple for a, or empty)."""
     for j in range(lo, hi):
         prefetch_ahead(Wu, j, 0, Wu.shape[1])
         if glu:
@@ -319,55 +324,64 @@ def ffn_part(Wg, Wu, Wd, X, xa, t, a, aa, acc, lo, hi, glu, act, threshold, kind
         else:
             v = gate_activation(act, act_dot(Wu[j], X, xa, t, kind_u), threshold)
         a[j] = v
-    b_lo, b_hi = lo // down_weights * down_block_bytes, hi // down_weights * down_block_bytes
-    mine = act8_slice(aa, lo, hi)
-    quantize_act1(a[lo:hi], mine)
-    for i in range(Wd.shape[0]):
-        prefetch_ahead(Wd, i, b_lo, b_hi)
-        acc[i] = act8_dot(Wd[i, b_lo:b_hi], a[lo:hi], mine, kind_d) if hi > lo else np.float32(0.0)
+    quantize_act1(a[lo:hi], act8_slice(aa, lo, hi))
+
+
+@njit(cache=True, fastmath=True, nogil=True, inline="always")
+def ffn_down(Wd, a, aa, y, lo, hi, kind_d):
+    """The second pass: y[i] = down row i . a for rows lo .. hi, each a whole row's dot product (on aa, a's 8-bit
+    blocks, where the kind has them), so its bits do not depend on how the rows are split into tasks."""
+    for i in range(lo, hi):
+        prefetch_ahead(Wd, i, 0, Wd.shape[1])
+        y[i] = act8_dot(Wd[i], a, aa, kind_d)
 
 
 @njit(cache=True, parallel=True, fastmath=True, nogil=True)
-def quant_ffn_row(Wg, Wu, Wd, x, xa, t, a, aa, y, partial, glu, act, threshold, kind_g, kind_u, kind_d, down_weights,
-                  down_block_bytes):
+def quant_ffn_row(Wg, Wu, Wd, x, xa, t, a, aa, y, tasks, glu, act, threshold, kind_g, kind_u, kind_d, down_weights):
     """y = Wd @ a with a[j] the coefficient of neuron j from Wg[j].x and Wu[j].x (MLP: Wu[j].x; ffn.gating), x = x[t]
-    (xa: act8_buffers of x: row t filled here, or empty; aa: 8-bit blocks of a, filled per range, or empty). One task
-    per range of whole blocks of neurons (blocks of Wd's rows, down_weights each; as quant_dense_ffn_row:
-    len(partial) of them, one parallel region): ffn_part; the partials add up in order."""
+    (xa: act8_buffers of x: row t filled here, or empty; aa: 8-bit blocks of a, filled here, or empty). Two parallel
+    passes of `tasks` tasks each: the coefficients of ranges of whole blocks of neurons (ffn_coefficients, blocks of
+    down_weights), then ranges of the down rows (ffn_down)."""
     quantize_act1(x[t], act8_row(xa, t))
-    n, P = Wu.shape[0], partial.shape[0]
+    n, d = Wu.shape[0], Wd.shape[0]
     nb = n // down_weights
-    for p in prange(P):
-        ffn_part(Wg, Wu, Wd, x, xa, t, a, aa, partial[p], p * nb // P * down_weights,
-                 (p + 1) * nb // P * down_weights, glu, act, threshold, kind_g, kind_u, kind_d, down_weights,
-                 down_block_bytes)
-    y[:] = partial[0]
-    for p in range(1, P):
-        y += partial[p]
+    for p in prange(tasks):
+        ffn_coefficients(Wg, Wu, x, xa, t, a, aa, p * nb // tasks * down_weights, (p + 1) * nb // tasks * down_weights,
+                         glu, act, threshold, kind_g, kind_u)
+    for p in prange(tasks):
+        ffn_down(Wd, a, aa, y, p * d // tasks, (p + 1) * d // tasks, kind_d)
 
 
 @njit(cache=True, parallel=True, fastmath=True, nogil=True)
-def quant_experts_rows(S, X, xa, rows, slots, dest, A, aa, partial, O, at_g, at_u, at_d, n, act, threshold, kind_g,
-                       kind_u, kind_d, rb_g, rb_u, rb_d, down_weights, down_block_bytes):
-    """O[dest[q]] = the GLU FFN of expert slot slots[q] on X[rows[q]], for every pair q, in one parallel region:
-    each expert is a row of S (uint8 [slots, chunk]) holding gate [n, d], up [n, d] and down [d, n] in block formats
-    at bytes at_g, at_u, at_d (storage.experts). One task per (pair, neuron range): quant_ffn_row's tasks, so a
-    pair's result has quant_ffn_row's bits whichever other pairs share the call. xa: act8_buffers of X, filled (or
-    empty); A [pairs, n], aa (act8_buffers of A, or empty) and partial [pairs, P, d]: scratch."""
-    Q, P, d = rows.shape[0], partial.shape[1], partial.shape[2]
+def quant_experts_rows(S, X, xa, rows, slots, dest, A, aa, O, tasks, at_g, at_u, at_d, n, act, threshold, kind_g,
+                       kind_u, kind_d, rb_g, rb_u, rb_d, down_weights):
+    """O[dest[q]] = the GLU FFN of expert slot slots[q] on X[rows[q]], for every pair q: each expert is a row of S
+    (uint8 [slots, chunk]) holding gate [n, d], up [n, d] and down [d, n] in block formats at bytes at_g, at_u, at_d
+    (storage.experts). quant_ffn_row's two passes, each over (pair, range) tasks of every pair at once, so a pair's
+    result has quant_ffn_row's bits whichever other pairs share the call; tasks 0: one parallel region, each task a
+    whole pair's two passes (the same bits, one region less to wait for). xa: act8_buffers of X, filled (or empty);
+    A [pairs, n] and aa (act8_buffers of A, or empty): scratch."""
+    Q, d = rows.shape[0], O.shape[1]
     nb = n // down_weights
-    for task in prange(Q * P):
-        q, p = task // P, task % P
+    if tasks == 0:
+        for q in prange(Q):
+            s = S[slots[q]]
+            ffn_coefficients(s[at_g:at_g + n * rb_g].reshape((n, rb_g)), s[at_u:at_u + n * rb_u].reshape((n, rb_u)),
+                             X, xa, rows[q], A[q], act8_row(aa, q), 0, nb * down_weights, True, act, threshold,
+                             kind_g, kind_u)
+            ffn_down(s[at_d:at_d + d * rb_d].reshape((d, rb_d)), A[q], act8_row(aa, q), O[dest[q]], 0, d, kind_d)
+        return
+    for task in prange(Q * tasks):
+        q, p = task // tasks, task % tasks
         s = S[slots[q]]
-        ffn_part(s[at_g:at_g + n * rb_g].reshape((n, rb_g)), s[at_u:at_u + n * rb_u].reshape((n, rb_u)),
-                 s[at_d:at_d + d * rb_d].reshape((d, rb_d)), X, xa, rows[q], A[q], act8_row(aa, q), partial[q, p],
-                 p * nb // P * down_weights, (p + 1) * nb // P * down_weights, True, act, threshold, kind_g, kind_u,
-                 kind_d, down_weights, down_block_bytes)
-    for q in range(Q):
-        y = O[dest[q]]
-        y[:] = partial[q, 0]
-        for p in range(1, P):
-            y += partial[q, p]
+        ffn_coefficients(s[at_g:at_g + n * rb_g].reshape((n, rb_g)), s[at_u:at_u + n * rb_u].reshape((n, rb_u)), X,
+                         xa, rows[q], A[q], act8_row(aa, q), p * nb // tasks * down_weights,
+                         (p + 1) * nb // tasks * down_weights, True, act, threshold, kind_g, kind_u)
+    for task in prange(Q * tasks):
+        q, p = task // tasks, task % tasks
+        s = S[slots[q]]
+        ffn_down(s[at_d:at_d + d * rb_d].reshape((d, rb_d)), A[q], act8_row(aa, q), O[dest[q]], p * d // tasks,
+                 (p + 1) * d // tasks, kind_d)
 
 
 @njit(cache=True, nogil=True)
@@ -389,15 +403,14 @@ def quant_ffn(x: np.ndarray, gate: QuantMatrix | None, up: QuantMatrix, down: Qu
     T, n = x.shape[0], up.shape[0]
     y = np.empty((T, down.shape[0]), np.float32)
     a = np.empty(n, np.float32)
-    partial = np.empty((DOWN_PARTIALS, down.shape[0]), np.float32)
     g = gate if gate is not None else up
     xa = act8_buffers(T, x.shape[1], g.kind, up.kind)
     aa = act8_row(act8_buffers(1, n, down.kind), 0)   # quant_ffn_row fills them, range by range
     kd = quant_kind(down.kind)
     for r in range(T):
-        quant_ffn_row(g.q, up.q, down.q, x, xa, r, a, aa, y[r], partial, gate is not None, act_code(act),
+        quant_ffn_row(g.q, up.q, down.q, x, xa, r, a, aa, y[r], DOWN_PARTIALS, gate is not None, act_code(act),
                       threshold_of(act, relu_threshold), quant_kind(g.kind).code, quant_kind(up.kind).code, kd.code,
-                      kd.weights, kd.block_bytes)
+                      kd.weights)
     return y
 
 
@@ -410,9 +423,9 @@ def quant_experts(S: np.ndarray, layout, X: np.ndarray, rows, slots, dest, O: np
     kg, ku, kd = (quant_kind(t) for t in layout.dtypes)
     at_g, at_u, at_d, _ = layout.matrix_offsets
     A = np.empty((len(rows), layout.n), np.float32)
-    partial = np.empty((len(rows), DOWN_PARTIALS, layout.d), np.float32)
     X = np.ascontiguousarray(X, dtype=np.float32)
     xa, aa = act8_of(X, kg.code, ku.code), act8_buffers(len(rows), layout.n, kd.code)
-    quant_experts_rows(S, X, xa, rows, slots, dest, A, aa, partial, O, at_g, at_u, at_d, layout.n, act_code(act),
-                       threshold_of(act, relu_threshold), kg.code, ku.code, kd.code, layout.row_bytes("gate"),
-                       layout.row_bytes("up"), layout.row_bytes("down"), kd.weights, kd.block_bytes)
+    tasks = 0 if len(rows) >= numba_threads() else EXPERT_TASKS
+    quant_experts_rows(S, X, xa, rows, slots, dest, A, aa, O, tasks, at_g, at_u, at_d, layout.n,
+                       act_code(act), threshold_of(act, relu_threshold), kg.code, ku.code, kd.code,
+                       layout.row_bytes("gate"), layout.row_bytes("up"), layout.row_bytes("down"), kd.weights)
