@@ -309,22 +309,23 @@ def ffn_part(Wg, Wu, Wd, X, xa, t, a, aa, acc, lo, hi, glu, act, threshold, kind
     """One task of a quantized FFN on X[t] (xa: act8_buffers of X, row t filled, or empty): the coefficients a[j] of
     neurons lo .. hi (whole blocks of Wd's rows) from Wg[j].x and Wu[j].x (MLP: Wu[j].x; ffn.gating), then (aa: a
     1-D act8_row tuple for a, its range filled here, or empty) acc[i] = their share of down row i's dot product."""
+    x, xr = X[t], act8_row(xa, t)           # once, not per row (act8_dot)
     for j in range(lo, hi):
         prefetch_ahead(Wu, j, 0, Wu.shape[1])
         if glu:
             prefetch_ahead(Wg, j, 0, Wg.shape[1])
-            v = gate_activation(act, act_dot(Wg[j], X, xa, t, kind_g), threshold)
+            v = gate_activation(act, act8_dot(Wg[j], x, xr, kind_g), threshold)
             if v != np.float32(0.0):
-                v = glu_coefficient(act, v, act_dot(Wu[j], X, xa, t, kind_u))
+                v = glu_coefficient(act, v, act8_dot(Wu[j], x, xr, kind_u))
         else:
-            v = gate_activation(act, act_dot(Wu[j], X, xa, t, kind_u), threshold)
+            v = gate_activation(act, act8_dot(Wu[j], x, xr, kind_u), threshold)
         a[j] = v
     b_lo, b_hi = lo // down_weights * down_block_bytes, hi // down_weights * down_block_bytes
-    mine = act8_slice(aa, lo, hi)
-    quantize_act1(a[lo:hi], mine)
+    mine, a_mine = act8_slice(aa, lo, hi), a[lo:hi]
+    quantize_act1(a_mine, mine)
     for i in range(Wd.shape[0]):
         prefetch_ahead(Wd, i, b_lo, b_hi)
-        acc[i] = act8_dot(Wd[i, b_lo:b_hi], a[lo:hi], mine, kind_d) if hi > lo else np.float32(0.0)
+        acc[i] = act8_dot(Wd[i, b_lo:b_hi], a_mine, mine, kind_d) if hi > lo else np.float32(0.0)
 
 
 @njit(cache=True, parallel=True, fastmath=True, nogil=True)
