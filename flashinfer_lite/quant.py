@@ -79,6 +79,7 @@ def _check_matrix(q: np.ndarray, kind: str, cols: int) -> QuantKind:
 # length in blocks), which the Python entry points and ffn.quant.QuantSparseFFN's geometry guarantee.
 
 _F32, _I8, _I16, _I32 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32)
+llvm_binding.initialize_native_asmparser()      # _half_at's inline asm (Numba sets up the printer, not the parser)
 _GEOMETRY = {k.code: (k.weights, k.block_bytes) for k in KINDS.values()}
 
 
@@ -101,16 +102,23 @@ def _f32_block(builder, arr, b):
 
 
 def _half_at(context, builder, ptr, offset):
-    """The float16 at byte ptr[offset] as float32, by kernels.f16.f16_bits_to_f32 (F16C or portable, as the host)."""
-    bits = builder.load(builder.bitcast(builder.gep(ptr, [offset]), _I16.as_pointer()), align=1)
-    return context.compile_internal(builder, lambda h: f16_bits_to_f32(h), types.float32(types.uint16), [bits])
+    """The float16 at byte ptr[offset] as float32, by kernels.f16.f16_bits_to_f32 (F16C or portable, as the host).
+    With F16C, LLVM converts a float16 alone by loading it with `vpinsrw $0, mem, %xmmA, %xmmB`: the other lanes
+    come from whatever register xmmA is, and when that is an accumulator every block waits for the block before it
+    (q4_0 and q8_0 in quant_matmul_rows, q4_1's mins: 0.64x q4_0's bytes per second, 2026-11-24), and asking for
+    the other lanes zero does not help (LLVM sees they are unused). So it is inline asm: the register zeroed first
+    (vpxor, which waits for nothing), then the load and the conversion."""
+    at = builder.gep(ptr, [offset])
+    if not HAS_F16C:
+        bits = builder.load(builder.bitcast(at, _I16.as_pointer()), align=1)
+        return context.compile_internal(builder, lambda h: f16_bits_to_f32(h), types.float32(types.uint16), [bits])
+    return builder.asm(ir.FunctionType(_F32, [at.type]), "vpxor $0, $0, $0\n\tvpinsrw $$0, ($1), $0, $0\n\t"
+                       "vcvtph2ps $0, $0", "=&x,r", [at], False)
 
 
 def _half_pair_at(context, builder, ptr, offset):
-    """The two float16 at bytes ptr[offset] .. ptr[offset + 3] as float32 (a block's d and m). With F16C one 32-bit
-    load and one conversion: converting each alone loads it with vpinsrw into whatever register LLVM picks, and when
-    that is the mins' accumulator every block waits for the block before (q4_1 ran at 0.64x q4_0's bytes per second,
-    2026-11-24)."""
+    """The two float16 at bytes ptr[offset] .. ptr[offset + 3] as float32 (a block's d and m, or d and dmin): one
+    32-bit load (vmovss, which zeroes the other lanes) and one conversion with F16C."""
     if not HAS_F16C:
         return _half_at(context, builder, ptr, offset), _half_at(context, builder, ptr, builder.add(offset,
                                                                                            ir.Constant(offset.type, 2)))
@@ -582,14 +590,17 @@ def row_dot8k(typingctx, r, kq, kd, kb, kind):
                                                                builder.add(bsum(b, 2 * s), bsum(b, 2 * s + 1))))
                         lanes = builder.add(lanes, builder.mul(dot, sv))
                     xd = builder.load(builder.gep(kd.data, [b]))
-                    d = builder.fmul(_half_at(context, builder, r.data, o if k != Q6_K else builder.add(o, c(208))), xd)
+                    if k == Q6_K:          # d alone, the block's last 2 bytes
+                        d = _half_at(context, builder, r.data, builder.add(o, c(208)))
+                    else:
+                        d, dmin = _half_pair_at(context, builder, r.data, o)
+                    d = builder.fmul(d, xd)
                     term = builder.fmul(builder.sitofp(lanes, vf), _vec(builder, _F32, d, LANES))
                     builder.store(builder.fadd(builder.load(acc), term), acc)
                     if k == Q6_K:          # sum of scale * (q + 32) * x, less 32 * scale * x's sums
                         m = builder.fmul(d, builder.sitofp(builder.mul(low, ir.Constant(_I32, 32)), _F32))
                     else:                  # (d * sc) * q - (dmin * m): the mins times x's sums
-                        m = builder.fmul(builder.fmul(_half_at(context, builder, r.data, builder.add(o, c(2))), xd),
-                                         builder.sitofp(low, _F32))
+                        m = builder.fmul(builder.fmul(dmin, xd), builder.sitofp(low, _F32))
                     builder.store(builder.fadd(builder.load(mins), m), mins)
         return builder.fsub(_horizontal_sum(builder, builder.load(acc), ()), builder.load(mins))
     return types.float32(r, kq, kd, kb, kind), codegen
