@@ -34,7 +34,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from storage.errors import UserError
-from flashinfer_lite.kernels.f16 import f16_bits_to_f32, f32_to_f16_bits
+from flashinfer_lite.kernels.f16 import HAS_F16C, f16_bits_to_f32, f32_to_f16_bits
 from flashinfer_lite.kernels.gemv import MATMUL_PARALLEL_MIN_WORK, MATMUL_ROW_KERNEL_MAX_T, matmul_widened
 from flashinfer_lite.kernels.prefetch import prefetch_ahead
 from flashinfer_lite.kernels.rows import dot
@@ -79,6 +79,7 @@ def _check_matrix(q: np.ndarray, kind: str, cols: int) -> QuantKind:
 # length in blocks), which the Python entry points and ffn.quant.QuantSparseFFN's geometry guarantee.
 
 _F32, _I8, _I16, _I32 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32)
+llvm_binding.initialize_native_asmparser()      # _half_at's inline asm (Numba sets up the printer, not the parser)
 _GEOMETRY = {k.code: (k.weights, k.block_bytes) for k in KINDS.values()}
 
 
@@ -101,9 +102,31 @@ def _f32_block(builder, arr, b):
 
 
 def _half_at(context, builder, ptr, offset):
-    """The float16 at byte ptr[offset] as float32, by kernels.f16.f16_bits_to_f32 (F16C or portable, as the host)."""
-    bits = builder.load(builder.bitcast(builder.gep(ptr, [offset]), _I16.as_pointer()), align=1)
-    return context.compile_internal(builder, lambda h: f16_bits_to_f32(h), types.float32(types.uint16), [bits])
+    """The float16 at byte ptr[offset] as float32, by kernels.f16.f16_bits_to_f32 (F16C or portable, as the host).
+    With F16C, LLVM converts a float16 alone by loading it with `vpinsrw $0, mem, %xmmA, %xmmB`: the other lanes
+    come from whatever register xmmA is, and when that is an accumulator every block waits for the block before it
+    (q4_0 and q8_0 in quant_matmul_rows, q4_1's mins: 0.64x q4_0's bytes per second, 2026-11-24), and asking for
+    the other lanes zero does not help (LLVM sees they are unused). So it is inline asm: the register zeroed first
+    (vpxor, which waits for nothing), then the load and the conversion."""
+    at = builder.gep(ptr, [offset])
+    if not HAS_F16C:
+        bits = builder.load(builder.bitcast(at, _I16.as_pointer()), align=1)
+        return context.compile_internal(builder, lambda h: f16_bits_to_f32(h), types.float32(types.uint16), [bits])
+    return builder.asm(ir.FunctionType(_F32, [at.type]), "vpxor $0, $0, $0\n\tvpinsrw $$0, ($1), $0, $0\n\t"
+                       "vcvtph2ps $0, $0", "=&x,r", [at], False)
+
+
+def _half_pair_at(context, builder, ptr, offset):
+    """The two float16 at bytes ptr[offset] .. ptr[offset + 3] as float32 (a block's d and m, or d and dmin): one
+    32-bit load (vmovss, which zeroes the other lanes) and one conversion with F16C."""
+    if not HAS_F16C:
+        return _half_at(context, builder, ptr, offset), _half_at(context, builder, ptr, builder.add(offset,
+                                                                                           ir.Constant(offset.type, 2)))
+    bits = builder.load(builder.bitcast(builder.gep(ptr, [offset]), _I32.as_pointer()), align=1)
+    v = builder.insert_element(ir.Constant(ir.VectorType(_I32, 4), [ir.Constant(_I32, 0)] * 4), bits,
+                               ir.Constant(_I32, 0))
+    f = builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), 8)), ir.VectorType(_F32, 8))
+    return builder.extract_element(f, ir.Constant(_I32, 0)), builder.extract_element(f, ir.Constant(_I32, 1))
 
 
 def _byte(builder, ptr, offset):
@@ -485,13 +508,15 @@ def row_dot8(typingctx, r, xq, xd, xs, xl, kind):
             if k in _OFFSET_SHIFT:
                 xsum = _load_vec(builder, xl.data, _I32, LANES, builder.mul(b, c(LANES)))
                 lanes = builder.sub(lanes, builder.shl(xsum, _vec(builder, _I32, _OFFSET_SHIFT[k], LANES)))
-            scale = builder.fmul(_half_at(context, builder, r.data, o), builder.load(builder.gep(xd.data, [b])))
+            if k in (Q4_1, Q5_1):
+                d, m = _half_pair_at(context, builder, r.data, o)
+                builder.store(builder.fadd(builder.load(mn), builder.fmul(m, builder.load(builder.gep(xs.data, [b])))),
+                              mn)
+            else:
+                d = _half_at(context, builder, r.data, o)
+            scale = builder.fmul(d, builder.load(builder.gep(xd.data, [b])))
             term = builder.fmul(builder.sitofp(lanes, vf), _vec(builder, _F32, scale, LANES))
             builder.store(builder.fadd(builder.load(acc), term), acc)
-            if k in (Q4_1, Q5_1):
-                m = builder.fmul(_half_at(context, builder, r.data, builder.add(o, c(2))),
-                                 builder.load(builder.gep(xs.data, [b])))
-                builder.store(builder.fadd(builder.load(mn), m), mn)
 
         for k in INT8_KINDS:
             with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
@@ -565,28 +590,56 @@ def row_dot8k(typingctx, r, kq, kd, kb, kind):
                                                                builder.add(bsum(b, 2 * s), bsum(b, 2 * s + 1))))
                         lanes = builder.add(lanes, builder.mul(dot, sv))
                     xd = builder.load(builder.gep(kd.data, [b]))
-                    d = builder.fmul(_half_at(context, builder, r.data, o if k != Q6_K else builder.add(o, c(208))), xd)
+                    if k == Q6_K:          # d alone, the block's last 2 bytes
+                        d = _half_at(context, builder, r.data, builder.add(o, c(208)))
+                    else:
+                        d, dmin = _half_pair_at(context, builder, r.data, o)
+                    d = builder.fmul(d, xd)
                     term = builder.fmul(builder.sitofp(lanes, vf), _vec(builder, _F32, d, LANES))
                     builder.store(builder.fadd(builder.load(acc), term), acc)
                     if k == Q6_K:          # sum of scale * (q + 32) * x, less 32 * scale * x's sums
                         m = builder.fmul(d, builder.sitofp(builder.mul(low, ir.Constant(_I32, 32)), _F32))
                     else:                  # (d * sc) * q - (dmin * m): the mins times x's sums
-                        m = builder.fmul(builder.fmul(_half_at(context, builder, r.data, builder.add(o, c(2))), xd),
-                                         builder.sitofp(low, _F32))
+                        m = builder.fmul(builder.fmul(dmin, xd), builder.sitofp(low, _F32))
                     builder.store(builder.fadd(builder.load(mins), m), mins)
         return builder.fsub(_horizontal_sum(builder, builder.load(acc), ()), builder.load(mins))
     return types.float32(r, kq, kd, kb, kind), codegen
 
 
-@njit(cache=True, nogil=True, inline="always")
-def act8_dot(r, x, a, kind):
+@intrinsic
+def act8_dot(typingctx, r, x, a, kind):
     """r . x (float32[n]) by 8-bit blocks a (a 1-D tuple: act8_row, act8_slice) where a holds the blocks kind dots
-    with (row_dot8, row_dot8k), else row_dot on x."""
-    if kind <= Q5_1 and a[0].shape[0] != 0:
-        return row_dot8(r, a[0], a[1], a[2], a[3], kind)
-    if kind >= Q4_K and a[4].shape[0] != 0:
-        return row_dot8k(r, a[4], a[5], a[6], kind)
-    return row_dot(r, x, kind)
+    with (row_dot8, row_dot8k), else row_dot on x. An intrinsic, not an inlined Numba function: a function's array
+    arguments (x and a's 7) each cost an NRT incref and decref per call, ~40 ns a row, as much as the dot product of
+    a 576-weight q4_0 row (2026-11-24)."""
+    if not (isinstance(a, types.BaseTuple) and len(a) == 7 and isinstance(kind, types.Integer)):
+        return None
+    dot8, dot8k, dot = (f._defn(typingctx, *args) for f, args in ((row_dot8, (r, *a.types[:4], kind)),
+                                                                   (row_dot8k, (r, *a.types[4:], kind)),
+                                                                   (row_dot, (r, x, kind))))
+    if dot8 is None or dot8k is None or dot is None:
+        return None
+
+    def codegen(context, builder, sig, args):
+        r, x, a, kind = args
+        parts = [builder.extract_value(a, i) for i in range(7)]
+        n8, nk = (context.make_array(sig.args[2].types[i])(context, builder, parts[i]).nitems for i in (0, 4))
+        c = lambda v: ir.Constant(kind.type, v)  # noqa: E731
+        zero = ir.Constant(n8.type, 0)
+        out = cgutils.alloca_once(builder, _F32)
+        with builder.if_else(builder.and_(builder.icmp_signed("<=", kind, c(Q5_1)),
+                                          builder.icmp_signed("!=", n8, zero))) as (blocks32, other):
+            with blocks32:
+                builder.store(dot8[1](context, builder, dot8[0], [r, *parts[:4], kind]), out)
+            with other:
+                with builder.if_else(builder.and_(builder.icmp_signed(">=", kind, c(Q4_K)),
+                                                  builder.icmp_signed("!=", nk, zero))) as (blocks256, floats):
+                    with blocks256:
+                        builder.store(dot8k[1](context, builder, dot8k[0], [r, *parts[4:], kind]), out)
+                    with floats:
+                        builder.store(dot[1](context, builder, dot[0], [r, x, kind]), out)
+        return builder.load(out)
+    return types.float32(r, x, a, kind), codegen
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -627,7 +680,13 @@ def quant_matmul_rows(Q, x, y, lo, hi, kind, a):
     """y[:, lo:hi] = x[T, d] @ dequant(Q[lo:hi])^T; with 8-bit activations a (act8_of) row_dot8's products."""
     T, d = x.shape
     rb = Q.shape[1]
-    if T == 1 or a[0].shape[1] != 0 or a[4].shape[1] != 0:  # each block straight into the dot product
+    if T == 1:       # x's row and act8_row's 7 views of its blocks once, not per row
+        x0, a0 = x[0], act8_row(a, 0)
+        for j in range(lo, hi):
+            prefetch_ahead(Q, j, 0, rb)
+            y[0, j] = act8_dot(Q[j], x0, a0, kind)
+        return
+    if a[0].shape[1] != 0 or a[4].shape[1] != 0:  # each block straight into the dot product
         for j in range(lo, hi):
             prefetch_ahead(Q, j, 0, rb)
             for t in range(T):

@@ -11,11 +11,15 @@ run queue for the scheduler's next slice (EEVDF: ~1-3 ms) and every region waits
 faster depends on what else runs, and that changes while we run, so it is measured, not guessed: the step times at
 the chosen count against a few steps at another, now and then, the probes spaced out exponentially while the choice
 holds. It starts on one thread: on an idle machine a step on one thread costs about 1.6x, on a busy one a step on two
-many times more, so one is the cheaper place to start from. A probe step that runs slow goes back to the chosen count
-at its next layer, and a probe of more threads is skipped while this thread itself waits in the run queue for a
-sizeable share of its steps (its schedstat): the cores are taken, and a second thread of ours would wait too. The
-threads change no bits (every kernel's work split is a constant, not the thread count), so the choice can change at
-any step.
+many times more, so one is the cheaper place to start from. A probe alternates its steps with the chosen count's and
+compares each with the one just before it, so a load that comes or goes during the probe weighs on both sides alike.
+A count's first step loads that count's kernels from Numba's cache (5 kernels, 60-90 ms for SmolLM2 against a 10-17
+ms step, 2026-11-24): the time spent in Numba's compiler lock does not count, else the first probe of two threads
+loses on an idle machine and the next comes 32 steps later (38 of 63 steps on one thread in one quiet round of
+bench/busy_decode.py). A probe step that runs slow goes back to the chosen count at its next layer, and a probe of
+more threads is skipped while this thread itself waits in the run queue for a sizeable share of its steps (its
+schedstat): the cores are taken, and a second thread of ours would wait too. The threads change no bits (every
+kernel's work split is a constant, not the thread count), so the choice can change at any step.
 """
 from __future__ import annotations
 
@@ -26,17 +30,18 @@ from collections import Counter, deque
 from contextlib import contextmanager
 
 import numba
+import numba.core.event
 import numba.np.ufunc.parallel
 import numpy as np
 
-PROBE_STEPS = 3        # decode steps per probe of another thread count
+PROBE_STEPS = 3        # judged decode steps per probe of another thread count (alternating with the chosen count's)
 FIRST_PERIOD = 16      # steps at a newly chosen count before another is probed
 MAX_PERIOD = 512       # after a probe that lost, twice the gap before (at least 2 * FIRST_PERIOD), up to this
 ABORT_RATIO = 1.5      # a probe step this much slower than the chosen count's median ends the probe at once
-SWITCH_RATIO = 0.95    # the probed count is taken when its median step is at most this share of the chosen one's
+SWITCH_RATIO = 0.95    # the probed count is taken when its steps take at most this share of the chosen count's step
+                       # just before each (their median)
 HISTORY = 8            # recent steps per count, for their median
 RUN_QUEUE_SHARE = 0.2  # no probe of more threads while this thread waited in the run queue for this share of its steps
-
 
 @contextmanager
 def beside_reads(engine: str):
@@ -75,6 +80,35 @@ def set_threads(threads: int | None) -> None:
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
 
 
+class _CompilerLock(numba.core.event.Listener):
+    """Seconds spent so far in Numba's compiler lock: loading kernels from its cache, or compiling them."""
+
+    def __init__(self):
+        self.seconds, self._depth, self._t0 = 0.0, 0, 0.0
+
+    def on_start(self, event):
+        if self._depth == 0:
+            self._t0 = time.perf_counter()
+        self._depth += 1
+
+    def on_end(self, event):
+        self._depth -= 1
+        if self._depth == 0:
+            self.seconds += time.perf_counter() - self._t0
+
+
+_compiler_lock: _CompilerLock | None = None
+
+
+def compiling_seconds() -> float:
+    """Seconds this process has spent loading or compiling Numba kernels since its first call."""
+    global _compiler_lock
+    if _compiler_lock is None:
+        _compiler_lock = _CompilerLock()
+        numba.core.event.register("numba:compiler_lock", _compiler_lock)
+    return _compiler_lock.seconds
+
+
 class StepThreads:
     """The thread count of each decode step, chosen by timing the steps (the module's docstring says why).
 
@@ -91,13 +125,16 @@ class StepThreads:
         self.period = PROBE_STEPS          # the first probe comes once the chosen count has a median
         self.until_probe = PROBE_STEPS
         self.probing: int | None = None
-        self.probe: list[float] = []
+        self.probe: list[float] = []            # the probe's steps
+        self.ratios: list[float] = []           # each against the chosen count's step just before it
+        self.probe_turn = False                 # while probing: the next step runs at the probed count
         self.next_alt = 0
         self.switches = 0
         self.steps: Counter = Counter()              # decode steps run at each thread count
         self.queued: deque = deque(maxlen=HISTORY)   # share of each recent step this thread spent in the run queue
         self._schedstat: tuple[int, int] | None = None     # (native thread id, fd of its schedstat)
         self._deadline: float | None = None   # perf_counter() past which a probe step goes back to the chosen count
+        self._compiling0 = 0.0                # compiling_seconds() at the step's start
         self._cut = False
 
     def _start(self) -> None:
@@ -122,18 +159,23 @@ class StepThreads:
 
     @property
     def current(self) -> int:
-        return self.probing or self.chosen
+        return self.probing if self.probing is not None and self.probe_turn else self.chosen
 
     @contextmanager
     def step(self, model=None):
         """One decode step. With `model` (a Transformer), a probe step that has already taken ABORT_RATIO times the
         chosen count's median goes back to the chosen count at its next layer (model.after_layer), so a probe on a
-        busy machine costs that much, not a whole step of stalled regions."""
+        busy machine costs that much, not a whole step of stalled regions. Time in Numba's compiler lock (a count's
+        first step loads its kernels) counts neither here nor in the step's time."""
         if self.most is None:
             self._start()
-        numba.set_num_threads(self.current)
-        q0, t0 = self._queued_ns(), time.perf_counter()
-        self._deadline = t0 + ABORT_RATIO * float(np.median(self.recent[self.chosen])) / 1e3 if self.probing else None
+        count = self.current
+        numba.set_num_threads(count)
+        q0, c0, t0 = self._queued_ns(), compiling_seconds(), time.perf_counter()
+        self._compiling0 = c0
+        self._deadline = None
+        if count != self.chosen:
+            self._deadline = t0 + ABORT_RATIO * float(np.median(self.recent[self.chosen])) / 1e3
         self._cut = False
         if model is not None:
             model.after_layer = self._after_layer
@@ -143,13 +185,16 @@ class StepThreads:
             numba.set_num_threads(self.most)
             if model is not None:
                 model.after_layer = None
-        ms, q1 = (time.perf_counter() - t0) * 1e3, self._queued_ns()
-        if q1 is not None and self.probing is None:
-            self.queued.append((q1 - q0) / 1e6 / max(ms, 1e-3))
-        self.record(self.current, ms, cut=self._cut)
+        wall, q1 = (time.perf_counter() - t0) * 1e3, self._queued_ns()
+        ms = wall - (compiling_seconds() - c0) * 1e3
+        if q1 is not None and count == self.chosen:
+            self.queued.append((q1 - q0) / 1e6 / max(wall, 1e-3))
+        self.record(count, ms, cut=self._cut)
 
     def _after_layer(self) -> None:
-        if self._deadline is not None and time.perf_counter() > self._deadline:
+        if self._deadline is None:
+            return
+        if time.perf_counter() - (compiling_seconds() - self._compiling0) > self._deadline:
             numba.set_num_threads(self.chosen)
             self._deadline, self._cut = None, True
 
@@ -160,23 +205,27 @@ class StepThreads:
         if len(self.counts) < 2:
             return
         base = self.recent[self.chosen]
-        if self.probing is None:
+        if count == self.chosen:
             base.append(ms)
+            if self.probing is not None:
+                self.probe_turn = True
+                return
             self.until_probe -= 1
             if self.until_probe <= 0:
                 others = [c for c in self.counts if c != self.chosen]
                 self.probing = others[self.next_alt % len(others)]
                 self.next_alt += 1
-                self.probe = []
+                self.probe, self.ratios, self.probe_turn = [], [], True
                 if self.probing > self.chosen and self.queued and float(np.median(self.queued)) > RUN_QUEUE_SHARE:
                     self._end_probe(switch=False)     # the cores are taken: more threads would queue too
             return
+        self.probe_turn = False                       # the next step runs at the chosen count
         self.probe.append(ms)
-        median = float(np.median(base))
-        if cut or ms > ABORT_RATIO * median:
+        self.ratios.append(ms / max(base[-1], 1e-6))
+        if cut or ms > ABORT_RATIO * float(np.median(base)):
             self._end_probe(switch=False)
         elif len(self.probe) >= PROBE_STEPS:
-            self._end_probe(switch=float(np.median(self.probe)) <= SWITCH_RATIO * median)
+            self._end_probe(switch=float(np.median(self.ratios)) <= SWITCH_RATIO)
 
     def _end_probe(self, switch: bool) -> None:
         if switch:
@@ -189,3 +238,4 @@ class StepThreads:
             self.period = min(max(2 * self.period, 2 * FIRST_PERIOD), MAX_PERIOD)
         self.until_probe = self.period
         self.probing = None
+        self.probe_turn = False

@@ -1,5 +1,6 @@
 """The decode step's thread count (flashinfer_lite/threads.py): the choice follows the measured step times."""
 import numba
+import numba.core.event
 import pytest
 
 from flashinfer_lite import threads as T
@@ -47,10 +48,20 @@ def test_idle_machine_moves_to_more_threads_and_still_probes_one_now_and_then():
     used = run(st, {1: 20.0, 2: 12.0}, 600)
     assert st.chosen == 2 and st.switches == 1
     first_two = used.index(2)
-    assert used[first_two:first_two + T.PROBE_STEPS] == [2] * T.PROBE_STEPS
-    probes = [i for i in range(first_two + T.PROBE_STEPS, len(used)) if used[i] == 1]
-    assert len(probes) >= T.PROBE_STEPS                       # it keeps checking, with growing gaps
+    assert used[first_two:first_two + 2 * T.PROBE_STEPS] == [2, 1] * (T.PROBE_STEPS - 1) + [2, 2]   # alternating
+    probes = [i for i in range(first_two + 2 * T.PROBE_STEPS, len(used)) if used[i] == 1]
+    assert len(probes) >= 2                                  # it keeps checking, with growing gaps
     assert probes[-1] - probes[0] > 2 * T.FIRST_PERIOD
+
+
+@needs_two
+def test_load_that_comes_during_a_probe_weighs_on_both_sides():
+    # steps alternate, so a step time that doubles halfway through the probe does not make two threads look slower
+    st = tuner()
+    run(st, {1: 20.0, 2: 12.0}, T.PROBE_STEPS + 2)           # the median, the probe's first step at two threads
+    assert st.probing == 2
+    run(st, {1: 40.0, 2: 24.0}, 2 * T.PROBE_STEPS)
+    assert st.chosen == 2
 
 
 @needs_two
@@ -100,17 +111,29 @@ def test_compute_beside_reads_leaves_a_core_to_reader_threads_only(engine, insid
 
 class Layers:
     """A stand-in for Transformer.forward_rows: calls after_layer (as the model does) after each of its layers, each
-    layer taking `ms` of fake time; records Numba's thread count per layer."""
+    layer taking `ms` of fake time (the first `loading` layers also `loading_ms` in Numba's compiler lock, as a
+    count's first step loads its kernels); records Numba's thread count per layer."""
 
     def __init__(self, clock, ms: float, n: int = 10):
         self.after_layer, self.clock, self.ms, self.n, self.threads = None, clock, ms, n, []
+        self.loading, self.loading_ms = 0, 0.0
 
     def forward(self):
-        for _ in range(self.n):
+        for i in range(self.n):
             self.threads.append(numba.get_num_threads())
+            if i < self.loading:
+                numba.core.event.start_event("numba:compiler_lock")
+                self.clock[0] += self.loading_ms / 1e3
+                numba.core.event.end_event("numba:compiler_lock")
             self.clock[0] += self.ms / 1e3
             if self.after_layer is not None:
                 self.after_layer()
+
+
+def steps_until_probe(st, layers):
+    while st.current == st.chosen:
+        with st.step(layers):
+            layers.forward()
 
 
 @needs_two
@@ -119,15 +142,36 @@ def test_a_slow_probe_step_goes_back_to_one_thread_at_its_next_layer(monkeypatch
     monkeypatch.setattr(T.time, "perf_counter", lambda: clock[0])
     st = tuner()
     fast, slow = Layers(clock, 2.0), Layers(clock, 40.0)      # steps of 20 ms on one thread, 400 ms on two
-    while st.current == 1:
-        with st.step(fast):
-            fast.forward()
+    steps_until_probe(st, fast)
     assert fast.after_layer is None                          # the hook is the step's only
     with st.step(slow):
         slow.forward()
     # over 1.5 x 20 ms after its first layer: the rest of the step ran on the chosen count
     assert slow.threads == [2] + [1] * 9
     assert st.current == 1 and st.chosen == 1 and numba.get_num_threads() == st.most
+
+
+@needs_two
+def test_time_loading_kernels_does_not_count(monkeypatch):
+    # the first step at a count loads its kernels (here 3 layers of 40 ms, against steps of 20 ms on one thread and
+    # 12 on two): neither cut nor judged by it, an idle machine moves to two threads at the first probe
+    clock = [0.0]
+    monkeypatch.setattr(T.time, "perf_counter", lambda: clock[0])
+    st = tuner()
+    one, two = Layers(clock, 2.0), Layers(clock, 1.2)
+    one.loading = two.loading = 3
+    one.loading_ms = two.loading_ms = 40.0
+    steps_until_probe(st, one)
+    assert max(st.recent[1]) == pytest.approx(20.0)        # the steps' 140 ms counted as 20
+    with st.step(two):
+        two.forward()
+    assert two.threads == [2] * 10 and st.probe == [pytest.approx(12.0)]    # not cut, not slower
+    two.loading = 0
+    while st.probing is not None:
+        layers = two if st.current == 2 else one
+        with st.step(layers):
+            layers.forward()
+    assert st.chosen == 2 and st.switches == 1
 
 
 @needs_two

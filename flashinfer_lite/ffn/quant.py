@@ -314,15 +314,16 @@ def ffn_coefficients(Wg, Wu, X, xa, t, a, aa, lo, hi, glu, act, threshold, kind_
     """The first pass of a quantized FFN on X[t] (xa: act8_buffers of X, row t filled, or empty), for neurons lo ..
     hi (whole blocks of the down rows): the coefficients a[j] from Wg[j].x and Wu[j].x (MLP: Wu[j].x; ffn.gating),
     then their 8-bit blocks into aa (a 1-D act8_row tuple for a, or empty)."""
+    x, xr = X[t], act8_row(xa, t)           # once, not per row (act8_dot)
     for j in range(lo, hi):
         prefetch_ahead(Wu, j, 0, Wu.shape[1])
         if glu:
             prefetch_ahead(Wg, j, 0, Wg.shape[1])
-            v = gate_activation(act, act_dot(Wg[j], X, xa, t, kind_g), threshold)
+            v = gate_activation(act, act8_dot(Wg[j], x, xr, kind_g), threshold)
             if v != np.float32(0.0):
-                v = glu_coefficient(act, v, act_dot(Wu[j], X, xa, t, kind_u))
+                v = glu_coefficient(act, v, act8_dot(Wu[j], x, xr, kind_u))
         else:
-            v = gate_activation(act, act_dot(Wu[j], X, xa, t, kind_u), threshold)
+            v = gate_activation(act, act8_dot(Wu[j], x, xr, kind_u), threshold)
         a[j] = v
     quantize_act1(a[lo:hi], act8_slice(aa, lo, hi))
 
