@@ -21,7 +21,7 @@ from flashinfer_lite.kernels.prefetch import prefetch_ahead
 from flashinfer_lite.kernels.rows import scalar
 from flashinfer_lite.threads import numba_threads
 from flashinfer_lite.quant import (KINDS, QuantMatrix, act8_buffers, act8_dot, act8_of, act8_rounded, act8_row,
-                                   act8_slice, act_dot, col_axpy, col_dequant, column_tables, quant_kind, quantize_act1,
+                                   act8_slice, col_axpy, col_dequant, column_tables, quant_kind, quantize_act1,
                                    row_axpy, row_dequant)
 from storage import columns
 
