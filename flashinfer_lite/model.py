@@ -259,7 +259,10 @@ def prompt_attention(q: np.ndarray, k_bits: np.ndarray, v_bits: np.ndarray, pos0
             qt = np.ascontiguousarray(q[t0:t0 + rows, heads].transpose(1, 0, 2)).reshape(g * rows, hd)
             scores = (qt @ K[:s, h].T).reshape(g, rows, s)
             scores *= scale
-            scores += attention_mask(pos0 + t0, rows, sliding_window)
+            # without a sliding window every row sees the keys before the tile's first position: only the last
+            # `rows` keys are masked (adding 0 elsewhere changed no score; it was a third of the softmax's time)
+            first = pos0 + t0 if sliding_window is None else 0
+            scores[:, :, first:] += attention_mask(pos0 + t0, rows, sliding_window, first)
             scores -= scores.max(axis=-1, keepdims=True)                   # softmax, in place
             np.exp(scores, out=scores)
             scores /= scores.sum(axis=-1, keepdims=True)
@@ -292,10 +295,11 @@ def widened(bits: np.ndarray) -> np.ndarray:
     return out
 
 
-def attention_mask(pos0: int, T: int, sliding_window: int | None) -> np.ndarray:
-    # [T, S] additive mask: query at position pos0+i sees keys j <= pos0+i (and j > pos0+i-sliding_window: Mistral).
+def attention_mask(pos0: int, T: int, sliding_window: int | None, first: int = 0) -> np.ndarray:
+    # [T, S - first] additive mask of keys first .. S - 1: query at position pos0+i sees keys j <= pos0+i (and
+    # j > pos0+i-sliding_window: Mistral).
     qpos = np.arange(pos0, pos0 + T)[:, None]
-    kpos = np.arange(pos0 + T)[None, :]
+    kpos = np.arange(first, pos0 + T)[None, :]
     ok = kpos <= qpos
     if sliding_window is not None:
         ok &= kpos > qpos - sliding_window
