@@ -78,7 +78,7 @@ def _check_matrix(q: np.ndarray, kind: str, cols: int) -> QuantKind:
 # their offsets and shifts are constants. No bounds checks: callers pass whole rows (a row of `x`'s or `out`'s
 # length in blocks), which the Python entry points and ffn.quant.QuantSparseFFN's geometry guarantee.
 
-_F32, _I8, _I16, _I32 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32)
+_F32, _I8, _I16, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 llvm_binding.initialize_native_asmparser()      # _half_at's inline asm (Numba sets up the printer, not the parser)
 _GEOMETRY = {k.code: (k.weights, k.block_bytes) for k in KINDS.values()}
 
@@ -484,6 +484,56 @@ def _unsigned_values(builder, kind, ptr, o):
     return u
 
 
+def _dot8_rows(context, builder, r, xq, xd, xs, xl, kind, n, rows):
+    """The float32 results of row_dot8 of row r with each of `rows` rows of x (row i's values at xq[rows[i] * n],
+    its scales at xd[rows[i] * n // 32], ...; n: x's length): each weight block decoded once for all of them, each
+    row summed by exactly the operations row_dot8 performs alone (its own two chains, in its own order), so a row's
+    bits do not depend on how many rows share the call."""
+    vf = ir.VectorType(_F32, LANES)
+    zero = ir.Constant(vf, [ir.Constant(_F32, 0.0)] * LANES)
+    R = len(rows)
+    accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(2)] for _ in range(R)]  # even, odd blocks
+    mins = [[cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(2)] for _ in range(R)]
+    n_blocks = builder.sdiv(n, ir.Constant(n.type, BLOCK))
+    c = lambda v: ir.Constant(n_blocks.type, v)  # noqa: E731
+    at = [(builder.mul(t, n), builder.mul(t, n_blocks), builder.mul(t, builder.mul(n_blocks, c(LANES))))
+          for t in rows]                                                  # each row's start in xq, xd and xs, xl
+
+    def block(k, b, chain):
+        o = builder.mul(b, c(_GEOMETRY[k][1]))
+        u = _unsigned_values(builder, k, r.data, o)
+        if k in (Q4_1, Q5_1):       # d and m with one load (see _half_at: one at a time, each waited on a sum)
+            wd, wm = _half_pair_at(context, builder, r.data, o)
+        else:
+            wd, wm = _half_at(context, builder, r.data, o), None
+        for i, (q0, d0, l0) in enumerate(at):
+            xv = _load_vec(builder, xq.data, _I8, BLOCK, builder.add(q0, builder.mul(b, c(BLOCK))))
+            lanes = _lanes_of(builder, u, xv)
+            if k in _OFFSET_SHIFT:
+                xsum = _load_vec(builder, xl.data, _I32, LANES, builder.add(l0, builder.mul(b, c(LANES))))
+                lanes = builder.sub(lanes, builder.shl(xsum, _vec(builder, _I32, _OFFSET_SHIFT[k], LANES)))
+            scale = builder.fmul(wd, builder.load(builder.gep(xd.data, [builder.add(d0, b)])))
+            term = builder.fmul(builder.sitofp(lanes, vf), _vec(builder, _F32, scale, LANES))
+            acc = accs[i][chain]
+            builder.store(builder.fadd(builder.load(acc), term), acc)
+            if wm is not None:
+                m = builder.fmul(wm, builder.load(builder.gep(xs.data, [builder.add(d0, b)])))
+                builder.store(builder.fadd(builder.load(mins[i][chain]), m), mins[i][chain])
+
+    for k in INT8_KINDS:
+        with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
+            with cgutils.for_range(builder, builder.sdiv(n_blocks, c(2))) as loop:
+                block(k, builder.mul(loop.index, c(2)), 0)
+                block(k, builder.add(builder.mul(loop.index, c(2)), c(1)), 1)
+            with builder.if_then(builder.icmp_signed("==", builder.srem(n_blocks, c(2)), c(1))):
+                block(k, builder.sub(n_blocks, c(1)), 0)
+    out = []
+    for (a0, a1), (m0, m1) in zip(accs, mins):
+        total = builder.fadd(builder.load(a0), builder.load(a1))
+        out.append(builder.fadd(_horizontal_sum(builder, total, ()), builder.fadd(builder.load(m0), builder.load(m1))))
+    return out
+
+
 @intrinsic
 def row_dot8(typingctx, r, xq, xd, xs, xl, kind):
     """r . x for a quantized row r of a kind in INT8_KINDS and x as 8-bit blocks (quantize_act's xq, xd, xs, xl):
@@ -494,41 +544,30 @@ def row_dot8(typingctx, r, xq, xd, xs, xl, kind):
 
     def codegen(context, builder, sig, args):
         r, xq, xd, xs, xl, kind = _arrays(context, builder, sig, args)
-        vf = ir.VectorType(_F32, LANES)
-        zero = ir.Constant(vf, [ir.Constant(_F32, 0.0)] * LANES)
-        accs = [cgutils.alloca_once_value(builder, zero) for _ in range(2)]   # even and odd blocks: two chains
-        mins = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(2)]   # (of each)
-        n_blocks = builder.sdiv(xq.nitems, ir.Constant(xq.nitems.type, BLOCK))
-        c = lambda v: ir.Constant(n_blocks.type, v)  # noqa: E731
-
-        def block(k, b, acc, mn):
-            o = builder.mul(b, c(_GEOMETRY[k][1]))
-            xv = _load_vec(builder, xq.data, _I8, BLOCK, builder.mul(b, c(BLOCK)))
-            lanes = _lanes_of(builder, _unsigned_values(builder, k, r.data, o), xv)
-            if k in _OFFSET_SHIFT:
-                xsum = _load_vec(builder, xl.data, _I32, LANES, builder.mul(b, c(LANES)))
-                lanes = builder.sub(lanes, builder.shl(xsum, _vec(builder, _I32, _OFFSET_SHIFT[k], LANES)))
-            if k in (Q4_1, Q5_1):
-                d, m = _half_pair_at(context, builder, r.data, o)
-                builder.store(builder.fadd(builder.load(mn), builder.fmul(m, builder.load(builder.gep(xs.data, [b])))),
-                              mn)
-            else:
-                d = _half_at(context, builder, r.data, o)
-            scale = builder.fmul(d, builder.load(builder.gep(xd.data, [b])))
-            term = builder.fmul(builder.sitofp(lanes, vf), _vec(builder, _F32, scale, LANES))
-            builder.store(builder.fadd(builder.load(acc), term), acc)
-
-        for k in INT8_KINDS:
-            with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
-                with cgutils.for_range(builder, builder.sdiv(n_blocks, c(2))) as loop:
-                    block(k, builder.mul(loop.index, c(2)), accs[0], mins[0])
-                    block(k, builder.add(builder.mul(loop.index, c(2)), c(1)), accs[1], mins[1])
-                with builder.if_then(builder.icmp_signed("==", builder.srem(n_blocks, c(2)), c(1))):
-                    block(k, builder.sub(n_blocks, c(1)), accs[0], mins[0])
-        total = builder.fadd(builder.load(accs[0]), builder.load(accs[1]))
-        return builder.fadd(_horizontal_sum(builder, total, ()), builder.fadd(builder.load(mins[0]),
-                                                                                builder.load(mins[1])))
+        return _dot8_rows(context, builder, r, xq, xd, xs, xl, kind, xq.nitems, [ir.Constant(xq.nitems.type, 0)])[0]
     return types.float32(r, xq, xd, xs, xl, kind), codegen
+
+
+# Rows of x per call of rows_dot8: each weight block is decoded once for this many rows of x (a prompt's)
+DOT8_ROWS = 4
+
+
+@intrinsic
+def rows_dot8(typingctx, r, xq, xd, xs, xl, n, t0, out, kind):
+    """out[i] = row_dot8 of r with row t0 + i of x, for i < DOT8_ROWS, bit for bit: x's 8-bit blocks as quantize_act
+    fills them row after row (xq, xd, xs, xl: act8_buffers' parts of T rows, flattened; n: x's values per row)."""
+    if not _rows_ok(r, types.uint8, xq, types.int8, xd, types.float32, xs, types.float32, xl, types.int32, out,
+                    types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        r, xq, xd, xs, xl, n, t0, out, kind = _arrays(context, builder, sig, args)
+        n, t0 = (builder.sext(v, _I64) if v.type.width < 64 else v for v in (n, t0))
+        rows = [builder.add(t0, ir.Constant(_I64, i)) for i in range(DOT8_ROWS)]
+        for i, v in enumerate(_dot8_rows(context, builder, r, xq, xd, xs, xl, kind, n, rows)):
+            builder.store(v, builder.gep(out.data, [ir.Constant(_I64, i)]))
+        return context.get_dummy_value()
+    return types.none(r, xq, xd, xs, xl, n, t0, out, kind), codegen
 
 
 def _k_values(builder, kind, ptr, o, s):

@@ -20,9 +20,9 @@ from flashinfer_lite.kernels.gemv import WIDEN_BLOCK_BYTES
 from flashinfer_lite.kernels.prefetch import prefetch_ahead
 from flashinfer_lite.kernels.rows import scalar
 from flashinfer_lite.threads import numba_threads
-from flashinfer_lite.quant import (KINDS, QuantMatrix, act8_buffers, act8_dot, act8_of, act8_rounded, act8_row,
-                                   act8_slice, col_axpy, col_dequant, column_tables, quant_kind, quantize_act1,
-                                   row_axpy, row_dequant)
+from flashinfer_lite.quant import (DOT8_ROWS, KINDS, QuantMatrix, act8_buffers, act8_dot, act8_of, act8_rounded,
+                                   act8_row, act8_slice, col_axpy, col_dequant, column_tables, quant_kind,
+                                   quantize_act1, quantize_act_rows, row_axpy, row_dequant, row_dot8, rows_dot8)
 from storage import columns
 
 from .gating import act_code, gate_activation, glu_coefficient, threshold_of
@@ -72,6 +72,102 @@ def quant_ffn_accumulate(B, F, slots, coef, Y, down_at, kind, weights, block_byt
             c = coef[t, j]
             if c != np.float32(0.0):
                 row_axpy(y, c, B[slots[j], b_lo:b_hi], kind)
+
+
+_U = np.uint64
+
+# A task of quant_ffn_accumulate_rows: this many of a prompt's rows times about DOWN_TILE_OUTPUTS outputs (whole
+# out_blocks), 12 KiB of sums that stay in L1 while each needed down piece is decoded once for all the rows
+DOWN_TILE_ROWS = 16
+DOWN_TILE_OUTPUTS = 192
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def quant_ffn_accumulate_rows(B, F, slots, coef, Y, down_at, kind, weights, block_bytes, out_block, s_neuron, S):
+    """quant_ffn_accumulate for many rows (a prompt's), bit for bit: one task per (DOWN_TILE_ROWS rows, a span of
+    whole out_blocks) decodes each needed down piece once (as col_dequant, row_dequant: the weights col_axpy and
+    row_axpy form) and adds c * w to each of its rows, neurons in slot order, zero coefficients skipped: each output
+    element gets the same float32 products and sums, in the same order, as one row alone (no fastmath)."""
+    n = slots.shape[0]
+    T, d = Y.shape
+    span = out_block * max(1, DOWN_TILE_OUTPUTS // out_block)
+    ns = (d + span - 1) // span
+    for q in prange((T + DOWN_TILE_ROWS - 1) // DOWN_TILE_ROWS * ns):
+        t0 = q // ns * DOWN_TILE_ROWS
+        rows = min(T, t0 + DOWN_TILE_ROWS) - t0
+        lo = (q % ns) * span
+        m = min(d, lo + span) - lo
+        acc = np.empty((rows, m), np.float32)         # the rows' sums so far, contiguous
+        for i in range(rows):
+            acc[i] = Y[t0 + i, lo:lo + m]
+        w = np.empty(m, np.float32)
+        for j in range(n):
+            used = False
+            for i in range(rows):
+                used = used or coef[t0 + i, j] != np.float32(0.0)
+            if not used:
+                continue
+            r = slots[j]
+            if s_neuron >= 0:
+                w[:] = np.float32(-0.0)        # col_dequant's way: -0.0 + 1 * w is w
+                col_axpy(w, np.float32(1.0), B, r, down_at, lo, kind, np.int64(F[r, s_neuron]), S)
+            else:
+                row_dequant(B[r, down_at + lo // weights * block_bytes:down_at + (lo + m) // weights * block_bytes],
+                            w, kind)
+            for i in range(_U(rows)):          # unsigned: no wrap-around checks, so the loop vectorises (_col_loop)
+                c = coef[t0 + i, j]
+                if c != np.float32(0.0):
+                    for k in range(_U(m)):
+                        acc[i, k] += c * w[k]
+        for i in range(rows):
+            Y[t0 + i, lo:lo + m] = acc[i]
+
+
+@njit(cache=True, nogil=True)
+def gate_up_coefficient(g, u, fr, act, threshold, s_gate, s_up, bg, bu, act_threshold):
+    """ffn.sparse.coefficient's rule (GLU) on the neuron's gate and up dot products g, u (fr: its row's float32
+    view), then |c| <= act_threshold counts as 0. u is used only when the gate fired."""
+    a = gate_activation(act, g * scalar(fr, s_gate, 1.0) + scalar(fr, bg, 0.0), threshold)
+    c = a
+    if a != np.float32(0.0):
+        c = glu_coefficient(act, a, u * scalar(fr, s_up, 1.0) + scalar(fr, bu, 0.0))
+    return np.float32(0.0) if abs(c) <= act_threshold else c
+
+
+# Neurons per task of quant_gate_coefficients: their gate|up rows stay in L1 while x passes by, DOT8_ROWS rows at once
+GATE_TILE_NEURONS = 16
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def quant_gate_coefficients(H, Hf, X, xa, coef, rb, up_at, up_rb, kind, up_kind, act, threshold, s_gate, s_up, bg, bu,
+                            act_threshold):
+    """coef[t, j] = the coefficient of gate|up row H[j] (Hf: H's float32 view; gate: rb bytes in `kind`, up: up_rb bytes at byte up_at in
+    up_kind, both in INT8_KINDS) on X[t] (xa: act8_buffers of X, filled here), 0 where |c| <= act_threshold.
+
+    Any number of rows gives each (row, neuron) the same bits: DOT8_ROWS rows at a time through rows_dot8, the rest
+    through row_dot8, which perform the same operations per row; no fastmath, so none of them is reassociated or
+    contracted differently from one call site to the other."""
+    quantize_act_rows(X, xa)
+    T, d = X.shape
+    n = H.shape[0]
+    xq, xd, xs, xl = xa[0].reshape(-1), xa[1].reshape(-1), xa[2].reshape(-1), xa[3].reshape(-1)
+    full = T - T % DOT8_ROWS
+    for p in prange((n + GATE_TILE_NEURONS - 1) // GATE_TILE_NEURONS):
+        g = np.empty(DOT8_ROWS, np.float32)
+        u = np.empty(DOT8_ROWS, np.float32)
+        j0, j1 = p * GATE_TILE_NEURONS, min(n, (p + 1) * GATE_TILE_NEURONS)
+        for t0 in range(0, full, DOT8_ROWS):
+            for j in range(j0, j1):
+                rows_dot8(H[j, :rb], xq, xd, xs, xl, d, t0, g, kind)
+                rows_dot8(H[j, up_at:up_at + up_rb], xq, xd, xs, xl, d, t0, u, up_kind)
+                for i in range(DOT8_ROWS):
+                    coef[t0 + i, j] = gate_up_coefficient(g[i], u[i], Hf[j], act, threshold, s_gate, s_up, bg, bu,
+                                                          act_threshold)
+        for t in range(full, T):
+            for j in range(j0, j1):
+                gt = row_dot8(H[j, :rb], xa[0][t], xa[1][t], xa[2][t], xa[3][t], kind)
+                ut = row_dot8(H[j, up_at:up_at + up_rb], xa[0][t], xa[1][t], xa[2][t], xa[3][t], up_kind)
+                coef[t, j] = gate_up_coefficient(gt, ut, Hf[j], act, threshold, s_gate, s_up, bg, bu, act_threshold)
 
 
 

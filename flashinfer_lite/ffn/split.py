@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from storage import columns
-from ..quant import KINDS, act8_buffers, column_tables
+from ..quant import INT8_KINDS, KINDS, act8_buffers, column_tables
 from .gating import act_code, threshold_of
-from .quant import quant_ffn_accumulate
+from .quant import quant_ffn_accumulate, quant_ffn_accumulate_rows, quant_gate_coefficients
 from .sparse import OUT_BLOCK, STORAGE_VIEWS, ffn_accumulate, ffn_coefficients
 
 
@@ -44,8 +44,17 @@ class SplitKernels:
         return B if self.quantized else B.view(STORAGE_VIEWS[dtype])
 
     def coefficients(self, H: np.ndarray, X: np.ndarray, coef: np.ndarray, act_threshold: float) -> None:
-        """coef[t, j] = the coefficient of gate|up row j (H uint8 [n, stride]) on X[t], 0 where |c| <= act_threshold."""
+        """coef[t, j] = the coefficient of gate|up row j (H uint8 [n, stride]) on X[t], 0 where |c| <= act_threshold.
+        Gate and up in 8-bit-dot kinds: quant_gate_coefficients, for one row (decode) as for a prompt's many, so a
+        token's bits do not depend on the rows it came with (the prefill chunk)."""
         n = H.shape[0]
+        if self.quantized and self.kind in INT8_KINDS and self.up_kind in INT8_KINDS:
+            xa = act8_buffers(*X.shape, self.kind, self.up_kind)
+            if xa[0].shape[1]:                   # set_act8 on
+                quant_gate_coefficients(H, H.view(np.float32), X, xa, coef, self.n, self.up_at, self.up_n, self.kind,
+                                        self.up_kind, self.act, self.threshold, self.s_gate, self.s_up, self.bg,
+                                        self.bu, np.float32(act_threshold))
+                return
         ones = np.ones((X.shape[0], n), np.uint8)
         ffn_coefficients(self._view(H, self.gu.dtype), H.view(np.float32), np.arange(n, dtype=np.int32),
                          np.arange(n, dtype=np.int64), X, act8_buffers(*X.shape, self.kind, self.up_kind)
@@ -57,8 +66,10 @@ class SplitKernels:
     def accumulate(self, D: np.ndarray, slots: np.ndarray, coef: np.ndarray, Y: np.ndarray, layer: int) -> None:
         """Y[t] += sum over j in order of coef[t, j] * down row slots[j] of D (uint8 [rows, stride]) of layer `layer`."""
         if self.quantized:
-            quant_ffn_accumulate(D, D.view(np.float32), slots, coef, Y, 0, self.down_kind.code, self.down_kind.weights,
-                                 self.down_kind.block_bytes, self.out_block, self.s_neuron, self.S[layer])
+            # a prompt's rows: each down piece decoded once for many rows, with the bits of one row alone
+            kernel = quant_ffn_accumulate_rows if Y.shape[0] > 1 else quant_ffn_accumulate
+            kernel(D, D.view(np.float32), slots, coef, Y, 0, self.down_kind.code, self.down_kind.weights,
+                   self.down_kind.block_bytes, self.out_block, self.s_neuron, self.S[layer])
         else:
             ffn_accumulate(self._view(D, self.dn.dtype), D.view(np.float32), slots, coef, Y, self.dn.d, 0,
                            self.s_down)
