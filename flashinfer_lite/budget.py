@@ -439,10 +439,11 @@ def compile_steps(layout, source: str | None = None) -> list:
         gu, dn = layout.parts["gate_up"], layout.parts["down"]
         kernels = SplitKernels(gu, dn, layout.config.get("act", "silu"), layout.config.get("relu_threshold"),
                                scales and scales * layout.n_layers)
-        X, coef = np.zeros((1, layout.d), np.float32), np.zeros((1, k), np.float32)
-        kernels.coefficients(np.zeros((k, gu.stride), np.uint8), X, coef, 0.0)
-        kernels.accumulate(aligned_empty((k, dn.stride), np.uint8), np.arange(k, dtype=np.int32), coef,
-                           np.zeros_like(X), 0)
+        for T in (1, 2):        # a decoded token; a prompt's rows (the down sum's tiles: another kernel)
+            X, coef = np.zeros((T, layout.d), np.float32), np.zeros((T, k), np.float32)
+            kernels.coefficients(np.zeros((k, gu.stride), np.uint8), X, coef, 0.0)
+            kernels.accumulate(aligned_empty((k, dn.stride), np.uint8), np.arange(k, dtype=np.int32), coef,
+                               np.zeros_like(X), 0)
 
     steps = [neuron_cache, sparse, attention]
     if layout.parts:
