@@ -30,7 +30,7 @@ import numpy as np
 
 from storage import columns
 from storage.format import BUNDLE_ALIGN, read_layout
-from storage.profile import DEFAULT_GAP_BYTES
+from storage.profile import DEFAULT_GAP_BYTES, reader_defaults
 from storage.reader import MAX_READ_BYTES, BundleReader, aligned_empty
 
 from storage.errors import UserError
@@ -164,16 +164,22 @@ def resident_bytes_for(cfg: ModelConfig, half: bool = False, kinds: dict[str, st
     return matrices + 4 * vectors
 
 
-def packed_staging_bytes(layout, rows: int, stream_bytes: int = 0) -> int:
+def packed_staging_bytes(layout, rows: int, stream_bytes: int = 0, gap_rows: int = -1) -> int:
     """The reader's staging buffer for packed bundles (storage.reader: a stride that is not a multiple of 512), at
-    most: a request of up to `rows` bundles of a layer, each op's span widened to 512-byte boundaries on both sides
-    (at worst every bundle an op of its own; the holes a coalesced op reads never make its span more than the layer),
-    or a prefill stream's chunk of stream_bytes read whole (an op per MAX_READ_BYTES at most: storage.reader's).
-    0 when not packed. (Every stream chunk's rows as lone ops counted 4.5x the chunk: 9.5 MiB on the default model.)"""
+    most: a request of up to `rows` bundles of a layer, each op's span widened to 512-byte boundaries on both sides,
+    or a prefill stream's chunk of stream_bytes read whole. 0 when not packed. The ops' spans do not overlap and lie
+    in the layer, so they hold at most the layer plus 1 KiB an op; ops: one per bundle at worst, but the reader
+    merges bundles at most gap_rows apart (its coalescing gap; < 0: none), so runs start more than gap_rows + 1
+    bundles apart, and a run is split every MAX_READ_BYTES. (Every stream chunk's rows as lone ops counted 4.5x the
+    chunk: 9.5 MiB on the default model; every bundle of a request an op, 2 MiB against 0.5 with the 56-row gap.)"""
     if layout.stride % BUNDLE_ALIGN == 0:
         return 0
-    stream = stream_bytes + 2 * BUNDLE_ALIGN * (stream_bytes // MAX_READ_BYTES + 2) if stream_bytes > 0 else 0
-    return max(rows * (layout.stride + 2 * BUNDLE_ALIGN), stream)
+    layer = max(layout.n_neurons) * layout.stride
+    splits = layer // MAX_READ_BYTES + 1
+    ops = min(rows, max(layout.n_neurons) // (max(gap_rows, -1) + 2) + 1) + splits
+    request = min(rows * layout.stride, layer) + 2 * BUNDLE_ALIGN * ops
+    stream = min(stream_bytes, layer) + 2 * BUNDLE_ALIGN * splits if stream_bytes > 0 else 0
+    return max(request, stream)
 
 
 def down_scale_bytes(layout) -> int:
@@ -185,7 +191,7 @@ def down_scale_bytes(layout) -> int:
 
 def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 5, max_active: int | None = None,
                 hot_share: float = 0.5, resident_bytes: int | None = None, threads: int = 2,
-                read_scratch_bytes: int = DEFAULT_GAP_BYTES, runtime_bytes: int = 0,
+                read_scratch_bytes: int | None = None, runtime_bytes: int = 0,
                 stream_chunk_bytes: int = 0, requested: bool = True, lookahead: bool = False,
                 heap_slack_bytes: int = 0, gate: bool = False) -> BudgetPlan:
     """Split `dram_budget_bytes` (see module docstring). config: ModelConfig or its dict; layout: FlashLayout.
@@ -212,13 +218,17 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
     row = stride + ROW_OVERHEAD_BYTES + 4 * window
     res = resident_bytes if resident_bytes is not None else resident_bytes_for(cfg)
     kv = KVCache.nbytes_for(cfg, ctx)
+    if read_scratch_bytes is None:      # the reader's coalescing gap on this device (storage.reader.BundleReader)
+        read_scratch_bytes = reader_defaults(layout.ffn_path, stride).gap_bytes if layout.flashdir is not None \
+            else DEFAULT_GAP_BYTES
     buffers = (max(read_scratch_bytes, stride) + threads * layout.d * 4 + n_max * 4
                + sum(layout.n_neurons) * (MAP_BYTES_PER_NEURON + layout.bundle_of[0].itemsize)
                + n_layers * MATRIX_SLACK_BYTES
                + stream_transient_bytes(layout, stream_chunk_bytes) + prefill_transient_bytes(cfg, ctx, gate)
                + heap_slack_bytes
                + (staging_rows(max_active) * stride if lookahead else 0)
-               + packed_staging_bytes(layout, n_max, stream_chunk_bytes) * (2 if lookahead else 1))
+               + packed_staging_bytes(layout, n_max, stream_chunk_bytes, read_scratch_bytes // stride)
+               * (2 if lookahead else 1))
     minimum = runtime_bytes + res + kv + buffers + n_layers * reserve * row
     if dram_budget_bytes < minimum:
         raise UserError(f"DRAM budget {_mib(dram_budget_bytes)} is below the minimum {_mib(minimum)} for this model "
@@ -340,7 +350,12 @@ def stream_transient_bytes(layout, chunk_bytes: int) -> int:
     masks, coefficients) are prefill_transient_bytes'."""
     if chunk_bytes <= 0:
         return 0
-    return max(1, chunk_bytes // layout.stride) * layout.stride
+    return stream_chunk_rows(layout, chunk_bytes) * layout.stride
+
+
+def stream_chunk_rows(layout, chunk_bytes: int) -> int:
+    """Bundles a prefill stream's chunk holds: chunk_bytes of them, never more than a layer has."""
+    return min(max(1, chunk_bytes // layout.stride), max(layout.n_neurons))
 
 
 # ----------------------------------------------------------------------------------------------------------------------

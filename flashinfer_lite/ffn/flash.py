@@ -15,7 +15,7 @@ import numpy as np
 from storage.reader import BundleReader, aligned_empty
 from storage.stats import FlashStats
 
-from ..budget import staging_rows
+from ..budget import staging_rows, stream_chunk_rows
 from storage.config import ModelConfig
 from ..neuron_cache import NeuronCache
 from ..threads import beside_reads
@@ -205,7 +205,7 @@ class FlashFFN:
         selected = np.zeros((x.shape[0], L.n_neurons[layer]), bool)   # [T, n] by bundle id
         for t, row in enumerate(ids):
             selected[t, row] = True
-        rows_per_chunk = max(1, STREAM_CHUNK_BYTES // L.stride)
+        rows_per_chunk = stream_chunk_rows(L, STREAM_CHUNK_BYTES)
         if self._chunk is None:
             self._chunk = aligned_empty((rows_per_chunk, L.stride), np.uint8)
         y[:] = 0.0

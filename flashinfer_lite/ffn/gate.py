@@ -26,6 +26,7 @@ from storage.checksums import drop_from_page_cache
 from storage.reader import BundleReader, aligned_empty
 from storage.stats import FlashStats
 
+from ..budget import stream_chunk_rows
 from ..neuron_cache import NeuronCache
 from .flash import STREAM_CHUNK_BYTES, FlashFFN
 from .split import SplitKernels
@@ -155,7 +156,7 @@ class GateFFN(FlashFFN):
         coefficients skipped): the sum the cache path computes. decode: a decoded token's (its bytes count as the
         decode path's reads), else a prompt's."""
         L = self.layout
-        rows_per_chunk = max(1, STREAM_CHUNK_BYTES // L.stride)
+        rows_per_chunk = stream_chunk_rows(L, STREAM_CHUNK_BYTES)
         if self._chunk is None:
             self._chunk = aligned_empty((rows_per_chunk, L.stride), np.uint8)
         n = L.n_neurons[layer]
