@@ -284,6 +284,11 @@ class ModelFiles:
         L = self.ckpt.layout if self.flash_backed else None
         return L is not None and bool(L.parts) and self.ckpt.config.act == "silu"
 
+    def runs_gate(self, ffn: str) -> bool:
+        """Whether --ffn `ffn` runs the exact gate: asked for, or auto on such a model (decide_gate; the runtime line
+        measures the gate's kernels alone then)."""
+        return ffn == "gate" or (ffn == "auto" and self.exact_gate)
+
     @property
     def trained(self) -> bool:
         return self.predictors is not None and self.predictors.has_predictors
@@ -342,8 +347,7 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
                        expert_freq=load_expert_freq(path) if ckpt.config.moe else None)
     if runtime_bytes is None:     # a mixture of experts compiles no bundle kernels: what they add, as remembered
         runtime_bytes = runtime_estimate_bytes(ckpt.layout, ckpt.config.vocab_size) if ckpt.config.moe else \
-            measure_runtime_bytes(ckpt.layout, "gate" if ffn == "gate" or (ffn == "auto" and files.exact_gate)
-                                  else None)
+            measure_runtime_bytes(ckpt.layout, "gate" if files.runs_gate(ffn) else None)
     files.runtime_bytes = runtime_bytes
     if not ckpt.config.moe:
         files.gate = read_gate_file(path, ckpt.config.n_layers, ckpt.config.ffn_dim, sparsity)
@@ -376,7 +380,7 @@ def decide(files: ModelFiles, ffn: str, dram_budget=None, ctx: int | None = None
                      f"(docs/PREDICTORS.md)",)
         auto = ("", f"{files.source} has no trained predictors") if ffn == "auto" else None
         return Decision("dense", None, False, False, notes, auto)
-    if ffn == "gate" or (ffn == "auto" and files.exact_gate):
+    if files.runs_gate(ffn):
         return decide_gate(files, ffn, dram_budget, ctx, window, room, verbose)
     whose = ("the default model" if files.default else
              f"{files.source} has {'trained' if files.trained else 'no trained'} predictors")

@@ -1,5 +1,5 @@
-"""Smoke test of bench/e2e.py --quick (the tiny model as a q4_0 FLASHDIR; the float16 one runs the same code): the JSON is well-formed and modes
-that compute the same tokens agree.
+"""Smoke test of bench/e2e.py --quick (the tiny model as a q4_0 FLASHDIR; the float16 one runs the same code): the
+JSON is well-formed and modes that compute the same tokens agree.
 
 No timing is asserted. The oracle for agreement is the dense-ram mode of the same FLASHDIR (all weights in DRAM):
 dense-mmap and layer-stream run the same kernel on the same bytes, so their argmax tokens must be identical;

@@ -32,7 +32,8 @@ def flashdir(tmp_path_factory):
 
 
 def generate(flashdir: Path, tmp_path: Path, *args: str, cap: int | None = None, env: dict | None = None):
-    """generate --ffn predicted (args may name another --ffn: the last one counts): (exit code, stdout, stderr, peak RSS bytes of the generate process tree, memcap summary or None)."""
+    """generate --ffn predicted (args may name another --ffn: the last one counts): (exit code, stdout, stderr,
+    peak RSS bytes of the generate process tree, memcap summary or None)."""
     argv = [sys.executable, "-m", "flashinfer_lite", "generate", "-m", str(flashdir), "-n", "4", "--temp", "0",
             "--json", "--ffn", "predicted", "--ignore-chat-template", *args]
     summary = tmp_path / "rusage.json"

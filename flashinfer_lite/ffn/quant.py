@@ -141,8 +141,9 @@ GATE_TILE_NEURONS = 16
 @njit(cache=True, parallel=True, nogil=True)
 def quant_gate_coefficients(H, Hf, X, xa, coef, rb, up_at, up_rb, kind, up_kind, act, threshold, s_gate, s_up, bg, bu,
                             act_threshold):
-    """coef[t, j] = the coefficient of gate|up row H[j] (Hf: H's float32 view; gate: rb bytes in `kind`, up: up_rb bytes at byte up_at in
-    up_kind, both in INT8_KINDS) on X[t] (xa: act8_buffers of X, filled here), 0 where |c| <= act_threshold.
+    """coef[t, j] = the coefficient of gate|up row H[j] (Hf: H's float32 view; gate: rb bytes in `kind`, up: up_rb
+    bytes at byte up_at in up_kind, both in INT8_KINDS) on X[t] (xa: act8_buffers of X, filled here), 0 where
+    |c| <= act_threshold.
 
     Any number of rows gives each (row, neuron) the same bits: DOT8_ROWS rows at a time through rows_dot8, the rest
     through row_dot8, which perform the same operations per row; no fastmath, so none of them is reassociated or
