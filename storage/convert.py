@@ -40,6 +40,7 @@ from .safetensors_out import SafetensorsWriter
 
 PACK_NEURONS = 4096   # neurons packed at a time: bounds the extra memory for wide FFNs
 DEFAULT_DTYPE = "auto"
+EXPERT_CHUNKS = ("whole", "split")    # storage.experts: whole matrices, or heads then down columns
 # resident matrices a quantized FLASHDIR keeps in blocks: the ones multiplied (linear) or looked up by row (embeddings)
 QUANTIZED_RESIDENT = re.compile(r"embed\.weight|lm_head\.weight|layers\.\d+\.attn\.[qkvo]\.weight")
 
@@ -51,16 +52,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="storage type of the FFN bundles and resident matrices (default auto: a GGUF's own block "
                              "formats, K-quants included, or f16; q8_0/q4_0/q4_1/q5_0/q5_1: GGUF blocks; int8: "
                              "symmetric per-vector scale)")
+    parser.add_argument("--expert-chunks", choices=EXPERT_CHUNKS, default="whole",
+                        help="a mixture of experts' chunks: whole (gate, up, down matrices; default) or split (gate|up "
+                             "rows, then down columns along d, so a routed expert can read only its firing neurons' "
+                             "columns: --ffn gate; a GGUF's down blocks are requantized along d)")
     parser.add_argument("--force", action="store_true", help="replace an existing flash directory")
 
 
 def run(args) -> int:
-    out = convert(args.model, args.output, dtype=args.dtype, force=args.force)
+    out = convert(args.model, args.output, dtype=args.dtype, force=args.force, expert_chunks=args.expert_chunks)
     L = read_layout(out)
     if L.experts is not None:
         E = L.experts
         print(f"wrote {out}: {E.n_layers} layers x {E.n_experts} experts of {E.n} neurons, {'/'.join(E.dtypes)} "
-              f"chunks of {E.chunk} bytes, ffn.bin {L.ffn_size / 2**20:.1f} MiB")
+              f"{' split' if E.split else ''} chunks of {E.chunk} bytes, ffn.bin {L.ffn_size / 2**20:.1f} MiB")
         return 0
     print(f"wrote {out}: {L.n_layers} layers x {L.n_neurons[0]} neurons, {L.dtype} bundles of {L.stride} bytes, "
           f"ffn.bin {L.ffn_size / 2**20:.1f} MiB"
@@ -432,11 +437,19 @@ def _place(tmp: Path, out: Path, force: bool) -> None:
         raise
 
 
-def convert(model, output, dtype: str = DEFAULT_DTYPE, force: bool = False, progress: bool = True) -> Path:
+def convert(model, output, dtype: str = DEFAULT_DTYPE, force: bool = False, progress: bool = True,
+            expert_chunks: str = "whole") -> Path:
     out = Path(output).expanduser()
     _check_output(out, force)
     ckpt = open_checkpoint(model)
+    if expert_chunks not in EXPERT_CHUNKS:
+        raise UserError(f"--expert-chunks is one of {', '.join(EXPERT_CHUNKS)}, not {expert_chunks!r}")
+    if expert_chunks == "split" and not ckpt.config.moe:
+        raise UserError(f"--expert-chunks split is for mixtures of experts; {model} is a dense model")
     layout = layout_for(ckpt, dtype)
+    if expert_chunks == "split":
+        layout.experts.split = True
+        layout.ffn_size = layout.experts.end
     note = down_note(ckpt, layout)
     if note and progress:
         print(f"convert: {note}", file=sys.stderr)

@@ -10,6 +10,15 @@ describes ffn.bin instead. Expert e of layer l is one chunk of `chunk` bytes at 
 
 One expert is one read of `chunk` bytes straight into a cache slot, whose matrices are then views of the slot
 (ExpertLayout.matrices). The router, the attention, the norms and a shared expert stay in resident.safetensors.
+
+Split chunks (`split`, manifest version 4; convert --expert-chunks split) hold the same expert as the dense split
+layout holds a layer (storage.format.SPLIT_PARTS), so a routed expert reads only the down columns of its firing
+neurons (ffn.experts, the exact gate inside an expert):
+
+  heads    n rows of head_stride bytes: neuron j's gate row then its up row (blocks along d), padded to 4
+  columns  from a 512-aligned offset, n rows of column_stride bytes: neuron j's down column (the down matrix's
+           column j, quantized along d in the down dtype: a GGUF's down blocks run along n, so they are requantized),
+           padded to 4
 """
 from __future__ import annotations
 
@@ -26,6 +35,7 @@ MATRICES = ("gate", "up", "down")
 FLOAT_DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2")}
 EXPERT_DTYPES = (*FLOAT_DTYPES, *blocks.BLOCK_BYTES)
 MATRIX_ALIGN = 512
+SPLIT_ROW_ALIGN = 4        # split chunks' rows: packed (the reader aligns its reads, as for packed bundles)
 CHUNK_ALIGN = 4096
 
 
@@ -47,6 +57,7 @@ class ExpertLayout:
     dtypes: tuple[str, str, str]     # of gate, up, down
     offset: int = 0                  # of the first chunk
     checksum: list[list[str]] = field(default_factory=list)   # [layer][expert]
+    split: bool = False              # heads, then down columns (see the module's docstring)
 
     def __post_init__(self):
         for name in ("d", "n", "n_experts", "n_layers"):
@@ -56,6 +67,8 @@ class ExpertLayout:
         self.dtypes = tuple(self.dtypes)
         if len(self.dtypes) != 3 or any(t not in EXPERT_DTYPES for t in self.dtypes):
             raise UserError(f"expert layout: dtypes {list(self.dtypes)} (each one of {', '.join(EXPERT_DTYPES)})")
+        if not isinstance(self.split, bool):
+            raise UserError(f"expert layout: split must be true or false (got {self.split!r})")
         if isinstance(self.offset, bool) or not isinstance(self.offset, int) or self.offset % CHUNK_ALIGN:
             raise UserError(f"expert layout: offset {self.offset!r} is not a multiple of {CHUNK_ALIGN}")
         for m in MATRICES:
@@ -65,12 +78,31 @@ class ExpertLayout:
         return (self.d, self.n) if matrix == "down" else (self.n, self.d)
 
     def row_bytes(self, matrix: str) -> int:
-        kind, cols = self.dtypes[MATRICES.index(matrix)], self.shape(matrix)[1]
+        """Bytes of one stored row of a matrix (split: every matrix's rows run along d, down's are its columns)."""
+        kind, cols = self.dtypes[MATRICES.index(matrix)], self.d if self.split else self.shape(matrix)[1]
         return cols * FLOAT_DTYPES[kind].itemsize if kind in FLOAT_DTYPES else blocks.row_bytes(cols, kind)
 
     @property
+    def head_stride(self) -> int:
+        """split: bytes of a neuron's gate|up row."""
+        return _align(self.row_bytes("gate") + self.row_bytes("up"), SPLIT_ROW_ALIGN)
+
+    @property
+    def column_stride(self) -> int:
+        """split: bytes of a neuron's down column row."""
+        return _align(self.row_bytes("down"), SPLIT_ROW_ALIGN)
+
+    @property
+    def columns_at(self) -> int:
+        """split: where the down columns start in a chunk."""
+        return _align(self.n * self.head_stride, MATRIX_ALIGN)
+
+    @property
     def matrix_offsets(self) -> list[int]:
-        """Byte offset of gate, up and down in a chunk, then the end of down."""
+        """Byte offset of gate, up and down in a chunk, then the end of down (split: of gate and up in a head row,
+        of the columns in the chunk)."""
+        if self.split:
+            return [0, self.row_bytes("gate"), self.columns_at, self.columns_at + self.n * self.column_stride]
         at, out = 0, []
         for m in MATRICES:
             at = _align(at, MATRIX_ALIGN)
@@ -97,46 +129,80 @@ class ExpertLayout:
 
     def geometry(self) -> dict:
         return {"d": self.d, "n": self.n, "n_experts": self.n_experts, "n_layers": self.n_layers,
-                "dtypes": list(self.dtypes), "offset": self.offset, "chunk": self.chunk}
+                "dtypes": list(self.dtypes), "offset": self.offset, "chunk": self.chunk,
+                **({"split": True} if self.split else {})}     # whole chunks' digests as before split existed
 
     # -- packing and views ------------------------------------------------------------------------------------------
+    def _raw(self, m: str, a: np.ndarray) -> np.ndarray:
+        """Matrix m as stored: uint8 [rows, row_bytes] (split: down's columns as rows) from a float32 matrix of
+        shape(m) or its blocks already in the matrix's block format (a GGUF's, copied as they are unless split
+        turns them)."""
+        kind, shape = self.dtypes[MATRICES.index(m)], self.shape(m)
+        if a.dtype == np.uint8:
+            if a.shape != (shape[0], blocks.row_bytes(shape[1], kind) if kind in blocks.BLOCK_BYTES else -1):
+                raise UserError(f"expert {m} matrix holds {list(a.shape)} bytes, not the {kind} blocks of "
+                                f"{list(shape)}")
+            if not (self.split and m == "down"):
+                return a
+            a = blocks.dequantize(a, kind)         # blocks along n: requantized along d below
+        if a.shape != shape:
+            raise UserError(f"expert {m} matrix has shape {list(a.shape)}, expected {list(shape)}")
+        a = np.ascontiguousarray(a.T if self.split and m == "down" else a, np.float32)
+        if kind in blocks.BLOCK_BYTES:
+            return blocks.quantize(a, kind)
+        with np.errstate(over="ignore"):
+            raw = a.astype(FLOAT_DTYPES[kind])
+        if not np.isfinite(raw).all():
+            raise UserError(f"expert weights do not fit in {kind} (non-finite values after conversion)")
+        return raw.view(np.uint8).reshape(raw.shape[0], -1)
+
     def pack(self, mats: dict) -> np.ndarray:
         """One expert's chunk, uint8 [chunk], from {gate, up, down}: float32 matrices of shape(m), or uint8 [rows,
         row_bytes] already in the matrix's block format (a GGUF's, copied as they are)."""
         out = np.zeros(self.chunk, np.uint8)
-        for k, m in enumerate(MATRICES):
-            a, kind, shape = mats[m], self.dtypes[k], self.shape(m)
-            if a.dtype == np.uint8 and kind in blocks.BLOCK_BYTES:
-                if a.shape != (shape[0], self.row_bytes(m)):
-                    raise UserError(f"expert {m} matrix holds {list(a.shape)} bytes, not the {kind} blocks of "
-                                    f"{list(shape)}")
-                raw = a
-            else:
-                if a.shape != shape:
-                    raise UserError(f"expert {m} matrix has shape {list(a.shape)}, expected {list(shape)}")
-                if kind in FLOAT_DTYPES:
-                    with np.errstate(over="ignore"):
-                        raw = np.ascontiguousarray(a, dtype=FLOAT_DTYPES[kind])
-                    if not np.isfinite(raw).all():
-                        raise UserError(f"expert weights do not fit in {kind} (non-finite values after conversion)")
-                else:
-                    raw = blocks.quantize(np.ascontiguousarray(a, np.float32), kind)
-            out[self.span(m)] = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+        raw = {m: self._raw(m, mats[m]) for m in MATRICES}
+        if self.split:
+            g = self.row_bytes("gate")
+            heads, cols = self.heads(out), self.columns(out)
+            heads[:, :g], heads[:, g:g + self.row_bytes("up")] = raw["gate"], raw["up"]
+            cols[:, :self.row_bytes("down")] = raw["down"]
+            return out
+        for m in MATRICES:
+            out[self.span(m)] = raw[m].reshape(-1)
         return out
+
+    def heads(self, buf: np.ndarray) -> np.ndarray:
+        """split: a chunk's gate|up rows, uint8 [n, head_stride] (a view)."""
+        return buf[:self.n * self.head_stride].reshape(self.n, self.head_stride)
+
+    def columns(self, buf: np.ndarray) -> np.ndarray:
+        """split: a chunk's down column rows, uint8 [n, column_stride] (a view)."""
+        return buf[self.columns_at:self.columns_at + self.n * self.column_stride].reshape(self.n, self.column_stride)
 
     def matrices(self, buf: np.ndarray) -> list[tuple[str, np.ndarray]]:
         """Views of one chunk's matrices (no copy): per matrix (dtype, array) with array float32 / float16 [rows,
-        cols], or for a block format uint8 [rows, row_bytes]."""
+        cols], or for a block format uint8 [rows, row_bytes]. Split chunks: gate and up as views of the head rows,
+        down as float32 [d, n] (a copy: its columns dequantized and turned)."""
         out = []
         for k, m in enumerate(MATRICES):
-            kind, rows = self.dtypes[k], self.shape(m)[0]
-            raw = buf[self.span(m)].reshape(rows, self.row_bytes(m))
+            kind, rows, rb = self.dtypes[k], self.shape(m)[0], self.row_bytes(m)
+            if not self.split:
+                raw = buf[self.span(m)].reshape(rows, rb)
+            elif m != "down":
+                at = self.matrix_offsets[k]
+                raw = self.heads(buf)[:, at:at + rb]
+            else:
+                c = self.columns(buf)[:, :rb]
+                c = c.view(FLOAT_DTYPES[kind]) if kind in FLOAT_DTYPES else blocks.dequantize(c, kind)
+                out.append(("f32", np.ascontiguousarray(c.T, np.float32)))
+                continue
             out.append((kind, raw.view(FLOAT_DTYPES[kind]) if kind in FLOAT_DTYPES else raw))
         return out
 
     def unpack(self, buf: np.ndarray) -> dict[str, np.ndarray]:
         """{gate, up, down}: float32 matrices of one chunk (blocks dequantized)."""
-        return {m: (a.astype(np.float32) if kind in FLOAT_DTYPES else blocks.dequantize(a, kind))
+        return {m: (a.astype(np.float32) if kind in FLOAT_DTYPES else blocks.dequantize(np.ascontiguousarray(a),
+                                                                                         kind))
                 for m, (kind, a) in zip(MATRICES, self.matrices(buf))}
 
     # -- manifest ---------------------------------------------------------------------------------------------------
@@ -150,7 +216,8 @@ class ExpertLayout:
             raise UserError(f"{src}: manifest field experts is not an object")
         try:
             layout = cls(d=m["d"], n=m["n"], n_experts=m["n_experts"], n_layers=m["n_layers"],
-                         dtypes=tuple(m["dtypes"]) if isinstance(m["dtypes"], list) else (), offset=m["offset"])
+                         dtypes=tuple(m["dtypes"]) if isinstance(m["dtypes"], list) else (), offset=m["offset"],
+                         split=m.get("split", False))
         except KeyError as e:
             raise UserError(f"{src}: manifest field experts lacks {e}") from None
         except UserError as e:

@@ -42,7 +42,8 @@ from .experts import MATRICES, ExpertLayout, expert_tensor_name
 FORMAT_NAME = "flashinfer-lite-flash"
 FORMAT_VERSION = 2                # written when version 1 cannot say it: per-matrix or per-layer types, 5-bit, K-quants
 COLUMNS_VERSION = 3               # written when the down vectors are columns (storage.columns: a GGUF's down kept exactly)
-READ_VERSIONS = (1, 2, 3)
+SPLIT_EXPERTS_VERSION = 4         # written when the expert chunks are split (storage.experts: heads, then down columns)
+READ_VERSIONS = (1, 2, 3, 4)
 V1_DTYPES = ("f32", "f16", "int8", "q8_0", "q4_0", "q4_1")   # what a version 1 manifest can name
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 64 << 20     # a permutation per layer of a 70B model is ~10 MB of JSON; anything past this is not ours
@@ -317,6 +318,8 @@ class FlashLayout:
     def version(self) -> int:
         """The manifest version that can say this layout: 1 unless a vector type or a per-layer type needs 2."""
         names = {t for i in range(self.n_layers) for t in self.dtypes_of(i)} | {self.dtype}
+        if self.experts is not None and self.experts.split:
+            return SPLIT_EXPERTS_VERSION
         if self.columns:
             return COLUMNS_VERSION
         return 1 if self.layer_dtypes is None and names <= set(V1_DTYPES) else FORMAT_VERSION
@@ -547,6 +550,8 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
         layout.checksum.append(ck)
     if m.get("experts") is not None:
         layout.experts = ExpertLayout.from_manifest(m["experts"], src)
+        if layout.experts.split != (m["version"] == SPLIT_EXPERTS_VERSION):
+            raise UserError(f"{src}: split expert chunks are format version {SPLIT_EXPERTS_VERSION}, and only they")
         E = layout.experts
         if layers or E.offset < end or E.end > layout.ffn_size:
             raise UserError(f"{src}: the experts' chunks (bytes {E.offset}..{E.end}) overlap bundle regions or pass "
@@ -739,6 +744,24 @@ def expert_chunks(layout: FlashLayout) -> FlashLayout:
                        offset=[E.chunk_offset(i, 0) for i in range(E.n_layers)], n_neurons=[E.n_experts] * E.n_layers,
                        order=[np.arange(E.n_experts)] * E.n_layers, ffn_size=layout.ffn_size, config=layout.config,
                        files=layout.files, flashdir=layout.flashdir)
+
+
+def expert_parts(layout: FlashLayout) -> dict[str, FlashLayout]:
+    """Split expert chunks as the split layout's parts (SPLIT_PARTS), so the dense exact gate's reader and kernels
+    (storage.reader.BundleReader, ffn.split.SplitKernels) work on them unchanged: region l * n_experts + e is expert e
+    of layer l, its rows its neurons' gate|up rows ("gate_up") or down columns ("down")."""
+    E = layout.experts
+    regions = [(i, e) for i in range(E.n_layers) for e in range(E.n_experts)]
+    out = {}
+    for name, (vectors, _) in SPLIT_PARTS.items():
+        at, stride = (0, E.head_stride) if name == "gate_up" else (E.columns_at, E.column_stride)
+        dtypes = tuple(E.dtypes[MATRICES.index(v)] for v in vectors)
+        out[name] = FlashLayout(d=E.d, dtype=dtypes[0], vectors=vectors, biases=(), stride=stride,
+                                offset=[E.chunk_offset(i, e) + at for i, e in regions], n_neurons=[E.n] * len(regions),
+                                order=[np.arange(E.n)] * len(regions), ffn_size=layout.ffn_size, config=layout.config,
+                                files=layout.files, flashdir=layout.flashdir, layer_dtypes=[dtypes] * len(regions),
+                                align=PACKED_ALIGN)
+    return out
 
 
 def is_flashdir(path) -> bool:

@@ -8,6 +8,13 @@ submitted before the experts already in DRAM are computed; those are handed over
 the layer's slots and which expert is in which, so model.MixtureOfExperts computes them in one kernel call), then
 each read as it lands with every other one already done. MixtureOfExperts sums the outputs in expert order
 afterwards, so the bits never depend on what was cached or which experts shared a call.
+
+Split chunks (storage.experts: gate|up rows, then down columns) run the dense exact gate inside each expert
+(ffn.gate, the same kernels: ffn.split.SplitKernels): a miss reads the expert's gate|up rows into its slot, its
+coefficients are computed, and only the down columns of the neurons whose |coefficient| clears the layer's threshold
+are read (the ones the slot does not hold yet), as coalesced runs, then summed in neuron order. A threshold of 0 is
+exact (only zero coefficients skipped: a ReLU-family expert's); where that skips nothing (a SiLU expert at 0) a miss
+reads the whole chunk in one request instead. Either way the output is one function of x, whatever was read.
 """
 from __future__ import annotations
 
@@ -18,13 +25,16 @@ import numpy as np
 
 from storage.blocks import BLOCK_BYTES
 from storage.config import ModelConfig
-from storage.format import expert_chunks
+from storage.format import expert_chunks, expert_parts
 from storage.reader import BundleReader, aligned_empty
 from storage.stats import FlashStats
 
 from ..model import ExpertBatch, FeedForward, MixtureOfExperts
 from ..quant import QuantMatrix
 from .quant import QUANT_FFN_ACTS
+from .split import SplitKernels
+
+ZERO_ACTS = ("relu", "drelu")     # their experts' coefficients are exactly 0 for many neurons (TurboSparse's dReLU)
 
 
 class ExpertCache:
@@ -36,8 +46,17 @@ class ExpertCache:
         E = self.experts_layout = layout.experts
         self.cfg, self.overlap = cfg, overlap
         self.slots = slots
-        self.stacked = all(t in BLOCK_BYTES for t in E.dtypes) and cfg.act in QUANT_FFN_ACTS   # ExpertBatch.stack
+        self.stacked = all(t in BLOCK_BYTES for t in E.dtypes) and cfg.act in QUANT_FFN_ACTS and not E.split
         self.reader = BundleReader(expert_chunks(layout), threads=threads)
+        if E.split:
+            parts = expert_parts(layout)     # regions: (layer, expert) pairs; rows: neurons
+            self.kernels = SplitKernels(parts["gate_up"], parts["down"], cfg.act, cfg.relu_threshold)
+            self.head_reader = BundleReader(parts["gate_up"], threads=threads)
+            self.column_reader = BundleReader(parts["down"], threads=threads)
+            self.have = np.zeros((cfg.n_layers, slots, E.n), bool)   # the down columns each slot holds
+        self.thresholds = [0.0] * cfg.n_layers   # split: per layer |coefficient| <= t does not count (0: exact)
+        self.observe = None      # split: observe(layer, coef [T, n]) sees each expert's coefficients (calibration)
+        self.fired = 0           # split: neurons computed (any row's coefficient cleared the threshold), summed
         self.stats = stats if stats is not None else FlashStats.for_layers(cfg.n_layers, cfg.n_experts)
         self.buf = aligned_empty((cfg.n_layers, slots, E.chunk), np.uint8)
         self.slot_of = [dict() for _ in range(cfg.n_layers)]           # expert -> slot
@@ -52,8 +71,15 @@ class ExpertCache:
                 got = [self.free[layer].pop() for _ in ids]
                 st = self.reader.read(layer, ids, self.buf[layer], got)
                 self.stats.read_bytes += st.read_bytes           # loaded once, before any token: no miss
+                if E.split:
+                    self.have[layer, got] = True
                 self.slot_of[layer].update(zip(ids, got))
                 self.pinned[layer].update(ids)
+
+    def reads_columns(self, layer: int) -> bool:
+        """split: whether a miss of `layer` reads the gate|up rows alone, then its firing neurons' down columns
+        (a threshold above 0, or an expert whose coefficients are often exactly 0), not the whole chunk."""
+        return self.experts_layout.split and (self.thresholds[layer] > 0 or self.cfg.act in ZERO_ACTS)
 
     def expert(self, layer: int, e: int) -> FeedForward:
         """Expert e of `layer` over its slot's bytes: the matrices as the dense path keeps them (float16 / float32
@@ -81,9 +107,21 @@ class ExpertCache:
         if slot is None:
             return None
         self.slot_of[layer][e] = slot
-        return self.reader.submit(layer, [e], self.buf[layer], [slot])
+        if not self.reads_columns(layer):
+            if self.experts_layout.split:
+                self.have[layer, slot] = True
+            return self.reader.submit(layer, [e], self.buf[layer], [slot])
+        E = self.experts_layout
+        self.have[layer, slot] = False
+        return self.head_reader.submit(layer * E.n_experts + e, np.arange(E.n), E.heads(self.buf[layer, slot]),
+                                       np.arange(E.n))
 
     def _land(self, layer: int, e: int, pending) -> None:
+        self._count(pending)
+        self.lru[layer][e] = None                 # most recent
+
+    def _count(self, pending) -> None:
+        """Wait for a read; its bytes and time into the stats."""
         t0 = time.perf_counter()
         st = pending.wait()
         self.stats.read_s += time.perf_counter() - t0
@@ -91,7 +129,6 @@ class ExpertCache:
         self.stats.requested_bytes += st.requested_bytes
         self.stats.n_reads += st.n_reads
         self.stats.io_s += st.io_s
-        self.lru[layer][e] = None                 # most recent
 
     def prefetch(self, layer: int, ids) -> None:
         """Start reading the experts of a guess (the next layer's router applied early) into slots of LRU experts; the
@@ -156,8 +193,32 @@ class ExpertCache:
 
     def batch(self, layer: int, ids: list[int]) -> ExpertBatch:
         """Experts ids of `layer`, all in slots: stacked for the row kernel when their matrices are in blocks."""
+        if self.experts_layout.split:
+            return ExpertBatch(ids, lambda e: (lambda x: self.gated(layer, e, x)))
         return ExpertBatch(ids, lambda e: self.expert(layer, e), self.buf[layer] if self.stacked else None,
                            [self.slot_of[layer][e] for e in ids], self.experts_layout)
+
+    def gated(self, layer: int, e: int, x: np.ndarray) -> np.ndarray:
+        """Split chunks: expert e of `layer` on x [T, d] through the exact gate (ffn.gate's kernels): every neuron's
+        coefficient from the slot's gate|up rows, the layer's threshold, the firing neurons' down columns read
+        into the slot where it does not hold them, and summed in neuron order (zero coefficients skipped), so the
+        bits do not depend on which columns were read."""
+        E, slot = self.experts_layout, self.slot_of[layer][e]
+        buf, region = self.buf[layer, slot], layer * E.n_experts + e
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        coef = np.empty((x.shape[0], E.n), np.float32)
+        self.kernels.coefficients(E.heads(buf), x, coef, self.thresholds[layer])
+        if self.observe is not None:
+            self.observe(layer, coef)
+        fire = np.flatnonzero(coef.any(axis=0)).astype(np.int32)
+        missing = fire[~self.have[layer, slot, fire]]
+        if missing.size:
+            self._count(self.column_reader.submit(region, missing, E.columns(buf), missing))
+            self.have[layer, slot, missing] = True
+        self.fired += fire.size
+        y = np.zeros_like(x)
+        self.kernels.accumulate(E.columns(buf), fire, np.ascontiguousarray(coef[:, fire]), y, region)
+        return y
 
 
 class ExpertFFN:
@@ -166,7 +227,8 @@ class ExpertFFN:
     text (pins the plan's `pinned` most routed), or None."""
 
     def __init__(self, cfg: ModelConfig, layout, weights: dict, plan, freq: np.ndarray | None = None,
-                 threads: int | None = None, overlap: bool = True, lookahead: bool = False, verbose: bool = False):
+                 threads: int | None = None, overlap: bool = True, lookahead: bool = False, verbose: bool = False,
+                 thresholds=None):
         self.cfg, self.layout, self.plan = cfg, layout, plan
         self.stats = FlashStats.for_layers(cfg.n_layers, cfg.n_experts)
         pinned = None
@@ -175,6 +237,8 @@ class ExpertFFN:
         elif plan.pinned == cfg.n_experts:        # room for every expert: all pinned, read once
             pinned = [np.arange(cfg.n_experts)] * cfg.n_layers
         self.cache = ExpertCache(cfg, layout, plan.slots, pinned, threads, self.stats, overlap)
+        if thresholds is not None:
+            self.thresholds = thresholds
         self.reader = self.cache.reader
         self.layers = [MixtureOfExperts(cfg, weights, i, experts=self.cache) for i in range(cfg.n_layers)]
         # lookahead: layer l+1's router on layer l's FFN input, re-weighted from layer l's norm to layer l+1's (as
@@ -187,6 +251,24 @@ class ExpertFFN:
     @property
     def overlap(self) -> bool:
         return self.cache.overlap
+
+    @property
+    def thresholds(self) -> list[float]:
+        """Split chunks: per layer the exact gate's |coefficient| threshold (0: exact; ffn.gate.measure_thresholds
+        sets and calibrates them as for a dense model, over every routed expert's coefficients)."""
+        return self.cache.thresholds
+
+    @thresholds.setter
+    def thresholds(self, t) -> None:
+        self.cache.thresholds = [float(v) for v in t]
+
+    @property
+    def observe(self):
+        return self.cache.observe
+
+    @observe.setter
+    def observe(self, fn) -> None:
+        self.cache.observe = fn
 
     @overlap.setter
     def overlap(self, on: bool) -> None:
