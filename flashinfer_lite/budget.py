@@ -653,8 +653,11 @@ def plan_experts(cfg: ModelConfig, experts, dram_budget_bytes: int | None, ctx: 
     counts exist, so half the slots hold the most routed experts (at least MIN_EXPERT_SLOTS stay an LRU)."""
     kv = KVCache.nbytes_for(cfg, ctx)
     buffers = prefill_transient_bytes(cfg, ctx) + HEAP_SLACK_BYTES
+    if experts.split:     # a column read's staging (packed rows: storage.reader), one expert's at a time
+        buffers += experts.n * experts.column_stride + 2 * 512
     fixed = runtime_bytes + resident_bytes + kv + buffers
-    per_slot = cfg.n_layers * experts.chunk
+    # split: a slot also has a mask of the down columns it holds
+    per_slot = cfg.n_layers * (experts.chunk + (experts.n if experts.split else 0))
     minimum = fixed + MIN_EXPERT_SLOTS * per_slot
     E = cfg.n_experts
     budget = fixed + E * per_slot if dram_budget_bytes is None else dram_budget_bytes

@@ -349,7 +349,7 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
         runtime_bytes = runtime_estimate_bytes(ckpt.layout, ckpt.config.vocab_size) if ckpt.config.moe else \
             measure_runtime_bytes(ckpt.layout, "gate" if files.runs_gate(ffn) else None)
     files.runtime_bytes = runtime_bytes
-    if not ckpt.config.moe:
+    if not ckpt.config.moe or ckpt.layout.experts.split:    # split expert chunks run the exact gate too
         files.gate = read_gate_file(path, ckpt.config.n_layers, ckpt.config.ffn_dim, sparsity)
     return files
 
@@ -411,17 +411,25 @@ def decide_experts(files: ModelFiles, ffn: str, dram_budget, ctx: int, room: int
                    lookahead: bool = False) -> Decision:
     """A mixture of experts from a FLASHDIR: its experts read from flash through the expert cache, as many per layer
     as the budget holds (every one with no budget). No predictor: the router says exactly which experts run."""
-    if ffn not in ("auto", "experts"):
-        raise UserError(f"--ffn {ffn} predicts neurons of a dense FFN; a mixture of experts runs --ffn auto (its "
-                        f"experts read from flash as the router picks them) or dense")
     ckpt = files.ckpt
+    split = ckpt.layout.experts.split
+    if ffn not in ("auto", "experts") and not (ffn == "gate" and split):
+        raise UserError(f"--ffn {ffn} predicts neurons of a dense FFN; a mixture of experts runs --ffn auto (its "
+                        f"experts read from flash as the router picks them), dense, or gate (the exact gate inside "
+                        f"each expert: convert with --expert-chunks split)" + ("" if ffn != "gate" else
+                        f"; {files.path} has whole expert chunks"))
+    if ffn == "gate" and files.gate is None:
+        return Decision("gate", None, False, False, (), None, calibrate_gate=True)
     resident = os.path.getsize(ckpt.flashdir / ckpt.layout.files["resident"])
     budget = room if dram_budget == "auto" else dram_budget
     plan = plan_experts(ckpt.config, ckpt.layout.experts, budget, ctx, resident, files.runtime_bytes,
                         pin=files.expert_freq is not None, requested=dram_budget is not None)
     notes = (plan.table(),) if verbose or plan.requested else ()
-    return Decision("experts", plan, False, lookahead, notes, ("experts from flash", "the router") if ffn == "auto"
-                    else None)
+    if ffn == "gate":
+        notes += (f"gate: inside each routed expert, sparsity {files.gate.sparsity:g}: only the down columns of "
+                  f"neurons whose |coefficient| clears the layer's threshold are read",)
+    return Decision("gate" if ffn == "gate" else "experts", plan, False, lookahead, notes,
+                    ("experts from flash", "the router") if ffn == "auto" else None)
 
 
 def decide_gate(files: ModelFiles, ffn: str, dram_budget, ctx: int, window: int, room: int | None,
@@ -475,11 +483,12 @@ def build(files: ModelFiles, decision: Decision, threads: int | None = None, pro
         return Transformer(files.ckpt.config, load_weights(files.ckpt, progress, keep_blocks=True)), \
             files.tokenizer, None
     ckpt, predictors, cfg = files.ckpt, files.predictors, files.ckpt.config
-    if decision.ffn == "experts":
+    if decision.ffn == "experts" or cfg.moe:     # a mixture of experts' gate: inside split expert chunks
         weights = load_weights(ckpt, progress, skip=lambda n: bool(_EXPERT.fullmatch(n)),
                                convert=half_matrix if ckpt.layout.dtype != "f32" else None)
         runtime = ExpertFFN(cfg, ckpt.layout, weights, decision.plan, files.expert_freq, threads=threads,
-                            lookahead=decision.lookahead, verbose=verbose)
+                            lookahead=decision.lookahead, verbose=verbose,
+                            thresholds=files.gate.thresholds if decision.ffn == "gate" else None)
         if verbose:
             print(runtime.reader.describe(), file=sys.stderr)
         return Transformer(cfg, weights, ffn=runtime), files.tokenizer, runtime

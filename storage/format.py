@@ -749,10 +749,16 @@ def expert_chunks(layout: FlashLayout) -> FlashLayout:
 def expert_parts(layout: FlashLayout) -> dict[str, FlashLayout]:
     """Split expert chunks as the split layout's parts (SPLIT_PARTS), so the dense exact gate's reader and kernels
     (storage.reader.BundleReader, ffn.split.SplitKernels) work on them unchanged: region l * n_experts + e is expert e
-    of layer l, its rows its neurons' gate|up rows ("gate_up") or down columns ("down")."""
+    of layer l, its rows its neurons' gate|up rows ("gate_up") or down columns ("down"); and "heads", the gate|up
+    rows of a region as one row."""
     E = layout.experts
     regions = [(i, e) for i in range(E.n_layers) for e in range(E.n_experts)]
-    out = {}
+    # "heads": the same gate|up rows as one row per region, 512-aligned, so a miss reads them in one O_DIRECT
+    # request straight into its slot (packed rows would go through the reader's staging buffer)
+    out = {"heads": FlashLayout(d=E.d, dtype=E.dtypes[0], vectors=GLU_VECTORS, biases=(), stride=E.columns_at,
+                                offset=[E.chunk_offset(i, e) for i, e in regions], n_neurons=[1] * len(regions),
+                                order=[np.arange(1)] * len(regions), ffn_size=layout.ffn_size, config=layout.config,
+                                files=layout.files, flashdir=layout.flashdir)}
     for name, (vectors, _) in SPLIT_PARTS.items():
         at, stride = (0, E.head_stride) if name == "gate_up" else (E.columns_at, E.column_stride)
         dtypes = tuple(E.dtypes[MATRICES.index(v)] for v in vectors)

@@ -51,7 +51,7 @@ class ExpertCache:
         if E.split:
             parts = expert_parts(layout)     # regions: (layer, expert) pairs; rows: neurons
             self.kernels = SplitKernels(parts["gate_up"], parts["down"], cfg.act, cfg.relu_threshold)
-            self.head_reader = BundleReader(parts["gate_up"], threads=threads)
+            self.head_reader = BundleReader(parts["heads"], threads=threads)
             self.column_reader = BundleReader(parts["down"], threads=threads)
             self.have = np.zeros((cfg.n_layers, slots, E.n), bool)   # the down columns each slot holds
         self.thresholds = [0.0] * cfg.n_layers   # split: per layer |coefficient| <= t does not count (0: exact)
@@ -113,8 +113,8 @@ class ExpertCache:
             return self.reader.submit(layer, [e], self.buf[layer], [slot])
         E = self.experts_layout
         self.have[layer, slot] = False
-        return self.head_reader.submit(layer * E.n_experts + e, np.arange(E.n), E.heads(self.buf[layer, slot]),
-                                       np.arange(E.n))
+        head = self.buf[layer, slot, :E.columns_at].reshape(1, E.columns_at)
+        return self.head_reader.submit(layer * E.n_experts + e, [0], head, [0])
 
     def _land(self, layer: int, e: int, pending) -> None:
         self._count(pending)
