@@ -56,7 +56,7 @@ class ExpertCache:
             self.have = np.zeros((cfg.n_layers, slots, E.n), bool)   # the down columns each slot holds
         self.thresholds = [0.0] * cfg.n_layers   # split: per layer |coefficient| <= t does not count (0: exact)
         self.observe = None      # split: observe(layer, coef [T, n]) sees each expert's coefficients (calibration)
-        self.fired = 0           # split: neurons computed (any row's coefficient cleared the threshold), summed
+        self.fired = 0           # split: (row, neuron) coefficients that cleared the threshold, summed
         self.stats = stats if stats is not None else FlashStats.for_layers(cfg.n_layers, cfg.n_experts)
         self.buf = aligned_empty((cfg.n_layers, slots, E.chunk), np.uint8)
         self.slot_of = [dict() for _ in range(cfg.n_layers)]           # expert -> slot
@@ -215,7 +215,7 @@ class ExpertCache:
         if missing.size:
             self._count(self.column_reader.submit(region, missing, E.columns(buf), missing))
             self.have[layer, slot, missing] = True
-        self.fired += fire.size
+        self.fired += int(np.count_nonzero(coef))
         y = np.zeros_like(x)
         self.kernels.accumulate(E.columns(buf), fire, np.ascontiguousarray(coef[:, fire]), y, region)
         return y
