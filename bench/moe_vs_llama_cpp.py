@@ -3,7 +3,7 @@
 (issue 30).
 
     PYTHONPATH=. python bench/moe_vs_llama_cpp.py [--layers 48] [-n 16] [--caps none,50%,25%] [--lookahead]
-                                                  [--md FILE] [--keep DIR]
+                                                  [--sparse] [--md FILE] [--keep DIR]
 
 The model: Qwen3-30B-A3B's shape (d 2048, 32 query and 4 KV heads of 128, 128 experts of 768 neurons, 8 routed per
 token, renormalised; per-head q/k RMSNorm), --layers of its 48, stories260K's 512-token vocabulary, random weights,
@@ -15,7 +15,13 @@ flashinfer-lite (the FLASHDIR, its experts through the expert cache, --dram-budg
 from the same prompt ids, then -n decode steps over the same fixed random tokens (greedy decoding of a random model
 repeats one token, and its experts with it); "same tokens" compares the argmax after every step. Caps: none, a size or
 P% of the GGUF. In RAM (no cap) llama.cpp decodes the same tokens once first, warm as flash is. Its flash MB/s figure is
-left out: the reader's io_s adds up the requests' time in flight, which overlap."""
+left out: the reader's io_s adds up the requests' time in flight, which overlap.
+--sparse adds rows from a second FLASHDIR whose expert chunks are split (convert --expert-chunks split: gate|up rows,
+then down columns along d; the GGUF's down blocks requantized along d, so its argmax may differ from llama.cpp's):
+"split" runs it at threshold 0 (exact: a SiLU expert's miss reads its whole chunk), "gate" with the exact gate
+inside each expert at sparsity 0.4 (thresholds calibrated once, before the rows, under a budget of half the GGUF),
+reading only the firing neurons' down columns; "fired" is the share of (token, expert, neuron) coefficients that
+cleared the threshold."""
 from __future__ import annotations
 
 # Only the standard library and numpy at the top: the llama.cpp worker must not load numba and LLVM into its memory.
@@ -120,12 +126,17 @@ def measure_llama(job: dict, warm: bool = False) -> dict:
             **h.step_stats(prompt_ms, len(job["prompt_ids"]), step_ms, h.read_bytes() - io0)}
 
 
-def measure_flash(budget: int | None, job: dict, lookahead: bool = False) -> dict:
+FLASH_ROWS = {"flash": ("flash", "auto"), "flash-lookahead": ("flash", "auto"), "flash-split": ("flash_split", "auto"),
+              "flash-gate": ("flash_split", "gate")}     # row -> (job's FLASHDIR, --ffn)
+
+
+def measure_flash(budget: int | None, job: dict, mode: str = "flash") -> dict:
     """flashinfer-lite: the prompt, then one forward per token of job["steps"]; the argmax after each."""
     import numpy as np
     t0 = time.perf_counter()
-    model, _, runtime = h.load_model(job["flash"], "auto", threads=job["threads"], ctx=job["ctx"], dram_budget=budget,
-                                     lookahead=lookahead)
+    where, ffn = FLASH_ROWS[mode]
+    model, _, runtime = h.load_model(job[where], ffn, threads=job["threads"], ctx=job["ctx"], dram_budget=budget,
+                                     lookahead=mode == "flash-lookahead")
     load_s = time.perf_counter() - t0
     kv = model.new_cache(job["ctx"])
     t0 = time.perf_counter()
@@ -144,7 +155,9 @@ def measure_flash(budget: int | None, job: dict, lookahead: bool = False) -> dic
             "read_MB_per_s": st["read_mb_per_s"], "overlapped_share": st["overlapped_share"],
             "read_wait_ms_per_token": st["read_wait_ms_per_token"], "budget_bytes": runtime.plan.budget_bytes,
             "slots": runtime.plan.slots, "plan": runtime.plan.table(),
-            "prefetched": runtime.stats.prefetched, "prefetch_used": runtime.stats.prefetch_used}
+            "prefetched": runtime.stats.prefetched, "prefetch_used": runtime.stats.prefetch_used,
+            **({"fired": round(runtime.cache.fired / (runtime.stats.active.sum() * runtime.cfg.ffn_dim), 4)}
+               if runtime.cache.experts_layout.split else {})}
 
 
 def main(argv=None) -> int:
@@ -155,6 +168,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lookahead", action="store_true", help="also rows with the next layer's expert reads started "
                                                                  "early on its router's guess")
+    ap.add_argument("--sparse", action="store_true", help="also rows from split expert chunks: exact (threshold 0) "
+                                                              "and the exact gate inside experts at sparsity 0.4")
     ap.add_argument("--slack", default=SLACK, help="under a cap, the flash row's DRAM budget is the cap less this")
     ap.add_argument("--job")
     ap.add_argument("--budget")
@@ -164,7 +179,7 @@ def main(argv=None) -> int:
         job = json.loads(Path(a.job).read_text())
         budget = None if a.budget in (None, "none") else int(a.budget)
         return h.worker(a.out, a.worker, lambda: measure_llama(job, budget is None) if a.worker == "llama.cpp"
-                        else measure_flash(budget, job, lookahead=a.worker == "flash-lookahead"))
+                        else measure_flash(budget, job, a.worker))
     work = h.work_dir(a, "moe-bench-")
     from storage.convert import convert
     from storage.checkpoint import open_checkpoint
@@ -173,12 +188,17 @@ def main(argv=None) -> int:
     flash = work / "flash"
     if not flash.exists():
         convert(gguf, flash, progress=sys.stderr.isatty())
+    split = work / "flash_split"
+    if a.sparse and not split.exists():
+        convert(gguf, split, progress=sys.stderr.isatty(), expert_chunks="split")
+    if a.sparse and not (split / "gate.json").exists():      # calibrated once, not inside a row's timing or cap
+        h.load_model(split, "gate", threads=a.threads, dram_budget=gguf_bytes // 2)
     build_s = time.perf_counter() - t0
     tok = open_checkpoint(gguf).tokenizer()
     # decode steps over fixed random tokens, not greedy: a random model's greedy output repeats one token, whose
     # experts then never change (an expert cache's best case, not its worst)
     steps = __import__("numpy").random.default_rng(1).integers(3, SHAPE["vocab"], a.n).tolist()
-    job = {"gguf": str(gguf), "flash": str(flash), "ctx": 256, "threads": a.threads, "steps": steps,
+    job = {"gguf": str(gguf), "flash": str(flash), "flash_split": str(split), "ctx": 256, "threads": a.threads, "steps": steps,
            "prompt_ids": tok.encode("Once upon a time there was a robot who"), "llama_extra_bufts": False}
     (work / "job.json").write_text(json.dumps(job))
     rows = []
@@ -186,7 +206,8 @@ def main(argv=None) -> int:
         cap = None if spec == "none" else int(gguf_bytes * float(spec[:-1]) / 100) if spec.endswith("%") \
             else parse_size(spec)
         budget = "none" if cap is None else str(cap - parse_size(a.slack))
-        for mode in ("llama.cpp", "flash", *(("flash-lookahead",) if a.lookahead else ())):
+        for mode in ("llama.cpp", "flash", *(("flash-lookahead",) if a.lookahead else ()),
+                     *(("flash-split", "flash-gate") if a.sparse else ())):
             r = h.run_row(__file__, mode, f"{mode}@{spec}", cap, work, ["--job", work / "job.json", "--budget", budget])
             rows.append(dict(r, cap=spec))
     doc = {"bench": "moe_vs_llama_cpp", "command": h.command("moe_vs_llama_cpp.py", argv), "machine": h.machine(),
@@ -201,19 +222,20 @@ def markdown(doc: dict) -> str:
     out = []
     for r in doc["rows"]:
         if "p50_ms" not in r:
-            out.append([r["mode"], r["cap"], h.failed(r), "", "", "", "", "", ""])
+            out.append([r["mode"], r["cap"], h.failed(r), "", "", "", "", "", "", ""])
             continue
         base = ref.get(r["cap"])
         x = f"{base['p50_ms'] / r['p50_ms']:.2f}x" if base and r["mode"] != "llama.cpp" else "1x"
         same = "" if r["mode"] == "llama.cpp" or not base else \
             f"{sum(a == b for a, b in zip(r['gen_tokens'], base['gen_tokens']))}/{len(base['gen_tokens'])}"
         out.append([r["mode"], r["cap"], h.fmt(r["load_s"], 2), h.fmt(r["p50_ms"]), h.fmt(r["p99_ms"]),
-                    h.fmt(r.get("decode_MB_per_token")), h.fmt(r.get("hit_rate"), 3), x, same])
+                    h.fmt(r.get("decode_MB_per_token")), h.fmt(r.get("hit_rate"), 3), h.fmt(r.get("fired"), 3), x,
+                    same])
     head = (f"{m['layers']} of 48 layers at Qwen3-30B-A3B's shape ({m['experts']} experts of {m['expert_dim']}, "
             f"{m['used']} routed, d {m['dim']}), Q4_0 GGUF {m['gguf_bytes'] / 2**30:.2f} GiB; "
             f"load average {doc['machine']['load_avg_start']}")
     return "\n".join([head, ""] + h.table(["row", "cap", "load s", "ms/token P50", "P99", "flash MB/token",
-                                           "expert hit rate", "vs llama.cpp", "same argmax"], out))
+                                           "expert hit rate", "fired", "vs llama.cpp", "same argmax"], out))
 
 
 if __name__ == "__main__":

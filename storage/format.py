@@ -485,6 +485,10 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
     if m.get("version") not in READ_VERSIONS:
         raise UserError(f"{src}: format version {m.get('version')!r} is not supported (this build reads versions "
                         f"{', '.join(map(str, READ_VERSIONS))}); re-run `flashinfer-lite convert`")
+    experts = m.get("experts")
+    if m["version"] == SPLIT_EXPERTS_VERSION and not (isinstance(experts, dict) and experts.get("split") is True):
+        raise UserError(f"{src}: format version {SPLIT_EXPERTS_VERSION} is not supported without split expert chunks "
+                        f"(it names them); re-run `flashinfer-lite convert`")
     try:
         b, layers, files, cfg = m["bundle"], m["layers"], m["files"], m["config"]
         dtype, ffn_size = m["dtype"], m["ffn_size"]
@@ -550,8 +554,8 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
         layout.checksum.append(ck)
     if m.get("experts") is not None:
         layout.experts = ExpertLayout.from_manifest(m["experts"], src)
-        if layout.experts.split != (m["version"] == SPLIT_EXPERTS_VERSION):
-            raise UserError(f"{src}: split expert chunks are format version {SPLIT_EXPERTS_VERSION}, and only they")
+        if layout.experts.split and m["version"] != SPLIT_EXPERTS_VERSION:
+            raise UserError(f"{src}: split expert chunks are format version {SPLIT_EXPERTS_VERSION}, not {m['version']}")
         E = layout.experts
         if layers or E.offset < end or E.end > layout.ffn_size:
             raise UserError(f"{src}: the experts' chunks (bytes {E.offset}..{E.end}) overlap bundle regions or pass "
