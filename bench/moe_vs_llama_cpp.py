@@ -143,21 +143,41 @@ def measure_flash(budget: int | None, job: dict, mode: str = "flash") -> dict:
     logits = model.forward(job["prompt_ids"], kv)
     prompt_ms = 1e3 * (time.perf_counter() - t0)
     out, step_ms, c = [int(np.argmax(logits))], [], h.Counters(runtime)
+    read0, span0 = runtime.stats.read_bytes, runtime.stats.read_span_s
     for tok in job["steps"]:
         t0 = time.perf_counter()
         logits = model.forward([tok], kv)
         step_ms.append(1e3 * (time.perf_counter() - t0))
         out.append(int(np.argmax(logits)))
     d, st = c.since(len(step_ms)), runtime.stats.as_dict()
+    span = runtime.stats.read_span_s - span0      # whole chunks only: a split row's column reads are not in it
+    whole = not any(runtime.cache.reads_columns(i) for i in range(runtime.cfg.n_layers))
     return {"engine": "flashinfer-lite", "load_s": round(load_s, 3), "gen_tokens": out,
             **h.step_stats(prompt_ms, len(job["prompt_ids"]), step_ms, 0),
             "decode_MB_per_token": d["reader_MB_per_token"], "hit_rate": d["hit_rate"],
+            "expert_read_MBps": round((runtime.stats.read_bytes - read0) / span / 1e6, 1) if span and whole else None,
             "read_MB_per_s": st["read_mb_per_s"], "overlapped_share": st["overlapped_share"],
             "read_wait_ms_per_token": st["read_wait_ms_per_token"], "budget_bytes": runtime.plan.budget_bytes,
             "slots": runtime.plan.slots, "plan": runtime.plan.table(),
             "prefetched": runtime.stats.prefetched, "prefetch_used": runtime.stats.prefetch_used,
             **({"fired": round(runtime.cache.fired / (runtime.stats.active.sum() * runtime.cfg.ffn_dim), 4)}
                if runtime.cache.experts_layout.split else {})}
+
+
+def device_rate(flash: Path, k: int, seconds: float = 3.0) -> dict:
+    """The device's rate for expert reads (flash-bench's measure on the FLASHDIR's own chunks, O_DIRECT): random
+    experts of one layer, k distinct ones a call (a token's misses in one layer), 1 call in flight and 2."""
+    import numpy as np
+    from storage.flash_bench import measure
+    from storage.format import expert_chunks, read_layout
+    from storage.reader import BundleReader
+    layout = read_layout(flash)
+    out = {"chunk_bytes": layout.experts.chunk}
+    with BundleReader(expert_chunks(layout)) as r:
+        for in_flight in (1, 2):
+            m = measure(r, layout.experts.n_experts, k, seconds, np.random.default_rng(3), in_flight=in_flight)
+            out[f"MBps_{k * in_flight}_in_flight"] = round(m["read_bytes"] / m["seconds"] / 1e6, 1)
+    return out
 
 
 def main(argv=None) -> int:
@@ -212,7 +232,7 @@ def main(argv=None) -> int:
             rows.append(dict(r, cap=spec))
     doc = {"bench": "moe_vs_llama_cpp", "command": h.command("moe_vs_llama_cpp.py", argv), "machine": h.machine(),
            "model": {**SHAPE, "layers": a.layers, "gguf_bytes": gguf_bytes, "build_s": round(build_s, 1)},
-           "rows": rows}
+           "device": device_rate(flash, SHAPE["used"]), "rows": rows}
     return h.emit(doc, markdown, a.md, None if a.keep else work)
 
 
@@ -222,20 +242,23 @@ def markdown(doc: dict) -> str:
     out = []
     for r in doc["rows"]:
         if "p50_ms" not in r:
-            out.append([r["mode"], r["cap"], h.failed(r), "", "", "", "", "", "", ""])
+            out.append([r["mode"], r["cap"], h.failed(r), "", "", "", "", "", "", "", ""])
             continue
         base = ref.get(r["cap"])
         x = f"{base['p50_ms'] / r['p50_ms']:.2f}x" if base and r["mode"] != "llama.cpp" else "1x"
         same = "" if r["mode"] == "llama.cpp" or not base else \
             f"{sum(a == b for a, b in zip(r['gen_tokens'], base['gen_tokens']))}/{len(base['gen_tokens'])}"
         out.append([r["mode"], r["cap"], h.fmt(r["load_s"], 2), h.fmt(r["p50_ms"]), h.fmt(r["p99_ms"]),
-                    h.fmt(r.get("decode_MB_per_token")), h.fmt(r.get("hit_rate"), 3), h.fmt(r.get("fired"), 3), x,
-                    same])
+                    h.fmt(r.get("decode_MB_per_token")), h.fmt(r.get("hit_rate"), 3), h.fmt(r.get("fired"), 3),
+                    h.fmt(r.get("expert_read_MBps")), x, same])
     head = (f"{m['layers']} of 48 layers at Qwen3-30B-A3B's shape ({m['experts']} experts of {m['expert_dim']}, "
             f"{m['used']} routed, d {m['dim']}), Q4_0 GGUF {m['gguf_bytes'] / 2**30:.2f} GiB; "
-            f"load average {doc['machine']['load_avg_start']}")
+            f"load average {doc['machine']['load_avg_start']}; the device reads its {doc['device']['chunk_bytes']}-byte "
+            f"expert chunks at " + ", ".join(f"{v:.0f} MB/s with {k.split('_')[1]} in flight"
+                                             for k, v in doc["device"].items() if k.startswith("MBps")))
     return "\n".join([head, ""] + h.table(["row", "cap", "load s", "ms/token P50", "P99", "flash MB/token",
-                                           "expert hit rate", "fired", "vs llama.cpp", "same argmax"], out))
+                                           "expert hit rate", "fired", "expert reads MB/s", "vs llama.cpp",
+                                           "same argmax"], out))
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ class FlashStats:
     prefetch_used: int = 0          # of those, rows the exact set then needed
     lookup_s: float = 0.0           # bookkeeping: slot lookup, evictions, row moves
     read_s: float = 0.0             # the caller blocked waiting for reads
+    read_span_s: float = 0.0        # expert cache: per layer, its first miss submitted to its last landed (the reads
+                                    # in flight together: their bytes over this are the rate the device gave them)
     # runtime
     tokens: int = 0                 # tokens whose FFNs went through the neuron cache (the decode path)
     streamed_layers: int = 0        # layer passes served by prefill streaming of whole layers

@@ -107,21 +107,25 @@ class ExpertCache:
         if slot is None:
             return None
         self.slot_of[layer][e] = slot
+        t0 = time.perf_counter()
         if not self.reads_columns(layer):
             if self.experts_layout.split:
                 self.have[layer, slot] = True
-            return self.reader.submit(layer, [e], self.buf[layer], [slot])
-        E = self.experts_layout
-        self.have[layer, slot] = False
-        head = self.buf[layer, slot, :E.columns_at].reshape(1, E.columns_at)
-        return self.head_reader.submit(layer * E.n_experts + e, [0], head, [0])
+            pending = self.reader.submit(layer, [e], self.buf[layer], [slot])
+        else:
+            E = self.experts_layout
+            self.have[layer, slot] = False
+            head = self.buf[layer, slot, :E.columns_at].reshape(1, E.columns_at)
+            pending = self.head_reader.submit(layer * E.n_experts + e, [0], head, [0])
+        pending.t0 = t0                           # when it was submitted (read_span_s)
+        return pending
 
     def _land(self, layer: int, e: int, pending) -> None:
-        self._count(pending)
+        self._landed_at = max(self._landed_at, pending.t0 + self._count(pending).io_s)   # its last op done
         self.lru[layer][e] = None                 # most recent
 
-    def _count(self, pending) -> None:
-        """Wait for a read; its bytes and time into the stats."""
+    def _count(self, pending):
+        """Wait for a read; its bytes and time into the stats; its FlashStats."""
         t0 = time.perf_counter()
         st = pending.wait()
         self.stats.read_s += time.perf_counter() - t0
@@ -129,6 +133,7 @@ class ExpertCache:
         self.stats.requested_bytes += st.requested_bytes
         self.stats.n_reads += st.n_reads
         self.stats.io_s += st.io_s
+        return st
 
     def prefetch(self, layer: int, ids) -> None:
         """Start reading the experts of a guess (the next layer's router applied early) into slots of LRU experts; the
@@ -175,6 +180,7 @@ class ExpertCache:
                 self._land(layer, e, pending)
                 got.append(e)
             return got
+        submitted_at = self._landed_at = time.perf_counter()
         refill()                                  # the misses' reads run while the hits compute
         if self.on_submitted is not None:
             self.on_submitted(layer)
@@ -187,6 +193,8 @@ class ExpertCache:
             yield self.batch(layer, got)          # computed now: its slots may take the next misses
             waiting.difference_update(got)
             refill()
+        if ids != hits:
+            self.stats.read_span_s += self._landed_at - submitted_at
         if hits and not self.overlap:             # without overlap: the hits after the reads
             yield self.batch(layer, hits)
         assert not misses, "an expert cache needs at least one slot per layer"
