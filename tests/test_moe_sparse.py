@@ -3,6 +3,7 @@ rows, then down columns), the exact gate inside each routed expert, and only the
 Threshold 0 is exact: transformers' logits and tokens, and the same bits whether a miss reads the whole chunk or its
 columns; a calibrated threshold reads fewer bytes at a stated perplexity cost, with the same bits at every budget,
 thread count and overlap setting."""
+import functools
 import shutil
 
 import numba
@@ -21,15 +22,10 @@ from test_moe import PROMPT, greedy
 
 @pytest.fixture(scope="module")
 def split_dirs(tiny_model, tmp_path_factory):
-    """split_dirs(kind, dtype) -> a FLASHDIR of the tiny mixture of experts `kind` with split chunks."""
-    made = {}
-
-    def make(kind, dtype):
-        if (kind, dtype) not in made:
-            out = tmp_path_factory.mktemp(f"split_{kind}_{dtype}") / "flash"
-            made[kind, dtype] = convert(tiny_model(kind), out, dtype=dtype, progress=False, expert_chunks="split")
-        return made[kind, dtype]
-    return make
+    """split_dirs(kind, dtype) -> a FLASHDIR of the tiny mixture of experts `kind` with split chunks (made once)."""
+    return functools.cache(lambda kind, dtype: convert(
+        tiny_model(kind), tmp_path_factory.mktemp(f"split_{kind}_{dtype}") / "flash", dtype=dtype, progress=False,
+        expert_chunks="split"))
 
 
 def minimum(flash) -> int:
