@@ -64,7 +64,7 @@ def run(args) -> int:
     L = read_layout(out)
     if L.experts is not None:
         E = L.experts
-        print(f"wrote {out}: {E.n_layers} layers x {E.n_experts} experts of {E.n} neurons, {'/'.join(E.dtypes)} "
+        print(f"wrote {out}: {E.n_layers} layers x {E.n_experts} experts of {E.n} neurons, {'/'.join(E.dtypes)}"
               f"{' split' if E.split else ''} chunks of {E.chunk} bytes, ffn.bin {L.ffn_size / 2**20:.1f} MiB")
         return 0
     print(f"wrote {out}: {L.n_layers} layers x {L.n_neurons[0]} neurons, {L.dtype} bundles of {L.stride} bytes, "
