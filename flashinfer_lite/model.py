@@ -354,12 +354,14 @@ def route(cfg: ModelConfig, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]
 class ExpertBatch:
     """Experts in DRAM at once, as an ExpertSource hands them over: ids, and expert(e) the FeedForward of each. With
     a stack (uint8 [rows, layout.chunk]: storage.experts' chunks, every matrix in a block format; expert ids[i] in row
-    slots[i]), their decode rows compute in one kernel call (ffn.quant.quant_experts)."""
+    slots[i]), their decode rows compute in one kernel call (ffn.quant.quant_experts). With run, run(ids, xs) computes
+    them all at once instead (split chunks: ffn.experts, their column reads in flight together)."""
     ids: list[int]
     expert: Callable[[int], FeedForward]
     stack: np.ndarray | None = None
     slots: list[int] | None = None
     layout: ExpertLayout | None = None
+    run: Callable[[list[int], list[np.ndarray]], list[np.ndarray]] | None = None
 
 
 ExpertSource = Callable[[int, np.ndarray], Iterable[ExpertBatch]]  # (layer, ids) -> batches covering every id
@@ -403,6 +405,10 @@ class MixtureOfExperts:
         pairs = {int(e): slice(a, a + c) for e, a, c in zip(experts, first, count)}         # expert -> its pairs
         O = np.empty((len(order), x.shape[1]), np.float32)
         for batch in self.experts(self.layer, experts):
+            if batch.run is not None:
+                for e, out in zip(batch.ids, batch.run(batch.ids, [x[pair_t[pairs[e]]] for e in batch.ids])):
+                    O[pairs[e]] = out
+                continue
             rows, slots, dest = [], [], []
             for i, e in enumerate(batch.ids):
                 q = pairs[e]

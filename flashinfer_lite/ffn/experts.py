@@ -202,31 +202,40 @@ class ExpertCache:
     def batch(self, layer: int, ids: list[int]) -> ExpertBatch:
         """Experts ids of `layer`, all in slots: stacked for the row kernel when their matrices are in blocks."""
         if self.experts_layout.split:
-            return ExpertBatch(ids, lambda e: (lambda x: self.gated(layer, e, x)))
+            return ExpertBatch(ids, lambda e: (lambda x: self.gated(layer, [e], [x])[0]),
+                               run=lambda ids, xs: self.gated(layer, ids, xs))
         return ExpertBatch(ids, lambda e: self.expert(layer, e), self.buf[layer] if self.stacked else None,
                            [self.slot_of[layer][e] for e in ids], self.experts_layout)
 
-    def gated(self, layer: int, e: int, x: np.ndarray) -> np.ndarray:
-        """Split chunks: expert e of `layer` on x [T, d] through the exact gate (ffn.gate's kernels): every neuron's
-        coefficient from the slot's gate|up rows, the layer's threshold, the firing neurons' down columns read
-        into the slot where it does not hold them, and summed in neuron order (zero coefficients skipped), so the
-        bits do not depend on which columns were read."""
-        E, slot = self.experts_layout, self.slot_of[layer][e]
-        buf, region = self.buf[layer, slot], layer * E.n_experts + e
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        coef = np.empty((x.shape[0], E.n), np.float32)
-        self.kernels.coefficients(E.heads(buf), x, coef, self.thresholds[layer])
-        if self.observe is not None:
-            self.observe(layer, coef)
-        fire = np.flatnonzero(coef.any(axis=0)).astype(np.int32)
-        missing = fire[~self.have[layer, slot, fire]]
-        if missing.size:
-            self._count(self.column_reader.submit(region, missing, E.columns(buf), missing))
+    def gated(self, layer: int, ids: list[int], xs: list[np.ndarray]) -> list[np.ndarray]:
+        """Split chunks: experts ids of `layer` on their rows xs[i] [T_i, d] through the exact gate (ffn.gate's
+        kernels): every neuron's coefficient from the slot's gate|up rows, the layer's threshold, the reads of the
+        firing neurons' down columns the slot lacks (all the experts' in flight together, while the next expert's
+        coefficients compute), then each sum in neuron order (zero coefficients skipped), so the bits do not depend
+        on which columns were read."""
+        E, work = self.experts_layout, []
+        for e, x in zip(ids, xs):
+            slot = self.slot_of[layer][e]
+            buf, region = self.buf[layer, slot], layer * E.n_experts + e
+            x = np.ascontiguousarray(x, dtype=np.float32)
+            coef = np.empty((x.shape[0], E.n), np.float32)
+            self.kernels.coefficients(E.heads(buf), x, coef, self.thresholds[layer])
+            if self.observe is not None:
+                self.observe(layer, coef)
+            fire = np.flatnonzero(coef.any(axis=0)).astype(np.int32)
+            missing = fire[~self.have[layer, slot, fire]]
+            pending = self.column_reader.submit(region, missing, E.columns(buf), missing) if missing.size else None
             self.have[layer, slot, missing] = True
-        self.fired += int(np.count_nonzero(coef))
-        y = np.zeros_like(x)
-        self.kernels.accumulate(E.columns(buf), fire, np.ascontiguousarray(coef[:, fire]), y, region)
-        return y
+            self.fired += int(np.count_nonzero(coef))
+            work.append((buf, region, x, coef, fire, pending))
+        out = []
+        for buf, region, x, coef, fire, pending in work:
+            if pending is not None:
+                self._count(pending)
+            y = np.zeros_like(x)
+            self.kernels.accumulate(E.columns(buf), fire, np.ascontiguousarray(coef[:, fire]), y, region)
+            out.append(y)
+        return out
 
 
 class ExpertFFN:
