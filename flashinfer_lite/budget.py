@@ -653,8 +653,10 @@ def plan_experts(cfg: ModelConfig, experts, dram_budget_bytes: int | None, ctx: 
     counts exist, so half the slots hold the most routed experts (at least MIN_EXPERT_SLOTS stay an LRU)."""
     kv = KVCache.nbytes_for(cfg, ctx)
     buffers = prefill_transient_bytes(cfg, ctx) + HEAP_SLACK_BYTES
-    if experts.split:     # a column read's staging (packed rows: storage.reader), one expert's at a time
-        buffers += experts.n * experts.column_stride + 2 * 512
+    if experts.split:     # ffn.experts.gated, k experts at a time: their coefficients [rows, n] (up to a prompt
+        # chunk's rows each) and their column reads' staging (packed rows: storage.reader)
+        k = cfg.n_experts_used
+        buffers += k * (min(PREFILL_CHUNK_ROWS, ctx) * experts.n * 4 + experts.n * experts.column_stride + 2 * 512)
     fixed = runtime_bytes + resident_bytes + kv + buffers
     # split: a slot also has a mask of the down columns it holds
     per_slot = cfg.n_layers * (experts.chunk + (experts.n if experts.split else 0))

@@ -213,6 +213,9 @@ class ExpertCache:
         firing neurons' down columns the slot lacks (all the experts' in flight together, while the next expert's
         coefficients compute), then each sum in neuron order (zero coefficients skipped), so the bits do not depend
         on which columns were read."""
+        k = self.cfg.n_experts_used          # experts in flight at once: the plan counts their arrays and staging
+        if len(ids) > k:
+            return self.gated(layer, ids[:k], xs[:k]) + self.gated(layer, ids[k:], xs[k:])
         E, work = self.experts_layout, []
         for e, x in zip(ids, xs):
             slot = self.slot_of[layer][e]
