@@ -7,21 +7,15 @@
 
 The model: Qwen3-30B-A3B's shape (d 2048, 32 query and 4 KV heads of 128, 128 experts of 768 neurons, 8 routed per
 token, renormalised; per-head q/k RMSNorm), --layers of its 48, stories260K's 512-token vocabulary, random weights,
-written directly as a `qwen3moe` GGUF in Q4_0 (random blocks: scales set so each matrix's weights have std
-1/sqrt(cols); router and norms float32), then converted to a FLASHDIR (--dtype auto: the GGUF's blocks copied into the
-expert chunks as they are). Random weights route about uniformly: the worst case for any expert cache.
-Rows, each its own process under tools/memcap.py with the page cache dropped: llama.cpp (mmap of the GGUF) and
-flashinfer-lite (the FLASHDIR, its experts through the expert cache, --dram-budget = the cap less --slack) per cap,
-from the same prompt ids, then -n decode steps over the same fixed random tokens (greedy decoding of a random model
-repeats one token, and its experts with it); "same tokens" compares the argmax after every step. Caps: none, a size or
-P% of the GGUF. In RAM (no cap) llama.cpp decodes the same tokens once first, warm as flash is. Its flash MB/s figure is
-left out: the reader's io_s adds up the requests' time in flight, which overlap.
---sparse adds rows from a second FLASHDIR whose expert chunks are split (convert --expert-chunks split: gate|up rows,
-then down columns along d; the GGUF's down blocks requantized along d, so its argmax may differ from llama.cpp's):
-"split" runs it at threshold 0 (exact: a SiLU expert's miss reads its whole chunk), "gate" with the exact gate
-inside each expert at sparsity 0.4 (thresholds calibrated once, before the rows, under a budget of half the GGUF),
-reading only the firing neurons' down columns; "fired" is the share of (token, expert, neuron) coefficients that
-cleared the threshold."""
+written directly as a `qwen3moe` GGUF in Q4_0 (scales set so each matrix's weights have std 1/sqrt(cols); router and
+norms float32), converted to a FLASHDIR (the GGUF's blocks copied into the expert chunks). Random weights route about
+uniformly: the worst case for any expert cache. Rows, each its own process under tools/memcap.py with the page cache
+dropped: llama.cpp (mmap of the GGUF) and flashinfer-lite (--dram-budget = the cap less --slack) per cap, from the same
+prompt ids, then -n decode steps over the same fixed random tokens (a random model's greedy output repeats one token,
+and its experts: a cache's best case); "same argmax" compares the argmax after every step. Caps: none, a size or P%
+of the GGUF. In RAM llama.cpp decodes the same tokens once first, warm as flash is. Expert reads (flash rows; a gate
+row's column reads and a lookahead's guesses are not in the span): decode's miss bytes over read_span_s, beside the
+device's rate for the chunks (flash_bench.expert_rate). --sparse: a row with split chunks, the gate inside experts."""
 from __future__ import annotations
 
 # Only the standard library and numpy at the top: the llama.cpp worker must not load numba and LLVM into its memory.
@@ -39,10 +33,8 @@ SHAPE = dict(dim=2048, heads=32, kv_heads=4, head_dim=128, experts=128, expert_d
 
 
 def q4_0_random(rng, rows: int, cols: int, std: float) -> "np.ndarray":
-    """uint8 [rows, cols / 32 * 18]: random Q4_0 blocks (float16 scale, 16 bytes of nibbles) whose weights
-    d * (q - 8), q uniform in 0..15, have standard deviation about std. q - 8 has mean -1/2, so each block's scale
-    gets a random sign: one sign for all would give every row the same mean, every token the same hidden direction
-    and so the same experts."""
+    """uint8 [rows, cols / 32 * 18]: random Q4_0 blocks of weights d * (q - 8) with std about std; q - 8 has mean -1/2,
+    so each block's scale gets a random sign (one for all: every token the same hidden direction, the same experts)."""
     import numpy as np
     n = rows * cols // 32
     blocks = np.empty((n, 18), np.uint8)
@@ -64,11 +56,9 @@ def write_gguf(path: Path, layers: int, seed: int = 0) -> int:
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), "qwen3moe")
     add_llama_metadata(w, layers, 4096, d, n, s["heads"], s["kv_heads"], 1e-6, 1e6)
-    w.add_key_length(s["head_dim"])
-    w.add_value_length(s["head_dim"])
-    w.add_expert_count(E)
-    w.add_expert_used_count(s["used"])
-    w.add_expert_feed_forward_length(n)
+    for add, v in ((w.add_key_length, s["head_dim"]), (w.add_value_length, s["head_dim"]), (w.add_expert_count, E),
+                   (w.add_expert_used_count, s["used"]), (w.add_expert_feed_forward_length, n)):
+        add(v)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
     # (name, shape [rows, cols] or [experts, rows, cols], kind, std); std 0: ones
     plan = [("token_embd.weight", (s["vocab"], d), Q4, 1.0)]
@@ -88,12 +78,8 @@ def write_gguf(path: Path, layers: int, seed: int = 0) -> int:
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     for name, shape, kind, std in plan:
-        if kind == F32:
-            t = np.ones(shape, np.float32) if std == 0 else (rng.standard_normal(shape, np.float32) * std)
-        else:
-            rows = int(np.prod(shape[:-1]))
-            t = q4_0_random(rng, rows, shape[-1], std)
-        w.write_tensor_data(t)
+        w.write_tensor_data(q4_0_random(rng, int(np.prod(shape[:-1])), shape[-1], std) if kind != F32 else
+                            np.ones(shape, np.float32) if std == 0 else rng.standard_normal(shape, np.float32) * std)
     w.close()
     return path.stat().st_size
 
@@ -126,58 +112,34 @@ def measure_llama(job: dict, warm: bool = False) -> dict:
             **h.step_stats(prompt_ms, len(job["prompt_ids"]), step_ms, h.read_bytes() - io0)}
 
 
-FLASH_ROWS = {"flash": ("flash", "auto"), "flash-lookahead": ("flash", "auto"), "flash-split": ("flash_split", "auto"),
-              "flash-gate": ("flash_split", "gate")}     # row -> (job's FLASHDIR, --ffn)
-
-
 def measure_flash(budget: int | None, job: dict, mode: str = "flash") -> dict:
     """flashinfer-lite: the prompt, then one forward per token of job["steps"]; the argmax after each."""
     import numpy as np
     t0 = time.perf_counter()
-    where, ffn = FLASH_ROWS[mode]
-    model, _, runtime = h.load_model(job[where], ffn, threads=job["threads"], ctx=job["ctx"], dram_budget=budget,
-                                     lookahead=mode == "flash-lookahead")
+    gate = mode == "flash-gate"          # the exact gate inside split expert chunks
+    model, _, runtime = h.load_model(job["split" if gate else "flash"], "gate" if gate else "auto", ctx=job["ctx"],
+                                     threads=job["threads"], dram_budget=budget, lookahead=mode == "flash-lookahead")
     load_s = time.perf_counter() - t0
     kv = model.new_cache(job["ctx"])
     t0 = time.perf_counter()
     logits = model.forward(job["prompt_ids"], kv)
     prompt_ms = 1e3 * (time.perf_counter() - t0)
-    out, step_ms, c = [int(np.argmax(logits))], [], h.Counters(runtime)
-    read0, span0 = runtime.stats.read_bytes, runtime.stats.read_span_s
+    out, step_ms, c, span0 = [int(np.argmax(logits))], [], h.Counters(runtime), runtime.stats.read_span_s
     for tok in job["steps"]:
         t0 = time.perf_counter()
         logits = model.forward([tok], kv)
         step_ms.append(1e3 * (time.perf_counter() - t0))
         out.append(int(np.argmax(logits)))
-    d, st = c.since(len(step_ms)), runtime.stats.as_dict()
-    span = runtime.stats.read_span_s - span0      # whole chunks only: a split row's column reads are not in it
-    whole = not any(runtime.cache.reads_columns(i) for i in range(runtime.cfg.n_layers))
+    d, st, span = c.since(len(step_ms)), runtime.stats.as_dict(), runtime.stats.read_span_s - span0
     return {"engine": "flashinfer-lite", "load_s": round(load_s, 3), "gen_tokens": out,
             **h.step_stats(prompt_ms, len(job["prompt_ids"]), step_ms, 0),
             "decode_MB_per_token": d["reader_MB_per_token"], "hit_rate": d["hit_rate"],
-            "expert_read_MBps": round((runtime.stats.read_bytes - read0) / span / 1e6, 1) if span and whole else None,
-            "read_MB_per_s": st["read_mb_per_s"], "overlapped_share": st["overlapped_share"],
-            "read_wait_ms_per_token": st["read_wait_ms_per_token"], "budget_bytes": runtime.plan.budget_bytes,
-            "slots": runtime.plan.slots, "plan": runtime.plan.table(),
-            "prefetched": runtime.stats.prefetched, "prefetch_used": runtime.stats.prefetch_used,
-            **({"fired": round(runtime.cache.fired / (runtime.stats.active.sum() * runtime.cfg.ffn_dim), 4)}
-               if runtime.cache.experts_layout.split else {})}
-
-
-def device_rate(flash: Path, k: int, seconds: float = 3.0) -> dict:
-    """The device's rate for expert reads (flash-bench's measure on the FLASHDIR's own chunks, O_DIRECT): random
-    experts of one layer, k distinct ones a call (a token's misses in one layer), 1 call in flight and 2."""
-    import numpy as np
-    from storage.flash_bench import measure
-    from storage.format import expert_chunks, read_layout
-    from storage.reader import BundleReader
-    layout = read_layout(flash)
-    out = {"chunk_bytes": layout.experts.chunk}
-    with BundleReader(expert_chunks(layout)) as r:
-        for in_flight in (1, 2):
-            m = measure(r, layout.experts.n_experts, k, seconds, np.random.default_rng(3), in_flight=in_flight)
-            out[f"MBps_{k * in_flight}_in_flight"] = round(m["read_bytes"] / m["seconds"] / 1e6, 1)
-    return out
+            "expert_read_MBps": round(d["reader_MB_per_token"] * len(step_ms) / span, 1) if span and mode == "flash"
+            else None,
+            "fired": round(runtime.cache.fired / runtime.stats.active.sum() / runtime.cfg.ffn_dim, 4) if gate else None,
+            "overlapped_share": st["overlapped_share"], "read_wait_ms_per_token": st["read_wait_ms_per_token"],
+            "budget_bytes": runtime.plan.budget_bytes, "slots": runtime.plan.slots, "plan": runtime.plan.table(),
+            "prefetched": runtime.stats.prefetched, "prefetch_used": runtime.stats.prefetch_used}
 
 
 def main(argv=None) -> int:
@@ -186,10 +148,8 @@ def main(argv=None) -> int:
     ap.add_argument("-n", type=int, default=16, help="tokens to generate")
     ap.add_argument("--caps", default="none,50%,25%")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--lookahead", action="store_true", help="also rows with the next layer's expert reads started "
-                                                                 "early on its router's guess")
-    ap.add_argument("--sparse", action="store_true", help="also rows from split expert chunks: exact (threshold 0) "
-                                                              "and the exact gate inside experts at sparsity 0.4")
+    ap.add_argument("--lookahead", action="store_true", help="also rows with layer l+1's reads started on a guess")
+    ap.add_argument("--sparse", action="store_true", help="also rows from split expert chunks (see above)")
     ap.add_argument("--slack", default=SLACK, help="under a cap, the flash row's DRAM budget is the cap less this")
     ap.add_argument("--job")
     ap.add_argument("--budget")
@@ -203,36 +163,34 @@ def main(argv=None) -> int:
     work = h.work_dir(a, "moe-bench-")
     from storage.convert import convert
     from storage.checkpoint import open_checkpoint
+    from storage.flash_bench import expert_rate
     gguf, t0 = work / "qwen3moe-shape.q4_0.gguf", time.perf_counter()
     gguf_bytes = gguf.stat().st_size if gguf.exists() else write_gguf(gguf, a.layers)
     flash = work / "flash"
     if not flash.exists():
         convert(gguf, flash, progress=sys.stderr.isatty())
     split = work / "flash_split"
-    if a.sparse and not split.exists():
+    if a.sparse and not split.exists():        # its thresholds calibrated once, outside the rows' timing and caps
         convert(gguf, split, progress=sys.stderr.isatty(), expert_chunks="split")
-    if a.sparse and not (split / "gate.json").exists():      # calibrated once, not inside a row's timing or cap
         h.load_model(split, "gate", threads=a.threads, dram_budget=gguf_bytes // 2)
     build_s = time.perf_counter() - t0
     tok = open_checkpoint(gguf).tokenizer()
-    # decode steps over fixed random tokens, not greedy: a random model's greedy output repeats one token, whose
-    # experts then never change (an expert cache's best case, not its worst)
     steps = __import__("numpy").random.default_rng(1).integers(3, SHAPE["vocab"], a.n).tolist()
-    job = {"gguf": str(gguf), "flash": str(flash), "flash_split": str(split), "ctx": 256, "threads": a.threads, "steps": steps,
-           "prompt_ids": tok.encode("Once upon a time there was a robot who"), "llama_extra_bufts": False}
+    job = {"gguf": str(gguf), "flash": str(flash), "split": str(split), "ctx": 256, "threads": a.threads,
+           "steps": steps, "prompt_ids": tok.encode("Once upon a time there was a robot who"),
+           "llama_extra_bufts": False}
     (work / "job.json").write_text(json.dumps(job))
     rows = []
     for spec in a.caps.split(","):
         cap = None if spec == "none" else int(gguf_bytes * float(spec[:-1]) / 100) if spec.endswith("%") \
             else parse_size(spec)
         budget = "none" if cap is None else str(cap - parse_size(a.slack))
-        for mode in ("llama.cpp", "flash", *(("flash-lookahead",) if a.lookahead else ()),
-                     *(("flash-split", "flash-gate") if a.sparse else ())):
+        for mode in ("llama.cpp", "flash", *("flash-lookahead",) * a.lookahead, *("flash-gate",) * a.sparse):
             r = h.run_row(__file__, mode, f"{mode}@{spec}", cap, work, ["--job", work / "job.json", "--budget", budget])
             rows.append(dict(r, cap=spec))
     doc = {"bench": "moe_vs_llama_cpp", "command": h.command("moe_vs_llama_cpp.py", argv), "machine": h.machine(),
            "model": {**SHAPE, "layers": a.layers, "gguf_bytes": gguf_bytes, "build_s": round(build_s, 1)},
-           "device": device_rate(flash, SHAPE["used"]), "rows": rows}
+           "device": expert_rate(flash, SHAPE["used"], 3.0), "rows": rows}
     return h.emit(doc, markdown, a.md, None if a.keep else work)
 
 
@@ -253,12 +211,9 @@ def markdown(doc: dict) -> str:
                     h.fmt(r.get("expert_read_MBps")), x, same])
     head = (f"{m['layers']} of 48 layers at Qwen3-30B-A3B's shape ({m['experts']} experts of {m['expert_dim']}, "
             f"{m['used']} routed, d {m['dim']}), Q4_0 GGUF {m['gguf_bytes'] / 2**30:.2f} GiB; "
-            f"load average {doc['machine']['load_avg_start']}; the device reads its {doc['device']['chunk_bytes']}-byte "
-            f"expert chunks at " + ", ".join(f"{v:.0f} MB/s with {k.split('_')[1]} in flight"
-                                             for k, v in doc["device"].items() if k.startswith("MBps")))
-    return "\n".join([head, ""] + h.table(["row", "cap", "load s", "ms/token P50", "P99", "flash MB/token",
-                                           "expert hit rate", "fired", "expert reads MB/s", "vs llama.cpp",
-                                           "same argmax"], out))
+            f"load average {doc['machine']['load_avg_start']}; the device on its expert chunks: {doc['device']}")
+    return "\n".join([head, ""] + h.table(["row", "cap", "load s", "ms/token P50", "P99", "flash MB/token", "hit rate",
+                                           "fired", "expert reads MB/s", "vs llama.cpp", "same argmax"], out))
 
 
 if __name__ == "__main__":

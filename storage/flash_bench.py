@@ -27,7 +27,7 @@ from tqdm import tqdm
 from storage.errors import UserError
 
 from .checksums import drop_from_page_cache
-from .format import BUNDLE_ALIGN, FlashLayout, read_layout
+from .format import BUNDLE_ALIGN, FlashLayout, expert_chunks, read_layout
 from storage.sizes import human, parse_size  # noqa: F401  (re-exported for bench scripts)
 
 from .cache import cache_dir
@@ -216,6 +216,18 @@ def bench_model(flashdir, seconds: float) -> list[dict]:
                              "reads_per_call": round(tot["n_reads"] / tot["calls"], 1),
                              "ms_per_call": round(1e3 * tot["seconds"] / tot["calls"], 3)})
     return rows
+
+
+def expert_rate(flashdir, k: int, seconds: float) -> dict:
+    """The device's rate for a mixture of experts' reads as its expert cache makes them (bench/moe_vs_llama_cpp.py):
+    random whole chunks of one layer, k distinct ones a call (a token's misses in a layer), 1 and 2 calls in flight."""
+    layout = read_layout(flashdir)
+    out = {"chunk_bytes": layout.experts.chunk}
+    with BundleReader(expert_chunks(layout)) as r:
+        for calls in (1, 2):
+            m = measure(r, layout.experts.n_experts, k, seconds, np.random.default_rng(3), in_flight=calls)
+            out[f"MBps_{k * calls}_in_flight"] = round(m["read_bytes"] / m["seconds"] / 1e6, 1)
+    return out
 
 
 def columns(rows: list[dict]) -> list[tuple[str, int]]:
