@@ -555,7 +555,8 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
     if m.get("experts") is not None:
         layout.experts = ExpertLayout.from_manifest(m["experts"], src)
         if layout.experts.split and m["version"] != SPLIT_EXPERTS_VERSION:
-            raise UserError(f"{src}: split expert chunks are format version {SPLIT_EXPERTS_VERSION}, not {m['version']}")
+            raise UserError(f"{src}: split expert chunks are format version {SPLIT_EXPERTS_VERSION}, "
+                            f"not {m['version']}")
         E = layout.experts
         if layers or E.offset < end or E.end > layout.ffn_size:
             raise UserError(f"{src}: the experts' chunks (bytes {E.offset}..{E.end}) overlap bundle regions or pass "

@@ -272,6 +272,10 @@ class ExpertFFN:
     def overlap(self) -> bool:
         return self.cache.overlap
 
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        self.cache.overlap = on
+
     @property
     def thresholds(self) -> list[float]:
         """Split chunks: per layer the exact gate's |coefficient| threshold (0: exact; ffn.gate.measure_thresholds
@@ -289,10 +293,6 @@ class ExpertFFN:
     @observe.setter
     def observe(self, fn) -> None:
         self.cache.observe = fn
-
-    @overlap.setter
-    def overlap(self, on: bool) -> None:
-        self.cache.overlap = on
 
     def __call__(self, layer: int, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
