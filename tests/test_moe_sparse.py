@@ -141,3 +141,13 @@ def test_whole_chunks_still_load_and_bad_inputs_are_refused(tiny_model, split_di
     with pytest.raises(UserError, match="dense model"):
         convert(tiny_model("llama-silu-gqa"), tmp_path / "dense", progress=False, expert_chunks="split")
     assert not (tmp_path / "dense").exists()
+
+
+def test_expert_rate_reads_whole_chunks(split_dirs):
+    """flash_bench.expert_rate (bench/moe_vs_llama_cpp.py's device rate) reads the FLASHDIR's own chunks: its figure
+    is bytes over time of whole-chunk reads, k a call."""
+    from storage.flash_bench import expert_rate
+    flash = split_dirs("mixtral", "q4_0")
+    r = expert_rate(flash, 2, 0.05)
+    assert r["chunk_bytes"] == read_layout(flash).experts.chunk
+    assert r["MBps_2_in_flight"] > 0 and r["MBps_4_in_flight"] > 0
