@@ -35,7 +35,7 @@ from storage.reader import MAX_READ_BYTES, BundleReader, aligned_empty
 
 from storage.errors import UserError
 from .ffn.quant import DENSE_ROW_KERNEL_MAX_T, dense_row_bytes, sparse_ffn
-from .ffn.split import SplitKernels
+from .ffn.split import SplitRows
 from .kernels.attention import attention_rows
 from .kernels.gemv import MATMUL_ROW_KERNEL_MAX_T, WIDEN_BLOCK_BYTES, matmul_t
 from .kernels.norm import add_rms_norm_rows, rms_norm_rows
@@ -452,13 +452,13 @@ def compile_steps(layout, source: str | None = None) -> list:
 
     def gate():                 # ffn.gate.GateFFN: coefficients over gate|up rows, the down sum over down rows
         gu, dn = layout.parts["gate_up"], layout.parts["down"]
-        kernels = SplitKernels(gu, dn, layout.config.get("act", "silu"), layout.config.get("relu_threshold"),
-                               scales and scales * layout.n_layers)
+        rows = SplitRows(gu.geometry_of(0), dn.geometry_of(0), layout.config.get("act", "silu"),
+                         layout.config.get("relu_threshold"), scales and scales[0], gu.quantized)   # layer 0's
         for T in (1, 2):        # a decoded token; a prompt's rows (the down sum's tiles: another kernel)
             X, coef = np.zeros((T, layout.d), np.float32), np.zeros((T, k), np.float32)
-            kernels.coefficients(np.zeros((k, gu.stride), np.uint8), X, coef, 0.0)
-            kernels.accumulate(aligned_empty((k, dn.stride), np.uint8), np.arange(k, dtype=np.int32), coef,
-                               np.zeros_like(X), 0)
+            rows.coefficients(np.zeros((k, gu.stride), np.uint8), X, coef, 0.0)
+            rows.accumulate(aligned_empty((k, dn.stride), np.uint8), np.arange(k, dtype=np.int32), coef,
+                            np.zeros_like(X))
 
     steps = [neuron_cache, sparse, attention]
     if layout.parts:

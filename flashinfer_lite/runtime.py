@@ -7,7 +7,7 @@
              ReLU-family models
   gate       a GLU model's exact gate (ffn.gate.GateFFN): every neuron's act(gate.x) * up.x from gate|up rows in DRAM,
              the calibrated threshold, the down rows of the neurons that clear it from flash; one function at every
-             budget, and what --ffn auto runs for a gated (SiLU) model with the split layout
+             budget, and what --ffn auto runs for a gated (SiLU, GELU) model with the split layout
 
 Decide, then build: open_model_files reads what a decision needs, decide (pure) says what runs (the FFN mode and
 source, the DRAM plan, whether the default model's predictors must be trained first), build loads it. load() is the
@@ -31,7 +31,7 @@ from threadpoolctl import threadpool_limits
 from storage.cache import cached_conversion, flashdir_for
 from storage.checkpoint import open_checkpoint
 from storage.convert import DEFAULT_DTYPE, layout_for, resident_kinds, resident_names
-from storage.config import ModelConfig
+from storage.config import EXACT_GATE_ACTS, ModelConfig
 from storage.errors import UserError, run_child
 from storage.format import SPLIT_PARTS, FlashCheckpoint, FlashLayout, is_flashdir, verify_at_load
 from storage.gate_file import DEFAULT_SPARSITY, SPARSITIES, GateCalibration, read_gate_file, write_gate_file
@@ -56,7 +56,7 @@ from .process import keep_freed_arrays_out_of_rss, return_freed_heap
 from .quant import set_act8
 from .threads import set_threads
 
-# auto: a gated (SiLU) model with the split layout: gate at every budget; a mixture of experts: experts from flash;
+# auto: a gated (SiLU, GELU) model with the split layout: gate at every budget; a mixture of experts: experts from flash;
 # else dense when the model fits, else predicted
 FFN_MODES = ("auto", "dense", "oracle", "predicted", "gate", "experts")
 # FFN tensors that live in the bundles on flash; everything else (including ffn.down.bias) stays resident.
@@ -173,15 +173,15 @@ def resident_bytes_of(cfg: ModelConfig, layout, kinds: dict, ffn: str = "dense")
 
 def minimum_bytes(cfg: ModelConfig, layout, kinds: dict, ffn: str, ctx: int, runtime_bytes: int) -> int:
     """The smallest --dram-budget decide() accepts for a sparse run (--lookahead off): plan_dram's minimum, or for
-    --ffn auto the in-RAM plan's (plan_resident) when that is smaller, and for the exact gate (auto or gate on a SiLU
-    model) its plan with every layer's gate|up rows streamed when that is smaller still. A mixture of experts (auto or
+    --ffn auto the in-RAM plan's (plan_resident) when that is smaller, and for the exact gate (auto or gate on a
+    SiLU- or GELU-gated model) its plan with every layer's gate|up rows streamed when that is smaller still. A mixture of experts (auto or
     experts): budget.plan_experts' minimum, with the resident file's tensor bytes (decide_experts plans with the file's
     size: its header more)."""
     if cfg.moe:     # other modes: decide_experts names the mode, not the budget
         return plan_experts(cfg, layout.experts, None, ctx, resident_bytes_of(cfg, layout, kinds), runtime_bytes,
                             pin=False).minimum_bytes if ffn in ("auto", "experts") else 0
     candidates = []
-    if ffn in ("auto", "gate") and layout.glu and cfg.act == "silu" and layout.uniform:
+    if ffn in ("auto", "gate") and layout.glu and cfg.act in EXACT_GATE_ACTS:
         parts = {name: layout.make_part(name) for name in SPLIT_PARTS}          # as convert will write them
         candidates.append(plan_gate(cfg, layout, 1 << 60, ctx, 5, DEFAULT_SPARSITY, layers=0, parts=parts,
                                     resident_bytes=resident_bytes_of(cfg, layout, kinds), runtime_bytes=runtime_bytes,
@@ -279,10 +279,10 @@ class ModelFiles:
 
     @property
     def exact_gate(self) -> bool:
-        """A gated (SiLU) model with the split layout: --ffn auto runs the exact gate (ffn.gate) at every budget.
+        """A gated (SiLU, GELU) model with the split layout: --ffn auto runs the exact gate (ffn.gate) at every budget.
         ReLU-family models keep the predictor over full bundles (their zeros are what it predicts)."""
         L = self.ckpt.layout if self.flash_backed else None
-        return L is not None and bool(L.parts) and self.ckpt.config.act == "silu"
+        return L is not None and bool(L.parts) and self.ckpt.config.act in EXACT_GATE_ACTS
 
     def runs_gate(self, ffn: str) -> bool:
         """Whether --ffn `ffn` runs the exact gate: asked for, or auto on such a model (decide_gate; the runtime line
@@ -440,8 +440,9 @@ def decide_gate(files: ModelFiles, ffn: str, dram_budget, ctx: int, window: int,
     if not layout.parts or not layout.glu:
         raise UserError(f"--ffn gate needs a GLU model converted with the split layout (gate_up.bin, down.bin); "
                         f"{files.path} has none: re-run `flashinfer-lite convert`")
-    if cfg.act != "silu":
-        raise UserError(f"--ffn gate is for SiLU-gated models; {files.path} uses {cfg.act}: use --ffn predicted")
+    if cfg.act not in EXACT_GATE_ACTS:
+        raise UserError(f"--ffn gate is for SiLU- or GELU-gated models; {files.path} uses {cfg.act}: use --ffn "
+                        f"predicted")
     why = (f"gated model ({cfg.act}): the exact gate, no predictor",
            "the default model" if files.default else files.source) if ffn == "auto" else None
     if files.gate is None:

@@ -12,6 +12,9 @@ from .errors import UserError
 
 ARCHS = ("llama", "opt")
 ACTIVATIONS = ("silu", "relu", "drelu", "gelu_tanh")
+# Gated activations with no zeros of their own (SwiGLU, GeGLU): the exact gate (ffn.gate) thresholds their
+# coefficients, and convert writes its split layout for them alone. The ReLU family's zeros are the predictor's.
+EXACT_GATE_ACTS = ("silu", "gelu_tanh")
 DEFAULT_MAX_CTX = 4096   # positions of the context when -c is not given (or less: the model's maximum)
 NORMS = ("rms", "layer")
 ROPE_SCALINGS = {"default": (), "linear": ("factor",),                 # type -> the numbers it needs

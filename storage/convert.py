@@ -29,6 +29,7 @@ from storage.errors import UserError
 from storage.half import half_matrix
 
 from .checkpoint import open_checkpoint
+from .config import EXACT_GATE_ACTS
 from .experts import EXPERT_DTYPES, MATRICES, ExpertLayout, expert_tensor_name
 from .files import is_scratch, remove_stale_temp_dirs, temp_path
 from . import columns
@@ -291,7 +292,7 @@ def write_flashdir(ckpt, layout: FlashLayout, dest: Path, progress: bool = True)
         f.write(b"\0" * (layout.ffn_size - f.tell()))
         f.flush()
         os.fsync(f.fileno())
-        if layout.glu and layout.experts is None and layout.uniform:   # the exact gate's files (ffn.gate)
+        if layout.glu and layout.experts is None and layout.config.get("act") in EXACT_GATE_ACTS:  # ffn.gate
             steps.set_postfix_str("split")
             write_split(layout, dest)
 
@@ -330,7 +331,7 @@ def write_split(layout: FlashLayout, dest: Path) -> None:
                     B = np.empty((layout.n_neurons[i], layout.stride), np.uint8)
                     if os.preadv(src.fileno(), [B], layout.offset[i]) != B.nbytes:
                         raise UserError(f"{src.name}: short read of layer {i} while writing the split layout")
-                    rows = layout.geometry.extract(B, P.geometry)
+                    rows = layout.geometry_of(i).extract(B, P.geometry_of(i))
                     f.write(b"\0" * (P.offset[i] - f.tell()))
                     h = P.layer_checksum(i)
                     h.update(rows)

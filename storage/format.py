@@ -409,17 +409,19 @@ class FlashLayout:
         bundle order, each layer a REGION_ALIGN-aligned region of its own file; checksums filled in by the writer."""
         vectors, align = SPLIT_PARTS[name]
         align = min(align, self.align)          # packed bundles (down columns): packed down rows too
-        g = self.geometry.part(vectors, align)
+        gs = [g.part(vectors, align) for g in self.geometries]       # per layer (Q4_K_M mixes block formats)
+        stride = max(g.stride for g in gs)      # one row size for the reader, the cache and the budget, as ffn.bin
         offsets, pos = [], 0
         for n in self.n_neurons:
             pos = align_up(pos, REGION_ALIGN)
             offsets.append(pos)
-            pos += n * g.stride
-        return FlashLayout(d=self.d, dtype=g.dtype, vectors=g.vectors,
-                           biases=tuple(b for b in self.biases if b.split(".")[1] in vectors), stride=g.stride,
+            pos += n * stride
+        return FlashLayout(d=self.d, dtype=gs[0].dtype, vectors=gs[0].vectors,
+                           biases=tuple(b for b in self.biases if b.split(".")[1] in vectors), stride=stride,
                            offset=offsets, n_neurons=list(self.n_neurons), order=self.order,
                            ffn_size=align_up(pos, REGION_ALIGN), config=self.config, files={"ffn": f"{name}.bin"},
-                           flashdir=self.flashdir, checksum_algo=self.checksum_algo, align=align)
+                           flashdir=self.flashdir, checksum_algo=self.checksum_algo, align=align,
+                           layer_dtypes=None if self.uniform else [g.vector_dtypes for g in gs])
 
     # -- manifest ----------------------------------------------------------------------------------------------------
     def to_manifest(self) -> dict:

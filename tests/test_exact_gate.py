@@ -115,7 +115,9 @@ def float64_gated_model(source, flash, thresholds, masks=None):
     def ffn(layer: int, x: np.ndarray) -> np.ndarray:
         p = f"layers.{layer}.ffn."
         g = x @ W[p + "gate.weight"].T + W.get(p + "gate.bias", 0.0)
-        c = g / (1 + np.exp(-g)) * (x @ W[p + "up.weight"].T + W.get(p + "up.bias", 0.0))
+        a = g / (1 + np.exp(-g)) if ck.config.act == "silu" else \
+            0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))      # gelu_tanh (GeGLU)
+        c = a * (x @ W[p + "up.weight"].T + W.get(p + "up.bias", 0.0))
         keep = np.abs(c) > thresholds[layer]
         if masks is not None:
             masks.append((layer, np.abs(c), keep))
@@ -146,6 +148,25 @@ def test_runtime_logits_equal_float64_math_on_the_neurons_that_cleared_the_thres
     # and the dropped neurons matter: the dense model differs
     dense = float64_gated_model(source, gated[dtype], [-1.0, -1.0])
     assert np.abs(greedy(dense, IDS, 12)[1] - want).max() > 1e-2 * np.abs(want).max()
+
+
+def test_a_gelu_gated_model_runs_the_exact_gate(tiny_model, tmp_path, float32_activations):
+    """Gemma 3 (GeGLU: tanh GELU on the gate): --ffn auto runs the exact gate, the float64 math on the HF weights
+    over the neurons that clear the calibrated thresholds, at a budget that streams gate|up rows."""
+    src = tiny_model("gemma3")
+    flash = convert(src, tmp_path / "f32", dtype="f32", progress=False)
+    calibrate(str(flash), n_tokens=256, progress=False)
+    L = read_layout(flash)
+    cal = read_gate_file(flash, L.n_layers, L.n_neurons[0], DEFAULT_SPARSITY)
+    budget = load_runtime(flash, "gate", ctx=64, runtime_bytes=0)[2].plan.minimum_bytes - 1    # as the SiLU test's
+    model, _, rt = load_runtime(flash, "auto", ctx=64, runtime_bytes=0, dram_budget=budget)
+    assert type(rt).__name__ == "GateFFN" and rt.resident_layers < L.n_layers     # some layers stream
+    tokens, got = greedy(model, IDS, 12)
+    masks = []
+    want_tokens, want = greedy(float64_gated_model(src, flash, cal.thresholds, masks), IDS, 12)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), np.abs(got - want).max()
+    assert tokens == want_tokens
+    assert 0.4 < np.mean([k.mean() for _, _, k in masks]) < 0.8      # calibrated for 40% dropped
 
 
 def test_same_bits_at_every_budget_thread_count_and_prefill(gated, monkeypatch):

@@ -9,7 +9,7 @@ import pytest
 
 from flashinfer_lite import model as model_module
 from flashinfer_lite.ffn.quant import QuantSparseFFN, quant_ffn_accumulate, quant_ffn_accumulate_rows
-from flashinfer_lite.ffn.split import SplitKernels
+from flashinfer_lite.ffn.split import SplitRows
 from flashinfer_lite.quant import KINDS, quantize
 from flashinfer_lite.runtime import load_runtime
 from storage.format import FlashLayout, pack_bundles
@@ -19,7 +19,7 @@ from test_kdown import bundles_with_columns
 
 
 class GateUp:
-    """What SplitKernels.coefficients reads of itself, for gate|up rows H uint8 [n, gate bytes + up bytes] made here
+    """What SplitRows.coefficients reads of itself, for gate|up rows H uint8 [n, gate bytes + up bytes] made here
     (SiLU, no scales or biases)."""
 
     def __init__(self, gate: str, up: str, d: int):
@@ -39,10 +39,10 @@ def test_gate_coefficients_are_one_rows_bits_and_llama_cpps_integers(gate, up):
     X = rng.standard_normal((T, d)).astype(np.float32)
     k = GateUp(gate, up, d)
     coef = np.empty((T, n), np.float32)
-    SplitKernels.coefficients(k, H, X, coef, -1.0)
+    SplitRows.coefficients(k, H, X, coef, -1.0)
     for t in range(T):                    # each row alone: the bits of the same row among others
         one = np.empty((1, n), np.float32)
-        SplitKernels.coefficients(k, H, X[t:t + 1].copy(), one, -1.0)
+        SplitRows.coefficients(k, H, X[t:t + 1].copy(), one, -1.0)
         assert np.array_equal(one[0].view(np.uint32), coef[t].view(np.uint32)), t
     g = np.array([[oracle_dot(Wg[j], gate, X[t])[0] for j in range(n)] for t in range(T)])
     u = np.array([[oracle_dot(Wu[j], up, X[t])[0] for j in range(n)] for t in range(T)])
@@ -51,7 +51,7 @@ def test_gate_coefficients_are_one_rows_bits_and_llama_cpps_integers(gate, up):
     # the calibrated threshold: |c| <= t counts as 0, the rest unchanged
     t = float(np.median(np.abs(coef)))
     cut = np.empty_like(coef)
-    SplitKernels.coefficients(k, H, X, cut, t)
+    SplitRows.coefficients(k, H, X, cut, t)
     assert np.array_equal(cut, np.where(np.abs(coef) <= t, 0, coef)) and 0.3 < np.mean(cut == 0) < 0.7
 
 

@@ -133,7 +133,7 @@ def test_split_down_rows_are_the_bundles_columns():
     k = SplitKernels(parts["gate_up"], parts["down"], "silu", None, [tables])
     X = np.random.default_rng(6).normal(size=(1, d)).astype(np.float32)
     coef = np.zeros((1, n), np.float32)
-    k.coefficients(H, X, coef, 0.0)
+    k.coefficients(H, X, coef, 0.0, 0)
     Y = np.zeros((1, d), np.float32)
     k.accumulate(D, np.arange(n, dtype=np.int32), coef, Y, 0)
     y = np.empty(d, np.float32)

@@ -181,6 +181,43 @@ def test_mixed_gguf_flashdir_keeps_its_blocks(mixed_gguf, tmp_path, monkeypatch)
     assert_same_bits_at_every_budget(out, "oracle", ids, 6, monkeypatch)
 
 
+def test_mixed_gguf_runs_the_exact_gate(mixed_gguf, tmp_path, monkeypatch, float32_activations):
+    """A Q4_K_M-like GGUF (block formats per layer) gets the split layout, each layer's rows in its own geometry (the
+    bundles' bytes, cut), and --ffn auto runs the exact gate on it: the float64 math on the FLASHDIR's own weights
+    over the neurons that clear the calibrated thresholds, and the same bits at every budget."""
+    from test_exact_gate import float64_gated_model
+    from test_quant_e2e import bundles_of, greedy
+    from flashinfer_lite.runtime import load_runtime
+    from conftest import assert_same_bits_at_every_budget
+    from predictors.calibrate_gate import calibrate
+    from storage.convert import convert
+    from storage.format import verify
+    from storage.gate_file import DEFAULT_SPARSITY, read_gate_file
+    out = convert(mixed_gguf, tmp_path / "flash", progress=False)
+    L = verify(out, progress=False)
+    gu, dn = L.parts["gate_up"], L.parts["down"]
+    assert not L.uniform and gu.geometry_of(0).vector_dtypes != gu.geometry_of(1).vector_dtypes
+    for i in range(L.n_layers):
+        B = bundles_of(out, i)
+        for P in (gu, dn):
+            with open(P.ffn_path, "rb") as f:
+                f.seek(P.offset[i])
+                rows = np.frombuffer(f.read(P.region_bytes(i)), np.uint8).reshape(-1, P.stride)
+            for v in P.vectors:
+                a, b, n = L.geometry_of(i).offset(v), P.geometry_of(i).offset(v), L.geometry_of(i).vector_bytes(v)
+                assert np.array_equal(rows[:, b:b + n], B[:, a:a + n]), (i, v)
+    calibrate(str(out), n_tokens=128, progress=False)
+    cal = read_gate_file(out, L.n_layers, L.n_neurons[0], DEFAULT_SPARSITY)
+    ids = np.random.default_rng(13).integers(3, 512, size=9).tolist()
+    want_tokens, want = greedy(float64_gated_model(out, out, cal.thresholds), ids, 8)
+    model, _, rt = load_runtime(out, "auto", ctx=64, runtime_bytes=0)
+    assert type(rt).__name__ == "GateFFN"
+    tokens, got = greedy(model, ids, 8)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    assert tokens == want_tokens
+    assert_same_bits_at_every_budget(out, "gate", ids, 6, monkeypatch)
+
+
 def test_uniform_old_kinds_still_write_version_1(tiny_model, tmp_path):
     from storage.convert import convert
     out = convert(tiny_model("llama-relu"), tmp_path / "flash", dtype="q4_0", progress=False)

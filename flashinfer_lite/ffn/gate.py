@@ -95,7 +95,7 @@ class GateFFN(FlashFFN):
         H = self.head(layer)
         coef = np.empty((x.shape[0], H.shape[0]), np.float32)
         t0 = time.perf_counter()
-        self.kernels.coefficients(H, x, coef, self.thresholds[layer])
+        self.kernels.coefficients(H, x, coef, self.thresholds[layer], layer)
         self.stats.compute_s += time.perf_counter() - t0
         return coef
 

@@ -1,5 +1,5 @@
-"""SplitKernels: ffn.sparse's two kernels bound to the split layout's rows (storage.format.SPLIT_PARTS), for
-ffn.gate.GateFFN: the coefficients over gate|up rows, the down sum over down rows."""
+"""SplitKernels: ffn.sparse's two kernels bound to the split layout's rows (storage.format.SPLIT_PARTS), per layer,
+for ffn.gate.GateFFN: the coefficients over gate|up rows, the down sum over down rows."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,12 +12,27 @@ from .sparse import OUT_BLOCK, STORAGE_VIEWS, ffn_accumulate, ffn_coefficients
 
 
 class SplitKernels:
-    """The two kernels of ffn.sparse over the split layout's rows: coefficients over gate|up rows, the down sum over
-    down rows; their offsets and scalar slots from the parts' BundleGeometry."""
+    """The two kernels of ffn.sparse over the split layout's rows, per layer (a Q4_K_M GGUF's layers mix block
+    formats): coefficients over gate|up rows, the down sum over down rows."""
 
     def __init__(self, gate_up, down, act: str, relu_threshold, down_scales=None):
-        self.gu, self.dn = gate_up.geometry, down.geometry
-        self.quantized = gate_up.quantized
+        self.layers = [SplitRows(gate_up.geometry_of(i), down.geometry_of(i), act, relu_threshold,
+                                 down_scales[i] if down_scales is not None else None, gate_up.quantized)
+                       for i in range(gate_up.n_layers)]
+
+    def coefficients(self, H: np.ndarray, X: np.ndarray, coef: np.ndarray, act_threshold: float, layer: int) -> None:
+        self.layers[layer].coefficients(H, X, coef, act_threshold)
+
+    def accumulate(self, D: np.ndarray, slots: np.ndarray, coef: np.ndarray, Y: np.ndarray, layer: int) -> None:
+        self.layers[layer].accumulate(D, slots, coef, Y)
+
+
+class SplitRows:
+    """One layer's rows: the kernels' offsets and scalar slots from the parts' BundleGeometry (gu: gate|up, dn: down)
+    and, for down columns, the layer's scale tables."""
+
+    def __init__(self, gu, dn, act: str, relu_threshold, tables, quantized: bool):
+        self.gu, self.dn, self.quantized = gu, dn, quantized
         self.act = act_code(act)
         self.threshold = threshold_of(act, relu_threshold)
         g = self.gu
@@ -28,10 +43,9 @@ class SplitKernels:
             self.down_kind = KINDS[column or self.dn.dtype_of("down")]
             # a task covers whole blocks (as QuantSparseFFN); a column's elements stand alone
             self.out_block = OUT_BLOCK if column else max(OUT_BLOCK, self.down_kind.weights)
-            if column and down_scales is None:
+            if column and tables is None:
                 raise ValueError("down columns need their layers' scale tables (down_scales)")
-            self.S = [column_tables(down_scales[i] if column else None, column, self.dn.d)
-                      for i in range(down.n_layers)]
+            self.S = column_tables(tables if column else None, column, self.dn.d)
         else:
             size = np.dtype(STORAGE_VIEWS[g.dtype]).itemsize
             self.kind, self.n, self.up_at = 0, g.d, g.offset("up") // size
@@ -63,13 +77,13 @@ class SplitKernels:
                          self.up_at, self.s_gate, self.s_up, self.bg, self.bu, self.kind, self.up_n, self.up_kind,
                          self.gu.stride, np.float32(act_threshold))
 
-    def accumulate(self, D: np.ndarray, slots: np.ndarray, coef: np.ndarray, Y: np.ndarray, layer: int) -> None:
-        """Y[t] += sum over j in order of coef[t, j] * down row slots[j] of D (uint8 [rows, stride]) of layer `layer`."""
+    def accumulate(self, D: np.ndarray, slots: np.ndarray, coef: np.ndarray, Y: np.ndarray) -> None:
+        """Y[t] += sum over j in order of coef[t, j] * down row slots[j] of D (uint8 [rows, stride])."""
         if self.quantized:
             # a prompt's rows: each down piece decoded once for many rows, with the bits of one row alone
             kernel = quant_ffn_accumulate_rows if Y.shape[0] > 1 else quant_ffn_accumulate
             kernel(D, D.view(np.float32), slots, coef, Y, 0, self.down_kind.code, self.down_kind.weights,
-                   self.down_kind.block_bytes, self.out_block, self.s_neuron, self.S[layer])
+                   self.down_kind.block_bytes, self.out_block, self.s_neuron, self.S)
         else:
             ffn_accumulate(self._view(D, self.dn.dtype), D.view(np.float32), slots, coef, Y, self.dn.d, 0,
                            self.s_down)
