@@ -222,7 +222,7 @@ class ExpertCache:
             buf, region = self.buf[layer, slot], layer * E.n_experts + e
             x = np.ascontiguousarray(x, dtype=np.float32)
             coef = np.empty((x.shape[0], E.n), np.float32)
-            self.kernels.coefficients(E.heads(buf), x, coef, self.thresholds[layer])
+            self.kernels.coefficients(E.heads(buf), x, coef, self.thresholds[layer], region)
             if self.observe is not None:
                 self.observe(layer, coef)
             fire = np.flatnonzero(coef.any(axis=0)).astype(np.int32)
