@@ -56,8 +56,8 @@ from .process import keep_freed_arrays_out_of_rss, return_freed_heap
 from .quant import set_act8
 from .threads import set_threads
 
-# auto: a gated (SiLU, GELU) model with the split layout: gate at every budget; a mixture of experts: experts from flash;
-# else dense when the model fits, else predicted
+# auto: a gated (SiLU, GELU) model with the split layout: gate at every budget; a mixture of experts: experts from
+# flash; else dense when the model fits, else predicted
 FFN_MODES = ("auto", "dense", "oracle", "predicted", "gate", "experts")
 # FFN tensors that live in the bundles on flash; everything else (including ffn.down.bias) stays resident.
 _BUNDLED = re.compile(r"layers\.\d+\.ffn\.(gate|up|down)\.weight|layers\.\d+\.ffn\.(gate|up)\.bias")
@@ -174,9 +174,9 @@ def resident_bytes_of(cfg: ModelConfig, layout, kinds: dict, ffn: str = "dense")
 def minimum_bytes(cfg: ModelConfig, layout, kinds: dict, ffn: str, ctx: int, runtime_bytes: int) -> int:
     """The smallest --dram-budget decide() accepts for a sparse run (--lookahead off): plan_dram's minimum, or for
     --ffn auto the in-RAM plan's (plan_resident) when that is smaller, and for the exact gate (auto or gate on a
-    SiLU- or GELU-gated model) its plan with every layer's gate|up rows streamed when that is smaller still. A mixture of experts (auto or
-    experts): budget.plan_experts' minimum, with the resident file's tensor bytes (decide_experts plans with the file's
-    size: its header more)."""
+    SiLU- or GELU-gated model) its plan with every layer's gate|up rows streamed when that is smaller still. A
+    mixture of experts (auto or experts): budget.plan_experts' minimum, with the resident file's tensor bytes
+    (decide_experts plans with the file's size: its header more)."""
     if cfg.moe:     # other modes: decide_experts names the mode, not the budget
         return plan_experts(cfg, layout.experts, None, ctx, resident_bytes_of(cfg, layout, kinds), runtime_bytes,
                             pin=False).minimum_bytes if ffn in ("auto", "experts") else 0
