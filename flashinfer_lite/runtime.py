@@ -46,7 +46,7 @@ from .budget import (HEAP_SLACK_BYTES, BudgetPlan, auto_budget_bytes, down_scale
                      resident_matrix_shapes, runtime_estimate_bytes)
 from .default_model import default_model_path, ensure_default_model
 from .ffn.experts import ExpertFFN
-from .ffn.flash import FlashFFN, stream_args
+from .ffn.flash import FlashFFN, stream_args, stream_settings
 from .ffn.gate import CALIBRATION_CTX, CALIBRATION_TOKENS, GateFFN, LayerMagnitudes, measure_thresholds
 from .ffn.resident import ResidentFFN
 from .loader import load_weights, open_any
@@ -491,6 +491,7 @@ def build(files: ModelFiles, decision: Decision, threads: int | None = None, pro
                           down_scales=ckpt.down_scales_all())
         if verbose:
             print(runtime.reader.describe(), file=sys.stderr)
+            print(runtime.stream.describe(stream_settings(ckpt.layout).source), file=sys.stderr)
         return Transformer(cfg, weights, ffn=runtime), files.tokenizer, runtime
     select = oracle_selector(cfg, ckpt, predictors) if decision.ffn == "oracle" else predictors.predict
     runtime = FlashFFN(cfg, ckpt.layout, decision.plan, select, predictors,
@@ -499,6 +500,7 @@ def build(files: ModelFiles, decision: Decision, threads: int | None = None, pro
                        lookahead=lookahead_selector(cfg, weights, predictors) if decision.lookahead else None)
     if verbose:
         print(runtime.reader.describe(), file=sys.stderr)
+        print(runtime.stream.describe(stream_settings(ckpt.layout).source), file=sys.stderr)
     return Transformer(cfg, weights, ffn=runtime), files.tokenizer, runtime
 
 

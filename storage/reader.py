@@ -312,6 +312,12 @@ class RowStream:
         self._next = 0                # the next row of self._layer not yet submitted
         self.dropped = FlashStats()   # reads of primed chunks that were not used (their bytes were still read)
 
+    def describe(self, source: str = "") -> str:
+        """One line: the chunk, the chunks in flight and (source) where those come from."""
+        chunk = self.rows * self.reader.layout.stride
+        return (f"streams: chunks of {self.rows} rows ({chunk / 2**20:.1f} MiB), {self.depth} in flight"
+                + (f"; settings from the {source}" if source else ""))
+
     def _submit(self, buf: np.ndarray) -> None:
         n = self.reader.layout.n_neurons[self._layer]
         m = min(self.rows, n - self._next)
@@ -338,11 +344,14 @@ class RowStream:
     def cancel(self) -> None:
         """Wait for the chunks in flight (the kernel writes into the buffers) and forget them; their bytes count in
         self.dropped."""
+        self._layer = -1
         while self._queue:
-            rs = self._queue.popleft()[1].wait()
+            try:
+                rs = self._queue.popleft()[1].wait()
+            except UserError:        # its reads are over (one failed): nothing writes into the buffer any more
+                continue
             self.dropped.read_bytes += rs.read_bytes
             self.dropped.n_reads += rs.n_reads
-        self._layer = -1
 
     def chunks(self, layer: int):
         """Yield (first row, rows uint8 [m, stride], the read's FlashStats, seconds waited for it) for the layer's
