@@ -223,7 +223,8 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
     buffers = (max(read_scratch_bytes, stride) + threads * layout.d * 4 + n_max * 4
                + sum(layout.n_neurons) * (MAP_BYTES_PER_NEURON + layout.bundle_of[0].itemsize)
                + n_layers * MATRIX_SLACK_BYTES
-               + stream_transient_bytes(layout, stream_chunk_bytes, stream_depth) + prefill_transient_bytes(cfg, ctx, gate)
+               + stream_transient_bytes(layout, stream_chunk_bytes, stream_depth)
+               + prefill_transient_bytes(cfg, ctx, gate)
                + heap_slack_bytes
                + (staging_rows(max_active) * stride if lookahead else 0)
                + packed_staging_bytes(layout, n_max, read_scratch_bytes // stride)
@@ -258,17 +259,20 @@ def plan_gate(config, layout, dram_budget_bytes: int, ctx: int, window: int, spa
     """The exact-gate FFN's plan (ffn.gate.GateFFN): layout a FlashLayout with the split parts. Every token needs every
     layer's gate|up rows, so they come first: all layers resident when the budget holds them with the minimum
     down-row window, else as many layers as fit, from the first, and the others streamed through the buffers of a
-    stream (stream_transient_bytes; what is read then is said by the runtime). The rest is plan_budget's for the down rows (window and
-    hot region), with the active count of `sparsity` as its expected set. layers: plan exactly this many layers'
-    rows resident (no search; 0: the plan's smallest). parts: the split parts when the layout does not carry them
-    (layout.make_part, before conversion). kw: plan_budget's; the streams' settings default to the device's (GateFFN
-    streams down rows at every budget below the FFN)."""
+    stream (stream_transient_bytes; what is read then is said by the runtime). The rest is plan_budget's for the
+    down rows (window and hot region), with the active count of `sparsity` as its expected set. layers: plan exactly
+    this many layers' rows resident (no search; 0: the plan's smallest). parts: the split parts when the layout does
+    not carry them (layout.make_part, before conversion). kw: plan_budget's; the streams' settings default to the
+    device's (GateFFN streams down rows at every budget below the FFN)."""
     parts = layout.parts if parts is None else parts
     gu, dn = parts["gate_up"], parts["down"]
     if not kw.get("stream_chunk_bytes"):
         st = stream_defaults(dn.ffn_path if dn.flashdir is not None else None)
         kw.update(stream_chunk_bytes=st.chunk_bytes, stream_depth=st.depth)
-    stream = stream_transient_bytes(gu, kw["stream_chunk_bytes"], kw.get("stream_depth", 1))
+    # a gate|up stream's buffers, and its reader's gap scratch (storage.reader.BundleReader of gate_up.bin)
+    gap = reader_defaults(gu.ffn_path, gu.stride).gap_bytes if gu.flashdir is not None else DEFAULT_GAP_BYTES
+    stream = (stream_transient_bytes(gu, kw["stream_chunk_bytes"], kw.get("stream_depth", 1))
+              + max(1, gap // gu.stride) * gu.stride)
     rows = [gu.region_bytes(i) for i in range(gu.n_layers)]
     resident = kw.pop("resident_bytes", 0)
     max_active = max(1, int(np.ceil((1.0 - sparsity) * max(dn.n_neurons))))

@@ -128,7 +128,8 @@ def measure(reader: BundleReader, n_bundles: int, batch: int, seconds: float, rn
             return {**tot, "calls": calls, "seconds": time.perf_counter() - t0}
 
 
-def bench_streams(path: Path, size: int, seconds: float, chunks=STREAM_CHUNKS, depths=STREAM_DEPTHS) -> list[dict]:
+def bench_streams(path: Path, size: int, seconds: float, chunks=STREAM_CHUNKS,
+                  depths=STREAM_DEPTHS) -> list[dict]:
     """One row per (chunk, depth): MB/s and CPU seconds per GB of a stream reading the scratch file's first
     STREAM_LAYER_BYTES whole, chunk after chunk, `depth` chunks in flight (nothing computed between)."""
     layer = min(size, STREAM_LAYER_BYTES) // STREAM_ROW * STREAM_ROW
@@ -151,7 +152,8 @@ def derive_stream(rows: list[dict]) -> dict:
     """The profile's stream entry: the fewest bytes in flight (chunk x depth; the DRAM budget pays for them) whose
     rate is within STREAM_SHARE of the best, the smaller chunk on a tie."""
     best = max(r["MBps"] for r in rows)
-    pick = min((r for r in rows if r["MBps"] >= STREAM_SHARE * best), key=lambda r: (r["chunk"] * r["depth"], r["chunk"]))
+    pick = min((r for r in rows if r["MBps"] >= STREAM_SHARE * best),
+               key=lambda r: (r["chunk"] * r["depth"], r["chunk"]))
     return {"chunk": pick["chunk"], "depth": pick["depth"], "MBps": round(pick["MBps"], 1)}
 
 
@@ -374,7 +376,8 @@ def run(args) -> int:
     print("streams (a layer read whole), MB/s by chunk and chunks in flight: " + ", ".join(
         f"{human(r['chunk'])} x {r['depth']}: {r['MBps']:.0f}" for r in streams))
     if stream:
-        print(f"stream profile: {human(stream['chunk'])} chunks, {stream['depth']} in flight ({stream['MBps']:.0f} MB/s)")
+        print(f"stream profile: {human(stream['chunk'])} chunks, {stream['depth']} in flight "
+              f"({stream['MBps']:.0f} MB/s)")
     if args.model:
         result["model"] = {"flashdir": str(args.model), "reads": bench_model(args.model, args.seconds)}
         print(f"random neuron sets of {args.model}:")
