@@ -365,3 +365,27 @@ def test_a_stream_past_the_end_of_a_truncated_file_names_it(tmp_path, engine):
             for _ in s.chunks(1):
                 pass
         assert s.primed == -1
+
+
+@pytest.mark.parametrize("short_by", [0, 512], ids=["EIO", "short read"])
+def test_a_streams_failed_read_is_retried_once_then_reported(flashdirs, monkeypatch, engine, short_by):
+    """A stream's reads are the reader's: one failure is retried and the rows are the file's; two fail the stream
+    with one error, no read left in flight, and the next stream of that reader reads the file."""
+    path = flashdirs["f32"][0]
+    raw = np.fromfile(path / "ffn.bin", np.uint8)
+    failures = {"left": 1}
+    with BundleReader(path, threads=1, engine=engine, depth=2, max_read_bytes=1 << 20) as r:
+        check_engine(r, engine)
+        L = r.layout
+        want = raw[L.offset[0]:L.offset[0] + L.n_neurons[0] * L.stride].reshape(-1, L.stride)
+        s = reader_mod.RowStream(r, 50, 2)
+        inject_eio(monkeypatch, engine, failures, short_by)
+        assert np.array_equal(np.concatenate([B.copy() for _, B, _, _ in s.chunks(0)]), want)
+        assert failures["left"] == 0
+        failures["left"] = 2
+        s = reader_mod.RowStream(r, 50, 1)           # one read in flight: both failures are the same read's
+        with pytest.raises(UserError, match=r"ffn\.bin.*layer 0"):
+            for _ in s.chunks(0):
+                pass
+        assert s.primed == -1
+        assert np.array_equal(np.concatenate([B.copy() for _, B, _, _ in s.chunks(0)]), want)
