@@ -30,8 +30,8 @@ import numpy as np
 
 from storage import columns
 from storage.format import BUNDLE_ALIGN, read_layout
-from storage.profile import DEFAULT_GAP_BYTES, reader_defaults
-from storage.reader import MAX_READ_BYTES, BundleReader, aligned_empty
+from storage.profile import DEFAULT_GAP_BYTES, reader_defaults, stream_defaults
+from storage.reader import MAX_READ_BYTES, BundleReader, aligned_empty, span_bytes
 
 from storage.errors import UserError
 from .ffn.quant import DENSE_ROW_KERNEL_MAX_T, dense_row_bytes, sparse_ffn
@@ -104,7 +104,7 @@ class BudgetPlan:
                 *([("resident ffn", self.ffn_bytes, "every layer's FFN weights, computed dense")] if self.ffn_bytes
                   else []),
                 *([("gate|up rows", self.gate_bytes, f"{self.gate_layers} of {self.n_layers} layers resident"
-                   + ("" if self.gate_layers == self.n_layers else ", the rest streamed through one layer's buffer"))]
+                   + ("" if self.gate_layers == self.n_layers else ", the rest streamed"))]
                   if self.gate_bytes else []),
                 ("kv cache", self.kv_bytes, f"{self.ctx} positions"),
                 ("buffers", self.buffer_bytes, "a prompt's widened blocks, kernel scratch, heap" if self.ffn_bytes
@@ -164,22 +164,20 @@ def resident_bytes_for(cfg: ModelConfig, half: bool = False, kinds: dict[str, st
     return matrices + 4 * vectors
 
 
-def packed_staging_bytes(layout, rows: int, stream_bytes: int = 0, gap_rows: int = -1) -> int:
+def packed_staging_bytes(layout, rows: int, gap_rows: int = -1) -> int:
     """The reader's staging buffer for packed bundles (storage.reader: a stride that is not a multiple of 512), at
-    most: a request of up to `rows` bundles of a layer, each op's span widened to 512-byte boundaries on both sides,
-    or a prefill stream's chunk of stream_bytes read whole. 0 when not packed. The ops' spans do not overlap and lie
-    in the layer, so they hold at most the layer plus 1 KiB an op; ops: one per bundle at worst, but the reader
-    merges bundles at most gap_rows apart (its coalescing gap; < 0: none), so runs start more than gap_rows + 1
-    bundles apart, and a run is split every MAX_READ_BYTES. (Every stream chunk's rows as lone ops counted 4.5x the
-    chunk: 9.5 MiB on the default model; every bundle of a request an op, 2 MiB against 0.5 with the 56-row gap.)"""
+    most: a request of up to `rows` bundles of a layer, each op's span widened to 512-byte boundaries on both sides.
+    0 when not packed. The ops' spans do not overlap and lie in the layer, so they hold at most the layer plus 1 KiB
+    an op; ops: one per bundle at worst, but the reader merges bundles at most gap_rows apart (its coalescing gap;
+    < 0: none), so runs start more than gap_rows + 1 bundles apart, and a run is split every MAX_READ_BYTES. (Every
+    bundle of a request an op counted 2 MiB against 0.5 with the 56-row gap on the default model.) Streams read into
+    their own buffers, unstaged (stream_transient_bytes)."""
     if layout.stride % BUNDLE_ALIGN == 0:
         return 0
     layer = max(layout.n_neurons) * layout.stride
     splits = layer // MAX_READ_BYTES + 1
     ops = min(rows, max(layout.n_neurons) // (max(gap_rows, -1) + 2) + 1) + splits
-    request = min(rows * layout.stride, layer) + 2 * BUNDLE_ALIGN * ops
-    stream = min(stream_bytes, layer) + 2 * BUNDLE_ALIGN * splits if stream_bytes > 0 else 0
-    return max(request, stream)
+    return min(rows * layout.stride, layer) + 2 * BUNDLE_ALIGN * ops
 
 
 def down_scale_bytes(layout) -> int:
@@ -192,7 +190,7 @@ def down_scale_bytes(layout) -> int:
 def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 5, max_active: int | None = None,
                 hot_share: float = 0.5, resident_bytes: int | None = None, threads: int = 2,
                 read_scratch_bytes: int | None = None, runtime_bytes: int = 0,
-                stream_chunk_bytes: int = 0, requested: bool = True, lookahead: bool = False,
+                stream_chunk_bytes: int = 0, stream_depth: int = 1, requested: bool = True, lookahead: bool = False,
                 heap_slack_bytes: int = 0, gate: bool = False) -> BudgetPlan:
     """Split `dram_budget_bytes` (see module docstring). config: ModelConfig or its dict; layout: FlashLayout.
 
@@ -200,7 +198,8 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
     window's useful maximum (max_active x window), not the minimum; default ffn_dim.
     resident_bytes: measured size of the resident weights, if known (else computed from the config, float32).
     runtime_bytes: the process's RSS before the weights load (measure_runtime_bytes); 0 plans the model's part only.
-    stream_chunk_bytes: the prefill streaming read size (ffn.flash.STREAM_CHUNK_BYTES); 0 if the caller never streams.
+    stream_chunk_bytes, stream_depth: the streams' chunk and chunks in flight (storage.profile.stream_defaults); a
+    chunk 0 if the caller never streams.
     heap_slack_bytes: what the process's heap keeps of transient arrays (HEAP_SLACK_BYTES for the runtime; 0 plans
     the model's part only).
     lookahead: the neuron cache keeps staging rows (staging_rows(max_active)) for reads started a layer early.
@@ -224,10 +223,11 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
     buffers = (max(read_scratch_bytes, stride) + threads * layout.d * 4 + n_max * 4
                + sum(layout.n_neurons) * (MAP_BYTES_PER_NEURON + layout.bundle_of[0].itemsize)
                + n_layers * MATRIX_SLACK_BYTES
-               + stream_transient_bytes(layout, stream_chunk_bytes) + prefill_transient_bytes(cfg, ctx, gate)
+               + stream_transient_bytes(layout, stream_chunk_bytes, stream_depth)
+               + prefill_transient_bytes(cfg, ctx, gate)
                + heap_slack_bytes
                + (staging_rows(max_active) * stride if lookahead else 0)
-               + packed_staging_bytes(layout, n_max, stream_chunk_bytes, read_scratch_bytes // stride)
+               + packed_staging_bytes(layout, n_max, read_scratch_bytes // stride)
                * (2 if lookahead else 1))
     minimum = runtime_bytes + res + kv + buffers + n_layers * reserve * row
     if dram_budget_bytes < minimum:
@@ -258,19 +258,27 @@ def plan_gate(config, layout, dram_budget_bytes: int, ctx: int, window: int, spa
               layers: int | None = None, parts: dict | None = None, **kw) -> BudgetPlan:
     """The exact-gate FFN's plan (ffn.gate.GateFFN): layout a FlashLayout with the split parts. Every token needs every
     layer's gate|up rows, so they come first: all layers resident when the budget holds them with the minimum
-    down-row window, else as many layers as fit, from the first, and the others streamed through a buffer of one
-    layer's rows (what is read then is said by the runtime). The rest is plan_budget's for the down rows (window and
-    hot region), with the active count of `sparsity` as its expected set. layers: plan exactly this many layers'
-    rows resident (no search; 0: the plan's smallest). parts: the split parts when the layout does not carry them
-    (layout.make_part, before conversion). kw: plan_budget's."""
+    down-row window, else as many layers as fit, from the first, and the others streamed through the buffers of a
+    stream (stream_transient_bytes; what is read then is said by the runtime). The rest is plan_budget's for the
+    down rows (window and hot region), with the active count of `sparsity` as its expected set. layers: plan exactly
+    this many layers' rows resident (no search; 0: the plan's smallest). parts: the split parts when the layout does
+    not carry them (layout.make_part, before conversion). kw: plan_budget's; the streams' settings default to the
+    device's (GateFFN streams down rows at every budget below the FFN)."""
     parts = layout.parts if parts is None else parts
     gu, dn = parts["gate_up"], parts["down"]
+    if not kw.get("stream_chunk_bytes"):
+        st = stream_defaults(dn.ffn_path if dn.flashdir is not None else None)
+        kw.update(stream_chunk_bytes=st.chunk_bytes, stream_depth=st.depth)
+    # a gate|up stream's buffers, and its reader's gap scratch (storage.reader.BundleReader of gate_up.bin)
+    gap = reader_defaults(gu.ffn_path, gu.stride).gap_bytes if gu.flashdir is not None else DEFAULT_GAP_BYTES
+    stream = (stream_transient_bytes(gu, kw["stream_chunk_bytes"], kw.get("stream_depth", 1))
+              + max(1, gap // gu.stride) * gu.stride)
     rows = [gu.region_bytes(i) for i in range(gu.n_layers)]
     resident = kw.pop("resident_bytes", 0)
     max_active = max(1, int(np.ceil((1.0 - sparsity) * max(dn.n_neurons))))
 
     def plan(k: int) -> BudgetPlan:
-        held = sum(rows[:k]) + (max(rows) if k < len(rows) else 0)
+        held = sum(rows[:k]) + (stream if k < len(rows) else 0)
         p = plan_budget(config, dn, dram_budget_bytes, ctx, window, max_active=max_active,
                         resident_bytes=resident + held, gate=True, **kw)
         p.resident_bytes, p.gate_bytes, p.gate_layers = resident, held, k
@@ -344,18 +352,22 @@ def prefill_transient_bytes(cfg: ModelConfig, ctx: int, gate: bool = False) -> i
     return rows + attention
 
 
-def stream_transient_bytes(layout, chunk_bytes: int) -> int:
-    """Peak bytes of prefill streaming (ffn.flash.FlashFFN.stream_layer): the chunk of bundles it reads (the sparse
-    kernel computes on the bundles as they are, nothing is widened). The arrays of [chunk tokens, neurons] (predictor
-    masks, coefficients) are prefill_transient_bytes'."""
+def stream_transient_bytes(layout, chunk_bytes: int, depth: int = 1) -> int:
+    """Peak bytes of a stream's buffers (storage.reader.RowStream, a layer's rows read whole: ffn.flash's prefill
+    streaming, ffn.gate's down rows and gate|up rows): its chunks in flight (stream_shape), each its span widened to
+    512-byte boundaries (the kernels compute on the bundles as read, nothing is widened or staged). The arrays of
+    [chunk tokens, neurons] (predictor masks, coefficients) are prefill_transient_bytes'."""
     if chunk_bytes <= 0:
         return 0
-    return stream_chunk_rows(layout, chunk_bytes) * layout.stride
+    rows, depth = stream_shape(layout, chunk_bytes, depth)
+    return depth * span_bytes(rows, layout.stride)
 
 
-def stream_chunk_rows(layout, chunk_bytes: int) -> int:
-    """Bundles a prefill stream's chunk holds: chunk_bytes of them, never more than a layer has."""
-    return min(max(1, chunk_bytes // layout.stride), max(layout.n_neurons))
+def stream_shape(layout, chunk_bytes: int, depth: int) -> tuple[int, int]:
+    """(bundles a stream's chunk holds, chunks in flight) for `layout`: chunk_bytes of bundles, never more than a
+    layer has, and no more chunks than a layer fills (more would hold a second layer's rows)."""
+    rows = min(max(1, chunk_bytes // layout.stride), max(layout.n_neurons))
+    return rows, max(1, min(int(depth), -(-max(layout.n_neurons) // rows)))
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ from .budget import (HEAP_SLACK_BYTES, BudgetPlan, auto_budget_bytes, down_scale
                      resident_matrix_shapes, runtime_estimate_bytes)
 from .default_model import default_model_path, ensure_default_model
 from .ffn.experts import ExpertFFN
-from .ffn.flash import STREAM_CHUNK_BYTES, FlashFFN
+from .ffn.flash import FlashFFN, stream_args, stream_settings
 from .ffn.gate import CALIBRATION_CTX, CALIBRATION_TOKENS, GateFFN, LayerMagnitudes, measure_thresholds
 from .ffn.resident import ResidentFFN
 from .loader import load_weights, open_any
@@ -149,7 +149,7 @@ def plan_dram(files: ModelFiles, ffn: str, dram_budget, ctx: int, window: int, l
 
     def plan_for(budget: int, requested: bool):
         return plan_budget(cfg, layout, budget, ctx, window, max_active=max_active, resident_bytes=resident,
-                           runtime_bytes=runtime_bytes, stream_chunk_bytes=STREAM_CHUNK_BYTES, requested=requested,
+                           runtime_bytes=runtime_bytes, **stream_args(layout), requested=requested,
                            lookahead=lookahead, heap_slack_bytes=HEAP_SLACK_BYTES if runtime_bytes else 0)
     whole = plan_for(1 << 60, False).used_bytes
     if dram_budget == "auto":
@@ -185,12 +185,12 @@ def minimum_bytes(cfg: ModelConfig, layout, kinds: dict, ffn: str, ctx: int, run
         parts = {name: layout.make_part(name) for name in SPLIT_PARTS}          # as convert will write them
         candidates.append(plan_gate(cfg, layout, 1 << 60, ctx, 5, DEFAULT_SPARSITY, layers=0, parts=parts,
                                     resident_bytes=resident_bytes_of(cfg, layout, kinds), runtime_bytes=runtime_bytes,
-                                    stream_chunk_bytes=STREAM_CHUNK_BYTES,
+                                    **stream_args(layout),
                                     heap_slack_bytes=HEAP_SLACK_BYTES).minimum_bytes)
         if ffn == "gate":
             return candidates[0]
     sparse = plan_budget(cfg, layout, 1 << 60, ctx, resident_bytes=resident_bytes_of(cfg, layout, kinds, ffn),
-                         runtime_bytes=runtime_bytes, stream_chunk_bytes=STREAM_CHUNK_BYTES,
+                         runtime_bytes=runtime_bytes, **stream_args(layout),
                          heap_slack_bytes=HEAP_SLACK_BYTES).minimum_bytes
     if ffn != "auto":
         return sparse
@@ -451,7 +451,7 @@ def decide_gate(files: ModelFiles, ffn: str, dram_budget, ctx: int, window: int,
 
     def plan_for(budget: int, requested: bool):
         return plan_gate(cfg, layout, budget, ctx, window, files.gate.sparsity, resident_bytes=resident,
-                         runtime_bytes=files.runtime_bytes, stream_chunk_bytes=STREAM_CHUNK_BYTES,
+                         runtime_bytes=files.runtime_bytes, **stream_args(layout),
                          requested=requested, heap_slack_bytes=HEAP_SLACK_BYTES if files.runtime_bytes else 0)
     whole = plan_for(1 << 60, False).used_bytes
     notes = ()
@@ -501,6 +501,7 @@ def build(files: ModelFiles, decision: Decision, threads: int | None = None, pro
                           down_scales=ckpt.down_scales_all())
         if verbose:
             print(runtime.reader.describe(), file=sys.stderr)
+            print(runtime.stream.describe(stream_settings(ckpt.layout).source), file=sys.stderr)
         return Transformer(cfg, weights, ffn=runtime), files.tokenizer, runtime
     select = oracle_selector(cfg, ckpt, predictors) if decision.ffn == "oracle" else predictors.predict
     runtime = FlashFFN(cfg, ckpt.layout, decision.plan, select, predictors,
@@ -509,6 +510,7 @@ def build(files: ModelFiles, decision: Decision, threads: int | None = None, pro
                        lookahead=lookahead_selector(cfg, weights, predictors) if decision.lookahead else None)
     if verbose:
         print(runtime.reader.describe(), file=sys.stderr)
+        print(runtime.stream.describe(stream_settings(ckpt.layout).source), file=sys.stderr)
     return Transformer(cfg, weights, ffn=runtime), files.tokenizer, runtime
 
 

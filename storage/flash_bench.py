@@ -4,7 +4,9 @@ reader engines: threads (1 read in flight per thread) and io_uring (queue depth)
 Reads go through BundleReader (O_DIRECT) on a scratch file, so the numbers are what the runtime can get, not what a C
 tool gets; each cell also records the CPU seconds per GB it cost. From the table it saves a device profile (engine,
 queue depth, threads and coalescing gap per request size, see storage/profile.py) that BundleReader uses by default.
-With -m FLASHDIR it also reads random neuron sets of that model's real bundles.
+With -m FLASHDIR it also reads random neuron sets of that model's real bundles. Then sequential streams (a layer read
+whole, storage.reader.RowStream) per chunk size and chunks in flight: the profile's "stream" entry, which the exact
+gate's and prefill's streams use (storage.profile.stream_defaults).
 """
 from __future__ import annotations
 
@@ -33,8 +35,13 @@ from storage.sizes import human, parse_size  # noqa: F401  (re-exported for benc
 from .cache import cache_dir
 from .profile import DEFAULT_DEPTH, DEFAULT_THREADS, device_key, save_profile
 from . import uring
-from .reader import BundleReader, aligned_empty
+from .reader import BundleReader, RowStream, aligned_empty
 
+STREAM_CHUNKS = (1 << 20, 2 << 20, 4 << 20, 8 << 20)   # a stream's chunk sizes and chunks in flight measured
+STREAM_DEPTHS = (1, 2, 4, 8)
+STREAM_ROW = 4096              # the scratch file's rows in a stream (any multiple of 512: the spans are the same)
+STREAM_LAYER_BYTES = 256 << 20   # a stream reads this much of the scratch file whole, again and again
+STREAM_SHARE = 0.9             # the stream entry: the fewest bytes in flight within this share of the best rate
 DEST_BYTES = 64 << 20          # destination buffer per measurement
 OPS_PER_THREAD = 32            # reads per thread (or per ring slot) per call: amortises the hand-off
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -119,6 +126,35 @@ def measure(reader: BundleReader, n_bundles: int, batch: int, seconds: float, rn
                 tot[k] += getattr(st, k)
         if done:
             return {**tot, "calls": calls, "seconds": time.perf_counter() - t0}
+
+
+def bench_streams(path: Path, size: int, seconds: float, chunks=STREAM_CHUNKS,
+                  depths=STREAM_DEPTHS) -> list[dict]:
+    """One row per (chunk, depth): MB/s and CPU seconds per GB of a stream reading the scratch file's first
+    STREAM_LAYER_BYTES whole, chunk after chunk, `depth` chunks in flight (nothing computed between)."""
+    layer = min(size, STREAM_LAYER_BYTES) // STREAM_ROW * STREAM_ROW
+    rows = []
+    with BundleReader(synthetic_layout(path, STREAM_ROW, layer)) as reader:
+        for chunk in [c for c in chunks if c <= layer]:
+            for depth in depths:
+                stream = RowStream(reader, chunk // STREAM_ROW, depth)
+                nbytes, cpu0, t0 = 0, cpu_seconds(), time.perf_counter()
+                while time.perf_counter() - t0 < seconds:
+                    for _, _, rs, _ in stream.chunks(0):
+                        nbytes += rs.read_bytes
+                dt, cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
+                rows.append({"chunk": chunk, "depth": depth, "MBps": nbytes / dt / 1e6,
+                             "cpu_s_per_GB": cpu / max(nbytes / 1e9, 1e-9)})
+    return rows
+
+
+def derive_stream(rows: list[dict]) -> dict:
+    """The profile's stream entry: the fewest bytes in flight (chunk x depth; the DRAM budget pays for them) whose
+    rate is within STREAM_SHARE of the best, the smaller chunk on a tie."""
+    best = max(r["MBps"] for r in rows)
+    pick = min((r for r in rows if r["MBps"] >= STREAM_SHARE * best),
+               key=lambda r: (r["chunk"] * r["depth"], r["chunk"]))
+    return {"chunk": pick["chunk"], "depth": pick["depth"], "MBps": round(pick["MBps"], 1)}
 
 
 def cpu_seconds() -> float:
@@ -330,23 +366,30 @@ def run(args) -> int:
             print(f"{refused}: measuring the thread engine only", file=sys.stderr)
             depths = []
         rows = bench_grid(scratch, size, chunks, threads, args.seconds, depths)
+        streams = bench_streams(scratch, size, args.seconds, *((STREAM_CHUNKS[:2], (1, 4)) if args.quick else ()))
     finally:   # also on Ctrl-C / SIGTERM: never leave gigabytes behind
         scratch.unlink(missing_ok=True)
         signal.signal(signal.SIGTERM, old_term)
 
     print_table(rows, chunks)
     entries = derive_profile(rows)
+    stream = derive_stream(streams) if streams else None
     result = {"dir": str(d.resolve()), "device": device_key(d), "size": size, "seconds": args.seconds,
-              "grid": rows, "profile": entries}
+              "grid": rows, "profile": entries, "streams": streams, "stream": stream}
     if args.quick:
         print("--quick: a smoke run; the device profile is left as it was")
     elif not args.no_save_profile:
         p = save_profile(d, {"dir": str(d.resolve()), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                             "entries": entries})
+                             "entries": entries, **({"stream": stream} if stream else {})})
         print(f"device profile saved to {p}")
     print("profile (chunk: engine, coalescing gap): " + ", ".join(
         f"{human(e['chunk'])}: " + (f"io_uring depth {e['depth']}" if e["engine"] == "io_uring" else
                                     f"{e['threads']} thr") + f", gap {human(e['gap_bytes'])}" for e in entries))
+    print("streams (a layer read whole), MB/s by chunk and chunks in flight: " + ", ".join(
+        f"{human(r['chunk'])} x {r['depth']}: {r['MBps']:.0f}" for r in streams))
+    if stream:
+        print(f"stream profile: {human(stream['chunk'])} chunks, {stream['depth']} in flight "
+              f"({stream['MBps']:.0f} MB/s)")
     if args.model:
         result["model"] = {"flashdir": str(args.model), "reads": bench_model(args.model, args.seconds)}
         print(f"random neuron sets of {args.model}:")

@@ -28,6 +28,14 @@ DEFAULT_GAP_BYTES = 16 << 10
 DEFAULT_ENGINE = "io_uring"
 DEFAULT_DEPTH = 256
 ENGINES = ("io_uring", "threads")
+# Streams (a layer's rows read whole, in order: storage.reader.RowStream): chunks of this size, this many in flight
+# (the one computed on included). One 2 MiB chunk at a time, read while nothing else was in flight, ran at 0.6-0.8 GB/s
+# on the 7B shape (issue #29). Reading alone on this machine's shared virtio disk (2026-11-24, fio 1 MiB x 8: 0.8-1.3
+# GB/s then), 2 MiB x 1 got 0.51-0.87 GB/s and 2 MiB x 4, 4 MiB x 4 and 8 MiB x 2 0.70-1.20 each; 8 MiB x 2 holds the
+# same 16 MiB and costs the least CPU per token (fewer kernel calls and parallel regions per layer: 1.8-2.0 s against
+# 2.6-2.9 s for 2 MiB x 4 at the 7B's 50% budget, load 6-8).
+DEFAULT_STREAM_CHUNK_BYTES = 8 << 20
+DEFAULT_STREAM_DEPTH = 2
 
 
 class ReaderSettings(NamedTuple):
@@ -35,6 +43,12 @@ class ReaderSettings(NamedTuple):
     gap_bytes: int      # coalescing gap
     engine: str         # "io_uring" or "threads"
     depth: int          # io_uring reads in flight
+    source: str         # where these come from, for -v
+
+
+class StreamSettings(NamedTuple):
+    chunk_bytes: int    # a stream's chunk: what one compute step takes, and one buffer
+    depth: int          # chunks in flight (each in its own buffer)
     source: str         # where these come from, for -v
 
 
@@ -96,3 +110,17 @@ def reader_defaults(path, request_bytes: int) -> ReaderSettings:
         engine = DEFAULT_ENGINE
     return ReaderSettings(max(1, int(best.get("threads", DEFAULT_THREADS))), max(0, int(best["gap_bytes"])), engine,
                           max(1, int(best.get("depth", DEFAULT_DEPTH))), source)
+
+
+def stream_defaults(path) -> StreamSettings:
+    """The stream settings of the device holding `path`: the profile's "stream" entry (flash-bench's sequential
+    measurement), else the built-in defaults. The DRAM plan and the FFN both ask this, so they agree."""
+    try:
+        prof = load_profiles().get(device_key(path)) or {}
+        st = prof.get("stream")
+        if st:
+            return StreamSettings(max(1 << 16, int(st["chunk"])), max(1, int(st["depth"])),
+                                  f"flash-bench profile of {prof.get('dir', '?')} from {prof.get('created', '?')}")
+    except (OSError, KeyError, TypeError, ValueError):
+        pass
+    return StreamSettings(DEFAULT_STREAM_CHUNK_BYTES, DEFAULT_STREAM_DEPTH, "built-in defaults")

@@ -181,13 +181,42 @@ def test_default_ffn_gives_the_same_tokens_with_no_budget_and_at_three_budgets(g
     assert rt is not None and rt.plan.gate_layers == 2
     want = greedy(model, IDS, 16)
     p = rt.plan
-    gu = read_layout(gated["q8_0"]).parts["gate_up"]
-    lowest = p.minimum_bytes - p.gate_bytes + gu.region_bytes(0)     # streams every layer's gate|up rows
+    lowest = p.floor_bytes                  # streams every layer's gate|up rows
     for budget in (lowest, p.minimum_bytes, p.used_bytes):
         model, _, rt = load_runtime(gated["q8_0"], "auto", ctx=64, runtime_bytes=0, dram_budget=budget)
         got = greedy(model, IDS, 16)
         assert got[0] == want[0] and np.array_equal(got[1], want[1]), budget
         assert rt.plan.gate_layers == (0 if budget == lowest else 2)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "q8_0"])
+def test_streams_with_chunks_in_flight_give_the_resident_bits(gated, dtype, monkeypatch):
+    """Every layer's gate|up rows and down rows read as streams of 3-row chunks, 3 chunks in flight and each stream's
+    next layer primed while the current one is computed (storage.reader.RowStream): the prompt's and each decoded
+    token's logits are the bits of the run with every row in DRAM and no stream."""
+    from flashinfer_lite.ffn import flash
+    from storage.profile import StreamSettings
+    stride = {n: p.stride for n, p in read_layout(gated[dtype]).parts.items()}
+    # 3 rows a chunk (at least 3: the smaller stride's chunk bytes hold 3 of the larger's rows or more)
+    monkeypatch.setattr(flash, "stream_defaults", lambda path: StreamSettings(3 * max(stride.values()), 3, "test"))
+    model, _, rt = load_runtime(gated[dtype], "auto", ctx=64, runtime_bytes=0)
+    assert rt.plan.gate_layers == 2
+    want = greedy(model, IDS, 8)
+    assert rt.stats.read_bytes == rt.stats.prefill_bytes_read == 0
+    model, _, rt = load_runtime(gated[dtype], "auto", ctx=64, runtime_bytes=0, dram_budget=rt.plan.floor_bytes)
+    assert rt.plan.gate_layers == 0 and rt.stream.depth == 3 and rt.gate_up_stream.depth == 3
+    rt.stream_decode = lambda layer, ids: True                 # every decoded token's down rows read whole too
+    rt.prefer_streaming = lambda layer, sets: True
+    chunks, primes = [], []
+    for s in (rt.stream, rt.gate_up_stream):
+        s.chunks = (lambda f: lambda layer: (chunks.append(layer), (yield from f(layer))))(s.chunks)
+        s.prime = (lambda f: lambda layer: (primes.append(layer), f(layer)))(s.prime)
+    got = greedy(model, IDS, 8)
+    assert got[0] == want[0] and np.array_equal(got[1], want[1])
+    n = read_layout(gated[dtype]).parts["down"].n_neurons[0]
+    assert rt.stream.rows >= 3 and n > 2 * rt.stream.rows * rt.stream.depth    # a layer is several rounds of chunks
+    assert len(chunks) == 2 * 2 * 9 and len(primes) >= 2 * 2 * 8                # 2 streams x 2 layers x 9 passes
+    assert rt.stats.read_bytes > 0 and rt.stats.prefill_bytes_read > 0
 
 
 def test_dense_stays_exact_dense(gated, float32_activations):

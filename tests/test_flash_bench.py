@@ -10,7 +10,8 @@ import pytest
 from flash_fixtures import write_random_flashdir
 from storage.errors import UserError
 from storage import flash_bench
-from storage.profile import DEFAULT_DEPTH, DEFAULT_ENGINE, DEFAULT_GAP_BYTES, DEFAULT_THREADS, reader_defaults
+from storage.profile import (DEFAULT_DEPTH, DEFAULT_ENGINE, DEFAULT_GAP_BYTES, DEFAULT_THREADS, reader_defaults,
+                             stream_defaults)
 from storage.reader import BundleReader
 
 CHUNKS = [4096, 16384, 65536, 262144, 1 << 20]
@@ -88,6 +89,13 @@ def test_tiny_run_writes_results_and_a_profile_the_reader_uses(tmp_path, monkeyp
     with BundleReader(flashdir) as r:
         assert (r.threads, r.coalesce_gap, r.engine) == (entry["threads"], entry["gap_bytes"] // 1536, entry["engine"])
         assert entry["engine"] == "threads" or r.describe().startswith(f"reader: io_uring, {entry['depth']} reads")
+    # the streams measured sequential reads of the scratch file, and the exact gate's streams now use their pick
+    assert {(r["chunk"], r["depth"]) for r in result["streams"]} == {(c, d) for c in (1 << 20, 2 << 20)
+                                                                     for d in (1, 2, 4, 8)}
+    assert all(r["MBps"] > 0 for r in result["streams"])
+    st = stream_defaults(flashdir / "ffn.bin")
+    assert (st.chunk_bytes, st.depth) == (result["stream"]["chunk"], result["stream"]["depth"])
+    assert st.source.startswith("flash-bench profile")
     assert "device profile saved" in capsys.readouterr().out
     assert r.settings_source.startswith(f"flash-bench profile of {work.resolve()} from ")
     # a --quick smoke run afterwards leaves that profile alone (it once moved the reader from 8 threads to 4)
@@ -118,6 +126,7 @@ def test_without_profile_reader_uses_builtin_defaults(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(tmp_path / "empty"))
     assert reader_defaults(tmp_path, 4096) == (DEFAULT_THREADS, DEFAULT_GAP_BYTES, DEFAULT_ENGINE, DEFAULT_DEPTH,
                                              "built-in defaults (no flash-bench profile of this device)")
+    assert stream_defaults(tmp_path).source == "built-in defaults"
 
 
 @pytest.mark.parametrize("argv, message", [

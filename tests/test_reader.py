@@ -327,3 +327,65 @@ def test_requests_in_flight_together_finish_in_any_order(flashdirs, engine):
             rows = raw[L.offset[layer]:L.offset[layer] + N * L.stride].reshape(N, L.stride)
             assert np.array_equal(dest, rows[ids])
             assert p.wait().n_reads == 25
+
+
+@pytest.mark.parametrize("rows, depth", [(7, 3), (1, 1), (N, 2)])
+def test_a_stream_reads_each_layer_whole_in_order_with_chunks_in_flight(flashdirs, engine, rows, depth):
+    """RowStream: a layer's bundles chunk after chunk (spans straight into its buffers, also for strides that are not
+    multiples of 512), the file's bytes; a stream primed for one layer and asked for another reads the other."""
+    for dt in ("f32", "f16", "int8"):
+        path = flashdirs[dt][0]
+        with BundleReader(path, threads=2, engine=engine, depth=4, max_read_bytes=4096) as r:
+            check_engine(r, engine)
+            L = r.layout
+            raw = np.fromfile(path / "ffn.bin", np.uint8)
+            s = reader_mod.RowStream(r, rows, depth)
+            s.prime(0)
+            for layer in (1, 0, 1):
+                got, starts = [], []
+                for first, B, rs, _ in s.chunks(layer):
+                    starts.append(first)
+                    got.append(B.copy())
+                    assert rs.requested_bytes == B.nbytes and rs.read_bytes >= B.nbytes
+                want = raw[L.offset[layer]:L.offset[layer] + L.n_neurons[layer] * L.stride].reshape(-1, L.stride)
+                assert starts == list(range(0, L.n_neurons[layer], rows))
+                assert np.array_equal(np.concatenate(got), want), (dt, layer)
+            assert s.dropped.read_bytes > 0 and s.primed == -1          # layer 0's primed chunks, read and unused
+
+
+def test_a_stream_past_the_end_of_a_truncated_file_names_it(tmp_path, engine):
+    path = tmp_path / "f"
+    write_random_flashdir(path, "f32", n=N)
+    with BundleReader(path, engine=engine) as r:
+        check_engine(r, engine)
+        L = r.layout
+        os.truncate(path / "ffn.bin", L.offset[1] + 10 * L.stride)
+        s = reader_mod.RowStream(r, 64, 2)
+        with pytest.raises(UserError, match=r"ffn\.bin.*short read.*layer 1"):
+            for _ in s.chunks(1):
+                pass
+        assert s.primed == -1
+
+
+@pytest.mark.parametrize("short_by", [0, 512], ids=["EIO", "short read"])
+def test_a_streams_failed_read_is_retried_once_then_reported(flashdirs, monkeypatch, engine, short_by):
+    """A stream's reads are the reader's: one failure is retried and the rows are the file's; two fail the stream
+    with one error, no read left in flight, and the next stream of that reader reads the file."""
+    path = flashdirs["f32"][0]
+    raw = np.fromfile(path / "ffn.bin", np.uint8)
+    failures = {"left": 1}
+    with BundleReader(path, threads=1, engine=engine, depth=2, max_read_bytes=1 << 20) as r:
+        check_engine(r, engine)
+        L = r.layout
+        want = raw[L.offset[0]:L.offset[0] + L.n_neurons[0] * L.stride].reshape(-1, L.stride)
+        s = reader_mod.RowStream(r, 50, 2)
+        inject_eio(monkeypatch, engine, failures, short_by)
+        assert np.array_equal(np.concatenate([B.copy() for _, B, _, _ in s.chunks(0)]), want)
+        assert failures["left"] == 0
+        failures["left"] = 2
+        s = reader_mod.RowStream(r, 50, 1)           # one read in flight: both failures are the same read's
+        with pytest.raises(UserError, match=r"ffn\.bin.*layer 0"):
+            for _ in s.chunks(0):
+                pass
+        assert s.primed == -1
+        assert np.array_equal(np.concatenate([B.copy() for _, B, _, _ in s.chunks(0)]), want)

@@ -16,7 +16,8 @@ import pytest
 
 from conftest import STORIES
 from flashinfer_lite.budget import HEAP_SLACK_BYTES, plan_budget, plan_resident_ffn, resident_bytes_for
-from flashinfer_lite.runtime import STREAM_CHUNK_BYTES, minimum_bytes, model_facts
+from flashinfer_lite.ffn.flash import stream_args
+from flashinfer_lite.runtime import minimum_bytes, model_facts
 from storage.convert import convert
 from storage.errors import UserError
 from storage.format import FlashCheckpoint
@@ -30,7 +31,7 @@ def planner_minimum(flashdir: Path, ctx: int, ffn: str) -> int:
     ckpt = FlashCheckpoint(flashdir)
     cfg, layout = ckpt.config, ckpt.layout
     resident = resident_bytes_for(cfg, half=layout.dtype != "f32", kinds=ckpt.resident_kinds)
-    sparse = plan_budget(cfg, layout, 1 << 60, ctx, resident_bytes=resident, stream_chunk_bytes=STREAM_CHUNK_BYTES,
+    sparse = plan_budget(cfg, layout, 1 << 60, ctx, resident_bytes=resident, **stream_args(layout),
                          heap_slack_bytes=HEAP_SLACK_BYTES).minimum_bytes
     in_ram = plan_resident_ffn(cfg, layout, 1 << 60, ctx, resident, heap_slack_bytes=HEAP_SLACK_BYTES).minimum_bytes
     return sparse if ffn == "predicted" else min(sparse, in_ram)

@@ -12,19 +12,28 @@ import time
 
 import numpy as np
 
-from storage.reader import BundleReader, aligned_empty
+from storage.profile import StreamSettings, stream_defaults
+from storage.reader import BundleReader, RowStream
 from storage.stats import FlashStats
 
-from ..budget import staging_rows, stream_chunk_rows
+from ..budget import staging_rows, stream_shape
 from storage.config import ModelConfig
 from ..neuron_cache import NeuronCache
 from ..threads import beside_reads
 from .gating import threshold_of
 from .quant import sparse_ffns
 
-# prefill streaming reads a layer in chunks of this size: from 1 MiB up sequential reads run at full device speed,
-# and the chunk (budget.stream_transient_bytes) is what the DRAM budget pays for it
-STREAM_CHUNK_BYTES = 2 << 20
+
+def stream_settings(layout) -> StreamSettings:
+    """The chunk size and depth a FLASHDIR's layers are streamed with (the device's, storage.profile.stream_defaults):
+    the FFNs read with them and the DRAM plan counts their buffers (stream_args)."""
+    return stream_defaults(layout.ffn_path if layout.flashdir is not None else None)
+
+
+def stream_args(layout) -> dict:
+    """budget.plan_budget's stream arguments for `layout`: the buffers of stream_settings."""
+    s = stream_settings(layout)
+    return {"stream_chunk_bytes": s.chunk_bytes, "stream_depth": s.depth}
 
 
 
@@ -63,7 +72,8 @@ class FlashFFN:
         self.kernels = sparse_ffns(layout, act=cfg.act, relu_threshold=threshold_of(cfg.act, cfg.relu_threshold),
                                    max_active=max(layout.n_neurons), down_scales=down_scales)   # per layer
         self._coef = np.zeros(max(layout.n_neurons), np.float32)   # one piece's coefficients
-        self._chunk = None  # prefill streaming buffer, allocated on first use (counted in the plan's buffers)
+        st = stream_settings(layout)      # prefill streaming's buffers (counted in the plan's buffers)
+        self.stream = RowStream(self.reader, *stream_shape(layout, st.chunk_bytes, st.depth))
         self._pass_lookups = 0   # hits + misses when the current forward pass began
 
     # -- choosing neurons ---------------------------------------------------------------------------------------------
@@ -205,25 +215,18 @@ class FlashFFN:
         selected = np.zeros((x.shape[0], L.n_neurons[layer]), bool)   # [T, n] by bundle id
         for t, row in enumerate(ids):
             selected[t, row] = True
-        rows_per_chunk = stream_chunk_rows(L, STREAM_CHUNK_BYTES)
-        if self._chunk is None:
-            self._chunk = aligned_empty((rows_per_chunk, L.stride), np.uint8)
         y[:] = 0.0
-        n = L.n_neurons[layer]
-        chunk_rows = np.arange(rows_per_chunk, dtype=np.int32)   # int32 like the cache's rows: the same kernel
-        for start in range(0, n, rows_per_chunk):
-            m = min(rows_per_chunk, n - start)
-            t0 = time.perf_counter()
-            rs = self.reader.read(layer, np.arange(start, start + m), dest=self._chunk, slots=np.arange(m))
-            self.stats.read_s += time.perf_counter() - t0    # a synchronous read: waited while it was in flight
+        chunk_rows = np.arange(self.stream.rows, dtype=np.int32)   # int32 like the cache's rows: the same kernel
+        for start, B, rs, waited in self.stream.chunks(layer):
+            m = B.shape[0]
+            self.stats.read_s += waited     # the wait for a read in flight (the next ones go on meanwhile)
             self.stats.io_s += rs.io_s
             self.stats.prefill_bytes_read += rs.read_bytes
             # The decode path's kernel and order: each row's selected neurons in bundle order, chunk after chunk,
             # accumulated into the same y[t] (its down bias stays out: it is added once per layer).
             coef = np.empty((x.shape[0], m), np.float32)
             self._coefficients(layer, chunk_rows[:m], None, x, coef,
-                               sel=np.ascontiguousarray(selected[:, start:start + m]).view(np.uint8),
-                               B=self._chunk[:m])
+                               sel=np.ascontiguousarray(selected[:, start:start + m]).view(np.uint8), B=B)
             t2 = time.perf_counter()
-            self.kernels[layer].accumulate(self._chunk[:m], chunk_rows[:m], coef, y)
+            self.kernels[layer].accumulate(B, chunk_rows[:m], coef, y)
             self.stats.compute_s += time.perf_counter() - t2

@@ -23,12 +23,12 @@ from tqdm import tqdm
 
 from storage.errors import UserError
 from storage.checksums import drop_from_page_cache
-from storage.reader import BundleReader, aligned_empty
+from storage.reader import BundleReader, RowStream
 from storage.stats import FlashStats
 
-from ..budget import stream_chunk_rows
+from ..budget import stream_shape
 from ..neuron_cache import NeuronCache
-from .flash import STREAM_CHUNK_BYTES, FlashFFN
+from .flash import FlashFFN, stream_settings
 from .split import SplitKernels
 
 
@@ -56,8 +56,16 @@ class GateFFN(FlashFFN):
         self.kernels = SplitKernels(self.gate_up, self.layout, cfg.act, cfg.relu_threshold, down_scales)
         k = plan.gate_layers if resident_layers is None else resident_layers
         self.heads = [self._read_gate_up(i) if i < k else None for i in range(cfg.n_layers)]
-        self._head = None       # the stream buffer of a layer whose gate|up rows are not resident
-        self._chunk = None      # prefill streaming buffer (FlashFFN.prefer_streaming chose it)
+        # Two streams, each with its chunks in flight while one is computed: the gate|up rows of the layers not
+        # resident (reading their own file), and down rows read whole (stream_decode, or a prompt's streaming).
+        # Each starts its next layer as soon as it is done with one, so reads go on during attention and the other
+        # stream's compute.
+        st = stream_settings(layout)
+        self.gate_up_reader = BundleReader(self.gate_up, threads=threads) if k < cfg.n_layers else None
+        self.gate_up_stream = RowStream(self.gate_up_reader, *stream_shape(self.gate_up, st.chunk_bytes, st.depth)) \
+            if self.gate_up_reader else None
+        self.stream = RowStream(self.reader, *stream_shape(self.layout, st.chunk_bytes, st.depth))
+        self.streamed = [False] * cfg.n_layers    # per layer: whether its down rows were read whole last time
         self._pass_lookups = 0
         self.observe = None     # observe(layer, coef [T, n]): calibration's view of every coefficient
 
@@ -77,27 +85,42 @@ class GateFFN(FlashFFN):
             raise UserError(f"{G.ffn_path}: short read of layer {layer}: the file is truncated; re-run convert")
         return out
 
-    def head(self, layer: int) -> np.ndarray:
-        """The gate|up rows of a layer: resident, or streamed into the one stream buffer (counted as read bytes)."""
-        if self.heads[layer] is not None:
-            return self.heads[layer]
-        G = self.gate_up
-        if self._head is None:
-            self._head = np.empty((max(G.n_neurons), G.stride), np.uint8)
-        t0 = time.perf_counter()
-        H = self._read_gate_up(layer, self._head[:G.n_neurons[layer]])
-        self.stats.read_s += time.perf_counter() - t0
-        self.stats.read_bytes += H.nbytes
-        return H
-
     def coefficients(self, layer: int, x: np.ndarray) -> np.ndarray:
-        """coef float32 [T, n] in bundle order: every neuron's coefficient, 0 where it did not clear the threshold."""
-        H = self.head(layer)
-        coef = np.empty((x.shape[0], H.shape[0]), np.float32)
-        t0 = time.perf_counter()
-        self.kernels.coefficients(H, x, coef, self.thresholds[layer], layer)
-        self.stats.compute_s += time.perf_counter() - t0
+        """coef float32 [T, n] in bundle order: every neuron's coefficient, 0 where it did not clear the threshold.
+        A layer whose gate|up rows are not resident: chunk by chunk as they are read (a neuron's coefficient is its
+        own row's, so the bits are the resident layer's)."""
+        H = self.heads[layer]
+        if H is not None:
+            coef = np.empty((x.shape[0], H.shape[0]), np.float32)
+            t0 = time.perf_counter()
+            self.kernels.coefficients(H, x, coef, self.thresholds[layer], layer)
+            self.stats.compute_s += time.perf_counter() - t0
+            return coef
+        coef = np.empty((x.shape[0], self.gate_up.n_neurons[layer]), np.float32)
+        part = np.empty((x.shape[0], self.gate_up_stream.rows), np.float32)
+        for start, H, rs, waited in self.gate_up_stream.chunks(layer):
+            m = H.shape[0]
+            self.stats.read_s += waited
+            self.stats.io_s += rs.io_s
+            self.stats.read_bytes += rs.read_bytes
+            t0 = time.perf_counter()
+            self.kernels.coefficients(H, x, part[:, :m], self.thresholds[layer], layer)
+            coef[:, start:start + m] = part[:, :m]
+            self.stats.compute_s += time.perf_counter() - t0
+        self.gate_up_stream.prime(self._next_streamed(layer))
         return coef
+
+    def _next_streamed(self, layer: int) -> int:
+        """The layer after `layer` whose gate|up rows are not resident (the next token's first, after the last)."""
+        n = self.cfg.n_layers
+        return next(i % n for i in range(layer + 1, layer + 1 + n) if self.heads[i % n] is None)
+
+    def _dropped(self) -> None:
+        """Count the bytes of primed chunks that were read and not used (a layer that did not stream after all)."""
+        for s in (self.stream, self.gate_up_stream):
+            if s is not None and s.dropped.read_bytes:
+                self.stats.read_bytes += s.dropped.read_bytes
+                s.dropped = FlashStats()
 
     def __call__(self, layer: int, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
@@ -105,11 +128,15 @@ class GateFFN(FlashFFN):
         if layer == 0:
             self._pass_lookups = self.stats.hits + self.stats.misses
             self._pass_streamed = False
+        n = self.layout.n_neurons[layer]
+        if self.stream.primed < 0 and self.streamed[layer] and self.cache.matrix(layer).shape[0] < n:
+            self.stream.prime(layer)     # likely read whole again: its first chunks come during the coefficients
         coef = self.coefficients(layer, x)
         if self.observe is not None:
             self.observe(layer, coef)
         ids = np.flatnonzero(coef.any(axis=0))          # bundle ids any row needs, ascending
         y = np.zeros_like(x)
+        self.streamed[layer] = True
         if T > 1 and self.prefer_streaming(layer, [ids]):
             self.stream_down(layer, coef, y)
             self.stats.streamed_layers += 1
@@ -117,7 +144,11 @@ class GateFFN(FlashFFN):
             self.stream_down(layer, coef, y, decode=True)
             self._pass_streamed = True
         else:
+            self.streamed[layer] = False
+            if self.stream.primed == layer:
+                self.stream.cancel()
             self.accumulate_rows(layer, ids, coef, y)
+        self._dropped()
         if self.down_bias[layer] is not None:
             y += self.down_bias[layer]
         self.stats.rows[layer] += T
@@ -155,17 +186,10 @@ class GateFFN(FlashFFN):
         """The down sum reading the layer's down rows in large sequential chunks, rows in bundle order (zero
         coefficients skipped): the sum the cache path computes. decode: a decoded token's (its bytes count as the
         decode path's reads), else a prompt's."""
-        L = self.layout
-        rows_per_chunk = stream_chunk_rows(L, STREAM_CHUNK_BYTES)
-        if self._chunk is None:
-            self._chunk = aligned_empty((rows_per_chunk, L.stride), np.uint8)
-        n = L.n_neurons[layer]
-        slots = np.arange(rows_per_chunk, dtype=np.int32)
-        for start in range(0, n, rows_per_chunk):
-            m = min(rows_per_chunk, n - start)
-            t0 = time.perf_counter()
-            rs = self.reader.read(layer, np.arange(start, start + m), dest=self._chunk, slots=np.arange(m))
-            self.stats.read_s += time.perf_counter() - t0
+        slots = np.arange(self.stream.rows, dtype=np.int32)
+        for start, D, rs, waited in self.stream.chunks(layer):
+            m = D.shape[0]
+            self.stats.read_s += waited
             self.stats.io_s += rs.io_s
             if decode:
                 self.stats.read_bytes += rs.read_bytes
@@ -173,9 +197,12 @@ class GateFFN(FlashFFN):
             else:
                 self.stats.prefill_bytes_read += rs.read_bytes
             t1 = time.perf_counter()
-            self.kernels.accumulate(self._chunk[:m], slots[:m], np.ascontiguousarray(coef[:, start:start + m]), y,
-                                   layer)
+            self.kernels.accumulate(D, slots[:m], np.ascontiguousarray(coef[:, start:start + m]), y, layer)
             self.stats.compute_s += time.perf_counter() - t1
+        following = (layer + 1) % self.cfg.n_layers     # the next layer's (the next token's first, after the last)
+        n = self.layout.n_neurons[following]
+        if self.streamed[following] and self.cache.matrix(following).shape[0] < n:
+            self.stream.prime(following)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
