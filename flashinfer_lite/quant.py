@@ -572,19 +572,64 @@ def rows_dot8(typingctx, r, xq, xd, xs, xl, n, t0, out, kind):
 
 def _k_values(builder, kind, ptr, o, s):
     """<32 x i8>: sub-block s (weights 32s .. 32s + 31) of the K-quant block at byte ptr[o] as unsigned values (q6_k:
-    q + 32) and its scale(s): q4_k / q5_k (sc, min) 6-bit; q6_k the two int8 scales of its halves."""
+    q + 32)."""
     at = lambda k: builder.add(o, ir.Constant(o.type, k))  # noqa: E731
     if kind in (Q4_K, Q5_K):
-        sc, mn = _q4k_scale_min(builder, ptr, at, s)
         u = _bits(builder, ptr, at((16 if kind == Q4_K else 48) + (s >> 1) * 32), 4 * (s & 1), 0x0F)
-        if kind == Q5_K:
-            u = builder.or_(u, builder.shl(_bits(builder, ptr, at(16), s, 1), _vec(builder, _I8, 4)))
-        return u, (sc, mn)
+        if kind == Q5_K:   # bit s of each qh byte, moved to bit 4
+            qh = _load_vec(builder, ptr, _I8, BLOCK, at(16))
+            qh = builder.shl(qh, _vec(builder, _I8, 4 - s)) if s <= 4 else builder.lshr(qh, _vec(builder, _I8, s - 4))
+            u = builder.or_(u, builder.and_(qh, _vec(builder, _I8, 16)))
+        return u
     h, r = s >> 2, s & 3
     lo = _bits(builder, ptr, at(h * 64 + (r & 1) * 32), 4 * (r >> 1), 0x0F)
     hi = _bits(builder, ptr, at(128 + h * 32), 2 * r, 3)
-    return builder.or_(lo, builder.shl(hi, _vec(builder, _I8, 4))), (_byte(builder, ptr, at(192 + 2 * s)),
-                                                                      _byte(builder, ptr, at(193 + 2 * s)))
+    return builder.or_(lo, builder.shl(hi, _vec(builder, _I8, 4)))
+
+
+def _k_scales(builder, kind, ptr, o):
+    """A K-quant block's scales, decoded once per block as <16 x i16>: q4_k / q5_k the 8 6-bit scales, then the 8
+    mins (llama.cpp's get_scale_min_k4, all 8 at once); q6_k its 16 int8 scales, one per 16 weights."""
+    at = lambda k: builder.add(o, ir.Constant(o.type, k))  # noqa: E731
+    v16 = ir.VectorType(_I16, 16)
+    if kind == Q6_K:
+        return builder.sext(_load_vec(builder, ptr, _I8, 16, at(192)), v16)
+    b = _load_vec(builder, ptr, _I8, 16, at(4))  # lane k: byte 4 + k (lanes 12-15 are the next field's, unused)
+    v = lambda x: _vec(builder, _I8, x, 16)  # noqa: E731
+    pick = lambda p, q, lanes: builder.shuffle_vector(p, q, ir.Constant(ir.VectorType(_I32, 16), lanes))  # noqa
+    # scale s < 4: b[s] & 63; s >= 4: b[s + 4] & 15 | top bits; min s < 4: b[s + 4] & 63; s >= 4: b[s + 4] >> 4 | top
+    low = pick(builder.and_(b, v(63)), builder.and_(b, v(15)), [0, 1, 2, 3, 24, 25, 26, 27, 4, 5, 6, 7, 0, 0, 0, 0])
+    low = pick(low, builder.lshr(b, v(4)), list(range(12)) + [24, 25, 26, 27])
+    # their bits 4-5 for s >= 4: (b[s - 4] >> 2) & 0x30 (scale), (b[s] >> 2) & 0x30 (min)
+    top = pick(builder.and_(builder.lshr(b, v(2)), v(0x30)), v(0), [16] * 4 + [0, 1, 2, 3] + [16] * 4 + [4, 5, 6, 7])
+    return builder.zext(builder.or_(low, top), v16)
+
+
+_HAS_AVX2 = "+avx2" in _HOST
+
+
+def _scaled_lanes(builder, acc, u, xv, sv):
+    """acc + (<8 x i32>: lane l = the sum of u[k] * xv[k], k = 4l .. 4l + 3, times scale sv[2l] = sv[2l + 1]), exact:
+    u unsigned <32 x i8> below 64, xv signed <32 x i8> in [-127, 127] (so vpmaddubsw's 16-bit pair sums, at most
+    2 * 63 * 127, do not saturate), sv <16 x i16>. vpmaddubsw then vpdpwssd (AVX512-VNNI) or vpmaddwd and an add; on
+    other hosts the same integers from _lanes_of."""
+    v8, v16 = ir.VectorType(_I32, LANES), ir.VectorType(_I16, 16)
+    fn = lambda name, ty, args: builder.call(cgutils.get_or_insert_function(  # noqa: E731
+        builder.module, ir.FunctionType(ty, [a.type for a in args]), name), args)
+    if not _HAS_AVX2:
+        s32 = builder.sext(builder.shuffle_vector(sv, sv, ir.Constant(v8, list(range(0, 16, 2)))), v8)
+        return builder.add(acc, builder.mul(_lanes_of(builder, u, xv), s32))
+    pairs = fn("llvm.x86.avx2.pmadd.ub.sw", v16, [u, xv])
+    if HAS_VNNI:
+        return fn("llvm.x86.avx512.vpdpwssd.256", v8, [acc, builder.bitcast(pairs, v8), builder.bitcast(sv, v8)])
+    return builder.add(acc, fn("llvm.x86.avx2.pmadd.wd", v8, [pairs, sv]))
+
+
+def _sum_lanes(builder, v):
+    """The sum of an integer vector's lanes (exact: any order)."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v.type.element, [v.type]),
+                                        f"llvm.vector.reduce.add.v{v.type.count}i{v.type.element.width}")
+    return builder.call(fn, [v])
 
 
 @intrinsic
@@ -592,7 +637,9 @@ def row_dot8k(typingctx, r, kq, kd, kb, kind):
     """r . x for a K-quant row r (q4_k, q5_k, q6_k) and x as q8_K blocks (quantize_act_k's kq, kd, kb): per block of
     256 the exact integer sum over its sub-blocks of scale * (8 lanes of products), in 8 lanes, times (d * x's
     scale), summed lane-wise block after block and then by halving; the mins (q4_k, q5_k: dmin * m * x's sums) and
-    q6_k's offset (32 * scale * x's sums) are integers per block too, scaled and summed apart."""
+    q6_k's offset (32 * scale * x's sums) are integers per block too, scaled and summed apart. The scales are decoded
+    once per block (_k_scales) and the mins' integer is one vector product with x's sums (as llama.cpp's
+    ggml_vec_dot_q4_K_q8_K)."""
     if not _rows_ok(r, types.uint8, kq, types.int8, kd, types.float32, kb, types.int32):
         return None
 
@@ -603,31 +650,29 @@ def row_dot8k(typingctx, r, kq, kd, kb, kind):
         mins = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
         n_blocks = builder.sdiv(kq.nitems, ir.Constant(kq.nitems.type, SUPER))
         c = lambda v: ir.Constant(n_blocks.type, v)  # noqa: E731
-        i32 = lambda v: builder.sext(v, _I32)  # noqa: E731
-        bsum = lambda b, g: builder.load(  # noqa: E731  (x's sum of 16 values g of block b)
-            builder.gep(kb.data, [builder.add(builder.mul(b, c(SUPER // 16)), c(g))]))
+        pick = lambda p, lanes: builder.shuffle_vector(p, p, ir.Constant(ir.VectorType(_I32, len(lanes)), lanes))  # noqa
         for k in K_KINDS:
             with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
                 with cgutils.for_range(builder, n_blocks) as loop:
                     b = loop.index
                     o = builder.mul(b, c(_GEOMETRY[k][1]))
-                    lanes, low = ir.Constant(vi, [ir.Constant(_I32, 0)] * LANES), ir.Constant(_I32, 0)
+                    scales = _k_scales(builder, k, r.data, o)
+                    sums = _load_vec(builder, kb.data, _I32, 16, builder.mul(b, c(SUPER // 16)))  # x's sums of 16
+                    if k == Q6_K:          # scale g of each 16 weights times their sum
+                        low = _sum_lanes(builder, builder.mul(builder.sext(scales, ir.VectorType(_I32, 16)), sums))
+                    else:                  # min s times the sum of sub-block s
+                        sums = builder.add(pick(sums, list(range(0, 16, 2))), pick(sums, list(range(1, 16, 2))))
+                        low = _sum_lanes(builder, builder.mul(builder.zext(pick(scales, list(range(8, 16))), vi),
+                                                              sums))
+                    chains = [ir.Constant(vi, [ir.Constant(_I32, 0)] * LANES)] * 2   # two, to overlap latencies
                     for s in range(SUPER // BLOCK):
-                        u, scales = _k_values(builder, k, r.data, o, s)
+                        u = _k_values(builder, k, r.data, o, s)
                         xv = _load_vec(builder, kq.data, _I8, BLOCK,
                                        builder.add(builder.mul(b, c(SUPER)), c(BLOCK * s)))
-                        dot = _lanes_of(builder, u, xv)
-                        if k == Q6_K:      # lanes 0-3: the first 16 weights (scale 2s), 4-7: the next 16 (2s + 1)
-                            sv = builder.shuffle_vector(_vec(builder, _I32, i32(scales[0]), 4),
-                                                        _vec(builder, _I32, i32(scales[1]), 4),
-                                                        ir.Constant(vi, list(range(LANES))))
-                            low = builder.add(low, builder.add(builder.mul(i32(scales[0]), bsum(b, 2 * s)),
-                                                               builder.mul(i32(scales[1]), bsum(b, 2 * s + 1))))
-                        else:
-                            sv = _vec(builder, _I32, builder.zext(scales[0], _I32), LANES)
-                            low = builder.add(low, builder.mul(builder.zext(scales[1], _I32),
-                                                               builder.add(bsum(b, 2 * s), bsum(b, 2 * s + 1))))
-                        lanes = builder.add(lanes, builder.mul(dot, sv))
+                        # q6_k: lanes 0-3 the first 16 weights (scale 2s), 4-7 the next 16 (2s + 1)
+                        sv = pick(scales, [2 * s] * 8 + [2 * s + 1] * 8 if k == Q6_K else [s] * 16)
+                        chains[s & 1] = _scaled_lanes(builder, chains[s & 1], u, xv, sv)
+                    lanes = builder.add(chains[0], chains[1])
                     xd = builder.load(builder.gep(kd.data, [b]))
                     if k == Q6_K:          # d alone, the block's last 2 bytes
                         d = _half_at(context, builder, r.data, builder.add(o, c(208)))
