@@ -464,6 +464,12 @@ def _lanes_of(builder, u, xv):
     return builder.add(builder.add(pick(0), pick(1)), builder.add(pick(2), pick(3)))
 
 
+HAS_GFNI = "+gfni" in _HOST
+# vgf2p8affineqb's 8x8 bit matrices (output bit i = the parity of the matrix's byte 7 - i and the input byte), one per
+# 8 bytes: the low nibble (bits 0-3 kept) for the first 16 bytes, the high nibble moved down for the last 16
+_NIBBLE_MAPS = [0, 0, 0, 0, 8, 4, 2, 1] * 2 + [0, 0, 0, 0, 128, 64, 32, 16] * 2
+
+
 def _unsigned_values(builder, kind, ptr, o):
     """<32 x i8>: the block at byte ptr[o]'s weights as unsigned values u (see _OFFSET_SHIFT)."""
     at = lambda k: builder.add(o, ir.Constant(o.type, k))  # noqa: E731
@@ -472,15 +478,19 @@ def _unsigned_values(builder, kind, ptr, o):
     head = 4 if kind in (Q4_1, Q5_1) else 2
     five = kind in (Q5_0, Q5_1)
     packed = _load_vec(builder, ptr, _I8, 16, at(head + 4 * five))
-    u = builder.shuffle_vector(builder.and_(packed, _vec(builder, _I8, 15, 16)),
-                               builder.lshr(packed, _vec(builder, _I8, 4, 16)),
-                               ir.Constant(ir.VectorType(_I32, BLOCK), list(range(BLOCK))))
-    if five:   # element k's 5th bit: bit k % 8 of qh's byte k // 8 (a byte shuffle and a test, not 32 shifts)
-        qh = _load_vec(builder, ptr, _I8, 4, at(head))
-        spread = builder.shuffle_vector(qh, qh, ir.Constant(ir.VectorType(_I32, BLOCK), [k // 8 for k in range(BLOCK)]))
-        bits = builder.and_(spread, ir.Constant(ir.VectorType(_I8, BLOCK), [1 << (k % 8) for k in range(BLOCK)]))
-        u = builder.or_(u, builder.select(builder.icmp_unsigned("!=", bits, _vec(builder, _I8, 0)),
-                                          _vec(builder, _I8, 16), _vec(builder, _I8, 0)))
+    if HAS_GFNI:   # the 16 bytes in both halves, then one affine map per half: & 15 (low) and >> 4 (high)
+        both = builder.shuffle_vector(packed, packed, ir.Constant(ir.VectorType(_I32, BLOCK), list(range(16)) * 2))
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(both.type, [both.type, both.type, _I8]),
+                                            "llvm.x86.vgf2p8affineqb.256")
+        u = builder.call(fn, [both, ir.Constant(both.type, [_I8c(v) for v in _NIBBLE_MAPS]), _I8c(0)])
+    else:
+        u = builder.shuffle_vector(builder.and_(packed, _vec(builder, _I8, 15, 16)),
+                                   builder.lshr(packed, _vec(builder, _I8, 4, 16)),
+                                   ir.Constant(ir.VectorType(_I32, BLOCK), list(range(BLOCK))))
+    if five:   # element k's 5th bit: bit k of the u32 qh, read as a mask (AVX512: kmovd, then one masked add)
+        qh = builder.load(builder.bitcast(builder.gep(ptr, [at(head)]), _I32.as_pointer()), align=1)
+        u = builder.select(builder.bitcast(qh, ir.VectorType(ir.IntType(1), BLOCK)),
+                           builder.add(u, _vec(builder, _I8, 16)), u)
     return u
 
 
