@@ -642,6 +642,62 @@ def _sum_lanes(builder, v):
     return builder.call(fn, [v])
 
 
+def _dot8k_rows(context, builder, r, kq, kd, kb, kind, n, rows):
+    """The float32 results of row_dot8k of K-quant row r with each of `rows` rows of x as q8_K blocks (row i's values
+    at kq[rows[i] * n], its scales at kd[rows[i] * n // 256], its sums at kb[rows[i] * n // 16]; n: x's length): each
+    weight block's scales and sub-blocks decoded once for all of them, each row summed by exactly the operations
+    row_dot8k performs alone, so a row's bits do not depend on how many rows share the call (as _dot8_rows)."""
+    vf, vi = ir.VectorType(_F32, LANES), ir.VectorType(_I32, LANES)
+    accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, [ir.Constant(_F32, 0.0)] * LANES)) for _ in rows]
+    mins = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in rows]
+    n_blocks = builder.sdiv(n, ir.Constant(n.type, SUPER))
+    c = lambda v: ir.Constant(n_blocks.type, v)  # noqa: E731
+    pick = lambda p, lanes: builder.shuffle_vector(p, p, ir.Constant(ir.VectorType(_I32, len(lanes)), lanes))  # noqa
+    at = [(builder.mul(t, n), builder.mul(t, n_blocks), builder.mul(t, builder.mul(n_blocks, c(SUPER // 16))))
+          for t in rows]                                                  # each row's start in kq, kd and kb
+    for k in K_KINDS:
+        with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
+            with cgutils.for_range(builder, n_blocks) as loop:
+                b = loop.index
+                o = builder.mul(b, c(_GEOMETRY[k][1]))
+                scales = _k_scales(builder, k, r.data, o)
+                lows = []
+                for _, _, s0 in at:
+                    sums = _load_vec(builder, kb.data, _I32, 16, builder.add(s0, builder.mul(b, c(SUPER // 16))))
+                    if k == Q6_K:          # scale g of each 16 weights times x's sum of them
+                        lows.append(_sum_lanes(builder, builder.mul(builder.sext(scales, ir.VectorType(_I32, 16)),
+                                                                    sums)))
+                    else:                  # min s times x's sum of sub-block s
+                        sums = builder.add(pick(sums, list(range(0, 16, 2))), pick(sums, list(range(1, 16, 2))))
+                        lows.append(_sum_lanes(builder, builder.mul(builder.zext(pick(scales, list(range(8, 16))), vi),
+                                                                    sums)))
+                chains = [[ir.Constant(vi, [ir.Constant(_I32, 0)] * LANES)] * 2 for _ in rows]  # two: overlap latency
+                for s in range(SUPER // BLOCK):
+                    u = _k_values(builder, k, r.data, o, s)
+                    # q6_k: lanes 0-3 the first 16 weights (scale 2s), 4-7 the next 16 (2s + 1)
+                    sv = pick(scales, [2 * s] * 8 + [2 * s + 1] * 8 if k == Q6_K else [s] * 16)
+                    for i, (q0, _, _) in enumerate(at):
+                        xv = _load_vec(builder, kq.data, _I8, BLOCK,
+                                       builder.add(q0, builder.add(builder.mul(b, c(SUPER)), c(BLOCK * s))))
+                        chains[i][s & 1] = _scaled_lanes(builder, chains[i][s & 1], u, xv, sv)
+                if k == Q6_K:              # d alone, the block's last 2 bytes
+                    wd = _half_at(context, builder, r.data, builder.add(o, c(208)))
+                else:
+                    wd, dmin = _half_pair_at(context, builder, r.data, o)
+                for i, (_, d0, _) in enumerate(at):
+                    lanes = builder.add(chains[i][0], chains[i][1])
+                    xd = builder.load(builder.gep(kd.data, [builder.add(d0, b)]))
+                    d = builder.fmul(wd, xd)
+                    term = builder.fmul(builder.sitofp(lanes, vf), _vec(builder, _F32, d, LANES))
+                    builder.store(builder.fadd(builder.load(accs[i]), term), accs[i])
+                    if k == Q6_K:          # sum of scale * (q + 32) * x, less 32 * scale * x's sums
+                        m = builder.fmul(d, builder.sitofp(builder.mul(lows[i], ir.Constant(_I32, 32)), _F32))
+                    else:                  # (d * sc) * q - (dmin * m): the mins times x's sums
+                        m = builder.fmul(builder.fmul(dmin, xd), builder.sitofp(lows[i], _F32))
+                    builder.store(builder.fadd(builder.load(mins[i]), m), mins[i])
+    return [builder.fsub(_horizontal_sum(builder, builder.load(a), ()), builder.load(m)) for a, m in zip(accs, mins)]
+
+
 @intrinsic
 def row_dot8k(typingctx, r, kq, kd, kb, kind):
     """r . x for a K-quant row r (q4_k, q5_k, q6_k) and x as q8_K blocks (quantize_act_k's kq, kd, kb): per block of
@@ -655,49 +711,25 @@ def row_dot8k(typingctx, r, kq, kd, kb, kind):
 
     def codegen(context, builder, sig, args):
         r, kq, kd, kb, kind = _arrays(context, builder, sig, args)
-        vf, vi = ir.VectorType(_F32, LANES), ir.VectorType(_I32, LANES)
-        acc = cgutils.alloca_once_value(builder, ir.Constant(vf, [ir.Constant(_F32, 0.0)] * LANES))
-        mins = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
-        n_blocks = builder.sdiv(kq.nitems, ir.Constant(kq.nitems.type, SUPER))
-        c = lambda v: ir.Constant(n_blocks.type, v)  # noqa: E731
-        pick = lambda p, lanes: builder.shuffle_vector(p, p, ir.Constant(ir.VectorType(_I32, len(lanes)), lanes))  # noqa
-        for k in K_KINDS:
-            with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
-                with cgutils.for_range(builder, n_blocks) as loop:
-                    b = loop.index
-                    o = builder.mul(b, c(_GEOMETRY[k][1]))
-                    scales = _k_scales(builder, k, r.data, o)
-                    sums = _load_vec(builder, kb.data, _I32, 16, builder.mul(b, c(SUPER // 16)))  # x's sums of 16
-                    if k == Q6_K:          # scale g of each 16 weights times their sum
-                        low = _sum_lanes(builder, builder.mul(builder.sext(scales, ir.VectorType(_I32, 16)), sums))
-                    else:                  # min s times the sum of sub-block s
-                        sums = builder.add(pick(sums, list(range(0, 16, 2))), pick(sums, list(range(1, 16, 2))))
-                        low = _sum_lanes(builder, builder.mul(builder.zext(pick(scales, list(range(8, 16))), vi),
-                                                              sums))
-                    chains = [ir.Constant(vi, [ir.Constant(_I32, 0)] * LANES)] * 2   # two, to overlap latencies
-                    for s in range(SUPER // BLOCK):
-                        u = _k_values(builder, k, r.data, o, s)
-                        xv = _load_vec(builder, kq.data, _I8, BLOCK,
-                                       builder.add(builder.mul(b, c(SUPER)), c(BLOCK * s)))
-                        # q6_k: lanes 0-3 the first 16 weights (scale 2s), 4-7 the next 16 (2s + 1)
-                        sv = pick(scales, [2 * s] * 8 + [2 * s + 1] * 8 if k == Q6_K else [s] * 16)
-                        chains[s & 1] = _scaled_lanes(builder, chains[s & 1], u, xv, sv)
-                    lanes = builder.add(chains[0], chains[1])
-                    xd = builder.load(builder.gep(kd.data, [b]))
-                    if k == Q6_K:          # d alone, the block's last 2 bytes
-                        d = _half_at(context, builder, r.data, builder.add(o, c(208)))
-                    else:
-                        d, dmin = _half_pair_at(context, builder, r.data, o)
-                    d = builder.fmul(d, xd)
-                    term = builder.fmul(builder.sitofp(lanes, vf), _vec(builder, _F32, d, LANES))
-                    builder.store(builder.fadd(builder.load(acc), term), acc)
-                    if k == Q6_K:          # sum of scale * (q + 32) * x, less 32 * scale * x's sums
-                        m = builder.fmul(d, builder.sitofp(builder.mul(low, ir.Constant(_I32, 32)), _F32))
-                    else:                  # (d * sc) * q - (dmin * m): the mins times x's sums
-                        m = builder.fmul(builder.fmul(dmin, xd), builder.sitofp(low, _F32))
-                    builder.store(builder.fadd(builder.load(mins), m), mins)
-        return builder.fsub(_horizontal_sum(builder, builder.load(acc), ()), builder.load(mins))
+        return _dot8k_rows(context, builder, r, kq, kd, kb, kind, kq.nitems, [ir.Constant(kq.nitems.type, 0)])[0]
     return types.float32(r, kq, kd, kb, kind), codegen
+
+
+@intrinsic
+def rows_dot8k(typingctx, r, kq, kd, kb, n, t0, out, kind):
+    """out[i] = row_dot8k of r with row t0 + i of x, for i < DOT8_ROWS, bit for bit (rows_dot8's counterpart: kq, kd,
+    kb act8_buffers' q8_K parts of T rows, flattened; n: x's values per row)."""
+    if not _rows_ok(r, types.uint8, kq, types.int8, kd, types.float32, kb, types.int32, out, types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        r, kq, kd, kb, n, t0, out, kind = _arrays(context, builder, sig, args)
+        n, t0 = (builder.sext(v, _I64) if v.type.width < 64 else v for v in (n, t0))
+        rows = [builder.add(t0, ir.Constant(_I64, i)) for i in range(DOT8_ROWS)]
+        for i, v in enumerate(_dot8k_rows(context, builder, r, kq, kd, kb, kind, n, rows)):
+            builder.store(v, builder.gep(out.data, [ir.Constant(_I64, i)]))
+        return context.get_dummy_value()
+    return types.none(r, kq, kd, kb, n, t0, out, kind), codegen
 
 
 @intrinsic
