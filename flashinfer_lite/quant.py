@@ -163,17 +163,7 @@ def _decode(context, builder, kind, ptr, o, s):
         d = _vec(builder, _F32, _half_at(context, builder, ptr, o))
         if kind == Q8_0:
             return builder.fmul(builder.sitofp(_load_vec(builder, ptr, _I8, BLOCK, at(2)), d.type), d)
-        head = 4 if kind in (Q4_1, Q5_1) else 2                  # the float16 fields
-        five = kind in (Q5_0, Q5_1)
-        packed = _load_vec(builder, ptr, _I8, 16, at(head + 4 * five))
-        q = builder.shuffle_vector(builder.and_(packed, _vec(builder, _I8, 15, 16)),  # elements 0..15: low nibbles
-                                   builder.lshr(packed, _vec(builder, _I8, 4, 16)),   # 16..31: high nibbles
-                                   ir.Constant(ir.VectorType(_I32, BLOCK), list(range(BLOCK))))
-        if five:                                                  # element l's 5th bit: bit l of the u32 qh
-            qh = builder.load(builder.bitcast(builder.gep(ptr, [at(head)]), _I32.as_pointer()), align=1)
-            bit = builder.lshr(_vec(builder, _I32, qh), ir.Constant(ir.VectorType(_I32, BLOCK), list(range(BLOCK))))
-            bit = builder.trunc(builder.and_(bit, _vec(builder, _I32, 1)), ir.VectorType(_I8, BLOCK))
-            q = builder.or_(q, builder.shl(bit, _vec(builder, _I8, 4)))
+        q = _packed_values(builder, kind, ptr, at)
         if kind in (Q4_0, Q5_0):
             return builder.fmul(d, builder.sitofp(builder.sub(q, _vec(builder, _I8, 8 if kind == Q4_0 else 16)),
                                                   d.type))
@@ -475,7 +465,13 @@ def _unsigned_values(builder, kind, ptr, o):
     at = lambda k: builder.add(o, ir.Constant(o.type, k))  # noqa: E731
     if kind == Q8_0:
         return builder.xor(_load_vec(builder, ptr, _I8, BLOCK, at(2)), _vec(builder, _I8, 0x80))
-    head = 4 if kind in (Q4_1, Q5_1) else 2
+    return _packed_values(builder, kind, ptr, at)
+
+
+def _packed_values(builder, kind, ptr, at):
+    """<32 x i8>: the unsigned 4- or 5-bit values of the q4_0 / q4_1 / q5_0 / q5_1 block whose byte k is at(k):
+    elements 0-15 the low nibbles, 16-31 the high ones, plus 16 where the element's bit of qh is set."""
+    head = 4 if kind in (Q4_1, Q5_1) else 2                  # the float16 fields
     five = kind in (Q5_0, Q5_1)
     packed = _load_vec(builder, ptr, _I8, 16, at(head + 4 * five))
     if HAS_GFNI:   # the 16 bytes in both halves, then one affine map per half: & 15 (low) and >> 4 (high)
