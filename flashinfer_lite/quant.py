@@ -437,6 +437,8 @@ def act8_rounded(x: np.ndarray, a: tuple, kind: int = Q8_0) -> np.ndarray:
 
 _HOST = set(llvm_binding.get_host_cpu_features().flatten().split(","))
 HAS_VNNI = {"+avx512vnni", "+avx512vl"} <= _HOST
+HAS_AVX2 = "+avx2" in _HOST
+HAS_GFNI = {"+gfni", "+avx"} <= _HOST        # the 256-bit vgf2p8affineqb
 
 
 def _lanes_of(builder, u, xv):
@@ -454,7 +456,6 @@ def _lanes_of(builder, u, xv):
     return builder.add(builder.add(pick(0), pick(1)), builder.add(pick(2), pick(3)))
 
 
-HAS_GFNI = "+gfni" in _HOST
 # vgf2p8affineqb's 8x8 bit matrices (output bit i = the parity of the matrix's byte 7 - i and the input byte), one per
 # 8 bytes: the low nibble (bits 0-3 kept) for the first 16 bytes, the high nibble moved down for the last 16
 _NIBBLE_MAPS = [0, 0, 0, 0, 8, 4, 2, 1] * 2 + [0, 0, 0, 0, 128, 64, 32, 16] * 2
@@ -611,9 +612,6 @@ def _k_scales(builder, kind, ptr, o):
     return builder.zext(builder.or_(low, top), v16)
 
 
-_HAS_AVX2 = "+avx2" in _HOST
-
-
 def _scaled_lanes(builder, acc, u, xv, sv):
     """acc + (<8 x i32>: lane l = the sum of u[k] * xv[k], k = 4l .. 4l + 3, times scale sv[2l] = sv[2l + 1]), exact:
     u unsigned <32 x i8> below 64, xv signed <32 x i8> in [-127, 127] (so vpmaddubsw's 16-bit pair sums, at most
@@ -622,7 +620,7 @@ def _scaled_lanes(builder, acc, u, xv, sv):
     v8, v16 = ir.VectorType(_I32, LANES), ir.VectorType(_I16, 16)
     fn = lambda name, ty, args: builder.call(cgutils.get_or_insert_function(  # noqa: E731
         builder.module, ir.FunctionType(ty, [a.type for a in args]), name), args)
-    if not _HAS_AVX2:
+    if not HAS_AVX2:
         s32 = builder.sext(builder.shuffle_vector(sv, sv, ir.Constant(v8, list(range(0, 16, 2)))), v8)
         return builder.add(acc, builder.mul(_lanes_of(builder, u, xv), s32))
     pairs = fn("llvm.x86.avx2.pmadd.ub.sw", v16, [u, xv])
