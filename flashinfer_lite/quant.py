@@ -629,6 +629,29 @@ def _scaled_lanes(builder, acc, u, xv, sv):
     return builder.add(acc, fn("llvm.x86.avx2.pmadd.wd", v8, [pairs, sv]))
 
 
+def _k_low(builder, kind, scales, kb, at):
+    """The integer sum over a K-quant block's 16 groups of 16 weights of x's sum of the group (kb[at + g]) times the
+    group's multiplier (_k_scales' lanes): q6_k its scale g, q4_k / q5_k the min of its sub-block g // 2. Exact."""
+    of = [g if kind == Q6_K else 8 + g // 2 for g in range(16)]     # the lane of scales multiplying sum g
+    if HAS_AVX2:   # |a sum| <= 16 * 127, so its low 16 bits are it: vpmaddwd of (low, high) halves by (multiplier, 0)
+        zero = ir.Constant(scales.type, [ir.Constant(_I16, 0)] * 16)
+        lanes = [[v for g in of[8 * h:8 * h + 8] for v in (g, 16)] for h in (0, 1)]   # (multiplier, 0) per sum
+        prods = [_madd(builder, _load_vec(builder, kb.data, _I16, 16, builder.add(at, ir.Constant(at.type, 8 * h))),
+                       builder.shuffle_vector(scales, zero, ir.Constant(ir.VectorType(_I32, 16), lanes[h])))
+                 for h in (0, 1)]    # sums 8h .. 8h + 7
+        return _sum_lanes(builder, builder.add(*prods))
+    v32 = ir.VectorType(_I32, 16)
+    mult = builder.sext(builder.shuffle_vector(scales, scales, ir.Constant(v32, of)), v32)
+    return _sum_lanes(builder, builder.mul(mult, _load_vec(builder, kb.data, _I32, 16, at)))
+
+
+def _madd(builder, a, b):
+    """vpmaddwd: <8 x i32> of a[2l] * b[2l] + a[2l + 1] * b[2l + 1] (a, b <16 x i16>)."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VectorType(_I32, LANES), [a.type, b.type]),
+                                        "llvm.x86.avx2.pmadd.wd")
+    return builder.call(fn, [a, b])
+
+
 def _sum_lanes(builder, v):
     """The sum of an integer vector's lanes (exact: any order)."""
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v.type.element, [v.type]),
@@ -655,16 +678,8 @@ def _dot8k_rows(context, builder, r, kq, kd, kb, kind, n, rows):
                 b = loop.index
                 o = builder.mul(b, c(_GEOMETRY[k][1]))
                 scales = _k_scales(builder, k, r.data, o)
-                lows = []
-                for _, _, s0 in at:
-                    sums = _load_vec(builder, kb.data, _I32, 16, builder.add(s0, builder.mul(b, c(SUPER // 16))))
-                    if k == Q6_K:          # scale g of each 16 weights times x's sum of them
-                        lows.append(_sum_lanes(builder, builder.mul(builder.sext(scales, ir.VectorType(_I32, 16)),
-                                                                    sums)))
-                    else:                  # min s times x's sum of sub-block s
-                        sums = builder.add(pick(sums, list(range(0, 16, 2))), pick(sums, list(range(1, 16, 2))))
-                        lows.append(_sum_lanes(builder, builder.mul(builder.zext(pick(scales, list(range(8, 16))), vi),
-                                                                    sums)))
+                lows = [_k_low(builder, k, scales, kb, builder.add(s0, builder.mul(b, c(SUPER // 16))))
+                        for _, _, s0 in at]
                 chains = [[ir.Constant(vi, [ir.Constant(_I32, 0)] * LANES)] * 2 for _ in rows]  # two: overlap latency
                 for s in range(SUPER // BLOCK):
                     u = _k_values(builder, k, r.data, o, s)
