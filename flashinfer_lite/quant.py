@@ -163,17 +163,7 @@ def _decode(context, builder, kind, ptr, o, s):
         d = _vec(builder, _F32, _half_at(context, builder, ptr, o))
         if kind == Q8_0:
             return builder.fmul(builder.sitofp(_load_vec(builder, ptr, _I8, BLOCK, at(2)), d.type), d)
-        head = 4 if kind in (Q4_1, Q5_1) else 2                  # the float16 fields
-        five = kind in (Q5_0, Q5_1)
-        packed = _load_vec(builder, ptr, _I8, 16, at(head + 4 * five))
-        q = builder.shuffle_vector(builder.and_(packed, _vec(builder, _I8, 15, 16)),  # elements 0..15: low nibbles
-                                   builder.lshr(packed, _vec(builder, _I8, 4, 16)),   # 16..31: high nibbles
-                                   ir.Constant(ir.VectorType(_I32, BLOCK), list(range(BLOCK))))
-        if five:                                                  # element l's 5th bit: bit l of the u32 qh
-            qh = builder.load(builder.bitcast(builder.gep(ptr, [at(head)]), _I32.as_pointer()), align=1)
-            bit = builder.lshr(_vec(builder, _I32, qh), ir.Constant(ir.VectorType(_I32, BLOCK), list(range(BLOCK))))
-            bit = builder.trunc(builder.and_(bit, _vec(builder, _I32, 1)), ir.VectorType(_I8, BLOCK))
-            q = builder.or_(q, builder.shl(bit, _vec(builder, _I8, 4)))
+        q = _packed_values(builder, kind, ptr, at)
         if kind in (Q4_0, Q5_0):
             return builder.fmul(d, builder.sitofp(builder.sub(q, _vec(builder, _I8, 8 if kind == Q4_0 else 16)),
                                                   d.type))
@@ -447,6 +437,8 @@ def act8_rounded(x: np.ndarray, a: tuple, kind: int = Q8_0) -> np.ndarray:
 
 _HOST = set(llvm_binding.get_host_cpu_features().flatten().split(","))
 HAS_VNNI = {"+avx512vnni", "+avx512vl"} <= _HOST
+HAS_AVX2 = "+avx2" in _HOST
+HAS_GFNI = {"+gfni", "+avx"} <= _HOST        # the 256-bit vgf2p8affineqb
 
 
 def _lanes_of(builder, u, xv):
@@ -464,23 +456,38 @@ def _lanes_of(builder, u, xv):
     return builder.add(builder.add(pick(0), pick(1)), builder.add(pick(2), pick(3)))
 
 
+# vgf2p8affineqb's 8x8 bit matrices (output bit i = the parity of the matrix's byte 7 - i and the input byte), one per
+# 8 bytes: the low nibble (bits 0-3 kept) for the first 16 bytes, the high nibble moved down for the last 16
+_NIBBLE_MAPS = [0, 0, 0, 0, 8, 4, 2, 1] * 2 + [0, 0, 0, 0, 128, 64, 32, 16] * 2
+
+
 def _unsigned_values(builder, kind, ptr, o):
     """<32 x i8>: the block at byte ptr[o]'s weights as unsigned values u (see _OFFSET_SHIFT)."""
     at = lambda k: builder.add(o, ir.Constant(o.type, k))  # noqa: E731
     if kind == Q8_0:
         return builder.xor(_load_vec(builder, ptr, _I8, BLOCK, at(2)), _vec(builder, _I8, 0x80))
-    head = 4 if kind in (Q4_1, Q5_1) else 2
+    return _packed_values(builder, kind, ptr, at)
+
+
+def _packed_values(builder, kind, ptr, at):
+    """<32 x i8>: the unsigned 4- or 5-bit values of the q4_0 / q4_1 / q5_0 / q5_1 block whose byte k is at(k):
+    elements 0-15 the low nibbles, 16-31 the high ones, plus 16 where the element's bit of qh is set."""
+    head = 4 if kind in (Q4_1, Q5_1) else 2                  # the float16 fields
     five = kind in (Q5_0, Q5_1)
     packed = _load_vec(builder, ptr, _I8, 16, at(head + 4 * five))
-    u = builder.shuffle_vector(builder.and_(packed, _vec(builder, _I8, 15, 16)),
-                               builder.lshr(packed, _vec(builder, _I8, 4, 16)),
-                               ir.Constant(ir.VectorType(_I32, BLOCK), list(range(BLOCK))))
-    if five:   # element k's 5th bit: bit k % 8 of qh's byte k // 8 (a byte shuffle and a test, not 32 shifts)
-        qh = _load_vec(builder, ptr, _I8, 4, at(head))
-        spread = builder.shuffle_vector(qh, qh, ir.Constant(ir.VectorType(_I32, BLOCK), [k // 8 for k in range(BLOCK)]))
-        bits = builder.and_(spread, ir.Constant(ir.VectorType(_I8, BLOCK), [1 << (k % 8) for k in range(BLOCK)]))
-        u = builder.or_(u, builder.select(builder.icmp_unsigned("!=", bits, _vec(builder, _I8, 0)),
-                                          _vec(builder, _I8, 16), _vec(builder, _I8, 0)))
+    if HAS_GFNI:   # the 16 bytes in both halves, then one affine map per half: & 15 (low) and >> 4 (high)
+        both = builder.shuffle_vector(packed, packed, ir.Constant(ir.VectorType(_I32, BLOCK), list(range(16)) * 2))
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(both.type, [both.type, both.type, _I8]),
+                                            "llvm.x86.vgf2p8affineqb.256")
+        u = builder.call(fn, [both, ir.Constant(both.type, [_I8c(v) for v in _NIBBLE_MAPS]), _I8c(0)])
+    else:
+        u = builder.shuffle_vector(builder.and_(packed, _vec(builder, _I8, 15, 16)),
+                                   builder.lshr(packed, _vec(builder, _I8, 4, 16)),
+                                   ir.Constant(ir.VectorType(_I32, BLOCK), list(range(BLOCK))))
+    if five:   # element k's 5th bit: bit k of the u32 qh, read as a mask (AVX512: kmovd, then one masked add)
+        qh = builder.load(builder.bitcast(builder.gep(ptr, [at(head)]), _I32.as_pointer()), align=1)
+        u = builder.select(builder.bitcast(qh, ir.VectorType(ir.IntType(1), BLOCK)),
+                           builder.add(u, _vec(builder, _I8, 16)), u)
     return u
 
 
@@ -572,19 +579,132 @@ def rows_dot8(typingctx, r, xq, xd, xs, xl, n, t0, out, kind):
 
 def _k_values(builder, kind, ptr, o, s):
     """<32 x i8>: sub-block s (weights 32s .. 32s + 31) of the K-quant block at byte ptr[o] as unsigned values (q6_k:
-    q + 32) and its scale(s): q4_k / q5_k (sc, min) 6-bit; q6_k the two int8 scales of its halves."""
+    q + 32)."""
     at = lambda k: builder.add(o, ir.Constant(o.type, k))  # noqa: E731
     if kind in (Q4_K, Q5_K):
-        sc, mn = _q4k_scale_min(builder, ptr, at, s)
         u = _bits(builder, ptr, at((16 if kind == Q4_K else 48) + (s >> 1) * 32), 4 * (s & 1), 0x0F)
-        if kind == Q5_K:
-            u = builder.or_(u, builder.shl(_bits(builder, ptr, at(16), s, 1), _vec(builder, _I8, 4)))
-        return u, (sc, mn)
+        if kind == Q5_K:   # bit s of each qh byte, moved to bit 4
+            qh = _load_vec(builder, ptr, _I8, BLOCK, at(16))
+            qh = builder.shl(qh, _vec(builder, _I8, 4 - s)) if s <= 4 else builder.lshr(qh, _vec(builder, _I8, s - 4))
+            u = builder.or_(u, builder.and_(qh, _vec(builder, _I8, 16)))
+        return u
     h, r = s >> 2, s & 3
     lo = _bits(builder, ptr, at(h * 64 + (r & 1) * 32), 4 * (r >> 1), 0x0F)
     hi = _bits(builder, ptr, at(128 + h * 32), 2 * r, 3)
-    return builder.or_(lo, builder.shl(hi, _vec(builder, _I8, 4))), (_byte(builder, ptr, at(192 + 2 * s)),
-                                                                      _byte(builder, ptr, at(193 + 2 * s)))
+    return builder.or_(lo, builder.shl(hi, _vec(builder, _I8, 4)))
+
+
+def _k_scales(builder, kind, ptr, o):
+    """A K-quant block's scales, decoded once per block as <16 x i16>: q4_k / q5_k the 8 6-bit scales, then the 8
+    mins (llama.cpp's get_scale_min_k4, all 8 at once); q6_k its 16 int8 scales, one per 16 weights."""
+    at = lambda k: builder.add(o, ir.Constant(o.type, k))  # noqa: E731
+    v16 = ir.VectorType(_I16, 16)
+    if kind == Q6_K:
+        return builder.sext(_load_vec(builder, ptr, _I8, 16, at(192)), v16)
+    b = _load_vec(builder, ptr, _I8, 16, at(4))  # lane k: byte 4 + k (lanes 12-15 are the next field's, unused)
+    v = lambda x: _vec(builder, _I8, x, 16)  # noqa: E731
+    pick = lambda p, q, lanes: builder.shuffle_vector(p, q, ir.Constant(ir.VectorType(_I32, 16), lanes))  # noqa
+    # scale s < 4: b[s] & 63; s >= 4: b[s + 4] & 15 | top bits; min s < 4: b[s + 4] & 63; s >= 4: b[s + 4] >> 4 | top
+    low = pick(builder.and_(b, v(63)), builder.and_(b, v(15)), [0, 1, 2, 3, 24, 25, 26, 27, 4, 5, 6, 7, 0, 0, 0, 0])
+    low = pick(low, builder.lshr(b, v(4)), list(range(12)) + [24, 25, 26, 27])
+    # their bits 4-5 for s >= 4: (b[s - 4] >> 2) & 0x30 (scale), (b[s] >> 2) & 0x30 (min)
+    top = pick(builder.and_(builder.lshr(b, v(2)), v(0x30)), v(0), [16] * 4 + [0, 1, 2, 3] + [16] * 4 + [4, 5, 6, 7])
+    return builder.zext(builder.or_(low, top), v16)
+
+
+def _scaled_lanes(builder, acc, u, xv, sv):
+    """acc + (<8 x i32>: lane l = the sum of u[k] * xv[k], k = 4l .. 4l + 3, times scale sv[2l] = sv[2l + 1]), exact:
+    u unsigned <32 x i8> below 64, xv signed <32 x i8> in [-127, 127] (so vpmaddubsw's 16-bit pair sums, at most
+    2 * 63 * 127, do not saturate), sv <16 x i16>. vpmaddubsw then vpdpwssd (AVX512-VNNI) or vpmaddwd and an add; on
+    other hosts the same integers from _lanes_of."""
+    v8, v16 = ir.VectorType(_I32, LANES), ir.VectorType(_I16, 16)
+    fn = lambda name, ty, args: builder.call(cgutils.get_or_insert_function(  # noqa: E731
+        builder.module, ir.FunctionType(ty, [a.type for a in args]), name), args)
+    if not HAS_AVX2:
+        s32 = builder.sext(builder.shuffle_vector(sv, sv, ir.Constant(v8, list(range(0, 16, 2)))), v8)
+        return builder.add(acc, builder.mul(_lanes_of(builder, u, xv), s32))
+    pairs = fn("llvm.x86.avx2.pmadd.ub.sw", v16, [u, xv])
+    if HAS_VNNI:
+        return fn("llvm.x86.avx512.vpdpwssd.256", v8, [acc, builder.bitcast(pairs, v8), builder.bitcast(sv, v8)])
+    return builder.add(acc, fn("llvm.x86.avx2.pmadd.wd", v8, [pairs, sv]))
+
+
+def _k_low(builder, kind, scales, kb, at):
+    """The integer sum over a K-quant block's 16 groups of 16 weights of x's sum of the group (kb[at + g]) times the
+    group's multiplier (_k_scales' lanes): q6_k its scale g, q4_k / q5_k the min of its sub-block g // 2. Exact."""
+    of = [g if kind == Q6_K else 8 + g // 2 for g in range(16)]     # the lane of scales multiplying sum g
+    if HAS_AVX2:   # |a sum| <= 16 * 127, so its low 16 bits are it: vpmaddwd of (low, high) halves by (multiplier, 0)
+        zero = ir.Constant(scales.type, [ir.Constant(_I16, 0)] * 16)
+        lanes = [[v for g in of[8 * h:8 * h + 8] for v in (g, 16)] for h in (0, 1)]   # (multiplier, 0) per sum
+        prods = [_madd(builder, _load_vec(builder, kb.data, _I16, 16, builder.add(at, ir.Constant(at.type, 8 * h))),
+                       builder.shuffle_vector(scales, zero, ir.Constant(ir.VectorType(_I32, 16), lanes[h])))
+                 for h in (0, 1)]    # sums 8h .. 8h + 7
+        return _sum_lanes(builder, builder.add(*prods))
+    v32 = ir.VectorType(_I32, 16)
+    mult = builder.sext(builder.shuffle_vector(scales, scales, ir.Constant(v32, of)), v32)
+    return _sum_lanes(builder, builder.mul(mult, _load_vec(builder, kb.data, _I32, 16, at)))
+
+
+def _madd(builder, a, b):
+    """vpmaddwd: <8 x i32> of a[2l] * b[2l] + a[2l + 1] * b[2l + 1] (a, b <16 x i16>)."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VectorType(_I32, LANES), [a.type, b.type]),
+                                        "llvm.x86.avx2.pmadd.wd")
+    return builder.call(fn, [a, b])
+
+
+def _sum_lanes(builder, v):
+    """The sum of an integer vector's lanes (exact: any order)."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v.type.element, [v.type]),
+                                        f"llvm.vector.reduce.add.v{v.type.count}i{v.type.element.width}")
+    return builder.call(fn, [v])
+
+
+def _dot8k_rows(context, builder, r, kq, kd, kb, kind, n, rows):
+    """The float32 results of row_dot8k of K-quant row r with each of `rows` rows of x as q8_K blocks (row i's values
+    at kq[rows[i] * n], its scales at kd[rows[i] * n // 256], its sums at kb[rows[i] * n // 16]; n: x's length): each
+    weight block's scales and sub-blocks decoded once for all of them, each row summed by exactly the operations
+    row_dot8k performs alone, so a row's bits do not depend on how many rows share the call (as _dot8_rows)."""
+    vf, vi = ir.VectorType(_F32, LANES), ir.VectorType(_I32, LANES)
+    accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, [ir.Constant(_F32, 0.0)] * LANES)) for _ in rows]
+    mins = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in rows]
+    n_blocks = builder.sdiv(n, ir.Constant(n.type, SUPER))
+    c = lambda v: ir.Constant(n_blocks.type, v)  # noqa: E731
+    pick = lambda p, lanes: builder.shuffle_vector(p, p, ir.Constant(ir.VectorType(_I32, len(lanes)), lanes))  # noqa
+    at = [(builder.mul(t, n), builder.mul(t, n_blocks), builder.mul(t, builder.mul(n_blocks, c(SUPER // 16))))
+          for t in rows]                                                  # each row's start in kq, kd and kb
+    for k in K_KINDS:
+        with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
+            with cgutils.for_range(builder, n_blocks) as loop:
+                b = loop.index
+                o = builder.mul(b, c(_GEOMETRY[k][1]))
+                scales = _k_scales(builder, k, r.data, o)
+                lows = [_k_low(builder, k, scales, kb, builder.add(s0, builder.mul(b, c(SUPER // 16))))
+                        for _, _, s0 in at]
+                chains = [[ir.Constant(vi, [ir.Constant(_I32, 0)] * LANES)] * 2 for _ in rows]  # two: overlap latency
+                for s in range(SUPER // BLOCK):
+                    u = _k_values(builder, k, r.data, o, s)
+                    # q6_k: lanes 0-3 the first 16 weights (scale 2s), 4-7 the next 16 (2s + 1)
+                    sv = pick(scales, [2 * s] * 8 + [2 * s + 1] * 8 if k == Q6_K else [s] * 16)
+                    for i, (q0, _, _) in enumerate(at):
+                        xv = _load_vec(builder, kq.data, _I8, BLOCK,
+                                       builder.add(q0, builder.add(builder.mul(b, c(SUPER)), c(BLOCK * s))))
+                        chains[i][s & 1] = _scaled_lanes(builder, chains[i][s & 1], u, xv, sv)
+                if k == Q6_K:              # d alone, the block's last 2 bytes
+                    wd = _half_at(context, builder, r.data, builder.add(o, c(208)))
+                else:
+                    wd, dmin = _half_pair_at(context, builder, r.data, o)
+                for i, (_, d0, _) in enumerate(at):
+                    lanes = builder.add(chains[i][0], chains[i][1])
+                    xd = builder.load(builder.gep(kd.data, [builder.add(d0, b)]))
+                    d = builder.fmul(wd, xd)
+                    term = builder.fmul(builder.sitofp(lanes, vf), _vec(builder, _F32, d, LANES))
+                    builder.store(builder.fadd(builder.load(accs[i]), term), accs[i])
+                    if k == Q6_K:          # sum of scale * (q + 32) * x, less 32 * scale * x's sums
+                        m = builder.fmul(d, builder.sitofp(builder.mul(lows[i], ir.Constant(_I32, 32)), _F32))
+                    else:                  # (d * sc) * q - (dmin * m): the mins times x's sums
+                        m = builder.fmul(builder.fmul(dmin, xd), builder.sitofp(lows[i], _F32))
+                    builder.store(builder.fadd(builder.load(mins[i]), m), mins[i])
+    return [builder.fsub(_horizontal_sum(builder, builder.load(a), ()), builder.load(m)) for a, m in zip(accs, mins)]
 
 
 @intrinsic
@@ -592,57 +712,33 @@ def row_dot8k(typingctx, r, kq, kd, kb, kind):
     """r . x for a K-quant row r (q4_k, q5_k, q6_k) and x as q8_K blocks (quantize_act_k's kq, kd, kb): per block of
     256 the exact integer sum over its sub-blocks of scale * (8 lanes of products), in 8 lanes, times (d * x's
     scale), summed lane-wise block after block and then by halving; the mins (q4_k, q5_k: dmin * m * x's sums) and
-    q6_k's offset (32 * scale * x's sums) are integers per block too, scaled and summed apart."""
+    q6_k's offset (32 * scale * x's sums) are integers per block too, scaled and summed apart. The scales are decoded
+    once per block (_k_scales) and the mins' integer is one vector product with x's sums (as llama.cpp's
+    ggml_vec_dot_q4_K_q8_K)."""
     if not _rows_ok(r, types.uint8, kq, types.int8, kd, types.float32, kb, types.int32):
         return None
 
     def codegen(context, builder, sig, args):
         r, kq, kd, kb, kind = _arrays(context, builder, sig, args)
-        vf, vi = ir.VectorType(_F32, LANES), ir.VectorType(_I32, LANES)
-        acc = cgutils.alloca_once_value(builder, ir.Constant(vf, [ir.Constant(_F32, 0.0)] * LANES))
-        mins = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
-        n_blocks = builder.sdiv(kq.nitems, ir.Constant(kq.nitems.type, SUPER))
-        c = lambda v: ir.Constant(n_blocks.type, v)  # noqa: E731
-        i32 = lambda v: builder.sext(v, _I32)  # noqa: E731
-        bsum = lambda b, g: builder.load(  # noqa: E731  (x's sum of 16 values g of block b)
-            builder.gep(kb.data, [builder.add(builder.mul(b, c(SUPER // 16)), c(g))]))
-        for k in K_KINDS:
-            with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
-                with cgutils.for_range(builder, n_blocks) as loop:
-                    b = loop.index
-                    o = builder.mul(b, c(_GEOMETRY[k][1]))
-                    lanes, low = ir.Constant(vi, [ir.Constant(_I32, 0)] * LANES), ir.Constant(_I32, 0)
-                    for s in range(SUPER // BLOCK):
-                        u, scales = _k_values(builder, k, r.data, o, s)
-                        xv = _load_vec(builder, kq.data, _I8, BLOCK,
-                                       builder.add(builder.mul(b, c(SUPER)), c(BLOCK * s)))
-                        dot = _lanes_of(builder, u, xv)
-                        if k == Q6_K:      # lanes 0-3: the first 16 weights (scale 2s), 4-7: the next 16 (2s + 1)
-                            sv = builder.shuffle_vector(_vec(builder, _I32, i32(scales[0]), 4),
-                                                        _vec(builder, _I32, i32(scales[1]), 4),
-                                                        ir.Constant(vi, list(range(LANES))))
-                            low = builder.add(low, builder.add(builder.mul(i32(scales[0]), bsum(b, 2 * s)),
-                                                               builder.mul(i32(scales[1]), bsum(b, 2 * s + 1))))
-                        else:
-                            sv = _vec(builder, _I32, builder.zext(scales[0], _I32), LANES)
-                            low = builder.add(low, builder.mul(builder.zext(scales[1], _I32),
-                                                               builder.add(bsum(b, 2 * s), bsum(b, 2 * s + 1))))
-                        lanes = builder.add(lanes, builder.mul(dot, sv))
-                    xd = builder.load(builder.gep(kd.data, [b]))
-                    if k == Q6_K:          # d alone, the block's last 2 bytes
-                        d = _half_at(context, builder, r.data, builder.add(o, c(208)))
-                    else:
-                        d, dmin = _half_pair_at(context, builder, r.data, o)
-                    d = builder.fmul(d, xd)
-                    term = builder.fmul(builder.sitofp(lanes, vf), _vec(builder, _F32, d, LANES))
-                    builder.store(builder.fadd(builder.load(acc), term), acc)
-                    if k == Q6_K:          # sum of scale * (q + 32) * x, less 32 * scale * x's sums
-                        m = builder.fmul(d, builder.sitofp(builder.mul(low, ir.Constant(_I32, 32)), _F32))
-                    else:                  # (d * sc) * q - (dmin * m): the mins times x's sums
-                        m = builder.fmul(builder.fmul(dmin, xd), builder.sitofp(low, _F32))
-                    builder.store(builder.fadd(builder.load(mins), m), mins)
-        return builder.fsub(_horizontal_sum(builder, builder.load(acc), ()), builder.load(mins))
+        return _dot8k_rows(context, builder, r, kq, kd, kb, kind, kq.nitems, [ir.Constant(kq.nitems.type, 0)])[0]
     return types.float32(r, kq, kd, kb, kind), codegen
+
+
+@intrinsic
+def rows_dot8k(typingctx, r, kq, kd, kb, n, t0, out, kind):
+    """out[i] = row_dot8k of r with row t0 + i of x, for i < DOT8_ROWS, bit for bit (rows_dot8's counterpart: kq, kd,
+    kb act8_buffers' q8_K parts of T rows, flattened; n: x's values per row)."""
+    if not _rows_ok(r, types.uint8, kq, types.int8, kd, types.float32, kb, types.int32, out, types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        r, kq, kd, kb, n, t0, out, kind = _arrays(context, builder, sig, args)
+        n, t0 = (builder.sext(v, _I64) if v.type.width < 64 else v for v in (n, t0))
+        rows = [builder.add(t0, ir.Constant(_I64, i)) for i in range(DOT8_ROWS)]
+        for i, v in enumerate(_dot8k_rows(context, builder, r, kq, kd, kb, kind, n, rows)):
+            builder.store(v, builder.gep(out.data, [ir.Constant(_I64, i)]))
+        return context.get_dummy_value()
+    return types.none(r, kq, kd, kb, n, t0, out, kind), codegen
 
 
 @intrinsic

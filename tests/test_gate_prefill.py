@@ -10,12 +10,16 @@ import pytest
 from flashinfer_lite import model as model_module
 from flashinfer_lite.ffn.quant import QuantSparseFFN, quant_ffn_accumulate, quant_ffn_accumulate_rows
 from flashinfer_lite.ffn.split import SplitRows
-from flashinfer_lite.quant import KINDS, quantize
+from flashinfer_lite.quant import KINDS, dequantize, quantize
 from flashinfer_lite.runtime import load_runtime
 from storage.format import FlashLayout, pack_bundles
-from test_act8 import oracle_dot
+from conftest import kquant_blocks
+from test_act8 import oracle_dot, q8k_blocks
 from test_exact_gate import IDS, gated  # noqa: F401  (the module's fixture: the tiny SiLU llama, split and calibrated)
 from test_kdown import bundles_with_columns
+
+
+K_QUANTS = ("q4_k", "q5_k", "q6_k")
 
 
 class GateUp:
@@ -30,12 +34,28 @@ class GateUp:
         self.s_gate = self.s_up = self.bg = self.bu = -1
 
 
-@pytest.mark.parametrize("gate, up", [("q4_1", "q4_1"), ("q8_0", "q5_0"), ("q4_0", "q5_1")])
+def blocks(w: np.ndarray, kind: str) -> np.ndarray:
+    return kquant_blocks(w, kind.upper()) if kind in K_QUANTS else quantize(w, kind)
+
+
+def oracle(W: np.ndarray, kind: str, x: np.ndarray) -> np.ndarray:
+    """llama.cpp's dot products of W's rows with x in float64 on its exact integers: x's q8_0 / q8_1 blocks, or for
+    the K-quants its q8_K blocks times gguf's dequantized rows."""
+    if kind not in K_QUANTS:
+        return np.array([oracle_dot(r, kind, x)[0] for r in W])
+    q, dx = q8k_blocks(x)
+    xr = (q.reshape(-1, 256) * dx[:, None].astype(np.float64)).reshape(-1)
+    return dequantize(W, kind, x.shape[0]).astype(np.float64) @ xr
+
+
+@pytest.mark.parametrize("gate, up", [("q4_1", "q4_1"), ("q8_0", "q5_0"), ("q4_0", "q5_1"), ("q4_k", "q4_k"),
+                                      ("q5_k", "q6_k"), ("q5_0", "q4_k")])
 def test_gate_coefficients_are_one_rows_bits_and_llama_cpps_integers(gate, up):
     rng = np.random.default_rng(7)
     d, n, T = 256, 40, 11                 # T: two tiles of rows_dot8's rows, then three rows one at a time
-    Wg, Wu = (quantize((rng.standard_normal((n, d)) * 0.3).astype(np.float32), k) for k in (gate, up))
-    H = np.ascontiguousarray(np.concatenate([Wg, Wu], axis=1))
+    Wg, Wu = (blocks((rng.standard_normal((n, d)) * 0.3).astype(np.float32), k) for k in (gate, up))
+    pad = np.zeros((n, -(Wg.shape[1] + Wu.shape[1]) % 4), np.uint8)    # rows of whole float32 slots, as bundles'
+    H = np.ascontiguousarray(np.concatenate([Wg, Wu, pad], axis=1))
     X = rng.standard_normal((T, d)).astype(np.float32)
     k = GateUp(gate, up, d)
     coef = np.empty((T, n), np.float32)
@@ -44,8 +64,7 @@ def test_gate_coefficients_are_one_rows_bits_and_llama_cpps_integers(gate, up):
         one = np.empty((1, n), np.float32)
         SplitRows.coefficients(k, H, X[t:t + 1].copy(), one, -1.0)
         assert np.array_equal(one[0].view(np.uint32), coef[t].view(np.uint32)), t
-    g = np.array([[oracle_dot(Wg[j], gate, X[t])[0] for j in range(n)] for t in range(T)])
-    u = np.array([[oracle_dot(Wu[j], up, X[t])[0] for j in range(n)] for t in range(T)])
+    g, u = (np.array([oracle(W, k, X[t]) for t in range(T)]) for W, k in ((Wg, gate), (Wu, up)))
     want = g / (1 + np.exp(-g)) * u
     np.testing.assert_allclose(coef, want, rtol=0, atol=2e-5 * np.abs(want).max())
     # the calibrated threshold: |c| <= t counts as 0, the rest unchanged

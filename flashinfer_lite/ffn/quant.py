@@ -20,9 +20,10 @@ from flashinfer_lite.kernels.gemv import WIDEN_BLOCK_BYTES
 from flashinfer_lite.kernels.prefetch import prefetch_ahead
 from flashinfer_lite.kernels.rows import scalar
 from flashinfer_lite.threads import numba_threads
-from flashinfer_lite.quant import (DOT8_ROWS, KINDS, QuantMatrix, act8_buffers, act8_dot, act8_of, act8_rounded,
-                                   act8_row, act8_slice, col_axpy, col_dequant, column_tables, quant_kind,
-                                   quantize_act1, quantize_act_rows, row_axpy, row_dequant, row_dot8, rows_dot8)
+from flashinfer_lite.quant import (DOT8_ROWS, KINDS, Q4_K, QuantMatrix, act8_buffers, act8_dot, act8_of,
+                                   act8_rounded, act8_row, act8_slice, col_axpy, col_dequant, column_tables, quant_kind,
+                                   quantize_act1, quantize_act_rows, row_axpy, row_dequant, row_dot8, row_dot8k,
+                                   rows_dot8, rows_dot8k)
 from storage import columns
 
 from .gating import act_code, gate_activation, glu_coefficient, threshold_of
@@ -142,16 +143,17 @@ GATE_TILE_NEURONS = 16
 def quant_gate_coefficients(H, Hf, X, xa, coef, rb, up_at, up_rb, kind, up_kind, act, threshold, s_gate, s_up, bg, bu,
                             act_threshold):
     """coef[t, j] = the coefficient of gate|up row H[j] (Hf: H's float32 view; gate: rb bytes in `kind`, up: up_rb
-    bytes at byte up_at in up_kind, both in INT8_KINDS) on X[t] (xa: act8_buffers of X, filled here), 0 where
-    |c| <= act_threshold.
+    bytes at byte up_at in up_kind, each a kind with an 8-bit dot product whose blocks xa holds) on X[t] (xa:
+    act8_buffers of X, filled here), 0 where |c| <= act_threshold.
 
-    Any number of rows gives each (row, neuron) the same bits: DOT8_ROWS rows at a time through rows_dot8, the rest
-    through row_dot8, which perform the same operations per row; no fastmath, so none of them is reassociated or
-    contracted differently from one call site to the other."""
+    Any number of rows gives each (row, neuron) the same bits: DOT8_ROWS rows at a time through rows_dot8 (rows_dot8k
+    for the K-quants), the rest through row_dot8 (row_dot8k), which perform the same operations per row; no fastmath,
+    so none of them is reassociated or contracted differently from one call site to the other."""
     quantize_act_rows(X, xa)
     T, d = X.shape
     n = H.shape[0]
     xq, xd, xs, xl = xa[0].reshape(-1), xa[1].reshape(-1), xa[2].reshape(-1), xa[3].reshape(-1)
+    kq, kd, kb = xa[4].reshape(-1), xa[5].reshape(-1), xa[6].reshape(-1)
     full = T - T % DOT8_ROWS
     for p in prange((n + GATE_TILE_NEURONS - 1) // GATE_TILE_NEURONS):
         g = np.empty(DOT8_ROWS, np.float32)
@@ -159,17 +161,25 @@ def quant_gate_coefficients(H, Hf, X, xa, coef, rb, up_at, up_rb, kind, up_kind,
         j0, j1 = p * GATE_TILE_NEURONS, min(n, (p + 1) * GATE_TILE_NEURONS)
         for t0 in range(0, full, DOT8_ROWS):
             for j in range(j0, j1):
-                rows_dot8(H[j, :rb], xq, xd, xs, xl, d, t0, g, kind)
-                rows_dot8(H[j, up_at:up_at + up_rb], xq, xd, xs, xl, d, t0, u, up_kind)
+                if kind >= Q4_K:
+                    rows_dot8k(H[j, :rb], kq, kd, kb, d, t0, g, kind)
+                else:
+                    rows_dot8(H[j, :rb], xq, xd, xs, xl, d, t0, g, kind)
+                if up_kind >= Q4_K:
+                    rows_dot8k(H[j, up_at:up_at + up_rb], kq, kd, kb, d, t0, u, up_kind)
+                else:
+                    rows_dot8(H[j, up_at:up_at + up_rb], xq, xd, xs, xl, d, t0, u, up_kind)
                 for i in range(DOT8_ROWS):
                     coef[t0 + i, j] = gate_up_coefficient(g[i], u[i], Hf[j], act, threshold, s_gate, s_up, bg, bu,
                                                           act_threshold)
         for t in range(full, T):
             for j in range(j0, j1):
-                gt = row_dot8(H[j, :rb], xa[0][t], xa[1][t], xa[2][t], xa[3][t], kind)
-                ut = row_dot8(H[j, up_at:up_at + up_rb], xa[0][t], xa[1][t], xa[2][t], xa[3][t], up_kind)
+                gate, up = H[j, :rb], H[j, up_at:up_at + up_rb]
+                gt = (row_dot8k(gate, xa[4][t], xa[5][t], xa[6][t], kind) if kind >= Q4_K else
+                      row_dot8(gate, xa[0][t], xa[1][t], xa[2][t], xa[3][t], kind))
+                ut = (row_dot8k(up, xa[4][t], xa[5][t], xa[6][t], up_kind) if up_kind >= Q4_K else
+                      row_dot8(up, xa[0][t], xa[1][t], xa[2][t], xa[3][t], up_kind))
                 coef[t, j] = gate_up_coefficient(gt, ut, Hf[j], act, threshold, s_gate, s_up, bg, bu, act_threshold)
-
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from storage import columns
-from ..quant import INT8_KINDS, KINDS, act8_buffers, column_tables
+from ..quant import K_KINDS, KINDS, act8_buffers, column_tables
 from .gating import act_code, threshold_of
 from .quant import quant_ffn_accumulate, quant_ffn_accumulate_rows, quant_gate_coefficients
 from .sparse import OUT_BLOCK, STORAGE_VIEWS, ffn_accumulate, ffn_coefficients
@@ -68,12 +68,13 @@ class SplitRows:
 
     def coefficients(self, H: np.ndarray, X: np.ndarray, coef: np.ndarray, act_threshold: float) -> None:
         """coef[t, j] = the coefficient of gate|up row j (H uint8 [n, stride]) on X[t], 0 where |c| <= act_threshold.
-        Gate and up in 8-bit-dot kinds: quant_gate_coefficients, for one row (decode) as for a prompt's many, so a
-        token's bits do not depend on the rows it came with (the prefill chunk)."""
+        Gate and up in block kinds with 8-bit dot products (all of them, with set_act8 on): quant_gate_coefficients,
+        for one row (decode) as for a prompt's many, so a token's bits do not depend on the rows it came with (the
+        prefill chunk)."""
         n = H.shape[0]
-        if self.quantized and self.kind in INT8_KINDS and self.up_kind in INT8_KINDS:
+        if self.quantized:
             xa = act8_buffers(*X.shape, self.kind, self.up_kind)
-            if xa[0].shape[1]:                   # set_act8 on
+            if all(xa[4 if k in K_KINDS else 0].shape[1] for k in (self.kind, self.up_kind)):  # x's blocks for both
                 quant_gate_coefficients(H, H.view(np.float32), X, xa, coef, self.n, self.up_at, self.up_n, self.kind,
                                         self.up_kind, self.act, self.threshold, self.s_gate, self.s_up, self.bg,
                                         self.bu, np.float32(act_threshold))
