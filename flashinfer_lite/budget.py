@@ -54,6 +54,10 @@ MATRIX_SLACK_BYTES = 4096
 # arrays come from the heap, which does not shrink back): generate's peak RSS over the rest of the plan measured
 # 3.5 MiB at most after a short prompt on the 2-layer 8192-neuron model of tests/test_dram_budget.py.
 HEAP_SLACK_BYTES = 4 << 20
+# A mixture of experts' first run on an installation (no compiled_stamp yet): its kernels compile in the run's own
+# process (no child compiles them first) and the compiler's memory stays there. Measured: a tiny float16 MoE's first
+# run (tests/test_moe_bigger_than_ram.py's model) peaked 43 MiB above its second, 2026-11-24.
+MOE_COMPILE_BYTES = 48 << 20
 # The window's per-layer reservation in the minimum budget. Any size gives the same output; a piece is one batched
 # read and one kernel pass, so this many rows keep reads large enough to coalesce and the per-piece overhead small
 # (SmolLM2: 256 of 1536 neurons, ~0.9 MiB per layer; a 7B layer of 11008: 6 MiB per layer).

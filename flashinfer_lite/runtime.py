@@ -41,9 +41,9 @@ from storage.tokenizer import token_segments
 
 from . import BLAS_THREADS_FROM_USER
 from . import default_model
-from .budget import (HEAP_SLACK_BYTES, BudgetPlan, auto_budget_bytes, down_scale_bytes, measure_runtime_bytes,
-                     plan_budget, plan_experts, plan_gate, plan_resident_ffn, resident_bytes_for,
-                     resident_matrix_shapes, runtime_estimate_bytes)
+from .budget import (HEAP_SLACK_BYTES, MOE_COMPILE_BYTES, BudgetPlan, auto_budget_bytes, compiled_stamp,
+                     down_scale_bytes, measure_runtime_bytes, plan_budget, plan_experts, plan_gate,
+                     plan_resident_ffn, resident_bytes_for, resident_matrix_shapes, runtime_estimate_bytes)
 from .default_model import default_model_path, ensure_default_model
 from .ffn.experts import ExpertFFN
 from .ffn.flash import FlashFFN, stream_args, stream_settings
@@ -348,6 +348,8 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
     if runtime_bytes is None:     # a mixture of experts compiles no bundle kernels: what they add, as remembered
         runtime_bytes = runtime_estimate_bytes(ckpt.layout, ckpt.config.vocab_size) if ckpt.config.moe else \
             measure_runtime_bytes(ckpt.layout, "gate" if files.runs_gate(ffn) else None)
+        if ckpt.config.moe and not compiled_stamp(ckpt.layout).exists():   # its first run compiles in this process
+            runtime_bytes += MOE_COMPILE_BYTES
     files.runtime_bytes = runtime_bytes
     if not ckpt.config.moe or ckpt.layout.experts.split:    # split expert chunks run the exact gate too
         files.gate = read_gate_file(path, ckpt.config.n_layers, ckpt.config.ffn_dim, sparsity)
@@ -490,6 +492,8 @@ def build(files: ModelFiles, decision: Decision, threads: int | None = None, pro
         runtime = ExpertFFN(cfg, ckpt.layout, weights, decision.plan, files.expert_freq, threads=threads,
                             lookahead=decision.lookahead, verbose=verbose,
                             thresholds=files.gate.thresholds if decision.ffn == "gate" else None)
+        if not compiled_stamp(ckpt.layout).exists():     # written once a decode step has compiled the kernels
+            runtime.compiled_stamp = compiled_stamp(ckpt.layout)
         if verbose:
             print(runtime.reader.describe(), file=sys.stderr)
         return Transformer(cfg, weights, ffn=runtime), files.tokenizer, runtime

@@ -27,9 +27,11 @@ def test_convert_and_generate_under_half_the_checkpoint(moe, tmp_path):
     _, cg = capped(cap, tmp_path / "convert.json", *CLI, "convert", str(moe / "hf"), "-o", str(moe / "flash"))
     assert disk_bytes(moe / "hf") >= 2 * cap and disk_bytes(moe / "flash") >= 2 * cap
     args = [*CLI, "generate", "-m", str(moe / "flash"), "-p", "Once upon a time", "-n", "6", "--temp", "0", "--json",
-            "-c", "256", "--dram-budget", str(cap - CAP_OVER_BUDGET)]
-    free = last_json(run(*args))
-    r, cg = capped(cap, tmp_path / "generate.json", *args)
+            "-c", "256", "--dram-budget"]
+    # uncapped, every expert in DRAM: the same tokens (and, on a cold Numba cache, the run that compiles the kernels:
+    # a first run counts the compiler's memory, budget.MOE_COMPILE_BYTES, which the capped budget leaves no room for)
+    free = last_json(run(*args, "auto"))
+    r, cg = capped(cap, tmp_path / "generate.json", *args, str(cap - CAP_OVER_BUDGET))
     out = last_json(r)
     assert out["tokens"] == free["tokens"] and len(free["tokens"]) == 6
     f = out["flash"]

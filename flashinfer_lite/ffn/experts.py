@@ -261,6 +261,7 @@ class ExpertFFN:
             self.thresholds = thresholds
         self.reader = self.cache.reader
         self.layers = [MixtureOfExperts(cfg, weights, i, experts=self.cache) for i in range(cfg.n_layers)]
+        self.compiled_stamp = None   # runtime.build: the file to write once a decode step has compiled the kernels
         # lookahead: layer l+1's router on layer l's FFN input, re-weighted from layer l's norm to layer l+1's (as
         # runtime.lookahead_selector does for neurons), names the experts whose reads start while layer l computes
         self.norms = [weights.get(f"layers.{i}.ffn_norm.weight") for i in range(cfg.n_layers)]
@@ -304,6 +305,9 @@ class ExpertFFN:
         self.stats.active[layer] += x.shape[0] * self.cfg.n_experts_used
         if layer == self.cfg.n_layers - 1:
             self.stats.tokens += x.shape[0]
+            if x.shape[0] == 1 and self.compiled_stamp is not None:   # a decode step ran: its kernels are cached
+                self.compiled_stamp.touch()
+                self.compiled_stamp = None
         return y
 
     def _guess_next(self, layer: int) -> None:
