@@ -523,14 +523,16 @@ TOKENIZER_BYTES_PER_TOKEN = 800
 _early_rss: int | None = None
 
 
-def runtime_estimate_bytes(layout, vocab_size: int) -> int:
+def runtime_estimate_bytes(layout, vocab_size: int, remembered: bool = True) -> int:
     """The runtime line a run of `layout` will measure (measure_runtime_bytes), estimated before the model is fetched,
     converted, compiled or trained: this process's RSS now plus what the line added to it when this installation
     last ran the model (kept in the compile stamp; the smallest seen), else the kernels (the stamp's figure, or
-    KERNELS_DEFAULT_BYTES) and the tokenizer (TOKENIZER_BYTES_PER_TOKEN per vocabulary entry)."""
+    KERNELS_DEFAULT_BYTES) and the tokenizer (TOKENIZER_BYTES_PER_TOKEN per vocabulary entry). remembered False: not
+    the stamp's figures (a mixture of experts: they are the dense kernels', measured by compile_kernels, and an MoE
+    run loads others; the smallest figure seen for a dense model put a tiny MoE's line 44 MiB under what it held)."""
     global _early_rss
     _early_rss = rss_bytes()
-    record = stamp_record(layout)
+    record = stamp_record(layout) if remembered else {}
     extra = record.get(model_key(layout))
     if extra is None:
         extra = record.get("kernels", KERNELS_DEFAULT_BYTES) + TOKENIZER_BYTES_PER_TOKEN * vocab_size

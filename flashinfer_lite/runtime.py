@@ -346,7 +346,8 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
     files = ModelFiles(source, str(path), default, True, ckpt, ckpt.tokenizer(), load_predictors(path), None,
                        expert_freq=load_expert_freq(path) if ckpt.config.moe else None)
     if runtime_bytes is None:     # a mixture of experts compiles no bundle kernels: what they add, as remembered
-        runtime_bytes = runtime_estimate_bytes(ckpt.layout, ckpt.config.vocab_size) if ckpt.config.moe else \
+        runtime_bytes = runtime_estimate_bytes(ckpt.layout, ckpt.config.vocab_size, remembered=False) \
+            if ckpt.config.moe else \
             measure_runtime_bytes(ckpt.layout, "gate" if files.runs_gate(ffn) else None)
         if ckpt.config.moe and not compiled_stamp(ckpt.layout).exists():   # its first run compiles in this process
             runtime_bytes += MOE_COMPILE_BYTES
