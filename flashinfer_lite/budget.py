@@ -539,6 +539,14 @@ def runtime_estimate_bytes(layout, vocab_size: int, remembered: bool = True) -> 
     return _early_rss + extra
 
 
+def experts_runtime_bytes(layout, vocab_size: int) -> int:
+    """A mixture of experts' runtime line (no child compiles its kernels before the weights load, so it is estimated):
+    runtime_estimate_bytes without the stamp's figures, and until this installation has run a decode step of such a
+    layout (runtime.build writes compiled_stamp then), the compiler's memory its first run keeps (MOE_COMPILE_BYTES)."""
+    return runtime_estimate_bytes(layout, vocab_size, remembered=False) + \
+        (0 if compiled_stamp(layout).exists() else MOE_COMPILE_BYTES)
+
+
 def model_key(layout) -> str:
     """What names a model in the stamp's record: its config and bundle kinds (a FLASHDIR and the source it was
     converted from give the same)."""
