@@ -661,7 +661,7 @@ class ExpertPlan:
         return self.runtime_bytes + self.resident_bytes + self.kv_bytes + self.buffer_bytes + self.experts_bytes
 
     def table(self) -> str:
-        rows = [("runtime", self.runtime_bytes, "interpreter, libraries, tokenizer (measured)"),
+        rows = [("runtime", self.runtime_bytes, "interpreter, libraries, tokenizer, kernels (estimated)"),
                 ("resident dense", self.resident_bytes, "embeddings, attention, routers, shared experts, norms"),
                 ("kv cache", self.kv_bytes, f"{self.ctx} positions"),
                 ("buffers", self.buffer_bytes, "prefill chunk, heap"),

@@ -22,7 +22,6 @@ neurons (ffn.experts, the exact gate inside an expert):
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 import numpy as np
