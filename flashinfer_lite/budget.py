@@ -30,7 +30,7 @@ import numpy as np
 
 from storage import columns
 from storage.format import BUNDLE_ALIGN, read_layout
-from storage.profile import DEFAULT_GAP_BYTES, reader_defaults, stream_defaults
+from storage.profile import DEFAULT_GAP_BYTES, StreamSettings, reader_defaults, stream_defaults
 from storage.reader import MAX_READ_BYTES, BundleReader, aligned_empty, span_bytes
 
 from storage.errors import UserError
@@ -221,9 +221,8 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
     row = stride + ROW_OVERHEAD_BYTES + 4 * window
     res = resident_bytes if resident_bytes is not None else resident_bytes_for(cfg)
     kv = KVCache.nbytes_for(cfg, ctx)
-    if read_scratch_bytes is None:      # the reader's coalescing gap on this device (storage.reader.BundleReader)
-        read_scratch_bytes = reader_defaults(layout.ffn_path, stride).gap_bytes if layout.flashdir is not None \
-            else DEFAULT_GAP_BYTES
+    if read_scratch_bytes is None:
+        read_scratch_bytes = reader_gap_bytes(layout)
     buffers = (max(read_scratch_bytes, stride) + threads * layout.d * 4 + n_max * 4
                + sum(layout.n_neurons) * (MAP_BYTES_PER_NEURON + layout.bundle_of[0].itemsize)
                + n_layers * MATRIX_SLACK_BYTES
@@ -271,12 +270,10 @@ def plan_gate(config, layout, dram_budget_bytes: int, ctx: int, window: int, spa
     parts = layout.parts if parts is None else parts
     gu, dn = parts["gate_up"], parts["down"]
     if not kw.get("stream_chunk_bytes"):
-        st = stream_defaults(dn.ffn_path if dn.flashdir is not None else None)
-        kw.update(stream_chunk_bytes=st.chunk_bytes, stream_depth=st.depth)
+        kw.update(stream_args(dn))
     # a gate|up stream's buffers, and its reader's gap scratch (storage.reader.BundleReader of gate_up.bin)
-    gap = reader_defaults(gu.ffn_path, gu.stride).gap_bytes if gu.flashdir is not None else DEFAULT_GAP_BYTES
     stream = (stream_transient_bytes(gu, kw["stream_chunk_bytes"], kw.get("stream_depth", 1))
-              + max(1, gap // gu.stride) * gu.stride)
+              + max(1, reader_gap_bytes(gu) // gu.stride) * gu.stride)
     rows = [gu.region_bytes(i) for i in range(gu.n_layers)]
     resident = kw.pop("resident_bytes", 0)
     max_active = max(1, int(np.ceil((1.0 - sparsity) * max(dn.n_neurons))))
@@ -365,6 +362,25 @@ def stream_transient_bytes(layout, chunk_bytes: int, depth: int = 1) -> int:
         return 0
     rows, depth = stream_shape(layout, chunk_bytes, depth)
     return depth * span_bytes(rows, layout.stride)
+
+
+def reader_gap_bytes(layout) -> int:
+    """The coalescing gap storage.reader.BundleReader uses on `layout`'s file: its device profile's, else the
+    default (a layout not on disk)."""
+    return reader_defaults(layout.ffn_path, layout.stride).gap_bytes if layout.flashdir is not None \
+        else DEFAULT_GAP_BYTES
+
+
+def stream_settings(layout) -> StreamSettings:
+    """The chunk size and depth a FLASHDIR's layers are streamed with (the device's, storage.profile.stream_defaults):
+    the FFNs read with them and the DRAM plan counts their buffers (stream_args)."""
+    return stream_defaults(layout.ffn_path if layout.flashdir is not None else None)
+
+
+def stream_args(layout) -> dict:
+    """plan_budget's stream arguments for `layout`: the buffers of stream_settings."""
+    s = stream_settings(layout)
+    return {"stream_chunk_bytes": s.chunk_bytes, "stream_depth": s.depth}
 
 
 def stream_shape(layout, chunk_bytes: int, depth: int) -> tuple[int, int]:

@@ -43,10 +43,11 @@ from . import BLAS_THREADS_FROM_USER
 from . import default_model
 from .budget import (HEAP_SLACK_BYTES, BudgetPlan, auto_budget_bytes, compiled_stamp, down_scale_bytes,
                      experts_runtime_bytes, measure_runtime_bytes, plan_budget, plan_experts, plan_gate,
-                     plan_resident_ffn, resident_bytes_for, resident_matrix_shapes, runtime_estimate_bytes)
+                     plan_resident_ffn, resident_bytes_for, resident_matrix_shapes, runtime_estimate_bytes,
+                     stream_args, stream_settings)
 from .default_model import default_model_path, ensure_default_model
 from .ffn.experts import ExpertFFN
-from .ffn.flash import FlashFFN, stream_args, stream_settings
+from .ffn.flash import FlashFFN
 from .ffn.gate import CALIBRATION_CTX, CALIBRATION_TOKENS, GateFFN, LayerMagnitudes, measure_thresholds
 from .ffn.resident import ResidentFFN
 from .loader import load_weights, open_any
@@ -491,8 +492,9 @@ def build(files: ModelFiles, decision: Decision, threads: int | None = None, pro
         runtime = ExpertFFN(cfg, ckpt.layout, weights, decision.plan, files.expert_freq, threads=threads,
                             lookahead=decision.lookahead, verbose=verbose,
                             thresholds=files.gate.thresholds if decision.ffn == "gate" else None)
-        if not compiled_stamp(ckpt.layout).exists():     # written once a decode step has compiled the kernels
-            runtime.compiled_stamp = compiled_stamp(ckpt.layout)
+        stamp = compiled_stamp(ckpt.layout)
+        if not stamp.exists():          # written once a decode step has compiled the kernels
+            runtime.compiled_stamp = stamp
         if verbose:
             print(runtime.reader.describe(), file=sys.stderr)
         return Transformer(cfg, weights, ffn=runtime), files.tokenizer, runtime

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import STORIES
 from flashinfer_lite.budget import HEAP_SLACK_BYTES, plan_budget, plan_resident_ffn, resident_bytes_for
-from flashinfer_lite.ffn.flash import stream_args
+from flashinfer_lite.budget import stream_args
 from flashinfer_lite.runtime import minimum_bytes, model_facts
 from storage.convert import convert
 from storage.errors import UserError

@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from storage.blocks import BLOCK_BYTES
-from storage.config import ModelConfig
+from storage.config import EXACT_GATE_ACTS, ModelConfig
 from storage.format import expert_chunks, expert_parts
 from storage.reader import BundleReader, aligned_empty
 from storage.stats import FlashStats
@@ -33,8 +33,6 @@ from ..model import ExpertBatch, FeedForward, MixtureOfExperts
 from ..quant import QuantMatrix
 from .quant import QUANT_FFN_ACTS
 from .split import SplitKernels
-
-ZERO_ACTS = ("relu", "drelu")     # their experts' coefficients are exactly 0 for many neurons (TurboSparse's dReLU)
 
 
 class ExpertCache:
@@ -78,8 +76,8 @@ class ExpertCache:
 
     def reads_columns(self, layer: int) -> bool:
         """split: whether a miss of `layer` reads the gate|up rows alone, then its firing neurons' down columns
-        (a threshold above 0, or an expert whose coefficients are often exactly 0), not the whole chunk."""
-        return self.experts_layout.split and (self.thresholds[layer] > 0 or self.cfg.act in ZERO_ACTS)
+        (a threshold above 0, or a ReLU-family expert: its coefficients are often exactly 0), not the whole chunk."""
+        return self.experts_layout.split and (self.thresholds[layer] > 0 or self.cfg.act not in EXACT_GATE_ACTS)
 
     def expert(self, layer: int, e: int) -> FeedForward:
         """Expert e of `layer` over its slot's bytes: the matrices as the dense path keeps them (float16 / float32

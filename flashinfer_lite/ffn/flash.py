@@ -12,28 +12,15 @@ import time
 
 import numpy as np
 
-from storage.profile import StreamSettings, stream_defaults
 from storage.reader import BundleReader, RowStream
 from storage.stats import FlashStats
 
-from ..budget import staging_rows, stream_shape
+from ..budget import staging_rows, stream_settings, stream_shape
 from storage.config import ModelConfig
 from ..neuron_cache import NeuronCache
 from ..threads import beside_reads
 from .gating import threshold_of
 from .quant import sparse_ffns
-
-
-def stream_settings(layout) -> StreamSettings:
-    """The chunk size and depth a FLASHDIR's layers are streamed with (the device's, storage.profile.stream_defaults):
-    the FFNs read with them and the DRAM plan counts their buffers (stream_args)."""
-    return stream_defaults(layout.ffn_path if layout.flashdir is not None else None)
-
-
-def stream_args(layout) -> dict:
-    """budget.plan_budget's stream arguments for `layout`: the buffers of stream_settings."""
-    s = stream_settings(layout)
-    return {"stream_chunk_bytes": s.chunk_bytes, "stream_depth": s.depth}
 
 
 

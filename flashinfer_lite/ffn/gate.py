@@ -26,9 +26,9 @@ from storage.checksums import drop_from_page_cache
 from storage.reader import BundleReader, RowStream
 from storage.stats import FlashStats
 
-from ..budget import stream_shape
+from ..budget import stream_settings, stream_shape
 from ..neuron_cache import NeuronCache
-from .flash import FlashFFN, stream_settings
+from .flash import FlashFFN
 from .split import SplitKernels
 
 
@@ -110,6 +110,11 @@ class GateFFN(FlashFFN):
         self.gate_up_stream.prime(self._next_streamed(layer))
         return coef
 
+    def streams_again(self, layer: int) -> bool:
+        """Whether layer `layer`'s down rows will likely be read whole again: they were last time, and the cache cannot
+        hold the layer."""
+        return self.streamed[layer] and self.cache.matrix(layer).shape[0] < self.layout.n_neurons[layer]
+
     def _next_streamed(self, layer: int) -> int:
         """The layer after `layer` whose gate|up rows are not resident (the next token's first, after the last)."""
         n = self.cfg.n_layers
@@ -128,9 +133,8 @@ class GateFFN(FlashFFN):
         if layer == 0:
             self._pass_lookups = self.stats.hits + self.stats.misses
             self._pass_streamed = False
-        n = self.layout.n_neurons[layer]
-        if self.stream.primed < 0 and self.streamed[layer] and self.cache.matrix(layer).shape[0] < n:
-            self.stream.prime(layer)     # likely read whole again: its first chunks come during the coefficients
+        if self.stream.primed < 0 and self.streams_again(layer):
+            self.stream.prime(layer)     # its first chunks come during the coefficients
         coef = self.coefficients(layer, x)
         if self.observe is not None:
             self.observe(layer, coef)
@@ -200,8 +204,7 @@ class GateFFN(FlashFFN):
             self.kernels.accumulate(D, slots[:m], np.ascontiguousarray(coef[:, start:start + m]), y, layer)
             self.stats.compute_s += time.perf_counter() - t1
         following = (layer + 1) % self.cfg.n_layers     # the next layer's (the next token's first, after the last)
-        n = self.layout.n_neurons[following]
-        if self.streamed[following] and self.cache.matrix(following).shape[0] < n:
+        if self.streams_again(following):
             self.stream.prime(following)
 
 

@@ -16,15 +16,13 @@ class SplitKernels:
     formats): coefficients over gate|up rows, the down sum over down rows."""
 
     def __init__(self, gate_up, down, act: str, relu_threshold, down_scales=None):
-        shared: dict[tuple, SplitRows] = {}     # layers without scale tables share their geometry's (experts: 1000s)
+        shared: dict = {}       # layers without scale tables share their geometry's (an MoE's regions: 1000s)
 
         def rows(i: int) -> SplitRows:
-            if down_scales is not None:
-                return SplitRows(gate_up.geometry_of(i), down.geometry_of(i), act, relu_threshold, down_scales[i],
-                                 gate_up.quantized)
-            key = (gate_up.dtypes_of(i), down.dtypes_of(i))
+            tables = down_scales[i] if down_scales is not None else None
+            key = i if tables is not None else (gate_up.dtypes_of(i), down.dtypes_of(i))
             if key not in shared:
-                shared[key] = SplitRows(gate_up.geometry_of(i), down.geometry_of(i), act, relu_threshold, None,
+                shared[key] = SplitRows(gate_up.geometry_of(i), down.geometry_of(i), act, relu_threshold, tables,
                                         gate_up.quantized)
             return shared[key]
         self.layers = [rows(i) for i in range(gate_up.n_layers)]
