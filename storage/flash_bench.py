@@ -35,7 +35,7 @@ from storage.sizes import human, parse_size  # noqa: F401  (re-exported for benc
 from .cache import cache_dir
 from .profile import DEFAULT_DEPTH, DEFAULT_THREADS, device_key, save_profile
 from . import uring
-from .reader import BundleReader, RowStream, aligned_empty
+from .reader import BundleReader, RowStream, aligned_empty, busy_seconds
 
 STREAM_CHUNKS = (1 << 20, 2 << 20, 4 << 20, 8 << 20)   # a stream's chunk sizes and chunks in flight measured
 STREAM_DEPTHS = (1, 2, 4, 8)
@@ -104,14 +104,15 @@ def synthetic_layout(path: Path, chunk: int, size: int) -> FlashLayout:
 
 def measure(reader: BundleReader, n_bundles: int, batch: int, seconds: float, rng, layer: int = 0,
             in_flight: int = 2) -> dict:
-    """Random reads of `batch` distinct bundles per call for `seconds`; returns bytes, reads and wall time.
+    """Random reads of `batch` distinct bundles per call for `seconds`; returns bytes, reads, wall time, the time
+    reads were in flight (busy_s, storage.reader.busy_seconds) and their times in flight summed (op_s).
 
     `in_flight` calls at once: with 2 the next is submitted before the last is waited for, as a reader fed ahead of
     its consumer is used, so the queue does not drain between calls and planning overlaps the reads."""
     stride = reader.layout.stride
     dests = [aligned_empty((batch, stride), np.uint8) for _ in range(in_flight)]
     tot = {"requested_bytes": 0, "read_bytes": 0, "n_reads": 0}
-    pending = collections.deque()
+    pending, started, landed = collections.deque(), [], []
     calls = 0
     t0 = time.perf_counter()
     while True:
@@ -121,11 +122,16 @@ def measure(reader: BundleReader, n_bundles: int, batch: int, seconds: float, rn
         # Past the time, the calls still in flight are waited for and counted: their reads were made in it.
         done = time.perf_counter() - t0 >= seconds
         while pending and (done or len(pending) == in_flight):
-            st = pending.popleft().wait()
+            p = pending.popleft()
+            st = p.wait()
             for k in tot:
                 tot[k] += getattr(st, k)
+            started.append(p.started)
+            landed.append(p.landed)
         if done:
-            return {**tot, "calls": calls, "seconds": time.perf_counter() - t0}
+            s, t = np.concatenate(started), np.concatenate(landed)
+            return {**tot, "calls": calls, "seconds": time.perf_counter() - t0, "busy_s": busy_seconds(s, t),
+                    "op_s": float((t - s).sum())}
 
 
 def bench_streams(path: Path, size: int, seconds: float, chunks=STREAM_CHUNKS,
@@ -254,16 +260,25 @@ def bench_model(flashdir, seconds: float) -> list[dict]:
     return rows
 
 
-def expert_rate(flashdir, k: int, seconds: float) -> dict:
+EXPERT_PROBES = ((1, 1), (2, 1), (4, 1), (8, 1), (8, 2))   # (chunks a call, calls in flight)
+
+
+def expert_rate(flashdir, seconds: float) -> dict:
     """The device's rate for a mixture of experts' reads as its expert cache makes them (bench/moe_vs_llama_cpp.py):
-    random whole chunks of one layer, k distinct ones a call (a token's misses in a layer), 1 and 2 calls in flight."""
+    random whole chunks of a random layer, k distinct ones a call (a layer's misses), then wait, as EXPERT_PROBES says.
+    Per probe: MBps (bytes over wall time), busy_MBps (over the time reads were in flight, the expert cache's
+    measure: storage.stats read_busy_s) and in_flight (the mean reads in flight over that time)."""
     layout = read_layout(flashdir)
-    out = {"chunk_bytes": layout.experts.chunk}
-    with BundleReader(expert_chunks(layout)) as r:
-        for calls in (1, 2):
-            m = measure(r, layout.experts.n_experts, k, seconds, np.random.default_rng(3), in_flight=calls)
-            out[f"MBps_{k * calls}_in_flight"] = round(m["read_bytes"] / m["seconds"] / 1e6, 1)
-    return out
+    E = layout.experts
+    probes = []
+    with BundleReader(expert_chunks(layout), stamps=True) as r:
+        for k, calls in EXPERT_PROBES:
+            rng, nb = np.random.default_rng(3), r.layout.n_neurons[0]
+            m = measure(r, nb, k, seconds / len(EXPERT_PROBES), rng, int(rng.integers(0, E.n_layers)), calls)
+            probes.append({"chunks": k, "calls": calls, "MBps": round(m["read_bytes"] / m["seconds"] / 1e6, 1),
+                           "busy_MBps": round(m["read_bytes"] / m["busy_s"] / 1e6, 1),
+                           "in_flight": round(m["op_s"] / m["busy_s"], 2)})
+    return {"chunk_bytes": E.chunk, "probes": probes}
 
 
 def columns(rows: list[dict]) -> list[tuple[str, int]]:

@@ -88,10 +88,13 @@ class BundleReader:
     coalesce_gap (in bundles; < 0 disables coalescing, 0 merges only adjacent bundles) default to the device profile
     saved by `flashinfer-lite flash-bench`, else to built-in defaults. Where the kernel refuses io_uring (old
     kernels, sandboxes, not Linux on x86-64) the reader uses threads and says why in describe().
+    stamps: the ring's completions are stamped when they are posted (storage.uring.Ring), so each read's
+    PendingRead.landed is when it landed, not when the caller next reaped the ring (see busy_seconds).
     """
 
     def __init__(self, layout_or_flashdir, threads: int | None = None, coalesce_gap: int | None = None,
-                 max_read_bytes: int = MAX_READ_BYTES, engine: str | None = None, depth: int | None = None):
+                 max_read_bytes: int = MAX_READ_BYTES, engine: str | None = None, depth: int | None = None,
+                 stamps: bool = False):
         self.layout = layout_or_flashdir if isinstance(layout_or_flashdir, FlashLayout) \
             else read_layout(layout_or_flashdir)
         self.path = self.layout.ffn_path
@@ -114,7 +117,7 @@ class BundleReader:
         self._engine = None
         if engine == "io_uring":
             try:
-                self._engine = RingQueue(self.fd, max(1, int(depth if depth is not None else prof.depth)))
+                self._engine = RingQueue(self.fd, max(1, int(depth if depth is not None else prof.depth)), stamps)
             except OSError as e:
                 self.fallback_reason = unavailable(e)
         if self._engine is None:
@@ -289,6 +292,17 @@ class BundleReader:
                          f"bytes; the file is truncated or damaged")
 
 
+def busy_seconds(started: np.ndarray, landed: np.ndarray) -> float:
+    """The time at least one of these reads was in flight: the length of the union of [started[i], landed[i]]."""
+    if not len(started):
+        return 0.0
+    order = np.argsort(started, kind="stable")
+    s, reach = started[order], np.maximum.accumulate(landed[order])
+    # A stretch of busy time begins at a read that starts after every earlier one has landed.
+    new = np.flatnonzero(np.r_[True, s[1:] > reach[:-1]])
+    return float((reach[np.r_[new[1:] - 1, len(s) - 1]] - s[new]).sum())
+
+
 def span_bytes(rows: int, stride: int) -> int:
     """The most bytes `rows` consecutive bundles of `stride` bytes span once widened to 512-byte boundaries."""
     return -(-rows * stride // BUNDLE_ALIGN) * BUNDLE_ALIGN + (BUNDLE_ALIGN if stride % BUNDLE_ALIGN else 0)
@@ -392,18 +406,22 @@ class ReadPlan:
 
 
 class Request:
-    """One submit's progress: ops left, reads made (retries included), the first error, when the last op ended."""
+    """One submit's progress: ops left, reads made (retries included), the first error, when the last op ended;
+    per op when it went to the kernel (its first try) and when it landed (its last)."""
 
     def __init__(self, reader: BundleReader, layer: int, plan: ReadPlan, stats: FlashStats, t0: float):
         self.reader, self.layer, self.plan, self.stats, self.t0 = reader, layer, plan, stats, t0
         self.left, self.error, self.t_end = len(plan), None, t0
+        self.started, self.landed = np.zeros(len(plan)), np.zeros(len(plan))
         self.done = threading.Event()
         self.lock = threading.Lock()          # the thread engine's workers finish ops of one request concurrently
         self.serial = 0                       # the ring engine's name for it in completion tags
 
-    def finish(self, k: np.ndarray, got: np.ndarray, n_reads: int) -> None:
-        """Ops k are done, each having read got bytes (or -errno) on its last try; n_reads counts the tries."""
+    def finish(self, k: np.ndarray, got: np.ndarray, n_reads: int, landed: np.ndarray) -> None:
+        """Ops k are done, each having read got bytes (or -errno) on its last try, which landed then; n_reads counts
+        the tries."""
         self.stats.n_reads += n_reads
+        self.landed[k] = landed
         plan, reader = self.plan, self.reader
         bad = got != plan.nbytes[k]
         if not reader.direct:
@@ -413,7 +431,7 @@ class Request:
             self.error = reader.failure(self, int(k[bad][0]), int(got[bad][0]))
         self.left -= len(k)
         if not self.left:
-            self.t_end = time.perf_counter()
+            self.t_end = float(self.landed.max())
             self.done.set()
 
 
@@ -427,6 +445,16 @@ class PendingRead:
     def ready(self) -> bool:
         """Every op finished (wait() would not block)."""
         return not self._req.left
+
+    @property
+    def started(self) -> np.ndarray:
+        """Per op, when it went to the kernel (valid after wait())."""
+        return self._req.started
+
+    @property
+    def landed(self) -> np.ndarray:
+        """Per op, when it landed: stamped as it was posted with stamps, else when it was seen (valid after wait())."""
+        return self._req.landed
 
     def wait(self) -> FlashStats:
         req = self._req
@@ -490,8 +518,9 @@ def _worker(jobs: queue.SimpleQueue, fd: int) -> None:
             return
         req, ops = job
         plan = req.plan
-        got, n_reads = [], 0
+        got, n_reads, started, landed = [], 0, [], []
         for k in ops:
+            started.append(time.perf_counter())
             for attempt in (0, 1):     # a short read or EIO gets one retry
                 n_reads += 1
                 try:
@@ -501,8 +530,10 @@ def _worker(jobs: queue.SimpleQueue, fd: int) -> None:
                 if n == plan.nbytes[k]:
                     break
             got.append(n)
+            landed.append(time.perf_counter())
         with req.lock:
-            req.finish(np.asarray(ops), np.array(got, np.int64), n_reads)
+            req.started[ops] = started
+            req.finish(np.asarray(ops), np.array(got, np.int64), n_reads, np.array(landed))
 
 
 _libc = None
@@ -535,8 +566,8 @@ class RingQueue:
     name = "io_uring"
     wake_every = 16
 
-    def __init__(self, fd: int, depth: int):
-        self.fd, self.ring = fd, Ring(depth)
+    def __init__(self, fd: int, depth: int, stamps: bool = False):
+        self.fd, self.ring = fd, Ring(depth, stamps)
         self.depth = self.ring.entries
         self._lock = threading.Lock()
         self._backlog: collections.deque = collections.deque()   # [request, first op, end op, retry]
@@ -565,6 +596,8 @@ class RingQueue:
             p, tags = req.plan, req.tags[lo:lo + k]
             self.ring.push(self.fd, p.off[lo:lo + k], p.iov_addr[lo:lo + k], p.iov_count[lo:lo + k],
                            tags | np.uint64(1) if retry else tags)
+            if not retry:           # every caller of _fill enters the kernel next: the ops start now
+                req.started[lo:lo + k] = time.perf_counter()
             self._in_flight += k
             item[1] += k
             if item[1] == hi:
@@ -573,7 +606,7 @@ class RingQueue:
     def _reap(self) -> None:
         """Take the ready completions, refill the slots they free before anything else (so the device idles least
         while Python accounts), then account them; retries go to the front of the backlog."""
-        tags, res = self.ring.reap()
+        tags, res, when = self.ring.reap()
         if not len(tags):
             return
         self._in_flight -= len(tags)
@@ -583,15 +616,15 @@ class RingQueue:
         one = serial[0] == serial[-1] and (serial == serial[0]).all()   # the usual case: a single request
         for s in [int(serial[0])] if one else np.unique(serial).tolist():
             mine = slice(None) if one else serial == s
-            req, t, got = self._requests[s], tags[mine], res[mine]
+            req, t, got, at = self._requests[s], tags[mine], res[mine], when[mine]
             k = ((t & np.uint64(0xFFFFFFFF)) >> np.uint64(1)).astype(np.int64)
             again = got != req.plan.nbytes[k]
             if again.any():                  # a short read or EIO gets one retry
                 again &= (t & np.uint64(1)) == 0
                 for j in k[again].tolist():
                     self._backlog.appendleft([req, j, j + 1, 1])
-                k, got = k[~again], got[~again]
-            req.finish(k, got, len(t))
+                k, got, at = k[~again], got[~again], at[~again]
+            req.finish(k, got, len(t), at)
             if not req.left:
                 del self._requests[s]
 

@@ -16,14 +16,18 @@ import errno
 import mmap
 import os
 import platform
+import threading
+import time
 
 import numpy as np
 
 SYS_IO_URING_SETUP, SYS_IO_URING_ENTER = 425, 426      # the same numbers on every architecture since Linux 5.1
 IORING_OFF_SQ_RING, IORING_OFF_CQ_RING, IORING_OFF_SQES = 0, 0x8000000, 0x10000000
+SYS_IO_URING_REGISTER = 427
 IORING_OP_READV = 1
 IORING_ENTER_GETEVENTS = 1
 IORING_SETUP_COOP_TASKRUN = 1 << 8
+IORING_REGISTER_EVENTFD = 4
 
 SQE_WORDS, CQE_WORDS = 8, 2   # 64-byte submission and 16-byte completion entries, seen as rows of uint64 words
 # A READV entry's words: 0 = opcode | flags << 8 | ioprio << 16 | fd << 32; 1 = file offset; 2 = iovec array address;
@@ -70,21 +74,27 @@ class Ring:
     """One submission and one completion queue. Not thread-safe: the caller serialises push/submit/reap.
 
     push() writes READV entries; submit() hands them to the kernel; wait(n) blocks (GIL released) until at least
-    n completions are ready; reap() returns (user_data, res) of every ready completion.
+    n completions are ready; reap() returns (user_data, res, when) of every ready completion.
+
+    when: with stamps=True, the time (time.perf_counter's clock) each completion was posted, taken by a watcher
+    thread that sleeps on an eventfd the kernel signals as it posts completions, and runs compiled code without the
+    GIL, so it stamps within tens of microseconds while the caller computes. Without stamps (or for a completion
+    the watcher has not stamped yet) it is the time of reap(): the caller may have computed meanwhile.
     """
 
-    # Completions are posted by the submitting thread's next entry to the kernel (or timer tick), not by an
-    # interrupt of it while it computes: fewer interruptions, and the reader enters the kernel to reap anyway.
-    flags = IORING_SETUP_COOP_TASKRUN
-
-    def __init__(self, entries: int):
+    def __init__(self, entries: int, stamps: bool = False):
+        # Without stamps, completions are posted by the submitting thread's next entry to the kernel (or timer tick),
+        # not by an interrupt of it while it computes: fewer interruptions, and the reader enters the kernel to reap
+        # anyway. Stamps need them posted when the read lands, so that the watcher sees them then.
+        flags = 0 if stamps else IORING_SETUP_COOP_TASKRUN
         try:
-            self.fd, p = setup(entries, self.flags)
+            self.fd, p = setup(entries, flags)
         except OSError as e:        # before Linux 5.19: no cooperative task running
-            if e.errno != errno.EINVAL or not self.flags:
+            if e.errno != errno.EINVAL or not flags:
                 raise
             self.fd, p = setup(entries)
         self._maps = []
+        self._watcher = None
         try:
             sq, cq = p.sq_off, p.cq_off
             sq_map = self._map(sq[6] + p.sq_entries * 4, IORING_OFF_SQ_RING)
@@ -105,6 +115,28 @@ class Ring:
         self._cqes = np.frombuffer(cq_map, np.uint64, p.cq_entries * CQE_WORDS, cq[5]).reshape(-1, CQE_WORDS)
         self._res = self._cqes.view(np.int32)[:, 2]      # res, the low half of word 1 (little-endian x86-64)
         self._unsubmitted = 0
+        if stamps:
+            try:
+                self._watch(cq_map, cq[1], p.cq_entries)
+            except BaseException:
+                self.close()
+                raise
+
+    def _watch(self, cq_map, tail_at: int, n: int) -> None:
+        """Start the watcher: _stamps[i] is when completion slot i was last seen posted; _seen[0] the tail it has
+        stamped up to (written after the stamps, and x86 keeps stores in order)."""
+        from ._watch import watch      # numba: only rings with stamps compile it
+        self._efd = os.eventfd(0, os.EFD_CLOEXEC)
+        self._stamps = np.zeros(n, np.float64)
+        self._seen = np.zeros(2, np.int64)          # [stamped tail, stop]
+        self._seen[0] = int(self._cq_tail[0])
+        efd = ctypes.c_int32(self._efd)
+        _syscall(SYS_IO_URING_REGISTER, self.fd, IORING_REGISTER_EVENTFD, ctypes.addressof(efd), 1)
+        tail = np.frombuffer(cq_map, np.uint32, 1, tail_at)
+        self._watcher = threading.Thread(target=watch, args=(self._efd, tail, self._stamps, self._seen,
+                                                             np.zeros(1, np.uint64), np.zeros(2, np.int64)),
+                                         name="Ring-watcher", daemon=True)
+        self._watcher.start()
 
     def _map(self, length: int, offset: int) -> mmap.mmap:
         m = mmap.mmap(self.fd, length, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
@@ -145,21 +177,35 @@ class Ring:
         """Block (GIL released) until at least n completions are ready; submits nothing."""
         _syscall(SYS_IO_URING_ENTER, self.fd, 0, n, IORING_ENTER_GETEVENTS, 0, 0)
 
-    def reap(self) -> tuple[np.ndarray, np.ndarray]:
-        """(user_data uint64[k], res int32[k]) of the ready completions, which are then released to the kernel."""
+    def reap(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(user_data uint64[k], res int32[k], when float64[k]) of the ready completions (see the class), which are
+        then released to the kernel."""
+        now = time.perf_counter()
         head, tail = int(self._cq_head[0]), int(self._cq_tail[0])
         n = (tail - head) & 0xFFFFFFFF
         start = head & self._cq_mask
         end = start + n
         if end <= len(self._cqes):      # copies: the slots are the kernel's again after this
             ud, res = self._cqes[start:end, 0].copy(), self._res[start:end].copy()
+            at = np.arange(start, end)
         else:
-            wrap = np.r_[start:len(self._cqes), 0:end - len(self._cqes)]
-            ud, res = self._cqes[wrap, 0], self._res[wrap]
+            at = np.r_[start:len(self._cqes), 0:end - len(self._cqes)]
+            ud, res = self._cqes[at, 0], self._res[at]
+        when = np.full(n, now)
+        if self._watcher is not None and n:
+            ahead = (int(self._seen[0]) - head) & 0xFFFFFFFF     # the watcher's tail past ours (else it lags)
+            stamped = min(ahead, n) if ahead <= len(self._cqes) else 0
+            when[:stamped] = np.minimum(self._stamps[at[:stamped]], now)
         self._cq_head[0] = tail
-        return ud, res
+        return ud, res, when
 
     def close(self) -> None:
+        if self._watcher is not None:
+            self._seen[1] = 1
+            os.eventfd_write(self._efd, 1)
+            self._watcher.join()
+            os.close(self._efd)
+            self._watcher = None
         self._sq_tail = self._sq_head = self._sqes = self._cq_head = self._cq_tail = self._cqes = self._res = None
         for m in self._maps:
             try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -205,11 +206,11 @@ def inject_eio(monkeypatch, engine: str, failures: dict, short_by: int = 0) -> N
         real = uring.Ring.reap
 
         def flaky(ring):
-            tags, res = real(ring)
+            tags, res, when = real(ring)
             k = min(failures["left"], len(res))
             res[:k] = res[:k] - short_by if short_by else -errno.EIO
             failures["left"] -= k
-            return tags, res
+            return tags, res, when
         monkeypatch.setattr(uring.Ring, "reap", flaky)
 
 
@@ -389,3 +390,46 @@ def test_a_streams_failed_read_is_retried_once_then_reported(flashdirs, monkeypa
                 pass
         assert s.primed == -1
         assert np.array_equal(np.concatenate([B.copy() for _, B, _, _ in s.chunks(0)]), want)
+
+
+@settings(max_examples=200, deadline=None)
+@given(spans=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 20)), min_size=0, max_size=25))
+def test_busy_seconds_is_the_length_of_the_union_of_the_intervals(spans):
+    """Against unit cells: intervals with whole-number ends cover cell [i, i + 1) or not; the union's length is the
+    number of cells covered."""
+    from storage.reader import busy_seconds
+    s = np.array([a for a, _ in spans], float)
+    t = s + np.array([n for _, n in spans], float)
+    covered = np.zeros(81, bool)
+    for a, b in zip(s.astype(int), t.astype(int)):
+        covered[a:b] = True
+    assert busy_seconds(s, t) == covered.sum()
+
+
+def test_stamps_say_when_a_read_landed_not_when_it_was_reaped(flashdirs, engine):
+    """A stamped reader's reads carry when each op went to the kernel and when it landed. With the ring, the watcher
+    stamps a completion while the caller keeps the GIL and never enters the kernel: the stamp is earlier than the
+    caller's wait(), where an unstamped ring would have said the time of that wait. The bytes are the file's."""
+    path, _ = flashdirs["f32"]
+    with BundleReader(path, threads=1, engine=engine, stamps=True, coalesce_gap=-1) as r:
+        check_engine(r, engine)
+        L = r.layout
+        dest = aligned_empty((3, L.stride), np.uint8)
+        t0 = time.perf_counter()
+        pending = r.submit(1, [2, 7, 9], dest, [0, 1, 2])
+        if engine == "io_uring":
+            seen = r._engine.ring._seen
+            first = int(seen[0])
+            while int(seen[0]) - first < 3 and time.perf_counter() - t0 < 60:   # busy in Python, no system call
+                pass
+            assert int(seen[0]) - first == 3, "the watcher stamped no completion"
+        else:
+            while not pending.ready():        # the thread engine's workers stamp each op as its preadv returns
+                time.sleep(0.001)
+        t_seen = time.perf_counter()
+        st = pending.wait()
+        assert len(pending.started) == len(pending.landed) == st.n_reads == 3
+        assert (t0 <= pending.started).all() and (pending.started <= pending.landed).all()
+        assert (pending.landed <= t_seen).all()
+        raw = np.fromfile(path / "ffn.bin", np.uint8)[L.offset[1]:].reshape(-1, L.stride)
+        assert np.array_equal(dest, raw[[2, 7, 9]])

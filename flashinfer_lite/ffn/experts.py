@@ -26,7 +26,7 @@ import numpy as np
 from storage.blocks import BLOCK_BYTES
 from storage.config import EXACT_GATE_ACTS, ModelConfig
 from storage.format import expert_chunks, expert_parts
-from storage.reader import BundleReader, aligned_empty
+from storage.reader import BundleReader, aligned_empty, busy_seconds
 from storage.stats import FlashStats
 
 from ..model import ExpertBatch, FeedForward, MixtureOfExperts
@@ -45,11 +45,11 @@ class ExpertCache:
         self.cfg, self.overlap = cfg, overlap
         self.slots = slots
         self.stacked = all(t in BLOCK_BYTES for t in E.dtypes) and cfg.act in QUANT_FFN_ACTS and not E.split
-        self.reader = BundleReader(expert_chunks(layout), threads=threads)
+        self.reader = BundleReader(expert_chunks(layout), threads=threads, stamps=True)   # stamps: read_busy_s
         if E.split:
             parts = expert_parts(layout)     # regions: (layer, expert) pairs; rows: neurons
             self.kernels = SplitKernels(parts["gate_up"], parts["down"], cfg.act, cfg.relu_threshold)
-            self.head_reader = BundleReader(parts["heads"], threads=threads)
+            self.head_reader = BundleReader(parts["heads"], threads=threads, stamps=True)
             self.column_reader = BundleReader(parts["down"], threads=threads)
             self.have = np.zeros((cfg.n_layers, slots, E.n), bool)   # the down columns each slot holds
         self.thresholds = [0.0] * cfg.n_layers   # split: per layer |coefficient| <= t does not count (0: exact)
@@ -133,6 +133,14 @@ class ExpertCache:
         self.stats.io_s += st.io_s
         return st
 
+    def _busy(self, reads: list) -> None:
+        """The time these landed reads were in flight (read_busy_s), their bytes and their summed times in flight."""
+        s = np.concatenate([p.started for p in reads])
+        t = np.concatenate([p.landed for p in reads])
+        self.stats.read_busy_s += busy_seconds(s, t)
+        self.stats.read_busy_bytes += sum(p.stats.read_bytes for p in reads)
+        self.stats.read_op_s += float((t - s).sum())
+
     def prefetch(self, layer: int, ids) -> None:
         """Start reading the experts of a guess (the next layer's router applied early) into slots of LRU experts; the
         exact router still decides what is computed, so a wrong guess costs only its bytes (and the evicted
@@ -161,7 +169,7 @@ class ExpertCache:
             if e in lru:
                 lru.move_to_end(e)
         waiting = set(ids)                        # not yet computed: their slots must stay
-        inflight = collections.deque()
+        inflight, started = collections.deque(), []
 
         def refill():
             while misses and (self.overlap or not inflight):
@@ -169,6 +177,7 @@ class ExpertCache:
                 if pending is None:
                     break
                 inflight.append((misses.popleft(), pending))
+                started.append(pending)
 
         def landed():
             """The first read in flight, waited for, and every other one already done (one batch)."""
@@ -191,8 +200,9 @@ class ExpertCache:
             yield self.batch(layer, got)          # computed now: its slots may take the next misses
             waiting.difference_update(got)
             refill()
-        if ids != hits:
+        if started:
             self.stats.read_span_s += self._landed_at - submitted_at
+            self._busy(started)
         if hits and not self.overlap:             # without overlap: the hits after the reads
             yield self.batch(layer, hits)
         assert not misses, "an expert cache needs at least one slot per layer"
