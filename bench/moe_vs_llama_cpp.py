@@ -13,15 +13,8 @@ uniformly: the worst case for any expert cache. Rows, each its own process under
 dropped: llama.cpp (mmap of the GGUF) and flashinfer-lite (--dram-budget = the cap less --slack) per cap, from the same
 prompt ids, then -n decode steps over the same fixed random tokens (a random model's greedy output repeats one token,
 and its experts: a cache's best case); "same argmax" compares the argmax after every step. Caps: none, a size or P%
-of the GGUF. In RAM llama.cpp decodes the same tokens once first, warm as flash is. --sparse: a row with split
-chunks, the gate inside experts.
-
-Expert reads (flash rows; a gate row's column reads and a lookahead's guesses are not counted): decode's miss bytes
-over the time they were in flight (read_busy_s: per layer, the union of each read's interval from its submission to
-the kernel to its completion, stamped as the kernel posts it), and the mean reads in flight over that time. Beside
-them the device's rate for the same chunks in the same measure (flash_bench.expert_rate: 1 to 16 in flight, measured
-after the rows), interpolated at the row's mean in flight, and the share of it the row got. expert_read_MBps_reaped
-is the former lower bound: each layer's first submission to its last read seen landed when the ring was reaped."""
+of the GGUF. In RAM llama.cpp decodes the same tokens once first, warm as flash is. --sparse: split chunks, the gate.
+Expert reads (flash rows, bench/README.md): miss bytes over busy time, beside the device's at as many in flight."""
 from __future__ import annotations
 
 # Only the standard library and numpy at the top: the llama.cpp worker must not load numba and LLVM into its memory.
@@ -121,6 +114,7 @@ def measure_llama(job: dict, warm: bool = False) -> dict:
 def measure_flash(budget: int | None, job: dict, mode: str = "flash") -> dict:
     """flashinfer-lite: the prompt, then one forward per token of job["steps"]; the argmax after each."""
     import numpy as np
+    from storage.flash_bench import expert_reads, reads_mark
     t0 = time.perf_counter()
     gate = mode == "flash-gate"          # the exact gate inside split expert chunks
     model, _, runtime = h.load_model(job["split" if gate else "flash"], "gate" if gate else "auto", ctx=job["ctx"],
@@ -130,23 +124,17 @@ def measure_flash(budget: int | None, job: dict, mode: str = "flash") -> dict:
     t0 = time.perf_counter()
     logits = model.forward(job["prompt_ids"], kv)
     prompt_ms = 1e3 * (time.perf_counter() - t0)
-    reads = ("read_span_s", "read_busy_s", "read_busy_bytes", "read_op_s")
-    out, step_ms, c = [int(np.argmax(logits))], [], h.Counters(runtime)
-    r0 = {k: getattr(runtime.stats, k) for k in reads}
+    out, step_ms, c, s0 = [int(np.argmax(logits))], [], h.Counters(runtime), reads_mark(runtime.stats, job["flash"])
     for tok in job["steps"]:
         t0 = time.perf_counter()
         logits = model.forward([tok], kv)
         step_ms.append(1e3 * (time.perf_counter() - t0))
         out.append(int(np.argmax(logits)))
     d, st = c.since(len(step_ms)), runtime.stats.as_dict()
-    r = {k: getattr(runtime.stats, k) - r0[k] for k in reads}     # decode's expert reads (a miss's, not a guess's)
-    rate = mode == "flash" and r["read_busy_s"] > 0
     return {"engine": "flashinfer-lite", "load_s": round(load_s, 3), "gen_tokens": out,
             **h.step_stats(prompt_ms, len(job["prompt_ids"]), step_ms, 0),
             "decode_MB_per_token": d["reader_MB_per_token"], "hit_rate": d["hit_rate"],
-            "expert_read_MBps": round(r["read_busy_bytes"] / r["read_busy_s"] / 1e6, 1) if rate else None,
-            "expert_reads_in_flight": round(r["read_op_s"] / r["read_busy_s"], 2) if rate else None,
-            "expert_read_MBps_reaped": round(r["read_busy_bytes"] / r["read_span_s"] / 1e6, 1) if rate else None,
+            **(expert_reads(runtime.stats, s0) if mode == "flash" else {}),
             "fired": round(runtime.cache.fired / runtime.stats.active.sum() / runtime.cfg.ffn_dim, 4) if gate else None,
             "overlapped_share": st["overlapped_share"], "read_wait_ms_per_token": st["read_wait_ms_per_token"],
             "budget_bytes": runtime.plan.budget_bytes, "slots": runtime.plan.slots, "plan": runtime.plan.table(),
@@ -174,7 +162,7 @@ def main(argv=None) -> int:
     work = h.work_dir(a, "moe-bench-")
     from storage.convert import convert
     from storage.checkpoint import open_checkpoint
-    from storage.flash_bench import expert_rate
+    from storage.flash_bench import device_share, expert_rate
     gguf, t0 = work / "qwen3moe-shape.q4_0.gguf", time.perf_counter()
     gguf_bytes = gguf.stat().st_size if gguf.exists() else write_gguf(gguf, a.layers)
     flash = work / "flash"
@@ -202,19 +190,8 @@ def main(argv=None) -> int:
             rows.append(dict(r, cap=spec))
     doc = {"bench": "moe_vs_llama_cpp", "command": h.command("moe_vs_llama_cpp.py", argv), "machine": h.machine(),
            "model": {**SHAPE, "layers": a.layers, "gguf_bytes": gguf_bytes, "build_s": round(build_s, 1)},
-           "device": expert_rate(flash, 5.0), "rows": rows}
-    for r in rows:
-        if r.get("expert_read_MBps"):
-            r["device_MBps"] = device_at(doc["device"], r["expert_reads_in_flight"])
-            r["share_of_device"] = round(r["expert_read_MBps"] / r["device_MBps"], 3)
+           "device": (device := expert_rate(flash, 5.0)), "rows": [dict(r, **device_share(r, device)) for r in rows]}
     return h.emit(doc, markdown, a.md, None if a.keep else work)
-
-
-def device_at(device: dict, in_flight: float) -> float:
-    """The device's busy-time rate for expert chunks at `in_flight` reads in flight: linear between its probes."""
-    import numpy as np
-    probes = sorted(device["probes"], key=lambda p: p["in_flight"])
-    return round(float(np.interp(in_flight, [p["in_flight"] for p in probes], [p["busy_MBps"] for p in probes])), 1)
 
 
 def markdown(doc: dict) -> str:
@@ -223,7 +200,7 @@ def markdown(doc: dict) -> str:
     out = []
     for r in doc["rows"]:
         if "p50_ms" not in r:
-            out.append([r["mode"], r["cap"], h.failed(r), "", "", "", "", "", "", "", "", ""])
+            out.append([r["mode"], r["cap"], h.failed(r), "", "", "", "", "", "", "", ""])
             continue
         base = ref.get(r["cap"])
         x = f"{base['p50_ms'] / r['p50_ms']:.2f}x" if base and r["mode"] != "llama.cpp" else "1x"
@@ -231,22 +208,12 @@ def markdown(doc: dict) -> str:
             f"{sum(a == b for a, b in zip(r['gen_tokens'], base['gen_tokens']))}/{len(base['gen_tokens'])}"
         out.append([r["mode"], r["cap"], h.fmt(r["load_s"], 2), h.fmt(r["p50_ms"]), h.fmt(r["p99_ms"]),
                     h.fmt(r.get("decode_MB_per_token")), h.fmt(r.get("hit_rate"), 3), h.fmt(r.get("fired"), 3),
-                    h.fmt(r.get("expert_read_MBps")), expert_share(r), x, same])
+                    r.get("expert_reads", ""), x, same])
     head = (f"{m['layers']} of 48 layers at Qwen3-30B-A3B's shape ({m['experts']} experts of {m['expert_dim']}, "
             f"{m['used']} routed, d {m['dim']}), Q4_0 GGUF {m['gguf_bytes'] / 2**30:.2f} GiB; "
-            f"load average {doc['machine']['load_avg_start']}; the device on its {doc['device']['chunk_bytes']}-byte "
-            f"expert chunks, MB/s busy (in flight): " + ", ".join(f"{p['busy_MBps']:.0f} ({p['in_flight']:.1f})"
-                                                                  for p in doc["device"]["probes"]))
+            f"load average {doc['machine']['load_avg_start']}; the device: {doc['device']['summary']}")
     return "\n".join([head, ""] + h.table(["row", "cap", "load s", "ms/token P50", "P99", "flash MB/token", "hit rate",
-                                           "fired", "expert reads MB/s", "of the device's (in flight)",
-                                           "vs llama.cpp", "same argmax"], out))
-
-
-def expert_share(r: dict) -> str:
-    """The expert reads' share of the device's rate at their reads in flight, e.g. "0.93 of 1520 (3.1)"."""
-    if not r.get("share_of_device"):
-        return ""
-    return f"{r['share_of_device']:.2f} of {r['device_MBps']:.0f} ({r['expert_reads_in_flight']:.1f})"
+                                           "fired", "expert reads", "vs llama.cpp", "same argmax"], out))
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ reader engines: threads (1 read in flight per thread) and io_uring (queue depth)
 Reads go through BundleReader (O_DIRECT) on a scratch file, so the numbers are what the runtime can get, not what a C
 tool gets; each cell also records the CPU seconds per GB it cost. From the table it saves a device profile (engine,
 queue depth, threads and coalescing gap per request size, see storage/profile.py) that BundleReader uses by default.
-With -m FLASHDIR it also reads random neuron sets of that model's real bundles. Then sequential streams (a layer read
-whole, storage.reader.RowStream) per chunk size and chunks in flight: the profile's "stream" entry, which the exact
+With -m FLASHDIR it also reads random neuron sets of that model's real bundles (of a mixture of experts: random whole
+expert chunks, expert_rate). Then sequential streams (a layer read whole, storage.reader.RowStream) per chunk size and chunks in flight: the profile's "stream" entry, which the exact
 gate's and prefill's streams use (storage.profile.stream_defaults).
 """
 from __future__ import annotations
@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--depths", default="8,16,32,64,128,256",
                         help="queue depths of the io_uring engine (skipped where the kernel refuses io_uring)")
     parser.add_argument("--seconds", type=float, default=1.0, help="measuring time per cell")
-    parser.add_argument("-m", "--model", help="also read random neuron sets of this flash directory")
+    parser.add_argument("-m", "--model", help="also read random neuron sets (a mixture of experts: whole expert chunks) "
+                                              "of this flash directory")
     parser.add_argument("--out", help="where CSV/JSON/PNG go (default: <cache dir>/flash-bench)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: 64MiB file, 3 chunks, 2 thread counts, 2 depths, 0.2 s; never saves the "
@@ -278,7 +279,56 @@ def expert_rate(flashdir, seconds: float) -> dict:
             probes.append({"chunks": k, "calls": calls, "MBps": round(m["read_bytes"] / m["seconds"] / 1e6, 1),
                            "busy_MBps": round(m["read_bytes"] / m["busy_s"] / 1e6, 1),
                            "in_flight": round(m["op_s"] / m["busy_s"], 2)})
-    return {"chunk_bytes": E.chunk, "probes": probes}
+    return {"chunk_bytes": E.chunk, "probes": probes, "summary": f"{E.chunk}-byte chunks, MB/s busy (in flight): "
+            + ", ".join(f"{p['busy_MBps']:.0f} ({p['in_flight']:.1f})" for p in probes)
+            + "; expert reads: MB/s busy (in flight): their share of the device's MB/s at as many in flight"}
+
+
+def disk_busy_ms(path) -> int | None:
+    """The milliseconds the block device holding `path` has had requests in flight since boot (io_ticks, the 10th
+    field of its stat in sysfs: every process's requests), or None where there is no such device."""
+    st = os.stat(path)
+    try:
+        return int(Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat").read_text().split()[9])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def reads_mark(stats, flashdir) -> dict:
+    """The expert cache's read counters (storage.stats.FlashStats) and the disk's busy time now, for expert_reads."""
+    return {"busy_s": stats.read_busy_s, "bytes": stats.read_busy_bytes, "op_s": stats.read_op_s,
+            "span_s": stats.read_span_s, "disk_ms": disk_busy_ms(flashdir), "flashdir": flashdir}
+
+
+def expert_reads(stats, mark: dict) -> dict:
+    """The expert cache's miss reads since `mark` (reads_mark): expert_read_MBps, their bytes over the time they were
+    in flight (read_busy_s: per layer call, the union of its reads' intervals from submission to the kernel to the
+    completion's stamp) and expert_reads_in_flight, the mean in flight over that time. Two lower bounds beside it:
+    the same bytes over each layer's first submission to its last read seen landed at a reap (the former measure),
+    and over the disk's busy time (disk_busy_ms: other processes' reads on the disk count too)."""
+    busy, nbytes = stats.read_busy_s - mark["busy_s"], stats.read_busy_bytes - mark["bytes"]
+    if busy <= 0:
+        return {}
+    disk = disk_busy_ms(mark["flashdir"])
+    disk = disk - mark["disk_ms"] if disk is not None and mark["disk_ms"] is not None else 0
+    return {"expert_read_MBps": round(nbytes / busy / 1e6, 1),
+            "expert_reads_in_flight": round((stats.read_op_s - mark["op_s"]) / busy, 2),
+            "expert_read_MBps_reaped": round(nbytes / (stats.read_span_s - mark["span_s"]) / 1e6, 1),
+            "expert_read_MBps_disk_busy": round(nbytes / disk / 1e3, 1) if disk > 0 else None}
+
+
+def device_share(row: dict, device: dict) -> dict:
+    """A row's expert reads (expert_reads) beside the device's rate for the chunks at as many in flight (expert_rate's
+    probes, busy MB/s linear in their mean in flight), the share of it they got, and both in one line."""
+    if not row.get("expert_read_MBps"):
+        return {}
+    probes = sorted(device["probes"], key=lambda p: p["in_flight"])
+    at = float(np.interp(row["expert_reads_in_flight"], [p["in_flight"] for p in probes],
+                         [p["busy_MBps"] for p in probes]))
+    share = row["expert_read_MBps"] / at
+    return {"device_MBps": round(at, 1), "share_of_device": round(share, 3),
+            "expert_reads": f"{row['expert_read_MBps']:.0f} ({row['expert_reads_in_flight']:.1f}): "
+                            f"{share:.2f} of {at:.0f}"}
 
 
 def columns(rows: list[dict]) -> list[tuple[str, int]]:
@@ -405,7 +455,11 @@ def run(args) -> int:
     if stream:
         print(f"stream profile: {human(stream['chunk'])} chunks, {stream['depth']} in flight "
               f"({stream['MBps']:.0f} MB/s)")
-    if args.model:
+    if args.model and read_layout(args.model).experts is not None:   # a mixture of experts: whole chunks, no bundles
+        rate = expert_rate(args.model, args.seconds * len(EXPERT_PROBES))
+        result["model"] = {"flashdir": str(args.model), "experts": rate}
+        print(f"random expert chunks of {args.model}: {rate['summary']}")
+    elif args.model:
         result["model"] = {"flashdir": str(args.model), "reads": bench_model(args.model, args.seconds)}
         print(f"random neuron sets of {args.model}:")
         for r in result["model"]["reads"]:

@@ -21,6 +21,8 @@ import time
 
 import numpy as np
 
+from ._watch import watcher
+
 SYS_IO_URING_SETUP, SYS_IO_URING_ENTER = 425, 426      # the same numbers on every architecture since Linux 5.1
 IORING_OFF_SQ_RING, IORING_OFF_CQ_RING, IORING_OFF_SQES = 0, 0x8000000, 0x10000000
 SYS_IO_URING_REGISTER = 427
@@ -125,7 +127,6 @@ class Ring:
     def _watch(self, cq_map, tail_at: int, n: int) -> None:
         """Start the watcher: _stamps[i] is when completion slot i was last seen posted; _seen[0] the tail it has
         stamped up to (written after the stamps, and x86 keeps stores in order)."""
-        from ._watch import watch      # numba: only rings with stamps compile it
         self._efd = os.eventfd(0, os.EFD_CLOEXEC)
         self._stamps = np.zeros(n, np.float64)
         self._seen = np.zeros(2, np.int64)          # [stamped tail, stop]
@@ -133,7 +134,7 @@ class Ring:
         efd = ctypes.c_int32(self._efd)
         _syscall(SYS_IO_URING_REGISTER, self.fd, IORING_REGISTER_EVENTFD, ctypes.addressof(efd), 1)
         tail = np.frombuffer(cq_map, np.uint32, 1, tail_at)
-        self._watcher = threading.Thread(target=watch, args=(self._efd, tail, self._stamps, self._seen,
+        self._watcher = threading.Thread(target=watcher(), args=(self._efd, tail, self._stamps, self._seen,
                                                              np.zeros(1, np.uint64), np.zeros(2, np.int64)),
                                          name="Ring-watcher", daemon=True)
         self._watcher.start()

@@ -148,3 +148,25 @@ def test_a_profile_from_before_queue_depth_keeps_its_threads_for_the_fallback(tm
                             "entries": [{"chunk": 4096, "threads": 16, "gap_bytes": 8192}]})
     s = reader_defaults(tmp_path, 4096)
     assert (s.threads, s.gap_bytes, s.engine, s.depth) == (16, 8192, DEFAULT_ENGINE, DEFAULT_DEPTH)
+
+
+def test_a_mixture_of_experts_model_reads_its_expert_chunks(tmp_path, monkeypatch, tiny_model):
+    """-m with a mixture of experts' FLASHDIR (no neuron bundles): random whole expert chunks, every probe of
+    expert_rate, rather than a stop on an empty neuron list."""
+    from storage.convert import convert
+    from storage.format import read_layout
+    monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(tmp_path / "cache"))
+    flash = convert(tiny_model("qwen3moe"), tmp_path / "moe", progress=False)
+    p = argparse.ArgumentParser()
+    flash_bench.add_arguments(p)
+    args = p.parse_args(["--dir", str(tmp_path), "--quick", "-m", str(flash), "--out", str(tmp_path / "out")])
+    try:
+        assert flash_bench.run(args) == 0
+    except UserError as e:
+        if "O_DIRECT is refused" in str(e):
+            pytest.skip(str(e))
+        raise
+    experts = json.loads((tmp_path / "out" / "flash_bench.json").read_text())["model"]["experts"]
+    assert experts["chunk_bytes"] == read_layout(flash).experts.chunk
+    assert [(q["chunks"], q["calls"]) for q in experts["probes"]] == list(flash_bench.EXPERT_PROBES)
+    assert all(q["MBps"] > 0 for q in experts["probes"])

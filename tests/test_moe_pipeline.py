@@ -137,3 +137,21 @@ def test_collect_holds_one_routed_expert_at_a_time(tmp_path):
     more = 60 * 3 * 256 * 128 * 4
     assert whole[1] - whole[0] > 0.9 * more               # the measurement sees the experts' weights
     assert streamed[1] - streamed[0] < more / 16, f"64 experts cost {(streamed[1] - streamed[0]) / 2**20:.1f} MiB more"
+
+
+def test_make_large_model_experts_take_the_act_asked_for(tmp_path):
+    """tools/make_large_model.py --experts writes the activation --act names (SwiGLU unless told FATReLU), and the
+    checkpoint reader sees it: FATReLU experts are ReLU with the threshold the tool printed."""
+    from make_large_model import main as make_model      # tools/ (conftest puts it on the path)
+    from storage.checkpoint import open_checkpoint
+    args = ["--layers", "1", "--dim", "64", "--ffn", "32", "--heads", "2", "--experts", "4", "--experts-used", "2"]
+    for act, want in ((None, "silu"), ("silu", "silu"), ("fatrelu", "relu")):
+        out = tmp_path / f"m_{act}"
+        make_model([str(out), *args, *(["--act", act] if act else [])])
+        info = json.loads((out / "config.json").read_text())
+        cfg = open_checkpoint(out).config
+        assert (cfg.act, cfg.n_experts) == (want, 4)
+        if act == "fatrelu":
+            assert info["hidden_act"] == "fatrelu" and cfg.relu_threshold == info["hidden_act_param"] > 0
+        else:
+            assert info["hidden_act"] == "silu" and cfg.relu_threshold == 0

@@ -26,7 +26,8 @@ it must read per token (every FFN row, dense) are the same.
 copies: the gated model of the exact-gate bench (issue #28), which has no natural zeros to predict.
 
 --experts E: a mixture of experts of Qwen3-MoE's layout instead (Qwen3MoeForCausalLM: per-head q/k RMSNorm, a
-softmax router over E experts of --ffn neurons each, --experts-used of them per token, renormalised; SwiGLU).
+softmax router over E experts of --ffn neurons each, --experts-used of them per token, renormalised), SwiGLU experts
+unless --act fatrelu says FATReLU ones (hidden_act "fatrelu", its threshold in hidden_act_param, as for dense).
 Random router weights route about uniformly: the worst case for an expert cache.
 """
 from __future__ import annotations
@@ -209,12 +210,17 @@ def write_gguf(path: Path, a, plan, qtype: str, threshold: float) -> int:
     return path.stat().st_size
 
 
+def act_fields(a, threshold: float) -> dict:
+    """config.json's activation: SwiGLU, or ProSparse's FATReLU with its threshold."""
+    return {"hidden_act": "silu"} if a.act == "silu" else {"hidden_act": "fatrelu", "hidden_act_param": threshold}
+
+
 def hf_config(a, threshold: float) -> dict:
     if a.experts:
         return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": a.vocab,
                 "hidden_size": a.dim, "moe_intermediate_size": a.ffn, "intermediate_size": a.ffn,
                 "num_hidden_layers": a.layers, "num_attention_heads": a.heads, "num_key_value_heads": a.kv_heads,
-                "head_dim": a.head_dim, "hidden_act": "silu", "num_experts": a.experts,
+                "head_dim": a.head_dim, "num_experts": a.experts, **act_fields(a, threshold),
                 "num_experts_per_tok": a.experts_used, "norm_topk_prob": True, "max_position_embeddings": 4096,
                 "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "attention_bias": False, "tie_word_embeddings": False,
                 "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float16", "decoder_sparse_step": 1,
@@ -229,7 +235,7 @@ def hf_config(a, threshold: float) -> dict:
     return {"architectures": ["SparseLlamaForCausalLM"], "model_type": "llama", "vocab_size": a.vocab,
             "hidden_size": a.dim, "intermediate_size": a.ffn, "num_hidden_layers": a.layers,
             "num_attention_heads": a.heads, "num_key_value_heads": a.kv_heads, "head_dim": a.head_dim,
-            "hidden_act": "fatrelu", "hidden_act_param": threshold, "max_position_embeddings": 4096,
+            **act_fields(a, threshold), "max_position_embeddings": 4096,
             "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "attention_bias": False, "mlp_bias": False,
             "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float16",
             "flashinfer_lite_bench": {"seed": a.seed, "target_active": a.active}}
@@ -279,12 +285,13 @@ def main(argv=None) -> int:
     ap.add_argument("--experts", type=int, default=0, help="a mixture of this many experts of --ffn neurons per "
                                                            "layer (Qwen3-MoE's layout; 0: dense)")
     ap.add_argument("--experts-used", type=int, default=8, help="experts routed per token")
-    ap.add_argument("--act", choices=("fatrelu", "silu"), default="fatrelu",
-                    help="the FFN: ProSparse's FATReLU at --active (default) or SwiGLU")
+    ap.add_argument("--act", choices=("fatrelu", "silu"), default=None,
+                    help="the FFN: ProSparse's FATReLU at --active or SwiGLU (default: FATReLU; with --experts SwiGLU)")
     ap.add_argument("--gguf-only", action="store_true",
                     help="write only the --gguf copies and config.json, not the HF weights (13 GB at the 7B shape)")
     ap.add_argument("--force", action="store_true", help="replace OUT if it exists")
     a = ap.parse_args(argv)
+    a.act = a.act or ("silu" if a.experts else "fatrelu")
     if a.gguf_only and not a.gguf:
         sys.exit("make_large_model: --gguf-only needs --gguf")
     if a.act == "silu":
