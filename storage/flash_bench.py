@@ -5,8 +5,9 @@ Reads go through BundleReader (O_DIRECT) on a scratch file, so the numbers are w
 tool gets; each cell also records the CPU seconds per GB it cost. From the table it saves a device profile (engine,
 queue depth, threads and coalescing gap per request size, see storage/profile.py) that BundleReader uses by default.
 With -m FLASHDIR it also reads random neuron sets of that model's real bundles (of a mixture of experts: random whole
-expert chunks, expert_rate). Then sequential streams (a layer read whole, storage.reader.RowStream) per chunk size and chunks in flight: the profile's "stream" entry, which the exact
-gate's and prefill's streams use (storage.profile.stream_defaults).
+expert chunks, expert_rate). Then sequential streams (a layer read whole, storage.reader.RowStream) per chunk size and
+chunks in flight: the profile's "stream" entry, which the exact gate's and prefill's streams use
+(storage.profile.stream_defaults).
 """
 from __future__ import annotations
 
@@ -262,6 +263,9 @@ def bench_model(flashdir, seconds: float) -> list[dict]:
 
 
 EXPERT_PROBES = ((1, 1), (2, 1), (4, 1), (8, 1), (8, 2))   # (chunks a call, calls in flight)
+BUSY_MEASURE = ("bytes over busy time: the time at least one of the reads was in flight, each read from its "
+                "submission to the kernel (io_uring_enter) to its completion as the kernel posted it (stamped by the "
+                "ring's watcher thread); in flight: the reads' times summed over busy time")
 
 
 def expert_rate(flashdir, seconds: float) -> dict:
@@ -279,7 +283,8 @@ def expert_rate(flashdir, seconds: float) -> dict:
             probes.append({"chunks": k, "calls": calls, "MBps": round(m["read_bytes"] / m["seconds"] / 1e6, 1),
                            "busy_MBps": round(m["read_bytes"] / m["busy_s"] / 1e6, 1),
                            "in_flight": round(m["op_s"] / m["busy_s"], 2)})
-    return {"chunk_bytes": E.chunk, "probes": probes, "summary": f"{E.chunk}-byte chunks, MB/s busy (in flight): "
+    return {"chunk_bytes": E.chunk, "measure": BUSY_MEASURE, "probes": probes,
+            "summary": f"{E.chunk}-byte chunks, MB/s busy (in flight): "
             + ", ".join(f"{p['busy_MBps']:.0f} ({p['in_flight']:.1f})" for p in probes)
             + "; expert reads: MB/s busy (in flight): their share of the device's MB/s at as many in flight"}
 
