@@ -289,12 +289,13 @@ def expert_rate(flashdir, seconds: float) -> dict:
             + "; expert reads: MB/s busy (in flight): their share of the device's MB/s at as many in flight"}
 
 
-def disk_busy_ms(path) -> int | None:
-    """The milliseconds the block device holding `path` has had requests in flight since boot (io_ticks, the 10th
-    field of its stat in sysfs: every process's requests), or None where there is no such device."""
+def disk_stat(path) -> tuple[int, int] | None:
+    """(bytes read, milliseconds with requests in flight) since boot of the block device holding `path` (its stat in
+    sysfs: sectors read, io_ticks; every process's requests), or None where there is no such device."""
     st = os.stat(path)
     try:
-        return int(Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat").read_text().split()[9])
+        f = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat").read_text().split()
+        return int(f[2]) * 512, int(f[9])
     except (OSError, IndexError, ValueError):
         return None
 
@@ -302,24 +303,24 @@ def disk_busy_ms(path) -> int | None:
 def reads_mark(stats, flashdir) -> dict:
     """The expert cache's read counters (storage.stats.FlashStats) and the disk's busy time now, for expert_reads."""
     return {"busy_s": stats.read_busy_s, "bytes": stats.read_busy_bytes, "op_s": stats.read_op_s,
-            "span_s": stats.read_span_s, "disk_ms": disk_busy_ms(flashdir), "flashdir": flashdir}
+            "disk": disk_stat(flashdir), "flashdir": flashdir}
 
 
 def expert_reads(stats, mark: dict) -> dict:
     """The expert cache's miss reads since `mark` (reads_mark): expert_read_MBps, their bytes over the time they were
     in flight (read_busy_s: per layer call, the union of its reads' intervals from submission to the kernel to the
-    completion's stamp) and expert_reads_in_flight, the mean in flight over that time. Two lower bounds beside it:
-    the same bytes over each layer's first submission to its last read seen landed at a reap (the former measure),
-    and over the disk's busy time (disk_busy_ms: other processes' reads on the disk count too)."""
+    completion's stamp) and expert_reads_in_flight, the mean in flight over that time. Beside it the same bytes over
+    the disk's own busy time (sysfs io_ticks): a lower bound, as every process's requests count (disk_read_share says
+    what share of the disk's bytes read were these)."""
     busy, nbytes = stats.read_busy_s - mark["busy_s"], stats.read_busy_bytes - mark["bytes"]
     if busy <= 0:
         return {}
-    disk = disk_busy_ms(mark["flashdir"])
-    disk = disk - mark["disk_ms"] if disk is not None and mark["disk_ms"] is not None else 0
+    now, then = disk_stat(mark["flashdir"]), mark["disk"]
+    disk_bytes, disk_ms = (now[0] - then[0], now[1] - then[1]) if now and then else (0, 0)
     return {"expert_read_MBps": round(nbytes / busy / 1e6, 1),
             "expert_reads_in_flight": round((stats.read_op_s - mark["op_s"]) / busy, 2),
-            "expert_read_MBps_reaped": round(nbytes / (stats.read_span_s - mark["span_s"]) / 1e6, 1),
-            "expert_read_MBps_disk_busy": round(nbytes / disk / 1e3, 1) if disk > 0 else None}
+            "expert_read_MBps_disk_busy": round(nbytes / disk_ms / 1e3, 1) if disk_ms > 0 else None,
+            "disk_read_share": round(nbytes / disk_bytes, 3) if disk_bytes > 0 else None}
 
 
 def device_share(row: dict, device: dict) -> dict:

@@ -31,8 +31,6 @@ class FlashStats:
     prefetch_used: int = 0          # of those, rows the exact set then needed
     lookup_s: float = 0.0           # bookkeeping: slot lookup, evictions, row moves
     read_s: float = 0.0             # the caller blocked waiting for reads
-    read_span_s: float = 0.0        # expert cache: per layer, its first miss submitted to its last seen landed (when
-                                    # the ring was next reaped: a read that landed while the hits computed counts later)
     read_busy_s: float = 0.0        # expert cache: per layer, the time its misses' reads were in flight (at least one
                                     # of them: submitted to the kernel, not yet landed, as the ring's stamps say)
     read_busy_bytes: int = 0        # the bytes of those reads: over read_busy_s, the rate the device gave them

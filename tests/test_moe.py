@@ -186,3 +186,21 @@ def test_a_quantized_gguf_keeps_its_expert_blocks_on_flash(tiny_model, tmp_path)
     model, _, rt = load_runtime(flash, "auto", runtime_bytes=0, dram_budget=rt.plan.minimum_bytes)
     got, _ = greedy(model, PROMPT, 5)
     assert np.array_equal(got, want) and rt.stats.misses > 0
+
+
+def test_the_expert_reads_are_counted_with_the_time_they_were_in_flight(flashdirs):
+    """At the minimum budget every miss is one whole-chunk read (no lookahead): the bytes the busy time covers are the
+    misses times the chunk, the busy time is positive and at most the reads' times summed, and
+    flash_bench.expert_reads reports them (bytes over busy time, the mean in flight: at least one)."""
+    from storage.flash_bench import expert_reads, reads_mark
+    flash = flashdirs("qwen3moe", "q8_0")
+    _, _, rt = load_runtime(flash, "auto", dram_budget=None, runtime_bytes=0)
+    model, _, rt = load_runtime(flash, "auto", dram_budget=rt.plan.minimum_bytes, runtime_bytes=0)
+    mark, misses = reads_mark(rt.stats, flash), rt.stats.misses
+    greedy(model, PROMPT, 4)
+    st = rt.stats
+    assert st.misses > misses and st.read_busy_bytes == (st.misses - misses) * rt.plan.chunk
+    assert 0 < st.read_busy_s <= st.read_op_s * (1 + 1e-9)
+    r = expert_reads(st, mark)
+    assert r["expert_read_MBps"] == round(st.read_busy_bytes / st.read_busy_s / 1e6, 1)
+    assert r["expert_reads_in_flight"] >= 1

@@ -105,7 +105,6 @@ class ExpertCache:
         if slot is None:
             return None
         self.slot_of[layer][e] = slot
-        t0 = time.perf_counter()
         if not self.reads_columns(layer):
             if self.experts_layout.split:
                 self.have[layer, slot] = True
@@ -115,11 +114,10 @@ class ExpertCache:
             self.have[layer, slot] = False
             head = self.buf[layer, slot, :E.columns_at].reshape(1, E.columns_at)
             pending = self.head_reader.submit(layer * E.n_experts + e, [0], head, [0])
-        pending.t0 = t0                           # when it was submitted (read_span_s)
         return pending
 
     def _land(self, layer: int, e: int, pending) -> None:
-        self._landed_at = max(self._landed_at, pending.t0 + self._count(pending).io_s)   # its last op done
+        self._count(pending)
         self.lru[layer][e] = None                 # most recent
 
     def _count(self, pending):
@@ -187,7 +185,6 @@ class ExpertCache:
                 self._land(layer, e, pending)
                 got.append(e)
             return got
-        submitted_at = self._landed_at = time.perf_counter()
         refill()                                  # the misses' reads run while the hits compute
         if self.on_submitted is not None:
             self.on_submitted(layer)
@@ -201,7 +198,6 @@ class ExpertCache:
             waiting.difference_update(got)
             refill()
         if started:
-            self.stats.read_span_s += self._landed_at - submitted_at
             self._busy(started)
         if hits and not self.overlap:             # without overlap: the hits after the reads
             yield self.batch(layer, hits)
