@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import collections
 import csv
+import gc
 import json
 import math
 import os
@@ -272,7 +273,9 @@ def expert_rate(flashdir, seconds: float) -> dict:
     """The device's rate for a mixture of experts' reads as its expert cache makes them (bench/moe_vs_llama_cpp.py):
     random whole chunks of a random layer, k distinct ones a call (a layer's misses), then wait, as EXPERT_PROBES says.
     Per probe: MBps (bytes over wall time), busy_MBps (over the time reads were in flight, the expert cache's
-    measure: storage.stats read_busy_s) and in_flight (the mean reads in flight over that time)."""
+    measure: storage.stats read_busy_s) and in_flight (the mean reads in flight over that time). Garbage is collected
+    first, so that a caller that has just let go of a model gives its memory back before the probe takes its own."""
+    gc.collect()
     layout = read_layout(flashdir)
     E = layout.experts
     probes = []
@@ -285,8 +288,7 @@ def expert_rate(flashdir, seconds: float) -> dict:
                            "in_flight": round(m["op_s"] / m["busy_s"], 2)})
     return {"chunk_bytes": E.chunk, "measure": BUSY_MEASURE, "probes": probes,
             "summary": f"{E.chunk}-byte chunks, MB/s busy (in flight): "
-            + ", ".join(f"{p['busy_MBps']:.0f} ({p['in_flight']:.1f})" for p in probes)
-            + "; expert reads: MB/s busy (in flight): their share of the device's MB/s at as many in flight"}
+            + ", ".join(f"{p['busy_MBps']:.0f} ({p['in_flight']:.1f})" for p in probes)}
 
 
 def disk_stat(path) -> tuple[int, int] | None:
@@ -332,7 +334,7 @@ def device_share(row: dict, device: dict) -> dict:
     at = float(np.interp(row["expert_reads_in_flight"], [p["in_flight"] for p in probes],
                          [p["busy_MBps"] for p in probes]))
     share = row["expert_read_MBps"] / at
-    return {"device_MBps": round(at, 1), "share_of_device": round(share, 3),
+    return {"device": device, "device_MBps": round(at, 1), "share_of_device": round(share, 3),
             "expert_reads": f"{row['expert_read_MBps']:.0f} ({row['expert_reads_in_flight']:.1f}): "
                             f"{share:.2f} of {at:.0f}"}
 

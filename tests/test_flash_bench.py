@@ -58,22 +58,26 @@ def test_profile_picks_the_engine_and_depth_that_reach_the_rate_at_least_cpu():
     assert {e["engine"] for e in flash_bench.derive_profile(rows_from(lambda c, t: 1000.0 * t))} == {"threads"}
 
 
+def run_bench(argv: list[str]) -> None:
+    """flash-bench with these arguments, to a zero exit; skipped where the filesystem refuses O_DIRECT."""
+    p = argparse.ArgumentParser()
+    flash_bench.add_arguments(p)
+    try:
+        assert flash_bench.run(p.parse_args(argv)) == 0
+    except UserError as e:
+        if "O_DIRECT is refused" in str(e):
+            pytest.skip(str(e))
+        raise
+
+
 def test_tiny_run_writes_results_and_a_profile_the_reader_uses(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(tmp_path / "cache"))
     flashdir = tmp_path / "model"
     write_random_flashdir(flashdir, "f16", d=200, n=64, n_layers=2)   # stride 1536 bytes
     work = tmp_path / "work"
     work.mkdir()
-    p = argparse.ArgumentParser()
-    flash_bench.add_arguments(p)
-    args = p.parse_args(["--dir", str(work), "--size", "2MiB", "--chunks", "1K,64K", "--threads", "1,2",
-                         "--depths", "4", "--seconds", "0.05", "-m", str(flashdir), "--out", str(tmp_path / "out")])
-    try:
-        assert flash_bench.run(args) == 0
-    except UserError as e:
-        if "O_DIRECT is refused" in str(e):
-            pytest.skip(str(e))
-        raise
+    run_bench(["--dir", str(work), "--size", "2MiB", "--chunks", "1K,64K", "--threads", "1,2", "--depths", "4",
+               "--seconds", "0.05", "-m", str(flashdir), "--out", str(tmp_path / "out")])
     assert list(work.iterdir()) == []                                   # scratch file removed
     rows = list(csv.DictReader(open(tmp_path / "out" / "flash_bench.csv")))
     ring = flash_bench.uring.refused() == ""
@@ -100,8 +104,7 @@ def test_tiny_run_writes_results_and_a_profile_the_reader_uses(tmp_path, monkeyp
     assert r.settings_source.startswith(f"flash-bench profile of {work.resolve()} from ")
     # a --quick smoke run afterwards leaves that profile alone (it once moved the reader from 8 threads to 4)
     saved = (tmp_path / "cache" / "device_profile.json").read_bytes()
-    quick = p.parse_args(["--dir", str(work), "--quick", "--out", str(tmp_path / "out_quick")])
-    assert flash_bench.run(quick) == 0
+    run_bench(["--dir", str(work), "--quick", "--out", str(tmp_path / "out_quick")])
     assert "the device profile is left as it was" in capsys.readouterr().out
     assert (tmp_path / "cache" / "device_profile.json").read_bytes() == saved
     assert reader_defaults(flashdir / "ffn.bin", 1536)[:2] == (entry["threads"], entry["gap_bytes"])
@@ -157,15 +160,7 @@ def test_a_mixture_of_experts_model_reads_its_expert_chunks(tmp_path, monkeypatc
     from storage.format import read_layout
     monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(tmp_path / "cache"))
     flash = convert(tiny_model("qwen3moe"), tmp_path / "moe", progress=False)
-    p = argparse.ArgumentParser()
-    flash_bench.add_arguments(p)
-    args = p.parse_args(["--dir", str(tmp_path), "--quick", "-m", str(flash), "--out", str(tmp_path / "out")])
-    try:
-        assert flash_bench.run(args) == 0
-    except UserError as e:
-        if "O_DIRECT is refused" in str(e):
-            pytest.skip(str(e))
-        raise
+    run_bench(["--dir", str(tmp_path), "--quick", "-m", str(flash), "--out", str(tmp_path / "out")])
     experts = json.loads((tmp_path / "out" / "flash_bench.json").read_text())["model"]["experts"]
     assert experts["chunk_bytes"] == read_layout(flash).experts.chunk
     assert [(q["chunks"], q["calls"]) for q in experts["probes"]] == list(flash_bench.EXPERT_PROBES)
