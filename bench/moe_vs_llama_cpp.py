@@ -113,7 +113,7 @@ def measure_llama(job: dict, warm: bool = False) -> dict:
 def measure_flash(budget: int | None, job: dict, mode: str = "flash") -> dict:
     """flashinfer-lite: the prompt, then one forward per token of job["steps"]; the argmax after each."""
     import numpy as np
-    from storage.flash_bench import device_share, expert_rate, expert_reads, reads_mark
+    from storage.flash_bench import expert_reads, reads_mark
     t0 = time.perf_counter()
     gate = mode == "flash-gate"          # the exact gate inside split expert chunks
     model, _, runtime = h.load_model(job["split" if gate else "flash"], "gate" if gate else "auto", ctx=job["ctx"],
@@ -130,7 +130,7 @@ def measure_flash(budget: int | None, job: dict, mode: str = "flash") -> dict:
         step_ms.append(1e3 * (time.perf_counter() - t0))
         out.append(int(np.argmax(logits)))
     d, st = c.since(len(step_ms)), runtime.stats.as_dict()
-    row = {"engine": "flashinfer-lite", "load_s": round(load_s, 3), "gen_tokens": out,
+    return {"engine": "flashinfer-lite", "load_s": round(load_s, 3), "gen_tokens": out,
             **h.step_stats(prompt_ms, len(job["prompt_ids"]), step_ms, 0),
             "decode_MB_per_token": d["reader_MB_per_token"], "hit_rate": d["hit_rate"],
             **(expert_reads(runtime.stats, s0) if mode == "flash" else {}),
@@ -138,8 +138,6 @@ def measure_flash(budget: int | None, job: dict, mode: str = "flash") -> dict:
             "overlapped_share": st["overlapped_share"], "read_wait_ms_per_token": st["read_wait_ms_per_token"],
             "budget_bytes": runtime.plan.budget_bytes, "slots": runtime.plan.slots, "plan": runtime.plan.table(),
             "prefetched": runtime.stats.prefetched, "prefetch_used": runtime.stats.prefetch_used}
-    del model, runtime, kv, c                 # the row's memory given back, then the device's rate for the chunks now
-    return dict(row, **device_share(row, expert_rate(job["flash"], 5.0))) if mode == "flash" else row
 
 
 def main(argv=None) -> int:
@@ -163,6 +161,7 @@ def main(argv=None) -> int:
     work = h.work_dir(a, "moe-bench-")
     from storage.convert import convert
     from storage.checkpoint import open_checkpoint
+    from storage.flash_bench import device_share, expert_rate
     gguf, t0 = work / "qwen3moe-shape.q4_0.gguf", time.perf_counter()
     gguf_bytes = gguf.stat().st_size if gguf.exists() else write_gguf(gguf, a.layers)
     flash = work / "flash"
@@ -190,7 +189,7 @@ def main(argv=None) -> int:
             rows.append(dict(r, cap=spec))
     doc = {"bench": "moe_vs_llama_cpp", "command": h.command("moe_vs_llama_cpp.py", argv), "machine": h.machine(),
            "model": {**SHAPE, "layers": a.layers, "gguf_bytes": gguf_bytes, "build_s": round(build_s, 1)},
-           "rows": rows}
+           "device": (device := expert_rate(flash, 5.0)), "rows": [dict(r, **device_share(r, device)) for r in rows]}
     return h.emit(doc, markdown, a.md, None if a.keep else work)
 
 
@@ -211,7 +210,7 @@ def markdown(doc: dict) -> str:
                     r.get("expert_reads", ""), x, same])
     head = (f"{m['layers']} of 48 layers at Qwen3-30B-A3B's shape ({m['experts']} experts of {m['expert_dim']}, "
             f"{m['used']} routed, d {m['dim']}), Q4_0 GGUF {m['gguf_bytes'] / 2**30:.2f} GiB; "
-            f"load average {doc['machine']['load_avg_start']}; expert reads: MB/s (in flight): share of the device's")
+            f"load average {doc['machine']['load_avg_start']}; the device: {doc['device']['summary']}")
     return "\n".join([head, ""] + h.table(["row", "cap", "load s", "ms/token P50", "P99", "flash MB/token", "hit rate",
                                            "fired", "expert reads", "vs llama.cpp", "same argmax"], out))
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import collections
 import csv
-import gc
 import json
 import math
 import os
@@ -54,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--depths", default="8,16,32,64,128,256",
                         help="queue depths of the io_uring engine (skipped where the kernel refuses io_uring)")
     parser.add_argument("--seconds", type=float, default=1.0, help="measuring time per cell")
-    parser.add_argument("-m", "--model", help="also read random neuron sets (a mixture of experts: whole expert chunks) "
+    parser.add_argument("-m", "--model", help="also read random neuron sets (a mixture of experts: expert chunks) "
                                               "of this flash directory")
     parser.add_argument("--out", help="where CSV/JSON/PNG go (default: <cache dir>/flash-bench)")
     parser.add_argument("--quick", action="store_true",
@@ -273,19 +272,20 @@ def expert_rate(flashdir, seconds: float) -> dict:
     """The device's rate for a mixture of experts' reads as its expert cache makes them (bench/moe_vs_llama_cpp.py):
     random whole chunks of a random layer, k distinct ones a call (a layer's misses), then wait, as EXPERT_PROBES says.
     Per probe: MBps (bytes over wall time), busy_MBps (over the time reads were in flight, the expert cache's
-    measure: storage.stats read_busy_s) and in_flight (the mean reads in flight over that time). Garbage is collected
-    first, so that a caller that has just let go of a model gives its memory back before the probe takes its own."""
-    gc.collect()
+    measure: storage.stats read_busy_s), in_flight (the mean reads in flight over that time), and on the disk's own
+    busy clock (disk_stat: every process's requests) disk_MBps and disk_read_share, as expert_reads has them."""
     layout = read_layout(flashdir)
     E = layout.experts
     probes = []
     with BundleReader(expert_chunks(layout), stamps=True) as r:
         for k, calls in EXPERT_PROBES:
             rng, nb = np.random.default_rng(3), r.layout.n_neurons[0]
+            d0 = disk_stat(flashdir)
             m = measure(r, nb, k, seconds / len(EXPERT_PROBES), rng, int(rng.integers(0, E.n_layers)), calls)
             probes.append({"chunks": k, "calls": calls, "MBps": round(m["read_bytes"] / m["seconds"] / 1e6, 1),
                            "busy_MBps": round(m["read_bytes"] / m["busy_s"] / 1e6, 1),
-                           "in_flight": round(m["op_s"] / m["busy_s"], 2)})
+                           "in_flight": round(m["op_s"] / m["busy_s"], 2),
+                           **disk_rates(m["read_bytes"], d0, disk_stat(flashdir))})
     return {"chunk_bytes": E.chunk, "measure": BUSY_MEASURE, "probes": probes,
             "summary": f"{E.chunk}-byte chunks, MB/s busy (in flight): "
             + ", ".join(f"{p['busy_MBps']:.0f} ({p['in_flight']:.1f})" for p in probes)}
@@ -317,11 +317,17 @@ def expert_reads(stats, mark: dict) -> dict:
     busy, nbytes = stats.read_busy_s - mark["busy_s"], stats.read_busy_bytes - mark["bytes"]
     if busy <= 0:
         return {}
-    now, then = disk_stat(mark["flashdir"]), mark["disk"]
-    disk_bytes, disk_ms = (now[0] - then[0], now[1] - then[1]) if now and then else (0, 0)
+    disk = disk_rates(nbytes, mark["disk"], disk_stat(mark["flashdir"]))
     return {"expert_read_MBps": round(nbytes / busy / 1e6, 1),
             "expert_reads_in_flight": round((stats.read_op_s - mark["op_s"]) / busy, 2),
-            "expert_read_MBps_disk_busy": round(nbytes / disk_ms / 1e3, 1) if disk_ms > 0 else None,
+            "expert_read_MBps_disk_busy": disk["disk_MBps"], "disk_read_share": disk["disk_read_share"]}
+
+
+def disk_rates(nbytes: int, then, now) -> dict:
+    """nbytes over the disk's busy time between two disk_stat readings (disk_MBps), and their share of its bytes read
+    then (disk_read_share: below 1, other processes' reads count in its busy time, and disk_MBps is a lower bound)."""
+    disk_bytes, disk_ms = (now[0] - then[0], now[1] - then[1]) if now and then else (0, 0)
+    return {"disk_MBps": round(nbytes / disk_ms / 1e3, 1) if disk_ms > 0 else None,
             "disk_read_share": round(nbytes / disk_bytes, 3) if disk_bytes > 0 else None}
 
 
@@ -334,9 +340,16 @@ def device_share(row: dict, device: dict) -> dict:
     at = float(np.interp(row["expert_reads_in_flight"], [p["in_flight"] for p in probes],
                          [p["busy_MBps"] for p in probes]))
     share = row["expert_read_MBps"] / at
-    return {"device": device, "device_MBps": round(at, 1), "share_of_device": round(share, 3),
-            "expert_reads": f"{row['expert_read_MBps']:.0f} ({row['expert_reads_in_flight']:.1f}): "
-                            f"{share:.2f} of {at:.0f}"}
+    out = {"device_MBps": round(at, 1), "share_of_device": round(share, 3),
+           "expert_reads": f"{row['expert_read_MBps']:.0f} ({row['expert_reads_in_flight']:.1f}): "
+                           f"{share:.2f} of {at:.0f}"}
+    if row.get("expert_read_MBps_disk_busy") and all(p.get("disk_MBps") for p in probes):   # the same on its clock
+        disk = float(np.interp(row["expert_reads_in_flight"], [p["in_flight"] for p in probes],
+                               [p["disk_MBps"] for p in probes]))
+        out.update(device_disk_MBps=round(disk, 1),
+                   share_of_device_disk=round(row["expert_read_MBps_disk_busy"] / disk, 3))
+        out["expert_reads"] += f"; disk clock {out['share_of_device_disk']:.2f} of {disk:.0f}"
+    return out
 
 
 def columns(rows: list[dict]) -> list[tuple[str, int]]:
