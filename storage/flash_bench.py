@@ -105,14 +105,15 @@ def synthetic_layout(path: Path, chunk: int, size: int) -> FlashLayout:
 
 
 def measure(reader: BundleReader, n_bundles: int, batch: int, seconds: float, rng, layer: int = 0,
-            in_flight: int = 2) -> dict:
+            in_flight: int = 2, huge: bool = False) -> dict:
     """Random reads of `batch` distinct bundles per call for `seconds`; returns bytes, reads, wall time, the time
     reads were in flight (busy_s, storage.reader.busy_seconds) and their times in flight summed (op_s).
 
     `in_flight` calls at once: with 2 the next is submitted before the last is waited for, as a reader fed ahead of
-    its consumer is used, so the queue does not drain between calls and planning overlaps the reads."""
+    its consumer is used, so the queue does not drain between calls and planning overlaps the reads. huge: the
+    destination in huge pages (aligned_empty), as the expert cache's slots are."""
     stride = reader.layout.stride
-    dests = [aligned_empty((batch, stride), np.uint8) for _ in range(in_flight)]
+    dests = [aligned_empty((batch, stride), np.uint8, huge=huge) for _ in range(in_flight)]
     tot = {"requested_bytes": 0, "read_bytes": 0, "n_reads": 0}
     pending, started, landed = collections.deque(), [], []
     calls = 0
@@ -270,7 +271,8 @@ BUSY_MEASURE = ("bytes over busy time: the time at least one of the reads was in
 
 def expert_rate(flashdir, seconds: float) -> dict:
     """The device's rate for a mixture of experts' reads as its expert cache makes them (bench/moe_vs_llama_cpp.py):
-    random whole chunks of a random layer, k distinct ones a call (a layer's misses), then wait, as EXPERT_PROBES says.
+    random whole chunks of a random layer into huge pages, k distinct ones a call (a layer's misses), then wait, as
+    EXPERT_PROBES says.
     Per probe: MBps (bytes over wall time), busy_MBps (over the time reads were in flight, the expert cache's
     measure: storage.stats read_busy_s), in_flight (the mean reads in flight over that time), and on the disk's own
     busy clock (disk_stat: every process's requests) disk_MBps and disk_read_share, as expert_reads has them."""
@@ -281,7 +283,7 @@ def expert_rate(flashdir, seconds: float) -> dict:
         for k, calls in EXPERT_PROBES:
             rng, nb = np.random.default_rng(3), r.layout.n_neurons[0]
             d0 = disk_stat(flashdir)
-            m = measure(r, nb, k, seconds / len(EXPERT_PROBES), rng, int(rng.integers(0, E.n_layers)), calls)
+            m = measure(r, nb, k, seconds / len(EXPERT_PROBES), rng, int(rng.integers(0, E.n_layers)), calls, True)
             probes.append({"chunks": k, "calls": calls, "MBps": round(m["read_bytes"] / m["seconds"] / 1e6, 1),
                            "busy_MBps": round(m["read_bytes"] / m["busy_s"] / 1e6, 1),
                            "in_flight": round(m["op_s"] / m["busy_s"], 2),

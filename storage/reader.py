@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import errno
+import mmap
 import os
 import queue
 import sys
@@ -37,13 +38,25 @@ from .uring import Ring, unavailable
 
 IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
 MAX_READ_BYTES = 1 << 20      # a dense run is read as ops of at most this size, spread over the queue
+HUGE_PAGE = 2 << 20           # a transparent huge page on x86-64 (aligned_empty(huge=True))
 _warned_buffered = False
 
 
-def aligned_empty(shape, dtype=np.uint8, align: int = 4096) -> np.ndarray:
-    """An uninitialised C-contiguous array whose first byte sits on an `align` boundary (O_DIRECT needs this)."""
+def aligned_empty(shape, dtype=np.uint8, align: int = 4096, huge: bool = False) -> np.ndarray:
+    """An uninitialised C-contiguous array whose first byte sits on an `align` boundary (O_DIRECT needs this).
+
+    huge: in 2 MiB pages where the kernel has them (transparent huge pages, asked for with madvise), for large reads
+    straight into it: a device takes a request's memory as a list of segments, a 4 KiB page each unless the pages are
+    contiguous, and this one (virtio, 254 segments) split each 2.65 MB expert read into 3 requests of 4 KiB pages;
+    into huge pages one request, which with one read in flight ran 1.7x as fast (issue #30)."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if huge and hasattr(mmap, "MADV_HUGEPAGE"):
+        m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        m.madvise(mmap.MADV_HUGEPAGE)
+        raw = np.frombuffer(m, np.uint8)
+        start = (-raw.ctypes.data) % HUGE_PAGE
+        return raw[start:start + nbytes].view(dtype).reshape(shape)
     raw = np.empty(nbytes + align, dtype=np.uint8)
     start = (-raw.ctypes.data) % align
     return raw[start:start + nbytes].view(dtype).reshape(shape)

@@ -433,3 +433,18 @@ def test_stamps_say_when_a_read_landed_not_when_it_was_reaped(flashdirs, engine)
         assert (pending.landed <= t_seen).all()
         raw = np.fromfile(path / "ffn.bin", np.uint8)[L.offset[1]:].reshape(-1, L.stride)
         assert np.array_equal(dest, raw[[2, 7, 9]])
+
+
+def test_reads_land_whole_in_huge_page_rows(flashdirs, engine):
+    """aligned_empty(huge=True) (the expert cache's slots): 2 MiB-aligned rows that take O_DIRECT reads like any
+    others: the file's bytes land in the rows asked for, the rest stay as they were."""
+    path, _ = flashdirs["f32"]
+    with BundleReader(path, threads=2, engine=engine, coalesce_gap=-1) as r:
+        check_engine(r, engine)
+        L = r.layout
+        dest = aligned_empty((6, L.stride), np.uint8, huge=True)
+        assert dest.ctypes.data % reader_mod.HUGE_PAGE == 0 and dest.shape == (6, L.stride)
+        dest[:] = 0xA5
+        r.read(0, [4, 1, 30], dest, [5, 0, 2])
+        raw = np.fromfile(path / "ffn.bin", np.uint8)[L.offset[0]:].reshape(-1, L.stride)
+        assert np.array_equal(dest[[5, 0, 2]], raw[[4, 1, 30]]) and (dest[[1, 3, 4]] == 0xA5).all()
