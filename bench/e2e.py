@@ -58,11 +58,13 @@ class Worker:
         if a.mode.startswith("flash"):
             inner = self.setup_flash()
         elif a.mode == "layer-stream":
-            from storage.reader import BundleReader, aligned_empty
-            self.reader = BundleReader(L)
+            from storage.reader import aligned_empty, bundle_reader
+            self.reader = bundle_reader(L)
             self.buf = aligned_empty((max(L.n_neurons), L.stride), np.uint8)
             inner = self.dense = h.BundleFFN(L, self.stream, record=self.record if a.record else None)
         elif a.mode in ("dense-ram", "dense-mmap"):
+            if not L.bundled:
+                raise SystemExit("bench/e2e.py: the dense modes map ffn.bin; convert with --ffn-layout bundles")
             B = np.fromfile(L.ffn_path, np.uint8) if a.mode == "dense-ram" else np.memmap(L.ffn_path, np.uint8, "r")
             inner = self.dense = h.BundleFFN(L, lambda i: h.region(B, L, i), record=self.record if a.record else None)
         else:
@@ -287,8 +289,9 @@ def describe(path: Path, gguf: Path | None, tags: list[str], bw_seconds: float) 
     from storage.format import read_layout
     L = read_layout(path)
     tag = L.dtype if L.dtype not in tags else f"{L.dtype}#{len(tags)}"
-    bw = flash_gbps(L.ffn_path, sorted({L.stride, 1 << 20}), bw_seconds)
-    return {"tag": tag, "path": str(path), "layout": L, "model_bytes": disk_bytes(Path(path)), "ffn_bytes": L.ffn_size,
+    bw = flash_gbps(L.device_path, sorted({L.stride, 1 << 20}), bw_seconds)
+    return {"tag": tag, "path": str(path), "layout": L, "model_bytes": disk_bytes(Path(path)),
+            "ffn_bytes": sum(F.ffn_size for F in L.ffn_files),
             "resident_file_bytes": os.path.getsize(Path(path) / L.files["resident"]), "stride": L.stride,
             "config": L.config, "gguf": str(gguf) if gguf else None,
             "gguf_bytes": os.path.getsize(gguf) if gguf else None, "bw": bw,
@@ -300,7 +303,7 @@ def reprobe(m: dict, bw_seconds: float) -> None:
     is what the device can do, and a probe that ran while another process read the disk (a shared machine) once
     measured 0.017 GB/s at 7 KiB against 0.35 in the runs before."""
     L = m["layout"]
-    end = flash_gbps(L.ffn_path, sorted(m["bw"]), bw_seconds)
+    end = flash_gbps(L.device_path, sorted(m["bw"]), bw_seconds)
     m["flash_GBps_end"] = {str(c): round(v, 3) for c, v in end.items()}
     m["bw"] = {c: max(v, end[c]) for c, v in m["bw"].items()}
     m["flash_GBps"] = {str(c): round(v, 3) for c, v in m["bw"].items()}

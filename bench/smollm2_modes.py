@@ -42,6 +42,8 @@ def load_mode(a):
         return (*h.load_model(a.model, "dense"), None)
     if a.worker == "dense-mmap":   # the runtime has no mmap dense mode: the bundles memmapped, every row computed
         def mmap_ffn(ck, weights):
+            if not ck.layout.bundled:
+                raise SystemExit("smollm2_modes: dense-mmap maps ffn.bin; convert with --ffn-layout bundles")
             L, B = ck.layout, np.memmap(ck.layout.ffn_path, np.uint8, mode="r")
             return h.BundleFFN(L, lambda i: h.region(B, L, i),
                                [weights.get(f"layers.{i}.ffn.down.bias") for i in range(L.n_layers)])
@@ -188,10 +190,10 @@ def run_row(a, mode: str, cap: int | None, work: Path, extra: list[str]) -> dict
 
 
 def model_files(flashdir: Path) -> tuple[int, int, int]:
-    """(ffn.bin + resident, ffn.bin, resident) bytes of a FLASHDIR."""
+    """(FFN files + resident, FFN files, resident) bytes of a FLASHDIR."""
     from storage.format import read_layout
     L = read_layout(flashdir)
-    ffn = os.path.getsize(L.ffn_path)
+    ffn = sum(os.path.getsize(F.ffn_path) for F in L.ffn_files)
     res = os.path.getsize(Path(flashdir) / L.files["resident"])
     return ffn + res, ffn, res
 

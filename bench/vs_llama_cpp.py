@@ -191,7 +191,7 @@ def main(argv=None) -> int:
     (work / "job.json").write_text(json.dumps(job))
     gguf_bytes, slack = gguf.stat().st_size, parse_size(a.slack)
     L = read_layout(flash)
-    flash_files = {"ffn_bytes": os.path.getsize(L.ffn_path),
+    flash_files = {"ffn_bytes": sum(os.path.getsize(F.ffn_path) for F in L.ffn_files),
                    "resident_bytes": os.path.getsize(Path(flash) / L.files["resident"]), "dtype": L.dtype}
     print(f"vs_llama_cpp: {gguf.name} ({gguf_bytes / 2**20:.1f} MiB), FLASHDIR {flash}; {len(ids)} prompt tokens, "
           f"{a.tokens} tokens per row; work dir {work}", file=sys.stderr)

@@ -31,7 +31,7 @@ import numpy as np
 from storage import columns
 from storage.format import BUNDLE_ALIGN, read_layout
 from storage.profile import DEFAULT_GAP_BYTES, StreamSettings, reader_defaults, stream_defaults
-from storage.reader import MAX_READ_BYTES, BundleReader, aligned_empty, span_bytes
+from storage.reader import MAX_READ_BYTES, aligned_empty, bundle_reader, parts_span_bytes
 
 from storage.errors import UserError
 from .ffn.quant import DENSE_ROW_KERNEL_MAX_T, dense_row_bytes, sparse_ffn
@@ -168,16 +168,19 @@ def resident_bytes_for(cfg: ModelConfig, half: bool = False, kinds: dict[str, st
     return matrices + 4 * vectors
 
 
-def packed_staging_bytes(layout, rows: int, gap_rows: int = -1) -> int:
-    """The reader's staging buffer for packed bundles (storage.reader: a stride that is not a multiple of 512), at
-    most: a request of up to `rows` bundles of a layer, each op's span widened to 512-byte boundaries on both sides.
-    0 when not packed. The ops' spans do not overlap and lie in the layer, so they hold at most the layer plus 1 KiB
+def read_staging_bytes(layout, rows: int, gap_bytes: int | None = None) -> int:
+    """The reader's staging buffers for a request of up to `rows` bundles of a layer (storage.reader), at most.
+    Bundles in the split parts (PartsReader): each part's rows, and that part's own staging. Packed bundles (a stride
+    that is not a multiple of 512): each op's span widened to 512-byte boundaries on both sides; 0 when not packed. The ops' spans do not overlap and lie in the layer, so they hold at most the layer plus 1 KiB
     an op; ops: one per bundle at worst, but the reader merges bundles at most gap_rows apart (its coalescing gap;
     < 0: none), so runs start more than gap_rows + 1 bundles apart, and a run is split every MAX_READ_BYTES. (Every
     bundle of a request an op counted 2 MiB against 0.5 with the 56-row gap on the default model.) Streams read into
-    their own buffers, unstaged (stream_transient_bytes)."""
+    their own buffers, unstaged (stream_transient_bytes). gap_bytes: the reader's coalescing gap (reader_gap_bytes)."""
+    if not layout.bundled:
+        return sum(rows * P.stride + read_staging_bytes(P, rows, gap_bytes) for P in layout.parts.values())
     if layout.stride % BUNDLE_ALIGN == 0:
         return 0
+    gap_rows = (reader_gap_bytes(layout) if gap_bytes is None else gap_bytes) // layout.stride
     layer = max(layout.n_neurons) * layout.stride
     splits = layer // MAX_READ_BYTES + 1
     ops = min(rows, max(layout.n_neurons) // (max(gap_rows, -1) + 2) + 1) + splits
@@ -193,7 +196,7 @@ def down_scale_bytes(layout) -> int:
 
 def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 5, max_active: int | None = None,
                 hot_share: float = 0.5, resident_bytes: int | None = None, threads: int = 2,
-                read_scratch_bytes: int | None = None, runtime_bytes: int = 0,
+                gap_bytes: int | None = None, runtime_bytes: int = 0,
                 stream_chunk_bytes: int = 0, stream_depth: int = 1, requested: bool = True, lookahead: bool = False,
                 heap_slack_bytes: int = 0, gate: bool = False) -> BudgetPlan:
     """Split `dram_budget_bytes` (see module docstring). config: ModelConfig or its dict; layout: FlashLayout.
@@ -221,17 +224,14 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
     row = stride + ROW_OVERHEAD_BYTES + 4 * window
     res = resident_bytes if resident_bytes is not None else resident_bytes_for(cfg)
     kv = KVCache.nbytes_for(cfg, ctx)
-    if read_scratch_bytes is None:
-        read_scratch_bytes = reader_gap_bytes(layout)
-    buffers = (max(read_scratch_bytes, stride) + threads * layout.d * 4 + n_max * 4
+    buffers = (read_scratch_bytes(layout, gap_bytes) + threads * layout.d * 4 + n_max * 4
                + sum(layout.n_neurons) * (MAP_BYTES_PER_NEURON + layout.bundle_of[0].itemsize)
                + n_layers * MATRIX_SLACK_BYTES
                + stream_transient_bytes(layout, stream_chunk_bytes, stream_depth)
                + prefill_transient_bytes(cfg, ctx, gate)
                + heap_slack_bytes
                + (staging_rows(max_active) * stride if lookahead else 0)
-               + packed_staging_bytes(layout, n_max, read_scratch_bytes // stride)
-               * (2 if lookahead else 1))
+               + read_staging_bytes(layout, n_max, gap_bytes) * (2 if lookahead else 1))
     minimum = runtime_bytes + res + kv + buffers + n_layers * reserve * row
     if dram_budget_bytes < minimum:
         raise UserError(f"DRAM budget {_mib(dram_budget_bytes)} is below the minimum {_mib(minimum)} for this model "
@@ -273,7 +273,7 @@ def plan_gate(config, layout, dram_budget_bytes: int, ctx: int, window: int, spa
         kw.update(stream_args(dn))
     # a gate|up stream's buffers, and its reader's gap scratch (storage.reader.BundleReader of gate_up.bin)
     stream = (stream_transient_bytes(gu, kw["stream_chunk_bytes"], kw.get("stream_depth", 1))
-              + max(1, reader_gap_bytes(gu) // gu.stride) * gu.stride)
+              + read_scratch_bytes(gu))
     rows = [gu.region_bytes(i) for i in range(gu.n_layers)]
     resident = kw.pop("resident_bytes", 0)
     max_active = max(1, int(np.ceil((1.0 - sparsity) * max(dn.n_neurons))))
@@ -361,20 +361,29 @@ def stream_transient_bytes(layout, chunk_bytes: int, depth: int = 1) -> int:
     if chunk_bytes <= 0:
         return 0
     rows, depth = stream_shape(layout, chunk_bytes, depth)
-    return depth * span_bytes(rows, layout.stride)
+    return depth * parts_span_bytes(layout, rows)
 
 
 def reader_gap_bytes(layout) -> int:
     """The coalescing gap storage.reader.BundleReader uses on `layout`'s file: its device profile's, else the
     default (a layout not on disk)."""
-    return reader_defaults(layout.ffn_path, layout.stride).gap_bytes if layout.flashdir is not None \
+    return reader_defaults(layout.device_path, layout.stride).gap_bytes if layout.flashdir is not None \
         else DEFAULT_GAP_BYTES
+
+
+def read_scratch_bytes(layout, gap_bytes: int | None = None) -> int:
+    """The reader's scratch for the gaps it reads over (BundleReader: its coalescing gap in rows, at least one row;
+    PartsReader: each part's reader's). gap_bytes: the gap, if not the device profile's (reader_gap_bytes)."""
+    if not layout.bundled:
+        return sum(read_scratch_bytes(P, gap_bytes) for P in layout.parts.values())
+    gap = reader_gap_bytes(layout) if gap_bytes is None else gap_bytes
+    return max(1, gap // layout.stride) * layout.stride
 
 
 def stream_settings(layout) -> StreamSettings:
     """The chunk size and depth a FLASHDIR's layers are streamed with (the device's, storage.profile.stream_defaults):
     the FFNs read with them and the DRAM plan counts their buffers (stream_args)."""
-    return stream_defaults(layout.ffn_path if layout.flashdir is not None else None)
+    return stream_defaults(layout.device_path if layout.flashdir is not None else None)
 
 
 def stream_args(layout) -> dict:
@@ -433,12 +442,12 @@ def compile_steps(layout, source: str | None = None) -> list:
     def bundles():
         """Two real bundles [k, stride] as the cache keeps them, and their rows (int32 like the cache's slots)."""
         B = aligned_empty((k, layout.stride), np.uint8)
-        with BundleReader(layout, threads=1) as reader:
+        with bundle_reader(layout, threads=1) as reader:
             reader.read(0, np.arange(k), dest=B, slots=np.arange(k))
         return B, np.arange(k, dtype=np.int32)
 
     def neuron_cache():
-        with BundleReader(layout, threads=1) as reader:
+        with bundle_reader(layout, threads=1) as reader:
             NeuronCache([k], layout.stride, reader, capacity=k, window=1).fetch(0, np.arange(k))
 
     kind = layout.down_column(0) if layout.n_layers else None       # columns: tables of the right types

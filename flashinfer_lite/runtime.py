@@ -183,7 +183,7 @@ def minimum_bytes(cfg: ModelConfig, layout, kinds: dict, ffn: str, ctx: int, run
                             pin=False).minimum_bytes if ffn in ("auto", "experts") else 0
     candidates = []
     if ffn in ("auto", "gate") and layout.glu and cfg.act in EXACT_GATE_ACTS:
-        parts = {name: layout.make_part(name) for name in SPLIT_PARTS}          # as convert will write them
+        parts = layout.parts or {name: layout.make_part(name) for name in SPLIT_PARTS}   # converted before the split layout
         candidates.append(plan_gate(cfg, layout, 1 << 60, ctx, 5, DEFAULT_SPARSITY, layers=0, parts=parts,
                                     resident_bytes=resident_bytes_of(cfg, layout, kinds), runtime_bytes=runtime_bytes,
                                     **stream_args(layout),
@@ -441,7 +441,7 @@ def decide_gate(files: ModelFiles, ffn: str, dram_budget, ctx: int, window: int,
     layout, cfg = files.ckpt.layout, files.ckpt.config
     if not layout.parts or not layout.glu:
         raise UserError(f"--ffn gate needs a GLU model converted with the split layout (gate_up.bin, down.bin); "
-                        f"{files.path} has none: re-run `flashinfer-lite convert`")
+                        f"{files.path} has none: re-run `flashinfer-lite convert` (--ffn-layout auto or parts)")
     if cfg.act not in EXACT_GATE_ACTS:
         raise UserError(f"--ffn gate is for SiLU- or GELU-gated models; {files.path} uses {cfg.act}: use --ffn "
                         f"predicted")

@@ -91,9 +91,10 @@ def cached_conversion(p: Path, known_only: bool = False) -> Path | None:
         return None
     # The dtype convert's default gives this source is part of the key: a conversion made under an older default
     # (first uses before q4_1 made float16 ones) is not reused, and `flashinfer-lite cache` lists it for removal.
-    # "-split": GLU conversions made before the split layout (ffn.gate's gate|up and down files) are not reused.
+    # "-split": GLU conversions made before the split layout (ffn.gate's gate|up and down files) are not reused;
+    # "-parts": nor, for the exact gate's models, those that also hold ffn.bin (the FFN twice on disk).
     layout = layout_for(open_checkpoint(p), DEFAULT_DTYPE)
-    key = f"{source_key(p)}-{layout.dtype}{'-split' if layout.glu else ''}"
+    key = f"{source_key(p)}-{layout.dtype}{'-parts' if not layout.bundled else '-split' if layout.glu else ''}"
     # the name's stem is for people; the key alone finds a conversion (a renamed model is the same model)
     return next((d for d in sorted(flash.glob(f"*-{key}")) if is_flashdir(d)), flash / f"{p.stem}-{key}")
 

@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +43,7 @@ from .safetensors_out import SafetensorsWriter
 PACK_NEURONS = 4096   # neurons packed at a time: bounds the extra memory for wide FFNs
 DEFAULT_DTYPE = "auto"
 EXPERT_CHUNKS = ("whole", "split")    # storage.experts: whole matrices, or heads then down columns
+FFN_LAYOUTS = ("auto", "bundles", "parts")   # a dense model's FFN: ffn.bin's bundles, or the split parts alone
 # resident matrices a quantized FLASHDIR keeps in blocks: the ones multiplied (linear) or looked up by row (embeddings)
 QUANTIZED_RESIDENT = re.compile(r"embed\.weight|lm_head\.weight|layers\.\d+\.attn\.[qkvo]\.weight")
 
@@ -57,20 +59,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a mixture of experts' chunks: whole (gate, up, down matrices; default) or split (gate|up "
                              "rows, then down columns along d, so a routed expert can read only its firing neurons' "
                              "columns: --ffn gate; a GGUF's down blocks are requantized along d)")
+    parser.add_argument("--ffn-layout", choices=FFN_LAYOUTS, default="auto",
+                        help="a dense model's FFN on flash: bundles (ffn.bin: gate, up and down of a neuron in one "
+                             "read; --ffn predicted and oracle) or parts (gate|up rows and down rows in two files: "
+                             "the exact gate, --ffn gate, reads them, and the other modes assemble bundles from them "
+                             "with two reads a neuron). auto (default): parts for SiLU- and GELU-gated models, whose "
+                             "FFN runs the exact gate, bundles for the others")
     parser.add_argument("--force", action="store_true", help="replace an existing flash directory")
 
 
 def run(args) -> int:
-    out = convert(args.model, args.output, dtype=args.dtype, force=args.force, expert_chunks=args.expert_chunks)
+    out = convert(args.model, args.output, dtype=args.dtype, force=args.force, expert_chunks=args.expert_chunks,
+                  ffn_layout=args.ffn_layout)
     L = read_layout(out)
     if L.experts is not None:
         E = L.experts
         print(f"wrote {out}: {E.n_layers} layers x {E.n_experts} experts of {E.n} neurons, {'/'.join(E.dtypes)}"
               f"{' split' if E.split else ''} chunks of {E.chunk} bytes, ffn.bin {L.ffn_size / 2**20:.1f} MiB")
         return 0
-    print(f"wrote {out}: {L.n_layers} layers x {L.n_neurons[0]} neurons, {L.dtype} bundles of {L.stride} bytes, "
-          f"ffn.bin {L.ffn_size / 2**20:.1f} MiB"
-          + "".join(f", {P.files['ffn']} {P.ffn_size / 2**20:.1f} MiB" for P in L.parts.values()))
+    print(f"wrote {out}: {L.n_layers} layers x {L.n_neurons[0]} neurons, {L.dtype} bundles of {L.stride} bytes"
+          + "".join(f", {F.files['ffn']} {F.ffn_size / 2**20:.1f} MiB" for F in L.ffn_files))
     return 0
 
 
@@ -132,10 +140,15 @@ def _auto_dtypes(ckpt, layer: int) -> tuple[str, ...]:
     return (*kinds, DOWN_REQUANT)
 
 
-def layout_for(ckpt, dtype: str, orders=None) -> FlashLayout:
-    """The layout of a checkpoint: which biases travel in the bundles, the neuron count of every layer, and (dtype
-    auto) each layer's vector dtypes that keep the checkpoint's precision."""
+def layout_for(ckpt, dtype: str, orders=None, ffn_layout: str = "auto") -> FlashLayout:
+    """The layout of a checkpoint: which biases travel in the bundles, the neuron count of every layer, (dtype
+    auto) each layer's vector dtypes that keep the checkpoint's precision, and (ffn_layout, FFN_LAYOUTS) whether
+    the bundles live in ffn.bin or in the split parts alone."""
     cfg = ckpt.config
+    if ffn_layout not in FFN_LAYOUTS:
+        raise UserError(f"--ffn-layout is one of {', '.join(FFN_LAYOUTS)}, not {ffn_layout!r}")
+    if ffn_layout == "parts" and not cfg.glu:
+        raise UserError(f"--ffn-layout parts is for gated FFNs (gate, up, down); {ckpt.path} has up and down only")
     if cfg.moe:
         return expert_layout_for(ckpt, dtype)
     names = set(ckpt.names())
@@ -155,7 +168,9 @@ def layout_for(ckpt, dtype: str, orders=None) -> FlashLayout:
         missing = [n for n in ffn_tensor_names(layout, i) if n not in names]
         if missing:
             raise UserError(f"{ckpt.path}: layer {i} lacks {missing[0]} (layer 0 has it)")
-    return layout
+    # The exact gate (ffn.gate) reads the split parts; the other modes assemble bundles from them (no second copy)
+    parts = ffn_layout == "parts" or (ffn_layout == "auto" and cfg.glu and cfg.act in EXACT_GATE_ACTS)
+    return layout.in_parts() if parts else layout
 
 
 def expert_layout_for(ckpt, dtype: str) -> FlashLayout:
@@ -249,25 +264,32 @@ def scale_tables(ckpt, layout: FlashLayout) -> list[tuple[str, tuple, np.dtype, 
     return out
 
 
-def _write_layer(f, ckpt, layout: FlashLayout, layer: int) -> str:
-    """Read, pack and write one layer's bundles at f's position; return the region's checksum. A function so that
-    the layer's float32 matrices are freed on return, before the next layer's are read."""
+def _write_layer(sinks, ckpt, layout: FlashLayout, layer: int) -> list[str]:
+    """Read and pack one layer's bundles and write them to each sink (file, F): ffn.bin's bundles when F is the
+    layout, else a split part's rows cut from them (F = layout.parts[name]), each at its region's offset. Return each
+    region's checksum. A function so that the layer's float32 matrices are freed on return, before the next layer's
+    are read."""
     mats, bs = _layer_vectors(ckpt, layout, layer)
-    order = layout.order[layer]
-    h = layout.layer_checksum(layer)
+    order, g = layout.order[layer], layout.geometry_of(layer)
+    sums = [F.layer_checksum(layer) for _, F in sinks]
+    for f, F in sinks:
+        f.write(b"\0" * (F.offset[layer] - f.tell()))  # pad to the 4096-aligned region start
     for a in range(0, layout.n_neurons[layer], PACK_NEURONS):
         idx = order[a:a + PACK_NEURONS]               # bundle a+j holds original neuron order[a+j]
         vecs = [m[idx] for m in mats]                 # n_vec gathered [c, d] (or [c, vector_bytes]) copies
         bias = np.stack([b[idx] for b in bs], axis=1) if bs else None                   # [c, n_bias]
         packed = pack_bundles(layout, vecs, bias, layer, neurons=idx)
         del vecs                                      # before the next chunk's are allocated
-        h.update(packed)
-        f.write(packed)
-    return h.hexdigest()
+        for (f, F), h in zip(sinks, sums):
+            rows = packed if F is layout else g.extract(packed, F.geometry_of(layer))
+            h.update(rows)
+            f.write(rows)
+    return [h.hexdigest() for h in sums]
 
 
 def write_flashdir(ckpt, layout: FlashLayout, dest: Path, progress: bool = True) -> None:
-    """Write ffn.bin, resident.safetensors, tokenizer/ and (last) manifest.json into the empty directory dest.
+    """Write ffn.bin (or the split parts, when the layout keeps its bundles in them: layout_for), resident.safetensors,
+    tokenizer/ and (last) manifest.json into the empty directory dest.
 
     Memory stays at about one layer whatever the layer count: a layer's FFN is read, packed and written before the
     next is read, and resident tensors are written one at a time as they are read."""
@@ -275,26 +297,28 @@ def write_flashdir(ckpt, layout: FlashLayout, dest: Path, progress: bool = True)
     E = layout.experts
     steps = tqdm(total=layout.n_layers + (E.n_layers if E is not None else 0) + 2, desc="convert", unit="step",
                  disable=not progress, file=sys.stderr)
-    layout.checksum = []
-    with steps, open(dest / layout.files["ffn"], "wb") as f:
+    outputs = layout.ffn_files
+    with steps, ExitStack() as files:
+        sinks = [(files.enter_context(open(dest / F.files["ffn"], "wb")), F) for F in outputs]
+        for F in outputs:
+            F.checksum = []
         for i in range(layout.n_layers):
             steps.set_postfix_str(f"layer {i}")
-            f.write(b"\0" * (layout.offset[i] - f.tell()))  # pad to the 4096-aligned region start
-            layout.checksum.append(_write_layer(f, ckpt, layout, i))
+            for F, digest in zip(outputs, _write_layer(sinks, ckpt, layout, i)):
+                F.checksum.append(digest)
             steps.update()
         if E is not None:
+            f = sinks[0][0]
             E.checksum = []
             for i in range(E.n_layers):
                 steps.set_postfix_str(f"layer {i}'s experts")
                 E.checksum.append(_write_experts(f, ckpt, layout, i))
                 steps.update()
             f.seek(0, os.SEEK_END)
-        f.write(b"\0" * (layout.ffn_size - f.tell()))
-        f.flush()
-        os.fsync(f.fileno())
-        if layout.glu and layout.experts is None and layout.config.get("act") in EXACT_GATE_ACTS:  # ffn.gate
-            steps.set_postfix_str("split")
-            write_split(layout, dest)
+        for f, F in sinks:
+            f.write(b"\0" * (F.ffn_size - f.tell()))
+            f.flush()
+            os.fsync(f.fileno())
 
         steps.set_postfix_str("resident")
         layout.resident_checksum = write_resident(ckpt, names, dest / layout.files["resident"],
@@ -439,7 +463,7 @@ def _place(tmp: Path, out: Path, force: bool) -> None:
 
 
 def convert(model, output, dtype: str = DEFAULT_DTYPE, force: bool = False, progress: bool = True,
-            expert_chunks: str = "whole") -> Path:
+            expert_chunks: str = "whole", ffn_layout: str = "auto") -> Path:
     out = Path(output).expanduser()
     _check_output(out, force)
     ckpt = open_checkpoint(model)
@@ -447,7 +471,9 @@ def convert(model, output, dtype: str = DEFAULT_DTYPE, force: bool = False, prog
         raise UserError(f"--expert-chunks is one of {', '.join(EXPERT_CHUNKS)}, not {expert_chunks!r}")
     if expert_chunks == "split" and not ckpt.config.moe:
         raise UserError(f"--expert-chunks split is for mixtures of experts; {model} is a dense model")
-    layout = layout_for(ckpt, dtype)
+    if ffn_layout != "auto" and ckpt.config.moe:
+        raise UserError(f"--ffn-layout is for dense models; {model} is a mixture of experts (--expert-chunks)")
+    layout = layout_for(ckpt, dtype, ffn_layout=ffn_layout)
     if expert_chunks == "split":
         layout.experts.split = True
         layout.ffn_size = layout.experts.end

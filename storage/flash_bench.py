@@ -238,6 +238,8 @@ def derive_profile(rows: list[dict]) -> list[dict]:
 def bench_model(flashdir, seconds: float) -> list[dict]:
     """Random neuron sets of a real flash directory, with the (just saved) profile defaults and without coalescing."""
     layout = read_layout(flashdir)
+    if not layout.bundled:        # bundles only in the split parts: the exact gate's reads of one neuron, down rows
+        layout = layout.parts["down"]
     rng = np.random.default_rng(2)
     rows = []
     for frac in (0.05, 0.1, 0.25, 0.5):

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from contextlib import ExitStack
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -43,7 +44,8 @@ FORMAT_NAME = "flashinfer-lite-flash"
 FORMAT_VERSION = 2                # written when version 1 cannot say it: per-matrix or per-layer types, 5-bit, K-quants
 COLUMNS_VERSION = 3               # written when the down vectors are columns (storage.columns: a GGUF's down kept exactly)
 SPLIT_EXPERTS_VERSION = 4         # written when the expert chunks are split (storage.experts: heads, then down columns)
-READ_VERSIONS = (1, 2, 3, 4)
+PARTS_VERSION = 5                 # written when the bundles live only in the split parts (no ffn.bin: FlashLayout.bundled)
+READ_VERSIONS = (1, 2, 3, 4, 5)
 V1_DTYPES = ("f32", "f16", "int8", "q8_0", "q4_0", "q4_1")   # what a version 1 manifest can name
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 64 << 20     # a permutation per layer of a 70B model is ~10 MB of JSON; anything past this is not ours
@@ -205,16 +207,33 @@ class BundleGeometry:
         stride = align_up(bundle_geometry(self.d, dtypes, 0)[0] + 4 * len(scalars), align)
         return BundleGeometry(self.d, tuple(vectors), dtypes, scalars, stride, align)
 
+    def _spans(self, part: "BundleGeometry"):
+        """(bytes in a bundle row, the same bytes in a `part` row) for each vector and scalar the part holds."""
+        for v in part.vectors:
+            yield (slice(self.offset(v), self.offset(v) + self.vector_bytes(v)),
+                   slice(part.offset(v), part.offset(v) + part.vector_bytes(v)))
+        for s in part.scalars:
+            at, to = 4 * self.scalar_slot(s), 4 * part.scalar_slot(s)
+            yield slice(at, at + 4), slice(to, to + 4)
+
     def extract(self, B: np.ndarray, part: "BundleGeometry") -> np.ndarray:
         """Bundles uint8 [n, stride] -> their `part` rows uint8 [n, part.stride]: the bytes copied, nothing recoded."""
         out = np.zeros((B.shape[0], part.stride), np.uint8)
-        for v in part.vectors:
-            out[:, part.offset(v):part.offset(v) + part.vector_bytes(v)] = \
-                B[:, self.offset(v):self.offset(v) + self.vector_bytes(v)]
-        for s in part.scalars:
-            at, to = 4 * self.scalar_slot(s), 4 * part.scalar_slot(s)
-            out[:, to:to + 4] = B[:, at:at + 4]
+        for b, p in self._spans(part):
+            out[:, p] = B[:, b]
         return out
+
+    def assemble(self, rows: list[tuple["BundleGeometry", np.ndarray]], dest: np.ndarray, slots=None) -> None:
+        """extract's inverse: each (part, its rows uint8 [n, part.stride]) copied into bundles dest[slots] (uint8
+        [., stride]; slots None: dest's first n rows), and the bytes no part holds (padding) zeroed, as in ffn.bin."""
+        at = slice(0, rows[0][1].shape[0]) if slots is None else slots
+        covered = np.zeros(self.stride, bool)
+        for part, R in rows:
+            for b, p in self._spans(part):
+                dest[at, b] = R[:, p]
+                covered[b] = True
+        for lo, hi in np.flatnonzero(np.diff(np.r_[0, ~covered, 0])).reshape(-1, 2):
+            dest[at, lo:hi] = 0
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -320,6 +339,8 @@ class FlashLayout:
         names = {t for i in range(self.n_layers) for t in self.dtypes_of(i)} | {self.dtype}
         if self.experts is not None and self.experts.split:
             return SPLIT_EXPERTS_VERSION
+        if not self.bundled:
+            return PARTS_VERSION
         if self.columns:
             return COLUMNS_VERSION
         return 1 if self.layer_dtypes is None and names <= set(V1_DTYPES) else FORMAT_VERSION
@@ -375,8 +396,24 @@ class FlashLayout:
         return h
 
     @property
+    def bundled(self) -> bool:
+        """ffn.bin holds the bundles; False: only the split parts hold them (format version 5, a GLU model whose FFN
+        runs the exact gate: storage.reader.PartsReader assembles bundles from the parts for the other modes)."""
+        return "ffn" in self.files
+
+    @property
     def ffn_path(self) -> Path:
         return self.flashdir / self.files["ffn"]
+
+    @property
+    def ffn_files(self) -> list["FlashLayout"]:
+        """The layouts of every file of the FFN: ffn.bin's (this one) when there is one, then the split parts'."""
+        return [self] * self.bundled + list(self.parts.values())
+
+    @property
+    def device_path(self) -> Path:
+        """A file of this layout's FFN (its device's profile sets the readers and streams): ffn.bin, else down.bin."""
+        return self.ffn_path if self.bundled else self.parts["down"].ffn_path
 
     @classmethod
     def create(cls, d: int, n_neurons: list[int], dtype: str, glu: bool, biases=(), orders=None,
@@ -423,6 +460,14 @@ class FlashLayout:
                            flashdir=self.flashdir, checksum_algo=self.checksum_algo, align=align,
                            layer_dtypes=None if self.uniform else [g.vector_dtypes for g in gs])
 
+    def in_parts(self) -> "FlashLayout":
+        """This layout with its bundles in the split parts alone (format version 5, no ffn.bin): how convert writes a
+        GLU model whose FFN runs the exact gate. The bundle geometry stays (the readers assemble bundles from the
+        parts); offsets and ffn_size say where ffn.bin would hold them, from which the parts' regions derive."""
+        parts = {name: self.make_part(name) for name in SPLIT_PARTS}
+        files = {k: v for k, v in self.files.items() if k != "ffn"} | {n: P.files["ffn"] for n, P in parts.items()}
+        return replace(self, files=files, parts=parts, checksum=[])
+
     # -- manifest ----------------------------------------------------------------------------------------------------
     def to_manifest(self) -> dict:
         layers = []
@@ -431,8 +476,9 @@ class FlashLayout:
             o = self.order[i]
             identity = bool(np.array_equal(o, np.arange(len(o))))
             layers.append({"offset": self.offset[i], "n_neurons": self.n_neurons[i],
-                           "order": "identity" if identity else [int(x) for x in o],
-                           "checksum": self.checksum[i]})
+                           "order": "identity" if identity else [int(x) for x in o]})
+            if self.bundled:        # else the parts' checksums cover the bytes (`split`)
+                layers[-1]["checksum"] = self.checksum[i]
             if version > 1:
                 layers[-1]["vector_dtypes"] = list(self.dtypes_of(i))
         return {"format": FORMAT_NAME, "version": version, "config": self.config, "dtype": self.dtype,
@@ -502,7 +548,7 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
         raise UserError(f"{src}: unknown dtype {dtype!r} (this build reads {', '.join(BUNDLE_DTYPES)})")
     if m.get("checksum_algo") not in (CHECKSUM_ALGO, UNBOUND_CHECKSUM_ALGO):
         raise UserError(f"{src}: unknown checksum algorithm {m.get('checksum_algo')!r}")
-    for key in ("ffn", "resident", "tokenizer"):
+    for key in ("ffn", "resident", "tokenizer")[m["version"] == PARTS_VERSION:]:
         if key not in files:
             raise UserError(f"{src}: manifest names no {key} file")
         inside(flashdir, files[key], f"{src}: {key} file")
@@ -546,14 +592,15 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
             if not np.array_equal(np.sort(order), np.arange(n)):
                 raise UserError(f"{src}: layer {i} neuron order is not a permutation of 0..{n - 1}")
         ck = L.get("checksum")
-        if not isinstance(ck, str) or len(ck) != 32:
+        if "ffn" in files and (not isinstance(ck, str) or len(ck) != 32):
             raise UserError(f"{src}: layer {i} has no valid checksum")
         if m["version"] > 1:          # version 2: each layer names its vectors' dtypes
             per_layer.append(check_vector_dtypes(L.get("vector_dtypes"), len(vectors), f"{src}: layer {i}: "))
         layout.offset.append(off)
         layout.n_neurons.append(n)
         layout.order.append(order)
-        layout.checksum.append(ck)
+        if "ffn" in files:
+            layout.checksum.append(ck)
     if m.get("experts") is not None:
         layout.experts = ExpertLayout.from_manifest(m["experts"], src)
         if layout.experts.split and m["version"] != SPLIT_EXPERTS_VERSION:
@@ -592,8 +639,11 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
                         f"{cfg.get('ffn_dim')!r}")
     if m.get("split") is not None:
         _read_split(layout, m["split"], src)
+    if m["version"] == PARTS_VERSION and (not layout.parts or "ffn" in files):
+        raise UserError(f"{src}: format version {PARTS_VERSION} keeps the bundles in the split parts alone, and this "
+                        f"manifest names {'an ffn file' if 'ffn' in files else 'no split parts'}; re-run convert")
     if check_size:
-        for L in (layout, *layout.parts.values()):
+        for L in layout.ffn_files:
             _check_file_size(L.ffn_path, L.ffn_size)
     return layout
 
@@ -790,7 +840,7 @@ def verify(flashdir, progress: bool = True) -> FlashLayout:
     """
     from tqdm import tqdm
     layout = read_layout(flashdir)
-    regions = (layout, *layout.parts.values())      # ffn.bin, then the split parts' files
+    regions = layout.ffn_files
     total = sum(L.region_bytes(i) for L in regions for i in range(L.n_layers)) + \
         (layout.experts.end - layout.experts.offset if layout.experts is not None else 0)
     with tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=not progress, leave=False) as bar:
@@ -802,12 +852,13 @@ def verify(flashdir, progress: bool = True) -> FlashLayout:
                         raise UserError(f"{L.ffn_path}: checksum mismatch in layer {i} (bytes {L.offset[i]}.."
                                         f"{L.offset[i] + L.region_bytes(i)}): the file is damaged; re-run convert")
         E = layout.experts
-        with open(layout.ffn_path, "rb") as f:
-            for i, e in expert_ids(layout):
-                if region_checksum(f, E.chunk_offset(i, e), E.chunk, progress=bar, h=expert_checksum(E, i, e)) \
-                        != E.checksum[i][e]:
-                    raise UserError(f"{layout.ffn_path}: checksum mismatch in layer {i}'s expert {e}: the file is "
-                                    f"damaged; re-run convert")
+        if E is not None:
+            with open(layout.ffn_path, "rb") as f:
+                for i, e in expert_ids(layout):
+                    if region_checksum(f, E.chunk_offset(i, e), E.chunk, progress=bar, h=expert_checksum(E, i, e)) \
+                            != E.checksum[i][e]:
+                        raise UserError(f"{layout.ffn_path}: checksum mismatch in layer {i}'s expert {e}: the file "
+                                        f"is damaged; re-run convert")
     res = layout.flashdir / layout.files["resident"]
     if not res.is_file():
         raise UserError(f"{res}: resident weights file is missing")
@@ -1016,47 +1067,59 @@ class FlashCheckpoint:
         kind, a = self.layout.experts.matrices(self._cached_expert[1])[k]
         return kind, a.copy()     # its own memory: the chunk buffer is replaced by the next expert's
 
-    def bundles(self, layer: int) -> np.ndarray:
-        """A layer's bundles as ffn.bin holds them, uint8 [n_neurons, stride] in bundle order, checksum checked (the
-        resident dense FFN computes on them as they are)."""
+    def bundle_chunks(self, layer: int, rows: int):
+        """Yield (first bundle, bundles uint8 [m, stride]) of layer `layer`, `rows` at a time in bundle order, as ffn.bin
+        holds them (a layout without ffn.bin: assembled from the split parts). Each region's checksum is checked over
+        the bytes read, after the last chunk: a caller that keeps what it computed only once the loop ends never uses
+        damaged weights."""
         L = self.layout
-        out = np.empty((L.n_neurons[layer], L.stride), np.uint8)
-        with open(L.ffn_path, "rb") as f:
-            got = os.preadv(f.fileno(), [out], L.offset[layer])
-        h = L.layer_checksum(layer)
-        h.update(out)
-        self._check_region(layer, h, got == L.region_bytes(layer))
-        return out
+        n = L.n_neurons[layer]
+        g = L.geometry_of(layer)
+        files = [(F, F.geometry_of(layer)) for F in ([L] if L.bundled else L.parts.values())]
+        sums = [F.layer_checksum(layer) for F, _ in files]
+        with ExitStack() as stack:
+            fds = [stack.enter_context(open(F.ffn_path, "rb")).fileno() for F, _ in files]
+            for b0 in range(0, n, rows):
+                m = min(rows, n - b0)
+                got = []
+                for (F, part), fd, h in zip(files, fds, sums):
+                    buf = np.empty((m, F.stride), np.uint8)
+                    if os.preadv(fd, [buf], F.offset[layer] + b0 * F.stride) != buf.nbytes:
+                        self._region_error(F, layer)
+                    h.update(buf)
+                    got.append((part, buf))
+                if L.bundled:
+                    yield b0, got[0][1]
+                    continue
+                B = np.zeros((m, L.stride), np.uint8)
+                g.assemble(got, B)
+                yield b0, B
+        for (F, _), h in zip(files, sums):
+            if h.hexdigest() != F.checksum[layer]:
+                self._region_error(F, layer)
+
+    def bundles(self, layer: int) -> np.ndarray:
+        """A layer's bundles uint8 [n_neurons, stride] in bundle order, checksum checked (bundle_chunks; the resident
+        dense FFN computes on them as they are)."""
+        (_, B), = self.bundle_chunks(layer, self.layout.n_neurons[layer])
+        return B
 
     def vector_norms(self, layer: int, vector: str = "down", chunk_bytes: int = 64 << 20) -> np.ndarray:
         """||v_i|| float32 [n] of one FFN vector of every neuron (e.g. the down column), in original neuron order.
 
-        Read in chunks of bundles, so memory stays at one chunk whatever the layer's size; the region's checksum is
+        Read in chunks of bundles, so memory stays at one chunk whatever the layer's size; the regions' checksums are
         checked over the same bytes."""
         L, k = self.layout, self.layout.vectors.index(vector)
-        n, off = L.n_neurons[layer], L.offset[layer]
-        step = max(1, chunk_bytes // L.stride)
-        norms = np.empty(n, np.float32)
-        h, complete = L.layer_checksum(layer), True
-        with open(L.ffn_path, "rb") as f:
-            for b0 in range(0, n, step):
-                m = min(step, n - b0)
-                raw = os.pread(f.fileno(), m * L.stride, off + b0 * L.stride)
-                h.update(raw)
-                complete = len(raw) == m * L.stride
-                if not complete:
-                    break
-                vecs, _ = unpack_bundles(L, np.frombuffer(raw, np.uint8).reshape(m, L.stride), layer,
-                                         self.down_scales(layer))
-                norms[L.order[layer][b0:b0 + m]] = np.linalg.norm(vecs[:, k, :], axis=1)
-        self._check_region(layer, h, complete)
+        norms = np.empty(L.n_neurons[layer], np.float32)
+        for b0, B in self.bundle_chunks(layer, max(1, chunk_bytes // L.stride)):
+            vecs, _ = unpack_bundles(L, B, layer, self.down_scales(layer))
+            norms[L.order[layer][b0:b0 + B.shape[0]]] = np.linalg.norm(vecs[:, k, :], axis=1)
         return norms
 
-    def _check_region(self, layer: int, h, complete: bool) -> None:
-        """Never hand out damaged weights: the region read whole (complete) and its checksum h as the manifest's."""
-        L = self.layout
-        if not complete or h.hexdigest() != L.checksum[layer]:
-            raise UserError(f"{L.ffn_path}: checksum mismatch in layer {layer}: the file is damaged; re-run convert")
+    @staticmethod
+    def _region_error(F: FlashLayout, layer: int):
+        """Never hand out damaged weights: a region read short, or whose checksum is not the manifest's."""
+        raise UserError(f"{F.ffn_path}: checksum mismatch in layer {layer}: the file is damaged; re-run convert")
 
     def release(self) -> None:
         """Drop the cached FFN layer (layer-streaming: the next layer's bundles load without it)."""

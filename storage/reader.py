@@ -316,6 +316,110 @@ def busy_seconds(started: np.ndarray, landed: np.ndarray) -> float:
     return float((reach[np.r_[new[1:] - 1, len(s) - 1]] - s[new]).sum())
 
 
+class PartsReader:
+    """BundleReader's interface over a layout whose bundles live only in the split parts (FlashLayout.bundled False:
+    gate_up.bin and down.bin, no ffn.bin): each request reads its bundles' rows from both parts, then assembles whole
+    bundles into the caller's rows (BundleGeometry.assemble), so the neuron cache and the bundle kernels see ffn.bin's
+    rows. A bundle costs two reads instead of one, and its staging rows (parts_staging_bytes) until wait(). Why no
+    ffn.bin: it would hold the FFN a second time (#27: a Q4_K_M FLASHDIR 1.57x its GGUF with both), and on a SwiGLU
+    model, where these modes read nearly every neuron anyway, the exact gate reads the parts."""
+
+    def __init__(self, layout_or_flashdir, **kw):
+        self.layout = layout_or_flashdir if isinstance(layout_or_flashdir, FlashLayout) \
+            else read_layout(layout_or_flashdir)
+        self.parts = [(P, BundleReader(P, **kw)) for P in self.layout.parts.values()]
+        first = self.parts[-1][1]                       # down.bin: the settings a neuron's own read uses
+        self.engine, self.threads, self.coalesce_gap = first.engine, first.threads, first.coalesce_gap
+        self.direct, self.settings_source = first.direct, first.settings_source
+
+    def describe(self) -> str:
+        return f"{self.parts[-1][1].describe()}; bundles assembled from {len(self.parts)} split parts"
+
+    def close(self) -> None:
+        for _, r in self.parts:
+            r.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def submit(self, layer: int, bundle_ids, dest: np.ndarray, slots) -> "AssembledRead":
+        """BundleReader.submit: bundle_ids[j] of `layer` into dest[slots[j]] once wait() returns."""
+        stride = self.layout.stride
+        if dest.dtype != np.uint8 or dest.ndim != 2 or dest.shape[1] != stride or not dest.flags.c_contiguous:
+            raise ValueError(f"dest must be C-contiguous uint8 [slots, {stride}], got {dest.dtype} {dest.shape}")
+        ids = np.asarray(bundle_ids, dtype=np.int64).ravel()
+        slots = np.asarray(slots, dtype=np.int64).ravel()
+        if ids.shape != slots.shape:
+            raise ValueError(f"{ids.size} bundle ids but {slots.size} slots")
+        if ids.size and (slots.min() < 0 or slots.max() >= dest.shape[0]):
+            raise ValueError(f"slots must be in 0..{dest.shape[0] - 1}")
+        rows = np.arange(ids.size)
+        reads = []
+        for P, r in self.parts:
+            staging = aligned_empty((ids.size, P.stride), np.uint8, BUNDLE_ALIGN)
+            reads.append((P.geometry_of(layer), staging, r.submit(layer, ids, staging, rows)))
+        return AssembledRead(self.layout.geometry_of(layer), reads, dest, slots)
+
+    def read(self, layer: int, bundle_ids, dest: np.ndarray, slots) -> FlashStats:
+        return self.submit(layer, bundle_ids, dest, slots).wait()
+
+    def submit_rows(self, layer: int, first: int, rows: int, buf: np.ndarray) -> tuple["AssembledRead", np.ndarray]:
+        """BundleReader.submit_rows: the parts' spans read into buf, then (wait) assembled into the bundle rows the
+        call returns, which sit in buf after them (span_bytes counts all three)."""
+        reads, at = [], 0
+        for P, r in self.parts:
+            n = r.span_bytes(rows)
+            pending, view = r.submit_rows(layer, first, rows, buf[at:at + n])
+            reads.append((P.geometry_of(layer), view, pending))
+            at += n
+        out = buf[at:at + rows * self.layout.stride].reshape(rows, self.layout.stride)
+        return AssembledRead(self.layout.geometry_of(layer), reads, out, None), out
+
+    def span_bytes(self, rows: int) -> int:
+        return parts_span_bytes(self.layout, rows)
+
+
+class AssembledRead:
+    """PartsReader's read in flight: wait() waits for every part's read, assembles the bundles, and returns the
+    parts' FlashStats summed (io_s: the longest)."""
+
+    def __init__(self, geometry, reads, dest, slots):
+        self.geometry, self.reads, self.dest, self.slots = geometry, reads, dest, slots
+
+    def ready(self) -> bool:
+        return all(p.ready() for _, _, p in self.reads)
+
+    def wait(self) -> FlashStats:
+        stats = FlashStats()
+        for _, _, p in self.reads:
+            s = p.wait()
+            stats.requested_bytes += s.requested_bytes
+            stats.read_bytes += s.read_bytes
+            stats.n_reads += s.n_reads
+            stats.io_s = max(stats.io_s, s.io_s)
+        if self.reads:
+            self.geometry.assemble([(g, R) for g, R, _ in self.reads], self.dest, self.slots)
+            self.reads = []
+        return stats
+
+
+def bundle_reader(layout, **kw):
+    """The reader of a layout's bundles: BundleReader on ffn.bin, or PartsReader where only the split parts hold
+    them. kw: BundleReader's."""
+    return BundleReader(layout, **kw) if layout.bundled else PartsReader(layout, **kw)
+
+
+def parts_span_bytes(layout, rows: int) -> int:
+    """The most bytes a reader's submit_rows reads into its buffer for `rows` bundles of `layout`: their span widened
+    to 512-byte boundaries, or (bundles in the split parts) each part's span and the assembled rows."""
+    if layout.bundled:
+        return span_bytes(rows, layout.stride)
+    return sum(span_bytes(rows, P.stride) for P in layout.parts.values()) + rows * layout.stride
+
+
 def span_bytes(rows: int, stride: int) -> int:
     """The most bytes `rows` consecutive bundles of `stride` bytes span once widened to 512-byte boundaries."""
     return -(-rows * stride // BUNDLE_ALIGN) * BUNDLE_ALIGN + (BUNDLE_ALIGN if stride % BUNDLE_ALIGN else 0)

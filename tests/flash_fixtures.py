@@ -55,10 +55,12 @@ class RandomCheckpoint(Checkpoint):
         return FakeTokenizer()
 
 
-def write_random_flashdir(path: Path, dtype: str, orders=None, **kw) -> RandomCheckpoint:
+def write_random_flashdir(path: Path, dtype: str, orders=None, ffn_layout: str = "bundles", **kw) -> RandomCheckpoint:
+    """A random checkpoint written as a FLASHDIR; its FFN in ffn.bin's bundles unless ffn_layout says otherwise (the
+    split parts: convert's default for SiLU- and GELU-gated models)."""
     ckpt = RandomCheckpoint(**kw)
     path.mkdir(parents=True)
-    write_flashdir(ckpt, layout_for(ckpt, dtype, orders), path, progress=False)
+    write_flashdir(ckpt, layout_for(ckpt, dtype, orders, ffn_layout=ffn_layout), path, progress=False)
     return ckpt
 
 

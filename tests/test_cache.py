@@ -58,8 +58,8 @@ def test_a_conversion_of_another_dtype_is_not_reused(model_and_cache):
     convert(src, stale, dtype="q8_0", progress=False)
     made = cache.flashdir_for(src, progress=False)
     auto = read_layout(made).dtype
-    split = "-split" if read_layout(made).parts else ""             # GLU: the split layout (issue 28) is in the key
-    assert os.path.basename(made) == f"stories-{cache.source_key(src)}-{auto}{split}" and auto != "q8_0"
+    parts = "-parts" if not read_layout(made).bundled else ""      # SiLU: the split layout alone is in the key
+    assert os.path.basename(made) == f"stories-{cache.source_key(src)}-{auto}{parts}" and auto != "q8_0"
     assert read_layout(stale).dtype == "q8_0"                          # untouched, listed by `flashinfer-lite cache`
 
 

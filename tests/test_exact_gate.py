@@ -31,7 +31,8 @@ IDS = [1, 403, 261, 324, 281, 384, 265, 427, 298, 410]
 
 @pytest.fixture(scope="module")
 def gated(tiny_model, tmp_path_factory):
-    """{dtype: FLASHDIR} of the tiny SiLU llama, converted (split layout) and calibrated, and the source path."""
+    """{dtype: FLASHDIR} of the tiny SiLU llama, converted (the split layout alone, convert's default) and calibrated,
+    {dtype-bundles: FLASHDIR} the same model as ffn.bin's bundles (--ffn-layout bundles), and the source path."""
     src = tiny_model("llama-bias-untied")          # SiLU, with gate/up biases (in the gate|up rows) and down's
     root = tmp_path_factory.mktemp("gate")
     out = {"source": src}
@@ -39,6 +40,8 @@ def gated(tiny_model, tmp_path_factory):
         flash = convert(src, root / dtype, dtype=dtype, progress=False)
         calibrate(str(flash), n_tokens=256, progress=False)
         out[dtype] = flash
+        out[f"{dtype}-bundles"] = convert(src, root / f"{dtype}-bundles", dtype=dtype, progress=False,
+                                          ffn_layout="bundles")
     yield out
     shutil.rmtree(root, ignore_errors=True)
 
@@ -68,23 +71,36 @@ def test_calibration_quantiles_in_bounded_memory_equal_numpys():
 
 
 def test_split_parts_hold_the_bundles_bytes(gated):
-    """gate_up.bin and down.bin are the bundles' bytes cut by BundleGeometry, checksummed and verified."""
+    """gate_up.bin and down.bin are the bundles' bytes (ffn.bin's, written from the same weights with --ffn-layout
+    bundles) cut by BundleGeometry, checksummed and verified; there is no ffn.bin beside them."""
     for dtype in ("f32", "q8_0"):
-        L = read_layout(gated[dtype])
+        L, T = read_layout(gated[dtype]), read_layout(gated[f"{dtype}-bundles"])
+        assert not L.bundled and not (gated[dtype] / "ffn.bin").exists() and T.bundled and not T.parts
+        assert json.loads((gated[dtype] / "manifest.json").read_text())["version"] == 5
         gu, dn = L.parts["gate_up"], L.parts["down"]
         assert gu.vectors == ("gate", "up") and dn.vectors == ("down",) and dn.stride % 512 == 0
-        ck = FlashCheckpoint(gated[dtype])
         for i in range(L.n_layers):
-            B = ck.bundles(i)
+            B = np.fromfile(T.ffn_path, np.uint8, count=T.region_bytes(i), offset=T.offset[i]).reshape(-1, T.stride)
             for P in (gu, dn):
-                with open(P.ffn_path, "rb") as f:
-                    f.seek(P.offset[i])
-                    rows = np.frombuffer(f.read(P.region_bytes(i)), np.uint8).reshape(-1, P.stride)
+                rows = np.fromfile(P.ffn_path, np.uint8, count=P.region_bytes(i), offset=P.offset[i])
+                rows = rows.reshape(-1, P.stride)
                 for v in P.vectors:
                     a, b = L.geometry.offset(v), P.geometry.offset(v)
                     n = L.geometry.vector_bytes(v)
                     assert np.array_equal(rows[:, b:b + n], B[:, a:a + n])
+            assert np.array_equal(FlashCheckpoint(gated[dtype]).bundles(i), B)     # assembled: ffn.bin's bytes
         verify(gated[dtype], progress=False)
+
+
+def test_the_bundle_modes_read_the_parts_as_they_read_ffn_bin(gated, monkeypatch):
+    """--ffn oracle (bundles through the neuron cache) and dense on the split layout alone give the bits they give on
+    ffn.bin (PartsReader assembles the bundles), at every budget too."""
+    for ffn in ("oracle", "dense"):
+        want = greedy(load_runtime(gated["q8_0-bundles"], ffn)[0], IDS, 6)
+        got = greedy(load_runtime(gated["q8_0"], ffn)[0], IDS, 6)
+        assert got[0] == want[0] and np.array_equal(got[1], want[1]), ffn
+    stats = assert_same_bits_at_every_budget(gated["q8_0"], "oracle", IDS, 4, monkeypatch)
+    assert stats["minimum"].read_bytes > 0
 
 
 def test_a_flipped_byte_of_a_split_part_is_found(gated, tmp_path):

@@ -147,12 +147,17 @@ def test_split_down_rows_are_the_bundles_columns():
 @pytest.mark.parametrize("gap", [-1, 0, 5])
 def test_packed_bundles_read_into_their_rows(uniform_gated, engine, gap):
     """Bundles with down columns are packed (no padding to 512): the reader widens each op to 512-byte boundaries
-    and copies every bundle into its row: the rows are the file's bytes, whatever the coalescing."""
+    and copies every bundle into its row: the rows are the file's bytes, whatever the coalescing (ffn.bin: the same
+    GGUF converted with --ffn-layout bundles)."""
+    from storage.convert import convert
     from storage.format import BUNDLE_ALIGN, FlashCheckpoint
     from storage.reader import BundleReader, aligned_empty
-    ckpt = FlashCheckpoint(uniform_gated)
+    bundles = uniform_gated.parent / "bundles"
+    if not bundles.exists():
+        convert(uniform_gated.parent / "uniform.gguf", bundles, progress=False, ffn_layout="bundles")
+    ckpt = FlashCheckpoint(bundles)
     L = ckpt.layout
-    assert L.stride % BUNDLE_ALIGN and L.stride % 4 == 0 and L.align == 4
+    assert L.bundled and L.stride % BUNDLE_ALIGN and L.stride % 4 == 0 and L.align == 4
     rng = np.random.default_rng(gap + 10)
     with BundleReader(L, engine=engine, coalesce_gap=gap, max_read_bytes=7 * L.stride) as reader:
         for layer in range(L.n_layers):

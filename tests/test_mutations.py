@@ -56,7 +56,8 @@ def header_end(path: Path) -> int:
 
 # (what is copied, the file mutated in it, the FFN mode run, where mutations may land: None = anywhere)
 TARGETS = {
-    "ffn.bin": ("flash", "ffn.bin", "dense", None),
+    "gate_up.bin": ("flash", "gate_up.bin", "dense", None),      # a SiLU model: its FFN in the split parts
+    "down.bin": ("flash", "down.bin", "dense", None),
     "resident.safetensors": ("flash", "resident.safetensors", "dense", None),
     "manifest.json": ("flash", "manifest.json", "dense", None),
     "predictors/manifest.json": ("flash", "predictors/manifest.json", "predicted", None),

@@ -58,8 +58,14 @@ def tiny_gguf(tiny_model, tmp_path_factory):
 def bundles_of(flashdir, layer: int) -> np.ndarray:
     """The layer's bundles as stored, uint8 [n, stride], in original neuron order."""
     L = read_layout(flashdir)
-    raw = np.fromfile(L.ffn_path, np.uint8, count=L.region_bytes(layer), offset=L.offset[layer])
-    B = raw.reshape(L.n_neurons[layer], L.stride)
+    if L.bundled:
+        raw = np.fromfile(L.ffn_path, np.uint8, count=L.region_bytes(layer), offset=L.offset[layer])
+        B = raw.reshape(L.n_neurons[layer], L.stride)
+    else:       # the split parts alone (a SiLU model's default): each part's rows, put back where a bundle has them
+        B = np.zeros((L.n_neurons[layer], L.stride), np.uint8)
+        L.geometry_of(layer).assemble([(P.geometry_of(layer), np.fromfile(
+            P.ffn_path, np.uint8, count=P.region_bytes(layer), offset=P.offset[layer]).reshape(-1, P.stride))
+            for P in L.parts.values()], B)
     inv = np.empty_like(L.order[layer])
     inv[L.order[layer]] = np.arange(len(inv))
     return B[inv]
@@ -127,17 +133,15 @@ def test_gguf_blocks_are_copied_verbatim(tiny_gguf, tmp_path, kind):
 
 def test_default_model_keeps_its_blocks_and_size(smollm2_gguf, tmp_path):
     """SmolLM2's Q4_1 GGUF converted with the defaults: its gate/up blocks verbatim, its down kept exactly as
-    columns, and the FLASHDIR (bundles packed) at most 1.05x the GGUF."""
+    columns, and the FLASHDIR (the split parts, packed) at most 1.05x the GGUF."""
     out = convert(smollm2_gguf, tmp_path / "flash", progress=False)
     L = read_layout(out)
     assert (L.dtype, L.down_column(0)) == ("q4_1", "q4_1")
     assert_gguf_blocks_verbatim(smollm2_gguf, out, [0, L.n_layers - 1])
-    # the bundles (ffn.bin) and the resident file keep the GGUF's size; the exact gate's split files (gate_up.bin,
-    # down.bin) hold the same rows again, rearranged, so the directory is about 2x (a known cost: docs/FORMAT.md)
-    split = sum((out / L.files[p]).stat().st_size for p in ("gate_up", "down"))
-    size = disk_bytes(out) - split
+    # the FFN once: the split parts alone (no ffn.bin), and the resident file, keep the GGUF's size
+    assert not L.bundled and not (out / "ffn.bin").exists()
+    size = disk_bytes(out)
     assert size <= 1.05 * smollm2_gguf.stat().st_size, size / smollm2_gguf.stat().st_size
-    assert split <= 1.2 * (out / L.files["ffn"]).stat().st_size
     flash = FlashCheckpoint(out)
     assert resident_bytes_for(flash.config, half=True, kinds=flash.resident_kinds) + scale_table_bytes(L) == \
         resident_data_bytes(out)

@@ -448,3 +448,76 @@ def test_reads_land_whole_in_huge_page_rows(flashdirs, engine):
         r.read(0, [4, 1, 30], dest, [5, 0, 2])
         raw = np.fromfile(path / "ffn.bin", np.uint8)[L.offset[0]:].reshape(-1, L.stride)
         assert np.array_equal(dest[[5, 0, 2]], raw[[4, 1, 30]]) and (dest[[1, 3, 4]] == 0xA5).all()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# PartsReader: the bundles of a FLASHDIR that keeps them only in the split parts (format version 5, no ffn.bin)
+
+@pytest.fixture(scope="module")
+def parted(tmp_path_factory, flashdirs):
+    """The same random checkpoints written twice: as ffn.bin's bundles (flashdirs) and as the split parts alone. The
+    f32 one's parts are 512-aligned down rows and packed gate|up rows; the q4_1 one's (down columns) both packed."""
+    root = tmp_path_factory.mktemp("parts")
+    out = {}
+    for dt in ("f32", "int8", "q4_1"):
+        kw = {"d": 64} if dt == "q4_1" else {}
+        ckpt = write_random_flashdir(root / dt, dt, n=N, ffn_layout="parts", seed=7, **kw)
+        write_random_flashdir(root / f"{dt}-bundles", dt, n=N, seed=7, **kw)
+        out[dt] = (root / dt, root / f"{dt}-bundles", ckpt)
+    return out
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ids=id_sets, dtype=st.sampled_from(["f32", "int8", "q4_1"]), gap=st.sampled_from([-1, 0, 40]),
+       layer=st.integers(0, 1), seed=st.integers(0, 2**32 - 1))
+def test_parts_assemble_the_bundles_ffn_bin_would_hold(parted, ids, dtype, gap, layer, seed):
+    """Any bundle set read through the parts equals, byte for byte, the same bundles read from an ffn.bin written from
+    the same weights, and (f32) the source weights; rows nobody asked for are untouched."""
+    path, bundled, ckpt = parted[dtype]
+    rng = np.random.default_rng(seed)
+    ids = rng.permutation(ids)
+    with reader_mod.bundle_reader(read_layout(path), coalesce_gap=gap) as r, BundleReader(bundled) as b:
+        assert isinstance(r, reader_mod.PartsReader) and not r.layout.bundled and not (path / "ffn.bin").exists()
+        assert r.layout.stride == b.layout.stride
+        got = aligned_empty((len(ids) + 3, r.layout.stride), np.uint8)
+        want = aligned_empty(got.shape, np.uint8)
+        got[:] = want[:] = 0xA5
+        slots = rng.permutation(got.shape[0])[:len(ids)]
+        stats = r.read(layer, ids, got, slots)
+        b.read(layer, ids, want, slots)
+    assert np.array_equal(got, want)
+    parts = r.layout.parts.values()
+    assert stats.requested_bytes == len(ids) * sum(P.stride for P in parts)
+    if dtype == "f32":
+        vecs, _ = unpack_bundles(r.layout, got[slots])
+        assert np.array_equal(vecs, np.stack([bundle_vectors(ckpt, layer, i) for i in ids]))
+
+
+def test_a_stream_over_the_parts_reads_each_layer_whole(parted, engine):
+    """RowStream over a PartsReader: every layer's bundles, chunk after chunk, as ffn.bin's would be."""
+    for dt in ("f32", "q4_1"):
+        path, bundled, _ = parted[dt]
+        with reader_mod.PartsReader(path, engine=engine, depth=4, max_read_bytes=4096) as r, \
+                BundleReader(bundled) as b:
+            check_engine(r.parts[0][1], engine)
+            s = reader_mod.RowStream(r, 37, 2)
+            for layer in (1, 0):
+                got = np.concatenate([B.copy() for _, B, _, _ in s.chunks(layer)])
+                want = aligned_empty(got.shape, np.uint8)
+                b.read(layer, np.arange(got.shape[0]), want, np.arange(got.shape[0]))
+                assert np.array_equal(got, want), (dt, layer)
+
+
+def test_a_truncated_part_is_named(tmp_path, engine):
+    path = tmp_path / "f"
+    write_random_flashdir(path, "f32", n=N, ffn_layout="parts")
+    L = read_layout(path)
+    with reader_mod.PartsReader(L, engine=engine) as r:
+        check_engine(r.parts[0][1], engine)
+        D = L.parts["down"]
+        os.truncate(D.ffn_path, D.offset[1] + 10 * D.stride)
+        dest = aligned_empty((20, L.stride), np.uint8)
+        with pytest.raises(UserError, match=r"down\.bin.*short read.*layer 1"):
+            r.read(1, np.arange(5, 25), dest, np.arange(20))
+    with pytest.raises(UserError, match=r"down\.bin.*truncated"):
+        read_layout(path)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import STORIES
-from flashinfer_lite.budget import HEAP_SLACK_BYTES, plan_budget, plan_resident_ffn, resident_bytes_for
+from flashinfer_lite.budget import HEAP_SLACK_BYTES, down_scale_bytes, plan_budget, plan_resident_ffn, resident_bytes_for
 from flashinfer_lite.budget import stream_args
 from flashinfer_lite.runtime import minimum_bytes, model_facts
 from storage.convert import convert
@@ -30,7 +30,7 @@ def planner_minimum(flashdir: Path, ctx: int, ffn: str) -> int:
     runtime line left out (0), computed from the converted FLASHDIR as runtime.plan_dram / plan_resident do."""
     ckpt = FlashCheckpoint(flashdir)
     cfg, layout = ckpt.config, ckpt.layout
-    resident = resident_bytes_for(cfg, half=layout.dtype != "f32", kinds=ckpt.resident_kinds)
+    resident = resident_bytes_for(cfg, half=layout.dtype != "f32", kinds=ckpt.resident_kinds) + down_scale_bytes(layout)
     sparse = plan_budget(cfg, layout, 1 << 60, ctx, resident_bytes=resident, **stream_args(layout),
                          heap_slack_bytes=HEAP_SLACK_BYTES).minimum_bytes
     in_ram = plan_resident_ffn(cfg, layout, 1 << 60, ctx, resident, heap_slack_bytes=HEAP_SLACK_BYTES).minimum_bytes

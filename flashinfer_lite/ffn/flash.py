@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from storage.reader import BundleReader, RowStream
+from storage.reader import RowStream, bundle_reader
 from storage.stats import FlashStats
 
 from ..budget import staging_rows, stream_settings, stream_shape
@@ -49,7 +49,7 @@ class FlashFFN:
         self.bundle_of = layout.bundle_of    # selections speak original neuron ids, the cache bundle ids
         self.act_threshold = [predictors.act_threshold(i) if predictors is not None else 0.0
                               for i in range(cfg.n_layers)]
-        self.reader = BundleReader(layout, threads=threads)
+        self.reader = bundle_reader(layout, threads=threads)
         hot = None
         if predictors is not None and plan.hot_bytes:
             hot = plan.hot_neurons([predictors.neuron_freq(i)[layout.order[i]] for i in range(cfg.n_layers)])
