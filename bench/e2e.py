@@ -63,8 +63,6 @@ class Worker:
             self.buf = aligned_empty((max(L.n_neurons), L.stride), np.uint8)
             inner = self.dense = h.BundleFFN(L, self.stream, record=self.record if a.record else None)
         elif a.mode in ("dense-ram", "dense-mmap"):
-            if not L.bundled:
-                raise SystemExit("bench/e2e.py: the dense modes map ffn.bin; convert with --ffn-layout bundles")
             B = np.fromfile(L.ffn_path, np.uint8) if a.mode == "dense-ram" else np.memmap(L.ffn_path, np.uint8, "r")
             inner = self.dense = h.BundleFFN(L, lambda i: h.region(B, L, i), record=self.record if a.record else None)
         else:
@@ -290,8 +288,7 @@ def describe(path: Path, gguf: Path | None, tags: list[str], bw_seconds: float) 
     L = read_layout(path)
     tag = L.dtype if L.dtype not in tags else f"{L.dtype}#{len(tags)}"
     bw = flash_gbps(L.device_path, sorted({L.stride, 1 << 20}), bw_seconds)
-    return {"tag": tag, "path": str(path), "layout": L, "model_bytes": disk_bytes(Path(path)),
-            "ffn_bytes": sum(F.ffn_size for F in L.ffn_files),
+    return {"tag": tag, "path": str(path), "layout": L, "model_bytes": disk_bytes(Path(path)), "ffn_bytes": L.ffn_size,
             "resident_file_bytes": os.path.getsize(Path(path) / L.files["resident"]), "stride": L.stride,
             "config": L.config, "gguf": str(gguf) if gguf else None,
             "gguf_bytes": os.path.getsize(gguf) if gguf else None, "bw": bw,

@@ -109,8 +109,7 @@ def trained_flashdir(source, work: Path, dtype: str, corpus: list[Path], tokens:
     from predictors.collect import collect
     from predictors.train import train
     from storage.convert import convert
-    flash = convert(source, work / "quick.flash", dtype=dtype, force=True, progress=False,
-                    ffn_layout="bundles")      # the predictor's modes and the dense-mmap rows read ffn.bin
+    flash = convert(source, work / "quick.flash", dtype=dtype, force=True, progress=False, ffn_layout="bundles")
     acts = collect(source, corpus, tokens, work / "acts", force=True, progress=False, **collect_kw)
     train(acts, flash, progress=False, **train_kw)
     return Path(flash), Path(acts)

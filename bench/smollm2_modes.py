@@ -42,8 +42,7 @@ def load_mode(a):
         return (*h.load_model(a.model, "dense"), None)
     if a.worker == "dense-mmap":   # the runtime has no mmap dense mode: the bundles memmapped, every row computed
         def mmap_ffn(ck, weights):
-            if not ck.layout.bundled:
-                raise SystemExit("smollm2_modes: dense-mmap maps ffn.bin; convert with --ffn-layout bundles")
+            assert ck.layout.bundled, "smollm2_modes: dense-mmap maps ffn.bin; convert with --ffn-layout bundles"
             L, B = ck.layout, np.memmap(ck.layout.ffn_path, np.uint8, mode="r")
             return h.BundleFFN(L, lambda i: h.region(B, L, i),
                                [weights.get(f"layers.{i}.ffn.down.bias") for i in range(L.n_layers)])
