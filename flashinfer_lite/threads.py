@@ -10,8 +10,8 @@ run queue for the scheduler's next slice (EEVDF: ~1-3 ms) and every region waits
 200-440 ms per token on 2 threads beside one spinning process, 23-50 ms on 1 (2026-11-24, load 3-5). Which count is
 faster depends on what else runs, and that changes while we run, so it is measured, not guessed: the step times at
 the chosen count against a few steps at another, now and then, the probes spaced out exponentially while the choice
-holds. The run queue (the machine's runnable tasks besides this thread, /proc/loadavg's fourth field, read at each
-step's start; the pool's threads sleep between steps) says where to start: on the most threads it shows free cores
+holds. The run queue (the machine's runnable tasks besides this process's, /proc/loadavg's fourth field less our own
+threads in state R, read at each step's start) says where to start: on the most threads it shows free cores
 for, else on one, since on a busy machine a step on two threads costs many times more (SmolLM2 Q4_K_M in RAM: 7.2 ms
 on two threads idle, 10.3 on one, 30 on two beside a spinning process) and one lost step is cheap to find. A probe
 alternates its steps with the chosen count's and compares each with the one just before it, so a load that comes or
@@ -145,6 +145,7 @@ class StepThreads:
         self.fitting: int | None = None              # the count the run queue said fits, as of the last step
         self._schedstat: tuple[int, int] | None = None     # (native thread id, fd of its schedstat)
         self._loadavg: int | None = None                   # fd of /proc/loadavg (-1: none here)
+        self._tasks: dict[str, int] = {}                   # this process's threads: fd of each one's /proc stat
         self._deadline: float | None = None   # perf_counter() past which a probe step goes back to the chosen count
         self._compiling0 = 0.0                # compiling_seconds() at the step's start
         self._cut = False
@@ -182,8 +183,9 @@ class StepThreads:
         return int(os.pread(self._schedstat[1], 64, 0).split()[1])
 
     def _others_running(self) -> int | None:
-        """Runnable tasks on the machine besides this thread (Linux /proc/loadavg's fourth field counts this thread;
-        between steps the pool's other threads sleep), None elsewhere."""
+        """Runnable tasks on the machine besides this process's (Linux /proc/loadavg's fourth field, less this
+        process's threads in state R: the pool's threads spin ~1 ms after a parallel region, so after a prompt or a
+        step on two threads one of ours is still counted), None elsewhere."""
         if self._loadavg is None:
             try:
                 self._loadavg = os.open("/proc/loadavg", os.O_RDONLY)
@@ -191,7 +193,23 @@ class StepThreads:
                 self._loadavg = -1
         if self._loadavg < 0:
             return None
-        return max(0, int(os.pread(self._loadavg, 128, 0).split()[3].split(b"/")[0]) - 1)
+        others = int(os.pread(self._loadavg, 128, 0).split()[3].split(b"/")[0]) - 1
+        return max(0, others - self._ours_running()) if others > 0 else 0
+
+    def _ours_running(self) -> int:
+        """This process's threads in state R, this one aside (each one's /proc stat, its fd kept while it lives)."""
+        me, tids, n = str(threading.get_native_id()), set(os.listdir("/proc/self/task")), 0
+        for tid in self._tasks.keys() - tids:
+            os.close(self._tasks.pop(tid))
+        for tid in tids - {me}:
+            try:
+                if tid not in self._tasks:
+                    self._tasks[tid] = os.open(f"/proc/self/task/{tid}/stat", os.O_RDONLY)
+                stat = os.pread(self._tasks[tid], 512, 0)
+            except OSError:                            # the thread ended meanwhile
+                continue
+            n += stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] == b"R"
+        return n
 
     @property
     def current(self) -> int:
