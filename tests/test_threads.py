@@ -259,3 +259,27 @@ def test_a_session_can_keep_every_step_on_its_thread_count():
         assert st.steps == {2: 40}
     finally:
         numba.set_num_threads(before)
+
+
+@pytest.mark.skipif(not T.os.path.exists("/proc/self/task"), reason="Linux /proc")
+def test_the_run_queue_leaves_out_this_process_s_own_running_threads():
+    # a thread of ours that spins (as the pool's threads do after a parallel region) is ours, not another task
+    import threading
+    import time
+    st, stop = T.StepThreads(), threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            pass
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        seen = [st._ours_running() for _ in range(50) if not time.sleep(0.002)]
+        assert str(t.native_id) in st._tasks
+    finally:
+        stop.set()
+        t.join()
+    assert max(seen) >= 1                       # the spinning thread (state R)
+    assert str(threading.get_native_id()) not in st._tasks                    # never this one
+    st._ours_running()
+    assert str(t.native_id) not in st._tasks    # an ended thread's fd is closed
