@@ -281,5 +281,9 @@ def test_the_run_queue_leaves_out_this_process_s_own_running_threads():
         t.join()
     assert max(seen) >= 1                       # the spinning thread (state R)
     assert str(threading.get_native_id()) not in st._tasks                    # never this one
+    for _ in range(100):                        # join returns a moment before the kernel removes the thread
+        if str(t.native_id) not in T.os.listdir("/proc/self/task"):
+            break
+        time.sleep(0.01)
     st._ours_running()
     assert str(t.native_id) not in st._tasks    # an ended thread's fd is closed
