@@ -142,7 +142,7 @@ class StepThreads:
         self.switches = 0
         self.steps: Counter = Counter()              # decode steps run at each thread count
         self.queued: deque = deque(maxlen=HISTORY)   # share of each recent step this thread spent in the run queue
-        self.others: deque = deque(maxlen=HISTORY)   # other runnable tasks at each recent step's start
+        self.others: deque = deque(maxlen=HISTORY)   # others' runnable tasks at each recent step's start
         self.fitting: int | None = None              # the count the run queue said fits, as of the last step
         self._schedstat: tuple[int, int] | None = None     # (native thread id, fd of its schedstat)
         self._loadavg: int | None = None                   # fd of /proc/loadavg (-1: none here)
@@ -153,7 +153,7 @@ class StepThreads:
 
     def _start(self, others: int | None) -> None:
         """The counts to choose from, and the first: the most whose cores the run queue shows free (`others` runnable
-        tasks besides this thread at the first step; None, unknown: one thread)."""
+        tasks besides this process's at the first step; None, unknown: one thread)."""
         self.most = numba.get_num_threads()
         self.counts = sorted({self.most, max(1, self.most // 2), 1}) if self.choose else [self.most]
         self.recent = {c: deque(maxlen=HISTORY) for c in self.counts}
@@ -257,7 +257,7 @@ class StepThreads:
 
     def record(self, count: int, ms: float, cut: bool = False, others: int | None = None) -> None:
         """One decode step at `count` threads took `ms` (cut: a probe step sent back to the chosen count midway;
-        others: runnable tasks besides this thread at its start, None if unknown): keep it, and move the probe
+        others: runnable tasks besides this process's at its start, None if unknown): keep it, and move the probe
         schedule on."""
         self.steps[count] += 1
         if len(self.counts) < 2:
@@ -277,7 +277,7 @@ class StepThreads:
             if self.until_probe <= 0:
                 self._start_probe()
             return
-        self.probe_turn = False                       # the next step runs at the probed count
+        self.probe_turn = False                       # the next step runs at the chosen count
         self.probe.append(ms)
         self.votes[not cut and ms <= SWITCH_RATIO * base[-1]] += 1
         if max(self.votes) > PROBE_STEPS // 2:

@@ -9,7 +9,7 @@ from flashinfer_lite import threads as T
 
 def tuner(most=2, others=None, cores=2):
     """A StepThreads as its first step finds Numba at `most` threads (-t), `others` runnable tasks besides this
-    thread (None: unknown, as off Linux) on `cores` cores."""
+    process's (None: unknown, as off Linux) on `cores` cores."""
     st = T.StepThreads()
     st.cores = cores
     before = numba.get_num_threads()
@@ -40,7 +40,7 @@ def test_a_step_starts_on_the_threads_the_run_queue_has_cores_for_and_restores_t
 
 def run(st, ms_at, steps: int, others=None) -> list[int]:
     """`steps` decode steps, each taking ms_at[count] (or ms_at(step, count)), `others` runnable tasks besides this
-    thread at each step's start (or others(step)); the counts they ran at."""
+    process's at each step's start (or others(step)); the counts they ran at."""
     used = []
     for i in range(steps):
         c = st.current
