@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
 
+import numba
 import numpy as np
 from threadpoolctl import threadpool_limits
 
@@ -481,10 +482,10 @@ def build(files: ModelFiles, decision: Decision, threads: int | None = None, pro
         raise UserError(f"{files.path} has no gate thresholds yet: calibrate them first "
                         f"(python -m predictors.calibrate_gate {files.path})")
     if decision.source == "dram":
-        if files.flash_backed:
-            return resident_model(files.ckpt, progress), files.tokenizer, None
-        return Transformer(files.ckpt.config, load_weights(files.ckpt, progress, keep_blocks=True)), \
-            files.tokenizer, None
+        model = resident_model(files.ckpt, progress) if files.flash_backed else \
+            Transformer(files.ckpt.config, load_weights(files.ckpt, progress, keep_blocks=True))
+        warm_up(model)
+        return model, files.tokenizer, None
     ckpt, predictors, cfg = files.ckpt, files.predictors, files.ckpt.config
     if decision.ffn == "experts" or cfg.moe:     # a mixture of experts' gate: inside split expert chunks
         weights = load_weights(ckpt, progress, skip=lambda n: bool(_EXPERT.fullmatch(n)),
@@ -593,6 +594,20 @@ def load(path: str | None = None, dram_budget: int | str | None = "auto", ffn: s
             whose = f"{whose}; sparsity {files.gate.sparsity:g}, thresholds calibrated on {files.gate.calibration.get('text', '?')}"
         print(f"ffn: {decision.ffn} (--ffn auto, {f'{fit}; ' if fit else ''}{whose})", file=sys.stderr)
     return Model(transformer, runtime, ctx, (time.perf_counter() - t0) * 1e3), tokenizer
+
+
+def warm_up(model: Transformer) -> None:
+    """One decode step on a scratch cache at each thread count a step may run on (threads.StepThreads), as llama.cpp
+    warms up at load: the decode's kernels load from Numba's cache here, in the load time, not in the first token's
+    (45-60 ms of a 7-10 ms step for SmolLM2's Q4_K_M, 2026-11-24: it set decode's P99). Every weight in DRAM only: a
+    flash runtime's step would read weights, and count them."""
+    n = numba.get_num_threads()
+    try:
+        for t in sorted({1, max(1, n // 2), n}):
+            numba.set_num_threads(t)
+            model.forward([model.cfg.bos_id or 0], model.new_cache(1))
+    finally:
+        numba.set_num_threads(n)
 
 
 def context_size(ctx: int, cfg: ModelConfig) -> int:
