@@ -81,6 +81,8 @@ _U = np.uint64
 # out_blocks), 12 KiB of sums that stay in L1 while each needed down piece is decoded once for all the rows
 DOWN_TILE_ROWS = 16
 DOWN_TILE_OUTPUTS = 192
+# A task of quant_ffn_accumulate (one row): at most this many outputs
+DOWN_SPAN_OUTPUTS = 1024
 
 
 @njit(cache=True, parallel=True, nogil=True)
@@ -338,8 +340,11 @@ class QuantSparseFFN(SparseFFN):
 
     def _accumulate(self, W, F, slots, coef, Y) -> None:
         self._rows_of_d(Y)
+        # tasks of whole out_blocks, as long as two per thread allow (up to DOWN_SPAN_OUTPUTS): each reads longer
+        # pieces of every down row, in fewer passes over the set; an element's sum runs in slot order whatever the span
+        blocks = max(1, min(DOWN_SPAN_OUTPUTS // self.out_block, self.d // (self.out_block * 2 * numba_threads())))
         quant_ffn_accumulate(W, F, slots, coef, Y, self.down_at, self.down_kind.code, self.down_kind.weights,
-                             self.down_kind.block_bytes, self.out_block, self.s_neuron, self.S)
+                             self.down_kind.block_bytes, self.out_block * blocks, self.s_neuron, self.S)
 
     def _dense_geometry(self) -> tuple[int, int]:
         return dense_geometry(self.geometry)
