@@ -171,8 +171,8 @@ def resident_bytes_for(cfg: ModelConfig, half: bool = False, kinds: dict[str, st
 def read_staging_bytes(layout, rows: int, gap_bytes: int | None = None) -> int:
     """The reader's staging buffers for a request of up to `rows` bundles of a layer (storage.reader), at most.
     Bundles in the split parts (PartsReader): each part's rows, and that part's own staging. Packed bundles (a stride
-    that is not a multiple of 512): each op's span widened to 512-byte boundaries on both sides; 0 when not packed. The ops' spans do not overlap and lie in the layer, so they hold at most the layer plus 1 KiB
-    an op; ops: one per bundle at worst, but the reader merges bundles at most gap_rows apart (its coalescing gap;
+    that is not a multiple of 512): each op's span widened to 512-byte boundaries on both sides; 0 when not packed.
+    The ops' spans do not overlap and lie in the layer, so they hold at most the layer plus 1 KiB an op; ops: one per bundle at worst, but the reader merges bundles at most gap_rows apart (its coalescing gap;
     < 0: none), so runs start more than gap_rows + 1 bundles apart, and a run is split every MAX_READ_BYTES. (Every
     bundle of a request an op counted 2 MiB against 0.5 with the 56-row gap on the default model.) Streams read into
     their own buffers, unstaged (stream_transient_bytes). gap_bytes: the reader's coalescing gap (reader_gap_bytes)."""

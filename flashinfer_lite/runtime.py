@@ -34,7 +34,7 @@ from storage.checkpoint import open_checkpoint
 from storage.convert import DEFAULT_DTYPE, layout_for, resident_kinds, resident_names
 from storage.config import EXACT_GATE_ACTS, ModelConfig
 from storage.errors import UserError, run_child
-from storage.format import SPLIT_PARTS, FlashCheckpoint, FlashLayout, is_flashdir, verify_at_load
+from storage.format import FlashCheckpoint, FlashLayout, is_flashdir, verify_at_load
 from storage.gate_file import DEFAULT_SPARSITY, SPARSITIES, GateCalibration, read_gate_file, write_gate_file
 from storage.half import half_matrix
 from storage.sizes import parse_size
@@ -56,7 +56,7 @@ from .model import FeedForward, Transformer
 from .predictor_set import describe_calibration, load_expert_freq, load_predictors, read_manifest
 from .process import keep_freed_arrays_out_of_rss, return_freed_heap
 from .quant import set_act8
-from .threads import set_threads
+from .threads import set_threads, step_counts
 
 # auto: a gated (SiLU, GELU) model with the split layout: gate at every budget; a mixture of experts: experts from
 # flash; else dense when the model fits, else predicted
@@ -183,9 +183,8 @@ def minimum_bytes(cfg: ModelConfig, layout, kinds: dict, ffn: str, ctx: int, run
         return plan_experts(cfg, layout.experts, None, ctx, resident_bytes_of(cfg, layout, kinds), runtime_bytes,
                             pin=False).minimum_bytes if ffn in ("auto", "experts") else 0
     candidates = []
-    if ffn in ("auto", "gate") and layout.glu and cfg.act in EXACT_GATE_ACTS:
-        parts = layout.parts or {name: layout.make_part(name) for name in SPLIT_PARTS}   # converted before the split layout
-        candidates.append(plan_gate(cfg, layout, 1 << 60, ctx, 5, DEFAULT_SPARSITY, layers=0, parts=parts,
+    if ffn in ("auto", "gate") and layout.parts and cfg.act in EXACT_GATE_ACTS:     # decide_gate's condition
+        candidates.append(plan_gate(cfg, layout, 1 << 60, ctx, 5, DEFAULT_SPARSITY, layers=0,
                                     resident_bytes=resident_bytes_of(cfg, layout, kinds), runtime_bytes=runtime_bytes,
                                     **stream_args(layout),
                                     heap_slack_bytes=HEAP_SLACK_BYTES).minimum_bytes)
@@ -603,7 +602,7 @@ def warm_up(model: Transformer) -> None:
     flash runtime's step would read weights, and count them."""
     n = numba.get_num_threads()
     try:
-        for t in sorted({1, max(1, n // 2), n}):
+        for t in step_counts(n):
             numba.set_num_threads(t)
             model.forward([model.cfg.bos_id or 0], model.new_cache(1))
     finally:

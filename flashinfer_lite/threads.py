@@ -52,6 +52,11 @@ SWITCH_RATIO = 0.95    # a probe step votes for its count when it takes at most 
 HISTORY = 8            # recent steps per count, for their median
 RUN_QUEUE_SHARE = 0.2  # no probe of more threads while this thread waited in the run queue for this share of its steps
 
+def step_counts(most: int) -> list[int]:
+    """The thread counts a decode step may run on when at most `most` are allowed: 1, most // 2 and most."""
+    return sorted({most, max(1, most // 2), 1})
+
+
 @contextmanager
 def beside_reads(engine: str):
     """Numba's thread count while a reader's requests are in flight. The thread engine's reader threads issue and
@@ -155,7 +160,7 @@ class StepThreads:
         """The counts to choose from, and the first: the most whose cores the run queue shows free (`others` runnable
         tasks besides this process's at the first step; None, unknown: one thread)."""
         self.most = numba.get_num_threads()
-        self.counts = sorted({self.most, max(1, self.most // 2), 1}) if self.choose else [self.most]
+        self.counts = step_counts(self.most) if self.choose else [self.most]
         self.recent = {c: deque(maxlen=HISTORY) for c in self.counts}
         if others is not None:
             self.others.append(others)

@@ -35,7 +35,7 @@ from .experts import EXPERT_DTYPES, MATRICES, ExpertLayout, expert_tensor_name
 from .files import is_scratch, remove_stale_temp_dirs, temp_path
 from . import columns
 from .blocks import QUANTIZABLE, fits, quantize, row_bytes
-from .format import (DTYPES, MANIFEST, QUANT_DTYPES, PREDICTOR_DIR, SPLIT_PARTS, FlashLayout, expert_checksum, file_checksum,
+from .format import (DTYPES, MANIFEST, QUANT_DTYPES, PREDICTOR_DIR, FlashLayout, expert_checksum, file_checksum,
                      ffn_tensor_names, pack_bundles, read_layout, scale_table_name, write_manifest,
                      write_verified_stamp)
 from .safetensors_out import SafetensorsWriter
@@ -341,31 +341,6 @@ def resident_quant(layout: FlashLayout) -> str | None:
     if not layout.quantized:
         return None
     return layout.dtype if layout.dtype in QUANTIZABLE else DOWN_REQUANT
-
-
-def write_split(layout: FlashLayout, dest: Path) -> None:
-    """The split layout's files (SPLIT_PARTS: gate|up rows, down rows; ffn.gate reads them), cut from the bundles
-    just written to ffn.bin: the same bytes in the same bundle order, one layer in memory at a time."""
-    parts = {name: layout.make_part(name) for name in SPLIT_PARTS}
-    with open(dest / layout.files["ffn"], "rb") as src:
-        for name, P in parts.items():
-            P.checksum = []
-            with open(dest / P.files["ffn"], "wb") as f:
-                for i in range(layout.n_layers):
-                    B = np.empty((layout.n_neurons[i], layout.stride), np.uint8)
-                    if os.preadv(src.fileno(), [B], layout.offset[i]) != B.nbytes:
-                        raise UserError(f"{src.name}: short read of layer {i} while writing the split layout")
-                    rows = layout.geometry_of(i).extract(B, P.geometry_of(i))
-                    f.write(b"\0" * (P.offset[i] - f.tell()))
-                    h = P.layer_checksum(i)
-                    h.update(rows)
-                    P.checksum.append(h.hexdigest())
-                    f.write(rows)
-                f.write(b"\0" * (P.ffn_size - f.tell()))
-                f.flush()
-                os.fsync(f.fileno())
-    layout.parts = parts
-    layout.files.update({name: P.files["ffn"] for name, P in parts.items()})
 
 
 def resident_names(ckpt, layout: FlashLayout) -> list[str]:

@@ -36,7 +36,7 @@ from storage.sizes import human, parse_size  # noqa: F401  (re-exported for benc
 from .cache import cache_dir
 from .profile import DEFAULT_DEPTH, DEFAULT_THREADS, device_key, save_profile
 from . import uring
-from .reader import BundleReader, RowStream, aligned_empty, busy_seconds
+from .reader import BundleReader, RowStream, aligned_empty, in_flight_seconds
 
 STREAM_CHUNKS = (1 << 20, 2 << 20, 4 << 20, 8 << 20)   # a stream's chunk sizes and chunks in flight measured
 STREAM_DEPTHS = (1, 2, 4, 8)
@@ -115,7 +115,7 @@ def measure(reader: BundleReader, n_bundles: int, batch: int, seconds: float, rn
     stride = reader.layout.stride
     dests = [aligned_empty((batch, stride), np.uint8, huge=huge) for _ in range(in_flight)]
     tot = {"requested_bytes": 0, "read_bytes": 0, "n_reads": 0}
-    pending, started, landed = collections.deque(), [], []
+    pending, landed = collections.deque(), []
     calls = 0
     t0 = time.perf_counter()
     while True:
@@ -129,12 +129,10 @@ def measure(reader: BundleReader, n_bundles: int, batch: int, seconds: float, rn
             st = p.wait()
             for k in tot:
                 tot[k] += getattr(st, k)
-            started.append(p.started)
-            landed.append(p.landed)
+            landed.append(p)
         if done:
-            s, t = np.concatenate(started), np.concatenate(landed)
-            return {**tot, "calls": calls, "seconds": time.perf_counter() - t0, "busy_s": busy_seconds(s, t),
-                    "op_s": float((t - s).sum())}
+            busy, summed = in_flight_seconds(landed)
+            return {**tot, "calls": calls, "seconds": time.perf_counter() - t0, "busy_s": busy, "op_s": summed}
 
 
 def bench_streams(path: Path, size: int, seconds: float, chunks=STREAM_CHUNKS,

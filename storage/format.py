@@ -44,7 +44,7 @@ FORMAT_NAME = "flashinfer-lite-flash"
 FORMAT_VERSION = 2                # written when version 1 cannot say it: per-matrix or per-layer types, 5-bit, K-quants
 COLUMNS_VERSION = 3               # written when the down vectors are columns (storage.columns: a GGUF's down kept exactly)
 SPLIT_EXPERTS_VERSION = 4         # written when the expert chunks are split (storage.experts: heads, then down columns)
-PARTS_VERSION = 5                 # written when the bundles live only in the split parts (no ffn.bin: FlashLayout.bundled)
+PARTS_VERSION = 5                 # written when only the split parts hold the bundles (FlashLayout.bundled False)
 READ_VERSIONS = (1, 2, 3, 4, 5)
 V1_DTYPES = ("f32", "f16", "int8", "q8_0", "q4_0", "q4_1")   # what a version 1 manifest can name
 MANIFEST = "manifest.json"
@@ -548,7 +548,7 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
         raise UserError(f"{src}: unknown dtype {dtype!r} (this build reads {', '.join(BUNDLE_DTYPES)})")
     if m.get("checksum_algo") not in (CHECKSUM_ALGO, UNBOUND_CHECKSUM_ALGO):
         raise UserError(f"{src}: unknown checksum algorithm {m.get('checksum_algo')!r}")
-    for key in ("ffn", "resident", "tokenizer")[m["version"] == PARTS_VERSION:]:
+    for key in ("resident", "tokenizer") if m["version"] == PARTS_VERSION else ("ffn", "resident", "tokenizer"):
         if key not in files:
             raise UserError(f"{src}: manifest names no {key} file")
         inside(flashdir, files[key], f"{src}: {key} file")
@@ -1068,8 +1068,8 @@ class FlashCheckpoint:
         return kind, a.copy()     # its own memory: the chunk buffer is replaced by the next expert's
 
     def bundle_chunks(self, layer: int, rows: int):
-        """Yield (first bundle, bundles uint8 [m, stride]) of layer `layer`, `rows` at a time in bundle order, as ffn.bin
-        holds them (a layout without ffn.bin: assembled from the split parts). Each region's checksum is checked over
+        """Yield (first bundle, bundles uint8 [m, stride]) of layer `layer`, `rows` at a time in bundle order, as
+        ffn.bin holds them (a layout without ffn.bin: assembled from the split parts). Each region's checksum is checked over
         the bytes read, after the last chunk: a caller that keeps what it computed only once the loop ends never uses
         damaged weights."""
         L = self.layout

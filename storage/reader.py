@@ -171,12 +171,7 @@ class BundleReader:
         stride = L.stride
         if not 0 <= layer < L.n_layers:
             raise ValueError(f"layer {layer} out of range 0..{L.n_layers - 1}")
-        ids = np.asarray(bundle_ids, dtype=np.int64).ravel()
-        slots = np.asarray(slots, dtype=np.int64).ravel()
-        if ids.shape != slots.shape:
-            raise ValueError(f"{ids.size} bundle ids but {slots.size} slots")
-        if dest.dtype != np.uint8 or dest.ndim != 2 or dest.shape[1] != stride or not dest.flags.c_contiguous:
-            raise ValueError(f"dest must be C-contiguous uint8 [slots, {stride}], got {dest.dtype} {dest.shape}")
+        ids, slots = request_rows(bundle_ids, slots, dest, stride)
         if dest.ctypes.data % BUNDLE_ALIGN:
             raise ValueError("dest must start on a 512-byte boundary (allocate it with storage.reader.aligned_empty)")
         if ids.size == 0:
@@ -305,6 +300,18 @@ class BundleReader:
                          f"bytes; the file is truncated or damaged")
 
 
+def request_rows(bundle_ids, slots, dest: np.ndarray, stride: int) -> tuple[np.ndarray, np.ndarray]:
+    """A request's bundle ids and destination rows as int64 vectors, checked against each other and dest (C-contiguous
+    uint8 [rows, stride])."""
+    ids = np.asarray(bundle_ids, dtype=np.int64).ravel()
+    slots = np.asarray(slots, dtype=np.int64).ravel()
+    if ids.shape != slots.shape:
+        raise ValueError(f"{ids.size} bundle ids but {slots.size} slots")
+    if dest.dtype != np.uint8 or dest.ndim != 2 or dest.shape[1] != stride or not dest.flags.c_contiguous:
+        raise ValueError(f"dest must be C-contiguous uint8 [slots, {stride}], got {dest.dtype} {dest.shape}")
+    return ids, slots
+
+
 def busy_seconds(started: np.ndarray, landed: np.ndarray) -> float:
     """The time at least one of these reads was in flight: the length of the union of [started[i], landed[i]]."""
     if not len(started):
@@ -316,11 +323,19 @@ def busy_seconds(started: np.ndarray, landed: np.ndarray) -> float:
     return float((reach[np.r_[new[1:] - 1, len(s) - 1]] - s[new]).sum())
 
 
+def in_flight_seconds(reads) -> tuple[float, float]:
+    """(busy, summed) of landed reads (PendingRead-s): the time at least one of their ops was in flight
+    (busy_seconds), and the ops' times in flight added up (over busy: the mean in flight)."""
+    s = np.concatenate([p.started for p in reads])
+    t = np.concatenate([p.landed for p in reads])
+    return busy_seconds(s, t), float((t - s).sum())
+
+
 class PartsReader:
     """BundleReader's interface over a layout whose bundles live only in the split parts (FlashLayout.bundled False:
     gate_up.bin and down.bin, no ffn.bin): each request reads its bundles' rows from both parts, then assembles whole
     bundles into the caller's rows (BundleGeometry.assemble), so the neuron cache and the bundle kernels see ffn.bin's
-    rows. A bundle costs two reads instead of one, and its staging rows (parts_staging_bytes) until wait(). Why no
+    rows. A bundle costs two reads instead of one, and its staging rows (budget.read_staging_bytes) until wait(). Why no
     ffn.bin: it would hold the FFN a second time (#27: a Q4_K_M FLASHDIR 1.57x its GGUF with both), and on a SwiGLU
     model, where these modes read nearly every neuron anyway, the exact gate reads the parts."""
 
@@ -347,13 +362,7 @@ class PartsReader:
 
     def submit(self, layer: int, bundle_ids, dest: np.ndarray, slots) -> "AssembledRead":
         """BundleReader.submit: bundle_ids[j] of `layer` into dest[slots[j]] once wait() returns."""
-        stride = self.layout.stride
-        if dest.dtype != np.uint8 or dest.ndim != 2 or dest.shape[1] != stride or not dest.flags.c_contiguous:
-            raise ValueError(f"dest must be C-contiguous uint8 [slots, {stride}], got {dest.dtype} {dest.shape}")
-        ids = np.asarray(bundle_ids, dtype=np.int64).ravel()
-        slots = np.asarray(slots, dtype=np.int64).ravel()
-        if ids.shape != slots.shape:
-            raise ValueError(f"{ids.size} bundle ids but {slots.size} slots")
+        ids, slots = request_rows(bundle_ids, slots, dest, self.layout.stride)
         if ids.size and (slots.min() < 0 or slots.max() >= dest.shape[0]):
             raise ValueError(f"slots must be in 0..{dest.shape[0] - 1}")
         rows = np.arange(ids.size)

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from conftest import STORIES
-from flashinfer_lite.budget import HEAP_SLACK_BYTES, down_scale_bytes, plan_budget, plan_resident_ffn, resident_bytes_for
+from flashinfer_lite.budget import (HEAP_SLACK_BYTES, down_scale_bytes, plan_budget, plan_resident_ffn,
+                                    resident_bytes_for)
 from flashinfer_lite.budget import stream_args
 from flashinfer_lite.runtime import minimum_bytes, model_facts
 from storage.convert import convert

@@ -26,7 +26,7 @@ import numpy as np
 from storage.blocks import BLOCK_BYTES
 from storage.config import EXACT_GATE_ACTS, ModelConfig
 from storage.format import expert_chunks, expert_parts
-from storage.reader import BundleReader, aligned_empty, busy_seconds
+from storage.reader import BundleReader, aligned_empty, in_flight_seconds
 from storage.stats import FlashStats
 
 from ..model import ExpertBatch, FeedForward, MixtureOfExperts
@@ -135,11 +135,10 @@ class ExpertCache:
 
     def _busy(self, reads: list) -> None:
         """The time these landed reads were in flight (read_busy_s), their bytes and their summed times in flight."""
-        s = np.concatenate([p.started for p in reads])
-        t = np.concatenate([p.landed for p in reads])
-        self.stats.read_busy_s += busy_seconds(s, t)
+        busy, summed = in_flight_seconds(reads)
+        self.stats.read_busy_s += busy
         self.stats.read_busy_bytes += sum(p.stats.read_bytes for p in reads)
-        self.stats.read_op_s += float((t - s).sum())
+        self.stats.read_op_s += summed
 
     def prefetch(self, layer: int, ids) -> None:
         """Start reading the experts of a guess (the next layer's router applied early) into slots of LRU experts; the
@@ -169,7 +168,7 @@ class ExpertCache:
             if e in lru:
                 lru.move_to_end(e)
         waiting = set(ids)                        # not yet computed: their slots must stay
-        inflight, started = collections.deque(), []
+        inflight, submitted = collections.deque(), []
 
         def refill():
             while misses and (self.overlap or not inflight):
@@ -177,7 +176,7 @@ class ExpertCache:
                 if pending is None:
                     break
                 inflight.append((misses.popleft(), pending))
-                started.append(pending)
+                submitted.append(pending)
 
         def landed():
             """The first read in flight, waited for, and every other one already done (one batch)."""
@@ -199,8 +198,8 @@ class ExpertCache:
             yield self.batch(layer, got)          # computed now: its slots may take the next misses
             waiting.difference_update(got)
             refill()
-        if started:
-            self._busy(started)
+        if submitted:
+            self._busy(submitted)
         if hits and not self.overlap:             # without overlap: the hits after the reads
             yield self.batch(layer, hits)
         assert not misses, "an expert cache needs at least one slot per layer"
