@@ -307,7 +307,7 @@ def disk_stat(path) -> tuple[int, int] | None:
 def reads_mark(stats, flashdir) -> dict:
     """The expert cache's read counters (storage.stats.FlashStats) and the disk's busy time now, for expert_reads."""
     return {"busy_s": stats.read_busy_s, "bytes": stats.read_busy_bytes, "op_s": stats.read_op_s,
-            "disk": disk_stat(flashdir), "flashdir": flashdir}
+            "touch_s": stats.first_touch_s, "tokens": stats.tokens, "disk": disk_stat(flashdir), "flashdir": flashdir}
 
 
 def expert_reads(stats, mark: dict) -> dict:
@@ -315,14 +315,17 @@ def expert_reads(stats, mark: dict) -> dict:
     in flight (read_busy_s: per layer call, the union of its reads' intervals from submission to the kernel to the
     completion's stamp) and expert_reads_in_flight, the mean in flight over that time. Beside it the same bytes over
     the disk's own busy time (sysfs io_ticks): a lower bound, as every process's requests count (disk_read_share says
-    what share of the disk's bytes read were these)."""
+    what share of the disk's bytes read were these). first_touch_ms_per_token: the time slots used for the first time
+    took to fault their pages in (not in the reads' time)."""
     busy, nbytes = stats.read_busy_s - mark["busy_s"], stats.read_busy_bytes - mark["bytes"]
     if busy <= 0:
         return {}
     disk = disk_rates(nbytes, mark["disk"], disk_stat(mark["flashdir"]))
     return {"expert_read_MBps": round(nbytes / busy / 1e6, 1),
             "expert_reads_in_flight": round((stats.read_op_s - mark["op_s"]) / busy, 2),
-            "expert_read_MBps_disk_busy": disk["disk_MBps"], "disk_read_share": disk["disk_read_share"]}
+            "expert_read_MBps_disk_busy": disk["disk_MBps"], "disk_read_share": disk["disk_read_share"],
+            "first_touch_ms_per_token": round(1e3 * (stats.first_touch_s - mark["touch_s"])
+                                              / max(stats.tokens - mark["tokens"], 1), 2)}
 
 
 def disk_rates(nbytes: int, then, now) -> dict:
