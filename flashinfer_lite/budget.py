@@ -29,17 +29,18 @@ from pathlib import Path
 import numpy as np
 
 from storage import columns
-from storage.format import BUNDLE_ALIGN, read_layout
+from storage.format import BUNDLE_ALIGN, expert_parts, read_layout
 from storage.profile import DEFAULT_GAP_BYTES, StreamSettings, reader_defaults, stream_defaults
 from storage.reader import MAX_READ_BYTES, aligned_empty, bundle_reader, parts_span_bytes
 
 from storage.errors import UserError
+from .ffn.experts import expert_ffn, stacks
 from .ffn.quant import DENSE_ROW_KERNEL_MAX_T, dense_row_bytes, sparse_ffn
-from .ffn.split import SplitRows
+from .ffn.split import SplitKernels, SplitRows
 from .kernels.attention import attention_rows
 from .kernels.gemv import MATMUL_ROW_KERNEL_MAX_T, WIDEN_BLOCK_BYTES, matmul_t
 from .kernels.norm import add_rms_norm_rows, rms_norm_rows
-from .model import ATTENTION_TILE_ROWS, PREFILL_CHUNK_ROWS, KVCache, ModelConfig
+from .model import ATTENTION_TILE_ROWS, PREFILL_CHUNK_ROWS, ExpertBatch, KVCache, MixtureOfExperts, ModelConfig
 from .neuron_cache import MAP_BYTES_PER_NEURON, NeuronCache, select_hot
 from .process import cgroup_room, rss_bytes
 from .quant import BLOCK, QuantMatrix, quant_matmul_t, quantize, row_bytes
@@ -54,10 +55,6 @@ MATRIX_SLACK_BYTES = 4096
 # arrays come from the heap, which does not shrink back): generate's peak RSS over the rest of the plan measured
 # 3.5 MiB at most after a short prompt on the 2-layer 8192-neuron model of tests/test_dram_budget.py.
 HEAP_SLACK_BYTES = 4 << 20
-# A mixture of experts' first run on an installation (no compiled_stamp yet): its kernels compile in the run's own
-# process (no child compiles them first) and the compiler's memory stays there. Measured: a tiny float16 MoE's first
-# run (tests/test_moe_bigger_than_ram.py's model) peaked 43 MiB above its second, 2026-11-24.
-MOE_COMPILE_BYTES = 48 << 20
 # The window's per-layer reservation in the minimum budget. Any size gives the same output; a piece is one batched
 # read and one kernel pass, so this many rows keep reads large enough to coalesce and the per-piece overhead small
 # (SmolLM2: 256 of 1536 neurons, ~0.9 MiB per layer; a 7B layer of 11008: 6 MiB per layer).
@@ -436,6 +433,8 @@ def compile_steps(layout, source: str | None = None) -> list:
     """compile_kernels' work in pieces that compile_in_child can give one child process each (the compiler's memory
     grows with what one process compiles). source "gate": only what ffn.gate.GateFFN's runs use (not the bundle FFN's
     nor the in-RAM FFN's kernels: loaded, they would add 7.6 MiB to SmolLM2's runtime line); None: every kernel."""
+    if layout.experts is not None:
+        return [*expert_steps(layout), *resident_steps(layout)]
     k = min(2, layout.n_neurons[0])
     x = np.zeros(layout.d, np.float32)
 
@@ -464,8 +463,30 @@ def compile_steps(layout, source: str | None = None) -> list:
         for T in (1, DENSE_ROW_KERNEL_MAX_T + 1):
             kernel.dense(layer, np.zeros((T, layout.d), np.float32), np.zeros((T, layout.d), np.float32))
 
+    def gate():                 # ffn.gate.GateFFN: coefficients over gate|up rows, the down sum over down rows
+        gu, dn = layout.parts["gate_up"], layout.parts["down"]
+        rows = SplitRows(gu.geometry_of(0), dn.geometry_of(0), layout.config.get("act", "silu"),
+                         layout.config.get("relu_threshold"), scales and scales[0], gu.quantized)   # layer 0's
+        for T in (1, 2):        # a decoded token; a prompt's rows (the down sum's tiles: another kernel)
+            X, coef = np.zeros((T, layout.d), np.float32), np.zeros((T, k), np.float32)
+            rows.coefficients(np.zeros((k, gu.stride), np.uint8), X, coef, 0.0)
+            rows.accumulate(aligned_empty((k, dn.stride), np.uint8), np.arange(k, dtype=np.int32), coef,
+                            np.zeros_like(X))
+
+    steps = [neuron_cache, *([sparse, dense] if layout.quantized else [sparse]), *([gate] if layout.parts else [])]
+    if source == "gate":
+        steps = [step for step in steps if step not in (sparse, dense)]
+    return [*steps, *resident_steps(layout)]
+
+
+def resident_steps(layout) -> list:
+    """compile_steps of what every run has: attention and the norms, and the resident matrices' kernels, float16 (and,
+    in a quantized FLASHDIR, the blocks' too: one compiled function serves every kind): decode (row kernel, serial
+    and parallel), prefill (widened blocks), the embedding lookup."""
+    d = layout.d if layout.d % BLOCK == 0 else BLOCK
+
     def attention():
-        X = np.zeros((1, layout.d), np.float32)
+        x, X = np.zeros(layout.d, np.float32), np.zeros((1, layout.d), np.float32)
         rms_norm_rows(X, x, 1e-5, np.empty_like(X))
         add_rms_norm_rows(X, X.copy(), x, 1e-5, np.empty_like(X))
         qkv, cache_bits = np.zeros((1, 1, 2), np.float32), np.zeros((1, 1, 2), np.uint16)
@@ -473,10 +494,6 @@ def compile_steps(layout, source: str | None = None) -> list:
             cos = np.zeros((2, 1, half), np.float32)[:1, 0]
             attention_rows(qkv.copy(), qkv.copy(), qkv.copy(), cos, cos, cache_bits, cache_bits, 0, 0,
                            np.float32(1.0), np.empty_like(qkv))
-
-    # the resident matrices' kernels, float16 (and, in a quantized FLASHDIR, the blocks' too: one compiled function
-    # serves every kind): decode (row kernel, serial and parallel), prefill (widened blocks), the embedding lookup
-    d = layout.d if layout.d % BLOCK == 0 else BLOCK
 
     def half_matrices():
         w16 = np.zeros((2, d), np.float16)
@@ -491,26 +508,47 @@ def compile_steps(layout, source: str | None = None) -> list:
         quant_matmul_t(np.zeros((1, d), np.float32), wq, "q8_0")
         QuantMatrix.of(("q8_0", wq))[np.zeros(1, np.int64)]
 
-    def gate():                 # ffn.gate.GateFFN: coefficients over gate|up rows, the down sum over down rows
-        gu, dn = layout.parts["gate_up"], layout.parts["down"]
-        rows = SplitRows(gu.geometry_of(0), dn.geometry_of(0), layout.config.get("act", "silu"),
-                         layout.config.get("relu_threshold"), scales and scales[0], gu.quantized)   # layer 0's
-        for T in (1, 2):        # a decoded token; a prompt's rows (the down sum's tiles: another kernel)
-            X, coef = np.zeros((T, layout.d), np.float32), np.zeros((T, k), np.float32)
-            rows.coefficients(np.zeros((k, gu.stride), np.uint8), X, coef, 0.0)
-            rows.accumulate(aligned_empty((k, dn.stride), np.uint8), np.arange(k, dtype=np.int32), coef,
-                            np.zeros_like(X))
+    # float32 resident matrices stay float32 (runtime.load_runtime): BLAS, no kernel
+    return [attention, *([half_matrices] if layout.dtype != "f32" else []),
+            *([block_matrices] if layout.quantized else [])]
 
-    steps = [neuron_cache, sparse, attention]
-    if layout.parts:
-        steps.append(gate)
-    if layout.dtype != "f32":   # float32 resident matrices stay float32 (runtime.load_runtime): BLAS, no kernel
-        steps.append(half_matrices)
-    if layout.quantized:
-        steps += [dense, block_matrices]
-    if source == "gate":
-        steps = [step for step in steps if step not in (sparse, dense)]
-    return steps
+
+def expert_steps(layout) -> list:
+    """compile_steps of a mixture of experts (ffn.experts.ExpertFFN): model.MixtureOfExperts over one zeroed chunk,
+    for a decoded token and a prompt's rows; split chunks through the exact gate's kernels (ffn.split.SplitKernels)."""
+    E, cfg = layout.experts, ModelConfig.from_dict(layout.config)
+    chunk = aligned_empty((1, E.chunk), np.uint8)
+    chunk[:] = 0
+
+    def gated(x):               # ExpertCache.gated's kernels: every coefficient, then the down sum of two neurons
+        parts = expert_parts(layout)
+        kernels = SplitKernels(parts["gate_up"], parts["down"], cfg.act, cfg.relu_threshold)
+        coef, y = np.zeros((x.shape[0], E.n), np.float32), np.zeros_like(x)
+        kernels.coefficients(E.heads(chunk[0]), x, coef, 0.0, 0)
+        kernels.accumulate(E.columns(chunk[0]), np.arange(2, dtype=np.int32), np.ascontiguousarray(coef[:, :2]), y, 0)
+        return y
+
+    def experts(layer, ids):
+        ids = [int(e) for e in ids]
+        if E.split:
+            return [ExpertBatch(ids, None, run=lambda ids, xs: [gated(x) for x in xs])]
+        return [ExpertBatch(ids, lambda e: expert_ffn(cfg, E, chunk[0], 0, e), chunk if stacks(cfg, E) else None,
+                            [0] * len(ids), E)]
+
+    def mixture():
+        w = {"layers.0.ffn.router.weight": np.zeros((cfg.n_experts, layout.d), np.float32)}
+        if cfg.shared_expert_dim:     # resident, in blocks: quant_ffn's decode row (one function serves every kind)
+            shapes = {"gate": (BLOCK, layout.d), "up": (BLOCK, layout.d), "down": (layout.d, BLOCK)}
+            for m, shape in shapes.items():
+                w[f"layers.0.ffn.shared.{m}.weight"] = QuantMatrix.of(
+                    ("q8_0", quantize(np.zeros(shape, np.float32), "q8_0"))) if layout.quantized else \
+                    np.zeros(shape, np.float16)
+            w["layers.0.ffn.shared_gate.weight"] = np.zeros((1, layout.d), np.float32)
+        moe = MixtureOfExperts(cfg, w, 0, experts=experts)
+        for T in (1, DENSE_ROW_KERNEL_MAX_T + 1):
+            moe(np.zeros((T, layout.d), np.float32))
+
+    return [mixture]
 
 
 def measure_runtime_bytes(layout, source: str | None = None) -> int:
@@ -548,28 +586,18 @@ TOKENIZER_BYTES_PER_TOKEN = 800
 _early_rss: int | None = None
 
 
-def runtime_estimate_bytes(layout, vocab_size: int, remembered: bool = True) -> int:
+def runtime_estimate_bytes(layout, vocab_size: int) -> int:
     """The runtime line a run of `layout` will measure (measure_runtime_bytes), estimated before the model is fetched,
     converted, compiled or trained: this process's RSS now plus what the line added to it when this installation
     last ran the model (kept in the compile stamp; the smallest seen), else the kernels (the stamp's figure, or
-    KERNELS_DEFAULT_BYTES) and the tokenizer (TOKENIZER_BYTES_PER_TOKEN per vocabulary entry). remembered False: not
-    the stamp's figures (a mixture of experts: they are the dense kernels', measured by compile_kernels, and an MoE
-    run loads others; the smallest figure seen for a dense model put a tiny MoE's line 44 MiB under what it held)."""
+    KERNELS_DEFAULT_BYTES) and the tokenizer (TOKENIZER_BYTES_PER_TOKEN per vocabulary entry)."""
     global _early_rss
     _early_rss = rss_bytes()
-    record = stamp_record(layout) if remembered else {}
+    record = stamp_record(layout)
     extra = record.get(model_key(layout))
     if extra is None:
         extra = record.get("kernels", KERNELS_DEFAULT_BYTES) + TOKENIZER_BYTES_PER_TOKEN * vocab_size
     return _early_rss + extra
-
-
-def experts_runtime_bytes(layout, vocab_size: int) -> int:
-    """A mixture of experts' runtime line (no child compiles its kernels before the weights load, so it is estimated):
-    runtime_estimate_bytes without the stamp's figures, and until this installation has run a decode step of such a
-    layout (runtime.build writes compiled_stamp then), the compiler's memory its first run keeps (MOE_COMPILE_BYTES)."""
-    return runtime_estimate_bytes(layout, vocab_size, remembered=False) + \
-        (0 if compiled_stamp(layout).exists() else MOE_COMPILE_BYTES)
 
 
 def model_key(layout) -> str:
@@ -637,7 +665,8 @@ def compiled_stamp(layout):
              here / "neuron_cache.py", Path(__file__)]
     key = [numba.__version__, sys.version, *[(str(f.relative_to(here)), f.stat().st_mtime_ns, f.stat().st_size)
                                              for f in files],
-           layout.d % BLOCK == 0, layout.dtype, layout.down_dtype, layout.vectors, layout.biases, bool(layout.parts)]
+           layout.d % BLOCK == 0, layout.dtype, layout.down_dtype, layout.vectors, layout.biases, bool(layout.parts),
+           layout.experts and (layout.experts.dtypes, layout.experts.split)]
     digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
     return Path(attention_rows._cache.cache_path) / f"flashinfer-lite-kernels-{digest}.stamp"
 
@@ -686,7 +715,7 @@ class ExpertPlan:
         return self.runtime_bytes + self.resident_bytes + self.kv_bytes + self.buffer_bytes + self.experts_bytes
 
     def table(self) -> str:
-        rows = [("runtime", self.runtime_bytes, "interpreter, libraries, tokenizer, kernels (estimated)"),
+        rows = [("runtime", self.runtime_bytes, "interpreter, libraries, tokenizer, kernels (measured)"),
                 ("resident dense", self.resident_bytes, "embeddings, attention, routers, shared experts, norms"),
                 ("kv cache", self.kv_bytes, f"{self.ctx} positions"),
                 ("buffers", self.buffer_bytes, "prefill chunk, heap"),

@@ -42,10 +42,9 @@ from storage.tokenizer import token_segments
 
 from . import BLAS_THREADS_FROM_USER
 from . import default_model
-from .budget import (HEAP_SLACK_BYTES, BudgetPlan, auto_budget_bytes, compiled_stamp, down_scale_bytes,
-                     experts_runtime_bytes, measure_runtime_bytes, plan_budget, plan_experts, plan_gate,
-                     plan_resident_ffn, resident_bytes_for, resident_matrix_shapes, runtime_estimate_bytes,
-                     stream_args, stream_settings)
+from .budget import (HEAP_SLACK_BYTES, BudgetPlan, auto_budget_bytes, down_scale_bytes, measure_runtime_bytes,
+                     plan_budget, plan_experts, plan_gate, plan_resident_ffn, resident_bytes_for,
+                     resident_matrix_shapes, runtime_estimate_bytes, stream_args, stream_settings)
 from .default_model import default_model_path, ensure_default_model
 from .ffn.experts import ExpertFFN
 from .ffn.flash import FlashFFN
@@ -234,11 +233,10 @@ def refuse_below_minimum(source: str | None, ffn: str, dram_budget: int, ctx: in
     """Raise UserError, naming the minimum, when `dram_budget` (bytes) is below what a sparse run of the model
     (source None: the default model) needs, in the first second: before fetch, conversion, kernel compilation or
     training spend minutes. The model's part is the planner's own (minimum_bytes, on model_facts); the runtime line
-    is budget.runtime_estimate_bytes' (exact within EARLY_SLACK_BYTES once this installation has run the model; a
-    mixture of experts': experts_runtime_bytes, the line its run plans with)."""
+    is budget.runtime_estimate_bytes' (exact within EARLY_SLACK_BYTES once this installation has run the model)."""
     cfg, layout, kinds = model_facts(source)
     ctx = context_size(ctx, cfg)
-    runtime = (experts_runtime_bytes if cfg.moe else runtime_estimate_bytes)(layout, cfg.vocab_size)
+    runtime = runtime_estimate_bytes(layout, cfg.vocab_size)
     minimum = minimum_bytes(cfg, layout, kinds, ffn, ctx, runtime) - EARLY_SLACK_BYTES
     if dram_budget < minimum:
         raise UserError(f"DRAM budget {dram_budget / 2**20:.1f} MiB is below the minimum for this model, at least "
@@ -347,9 +345,8 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
     ckpt = FlashCheckpoint(path)
     files = ModelFiles(source, str(path), default, True, ckpt, ckpt.tokenizer(), load_predictors(path), None,
                        expert_freq=load_expert_freq(path) if ckpt.config.moe else None)
-    if runtime_bytes is None:     # a mixture of experts compiles no bundle kernels first: its line is estimated
-        runtime_bytes = experts_runtime_bytes(ckpt.layout, ckpt.config.vocab_size) if ckpt.config.moe else \
-            measure_runtime_bytes(ckpt.layout, "gate" if files.runs_gate(ffn) else None)
+    if runtime_bytes is None:
+        runtime_bytes = measure_runtime_bytes(ckpt.layout, "gate" if files.runs_gate(ffn) else None)
     files.runtime_bytes = runtime_bytes
     if not ckpt.config.moe or ckpt.layout.experts.split:    # split expert chunks run the exact gate too
         files.gate = read_gate_file(path, ckpt.config.n_layers, ckpt.config.ffn_dim, sparsity)
@@ -492,9 +489,6 @@ def build(files: ModelFiles, decision: Decision, threads: int | None = None, pro
         runtime = ExpertFFN(cfg, ckpt.layout, weights, decision.plan, files.expert_freq, threads=threads,
                             lookahead=decision.lookahead, verbose=verbose,
                             thresholds=files.gate.thresholds if decision.ffn == "gate" else None)
-        stamp = compiled_stamp(ckpt.layout)
-        if not stamp.exists():          # written once a decode step has compiled the kernels
-            runtime.compiled_stamp = stamp
         if verbose:
             print(runtime.reader.describe(), file=sys.stderr)
         return Transformer(cfg, weights, ffn=runtime), files.tokenizer, runtime

@@ -126,3 +126,31 @@ def test_long_prompts_stay_within_a_budget_just_above_the_minimum(mode, request,
         assert got["tokens"] == want["tokens"], n
     if why_not:
         pytest.skip(f"ran without a cgroup cap: {why_not}")
+
+
+@pytest.fixture(scope="module")
+def experts_flashdir(tmp_path_factory):
+    """A mixture of experts, 2 layers x 16 experts of 1024 neurons (2 routed) at dim 512, its experts in q4_0 blocks
+    (0.84 MiB each, 27 MiB in all: more than the 8 MiB the test's budget has over the minimum buys):
+    their decode rows run in one kernel call (ffn.quant.quant_experts), which a first run compiles."""
+    from make_large_model import main as make_large_model
+    from storage.convert import convert
+    root = tmp_path_factory.mktemp("promise-moe")
+    assert make_large_model([str(root / "hf"), "--layers", "2", "--dim", "512", "--ffn", "1024", "--heads", "4",
+                             "--kv-heads", "2", "--experts", "16", "--experts-used", "2", "--check-tokens", "0"]) == 0
+    return Path(convert(root / "hf", root / "flash", dtype="q4_0", progress=False))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="Linux: Numba cache and VmHWM")
+def test_a_mixture_of_experts_first_run_on_an_empty_numba_cache_keeps_its_budget(experts_flashdir, tmp_path):
+    """Its kernels compile in child processes (budget.expert_steps) before the weights load, as a dense model's do,
+    so the runtime line the plan holds the first run to is measured, not guessed."""
+    ffn = ("--ffn", "auto", "-c", "128")
+    budget_mib = math.ceil(minimum_mib(experts_flashdir, tmp_path, *ffn)) + 8
+    cold = {"NUMBA_CACHE_DIR": str(tmp_path / "numba"), "FLASHINFER_LITE_CACHE": str(tmp_path / "cache")}
+    rc, out, err, tree_peak, _ = generate(experts_flashdir, tmp_path, "-p", "Once upon a time", *ffn,
+                                          "--dram-budget", f"{budget_mib}M", env=cold)
+    assert rc == 0, err[-3000:]
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["peak_rss_mb"] <= budget_mib, f"{r['peak_rss_mb']} MiB > {budget_mib} MiB\n{err}"
+    assert r["flash"]["mb_read"] > 0 and r["flash"]["hit_rate"] < 1     # experts read, and evicted

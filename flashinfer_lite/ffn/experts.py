@@ -35,6 +35,22 @@ from .quant import QUANT_FFN_ACTS
 from .split import SplitKernels
 
 
+def stacks(cfg: ModelConfig, E) -> bool:
+    """Whether a batch of experts' decode rows computes in one kernel call over their slots (model.ExpertBatch's
+    stack): every matrix in a block format, an activation quant_ffn has, whole chunks (not split)."""
+    return all(t in BLOCK_BYTES for t in E.dtypes) and cfg.act in QUANT_FFN_ACTS and not E.split
+
+
+def expert_ffn(cfg: ModelConfig, E, buf: np.ndarray, layer: int, e: int) -> FeedForward:
+    """Expert e of `layer` over its chunk's bytes buf (E: the ExpertLayout): the matrices as the dense path keeps
+    them (float16 / float32 arrays, QuantMatrix blocks), so both compute with the same kernels."""
+    p = f"layers.{layer}.ffn.experts.{e}."
+    w = {}
+    for m, (kind, a) in zip(("gate", "up", "down"), E.matrices(buf)):
+        w[f"{p}{m}.weight"] = QuantMatrix(a, kind, E.shape(m)[1]) if a.dtype == np.uint8 else a
+    return FeedForward(cfg, w, layer, p)
+
+
 class ExpertCache:
     """slots whole experts per layer; cache(layer, ids) yields ExpertBatch-es covering ids: the ones in DRAM first,
     then the misses as their reads land. Counts expert hits and misses, and the bytes read, into stats."""
@@ -44,7 +60,7 @@ class ExpertCache:
         E = self.experts_layout = layout.experts
         self.cfg, self.overlap = cfg, overlap
         self.slots = slots
-        self.stacked = all(t in BLOCK_BYTES for t in E.dtypes) and cfg.act in QUANT_FFN_ACTS and not E.split
+        self.stacked = stacks(cfg, E)
         self.reader = BundleReader(expert_chunks(layout), threads=threads, stamps=True)   # stamps: read_busy_s
         if E.split:
             parts = expert_parts(layout)     # regions: (layer, expert) pairs; rows: neurons
@@ -80,14 +96,8 @@ class ExpertCache:
         return self.experts_layout.split and (self.thresholds[layer] > 0 or self.cfg.act not in EXACT_GATE_ACTS)
 
     def expert(self, layer: int, e: int) -> FeedForward:
-        """Expert e of `layer` over its slot's bytes: the matrices as the dense path keeps them (float16 / float32
-        arrays, QuantMatrix blocks), so both compute with the same kernels."""
-        mats = self.experts_layout.matrices(self.buf[layer, self.slot_of[layer][e]])
-        p = f"layers.{layer}.ffn.experts.{e}."
-        w = {}
-        for m, (kind, a) in zip(("gate", "up", "down"), mats):
-            w[f"{p}{m}.weight"] = QuantMatrix(a, kind, self.experts_layout.shape(m)[1]) if a.dtype == np.uint8 else a
-        return FeedForward(self.cfg, w, layer, p)
+        """Expert e of `layer` over its slot's bytes (expert_ffn)."""
+        return expert_ffn(self.cfg, self.experts_layout, self.buf[layer, self.slot_of[layer][e]], layer, e)
 
     def _victim(self, layer: int, keep: set) -> int | None:
         """A slot to read into: a free one, else the least recently used unpinned expert's not in keep. A free slot
@@ -270,7 +280,6 @@ class ExpertFFN:
             self.thresholds = thresholds
         self.reader = self.cache.reader
         self.layers = [MixtureOfExperts(cfg, weights, i, experts=self.cache) for i in range(cfg.n_layers)]
-        self.compiled_stamp = None   # runtime.build: the file to write once a decode step has compiled the kernels
         # lookahead: layer l+1's router on layer l's FFN input, re-weighted from layer l's norm to layer l+1's (as
         # runtime.lookahead_selector does for neurons), names the experts whose reads start while layer l computes
         self.norms = [weights.get(f"layers.{i}.ffn_norm.weight") for i in range(cfg.n_layers)]
@@ -314,9 +323,6 @@ class ExpertFFN:
         self.stats.active[layer] += x.shape[0] * self.cfg.n_experts_used
         if layer == self.cfg.n_layers - 1:
             self.stats.tokens += x.shape[0]
-            if x.shape[0] == 1 and self.compiled_stamp is not None:   # a decode step ran: its kernels are cached
-                self.compiled_stamp.touch()
-                self.compiled_stamp = None
         return y
 
     def _guess_next(self, layer: int) -> None:
