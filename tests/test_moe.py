@@ -223,5 +223,5 @@ def test_slots_used_for_the_first_time_are_faulted_in_before_their_reads(flashdi
     greedy(model, PROMPT, 3)
     taken = sum(a - len(f) for a, f in zip(free, rt.cache.free))
     assert taken > 0 and len(touched) == taken
-    assert all(a.base is not None and a.shape == (rt.plan.chunk,) for a in touched)
+    assert all(a.shape == (rt.plan.chunk,) and np.shares_memory(a, rt.cache.buf) for a in touched)
     assert rt.stats.first_touch_s > 0 and expert_reads(rt.stats, mark)["first_touch_ms_per_token"] > 0
