@@ -73,8 +73,11 @@ _madvise = None
 def populate(a: np.ndarray) -> bool:
     """Fault in a's pages as a write would, without writing to them (madvise MADV_POPULATE_WRITE), so that a read into
     them does not: an O_DIRECT read pins its destination's pages when it is submitted, and pages never touched are
-    allocated then, inside the read's time. False where the kernel refuses (before 5.14: they fault on first use)."""
+    allocated then, inside the read's time. False where the kernel refuses (before 5.14, or not Linux: they fault on
+    first use)."""
     global _madvise
+    if not sys.platform.startswith("linux"):
+        return False
     if _madvise is None:
         _madvise = ctypes.CDLL(None, use_errno=True).madvise
         _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
