@@ -36,7 +36,7 @@ from storage.sizes import human, parse_size  # noqa: F401  (re-exported for benc
 from .cache import cache_dir
 from .profile import DEFAULT_DEPTH, DEFAULT_THREADS, device_key, save_profile
 from . import uring
-from .reader import BundleReader, RowStream, aligned_empty, in_flight_seconds
+from .reader import SLOTS_IN_HUGE_PAGES, BundleReader, RowStream, aligned_empty, in_flight_seconds, populate
 
 STREAM_CHUNKS = (1 << 20, 2 << 20, 4 << 20, 8 << 20)   # a stream's chunk sizes and chunks in flight measured
 STREAM_DEPTHS = (1, 2, 4, 8)
@@ -111,9 +111,12 @@ def measure(reader: BundleReader, n_bundles: int, batch: int, seconds: float, rn
 
     `in_flight` calls at once: with 2 the next is submitted before the last is waited for, as a reader fed ahead of
     its consumer is used, so the queue does not drain between calls and planning overlaps the reads. huge: the
-    destination in huge pages (aligned_empty), as the expert cache's slots are."""
+    destination in huge pages (aligned_empty). The destinations' pages are faulted in first (populate), as the expert
+    cache does for a slot before its first read: the reads' times are the device's."""
     stride = reader.layout.stride
     dests = [aligned_empty((batch, stride), np.uint8, huge=huge) for _ in range(in_flight)]
+    for d in dests:
+        populate(d)
     tot = {"requested_bytes": 0, "read_bytes": 0, "n_reads": 0}
     pending, landed = collections.deque(), []
     calls = 0
@@ -271,8 +274,8 @@ BUSY_MEASURE = ("bytes over busy time: the time at least one of the reads was in
 
 def expert_rate(flashdir, seconds: float) -> dict:
     """The device's rate for a mixture of experts' reads as its expert cache makes them (bench/moe_vs_llama_cpp.py):
-    random whole chunks of a random layer into huge pages, k distinct ones a call (a layer's misses), then wait, as
-    EXPERT_PROBES says.
+    random whole chunks of a random layer into pages of the slots' kind (reader.SLOTS_IN_HUGE_PAGES), k distinct ones
+    a call (a layer's misses), then wait, as EXPERT_PROBES says.
     Per probe: MBps (bytes over wall time), busy_MBps (over the time reads were in flight, the expert cache's
     measure: storage.stats read_busy_s), in_flight (the mean reads in flight over that time), and on the disk's own
     busy clock (disk_stat: every process's requests) disk_MBps and disk_read_share, as expert_reads has them."""
@@ -283,7 +286,8 @@ def expert_rate(flashdir, seconds: float) -> dict:
         for k, calls in EXPERT_PROBES:
             rng, nb = np.random.default_rng(3), r.layout.n_neurons[0]
             d0 = disk_stat(flashdir)
-            m = measure(r, nb, k, seconds / len(EXPERT_PROBES), rng, int(rng.integers(0, E.n_layers)), calls, True)
+            m = measure(r, nb, k, seconds / len(EXPERT_PROBES), rng, int(rng.integers(0, E.n_layers)), calls,
+                        SLOTS_IN_HUGE_PAGES)
             probes.append({"chunks": k, "calls": calls, "MBps": round(m["read_bytes"] / m["seconds"] / 1e6, 1),
                            "busy_MBps": round(m["read_bytes"] / m["busy_s"] / 1e6, 1),
                            "in_flight": round(m["op_s"] / m["busy_s"], 2),
@@ -307,7 +311,7 @@ def disk_stat(path) -> tuple[int, int] | None:
 def reads_mark(stats, flashdir) -> dict:
     """The expert cache's read counters (storage.stats.FlashStats) and the disk's busy time now, for expert_reads."""
     return {"busy_s": stats.read_busy_s, "bytes": stats.read_busy_bytes, "op_s": stats.read_op_s,
-            "disk": disk_stat(flashdir), "flashdir": flashdir}
+            "touch_s": stats.first_touch_s, "tokens": stats.tokens, "disk": disk_stat(flashdir), "flashdir": flashdir}
 
 
 def expert_reads(stats, mark: dict) -> dict:
@@ -315,14 +319,17 @@ def expert_reads(stats, mark: dict) -> dict:
     in flight (read_busy_s: per layer call, the union of its reads' intervals from submission to the kernel to the
     completion's stamp) and expert_reads_in_flight, the mean in flight over that time. Beside it the same bytes over
     the disk's own busy time (sysfs io_ticks): a lower bound, as every process's requests count (disk_read_share says
-    what share of the disk's bytes read were these)."""
+    what share of the disk's bytes read were these). first_touch_ms_per_token: the time slots used for the first time
+    took to fault their pages in (not in the reads' time)."""
     busy, nbytes = stats.read_busy_s - mark["busy_s"], stats.read_busy_bytes - mark["bytes"]
     if busy <= 0:
         return {}
     disk = disk_rates(nbytes, mark["disk"], disk_stat(mark["flashdir"]))
     return {"expert_read_MBps": round(nbytes / busy / 1e6, 1),
             "expert_reads_in_flight": round((stats.read_op_s - mark["op_s"]) / busy, 2),
-            "expert_read_MBps_disk_busy": disk["disk_MBps"], "disk_read_share": disk["disk_read_share"]}
+            "expert_read_MBps_disk_busy": disk["disk_MBps"], "disk_read_share": disk["disk_read_share"],
+            "first_touch_ms_per_token": round(1e3 * (stats.first_touch_s - mark["touch_s"])
+                                              / max(stats.tokens - mark["tokens"], 1), 2)}
 
 
 def disk_rates(nbytes: int, then, now) -> dict:

@@ -62,6 +62,29 @@ def aligned_empty(shape, dtype=np.uint8, align: int = 4096, huge: bool = False) 
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
+MADV_POPULATE_WRITE = 23        # Linux 5.14+
+# The expert cache's slots, and flash_bench.expert_rate's probe of the device for them, in 4 KiB pages: in huge pages a
+# chunk's read is one request, not 3, but their first touch (direct compaction, THP defrag "madvise") took the
+# 48-layer bench's 50% row from 337 to 779-809 ms per prompt token (2026-11-24)
+SLOTS_IN_HUGE_PAGES = False
+_madvise = None
+
+
+def populate(a: np.ndarray) -> bool:
+    """Fault in a's pages as a write would, without writing to them (madvise MADV_POPULATE_WRITE), so that a read into
+    them does not: an O_DIRECT read pins its destination's pages when it is submitted, and pages never touched are
+    allocated then, inside the read's time. False where the kernel refuses (before 5.14, or not Linux: they fault on
+    first use)."""
+    global _madvise
+    if not sys.platform.startswith("linux"):
+        return False
+    if _madvise is None:
+        _madvise = ctypes.CDLL(None, use_errno=True).madvise
+        _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    first = a.ctypes.data // mmap.PAGESIZE * mmap.PAGESIZE
+    return a.nbytes == 0 or _madvise(first, a.ctypes.data + a.nbytes - first, MADV_POPULATE_WRITE) == 0
+
+
 def open_for_reads(path: Path) -> tuple[int, bool]:
     """(fd, direct): O_DIRECT if the filesystem accepts it (checked with a real aligned read), else buffered."""
     global _warned_buffered

@@ -2,6 +2,7 @@
 
   reader        requested_bytes, read_bytes, n_reads, io_s           (one request: PendingRead.wait() returns them)
   neuron cache  hits, misses, evictions, moved, prefetched, prefetch_used, lookup_s, read_s
+  expert cache  the same, and read_busy_s, read_busy_bytes, read_op_s, first_touch_s
   runtime       tokens (counted per forward pass), rows/active per layer, streamed_layers, prefill_bytes_read,
                 predictor_s, compute_s
 
@@ -35,6 +36,7 @@ class FlashStats:
                                     # of them: submitted to the kernel, not yet landed, as the ring's stamps say)
     read_busy_bytes: int = 0        # the bytes of those reads: over read_busy_s, the rate the device gave them
     read_op_s: float = 0.0          # the same reads' times in flight, summed: over read_busy_s, the mean in flight
+    first_touch_s: float = 0.0      # expert cache: faulting in the pages of slots used for the first time
     # runtime
     tokens: int = 0                 # tokens whose FFNs went through the neuron cache (the decode path)
     streamed_layers: int = 0        # layer passes served by prefill streaming of whole layers

@@ -204,3 +204,24 @@ def test_the_expert_reads_are_counted_with_the_time_they_were_in_flight(flashdir
     r = expert_reads(st, mark)
     assert r["expert_read_MBps"] == round(st.read_busy_bytes / st.read_busy_s / 1e6, 1)
     assert r["expert_reads_in_flight"] >= 1
+
+
+def test_slots_used_for_the_first_time_are_faulted_in_before_their_reads(flashdirs, monkeypatch):
+    """A miss that takes a free slot (never used) faults its pages in first, so the read's time is the read's: one
+    populate per slot taken from the free lists, of that slot's row, and its time in first_touch_s."""
+    import flashinfer_lite.ffn.experts as experts
+    from storage.flash_bench import expert_reads, reads_mark
+    flash = flashdirs("qwen3moe", "q8_0")
+    _, _, rt = load_runtime(flash, "auto", dram_budget=None, runtime_bytes=0)
+    minimum = rt.plan.minimum_bytes
+    touched = []
+    real = experts.populate
+    monkeypatch.setattr(experts, "populate", lambda a: touched.append(a) or real(a))
+    model, _, rt = load_runtime(flash, "auto", dram_budget=minimum, runtime_bytes=0)
+    free = [len(f) for f in rt.cache.free]
+    mark = reads_mark(rt.stats, flash)
+    greedy(model, PROMPT, 3)
+    taken = sum(a - len(f) for a, f in zip(free, rt.cache.free))
+    assert taken > 0 and len(touched) == taken
+    assert all(a.shape == (rt.plan.chunk,) and np.shares_memory(a, rt.cache.buf) for a in touched)
+    assert rt.stats.first_touch_s > 0 and expert_reads(rt.stats, mark)["first_touch_ms_per_token"] > 0
