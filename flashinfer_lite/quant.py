@@ -190,18 +190,97 @@ def _decode(context, builder, kind, ptr, o, s):
     return builder.fmul(sv, builder.sitofp(q, vt))
 
 
-def _for_runs(context, builder, kind, ptr, n_items, body):
-    """body(w, i) for each run i of 32 weights of a row of n_items (w: the run decoded, <32 x float>), in a loop over
-    the row's blocks specialised to each kind."""
+def _k_multipliers(builder, kind, ptr, o, d, dmin, slot):
+    """Into slot (float32[16]): d * sc of the 8 sub-blocks of the q4_k / q5_k block at byte ptr[o], then -(dmin * m)
+    (d, dmin: its float16 fields as float32): _k_scales' fields, all 8 at once, with _decode's float32 products."""
+    sm, f8 = _k_scales(builder, kind, ptr, o), ir.VectorType(_F32, 8)
+    half = lambda lo: builder.uitofp(builder.shuffle_vector(  # noqa: E731
+        sm, sm, ir.Constant(ir.VectorType(_I32, 8), list(range(lo, lo + 8)))), f8)
+    dl, ml = builder.fmul(_vec(builder, _F32, d, 8), half(0)), builder.fmul(_vec(builder, _F32, dmin, 8), half(8))
+    both = builder.shuffle_vector(dl, builder.fneg(ml), ir.Constant(ir.VectorType(_I32, 16), list(range(16))))
+    builder.store(both, builder.bitcast(slot, both.type.as_pointer()), align=4)
+
+
+def _k_products(context, builder, kind, ptr, o, s, c, slot):
+    """<32 x float>: c * w for the weights 32s .. 32s + 31 of the q4_k / q5_k block at byte ptr[o] (slot: its
+    _k_multipliers), by lookup. A sub-block's weight w = (d * sc) * q - dmin * m takes one of 16 (q4_k) or 32 (q5_k)
+    values, so the sub-block's products c * w are formed once each, with _decode's and _add_run's float32
+    operations, into one or two <16 x float> tables that vpermps / vpermi2ps index by q: the same bits, and a run
+    costs the permutes and the sum instead of the conversion and three products (the down rows' row_axpy ran at
+    0.6x q4_0's bytes per second, bench/quant_kernels.py). The multipliers are broadcast from memory (inline asm: a
+    load, where a broadcast from a register is one more shuffle, the unit these runs wait on)."""
+    at = lambda k: builder.add(o, ir.Constant(o.type, k))  # noqa: E731
+    v16, i16 = ir.VectorType(_F32, 16), ir.VectorType(_I32, 16)
+    dl, nml = (_vec(builder, _F32, builder.load(builder.gep(slot, [ir.Constant(_I32, k)])), 16) for k in (s, 8 + s))
+    # (d * sc) * q is exact (at most 11 + 6 + 5 significant bits), so fusing its subtraction rounds as _decode does
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16] * 3), "llvm.fmuladd.v16f32")
+    tables = [builder.fmul(_vec(builder, _F32, c, 16), builder.call(
+        fma, [dl, ir.Constant(v16, [float(v) for v in range(lo, lo + 16)]), nml]))
+        for lo in ((0,) if kind == Q4_K else (0, 16))]
+    # the indices, two <16 x i32>: only the bits a permute reads (4 or 5) need be right. q4_k: its bytes widened
+    # (straight from memory), shifted for the high nibbles; q5_k: the 5-bit values formed as bytes first
+    nibbles = at((16 if kind == Q4_K else 48) + (s >> 1) * 32)
+    if kind == Q4_K:
+        half = [builder.zext(_load_vec(builder, ptr, _I8, 16, builder.add(nibbles, ir.Constant(o.type, h))), i16)
+                for h in (0, 16)]
+        half = [builder.lshr(v, _vec(builder, _I32, 4, 16)) for v in half] if s & 1 else half
+    else:
+        q = builder.or_(_bits(builder, ptr, nibbles, 4 * (s & 1), 0x0F),
+                        builder.shl(_bits(builder, ptr, at(16), s, 1), _vec(builder, _I8, 4)))
+        half = [builder.zext(builder.shuffle_vector(q, q, ir.Constant(i16, list(range(h, h + 16)))), i16)
+                for h in (0, 16)]
+    if kind == Q4_K:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, i16]),
+                                            "llvm.x86.avx512.permvar.sf.512")
+        p = [builder.call(fn, [tables[0], h]) for h in half]
+    else:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, i16, v16]),
+                                            "llvm.x86.avx512.vpermi2var.ps.512")
+        p = [builder.call(fn, [tables[0], h, tables[1]]) for h in half]
+    return builder.shuffle_vector(p[0], p[1], ir.Constant(ir.VectorType(_I32, BLOCK), list(range(BLOCK))))
+
+
+# _for_runs' lookup path: the multipliers of this many blocks are formed first, then their runs (a stack buffer of
+# 16 floats a block)
+K_CHUNK_BLOCKS = 16
+
+
+def _for_runs(context, builder, kind, ptr, n_items, body, c=None):
+    """body(v, i) for each run i of 32 weights of a row of n_items, in a loop over the row's blocks specialised to
+    each kind: v the run decoded (<32 x float>), or with c (float32) the products c * w in strict float32 (q4_k and
+    q5_k by _k_products where the host has AVX-512's permutes, K_CHUNK_BLOCKS blocks at a time: first their
+    _k_multipliers, then their runs, so that the runs read the multipliers from memory)."""
+    cs = None if c is None else _vec(builder, _F32, c)
+    slots = cgutils.alloca_once(builder, _F32, size=16 * K_CHUNK_BLOCKS)
     for k, (per_block, block_bytes) in _GEOMETRY.items():
         subs = per_block // BLOCK
+        blocks = builder.sdiv(n_items, ir.Constant(n_items.type, per_block))
+        at = lambda b: builder.mul(b, ir.Constant(b.type, block_bytes))  # noqa: E731
         with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
-            with cgutils.for_range(builder, builder.sdiv(n_items, ir.Constant(n_items.type, per_block))) as loop:
+            if c is not None and k in (Q4_K, Q5_K) and HAS_AVX512:
+                n = ir.Constant(blocks.type, K_CHUNK_BLOCKS)
+                chunks = builder.sdiv(builder.add(blocks, ir.Constant(blocks.type, K_CHUNK_BLOCKS - 1)), n)
+                with cgutils.for_range(builder, chunks) as chunk:
+                    b0 = builder.mul(chunk.index, n)
+                    m = builder.sub(blocks, b0)
+                    m = builder.select(builder.icmp_signed("<", m, n), m, n)
+                    slot = lambda j: builder.gep(slots, [builder.mul(j, ir.Constant(j.type, 16))])  # noqa: E731
+                    with cgutils.for_range(builder, m) as loop:
+                        o = at(builder.add(b0, loop.index))
+                        _k_multipliers(builder, k, ptr, o, *_half_pair_at(context, builder, ptr, o), slot(loop.index))
+                    with cgutils.for_range(builder, m) as loop:
+                        b = builder.add(b0, loop.index)
+                        for s in range(subs):
+                            i = builder.add(builder.mul(b, ir.Constant(b.type, subs)), ir.Constant(b.type, s))
+                            body(_k_products(context, builder, k, ptr, at(b), s, c, slot(loop.index)), i)
+                continue
+            with cgutils.for_range(builder, blocks) as loop:
                 b = loop.index
-                o = builder.mul(b, ir.Constant(b.type, block_bytes))
+                o = at(b)
                 for s in range(subs):
                     i = builder.add(builder.mul(b, ir.Constant(b.type, subs)), ir.Constant(b.type, s))
-                    body(_decode(context, builder, k, ptr, o, s), i)
+                    w = _decode(context, builder, k, ptr, o, s)
+                    body(w if c is None else builder.fmul(cs, w), i)
 
 
 def _accumulate_product(builder, acc, w, x, b):
@@ -222,10 +301,11 @@ def _horizontal_sum(builder, v, flags=("fast",)):
     return builder.extract_element(v, ir.Constant(_I32, 0))
 
 
-def _add_product(builder, y, b, cs, w):
-    """y[32b : 32b + 32] += cs * w in strict float32 (no contraction), so every call site rounds alike."""
+def _add_run(builder, y, b, p):
+    """y[32b : 32b + 32] += p (the products c * w) in strict float32 (no contraction), so every call site rounds
+    alike."""
     dst = _f32_block(builder, y, b)
-    builder.store(builder.fadd(builder.load(dst, align=4), builder.fmul(cs, w)), dst, align=4)
+    builder.store(builder.fadd(builder.load(dst, align=4), p), dst, align=4)
 
 
 def _rows_ok(*arrays_and_dtypes) -> bool:
@@ -275,8 +355,7 @@ def row_axpy(typingctx, y, c, r, kind):
 
     def codegen(context, builder, sig, args):
         y, c, r, kind = _arrays(context, builder, sig, args)
-        cs = _vec(builder, _F32, c)
-        _for_runs(context, builder, kind, r.data, y.nitems, lambda w, i: _add_product(builder, y, i, cs, w))
+        _for_runs(context, builder, kind, r.data, y.nitems, lambda p, i: _add_run(builder, y, i, p), c)
         return context.get_dummy_value()
     return types.none(y, c, r, kind), codegen
 
@@ -439,6 +518,7 @@ _HOST = set(llvm_binding.get_host_cpu_features().flatten().split(","))
 HAS_VNNI = {"+avx512vnni", "+avx512vl"} <= _HOST
 HAS_AVX2 = "+avx2" in _HOST
 HAS_GFNI = {"+gfni", "+avx"} <= _HOST        # the 256-bit vgf2p8affineqb
+HAS_AVX512 = "+avx512f" in _HOST              # the 512-bit permutes of _k_products
 
 
 def _lanes_of(builder, u, xv):
@@ -963,6 +1043,23 @@ def _col_loop(y, c, B, r, at, lo, kind, A, M, g, half):
         per = 8 if (kind == Q5_0 or kind == Q5_1 or kind == Q5_K) else 16 if kind == Q6_K else 32
         nib = _U(at) + (i0 >> _U(1))
         high = _U(at) + _U(half) + (i0 >> _U(3 if per == 8 else 2))
+        if per == 8:
+            # 5-bit: element e's 5th bit is bit e // 8 of high byte e % 8 (e + 32: bit 4 + e // 8), read from the
+            # group's 8 high bytes as two words, so all 32 neighbours are one SIMD loop (runs of 8 were ~4x slower)
+            H0, H1 = np.int64(0), np.int64(0)
+            for k in range(4):
+                H0 |= np.int64(Br[high + _U(k)]) << (8 * k)
+                H1 |= np.int64(Br[high + _U(k + 4)]) << (8 * k)
+            for k in range(32):
+                e = _U(k)
+                b = np.int32(Br[nib + e])
+                h = (H0 if (k & 7) < 4 else H1) >> (8 * (k & 3) + (k >> 3))
+                q0 = (b & 15) | np.int32((h & 1) << 4)
+                q1 = (b >> 4) | np.int32(((h >> 4) & 1) << 4)
+                e1 = e + _U(32)
+                y[o + e] += c * _col_weight(kind, q0, Ar[i0 + e], Mr[i0 + e])
+                y[o + e1] += c * _col_weight(kind, q1, Ar[i0 + e1], Mr[i0 + e1])
+            continue
         for s in range(32 // per):
             for k in range(per):
                 e = _U(s * per + k)          # element e low nibble, 32 + e high nibble

@@ -17,7 +17,7 @@ from numba import njit, prange
 
 from storage.errors import UserError
 from flashinfer_lite.kernels.gemv import WIDEN_BLOCK_BYTES
-from flashinfer_lite.kernels.prefetch import prefetch_ahead
+from flashinfer_lite.kernels.prefetch import PREFETCH_AHEAD, prefetch_ahead, prefetch_row
 from flashinfer_lite.kernels.rows import scalar
 from flashinfer_lite.threads import numba_threads
 from flashinfer_lite.quant import (DOT8_ROWS, KINDS, Q4_K, QuantMatrix, act8_buffers, act8_dot, act8_of,
@@ -69,7 +69,10 @@ def quant_ffn_accumulate(B, F, slots, coef, Y, down_at, kind, weights, block_byt
             continue
         b_lo = down_at + lo // weights * block_bytes
         b_hi = down_at + hi // weights * block_bytes
+        ahead = 1 + (PREFETCH_AHEAD - 1) // (b_hi - b_lo)
         for j in range(n):
+            if j + ahead < n:
+                prefetch_row(B, slots[j + ahead], b_lo, b_hi)
             c = coef[t, j]
             if c != np.float32(0.0):
                 row_axpy(y, c, B[slots[j], b_lo:b_hi], kind)
