@@ -1003,105 +1003,95 @@ def column_tables(tables: dict | None, kind: str | None, d: int) -> tuple:
     return tuple(dec[t] if t in dec else np.zeros((0, d), np.float32) for t in ("a", "m"))
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _col_weight(kind, q, a, m):
-    """The weight of raw value q (q8_0: its byte) with its row's a and m (storage.columns.decode): gguf.quants'
-    float32 operations. Scalars only: an array argument per element would cost a reference count each."""
+_COL_GROUP = 64      # elements of a column group (storage.columns.GROUP)
+
+
+def _col_values(builder, kind, ptr, at, i0, half):
+    """<64 x i8>: the raw values of elements i0 .. i0 + 63 of the column at byte ptr[at] (storage.columns' layout:
+    nibbles, then from byte `half` the high bits), unsigned (q8_0: its int8 bits)."""
+    cat = lambda parts: parts[0] if len(parts) == 1 else cat(  # noqa: E731
+        [builder.shuffle_vector(parts[i], parts[i + 1], ir.Constant(ir.VectorType(_I32, 2 * parts[i].type.count),
+                                                                    list(range(2 * parts[i].type.count))))
+         for i in range(0, len(parts), 2)])
     if kind == Q8_0:
-        return a * np.float32(q - 256 if q > 127 else q)
-    if kind == Q4_0:
-        return a * np.float32(q - 8)
-    if kind == Q5_0:
-        return a * np.float32(q - 16)
-    if kind == Q4_1 or kind == Q5_1:
-        return a * np.float32(q) + m
-    if kind == Q6_K:
-        return a * np.float32(q - 32)
-    return a * np.float32(q) - m
+        return _load_vec(builder, ptr, _I8, _COL_GROUP, builder.add(at, i0))
+    nib = _load_vec(builder, ptr, _I8, 32, builder.add(at, builder.lshr(i0, ir.Constant(i0.type, 1))))
+    q = cat([builder.and_(nib, _vec(builder, _I8, 15, 32)), builder.lshr(nib, _vec(builder, _I8, 4, 32))])
+    high = lambda sh: builder.add(builder.add(at, half), builder.lshr(i0, ir.Constant(i0.type, sh)))  # noqa: E731
+    if kind in (Q5_0, Q5_1, Q5_K):    # bit r of high byte k: element 8r + k
+        hb = _load_vec(builder, ptr, _I8, 8, high(3))
+        bits = [builder.and_(builder.lshr(hb, _vec(builder, _I8, r, 8)), _vec(builder, _I8, 1, 8)) for r in range(8)]
+    elif kind == Q6_K:                # bits 2r, 2r + 1 of high byte k: element 16r + k
+        hb = _load_vec(builder, ptr, _I8, 16, high(2))
+        bits = [builder.and_(builder.lshr(hb, _vec(builder, _I8, 2 * r, 16)), _vec(builder, _I8, 3, 16))
+                for r in range(4)]
+    else:
+        return q
+    return builder.or_(q, builder.shl(cat(bits), _vec(builder, _I8, 4, _COL_GROUP)))
 
 
-_U = np.uint64
+def _col_weights(builder, kind, q, a, m):
+    """<64 x float>: the weights of raw values q (_col_values) with their rows' a and m (storage.columns.decode):
+    gguf.quants' float32 operations, strict (no contraction)."""
+    vt = ir.VectorType(_F32, _COL_GROUP)
+    if kind == Q8_0:
+        return builder.fmul(a, builder.sitofp(q, vt))
+    if kind in (Q4_0, Q5_0, Q6_K):
+        return builder.fmul(a, builder.sitofp(builder.sub(builder.zext(q, ir.VectorType(_I32, _COL_GROUP)), _vec(
+            builder, _I32, {Q4_0: 8, Q5_0: 16, Q6_K: 32}[kind], _COL_GROUP)), vt))
+    aq = builder.fmul(a, builder.uitofp(q, vt))
+    return builder.fadd(aq, m) if kind in (Q4_1, Q5_1) else builder.fsub(aq, m)
+
+
+@intrinsic
+def col_run(typingctx, y, c, Br, at, lo, half, kind, Ar, Mr):
+    """y[k] += c * (element lo + k of the column at byte `at` of Br), k < len(y) (lo and len(y) multiples of 64;
+    half: the column's d / 2, where its high bits begin; Ar, Mr: the rows of its scale tables, Mr any float32 row
+    where the kind has none): strict float32, as row_axpy, 64 elements a step. One branch per call picks the kind."""
+    if not _rows_ok(y, types.float32, Br, types.uint8, Ar, types.float32, Mr, types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        y, c, Br, at, lo, half, kind, Ar, Mr = _arrays(context, builder, sig, args)
+        at, lo, half = (builder.sext(v, _I64) if v.type.width < 64 else v for v in (at, lo, half))
+        cs = _vec(builder, _F32, c, _COL_GROUP)
+        vp = ir.VectorType(_F32, _COL_GROUP).as_pointer()
+        row = lambda arr, i: builder.bitcast(builder.gep(arr.data, [i]), vp)  # noqa: E731
+        for k in KINDS.values():
+            with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k.code))):
+                n = builder.udiv(y.nitems, ir.Constant(y.nitems.type, _COL_GROUP))
+                with cgutils.for_range(builder, n) as loop:
+                    o = builder.mul(loop.index, ir.Constant(loop.index.type, _COL_GROUP))
+                    i0 = builder.add(lo, o)
+                    q = _col_values(builder, k.code, Br.data, at, i0, half)
+                    w = _col_weights(builder, k.code, q, builder.load(row(Ar, i0), align=4),
+                                     builder.load(row(Mr, i0), align=4))
+                    dst = row(y, o)
+                    builder.store(builder.fadd(builder.load(dst, align=4), builder.fmul(cs, w)), dst, align=4)
+        return context.get_dummy_value()
+    return types.none(y, c, Br, at, lo, half, kind, Ar, Mr), codegen
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _col_loop(y, c, B, r, at, lo, kind, A, M, g, half):
-    """col_axpy's loop for one kind (a constant where it is inlined, so the branches fold away), group by group of
-    64 elements (storage.columns' layout): runs of 8 (5-bit), 16 (6-bit) or 32 (4-bit) neighbours share their
-    shifts, so each run is one SIMD loop over contiguous bytes. Indices are unsigned (a signed index makes Numba
-    check for wrap-around on every access, which kept LLVM from vectorising: ~6x slower)."""
-    Br, Ar = B[r], A[g]
-    Mr = M[g] if M.shape[0] else Ar
-    for G in range(y.shape[0] // 64):
-        o = _U(64 * G)                       # in y
-        i0 = _U(lo) + o                      # in the column
-        if kind == Q8_0:
-            for k in range(64):
-                e = _U(k)
-                q = np.int32(Br[_U(at) + i0 + e])
-                y[o + e] += c * _col_weight(kind, q, Ar[i0 + e], np.float32(0))
-            continue
-        per = 8 if (kind == Q5_0 or kind == Q5_1 or kind == Q5_K) else 16 if kind == Q6_K else 32
-        nib = _U(at) + (i0 >> _U(1))
-        high = _U(at) + _U(half) + (i0 >> _U(3 if per == 8 else 2))
-        if per == 8:
-            # 5-bit: element e's 5th bit is bit e // 8 of high byte e % 8 (e + 32: bit 4 + e // 8), read from the
-            # group's 8 high bytes as two words, so all 32 neighbours are one SIMD loop (runs of 8 were ~4x slower)
-            H0, H1 = np.int64(0), np.int64(0)
-            for k in range(4):
-                H0 |= np.int64(Br[high + _U(k)]) << (8 * k)
-                H1 |= np.int64(Br[high + _U(k + 4)]) << (8 * k)
-            for k in range(32):
-                e = _U(k)
-                b = np.int32(Br[nib + e])
-                h = (H0 if (k & 7) < 4 else H1) >> (8 * (k & 3) + (k >> 3))
-                q0 = (b & 15) | np.int32((h & 1) << 4)
-                q1 = (b >> 4) | np.int32(((h >> 4) & 1) << 4)
-                e1 = e + _U(32)
-                y[o + e] += c * _col_weight(kind, q0, Ar[i0 + e], Mr[i0 + e])
-                y[o + e1] += c * _col_weight(kind, q1, Ar[i0 + e1], Mr[i0 + e1])
-            continue
-        for s in range(32 // per):
-            for k in range(per):
-                e = _U(s * per + k)          # element e low nibble, 32 + e high nibble
-                b = np.int32(Br[nib + e])
-                q0, q1 = b & 15, b >> 4
-                if per == 8:
-                    hb = np.int32(Br[high + _U(k)])
-                    q0 |= ((hb >> s) & 1) << 4
-                    q1 |= ((hb >> (4 + s)) & 1) << 4
-                elif per == 16:
-                    hb = np.int32(Br[high + _U(k)])
-                    q0 |= ((hb >> (2 * s)) & 3) << 4
-                    q1 |= ((hb >> (2 * s + 4)) & 3) << 4
-                e1 = e + _U(32)
-                y[o + e] += c * _col_weight(kind, q0, Ar[i0 + e], Mr[i0 + e])
-                y[o + e1] += c * _col_weight(kind, q1, Ar[i0 + e1], Mr[i0 + e1])
+def col_span(kind, d, lo, hi):
+    """(c0, c1, h0, h1): the bytes of a column of d elements (storage.columns) that elements lo .. hi (whole groups)
+    are in: c0 .. c1 their values (nibbles; q8_0 bytes), h0 .. h1 their high bits (empty without)."""
+    if kind == Q8_0:
+        return lo, hi, 0, 0
+    five = kind == Q5_0 or kind == Q5_1 or kind == Q5_K
+    if five or kind == Q6_K:
+        sh = 3 if five else 2
+        return lo // 2, hi // 2, d // 2 + (lo >> sh), d // 2 + (hi >> sh)
+    return lo // 2, hi // 2, 0, 0
 
 
 @njit(cache=True, nogil=True)
 def col_axpy(y, c, B, r, at, lo, kind, j, S):
     """y[k] += c * (element lo + k of the column at byte `at` of row r of B, neuron j's), k < len(y) (lo and len(y)
-    multiples of 64): strict float32, as row_axpy. One branch per call picks the kind's loop."""
+    multiples of 64): strict float32, as row_axpy (col_run)."""
     A, M = S
     g = j // (16 if kind == Q6_K else 32)          # the row of neuron j's sub-block (storage.columns.groups)
-    h = A.shape[1] // 2
-    # written out per kind: a literal kind is what lets _col_loop's branches fold (a runtime kind ran ~4x slower)
-    if kind == Q8_0:
-        _col_loop(y, c, B, r, at, lo, Q8_0, A, M, g, h)
-    elif kind == Q4_0:
-        _col_loop(y, c, B, r, at, lo, Q4_0, A, M, g, h)
-    elif kind == Q4_1:
-        _col_loop(y, c, B, r, at, lo, Q4_1, A, M, g, h)
-    elif kind == Q5_0:
-        _col_loop(y, c, B, r, at, lo, Q5_0, A, M, g, h)
-    elif kind == Q5_1:
-        _col_loop(y, c, B, r, at, lo, Q5_1, A, M, g, h)
-    elif kind == Q4_K:
-        _col_loop(y, c, B, r, at, lo, Q4_K, A, M, g, h)
-    elif kind == Q5_K:
-        _col_loop(y, c, B, r, at, lo, Q5_K, A, M, g, h)
-    else:
-        _col_loop(y, c, B, r, at, lo, Q6_K, A, M, g, h)
+    col_run(y, c, B[r], at, lo, A.shape[1] // 2, kind, A[g], M[g] if M.shape[0] else A[g])
 
 
 @njit(cache=True, nogil=True)

@@ -21,9 +21,9 @@ from flashinfer_lite.kernels.prefetch import PREFETCH_AHEAD, prefetch_ahead, pre
 from flashinfer_lite.kernels.rows import scalar
 from flashinfer_lite.threads import numba_threads
 from flashinfer_lite.quant import (DOT8_ROWS, KINDS, Q4_K, QuantMatrix, act8_buffers, act8_dot, act8_of,
-                                   act8_rounded, act8_row, act8_slice, col_axpy, col_dequant, column_tables, quant_kind,
-                                   quantize_act1, quantize_act_rows, row_axpy, row_dequant, row_dot8, row_dot8k,
-                                   rows_dot8, rows_dot8k)
+                                   act8_rounded, act8_row, act8_slice, col_axpy, col_dequant, col_span, column_tables,
+                                   quant_kind, quantize_act1, quantize_act_rows, row_axpy, row_dequant, row_dot8,
+                                   row_dot8k, rows_dot8, rows_dot8k)
 from storage import columns
 
 from .gating import act_code, gate_activation, glu_coefficient, threshold_of
@@ -61,7 +61,14 @@ def quant_ffn_accumulate(B, F, slots, coef, Y, down_at, kind, weights, block_byt
         hi = min(d, lo + out_block)
         y = Y[t, lo:hi]
         if s_neuron >= 0:
+            c0, c1, h0, h1 = col_span(kind, d, lo, hi)
+            ahead = 1 + (PREFETCH_AHEAD - 1) // (c1 - c0 + h1 - h0)
             for j in range(n):
+                if j + ahead < n:     # the column's pieces and its neuron id, a few rows ahead
+                    r = slots[j + ahead]
+                    prefetch_row(B, r, down_at + c0, down_at + c1)
+                    prefetch_row(B, r, down_at + h0, down_at + h1)
+                    prefetch_row(B, r, 4 * s_neuron, 4 * s_neuron + 4)
                 c = coef[t, j]
                 if c != np.float32(0.0):
                     r = slots[j]
@@ -120,7 +127,7 @@ def quant_ffn_accumulate_rows(B, F, slots, coef, Y, down_at, kind, weights, bloc
             else:
                 row_dequant(B[r, down_at + lo // weights * block_bytes:down_at + (lo + m) // weights * block_bytes],
                             w, kind)
-            for i in range(_U(rows)):          # unsigned: no wrap-around checks, so the loop vectorises (_col_loop)
+            for i in range(_U(rows)):          # unsigned: no wrap-around checks, so the loop vectorises
                 c = coef[t0 + i, j]
                 if c != np.float32(0.0):
                     for k in range(_U(m)):
