@@ -252,13 +252,14 @@ def _for_runs(context, builder, kind, ptr, n_items, body, c=None):
     q5_k by _k_products where the host has AVX-512's permutes, K_CHUNK_BLOCKS blocks at a time: first their
     _k_multipliers, then their runs, so that the runs read the multipliers from memory)."""
     cs = None if c is None else _vec(builder, _F32, c)
-    slots = cgutils.alloca_once(builder, _F32, size=16 * K_CHUNK_BLOCKS)
+    lookup = c is not None and HAS_AVX512
+    slots = cgutils.alloca_once(builder, _F32, size=16 * K_CHUNK_BLOCKS) if lookup else None
     for k, (per_block, block_bytes) in _GEOMETRY.items():
         subs = per_block // BLOCK
         blocks = builder.sdiv(n_items, ir.Constant(n_items.type, per_block))
         at = lambda b: builder.mul(b, ir.Constant(b.type, block_bytes))  # noqa: E731
         with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
-            if c is not None and k in (Q4_K, Q5_K) and HAS_AVX512:
+            if lookup and k in (Q4_K, Q5_K):
                 n = ir.Constant(blocks.type, K_CHUNK_BLOCKS)
                 chunks = builder.sdiv(builder.add(blocks, ir.Constant(blocks.type, K_CHUNK_BLOCKS - 1)), n)
                 with cgutils.for_range(builder, chunks) as chunk:
