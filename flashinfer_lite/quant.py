@@ -1045,6 +1045,28 @@ def _col_weights(builder, kind, q, a, m):
     return builder.fadd(aq, m) if kind in (Q4_1, Q5_1) else builder.fsub(aq, m)
 
 
+def _col_runs(context, builder, y, terms, at, lo, half, kind, Ar, Mr):
+    """y[k] += c * (element lo + k of the column at byte `at` of Br) for each (c, Br) of terms in turn (columns
+    sharing the scale rows Ar, Mr), 64 elements a step: col_run's loop, one per kind."""
+    at, lo, half = (builder.sext(v, _I64) if v.type.width < 64 else v for v in (at, lo, half))
+    cs = [_vec(builder, _F32, c, _COL_GROUP) for c, _ in terms]
+    vp = ir.VectorType(_F32, _COL_GROUP).as_pointer()
+    row = lambda arr, i: builder.bitcast(builder.gep(arr.data, [i]), vp)  # noqa: E731
+    for k in KINDS.values():
+        with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k.code))):
+            n = builder.udiv(y.nitems, ir.Constant(y.nitems.type, _COL_GROUP))
+            with cgutils.for_range(builder, n) as loop:
+                o = builder.mul(loop.index, ir.Constant(loop.index.type, _COL_GROUP))
+                i0 = builder.add(lo, o)
+                a, m = builder.load(row(Ar, i0), align=4), builder.load(row(Mr, i0), align=4)
+                dst = row(y, o)
+                acc = builder.load(dst, align=4)
+                for cv, (_, Br) in zip(cs, terms):
+                    w = _col_weights(builder, k.code, _col_values(builder, k.code, Br.data, at, i0, half), a, m)
+                    acc = builder.fadd(acc, builder.fmul(cv, w))
+                builder.store(acc, dst, align=4)
+
+
 @intrinsic
 def col_run(typingctx, y, c, Br, at, lo, half, kind, Ar, Mr):
     """y[k] += c * (element lo + k of the column at byte `at` of Br), k < len(y) (lo and len(y) multiples of 64;
@@ -1055,23 +1077,23 @@ def col_run(typingctx, y, c, Br, at, lo, half, kind, Ar, Mr):
 
     def codegen(context, builder, sig, args):
         y, c, Br, at, lo, half, kind, Ar, Mr = _arrays(context, builder, sig, args)
-        at, lo, half = (builder.sext(v, _I64) if v.type.width < 64 else v for v in (at, lo, half))
-        cs = _vec(builder, _F32, c, _COL_GROUP)
-        vp = ir.VectorType(_F32, _COL_GROUP).as_pointer()
-        row = lambda arr, i: builder.bitcast(builder.gep(arr.data, [i]), vp)  # noqa: E731
-        for k in KINDS.values():
-            with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k.code))):
-                n = builder.udiv(y.nitems, ir.Constant(y.nitems.type, _COL_GROUP))
-                with cgutils.for_range(builder, n) as loop:
-                    o = builder.mul(loop.index, ir.Constant(loop.index.type, _COL_GROUP))
-                    i0 = builder.add(lo, o)
-                    q = _col_values(builder, k.code, Br.data, at, i0, half)
-                    w = _col_weights(builder, k.code, q, builder.load(row(Ar, i0), align=4),
-                                     builder.load(row(Mr, i0), align=4))
-                    dst = row(y, o)
-                    builder.store(builder.fadd(builder.load(dst, align=4), builder.fmul(cs, w)), dst, align=4)
+        _col_runs(context, builder, y, [(c, Br)], at, lo, half, kind, Ar, Mr)
         return context.get_dummy_value()
     return types.none(y, c, Br, at, lo, half, kind, Ar, Mr), codegen
+
+
+@intrinsic
+def col_run2(typingctx, y, c, Br, c2, Br2, at, lo, half, kind, Ar, Mr):
+    """col_run of (c, Br), then of (c2, Br2), two columns with the same scale rows, in one pass: each element adds
+    c * w, then c2 * w2, as two calls would (the same bits), and its scales and sum are loaded once."""
+    if not _rows_ok(y, types.float32, Br, types.uint8, Br2, types.uint8, Ar, types.float32, Mr, types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        y, c, Br, c2, Br2, at, lo, half, kind, Ar, Mr = _arrays(context, builder, sig, args)
+        _col_runs(context, builder, y, [(c, Br), (c2, Br2)], at, lo, half, kind, Ar, Mr)
+        return context.get_dummy_value()
+    return types.none(y, c, Br, c2, Br2, at, lo, half, kind, Ar, Mr), codegen
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -1087,13 +1109,27 @@ def col_span(kind, d, lo, hi):
     return lo // 2, hi // 2, 0, 0
 
 
+@njit(cache=True, nogil=True, inline="always")
+def col_group(kind, j):
+    """The row of the scale tables that neuron j's column uses (its sub-block: storage.columns.groups)."""
+    return j // (16 if kind == Q6_K else 32)
+
+
 @njit(cache=True, nogil=True)
 def col_axpy(y, c, B, r, at, lo, kind, j, S):
     """y[k] += c * (element lo + k of the column at byte `at` of row r of B, neuron j's), k < len(y) (lo and len(y)
     multiples of 64): strict float32, as row_axpy (col_run)."""
     A, M = S
-    g = j // (16 if kind == Q6_K else 32)          # the row of neuron j's sub-block (storage.columns.groups)
+    g = col_group(kind, j)
     col_run(y, c, B[r], at, lo, A.shape[1] // 2, kind, A[g], M[g] if M.shape[0] else A[g])
+
+
+@njit(cache=True, nogil=True)
+def col_axpy2(y, c, B, r, c2, r2, at, lo, kind, j, S):
+    """col_axpy of (c, row r), then of (c2, row r2), whose neurons share neuron j's group (col_group): col_run2."""
+    A, M = S
+    g = col_group(kind, j)
+    col_run2(y, c, B[r], c2, B[r2], at, lo, A.shape[1] // 2, kind, A[g], M[g] if M.shape[0] else A[g])
 
 
 @njit(cache=True, nogil=True)
