@@ -995,8 +995,9 @@ class QuantMatrix:
 # ---------------------------------------------------------------------------------------------------------------
 # Columns (storage/columns.py): a GGUF down matrix kept exactly. Neuron j's column holds its raw values along d;
 # the scales are the layer's tables decoded to float32, S = (a, m): rows by sub-block of neurons, one value per row
-# of d. Plain Numba (no fastmath: every weight is formed by gguf.quants' float32 operations, and y += c * w rounds as
-# row_axpy does).
+# of d. The run over a column is LLVM IR as the row operations (64 elements a vector step: as plain Numba loops,
+# LLVM left most kinds scalar, 2-7x slower), every weight formed by gguf.quants' float32 operations and y += c * w
+# rounded as row_axpy does (no contraction).
 
 
 def column_tables(tables: dict | None, kind: str | None, d: int) -> tuple:
@@ -1020,10 +1021,14 @@ def _col_values(builder, kind, ptr, at, i0, half):
     nib = _load_vec(builder, ptr, _I8, 32, builder.add(at, builder.lshr(i0, ir.Constant(i0.type, 1))))
     q = cat([builder.and_(nib, _vec(builder, _I8, 15, 32)), builder.lshr(nib, _vec(builder, _I8, 4, 32))])
     high = lambda sh: builder.add(builder.add(at, half), builder.lshr(i0, ir.Constant(i0.type, sh)))  # noqa: E731
-    if kind in (Q5_0, Q5_1, Q5_K):    # bit r of high byte k: element 8r + k
-        hb = _load_vec(builder, ptr, _I8, 8, high(3))
-        bits = [builder.and_(builder.lshr(hb, _vec(builder, _I8, r, 8)), _vec(builder, _I8, 1, 8)) for r in range(8)]
-    elif kind == Q6_K:                # bits 2r, 2r + 1 of high byte k: element 16r + k
+    if kind in (Q5_0, Q5_1, Q5_K):    # bit r of high byte k: element 8r + k, so the 8 bytes into each 8-byte lane
+        v8 = ir.VectorType(_I8, _COL_GROUP)
+        hb = builder.load(builder.bitcast(builder.gep(ptr, [high(3)]), _I64.as_pointer()), align=1)
+        lane_bit = ir.Constant(v8, [ir.Constant(_I8, 1 << (e >> 3)) for e in range(_COL_GROUP)])
+        hit = builder.icmp_unsigned("!=", builder.and_(builder.bitcast(_vec(builder, _I64, hb, 8), v8), lane_bit),
+                                    ir.Constant(v8, None))
+        return builder.or_(q, builder.select(hit, _vec(builder, _I8, 16, _COL_GROUP), ir.Constant(v8, None)))
+    if kind == Q6_K:                # bits 2r, 2r + 1 of high byte k: element 16r + k
         hb = _load_vec(builder, ptr, _I8, 16, high(2))
         bits = [builder.and_(builder.lshr(hb, _vec(builder, _I8, 2 * r, 16)), _vec(builder, _I8, 3, 16))
                 for r in range(4)]
@@ -1046,8 +1051,8 @@ def _col_weights(builder, kind, q, a, m):
 
 
 def _col_runs(context, builder, y, terms, at, lo, half, kind, Ar, Mr):
-    """y[k] += c * (element lo + k of the column at byte `at` of Br) for each (c, Br) of terms in turn (columns
-    sharing the scale rows Ar, Mr), 64 elements a step: col_run's loop, one per kind."""
+    """y[k] += c * (element lo + k of the column at byte `at` of row data) for each (c, data) of terms in turn
+    (columns sharing the scale rows Ar, Mr), 64 elements a step: col_run's loop, one per kind."""
     at, lo, half = (builder.sext(v, _I64) if v.type.width < 64 else v for v in (at, lo, half))
     cs = [_vec(builder, _F32, c, _COL_GROUP) for c, _ in terms]
     vp = ir.VectorType(_F32, _COL_GROUP).as_pointer()
@@ -1061,8 +1066,8 @@ def _col_runs(context, builder, y, terms, at, lo, half, kind, Ar, Mr):
                 a, m = builder.load(row(Ar, i0), align=4), builder.load(row(Mr, i0), align=4)
                 dst = row(y, o)
                 acc = builder.load(dst, align=4)
-                for cv, (_, Br) in zip(cs, terms):
-                    w = _col_weights(builder, k.code, _col_values(builder, k.code, Br.data, at, i0, half), a, m)
+                for cv, (_, data) in zip(cs, terms):
+                    w = _col_weights(builder, k.code, _col_values(builder, k.code, data, at, i0, half), a, m)
                     acc = builder.fadd(acc, builder.fmul(cv, w))
                 builder.store(acc, dst, align=4)
 
@@ -1077,23 +1082,34 @@ def col_run(typingctx, y, c, Br, at, lo, half, kind, Ar, Mr):
 
     def codegen(context, builder, sig, args):
         y, c, Br, at, lo, half, kind, Ar, Mr = _arrays(context, builder, sig, args)
-        _col_runs(context, builder, y, [(c, Br)], at, lo, half, kind, Ar, Mr)
+        _col_runs(context, builder, y, [(c, Br.data)], at, lo, half, kind, Ar, Mr)
         return context.get_dummy_value()
     return types.none(y, c, Br, at, lo, half, kind, Ar, Mr), codegen
 
 
+COL_RUN_MAX = 4     # columns of one sub-block that col_runs adds in one pass
+
+
 @intrinsic
-def col_run2(typingctx, y, c, Br, c2, Br2, at, lo, half, kind, Ar, Mr):
-    """col_run of (c, Br), then of (c2, Br2), two columns with the same scale rows, in one pass: each element adds
-    c * w, then c2 * w2, as two calls would (the same bits), and its scales and sum are loaded once."""
-    if not _rows_ok(y, types.float32, Br, types.uint8, Br2, types.uint8, Ar, types.float32, Mr, types.float32):
+def col_runs(typingctx, y, B, rows, cs, count, at, lo, half, kind, Ar, Mr):
+    """col_run of (cs[i], row rows[i] of B) for i = 0 .. count - 1 in turn (count <= COL_RUN_MAX; columns with the
+    same scale rows), in one pass: each element adds its terms in that order, as count calls would (the same bits),
+    and its scales and sum are loaded once."""
+    if not (_rows_ok(y, types.float32, rows, types.int64, cs, types.float32, Ar, types.float32, Mr, types.float32)
+            and isinstance(B, types.Array) and B.ndim == 2 and B.layout == "C" and B.dtype == types.uint8):
         return None
 
     def codegen(context, builder, sig, args):
-        y, c, Br, c2, Br2, at, lo, half, kind, Ar, Mr = _arrays(context, builder, sig, args)
-        _col_runs(context, builder, y, [(c, Br), (c2, Br2)], at, lo, half, kind, Ar, Mr)
+        y, B, rows, cs, count, at, lo, half, kind, Ar, Mr = _arrays(context, builder, sig, args)
+        stride = builder.extract_value(B.strides, 0)
+        for n in range(1, COL_RUN_MAX + 1):
+            with builder.if_then(builder.icmp_signed("==", count, ir.Constant(count.type, n))):
+                terms = [(builder.load(builder.gep(cs.data, [ir.Constant(_I64, i)])), builder.gep(B.data, [
+                    builder.mul(builder.load(builder.gep(rows.data, [ir.Constant(_I64, i)])), stride)]))
+                    for i in range(n)]
+                _col_runs(context, builder, y, terms, at, lo, half, kind, Ar, Mr)
         return context.get_dummy_value()
-    return types.none(y, c, Br, c2, Br2, at, lo, half, kind, Ar, Mr), codegen
+    return types.none(y, B, rows, cs, count, at, lo, half, kind, Ar, Mr), codegen
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -1125,11 +1141,12 @@ def col_axpy(y, c, B, r, at, lo, kind, j, S):
 
 
 @njit(cache=True, nogil=True)
-def col_axpy2(y, c, B, r, c2, r2, at, lo, kind, j, S):
-    """col_axpy of (c, row r), then of (c2, row r2), whose neurons share neuron j's group (col_group): col_run2."""
+def col_axpys(y, B, rows, cs, count, at, lo, kind, j, S):
+    """col_axpy of (cs[i], row rows[i] of B) for i < count in turn, whose neurons share neuron j's sub-block
+    (col_group): col_runs, the same bits."""
     A, M = S
     g = col_group(kind, j)
-    col_run2(y, c, B[r], c2, B[r2], at, lo, A.shape[1] // 2, kind, A[g], M[g] if M.shape[0] else A[g])
+    col_runs(y, B, rows, cs, count, at, lo, A.shape[1] // 2, kind, A[g], M[g] if M.shape[0] else A[g])
 
 
 @njit(cache=True, nogil=True)

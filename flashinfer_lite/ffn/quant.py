@@ -20,8 +20,8 @@ from flashinfer_lite.kernels.gemv import WIDEN_BLOCK_BYTES
 from flashinfer_lite.kernels.prefetch import PREFETCH_AHEAD, prefetch_ahead, prefetch_row
 from flashinfer_lite.kernels.rows import scalar
 from flashinfer_lite.threads import numba_threads
-from flashinfer_lite.quant import (DOT8_ROWS, KINDS, Q4_K, QuantMatrix, act8_buffers, act8_dot, act8_of,
-                                   act8_rounded, act8_row, act8_slice, col_axpy, col_axpy2, col_dequant, col_group,
+from flashinfer_lite.quant import (COL_RUN_MAX, DOT8_ROWS, KINDS, Q4_K, QuantMatrix, act8_buffers, act8_dot, act8_of,
+                                   act8_rounded, act8_row, act8_slice, col_axpy, col_axpys, col_dequant, col_group,
                                    col_span, column_tables, quant_kind, quantize_act1, quantize_act_rows, row_axpy,
                                    row_dequant, row_dot8, row_dot8k, rows_dot8, rows_dot8k)
 from storage import columns
@@ -63,7 +63,8 @@ def quant_ffn_accumulate(B, F, slots, coef, Y, down_at, kind, weights, block_byt
         if s_neuron >= 0:
             c0, c1, h0, h1 = col_span(kind, d, lo, hi)
             ahead = 1 + (PREFETCH_AHEAD - 1) // (c1 - c0 + h1 - h0)
-            held = -1       # a fired neuron not yet added: its position, then ahead of it the next one's
+            rows, cs = np.empty(COL_RUN_MAX, np.int64), np.empty(COL_RUN_MAX, np.float32)
+            held, group, first = 0, -1, 0   # fired neurons of one sub-block not yet added (col_axpys)
             for j in range(n + 1):
                 if j + ahead < n:     # the column's pieces and its neuron id, a few rows ahead
                     r = slots[j + ahead]
@@ -72,14 +73,16 @@ def quant_ffn_accumulate(B, F, slots, coef, Y, down_at, kind, weights, block_byt
                     prefetch_row(B, r, 4 * s_neuron, 4 * s_neuron + 4)
                 if j < n and coef[t, j] == np.float32(0.0):
                     continue
-                if held >= 0:   # two neighbours in the sub-block go in one pass (col_axpy2: the same bits)
-                    r0, g0 = slots[held], np.int64(F[slots[held], s_neuron])
-                    if j < n and col_group(kind, np.int64(F[slots[j], s_neuron])) == col_group(kind, g0):
-                        col_axpy2(y, coef[t, held], B, r0, coef[t, j], slots[j], down_at, lo, kind, g0, S)
-                        held = -1
-                        continue
-                    col_axpy(y, coef[t, held], B, r0, down_at, lo, kind, g0, S)
-                held = j
+                neuron = np.int64(F[slots[j], s_neuron]) if j < n else -1
+                g = col_group(kind, neuron) if j < n else -1
+                if held and (g != group or held == COL_RUN_MAX):
+                    col_axpys(y, B, rows, cs, held, down_at, lo, kind, first, S)
+                    held = 0
+                if j < n:
+                    if held == 0:
+                        group, first = g, neuron
+                    rows[held], cs[held] = slots[j], coef[t, j]
+                    held += 1
             continue
         b_lo = down_at + lo // weights * block_bytes
         b_hi = down_at + hi // weights * block_bytes
