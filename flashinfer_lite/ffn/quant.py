@@ -51,7 +51,9 @@ def quant_ffn_accumulate(B, F, slots, coef, Y, down_at, kind, weights, block_byt
 
     As ffn.sparse.ffn_accumulate: one thread per (row, out_block output elements), so each element sums its terms in
     slot order and a set accumulated in pieces gives the bit-identical sum. out_block is a multiple of the block's
-    weights, so a task's outputs are whole blocks of the down rows."""
+    weights, so a task's outputs are whole blocks of the down rows. Each task asks for the pieces it reads a few rows
+    ahead (the rows sit where the hardware cannot guess), and adds consecutive fired columns of one sub-block in one
+    pass (col_axpys: their terms still in slot order)."""
     n = slots.shape[0]
     d = Y.shape[1]
     nb = (d + out_block - 1) // out_block
