@@ -190,18 +190,99 @@ def _decode(context, builder, kind, ptr, o, s):
     return builder.fmul(sv, builder.sitofp(q, vt))
 
 
-def _for_runs(context, builder, kind, ptr, n_items, body):
-    """body(w, i) for each run i of 32 weights of a row of n_items (w: the run decoded, <32 x float>), in a loop over
-    the row's blocks specialised to each kind."""
+def _k_multipliers(builder, kind, ptr, o, d, dmin, slot):
+    """Into slot (float32[16]): d * sc of the 8 sub-blocks of the q4_k / q5_k block at byte ptr[o], then -(dmin * m)
+    (d, dmin: its float16 fields as float32): _k_scales' fields, all 8 at once, with _decode's float32 products."""
+    sm, f8 = _k_scales(builder, kind, ptr, o), ir.VectorType(_F32, 8)
+    half = lambda lo: builder.uitofp(builder.shuffle_vector(  # noqa: E731
+        sm, sm, ir.Constant(ir.VectorType(_I32, 8), list(range(lo, lo + 8)))), f8)
+    dl, ml = builder.fmul(_vec(builder, _F32, d, 8), half(0)), builder.fmul(_vec(builder, _F32, dmin, 8), half(8))
+    both = builder.shuffle_vector(dl, builder.fneg(ml), ir.Constant(ir.VectorType(_I32, 16), list(range(16))))
+    builder.store(both, builder.bitcast(slot, both.type.as_pointer()), align=4)
+
+
+def _k_products(context, builder, kind, ptr, o, s, c, slot):
+    """<32 x float>: c * w for the weights 32s .. 32s + 31 of the q4_k / q5_k block at byte ptr[o] (slot: its
+    _k_multipliers), by lookup. A sub-block's weight w = (d * sc) * q - dmin * m takes one of 16 (q4_k) or 32 (q5_k)
+    values, so the sub-block's products c * w are formed once each, with _decode's and _add_run's float32
+    operations, into one or two <16 x float> tables that vpermps / vpermi2ps index by q: the same bits, and a run
+    costs the permutes and the sum instead of the conversion and three products (the down rows' row_axpy ran at
+    0.6x q4_0's bytes per second, bench/quant_kernels.py). The multipliers are read from slot, which _for_runs fills
+    for a chunk of blocks first: broadcast from memory they are loads, where from a register each is one more shuffle,
+    the unit these runs wait on (in cache, one thread: 0.88x q4_0's bytes per second that way, 1.13x this way)."""
+    at = lambda k: builder.add(o, ir.Constant(o.type, k))  # noqa: E731
+    v16, i16 = ir.VectorType(_F32, 16), ir.VectorType(_I32, 16)
+    dl, nml = (_vec(builder, _F32, builder.load(builder.gep(slot, [ir.Constant(_I32, k)])), 16) for k in (s, 8 + s))
+    # (d * sc) * q is exact (at most 11 + 6 + 5 significant bits), so fusing its subtraction rounds as _decode does
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16] * 3), "llvm.fmuladd.v16f32")
+    tables = [builder.fmul(_vec(builder, _F32, c, 16), builder.call(
+        fma, [dl, ir.Constant(v16, [float(v) for v in range(lo, lo + 16)]), nml]))
+        for lo in ((0,) if kind == Q4_K else (0, 16))]
+    # the indices, two <16 x i32>: only the bits a permute reads (4 or 5) need be right. q4_k: its bytes widened
+    # (straight from memory), shifted for the high nibbles; q5_k: the 5-bit values formed as bytes first
+    nibbles = at((16 if kind == Q4_K else 48) + (s >> 1) * 32)
+    if kind == Q4_K:
+        half = [builder.zext(_load_vec(builder, ptr, _I8, 16, builder.add(nibbles, ir.Constant(o.type, h))), i16)
+                for h in (0, 16)]
+        half = [builder.lshr(v, _vec(builder, _I32, 4, 16)) for v in half] if s & 1 else half
+    else:
+        q = builder.or_(_bits(builder, ptr, nibbles, 4 * (s & 1), 0x0F),
+                        builder.shl(_bits(builder, ptr, at(16), s, 1), _vec(builder, _I8, 4)))
+        half = [builder.zext(builder.shuffle_vector(q, q, ir.Constant(i16, list(range(h, h + 16)))), i16)
+                for h in (0, 16)]
+    if kind == Q4_K:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, i16]),
+                                            "llvm.x86.avx512.permvar.sf.512")
+        p = [builder.call(fn, [tables[0], h]) for h in half]
+    else:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, i16, v16]),
+                                            "llvm.x86.avx512.vpermi2var.ps.512")
+        p = [builder.call(fn, [tables[0], h, tables[1]]) for h in half]
+    return builder.shuffle_vector(p[0], p[1], ir.Constant(ir.VectorType(_I32, BLOCK), list(range(BLOCK))))
+
+
+# _for_runs' lookup path: the multipliers of this many blocks are formed first, then their runs (a stack buffer of
+# 16 floats a block)
+K_CHUNK_BLOCKS = 16
+
+
+def _for_runs(context, builder, kind, ptr, n_items, body, c=None):
+    """body(v, i) for each run i of 32 weights of a row of n_items, in a loop over the row's blocks specialised to
+    each kind: v the run decoded (<32 x float>), or with c (float32) the products c * w in strict float32 (q4_k and
+    q5_k by _k_products where the host has AVX-512's permutes, K_CHUNK_BLOCKS blocks at a time: first their
+    _k_multipliers, then their runs, so that the runs read the multipliers from memory)."""
+    cs = None if c is None else _vec(builder, _F32, c)
+    lookup = c is not None and HAS_AVX512
+    slots = cgutils.alloca_once(builder, _F32, size=16 * K_CHUNK_BLOCKS) if lookup else None
     for k, (per_block, block_bytes) in _GEOMETRY.items():
         subs = per_block // BLOCK
+        blocks = builder.sdiv(n_items, ir.Constant(n_items.type, per_block))
+        at = lambda b: builder.mul(b, ir.Constant(b.type, block_bytes))  # noqa: E731
         with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
-            with cgutils.for_range(builder, builder.sdiv(n_items, ir.Constant(n_items.type, per_block))) as loop:
+            if lookup and k in (Q4_K, Q5_K):
+                n = ir.Constant(blocks.type, K_CHUNK_BLOCKS)
+                chunks = builder.sdiv(builder.add(blocks, ir.Constant(blocks.type, K_CHUNK_BLOCKS - 1)), n)
+                with cgutils.for_range(builder, chunks) as chunk:
+                    b0 = builder.mul(chunk.index, n)
+                    m = builder.sub(blocks, b0)
+                    m = builder.select(builder.icmp_signed("<", m, n), m, n)
+                    slot = lambda j: builder.gep(slots, [builder.mul(j, ir.Constant(j.type, 16))])  # noqa: E731
+                    with cgutils.for_range(builder, m) as loop:
+                        o = at(builder.add(b0, loop.index))
+                        _k_multipliers(builder, k, ptr, o, *_half_pair_at(context, builder, ptr, o), slot(loop.index))
+                    with cgutils.for_range(builder, m) as loop:
+                        b = builder.add(b0, loop.index)
+                        for s in range(subs):
+                            i = builder.add(builder.mul(b, ir.Constant(b.type, subs)), ir.Constant(b.type, s))
+                            body(_k_products(context, builder, k, ptr, at(b), s, c, slot(loop.index)), i)
+                continue
+            with cgutils.for_range(builder, blocks) as loop:
                 b = loop.index
-                o = builder.mul(b, ir.Constant(b.type, block_bytes))
+                o = at(b)
                 for s in range(subs):
                     i = builder.add(builder.mul(b, ir.Constant(b.type, subs)), ir.Constant(b.type, s))
-                    body(_decode(context, builder, k, ptr, o, s), i)
+                    w = _decode(context, builder, k, ptr, o, s)
+                    body(w if c is None else builder.fmul(cs, w), i)
 
 
 def _accumulate_product(builder, acc, w, x, b):
@@ -222,10 +303,11 @@ def _horizontal_sum(builder, v, flags=("fast",)):
     return builder.extract_element(v, ir.Constant(_I32, 0))
 
 
-def _add_product(builder, y, b, cs, w):
-    """y[32b : 32b + 32] += cs * w in strict float32 (no contraction), so every call site rounds alike."""
+def _add_run(builder, y, b, p):
+    """y[32b : 32b + 32] += p (the products c * w) in strict float32 (no contraction), so every call site rounds
+    alike."""
     dst = _f32_block(builder, y, b)
-    builder.store(builder.fadd(builder.load(dst, align=4), builder.fmul(cs, w)), dst, align=4)
+    builder.store(builder.fadd(builder.load(dst, align=4), p), dst, align=4)
 
 
 def _rows_ok(*arrays_and_dtypes) -> bool:
@@ -275,8 +357,7 @@ def row_axpy(typingctx, y, c, r, kind):
 
     def codegen(context, builder, sig, args):
         y, c, r, kind = _arrays(context, builder, sig, args)
-        cs = _vec(builder, _F32, c)
-        _for_runs(context, builder, kind, r.data, y.nitems, lambda w, i: _add_product(builder, y, i, cs, w))
+        _for_runs(context, builder, kind, r.data, y.nitems, lambda p, i: _add_run(builder, y, i, p), c)
         return context.get_dummy_value()
     return types.none(y, c, r, kind), codegen
 
@@ -439,6 +520,7 @@ _HOST = set(llvm_binding.get_host_cpu_features().flatten().split(","))
 HAS_VNNI = {"+avx512vnni", "+avx512vl"} <= _HOST
 HAS_AVX2 = "+avx2" in _HOST
 HAS_GFNI = {"+gfni", "+avx"} <= _HOST        # the 256-bit vgf2p8affineqb
+HAS_AVX512 = "+avx512f" in _HOST              # the 512-bit permutes of _k_products
 
 
 def _lanes_of(builder, u, xv):
@@ -913,8 +995,9 @@ class QuantMatrix:
 # ---------------------------------------------------------------------------------------------------------------
 # Columns (storage/columns.py): a GGUF down matrix kept exactly. Neuron j's column holds its raw values along d;
 # the scales are the layer's tables decoded to float32, S = (a, m): rows by sub-block of neurons, one value per row
-# of d. Plain Numba (no fastmath: every weight is formed by gguf.quants' float32 operations, and y += c * w rounds as
-# row_axpy does).
+# of d. The run over a column is LLVM IR as the row operations (64 elements a vector step: as plain Numba loops,
+# LLVM left most kinds scalar, 2-7x slower), every weight formed by gguf.quants' float32 operations and y += c * w
+# rounded as row_axpy does (no contraction).
 
 
 def column_tables(tables: dict | None, kind: str | None, d: int) -> tuple:
@@ -923,88 +1006,149 @@ def column_tables(tables: dict | None, kind: str | None, d: int) -> tuple:
     return tuple(dec[t] if t in dec else np.zeros((0, d), np.float32) for t in ("a", "m"))
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _col_weight(kind, q, a, m):
-    """The weight of raw value q (q8_0: its byte) with its row's a and m (storage.columns.decode): gguf.quants'
-    float32 operations. Scalars only: an array argument per element would cost a reference count each."""
+_COL_GROUP = 64      # elements of a column group (storage.columns.GROUP)
+
+
+def _col_values(builder, kind, ptr, at, i0, half):
+    """<64 x i8>: the raw values of elements i0 .. i0 + 63 of the column at byte ptr[at] (storage.columns' layout:
+    nibbles, then from byte `half` the high bits), unsigned (q8_0: its int8 bits)."""
+    cat = lambda parts: parts[0] if len(parts) == 1 else cat(  # noqa: E731
+        [builder.shuffle_vector(parts[i], parts[i + 1], ir.Constant(ir.VectorType(_I32, 2 * parts[i].type.count),
+                                                                    list(range(2 * parts[i].type.count))))
+         for i in range(0, len(parts), 2)])
     if kind == Q8_0:
-        return a * np.float32(q - 256 if q > 127 else q)
-    if kind == Q4_0:
-        return a * np.float32(q - 8)
-    if kind == Q5_0:
-        return a * np.float32(q - 16)
-    if kind == Q4_1 or kind == Q5_1:
-        return a * np.float32(q) + m
-    if kind == Q6_K:
-        return a * np.float32(q - 32)
-    return a * np.float32(q) - m
+        return _load_vec(builder, ptr, _I8, _COL_GROUP, builder.add(at, i0))
+    nib = _load_vec(builder, ptr, _I8, 32, builder.add(at, builder.lshr(i0, ir.Constant(i0.type, 1))))
+    q = cat([builder.and_(nib, _vec(builder, _I8, 15, 32)), builder.lshr(nib, _vec(builder, _I8, 4, 32))])
+    high = lambda sh: builder.add(builder.add(at, half), builder.lshr(i0, ir.Constant(i0.type, sh)))  # noqa: E731
+    if kind in (Q5_0, Q5_1, Q5_K):    # bit r of high byte k: element 8r + k, so the 8 bytes into each 8-byte lane
+        v8 = ir.VectorType(_I8, _COL_GROUP)
+        hb = builder.load(builder.bitcast(builder.gep(ptr, [high(3)]), _I64.as_pointer()), align=1)
+        lane_bit = ir.Constant(v8, [ir.Constant(_I8, 1 << (e >> 3)) for e in range(_COL_GROUP)])
+        hit = builder.icmp_unsigned("!=", builder.and_(builder.bitcast(_vec(builder, _I64, hb, 8), v8), lane_bit),
+                                    ir.Constant(v8, None))
+        return builder.or_(q, builder.select(hit, _vec(builder, _I8, 16, _COL_GROUP), ir.Constant(v8, None)))
+    if kind == Q6_K:                # bits 2r, 2r + 1 of high byte k: element 16r + k
+        hb = _load_vec(builder, ptr, _I8, 16, high(2))
+        bits = [builder.and_(builder.lshr(hb, _vec(builder, _I8, 2 * r, 16)), _vec(builder, _I8, 3, 16))
+                for r in range(4)]
+    else:
+        return q
+    return builder.or_(q, builder.shl(cat(bits), _vec(builder, _I8, 4, _COL_GROUP)))
 
 
-_U = np.uint64
+def _col_weights(builder, kind, q, a, m):
+    """<64 x float>: the weights of raw values q (_col_values) with their rows' a and m (storage.columns.decode):
+    gguf.quants' float32 operations, strict (no contraction)."""
+    vt = ir.VectorType(_F32, _COL_GROUP)
+    if kind == Q8_0:
+        return builder.fmul(a, builder.sitofp(q, vt))
+    if kind in (Q4_0, Q5_0, Q6_K):
+        return builder.fmul(a, builder.sitofp(builder.sub(builder.zext(q, ir.VectorType(_I32, _COL_GROUP)), _vec(
+            builder, _I32, {Q4_0: 8, Q5_0: 16, Q6_K: 32}[kind], _COL_GROUP)), vt))
+    # a * q is exact (a: float16 d, or d * sc of at most 17 significant bits; q at most 5 bits), so fusing the add
+    # rounds as gguf.quants' separate one does
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt] * 3), "llvm.fmuladd.v64f32")
+    return builder.call(fma, [a, builder.uitofp(q, vt), m if kind in (Q4_1, Q5_1) else builder.fneg(m)])
+
+
+def _col_runs(context, builder, y, terms, at, lo, half, kind, Ar, Mr):
+    """y[k] += c * (element lo + k of the column at byte `at` of row data) for each (c, data) of terms in turn
+    (columns sharing the scale rows Ar, Mr), 64 elements a step: col_run's loop, one per kind."""
+    at, lo, half = (builder.sext(v, _I64) if v.type.width < 64 else v for v in (at, lo, half))
+    cs = [_vec(builder, _F32, c, _COL_GROUP) for c, _ in terms]
+    vp = ir.VectorType(_F32, _COL_GROUP).as_pointer()
+    row = lambda arr, i: builder.bitcast(builder.gep(arr.data, [i]), vp)  # noqa: E731
+    for k in KINDS.values():
+        with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k.code))):
+            n = builder.udiv(y.nitems, ir.Constant(y.nitems.type, _COL_GROUP))
+            with cgutils.for_range(builder, n) as loop:
+                o = builder.mul(loop.index, ir.Constant(loop.index.type, _COL_GROUP))
+                i0 = builder.add(lo, o)
+                a, m = builder.load(row(Ar, i0), align=4), builder.load(row(Mr, i0), align=4)
+                dst = row(y, o)
+                acc = builder.load(dst, align=4)
+                for cv, (_, data) in zip(cs, terms):
+                    w = _col_weights(builder, k.code, _col_values(builder, k.code, data, at, i0, half), a, m)
+                    acc = builder.fadd(acc, builder.fmul(cv, w))
+                builder.store(acc, dst, align=4)
+
+
+@intrinsic
+def col_run(typingctx, y, c, Br, at, lo, half, kind, Ar, Mr):
+    """y[k] += c * (element lo + k of the column at byte `at` of Br), k < len(y) (lo and len(y) multiples of 64;
+    half: the column's d / 2, where its high bits begin; Ar, Mr: the rows of its scale tables, Mr any float32 row
+    where the kind has none): strict float32, as row_axpy, 64 elements a step. One branch per call picks the kind."""
+    if not _rows_ok(y, types.float32, Br, types.uint8, Ar, types.float32, Mr, types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        y, c, Br, at, lo, half, kind, Ar, Mr = _arrays(context, builder, sig, args)
+        _col_runs(context, builder, y, [(c, Br.data)], at, lo, half, kind, Ar, Mr)
+        return context.get_dummy_value()
+    return types.none(y, c, Br, at, lo, half, kind, Ar, Mr), codegen
+
+
+COL_RUN_MAX = 4     # columns of one sub-block that col_runs adds in one pass
+
+
+@intrinsic
+def col_runs(typingctx, y, B, rows, cs, count, at, lo, half, kind, Ar, Mr):
+    """col_run of (cs[i], row rows[i] of B) for i = 0 .. count - 1 in turn (count <= COL_RUN_MAX; columns with the
+    same scale rows), in one pass: each element adds its terms in that order, as count calls would (the same bits),
+    and its scales and sum are loaded once."""
+    if not (_rows_ok(y, types.float32, rows, types.int64, cs, types.float32, Ar, types.float32, Mr, types.float32)
+            and isinstance(B, types.Array) and B.ndim == 2 and B.layout == "C" and B.dtype == types.uint8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        y, B, rows, cs, count, at, lo, half, kind, Ar, Mr = _arrays(context, builder, sig, args)
+        stride = builder.extract_value(B.strides, 0)
+        for n in range(1, COL_RUN_MAX + 1):
+            with builder.if_then(builder.icmp_signed("==", count, ir.Constant(count.type, n))):
+                terms = [(builder.load(builder.gep(cs.data, [ir.Constant(_I64, i)])), builder.gep(B.data, [
+                    builder.mul(builder.load(builder.gep(rows.data, [ir.Constant(_I64, i)])), stride)]))
+                    for i in range(n)]
+                _col_runs(context, builder, y, terms, at, lo, half, kind, Ar, Mr)
+        return context.get_dummy_value()
+    return types.none(y, B, rows, cs, count, at, lo, half, kind, Ar, Mr), codegen
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _col_loop(y, c, B, r, at, lo, kind, A, M, g, half):
-    """col_axpy's loop for one kind (a constant where it is inlined, so the branches fold away), group by group of
-    64 elements (storage.columns' layout): runs of 8 (5-bit), 16 (6-bit) or 32 (4-bit) neighbours share their
-    shifts, so each run is one SIMD loop over contiguous bytes. Indices are unsigned (a signed index makes Numba
-    check for wrap-around on every access, which kept LLVM from vectorising: ~6x slower)."""
-    Br, Ar = B[r], A[g]
-    Mr = M[g] if M.shape[0] else Ar
-    for G in range(y.shape[0] // 64):
-        o = _U(64 * G)                       # in y
-        i0 = _U(lo) + o                      # in the column
-        if kind == Q8_0:
-            for k in range(64):
-                e = _U(k)
-                q = np.int32(Br[_U(at) + i0 + e])
-                y[o + e] += c * _col_weight(kind, q, Ar[i0 + e], np.float32(0))
-            continue
-        per = 8 if (kind == Q5_0 or kind == Q5_1 or kind == Q5_K) else 16 if kind == Q6_K else 32
-        nib = _U(at) + (i0 >> _U(1))
-        high = _U(at) + _U(half) + (i0 >> _U(3 if per == 8 else 2))
-        for s in range(32 // per):
-            for k in range(per):
-                e = _U(s * per + k)          # element e low nibble, 32 + e high nibble
-                b = np.int32(Br[nib + e])
-                q0, q1 = b & 15, b >> 4
-                if per == 8:
-                    hb = np.int32(Br[high + _U(k)])
-                    q0 |= ((hb >> s) & 1) << 4
-                    q1 |= ((hb >> (4 + s)) & 1) << 4
-                elif per == 16:
-                    hb = np.int32(Br[high + _U(k)])
-                    q0 |= ((hb >> (2 * s)) & 3) << 4
-                    q1 |= ((hb >> (2 * s + 4)) & 3) << 4
-                e1 = e + _U(32)
-                y[o + e] += c * _col_weight(kind, q0, Ar[i0 + e], Mr[i0 + e])
-                y[o + e1] += c * _col_weight(kind, q1, Ar[i0 + e1], Mr[i0 + e1])
+def col_span(kind, d, lo, hi):
+    """(c0, c1, h0, h1): the bytes of a column of d elements (storage.columns) that elements lo .. hi (whole groups)
+    are in: c0 .. c1 their values (nibbles; q8_0 bytes), h0 .. h1 their high bits (empty without)."""
+    if kind == Q8_0:
+        return lo, hi, 0, 0
+    five = kind == Q5_0 or kind == Q5_1 or kind == Q5_K
+    if five or kind == Q6_K:
+        sh = 3 if five else 2
+        return lo // 2, hi // 2, d // 2 + (lo >> sh), d // 2 + (hi >> sh)
+    return lo // 2, hi // 2, 0, 0
+
+
+@njit(cache=True, nogil=True, inline="always")
+def col_group(kind, j):
+    """The row of the scale tables that neuron j's column uses (its sub-block: storage.columns.groups)."""
+    return j // (16 if kind == Q6_K else 32)
 
 
 @njit(cache=True, nogil=True)
 def col_axpy(y, c, B, r, at, lo, kind, j, S):
     """y[k] += c * (element lo + k of the column at byte `at` of row r of B, neuron j's), k < len(y) (lo and len(y)
-    multiples of 64): strict float32, as row_axpy. One branch per call picks the kind's loop."""
+    multiples of 64): strict float32, as row_axpy (col_run)."""
     A, M = S
-    g = j // (16 if kind == Q6_K else 32)          # the row of neuron j's sub-block (storage.columns.groups)
-    h = A.shape[1] // 2
-    # written out per kind: a literal kind is what lets _col_loop's branches fold (a runtime kind ran ~4x slower)
-    if kind == Q8_0:
-        _col_loop(y, c, B, r, at, lo, Q8_0, A, M, g, h)
-    elif kind == Q4_0:
-        _col_loop(y, c, B, r, at, lo, Q4_0, A, M, g, h)
-    elif kind == Q4_1:
-        _col_loop(y, c, B, r, at, lo, Q4_1, A, M, g, h)
-    elif kind == Q5_0:
-        _col_loop(y, c, B, r, at, lo, Q5_0, A, M, g, h)
-    elif kind == Q5_1:
-        _col_loop(y, c, B, r, at, lo, Q5_1, A, M, g, h)
-    elif kind == Q4_K:
-        _col_loop(y, c, B, r, at, lo, Q4_K, A, M, g, h)
-    elif kind == Q5_K:
-        _col_loop(y, c, B, r, at, lo, Q5_K, A, M, g, h)
-    else:
-        _col_loop(y, c, B, r, at, lo, Q6_K, A, M, g, h)
+    g = col_group(kind, j)
+    col_run(y, c, B[r], at, lo, A.shape[1] // 2, kind, A[g], M[g] if M.shape[0] else A[g])
+
+
+@njit(cache=True, nogil=True)
+def col_axpys(y, B, rows, cs, count, at, lo, kind, j, S):
+    """col_axpy of (cs[i], row rows[i] of B) for i < count in turn, whose neurons share neuron j's sub-block
+    (col_group): col_runs, the same bits."""
+    A, M = S
+    g = col_group(kind, j)
+    col_runs(y, B, rows, cs, count, at, lo, A.shape[1] // 2, kind, A[g], M[g] if M.shape[0] else A[g])
 
 
 @njit(cache=True, nogil=True)

@@ -17,13 +17,13 @@ from numba import njit, prange
 
 from storage.errors import UserError
 from flashinfer_lite.kernels.gemv import WIDEN_BLOCK_BYTES
-from flashinfer_lite.kernels.prefetch import prefetch_ahead
+from flashinfer_lite.kernels.prefetch import PREFETCH_AHEAD, prefetch_ahead, prefetch_row
 from flashinfer_lite.kernels.rows import scalar
 from flashinfer_lite.threads import numba_threads
-from flashinfer_lite.quant import (DOT8_ROWS, KINDS, Q4_K, QuantMatrix, act8_buffers, act8_dot, act8_of,
-                                   act8_rounded, act8_row, act8_slice, col_axpy, col_dequant, column_tables, quant_kind,
-                                   quantize_act1, quantize_act_rows, row_axpy, row_dequant, row_dot8, row_dot8k,
-                                   rows_dot8, rows_dot8k)
+from flashinfer_lite.quant import (COL_RUN_MAX, DOT8_ROWS, KINDS, Q4_K, QuantMatrix, act8_buffers, act8_dot, act8_of,
+                                   act8_rounded, act8_row, act8_slice, col_axpy, col_axpys, col_dequant, col_group,
+                                   col_span, column_tables, quant_kind, quantize_act1, quantize_act_rows, row_axpy,
+                                   row_dequant, row_dot8, row_dot8k, rows_dot8, rows_dot8k)
 from storage import columns
 
 from .gating import act_code, gate_activation, glu_coefficient, threshold_of
@@ -51,7 +51,9 @@ def quant_ffn_accumulate(B, F, slots, coef, Y, down_at, kind, weights, block_byt
 
     As ffn.sparse.ffn_accumulate: one thread per (row, out_block output elements), so each element sums its terms in
     slot order and a set accumulated in pieces gives the bit-identical sum. out_block is a multiple of the block's
-    weights, so a task's outputs are whole blocks of the down rows."""
+    weights, so a task's outputs are whole blocks of the down rows. Each task asks for the pieces it reads a few rows
+    ahead (the rows sit where the hardware cannot guess), and adds consecutive fired columns of one sub-block in one
+    pass (col_axpys: their terms still in slot order)."""
     n = slots.shape[0]
     d = Y.shape[1]
     nb = (d + out_block - 1) // out_block
@@ -61,15 +63,35 @@ def quant_ffn_accumulate(B, F, slots, coef, Y, down_at, kind, weights, block_byt
         hi = min(d, lo + out_block)
         y = Y[t, lo:hi]
         if s_neuron >= 0:
-            for j in range(n):
-                c = coef[t, j]
-                if c != np.float32(0.0):
-                    r = slots[j]
-                    col_axpy(y, c, B, r, down_at, lo, kind, np.int64(F[r, s_neuron]), S)
+            c0, c1, h0, h1 = col_span(kind, d, lo, hi)
+            ahead = 1 + (PREFETCH_AHEAD - 1) // (c1 - c0 + h1 - h0)
+            rows, cs = np.empty(COL_RUN_MAX, np.int64), np.empty(COL_RUN_MAX, np.float32)
+            held, group, first = 0, -1, 0   # fired neurons of one sub-block not yet added (col_axpys)
+            for j in range(n + 1):
+                if j + ahead < n:     # the column's pieces and its neuron id, a few rows ahead
+                    r = slots[j + ahead]
+                    prefetch_row(B, r, down_at + c0, down_at + c1)
+                    prefetch_row(B, r, down_at + h0, down_at + h1)
+                    prefetch_row(B, r, 4 * s_neuron, 4 * s_neuron + 4)
+                if j < n and coef[t, j] == np.float32(0.0):
+                    continue
+                neuron = np.int64(F[slots[j], s_neuron]) if j < n else -1
+                g = col_group(kind, neuron) if j < n else -1
+                if held and (g != group or held == COL_RUN_MAX):
+                    col_axpys(y, B, rows, cs, held, down_at, lo, kind, first, S)
+                    held = 0
+                if j < n:
+                    if held == 0:
+                        group, first = g, neuron
+                    rows[held], cs[held] = slots[j], coef[t, j]
+                    held += 1
             continue
         b_lo = down_at + lo // weights * block_bytes
         b_hi = down_at + hi // weights * block_bytes
+        ahead = 1 + (PREFETCH_AHEAD - 1) // (b_hi - b_lo)
         for j in range(n):
+            if j + ahead < n:
+                prefetch_row(B, slots[j + ahead], b_lo, b_hi)
             c = coef[t, j]
             if c != np.float32(0.0):
                 row_axpy(y, c, B[slots[j], b_lo:b_hi], kind)
@@ -117,7 +139,7 @@ def quant_ffn_accumulate_rows(B, F, slots, coef, Y, down_at, kind, weights, bloc
             else:
                 row_dequant(B[r, down_at + lo // weights * block_bytes:down_at + (lo + m) // weights * block_bytes],
                             w, kind)
-            for i in range(_U(rows)):          # unsigned: no wrap-around checks, so the loop vectorises (_col_loop)
+            for i in range(_U(rows)):          # unsigned: no wrap-around checks, so the loop vectorises
                 c = coef[t0 + i, j]
                 if c != np.float32(0.0):
                     for k in range(_U(m)):
