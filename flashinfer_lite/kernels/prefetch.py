@@ -31,14 +31,21 @@ def _prefetch_line(typingctx, a, byte):
 
 
 @njit(cache=True, inline="always")
-def prefetch_row(M, r, lo, hi):
-    """Ask for bytes lo .. hi of row r of M (2-D), if there is such a row and the piece is shorter than
-    PREFETCH_AHEAD (the hardware streams a longer one once it has begun): a row at an address the hardware cannot
-    guess (the neuron cache's slots), asked for while the one before it is computed."""
-    if 0 <= r < M.shape[0] and hi - lo < PREFETCH_AHEAD:
+def prefetch_piece(M, r, lo, hi):
+    """Ask for bytes lo .. hi of row r of M (2-D), if there is such a row, whatever their length: a piece at an
+    address the hardware cannot guess (the neuron cache's slots), asked for while the one before it is computed."""
+    if 0 <= r < M.shape[0]:
         start = r * M.strides[0]
         for b in range(start + lo, start + hi, CACHE_LINE):
             _prefetch_line(M, b)
+
+
+@njit(cache=True, inline="always")
+def prefetch_row(M, r, lo, hi):
+    """prefetch_piece where the piece is shorter than PREFETCH_AHEAD: the hardware streams a longer one once it has
+    begun, when the loop reads its rows in order (the down rows, piece by piece)."""
+    if hi - lo < PREFETCH_AHEAD:
+        prefetch_piece(M, r, lo, hi)
 
 
 @njit(cache=True, inline="always")
