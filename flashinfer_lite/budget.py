@@ -169,8 +169,9 @@ def read_staging_bytes(layout, rows: int, gap_bytes: int | None = None) -> int:
     """The reader's staging buffers for a request of up to `rows` bundles of a layer (storage.reader), at most.
     Bundles in the split parts (PartsReader): each part's rows, and that part's own staging. Packed bundles (a stride
     that is not a multiple of 512): each op's span widened to 512-byte boundaries on both sides; 0 when not packed.
-    The ops' spans do not overlap and lie in the layer, so they hold at most the layer plus 1 KiB an op; ops: one per bundle at worst, but the reader merges bundles at most gap_rows apart (its coalescing gap;
-    < 0: none), so runs start more than gap_rows + 1 bundles apart, and a run is split every MAX_READ_BYTES. (Every
+    The ops' spans do not overlap and lie in the layer, so they hold at most the layer plus 1 KiB an op; ops: one per
+    bundle at worst, but the reader merges bundles at most gap_rows apart (its coalescing gap in rows; < 0: none), so
+    runs start more than gap_rows + 1 bundles apart, and a run is split every MAX_READ_BYTES. (Every
     bundle of a request an op counted 2 MiB against 0.5 with the 56-row gap on the default model.) Streams read into
     their own buffers, unstaged (stream_transient_bytes). gap_bytes: the reader's coalescing gap (reader_gap_bytes)."""
     if not layout.bundled:
@@ -517,12 +518,12 @@ def expert_steps(layout) -> list:
     """compile_steps of a mixture of experts (ffn.experts.ExpertFFN): model.MixtureOfExperts over one zeroed chunk,
     for a decoded token and a prompt's rows; split chunks through the exact gate's kernels (ffn.split.SplitKernels)."""
     E, cfg = layout.experts, ModelConfig.from_dict(layout.config)
-    chunk = aligned_empty((1, E.chunk), np.uint8)
-    chunk[:] = 0
-
-    def gated(x):               # ExpertCache.gated's kernels: every coefficient, then the down sum of two neurons
+    chunk = np.zeros((1, E.chunk), np.uint8)
+    if E.split:
         parts = expert_parts(layout)
         kernels = SplitKernels(parts["gate_up"], parts["down"], cfg.act, cfg.relu_threshold)
+
+    def gated(x):               # ExpertCache.gated's kernels: every coefficient, then the down sum of two neurons
         coef, y = np.zeros((x.shape[0], E.n), np.float32), np.zeros_like(x)
         kernels.coefficients(E.heads(chunk[0]), x, coef, 0.0, 0)
         kernels.accumulate(E.columns(chunk[0]), np.arange(2, dtype=np.int32), np.ascontiguousarray(coef[:, :2]), y, 0)

@@ -52,6 +52,7 @@ SWITCH_RATIO = 0.95    # a probe step votes for its count when it takes at most 
 HISTORY = 8            # recent steps per count, for their median
 RUN_QUEUE_SHARE = 0.2  # no probe of more threads while this thread waited in the run queue for this share of its steps
 
+
 def step_counts(most: int) -> list[int]:
     """The thread counts a decode step may run on when at most `most` are allowed: 1, most // 2 and most."""
     return sorted({most, max(1, most // 2), 1})

@@ -1069,9 +1069,9 @@ class FlashCheckpoint:
 
     def bundle_chunks(self, layer: int, rows: int):
         """Yield (first bundle, bundles uint8 [m, stride]) of layer `layer`, `rows` at a time in bundle order, as
-        ffn.bin holds them (a layout without ffn.bin: assembled from the split parts). Each region's checksum is checked over
-        the bytes read, after the last chunk: a caller that keeps what it computed only once the loop ends never uses
-        damaged weights."""
+        ffn.bin holds them (a layout without ffn.bin: assembled from the split parts). Each region's checksum is
+        checked over the bytes read, after the last chunk: a caller that keeps what it computed only once the loop ends
+        never uses damaged weights."""
         L = self.layout
         n = L.n_neurons[layer]
         g = L.geometry_of(layer)

@@ -202,8 +202,6 @@ class BundleReader:
         n = L.n_neurons[layer]
         if ids.min() < 0 or ids.max() >= n:
             raise ValueError(f"bundle ids must be in 0..{n - 1} for layer {layer}")
-        if slots.min() < 0 or slots.max() >= dest.shape[0]:
-            raise ValueError(f"slots must be in 0..{dest.shape[0] - 1}")
         order = np.argsort(ids, kind="stable")
         ids, slots = ids[order], slots[order]
         step = np.diff(ids)
@@ -325,13 +323,15 @@ class BundleReader:
 
 def request_rows(bundle_ids, slots, dest: np.ndarray, stride: int) -> tuple[np.ndarray, np.ndarray]:
     """A request's bundle ids and destination rows as int64 vectors, checked against each other and dest (C-contiguous
-    uint8 [rows, stride])."""
+    uint8 [rows, stride], every slot one of its rows)."""
     ids = np.asarray(bundle_ids, dtype=np.int64).ravel()
     slots = np.asarray(slots, dtype=np.int64).ravel()
     if ids.shape != slots.shape:
         raise ValueError(f"{ids.size} bundle ids but {slots.size} slots")
     if dest.dtype != np.uint8 or dest.ndim != 2 or dest.shape[1] != stride or not dest.flags.c_contiguous:
         raise ValueError(f"dest must be C-contiguous uint8 [slots, {stride}], got {dest.dtype} {dest.shape}")
+    if slots.size and (slots.min() < 0 or slots.max() >= dest.shape[0]):
+        raise ValueError(f"slots must be in 0..{dest.shape[0] - 1}")
     return ids, slots
 
 
@@ -386,8 +386,6 @@ class PartsReader:
     def submit(self, layer: int, bundle_ids, dest: np.ndarray, slots) -> "AssembledRead":
         """BundleReader.submit: bundle_ids[j] of `layer` into dest[slots[j]] once wait() returns."""
         ids, slots = request_rows(bundle_ids, slots, dest, self.layout.stride)
-        if ids.size and (slots.min() < 0 or slots.max() >= dest.shape[0]):
-            raise ValueError(f"slots must be in 0..{dest.shape[0] - 1}")
         rows = np.arange(ids.size)
         reads = []
         for P, r in self.parts:

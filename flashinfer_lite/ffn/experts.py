@@ -25,6 +25,7 @@ import numpy as np
 
 from storage.blocks import BLOCK_BYTES
 from storage.config import EXACT_GATE_ACTS, ModelConfig
+from storage.experts import MATRICES
 from storage.format import expert_chunks, expert_parts
 from storage.reader import SLOTS_IN_HUGE_PAGES, BundleReader, aligned_empty, in_flight_seconds, populate
 from storage.stats import FlashStats
@@ -46,7 +47,7 @@ def expert_ffn(cfg: ModelConfig, E, buf: np.ndarray, layer: int, e: int) -> Feed
     them (float16 / float32 arrays, QuantMatrix blocks), so both compute with the same kernels."""
     p = f"layers.{layer}.ffn.experts.{e}."
     w = {}
-    for m, (kind, a) in zip(("gate", "up", "down"), E.matrices(buf)):
+    for m, (kind, a) in zip(MATRICES, E.matrices(buf)):
         w[f"{p}{m}.weight"] = QuantMatrix(a, kind, E.shape(m)[1]) if a.dtype == np.uint8 else a
     return FeedForward(cfg, w, layer, p)
 

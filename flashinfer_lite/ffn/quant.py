@@ -17,7 +17,7 @@ from numba import njit, prange
 
 from storage.errors import UserError
 from flashinfer_lite.kernels.gemv import WIDEN_BLOCK_BYTES
-from flashinfer_lite.kernels.prefetch import PREFETCH_AHEAD, prefetch_ahead, prefetch_row
+from flashinfer_lite.kernels.prefetch import prefetch_ahead, prefetch_row, rows_ahead
 from flashinfer_lite.kernels.rows import scalar
 from flashinfer_lite.threads import numba_threads
 from flashinfer_lite.quant import (COL_RUN_MAX, DOT8_ROWS, KINDS, Q4_K, QuantMatrix, act8_buffers, act8_dot, act8_of,
@@ -64,7 +64,7 @@ def quant_ffn_accumulate(B, F, slots, coef, Y, down_at, kind, weights, block_byt
         y = Y[t, lo:hi]
         if s_neuron >= 0:
             c0, c1, h0, h1 = col_span(kind, d, lo, hi)
-            ahead = 1 + (PREFETCH_AHEAD - 1) // (c1 - c0 + h1 - h0)
+            ahead = rows_ahead(c1 - c0 + h1 - h0)
             rows, cs = np.empty(COL_RUN_MAX, np.int64), np.empty(COL_RUN_MAX, np.float32)
             held, group, first = 0, -1, 0   # fired neurons of one sub-block not yet added (col_axpys)
             for j in range(n + 1):
@@ -88,7 +88,7 @@ def quant_ffn_accumulate(B, F, slots, coef, Y, down_at, kind, weights, block_byt
             continue
         b_lo = down_at + lo // weights * block_bytes
         b_hi = down_at + hi // weights * block_bytes
-        ahead = 1 + (PREFETCH_AHEAD - 1) // (b_hi - b_lo)
+        ahead = rows_ahead(b_hi - b_lo)
         for j in range(n):
             if j + ahead < n:
                 prefetch_row(B, slots[j + ahead], b_lo, b_hi)

@@ -42,10 +42,17 @@ def prefetch_piece(M, r, lo, hi):
 
 @njit(cache=True, inline="always")
 def prefetch_row(M, r, lo, hi):
-    """prefetch_piece where the piece is shorter than PREFETCH_AHEAD: the hardware streams a longer one once it has
-    begun, when the loop reads its rows in order (the down rows, piece by piece)."""
+    """prefetch_piece where the piece is shorter than PREFETCH_AHEAD: the hardware streams a longer one on its own once
+    the loop has begun reading it."""
     if hi - lo < PREFETCH_AHEAD:
         prefetch_piece(M, r, lo, hi)
+
+
+@njit(cache=True, inline="always")
+def rows_ahead(piece_bytes):
+    """How many rows ahead of the one being computed a loop over pieces of piece_bytes (> 0) asks for: the first
+    whose piece starts at least PREFETCH_AHEAD bytes of reading later."""
+    return 1 + (PREFETCH_AHEAD - 1) // piece_bytes
 
 
 @njit(cache=True, inline="always")
@@ -53,5 +60,5 @@ def prefetch_ahead(M, j, lo, hi):
     """A loop reads bytes lo .. hi of rows j = 0, 1, ... of M (2-D) in order: at row j, ask for the same bytes of
     the row PREFETCH_AHEAD bytes later (prefetch_row: nothing for longer pieces)."""
     if hi > lo:
-        prefetch_row(M, j + 1 + (PREFETCH_AHEAD - 1) // (hi - lo), lo, hi)
+        prefetch_row(M, j + rows_ahead(hi - lo), lo, hi)
 
