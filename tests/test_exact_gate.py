@@ -122,6 +122,43 @@ def test_an_edited_gate_file_is_refused(gated, tmp_path):
         read_gate_file(flash, 2, 160, DEFAULT_SPARSITY)
 
 
+def test_gate_file_frequencies_round_trip_compactly_and_version_1_is_still_read(tmp_path):
+    """gate.json's frequencies are uint16 shares in base64 (1.46 MB of decimal text for SmolLM2, 0.49 MB now): read
+    back within half a step of 1/65535 of what was written; a version 1 file (decimal lists) reads as written; a
+    layer's string of the wrong length or with a character outside base64 is refused."""
+    from storage.checksums import manifest_checksum
+    from storage.gate_file import write_gate_file
+    rng = np.random.default_rng(1)
+    freq = [rng.random(37), np.r_[0.0, 1.0, rng.random(35)]]
+    write_gate_file(tmp_path, 37, {}, {0.4: ([0.5, 0.25], freq)})
+    cal = read_gate_file(tmp_path, 2, 37, 0.4)
+    assert cal.thresholds == (0.5, 0.25)
+    for got, want in zip(cal.freq, freq):
+        assert got.dtype == np.float32 and np.abs(got - want).max() <= 0.5 / 65535 + 1e-7
+    assert cal.freq[1][0] == 0.0 and cal.freq[1][1] == 1.0
+    m = json.loads((tmp_path / GATE_FILE).read_text())
+    assert m["version"] == 2 and all(isinstance(f, str) for f in m["sparsity"]["0.4"]["freq"])
+
+    def rewrite(edit):
+        e = json.loads(json.dumps(m))
+        edit(e)
+        e["manifest_checksum"] = manifest_checksum(e)
+        (tmp_path / GATE_FILE).write_text(json.dumps(e))
+
+    def v1(e):
+        e["version"] = 1
+        e["sparsity"]["0.4"]["freq"] = [[round(float(v), 4) for v in f] for f in freq]
+    rewrite(v1)
+    cal = read_gate_file(tmp_path, 2, 37, 0.4)
+    for got, want in zip(cal.freq, freq):
+        assert np.array_equal(got, np.asarray([round(float(v), 4) for v in want], np.float32))
+    for bad in (lambda e: e["sparsity"]["0.4"]["freq"].__setitem__(0, e["sparsity"]["0.4"]["freq"][0][:-4]),
+                lambda e: e["sparsity"]["0.4"]["freq"].__setitem__(1, "!" + e["sparsity"]["0.4"]["freq"][1][1:])):
+        rewrite(bad)
+        with pytest.raises(UserError, match="thresholds or frequencies of sparsity 0.4 are malformed"):
+            read_gate_file(tmp_path, 2, 37, 0.4)
+
+
 def float64_gated_model(source, flash, thresholds, masks=None):
     """The float64 model on `source`'s weights whose FFN is numpy float64 math over the neurons that clear the
     threshold: computed outside the runtime (its Transformer only for attention and norms, in float64)."""
