@@ -8,9 +8,8 @@ Each round runs llama.cpp (harness.measure_llama) and flashinfer-lite (the GGUF 
 Session: its per-step thread choice, flashinfer_lite/threads.py) back to back, in alternating order, as worker
 processes (harness.run_row), first with nothing of ours running beside them ("quiet"), then beside one spinning
 process ("busy"; --pin pins it to CPU 0). flashinfer-lite gets -t --threads, llama.cpp --llama-threads (default the
-same). The machine may be shared: every row
-carries the load average at its start. Prints JSON (stdout) and a markdown table (stderr): ms/token and P50 per row,
-and per load flashinfer-lite / llama.cpp per round and the spread (max / min) of each engine's P50 across rounds.
+same). Every row carries the load average at its start. Prints JSON (stdout) and a markdown table (stderr): ms/token
+and P50 per row, per load flashinfer-lite / llama.cpp per round and each engine's P50 spread (max / min) over rounds.
 """
 from __future__ import annotations
 
@@ -99,8 +98,7 @@ def main(argv=None) -> int:
                 spin.kill()
                 spin.wait()
     doc = {"gguf": str(gguf), "prompt_ids": ids, "tokens": a.tokens, "threads": a.threads,
-           "llama_threads": a.llama_threads or a.threads, "rounds": a.rounds,
-           "spinner_pinned": a.pin, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": mach,
+           "llama_threads": a.llama_threads or a.threads, "rounds": a.rounds, "spinner_pinned": a.pin, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": mach,
            "results": results, "summary": summary(results, loads, a.rounds),
            "seconds": round(time.perf_counter() - t_start, 1), "command": h.command("busy_decode.py", argv)}
     return h.emit(doc, markdown, a.md, None if a.keep else work)

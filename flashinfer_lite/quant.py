@@ -994,16 +994,18 @@ class QuantMatrix:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Columns (storage/columns.py): a GGUF down matrix kept exactly. Neuron j's column holds its raw values along d;
-# the scales are the layer's tables decoded to float32, S = (a, m): rows by sub-block of neurons, one value per row
-# of d. The run over a column is LLVM IR as the row operations (64 elements a vector step: as plain Numba loops,
-# LLVM left most kinds scalar, 2-7x slower), every weight formed by gguf.quants' float32 operations and y += c * w
-# rounded as row_axpy does (no contraction).
+# the scales are the layer's tables, S = (a, m, sc, mn) (storage.columns.decode): a and m float32 rows by block of
+# neurons, sc and mn uint8 rows by sub-block (K-quants), one value per row of d. The run over a column is LLVM IR
+# as the row operations (64 elements a vector step: as plain Numba loops, LLVM left most kinds scalar, 2-7x slower),
+# every weight formed by gguf.quants' float32 operations and y += c * w rounded as row_axpy does (no contraction).
 
 
 def column_tables(tables: dict | None, kind: str | None, d: int) -> tuple:
-    """The kernels' S = (a, m) of a layer's raw tables (storage.columns.decode; none, or no m: empty)."""
+    """The kernels' S = (a, m, sc, mn) of a layer's raw tables (storage.columns.decode; a table the kind has not, or
+    no tables: empty)."""
     dec = decode_columns(tables, kind) if tables is not None else {}
-    return tuple(dec[t] if t in dec else np.zeros((0, d), np.float32) for t in ("a", "m"))
+    return tuple(dec[t] if t in dec else np.zeros((0, d), dt) for t, dt in (("a", np.float32), ("m", np.float32),
+                                                                           ("sc", np.uint8), ("mn", np.uint8)))
 
 
 _COL_GROUP = 64      # elements of a column group (storage.columns.GROUP)
@@ -1052,9 +1054,10 @@ def _col_weights(builder, kind, q, a, m):
     return builder.call(fma, [a, builder.uitofp(q, vt), m if kind in (Q4_1, Q5_1) else builder.fneg(m)])
 
 
-def _col_runs(context, builder, y, terms, at, lo, half, kind, Ar, Mr):
+def _col_runs(context, builder, y, terms, at, lo, half, kind, Ar, Mr, SCr, MNr):
     """y[k] += c * (element lo + k of the column at byte `at` of row data) for each (c, data) of terms in turn
-    (columns sharing the scale rows Ar, Mr), 64 elements a step: col_run's loop, one per kind."""
+    (columns sharing the scale rows Ar, Mr, SCr, MNr), 64 elements a step: col_run's loop, one per kind. A K-quant's
+    a and m are formed here, d*sc and dmin*mn (exact products, as gguf.quants' float32 ones)."""
     at, lo, half = (builder.sext(v, _I64) if v.type.width < 64 else v for v in (at, lo, half))
     cs = [_vec(builder, _F32, c, _COL_GROUP) for c, _ in terms]
     vp = ir.VectorType(_F32, _COL_GROUP).as_pointer()
@@ -1066,6 +1069,12 @@ def _col_runs(context, builder, y, terms, at, lo, half, kind, Ar, Mr):
                 o = builder.mul(loop.index, ir.Constant(loop.index.type, _COL_GROUP))
                 i0 = builder.add(lo, o)
                 a, m = builder.load(row(Ar, i0), align=4), builder.load(row(Mr, i0), align=4)
+                vt = ir.VectorType(_F32, _COL_GROUP)
+                if k.code in (Q4_K, Q5_K, Q6_K):
+                    sc = _load_vec(builder, SCr.data, _I8, _COL_GROUP, i0)
+                    a = builder.fmul(a, builder.sitofp(sc, vt) if k.code == Q6_K else builder.uitofp(sc, vt))
+                if k.code in (Q4_K, Q5_K):
+                    m = builder.fmul(m, builder.uitofp(_load_vec(builder, MNr.data, _I8, _COL_GROUP, i0), vt))
                 dst = row(y, o)
                 acc = builder.load(dst, align=4)
                 for cv, (_, data) in zip(cs, terms):
@@ -1075,43 +1084,46 @@ def _col_runs(context, builder, y, terms, at, lo, half, kind, Ar, Mr):
 
 
 @intrinsic
-def col_run(typingctx, y, c, Br, at, lo, half, kind, Ar, Mr):
+def col_run(typingctx, y, c, Br, at, lo, half, kind, Ar, Mr, SCr, MNr):
     """y[k] += c * (element lo + k of the column at byte `at` of Br), k < len(y) (lo and len(y) multiples of 64;
-    half: the column's d / 2, where its high bits begin; Ar, Mr: the rows of its scale tables, Mr any float32 row
-    where the kind has none): strict float32, as row_axpy, 64 elements a step. One branch per call picks the kind."""
-    if not _rows_ok(y, types.float32, Br, types.uint8, Ar, types.float32, Mr, types.float32):
+    half: the column's d / 2, where its high bits begin; Ar, Mr, SCr, MNr: the rows of its scale tables, any row of
+    their dtype where the kind has none): strict float32, as row_axpy, 64 elements a step. One branch per call picks
+    the kind."""
+    if not _rows_ok(y, types.float32, Br, types.uint8, Ar, types.float32, Mr, types.float32, SCr, types.uint8,
+                    MNr, types.uint8):
         return None
 
     def codegen(context, builder, sig, args):
-        y, c, Br, at, lo, half, kind, Ar, Mr = _arrays(context, builder, sig, args)
-        _col_runs(context, builder, y, [(c, Br.data)], at, lo, half, kind, Ar, Mr)
+        y, c, Br, at, lo, half, kind, Ar, Mr, SCr, MNr = _arrays(context, builder, sig, args)
+        _col_runs(context, builder, y, [(c, Br.data)], at, lo, half, kind, Ar, Mr, SCr, MNr)
         return context.get_dummy_value()
-    return types.none(y, c, Br, at, lo, half, kind, Ar, Mr), codegen
+    return types.none(y, c, Br, at, lo, half, kind, Ar, Mr, SCr, MNr), codegen
 
 
 COL_RUN_MAX = 4     # columns of one sub-block that col_runs adds in one pass
 
 
 @intrinsic
-def col_runs(typingctx, y, B, rows, cs, count, at, lo, half, kind, Ar, Mr):
+def col_runs(typingctx, y, B, rows, cs, count, at, lo, half, kind, Ar, Mr, SCr, MNr):
     """col_run of (cs[i], row rows[i] of B) for i = 0 .. count - 1 in turn (count <= COL_RUN_MAX; columns with the
     same scale rows), in one pass: each element adds its terms in that order, as count calls would (the same bits),
     and its scales and sum are loaded once."""
-    if not (_rows_ok(y, types.float32, rows, types.int64, cs, types.float32, Ar, types.float32, Mr, types.float32)
+    if not (_rows_ok(y, types.float32, rows, types.int64, cs, types.float32, Ar, types.float32, Mr, types.float32,
+                     SCr, types.uint8, MNr, types.uint8)
             and isinstance(B, types.Array) and B.ndim == 2 and B.layout == "C" and B.dtype == types.uint8):
         return None
 
     def codegen(context, builder, sig, args):
-        y, B, rows, cs, count, at, lo, half, kind, Ar, Mr = _arrays(context, builder, sig, args)
+        y, B, rows, cs, count, at, lo, half, kind, Ar, Mr, SCr, MNr = _arrays(context, builder, sig, args)
         stride = builder.extract_value(B.strides, 0)
         for n in range(1, COL_RUN_MAX + 1):
             with builder.if_then(builder.icmp_signed("==", count, ir.Constant(count.type, n))):
                 terms = [(builder.load(builder.gep(cs.data, [ir.Constant(_I64, i)])), builder.gep(B.data, [
                     builder.mul(builder.load(builder.gep(rows.data, [ir.Constant(_I64, i)])), stride)]))
                     for i in range(n)]
-                _col_runs(context, builder, y, terms, at, lo, half, kind, Ar, Mr)
+                _col_runs(context, builder, y, terms, at, lo, half, kind, Ar, Mr, SCr, MNr)
         return context.get_dummy_value()
-    return types.none(y, B, rows, cs, count, at, lo, half, kind, Ar, Mr), codegen
+    return types.none(y, B, rows, cs, count, at, lo, half, kind, Ar, Mr, SCr, MNr), codegen
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -1129,26 +1141,39 @@ def col_span(kind, d, lo, hi):
 
 @njit(cache=True, nogil=True, inline="always")
 def col_group(kind, j):
-    """The row of the scale tables that neuron j's column uses (its sub-block: storage.columns.groups)."""
+    """The sub-block of neurons that neuron j is in (storage.columns.groups): its row of the sc and mn tables, and
+    what the neurons that col_axpys adds in one pass share."""
     return j // (16 if kind == Q6_K else 32)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def col_block(kind, j):
+    """The block of neurons that neuron j is in: its row of the a and m tables."""
+    return j // (256 if kind == Q4_K or kind == Q5_K or kind == Q6_K else 32)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _col_rows(S, kind, j, B, r):
+    """Neuron j's rows of the scale tables S (the a row for one the kind has not: never read, only typed)."""
+    A, M, SC, MN = S
+    b, g = col_block(kind, j), col_group(kind, j)
+    return A[b], M[b] if M.shape[0] else A[b], SC[g] if SC.shape[0] else B[r], MN[g] if MN.shape[0] else B[r]
 
 
 @njit(cache=True, nogil=True)
 def col_axpy(y, c, B, r, at, lo, kind, j, S):
     """y[k] += c * (element lo + k of the column at byte `at` of row r of B, neuron j's), k < len(y) (lo and len(y)
     multiples of 64): strict float32, as row_axpy (col_run)."""
-    A, M = S
-    g = col_group(kind, j)
-    col_run(y, c, B[r], at, lo, A.shape[1] // 2, kind, A[g], M[g] if M.shape[0] else A[g])
+    a, m, sc, mn = _col_rows(S, kind, j, B, r)
+    col_run(y, c, B[r], at, lo, S[0].shape[1] // 2, kind, a, m, sc, mn)
 
 
 @njit(cache=True, nogil=True)
 def col_axpys(y, B, rows, cs, count, at, lo, kind, j, S):
     """col_axpy of (cs[i], row rows[i] of B) for i < count in turn, whose neurons share neuron j's sub-block
     (col_group): col_runs, the same bits."""
-    A, M = S
-    g = col_group(kind, j)
-    col_runs(y, B, rows, cs, count, at, lo, A.shape[1] // 2, kind, A[g], M[g] if M.shape[0] else A[g])
+    a, m, sc, mn = _col_rows(S, kind, j, B, rows[0])
+    col_runs(y, B, rows, cs, count, at, lo, S[0].shape[1] // 2, kind, a, m, sc, mn)
 
 
 @njit(cache=True, nogil=True)

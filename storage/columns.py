@@ -20,13 +20,14 @@ Element i of neuron j's column is then gguf.quants' value of (row i, weight j) w
 (b = j // block weights, s = j // sub weights):
   q8_0 d*q   q4_0 d*(q-8)   q5_0 d*(q-16)   q4_1, q5_1 d*q + m   q4_k, q5_k (d*sc)*q - (dmin*mn)   q6_k (d*sc)*(q-32)
 On disk (resident.safetensors) the tables hold these raw fields: 20 bytes per 256 weights of a K-quant, about what
-the GGUF spends on them, so the FLASHDIR stays the GGUF's size. In DRAM the runtime keeps them decoded (decode):
-per sub-block of neurons and row, float32 a = d*sc (exact: an 11-bit by 8-bit product) and, where there is one,
-m = dmin*mn (or the float16 m), so an element costs one multiply (and one add) as in a row kernel. Why float32: the
-raw fields make each element convert two float16 values and form two products, and the down pass ran ~5x slower
-that way (SmolLM2's shape, one thread: 8.3 ms against 1.4 ms for 614 of 1536 neurons); the price is DRAM: 8 bytes
-per 32 weights of a K-quant, 4 per 16 of a q6_k (a 7B Q4_K_M's down: ~0.36 GB over 32 layers against ~0.11 GB
-raw), which the budget counts (budget.down_scale_bytes).
+the GGUF spends on them, so the FLASHDIR stays the GGUF's size. In DRAM the runtime keeps them nearly as they are
+(decode): d and m as float32 per block of neurons and row, sc and mn as the bytes they are, and the kernel forms
+d*sc and dmin*mn per element (exact: an 11-bit by 8-bit product, as gguf.quants'). Why not d*sc decoded to float32
+per sub-block, as until 2026-11-25: 8 bytes per 32 weights of a K-quant (4 per 16 of a q6_k), 11.3 MB per layer of
+a 7B's down, which the sparse down pass reads from DRAM for nearly every sub-block at any firing share; it ran at
+0.62-0.71 of q4_0's bytes per second (bench/quant_kernels.py, tables of every neuron). Kept raw they are 3.5-4.2 MB
+a layer (a 7B Q4_K_M's down: ~0.13 GB over 32 layers against ~0.36 GB), which the budget counts
+(budget.down_scale_bytes).
 The kernels: flashinfer_lite/quant.py (col_axpy, col_dequant); tests/test_kdown.py checks both against gguf.quants.
 """
 from __future__ import annotations
@@ -86,30 +87,27 @@ def table_bytes(kind: str, d: int, n: int) -> int:
     return sum(r * c * dt.itemsize for (r, c), dt in table_shapes(kind, d, n).values())
 
 
-def decoded_shapes(kind: str, d: int, n: int) -> dict[str, tuple[int, int]]:
-    """{"a": shape, "m": shape} of decode's float32 tables (rows: sub-blocks of neurons; no m: q8_0, q4_0, q5_0,
-    q6_k)."""
-    rows = n // groups(kind)[1]
-    return {"a": (rows, d), **({"m": (rows, d)} if "m" in tables_of(kind) else {})}
+def decoded_shapes(kind: str, d: int, n: int) -> dict[str, tuple[tuple[int, int], np.dtype]]:
+    """{table: ((rows, d), dtype)} of decode's tables: a and m float32 per block of neurons (m where the kind has
+    one), sc and mn uint8 per sub-block (K-quants)."""
+    w, sw = groups(kind)
+    t = tables_of(kind)
+    return {**{k: ((n // w, d), np.dtype(np.float32)) for k in ("a", "m") if k == "a" or k in t},
+            **{k: ((n // sw, d), np.dtype(np.uint8)) for k in ("sc", "mn") if k in t}}
 
 
 def decoded_bytes(kind: str, d: int, n: int) -> int:
-    return sum(r * c * 4 for r, c in decoded_shapes(kind, d, n).values())
+    return sum(r * c * dt.itemsize for (r, c), dt in decoded_shapes(kind, d, n).values())
 
 
 def decode(tables: dict, kind: str) -> dict[str, np.ndarray]:
-    """A layer's raw tables -> the float32 tables the kernels use: per sub-block s of neurons and row i,
-    a = d*sc (K-quants; d for the others) and m = dmin*mn (q4_k, q5_k: subtracted) or m (q4_1, q5_1: added), each
-    the float32 value gguf.quants forms (d*sc is exact)."""
-    w, sw = groups(kind)
+    """A layer's raw tables -> the tables the kernels use: per block b of neurons and row i, a = d (float32 of the
+    float16) and m (q4_1, q5_1: added; q4_k, q5_k: dmin, whose product with mn is subtracted); per sub-block s, sc
+    and mn as stored (q6_k's sc: int8 bits); the kernels form an element from them with gguf.quants' float32
+    operations (the module docstring's, a K-quant's d*sc and dmin*mn too)."""
     f16 = lambda t: tables[t].view(np.float16).astype(np.float32)  # noqa: E731
-    per = w // sw                                  # sub-blocks per block: each repeats its block's d and dmin
-    d = np.repeat(f16("d"), per, axis=0)
-    out = {"a": d * tables["sc"].view(np.int8 if kind == "q6_k" else np.uint8).astype(np.float32)
-           if kind in SUB_WEIGHTS else d}
-    if "m" in tables:
-        m = np.repeat(f16("m"), per, axis=0)
-        out["m"] = m * tables["mn"].astype(np.float32) if kind in SUB_WEIGHTS else m
+    out = {"a": f16("d"), **({"m": f16("m")} if "m" in tables else {}),
+           **{k: tables[k] for k in ("sc", "mn") if k in tables}}
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
