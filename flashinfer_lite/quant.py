@@ -1000,12 +1000,18 @@ class QuantMatrix:
 # every weight formed by gguf.quants' float32 operations and y += c * w rounded as row_axpy does (no contraction).
 
 
-def column_tables(tables: dict | None, kind: str | None, d: int) -> tuple:
+# The columns' a and m tables stay float16 bits where the kernel widens them with one instruction (half the DRAM a
+# 7B's q4_0 / q4_1 down reads for them); elsewhere LLVM would widen each lane by a library call
+COLUMN_SCALES_HALF = HAS_F16C
+
+
+def column_tables(tables: dict | None, kind: str | None, d: int, half: bool = COLUMN_SCALES_HALF) -> tuple:
     """The kernels' S = (a, m, sc, mn) of a layer's raw tables (storage.columns.decode; a table the kind has not, or
     no tables: empty)."""
-    dec = decode_columns(tables, kind) if tables is not None else {}
-    return tuple(dec[t] if t in dec else np.zeros((0, d), dt) for t, dt in (("a", np.float32), ("m", np.float32),
-                                                                           ("sc", np.uint8), ("mn", np.uint8)))
+    dec = decode_columns(tables, kind, half) if tables is not None else {}
+    f = np.uint16 if half else np.float32
+    return tuple(dec[t] if t in dec else np.zeros((0, d), dt) for t, dt in (("a", f), ("m", f), ("sc", np.uint8),
+                                                                           ("mn", np.uint8)))
 
 
 _COL_GROUP = 64      # elements of a column group (storage.columns.GROUP)
@@ -1054,11 +1060,12 @@ def _col_weights(builder, kind, q, a, m):
     return builder.call(fma, [a, builder.uitofp(q, vt), m if kind in (Q4_1, Q5_1) else builder.fneg(m)])
 
 
-def _col_runs(context, builder, y, terms, at, lo, half, kind, Ar, Mr, SCr, MNr):
+def _col_runs(context, builder, y, terms, at, lo, half_d, kind, Ar, Mr, SCr, MNr, half):
     """y[k] += c * (element lo + k of the column at byte `at` of row data) for each (c, data) of terms in turn
-    (columns sharing the scale rows Ar, Mr, SCr, MNr), 64 elements a step: col_run's loop, one per kind. A K-quant's
-    a and m are formed here, d*sc and dmin*mn (exact products, as gguf.quants' float32 ones)."""
-    at, lo, half = (builder.sext(v, _I64) if v.type.width < 64 else v for v in (at, lo, half))
+    (columns sharing the scale rows Ar, Mr, SCr, MNr; Ar and Mr float16 bits if half, else float32), 64 elements a
+    step: col_run's loop, one per kind. A K-quant's a and m are formed here, d*sc and dmin*mn (exact products, as
+    gguf.quants' float32 ones)."""
+    at, lo, half_d = (builder.sext(v, _I64) if v.type.width < 64 else v for v in (at, lo, half_d))
     cs = [_vec(builder, _F32, c, _COL_GROUP) for c, _ in terms]
     vp = ir.VectorType(_F32, _COL_GROUP).as_pointer()
     row = lambda arr, i: builder.bitcast(builder.gep(arr.data, [i]), vp)  # noqa: E731
@@ -1068,8 +1075,13 @@ def _col_runs(context, builder, y, terms, at, lo, half, kind, Ar, Mr, SCr, MNr):
             with cgutils.for_range(builder, n) as loop:
                 o = builder.mul(loop.index, ir.Constant(loop.index.type, _COL_GROUP))
                 i0 = builder.add(lo, o)
-                a, m = builder.load(row(Ar, i0), align=4), builder.load(row(Mr, i0), align=4)
                 vt = ir.VectorType(_F32, _COL_GROUP)
+                if half:            # float16 bits: widened exactly (vcvtph2ps)
+                    vh = ir.VectorType(ir.HalfType(), _COL_GROUP)
+                    a, m = (builder.fpext(builder.bitcast(_load_vec(builder, t.data, _I16, _COL_GROUP, i0), vh), vt)
+                            for t in (Ar, Mr))
+                else:
+                    a, m = builder.load(row(Ar, i0), align=4), builder.load(row(Mr, i0), align=4)
                 if k.code in (Q4_K, Q5_K, Q6_K):
                     sc = _load_vec(builder, SCr.data, _I8, _COL_GROUP, i0)
                     a = builder.fmul(a, builder.sitofp(sc, vt) if k.code == Q6_K else builder.uitofp(sc, vt))
@@ -1078,7 +1090,7 @@ def _col_runs(context, builder, y, terms, at, lo, half, kind, Ar, Mr, SCr, MNr):
                 dst = row(y, o)
                 acc = builder.load(dst, align=4)
                 for cv, (_, data) in zip(cs, terms):
-                    w = _col_weights(builder, k.code, _col_values(builder, k.code, data, at, i0, half), a, m)
+                    w = _col_weights(builder, k.code, _col_values(builder, k.code, data, at, i0, half_d), a, m)
                     acc = builder.fadd(acc, builder.fmul(cv, w))
                 builder.store(acc, dst, align=4)
 
@@ -1089,13 +1101,14 @@ def col_run(typingctx, y, c, Br, at, lo, half, kind, Ar, Mr, SCr, MNr):
     half: the column's d / 2, where its high bits begin; Ar, Mr, SCr, MNr: the rows of its scale tables, any row of
     their dtype where the kind has none): strict float32, as row_axpy, 64 elements a step. One branch per call picks
     the kind."""
-    if not _rows_ok(y, types.float32, Br, types.uint8, Ar, types.float32, Mr, types.float32, SCr, types.uint8,
-                    MNr, types.uint8):
+    f = getattr(Ar, "dtype", None)
+    if f not in (types.float32, types.uint16) or not _rows_ok(y, types.float32, Br, types.uint8, Ar, f, Mr, f,
+                                                              SCr, types.uint8, MNr, types.uint8):
         return None
 
     def codegen(context, builder, sig, args):
         y, c, Br, at, lo, half, kind, Ar, Mr, SCr, MNr = _arrays(context, builder, sig, args)
-        _col_runs(context, builder, y, [(c, Br.data)], at, lo, half, kind, Ar, Mr, SCr, MNr)
+        _col_runs(context, builder, y, [(c, Br.data)], at, lo, half, kind, Ar, Mr, SCr, MNr, f == types.uint16)
         return context.get_dummy_value()
     return types.none(y, c, Br, at, lo, half, kind, Ar, Mr, SCr, MNr), codegen
 
@@ -1108,8 +1121,9 @@ def col_runs(typingctx, y, B, rows, cs, count, at, lo, half, kind, Ar, Mr, SCr, 
     """col_run of (cs[i], row rows[i] of B) for i = 0 .. count - 1 in turn (count <= COL_RUN_MAX; columns with the
     same scale rows), in one pass: each element adds its terms in that order, as count calls would (the same bits),
     and its scales and sum are loaded once."""
-    if not (_rows_ok(y, types.float32, rows, types.int64, cs, types.float32, Ar, types.float32, Mr, types.float32,
-                     SCr, types.uint8, MNr, types.uint8)
+    f = getattr(Ar, "dtype", None)
+    if not (f in (types.float32, types.uint16) and _rows_ok(y, types.float32, rows, types.int64, cs, types.float32,
+                                                            Ar, f, Mr, f, SCr, types.uint8, MNr, types.uint8)
             and isinstance(B, types.Array) and B.ndim == 2 and B.layout == "C" and B.dtype == types.uint8):
         return None
 
@@ -1121,7 +1135,7 @@ def col_runs(typingctx, y, B, rows, cs, count, at, lo, half, kind, Ar, Mr, SCr, 
                 terms = [(builder.load(builder.gep(cs.data, [ir.Constant(_I64, i)])), builder.gep(B.data, [
                     builder.mul(builder.load(builder.gep(rows.data, [ir.Constant(_I64, i)])), stride)]))
                     for i in range(n)]
-                _col_runs(context, builder, y, terms, at, lo, half, kind, Ar, Mr, SCr, MNr)
+                _col_runs(context, builder, y, terms, at, lo, half, kind, Ar, Mr, SCr, MNr, f == types.uint16)
         return context.get_dummy_value()
     return types.none(y, B, rows, cs, count, at, lo, half, kind, Ar, Mr, SCr, MNr), codegen
 

@@ -21,13 +21,13 @@ Element i of neuron j's column is then gguf.quants' value of (row i, weight j) w
   q8_0 d*q   q4_0 d*(q-8)   q5_0 d*(q-16)   q4_1, q5_1 d*q + m   q4_k, q5_k (d*sc)*q - (dmin*mn)   q6_k (d*sc)*(q-32)
 On disk (resident.safetensors) the tables hold these raw fields: 20 bytes per 256 weights of a K-quant, about what
 the GGUF spends on them, so the FLASHDIR stays the GGUF's size. In DRAM the runtime keeps them nearly as they are
-(decode): d and m as float32 per block of neurons and row, sc and mn as the bytes they are, and the kernel forms
-d*sc and dmin*mn per element (exact: an 11-bit by 8-bit product, as gguf.quants'). Why not d*sc decoded to float32
-per sub-block, as until 2026-11-25: 8 bytes per 32 weights of a K-quant (4 per 16 of a q6_k), 11.3 MB per layer of
-a 7B's down, which the sparse down pass reads from DRAM for nearly every sub-block at any firing share; it ran at
-0.62-0.71 of q4_0's bytes per second (bench/quant_kernels.py, tables of every neuron). Kept raw they are 3.5-4.2 MB
-a layer (a 7B Q4_K_M's down: ~0.13 GB over 32 layers against ~0.36 GB), which the budget counts
-(budget.down_scale_bytes).
+(decode): d and m per block of neurons and row as the float16 bits they are (widened by the kernel with F16C;
+float32 on hosts without), sc and mn as the bytes they are, and the kernel forms d*sc and dmin*mn per element (exact:
+an 11-bit by 8-bit product, as gguf.quants'). Why not d*sc decoded to float32 per sub-block, as until 2026-11-24:
+8 bytes per 32 weights of a K-quant (4 per 16 of a q6_k), 11.3 MB per layer of a 7B's down, which the sparse down
+pass reads from DRAM for nearly every sub-block at any firing share; it ran at 0.62-0.71 of q4_0's bytes per second
+(bench/quant_kernels.py, tables of every neuron). Kept raw they are 3.5 MB a layer (a 7B Q4_K_M's down: ~0.11 GB
+over 32 layers against ~0.36 GB), which the budget counts (budget.down_scale_bytes).
 The kernels: flashinfer_lite/quant.py (col_axpy, col_dequant); tests/test_kdown.py checks both against gguf.quants.
 """
 from __future__ import annotations
@@ -87,26 +87,27 @@ def table_bytes(kind: str, d: int, n: int) -> int:
     return sum(r * c * dt.itemsize for (r, c), dt in table_shapes(kind, d, n).values())
 
 
-def decoded_shapes(kind: str, d: int, n: int) -> dict[str, tuple[tuple[int, int], np.dtype]]:
-    """{table: ((rows, d), dtype)} of decode's tables: a and m float32 per block of neurons (m where the kind has
-    one), sc and mn uint8 per sub-block (K-quants)."""
+def decoded_shapes(kind: str, d: int, n: int, half: bool) -> dict[str, tuple[tuple[int, int], np.dtype]]:
+    """{table: ((rows, d), dtype)} of decode's tables: a and m per block of neurons (m where the kind has one),
+    float16 bits (half) or float32, sc and mn uint8 per sub-block (K-quants)."""
     w, sw = groups(kind)
-    t = tables_of(kind)
-    return {**{k: ((n // w, d), np.dtype(np.float32)) for k in ("a", "m") if k == "a" or k in t},
+    t, f = tables_of(kind), np.dtype(np.uint16 if half else np.float32)
+    return {**{k: ((n // w, d), f) for k in ("a", "m") if k == "a" or k in t},
             **{k: ((n // sw, d), np.dtype(np.uint8)) for k in ("sc", "mn") if k in t}}
 
 
-def decoded_bytes(kind: str, d: int, n: int) -> int:
-    return sum(r * c * dt.itemsize for (r, c), dt in decoded_shapes(kind, d, n).values())
+def decoded_bytes(kind: str, d: int, n: int, half: bool) -> int:
+    return sum(r * c * dt.itemsize for (r, c), dt in decoded_shapes(kind, d, n, half).values())
 
 
-def decode(tables: dict, kind: str) -> dict[str, np.ndarray]:
-    """A layer's raw tables -> the tables the kernels use: per block b of neurons and row i, a = d (float32 of the
-    float16) and m (q4_1, q5_1: added; q4_k, q5_k: dmin, whose product with mn is subtracted); per sub-block s, sc
-    and mn as stored (q6_k's sc: int8 bits); the kernels form an element from them with gguf.quants' float32
-    operations (the module docstring's, a K-quant's d*sc and dmin*mn too)."""
-    f16 = lambda t: tables[t].view(np.float16).astype(np.float32)  # noqa: E731
-    out = {"a": f16("d"), **({"m": f16("m")} if "m" in tables else {}),
+def decode(tables: dict, kind: str, half: bool) -> dict[str, np.ndarray]:
+    """A layer's raw tables -> the tables the kernels use: per block b of neurons and row i, a = d and m (q4_1,
+    q5_1: added; q4_k, q5_k: dmin, whose product with mn is subtracted), as their float16 bits (half: the kernel
+    widens them, F16C) or float32; per sub-block s, sc and mn as stored (q6_k's sc: int8 bits). The kernels form an
+    element from them with gguf.quants' float32 operations (the module docstring's, a K-quant's d*sc and dmin*mn
+    too)."""
+    f = (lambda t: tables[t]) if half else (lambda t: tables[t].view(np.float16).astype(np.float32))
+    out = {"a": f("d"), **({"m": f("m")} if "m" in tables else {}),
            **{k: tables[k] for k in ("sc", "mn") if k in tables}}
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 

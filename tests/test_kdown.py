@@ -36,17 +36,21 @@ def test_columns_are_gguf_bit_for_bit(kind):
     perm = np.random.default_rng(1).permutation(n)
     got = columns.dequantize_columns(cols[perm], kind, tables, perm)
     assert np.array_equal(got.view(np.uint32), want.T[perm].view(np.uint32))
-    S, code = quant.column_tables(tables, kind, D), quant.KINDS[kind].code
-    assert sum(t.nbytes for t in S) == columns.decoded_bytes(kind, D, n)
-    # held in DRAM nearly as stored (a K-quant's d*sc decoded per sub-block was 3.2x its raw tables, 11 MB a 7B layer)
-    assert columns.decoded_bytes(kind, D, n) <= 2 * columns.table_bytes(kind, D, n)
-    out = np.empty(D, np.float32)
-    for j in perm[:64]:
-        quant.col_dequant(cols, j, 0, out, code, j, S)
-        assert np.array_equal(out.view(np.uint32), want[:, j].view(np.uint32)), j
-    y = np.ones(D - 64, np.float32)
-    quant.col_axpy(y, np.float32(0.75), cols, 5, 0, 64, code, 5, S)
-    assert np.array_equal(y, np.float32(1) + np.float32(0.75) * want[64:, 5])
+    code = quant.KINDS[kind].code
+    # held in DRAM as stored (a K-quant's d*sc decoded per sub-block to float32 was 3.2x its raw tables, 11 MB a 7B
+    # layer); a and m as float32 (hosts without F16C) at most twice
+    assert columns.decoded_bytes(kind, D, n, True) == columns.table_bytes(kind, D, n)
+    assert columns.decoded_bytes(kind, D, n, False) <= 2 * columns.table_bytes(kind, D, n)
+    for half in (False, True) if quant.HAS_F16C else (False,):
+        S = quant.column_tables(tables, kind, D, half)
+        assert sum(t.nbytes for t in S) == columns.decoded_bytes(kind, D, n, half)
+        out = np.empty(D, np.float32)
+        for j in perm[:64]:
+            quant.col_dequant(cols, j, 0, out, code, j, S)
+            assert np.array_equal(out.view(np.uint32), want[:, j].view(np.uint32)), (j, half)
+        y = np.ones(D - 64, np.float32)
+        quant.col_axpy(y, np.float32(0.75), cols, 5, 0, 64, code, 5, S)
+        assert np.array_equal(y, np.float32(1) + np.float32(0.75) * want[64:, 5])
 
 
 def test_pack_unpack_roundtrip():
