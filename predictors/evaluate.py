@@ -5,7 +5,8 @@ Runs the model built by `flashinfer_lite.load` (the one generation uses), one to
 the dense model on the same tokens. The dense reference is computed first, layer by layer over all segments
 (predictors/layerwise.py), so it never needs the whole model in memory; `--ffn dense` is that reference alone (its
 ms_per_token: the layer-streamed batched pass, weight loads included, per token). The mode's model runs under
---dram-budget as generate's does (default auto), so a model bigger than RAM is evaluated from flash.
+--dram-budget as generate's does (default auto), so a model bigger than RAM is evaluated from flash; its dense
+reference then runs in a child process, whose memory leaves with it (dense_reference_apart).
 Reports perplexity (and the dense one), top-1 agreement with dense, the mean share of neurons computed per layer
 (of a mixture of experts: of experts, k/E), the share the predictors selected (what has to be read from flash), and
 the predictors' time and memory. A mixture of experts' dense reference loads one routed expert at a time; its mode
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -24,6 +26,7 @@ from tqdm import tqdm
 from storage.errors import UserError
 from flashinfer_lite.loader import open_any
 from flashinfer_lite.model import half_matrix
+from flashinfer_lite.process import return_freed_heap
 from flashinfer_lite.runtime import FFN_MODES, keeps_float16, load
 from storage.gate_file import DEFAULT_SPARSITY
 from storage.sizes import parse_size
@@ -86,6 +89,25 @@ def dense_reference(ckpt, segments, progress: bool = True) -> list[tuple[np.ndar
     return out
 
 
+def dense_reference_apart(model_path, segments, progress: bool = True) -> list[tuple[np.ndarray, np.ndarray]]:
+    """dense_reference in a child process (`python -m predictors.evaluate`), with this process's 8-bit activation
+    setting. What it leaves in a process (the dense pass's compiled kernels, freed arrays the heap keeps: 208 MiB of
+    RSS after it on SmolLM2's Q4_K_M, 110 MiB over generate's runtime line) would be counted in the mode's model's
+    budget: `eval --ffn gate --dram-budget 300M` was refused (minimum 385 MiB) where generate runs from 276 MiB."""
+    import tempfile
+    from pathlib import Path
+
+    from flashinfer_lite.quant import ACT8
+    from storage.errors import run_child
+    with tempfile.TemporaryDirectory(prefix="flashinfer-lite-eval-") as tmp:
+        seg, out = Path(tmp) / "segments.npz", Path(tmp) / "reference.npz"
+        np.savez(seg, *[np.asarray(w, np.int64) for w in segments])
+        run_child([sys.executable, "-m", "predictors.evaluate", str(model_path), str(seg), str(out),
+                   "--act8", str(int(ACT8[0])), *([] if progress else ["--quiet"])])
+        with np.load(out, allow_pickle=False) as z:
+            return [(z[f"lp{k}"], z[f"top{k}"]) for k in range(len(segments))]
+
+
 def evaluate(model_path, corpus, ffn: str, n_tokens: int = 2048, ctx: int = 256, progress: bool = True,
              dram_budget: int | str | None = None, sparsity: float = DEFAULT_SPARSITY) -> dict:
     if n_tokens < 2:
@@ -102,13 +124,15 @@ def evaluate(model_path, corpus, ffn: str, n_tokens: int = 2048, ctx: int = 256,
         raise UserError(f"the corpus gives too few tokens to evaluate: {', '.join(text.files)}")
     # the dense reference first, then the mode's model: the two are never in memory together
     t0 = time.perf_counter()
-    ref = dense_reference(ckpt, segments, progress)
+    ref = dense_reference(ckpt, segments, progress) if ffn == "dense" else \
+        dense_reference_apart(model_path, segments, progress)
     t_dense = time.perf_counter() - t0
     nll_dense = -sum(float(lp.sum()) for lp, _ in ref)
     runtime = None
     if ffn == "dense":
         nll, agree, t_model = nll_dense, n_pred, t_dense
     else:
+        return_freed_heap()        # what tokenizing the corpus freed (27 MiB of SmolLM2's on wikitext2_test)
         loaded, _ = load(model_path, dram_budget, ffn, ctx, sparsity=sparsity)
         model, runtime = loaded.transformer, loaded.runtime
         kv = model.new_cache(ctx)
@@ -172,3 +196,34 @@ def format_result(res: dict) -> str:
                      f"ms/token, {res['predictor_bytes'] / 2**20:.2f} MiB in memory"
                      + (f", {100 * share:.2f}% of FFN bytes stored" if share else ""))
     return "\n".join(lines)
+
+
+def _reference_child(argv=None) -> int:
+    """dense_reference_apart's child: python -m predictors.evaluate MODEL SEGMENTS.npz OUT.npz --act8 0|1."""
+    from flashinfer_lite.quant import set_act8
+    from storage.errors import child_exit_code
+    p = argparse.ArgumentParser(prog="python -m predictors.evaluate")
+    p.add_argument("model")
+    p.add_argument("segments")
+    p.add_argument("out")
+    p.add_argument("--act8", type=int, choices=(0, 1), default=1)
+    p.add_argument("--quiet", action="store_true")
+    a = p.parse_args(argv)
+
+    def work():
+        set_act8(bool(a.act8))
+        with np.load(a.segments, allow_pickle=False) as z:
+            segments = [z[f"arr_{k}"].tolist() for k in range(len(z.files))]
+        ref = dense_reference(open_any(a.model), segments, progress=not a.quiet and sys.stderr.isatty())
+        tmp = f"{a.out}.{os.getpid()}.npz"
+        try:
+            np.savez(tmp, **{f"{n}{k}": v for k, r in enumerate(ref) for n, v in zip(("lp", "top"), r)})
+            os.replace(tmp, a.out)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return child_exit_code(work)
+
+
+if __name__ == "__main__":
+    sys.exit(_reference_child())

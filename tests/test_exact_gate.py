@@ -315,3 +315,30 @@ def test_first_use_calibrates_inside_the_budget(gated, tmp_path):
     assert run["tokens"] == json.loads(want.stdout.strip().splitlines()[-1])["tokens"]
     sparsity = json.loads((fresh / GATE_FILE).read_text())["sparsity"]
     assert sparsity == json.loads((free / GATE_FILE).read_text())["sparsity"]
+
+
+def test_eval_of_the_gate_runs_at_the_budget_generate_runs_at(gated, tmp_path):
+    """`eval --ffn gate --dram-budget B` plans the mode's model as generate plans it: the dense reference before it
+    runs in a child process, whose compiled kernels and freed arrays leave with it. Before, they stayed in eval's
+    process and were counted in the model's runtime line: on SmolLM2's Q4_K_M eval's minimum was 385 MiB where
+    generate's is 276. At generate's minimum + 8 MiB eval must exit 0, with the dense reference's numbers:
+    the dense perplexity of the in-process reference."""
+    from predictors.evaluate import evaluate
+    flash = gated["q8_0"]
+    text = tmp_path / "corpus.txt"
+    text.write_text("Once upon a time there was a little girl who lived in a village near the forest. " * 40)
+
+    def run(cmd, budget):
+        argv = [sys.executable, "-m", "flashinfer_lite", *cmd, "-m", str(flash), "--ffn", "gate", "--dram-budget",
+                budget]
+        argv += ["--corpus", str(text), "--tokens", "96", "--ctx", "48", "--json"] if cmd == ["eval"] else \
+            ["-p", "Once upon a time", "-n", "2", "-c", "48", "--ignore-chat-template"]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=300)
+
+    minimum = planner_minimum(lambda b: (lambda r: (r.returncode, r.stderr))(run(["generate"], b)))[0]
+    got = run(["eval"], f"{minimum + 8:.1f}M")
+    assert got.returncode == 0, got.stderr[-2000:]
+    res = json.loads(got.stdout.strip().splitlines()[-1])
+    want = evaluate(flash, [text], "dense", n_tokens=96, ctx=48, progress=False)
+    assert res["tokens"] == want["tokens"] and res["dense_perplexity"] == pytest.approx(want["perplexity"], rel=1e-9)
+    assert 0.4 < res["active_share"] < 0.8 and res["top1_agreement"] > 0.5
