@@ -313,11 +313,12 @@ class Decision:
 
 def open_model_files(model, ffn: str, verify: bool = True, progress: bool = False,
                      runtime_bytes: int | None = None, refuse_below: int | None = None, ctx: int = 0,
-                     sparsity: float = DEFAULT_SPARSITY) -> ModelFiles:
-    """The facts decide() needs. A FLASHDIR backs every mode but dense of an HF directory or GGUF (and auto of one
-    that is not the default model or a mixture of experts: without predictors it runs dense; a mixture of experts
-    needs none, its router says which experts run); such a model is converted into the cache on first use, and a
-    launch checks sizes and the verified stamp, not every byte. The runtime line is measured here,
+                     sparsity: float = DEFAULT_SPARSITY, dram_budget: int | str | None = None) -> ModelFiles:
+    """The facts decide() needs. A FLASHDIR backs every mode but dense of an HF directory or GGUF, and auto of one
+    that needs no predictors to run from flash when it has to: a mixture of experts (its router says which experts
+    run), or a SiLU- or GELU-gated model (the exact gate) given a --dram-budget, or under `auto` one that does not fit
+    in DRAM (dram_budget: load's); any other runs dense. Such a model is converted into the cache on first use, and
+    a launch checks sizes and the verified stamp, not every byte. The runtime line is measured here,
     on a process that holds everything but the weights (tokenizer, predictors, compiled kernels). refuse_below: a
     --dram-budget (bytes) under the model's minimum is refused before any of that work, the default model's fetch
     included (refuse_below_minimum), for the runs that plan it (the dense ones hold every weight, with no plan)."""
@@ -325,7 +326,7 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
         raise UserError(f"unknown --ffn mode '{ffn}' (choose from {', '.join(FFN_MODES)})")
     default = model is None
     flash_backed = (not default and is_flashdir(model)) or ffn in ("oracle", "predicted", "gate", "experts") \
-        or (ffn == "auto" and (default or open_checkpoint(model).config.moe))      # the source's header alone
+        or (ffn == "auto" and (default or from_flash_first_use(model, dram_budget)))
     if refuse_below is not None and flash_backed and ffn != "dense":
         refuse_below_minimum(None if default else str(model), ffn, refuse_below, ctx)
     source = str(ensure_default_model()) if default else str(model)
@@ -333,11 +334,8 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
         if flash_backed and verify:   # the resident file and the manifest are checked, not only each layer
             verify_at_load(source, progress=progress)
         ckpt = open_any(source)
-        cfg = ckpt.config
-        # a GGUF keeps its blocks (about its file's size), anything else counts float32
-        need = os.path.getsize(source) if source.endswith(".gguf") and os.path.isfile(source) else \
-            resident_bytes_for(cfg) + cfg.n_layers * cfg.ffn_dim * cfg.dim * 4 * (3 if cfg.glu else 2)
-        return ModelFiles(source, source, default, flash_backed, ckpt, ckpt.tokenizer(), None, None, need)
+        return ModelFiles(source, source, default, flash_backed, ckpt, ckpt.tokenizer(), None, None,
+                          dense_bytes_of(source, ckpt.config))
     keep_freed_arrays_out_of_rss()
     path = flashdir_for(source, progress)
     if verify:
@@ -351,6 +349,27 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
     if not ckpt.config.moe or ckpt.layout.experts.split:    # split expert chunks run the exact gate too
         files.gate = read_gate_file(path, ckpt.config.n_layers, ckpt.config.ffn_dim, sparsity)
     return files
+
+
+def from_flash_first_use(source: str, dram_budget) -> bool:
+    """Whether --ffn auto converts an HF directory or GGUF (from its header alone) on first use to run it from flash:
+    a mixture of experts always; a SiLU- or GELU-gated model given a --dram-budget (bytes), or under `auto` when its
+    dense weights (a GGUF's file, else float32) do not fit what the machine can give (the exact gate needs no
+    predictors; a ReLU-family model needs trained ones, and is told so)."""
+    cfg = open_checkpoint(source).config
+    if cfg.moe:
+        return True
+    if not cfg.glu or cfg.act not in EXACT_GATE_ACTS or dram_budget is None:
+        return False
+    return dram_budget != "auto" or dense_bytes_of(source, cfg) > auto_budget_bytes()
+
+
+def dense_bytes_of(source: str, cfg: ModelConfig) -> int:
+    """DRAM a dense run of an HF directory or GGUF needs: a GGUF keeps its blocks (about its file's size), anything
+    else counts float32."""
+    if source.endswith(".gguf") and os.path.isfile(source):
+        return os.path.getsize(source)
+    return resident_bytes_for(cfg) + cfg.n_layers * cfg.ffn_dim * cfg.dim * 4 * (3 if cfg.glu else 2)
 
 
 def decide(files: ModelFiles, ffn: str, dram_budget=None, ctx: int | None = None, window: int = 5,
@@ -564,7 +583,7 @@ def load(path: str | None = None, dram_budget: int | str | None = "auto", ffn: s
     budget = parse_size(dram_budget) if isinstance(dram_budget, str) and dram_budget != "auto" else dram_budget
     progress = sys.stderr.isatty()
     files = open_model_files(path, ffn, progress=progress, refuse_below=budget if isinstance(budget, int) else None,
-                             ctx=ctx, sparsity=sparsity)
+                             ctx=ctx, sparsity=sparsity, dram_budget=budget)
     ctx = context_size(ctx, files.ckpt.config)
     room = auto_budget_bytes() if budget == "auto" else None
     decision = decide(files, ffn, budget, ctx, lookahead=lookahead, room=room, verbose=verbose)

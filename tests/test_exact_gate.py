@@ -6,6 +6,7 @@ whose |coefficient| clears the calibrated threshold, their down columns; the run
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -342,3 +343,33 @@ def test_eval_of_the_gate_runs_at_the_budget_generate_runs_at(gated, tmp_path):
     want = evaluate(flash, [text], "dense", n_tokens=96, ctx=48, progress=False)
     assert res["tokens"] == want["tokens"] and res["dense_perplexity"] == pytest.approx(want["perplexity"], rel=1e-9)
     assert 0.4 < res["active_share"] < 0.8 and res["top1_agreement"] > 0.5
+
+
+def test_a_gated_source_given_a_budget_is_converted_on_first_use_and_runs_the_gate(tiny_model, tmp_path):
+    """--ffn auto on an HF directory (or GGUF) of a SiLU-gated model with a --dram-budget: converted into the cache on
+    first use and run by the exact gate, which needs no predictors (before: refused, asking for predictors), with
+    the tokens of --ffn gate without a budget; without a budget it runs dense from the source, converting nothing. A
+    ReLU model given a budget is still told to train predictors."""
+    src = tiny_model("llama-bias-untied")
+    env = dict(os.environ, FLASHINFER_LITE_CACHE=str(tmp_path / "cache"))
+
+    def generate(model, *flags):
+        return subprocess.run([sys.executable, "-m", "flashinfer_lite", "generate", "-m", str(model), "-p",
+                               "Once upon a time", "-n", "6", "--temp", "0", "--json", "-c", "64",
+                               "--ignore-chat-template", *flags], capture_output=True, text=True, timeout=300, env=env)
+    dense = generate(src)
+    assert dense.returncode == 0 and "ffn: dense" in dense.stderr, dense.stderr[-2000:]
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("manifest.json"))
+    minimum = planner_minimum(lambda b: (lambda r: (r.returncode, r.stderr))(generate(src, "--dram-budget", b)))[0]
+    got = generate(src, "--dram-budget", f"{minimum + 8:.1f}M")
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert "ffn: gate (--ffn auto" in got.stderr
+    flash = [p.parent for p in (tmp_path / "cache").rglob("manifest.json")]
+    assert len(flash) == 1 and (flash[0] / GATE_FILE).is_file()
+    want = generate(flash[0], "--ffn", "gate")
+    assert want.returncode == 0, want.stderr[-2000:]
+    run = json.loads(got.stdout.strip().splitlines()[-1])
+    assert run["tokens"] == json.loads(want.stdout.strip().splitlines()[-1])["tokens"]
+    assert run["peak_rss_mb"] <= minimum + 8
+    relu = generate(tiny_model("llama-relu"), "--dram-budget", "2G")
+    assert relu.returncode == 1 and "no predictors" in relu.stderr.strip().splitlines()[-1]
