@@ -43,7 +43,7 @@ from .kernels.norm import add_rms_norm_rows, rms_norm_rows
 from .model import ATTENTION_TILE_ROWS, PREFILL_CHUNK_ROWS, ExpertBatch, KVCache, MixtureOfExperts, ModelConfig
 from .neuron_cache import MAP_BYTES_PER_NEURON, NeuronCache, select_hot
 from .process import cgroup_room, rss_bytes
-from .quant import BLOCK, COLUMN_SCALES_HALF, QuantMatrix, quant_matmul_t, quantize, row_bytes
+from .quant import BLOCK, COLUMN_SCALES_F16, QuantMatrix, quant_matmul_t, quantize, row_bytes
 
 # per window row: neuron_at int32 + ring int32 x window + miss ids/slots int64 x 2 + holes int64
 ROW_OVERHEAD_BYTES = 4 + 16 + 8
@@ -188,7 +188,7 @@ def read_staging_bytes(layout, rows: int, gap_bytes: int | None = None) -> int:
 def down_scale_bytes(layout) -> int:
     """DRAM of the down columns' scale tables, decoded (storage.columns.decode: resident per layer for the run), 0
     without."""
-    return sum(columns.decoded_bytes(k, layout.d, n, COLUMN_SCALES_HALF) for k, n in
+    return sum(columns.decoded_bytes(k, layout.d, n, COLUMN_SCALES_F16) for k, n in
                ((layout.down_column(i), n) for i, n in enumerate(layout.n_neurons)) if k)
 
 

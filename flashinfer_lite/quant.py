@@ -1002,14 +1002,14 @@ class QuantMatrix:
 
 # The columns' a and m tables stay float16 bits where the kernel widens them with one instruction (half the DRAM a
 # 7B's q4_0 / q4_1 down reads for them); elsewhere LLVM would widen each lane by a library call
-COLUMN_SCALES_HALF = HAS_F16C
+COLUMN_SCALES_F16 = HAS_F16C
 
 
-def column_tables(tables: dict | None, kind: str | None, d: int, half: bool = COLUMN_SCALES_HALF) -> tuple:
+def column_tables(tables: dict | None, kind: str | None, d: int, f16: bool = COLUMN_SCALES_F16) -> tuple:
     """The kernels' S = (a, m, sc, mn) of a layer's raw tables (storage.columns.decode; a table the kind has not, or
     no tables: empty)."""
-    dec = decode_columns(tables, kind, half) if tables is not None else {}
-    f = np.uint16 if half else np.float32
+    dec = decode_columns(tables, kind, f16) if tables is not None else {}
+    f = np.uint16 if f16 else np.float32
     return tuple(dec[t] if t in dec else np.zeros((0, d), dt) for t, dt in (("a", f), ("m", f), ("sc", np.uint8),
                                                                            ("mn", np.uint8)))
 
@@ -1060,12 +1060,12 @@ def _col_weights(builder, kind, q, a, m):
     return builder.call(fma, [a, builder.uitofp(q, vt), m if kind in (Q4_1, Q5_1) else builder.fneg(m)])
 
 
-def _col_runs(context, builder, y, terms, at, lo, half_d, kind, Ar, Mr, SCr, MNr, half):
+def _col_runs(context, builder, y, terms, at, lo, half, kind, Ar, Mr, SCr, MNr, f16):
     """y[k] += c * (element lo + k of the column at byte `at` of row data) for each (c, data) of terms in turn
-    (columns sharing the scale rows Ar, Mr, SCr, MNr; Ar and Mr float16 bits if half, else float32), 64 elements a
+    (columns sharing the scale rows Ar, Mr, SCr, MNr; Ar and Mr float16 bits if f16, else float32), 64 elements a
     step: col_run's loop, one per kind. A K-quant's a and m are formed here, d*sc and dmin*mn (exact products, as
     gguf.quants' float32 ones)."""
-    at, lo, half_d = (builder.sext(v, _I64) if v.type.width < 64 else v for v in (at, lo, half_d))
+    at, lo, half = (builder.sext(v, _I64) if v.type.width < 64 else v for v in (at, lo, half))
     cs = [_vec(builder, _F32, c, _COL_GROUP) for c, _ in terms]
     vp = ir.VectorType(_F32, _COL_GROUP).as_pointer()
     row = lambda arr, i: builder.bitcast(builder.gep(arr.data, [i]), vp)  # noqa: E731
@@ -1076,7 +1076,7 @@ def _col_runs(context, builder, y, terms, at, lo, half_d, kind, Ar, Mr, SCr, MNr
                 o = builder.mul(loop.index, ir.Constant(loop.index.type, _COL_GROUP))
                 i0 = builder.add(lo, o)
                 vt = ir.VectorType(_F32, _COL_GROUP)
-                if half:            # float16 bits: widened exactly (vcvtph2ps)
+                if f16:             # float16 bits: widened exactly (vcvtph2ps)
                     vh = ir.VectorType(ir.HalfType(), _COL_GROUP)
                     a, m = (builder.fpext(builder.bitcast(_load_vec(builder, t.data, _I16, _COL_GROUP, i0), vh), vt)
                             for t in (Ar, Mr))
@@ -1090,7 +1090,7 @@ def _col_runs(context, builder, y, terms, at, lo, half_d, kind, Ar, Mr, SCr, MNr
                 dst = row(y, o)
                 acc = builder.load(dst, align=4)
                 for cv, (_, data) in zip(cs, terms):
-                    w = _col_weights(builder, k.code, _col_values(builder, k.code, data, at, i0, half_d), a, m)
+                    w = _col_weights(builder, k.code, _col_values(builder, k.code, data, at, i0, half), a, m)
                     acc = builder.fadd(acc, builder.fmul(cv, w))
                 builder.store(acc, dst, align=4)
 

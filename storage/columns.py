@@ -87,26 +87,26 @@ def table_bytes(kind: str, d: int, n: int) -> int:
     return sum(r * c * dt.itemsize for (r, c), dt in table_shapes(kind, d, n).values())
 
 
-def decoded_shapes(kind: str, d: int, n: int, half: bool) -> dict[str, tuple[tuple[int, int], np.dtype]]:
+def decoded_shapes(kind: str, d: int, n: int, f16: bool) -> dict[str, tuple[tuple[int, int], np.dtype]]:
     """{table: ((rows, d), dtype)} of decode's tables: a and m per block of neurons (m where the kind has one),
-    float16 bits (half) or float32, sc and mn uint8 per sub-block (K-quants)."""
+    float16 bits (f16) or float32, sc and mn uint8 per sub-block (K-quants)."""
     w, sw = groups(kind)
-    t, f = tables_of(kind), np.dtype(np.uint16 if half else np.float32)
+    t, f = tables_of(kind), np.dtype(np.uint16 if f16 else np.float32)
     return {**{k: ((n // w, d), f) for k in ("a", "m") if k == "a" or k in t},
             **{k: ((n // sw, d), np.dtype(np.uint8)) for k in ("sc", "mn") if k in t}}
 
 
-def decoded_bytes(kind: str, d: int, n: int, half: bool) -> int:
-    return sum(r * c * dt.itemsize for (r, c), dt in decoded_shapes(kind, d, n, half).values())
+def decoded_bytes(kind: str, d: int, n: int, f16: bool) -> int:
+    return sum(r * c * dt.itemsize for (r, c), dt in decoded_shapes(kind, d, n, f16).values())
 
 
-def decode(tables: dict, kind: str, half: bool) -> dict[str, np.ndarray]:
+def decode(tables: dict, kind: str, f16: bool) -> dict[str, np.ndarray]:
     """A layer's raw tables -> the tables the kernels use: per block b of neurons and row i, a = d and m (q4_1,
-    q5_1: added; q4_k, q5_k: dmin, whose product with mn is subtracted), as their float16 bits (half: the kernel
+    q5_1: added; q4_k, q5_k: dmin, whose product with mn is subtracted), as their float16 bits (f16: the kernel
     widens them, F16C) or float32; per sub-block s, sc and mn as stored (q6_k's sc: int8 bits). The kernels form an
     element from them with gguf.quants' float32 operations (the module docstring's, a K-quant's d*sc and dmin*mn
     too)."""
-    f = (lambda t: tables[t]) if half else (lambda t: tables[t].view(np.float16).astype(np.float32))
+    f = (lambda t: tables[t]) if f16 else (lambda t: tables[t].view(np.float16).astype(np.float32))
     out = {"a": f("d"), **({"m": f("m")} if "m" in tables else {}),
            **{k: tables[k] for k in ("sc", "mn") if k in tables}}
     return {k: np.ascontiguousarray(v) for k, v in out.items()}

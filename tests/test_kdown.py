@@ -41,13 +41,13 @@ def test_columns_are_gguf_bit_for_bit(kind):
     # layer); a and m as float32 (hosts without F16C) at most twice
     assert columns.decoded_bytes(kind, D, n, True) == columns.table_bytes(kind, D, n)
     assert columns.decoded_bytes(kind, D, n, False) <= 2 * columns.table_bytes(kind, D, n)
-    for half in (False, True) if quant.HAS_F16C else (False,):
-        S = quant.column_tables(tables, kind, D, half)
-        assert sum(t.nbytes for t in S) == columns.decoded_bytes(kind, D, n, half)
+    for f16 in (False, True) if quant.HAS_F16C else (False,):
+        S = quant.column_tables(tables, kind, D, f16)
+        assert sum(t.nbytes for t in S) == columns.decoded_bytes(kind, D, n, f16)
         out = np.empty(D, np.float32)
         for j in perm[:64]:
             quant.col_dequant(cols, j, 0, out, code, j, S)
-            assert np.array_equal(out.view(np.uint32), want[:, j].view(np.uint32)), (j, half)
+            assert np.array_equal(out.view(np.uint32), want[:, j].view(np.uint32)), (j, f16)
         y = np.ones(D - 64, np.float32)
         quant.col_axpy(y, np.float32(0.75), cols, 5, 0, 64, code, 5, S)
         assert np.array_equal(y, np.float32(1) + np.float32(0.75) * want[64:, 5])

@@ -166,13 +166,13 @@ def test_mixed_gguf_flashdir_keeps_its_blocks(mixed_gguf, tmp_path, monkeypatch)
         assert np.array_equal(got.view(np.uint32), src.reshape(got.shape).view(np.uint32))   # the same bits
     from test_quant_e2e import resident_data_bytes
     from flashinfer_lite.budget import down_scale_bytes, resident_bytes_for
-    from flashinfer_lite.quant import COLUMN_SCALES_HALF
+    from flashinfer_lite.quant import COLUMN_SCALES_F16
     from storage.columns import decode, table_bytes
     raw = sum(table_bytes(L.down_column(i), L.d, n) for i, n in enumerate(L.n_neurons))
     assert resident_bytes_for(flash.config, half=True, kinds=flash.resident_kinds) + raw == resident_data_bytes(out)
     assert down_scale_bytes(L) == sum(t.nbytes for i in range(L.n_layers)       # the budget counts them decoded
                                       for t in decode(flash.down_scales(i), L.down_column(i),
-                                                      COLUMN_SCALES_HALF).values())
+                                                      COLUMN_SCALES_F16).values())
     ids = np.random.default_rng(12).integers(3, 512, size=9).tolist()
     want_tokens, want = greedy(float64_model(out), ids, 8)
     for mode in ("dense", "oracle"):
