@@ -356,6 +356,7 @@ def from_flash_first_use(source: str, dram_budget) -> bool:
     a mixture of experts always; a SiLU- or GELU-gated model given a --dram-budget (bytes), or under `auto` when its
     dense weights (a GGUF's file, else float32) do not fit what the machine can give (the exact gate needs no
     predictors; a ReLU-family model needs trained ones, and is told so)."""
+    source = str(source)
     cfg = open_checkpoint(source).config
     if cfg.moe:
         return True

@@ -18,15 +18,18 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from storage.errors import UserError
+from storage.errors import UserError, child_exit_code, run_child
 from flashinfer_lite.loader import open_any
 from flashinfer_lite.model import half_matrix
 from flashinfer_lite.process import return_freed_heap
+from flashinfer_lite.quant import ACT8, set_act8
 from flashinfer_lite.runtime import FFN_MODES, keeps_float16, load
 from storage.gate_file import DEFAULT_SPARSITY
 from storage.sizes import parse_size
@@ -94,11 +97,6 @@ def dense_reference_apart(model_path, segments, progress: bool = True) -> list[t
     setting. What it leaves in a process (the dense pass's compiled kernels, freed arrays the heap keeps: 208 MiB of
     RSS after it on SmolLM2's Q4_K_M, 110 MiB over generate's runtime line) would be counted in the mode's model's
     budget: `eval --ffn gate --dram-budget 300M` was refused (minimum 385 MiB) where generate runs from 276 MiB."""
-    import tempfile
-    from pathlib import Path
-
-    from flashinfer_lite.quant import ACT8
-    from storage.errors import run_child
     with tempfile.TemporaryDirectory(prefix="flashinfer-lite-eval-") as tmp:
         seg, out = Path(tmp) / "segments.npz", Path(tmp) / "reference.npz"
         np.savez(seg, *[np.asarray(w, np.int64) for w in segments])
@@ -200,8 +198,6 @@ def format_result(res: dict) -> str:
 
 def _reference_child(argv=None) -> int:
     """dense_reference_apart's child: python -m predictors.evaluate MODEL SEGMENTS.npz OUT.npz --act8 0|1."""
-    from flashinfer_lite.quant import set_act8
-    from storage.errors import child_exit_code
     p = argparse.ArgumentParser(prog="python -m predictors.evaluate")
     p.add_argument("model")
     p.add_argument("segments")
