@@ -312,23 +312,23 @@ class Decision:
 
 
 def open_model_files(model, ffn: str, verify: bool = True, progress: bool = False,
-                     runtime_bytes: int | None = None, refuse_below: int | None = None, ctx: int = 0,
-                     sparsity: float = DEFAULT_SPARSITY, dram_budget: int | str | None = None) -> ModelFiles:
+                     runtime_bytes: int | None = None, ctx: int = 0, sparsity: float = DEFAULT_SPARSITY,
+                     dram_budget: int | str | None = None) -> ModelFiles:
     """The facts decide() needs. A FLASHDIR backs every mode but dense of an HF directory or GGUF, and auto of one
     that needs no predictors to run from flash when it has to: a mixture of experts (its router says which experts
     run), or a SiLU- or GELU-gated model (the exact gate) given a --dram-budget, or under `auto` one that does not fit
-    in DRAM (dram_budget: load's); any other runs dense. Such a model is converted into the cache on first use, and
-    a launch checks sizes and the verified stamp, not every byte. The runtime line is measured here,
-    on a process that holds everything but the weights (tokenizer, predictors, compiled kernels). refuse_below: a
-    --dram-budget (bytes) under the model's minimum is refused before any of that work, the default model's fetch
-    included (refuse_below_minimum), for the runs that plan it (the dense ones hold every weight, with no plan)."""
+    in DRAM; any other runs dense. Such a model is converted into the cache on first use, and a launch checks sizes
+    and the verified stamp, not every byte. The runtime line is measured here, on a process that holds everything
+    but the weights (tokenizer, predictors, compiled kernels). dram_budget: load's (bytes, "auto" or None); in bytes,
+    one under the model's minimum is refused before any of that work, the default model's fetch included
+    (refuse_below_minimum), for the runs that plan it (the dense ones hold every weight, with no plan)."""
     if ffn not in FFN_MODES:
         raise UserError(f"unknown --ffn mode '{ffn}' (choose from {', '.join(FFN_MODES)})")
     default = model is None
     flash_backed = (not default and is_flashdir(model)) or ffn in ("oracle", "predicted", "gate", "experts") \
         or (ffn == "auto" and (default or from_flash_first_use(model, dram_budget)))
-    if refuse_below is not None and flash_backed and ffn != "dense":
-        refuse_below_minimum(None if default else str(model), ffn, refuse_below, ctx)
+    if isinstance(dram_budget, int) and flash_backed and ffn != "dense":
+        refuse_below_minimum(None if default else str(model), ffn, dram_budget, ctx)
     source = str(ensure_default_model()) if default else str(model)
     if not flash_backed or ffn == "dense":     # every weight in DRAM, as stored: no plan, no predictors
         if flash_backed and verify:   # the resident file and the manifest are checked, not only each layer
@@ -583,8 +583,7 @@ def load(path: str | None = None, dram_budget: int | str | None = "auto", ffn: s
     set_act8(act8)
     budget = parse_size(dram_budget) if isinstance(dram_budget, str) and dram_budget != "auto" else dram_budget
     progress = sys.stderr.isatty()
-    files = open_model_files(path, ffn, progress=progress, refuse_below=budget if isinstance(budget, int) else None,
-                             ctx=ctx, sparsity=sparsity, dram_budget=budget)
+    files = open_model_files(path, ffn, progress=progress, ctx=ctx, sparsity=sparsity, dram_budget=budget)
     ctx = context_size(ctx, files.ckpt.config)
     room = auto_budget_bytes() if budget == "auto" else None
     decision = decide(files, ffn, budget, ctx, lookahead=lookahead, room=room, verbose=verbose)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -211,13 +210,8 @@ def _reference_child(argv=None) -> int:
         with np.load(a.segments, allow_pickle=False) as z:
             segments = [z[f"arr_{k}"].tolist() for k in range(len(z.files))]
         ref = dense_reference(open_any(a.model), segments, progress=not a.quiet and sys.stderr.isatty())
-        tmp = f"{a.out}.{os.getpid()}.npz"
-        try:
-            np.savez(tmp, **{f"{n}{k}": v for k, r in enumerate(ref) for n, v in zip(("lp", "top"), r)})
-            os.replace(tmp, a.out)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        # into the parent's temp directory, read only after this process exits 0 (run_child)
+        np.savez(a.out, **{f"{n}{k}": v for k, r in enumerate(ref) for n, v in zip(("lp", "top"), r)})
     return child_exit_code(work)
 
 
