@@ -28,8 +28,9 @@ from storage.errors import UserError
 from .generate import ContextFull, add_model_arguments, rss_summary
 from storage.tokenizer import StopStrings
 
-MAX_BODY_BYTES = 2 << 20     # a request body; 2 MiB holds a full context of text many times over
 MAX_STOP_STRINGS = 16
+JSON_ESCAPE = 6                # JSON spells a byte of text in at most 6 (\u001f)
+BODY_FIELDS_BYTES = 64 << 10   # a body's room besides its text: the other fields, the JSON syntax, a chat's roles
 
 
 def add_arguments(p) -> None:
@@ -100,7 +101,8 @@ def message_text(m, i: int) -> dict:
 
 
 def parse_job(body, chat: bool, server: "Server") -> Job:
-    """The Job a request body asks for, with the CLI's flags as the defaults (as llama-server does)."""
+    """The Job a request body asks for, with the CLI's flags as the defaults (as llama-server does). Runs on the
+    generation worker: one prompt is tokenized at a time, never beside a generation step."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     a = server.args
@@ -130,7 +132,7 @@ def parse_job(body, chat: bool, server: "Server") -> Job:
                     min_p=number(body, "min_p", a.min_p, lo=0, hi=1),
                     repeat_penalty=number(body, "repeat_penalty", a.repeat_penalty, lo=1e-6),
                     seed=number(body, "seed", a.seed, integer=True),
-                    repeat_last_n=a.repeat_last_n, ignore_eos=a.ignore_eos)
+                    repeat_last_n=a.repeat_last_n)
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP_STRINGS:
@@ -141,13 +143,18 @@ def parse_job(body, chat: bool, server: "Server") -> Job:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", "stream_options")
+    param = "messages" if chat else "prompt"
+    size = sum(len(t.encode("utf-8", "surrogatepass")) for t in ([m["content"] for m in prompt] if chat else [prompt]))
+    if size > server.max_prompt_bytes:   # checked before tokenizing: that takes ~130 bytes of memory a byte
+        raise BadRequest(f"the prompt is {size} bytes, more than a context of {server.ctx} tokens holds "
+                         f"({server.max_prompt_bytes})", param, code="context_length_exceeded")
     try:
         ids, _ = encode_prompt(server.tokenizer, prompt, use_chat_template=False)
     except UserError as e:  # bad UTF-8 (a lone surrogate escape), a template that refuses the conversation
-        raise BadRequest(str(e), "messages" if chat else "prompt") from None
+        raise BadRequest(str(e), param) from None
     if len(ids) > server.ctx:
         raise BadRequest(f"the prompt is {len(ids)} tokens, more than the context of {server.ctx}",
-                         "messages" if chat else "prompt", code="context_length_exceeded")
+                         param, code="context_length_exceeded")
     return Job(prompt, ids, max_tokens, sampling, stop, stream, options.get("include_usage") is True, chat)
 
 
@@ -171,6 +178,12 @@ class Server:
         self.ctx = self.model.ctx
         self.name = Path(args.model).name if args.model else Path(DEFAULT_MODEL_FILE).stem
         self.cache = make_prompt_cache(self.model, self.tokenizer)
+        # The most text a context holds: ctx tokens of the longest vocabulary entry in UTF-8 (byte-level and
+        # SentencePiece vocabularies spell a byte of text in 2 or 3 bytes: slack that also covers NFC composing 3
+        # bytes into 2). A body holds its text spelt in JSON, at most JSON_ESCAPE bytes a byte.
+        longest = max(len(t.encode()) for t in self.tokenizer.tok.get_vocab(with_added_tokens=True))
+        self.max_prompt_bytes = self.ctx * longest
+        self.max_body_bytes = JSON_ESCAPE * self.max_prompt_bytes + BODY_FIELDS_BYTES
         self.tokens_predicted_total = 0   # llama-server's metric of that name: every token sampled, for /health
         self.lock = asyncio.Lock()   # FIFO: waiting requests get the model in arrival order
         # numba's thread count is per thread: the worker takes the one load() set here (-t)
@@ -186,13 +199,17 @@ class Server:
             pass
         self.cache.reset()
 
+    async def on_worker(self, fn, *args):
+        """fn(*args) on the generation worker, after what it was given before."""
+        return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
+
     async def generate(self, job: Job):
         """Yield the text pieces of job's output, stop strings cut out, then its Outcome. Closing this generator
         early (a client gone) stops the generation after the token being computed."""
         async with self.lock:
             loop = asyncio.get_running_loop()
             steps = stream_generate(self.model, self.tokenizer, job.prompt, job.max_tokens, use_chat_template=job.chat,
-                                    prompt_cache=self.cache, **job.sampling)
+                                    prompt_cache=self.cache, ignore_eos=self.args.ignore_eos, **job.sampling)
             stops, n, finish = StopStrings(job.stop), 0, "stop"
             try:
                 while not stops.stopped:
@@ -289,16 +306,22 @@ async def events(job: Job, server: Server):
 # ----------------------------------------------------------------------------------------------------------------------
 # The app
 
-async def read_body(request) -> object:
-    """The request's JSON, read to at most MAX_BODY_BYTES."""
+async def read_body(request, server: Server) -> object:
+    """The request's JSON: refused past the bytes a context's text needs (413, from Content-Length when it says so,
+    before anything is held)."""
+    limit = server.max_body_bytes
+
+    def too_big():
+        return BadRequest(f"the body is over {limit} bytes, more than a context of {server.ctx} tokens needs",
+                          status=413)
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise BadRequest(f"the body is over {MAX_BODY_BYTES} bytes", status=413)
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big()
     body = bytearray()
     async for part in request.stream():
-        body += part
-        if len(body) > MAX_BODY_BYTES:
-            raise BadRequest(f"the body is over {MAX_BODY_BYTES} bytes", status=413)
+        body.extend(part)
+        if len(body) > limit:
+            raise too_big()
     try:
         return json.loads(body.decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -309,7 +332,6 @@ async def read_body(request) -> object:
 
 def make_app(server: Server):
     from starlette.applications import Starlette
-    from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
@@ -330,8 +352,8 @@ def make_app(server: Server):
 
     async def completions(request, chat: bool):
         try:
-            body = await read_body(request)
-            job = await run_in_threadpool(parse_job, body, chat, server)   # tokenizing may take a while
+            body = await read_body(request, server)
+            job = await server.on_worker(parse_job, body, chat, server)
         except BadRequest as e:
             return error(e)
         if job.stream:
