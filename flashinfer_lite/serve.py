@@ -25,7 +25,7 @@ from pathlib import Path
 from .api import encode_prompt, load, make_prompt_cache, stream_generate
 from .default_model import FILENAME as DEFAULT_MODEL_FILE
 from storage.errors import UserError
-from .generate import ContextFull, add_model_arguments, rss_summary
+from .generate import ContextFull, Sampler, add_model_arguments, rss_summary
 from storage.tokenizer import StopStrings
 
 MAX_STOP_STRINGS = 16
@@ -133,6 +133,10 @@ def parse_job(body, chat: bool, server: "Server") -> Job:
                     repeat_penalty=number(body, "repeat_penalty", a.repeat_penalty, lo=1e-6),
                     seed=number(body, "seed", a.seed, integer=True),
                     repeat_last_n=a.repeat_last_n)
+    try:   # the sampler's own checks, as generate's flags get them
+        Sampler(**sampling)
+    except (ValueError, UserError) as e:
+        raise BadRequest(str(e)) from None
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP_STRINGS:
@@ -152,6 +156,8 @@ def parse_job(body, chat: bool, server: "Server") -> Job:
         ids, _ = encode_prompt(server.tokenizer, prompt, use_chat_template=False)
     except UserError as e:  # bad UTF-8 (a lone surrogate escape), a template that refuses the conversation
         raise BadRequest(str(e), param) from None
+    if not ids:   # a model that adds no BOS, given no text: nothing to evaluate
+        raise BadRequest("the prompt is empty", param)
     if len(ids) > server.ctx:
         raise BadRequest(f"the prompt is {len(ids)} tokens, more than the context of {server.ctx}",
                          param, code="context_length_exceeded")

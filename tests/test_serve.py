@@ -269,14 +269,29 @@ def test_chat_completions_use_the_template_and_reuse_the_conversation(stories_ch
     assert fresh.choices[0].message.content == again.choices[0].message.content
 
 
-def test_default_model_chat_equals_generate(smollm2_gguf):
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf):
+    with serving("-m", str(smollm2_gguf), "--ffn", "dense") as s:
+        yield s
+
+
+def test_default_model_chat_equals_generate(smollm2, smollm2_gguf):
     question = "What is the capital of France?"
     want = generate_json(["-m", str(smollm2_gguf), "--ffn", "dense"], question, 16, template=True)
-    with serving("-m", str(smollm2_gguf), "--ffn", "dense") as s:
-        r = s.client.chat.completions.create(model="any", messages=[{"role": "user", "content": question}],
-                                             max_tokens=16, temperature=0)
+    r = smollm2.client.chat.completions.create(model="any", messages=[{"role": "user", "content": question}],
+                                               max_tokens=16, temperature=0)
     assert r.choices[0].message.content == want["text"]
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(want["prompt_tokens"]), len(want["tokens"]))
+
+
+def test_an_empty_prompt_is_the_clients_mistake(smollm2):
+    """The default model adds no BOS: an empty prompt has no token to evaluate. A 400 for it, streamed or not, before
+    a stream starts (not a 500, nor a 200 whose only event is the error)."""
+    for stream in (False, True):
+        status, doc = smollm2.post("/v1/completions", json.dumps({"prompt": "", "max_tokens": 2,
+                                                                   "stream": stream}).encode())
+        assert status == 400 and doc["error"]["param"] == "prompt", doc
+    assert smollm2.client.completions.create(model="any", prompt="Paris is", max_tokens=2).usage.completion_tokens
 
 
 def test_load_8_clients_40_requests(stories, flags, budget_mib, cache_env):
