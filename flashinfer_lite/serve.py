@@ -37,6 +37,8 @@ def add_arguments(p) -> None:
     add_model_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port to listen on, 0 = any free one (default 8080)")
+    p.add_argument("--timeout", type=float, default=60, metavar="SECONDS",
+                   help="how long a client may take to send its request body (default 60)")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -167,6 +169,13 @@ def parse_job(body, chat: bool, server: "Server") -> Job:
 # ----------------------------------------------------------------------------------------------------------------------
 # Generation: one at a time, on one worker thread (so the event loop keeps answering), through the library
 
+class ShuttingDown(Exception):
+    """The server was told to stop (SIGTERM, Ctrl-C) while a request generated or waited for the model."""
+
+    def __init__(self):
+        super().__init__("the server is shutting down")
+
+
 @dataclass
 class Outcome:
     """How a generation ended: its finish reason, the tokens it sampled and llama-server's timings."""
@@ -190,6 +199,7 @@ class Server:
         longest = max(len(t.encode()) for t in self.tokenizer.tok.get_vocab(with_added_tokens=True))
         self.max_prompt_bytes = self.ctx * longest
         self.max_body_bytes = JSON_ESCAPE * self.max_prompt_bytes + BODY_FIELDS_BYTES
+        self.stopping = False   # SIGTERM or Ctrl-C: a generation ends after its token, a waiting request at once
         self.tokens_predicted_total = 0   # llama-server's metric of that name: every token sampled, for /health
         self.lock = asyncio.Lock()   # FIFO: waiting requests get the model in arrival order
         # numba's thread count is per thread: the worker takes the one load() set here (-t)
@@ -211,14 +221,19 @@ class Server:
 
     async def generate(self, job: Job):
         """Yield the text pieces of job's output, stop strings cut out, then its Outcome. Closing this generator
-        early (a client gone) stops the generation after the token being computed."""
+        early (a client gone) stops the generation after the token being computed; a server stopping raises
+        ShuttingDown after it."""
         async with self.lock:
+            if self.stopping:
+                raise ShuttingDown()
             loop = asyncio.get_running_loop()
             steps = stream_generate(self.model, self.tokenizer, job.prompt, job.max_tokens, use_chat_template=job.chat,
                                     prompt_cache=self.cache, ignore_eos=self.args.ignore_eos, **job.sampling)
             stops, n, finish = StopStrings(job.stop), 0, "stop"
             try:
                 while not stops.stopped:
+                    if self.stopping:
+                        raise ShuttingDown()
                     try:
                         step = await loop.run_in_executor(self.worker, next, steps, None)
                     except ContextFull:
@@ -303,7 +318,9 @@ async def events(job: Job, server: Server):
                         yield sse({**chunk(job, server), "choices": [], "usage": usage(job, piece)})
                 else:
                     yield sse(chunk(job, server, piece))
-        except Exception as e:  # the status line has gone out: the error is the stream's last event
+        except ShuttingDown as e:   # the status line has gone out: the error is the stream's last event
+            yield sse(error_body(str(e), "server_error"))
+        except Exception as e:
             traceback.print_exc()
             yield sse(error_body(f"generation failed: {e}", "server_error"))
     yield sse("[DONE]")
@@ -314,7 +331,7 @@ async def events(job: Job, server: Server):
 
 async def read_body(request, server: Server) -> object:
     """The request's JSON: refused past the bytes a context's text needs (413, from Content-Length when it says so,
-    before anything is held)."""
+    before anything is held) and past --timeout seconds (408)."""
     limit = server.max_body_bytes
 
     def too_big():
@@ -324,10 +341,16 @@ async def read_body(request, server: Server) -> object:
     if declared.isdigit() and int(declared) > limit:
         raise too_big()
     body = bytearray()
-    async for part in request.stream():
-        body.extend(part)
-        if len(body) > limit:
-            raise too_big()
+
+    async def receive():
+        async for part in request.stream():
+            body.extend(part)
+            if len(body) > limit:
+                raise too_big()
+    try:
+        await asyncio.wait_for(receive(), server.args.timeout)
+    except asyncio.TimeoutError:
+        raise BadRequest(f"the body did not arrive within {server.args.timeout:g} s", status=408) from None
     try:
         return json.loads(body.decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -339,7 +362,8 @@ async def read_body(request, server: Server) -> object:
 def make_app(server: Server):
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
-    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.requests import ClientDisconnect
+    from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
     class EventStream(StreamingResponse):
@@ -362,6 +386,8 @@ def make_app(server: Server):
             job = await server.on_worker(parse_job, body, chat, server)
         except BadRequest as e:
             return error(e)
+        except ClientDisconnect:   # gone while sending its body: no one to answer, nothing worth a log line
+            return Response(status_code=499)
         if job.stream:
             return EventStream(events(job, server), media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -375,6 +401,8 @@ def make_app(server: Server):
                         text.append(piece)
                     if await request.is_disconnected():
                         return JSONResponse(error_body("client disconnected", "invalid_request_error"), 499)
+        except ShuttingDown as e:
+            return error(BadRequest(str(e), status=503))
         except Exception as e:
             traceback.print_exc()
             return error(BadRequest(f"generation failed: {e}", status=500))
@@ -415,12 +443,23 @@ def listen(host: str, port: int) -> socket.socket:
         raise UserError(f"cannot listen on {host}:{port}: {os.strerror(e.errno) if e.errno else e}") from None
 
 
+def check_arguments(args) -> None:
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise UserError(f"--timeout {args.timeout} is out of range: a number of seconds > 0")
+
+
 def run(args) -> int:
+    check_arguments(args)
     try:  # before the model loads, so that the budget's runtime line counts them
         import starlette  # noqa: F401
         import uvicorn
     except ImportError:
         raise UserError("serve needs starlette and uvicorn: pip install 'flashinfer-lite[serve]'") from None
+
+    class Uvicorn(uvicorn.Server):
+        def handle_exit(self, sig, frame):   # SIGTERM, Ctrl-C: streams end with an error event, waiting requests 503
+            server.stopping = True
+            super().handle_exit(sig, frame)
     sock = listen(args.host, args.port)
     with sock:
         server = Server(args)
@@ -430,7 +469,7 @@ def run(args) -> int:
               file=sys.stderr, flush=True)
         try:
             config = uvicorn.Config(make_app(server), log_level="warning", timeout_graceful_shutdown=5)
-            uvicorn.Server(config).run(sockets=[sock])
+            Uvicorn(config).run(sockets=[sock])
         finally:
             server.worker.shutdown(wait=True)
     return 0

@@ -391,3 +391,51 @@ def test_refused_prompts_stay_within_the_budget(stories, budget_mib):
     peak = stories.peak_rss_bytes()
     assert peak <= budget_mib << 20, f"peak RSS {peak / 2**20:.1f} MiB > {budget_mib} MiB"
     print(f"peak RSS {peak / 2**20:.1f} MiB, budget {budget_mib} MiB")
+
+
+def test_a_client_gone_mid_body_leaves_no_traceback(stories):
+    """Clients that hang up while sending their body: no ClientDisconnect traceback per connection in the log."""
+    before = len(stories.stderr())
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", stories.port), timeout=60) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+    for _ in range(3):   # the server went through those hang-ups before it answered these
+        assert stories.health()["status"] == "ok"
+    assert stories.client.completions.create(model="any", prompt="Once", max_tokens=2).usage.completion_tokens == 2
+    log = stories.stderr()[before:]
+    assert "Traceback" not in log and "ClientDisconnect" not in log, log
+
+
+def test_sigterm_ends_streams_with_an_error_event_and_done():
+    """SIGTERM while one stream generates and others wait: every stream ends with an event (its finish, or the error
+    of the server shutting down) and `data: [DONE]`; a waiting whole answer is JSON (503 or, had it run, 200)."""
+    with serving("-m", str(STORIES), "--ffn", "dense", "-c", "512", "--ignore-eos") as s:
+        def request(stream: bool) -> http.client.HTTPConnection:
+            c = http.client.HTTPConnection("127.0.0.1", s.port, timeout=120)
+            c.request("POST", "/v1/completions", json.dumps({"prompt": "Once upon a time", "max_tokens": 500,
+                                                             "stream": stream}).encode(),
+                      {"Content-Type": "application/json"})
+            return c
+
+        first = request(True).getresponse()
+        assert first.status == 200 and first.readline().startswith(b"data: ")   # generating
+        whole = request(False)                                     # waits for the model (its answer comes at the end)
+        queued = [request(True).getresponse() for _ in range(2)]   # their 200 is out: waiting for the model
+        s.proc.send_signal(signal.SIGTERM)
+        errors = 0
+        for r in [first, *queued]:
+            events = [line[6:].strip() for line in r.read().splitlines() if line.startswith(b"data: ")]
+            assert events[-1] == b"[DONE]", events[-3:]
+            last = json.loads(events[-2])
+            if "error" in last:
+                assert "shutting down" in last["error"]["message"], last
+                errors += 1
+            else:
+                assert last["choices"][0]["finish_reason"] == "length", last
+        assert errors >= 1   # the last queued stream cannot have run its 500 tokens before the signal
+        answer = whole.getresponse()
+        doc = json.loads(answer.read())
+        assert (answer.status, "shutting down" in str(doc)) in ((503, True), (200, False)), (answer.status, doc)
+        s.proc.wait(60)
+        assert "Traceback" not in s.stderr()
