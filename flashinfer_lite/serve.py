@@ -5,13 +5,20 @@ The runtime holds one sequence, so one request generates at a time and the other
 cache is kept, so a request whose prompt extends the last one's (the next turn of a conversation) evaluates only what
 it adds. A client that disconnects stops its generation. Starlette and uvicorn (the `serve` extra) are imported only
 when this command runs.
+
+No web page can drive it: a browser's cross-site POST has to be a "simple" one (form or text/plain bodies), and every
+POST here must be JSON; a DNS-rebinding page reaches it under its own host name, and the Host header must name this
+server. CORS is off unless --cors names the one origin allowed; --api-key adds a bearer key.
 """
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import json
 import math
 import os
+import re
 import socket
 import sys
 import time
@@ -37,6 +44,12 @@ def add_arguments(p) -> None:
     add_model_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port to listen on, 0 = any free one (default 8080)")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="a host name the Host header may carry besides this machine's loopback names and --host "
+                        "(a reverse proxy's; repeatable)")
+    p.add_argument("--cors", metavar="ORIGIN", help="let web pages of this origin call the API (e.g. "
+                                                    "http://localhost:3000); default: no cross-origin access")
+    p.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' (GET /health stays open)")
     p.add_argument("--timeout", type=float, default=60, metavar="SECONDS",
                    help="how long a client may take to send its request body (default 60)")
 
@@ -359,6 +372,65 @@ async def read_body(request, server: Server) -> object:
         raise BadRequest(f"the body is not valid JSON: {e}") from None
 
 
+def host_name(host: str) -> str:
+    """The name in a Host header: "[::1]:8080" -> "::1", "LocalHost.:80" -> "localhost"."""
+    host = host.strip().lower()
+    name = host[1:].partition("]")[0] if host.startswith("[") else host.rpartition(":")[0] if ":" in host else host
+    return name.rstrip(".")
+
+
+def is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return False
+
+
+def guarded(app, args):
+    """app behind the checks that keep web pages out, in this order: the Host header names this server (403), CORS
+    for --cors's origin alone, --api-key (401; GET /health stays open), a POST's body is JSON (415)."""
+    from starlette.datastructures import Headers
+    from starlette.middleware.cors import CORSMiddleware
+    from starlette.responses import JSONResponse
+
+    # A DNS-rebinding page reaches us under its own host name; an IP address in Host is one the client dialled.
+    names = {"localhost", args.host.lower().strip("[]"), *(host_name(n) for n in args.allow_host)}
+
+    def host_refusal(headers, scope):
+        host = headers.get("host")
+        if host is not None and host_name(host) not in names and not is_ip(host_name(host)):
+            return 403, f"Host {host!r} is not this server's name (a reverse proxy's: --allow-host NAME)", None, {}
+
+    def request_refusal(headers, scope):
+        if args.api_key and scope["path"] != "/health":
+            scheme, _, key = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), args.api_key.encode()):
+                return 401, "a valid API key is needed: 'Authorization: Bearer KEY'", "invalid_api_key", \
+                    {"WWW-Authenticate": "Bearer"}
+        media = headers.get("content-type", "").partition(";")[0].strip().lower()
+        if scope["method"] == "POST" and media != "application/json":
+            # a browser sends a cross-site form or text/plain POST without asking (CORS preflights only JSON)
+            return 415, f"the body must be JSON: Content-Type: application/json (got {media or 'none'!r})", None, {}
+
+    def refusing(inner, refusal):
+        async def asgi(scope, receive, send):
+            if scope["type"] == "http":
+                refused = refusal(Headers(scope=scope), scope)
+                if refused:
+                    status, message, code, headers = refused
+                    answer = JSONResponse(error_body(message, "invalid_request_error", code=code), status, headers)
+                    return await answer(scope, receive, send)
+            await inner(scope, receive, send)
+        return asgi
+
+    inner = refusing(app, request_refusal)
+    if args.cors:
+        inner = CORSMiddleware(inner, allow_origins=[args.cors], allow_methods=["GET", "POST"],
+                               allow_headers=["Authorization", "Content-Type"])
+    return refusing(inner, host_refusal)
+
+
 def make_app(server: Server):
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
@@ -432,7 +504,8 @@ def make_app(server: Server):
               Route("/v1/completions", text_completions, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
               Route("/health", health, methods=["GET"])]
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
+    return guarded(app, server.args)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -444,6 +517,12 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def check_arguments(args) -> None:
+    if args.cors is not None:
+        args.cors = args.cors.rstrip("/")
+        if not re.fullmatch(r"https?://[^/\s]+", args.cors):
+            raise UserError(f"--cors {args.cors!r} is not an origin: scheme://host[:port], as a browser sends it")
+    if args.api_key is not None and (not args.api_key or not args.api_key.isprintable() or " " in args.api_key):
+        raise UserError("--api-key must be a non-empty key of printable characters without spaces")
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         raise UserError(f"--timeout {args.timeout} is out of range: a number of seconds > 0")
 

@@ -59,6 +59,16 @@ class Served:
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read())
 
+    def call(self, method: str, path: str, body: bytes | None = None, headers=None) -> tuple[int, dict, bytes]:
+        """(status, headers, body) of one request sent with exactly these headers (Host and Origin included)."""
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        try:
+            c.request(method, path, body=body, headers=headers or {})
+            r = c.getresponse()
+            return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+        finally:
+            c.close()
+
     def raw_status(self, request: bytes) -> int:
         """The status code of an answer to bytes sent as they are (the first line of the response)."""
         with socket.create_connection(("127.0.0.1", self.port), timeout=60) as sock:
@@ -393,6 +403,33 @@ def test_refused_prompts_stay_within_the_budget(stories, budget_mib):
     print(f"peak RSS {peak / 2**20:.1f} MiB, budget {budget_mib} MiB")
 
 
+def test_a_cross_origin_page_cannot_drive_the_server(stories):
+    """What a hostile page's browser sends: a "simple" text/plain POST from its origin (CSRF), and a JSON POST under
+    its own host name (DNS rebinding). Neither generates; the same request from this machine's names does."""
+    body = json.dumps({"prompt": "Once", "max_tokens": 2}).encode()
+    host = f"127.0.0.1:{stories.port}"
+    before = stories.health()["tokens_predicted_total"]
+    status, headers, _ = stories.call("POST", "/v1/completions", body, {
+        "Content-Type": "text/plain", "Origin": "http://evil.example", "Host": "evil.example:80"})
+    assert status == 403 and "access-control-allow-origin" not in headers
+    status, _, _ = stories.call("POST", "/v1/completions", body, {"Content-Type": "application/json",
+                                                                   "Origin": "http://evil.example",
+                                                                   "Host": f"evil.example:{stories.port}"})
+    assert status == 403
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        status, _, answer = stories.call("POST", "/v1/completions", body, {
+            "Content-Type": content_type, "Origin": "http://evil.example", "Host": host})
+        assert status == 415 and json.loads(answer)["error"]["message"], (content_type, answer)
+    status, headers, _ = stories.call("OPTIONS", "/v1/completions", None, {    # a preflight: no CORS by default
+        "Origin": "http://evil.example", "Access-Control-Request-Method": "POST", "Host": host})
+    assert "access-control-allow-origin" not in headers
+    assert stories.health()["tokens_predicted_total"] == before   # none of them generated
+    for name in (host, f"localhost:{stories.port}", "localhost", f"[::1]:{stories.port}"):
+        status, _, answer = stories.call("POST", "/v1/completions", body,
+                                         {"Content-Type": "application/json; charset=utf-8", "Host": name})
+        assert status == 200 and json.loads(answer)["usage"]["completion_tokens"] == 2, (name, answer)
+
+
 def test_a_client_gone_mid_body_leaves_no_traceback(stories):
     """Clients that hang up while sending their body: no ClientDisconnect traceback per connection in the log."""
     before = len(stories.stderr())
@@ -405,6 +442,46 @@ def test_a_client_gone_mid_body_leaves_no_traceback(stories):
     assert stories.client.completions.create(model="any", prompt="Once", max_tokens=2).usage.completion_tokens == 2
     log = stories.stderr()[before:]
     assert "Traceback" not in log and "ClientDisconnect" not in log, log
+
+
+def test_cors_api_key_allowed_hosts_and_the_body_timeout():
+    """--cors ORIGIN answers that origin's preflight and marks its answers, no other origin's; --api-key refuses a
+    missing or wrong key (GET /health stays open); --allow-host adds a proxy's name; --timeout bounds a slow body."""
+    app, key = "http://app.example:3000", "s3cret-key"
+    with serving("-m", str(STORIES), "--ffn", "dense", "-c", "256", "--cors", app, "--api-key", key,
+                 "--allow-host", "proxy.example", "--timeout", "1") as s:
+        host = {"Host": f"127.0.0.1:{s.port}"}
+        assert s.call("GET", "/health", None, host)[0] == 200
+        for auth in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}, {"Authorization": "Bearer "}):
+            status, _, answer = s.call("GET", "/v1/models", None, {**host, **auth})
+            assert status == 401 and json.loads(answer)["error"]["code"] == "invalid_api_key", (auth, answer)
+        with pytest.raises(openai.AuthenticationError):
+            s.client.models.list()
+        good = {**host, "Authorization": f"Bearer {key}"}
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key=key, max_retries=0)
+        assert [m.id for m in client.models.list()] == ["stories260K"]
+        assert s.call("GET", "/v1/models", None, {**good, "Host": "proxy.example"})[0] == 200
+        assert s.call("GET", "/v1/models", None, {**good, "Host": "evil.example"})[0] == 403
+
+        ask = {"Origin": app, "Access-Control-Request-Method": "POST",
+               "Access-Control-Request-Headers": "authorization, content-type"}
+        status, headers, _ = s.call("OPTIONS", "/v1/completions", None, {**host, **ask})
+        assert status == 200 and headers["access-control-allow-origin"] == app
+        assert "authorization" in headers["access-control-allow-headers"].lower()
+        _, headers, _ = s.call("OPTIONS", "/v1/completions", None, {**host, **ask, "Origin": "http://evil.example"})
+        assert "access-control-allow-origin" not in headers
+        body = json.dumps({"prompt": "Once", "max_tokens": 2}).encode()
+        status, headers, _ = s.call("POST", "/v1/completions", body, {**good, "Origin": app,
+                                                                       "Content-Type": "application/json"})
+        assert status == 200 and headers["access-control-allow-origin"] == app
+        _, headers, _ = s.call("POST", "/v1/completions", body, {**good, "Origin": "http://evil.example",
+                                                                  "Content-Type": "application/json"})
+        assert "access-control-allow-origin" not in headers
+
+        # a body that never arrives in full: answered 408 (the status line, read as it comes) instead of held open
+        assert s.raw_status(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                            b"Authorization: Bearer " + key.encode() + b"\r\nContent-Length: 100\r\n\r\n{") == 408
+        assert "Traceback" not in s.stderr()
 
 
 def test_sigterm_ends_streams_with_an_error_event_and_done():
@@ -439,3 +516,12 @@ def test_sigterm_ends_streams_with_an_error_event_and_done():
         assert (answer.status, "shutting down" in str(doc)) in ((503, True), (200, False)), (answer.status, doc)
         s.proc.wait(60)
         assert "Traceback" not in s.stderr()
+
+
+@pytest.mark.parametrize("flag", [["--cors", "app.example"], ["--cors", "http://app.example/path"], ["--api-key", ""],
+                                  ["--api-key", "two words"], ["--timeout", "0"], ["--timeout", "nan"]])
+def test_bad_server_flags_are_one_line_before_the_model_loads(flag):
+    r = subprocess.run([sys.executable, "-m", "flashinfer_lite", "serve", "-m", str(STORIES), "--port", "0", *flag],
+                       capture_output=True, timeout=120, cwd=REPO)
+    err = r.stderr.decode().strip().splitlines()
+    assert r.returncode == 1 and len(err) == 1 and err[0].startswith(f"error: {flag[0]}"), err
