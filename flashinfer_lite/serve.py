@@ -5,13 +5,20 @@ The runtime holds one sequence, so one request generates at a time and the other
 cache is kept, so a request whose prompt extends the last one's (the next turn of a conversation) evaluates only what
 it adds. A client that disconnects stops its generation. Starlette and uvicorn (the `serve` extra) are imported only
 when this command runs.
+
+No web page can drive it: a browser's cross-site POST has to be a "simple" one (form or text/plain bodies), and every
+POST here must be JSON; a DNS-rebinding page reaches it under its own host name, and the Host header must name this
+server. CORS is off unless --cors names the one origin allowed; --api-key adds a bearer key.
 """
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import json
 import math
 import os
+import re
 import socket
 import sys
 import time
@@ -25,17 +32,26 @@ from pathlib import Path
 from .api import encode_prompt, load, make_prompt_cache, stream_generate
 from .default_model import FILENAME as DEFAULT_MODEL_FILE
 from storage.errors import UserError
-from .generate import ContextFull, add_model_arguments, rss_summary
+from .generate import ContextFull, Sampler, add_model_arguments, rss_summary
 from storage.tokenizer import StopStrings
 
-MAX_BODY_BYTES = 2 << 20     # a request body; 2 MiB holds a full context of text many times over
 MAX_STOP_STRINGS = 16
+JSON_ESCAPE = 6                # JSON spells a byte of text in at most 6 (\u001f)
+BODY_FIELDS_BYTES = 64 << 10   # a body's room besides its text: the other fields, the JSON syntax, a chat's roles
 
 
 def add_arguments(p) -> None:
     add_model_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port to listen on, 0 = any free one (default 8080)")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="a host name the Host header may carry besides this machine's loopback names and --host "
+                        "(a reverse proxy's; repeatable)")
+    p.add_argument("--cors", metavar="ORIGIN", help="let web pages of this origin call the API (e.g. "
+                                                    "http://localhost:3000); default: no cross-origin access")
+    p.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' (GET /health stays open)")
+    p.add_argument("--timeout", type=float, default=60, metavar="SECONDS",
+                   help="how long a client may take to send its request body (default 60)")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -100,7 +116,8 @@ def message_text(m, i: int) -> dict:
 
 
 def parse_job(body, chat: bool, server: "Server") -> Job:
-    """The Job a request body asks for, with the CLI's flags as the defaults (as llama-server does)."""
+    """The Job a request body asks for, with the CLI's flags as the defaults (as llama-server does). Runs on the
+    generation worker: one prompt is tokenized at a time, never beside a generation step."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     a = server.args
@@ -130,7 +147,11 @@ def parse_job(body, chat: bool, server: "Server") -> Job:
                     min_p=number(body, "min_p", a.min_p, lo=0, hi=1),
                     repeat_penalty=number(body, "repeat_penalty", a.repeat_penalty, lo=1e-6),
                     seed=number(body, "seed", a.seed, integer=True),
-                    repeat_last_n=a.repeat_last_n, ignore_eos=a.ignore_eos)
+                    repeat_last_n=a.repeat_last_n)
+    try:   # the sampler's own checks, as generate's flags get them
+        Sampler(**sampling)
+    except (ValueError, UserError) as e:
+        raise BadRequest(str(e)) from None
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP_STRINGS:
@@ -141,18 +162,32 @@ def parse_job(body, chat: bool, server: "Server") -> Job:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", "stream_options")
+    param = "messages" if chat else "prompt"
+    size = sum(len(t.encode("utf-8", "surrogatepass")) for t in ([m["content"] for m in prompt] if chat else [prompt]))
+    if size > server.max_prompt_bytes:   # checked before tokenizing: that takes ~130 bytes of memory a byte
+        raise BadRequest(f"the prompt is {size} bytes, more than a context of {server.ctx} tokens holds "
+                         f"({server.max_prompt_bytes})", param, code="context_length_exceeded")
     try:
         ids, _ = encode_prompt(server.tokenizer, prompt, use_chat_template=False)
     except UserError as e:  # bad UTF-8 (a lone surrogate escape), a template that refuses the conversation
-        raise BadRequest(str(e), "messages" if chat else "prompt") from None
+        raise BadRequest(str(e), param) from None
+    if not ids:   # a model that adds no BOS, given no text: nothing to evaluate
+        raise BadRequest("the prompt is empty", param)
     if len(ids) > server.ctx:
         raise BadRequest(f"the prompt is {len(ids)} tokens, more than the context of {server.ctx}",
-                         "messages" if chat else "prompt", code="context_length_exceeded")
+                         param, code="context_length_exceeded")
     return Job(prompt, ids, max_tokens, sampling, stop, stream, options.get("include_usage") is True, chat)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Generation: one at a time, on one worker thread (so the event loop keeps answering), through the library
+
+class ShuttingDown(Exception):
+    """The server was told to stop (SIGTERM, Ctrl-C) while a request generated or waited for the model."""
+
+    def __init__(self):
+        super().__init__("the server is shutting down")
+
 
 @dataclass
 class Outcome:
@@ -171,6 +206,13 @@ class Server:
         self.ctx = self.model.ctx
         self.name = Path(args.model).name if args.model else Path(DEFAULT_MODEL_FILE).stem
         self.cache = make_prompt_cache(self.model, self.tokenizer)
+        # The most text a context holds: ctx tokens of the longest vocabulary entry in UTF-8 (byte-level and
+        # SentencePiece vocabularies spell a byte of text in 2 or 3 bytes: slack that also covers NFC composing 3
+        # bytes into 2). A body holds its text spelt in JSON, at most JSON_ESCAPE bytes a byte.
+        longest = max(len(t.encode()) for t in self.tokenizer.tok.get_vocab(with_added_tokens=True))
+        self.max_prompt_bytes = self.ctx * longest
+        self.max_body_bytes = JSON_ESCAPE * self.max_prompt_bytes + BODY_FIELDS_BYTES
+        self.stopping = False   # SIGTERM or Ctrl-C: a generation ends after its token, a waiting request at once
         self.tokens_predicted_total = 0   # llama-server's metric of that name: every token sampled, for /health
         self.lock = asyncio.Lock()   # FIFO: waiting requests get the model in arrival order
         # numba's thread count is per thread: the worker takes the one load() set here (-t)
@@ -186,16 +228,25 @@ class Server:
             pass
         self.cache.reset()
 
+    async def on_worker(self, fn, *args):
+        """fn(*args) on the generation worker, after what it was given before."""
+        return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
+
     async def generate(self, job: Job):
         """Yield the text pieces of job's output, stop strings cut out, then its Outcome. Closing this generator
-        early (a client gone) stops the generation after the token being computed."""
+        early (a client gone) stops the generation after the token being computed; a server stopping raises
+        ShuttingDown after it."""
         async with self.lock:
+            if self.stopping:
+                raise ShuttingDown()
             loop = asyncio.get_running_loop()
             steps = stream_generate(self.model, self.tokenizer, job.prompt, job.max_tokens, use_chat_template=job.chat,
-                                    prompt_cache=self.cache, **job.sampling)
+                                    prompt_cache=self.cache, ignore_eos=self.args.ignore_eos, **job.sampling)
             stops, n, finish = StopStrings(job.stop), 0, "stop"
             try:
                 while not stops.stopped:
+                    if self.stopping:
+                        raise ShuttingDown()
                     try:
                         step = await loop.run_in_executor(self.worker, next, steps, None)
                     except ContextFull:
@@ -280,7 +331,9 @@ async def events(job: Job, server: Server):
                         yield sse({**chunk(job, server), "choices": [], "usage": usage(job, piece)})
                 else:
                     yield sse(chunk(job, server, piece))
-        except Exception as e:  # the status line has gone out: the error is the stream's last event
+        except ShuttingDown as e:   # the status line has gone out: the error is the stream's last event
+            yield sse(error_body(str(e), "server_error"))
+        except Exception as e:
             traceback.print_exc()
             yield sse(error_body(f"generation failed: {e}", "server_error"))
     yield sse("[DONE]")
@@ -289,16 +342,28 @@ async def events(job: Job, server: Server):
 # ----------------------------------------------------------------------------------------------------------------------
 # The app
 
-async def read_body(request) -> object:
-    """The request's JSON, read to at most MAX_BODY_BYTES."""
+async def read_body(request, server: Server) -> object:
+    """The request's JSON: refused past the bytes a context's text needs (413, from Content-Length when it says so,
+    before anything is held) and past --timeout seconds (408)."""
+    limit = server.max_body_bytes
+
+    def too_big():
+        return BadRequest(f"the body is over {limit} bytes, more than a context of {server.ctx} tokens needs",
+                          status=413)
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise BadRequest(f"the body is over {MAX_BODY_BYTES} bytes", status=413)
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big()
     body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > MAX_BODY_BYTES:
-            raise BadRequest(f"the body is over {MAX_BODY_BYTES} bytes", status=413)
+
+    async def receive():
+        async for part in request.stream():
+            body.extend(part)
+            if len(body) > limit:
+                raise too_big()
+    try:
+        await asyncio.wait_for(receive(), server.args.timeout)
+    except asyncio.TimeoutError:
+        raise BadRequest(f"the body did not arrive within {server.args.timeout:g} s", status=408) from None
     try:
         return json.loads(body.decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -307,11 +372,70 @@ async def read_body(request) -> object:
         raise BadRequest(f"the body is not valid JSON: {e}") from None
 
 
+def host_name(host: str) -> str:
+    """The name in a Host header: "[::1]:8080" -> "::1", "LocalHost.:80" -> "localhost"."""
+    host = host.strip().lower()
+    name = host[1:].partition("]")[0] if host.startswith("[") else host.rpartition(":")[0] if ":" in host else host
+    return name.rstrip(".")
+
+
+def is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return False
+
+
+def guarded(app, args):
+    """app behind the checks that keep web pages out, in this order: the Host header names this server (403), CORS
+    for --cors's origin alone, --api-key (401; GET /health stays open), a POST's body is JSON (415)."""
+    from starlette.datastructures import Headers
+    from starlette.middleware.cors import CORSMiddleware
+    from starlette.responses import JSONResponse
+
+    # A DNS-rebinding page reaches us under its own host name; an IP address in Host is one the client dialled.
+    names = {"localhost", args.host.lower().strip("[]"), *(host_name(n) for n in args.allow_host)}
+
+    def host_refusal(headers, scope):
+        host = headers.get("host")
+        if host is not None and host_name(host) not in names and not is_ip(host_name(host)):
+            return 403, f"Host {host!r} is not this server's name (a reverse proxy's: --allow-host NAME)", None, {}
+
+    def request_refusal(headers, scope):
+        if args.api_key and scope["path"] != "/health":
+            scheme, _, key = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), args.api_key.encode()):
+                return 401, "a valid API key is needed: 'Authorization: Bearer KEY'", "invalid_api_key", \
+                    {"WWW-Authenticate": "Bearer"}
+        media = headers.get("content-type", "").partition(";")[0].strip().lower()
+        if scope["method"] == "POST" and media != "application/json":
+            # a browser sends a cross-site form or text/plain POST without asking (CORS preflights only JSON)
+            return 415, f"the body must be JSON: Content-Type: application/json (got {media or 'none'!r})", None, {}
+
+    def refusing(inner, refusal):
+        async def asgi(scope, receive, send):
+            if scope["type"] == "http":
+                refused = refusal(Headers(scope=scope), scope)
+                if refused:
+                    status, message, code, headers = refused
+                    answer = JSONResponse(error_body(message, "invalid_request_error", code=code), status, headers)
+                    return await answer(scope, receive, send)
+            await inner(scope, receive, send)
+        return asgi
+
+    inner = refusing(app, request_refusal)
+    if args.cors:
+        inner = CORSMiddleware(inner, allow_origins=[args.cors], allow_methods=["GET", "POST"],
+                               allow_headers=["Authorization", "Content-Type"])
+    return refusing(inner, host_refusal)
+
+
 def make_app(server: Server):
     from starlette.applications import Starlette
-    from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
-    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.requests import ClientDisconnect
+    from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
     class EventStream(StreamingResponse):
@@ -330,10 +454,12 @@ def make_app(server: Server):
 
     async def completions(request, chat: bool):
         try:
-            body = await read_body(request)
-            job = await run_in_threadpool(parse_job, body, chat, server)   # tokenizing may take a while
+            body = await read_body(request, server)
+            job = await server.on_worker(parse_job, body, chat, server)
         except BadRequest as e:
             return error(e)
+        except ClientDisconnect:   # gone while sending its body: no one to answer, nothing worth a log line
+            return Response(status_code=499)
         if job.stream:
             return EventStream(events(job, server), media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -347,6 +473,8 @@ def make_app(server: Server):
                         text.append(piece)
                     if await request.is_disconnected():
                         return JSONResponse(error_body("client disconnected", "invalid_request_error"), 499)
+        except ShuttingDown as e:
+            return error(BadRequest(str(e), status=503))
         except Exception as e:
             traceback.print_exc()
             return error(BadRequest(f"generation failed: {e}", status=500))
@@ -376,7 +504,8 @@ def make_app(server: Server):
               Route("/v1/completions", text_completions, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
               Route("/health", health, methods=["GET"])]
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
+    return guarded(app, server.args)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -387,12 +516,29 @@ def listen(host: str, port: int) -> socket.socket:
         raise UserError(f"cannot listen on {host}:{port}: {os.strerror(e.errno) if e.errno else e}") from None
 
 
+def check_arguments(args) -> None:
+    if args.cors is not None:
+        args.cors = args.cors.rstrip("/")
+        if not re.fullmatch(r"https?://[^/\s]+", args.cors):
+            raise UserError(f"--cors {args.cors!r} is not an origin: scheme://host[:port], as a browser sends it")
+    if args.api_key is not None and (not args.api_key or not args.api_key.isprintable() or " " in args.api_key):
+        raise UserError("--api-key must be a non-empty key of printable characters without spaces")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise UserError(f"--timeout {args.timeout} is out of range: a number of seconds > 0")
+
+
 def run(args) -> int:
+    check_arguments(args)
     try:  # before the model loads, so that the budget's runtime line counts them
         import starlette  # noqa: F401
         import uvicorn
     except ImportError:
         raise UserError("serve needs starlette and uvicorn: pip install 'flashinfer-lite[serve]'") from None
+
+    class Uvicorn(uvicorn.Server):
+        def handle_exit(self, sig, frame):   # SIGTERM, Ctrl-C: streams end with an error event, waiting requests 503
+            server.stopping = True
+            super().handle_exit(sig, frame)
     sock = listen(args.host, args.port)
     with sock:
         server = Server(args)
@@ -402,7 +548,7 @@ def run(args) -> int:
               file=sys.stderr, flush=True)
         try:
             config = uvicorn.Config(make_app(server), log_level="warning", timeout_graceful_shutdown=5)
-            uvicorn.Server(config).run(sockets=[sock])
+            Uvicorn(config).run(sockets=[sock])
         finally:
             server.worker.shutdown(wait=True)
     return 0

@@ -1,8 +1,10 @@
 """`flashinfer-lite serve` as a real server on a loopback port, driven by the `openai` client package. The oracle for
 every answer is `flashinfer-lite generate --temp 0 --json` with the same model and flags; for the budget, the kernel's
 high-water mark of the server process (VmHWM in /proc/PID/status), not what the server says."""
+import http.client
 import json
 import math
+import random
 import os
 import re
 import signal
@@ -56,6 +58,16 @@ class Served:
                 return r.status, json.loads(r.read())
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read())
+
+    def call(self, method: str, path: str, body: bytes | None = None, headers=None) -> tuple[int, dict, bytes]:
+        """(status, headers, body) of one request sent with exactly these headers (Host and Origin included)."""
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        try:
+            c.request(method, path, body=body, headers=headers or {})
+            r = c.getresponse()
+            return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+        finally:
+            c.close()
 
     def raw_status(self, request: bytes) -> int:
         """The status code of an answer to bytes sent as they are (the first line of the response)."""
@@ -201,7 +213,7 @@ def test_bad_requests_get_openai_errors_and_the_server_carries_on(stories):
         json.dumps({"prompt": "word " * 400}).encode(): (400, "prompt"),          # over the 256-token context
         b'{"prompt": "\\ud800"}': (400, "prompt"),                                   # a lone surrogate: not UTF-8
         b'{"prompt": "caf\xe9"}': (400, None),                                       # a Latin-1 byte in the body
-        b"[" * 100000 + b"]" * 100000: (400, None),                                  # nesting deep enough to recurse
+        b"[" * 30000 + b"]" * 30000: (400, None),                                    # nesting deep enough to recurse
     }
     for body, (status, param) in cases.items():
         got, doc = stories.post("/v1/completions", body)
@@ -210,8 +222,8 @@ def test_bad_requests_get_openai_errors_and_the_server_carries_on(stories):
     # A body over the limit is refused from its Content-Length, before it is read. Sent by hand: the server answers
     # and closes without reading the rest, so a client still writing a real 3 MiB body would see a reset instead.
     for declared in (3 << 20, 1 << 30):
-        assert stories.raw_status(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                                  b"Content-Length: %d\r\n\r\n{\"prompt\": \"xxxx" % declared) == 413
+        assert stories.raw_status(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                                  b"\r\nContent-Length: %d\r\n\r\n{\"prompt\": \"xxxx" % declared) == 413
     assert stories.post("/v1/chat/completions", json.dumps({"messages": []}).encode())[0] == 400
     # stories260K has no chat template: a chat request is the client's mistake, not a crash
     status, doc = stories.post("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode())
@@ -267,14 +279,29 @@ def test_chat_completions_use_the_template_and_reuse_the_conversation(stories_ch
     assert fresh.choices[0].message.content == again.choices[0].message.content
 
 
-def test_default_model_chat_equals_generate(smollm2_gguf):
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf):
+    with serving("-m", str(smollm2_gguf), "--ffn", "dense") as s:
+        yield s
+
+
+def test_default_model_chat_equals_generate(smollm2, smollm2_gguf):
     question = "What is the capital of France?"
     want = generate_json(["-m", str(smollm2_gguf), "--ffn", "dense"], question, 16, template=True)
-    with serving("-m", str(smollm2_gguf), "--ffn", "dense") as s:
-        r = s.client.chat.completions.create(model="any", messages=[{"role": "user", "content": question}],
-                                             max_tokens=16, temperature=0)
+    r = smollm2.client.chat.completions.create(model="any", messages=[{"role": "user", "content": question}],
+                                               max_tokens=16, temperature=0)
     assert r.choices[0].message.content == want["text"]
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(want["prompt_tokens"]), len(want["tokens"]))
+
+
+def test_an_empty_prompt_is_the_clients_mistake(smollm2):
+    """The default model adds no BOS: an empty prompt has no token to evaluate. A 400 for it, streamed or not, before
+    a stream starts (not a 500, nor a 200 whose only event is the error)."""
+    for stream in (False, True):
+        status, doc = smollm2.post("/v1/completions", json.dumps({"prompt": "", "max_tokens": 2,
+                                                                   "stream": stream}).encode())
+        assert status == 400 and doc["error"]["param"] == "prompt", doc
+    assert smollm2.client.completions.create(model="any", prompt="Paris is", max_tokens=2).usage.completion_tokens
 
 
 def test_load_8_clients_40_requests(stories, flags, budget_mib, cache_env):
@@ -345,3 +372,156 @@ def test_stop_strings_against_str_find(text, cuts, stops):
     hits = [(text.find(s) + len(s), text.find(s)) for s in stops if s and s in text]
     assert shown == (text[:min(hits)[1]] if hits else text)
     assert cut.stopped == bool(hits) or len(bounds) == 1
+
+
+def test_refused_prompts_stay_within_the_budget(stories, budget_mib):
+    """4 concurrent 2 MB prompts (over a 256-token context) are refused from their Content-Length, before their bytes
+    are held or tokenized; one just under the body limit, from its size, before it is tokenized. Peak RSS (VmHWM)
+    stays within --dram-budget, and every answer is a 4xx."""
+    random.seed(0)
+    words = "the cat sat on a mat and then ran away".split()
+    text = " ".join(random.choice(words) for _ in range(500000))[:2_000_000]
+
+    def send(body: bytes) -> tuple[int, dict]:
+        c = http.client.HTTPConnection("127.0.0.1", stories.port, timeout=300)
+        try:
+            c.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+            r = c.getresponse()
+            return r.status, json.loads(r.read())
+        finally:
+            c.close()
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(send, [json.dumps({"prompt": text, "max_tokens": 2}).encode()] * 4))
+    peak = stories.peak_rss_bytes()
+    assert peak <= budget_mib << 20, f"peak RSS {peak / 2**20:.1f} MiB > {budget_mib} MiB"
+    assert all(status == 413 for status, _ in answers), answers
+    limit = int(re.search(r"over (\d+) bytes", answers[0][1]["error"]["message"]).group(1))
+    status, doc = send(json.dumps({"prompt": text[:limit - 100], "max_tokens": 2}).encode())
+    assert status == 400 and doc["error"]["code"] == "context_length_exceeded", doc
+    peak = stories.peak_rss_bytes()
+    assert peak <= budget_mib << 20, f"peak RSS {peak / 2**20:.1f} MiB > {budget_mib} MiB"
+    print(f"peak RSS {peak / 2**20:.1f} MiB, budget {budget_mib} MiB")
+
+
+def test_a_cross_origin_page_cannot_drive_the_server(stories):
+    """What a hostile page's browser sends: a "simple" text/plain POST from its origin (CSRF), and a JSON POST under
+    its own host name (DNS rebinding). Neither generates; the same request from this machine's names does."""
+    body = json.dumps({"prompt": "Once", "max_tokens": 2}).encode()
+    host = f"127.0.0.1:{stories.port}"
+    before = stories.health()["tokens_predicted_total"]
+    status, headers, _ = stories.call("POST", "/v1/completions", body, {
+        "Content-Type": "text/plain", "Origin": "http://evil.example", "Host": "evil.example:80"})
+    assert status == 403 and "access-control-allow-origin" not in headers
+    status, _, _ = stories.call("POST", "/v1/completions", body, {"Content-Type": "application/json",
+                                                                   "Origin": "http://evil.example",
+                                                                   "Host": f"evil.example:{stories.port}"})
+    assert status == 403
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        status, _, answer = stories.call("POST", "/v1/completions", body, {
+            "Content-Type": content_type, "Origin": "http://evil.example", "Host": host})
+        assert status == 415 and json.loads(answer)["error"]["message"], (content_type, answer)
+    status, headers, _ = stories.call("OPTIONS", "/v1/completions", None, {    # a preflight: no CORS by default
+        "Origin": "http://evil.example", "Access-Control-Request-Method": "POST", "Host": host})
+    assert "access-control-allow-origin" not in headers
+    assert stories.health()["tokens_predicted_total"] == before   # none of them generated
+    for name in (host, f"localhost:{stories.port}", "localhost", f"[::1]:{stories.port}"):
+        status, _, answer = stories.call("POST", "/v1/completions", body,
+                                         {"Content-Type": "application/json; charset=utf-8", "Host": name})
+        assert status == 200 and json.loads(answer)["usage"]["completion_tokens"] == 2, (name, answer)
+
+
+def test_a_client_gone_mid_body_leaves_no_traceback(stories):
+    """Clients that hang up while sending their body: no ClientDisconnect traceback per connection in the log."""
+    before = len(stories.stderr())
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", stories.port), timeout=60) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+    for _ in range(3):   # the server went through those hang-ups before it answered these
+        assert stories.health()["status"] == "ok"
+    assert stories.client.completions.create(model="any", prompt="Once", max_tokens=2).usage.completion_tokens == 2
+    log = stories.stderr()[before:]
+    assert "Traceback" not in log and "ClientDisconnect" not in log, log
+
+
+def test_cors_api_key_allowed_hosts_and_the_body_timeout():
+    """--cors ORIGIN answers that origin's preflight and marks its answers, no other origin's; --api-key refuses a
+    missing or wrong key (GET /health stays open); --allow-host adds a proxy's name; --timeout bounds a slow body."""
+    app, key = "http://app.example:3000", "s3cret-key"
+    with serving("-m", str(STORIES), "--ffn", "dense", "-c", "256", "--cors", app, "--api-key", key,
+                 "--allow-host", "proxy.example", "--timeout", "1") as s:
+        host = {"Host": f"127.0.0.1:{s.port}"}
+        assert s.call("GET", "/health", None, host)[0] == 200
+        for auth in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}, {"Authorization": "Bearer "}):
+            status, _, answer = s.call("GET", "/v1/models", None, {**host, **auth})
+            assert status == 401 and json.loads(answer)["error"]["code"] == "invalid_api_key", (auth, answer)
+        with pytest.raises(openai.AuthenticationError):
+            s.client.models.list()
+        good = {**host, "Authorization": f"Bearer {key}"}
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key=key, max_retries=0)
+        assert [m.id for m in client.models.list()] == ["stories260K"]
+        assert s.call("GET", "/v1/models", None, {**good, "Host": "proxy.example"})[0] == 200
+        assert s.call("GET", "/v1/models", None, {**good, "Host": "evil.example"})[0] == 403
+
+        ask = {"Origin": app, "Access-Control-Request-Method": "POST",
+               "Access-Control-Request-Headers": "authorization, content-type"}
+        status, headers, _ = s.call("OPTIONS", "/v1/completions", None, {**host, **ask})
+        assert status == 200 and headers["access-control-allow-origin"] == app
+        assert "authorization" in headers["access-control-allow-headers"].lower()
+        _, headers, _ = s.call("OPTIONS", "/v1/completions", None, {**host, **ask, "Origin": "http://evil.example"})
+        assert "access-control-allow-origin" not in headers
+        body = json.dumps({"prompt": "Once", "max_tokens": 2}).encode()
+        status, headers, _ = s.call("POST", "/v1/completions", body, {**good, "Origin": app,
+                                                                       "Content-Type": "application/json"})
+        assert status == 200 and headers["access-control-allow-origin"] == app
+        _, headers, _ = s.call("POST", "/v1/completions", body, {**good, "Origin": "http://evil.example",
+                                                                  "Content-Type": "application/json"})
+        assert "access-control-allow-origin" not in headers
+
+        # a body that never arrives in full: answered 408 (the status line, read as it comes) instead of held open
+        assert s.raw_status(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                            b"Authorization: Bearer " + key.encode() + b"\r\nContent-Length: 100\r\n\r\n{") == 408
+        assert "Traceback" not in s.stderr()
+
+
+def test_sigterm_ends_streams_with_an_error_event_and_done():
+    """SIGTERM while one stream generates and others wait: every stream ends with an event (its finish, or the error
+    of the server shutting down) and `data: [DONE]`; a waiting whole answer is JSON (503 or, had it run, 200)."""
+    with serving("-m", str(STORIES), "--ffn", "dense", "-c", "512", "--ignore-eos") as s:
+        def request(stream: bool) -> http.client.HTTPConnection:
+            c = http.client.HTTPConnection("127.0.0.1", s.port, timeout=120)
+            c.request("POST", "/v1/completions", json.dumps({"prompt": "Once upon a time", "max_tokens": 500,
+                                                             "stream": stream}).encode(),
+                      {"Content-Type": "application/json"})
+            return c
+
+        first = request(True).getresponse()
+        assert first.status == 200 and first.readline().startswith(b"data: ")   # generating
+        whole = request(False)                                     # waits for the model (its answer comes at the end)
+        queued = [request(True).getresponse() for _ in range(2)]   # their 200 is out: waiting for the model
+        s.proc.send_signal(signal.SIGTERM)
+        errors = 0
+        for r in [first, *queued]:
+            events = [line[6:].strip() for line in r.read().splitlines() if line.startswith(b"data: ")]
+            assert events[-1] == b"[DONE]", events[-3:]
+            last = json.loads(events[-2])
+            if "error" in last:
+                assert "shutting down" in last["error"]["message"], last
+                errors += 1
+            else:
+                assert last["choices"][0]["finish_reason"] == "length", last
+        assert errors >= 1   # the last queued stream cannot have run its 500 tokens before the signal
+        answer = whole.getresponse()
+        doc = json.loads(answer.read())
+        assert (answer.status, "shutting down" in str(doc)) in ((503, True), (200, False)), (answer.status, doc)
+        s.proc.wait(60)
+        assert "Traceback" not in s.stderr()
+
+
+@pytest.mark.parametrize("flag", [["--cors", "app.example"], ["--cors", "http://app.example/path"], ["--api-key", ""],
+                                  ["--api-key", "two words"], ["--timeout", "0"], ["--timeout", "nan"]])
+def test_bad_server_flags_are_one_line_before_the_model_loads(flag):
+    r = subprocess.run([sys.executable, "-m", "flashinfer_lite", "serve", "-m", str(STORIES), "--port", "0", *flag],
+                       capture_output=True, timeout=120, cwd=REPO)
+    err = r.stderr.decode().strip().splitlines()
+    assert r.returncode == 1 and len(err) == 1 and err[0].startswith(f"error: {flag[0]}"), err
