@@ -649,7 +649,7 @@ def calibrate_gate(files: ModelFiles, dram_budget: int | None = None, n_tokens: 
     calibration text: predictors/calibration.txt, written for the project, never an evaluation text) and write them
     to FLASHDIR/gate.json. The model runs in this process under dram_budget (bytes; None: no limit), planned like
     the run after it, and is freed before that run: a child process beside this one would hold a second copy of the
-    libraries and the runtime (a cold first run under a memory cgroup equal to the budget was killed so)."""
+    libraries and the runtime, enough to get a cold first run killed under a memory cgroup equal to the budget."""
     from importlib import resources
     cfg = files.ckpt.config
     no_threshold = (np.zeros(cfg.ffn_dim, np.float32),) * cfg.n_layers
