@@ -578,8 +578,8 @@ def measure_runtime_bytes(layout, source: str | None = None) -> int:
 
 
 # Until this installation has measured them (the compile stamp keeps what it measured): what loading the kernels from
-# Numba's cache adds to RSS (45-65 MiB measured for SmolLM2 q4_1 and stories260K f16, Numba 0.6x, Linux x86-64,
-# 2026-11: the lowest, as the estimate is a lower bound), and what a tokenizer takes per vocabulary entry
+# Numba's cache adds to RSS (45-65 MiB measured for SmolLM2 q4_1 and stories260K f16, Numba 0.6x, Linux x86-64:
+# the lowest, as the estimate is a lower bound), and what a tokenizer takes per vocabulary entry
 # (tokenizers 0.2x: SmolLM2's 49,152 entries 43 MiB, stories260K's 512 entries 2 MiB).
 KERNELS_DEFAULT_BYTES = 44 << 20
 TOKENIZER_BYTES_PER_TOKEN = 800

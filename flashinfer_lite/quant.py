@@ -105,7 +105,8 @@ def _half_at(context, builder, ptr, offset):
     """The float16 at byte ptr[offset] as float32, by kernels.f16.f16_bits_to_f32 (F16C or portable, as the host).
     With F16C, LLVM converts a float16 alone by loading it with `vpinsrw $0, mem, %xmmA, %xmmB`: the other lanes
     come from whatever register xmmA is, and when that is an accumulator every block waits for the block before it
-    (q4_0 and q8_0 in quant_matmul_rows, q4_1's mins: 0.64x q4_0's bytes per second, 2026-11-24), and asking for
+    (q4_0 and q8_0 in quant_matmul_rows, q4_1's mins: a third fewer bytes per second, bench/quant_kernels.py), and
+    asking for
     the other lanes zero does not help (LLVM sees they are unused). So it is inline asm: the register zeroed first
     (vpxor, which waits for nothing), then the load and the conversion."""
     at = builder.gep(ptr, [offset])
@@ -827,8 +828,8 @@ def rows_dot8k(typingctx, r, kq, kd, kb, n, t0, out, kind):
 def act8_dot(typingctx, r, x, a, kind):
     """r . x (float32[n]) by 8-bit blocks a (a 1-D tuple: act8_row, act8_slice) where a holds the blocks kind dots
     with (row_dot8, row_dot8k), else row_dot on x. An intrinsic, not an inlined Numba function: a function's array
-    arguments (x and a's 7) each cost an NRT incref and decref per call, ~40 ns a row, as much as the dot product of
-    a 576-weight q4_0 row (2026-11-24)."""
+    arguments (x and a's 7) each cost an NRT incref and decref per call, as much per row as the dot product of a
+    576-weight q4_0 row (bench/quant_kernels.py measures the kernels)."""
     if not (isinstance(a, types.BaseTuple) and len(a) == 7 and isinstance(kind, types.Integer)):
         return None
     dot8, dot8k, dot = (f._defn(typingctx, *args) for f, args in ((row_dot8, (r, *a.types[:4], kind)),

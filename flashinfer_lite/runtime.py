@@ -95,7 +95,8 @@ def lookahead_selector(cfg: ModelConfig, weights: dict, predictors):
 
 def one_blas_thread() -> None:
     """What OPENBLAS_NUM_THREADS=1 in flashinfer_lite/__init__.py does, for a process that loaded numpy first (the
-    variable is read once, then): OpenBLAS's spinning threads made SmolLM2's dense FFN 296 ms/token instead of 21.
+    variable is read once, then): OpenBLAS's spinning threads, beside Numba's, slow SmolLM2's dense FFN by an order
+    of magnitude (bench/README.md, "Figures behind the library's comments").
     A user's own OPENBLAS_NUM_THREADS is left alone."""
     if not BLAS_THREADS_FROM_USER:
         threadpool_limits(1, user_api="blas")
@@ -611,7 +612,8 @@ def load(path: str | None = None, dram_budget: int | str | None = "auto", ffn: s
 def warm_up(model: Transformer) -> None:
     """One decode step on a scratch cache at each thread count a step may run on (threads.StepThreads), as llama.cpp
     warms up at load: the decode's kernels load from Numba's cache here, in the load time, not in the first token's
-    (45-60 ms of a 7-10 ms step for SmolLM2's Q4_K_M, 2026-11-24: it set decode's P99). Every weight in DRAM only: a
+    (several times a step's time for SmolLM2's Q4_K_M: it would set decode's P99, bench/busy_decode.py). Every weight
+    in DRAM only: a
     flash runtime's step would read weights, and count them."""
     n = numba.get_num_threads()
     try:
@@ -647,7 +649,7 @@ def calibrate_gate(files: ModelFiles, dram_budget: int | None = None, n_tokens: 
     calibration text: predictors/calibration.txt, written for the project, never an evaluation text) and write them
     to FLASHDIR/gate.json. The model runs in this process under dram_budget (bytes; None: no limit), planned like
     the run after it, and is freed before that run: a child process beside this one would hold a second copy of the
-    libraries and the runtime (a cold first run under a memory cgroup equal to the budget was killed so)."""
+    libraries and the runtime, enough to get a cold first run killed under a memory cgroup equal to the budget."""
     from importlib import resources
     cfg = files.ckpt.config
     no_threshold = (np.zeros(cfg.ffn_dim, np.float32),) * cfg.n_layers

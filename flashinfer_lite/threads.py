@@ -4,29 +4,28 @@ The pools themselves are configured in flashinfer_lite/__init__.py (before numba
 thread, a short spin). This module sets Numba's thread count (`set_threads`, what -t asks for) and, per decode step,
 chooses among fewer (`StepThreads`).
 
-Why choose per step: a decode step is ~90 parallel regions (per layer the q/k/v and o GEMVs and the FFN, then
-lm_head) and each ends when its slowest thread does. When another process takes a core, a thread of ours waits in the
-run queue for the scheduler's next slice (EEVDF: ~1-3 ms) and every region waits with it: SmolLM2 in RAM took
-200-440 ms per token on 2 threads beside one spinning process, 23-50 ms on 1 (2026-11-24, load 3-5). Which count is
-faster depends on what else runs, and that changes while we run, so it is measured, not guessed: the step times at
-the chosen count against a few steps at another, now and then, the probes spaced out exponentially while the choice
-holds. The run queue (the machine's runnable tasks besides this process's, /proc/loadavg's fourth field less our own
-threads in state R, read at each step's start) says where to start: on the most threads it shows free cores
-for, else on one, since on a busy machine a step on two threads costs many times more (SmolLM2 Q4_K_M in RAM: 7.2 ms
-on two threads idle, 10.3 on one, 30 on two beside a spinning process) and one lost step is cheap to find. A probe
-alternates its steps with the chosen count's and compares each with the one just before it, so a load that comes or
-goes during the probe weighs on both sides alike. Each probe step votes for the faster side (SWITCH_RATIO), the run
-queue casts the first vote (for the count nearer the one it shows free cores for), and a majority of PROBE_STEPS
-votes decides: when the two agree, one probe step settles it; one slow step alone does not (it used to: one step over
-ABORT_RATIO ended a probe, and on a quiet machine the next came 32 steps later, on one thread). When the run
-queue's median over the recent steps moves to another count, that count is probed at the next step, so load that
-comes or goes is followed within a few steps, not after the probe's back-off.
-A count's first step loads that count's kernels from Numba's cache (5 kernels, 60-90 ms for SmolLM2 against a 10-17
-ms step, 2026-11-24): the time spent in Numba's compiler lock does not count. A probe step that runs slow goes back to
-the chosen count at its next layer, and a probe of more threads is skipped while this thread itself waits in the run
-queue for a sizeable share of its steps (its schedstat): the cores are taken, and a second thread of ours would wait
-too. The threads change no bits (every kernel's work split is a constant, not the thread count), so the choice can
-change at any step.
+Why choose per step: a decode step is ~90 parallel regions (per layer the q/k/v and o GEMVs and the FFN, then lm_head)
+and each ends when its slowest thread does. When another process takes a core, a thread of ours waits in the run queue
+for the scheduler's next slice (EEVDF: ~1-3 ms) and every region waits with it: beside one spinning process SmolLM2 in
+RAM decodes several times slower on 2 threads than on 1 (bench/busy_decode.py measures it, bench/README.md "Decode on
+a busy machine"). Which count is faster depends on what else runs, and that changes while we run, so it is measured,
+not guessed: the step times at the chosen count against a few steps at another, now and then, the probes spaced out
+exponentially while the choice holds. The run queue (the machine's runnable tasks besides this process's,
+/proc/loadavg's fourth field less our own threads in state R, read at each step's start) says where to start: on the
+most threads it shows free cores for, else on one, since on a busy machine a step on two threads costs many times more
+than on one (while idle it costs less) and one lost step is cheap to find. A probe alternates its steps with the
+chosen count's and compares each with the one just before it, so a load that comes or goes during the probe weighs on
+both sides alike. Each probe step votes for the faster side (SWITCH_RATIO), the run queue casts the first vote (for
+the count nearer the one it shows free cores for), and a majority of PROBE_STEPS votes decides: when the two agree,
+one probe step settles it; one slow step alone does not (a probe ended by one slow step would leave a quiet machine on
+one thread until the next probe, tens of steps later). When the run queue's median over the recent steps moves to
+another count, that count is probed at the next step, so load that comes or goes is followed within a few steps, not
+after the probe's back-off.
+A count's first step loads that count's kernels from Numba's cache (5 kernels, several steps' time for SmolLM2): the
+time spent in Numba's compiler lock does not count. A probe step that runs slow goes back to the chosen count at its
+next layer, and a probe of more threads is skipped while this thread itself waits in the run queue for a sizeable
+share of its steps (its schedstat): the cores are taken, and a second thread of ours would wait too. The threads
+change no bits (every kernel's work split is a constant, not the thread count), so the choice can change at any step.
 """
 from __future__ import annotations
 

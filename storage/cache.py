@@ -25,7 +25,7 @@ from .checkpoint import open_checkpoint
 from .convert import DEFAULT_DTYPE, convert, layout_for
 from .files import disk_bytes, exclusive, remove_stale_temp_dirs
 from .checksums import file_checksum, new_checksum
-from .format import MANIFEST, is_flashdir
+from .format import FORMAT_VERSION, MANIFEST, is_flashdir
 
 FLASH = "flash"
 INDEX = "index.json"
@@ -83,8 +83,8 @@ def source_key(path: Path, known_only: bool = False) -> str | None:
 
 
 def cached_conversion(p: Path, known_only: bool = False) -> Path | None:
-    """Where the cached conversion of model file/directory p is (or will be made): an existing one is reused as it
-    is, whatever build wrote it (a FLASHDIR from before the down columns still runs, with its q8_0 down).
+    """Where the cached conversion of model file/directory p is (or will be made): an existing one of this format
+    version is reused as it is.
     known_only: None when finding it would read the model (its digest is not remembered)."""
     flash = cache_dir() / FLASH
     if known_only and source_key(p, known_only=True) is None:
@@ -92,9 +92,11 @@ def cached_conversion(p: Path, known_only: bool = False) -> Path | None:
     # The dtype convert's default gives this source is part of the key: a conversion made under an older default
     # (first uses before q4_1 made float16 ones) is not reused, and `flashinfer-lite cache` lists it for removal.
     # "-split": GLU conversions made before the split layout (ffn.gate's gate|up and down files) are not reused;
-    # "-parts": nor, for the exact gate's models, those that also hold ffn.bin (the FFN twice on disk).
+    # "-parts": nor, for the exact gate's models, those that also hold ffn.bin (the FFN twice on disk); "-vN": nor
+    # those of another format version (read_layout refuses them).
     layout = layout_for(open_checkpoint(p), DEFAULT_DTYPE)
-    key = f"{source_key(p)}-{layout.dtype}{'-parts' if not layout.bundled else '-split' if layout.glu else ''}"
+    key = (f"{source_key(p)}-{layout.dtype}{'-parts' if not layout.bundled else '-split' if layout.glu else ''}"
+           f"-v{FORMAT_VERSION}")
     # the name's stem is for people; the key alone finds a conversion (a renamed model is the same model)
     return next((d for d in sorted(flash.glob(f"*-{key}")) if is_flashdir(d)), flash / f"{p.stem}-{key}")
 

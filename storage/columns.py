@@ -23,7 +23,7 @@ On disk (resident.safetensors) the tables hold these raw fields: 20 bytes per 25
 the GGUF spends on them, so the FLASHDIR stays the GGUF's size. In DRAM the runtime keeps them nearly as they are
 (decode): d and m per block of neurons and row as the float16 bits they are (widened by the kernel with F16C;
 float32 on hosts without), sc and mn as the bytes they are, and the kernel forms d*sc and dmin*mn per element (exact:
-an 11-bit by 8-bit product, as gguf.quants'). Why not d*sc decoded to float32 per sub-block, as until 2026-11-24:
+an 11-bit by 8-bit product, as gguf.quants'). Why not d*sc decoded to float32 per sub-block:
 8 bytes per 32 weights of a K-quant (4 per 16 of a q6_k), 11.3 MB per layer of a 7B's down, which the sparse down
 pass reads from DRAM for nearly every sub-block at any firing share; it ran at 0.62-0.71 of q4_0's bytes per second
 (bench/quant_kernels.py, tables of every neuron). Kept raw they are 3.5 MB a layer (a 7B Q4_K_M's down: ~0.11 GB

@@ -11,7 +11,7 @@ describes ffn.bin instead. Expert e of layer l is one chunk of `chunk` bytes at 
 One expert is one read of `chunk` bytes straight into a cache slot, whose matrices are then views of the slot
 (ExpertLayout.matrices). The router, the attention, the norms and a shared expert stay in resident.safetensors.
 
-Split chunks (`split`, manifest version 4; convert --expert-chunks split) hold the same expert as the dense split
+Split chunks (`split`; convert --expert-chunks split) hold the same expert as the dense split
 layout holds a layer (storage.format.SPLIT_PARTS), so a routed expert reads only the down columns of its firing
 neurons (ffn.experts, the exact gate inside an expert):
 

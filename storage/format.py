@@ -11,8 +11,8 @@ FLASHDIR/
 
 A bundle holds everything one neuron needs, so one read fetches it (row-column bundling, LLM in a Flash):
   n_vec vectors of length d back to back (d elements of `dtype` each, or GGUF blocks along d, storage/blocks.py:
-  each vector of each layer may have a block format of its own, `layer_dtypes`, as llama.cpp's Q4_K_M mixes them;
-  version 1 manifests say only `dtype` and `down_dtype`), then
+  each vector of each layer may have a block format of its own, `layer_dtypes`, as llama.cpp's Q4_K_M mixes them),
+  then
   float32 scalars at `scalars_offset` (int8: one symmetric scale per vector; then per-neuron biases), zero padding
   up to `stride` (a multiple of 512, so every run of bundles is an O_DIRECT-aligned read that lands directly in a
   cache row).
@@ -41,19 +41,16 @@ from .checkpoint import SafetensorsFile, check_shapes
 from .experts import MATRICES, ExpertLayout, expert_tensor_name
 
 FORMAT_NAME = "flashinfer-lite-flash"
-FORMAT_VERSION = 2                # written when version 1 cannot say it: per-matrix or per-layer types, 5-bit, K-quants
-COLUMNS_VERSION = 3               # written when the down vectors are columns (storage.columns: a GGUF's down kept exactly)
-SPLIT_EXPERTS_VERSION = 4         # written when the expert chunks are split (storage.experts: heads, then down columns)
-PARTS_VERSION = 5                 # written when only the split parts hold the bundles (FlashLayout.bundled False)
-READ_VERSIONS = (1, 2, 3, 4, 5)
-V1_DTYPES = ("f32", "f16", "int8", "q8_0", "q4_0", "q4_1")   # what a version 1 manifest can name
+# The one version written and read. Every manifest names each layer's vector types and the bundles' alignment, and
+# the files say where the bundles are (ffn.bin, the split parts, or both; experts whole or split). Older versions are
+# refused: a FLASHDIR is rebuilt from its source by `convert` (the cache keys its conversions by this version).
+FORMAT_VERSION = 5
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 64 << 20     # a permutation per layer of a 70B model is ~10 MB of JSON; anything past this is not ours
 BUNDLE_ALIGN = 512                # O_DIRECT granularity of offset, length and buffer address
-PACKED_ALIGN = 4                  # bundles with down columns (version 3) are packed: the reader aligns its reads instead
+PACKED_ALIGN = 4                  # bundles with down columns are packed: the reader aligns its reads instead
 REGION_ALIGN = 4096               # layer regions start on a page
 CHECKSUM_ALGO = "blake2b-128-bound"   # a layer's digest covers its index and geometry too (layer_checksum)
-UNBOUND_CHECKSUM_ALGO = "blake2b-128"  # before 2026-11: the region's bytes alone; still read (re-run convert to bind)
 VERIFIED_STAMP = ".verified.json" # sizes and mtimes of the files as they were when every checksum last matched
 
 DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "int8": np.dtype("i1")}   # one element per weight
@@ -334,18 +331,6 @@ class FlashLayout:
         return BundleGeometry(self.d, self.vectors, self.dtypes_of(0), self.scalars, self.stride, self.align)
 
     @property
-    def version(self) -> int:
-        """The manifest version that can say this layout: 1 unless a vector type or a per-layer type needs 2."""
-        names = {t for i in range(self.n_layers) for t in self.dtypes_of(i)} | {self.dtype}
-        if self.experts is not None and self.experts.split:
-            return SPLIT_EXPERTS_VERSION
-        if not self.bundled:
-            return PARTS_VERSION
-        if self.columns:
-            return COLUMNS_VERSION
-        return 1 if self.layer_dtypes is None and names <= set(V1_DTYPES) else FORMAT_VERSION
-
-    @property
     def vector_dtypes(self) -> tuple[str, ...]:
         return self.geometry.vector_dtypes
 
@@ -384,21 +369,18 @@ class FlashLayout:
     def layer_checksum(self, layer: int):
         """A digest to feed layer `layer`'s region into. It starts from the layer's index and geometry, so a region
         moved to another layer with its checksum, or a manifest whose n_neurons, offset or dtype was changed, does not
-        match (directories written before 2026-11, checksum_algo UNBOUND_CHECKSUM_ALGO: the bytes alone)."""
+        match."""
         h = new_checksum()
-        if self.checksum_algo == CHECKSUM_ALGO:
-            bound = {"layer": layer, "offset": self.offset[layer], "n_neurons": self.n_neurons[layer],
-                     "stride": self.stride, "d": self.d, "dtype": self.dtype, "down_dtype": self.down_dtype,
-                     "vectors": list(self.vectors), "biases": list(self.biases)}
-            if self.version > 1:
-                bound["vector_dtypes"] = list(self.dtypes_of(layer))
-            h.update(json.dumps(bound, sort_keys=True).encode())
+        bound = {"layer": layer, "offset": self.offset[layer], "n_neurons": self.n_neurons[layer],
+                 "stride": self.stride, "d": self.d, "dtype": self.dtype, "down_dtype": self.down_dtype,
+                 "vectors": list(self.vectors), "biases": list(self.biases),
+                 "vector_dtypes": list(self.dtypes_of(layer))}
+        h.update(json.dumps(bound, sort_keys=True).encode())
         return h
 
     @property
     def bundled(self) -> bool:
-        """ffn.bin holds the bundles; False: only the split parts hold them (format version 5, a GLU model whose FFN
-        runs the exact gate: storage.reader.PartsReader assembles bundles from the parts for the other modes)."""
+        """ffn.bin holds the bundles; False: only the split parts hold them (a GLU model whose FFN runs the exact gate: storage.reader.PartsReader assembles bundles from the parts for the other modes)."""
         return "ffn" in self.files
 
     @property
@@ -461,7 +443,7 @@ class FlashLayout:
                            layer_dtypes=None if self.uniform else [g.vector_dtypes for g in gs])
 
     def in_parts(self) -> "FlashLayout":
-        """This layout with its bundles in the split parts alone (format version 5, no ffn.bin): how convert writes a
+        """This layout with its bundles in the split parts alone (no ffn.bin): how convert writes a
         GLU model whose FFN runs the exact gate. The bundle geometry stays (the readers assemble bundles from the
         parts); offsets and ffn_size say where ffn.bin would hold them, from which the parts' regions derive."""
         parts = {name: self.make_part(name) for name in SPLIT_PARTS}
@@ -471,7 +453,6 @@ class FlashLayout:
     # -- manifest ----------------------------------------------------------------------------------------------------
     def to_manifest(self) -> dict:
         layers = []
-        version = self.version
         for i in range(self.n_layers):
             o = self.order[i]
             identity = bool(np.array_equal(o, np.arange(len(o))))
@@ -479,12 +460,11 @@ class FlashLayout:
                            "order": "identity" if identity else [int(x) for x in o]})
             if self.bundled:        # else the parts' checksums cover the bytes (`split`)
                 layers[-1]["checksum"] = self.checksum[i]
-            if version > 1:
-                layers[-1]["vector_dtypes"] = list(self.dtypes_of(i))
-        return {"format": FORMAT_NAME, "version": version, "config": self.config, "dtype": self.dtype,
+            layers[-1]["vector_dtypes"] = list(self.dtypes_of(i))
+        return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "config": self.config, "dtype": self.dtype,
                 "bundle": {"d": self.d, "vectors": list(self.vectors), "itemsize": self.itemsize,
                            "vector_bytes": self.vector_bytes, "down_dtype": self.down_dtype,
-                           **({"align": self.align} if version >= COLUMNS_VERSION else {}),
+                           "align": self.align,
                            "stride": self.stride, "scalars_offset": (self.geometry_of(0) if self.layer_dtypes else self.geometry).scalars_offset,
                            "scalars": list(self.scalars)},
                 "files": dict(self.files), "ffn_size": self.ffn_size, "checksum_algo": self.checksum_algo,
@@ -528,15 +508,11 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
     m = parse_json(read_bytes(src, "manifest", MAX_MANIFEST_BYTES), "manifest", src)
     if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
         raise UserError(f"{src}: not a {FORMAT_NAME} manifest")
-    if m.get("manifest_checksum", None) not in (None, manifest_checksum(m)):     # None: converted before 2026-11
+    if m.get("version") != FORMAT_VERSION:
+        raise UserError(f"{src}: format version {m.get('version')!r} is not supported (this build reads version "
+                        f"{FORMAT_VERSION}); re-convert it from its source with `flashinfer-lite convert`")
+    if m.get("manifest_checksum") != manifest_checksum(m):
         raise UserError(f"{src}: checksum mismatch: the manifest is damaged or edited; re-run convert")
-    if m.get("version") not in READ_VERSIONS:
-        raise UserError(f"{src}: format version {m.get('version')!r} is not supported (this build reads versions "
-                        f"{', '.join(map(str, READ_VERSIONS))}); re-run `flashinfer-lite convert`")
-    experts = m.get("experts")
-    if m["version"] == SPLIT_EXPERTS_VERSION and not (isinstance(experts, dict) and experts.get("split") is True):
-        raise UserError(f"{src}: format version {SPLIT_EXPERTS_VERSION} is not supported without split expert chunks "
-                        f"(it names them); re-run `flashinfer-lite convert`")
     try:
         b, layers, files, cfg = m["bundle"], m["layers"], m["files"], m["config"]
         dtype, ffn_size = m["dtype"], m["ffn_size"]
@@ -546,9 +522,9 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
         raise UserError(f"{src}: manifest fields have the wrong types")
     if dtype not in BUNDLE_DTYPES:
         raise UserError(f"{src}: unknown dtype {dtype!r} (this build reads {', '.join(BUNDLE_DTYPES)})")
-    if m.get("checksum_algo") not in (CHECKSUM_ALGO, UNBOUND_CHECKSUM_ALGO):
+    if m.get("checksum_algo") != CHECKSUM_ALGO:
         raise UserError(f"{src}: unknown checksum algorithm {m.get('checksum_algo')!r}")
-    for key in ("resident", "tokenizer") if m["version"] == PARTS_VERSION else ("ffn", "resident", "tokenizer"):
+    for key in ("resident", "tokenizer", *(() if m.get("split") is not None else ("ffn",))):
         if key not in files:
             raise UserError(f"{src}: manifest names no {key} file")
         inside(flashdir, files[key], f"{src}: {key} file")
@@ -558,7 +534,7 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
     scalars = tuple(b.get("scalars") or ())
     n_scales = len(vectors) if dtype == "int8" else 0
     biases = tuple(x for x in scalars[n_scales:] if x != NEURON_SCALAR)
-    down_dtype = b.get("down_dtype")        # absent before the block formats
+    down_dtype = b.get("down_dtype")
     check_down_dtype(dtype, down_dtype, f"{src}: ")
     if not set(biases) <= set(BIAS_NAMES) or len(set(biases)) != len(biases):
         raise UserError(f"{src}: unknown bundle scalars {list(scalars)}")
@@ -568,7 +544,7 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
                          offset=[], n_neurons=[], order=[], ffn_size=_int(ffn_size, "ffn_size", src),
                          config=cfg, files=dict(files), resident_checksum=str(m.get("resident_checksum", "")),
                          flashdir=flashdir, down_dtype=down_dtype, checksum_algo=m["checksum_algo"])
-    layout.align = b.get("align", BUNDLE_ALIGN) if m["version"] >= COLUMNS_VERSION else BUNDLE_ALIGN
+    layout.align = b.get("align")
     if layout.align not in (PACKED_ALIGN, BUNDLE_ALIGN) or layout.stride % layout.align:
         raise UserError(f"{src}: bundle stride {layout.stride} is not a multiple of {layout.align} holding the payload")
     end, per_layer = 0, []
@@ -594,8 +570,7 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
         ck = L.get("checksum")
         if "ffn" in files and (not isinstance(ck, str) or len(ck) != 32):
             raise UserError(f"{src}: layer {i} has no valid checksum")
-        if m["version"] > 1:          # version 2: each layer names its vectors' dtypes
-            per_layer.append(check_vector_dtypes(L.get("vector_dtypes"), len(vectors), f"{src}: layer {i}: "))
+        per_layer.append(check_vector_dtypes(L.get("vector_dtypes"), len(vectors), f"{src}: layer {i}: "))
         layout.offset.append(off)
         layout.n_neurons.append(n)
         layout.order.append(order)
@@ -603,9 +578,6 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
             layout.checksum.append(ck)
     if m.get("experts") is not None:
         layout.experts = ExpertLayout.from_manifest(m["experts"], src)
-        if layout.experts.split and m["version"] != SPLIT_EXPERTS_VERSION:
-            raise UserError(f"{src}: split expert chunks are format version {SPLIT_EXPERTS_VERSION}, "
-                            f"not {m['version']}")
         E = layout.experts
         if layers or E.offset < end or E.end > layout.ffn_size:
             raise UserError(f"{src}: the experts' chunks (bytes {E.offset}..{E.end}) overlap bundle regions or pass "
@@ -622,11 +594,11 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
         if set(per_layer) != {vector_dtypes(dtype, len(vectors), down_dtype)}:   # as FlashLayout.create keeps them
             layout.layer_dtypes = per_layer
     # The geometry the readers and kernels will rely on must be exactly what this build would compute (a d that is
-    # not whole blocks of a quantized dtype is a UserError of its own). vector_bytes: absent before the block formats.
+    # not whole blocks of a quantized dtype is a UserError of its own).
     first = layout.geometry_of(0) if layout.layer_dtypes else layout.geometry     # a mixture of experts has no layers
     if layout.scalars != scalars or b.get("scalars_offset") != first.scalars_offset \
             or b.get("itemsize") != layout.itemsize \
-            or b.get("vector_bytes", layout.vector_bytes) != layout.vector_bytes:
+            or b.get("vector_bytes") != layout.vector_bytes:
         raise UserError(f"{src}: bundle scalars/offsets do not match dtype {dtype} and vectors {list(vectors)}")
     if any(layout.stride < g.scalars_offset + 4 * len(scalars) for g in layout.geometries or [first]):
         raise UserError(f"{src}: bundle stride {layout.stride} is not a multiple of {layout.align} holding the payload")
@@ -639,9 +611,6 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
                         f"{cfg.get('ffn_dim')!r}")
     if m.get("split") is not None:
         _read_split(layout, m["split"], src)
-    if m["version"] == PARTS_VERSION and (not layout.parts or "ffn" in files):
-        raise UserError(f"{src}: format version {PARTS_VERSION} keeps the bundles in the split parts alone, and this "
-                        f"manifest names {'an ffn file' if 'ffn' in files else 'no split parts'}; re-run convert")
     if check_size:
         for L in layout.ffn_files:
             _check_file_size(L.ffn_path, L.ffn_size)

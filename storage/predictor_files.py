@@ -6,7 +6,7 @@ FLASHDIR/predictors/
   weights.safetensors     layers.{i}.w_in float16 [r, d], layers.{i}.w_out float16 [n, r], layers.{i}.bias float32 [n]
                           (absent after `train-predictor --thresholds-only`; no weights for the `dense_layers`)
   frequencies.safetensors layers.{i}.freq float32 [n]: how often each neuron is active on the calibration text
-                          (profile.safetensors in directories trained before 2026-11: still read)
+                          (profile.safetensors, its older name: still read)
   layer_000.json ...      one card per layer: rank, recall, precision, predicted/true ratio, bytes (for people)
 
 The directory is written whole to a temporary directory and renamed into place, so a reader sees the old set or the
@@ -32,7 +32,7 @@ PREDICTOR_DIR = "predictors"
 PREDICTOR_MANIFEST = "manifest.json"
 WEIGHTS_FILE = "weights.safetensors"
 FREQ_FILE = "frequencies.safetensors"
-OLD_FREQ_FILE = "profile.safetensors"     # its name before 2026-11, when "profile" came to mean the device's only
+OLD_FREQ_FILE = "profile.safetensors"     # its older name: "profile" means the device's only
 CARD_FMT = "layer_{:03d}.json"
 PRED_FORMAT = "flashinfer-lite-predictors"
 PRED_VERSION = 1

@@ -30,10 +30,9 @@ DEFAULT_DEPTH = 256
 ENGINES = ("io_uring", "threads")
 # Streams (a layer's rows read whole, in order: storage.reader.RowStream): chunks of this size, this many in flight
 # (the one computed on included). One 2 MiB chunk at a time, read while nothing else was in flight, ran at 0.6-0.8 GB/s
-# on the 7B shape (issue #29). Reading alone on this machine's shared virtio disk (2026-11-24, fio 1 MiB x 8: 0.8-1.3
-# GB/s then), 2 MiB x 1 got 0.51-0.87 GB/s and 2 MiB x 4, 4 MiB x 4 and 8 MiB x 2 0.70-1.20 each; 8 MiB x 2 holds the
-# same 16 MiB and costs the least CPU per token (fewer kernel calls and parallel regions per layer: 1.8-2.0 s against
-# 2.6-2.9 s for 2 MiB x 4 at the 7B's 50% budget, load 6-8).
+# on the 7B shape (issue #29). Several chunks in flight read faster than one, and of the settings that hold 16 MiB
+# (2 MiB x 4, 4 MiB x 4, 8 MiB x 2) 8 MiB x 2 costs the least CPU per token: fewer kernel calls and parallel regions
+# per layer (flash-bench measures a device's own; bench/README.md, "Figures behind the library's comments").
 DEFAULT_STREAM_CHUNK_BYTES = 8 << 20
 DEFAULT_STREAM_DEPTH = 2
 

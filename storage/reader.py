@@ -64,8 +64,8 @@ def aligned_empty(shape, dtype=np.uint8, align: int = 4096, huge: bool = False) 
 
 MADV_POPULATE_WRITE = 23        # Linux 5.14+
 # The expert cache's slots, and flash_bench.expert_rate's probe of the device for them, in 4 KiB pages: in huge pages a
-# chunk's read is one request, not 3, but their first touch (direct compaction, THP defrag "madvise") took the
-# 48-layer bench's 50% row from 337 to 779-809 ms per prompt token (2026-11-24)
+# chunk's read is one request, not 3, but their first touch (direct compaction, THP defrag "madvise") costs more than
+# it saves: bench/moe_vs_llama_cpp.py's 48-layer 50% row ran its prompt 2.3x slower in them
 SLOTS_IN_HUGE_PAGES = False
 _madvise = None
 

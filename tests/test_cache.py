@@ -52,14 +52,15 @@ def test_a_conversion_of_another_dtype_is_not_reused(model_and_cache):
     """A cache made when convert's default gave another dtype (first uses before q4_1 made float16 FLASHDIRs, under a
     name without the dtype) is left alone: the first use converts anew, in the dtype convert's default gives now."""
     from storage.convert import convert
-    from storage.format import read_layout
+    from storage.format import FORMAT_VERSION, read_layout
     src, root = model_and_cache
     stale = root / "flash" / f"stories-{cache.source_key(src)}"
     convert(src, stale, dtype="q8_0", progress=False)
     made = cache.flashdir_for(src, progress=False)
     auto = read_layout(made).dtype
     parts = "-parts" if not read_layout(made).bundled else ""      # SiLU: the split layout alone is in the key
-    assert os.path.basename(made) == f"stories-{cache.source_key(src)}-{auto}{parts}" and auto != "q8_0"
+    assert os.path.basename(made) == f"stories-{cache.source_key(src)}-{auto}{parts}-v{FORMAT_VERSION}"
+    assert auto != "q8_0"
     assert read_layout(stale).dtype == "q8_0"                          # untouched, listed by `flashinfer-lite cache`
 
 

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -189,7 +192,7 @@ def test_symlink_out_of_flashdir_is_refused(flashdir, tmp_path):
         read_layout(flashdir)
 
 
-@pytest.mark.parametrize("version", [0, 4, "1", None])
+@pytest.mark.parametrize("version", [0, 6, "1", None])
 def test_wrong_version_is_refused(flashdir, version):
     edit_manifest(flashdir, lambda m: m.__setitem__("version", version))
     with pytest.raises(UserError, match="version .* is not supported"):
@@ -218,12 +221,37 @@ def test_inconsistent_manifests_are_refused(flashdir, change, message):
         read_layout(flashdir)
 
 
-def test_manifests_written_before_the_block_formats_still_read(flashdir):
-    """Version 1 without bundle.vector_bytes and bundle.down_dtype (FLASHDIRs converted before them)."""
-    before = read_layout(flashdir)
-    edit_manifest(flashdir, lambda m: [m["bundle"].pop(k) for k in ("vector_bytes", "down_dtype")])
-    after = read_layout(flashdir)
-    assert (after.stride, after.scalars_offset, after.down_dtype) == (before.stride, before.scalars_offset, None)
+def as_version_1(m):
+    """The manifest as a version 1 build wrote this layout: no bundle.align, no per-layer vector_dtypes."""
+    m["version"] = 1
+    m["bundle"].pop("align")
+    for L in m["layers"]:
+        L.pop("vector_dtypes")
+
+
+@pytest.mark.parametrize("version", [1, 2, 3, 4])
+def test_older_versions_are_refused_in_one_line_saying_to_reconvert(flashdir, version):
+    """One version is written and read: a FLASHDIR of an older build is refused, naming the fix."""
+    m = json.loads((flashdir / "manifest.json").read_text())
+    assert m["version"] == fmt.FORMAT_VERSION and m["bundle"]["align"] == 512 and \
+        all("vector_dtypes" in L for L in m["layers"])       # every field, whichever layout: one version
+    edit_manifest(flashdir, as_version_1 if version == 1 else lambda m: m.__setitem__("version", version))
+    with pytest.raises(UserError) as e:
+        FlashCheckpoint(flashdir)
+    msg = str(e.value)
+    assert "\n" not in msg and f"format version {version} is not supported" in msg and "re-convert" in msg, msg
+    r = subprocess.run([sys.executable, "-m", "flashinfer_lite", "verify", str(flashdir)],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and "re-convert" in r.stderr, r.stderr
+
+
+def test_a_manifest_lacking_the_fields_every_version_writes_is_refused(flashdir):
+    for change in (lambda m: m["bundle"].pop("vector_bytes"), lambda m: m["bundle"].pop("align"),
+                   lambda m: m["layers"][1].pop("vector_dtypes"), lambda m: m.pop("manifest_checksum")):
+        bad = shutil.copytree(flashdir, flashdir.with_name(f"bad{id(change)}"))
+        edit_manifest(bad, change)
+        with pytest.raises(UserError):
+            read_layout(bad)
 
 
 def test_garbage_and_oversized_manifests_are_refused(flashdir, monkeypatch):

@@ -179,7 +179,7 @@ def test_packed_bundles_read_into_their_rows(uniform_gated, engine, gap):
 
 
 def test_old_layout_kinds_keep_512_byte_bundles(tiny_model, tmp_path):
-    """Only layouts with down columns (version 3) are packed: the others are the directories they always were."""
+    """Only layouts with down columns are packed: the others keep 512-byte bundles."""
     from storage.convert import convert
     from storage.format import read_layout
     L = read_layout(convert(tiny_model("llama-relu"), tmp_path / "flash", dtype="q4_0", progress=False))

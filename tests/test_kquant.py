@@ -220,11 +220,12 @@ def test_mixed_gguf_runs_the_exact_gate(mixed_gguf, tmp_path, monkeypatch, float
     assert_same_bits_at_every_budget(out, "gate", ids, 6, monkeypatch)
 
 
-def test_uniform_old_kinds_still_write_version_1(tiny_model, tmp_path):
+def test_uniform_old_kinds_write_the_one_version(tiny_model, tmp_path):
     from storage.convert import convert
+    from storage.format import FORMAT_VERSION
     out = convert(tiny_model("llama-relu"), tmp_path / "flash", dtype="q4_0", progress=False)
     m = json.loads((out / "manifest.json").read_text())
-    assert m["version"] == 1 and "vector_dtypes" not in m["layers"][0]
+    assert m["version"] == FORMAT_VERSION and m["layers"][0]["vector_dtypes"] == ["q4_0"] * 3
 
 
 def test_convert_says_what_the_down_matrix_becomes(mixed_gguf, tmp_path, capsys):

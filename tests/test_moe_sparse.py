@@ -4,6 +4,7 @@ Threshold 0 is exact: transformers' logits and tokens, and the same bits whether
 columns; a calibrated threshold reads fewer bytes at a stated perplexity cost, with the same bits at every budget,
 thread count and overlap setting."""
 import functools
+import json
 import shutil
 
 import numba
@@ -15,7 +16,7 @@ from flashinfer_lite.ffn.experts import ExpertCache
 from flashinfer_lite.runtime import load_runtime
 from storage.convert import convert
 from storage.errors import UserError
-from storage.format import SPLIT_EXPERTS_VERSION, read_layout, verify
+from storage.format import FORMAT_VERSION, read_layout, verify
 from test_flash_format import edit_manifest
 from test_moe import PROMPT, greedy
 
@@ -56,7 +57,7 @@ def test_threshold_zero_matches_transformers(split_dirs, tiny_model, kind, monke
     import torch
     flash = split_dirs(kind, "f32")
     L = read_layout(flash)
-    assert L.experts.split and L.version == SPLIT_EXPERTS_VERSION
+    assert L.experts.split and json.loads((flash / "manifest.json").read_text())["version"] == FORMAT_VERSION
     got, tokens, rt = run(flash, "auto", None)
     assert rt.stats.misses == 0 and rt.thresholds == [0.0] * L.experts.n_layers
     with torch.no_grad():     # transformers' logits over our tokens: each decoded token must be their argmax
@@ -126,18 +127,20 @@ def test_a_calibrated_threshold_reads_fewer_bytes(split_dirs, tmp_path):
 
 
 def test_whole_chunks_still_load_and_bad_inputs_are_refused(tiny_model, split_dirs, tmp_path):
-    """A FLASHDIR with whole chunks (version 1) runs as before and refuses --ffn gate in one line; a version 4
-    manifest whose experts are not split is refused; --expert-chunks split on a dense model is refused."""
+    """A FLASHDIR with whole chunks runs and refuses --ffn gate in one line; a manifest of split chunks that says
+    they are whole is refused; --expert-chunks split on a dense model is refused."""
     flash = convert(tiny_model("olmoe"), tmp_path / "whole", dtype="f16", progress=False)
-    assert read_layout(flash).version == 1 and not read_layout(flash).experts.split
+    assert not read_layout(flash).experts.split
     load_runtime(flash, "auto", dram_budget=None, runtime_bytes=0)
     with pytest.raises(UserError, match="--expert-chunks split"):
         load_runtime(flash, "gate", dram_budget=None, runtime_bytes=0)
     bad = shutil.copytree(split_dirs("mixtral", "q4_0"), tmp_path / "bad")
     verify(bad, progress=False)
     edit_manifest(bad, lambda m: m["experts"].pop("split"))    # as a hostile file would: its checksum redone
-    with pytest.raises(UserError, match="version 4 is not supported without split expert chunks"):
-        read_layout(bad)
+    with pytest.raises(UserError, match="checksum mismatch"):  # the chunks' digests are bound to their geometry
+        load_runtime(bad, "auto", dram_budget=None, runtime_bytes=0)
+    with pytest.raises(UserError, match="checksum mismatch"):
+        verify(bad, progress=False)
     with pytest.raises(UserError, match="dense model"):
         convert(tiny_model("llama-silu-gqa"), tmp_path / "dense", progress=False, expert_chunks="split")
     assert not (tmp_path / "dense").exists()

@@ -451,7 +451,7 @@ def test_reads_land_whole_in_huge_page_rows(flashdirs, engine):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# PartsReader: the bundles of a FLASHDIR that keeps them only in the split parts (format version 5, no ffn.bin)
+# PartsReader: the bundles of a FLASHDIR that keeps them only in the split parts (no ffn.bin)
 
 @pytest.fixture(scope="module")
 def parted(tmp_path_factory, flashdirs):

@@ -103,8 +103,8 @@ class ExpertCache:
     def _victim(self, layer: int, keep: set) -> int | None:
         """A slot to read into: a free one, else the least recently used unpinned expert's not in keep. A free slot
         was never used: its pages are faulted in here (first_touch_s), not by the read (it would count in read_busy_s).
-        Where the cache fills during decode (the 48-layer bench at its 50% cap) that is 62 MiB a token, 25-198 ms of
-        system time on this project's VM, whose host backs a page anew after the guest frees it (2026-11-24)."""
+        Where the cache fills during decode (bench/moe_vs_llama_cpp.py's 48 layers at their 50% cap) that is 62 MiB a
+        token of page faults, costly on a VM whose host backs a page anew after the guest frees it."""
         if self.free[layer]:
             slot, t0 = self.free[layer].pop(), time.perf_counter()
             populate(self.buf[layer, slot])

@@ -165,8 +165,8 @@ class GateFFN(FlashFFN):
         """Read a decoded token's down rows with the whole layer, in large sequential chunks, when the cache cannot
         hold the layer anyway (a budget below the FFN: its rows would not stay) and more than a third of it is not
         cached: a gated model's token needs most of its rows (~60% at sparsity 0.4), and random reads of them move
-        bytes several times slower than sequential ones (fio on this machine's SSD: 0.5-0.9 GB/s at 7 KiB, 4.5 GB/s
-        sequential). On the 7B shape at 75% of its q4_0 GGUF the cache path read 1.98 GB per token in 4.3 s."""
+        bytes several times slower than sequential ones (bench/reader_vs_fio.py measures both; at the 7B shape
+        the cache path is the slower, bench/README.md "Figures behind the library's comments")."""
         n = self.layout.n_neurons[layer]
         if self.cache.matrix(layer).shape[0] >= n:      # its pinned rows and window hold the whole layer
             return False
