@@ -23,7 +23,7 @@ from storage.errors import UserError, child_exit_code, run_child
 
 from .checkpoint import open_checkpoint
 from .convert import DEFAULT_DTYPE, convert, layout_for
-from .files import disk_bytes, exclusive, remove_stale_temp_dirs
+from .files import disk_bytes, exclusive, remove_stale_temp_dirs, write_best_effort
 from .checksums import file_checksum, new_checksum
 from .format import MANIFEST, is_flashdir
 
@@ -49,13 +49,8 @@ def _read(path: Path) -> dict:
 
 
 def _write(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
+    """Best effort: a read-only cache re-hashes a source at every run, and finds its conversion by that digest."""
+    write_best_effort(path, json.dumps(data, indent=1))
 
 
 def source_key(path: Path, known_only: bool = False) -> str | None:

@@ -47,6 +47,31 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def write_best_effort(path: Path, text: str) -> bool:
+    """Write path whole or not at all (a temp file beside it, renamed over it), for what only saves work: a stamp,
+    a digest, an index. False when it could not be written (a read-only or full filesystem, no permission): the
+    caller then does the work again next time. Never raises, and leaves no temp file behind that it could remove."""
+    path = Path(path)
+    tmp = path.with_name(f"{'' if path.name.startswith('.') else '.'}{path.name}.{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        remove_quietly(tmp)
+        return False
+
+
+def remove_quietly(path: Path) -> None:
+    """Remove a temp file on a failure's way out, raising nothing that would hide that failure: a read-only
+    filesystem refuses even to unlink a file it never made (EROFS)."""
+    try:
+        Path(path).unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
 def remove_stale_temp_dirs(parent: Path) -> list[Path]:
     """Remove parent's `.NAME.KIND-PID` entries whose process is gone; returns what was removed."""
     removed = []

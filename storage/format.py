@@ -38,6 +38,7 @@ from . import blocks, columns
 from .checksums import file_checksum, manifest_checksum, new_checksum, region_checksum  # noqa: F401 (the format's)
 from .predictor_files import PREDICTOR_DIR, PREDICTOR_MANIFEST, predictor_checksums
 from .checkpoint import SafetensorsFile, check_shapes
+from .files import write_best_effort
 from .experts import MATRICES, ExpertLayout, expert_tensor_name
 
 FORMAT_NAME = "flashinfer-lite-flash"
@@ -895,12 +896,7 @@ def write_verified_stamp(flashdir) -> None:
     """Record that FLASHDIR's files, as they are now, matched their checksums. Best effort: a read-only FLASHDIR is
     simply verified in full at every load."""
     flashdir = Path(flashdir)
-    tmp = flashdir / f"{VERIFIED_STAMP}.{os.getpid()}"
-    try:
-        tmp.write_text(json.dumps({"files": _stamped_files(flashdir)}))
-        os.replace(tmp, flashdir / VERIFIED_STAMP)
-    except OSError:
-        tmp.unlink(missing_ok=True)
+    write_best_effort(flashdir / VERIFIED_STAMP, json.dumps({"files": _stamped_files(flashdir)}))
 
 
 def verify_at_load(flashdir, progress: bool = False) -> FlashLayout:

@@ -140,6 +140,82 @@ def test_convert_onto_a_read_only_disk(read_only):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# Read-only models and caches (container images, NFS, squashfs): a stamp, digest or index that cannot be written
+# costs a full check or a re-hash at the next run, never a failure
+
+def read_only_copy(src_tree: Path, read_only: Path, name: str) -> Path:
+    """src_tree copied where the read_only fixture shows it (its rw side), seen read-only."""
+    import shutil
+    shutil.copytree(src_tree, read_only.parent / "rw" / name)
+    return read_only / name
+
+
+def test_a_read_only_flashdir_never_verified_here_runs_and_verifies(flash, read_only):
+    """Copied onto a read-only filesystem without its .verified.json: verified in full at every launch."""
+    d = read_only_copy(flash, read_only, "flash")
+    (read_only.parent / "rw" / "flash" / ".verified.json").unlink()
+    before = sorted(p.name for p in (read_only.parent / "rw" / "flash").iterdir())
+    r = cli("generate", "-m", str(d), "--ffn", "dense", "-p", "Once", "-n", "4", "--temp", "0")
+    assert r.returncode == 0 and r.stdout.decode().startswith("Once"), r.stderr.decode()
+    r = cli("verify", str(d))
+    assert r.returncode == 0 and "match their checksums" in r.stdout.decode(), r.stderr.decode()
+    assert sorted(p.name for p in (read_only.parent / "rw" / "flash").iterdir()) == before
+
+
+def test_a_read_only_flashdir_without_gate_thresholds_names_the_command_that_writes_them(flash, read_only):
+    """--ffn auto on a SiLU model's split layout is the exact gate, whose thresholds are calibrated into gate.json on
+    first use: a read-only FLASHDIR cannot hold them, which one line says before any calibration runs."""
+    d = read_only_copy(flash, read_only, "flash")
+    assert not (d / "gate.json").exists()
+    r = cli("generate", "-m", str(d), "-p", "Once", "-n", "4")
+    assert_one_line_error(r, str(d), "read-only", f"python -m predictors.calibrate_gate {d}", "--ffn dense")
+
+
+def test_a_warm_cache_mounted_read_only_elsewhere_runs(tmp_path, read_only, monkeypatch):
+    """A cache filled by a first use (conversion, gate calibration), then seen read-only at another path, for a copy
+    of the model at another path (its digests are not remembered: source-digests.json cannot take them): the run
+    re-hashes the model, finds the conversion by content and answers as the writable cache did."""
+    import shutil
+    model = shutil.copytree(STORIES, tmp_path / "m")
+    monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(read_only.parent / "rw" / "cache"))
+    args = ("-p", "Once", "-n", "6", "--temp", "0", "--ffn", "gate")
+    first = cli("generate", "-m", str(model), *args)
+    assert first.returncode == 0, first.stderr.decode()
+    digests = (read_only.parent / "rw" / "cache" / "source-digests.json").read_bytes()
+    monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(read_only / "cache"))
+    again = cli("generate", "-m", str(shutil.copytree(STORIES, tmp_path / "elsewhere")), *args)
+    assert again.returncode == 0 and again.stdout == first.stdout, again.stderr.decode()
+    assert (read_only.parent / "rw" / "cache" / "source-digests.json").read_bytes() == digests
+
+
+def test_the_default_gguf_in_a_read_only_cache_is_hashed_not_stamped(smollm2_gguf, read_only, monkeypatch):
+    """No stamp beside the default GGUF and none writable: its sha256 is checked in full, and `fetch` succeeds."""
+    import shutil
+    from flashinfer_lite import default_model
+    (read_only.parent / "rw" / "cache" / "models").mkdir(parents=True)
+    shutil.copyfile(smollm2_gguf, read_only.parent / "rw" / "cache" / "models" / default_model.FILENAME)
+    monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(read_only / "cache"))
+    r = cli("fetch")
+    assert r.returncode == 0 and r.stdout.decode().strip() == str(read_only / "cache" / "models" /
+                                                                  default_model.FILENAME), r.stderr.decode()
+
+
+def test_every_best_effort_writer_leaves_a_read_only_directory_alone(read_only, tmp_path, monkeypatch):
+    """write_best_effort and its callers that the tests above do not reach (the kernels' compiled stamp), aimed at
+    a read-only directory: False or nothing, never an exception, nothing written."""
+    from flashinfer_lite import budget
+    from storage import cache
+    from storage.files import write_best_effort
+    assert write_best_effort(read_only / "x.json", "{}") is False
+    assert write_best_effort(tmp_path / "x.json", "{}") is True and (tmp_path / "x.json").read_text() == "{}"
+    cache._write(read_only / "index.json", {"a": 1})
+    monkeypatch.setattr(budget, "compiled_stamp", lambda layout: read_only / "kernels.stamp")
+    monkeypatch.setattr(budget, "stamp_record", lambda layout: {})
+    budget.remember(None, {"kernels": 1})
+    assert list(read_only.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # The default GGUF: its sha256 checked when it changed, remembered by a stamp (size, mtime, inode) otherwise
 
 def test_default_gguf_changed_in_place_is_refused(tmp_path, monkeypatch, smollm2_gguf):
