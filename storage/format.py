@@ -634,6 +634,8 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
     if (layout.experts is None and cfg.get("n_layers") not in (None, len(layers))) or cfg.get("dim") not in (None, layout.d):
         raise UserError(f"{src}: config (n_layers={cfg.get('n_layers')}, dim={cfg.get('dim')}) disagrees with the "
                         f"{len(layers)} layers of width {layout.d} in the manifest")
+    if layout.experts is None and cfg.get("n_experts"):
+        raise UserError(f"{src}: config has {cfg['n_experts']!r} experts, the manifest none")
     if any(n != cfg.get("ffn_dim", n) for n in layout.n_neurons):     # the kernels index [ffn_dim] arrays by neuron
         i = next(i for i, n in enumerate(layout.n_neurons) if n != cfg.get("ffn_dim"))
         raise UserError(f"{src}: layer {i} has {layout.n_neurons[i]} neurons but the config's ffn_dim is "

@@ -634,3 +634,68 @@ def test_an_edited_flashdir_manifest_is_refused(flash, tmp_path):
     (d / "manifest.json").write_text(text.replace('"norm_eps": 1e-05', '"norm_eps": 1e-06'))
     for args in (("verify", str(d)), ("generate", "-m", str(d), "-p", "Once", "-n", "2", "--ffn", "dense")):
         assert_one_line_error(cli(*args), "manifest.json: checksum mismatch")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Header fields bounded before a loop uses them; token ids in the vocabulary; a GGUF's merges (issue 41)
+
+def capped(*args):
+    """cli(*args) in at most 4 GiB of address space: an unbounded header field fails fast, not by filling RAM."""
+    import resource
+    env = dict(os.environ, PYTHONIOENCODING="utf-8")
+    return subprocess.run([sys.executable, "-m", "flashinfer_lite", *args], capture_output=True, env=env,
+                          timeout=300, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30)))
+
+
+def _gguf_field(key: str, value, kind: str):
+    def edit(w):
+        import gguf
+        w.add_key_value(key, value, getattr(gguf.GGUFValueType, kind))
+    return edit
+
+
+def _gpt2_merges(merges):
+    def edit(w):
+        w.add_tokenizer_model("gpt2")
+        w.add_token_merges(merges)
+    return edit
+
+
+HOSTILE_GGUF = {    # the edit, and what its one line says
+    "block_count=2**32-1": (_gguf_field("llama.block_count", 2**32 - 1, "UINT32"),
+                            "llama.block_count is 4294967295, more than the file's"),
+    "eos=-3 (int32)": (_gguf_field("tokenizer.ggml.eos_token_id", -3, "INT32"), "eos token id -3 outside"),
+    "eos=512": (_gguf_field("tokenizer.ggml.eos_token_id", 512, "UINT32"), "eos token id 512 outside"),
+    "bos=600": (_gguf_field("tokenizer.ggml.bos_token_id", 600, "UINT32"), "bos token id 600 outside"),
+    "eot=-1 (int32)": (_gguf_field("tokenizer.ggml.eot_token_id", -1, "INT32"), "tokenizer.ggml.eot_token_id -1"),
+    "merges=['nospace']": (_gpt2_merges(["nospace"]), "tokenizer.ggml.merges entry 0 is not two tokens"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_GGUF))
+def test_a_gguf_with_a_hostile_header_field_is_one_line(case, tmp_path):
+    from conftest import write_llama_gguf
+    from storage.checkpoint import HFCheckpoint
+    edit, says = HOSTILE_GGUF[case]
+    path = write_llama_gguf(HFCheckpoint(STORIES), tmp_path / "m.gguf", edit=edit)
+    assert_one_line_error(capped("generate", "-m", str(path), "-p", "Once", "-n", "2", "--ffn", "dense"), says)
+
+
+@pytest.mark.parametrize("eos_ids, says", [([-3], "eos token id -3 outside"), ([2, 512], "eos token id 512 outside"),
+                                           (7, "eos_ids must be a list")])
+def test_a_manifest_eos_id_outside_the_vocabulary_is_one_line(flash, tmp_path, eos_ids, says):
+    d = copy_flash(flash, tmp_path)
+    edit_manifest(d, lambda m: m["config"].update(eos_ids=eos_ids))
+    for args in (("verify", str(d)), ("generate", "-m", str(d), "-p", "Once", "-n", "2", "--ffn", "dense")):
+        assert_one_line_error(cli(*args), says)
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("n_layers", 2**32 - 1, "disagrees with the 5 layers"),
+    ("vocab_size", 2**40, "tensor embed.weight has shape [512, 64]"),
+    ("n_experts", 2**31, "config has 2147483648 experts, the manifest none")])
+def test_a_manifest_count_the_files_do_not_hold_is_one_line(flash, tmp_path, field, value, says):
+    d = copy_flash(flash, tmp_path)
+    edit_manifest(d, lambda m: m["config"].update({field: value, "n_experts_used": 1} if field == "n_experts"
+                                                  else {field: value}))
+    assert_one_line_error(capped("generate", "-m", str(d), "-p", "Once", "-n", "2", "--ffn", "dense"), says)
