@@ -25,9 +25,9 @@ import numpy as np
 from storage.errors import UserError
 from storage.config import ModelConfig
 from storage.tokenizer import Tokenizer
-from storage.untrusted import hub_blobs, inside, parse_json, read_json
+from storage.untrusted import check_finite, hub_blobs, inside, parse_json, read_json
 
-from .blocks import BLOCK_BYTES, row_bytes
+from .blocks import BLOCK_BYTES, check_finite_blocks, row_bytes
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 # ----------------------------------------------------------------------------------------------------------------------
@@ -333,9 +333,14 @@ class Checkpoint:
         return name in self._index
 
     def tensor(self, name: str) -> np.ndarray:
+        """Tensor `name` as float32, finite (a NaN or inf is one line naming it: check_finite)."""
         if name not in self._index:
             raise UserError(f"{self.path}: missing tensor '{name}'")
-        return self._read(name)
+        return check_finite(self._read(name), self.where(name))
+
+    def where(self, name: str) -> str:
+        """Tensor `name` as the user finds it: the file, and the tensor's name in it."""
+        return f"{self.path}: tensor {name}"
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The shape tensor(name) will have, without reading it."""
@@ -489,6 +494,10 @@ class HFCheckpoint(Checkpoint):
     def shape(self, name: str) -> tuple[int, ...]:
         f, hf_name = self._index[name]
         return f.entries[hf_name][2]
+
+    def where(self, name: str) -> str:
+        f, hf_name = self._index[name]
+        return f"{f.path}: tensor {hf_name}"
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_dir(self.path, self.config)
@@ -756,8 +765,12 @@ class GGUFCheckpoint(Checkpoint):
     def _read(self, name: str) -> np.ndarray:
         import gguf
         t, data = self._tensor(name)
+        kind = self.block_kind(name)
+        if kind is not None:           # a NaN or inf scale named as such, before it spreads over its block
+            check_finite_blocks(np.asarray(data), kind, self.where(name))
         try:
-            a = gguf.quants.dequantize(data, t.tensor_type)
+            with np.errstate(all="ignore"):    # non-finite values: one line from tensor()'s check, no warning
+                a = gguf.quants.dequantize(data, t.tensor_type)
         except Exception as e:
             raise UserError(f"cannot dequantize GGUF tensor {t.name} ({t.tensor_type.name}): {e}") from None
         a = np.asarray(a, dtype=np.float32).reshape(self.shape(name))
@@ -777,6 +790,10 @@ class GGUFCheckpoint(Checkpoint):
             return (1, int(dims[0]))
         return tuple(int(s) for s in reversed(dims))
 
+    def where(self, name: str) -> str:
+        expert = f" (expert {self._expert_of[name]})" if name in self._expert_of else ""
+        return f"{self.path}: tensor {self._index[name]}{expert}"
+
     def block_kind(self, name: str) -> str | None:
         kind, shape = self._kind(name).lower(), self.shape(name)
         return kind if kind in BLOCK_BYTES and len(shape) == 2 else None
@@ -790,6 +807,7 @@ class GGUFCheckpoint(Checkpoint):
         if q.dtype != np.uint8 or q.shape != (shape[0], row_bytes(shape[1], kind)):
             raise UserError(f"{self.path}: GGUF tensor {t.name} ({t.tensor_type.name}) holds {q.dtype}{list(q.shape)}, "
                             f"not the blocks of a {list(shape)} matrix")
+        check_finite_blocks(q, kind, self.where(name))
         # q and k: llama.cpp interleaved their rows (llama only); un-permuting moves whole rows, blocks and all
         if self.arch != "llama":
             return kind, q

@@ -32,7 +32,7 @@ import numpy as np
 from storage.config import ModelConfig
 from storage.errors import UserError
 from storage.tokenizer import Tokenizer
-from storage.untrusted import inside, parse_json, read_bytes
+from storage.untrusted import check_finite, inside, parse_json, read_bytes
 
 from . import blocks, columns
 from .checksums import file_checksum, manifest_checksum, new_checksum, region_checksum  # noqa: F401 (the format's)
@@ -1003,7 +1003,9 @@ class FlashCheckpoint:
             kind, a = self._expert_matrix(name)
             return (kind, a) if kind in blocks.BLOCK_BYTES else None
         kind = self.resident_kinds.get(name)
-        return None if kind is None else (kind, self._resident.read(name, raw=True))
+        if kind is None:
+            return None
+        return kind, blocks.check_finite_blocks(self._resident.read(name, raw=True), kind, self._where(name))
 
     def stored_half(self, name: str) -> np.ndarray | None:
         """A resident matrix that resident.safetensors stores as float16, as stored (float16 [rows, cols]); else None.
@@ -1015,7 +1017,7 @@ class FlashCheckpoint:
         e = self._resident.entries.get(name)
         if e is None or e[0] or e[1] != np.float16 or len(e[2]) != 2:
             return None
-        return self._resident.read(name, raw=True)
+        return check_finite(self._resident.read(name, raw=True), self._where(name))
 
     def names(self) -> list[str]:
         return self._resident_names + list(self._ffn_names) + list(self._expert_names)
@@ -1032,7 +1034,11 @@ class FlashCheckpoint:
         if name not in self._resident.entries:
             raise UserError(f"{self.flashdir}: no tensor named {name!r}")
         stored = self.quantized(name)
-        return self._resident.read(name) if stored is None else blocks.dequantize(stored[1], stored[0])
+        return check_finite(self._resident.read(name), self._where(name)) if stored is None else \
+            blocks.dequantize(stored[1], stored[0])
+
+    def _where(self, name: str) -> str:
+        return f"{self._resident_path}: tensor {name}"
 
     def _layer_tensors(self, layer: int) -> dict[str, np.ndarray]:
         if self._cached_layer is not None and self._cached_layer[0] == layer:

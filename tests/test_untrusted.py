@@ -339,6 +339,75 @@ def test_a_resident_tensor_of_the_wrong_shape_is_refused_at_verify_and_load(flas
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# Non-finite weights (a corrupt download: GGUF files carry no checksums): one line naming the tensor, at convert and
+# at every load, before a kernel divides by them
+
+@pytest.mark.parametrize("name,at,value", [("model.layers.0.input_layernorm.weight", (0,), "nan"),
+                                           ("model.embed_tokens.weight", (7, 3), "inf"),
+                                           ("model.layers.1.mlp.down_proj.weight", (5, 9), "-inf")])
+def test_a_non_finite_source_weight_is_one_line_naming_it(tmp_path, name, at, value):
+    m = copy_model(tmp_path)
+
+    def poison(t):
+        t[name] = t[name].copy()
+        t[name][at] = float(value)
+    rewrite_safetensors(m / "model.safetensors", poison)
+    says = f"model.safetensors: tensor {name} holds {value} at {list(at)}"
+    out = tmp_path / "flash"
+    assert_one_line_error(cli("convert", str(m), "-o", str(out)), says)
+    assert not out.exists() and leftovers(tmp_path) == []
+    assert_one_line_error(cli("generate", "-m", str(m), "-p", "Once", "-n", "4", "--temp", "0"), says)
+
+
+class Poisoned:
+    """A checkpoint whose tensor `name` holds inf at `at` (what write_llama_gguf reads)."""
+    def __init__(self, ckpt, name, at):
+        self.ckpt, self.config, self.name, self.at = ckpt, ckpt.config, name, at
+
+    def tensor(self, name):
+        t = self.ckpt.tensor(name).copy()
+        if name == self.name:
+            t[self.at] = float("inf")
+        return t
+
+
+@pytest.mark.parametrize("name,gguf_name,kind,says", [
+    ("layers.0.ffn.gate.weight", "blk.0.ffn_gate.weight", "Q8_0", "(q8_0 block scales) holds inf at [3, 0]"),
+    ("layers.1.attn.v.weight", "blk.1.attn_v.weight", "Q4_0", "(q4_0 block scales) holds -inf at [3, 0]"),
+    ("layers.0.ffn_norm.weight", "blk.0.ffn_norm.weight", None, "holds inf at [3]")])
+def test_a_gguf_with_a_non_finite_weight_or_block_scale_is_one_line_naming_it(tmp_path, name, gguf_name, kind, says):
+    """An inf weight quantized by gguf.quants (llama.cpp's reference) makes its block's d infinite (q4_0: -inf, its
+    d is the largest magnitude over -8): found in the blocks the dense run keeps, and at convert, which copies
+    them."""
+    from conftest import write_llama_gguf
+    from storage.checkpoint import HFCheckpoint
+    src = Poisoned(HFCheckpoint(STORIES), name, (3, 17) if kind else (3,))
+    path = write_llama_gguf(src, tmp_path / "m.gguf", types={name: kind} if kind else {})
+    says = f"m.gguf: tensor {gguf_name} {says}"
+    assert_one_line_error(cli("generate", "-m", str(path), "-p", "Once", "-n", "2", "--ffn", "dense"), says)
+    out = tmp_path / "flash"
+    assert_one_line_error(cli("convert", str(path), "-o", str(out)), says)
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_a_non_finite_resident_weight_of_a_flashdir_is_one_line(flash, tmp_path):
+    """A FLASHDIR converted before convert checked its source (its checksums match what it holds): refused at
+    load by the same check."""
+    import numpy as np
+    from storage.format import file_checksum
+    d = copy_flash(flash, tmp_path)
+    res = d / "resident.safetensors"
+
+    def poison(t):
+        t["layers.0.attn_norm.weight"] = t["layers.0.attn_norm.weight"].copy()
+        t["layers.0.attn_norm.weight"][5] = np.nan
+    rewrite_safetensors(res, poison)
+    edit_manifest(d, lambda m: m.__setitem__("resident_checksum", file_checksum(res)))
+    assert_one_line_error(cli("generate", "-m", str(d), "-p", "Once", "-n", "2", "--ffn", "dense"),
+                          "resident.safetensors: tensor layers.0.attn_norm.weight holds nan at [5]")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # Unbounded reads and hangs: regular files only, bounded by the bytes read; JSON nesting bounded
 
 MODEL_FILES = ["config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json",
