@@ -245,7 +245,8 @@ def hf_config(cfg: dict, generation: dict | None = None, tensors: int | None = N
     elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
         raise UserError(f"unsupported {arch} field use_sliding_window=true")
     qkv_bias = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") or bool(cfg.get("attention_bias", False))
-    moe = moe_fields(cfg, arch, tensors) if arch in MOE_HF else {"qk_norm": "head" if arch == "Qwen3ForCausalLM" else None}
+    moe = moe_fields(cfg, arch, tensors) if arch in MOE_HF else \
+        {"qk_norm": "head" if arch == "Qwen3ForCausalLM" else None}
     if arch == "MixtralForCausalLM":
         window = cfg.get("sliding_window")
     cfg_out = ModelConfig(arch="llama", n_kv_heads=_count(cfg, "num_key_value_heads", heads),
