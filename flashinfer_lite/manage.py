@@ -31,13 +31,20 @@ def run(args) -> int:
             if e["kind"] == "flashdir":
                 src = f"  from {e['source']}" + ("" if e["source_exists"] else " (gone)") if e["source"] else \
                       "  (source unknown)"
+            elif e["kind"] == "leftover":
+                src = f"  (left by process {e['pid']}, which was killed; `cache rm` removes it)"
+            elif e["kind"] == "writing":
+                src = f"  (being written by process {e['pid']})"
             print(f"  {mib(e['bytes']):>10}  {e['kind']:<8}  {e['name']}{src}")
         print(f"  {mib(sum(e['bytes'] for e in rows)):>10}  total, {len(rows)} entries")
         return 0
     if not args.names and not args.all:
         print("error: `cache rm` needs NAME... or --all", file=sys.stderr)
         return 2
-    names = [e["name"] for e in entries()] if args.all else args.names
+    rows = entries()
+    names = [e["name"] for e in rows if e["kind"] != "writing"] if args.all else args.names
     freed = sum(remove(n) for n in names)
-    print(f"removed {len(names)} entries, {mib(freed)} freed")
+    busy = sum(e["kind"] == "writing" for e in rows) if args.all else 0
+    print(f"removed {len(names)} entries, {mib(freed)} freed" +
+          (f" ({busy} being written by a running conversion kept)" if busy else ""))
     return 0

@@ -675,7 +675,13 @@ def calibrate_gate(files: ModelFiles, dram_budget: int | None = None, n_tokens: 
 
 def calibrate_on_first_use(files: ModelFiles, sparsity: float, dram_budget: int | None = None) -> None:
     """calibrate_gate on a FLASHDIR's first exact-gate run, under the run's budget; then read the thresholds into
-    files.gate (decide again after)."""
+    files.gate (decide again after). A read-only FLASHDIR (a container image, NFS, squashfs) is refused before the
+    work, naming the command that writes gate.json where it is writable: calibrating in memory instead would run the
+    model over CALIBRATION_TOKENS tokens at every launch, silently (a model larger than its budget streams its gate|up
+    rows from flash for every window of them: minutes for a 7B)."""
+    if not os.access(files.path, os.W_OK):
+        raise UserError(f"{files.path} has no gate thresholds (gate.json) and is read-only: write them once where it "
+                        f"is writable (python -m predictors.calibrate_gate {files.path}), or run --ffn dense")
     progress = sys.stderr.isatty()
     if progress:                # on a terminal, with its progress bar; a script's stderr keeps its one error line
         print(f"gate: calibrating the thresholds of {files.path} once, on first use", file=sys.stderr)

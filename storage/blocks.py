@@ -21,12 +21,27 @@ from __future__ import annotations
 import numpy as np
 
 from storage.errors import UserError
+from storage.untrusted import check_finite
 
 BLOCK = 32                   # weights of the smallest block (and of a K-quant sub-block): every row length divides by it
 KIND_SIZES = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24),
               "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}    # kind -> (weights, bytes) of a block
 BLOCK_BYTES = {k: b for k, (_, b) in KIND_SIZES.items()}
 QUANTIZABLE = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")                    # the kinds gguf.quants can write
+# Byte offsets of a block's float16 fields (d, and m or dmin): the only ones that can hold NaN or inf. A K-quant's
+# sub-block scales are 6- or 8-bit integers.
+HALF_OFFSETS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2),
+                "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+
+
+def check_finite_blocks(q: np.ndarray, kind: str, what: str) -> np.ndarray:
+    """q (uint8 [rows, row_bytes] of `kind` blocks), unless a block's float16 d (or m, dmin) is NaN or inf: one line
+    naming `what`. A strided view of those fields, summed: 2 bytes of every 18 to 210 read, nothing copied."""
+    nbytes = BLOCK_BYTES[check_kind(kind)]
+    b = q.reshape(q.shape[0], -1, nbytes)
+    for o in HALF_OFFSETS[kind]:
+        check_finite(b[..., o:o + 2].view(np.float16)[..., 0], f"{what} ({kind} block scales)")
+    return q
 
 
 def check_kind(kind: str) -> str:

@@ -23,7 +23,8 @@ from storage.errors import UserError, child_exit_code, run_child
 
 from .checkpoint import open_checkpoint
 from .convert import DEFAULT_DTYPE, convert, layout_for
-from .files import disk_bytes, exclusive, remove_stale_temp_dirs
+from .files import (disk_bytes, exclusive, is_stale, remove_stale_temp_dirs, remove_temp, temp_entries,
+                    write_best_effort)
 from .checksums import file_checksum, new_checksum
 from .format import FORMAT_VERSION, MANIFEST, is_flashdir
 
@@ -49,13 +50,8 @@ def _read(path: Path) -> dict:
 
 
 def _write(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
+    """Best effort: a read-only cache re-hashes a source at every run, and finds its conversion by that digest."""
+    write_best_effort(path, json.dumps(data, indent=1))
 
 
 def source_key(path: Path, known_only: bool = False) -> str | None:
@@ -132,15 +128,20 @@ def convert_in_child(src: Path, dest: Path, progress: bool) -> None:
 
 
 def entries() -> list[dict]:
-    """What the cache holds: [{name, kind, bytes, source}], converted models first."""
+    """What the cache holds: [{name, kind, bytes, source}], converted models first, then the temp directories of
+    conversions (.NAME.tmp-PID): kind "leftover" when their process is gone (killed: a SIGKILL or the OOM killer
+    skips every cleanup; GBs for a 7B), "writing" while it runs (pid: its process)."""
     root = cache_dir()
     index = _read(root / FLASH / INDEX)
-    out = []
+    out, temps = [], temp_entries(root / FLASH)
     for d in sorted((root / FLASH).glob("*")) if (root / FLASH).is_dir() else []:
-        if d.is_dir() and (d / MANIFEST).is_file():
+        if d.is_dir() and (d / MANIFEST).is_file() and d not in dict(temps):   # a killed one may hold its manifest
             src = index.get(d.name, {}).get("source")
             out.append({"name": d.name, "kind": "flashdir", "bytes": disk_bytes(d), "path": str(d),
                         "source": src, "source_exists": bool(src and Path(src).exists())})
+    for p, pid in temps:
+        out.append({"name": p.name, "kind": "leftover" if is_stale(pid) else "writing", "bytes": disk_bytes(p),
+                    "path": str(p), "source": None, "source_exists": None, "pid": pid})
     for f in sorted((root / "models").glob("*")) if (root / "models").is_dir() else []:
         if f.is_file() and not f.name.startswith("."):
             out.append({"name": f.name, "kind": "model", "bytes": disk_bytes(f), "path": str(f), "source": None,
@@ -149,10 +150,16 @@ def entries() -> list[dict]:
 
 
 def remove(name: str) -> int:
-    """Remove one cached entry by name; returns the bytes freed."""
+    """Remove one cached entry by name; returns the bytes freed. Never a conversion in progress (kind "writing")."""
     for e in entries():
         if e["name"] == name:
             p = Path(e["path"])
+            if e["kind"] == "writing":
+                raise UserError(f"{name} is being written by process {e['pid']} (a conversion in progress): not "
+                                f"removed")
+            if e["kind"] == "leftover":
+                remove_temp(p)
+                return e["bytes"]
             shutil.rmtree(p) if p.is_dir() else p.unlink()
             index = _read(cache_dir() / FLASH / INDEX)
             if index.pop(name, None) is not None:

@@ -25,9 +25,9 @@ import numpy as np
 from storage.errors import UserError
 from storage.config import ModelConfig
 from storage.tokenizer import Tokenizer
-from storage.untrusted import hub_blobs, inside, parse_json, read_json
+from storage.untrusted import check_finite, hub_blobs, inside, parse_json, read_json
 
-from .blocks import BLOCK_BYTES, row_bytes
+from .blocks import BLOCK_BYTES, check_finite_blocks, row_bytes
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 # ----------------------------------------------------------------------------------------------------------------------
@@ -180,11 +180,16 @@ def _get(cfg: dict, key: str, default=None, required: bool = False):
     return default
 
 
-def _count(cfg: dict, key: str, default=None, required: bool = False) -> int:
-    """A config.json field that counts something: a positive integer, checked before any arithmetic uses it."""
+def _count(cfg: dict, key: str, default=None, required: bool = False, tensors: int | None = None) -> int:
+    """A config.json field that counts something: a positive integer, checked before any arithmetic uses it.
+    tensors: the checkpoint's tensor count, which bounds a count of things that each have tensors of their own
+    (layers, experts) before any loop runs over them."""
     v = _get(cfg, key, default, required)
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise UserError(f"config.json: '{key}' must be a positive integer (got {v!r})")
+    if tensors is not None and v > tensors:
+        raise UserError(f"config.json: '{key}' is {v}, more than the checkpoint's {tensors} tensors (every "
+                        f"one of them has tensors of its own)")
     return v
 
 
@@ -199,13 +204,14 @@ def _eos_ids(*values) -> list[int]:
     ids: list[int] = []
     for v in values:
         for i in (v if isinstance(v, list) else [v]):
-            if isinstance(i, int) and i not in ids:
+            if i is not None and i not in ids:      # anything else is ModelConfig's to refuse
                 ids.append(i)
     return ids
 
 
-def hf_config(cfg: dict, generation: dict | None = None) -> ModelConfig:
-    """ModelConfig from a Hugging Face config.json, refusing fields whose math we do not implement."""
+def hf_config(cfg: dict, generation: dict | None = None, tensors: int | None = None) -> ModelConfig:
+    """ModelConfig from a Hugging Face config.json, refusing fields whose math we do not implement. tensors: how many
+    the checkpoint holds (bounds the layer and expert counts)."""
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else None
     if arch not in SUPPORTED_HF:
@@ -215,7 +221,7 @@ def hf_config(cfg: dict, generation: dict | None = None) -> ModelConfig:
     dim = _count(cfg, "hidden_size", required=True)
     heads = _count(cfg, "num_attention_heads", required=True)
     common = dict(vocab_size=_count(cfg, "vocab_size", required=True), dim=dim,
-                  n_layers=_count(cfg, "num_hidden_layers", required=True), n_heads=heads,
+                  n_layers=_count(cfg, "num_hidden_layers", required=True, tensors=tensors), n_heads=heads,
                   max_pos=_count(cfg, "max_position_embeddings", 2048), bos_id=cfg.get("bos_token_id"), eos_ids=eos)
     if arch == "OPTForCausalLM":
         if _get(cfg, "word_embed_proj_dim", dim) != dim:
@@ -239,7 +245,8 @@ def hf_config(cfg: dict, generation: dict | None = None) -> ModelConfig:
     elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
         raise UserError(f"unsupported {arch} field use_sliding_window=true")
     qkv_bias = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") or bool(cfg.get("attention_bias", False))
-    moe = moe_fields(cfg, arch) if arch in MOE_HF else {"qk_norm": "head" if arch == "Qwen3ForCausalLM" else None}
+    moe = moe_fields(cfg, arch, tensors) if arch in MOE_HF else \
+        {"qk_norm": "head" if arch == "Qwen3ForCausalLM" else None}
     if arch == "MixtralForCausalLM":
         window = cfg.get("sliding_window")
     cfg_out = ModelConfig(arch="llama", n_kv_heads=_count(cfg, "num_key_value_heads", heads),
@@ -292,7 +299,7 @@ def gemma3_config(cfg: dict, common: dict) -> ModelConfig:
                        embed_scale=math.sqrt(dim),
                        query_scale=_count(cfg, "query_pre_attn_scalar", head_dim) ** -0.5,
                        logit_softcap=softcap, **common)
-def moe_fields(cfg: dict, arch: str) -> dict:
+def moe_fields(cfg: dict, arch: str, tensors: int | None = None) -> dict:
     """ModelConfig's mixture-of-experts fields of an MoE config.json, refusing the variants we do not compute: dense
     layers among the expert ones (decoder_sparse_step, mlp_only_layers), OLMoE's clip_qkv, sliding windows."""
     if _get(cfg, "decoder_sparse_step", 1) != 1 or _get(cfg, "mlp_only_layers", []):
@@ -303,7 +310,7 @@ def moe_fields(cfg: dict, arch: str) -> dict:
     if arch != "MixtralForCausalLM" and cfg.get("use_sliding_window"):
         raise UserError(f"unsupported {arch} field use_sliding_window=true")
     experts_key = "num_local_experts" if "num_local_experts" in cfg and "num_experts" not in cfg else "num_experts"
-    out = dict(n_experts=_count(cfg, experts_key, required=True),
+    out = dict(n_experts=_count(cfg, experts_key, required=True, tensors=tensors),
                n_experts_used=_count(cfg, "num_experts_per_tok", required=True),
                norm_topk_prob=True if arch == "MixtralForCausalLM" else bool(_get(cfg, "norm_topk_prob", False)),
                qk_norm={"Qwen3MoeForCausalLM": "head", "OlmoeForCausalLM": "all"}.get(arch))
@@ -327,9 +334,14 @@ class Checkpoint:
         return name in self._index
 
     def tensor(self, name: str) -> np.ndarray:
+        """Tensor `name` as float32, finite (a NaN or inf is one line naming it: check_finite)."""
         if name not in self._index:
             raise UserError(f"{self.path}: missing tensor '{name}'")
-        return self._read(name)
+        return check_finite(self._read(name), self.where(name))
+
+    def where(self, name: str) -> str:
+        """Tensor `name` as the user finds it: the file, and the tensor's name in it."""
+        return f"{self.path}: tensor {name}"
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The shape tensor(name) will have, without reading it."""
@@ -359,6 +371,11 @@ class Checkpoint:
         """Every tensor the math needs is present (a clear error now instead of a KeyError mid-load), and of the shape
         the config implies (check_shapes)."""
         c, need = self.config, ["embed.weight"]
+        ffn = 1 + 3 * c.n_experts + 4 * bool(c.shared_expert_dim) if c.moe else 3 if c.glu else 2
+        per_layer = 4 + ffn + 2 + 2 * bool(c.qk_norm) + 2 * c.post_norms
+        if c.n_layers * per_layer > len(self._index):     # before a name is listed: the counts come from the file
+            raise UserError(f"{self.path}: {c.n_layers} layers of {per_layer} tensors each, but the file holds "
+                            f"{len(self._index)} tensors")
         if not c.tie_embeddings:
             need.append("lm_head.weight")
         if c.pos_offset is not None:
@@ -442,7 +459,6 @@ class HFCheckpoint(Checkpoint):
         raw = read_json(path / "config.json", "config.json")
         gen = read_json(path / "generation_config.json", "generation_config.json") \
             if (path / "generation_config.json").exists() else None
-        self.config = hf_config(raw, gen)
         index_path = path / "model.safetensors.index.json"
         if index_path.exists():
             weight_map = read_json(index_path, "model.safetensors.index.json").get("weight_map")
@@ -458,6 +474,7 @@ class HFCheckpoint(Checkpoint):
         what = "model.safetensors.index.json" if index_path.exists() else "weights file"
         blobs = hub_blobs(path)
         self._files = [SafetensorsFile(inside(path, f, what, blobs)) for f in files]
+        self.config = hf_config(raw, gen, tensors=sum(len(f.entries) for f in self._files))
         gemma = (raw.get("architectures") or [None])[0] == "Gemma3ForCausalLM"
         rules = _OPT_NAMES if self.config.arch == "opt" else _GEMMA_NAMES if gemma else _LLAMA_NAMES
         self._norm_shift = 1.0 if gemma else 0.0      # RMSNorm with (1 + w)
@@ -478,6 +495,10 @@ class HFCheckpoint(Checkpoint):
     def shape(self, name: str) -> tuple[int, ...]:
         f, hf_name = self._index[name]
         return f.entries[hf_name][2]
+
+    def where(self, name: str) -> str:
+        f, hf_name = self._index[name]
+        return f"{f.path}: tensor {hf_name}"
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_dir(self.path, self.config)
@@ -666,19 +687,26 @@ class GGUFCheckpoint(Checkpoint):
         self._tensors = h.tensors
         self._index = canonical_names(h.tensors, _GGUF_NAMES)      # canonical name -> the file's
         moe, self._expert_of = {}, {}     # canonical name of one expert's matrix -> its index in the 3-D tensor
+        # Counts that loops run over, bounded by the file before any does: a layer has tensors of its own; an
+        # expert, a [rows, cols] matrix of the config's size in each 3-D expert tensor (checked below before its
+        # experts are listed), whose bytes GGUFHeader found in the file
+        n_layers = _bounded(h, f"{arch}.block_count", len(h.tensors), "tensors (each layer has its own)")
         if field("expert_count"):
-            moe = dict(n_experts=int(need("expert_count")), n_experts_used=int(need("expert_used_count")),
+            moe = dict(n_experts=_bounded(h, f"{arch}.expert_count"), n_experts_used=int(need("expert_used_count")),
                        # llama.cpp renormalises the chosen weights for Mixtral and Qwen3-MoE, not Qwen2-MoE
                        norm_topk_prob=arch != "qwen2moe")
             if arch != "llama":
                 moe["ffn_dim"] = int(need("expert_feed_forward_length"))
             if field("expert_shared_feed_forward_length"):
                 moe["shared_expert_dim"] = int(field("expert_shared_feed_forward_length"))
+            cols_rows = {"gate": (dim, moe.get("ffn_dim") or int(need("feed_forward_length")))}
+            cols_rows["up"], cols_rows["down"] = cols_rows["gate"], cols_rows["gate"][::-1]
             for t, (_, dims) in h.tensors.items():
                 m = _GGUF_EXPERTS.fullmatch(t)
                 if m:
-                    if len(dims) != 3 or int(dims[2]) != moe["n_experts"]:
-                        raise UserError(f"{path}: {t} holds {list(dims)}, not {moe['n_experts']} experts")
+                    if tuple(dims) != (*cols_rows[m[2]], moe["n_experts"]):
+                        raise UserError(f"{path}: {t} holds {list(dims)}, not {moe['n_experts']} experts of "
+                                        f"{list(cols_rows[m[2]])}")
                     for e in range(moe["n_experts"]):
                         self._index[f"layers.{m[1]}.ffn.experts.{e}.{m[2]}.weight"] = t
                         self._expert_of[f"layers.{m[1]}.ffn.experts.{e}.{m[2]}.weight"] = e
@@ -695,7 +723,7 @@ class GGUFCheckpoint(Checkpoint):
             scaling = {"rope_type": "linear", "factor": float(field("rope.scaling.factor", 1.0))}
         bos = h.field("tokenizer.ggml.bos_token_id")
         eos = h.field("tokenizer.ggml.eos_token_id")
-        ffn_dim, n_layers = moe.pop("ffn_dim", None) or int(need("feed_forward_length")), int(need("block_count"))
+        ffn_dim = moe.pop("ffn_dim", None) or int(need("feed_forward_length"))
         per_arch = gemma3_gguf_fields(field, n_layers, dim, heads, head_dim) if arch == "gemma3" else {"act": "silu"}
         self.config = ModelConfig(
             arch="llama", vocab_size=int(field("vocab_size", len(tokens))), dim=dim,
@@ -707,7 +735,7 @@ class GGUFCheckpoint(Checkpoint):
             qkv_bias="layers.0.attn.q.bias" in self._index, o_bias="layers.0.attn.o.bias" in self._index,
             mlp_bias="layers.0.ffn.up.bias" in self._index,
             qk_norm="head" if "layers.0.attn.q_norm.weight" in self._index else None,
-            bos_id=None if bos is None else int(bos), eos_ids=[] if eos is None else [int(eos)],
+            bos_id=bos, eos_ids=[] if eos is None else [eos],
             **per_arch, **moe)
         self.check_complete()
 
@@ -738,8 +766,12 @@ class GGUFCheckpoint(Checkpoint):
     def _read(self, name: str) -> np.ndarray:
         import gguf
         t, data = self._tensor(name)
+        kind = self.block_kind(name)
+        if kind is not None:           # a NaN or inf scale named as such, before it spreads over its block
+            check_finite_blocks(np.asarray(data), kind, self.where(name))
         try:
-            a = gguf.quants.dequantize(data, t.tensor_type)
+            with np.errstate(all="ignore"):    # non-finite values: one line from tensor()'s check, no warning
+                a = gguf.quants.dequantize(data, t.tensor_type)
         except Exception as e:
             raise UserError(f"cannot dequantize GGUF tensor {t.name} ({t.tensor_type.name}): {e}") from None
         a = np.asarray(a, dtype=np.float32).reshape(self.shape(name))
@@ -759,6 +791,10 @@ class GGUFCheckpoint(Checkpoint):
             return (1, int(dims[0]))
         return tuple(int(s) for s in reversed(dims))
 
+    def where(self, name: str) -> str:
+        expert = f" (expert {self._expert_of[name]})" if name in self._expert_of else ""
+        return f"{self.path}: tensor {self._index[name]}{expert}"
+
     def block_kind(self, name: str) -> str | None:
         kind, shape = self._kind(name).lower(), self.shape(name)
         return kind if kind in BLOCK_BYTES and len(shape) == 2 else None
@@ -772,6 +808,7 @@ class GGUFCheckpoint(Checkpoint):
         if q.dtype != np.uint8 or q.shape != (shape[0], row_bytes(shape[1], kind)):
             raise UserError(f"{self.path}: GGUF tensor {t.name} ({t.tensor_type.name}) holds {q.dtype}{list(q.shape)}, "
                             f"not the blocks of a {list(shape)} matrix")
+        check_finite_blocks(q, kind, self.where(name))
         # q and k: llama.cpp interleaved their rows (llama only); un-permuting moves whole rows, blocks and all
         if self.arch != "llama":
             return kind, q
@@ -816,6 +853,16 @@ def gemma3_gguf_fields(field, n_layers: int, dim: int, heads: int, head_dim: int
                 sliding_window=None if not window else int(window), sliding_layers=sliding if window else None,
                 rope_theta_sliding=float(field("rope.freq_base_swa", 10000.0)),
                 logit_softcap=None if not softcap else float(softcap))
+
+
+def _bounded(header: GGUFHeader, key: str, most: int | None = None, what: str = "") -> int:
+    """A GGUF count field (layers, experts): a positive integer, at most `most` (what the file holds of `what`)."""
+    v = _required_field(header, key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise UserError(f"GGUF field {key} must be a positive integer (got {v!r})")
+    if most is not None and v > most:
+        raise UserError(f"GGUF field {key} is {v}, more than the file's {most} {what}")
+    return v
 
 
 def _required_field(header: GGUFHeader, key: str):

@@ -21,6 +21,13 @@ ROPE_SCALINGS = {"default": (), "linear": ("factor",),                 # type ->
                  "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 
 
+def check_token_id(what: str, v, vocab_size: int) -> None:
+    """A token id read from a model file (BOS, EOS, a GGUF's EOT or UNK): an integer in 0..vocab_size-1, else one
+    line naming `what`."""
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < vocab_size:
+        raise UserError(f"{what} {v!r} outside the vocabulary (0..{vocab_size - 1})")
+
+
 @dataclass
 class ModelConfig:
     arch: str                      # "llama" (Llama, Mistral, Qwen2/3, Gemma 3: its math and the flags below) or "opt"
@@ -116,10 +123,12 @@ class ModelConfig:
             v = sc.get(key)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise UserError(f"invalid model config: rope_scaling {kind} needs a positive {key} (got {v!r})")
-        if self.bos_id is not None and (isinstance(self.bos_id, bool) or not isinstance(self.bos_id, int)
-                                        or not 0 <= self.bos_id < self.vocab_size):
-            raise UserError(f"invalid model config: bos token id {self.bos_id!r} outside the vocabulary "
-                            f"(0..{self.vocab_size - 1})")
+        if self.bos_id is not None:
+            check_token_id("invalid model config: bos token id", self.bos_id, self.vocab_size)
+        if not isinstance(self.eos_ids, list):
+            raise UserError(f"invalid model config: eos_ids must be a list of token ids (got {self.eos_ids!r})")
+        for eos in self.eos_ids:     # an id past the vocabulary never stops generation; a negative one crashed
+            check_token_id("invalid model config: eos token id", eos, self.vocab_size)
 
     def window(self, layer: int) -> int | None:
         """The sliding window layer `layer` attends within (None: every earlier position)."""

@@ -10,6 +10,7 @@ import fcntl
 import os
 import re
 import shutil
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -20,9 +21,20 @@ _TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<kind>" + "|".join(TEMP_KINDS) + r")-(?
 
 
 def disk_bytes(p: Path) -> int:
-    """Bytes of a file, or of every file under a directory (a model, a FLASHDIR)."""
+    """Bytes of a file, or of every file under a directory (a model, a FLASHDIR; a conversion in progress, whose
+    files come and go as they are counted: one gone meanwhile counts nothing)."""
     p = Path(p)
-    return p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+    if p.is_file():
+        return p.stat().st_size
+    total = 0
+    for top, _, names in os.walk(p):
+        for n in names:
+            try:
+                st = os.stat(os.path.join(top, n))
+            except OSError:
+                continue
+            total += st.st_size if stat.S_ISREG(st.st_mode) else 0
+    return total
 
 
 def temp_path(dest: Path, kind: str) -> Path:
@@ -47,22 +59,59 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def write_best_effort(path: Path, text: str) -> bool:
+    """Write path whole or not at all (a temp file beside it, renamed over it), for what only saves work: a stamp,
+    a digest, an index. False when it could not be written (a read-only or full filesystem, no permission): the
+    caller then does the work again next time. Never raises, and leaves no temp file behind that it could remove."""
+    path = Path(path)
+    tmp = path.with_name(f"{'' if path.name.startswith('.') else '.'}{path.name}.{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        remove_quietly(tmp)
+        return False
+
+
+def remove_quietly(path: Path) -> None:
+    """Remove a temp file on a failure's way out, raising nothing that would hide that failure: a read-only
+    filesystem refuses even to unlink a file it never made (EROFS)."""
+    try:
+        Path(path).unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def temp_entries(parent: Path) -> list[tuple[Path, int]]:
+    """parent's `.NAME.KIND-PID` entries, each with the PID of the process that writes it (or wrote it, if gone)."""
+    try:
+        entries = sorted(Path(parent).iterdir())
+    except OSError:
+        return []
+    return [(p, int(m["pid"])) for p in entries if (m := _TEMP.match(p.name))]
+
+
+def is_stale(pid: int) -> bool:
+    """Whether a temp entry of process pid is a leftover: its writer is gone (killed: no cleanup ran)."""
+    return pid != os.getpid() and not pid_alive(pid)
+
+
+def remove_temp(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        p.unlink(missing_ok=True)
+
+
 def remove_stale_temp_dirs(parent: Path) -> list[Path]:
     """Remove parent's `.NAME.KIND-PID` entries whose process is gone; returns what was removed."""
     removed = []
-    try:
-        entries = list(Path(parent).iterdir())
-    except OSError:
-        return removed
-    for p in entries:
-        m = _TEMP.match(p.name)
-        if not m or int(m["pid"]) == os.getpid() or pid_alive(int(m["pid"])):
-            continue
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            p.unlink(missing_ok=True)
-        removed.append(p)
+    for p, pid in temp_entries(parent):
+        if is_stale(pid):
+            remove_temp(p)
+            removed.append(p)
     return removed
 
 

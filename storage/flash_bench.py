@@ -30,6 +30,7 @@ from tqdm import tqdm
 from storage.errors import UserError
 
 from .checksums import drop_from_page_cache
+from .files import remove_quietly
 from .format import BUNDLE_ALIGN, FlashLayout, expert_chunks, read_layout
 from storage.sizes import human, parse_size  # noqa: F401  (re-exported for bench scripts)
 
@@ -462,8 +463,8 @@ def run(args) -> int:
             depths = []
         rows = bench_grid(scratch, size, chunks, threads, args.seconds, depths)
         streams = bench_streams(scratch, size, args.seconds, *((STREAM_CHUNKS[:2], (1, 4)) if args.quick else ()))
-    finally:   # also on Ctrl-C / SIGTERM: never leave gigabytes behind
-        scratch.unlink(missing_ok=True)
+    finally:   # also on Ctrl-C / SIGTERM: never leave gigabytes behind (nor hide why, on a read-only --dir)
+        remove_quietly(scratch)
         signal.signal(signal.SIGTERM, old_term)
 
     print_table(rows, chunks)

@@ -32,12 +32,13 @@ import numpy as np
 from storage.config import ModelConfig
 from storage.errors import UserError
 from storage.tokenizer import Tokenizer
-from storage.untrusted import inside, parse_json, read_bytes
+from storage.untrusted import check_finite, inside, parse_json, read_bytes
 
 from . import blocks, columns
 from .checksums import file_checksum, manifest_checksum, new_checksum, region_checksum  # noqa: F401 (the format's)
 from .predictor_files import PREDICTOR_DIR, PREDICTOR_MANIFEST, predictor_checksums
 from .checkpoint import SafetensorsFile, check_shapes
+from .files import write_best_effort
 from .experts import MATRICES, ExpertLayout, expert_tensor_name
 
 FORMAT_NAME = "flashinfer-lite-flash"
@@ -605,6 +606,8 @@ def read_layout(flashdir, check_size: bool = True) -> FlashLayout:
     if (layout.experts is None and cfg.get("n_layers") not in (None, len(layers))) or cfg.get("dim") not in (None, layout.d):
         raise UserError(f"{src}: config (n_layers={cfg.get('n_layers')}, dim={cfg.get('dim')}) disagrees with the "
                         f"{len(layers)} layers of width {layout.d} in the manifest")
+    if layout.experts is None and cfg.get("n_experts"):
+        raise UserError(f"{src}: config has {cfg['n_experts']!r} experts, the manifest none")
     if any(n != cfg.get("ffn_dim", n) for n in layout.n_neurons):     # the kernels index [ffn_dim] arrays by neuron
         i = next(i for i, n in enumerate(layout.n_neurons) if n != cfg.get("ffn_dim"))
         raise UserError(f"{src}: layer {i} has {layout.n_neurons[i]} neurons but the config's ffn_dim is "
@@ -864,12 +867,7 @@ def write_verified_stamp(flashdir) -> None:
     """Record that FLASHDIR's files, as they are now, matched their checksums. Best effort: a read-only FLASHDIR is
     simply verified in full at every load."""
     flashdir = Path(flashdir)
-    tmp = flashdir / f"{VERIFIED_STAMP}.{os.getpid()}"
-    try:
-        tmp.write_text(json.dumps({"files": _stamped_files(flashdir)}))
-        os.replace(tmp, flashdir / VERIFIED_STAMP)
-    except OSError:
-        tmp.unlink(missing_ok=True)
+    write_best_effort(flashdir / VERIFIED_STAMP, json.dumps({"files": _stamped_files(flashdir)}))
 
 
 def verify_at_load(flashdir, progress: bool = False) -> FlashLayout:
@@ -974,7 +972,9 @@ class FlashCheckpoint:
             kind, a = self._expert_matrix(name)
             return (kind, a) if kind in blocks.BLOCK_BYTES else None
         kind = self.resident_kinds.get(name)
-        return None if kind is None else (kind, self._resident.read(name, raw=True))
+        if kind is None:
+            return None
+        return kind, blocks.check_finite_blocks(self._resident.read(name, raw=True), kind, self._where(name))
 
     def stored_half(self, name: str) -> np.ndarray | None:
         """A resident matrix that resident.safetensors stores as float16, as stored (float16 [rows, cols]); else None.
@@ -986,7 +986,7 @@ class FlashCheckpoint:
         e = self._resident.entries.get(name)
         if e is None or e[0] or e[1] != np.float16 or len(e[2]) != 2:
             return None
-        return self._resident.read(name, raw=True)
+        return check_finite(self._resident.read(name, raw=True), self._where(name))
 
     def names(self) -> list[str]:
         return self._resident_names + list(self._ffn_names) + list(self._expert_names)
@@ -1003,7 +1003,11 @@ class FlashCheckpoint:
         if name not in self._resident.entries:
             raise UserError(f"{self.flashdir}: no tensor named {name!r}")
         stored = self.quantized(name)
-        return self._resident.read(name) if stored is None else blocks.dequantize(stored[1], stored[0])
+        return check_finite(self._resident.read(name), self._where(name)) if stored is None else \
+            blocks.dequantize(stored[1], stored[0])
+
+    def _where(self, name: str) -> str:
+        return f"{self._resident_path}: tensor {name}"
 
     def _layer_tensors(self, layer: int) -> dict[str, np.ndarray]:
         if self._cached_layer is not None and self._cached_layer[0] == layer:

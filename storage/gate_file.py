@@ -25,6 +25,7 @@ from storage.errors import UserError
 from storage.untrusted import read_json
 
 from .checksums import manifest_checksum
+from .files import remove_quietly
 
 GATE_FILE = "gate.json"
 GATE_FORMAT = "flashinfer-lite-gate"
@@ -62,7 +63,7 @@ def write_gate_file(flashdir, n_neurons: int, calibration: dict, by_sparsity: di
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
-        tmp.unlink(missing_ok=True)
+        remove_quietly(tmp)
 
 
 def gate_sparsities(flashdir) -> list[float]:

@@ -10,6 +10,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+from .config import check_token_id
 from .errors import UserError
 from .untrusted import read_bytes, read_json
 
@@ -97,8 +98,11 @@ class Tokenizer:
             raise UserError("GGUF file has no tokenizer.ggml.tokens")
         vocab = {t: i for i, t in enumerate(tokens)}
         if kind == "gpt2":
-            merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges") or []]
-            tok = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False))
+            merges = [gguf_merge(i, m) for i, m in enumerate(field("tokenizer.ggml.merges") or [])]
+            try:
+                tok = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False))
+            except Exception as e:      # a merge of tokens not in the vocabulary: the library's own message
+                raise UserError(f"GGUF tokenizer.ggml.merges cannot build the tokenizer: {e}") from None
             pre = field("tokenizer.ggml.pre", "default")
             if pre in _GGUF_SPLITS:
                 tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -118,7 +122,8 @@ class Tokenizer:
             scores = list(field("tokenizer.ggml.scores") or [0.0] * len(tokens))
             merges = spm_merges(tokens, scores, types)
             unk = field("tokenizer.ggml.unknown_token_id", 0)
-            tok = HFTokenizer(models.BPE(vocab, merges, unk_token=tokens[int(unk)], fuse_unk=True, byte_fallback=True))
+            check_token_id("GGUF tokenizer.ggml.unknown_token_id", unk, len(tokens))
+            tok = HFTokenizer(models.BPE(vocab, merges, unk_token=tokens[unk], fuse_unk=True, byte_fallback=True))
             prefix = bool(field("tokenizer.ggml.add_space_prefix", True))
             steps = [normalizers.Prepend("\u2581")] if prefix else []
             tok.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "\u2581")])
@@ -132,14 +137,19 @@ class Tokenizer:
         tok.add_tokens([AddedToken(t, special=False, normalized=False)
                         for t, ty in zip(tokens, types) if ty == _GGUF_USER_DEFINED])
         bos = config.bos_id
+        if bos is not None:       # in the embeddings (ModelConfig checked), and a token of this vocabulary too
+            check_token_id("GGUF tokenizer.ggml.bos_token_id", bos, len(tokens))
+        for eos in config.eos_ids:
+            check_token_id("GGUF tokenizer.ggml.eos_token_id", eos, len(tokens))
         if bool(field("tokenizer.ggml.add_bos_token", add_bos_default)) and bos is not None:
             tok.post_processor = processors.TemplateProcessing(
                 single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B",
                 special_tokens=[(tokens[bos], bos)])
         eos_ids = list(config.eos_ids)
         eot = field("tokenizer.ggml.eot_token_id")
-        if eot is not None and int(eot) not in eos_ids:
-            eos_ids.append(int(eot))
+        if eot is not None:
+            check_token_id("GGUF tokenizer.ggml.eot_token_id", eot, min(len(tokens), config.vocab_size))
+            eos_ids += [eot] if eot not in eos_ids else []
         return cls(tok, bos_id=bos, eos_ids=eos_ids, chat_template=field("tokenizer.chat_template"))
 
     def save(self, path: Path) -> None:
@@ -187,6 +197,14 @@ def check_utf8(text: str, what: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise UserError(f"{what} is not valid UTF-8 (bad byte at character {e.start})") from None
+
+
+def gguf_merge(i: int, m) -> tuple[str, str]:
+    """Entry i of a GGUF's tokenizer.ggml.merges: two tokens joined by one space ("Ġ t"), as llama.cpp writes it."""
+    a, _, b = m.partition(" ") if isinstance(m, str) else ("", "", "")
+    if not (a and b):
+        raise UserError(f"GGUF tokenizer.ggml.merges entry {i} is not two tokens separated by a space: {m!r:.80}")
+    return a, b
 
 
 def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:

@@ -1,12 +1,15 @@
 """Reading untrusted model files: regular files only, bounded by the bytes actually read; JSON with a size and a
-nesting bound; paths that must stay inside their directory.
+nesting bound; paths that must stay inside their directory; weights that must be finite.
 Every reader of a model file (checkpoint, format, tokenizer, predictors) goes through it."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 from pathlib import Path
+
+import numpy as np
 
 from .errors import UserError
 
@@ -79,3 +82,13 @@ def hub_blobs(root: Path) -> Path | None:
     root = Path(root).absolute()
     blobs = root.parent.parent / "blobs"
     return blobs if root.parent.name == "snapshots" and blobs.is_dir() else None
+
+
+def check_finite(a: np.ndarray, what: str) -> np.ndarray:
+    """a, unless a float array holding NaN or inf (a corrupt download: GGUF files carry no checksums), refused in one
+    line naming `what` (the tensor) and where. One float64 sum, buffered, no array as large as a: the sum of finite
+    float16 or float32 values cannot overflow float64, and any NaN or inf makes it non-finite."""
+    if a.dtype.kind == "f" and a.size and not math.isfinite(a.sum(dtype=np.float64)):
+        at = np.unravel_index(int(np.argmin(np.isfinite(a))), a.shape)
+        raise UserError(f"{what} holds {a[at]} at {list(map(int, at))}: the file is damaged")
+    return a

@@ -305,17 +305,19 @@ def kquant_blocks(t, kind: str):
     return q.reshape(rows, rb)
 
 
-def write_llama_gguf(ckpt, path: Path, types: dict | None = None) -> Path:
+def write_llama_gguf(ckpt, path: Path, types: dict | None = None, edit=None) -> Path:
     """A llama-architecture GGUF of a checkpoint's weights (stories260K's SentencePiece-style vocabulary, as
     ReluLLaMA / ProSparse GGUFs ship), written with the gguf package as llama.cpp's converter would: q/k rows
     permuted. types: {canonical name: GGML type name} for tensors stored other than float32, quantized by gguf.quants
-    (llama.cpp's reference)."""
+    (llama.cpp's reference). edit(writer): changes the metadata after it is added (a damaged or hostile file's)."""
     import gguf
     import numpy as np
     from make_large_model import add_llama_metadata, permute_qk    # as the bench models' GGUF writer does
     c = ckpt.config
     w = gguf.GGUFWriter(str(path), "llama")
     add_llama_metadata(w, c.n_layers, c.max_pos, c.dim, c.ffn_dim, c.n_heads, c.n_kv_heads, c.norm_eps, c.rope_theta)
+    if edit is not None:
+        edit(w)
     names = {"embed.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
     if not c.tie_embeddings:
         names["lm_head.weight"] = "output.weight"

@@ -112,6 +112,41 @@ def test_sigkill_during_convert_leaves_a_temp_dir_the_next_run_removes(tmp_path)
     assert remove_stale_temp_dirs(out.parent) == [] and live.exists()
 
 
+def test_cache_lists_and_removes_a_killed_conversion_never_a_running_one(model_and_cache):
+    """A conversion into the cache killed by SIGKILL (the OOM killer) leaves .NAME.tmp-PID with its bytes: `cache
+    list` shows it with its size, as a leftover, and `cache rm --all` removes it; a conversion whose process still
+    runs is listed as being written and removed by neither `cache rm NAME` nor `cache rm --all`."""
+    src, root = model_and_cache
+    env = dict(os.environ)
+    dest = root / "flash" / "stories-0123456789abcdef-f16-parts"
+    p = subprocess.Popen([sys.executable, "-c", KILLABLE_CONVERT, str(src), str(dest)], stdout=subprocess.PIPE,
+                         text=True, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert p.stdout.readline().strip() == "written"
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    left = root / "flash" / f".{dest.name}.tmp-{p.pid}"
+    size = sum(f.stat().st_size for f in left.rglob("*") if f.is_file())
+    assert left.is_dir() and size > 100_000
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        busy = root / "flash" / f".other.tmp-{alive.pid}"
+        busy.mkdir()
+        (busy / "ffn.bin").write_bytes(bytes(8192))
+        r = run("cache", "list", env=env)
+        assert r.returncode == 0, r.stderr
+        lines = {ln.split()[3]: ln for ln in r.stdout.splitlines()[1:-1]}
+        assert lines[left.name].split()[:3] == [f"{size / 2**20:.1f}", "MiB", "leftover"], r.stdout
+        assert f"process {p.pid}" in lines[left.name] and "writing" in lines[busy.name].split(), r.stdout
+        r = run("cache", "rm", busy.name, env=env)
+        assert r.returncode == 1 and r.stderr.startswith("error: ") and f"process {alive.pid}" in r.stderr, r.stderr
+        r = run("cache", "rm", "--all", env=env)
+        assert r.returncode == 0 and "removed 1 entries" in r.stdout and "1 being written" in r.stdout, r.stdout
+        assert not left.exists() and (busy / "ffn.bin").stat().st_size == 8192
+    finally:
+        alive.kill()
+        alive.wait()
+
+
 def test_stale_calibrate_dir_of_a_killed_first_use_is_removed(tmp_path):
     """A first use killed mid-training leaves .NAME.calibrate-PID; the next first use in that directory removes it."""
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

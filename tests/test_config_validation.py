@@ -1,5 +1,6 @@
 """Impossible config.json numbers are refused in one line, before convert writes anything (issue 15)."""
 import json
+import resource
 import shutil
 import subprocess
 import sys
@@ -21,7 +22,13 @@ BAD = {
     "head_dim=7 (odd, RoPE)": ({"head_dim": 7}, "even head_dim"),
     "rms_norm_eps=-1": ({"rms_norm_eps": -1.0}, "norm_eps"),
     "bos_token_id=9999": ({"bos_token_id": 9999}, "bos token id"),
+    "eos_token_id=-3": ({"eos_token_id": -3}, "eos token id -3 outside the vocabulary (0..511)"),
+    "eos_token_id=512": ({"eos_token_id": 512}, "eos token id 512 outside the vocabulary (0..511)"),
+    "eos_token_id=[2, '2']": ({"eos_token_id": [2, "2"]}, "eos token id '2'"),
+    # every expected tensor name was listed before the first was looked for: GBs, then MemoryError
+    "num_hidden_layers=2**32-1": ({"num_hidden_layers": 2**32 - 1}, "'num_hidden_layers' is 4294967295"),
 }
+MEMORY_CAP = 4 << 30        # address space: an unbounded header field fails fast instead of filling the machine
 
 
 @pytest.mark.parametrize("case", list(BAD))
@@ -35,7 +42,8 @@ def test_convert_refuses_an_impossible_config_and_writes_nothing(case, tmp_path)
     cfg_path.write_text(json.dumps(cfg))
     out = tmp_path / "out.flash"
     r = subprocess.run([sys.executable, "-m", "flashinfer_lite", "convert", str(src), "-o", str(out)],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (MEMORY_CAP, MEMORY_CAP)))
     assert r.returncode != 0
     err = r.stderr.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and says in err, err

@@ -140,6 +140,82 @@ def test_convert_onto_a_read_only_disk(read_only):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# Read-only models and caches (container images, NFS, squashfs): a stamp, digest or index that cannot be written
+# costs a full check or a re-hash at the next run, never a failure
+
+def read_only_copy(src_tree: Path, read_only: Path, name: str) -> Path:
+    """src_tree copied where the read_only fixture shows it (its rw side), seen read-only."""
+    import shutil
+    shutil.copytree(src_tree, read_only.parent / "rw" / name)
+    return read_only / name
+
+
+def test_a_read_only_flashdir_never_verified_here_runs_and_verifies(flash, read_only):
+    """Copied onto a read-only filesystem without its .verified.json: verified in full at every launch."""
+    d = read_only_copy(flash, read_only, "flash")
+    (read_only.parent / "rw" / "flash" / ".verified.json").unlink()
+    before = sorted(p.name for p in (read_only.parent / "rw" / "flash").iterdir())
+    r = cli("generate", "-m", str(d), "--ffn", "dense", "-p", "Once", "-n", "4", "--temp", "0")
+    assert r.returncode == 0 and r.stdout.decode().startswith("Once"), r.stderr.decode()
+    r = cli("verify", str(d))
+    assert r.returncode == 0 and "match their checksums" in r.stdout.decode(), r.stderr.decode()
+    assert sorted(p.name for p in (read_only.parent / "rw" / "flash").iterdir()) == before
+
+
+def test_a_read_only_flashdir_without_gate_thresholds_names_the_command_that_writes_them(flash, read_only):
+    """--ffn auto on a SiLU model's split layout is the exact gate, whose thresholds are calibrated into gate.json on
+    first use: a read-only FLASHDIR cannot hold them, which one line says before any calibration runs."""
+    d = read_only_copy(flash, read_only, "flash")
+    assert not (d / "gate.json").exists()
+    r = cli("generate", "-m", str(d), "-p", "Once", "-n", "4")
+    assert_one_line_error(r, str(d), "read-only", f"python -m predictors.calibrate_gate {d}", "--ffn dense")
+
+
+def test_a_warm_cache_mounted_read_only_elsewhere_runs(tmp_path, read_only, monkeypatch):
+    """A cache filled by a first use (conversion, gate calibration), then seen read-only at another path, for a copy
+    of the model at another path (its digests are not remembered: source-digests.json cannot take them): the run
+    re-hashes the model, finds the conversion by content and answers as the writable cache did."""
+    import shutil
+    model = shutil.copytree(STORIES, tmp_path / "m")
+    monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(read_only.parent / "rw" / "cache"))
+    args = ("-p", "Once", "-n", "6", "--temp", "0", "--ffn", "gate")
+    first = cli("generate", "-m", str(model), *args)
+    assert first.returncode == 0, first.stderr.decode()
+    digests = (read_only.parent / "rw" / "cache" / "source-digests.json").read_bytes()
+    monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(read_only / "cache"))
+    again = cli("generate", "-m", str(shutil.copytree(STORIES, tmp_path / "elsewhere")), *args)
+    assert again.returncode == 0 and again.stdout == first.stdout, again.stderr.decode()
+    assert (read_only.parent / "rw" / "cache" / "source-digests.json").read_bytes() == digests
+
+
+def test_the_default_gguf_in_a_read_only_cache_is_hashed_not_stamped(smollm2_gguf, read_only, monkeypatch):
+    """No stamp beside the default GGUF and none writable: its sha256 is checked in full, and `fetch` succeeds."""
+    import shutil
+    from flashinfer_lite import default_model
+    (read_only.parent / "rw" / "cache" / "models").mkdir(parents=True)
+    shutil.copyfile(smollm2_gguf, read_only.parent / "rw" / "cache" / "models" / default_model.FILENAME)
+    monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(read_only / "cache"))
+    r = cli("fetch")
+    assert r.returncode == 0 and r.stdout.decode().strip() == str(read_only / "cache" / "models" /
+                                                                  default_model.FILENAME), r.stderr.decode()
+
+
+def test_every_best_effort_writer_leaves_a_read_only_directory_alone(read_only, tmp_path, monkeypatch):
+    """write_best_effort and its callers that the tests above do not reach (the kernels' compiled stamp), aimed at
+    a read-only directory: False or nothing, never an exception, nothing written."""
+    from flashinfer_lite import budget
+    from storage import cache
+    from storage.files import write_best_effort
+    assert write_best_effort(read_only / "x.json", "{}") is False
+    assert write_best_effort(tmp_path / "x.json", "{}") is True and (tmp_path / "x.json").read_text() == "{}"
+    cache._write(read_only / "index.json", {"a": 1})
+    monkeypatch.setattr(budget, "compiled_stamp", lambda layout: read_only / "kernels.stamp")
+    monkeypatch.setattr(budget, "stamp_record", lambda layout: {})
+    budget.remember(None, {"kernels": 1})
+    assert list(read_only.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # The default GGUF: its sha256 checked when it changed, remembered by a stamp (size, mtime, inode) otherwise
 
 def test_default_gguf_changed_in_place_is_refused(tmp_path, monkeypatch, smollm2_gguf):
@@ -260,6 +336,77 @@ def test_a_resident_tensor_of_the_wrong_shape_is_refused_at_verify_and_load(flas
     edit_manifest(d, lambda m: m.__setitem__("resident_checksum", file_checksum(res)))
     for args in (("verify", str(d)), ("generate", "-m", str(d), "-p", "Once", "-n", "2", "--ffn", "dense")):
         assert_one_line_error(cli(*args), f"tensor {name} has shape {list(shape)}, but the config implies")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Non-finite weights (a corrupt download: GGUF files carry no checksums): one line naming the tensor, at convert and
+# at every load, before a kernel divides by them
+
+@pytest.mark.parametrize("name,at,value", [("model.layers.0.input_layernorm.weight", (0,), "nan"),
+                                           ("model.embed_tokens.weight", (7, 3), "inf"),
+                                           ("model.layers.1.mlp.down_proj.weight", (5, 9), "-inf")])
+def test_a_non_finite_source_weight_is_one_line_naming_it(tmp_path, name, at, value):
+    m = copy_model(tmp_path)
+
+    def poison(t):
+        t[name] = t[name].copy()
+        t[name][at] = float(value)
+    rewrite_safetensors(m / "model.safetensors", poison)
+    says = f"model.safetensors: tensor {name} holds {value} at {list(at)}"
+    out = tmp_path / "flash"
+    assert_one_line_error(cli("convert", str(m), "-o", str(out)), says)
+    assert not out.exists() and leftovers(tmp_path) == []
+    assert_one_line_error(cli("generate", "-m", str(m), "-p", "Once", "-n", "4", "--temp", "0"), says)
+
+
+class Poisoned:
+    """A checkpoint whose tensor `name` holds inf at `at` (what write_llama_gguf reads)."""
+    def __init__(self, ckpt, name, at):
+        self.ckpt, self.config, self.name, self.at = ckpt, ckpt.config, name, at
+
+    def tensor(self, name):
+        t = self.ckpt.tensor(name).copy()
+        if name == self.name:
+            t[self.at] = float("inf")
+        return t
+
+
+@pytest.mark.parametrize("name,gguf_name,kind,says", [
+    ("layers.0.ffn.gate.weight", "blk.0.ffn_gate.weight", "Q8_0", "(q8_0 block scales) holds inf at [3, 0]"),
+    ("layers.1.attn.v.weight", "blk.1.attn_v.weight", "Q4_0", "(q4_0 block scales) holds -inf at [3, 0]"),
+    ("layers.0.ffn_norm.weight", "blk.0.ffn_norm.weight", None, "holds inf at [3]")])
+def test_a_gguf_with_a_non_finite_weight_or_block_scale_is_one_line_naming_it(tmp_path, name, gguf_name, kind, says):
+    """An inf weight quantized by gguf.quants (llama.cpp's reference) makes its block's d infinite (q4_0: -inf, its
+    d is the largest magnitude over -8): found in the blocks the dense run keeps, and at convert, which copies
+    them."""
+    from conftest import write_llama_gguf
+    from storage.checkpoint import HFCheckpoint
+    import numpy as np
+    src = Poisoned(HFCheckpoint(STORIES), name, (3, 17) if kind else (3,))
+    with np.errstate(invalid="ignore"):       # gguf.quants: inf * 0 as it quantizes the block
+        path = write_llama_gguf(src, tmp_path / "m.gguf", types={name: kind} if kind else {})
+    says = f"m.gguf: tensor {gguf_name} {says}"
+    assert_one_line_error(cli("generate", "-m", str(path), "-p", "Once", "-n", "2", "--ffn", "dense"), says)
+    out = tmp_path / "flash"
+    assert_one_line_error(cli("convert", str(path), "-o", str(out)), says)
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_a_non_finite_resident_weight_of_a_flashdir_is_one_line(flash, tmp_path):
+    """A FLASHDIR converted before convert checked its source (its checksums match what it holds): refused at
+    load by the same check."""
+    import numpy as np
+    from storage.format import file_checksum
+    d = copy_flash(flash, tmp_path)
+    res = d / "resident.safetensors"
+
+    def poison(t):
+        t["layers.0.attn_norm.weight"] = t["layers.0.attn_norm.weight"].copy()
+        t["layers.0.attn_norm.weight"][5] = np.nan
+    rewrite_safetensors(res, poison)
+    edit_manifest(d, lambda m: m.__setitem__("resident_checksum", file_checksum(res)))
+    assert_one_line_error(cli("generate", "-m", str(d), "-p", "Once", "-n", "2", "--ffn", "dense"),
+                          "resident.safetensors: tensor layers.0.attn_norm.weight holds nan at [5]")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -558,3 +705,68 @@ def test_an_edited_flashdir_manifest_is_refused(flash, tmp_path):
     (d / "manifest.json").write_text(text.replace('"norm_eps": 1e-05', '"norm_eps": 1e-06'))
     for args in (("verify", str(d)), ("generate", "-m", str(d), "-p", "Once", "-n", "2", "--ffn", "dense")):
         assert_one_line_error(cli(*args), "manifest.json: checksum mismatch")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Header fields bounded before a loop uses them; token ids in the vocabulary; a GGUF's merges (issue 41)
+
+def capped(*args):
+    """cli(*args) in at most 4 GiB of address space: an unbounded header field fails fast, not by filling RAM."""
+    import resource
+    env = dict(os.environ, PYTHONIOENCODING="utf-8")
+    return subprocess.run([sys.executable, "-m", "flashinfer_lite", *args], capture_output=True, env=env,
+                          timeout=300, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30)))
+
+
+def _gguf_field(key: str, value, kind: str):
+    def edit(w):
+        import gguf
+        w.add_key_value(key, value, getattr(gguf.GGUFValueType, kind))
+    return edit
+
+
+def _gpt2_merges(merges):
+    def edit(w):
+        w.add_tokenizer_model("gpt2")
+        w.add_token_merges(merges)
+    return edit
+
+
+HOSTILE_GGUF = {    # the edit, and what its one line says
+    "block_count=2**32-1": (_gguf_field("llama.block_count", 2**32 - 1, "UINT32"),
+                            "llama.block_count is 4294967295, more than the file's"),
+    "eos=-3 (int32)": (_gguf_field("tokenizer.ggml.eos_token_id", -3, "INT32"), "eos token id -3 outside"),
+    "eos=512": (_gguf_field("tokenizer.ggml.eos_token_id", 512, "UINT32"), "eos token id 512 outside"),
+    "bos=600": (_gguf_field("tokenizer.ggml.bos_token_id", 600, "UINT32"), "bos token id 600 outside"),
+    "eot=-1 (int32)": (_gguf_field("tokenizer.ggml.eot_token_id", -1, "INT32"), "tokenizer.ggml.eot_token_id -1"),
+    "merges=['nospace']": (_gpt2_merges(["nospace"]), "tokenizer.ggml.merges entry 0 is not two tokens"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_GGUF))
+def test_a_gguf_with_a_hostile_header_field_is_one_line(case, tmp_path):
+    from conftest import write_llama_gguf
+    from storage.checkpoint import HFCheckpoint
+    edit, says = HOSTILE_GGUF[case]
+    path = write_llama_gguf(HFCheckpoint(STORIES), tmp_path / "m.gguf", edit=edit)
+    assert_one_line_error(capped("generate", "-m", str(path), "-p", "Once", "-n", "2", "--ffn", "dense"), says)
+
+
+@pytest.mark.parametrize("eos_ids, says", [([-3], "eos token id -3 outside"), ([2, 512], "eos token id 512 outside"),
+                                           (7, "eos_ids must be a list")])
+def test_a_manifest_eos_id_outside_the_vocabulary_is_one_line(flash, tmp_path, eos_ids, says):
+    d = copy_flash(flash, tmp_path)
+    edit_manifest(d, lambda m: m["config"].update(eos_ids=eos_ids))
+    for args in (("verify", str(d)), ("generate", "-m", str(d), "-p", "Once", "-n", "2", "--ffn", "dense")):
+        assert_one_line_error(cli(*args), says)
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("n_layers", 2**32 - 1, "disagrees with the 5 layers"),
+    ("vocab_size", 2**40, "tensor embed.weight has shape [512, 64]"),
+    ("n_experts", 2**31, "config has 2147483648 experts, the manifest none")])
+def test_a_manifest_count_the_files_do_not_hold_is_one_line(flash, tmp_path, field, value, says):
+    d = copy_flash(flash, tmp_path)
+    edit_manifest(d, lambda m: m["config"].update({field: value, "n_experts_used": 1} if field == "n_experts"
+                                                  else {field: value}))
+    assert_one_line_error(capped("generate", "-m", str(d), "-p", "Once", "-n", "2", "--ffn", "dense"), says)
