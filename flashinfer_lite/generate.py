@@ -67,8 +67,9 @@ class Sampler:
         if self.min_p > 0:
             keep = int(np.count_nonzero(p >= self.min_p * p[0]))   # p is sorted: p[0] is the most likely
             idx, z = idx[:keep], z[:keep]
-        z = z / self.temp
-        p = np.exp(z - z.max())
+        # shifted before the division: a tiny temperature (1e-310) makes the top logit 0 and the rest -inf, where
+        # dividing first gave inf - inf = NaN
+        p = np.exp((z - z.max()) / self.temp)
         return int(idx[self.rng.choice(len(idx), p=p / p.sum())])
 
 

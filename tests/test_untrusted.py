@@ -405,6 +405,16 @@ def test_flags_out_of_range_are_one_line(flag, value, message):
     assert_one_line_error(cli("chat", "-m", str(STORIES), flag, value, stdin=b""), message)
 
 
+def test_a_tiny_temperature_is_greedy():
+    """--temp 1e-310 passed the range check and the sampler divided the logits into inf - inf = NaN: a traceback."""
+    import json
+    runs = [cli("generate", "-m", str(STORIES), "-p", "Once", "-n", "12", "--ignore-eos", "--json", "--temp", t)
+            for t in ("1e-310", "0")]
+    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr.decode()
+    tiny, greedy = (json.loads(r.stdout.decode().splitlines()[-1]) for r in runs)
+    assert tiny["tokens"] == greedy["tokens"] and len(tiny["tokens"]) == 12
+
+
 def test_a_context_larger_than_memory_is_one_line(tmp_path):
     """A config claiming 10^9 positions lets -c 3*10^8 past the model's maximum: its KV cache would be 179 GiB."""
     import json
