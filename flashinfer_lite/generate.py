@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,35 @@ from .threads import StepThreads
 # ----------------------------------------------------------------------------------------------------------------------
 # Sampling (llama.cpp's default chain: repetition penalty, top-k, top-p, min-p, temperature, then draw)
 
+class SamplingError(UserError, ValueError):
+    """A sampling argument of the wrong type or out of its range. `name` is the Sampler field, so that each front end
+    names it in its own words (the CLI's --temp, the API's temp, the server's "temperature")."""
+
+    def __init__(self, name: str, value, rule: str):
+        super().__init__(f"{name} {value!r} is out of range: {rule}")
+        self.name, self.value, self.rule = name, value, rule
+
+
+def _number(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _integer(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+# field: (test, rule). The one check of sampling arguments: the CLI, the Python API and the server all build a Sampler.
+SAMPLING_RULES = {
+    "temp": (lambda v: _number(v) and v >= 0, "a number >= 0 (0 = greedy)"),
+    "top_k": (lambda v: _integer(v) and v >= 0, "an integer >= 0 (0 = off)"),
+    "top_p": (lambda v: _number(v) and 0 <= v <= 1, "a number between 0 and 1"),
+    "seed": (_integer, "an integer (-1 = random)"),
+    "min_p": (lambda v: _number(v) and 0 <= v <= 1, "a number between 0 and 1 (0 = off)"),
+    "repeat_penalty": (lambda v: _number(v) and v > 0, "a number > 0 (1 = off)"),
+    "repeat_last_n": (lambda v: _integer(v) and v >= -1, "an integer >= -1 (-1 = the whole context)"),
+}
+
+
 @dataclass
 class Sampler:
     temp: float = 0.8
@@ -36,6 +66,9 @@ class Sampler:
     rng: np.random.Generator = field(init=False)
 
     def __post_init__(self):
+        for name, (ok, rule) in SAMPLING_RULES.items():
+            if not ok(getattr(self, name)):
+                raise SamplingError(name, getattr(self, name), rule)
         self.rng = np.random.default_rng(None if self.seed < 0 else self.seed)
 
     def penalize(self, logits: np.ndarray, history) -> np.ndarray:
@@ -264,15 +297,11 @@ def check_arguments(args) -> None:
     def need(ok: bool, flag: str, value, rule: str) -> None:
         if not ok:
             raise UserError(f"{flag} {value} is out of range: {rule}")
-    finite = math.isfinite
     need(args.threads is None or args.threads >= 1, "-t", args.threads, "at least 1 thread")
-    need(finite(args.temp) and args.temp >= 0, "--temp", args.temp, "a number >= 0 (0 = greedy)")
-    need(args.top_k >= 0, "--top-k", args.top_k, ">= 0 (0 = off)")
-    need(finite(args.top_p) and 0 <= args.top_p <= 1, "--top-p", args.top_p, "between 0 and 1")
-    need(finite(args.min_p) and 0 <= args.min_p <= 1, "--min-p", args.min_p, "between 0 and 1 (0 = off)")
-    need(finite(args.repeat_penalty) and args.repeat_penalty > 0, "--repeat-penalty", args.repeat_penalty,
-         "a number > 0 (1 = off)")
-    need(args.repeat_last_n >= -1, "--repeat-last-n", args.repeat_last_n, ">= -1 (-1 = the whole context)")
+    try:
+        sampler_from(args)
+    except SamplingError as e:    # the Sampler's own check, named by its flag
+        need(False, "--" + e.name.replace("_", "-"), e.value, e.rule)
     need(args.n_predict >= -1, "-n", args.n_predict, ">= -1 (-1 = until end of sequence)")
     need(args.ctx_size >= 0, "-c", args.ctx_size, ">= 1 (or 0: the model's default)")
 

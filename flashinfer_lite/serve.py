@@ -25,7 +25,7 @@ from pathlib import Path
 from .api import encode_prompt, load, make_prompt_cache, stream_generate
 from .default_model import FILENAME as DEFAULT_MODEL_FILE
 from storage.errors import UserError
-from .generate import ContextFull, add_model_arguments, rss_summary
+from .generate import ContextFull, Sampler, SamplingError, add_model_arguments, check_arguments, rss_summary
 from storage.tokenizer import StopStrings
 
 MAX_BODY_BYTES = 2 << 20     # a request body; 2 MiB holds a full context of text many times over
@@ -124,13 +124,16 @@ def parse_job(body, chat: bool, server: "Server") -> Job:
         raise BadRequest("only n = 1 is supported", "n")
     max_tokens = number(body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
                         a.n_predict if a.n_predict > 0 else server.ctx, lo=1, integer=True)
-    sampling = dict(temp=number(body, "temperature", a.temp, lo=0),
-                    top_p=number(body, "top_p", a.top_p, lo=0, hi=1),
-                    top_k=number(body, "top_k", a.top_k, lo=0, integer=True),
-                    min_p=number(body, "min_p", a.min_p, lo=0, hi=1),
-                    repeat_penalty=number(body, "repeat_penalty", a.repeat_penalty, lo=1e-6),
-                    seed=number(body, "seed", a.seed, integer=True),
-                    repeat_last_n=a.repeat_last_n, ignore_eos=a.ignore_eos)
+    sampling = dict(temp=number(body, "temperature", a.temp), top_p=number(body, "top_p", a.top_p),
+                    top_k=number(body, "top_k", a.top_k, integer=True), min_p=number(body, "min_p", a.min_p),
+                    repeat_penalty=number(body, "repeat_penalty", a.repeat_penalty),
+                    seed=number(body, "seed", a.seed, integer=True), repeat_last_n=a.repeat_last_n)
+    try:
+        Sampler(**sampling)     # the CLI's and the API's check of the ranges
+    except SamplingError as e:
+        name = "temperature" if e.name == "temp" else e.name
+        raise BadRequest(f"'{name}' must be {e.rule}, got {e.value}", name) from None
+    sampling["ignore_eos"] = a.ignore_eos
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP_STRINGS:
@@ -388,6 +391,7 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def run(args) -> int:
+    check_arguments(args)
     try:  # before the model loads, so that the budget's runtime line counts them
         import starlette  # noqa: F401
         import uvicorn

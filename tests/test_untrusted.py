@@ -403,6 +403,7 @@ def test_a_hub_snapshot_symlink_into_another_repository_is_refused(tmp_path):
 def test_flags_out_of_range_are_one_line(flag, value, message):
     assert_one_line_error(cli("generate", "-m", str(STORIES), "-p", "hi", flag, value), message)
     assert_one_line_error(cli("chat", "-m", str(STORIES), flag, value, stdin=b""), message)
+    assert_one_line_error(cli("serve", "-m", str(STORIES), "--port", "0", flag, value), message)
 
 
 def test_a_tiny_temperature_is_greedy():
