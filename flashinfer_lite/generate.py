@@ -313,28 +313,49 @@ def open_model(args):
                 sparsity=args.sparsity)
 
 
-def read_prompt(args) -> str:
+def open_prompt(args):
+    """The prompt's source, checked before the model loads: the text of -p, or a binary file (-f FILE, or standard
+    input for -p - and -f -) that read_prompt reads once the model's context and vocabulary set its cap."""
     if args.file and args.prompt is not None:
         raise UserError("give the prompt once: -p TEXT or -f FILE, not both")
     if args.prompt == "-" or args.file == "-":
-        raw = sys.stdin.buffer.read()
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise UserError(f"the prompt on standard input is not valid UTF-8 (byte {e.start})") from None
+        if sys.stdin is None:
+            raise UserError("the prompt is to come from standard input, which is closed")
+        return sys.stdin.buffer
     if args.file:
         try:
-            raw = open(args.file, "rb").read()
+            return open(args.file, "rb")
         except OSError as e:
             raise UserError(f"cannot read prompt file {args.file}: {e.strerror}") from None
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise UserError(f"prompt file {args.file} is not valid UTF-8 (byte {e.start})") from None
     if args.prompt is None:
         raise UserError("no prompt: pass -p TEXT or -f FILE")
     check_utf8(args.prompt, "prompt")
     return args.prompt
+
+
+def read_prompt(source, tokenizer: Tokenizer, ctx: int) -> str:
+    """The prompt's text, refused once its first pieces hold more than ctx tokens. A file is read only up to the
+    bytes ctx tokens can spell (Tokenizer.text_cap), never whole: -f /dev/zero, or an endless pipe."""
+    if not isinstance(source, str):
+        where = "the prompt on standard input" if source is sys.stdin.buffer else f"prompt file {source.name}"
+        cap = tokenizer.text_cap(ctx)
+        try:
+            raw = source.read(cap + 1)
+        except OSError as e:
+            raise UserError(f"cannot read {where}: {e.strerror}") from None
+        finally:
+            if source is not sys.stdin.buffer:
+                source.close()
+        if len(raw) > cap:
+            raise UserError(f"{where} is over {cap} bytes, more than a context of {ctx} tokens can hold "
+                            f"({tokenizer.longest_token_bytes} bytes at most per token); "
+                            f"raise -c or shorten the prompt")
+        try:
+            source = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"{where} is not valid UTF-8 (byte {e.start})") from None
+    tokenizer.check_length(source, ctx)
+    return source
 
 
 def prompt_ids(tokenizer: Tokenizer, text: str, system: str | None, use_template: bool) -> list[int]:
@@ -346,8 +367,9 @@ def prompt_ids(tokenizer: Tokenizer, text: str, system: str | None, use_template
 
 def run(args) -> int:
     check_arguments(args)
-    text = read_prompt(args)
+    source = open_prompt(args)
     model, tokenizer = open_model(args)
+    text = read_prompt(source, tokenizer, model.ctx)
     runtime = model.runtime
     session = Session(model.transformer, tokenizer, model.ctx)
     session.timings.load_ms = model.load_ms

@@ -5,7 +5,9 @@ whatever it came from, ends up with a standard tokenizer.json next to it.
 """
 from __future__ import annotations
 
+import functools
 import json
+import re
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -15,6 +17,8 @@ from .untrusted import read_bytes, read_json
 
 MAX_TOKENIZER_BYTES = 64 * 1024 * 1024
 MAX_TEMPLATE_BYTES = 1 << 20      # the largest HF chat templates are ~20 KB
+MIN_TEXT_CAP = 1 << 20            # text_cap's floor: a prompt (or corpus) of this many bytes is always read
+LENGTH_CHECK_CHARS = 1 << 14      # check_length tokenizes this much text at a time
 
 # Pre-tokenizer regexes by GGUF `tokenizer.ggml.pre` name: the splits each vocabulary's merges were learned on.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -155,6 +159,27 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size()
+
+    @functools.cached_property
+    def longest_token_bytes(self) -> int:
+        """The most UTF-8 bytes a token of the vocabulary is spelled with. A token stands for at most that many
+        bytes of text: byte-level vocabularies spell a byte with 1-2 bytes, SentencePiece spells a space as 3."""
+        return max((len(t.encode("utf-8")) for t in self.tok.get_vocab()), default=1)
+
+    def text_cap(self, n_tokens: int) -> int:
+        """Bytes of text enough to hold n_tokens tokens (a prompt longer than a context's cap cannot fit in it)."""
+        return max(MIN_TEXT_CAP, n_tokens * self.longest_token_bytes)
+
+    def check_length(self, text: str, ctx: int) -> None:
+        """Refuse a prompt of more than ctx tokens, tokenizing it a piece at a time, so that a long one is refused
+        for the cost of its first pieces, not of all of it. A cut can change the tokens next to it (SentencePiece
+        starts each piece with a space), so each piece is allowed a few more: the exact count is the caller's."""
+        n = 0
+        for k, piece in enumerate(corpus_chunks(text, LENGTH_CHECK_CHARS)):
+            n += len(self.tok.encode(piece, add_special_tokens=False).ids)
+            if n > ctx + 4 * (k + 1):
+                raise UserError(f"prompt is too long (over {n - 4 * (k + 1)} tokens, context is {ctx}); "
+                                f"raise -c or shorten the prompt")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         check_utf8(text, "input text")

@@ -428,6 +428,78 @@ def test_a_context_larger_than_memory_is_one_line(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# Prompts and corpora: read to what a context (or --tokens) can need, never whole
+
+def run_measured(*args, stdin=None):
+    """(CompletedProcess, peak RSS in MiB) of the CLI: the kernel's high-water mark of that child (wait4's rusage),
+    run under an address-space cap (ulimit -v 4 GiB) so that a reader growing without bound fails, not the machine."""
+    import resource
+    import tempfile
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        p = subprocess.Popen([sys.executable, "-m", "flashinfer_lite", *args], stdin=stdin or subprocess.DEVNULL,
+                             stdout=out, stderr=err, preexec_fn=cap)
+        _, status, usage = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0), err.seek(0)
+        return subprocess.CompletedProcess(args, p.returncode, out.read(), err.read()), usage.ru_maxrss / 1024
+
+
+def assert_ends_in_one_error(r, *fragments):
+    """Exit 1, no traceback, the last line of stderr the error (--dram-budget prints its table before it)."""
+    err = r.stderr.decode("utf-8", "replace").strip()
+    assert r.returncode == 1 and "Traceback" not in err, err
+    assert err.splitlines()[-1].startswith("error: ") and all(f in err.splitlines()[-1] for f in fragments), err
+
+
+def words_file(path: Path, n_bytes: int) -> Path:
+    """Text of short words (as probe 02 writes it): about a token per 4 bytes for stories260K."""
+    import random
+    w = "the cat sat on a mat and then ran away".split()
+    rnd = random.Random(1)
+    path.write_text(" ".join(rnd.choice(w) for _ in range(n_bytes // 3))[:n_bytes])
+    return path
+
+
+@pytest.mark.parametrize("n_bytes", [10_000_000, (1 << 20) - 1])
+def test_a_long_prompt_file_is_refused_within_the_budget(tmp_path, n_bytes):
+    """10 MB (over the cap: refused from its size) and just under 1 MiB (under it: refused by its first pieces'
+    tokens) against -c 256 --dram-budget 250M: the whole was read and tokenized first, peaking at 1.3 GiB."""
+    r, peak = run_measured("generate", "-m", str(STORIES), "-f", str(words_file(tmp_path / "p.txt", n_bytes)), "-n",
+                           "2", "-c", "256", "--dram-budget", "250M")
+    assert_ends_in_one_error(r, "raise -c or shorten the prompt")
+    assert peak < 250, peak
+
+
+def test_endless_prompts_are_refused_within_the_budget():
+    """-f /dev/zero and -p - from an endless pipe grew until the OOM killer."""
+    r, peak = run_measured("generate", "-m", str(STORIES), "-f", "/dev/zero", "-c", "256", "--dram-budget", "250M")
+    assert_ends_in_one_error(r, "prompt file /dev/zero is over", "more than a context of 256 tokens can hold")
+    assert peak < 250, peak
+    yes = subprocess.Popen(["yes", "the cat sat"], stdout=subprocess.PIPE)
+    try:
+        r, peak = run_measured("generate", "-m", str(STORIES), "-p", "-", "-c", "256", "--dram-budget", "250M",
+                               stdin=yes.stdout)
+    finally:
+        yes.kill()
+        yes.wait()
+    assert_ends_in_one_error(r, "the prompt on standard input is over")
+    assert peak < 250, peak
+
+
+def test_collect_reads_an_endless_corpus_only_as_far_as_its_tokens(tmp_path):
+    """collect --corpus /dev/zero grew until the OOM killer; it needs --tokens' worth of text."""
+    r, peak = run_measured("collect", "-m", str(STORIES), "--corpus", "/dev/zero", "--tokens", "512", "-o",
+                           str(tmp_path / "acts"))
+    assert r.returncode == 0, r.stderr.decode()
+    assert peak < 500, peak
+    from predictors.acts import Acts
+    assert Acts(tmp_path / "acts").tokens == 512
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # Interruption: Ctrl-C and SIGKILL during first-use training, real signals to real processes
 
 # The parent side of first-use training exactly as `generate` runs it (generate.train_on_first_use), with cli's exits.
