@@ -346,6 +346,59 @@ def test_chat_templates_that_fail_are_one_line(flash, tmp_path, template, messag
     assert_one_line_error(cli("chat", "-m", str(d), "-n", "4", stdin=b"hi\n"), message)
 
 
+@pytest.mark.parametrize("template,message", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{{ messages[0].content }}",
+     "chat template runs over"),                        # hung generate, and would hold a server thread per request
+    ("{{ 'a' * 1500000000 }}", "chat template computes 'a' * 1500000000")])      # 20 GB before the OOM killer
+def test_a_chat_template_is_bounded_in_work_and_size(tmp_path, template, message):
+    import json
+    m = copy_model(tmp_path)
+    cfg = json.loads((m / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = template
+    (m / "tokenizer_config.json").write_text(json.dumps(cfg))
+    r, peak = run_measured("generate", "-m", str(m), "-p", "Once", "-n", "2")
+    assert_one_line_error(r, message, "refusing it")
+    assert peak < 400, peak
+
+
+@pytest.mark.parametrize("template,message", [
+    ("{% set s = 'a' * 100000 %}{% for c in s %}{% for d in s %}{% endfor %}{% endfor %}", "runs over"),
+    ("{% macro f() %}{% for i in range(100000) %}{% endfor %}{{ f() }}{% endmacro %}{{ f() }}", "runs over"),
+    ("{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+     "builds a value of over"),
+    ("{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+     "builds a value of over"),
+    ("{% set ns = namespace(l=[1]) %}{% for i in range(64) %}{% set ns.l = [ns.l, ns.l] %}{% endfor %}{{ ns.l }}",
+     "builds a value of over"),
+    ("{% set ns = namespace(l=[1]) %}{% for i in range(64) %}{% set ns.l = [ns.l, ns.l] %}{% endfor %}"
+     "{{ ns.l|tojson }}", "builds a value of over"),
+    ("{{ [messages] * 10**9 }}", "computes"), ("{{ 7 ** (10 ** 9) }}", "computes"),
+    ("{{ 'a'|center(10**9) }}", "passes a number over"), ("{{ 'a'.ljust(10**9) }}", "passes a number over"),
+    ("{{ '{:>999999999}'.format(1) }}", "field width"), ("{{ '%999999999s' % 1 }}", "field width"),
+    ("{{ '%999999999s'|format(1) }}", "field width"),
+    ("{% for i in range(50000) %}{{ 'abcdefghij' * 100 }}{% endfor %}", "writes over")])
+def test_hostile_chat_templates_are_refused_in_one_line(template, message):
+    """The two templates of the issue's report are tested through the CLI above; these are the other ways a template
+    can loop or grow (over a string, by recursion, doubling a string or a shared list, repeating, powers, padding,
+    field widths, output)."""
+    from storage.errors import UserError
+    from storage.tokenizer import render_chat_template
+    with pytest.raises(UserError, match=message):
+        render_chat_template(template, [{"role": "user", "content": "hi"}], True)
+
+
+def test_a_real_chat_template_still_renders_long_conversations(smollm2_gguf):
+    """The bounds leave room: SmolLM2's template (5 steps per message) over 2000 messages of 1000 digits each (long
+    numbers are not field widths outside a format string), as transformers' own renderer writes it."""
+    from transformers import PreTrainedTokenizerFast
+    from flashinfer_lite.loader import open_any
+    tok = open_any(smollm2_gguf).tokenizer()
+    msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": "1234567890" * 100} for i in range(2000)]
+    want = PreTrainedTokenizerFast(tokenizer_object=tok.tok, chat_template=tok.chat_template).apply_chat_template(
+        msgs, tokenize=False, add_generation_prompt=True)
+    assert tok.apply_chat_template(msgs) == want
+
+
 def test_chat_with_stdin_closed_is_one_line(flash, tmp_path):
     d = copy_flash(flash, tmp_path)
     r = subprocess.run([sys.executable, "-m", "flashinfer_lite", "chat", "-m", str(d)], stdin=subprocess.DEVNULL,
@@ -438,10 +491,18 @@ def run_measured(*args, stdin=None):
 
     def cap():
         resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+    import time
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         p = subprocess.Popen([sys.executable, "-m", "flashinfer_lite", *args], stdin=stdin or subprocess.DEVNULL,
                              stdout=out, stderr=err, preexec_fn=cap)
-        _, status, usage = os.wait4(p.pid, 0)
+        end = time.monotonic() + 300
+        while True:      # wait4 has no timeout: a child that hangs is killed at the end (and the test fails on it)
+            pid, status, usage = os.wait4(p.pid, os.WNOHANG if time.monotonic() < end else 0)
+            if pid:
+                break
+            if time.monotonic() >= end:
+                p.kill()
+            time.sleep(0.1)
         p.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0), err.seek(0)
         return subprocess.CompletedProcess(args, p.returncode, out.read(), err.read()), usage.ru_maxrss / 1024
