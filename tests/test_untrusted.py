@@ -497,10 +497,10 @@ def run_measured(*args, stdin=None):
                              stdout=out, stderr=err, preexec_fn=cap)
         end = time.monotonic() + 300
         while True:      # wait4 has no timeout: a child that hangs is killed at the end (and the test fails on it)
-            pid, status, usage = os.wait4(p.pid, os.WNOHANG if time.monotonic() < end else 0)
+            pid, status, usage = os.wait4(p.pid, os.WNOHANG)
             if pid:
                 break
-            if time.monotonic() >= end:
+            if time.monotonic() > end:
                 p.kill()
             time.sleep(0.1)
         p.returncode = os.waitstatus_to_exitcode(status)
