@@ -613,16 +613,47 @@ def assert_nothing_left(d: Path, child: int):
     assert not (d / "predictors").exists()
 
 
+def signal_pending(pid: int, sig: int) -> bool:
+    """sig is pending for process pid (sent to it, not yet delivered: it is stopped)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    masks = [int(ln.split()[1], 16) for ln in status.splitlines() if ln.startswith(("SigPnd:", "ShdPnd:"))]
+    return any(m >> (sig - 1) & 1 for m in masks)
+
+
+def interrupted(parent: int, child: int) -> bool:
+    """The interrupt waits in the stopped child, and the parent has taken its own: it is no longer blocked in wait4(2)
+    (syscall 61) on the child, but in run_child's loop that forwards it (for a terminal's Ctrl-C both got one, and
+    the child must not be continued before the parent's forwarded copy is on its way)."""
+    return signal_pending(child, 2) and Path(f"/proc/{parent}/syscall").read_text().split()[0] != "61"
+
+
+def stopped(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
 @pytest.mark.parametrize("to", ["group", "parent"])
 def test_ctrl_c_during_first_use_training_leaves_nothing(flash, tmp_path, to):
-    """group: the terminal's Ctrl-C reaches parent and child; parent: `kill -INT` to the parent alone (forwarded)."""
+    """group: the terminal's Ctrl-C reaches parent and child; parent: `kill -INT` to the parent alone (forwarded).
+    The child is stopped before the signal, so that it cannot finish training first (on a busy machine it once did,
+    and the parent exited 0), and continued once the interrupt waits in it: markers, not a sleep."""
     import signal
-    d = copy_flash(flash, tmp_path)
-    parent = start_first_use(d)
-    child = training_child(d, parent)
-    (os.killpg if to == "group" else os.kill)(parent.pid, signal.SIGINT)
-    assert parent.wait(timeout=120) == 130
-    assert_nothing_left(d, child)
+    for attempt in range(3):
+        d = copy_flash(flash, tmp_path / str(attempt))
+        parent = start_first_use(d)
+        child = training_child(d, parent)
+        os.kill(child, signal.SIGSTOP)
+        if (d / "predictors").exists():     # it had finished between the poll that found it and the stop: again
+            os.kill(child, signal.SIGCONT)
+            parent.communicate(timeout=120)
+            continue
+        wait_for(lambda: stopped(child), 60, "the training child to stop")
+        (os.killpg if to == "group" else os.kill)(parent.pid, signal.SIGINT)
+        wait_for(lambda: interrupted(parent.pid, child), 60, "the interrupt to reach parent and child")
+        os.kill(child, signal.SIGCONT)
+        assert parent.wait(timeout=120) == 130, parent.stderr.read().decode()
+        assert_nothing_left(d, child)
+        return
+    pytest.fail("the training child finished before it could be stopped, 3 times")
 
 
 def test_sigkill_to_the_parent_ends_the_training_child(flash, tmp_path):
