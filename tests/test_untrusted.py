@@ -483,29 +483,26 @@ def test_a_context_larger_than_memory_is_one_line(tmp_path):
 # ----------------------------------------------------------------------------------------------------------------------
 # Prompts and corpora: read to what a context (or --tokens) can need, never whole
 
-def run_measured(*args, stdin=None):
-    """(CompletedProcess, peak RSS in MiB) of the CLI: the kernel's high-water mark of that child (wait4's rusage),
-    run under an address-space cap (ulimit -v 4 GiB) so that a reader growing without bound fails, not the machine."""
-    import resource
-    import tempfile
+# Between pytest and the CLI: a child forked from pytest itself would start with pytest's RSS as its high-water mark
+# (the kernel keeps it across exec), so a small process runs the CLI and writes its RUSAGE_CHILDREN peak (KiB).
+MEASURED = ("import resource, subprocess, sys\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))\n"
+            "try:\n    code = subprocess.run(sys.argv[2:], timeout=300).returncode\n"
+            "except subprocess.TimeoutExpired:\n    code = -9\n"
+            "open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss))\n"
+            "sys.exit(code)\n")
 
-    def cap():
-        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
-    import time
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        p = subprocess.Popen([sys.executable, "-m", "flashinfer_lite", *args], stdin=stdin or subprocess.DEVNULL,
-                             stdout=out, stderr=err, preexec_fn=cap)
-        end = time.monotonic() + 300
-        while True:      # wait4 has no timeout: a child that hangs is killed at the end (and the test fails on it)
-            pid, status, usage = os.wait4(p.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.monotonic() > end:
-                p.kill()
-            time.sleep(0.1)
-        p.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0), err.seek(0)
-        return subprocess.CompletedProcess(args, p.returncode, out.read(), err.read()), usage.ru_maxrss / 1024
+
+def run_measured(*args, stdin=None):
+    """(CompletedProcess, peak RSS in MiB) of the CLI: the kernel's high-water mark of its process, run under an
+    address-space cap (ulimit -v 4 GiB) so that a reader growing without bound fails, not the machine; a CLI that
+    hangs is killed after 300 s."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        peak = Path(d) / "peak"
+        r = subprocess.run([sys.executable, "-c", MEASURED, str(peak), sys.executable, "-m", "flashinfer_lite", *args],
+                           stdin=stdin or subprocess.DEVNULL, capture_output=True, timeout=600)
+        return r, int(peak.read_text()) / 1024
 
 
 def assert_ends_in_one_error(r, *fragments):
