@@ -4,10 +4,12 @@ commands call too, and the rest runs the same code as `flashinfer-lite generate`
 StreamDecoder): one decode loop for the CLI, the API and `flashinfer-lite serve`."""
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass
 from typing import Iterator
 
+from storage.errors import UserError
 from storage.tokenizer import StreamDecoder, Tokenizer, check_utf8
 
 from .generate import Sampler, Session, Timings, prompt_ids
@@ -43,9 +45,16 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int] | list[dict], sy
         check_utf8(prompt, "prompt")
         return prompt_ids(tokenizer, prompt, system_prompt, use_chat_template), \
             not (use_chat_template and tokenizer.chat_template)
+    if isinstance(prompt, (bytes, bytearray, memoryview)):    # iterating bytes gives ints: not token ids
+        raise UserError("prompt is bytes: pass text as a str (decode it) or token ids as a list of ints")
     if prompt and all(isinstance(m, dict) for m in prompt):
         return tokenizer.encode_chat(list(prompt)), False
-    return [int(i) for i in prompt], True
+    ids = list(prompt)
+    n = tokenizer.vocab_size
+    bad = next((i for i in ids if not isinstance(i, numbers.Integral) or isinstance(i, bool) or not 0 <= i < n), None)
+    if bad is not None:
+        raise UserError(f"prompt token id {bad!r} is not an id of this vocabulary (0 to {n - 1})")
+    return [int(i) for i in ids], True
 
 
 def stream_generate(model: Model, tokenizer: Tokenizer, prompt: str | list[int] | list[dict], max_tokens: int = 256,
@@ -55,13 +64,14 @@ def stream_generate(model: Model, tokenizer: Tokenizer, prompt: str | list[int] 
                     ignore_eos: bool = False, prompt_cache: Session | None = None) -> Iterator[GenerationResponse]:
     """Yield a GenerationResponse per sampled token (encode_prompt says how the prompt is read). temp 0 = greedy
     (mlx-lm's default). prompt_cache (make_prompt_cache): reuse its KV cache; its timings are this call's."""
+    sampler = Sampler(temp, top_k, top_p, seed, min_p, repeat_penalty, repeat_last_n)   # checks them, first
     ids, raw = encode_prompt(tokenizer, prompt, system_prompt, use_chat_template)
     session = prompt_cache or Session(model.transformer, tokenizer, model.ctx)
     session.timings = Timings()
     stream = StreamDecoder(tokenizer, ids[-StreamDecoder.CONTEXT_IDS:] if raw else [])
     t = session.timings
     n = 0
-    for tok in session.generate(ids, max_tokens, Sampler(temp, top_k, top_p, seed, min_p, repeat_penalty, repeat_last_n), ignore_eos):
+    for tok in session.generate(ids, max_tokens, sampler, ignore_eos):
         n += 1
         decode_ms = sum(t.token_ms)
         yield GenerationResponse(

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,35 @@ from .threads import StepThreads
 # ----------------------------------------------------------------------------------------------------------------------
 # Sampling (llama.cpp's default chain: repetition penalty, top-k, top-p, min-p, temperature, then draw)
 
+class SamplingError(UserError, ValueError):
+    """A sampling argument of the wrong type or out of its range. `name` is the Sampler field, so that each front end
+    names it in its own words (the CLI's --temp, the API's temp, the server's "temperature")."""
+
+    def __init__(self, name: str, value, rule: str):
+        super().__init__(f"{name} {value!r} is out of range: {rule}")
+        self.name, self.value, self.rule = name, value, rule
+
+
+def _number(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _integer(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+# field: (test, rule). The one check of sampling arguments: the CLI, the Python API and the server all build a Sampler.
+SAMPLING_RULES = {
+    "temp": (lambda v: _number(v) and v >= 0, "a number >= 0 (0 = greedy)"),
+    "top_k": (lambda v: _integer(v) and v >= 0, "an integer >= 0 (0 = off)"),
+    "top_p": (lambda v: _number(v) and 0 <= v <= 1, "a number between 0 and 1"),
+    "seed": (_integer, "an integer (-1 = random)"),
+    "min_p": (lambda v: _number(v) and 0 <= v <= 1, "a number between 0 and 1 (0 = off)"),
+    "repeat_penalty": (lambda v: _number(v) and v > 0, "a number > 0 (1 = off)"),
+    "repeat_last_n": (lambda v: _integer(v) and v >= -1, "an integer >= -1 (-1 = the whole context)"),
+}
+
+
 @dataclass
 class Sampler:
     temp: float = 0.8
@@ -36,6 +66,9 @@ class Sampler:
     rng: np.random.Generator = field(init=False)
 
     def __post_init__(self):
+        for name, (ok, rule) in SAMPLING_RULES.items():
+            if not ok(getattr(self, name)):
+                raise SamplingError(name, getattr(self, name), rule)
         self.rng = np.random.default_rng(None if self.seed < 0 else self.seed)
 
     def penalize(self, logits: np.ndarray, history) -> np.ndarray:
@@ -67,8 +100,9 @@ class Sampler:
         if self.min_p > 0:
             keep = int(np.count_nonzero(p >= self.min_p * p[0]))   # p is sorted: p[0] is the most likely
             idx, z = idx[:keep], z[:keep]
-        z = z / self.temp
-        p = np.exp(z - z.max())
+        # shifted before the division: a tiny temperature (1e-310) makes the top logit 0 and the rest -inf, where
+        # dividing first gave inf - inf = NaN
+        p = np.exp((z - z.max()) / self.temp)
         return int(idx[self.rng.choice(len(idx), p=p / p.sum())])
 
 
@@ -263,15 +297,11 @@ def check_arguments(args) -> None:
     def need(ok: bool, flag: str, value, rule: str) -> None:
         if not ok:
             raise UserError(f"{flag} {value} is out of range: {rule}")
-    finite = math.isfinite
     need(args.threads is None or args.threads >= 1, "-t", args.threads, "at least 1 thread")
-    need(finite(args.temp) and args.temp >= 0, "--temp", args.temp, "a number >= 0 (0 = greedy)")
-    need(args.top_k >= 0, "--top-k", args.top_k, ">= 0 (0 = off)")
-    need(finite(args.top_p) and 0 <= args.top_p <= 1, "--top-p", args.top_p, "between 0 and 1")
-    need(finite(args.min_p) and 0 <= args.min_p <= 1, "--min-p", args.min_p, "between 0 and 1 (0 = off)")
-    need(finite(args.repeat_penalty) and args.repeat_penalty > 0, "--repeat-penalty", args.repeat_penalty,
-         "a number > 0 (1 = off)")
-    need(args.repeat_last_n >= -1, "--repeat-last-n", args.repeat_last_n, ">= -1 (-1 = the whole context)")
+    try:
+        sampler_from(args)
+    except SamplingError as e:    # the Sampler's own check, named by its flag
+        need(False, "--" + e.name.replace("_", "-"), e.value, e.rule)
     need(args.n_predict >= -1, "-n", args.n_predict, ">= -1 (-1 = until end of sequence)")
     need(args.ctx_size >= 0, "-c", args.ctx_size, ">= 1 (or 0: the model's default)")
 
@@ -283,28 +313,49 @@ def open_model(args):
                 sparsity=args.sparsity)
 
 
-def read_prompt(args) -> str:
+def open_prompt(args):
+    """The prompt's source, checked before the model loads: the text of -p, or a binary file (-f FILE, or standard
+    input for -p - and -f -) that read_prompt reads once the model's context and vocabulary set its cap."""
     if args.file and args.prompt is not None:
         raise UserError("give the prompt once: -p TEXT or -f FILE, not both")
     if args.prompt == "-" or args.file == "-":
-        raw = sys.stdin.buffer.read()
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise UserError(f"the prompt on standard input is not valid UTF-8 (byte {e.start})") from None
+        if sys.stdin is None:
+            raise UserError("the prompt is to come from standard input, which is closed")
+        return sys.stdin.buffer
     if args.file:
         try:
-            raw = open(args.file, "rb").read()
+            return open(args.file, "rb")
         except OSError as e:
             raise UserError(f"cannot read prompt file {args.file}: {e.strerror}") from None
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise UserError(f"prompt file {args.file} is not valid UTF-8 (byte {e.start})") from None
     if args.prompt is None:
         raise UserError("no prompt: pass -p TEXT or -f FILE")
     check_utf8(args.prompt, "prompt")
     return args.prompt
+
+
+def read_prompt(source, tokenizer: Tokenizer, ctx: int) -> str:
+    """The prompt's text, refused once its first pieces hold more than ctx tokens. A file is read only up to the
+    bytes ctx tokens can spell (Tokenizer.text_cap), never whole: -f /dev/zero, or an endless pipe."""
+    if not isinstance(source, str):
+        where = "the prompt on standard input" if source is sys.stdin.buffer else f"prompt file {source.name}"
+        cap = tokenizer.text_cap(ctx)
+        try:
+            raw = source.read(cap + 1)
+        except OSError as e:
+            raise UserError(f"cannot read {where}: {e.strerror}") from None
+        finally:
+            if source is not sys.stdin.buffer:
+                source.close()
+        if len(raw) > cap:
+            raise UserError(f"{where} is over {cap} bytes, more than a context of {ctx} tokens can hold "
+                            f"({tokenizer.longest_token_bytes} bytes at most per token); "
+                            f"raise -c or shorten the prompt")
+        try:
+            source = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"{where} is not valid UTF-8 (byte {e.start})") from None
+    tokenizer.check_length(source, ctx)
+    return source
 
 
 def prompt_ids(tokenizer: Tokenizer, text: str, system: str | None, use_template: bool) -> list[int]:
@@ -316,8 +367,9 @@ def prompt_ids(tokenizer: Tokenizer, text: str, system: str | None, use_template
 
 def run(args) -> int:
     check_arguments(args)
-    text = read_prompt(args)
+    source = open_prompt(args)
     model, tokenizer = open_model(args)
+    text = read_prompt(source, tokenizer, model.ctx)
     runtime = model.runtime
     session = Session(model.transformer, tokenizer, model.ctx)
     session.timings.load_ms = model.load_ms

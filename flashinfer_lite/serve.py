@@ -32,7 +32,7 @@ from pathlib import Path
 from .api import encode_prompt, load, make_prompt_cache, stream_generate
 from .default_model import FILENAME as DEFAULT_MODEL_FILE
 from storage.errors import UserError
-from .generate import ContextFull, Sampler, add_model_arguments, rss_summary
+from .generate import ContextFull, Sampler, SamplingError, add_model_arguments, check_arguments, rss_summary
 from storage.tokenizer import StopStrings
 
 MAX_STOP_STRINGS = 16
@@ -141,17 +141,16 @@ def parse_job(body, chat: bool, server: "Server") -> Job:
         raise BadRequest("only n = 1 is supported", "n")
     max_tokens = number(body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
                         a.n_predict if a.n_predict > 0 else server.ctx, lo=1, integer=True)
-    sampling = dict(temp=number(body, "temperature", a.temp, lo=0),
-                    top_p=number(body, "top_p", a.top_p, lo=0, hi=1),
-                    top_k=number(body, "top_k", a.top_k, lo=0, integer=True),
-                    min_p=number(body, "min_p", a.min_p, lo=0, hi=1),
-                    repeat_penalty=number(body, "repeat_penalty", a.repeat_penalty, lo=1e-6),
-                    seed=number(body, "seed", a.seed, integer=True),
-                    repeat_last_n=a.repeat_last_n)
-    try:   # the sampler's own checks, as generate's flags get them
-        Sampler(**sampling)
-    except (ValueError, UserError) as e:
-        raise BadRequest(str(e)) from None
+    sampling = dict(temp=number(body, "temperature", a.temp), top_p=number(body, "top_p", a.top_p),
+                    top_k=number(body, "top_k", a.top_k, integer=True), min_p=number(body, "min_p", a.min_p),
+                    repeat_penalty=number(body, "repeat_penalty", a.repeat_penalty),
+                    seed=number(body, "seed", a.seed, integer=True), repeat_last_n=a.repeat_last_n)
+    try:
+        Sampler(**sampling)     # the CLI's and the API's check of the ranges
+    except SamplingError as e:
+        name = "temperature" if e.name == "temp" else e.name
+        raise BadRequest(f"'{name}' must be {e.rule}, got {e.value}", name) from None
+    sampling["ignore_eos"] = a.ignore_eos
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP_STRINGS:
@@ -167,6 +166,10 @@ def parse_job(body, chat: bool, server: "Server") -> Job:
     if size > server.max_prompt_bytes:   # checked before tokenizing: that takes ~130 bytes of memory a byte
         raise BadRequest(f"the prompt is {size} bytes, more than a context of {server.ctx} tokens holds "
                          f"({server.max_prompt_bytes})", param, code="context_length_exceeded")
+    try:   # a long text is refused for the cost of its first pieces, before it is tokenized whole
+        server.tokenizer.check_length("\n".join(m["content"] for m in prompt) if chat else prompt, server.ctx)
+    except UserError as e:
+        raise BadRequest(str(e), param, code="context_length_exceeded") from None
     try:
         ids, _ = encode_prompt(server.tokenizer, prompt, use_chat_template=False)
     except UserError as e:  # bad UTF-8 (a lone surrogate escape), a template that refuses the conversation

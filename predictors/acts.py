@@ -8,6 +8,7 @@ ACTS/
 """
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
@@ -50,22 +51,31 @@ class CorpusText:
 _LONE_SURROGATE = re.compile("[\udc80-\udcff]")
 
 
-def read_corpus(files) -> CorpusText:
+def read_corpus(files, max_bytes: int | None = None) -> CorpusText:
     """Concatenated text of the files; invalid UTF-8 is decoded with replacement, counted (one U+FFFD per byte) and
-    said in one line on stderr."""
+    said in one line on stderr. max_bytes: read no more than that in all, the files' first bytes (what a number of
+    tokens can need, Tokenizer.text_cap), so that a huge file or /dev/zero is never held whole."""
     parts, replaced = [], 0
+    left = max_bytes
     for f in files:
+        if left is not None and left <= 0:
+            break
         p = Path(f)
         try:
-            data = p.read_bytes()
+            with open(p, "rb") as fh:
+                data = fh.read(-1 if left is None else left)
         except FileNotFoundError:
             raise UserError(f"corpus file not found: {p}") from None
         except IsADirectoryError:
             raise UserError(f"corpus path is a directory, not a text file: {p}") from None
         except OSError as e:
             raise UserError(f"cannot read corpus file {p}: {e.strerror}") from None
-        # surrogateescape maps each undecodable byte to one lone surrogate, so they can be counted exactly
-        text = data.decode("utf-8", errors="surrogateescape")
+        cut = left is not None and len(data) == left
+        if left is not None:
+            left -= len(data)
+        # surrogateescape maps each undecodable byte to one lone surrogate, so they can be counted exactly; a file
+        # cut at max_bytes drops the bytes of a character it cut in two
+        text = codecs.getincrementaldecoder("utf-8")("surrogateescape").decode(data, final=not cut)
         text, n = _LONE_SURROGATE.subn("\ufffd", text)
         replaced += n
         parts.append(text)

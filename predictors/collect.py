@@ -149,10 +149,10 @@ def collect(model, corpus, n_tokens: int, output, ctx: int = 256, rows: int = DE
             raise UserError(f"{out} already exists (use --force to replace it)")
         if not (out / MANIFEST).is_file():
             raise UserError(f"{out} exists and is not an activations directory; refusing to replace it")
-    text = read_corpus(corpus)
     ckpt = open_any(model)
     cfg = ckpt.config
     tokenizer = ckpt.tokenizer()
+    text = read_corpus(corpus, tokenizer.text_cap(2 * n_tokens))   # twice: a cut changes the tokens next to it
     ctx = min(ctx, cfg.max_pos)
     identity = model_identity(ckpt)
     segments = list(token_segments(tokenizer, text.text, n_tokens, ctx, cfg.bos_id))

@@ -111,11 +111,12 @@ def evaluate(model_path, corpus, ffn: str, n_tokens: int = 2048, ctx: int = 256,
         raise UserError(f"--tokens must be at least 2 (got {n_tokens})")
     if ffn not in FFN_MODES:
         raise UserError(f"unknown --ffn mode '{ffn}' (choose from {', '.join(FFN_MODES)})")
-    text = read_corpus(corpus)
     ckpt = open_any(model_path)
     cfg = ckpt.config
     ctx = min(ctx, cfg.max_pos)
-    segments = list(token_segments(ckpt.tokenizer(), text.text, n_tokens, ctx, cfg.bos_id))
+    tokenizer = ckpt.tokenizer()
+    text = read_corpus(corpus, tokenizer.text_cap(2 * n_tokens))   # twice: a cut changes the tokens next to it
+    segments = list(token_segments(tokenizer, text.text, n_tokens, ctx, cfg.bos_id))
     n_pred = sum(max(0, len(w) - 1) for w in segments)
     if n_pred == 0:
         raise UserError(f"the corpus gives too few tokens to evaluate: {', '.join(text.files)}")

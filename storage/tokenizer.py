@@ -5,7 +5,9 @@ whatever it came from, ends up with a standard tokenizer.json next to it.
 """
 from __future__ import annotations
 
+import functools
 import json
+import re
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -16,6 +18,8 @@ from .untrusted import read_bytes, read_json
 
 MAX_TOKENIZER_BYTES = 64 * 1024 * 1024
 MAX_TEMPLATE_BYTES = 1 << 20      # the largest HF chat templates are ~20 KB
+MIN_TEXT_CAP = 1 << 20            # text_cap's floor: a prompt (or corpus) of this many bytes is always read
+LENGTH_CHECK_CHARS = 1 << 14      # check_length tokenizes this much text at a time
 
 # Pre-tokenizer regexes by GGUF `tokenizer.ggml.pre` name: the splits each vocabulary's merges were learned on.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -166,6 +170,27 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size()
 
+    @functools.cached_property
+    def longest_token_bytes(self) -> int:
+        """The most UTF-8 bytes a token of the vocabulary is spelled with. A token stands for at most that many
+        bytes of text: byte-level vocabularies spell a byte with 1-2 bytes, SentencePiece spells a space as 3."""
+        return max((len(t.encode("utf-8")) for t in self.tok.get_vocab()), default=1)
+
+    def text_cap(self, n_tokens: int) -> int:
+        """Bytes of text enough to hold n_tokens tokens (a prompt longer than a context's cap cannot fit in it)."""
+        return max(MIN_TEXT_CAP, n_tokens * self.longest_token_bytes)
+
+    def check_length(self, text: str, ctx: int) -> None:
+        """Refuse a prompt of more than ctx tokens, tokenizing it a piece at a time, so that a long one is refused
+        for the cost of its first pieces, not of all of it. A cut can change the tokens next to it (SentencePiece
+        starts each piece with a space), so each piece is allowed a few more: the exact count is the caller's."""
+        n = 0
+        for k, piece in enumerate(corpus_chunks(text, LENGTH_CHECK_CHARS)):
+            n += len(self.tok.encode(piece, add_special_tokens=False).ids)
+            if n > ctx + 4 * (k + 1):
+                raise UserError(f"prompt is too long (over {n - 4 * (k + 1)} tokens, context is {ctx}); "
+                                f"raise -c or shorten the prompt")
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         check_utf8(text, "input text")
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -222,28 +247,172 @@ def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list
     return [(a, b) for _, _, _, a, b in found]
 
 
-def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool, **special) -> str:
-    """Render a Hugging Face chat template in a sandbox, with the globals and filters HF templates rely on."""
+TEMPLATE_STEPS = 200_000      # lines of compiled template code one render may run (SmolLM2's template: 5 per message,
+                              # so a conversation of 40000 messages)
+TEMPLATE_CHARS = 1 << 20      # the most characters a render may output or build into one value, plus four times the
+                              # messages' text
+
+
+def value_size(v, limit: int) -> int:
+    """Characters (or list items) of v with all it holds, counted as str() or tojson would spell them out: a list
+    holding another twice, 40 levels deep, counts 2^40. The count stops once over limit: it costs at most limit
+    steps."""
+    n, todo = 0, [v]
+    while todo and n <= limit:
+        x = todo.pop()
+        if isinstance(x, (str, bytes)):
+            n += len(x)
+        elif isinstance(x, int) and not isinstance(x, bool):
+            n += x.bit_length() // 3 + 1          # decimal digits, roughly
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            n += len(x) + 1
+            todo.extend(x)
+        elif isinstance(x, dict):
+            n += len(x) + 1
+            todo.extend(x.keys())
+            todo.extend(x.values())
+        else:
+            n += 1
+    return n
+
+
+_LONG_NUMBER = re.compile(r"\d{8,}")   # a field width of 10^7 or more in a format string ("%99999999s")
+
+
+def _sandbox(limit: int):
+    """A jinja2 ImmutableSandboxedEnvironment whose renders are bounded (render_chat_template)."""
     import jinja2
+    from jinja2.compiler import CodeGenerator
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def refuse(what: str):
+        raise UserError(f"chat template {what}; refusing it (the model file's template is not trusted)")
+
+    def checked(v):
+        if value_size(v, limit) > limit:
+            refuse(f"builds a value of over {limit} characters")
+        return v
+
+    def check_arguments(args, kwargs):
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, int) and not isinstance(a, bool) and abs(a) > limit:
+                refuse(f"passes a number over {limit} ({a})")
+            checked(a)
+
+    def check_format(fmt):
+        if isinstance(fmt, str) and _LONG_NUMBER.search(fmt):
+            refuse(f"formats with a field width over 10^7 ({_LONG_NUMBER.search(fmt).group()})")
+
+    def bounded(name, f):
+        """A filter whose arguments and result are checked."""
+        @functools.wraps(f)
+        def run(*args, **kwargs):
+            if name == "format":                  # "%99999999s"|format(x)
+                check_format(next((a for a in args if isinstance(a, str)), None))
+            check_arguments(args, kwargs)
+            return checked(f(*args, **kwargs))
+        return run
+
+    class Concat(CodeGenerator):
+        """`a ~ b` checked too: the code generator joins them with no call the sandbox sees."""
+        def visit_Concat(self, node, frame):
+            self.write("environment.checked(")
+            super().visit_Concat(node, frame)
+            self.write(")")
+
+    class Sandbox(ImmutableSandboxedEnvironment):
+        code_generator_class = Concat
+        intercepted_binops = frozenset({"*", "**", "+", "%"})
+
+        def checked(self, v):
+            return checked(v)
+
+        def call_binop(self, context, operator, left, right):
+            ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (left, right))
+            if operator == "*" and ints:
+                size = (left.bit_length() + right.bit_length()) // 3
+            elif operator == "*":
+                n, seq = (left, right) if isinstance(left, int) else (right, left)
+                size = value_size(seq, limit) * n if isinstance(n, int) else 0
+            elif operator == "**" and ints and right > 0:
+                size = left.bit_length() * right // 3
+            else:
+                size = 0
+            if size > limit:
+                refuse(f"computes {left!r:.40} {operator} {right!r:.40}, over {limit} characters")
+            if operator == "%":
+                check_format(left)
+                check_arguments(right if isinstance(right, tuple) else (right,), {})
+            return checked(super().call_binop(context, operator, left, right))
+
+        def wrap_str_format(self, value):
+            if getattr(value, "__name__", None) in ("format", "format_map"):     # "{:>99999999}".format(x)
+                check_format(getattr(value, "__self__", None))
+            return super().wrap_str_format(value)
+
+        def call(__self, __context, __obj, *args, **kwargs):
+            check_arguments(args, kwargs)
+            return checked(super().call(__context, __obj, *args, **kwargs))
+
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"], finalize=checked)
+    return env, bounded, jinja2
+
+
+class _Steps:
+    """A line counter for the template's compiled code (sys.settrace, this thread only): a template is a program, and
+    no loop of it (over a range, a string, a list) runs past TEMPLATE_STEPS lines in all."""
+
+    def __init__(self):
+        self.left = TEMPLATE_STEPS
+
+    def __call__(self, frame, event, arg):
+        return self.line if frame.f_code.co_filename == "<template>" else None
+
+    def line(self, frame, event, arg):
+        if event == "line":
+            self.left -= 1
+            if self.left < 0:
+                raise UserError(f"chat template runs over {TEMPLATE_STEPS} steps; refusing it (the model file's "
+                                    f"template is not trusted)")
+        return self.line
+
+
+def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool, **special) -> str:
+    """Render a Hugging Face chat template in a sandbox, with the globals and filters HF templates rely on. The
+    template comes with the model file, so its render is bounded in work (TEMPLATE_STEPS lines of its code) and in
+    size (no value built and no output over TEMPLATE_CHARS past four times the messages' text): one line otherwise."""
+    given = [m.get("content") for m in messages if isinstance(m, dict)] + list(special.values())
+    limit = TEMPLATE_CHARS + 4 * sum(len(t) for t in given if isinstance(t, str))
+    env, bounded, jinja2 = _sandbox(limit)
 
     def raise_exception(msg):
         raise UserError(f"chat template: {msg}")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, **kw: json.dumps(
         x, indent=indent, ensure_ascii=ensure_ascii, **kw)
+    env.filters = {name: bounded(name, f) for name, f in env.filters.items()}
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    tracer = sys.gettrace()
     try:
-        return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                **special)
+        compiled = env.from_string(template)
+        out, n = [], 0
+        sys.settrace(_Steps())
+        for piece in compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt, **special):
+            n += len(piece)
+            if n > limit:
+                raise UserError(f"chat template writes over {limit} characters; refusing it (the model file's "
+                                    f"template is not trusted)")
+            out.append(piece)
+        return "".join(out)
     except UserError:
         raise
     except jinja2.TemplateError as e:
         raise UserError(f"chat template failed: {e}") from None
     except Exception as e:   # the template's own errors at render time ({{ 1 + 'a' }}: TypeError), from the sandbox
         raise UserError(f"chat template failed: {type(e).__name__}: {e}") from None
+    finally:
+        sys.settrace(tracer)
 
 
 class StreamDecoder:

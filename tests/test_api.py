@@ -3,7 +3,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import STORIES
+from test_cli import cli
 
 
 def cli_json(*args):
@@ -43,3 +46,42 @@ def test_instruct_model_gets_the_chat_template_as_in_the_cli(smollm2_gguf):
     steps = list(stream_generate(model, tokenizer, "What is the capital of France?", max_tokens=16))
     assert [s.token for s in steps] == want["tokens"]
     assert "".join(s.text for s in steps) == want["text"]
+
+
+@pytest.fixture(scope="module")
+def stories_api():
+    from flashinfer_lite import load
+    return load(STORIES)
+
+
+@pytest.mark.parametrize("kw,flag", [(dict(temp=-1.0), "--temp"), (dict(temp=0.7, top_p=5.0), "--top-p"),
+                                     (dict(temp=0.7, min_p=-3.0), "--min-p"), (dict(temp=float("nan")), "--temp"),
+                                     (dict(top_k=-1), "--top-k"), (dict(repeat_penalty=0.0), "--repeat-penalty")])
+def test_api_refuses_the_sampling_arguments_the_cli_refuses(stories_api, kw, flag):
+    """The API's check is the CLI's (one validator, the Sampler's): the same rule, naming the keyword."""
+    from flashinfer_lite import generate
+    name, value = next((k, v) for k, v in kw.items() if k.replace("_", "-") == flag[2:])
+    with pytest.raises(ValueError) as api:
+        generate(*stories_api, "Once", max_tokens=2, **kw)
+    assert str(api.value).startswith(f"{name} {value!r} is out of range: ")
+    r = cli("generate", "-m", str(STORIES), "-p", "Once", "-n", "2", flag, str(value))
+    assert r.returncode == 1 and "Traceback" not in r.stderr.decode()
+    assert r.stderr.decode().strip() == f"error: {flag} {value} is out of range: " + str(api.value).split(": ", 1)[1]
+
+
+@pytest.mark.parametrize("prompt,message", [(b"Once", "prompt is bytes"), (bytearray(b"Once"), "prompt is bytes"),
+                                            ([1, 10**9], "prompt token id 1000000000 is not an id"),
+                                            ([1, -1], "prompt token id -1 is not an id"),
+                                            ([1, "2"], "prompt token id '2' is not an id")])
+def test_api_refuses_a_prompt_that_is_neither_text_nor_ids(stories_api, prompt, message):
+    from flashinfer_lite import generate
+    from storage.errors import UserError
+    with pytest.raises(UserError, match=message):
+        generate(*stories_api, prompt, max_tokens=2)
+
+
+def test_api_token_ids_still_generate_as_their_text(stories_api):
+    from flashinfer_lite import generate
+    model, tok = stories_api
+    assert generate(model, tok, tok.encode("Once upon"), max_tokens=8) == generate(model, tok, "Once upon",
+                                                                                     max_tokens=8)

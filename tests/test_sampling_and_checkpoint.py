@@ -16,6 +16,20 @@ def test_sampler_greedy_and_top_k_1_pick_argmax():
     assert Sampler(temp=1.5, top_k=1, top_p=1.0, seed=3)(logits) == int(np.argmax(logits))
 
 
+def test_a_tiny_temperature_samples_as_the_float64_softmax_says():
+    """--temp 1e-310 divided the logits into inf and took inf - inf = NaN ("Probabilities contain NaN"). The tempered
+    softmax in float64 (shifted first) puts all the mass on the top logit for these temperatures: so must the draw."""
+    rng = np.random.default_rng(0)
+    for temp in (1e-310, 5e-324, 1e-300, 1e-30):
+        for seed in range(20):
+            logits = (rng.normal(size=64) * 30).astype(np.float32)
+            z = logits.astype(np.float64)
+            p = np.exp((z - z.max()) / temp)
+            assert p.max() == 1.0 and p.sum() == 1.0       # the oracle: one token has it all
+            s = Sampler(temp=temp, top_k=0, top_p=1.0, min_p=0.0, seed=seed)
+            assert s(logits) == int(np.argmax(p)), temp
+
+
 def test_sampler_frequencies_follow_the_tempered_softmax():
     logits = np.array([2.0, 1.0, 0.5, 0.0, -1.0], np.float32)
     s = Sampler(temp=0.7, top_k=0, top_p=1.0, min_p=0.0, seed=0)

@@ -242,6 +242,18 @@ def test_models_lists_the_one_model(stories):
     assert ids == ["stories260K"]
 
 
+def test_sampling_is_checked_by_the_cli_s_rules(stories, flags, cache_env):
+    """The server checks sampling as the CLI and the API do (the Sampler's one validator): its rule, as a 400 naming
+    the request's field; and "temperature": 1e-310, which the sampler turned into NaN (a 500), samples greedily."""
+    status, doc = stories.post("/v1/completions", json.dumps({"prompt": "Once", "min_p": -3}).encode())
+    assert (status, doc["error"]["param"]) == (400, "min_p"), doc
+    assert doc["error"]["message"] == "'min_p' must be a number between 0 and 1 (0 = off), got -3"
+    want = generate_json(flags, "Once upon a time", 8, env=cache_env)
+    status, doc = stories.post("/v1/completions", json.dumps({"prompt": "Once upon a time", "max_tokens": 8,
+                                                              "temperature": 1e-310}).encode())
+    assert status == 200 and doc["choices"][0]["text"] == want["text"], doc
+
+
 def test_a_client_gone_mid_stream_stops_its_generation(stories):
     before = stories.health()["tokens_predicted_total"]
     stream = stories.client.completions.create(model="any", prompt="Once upon a time", max_tokens=240,

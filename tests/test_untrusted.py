@@ -493,6 +493,59 @@ def test_chat_templates_that_fail_are_one_line(flash, tmp_path, template, messag
     assert_one_line_error(cli("chat", "-m", str(d), "-n", "4", stdin=b"hi\n"), message)
 
 
+@pytest.mark.parametrize("template,message", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{{ messages[0].content }}",
+     "chat template runs over"),                        # hung generate, and would hold a server thread per request
+    ("{{ 'a' * 1500000000 }}", "chat template computes 'a' * 1500000000")])      # 20 GB before the OOM killer
+def test_a_chat_template_is_bounded_in_work_and_size(tmp_path, template, message):
+    import json
+    m = copy_model(tmp_path)
+    cfg = json.loads((m / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = template
+    (m / "tokenizer_config.json").write_text(json.dumps(cfg))
+    r, peak = run_measured("generate", "-m", str(m), "-p", "Once", "-n", "2")
+    assert_one_line_error(r, message, "refusing it")
+    assert peak < 400, peak
+
+
+@pytest.mark.parametrize("template,message", [
+    ("{% set s = 'a' * 100000 %}{% for c in s %}{% for d in s %}{% endfor %}{% endfor %}", "runs over"),
+    ("{% macro f() %}{% for i in range(100000) %}{% endfor %}{{ f() }}{% endmacro %}{{ f() }}", "runs over"),
+    ("{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+     "builds a value of over"),
+    ("{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+     "builds a value of over"),
+    ("{% set ns = namespace(l=[1]) %}{% for i in range(64) %}{% set ns.l = [ns.l, ns.l] %}{% endfor %}{{ ns.l }}",
+     "builds a value of over"),
+    ("{% set ns = namespace(l=[1]) %}{% for i in range(64) %}{% set ns.l = [ns.l, ns.l] %}{% endfor %}"
+     "{{ ns.l|tojson }}", "builds a value of over"),
+    ("{{ [messages] * 10**9 }}", "computes"), ("{{ 7 ** (10 ** 9) }}", "computes"),
+    ("{{ 'a'|center(10**9) }}", "passes a number over"), ("{{ 'a'.ljust(10**9) }}", "passes a number over"),
+    ("{{ '{:>999999999}'.format(1) }}", "field width"), ("{{ '%999999999s' % 1 }}", "field width"),
+    ("{{ '%999999999s'|format(1) }}", "field width"),
+    ("{% for i in range(50000) %}{{ 'abcdefghij' * 100 }}{% endfor %}", "writes over")])
+def test_hostile_chat_templates_are_refused_in_one_line(template, message):
+    """The two templates of the issue's report are tested through the CLI above; these are the other ways a template
+    can loop or grow (over a string, by recursion, doubling a string or a shared list, repeating, powers, padding,
+    field widths, output)."""
+    from storage.errors import UserError
+    from storage.tokenizer import render_chat_template
+    with pytest.raises(UserError, match=message):
+        render_chat_template(template, [{"role": "user", "content": "hi"}], True)
+
+
+def test_a_real_chat_template_still_renders_long_conversations(smollm2_gguf):
+    """The bounds leave room: SmolLM2's template (5 steps per message) over 2000 messages of 1000 digits each (long
+    numbers are not field widths outside a format string), as transformers' own renderer writes it."""
+    from transformers import PreTrainedTokenizerFast
+    from flashinfer_lite.loader import open_any
+    tok = open_any(smollm2_gguf).tokenizer()
+    msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": "1234567890" * 100} for i in range(2000)]
+    want = PreTrainedTokenizerFast(tokenizer_object=tok.tok, chat_template=tok.chat_template).apply_chat_template(
+        msgs, tokenize=False, add_generation_prompt=True)
+    assert tok.apply_chat_template(msgs) == want
+
+
 def test_chat_with_stdin_closed_is_one_line(flash, tmp_path):
     d = copy_flash(flash, tmp_path)
     r = subprocess.run([sys.executable, "-m", "flashinfer_lite", "chat", "-m", str(d)], stdin=subprocess.DEVNULL,
@@ -550,6 +603,17 @@ def test_a_hub_snapshot_symlink_into_another_repository_is_refused(tmp_path):
 def test_flags_out_of_range_are_one_line(flag, value, message):
     assert_one_line_error(cli("generate", "-m", str(STORIES), "-p", "hi", flag, value), message)
     assert_one_line_error(cli("chat", "-m", str(STORIES), flag, value, stdin=b""), message)
+    assert_one_line_error(cli("serve", "-m", str(STORIES), "--port", "0", flag, value), message)
+
+
+def test_a_tiny_temperature_is_greedy():
+    """--temp 1e-310 passed the range check and the sampler divided the logits into inf - inf = NaN: a traceback."""
+    import json
+    runs = [cli("generate", "-m", str(STORIES), "-p", "Once", "-n", "12", "--ignore-eos", "--json", "--temp", t)
+            for t in ("1e-310", "0")]
+    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr.decode()
+    tiny, greedy = (json.loads(r.stdout.decode().splitlines()[-1]) for r in runs)
+    assert tiny["tokens"] == greedy["tokens"] and len(tiny["tokens"]) == 12
 
 
 def test_a_context_larger_than_memory_is_one_line(tmp_path):
@@ -561,6 +625,83 @@ def test_a_context_larger_than_memory_is_one_line(tmp_path):
     (m / "config.json").write_text(json.dumps(cfg))
     assert_one_line_error(cli("generate", "-m", str(m), "-p", "hi", "-n", "2", "-c", str(3 * 10**8)),
                           "GiB of KV cache, more than this machine's")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Prompts and corpora: read to what a context (or --tokens) can need, never whole
+
+# Between pytest and the CLI: a child forked from pytest itself would start with pytest's RSS as its high-water mark
+# (the kernel keeps it across exec), so a small process runs the CLI and writes its RUSAGE_CHILDREN peak (KiB).
+MEASURED = ("import resource, subprocess, sys\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))\n"
+            "try:\n    code = subprocess.run(sys.argv[2:], timeout=300).returncode\n"
+            "except subprocess.TimeoutExpired:\n    code = -9\n"
+            "open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss))\n"
+            "sys.exit(code)\n")
+
+
+def run_measured(*args, stdin=None):
+    """(CompletedProcess, peak RSS in MiB) of the CLI: the kernel's high-water mark of its process, run under an
+    address-space cap (ulimit -v 4 GiB) so that a reader growing without bound fails, not the machine; a CLI that
+    hangs is killed after 300 s."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        peak = Path(d) / "peak"
+        r = subprocess.run([sys.executable, "-c", MEASURED, str(peak), sys.executable, "-m", "flashinfer_lite", *args],
+                           stdin=stdin or subprocess.DEVNULL, capture_output=True, timeout=600)
+        return r, int(peak.read_text()) / 1024
+
+
+def assert_ends_in_one_error(r, *fragments):
+    """Exit 1, no traceback, the last line of stderr the error (--dram-budget prints its table before it)."""
+    err = r.stderr.decode("utf-8", "replace").strip()
+    assert r.returncode == 1 and "Traceback" not in err, err
+    assert err.splitlines()[-1].startswith("error: ") and all(f in err.splitlines()[-1] for f in fragments), err
+
+
+def words_file(path: Path, n_bytes: int) -> Path:
+    """Text of short words (as probe 02 writes it): about a token per 4 bytes for stories260K."""
+    import random
+    w = "the cat sat on a mat and then ran away".split()
+    rnd = random.Random(1)
+    path.write_text(" ".join(rnd.choice(w) for _ in range(n_bytes // 3))[:n_bytes])
+    return path
+
+
+@pytest.mark.parametrize("n_bytes", [10_000_000, (1 << 20) - 1])
+def test_a_long_prompt_file_is_refused_within_the_budget(tmp_path, n_bytes):
+    """10 MB (over the cap: refused from its size) and just under 1 MiB (under it: refused by its first pieces'
+    tokens) against -c 256 --dram-budget 250M: the whole was read and tokenized first, peaking at 1.3 GiB."""
+    r, peak = run_measured("generate", "-m", str(STORIES), "-f", str(words_file(tmp_path / "p.txt", n_bytes)), "-n",
+                           "2", "-c", "256", "--dram-budget", "250M")
+    assert_ends_in_one_error(r, "raise -c or shorten the prompt")
+    assert peak < 250, peak
+
+
+def test_endless_prompts_are_refused_within_the_budget():
+    """-f /dev/zero and -p - from an endless pipe grew until the OOM killer."""
+    r, peak = run_measured("generate", "-m", str(STORIES), "-f", "/dev/zero", "-c", "256", "--dram-budget", "250M")
+    assert_ends_in_one_error(r, "prompt file /dev/zero is over", "more than a context of 256 tokens can hold")
+    assert peak < 250, peak
+    yes = subprocess.Popen(["yes", "the cat sat"], stdout=subprocess.PIPE)
+    try:
+        r, peak = run_measured("generate", "-m", str(STORIES), "-p", "-", "-c", "256", "--dram-budget", "250M",
+                               stdin=yes.stdout)
+    finally:
+        yes.kill()
+        yes.wait()
+    assert_ends_in_one_error(r, "the prompt on standard input is over")
+    assert peak < 250, peak
+
+
+def test_collect_reads_an_endless_corpus_only_as_far_as_its_tokens(tmp_path):
+    """collect --corpus /dev/zero grew until the OOM killer; it needs --tokens' worth of text."""
+    r, peak = run_measured("collect", "-m", str(STORIES), "--corpus", "/dev/zero", "--tokens", "512", "-o",
+                           str(tmp_path / "acts"))
+    assert r.returncode == 0, r.stderr.decode()
+    assert peak < 500, peak
+    from predictors.acts import Acts
+    assert Acts(tmp_path / "acts").tokens == 512
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -616,16 +757,47 @@ def assert_nothing_left(d: Path, child: int):
     assert not (d / "predictors").exists()
 
 
+def signal_pending(pid: int, sig: int) -> bool:
+    """sig is pending for process pid (sent to it, not yet delivered: it is stopped)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    masks = [int(ln.split()[1], 16) for ln in status.splitlines() if ln.startswith(("SigPnd:", "ShdPnd:"))]
+    return any(m >> (sig - 1) & 1 for m in masks)
+
+
+def interrupted(parent: int, child: int) -> bool:
+    """The interrupt waits in the stopped child, and the parent has taken its own: it is no longer blocked in wait4(2)
+    (syscall 61) on the child, but in run_child's loop that forwards it (for a terminal's Ctrl-C both got one, and
+    the child must not be continued before the parent's forwarded copy is on its way)."""
+    return signal_pending(child, 2) and Path(f"/proc/{parent}/syscall").read_text().split()[0] != "61"
+
+
+def stopped(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
 @pytest.mark.parametrize("to", ["group", "parent"])
 def test_ctrl_c_during_first_use_training_leaves_nothing(flash, tmp_path, to):
-    """group: the terminal's Ctrl-C reaches parent and child; parent: `kill -INT` to the parent alone (forwarded)."""
+    """group: the terminal's Ctrl-C reaches parent and child; parent: `kill -INT` to the parent alone (forwarded).
+    The child is stopped before the signal, so that it cannot finish training first (on a busy machine it once did,
+    and the parent exited 0), and continued once the interrupt waits in it: markers, not a sleep."""
     import signal
-    d = copy_flash(flash, tmp_path)
-    parent = start_first_use(d)
-    child = training_child(d, parent)
-    (os.killpg if to == "group" else os.kill)(parent.pid, signal.SIGINT)
-    assert parent.wait(timeout=120) == 130
-    assert_nothing_left(d, child)
+    for attempt in range(3):
+        d = copy_flash(flash, tmp_path / str(attempt))
+        parent = start_first_use(d)
+        child = training_child(d, parent)
+        os.kill(child, signal.SIGSTOP)
+        if (d / "predictors").exists():     # it had finished between the poll that found it and the stop: again
+            os.kill(child, signal.SIGCONT)
+            parent.communicate(timeout=120)
+            continue
+        wait_for(lambda: stopped(child), 60, "the training child to stop")
+        (os.killpg if to == "group" else os.kill)(parent.pid, signal.SIGINT)
+        wait_for(lambda: interrupted(parent.pid, child), 60, "the interrupt to reach parent and child")
+        os.kill(child, signal.SIGCONT)
+        assert parent.wait(timeout=120) == 130, parent.stderr.read().decode()
+        assert_nothing_left(d, child)
+        return
+    pytest.fail("the training child finished before it could be stopped, 3 times")
 
 
 def test_sigkill_to_the_parent_ends_the_training_child(flash, tmp_path):
