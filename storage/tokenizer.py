@@ -184,6 +184,7 @@ class Tokenizer:
         """Refuse a prompt of more than ctx tokens, tokenizing it a piece at a time, so that a long one is refused
         for the cost of its first pieces, not of all of it. A cut can change the tokens next to it (SentencePiece
         starts each piece with a space), so each piece is allowed a few more: the exact count is the caller's."""
+        check_utf8(text, "input text")
         n = 0
         for k, piece in enumerate(corpus_chunks(text, LENGTH_CHECK_CHARS)):
             n += len(self.tok.encode(piece, add_special_tokens=False).ids)
