@@ -32,11 +32,11 @@ def test_auto_is_the_whole_model_when_it_fits_else_the_room(tiny_model, tmp_path
 
     def run(room):
         monkeypatch.setattr(runtime, "auto_budget_bytes", lambda: room)
-        model, _, rt = load_runtime(path, "oracle", dram_budget="auto", runtime_bytes=0)
+        model, _, rt = load_runtime(path, "oracle", dram_budget="auto", base_bytes=0)
         kv = model.new_cache(32)
         return np.stack([model.forward([t], kv) for t in ids]), rt
 
-    whole = load_runtime(path, "oracle", runtime_bytes=0)[2].plan
+    whole = load_runtime(path, "oracle", base_bytes=0)[2].plan
     want, rt = run(1 << 40)
     assert not rt.plan.requested and rt.plan.budget_bytes == whole.budget_bytes     # fits: no cap at all
     assert "dram budget: auto" not in capsys.readouterr().err
