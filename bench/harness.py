@@ -119,12 +119,11 @@ def probe_minimum(path, ffn: str, ctx: int, window: int = 5) -> dict:
     from flashinfer_lite.modes import minimum_bytes
     from flashinfer_lite.runtime import context_size, open_model_files
     files = open_model_files(path, ffn)
-    cfg, ckpt = files.ckpt.config, files.ckpt
-    minimum = minimum_bytes(cfg, ckpt.layout, ckpt.resident_kinds, ffn, context_size(ctx, cfg), files.base_bytes,
-                            window)
+    ckpt, base = files.ckpt, files.base_bytes
+    minimum = minimum_bytes(ckpt.config, ckpt.layout, ckpt.resident_kinds, ffn, context_size(ctx, ckpt.config),
+                            base, window)
     return {"minimum_bytes": minimum + MIN_MARGIN,
-            "message": f"--ffn {ffn} at -c {ctx}: minimum {minimum / 2**20:.1f} MiB (process base "
-                       f"{files.base_bytes / 2**20:.1f} MiB)"}
+            "message": f"--ffn {ffn} -c {ctx}: minimum {minimum / 2**20:.1f} MiB, process base {base / 2**20:.1f} MiB"}
 
 
 def retry_bytes(row: dict) -> int:

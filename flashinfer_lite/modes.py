@@ -485,8 +485,7 @@ class OracleMode(PredictedMode):
 
 # In the order decide() asks them; auto is no mode of its own: the first that applies and fits
 MODES = (ExpertsMode(), GateMode(), DenseMode(), PredictedMode(), OracleMode())
-FFN_MODES = (AUTO, "dense", "oracle", "predicted", "gate", "experts")    # --ffn's choices, as listed
-assert set(FFN_MODES) == {AUTO, *(m.name for m in MODES)}
+FFN_MODES = (AUTO, *(m.name for m in MODES))        # --ffn's choices
 AUTO_HELP = ("experts for a mixture of experts; gate for a SiLU- or GELU-gated model with the split layout (the "
              "default model: thresholds calibrated on first use); else dense when the model fits the budget, else "
              "predicted")
@@ -494,8 +493,7 @@ AUTO_HELP = ("experts for a mixture of experts; gate for a SiLU- or GELU-gated m
 
 def ffn_help() -> str:
     """--ffn's help, from the registry."""
-    named = {m.name: m for m in MODES}
-    return "; ".join([*(f"{n}: {named[n].help}" for n in FFN_MODES if n != AUTO), f"auto (default): {AUTO_HELP}"])
+    return "; ".join([*(f"{m.name}: {m.help}" for m in MODES), f"auto (default): {AUTO_HELP}"])
 
 
 def check_mode(ffn: str) -> None:

@@ -80,7 +80,6 @@ def model_facts(source: str | None, cached: bool = True) -> tuple[ModelConfig, F
                                                layout.dtype if layout.quantized else None)
 
 
-
 # What the early refusal leaves below its estimate: the process base of two runs differs by well under this
 EARLY_SLACK_BYTES = 2 << 20
 

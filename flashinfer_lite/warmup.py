@@ -1,6 +1,6 @@
 """Warm-up: the kernels a run needs, compiled (or loaded from Numba's on-disk cache) before the weights load, in child
 processes the first time (compile_in_child), with a stamp in Numba's cache that says so; the process base the plan
-counts is measured after them (measure_base_bytes). Which kernels a run needs is its FFN mode's (modes.FFN_MODES:
+counts is measured after them (measure_base_bytes). Which kernels a run needs is its FFN mode's (modes.MODES:
 each declares its compile steps); budget.py plans, this module spends time and memory.
 """
 from __future__ import annotations
