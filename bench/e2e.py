@@ -91,7 +91,7 @@ class Worker:
         """The runtime's own FlashFFN (neuron cache, reader, overlapped reads, sparse kernel), fed replayed sets."""
         from flashinfer_lite.budget import plan_budget
         from flashinfer_lite.ffn.flash import FlashFFN
-        from flashinfer_lite.runtime import expected_max_active
+        from flashinfer_lite.modes import expected_max_active
         a, L = self.a, self.layout
         with np.load(a.active, allow_pickle=False) as z:
             n = int(z["n"])
@@ -194,7 +194,7 @@ class Worker:
 
 
 class TraceProfile:
-    """What FlashFFN (and runtime.expected_max_active) ask of a PredictorSet, from a replayed trace: the neuron
+    """What FlashFFN (and modes.expected_max_active) ask of a PredictorSet, from a replayed trace: the neuron
     frequencies [L, n] that choose the hot neurons; no magnitude threshold (the replayed sets are exact)."""
 
     def __init__(self, freq: np.ndarray):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -28,9 +27,7 @@ from flashinfer_lite.process import peak_rss_bytes, read_bytes  # noqa: E402  (s
 MEMCAP = REPO / "tools" / "memcap.py"
 CORPUS = REPO / "tests" / "data" / "corpus"
 STORIES = REPO / "tests" / "data" / "stories260K"
-# load_runtime's refusal names the minimum: "... is below the minimum 381.1 MiB for this model (...)"
-MINIMUM_RE = re.compile(r"below the minimum ([0-9.]+) MiB")
-MIN_MARGIN = 4 << 20     # a row's process measures its own runtime line: a little more or less RSS than the probe's
+MIN_MARGIN = 4 << 20     # a row's process measures its own process base: a little more or less RSS than the probe's
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -116,22 +113,22 @@ def trained_flashdir(source, work: Path, dtype: str, corpus: list[Path], tokens:
 
 
 def probe_minimum(path, ffn: str, ctx: int, window: int = 5) -> dict:
-    """The runtime's own minimum DRAM budget for this FFN mode and context, from load_runtime itself: it plans (and
-    refuses a budget below the minimum) in this fresh process, with its measured runtime line. Only a fresh process
-    measures what a row's process will: after a refused load_runtime this one holds ~20 MiB more."""
-    from storage.errors import UserError
-    try:
-        load_model(path, ffn, dram_budget=1, ctx=ctx, window=window)
-    except UserError as e:
-        if MINIMUM_RE.search(str(e)):
-            return {"minimum_bytes": minimum_in(str(e)), "message": str(e)}
-        raise
-    raise RuntimeError("load_runtime accepted a 1-byte DRAM budget")
+    """The runtime's own minimum DRAM budget for this FFN mode and context (modes.minimum_bytes, the planner's), with
+    the process base measured in this fresh process by the library's loading path (runtime.open_model_files), as a
+    row's process will measure its own; minimum_bytes adds MIN_MARGIN for the difference."""
+    from flashinfer_lite.modes import minimum_bytes
+    from flashinfer_lite.runtime import context_size, open_model_files
+    files = open_model_files(path, ffn)
+    ckpt, base = files.ckpt, files.base_bytes
+    minimum = minimum_bytes(ckpt.config, ckpt.layout, ckpt.resident_kinds, ffn, context_size(ctx, ckpt.config),
+                            base, window)
+    return {"minimum_bytes": minimum + MIN_MARGIN,
+            "message": f"--ffn {ffn} -c {ctx}: minimum {minimum / 2**20:.1f} MiB, process base {base / 2**20:.1f} MiB"}
 
 
-def minimum_in(message: str) -> int:
-    """Bytes to ask for at the minimum a refusal names (rounded up past the message's 0.1 MiB, plus the margin)."""
-    return int((float(MINIMUM_RE.search(message).group(1)) + 0.1) * 2**20) + MIN_MARGIN
+def retry_bytes(row: dict) -> int:
+    """Bytes to ask for at the minimum a row's refusal named (budget.BelowMinimum's), plus the margin."""
+    return row["refused_minimum_bytes"] + MIN_MARGIN
 
 
 class Counters:
@@ -236,12 +233,15 @@ def work_dir(a, prefix: str) -> Path:
 def worker(out: str, mode: str, measure) -> int:
     """Run one row in this process: measure() -> dict, written to `out` with the peak RSS (VmHWM: ru_maxrss inherits
     the parent's peak across exec). A failure is the row's result (below_minimum when the runtime refused the
-    budget, else error): the other rows go on."""
+    budget, with the minimum it named: budget.BelowMinimum; else error): the other rows go on."""
     res = {"mode": mode}
     try:
         res.update(measure())
     except Exception as e:
-        res["below_minimum" if MINIMUM_RE.search(str(e)) else "error"] = (str(e) or type(e).__name__)[:2000]
+        refused = getattr(e, "minimum_bytes", None)     # BelowMinimum (not imported here: numba stays unloaded)
+        res["below_minimum" if refused is not None else "error"] = (str(e) or type(e).__name__)[:2000]
+        if refused is not None:
+            res["refused_minimum_bytes"] = int(refused)
     res["peak_rss_bytes"] = peak_rss_bytes()
     tmp = Path(out + ".tmp")
     tmp.write_text(json.dumps(res))

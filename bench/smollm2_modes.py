@@ -284,14 +284,14 @@ def main(argv=None) -> int:
 
     def min_row(ffn: str) -> dict | None:
         """A row at the runtime's minimum for this mode, as a fresh process measures it (the probe); if the row's
-        own process measures a larger runtime line (numba compiling, say), once more at the minimum it names."""
+        own process measures a larger process base (numba compiling, say), once more at the minimum it names."""
         r = run_row(a, f"probe-{ffn}", None, work, common)
         minimums[ffn] = {k: r[k] for k in ("minimum_bytes", "message", "error") if k in r}
         if "minimum_bytes" not in r:
             return None
         row = flash_row(ffn, "min", r["minimum_bytes"])
         if "below_minimum" in row:
-            row = dict(flash_row(ffn, "min", h.minimum_in(row["below_minimum"])), first_attempt=row["below_minimum"])
+            row = dict(flash_row(ffn, "min", h.retry_bytes(row)), first_attempt=row["below_minimum"])
         return row
 
     common = ["--ctx-run", str(ctx_run)]

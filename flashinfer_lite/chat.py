@@ -27,8 +27,8 @@ def read_line() -> str | None:
         return None
 
 
-def print_stats(session: Session, runtime) -> None:
-    session.timings.report(sys.stdout, runtime=runtime)
+def print_stats(session: Session, ffn) -> None:
+    session.timings.report(sys.stdout, ffn=ffn)
 
 
 def run(args) -> int:
@@ -36,7 +36,7 @@ def run(args) -> int:
     if sys.stdin is None:                      # started with stdin closed (`<&-`)
         raise UserError("chat reads the conversation from standard input, which is closed")
     model, tokenizer = open_model(args)
-    runtime = model.runtime
+    ffn = model.ffn
     if not tokenizer.chat_template:
         raise UserError("this model has no chat template; use `flashinfer-lite generate` for plain text")
     # A template that fails to render (it comes from the model file) is one line now, not an error at every turn.
@@ -63,7 +63,7 @@ def run(args) -> int:
             print("(conversation reset)", file=sys.stderr)
             continue
         if line.strip() == "/stats":
-            print_stats(session, runtime)
+            print_stats(session, ffn)
             continue
         if line.strip().startswith("/"):      # a mistyped command must not reach the model as text
             print(f"unknown command {line.split()[0]}: {HELP}", file=sys.stderr)
@@ -90,5 +90,5 @@ def run(args) -> int:
             print(f"[{note}]", file=sys.stderr)
         messages += [{"role": "user", "content": line}, {"role": "assistant", "content": tokenizer.decode(answer)}]
     print(file=sys.stderr)
-    session.timings.report(runtime=runtime)
+    session.timings.report(ffn=ffn)
     return 0

@@ -18,7 +18,8 @@ from storage.tokenizer import StreamDecoder, Tokenizer, check_utf8
 from .model import Transformer
 from .process import peak_rss_bytes, rss_bytes
 
-from .runtime import FFN_MODES, load
+from .modes import FFN_MODES, ffn_help
+from .runtime import load
 from .threads import StepThreads
 
 
@@ -131,7 +132,7 @@ class Timings:
                 "tokens_per_second": round(n / ms * 1e3, 3) if ms else 0, "p50_ms": round(q(50), 3),
                 "p99_ms": round(q(99), 3)}
 
-    def report(self, out=sys.stderr, runtime=None) -> None:
+    def report(self, out=sys.stderr, ffn=None) -> None:
         """The perf lines as llama.cpp prints them (llama_perf_context_print), then flash stats and peak RSS."""
         d = self.as_dict()
         w = "flashinfer_lite_perf"
@@ -144,8 +145,8 @@ class Timings:
               f"P50 {d['p50_ms']:.2f} ms, P99 {d['p99_ms']:.2f} ms)", file=out)
         print(f"{w}:       total time = {d['load_ms'] + pm + d['eval_ms']:10.2f} ms / {pt + d['eval_tokens']:5d} tokens",
               file=out)
-        if runtime is not None:
-            f = runtime.stats.as_dict()
+        if ffn is not None:
+            f = ffn.stats.as_dict()
             print(f"{w}:      flash reads = {f['mb_read_per_token']:10.2f} MB per token, hit rate {f['hit_rate']:.3f}, "
                   f"{f['read_mb_per_s']:.1f} MB/s, active FFN share {f['active_share']:.3f}", file=out)
             served = f" lookahead prefetch {f['prefetch_used_rows']} of {f['prefetched_rows']} rows used;" \
@@ -153,7 +154,7 @@ class Timings:
             print(f"{w}:       flash wait = {f['read_wait_ms_per_token']:10.2f} ms per token blocked, "
                   f"{f['read_in_flight_ms_per_token']:.2f} ms in flight ({100 * f['overlapped_share']:.0f}% "
                   f"overlapped with compute);{served}", file=out)
-        m = rss_summary(runtime)
+        m = rss_summary(ffn)
         line = f"{w}:         peak RSS = {m['peak_rss_mb']:10.1f} MiB"
         if "dram_budget_mb" in m:
             over = ", EXCEEDED" if m["peak_rss_mb"] > m["dram_budget_mb"] else ""
@@ -161,11 +162,11 @@ class Timings:
         print(f"{line}, {m['rss_mb']:.1f} MiB now", file=out)
 
 
-def rss_summary(runtime=None) -> dict:
+def rss_summary(ffn=None) -> dict:
     """MiB: peak RSS (the kernel's high-water mark; psutil has no peak on Linux), RSS now (psutil), and the
-    --dram-budget the peak is held to, when one was given."""
+    --dram-budget the peak is held to, when one was given (the plan of the FFN from flash, `ffn`)."""
     out = {"peak_rss_mb": round(peak_rss_bytes() / 2**20, 1), "rss_mb": round(rss_bytes() / 2**20, 1)}
-    plan = getattr(runtime, "plan", None)
+    plan = getattr(ffn, "plan", None)
     if plan is not None and plan.requested:
         out["dram_budget_mb"] = round(plan.budget_bytes / 2**20, 1)
     return out
@@ -262,11 +263,7 @@ def add_model_arguments(p) -> None:
     p.add_argument("-sys", "--system-prompt", default=None, help="system prompt for the chat template")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     p.add_argument("--ffn", default="auto", choices=FFN_MODES,
-                   help="FFN neurons to compute: all (dense), the truly active ones (oracle), the predicted ones "
-                        "(predicted), or a gated model's exact gate (gate: gate|up in DRAM, down rows from flash); "
-                        "auto (default) = gate for a SiLU-gated model with the split layout (the default model: "
-                        "thresholds calibrated on first use), else dense when the model fits the budget, else "
-                        "predicted")
+                   help=f"FFN neurons to compute: {ffn_help()}")
     p.add_argument("--sparsity", type=float, default=DEFAULT_SPARSITY,
                    help=f"--ffn gate: the calibrated share of neurons dropped, one of {', '.join(map(str, SPARSITIES))} "
                         f"(default {DEFAULT_SPARSITY})")
@@ -370,7 +367,7 @@ def run(args) -> int:
     source = open_prompt(args)
     model, tokenizer = open_model(args)
     text = read_prompt(source, tokenizer, model.ctx)
-    runtime = model.runtime
+    ffn = model.ffn
     session = Session(model.transformer, tokenizer, model.ctx)
     session.timings.load_ms = model.load_ms
     ids = prompt_ids(tokenizer, text, args.system_prompt, not args.ignore_chat_template)
@@ -398,13 +395,13 @@ def run(args) -> int:
     except KeyboardInterrupt:
         note = "interrupted"
     if args.json:
-        flash = {"flash": runtime.stats.as_dict()} if runtime is not None else {}
+        flash = {"flash": ffn.stats.as_dict()} if ffn is not None else {}
         print(json.dumps({"tokens": out, "text": tokenizer.decode_after(context, out), "prompt_tokens": ids,
-                          "timings": session.timings.as_dict(), **flash, **rss_summary(runtime),
+                          "timings": session.timings.as_dict(), **flash, **rss_summary(ffn),
                           **({"stopped": note} if note else {})}))
     else:
         sys.stdout.write("\n")
         if note:
             print(f"[{note}]", file=sys.stderr)
-        session.timings.report(runtime=runtime)
+        session.timings.report(ffn=ffn)
     return 130 if note == "interrupted" else 0

@@ -499,7 +499,7 @@ def make_app(server: Server):
 
     async def health(request):
         return JSONResponse({"status": "ok", "tokens_predicted_total": server.tokens_predicted_total,
-                             **rss_summary(server.model.runtime)})
+                             **rss_summary(server.model.ffn)})
 
     async def http_error(request, exc: HTTPException):
         return error(BadRequest(str(exc.detail), status=exc.status_code))
@@ -536,7 +536,7 @@ def check_arguments(args) -> None:
 
 def run(args) -> int:
     check_arguments(args)
-    try:  # before the model loads, so that the budget's runtime line counts them
+    try:  # before the model loads, so that the budget's process base counts them
         import starlette  # noqa: F401
         import uvicorn
     except ImportError:

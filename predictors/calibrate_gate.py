@@ -20,7 +20,7 @@ from storage.errors import child_exit_code
 
 
 def calibrate(flashdir: str, n_tokens: int = CALIBRATION_TOKENS, progress: bool = True) -> None:
-    calibrate_gate(open_model_files(flashdir, "gate", verify=False, runtime_bytes=0), None, n_tokens, progress)
+    calibrate_gate(open_model_files(flashdir, "gate", verify=False, base_bytes=0), None, n_tokens, progress)
 
 
 def main(argv=None) -> int:

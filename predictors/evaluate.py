@@ -27,9 +27,10 @@ from tqdm import tqdm
 from storage.errors import UserError, child_exit_code, run_child
 from flashinfer_lite.loader import open_any
 from flashinfer_lite.model import half_matrix
+from flashinfer_lite.modes import FFN_MODES, check_mode, keeps_float16, plans, predicts
 from flashinfer_lite.process import return_freed_heap
 from flashinfer_lite.quant import ACT8, set_act8
-from flashinfer_lite.runtime import FFN_MODES, keeps_float16, load
+from flashinfer_lite.runtime import load
 from storage.gate_file import DEFAULT_SPARSITY
 from storage.sizes import parse_size
 
@@ -80,7 +81,7 @@ def dense_reference(ckpt, segments, progress: bool = True) -> list[tuple[np.ndar
 
     Layer by layer over all segments (predictors/layerwise.py): one layer's weights in memory, so the model may be
     bigger than RAM. Each segment as one batch from an empty cache: the decode path's logits to float rounding.
-    As load's dense model (runtime.keeps_float16), a float16 FLASHDIR runs with float16 matrices, a quantized
+    As load's dense model (modes.keeps_float16), a float16 FLASHDIR runs with float16 matrices, a quantized
     one with its resident matrices in blocks, anything else in float32."""
     out = []
     with LayerStream(ckpt, segments, convert=half_matrix if keeps_float16(ckpt) else None, progress=progress,
@@ -94,7 +95,7 @@ def dense_reference(ckpt, segments, progress: bool = True) -> list[tuple[np.ndar
 def dense_reference_apart(model_path, segments, progress: bool = True) -> list[tuple[np.ndarray, np.ndarray]]:
     """dense_reference in a child process (`python -m predictors.evaluate`), with this process's 8-bit activation
     setting. What it leaves in a process (the dense pass's compiled kernels, freed arrays the heap keeps: 208 MiB of
-    RSS after it on SmolLM2's Q4_K_M, 110 MiB over generate's runtime line) would be counted in the mode's model's
+    RSS after it on SmolLM2's Q4_K_M, 110 MiB over generate's process base) would be counted in the mode's model's
     budget: `eval --ffn gate --dram-budget 300M` was refused (minimum 385 MiB) where generate runs from 276 MiB."""
     with tempfile.TemporaryDirectory(prefix="flashinfer-lite-eval-") as tmp:
         seg, out = Path(tmp) / "segments.npz", Path(tmp) / "reference.npz"
@@ -109,8 +110,7 @@ def evaluate(model_path, corpus, ffn: str, n_tokens: int = 2048, ctx: int = 256,
              dram_budget: int | str | None = None, sparsity: float = DEFAULT_SPARSITY) -> dict:
     if n_tokens < 2:
         raise UserError(f"--tokens must be at least 2 (got {n_tokens})")
-    if ffn not in FFN_MODES:
-        raise UserError(f"unknown --ffn mode '{ffn}' (choose from {', '.join(FFN_MODES)})")
+    check_mode(ffn)
     ckpt = open_any(model_path)
     cfg = ckpt.config
     ctx = min(ctx, cfg.max_pos)
@@ -122,17 +122,17 @@ def evaluate(model_path, corpus, ffn: str, n_tokens: int = 2048, ctx: int = 256,
         raise UserError(f"the corpus gives too few tokens to evaluate: {', '.join(text.files)}")
     # the dense reference first, then the mode's model: the two are never in memory together
     t0 = time.perf_counter()
-    ref = dense_reference(ckpt, segments, progress) if ffn == "dense" else \
+    ref = dense_reference(ckpt, segments, progress) if not plans(ffn) else \
         dense_reference_apart(model_path, segments, progress)
     t_dense = time.perf_counter() - t0
     nll_dense = -sum(float(lp.sum()) for lp, _ in ref)
-    runtime = None
-    if ffn == "dense":
+    flash = None                   # the FFN object of a run from flash
+    if not plans(ffn):             # dense: the reference is the mode's run
         nll, agree, t_model = nll_dense, n_pred, t_dense
     else:
         return_freed_heap()        # what tokenizing the corpus freed (27 MiB of SmolLM2's on wikitext2_test)
         loaded, _ = load(model_path, dram_budget, ffn, ctx, sparsity=sparsity)
-        model, runtime = loaded.transformer, loaded.runtime
+        model, flash = loaded.transformer, loaded.ffn
         kv = model.new_cache(ctx)
         nll, agree, t_model = 0.0, 0, 0.0
         bar = tqdm(total=n_pred, desc=f"eval {ffn}", unit="tok", disable=not progress, file=sys.stderr)
@@ -150,22 +150,22 @@ def evaluate(model_path, corpus, ffn: str, n_tokens: int = 2048, ctx: int = 256,
            "tokens": n_pred, "perplexity": float(np.exp(nll / n_pred)),
            "dense_perplexity": float(np.exp(nll_dense / n_pred)), "top1_agreement": agree / n_pred,
            "ms_per_token": 1000 * t_model / n_pred}
-    if runtime is None:
+    if flash is None:
         share = np.ones(cfg.n_layers)
     else:
-        share = runtime.stats.active_share()
+        share = flash.stats.active_share()
     res["active_share"] = float(share.mean())
-    res["ffn_source"] = "dram" if runtime is None else type(runtime).__name__     # what auto ran
-    if runtime is not None:
-        res["flash_mb_per_token"] = (runtime.stats.read_bytes + runtime.stats.prefill_bytes_read) / 1e6 / n_pred
-        res["hit_rate"] = runtime.stats.hit_rate        # of neurons, or of a mixture of experts' experts
+    res["ffn_source"] = "dram" if flash is None else type(flash).__name__     # what auto ran
+    if flash is not None:
+        res["flash_mb_per_token"] = (flash.stats.read_bytes + flash.stats.prefill_bytes_read) / 1e6 / n_pred
+        res["hit_rate"] = flash.stats.hit_rate        # of neurons, or of a mixture of experts' experts
     res["active_share_per_layer"] = [round(float(s), 4) for s in share]
-    preds = getattr(runtime, "predictors", None) if runtime is not None else None
-    if preds is not None and ffn == "predicted":
+    preds = getattr(flash, "predictors", None) if flash is not None else None
+    if preds is not None and predicts(ffn):
         ps = preds.predicted_share()
         res["predicted_share"] = float(ps.mean())
         res["predicted_share_per_layer"] = [round(float(s), 4) for s in ps]
-        res["predictor_ms_per_token"] = 1000 * runtime.stats.predictor_s / n_pred
+        res["predictor_ms_per_token"] = 1000 * flash.stats.predictor_s / n_pred
         res["predictor_bytes"] = preds.nbytes
         res["predictor_stored_bytes"] = int(preds.manifest.get("predictor_bytes", 0))
         ffn_bytes = int(preds.manifest.get("ffn_bytes", 0))

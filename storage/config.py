@@ -141,6 +141,12 @@ class ModelConfig:
         return self.n_experts > 0
 
     @property
+    def exact_gate(self) -> bool:
+        """A gated model with no zeros of its own (SwiGLU, GeGLU): converted with the split layout, its FFN runs the
+        exact gate (ffn.gate) at every budget; a ReLU-family model keeps full bundles for a predictor."""
+        return self.glu and self.act in EXACT_GATE_ACTS
+
+    @property
     def default_ctx(self) -> int:
         """The context when -c is not given: the model's, at most DEFAULT_MAX_CTX (the KV cache is preallocated)."""
         return min(self.max_pos, DEFAULT_MAX_CTX)

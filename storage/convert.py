@@ -30,7 +30,6 @@ from storage.errors import UserError
 from storage.half import half_matrix
 
 from .checkpoint import open_checkpoint
-from .config import EXACT_GATE_ACTS
 from .experts import EXPERT_DTYPES, MATRICES, ExpertLayout, expert_tensor_name
 from .files import is_scratch, remove_stale_temp_dirs, temp_path
 from . import columns
@@ -169,7 +168,7 @@ def layout_for(ckpt, dtype: str, orders=None, ffn_layout: str = "auto") -> Flash
         if missing:
             raise UserError(f"{ckpt.path}: layer {i} lacks {missing[0]} (layer 0 has it)")
     # The exact gate (ffn.gate) reads the split parts; the other modes assemble bundles from them (no second copy)
-    parts = ffn_layout == "parts" or (ffn_layout == "auto" and cfg.glu and cfg.act in EXACT_GATE_ACTS)
+    parts = ffn_layout == "parts" or (ffn_layout == "auto" and cfg.exact_gate)
     return layout.in_parts() if parts else layout
 
 

@@ -68,7 +68,7 @@ def planner_minimum(refuse) -> tuple[float, str]:
     budget = "1M"
     for _ in range(4):
         rc, err = refuse(budget)
-        early = re.search(r"below the minimum for this model, at least ([\d.]+) MiB", err)
+        early = re.search(r"below the minimum ([\d.]+) MiB for this model \(estimated before loading", err)
         if not early:
             break
         budget = f"{float(early.group(1)) + 0.5:.1f}M"
@@ -184,8 +184,8 @@ def predicted_ffn_calls(flashdir, tokens: list[int]) -> tuple[list, object]:
     """([(layer, x [1, d], y [1, d]) for every FFN call], runtime) of decoding tokens one at a time in predicted mode
     at the minimum DRAM budget (so reads, pieces and the window all take part)."""
     from flashinfer_lite.runtime import load_runtime
-    probe = load_runtime(flashdir, "predicted", ctx=64, runtime_bytes=0)[2]
-    model, _, rt = load_runtime(flashdir, "predicted", ctx=64, runtime_bytes=0, dram_budget=probe.plan.minimum_bytes)
+    probe = load_runtime(flashdir, "predicted", ctx=64, base_bytes=0)[2]
+    model, _, rt = load_runtime(flashdir, "predicted", ctx=64, base_bytes=0, dram_budget=probe.plan.minimum_bytes)
     calls, ffn = [], model.ffn
 
     def record(layer, x):
@@ -247,12 +247,12 @@ def assert_same_bits_at_every_budget(path, ffn: str, prompt: list[int], n_decode
     from flashinfer_lite import budget
     from flashinfer_lite.runtime import load_runtime
     monkeypatch.setattr(budget, "MIN_WINDOW_ROWS", pieces_rows)
-    # the runtime line is left out so that the plan does not depend on this (pytest) process's RSS
-    minimum = load_runtime(path, ffn, ctx=ctx, runtime_bytes=0)[2].plan.minimum_bytes
+    # the process base is left out so that the plan does not depend on this (pytest) process's RSS
+    minimum = load_runtime(path, ffn, ctx=ctx, base_bytes=0)[2].plan.minimum_bytes
     most = max(1, numba.config.NUMBA_NUM_THREADS)
 
     def run(dram_budget=None, threads=most, overlap=True, stream=False):
-        model, _, rt = load_runtime(path, ffn, dram_budget=dram_budget, ctx=ctx, runtime_bytes=0)
+        model, _, rt = load_runtime(path, ffn, dram_budget=dram_budget, ctx=ctx, base_bytes=0)
         rt.overlap = overlap
         rt.prefer_streaming = lambda layer, sets: stream
         before = numba.get_num_threads()

@@ -30,6 +30,7 @@ def test_raw_prompt_generate_equals_cli():
     from flashinfer_lite import generate, load, stream_generate
     want = cli_json("-m", str(STORIES), "-p", "Once upon", "-n", "24")
     model, tokenizer = load(STORIES)
+    assert model.ffn is None and not hasattr(model, "runtime")      # every weight in DRAM: no FFN object from flash
     assert generate(model, tokenizer, "Once upon", max_tokens=24, temp=0) == want["text"]
     steps = list(stream_generate(model, tokenizer, "Once upon", max_tokens=24))
     assert [s.token for s in steps] == want["tokens"]

@@ -1,7 +1,7 @@
 """--dram-budget auto (the default): the machine's room, the memory cgroup's if it is smaller, less a margin."""
 import numpy as np
 
-from flashinfer_lite import process, runtime
+from flashinfer_lite import budget, process
 from flashinfer_lite.runtime import load_runtime
 from storage.convert import convert
 
@@ -31,12 +31,12 @@ def test_auto_is_the_whole_model_when_it_fits_else_the_room(tiny_model, tmp_path
     ids = np.random.default_rng(6).integers(3, 512, size=6).tolist()
 
     def run(room):
-        monkeypatch.setattr(runtime, "auto_budget_bytes", lambda: room)
-        model, _, rt = load_runtime(path, "oracle", dram_budget="auto", runtime_bytes=0)
+        monkeypatch.setattr(budget, "auto_budget_bytes", lambda: room)
+        model, _, rt = load_runtime(path, "oracle", dram_budget="auto", base_bytes=0)
         kv = model.new_cache(32)
         return np.stack([model.forward([t], kv) for t in ids]), rt
 
-    whole = load_runtime(path, "oracle", runtime_bytes=0)[2].plan
+    whole = load_runtime(path, "oracle", base_bytes=0)[2].plan
     want, rt = run(1 << 40)
     assert not rt.plan.requested and rt.plan.budget_bytes == whole.budget_bytes     # fits: no cap at all
     assert "dram budget: auto" not in capsys.readouterr().err
@@ -48,7 +48,7 @@ def test_auto_is_the_whole_model_when_it_fits_else_the_room(tiny_model, tmp_path
 
 
 def test_dense_that_does_not_fit_names_what_to_run(tiny_model, monkeypatch, capsys):
-    monkeypatch.setattr(runtime, "auto_budget_bytes", lambda: 1 << 10)
+    monkeypatch.setattr(budget, "auto_budget_bytes", lambda: 1 << 10)
     load_runtime(tiny_model("llama-relu"), "dense", dram_budget="auto")
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "flashinfer-lite collect" in err[0] and "train-predictor" in err[0]

@@ -105,6 +105,8 @@ def test_modes_json_is_well_formed(modes_run):
     assert {"dense-ram", "dense-mmap", "flash-oracle-min", "flash-predicted-min", "accelerate-disk"} <= set(rows)
     # 50% of the tiny model's files is far below what the runtime needs: that row says so instead of running
     assert "below the minimum" in rows["flash-predicted-50"]["below_minimum"]
+    # with the minimum it named (budget.BelowMinimum's), which a row retries at: no number read back from the text
+    assert rows["flash-predicted-50"]["refused_minimum_bytes"] > rows["flash-predicted-50"]["budget_bytes"]
     n_ppl = rows["dense-ram"]["ppl_tokens"]
     for r in doc["results"]:
         if "below_minimum" in r:

@@ -50,10 +50,10 @@ def generate(flashdir: Path, budget: str, tmp_path: Path) -> tuple[int, str, str
 
 @pytest.mark.skipif(not hasattr(os, "wait4"), reason="needs os.wait4 for the child's peak RSS")
 def test_generate_peak_rss_stays_within_the_dram_budget(flashdir, tmp_path):
-    # The minimum this process needs, from the one-line error (it includes the measured runtime baseline).
+    # The minimum this process needs, from the one-line error (it includes the measured process base).
     minimum_mib, err = planner_minimum(lambda budget: generate(flashdir, budget, tmp_path)[::2])
     assert len(err.strip().splitlines()) == 1, err
-    assert "runtime" in err
+    assert "process base" in err
     budget_mib = math.ceil(minimum_mib) + 16
     budget = budget_mib << 20
     ffn_bytes = (flashdir / "ffn.bin").stat().st_size
@@ -68,7 +68,7 @@ def test_generate_peak_rss_stays_within_the_dram_budget(flashdir, tmp_path):
     # What generate reports is that same peak (read just before it printed; rounded to 0.1 MiB).
     assert r["dram_budget_mb"] == budget_mib
     assert abs(peak / 2**20 - r["peak_rss_mb"]) < 2.0
-    assert "runtime" in err and "measured" in err        # the plan's table shows the runtime line
+    assert "process base" in err and "measured" in err        # the plan's table shows the process base
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM from /proc")
@@ -79,9 +79,9 @@ def test_end_line_prints_the_peak_next_to_the_budget():
     from flashinfer_lite.generate import Timings
     from storage.stats import FlashStats
     budget = 300 << 20
-    runtime = SimpleNamespace(stats=FlashStats.for_layers(2, 8), plan=SimpleNamespace(requested=True, budget_bytes=budget))
+    ffn = SimpleNamespace(stats=FlashStats.for_layers(2, 8), plan=SimpleNamespace(requested=True, budget_bytes=budget))
     out = io.StringIO()
-    Timings().report(out, runtime=runtime)
+    Timings().report(out, ffn=ffn)
     line = next(s for s in out.getvalue().splitlines() if "peak RSS" in s)
     hwm = next(int(s.split()[1]) for s in open("/proc/self/status") if s.startswith("VmHWM:")) / 1024
     m = re.search(r"peak RSS = +([\d.]+) MiB \(budget 300\.0 MiB(, EXCEEDED)?\), [\d.]+ MiB now", line)
@@ -89,5 +89,5 @@ def test_end_line_prints_the_peak_next_to_the_budget():
     assert abs(float(m.group(1)) - hwm) < 1.0
     assert bool(m.group(2)) == (float(m.group(1)) > 300)   # this pytest process may well be over: it says so
     out = io.StringIO()
-    Timings().report(out, runtime=SimpleNamespace(stats=runtime.stats, plan=SimpleNamespace(requested=False)))
+    Timings().report(out, ffn=SimpleNamespace(stats=ffn.stats, plan=SimpleNamespace(requested=False)))
     assert "budget" not in next(s for s in out.getvalue().splitlines() if "peak RSS" in s)

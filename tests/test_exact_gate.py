@@ -187,9 +187,9 @@ def test_runtime_logits_equal_float64_math_on_the_neurons_that_cleared_the_thres
     and the down rows come from flash."""
     source = gated["source"] if dtype == "f32" else gated[dtype]
     cal = read_gate_file(gated[dtype], 2, 160, DEFAULT_SPARSITY)
-    probe = load_runtime(gated[dtype], "gate", ctx=64, runtime_bytes=0)[2].plan
+    probe = load_runtime(gated[dtype], "gate", ctx=64, base_bytes=0)[2].plan
     budget = probe.minimum_bytes - 1          # the gate|up rows do not all fit: each layer streams them
-    model, _, rt = load_runtime(gated[dtype], "gate", ctx=64, runtime_bytes=0, dram_budget=budget)
+    model, _, rt = load_runtime(gated[dtype], "gate", ctx=64, base_bytes=0, dram_budget=budget)
     assert rt.resident_layers == 0
     tokens, got = greedy(model, IDS, 12)
     masks = []
@@ -212,8 +212,8 @@ def test_a_gelu_gated_model_runs_the_exact_gate(tiny_model, tmp_path, float32_ac
     calibrate(str(flash), n_tokens=256, progress=False)
     L = read_layout(flash)
     cal = read_gate_file(flash, L.n_layers, L.n_neurons[0], DEFAULT_SPARSITY)
-    budget = load_runtime(flash, "gate", ctx=64, runtime_bytes=0)[2].plan.minimum_bytes - 1    # as the SiLU test's
-    model, _, rt = load_runtime(flash, "auto", ctx=64, runtime_bytes=0, dram_budget=budget)
+    budget = load_runtime(flash, "gate", ctx=64, base_bytes=0)[2].plan.minimum_bytes - 1    # as the SiLU test's
+    model, _, rt = load_runtime(flash, "auto", ctx=64, base_bytes=0, dram_budget=budget)
     assert type(rt).__name__ == "GateFFN" and rt.resident_layers < L.n_layers     # some layers stream
     tokens, got = greedy(model, IDS, 12)
     masks = []
@@ -231,13 +231,13 @@ def test_same_bits_at_every_budget_thread_count_and_prefill(gated, monkeypatch):
 def test_default_ffn_gives_the_same_tokens_with_no_budget_and_at_three_budgets(gated):
     """--ffn auto on a gated model with the split layout is the exact gate at every budget: from the minimum (gate|up
     rows streamed) to the whole model in DRAM, the same greedy tokens (and logits) as with no budget."""
-    model, _, rt = load_runtime(gated["q8_0"], "auto", ctx=64, runtime_bytes=0)
+    model, _, rt = load_runtime(gated["q8_0"], "auto", ctx=64, base_bytes=0)
     assert rt is not None and rt.plan.gate_layers == 2
     want = greedy(model, IDS, 16)
     p = rt.plan
     lowest = p.floor_bytes                  # streams every layer's gate|up rows
     for budget in (lowest, p.minimum_bytes, p.used_bytes):
-        model, _, rt = load_runtime(gated["q8_0"], "auto", ctx=64, runtime_bytes=0, dram_budget=budget)
+        model, _, rt = load_runtime(gated["q8_0"], "auto", ctx=64, base_bytes=0, dram_budget=budget)
         got = greedy(model, IDS, 16)
         assert got[0] == want[0] and np.array_equal(got[1], want[1]), budget
         assert rt.plan.gate_layers == (0 if budget == lowest else 2)
@@ -253,11 +253,11 @@ def test_streams_with_chunks_in_flight_give_the_resident_bits(gated, dtype, monk
     stride = {n: p.stride for n, p in read_layout(gated[dtype]).parts.items()}
     # 3 rows a chunk (at least 3: the smaller stride's chunk bytes hold 3 of the larger's rows or more)
     monkeypatch.setattr(budget, "stream_defaults", lambda path: StreamSettings(3 * max(stride.values()), 3, "test"))
-    model, _, rt = load_runtime(gated[dtype], "auto", ctx=64, runtime_bytes=0)
+    model, _, rt = load_runtime(gated[dtype], "auto", ctx=64, base_bytes=0)
     assert rt.plan.gate_layers == 2
     want = greedy(model, IDS, 8)
     assert rt.stats.read_bytes == rt.stats.prefill_bytes_read == 0
-    model, _, rt = load_runtime(gated[dtype], "auto", ctx=64, runtime_bytes=0, dram_budget=rt.plan.floor_bytes)
+    model, _, rt = load_runtime(gated[dtype], "auto", ctx=64, base_bytes=0, dram_budget=rt.plan.floor_bytes)
     assert rt.plan.gate_layers == 0 and rt.stream.depth == 3 and rt.gate_up_stream.depth == 3
     rt.stream_decode = lambda layer, ids: True                 # every decoded token's down rows read whole too
     rt.prefer_streaming = lambda layer, sets: True
@@ -321,7 +321,7 @@ def test_first_use_calibrates_inside_the_budget(gated, tmp_path):
 def test_eval_of_the_gate_runs_at_the_budget_generate_runs_at(gated, tmp_path):
     """`eval --ffn gate --dram-budget B` plans the mode's model as generate plans it: the dense reference before it
     runs in a child process, whose compiled kernels and freed arrays leave with it. Before, they stayed in eval's
-    process and were counted in the model's runtime line: on SmolLM2's Q4_K_M eval's minimum was 385 MiB where
+    process and were counted in the model's process base: on SmolLM2's Q4_K_M eval's minimum was 385 MiB where
     generate's is 276. At generate's minimum + 8 MiB eval must exit 0, with the dense reference's numbers:
     the dense perplexity of the in-process reference."""
     from predictors.evaluate import evaluate

@@ -109,7 +109,7 @@ def test_prompt_down_sum_is_one_rows_bits(down):
 def test_the_gate_gives_the_same_bits_for_every_prefill_chunk(gated, monkeypatch):  # noqa: F811
     """A prompt through the exact gate in chunks of 1 (every row a decode step), 3 and 256 rows: the same logits,
     bit for bit (the prompt kernels for many rows, the decode kernels for one)."""
-    model, _, rt = load_runtime(gated["q8_0"], "gate", ctx=64, runtime_bytes=0)
+    model, _, rt = load_runtime(gated["q8_0"], "gate", ctx=64, base_bytes=0)
     got = {}
     for rows in (256, 3, 1):
         monkeypatch.setattr(model_module, "PREFILL_CHUNK_ROWS", rows)

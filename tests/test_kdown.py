@@ -221,8 +221,8 @@ def test_exact_gate_over_down_columns(uniform_gated, monkeypatch, float32_activa
     down = L.parts["down"]
     assert L.uniform and L.down_column(0) == "q6_k" and down.stride % 512 and down.geometry.dtype == "q6_k.col"
     cal = read_gate_file(uniform_gated, L.n_layers, L.n_neurons[0], DEFAULT_SPARSITY)
-    probe = load_runtime(uniform_gated, "gate", ctx=64, runtime_bytes=0)[2].plan
-    model, _, rt = load_runtime(uniform_gated, "gate", ctx=64, runtime_bytes=0, dram_budget=probe.minimum_bytes)
+    probe = load_runtime(uniform_gated, "gate", ctx=64, base_bytes=0)[2].plan
+    model, _, rt = load_runtime(uniform_gated, "gate", ctx=64, base_bytes=0, dram_budget=probe.minimum_bytes)
     tokens, got = greedy(model, IDS, 8)
     want_tokens, want = greedy(float64_gated_model(uniform_gated, uniform_gated, cal.thresholds, []), IDS, 8)
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), np.abs(got - want).max()

@@ -170,7 +170,7 @@ def test_mixed_gguf_flashdir_keeps_its_blocks(mixed_gguf, tmp_path, monkeypatch)
     from storage.columns import decode, table_bytes
     raw = sum(table_bytes(L.down_column(i), L.d, n) for i, n in enumerate(L.n_neurons))
     assert resident_bytes_for(flash.config, half=True, kinds=flash.resident_kinds) + raw == resident_data_bytes(out)
-    assert down_scale_bytes(L) == sum(t.nbytes for i in range(L.n_layers)       # the budget counts them decoded
+    assert down_scale_bytes(L, COLUMN_SCALES_F16) == sum(t.nbytes for i in range(L.n_layers)       # the budget counts them decoded
                                       for t in decode(flash.down_scales(i), L.down_column(i),
                                                       COLUMN_SCALES_F16).values())
     ids = np.random.default_rng(12).integers(3, 512, size=9).tolist()
@@ -212,7 +212,7 @@ def test_mixed_gguf_runs_the_exact_gate(mixed_gguf, tmp_path, monkeypatch, float
     cal = read_gate_file(out, L.n_layers, L.n_neurons[0], DEFAULT_SPARSITY)
     ids = np.random.default_rng(13).integers(3, 512, size=9).tolist()
     want_tokens, want = greedy(float64_gated_model(out, out, cal.thresholds), ids, 8)
-    model, _, rt = load_runtime(out, "auto", ctx=64, runtime_bytes=0)
+    model, _, rt = load_runtime(out, "auto", ctx=64, base_bytes=0)
     assert type(rt).__name__ == "GateFFN"
     tokens, got = greedy(model, ids, 8)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())

@@ -5,6 +5,7 @@
   predictors/       collect, train, evaluate; imports both
 """
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -113,3 +114,66 @@ def test_bench_stays_small():
     and the commit to rerun them from), so the benches stay readable next to the code they measure."""
     lines = sum(len(f.read_text().splitlines()) for f in (REPO / "bench").glob("*.py"))
     assert lines <= 2500, f"bench/ has {lines} lines of Python (at most 2,500: close a study or fold it into another)"
+
+
+# The FFN modes' names (flashinfer_lite/modes.py, the registry): literal, so that this test does not trust the module
+MODE_NAMES = ("auto", "dense", "oracle", "predicted", "gate", "experts")
+
+
+def mode_name_comparisons(source: str) -> list[int]:
+    """Lines of Python `source` that compare a value with an FFN mode's name: `x == "gate"`, `x != "dense"`, `x in ("dense",
+    ...)` (or a list or set of them), either side. "auto" counts only against a name that is ffn or mode: a
+    --dram-budget (and --ffn-layout) is "auto" too."""
+    def literal(node) -> str | None:
+        return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+    def named_ffn(node) -> bool:        # ffn, args.ffn, mode: not --ffn-layout's own "auto"
+        return re.search(r"(^|\.)(ffn|mode)$", ast.unparse(node)) is not None
+
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        for op, left, right in zip(node.ops, sides, sides[1:]):
+            if isinstance(op, (ast.Eq, ast.NotEq)):
+                pairs = [(literal(left), right), (literal(right), left)]
+            elif isinstance(op, (ast.In, ast.NotIn)) and isinstance(right, (ast.Tuple, ast.List, ast.Set)):
+                pairs = [(literal(e), left) for e in right.elts]
+            else:
+                continue
+            if any(v in MODE_NAMES and (v != "auto" or named_ffn(other)) for v, other in pairs):
+                out.append(node.lineno)
+    return out
+
+
+def test_only_the_mode_registry_compares_ffn_mode_names():
+    """A new FFN mode is a class in flashinfer_lite/modes.py and a line in its MODES: no other library module asks
+    "is this the gate?" by the mode's name (where one did, a new mode touched nine places)."""
+    registry = REPO / "flashinfer_lite" / "modes.py"
+    bad = [f"{f.relative_to(REPO)}:{line}" for pkg in PACKAGES for f in sorted((REPO / pkg).rglob("*.py"))
+           if f != registry for line in mode_name_comparisons(f.read_text(encoding="utf-8"))]
+    assert not bad, "compares an FFN mode's name outside modes.py:\n" + "\n".join(bad)
+    # the check sees what it is for, and not a budget's or a layout's "auto"
+    assert mode_name_comparisons('if ffn == "gate":\n    pass\nok = decision.ffn in ("dense", "oracle")\n'
+                                 'a = "auto" != args.ffn') == [1, 3, 4]
+    assert mode_name_comparisons('b = dram_budget == "auto" or ffn_layout != "auto" or kind == "q8_0"') == []
+
+
+def test_budget_planning_imports_no_ffn_kernels_or_warm_up():
+    """budget.py is arithmetic on sizes: the FFN classes, the kernels and compiling them (warmup.py) are not its
+    imports; the kernels' size facts it needs come in as arguments. And the FFN and the kernels never import the load
+    pipeline, its registry or its warm-up (budget.stream_shape, imported by ffn/, is to move next to the streams)."""
+    forbidden = ("flashinfer_lite.ffn", "flashinfer_lite.kernels", "flashinfer_lite.quant", "flashinfer_lite.warmup",
+                 "flashinfer_lite.modes", "flashinfer_lite.runtime")
+    path = REPO / "flashinfer_lite" / "budget.py"
+    bad = [f"budget.py:{line} imports {t}" for t, line, _ in project_imports("flashinfer_lite.budget", path)
+           if t.startswith(forbidden)]
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    bad += [f"budget.py:{n.lineno} imports numba" for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+            and any((getattr(n, "module", None) or a.name).split(".")[0] == "numba" for a in n.names)]
+    for name, f in modules():
+        if name.startswith(("flashinfer_lite.ffn", "flashinfer_lite.kernels")):
+            bad += [f"{f.relative_to(REPO)}:{line} imports {t}" for t, line, _ in project_imports(name, f)
+                    if t.startswith(forbidden[3:])]
+    assert not bad, "\n".join(bad)

@@ -47,7 +47,7 @@ def test_experts_from_flash_match_transformers(flashdirs, tiny_model, kind):
     flash = flashdirs(kind, "f32")
     L = read_layout(flash)
     assert L.experts is not None and L.experts.chunk % 4096 == 0 and not L.n_layers
-    model, _, rt = load_runtime(flash, "auto", dram_budget=None, runtime_bytes=0)
+    model, _, rt = load_runtime(flash, "auto", dram_budget=None, base_bytes=0)
     got, tokens = greedy(model, PROMPT, 8)
     hf = transformers_model(tiny_model(kind))
     with torch.no_grad():
@@ -66,7 +66,7 @@ def test_same_bits_at_every_budget_thread_count_and_overlap(flashdirs, kind, dty
     with the next layer's reads started early on a guess, the logits are the same bits."""
     flash = flashdirs(kind, dtype)
     want, _ = greedy(load_runtime(flash, "dense")[0], PROMPT, 6)
-    _, _, rt = load_runtime(flash, "auto", dram_budget=None, runtime_bytes=0)
+    _, _, rt = load_runtime(flash, "auto", dram_budget=None, base_bytes=0)
     plan = rt.plan
     per_slot = plan.n_layers * plan.chunk
     most = max(1, numba.config.NUMBA_NUM_THREADS)
@@ -74,7 +74,7 @@ def test_same_bits_at_every_budget_thread_count_and_overlap(flashdirs, kind, dty
     for budget in (None, plan.minimum_bytes, plan.minimum_bytes + per_slot):
         for threads in sorted({1, most}):
             for overlap in (True, False):
-                model, _, rt = load_runtime(flash, "auto", dram_budget=budget, runtime_bytes=0)
+                model, _, rt = load_runtime(flash, "auto", dram_budget=budget, base_bytes=0)
                 rt.overlap = overlap
                 before = numba.get_num_threads()
                 numba.set_num_threads(threads)
@@ -85,7 +85,7 @@ def test_same_bits_at_every_budget_thread_count_and_overlap(flashdirs, kind, dty
                 assert np.array_equal(got, want), (budget, threads, overlap)
                 seen.add((rt.plan.slots, rt.stats.misses))
     for budget in (plan.minimum_bytes, plan.minimum_bytes + per_slot):    # reads started a layer early on a guess
-        model, _, rt = load_runtime(flash, "auto", dram_budget=budget, runtime_bytes=0, lookahead=True)
+        model, _, rt = load_runtime(flash, "auto", dram_budget=budget, base_bytes=0, lookahead=True)
         got, _ = greedy(model, PROMPT, 6)
         assert np.array_equal(got, want) and rt.stats.prefetched > 0, budget
     slots = sorted(s for s, _ in seen)
@@ -95,11 +95,11 @@ def test_same_bits_at_every_budget_thread_count_and_overlap(flashdirs, kind, dty
 
 def test_a_budget_below_the_minimum_is_refused(flashdirs):
     flash = flashdirs("mixtral", "f16")
-    _, _, rt = load_runtime(flash, "auto", dram_budget=None, runtime_bytes=0)
+    _, _, rt = load_runtime(flash, "auto", dram_budget=None, base_bytes=0)
     with pytest.raises(UserError, match="below the minimum"):
-        load_runtime(flash, "auto", dram_budget=rt.plan.minimum_bytes - 1, runtime_bytes=0)
+        load_runtime(flash, "auto", dram_budget=rt.plan.minimum_bytes - 1, base_bytes=0)
     with pytest.raises(UserError, match="mixture of experts runs --ffn auto"):
-        load_runtime(flash, "predicted", runtime_bytes=0)
+        load_runtime(flash, "predicted", base_bytes=0)
 
 
 def test_a_damaged_expert_is_named(flashdirs, tmp_path):
@@ -126,9 +126,9 @@ def test_the_most_routed_experts_are_pinned_from_calibration_counts(flashdirs, t
     save_expert_freq(flash, counts)
     assert np.array_equal(load_expert_freq(flash), counts)
     want, _ = greedy(load_runtime(flash, "dense")[0], PROMPT, 6)
-    _, _, rt = load_runtime(flash, "auto", dram_budget=None, runtime_bytes=0)
+    _, _, rt = load_runtime(flash, "auto", dram_budget=None, base_bytes=0)
     budget = rt.plan.minimum_bytes + 2 * rt.plan.n_layers * rt.plan.chunk      # 4 slots a layer: 2 pinned
-    model, _, rt = load_runtime(flash, "auto", dram_budget=budget, runtime_bytes=0)
+    model, _, rt = load_runtime(flash, "auto", dram_budget=budget, base_bytes=0)
     assert rt.plan.slots == 4 and rt.plan.pinned == 2
     for layer in range(2):
         top = set(np.argsort(-counts[layer], kind="stable")[:2].tolist())
@@ -182,8 +182,8 @@ def test_a_quantized_gguf_keeps_its_expert_blocks_on_flash(tiny_model, tmp_path)
     gguf_model = load_runtime(path, "dense")[0]
     gguf_run = gguf_model.forward(PROMPT, gguf_model.new_cache(32), all_logits=True)
     assert np.abs(gguf_run - want[:len(PROMPT)]).max() < 0.05
-    _, _, rt = load_runtime(flash, "auto", runtime_bytes=0, dram_budget=None)
-    model, _, rt = load_runtime(flash, "auto", runtime_bytes=0, dram_budget=rt.plan.minimum_bytes)
+    _, _, rt = load_runtime(flash, "auto", base_bytes=0, dram_budget=None)
+    model, _, rt = load_runtime(flash, "auto", base_bytes=0, dram_budget=rt.plan.minimum_bytes)
     got, _ = greedy(model, PROMPT, 5)
     assert np.array_equal(got, want) and rt.stats.misses > 0
 
@@ -194,8 +194,8 @@ def test_the_expert_reads_are_counted_with_the_time_they_were_in_flight(flashdir
     flash_bench.expert_reads reports them (bytes over busy time, the mean in flight: at least one)."""
     from storage.flash_bench import expert_reads, reads_mark
     flash = flashdirs("qwen3moe", "q8_0")
-    _, _, rt = load_runtime(flash, "auto", dram_budget=None, runtime_bytes=0)
-    model, _, rt = load_runtime(flash, "auto", dram_budget=rt.plan.minimum_bytes, runtime_bytes=0)
+    _, _, rt = load_runtime(flash, "auto", dram_budget=None, base_bytes=0)
+    model, _, rt = load_runtime(flash, "auto", dram_budget=rt.plan.minimum_bytes, base_bytes=0)
     mark, misses = reads_mark(rt.stats, flash), rt.stats.misses
     greedy(model, PROMPT, 4)
     st = rt.stats
@@ -212,12 +212,12 @@ def test_slots_used_for_the_first_time_are_faulted_in_before_their_reads(flashdi
     import flashinfer_lite.ffn.experts as experts
     from storage.flash_bench import expert_reads, reads_mark
     flash = flashdirs("qwen3moe", "q8_0")
-    _, _, rt = load_runtime(flash, "auto", dram_budget=None, runtime_bytes=0)
+    _, _, rt = load_runtime(flash, "auto", dram_budget=None, base_bytes=0)
     minimum = rt.plan.minimum_bytes
     touched = []
     real = experts.populate
     monkeypatch.setattr(experts, "populate", lambda a: touched.append(a) or real(a))
-    model, _, rt = load_runtime(flash, "auto", dram_budget=minimum, runtime_bytes=0)
+    model, _, rt = load_runtime(flash, "auto", dram_budget=minimum, base_bytes=0)
     free = [len(f) for f in rt.cache.free]
     mark = reads_mark(rt.stats, flash)
     greedy(model, PROMPT, 3)

@@ -51,7 +51,7 @@ def test_a_decode_step_is_one_kernel_call_per_layer(tiny_model, tmp_path, monkey
     from flashinfer_lite.runtime import load_runtime
     from storage.convert import convert
     flash = convert(tiny_model("qwen3moe"), tmp_path / "flash", dtype="q4_0", progress=False)
-    model, _, rt = load_runtime(flash, "auto", dram_budget=None, runtime_bytes=0)
+    model, _, rt = load_runtime(flash, "auto", dram_budget=None, base_bytes=0)
     calls = []
     real = model_module.quant_experts
     monkeypatch.setattr(model_module, "quant_experts", lambda *a, **k: (calls.append(len(a[3])), real(*a, **k)))
@@ -70,11 +70,11 @@ def test_auto_runs_an_hf_mixture_of_experts_from_flash(tiny_model, tmp_path, mon
     from flashinfer_lite.runtime import load_runtime
     monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(tmp_path / "cache"))
     src = tiny_model("olmoe")
-    _, _, rt = load_runtime(src, "auto", runtime_bytes=0)
+    _, _, rt = load_runtime(src, "auto", base_bytes=0)
     assert isinstance(rt, ExpertFFN)
     flash = next((tmp_path / "cache").rglob("manifest.json")).parent
     want = load_runtime(flash, "dense")[0]
-    model, _, rt = load_runtime(src, "auto", dram_budget=rt.plan.minimum_bytes, runtime_bytes=0)
+    model, _, rt = load_runtime(src, "auto", dram_budget=rt.plan.minimum_bytes, base_bytes=0)
     prompt = [5, 9, 200, 31, 7]
     got = model.forward(prompt, model.new_cache(16), all_logits=True)
     assert np.array_equal(got, want.forward(prompt, want.new_cache(16), all_logits=True)) and rt.stats.misses > 0

@@ -65,9 +65,9 @@ def test_eval_from_flash_under_the_minimum_budget_has_transformers_perplexity(mo
     _, src, flash, want, _ = moe
     dense = evaluate(src, [TEXT], "dense", n_tokens=TOKENS, ctx=CTX, progress=False)
     assert dense["tokens"] == 117 and dense["perplexity"] == pytest.approx(want, rel=1e-5)
-    for line in ("runtime_estimate_bytes", "measure_runtime_bytes"):     # the runtime line the minimum is made of
+    for line in ("base_estimate_bytes", "measure_base_bytes"):     # the process base the minimum is made of
         monkeypatch.setattr(runtime, line, lambda *a: 0)
-    minimum = load_runtime(flash, "auto", dram_budget=None, ctx=CTX, runtime_bytes=0)[2].plan.minimum_bytes
+    minimum = load_runtime(flash, "auto", dram_budget=None, ctx=CTX, base_bytes=0)[2].plan.minimum_bytes
     res = evaluate(flash, [TEXT], "auto", n_tokens=TOKENS, ctx=CTX, dram_budget=minimum, progress=False)
     assert res["ffn_source"] == "ExpertFFN" and res["hit_rate"] < 0.8 and res["flash_mb_per_token"] > 0
     assert res["perplexity"] == pytest.approx(want, rel=1e-5)
@@ -101,9 +101,9 @@ def test_collect_counts_transformers_routing_and_train_writes_them_for_the_cache
         assert json.loads((again / "manifest.json").read_text())["expert_counts"] == m["expert_counts"], model
     assert train(out, flash, progress=False) == []                          # no neuron predictor
     assert np.array_equal(load_expert_freq(flash), want)
-    _, _, rt = load_runtime(flash, "auto", dram_budget=None, runtime_bytes=0)
+    _, _, rt = load_runtime(flash, "auto", dram_budget=None, base_bytes=0)
     budget = rt.plan.minimum_bytes + 2 * rt.plan.n_layers * rt.plan.chunk    # 4 slots a layer: 2 pinned
-    _, _, rt = load_runtime(flash, "auto", dram_budget=budget, runtime_bytes=0)
+    _, _, rt = load_runtime(flash, "auto", dram_budget=budget, base_bytes=0)
     assert [sorted(p) for p in rt.cache.pinned] == [sorted(np.argsort(-c, kind="stable")[:2].tolist()) for c in want]
     m["expert_counts"][1][3] = -1                                            # a damaged manifest
     (out / "manifest.json").write_text(json.dumps(m))

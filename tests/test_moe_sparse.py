@@ -30,14 +30,14 @@ def split_dirs(tiny_model, tmp_path_factory):
 
 
 def minimum(flash) -> int:
-    return load_runtime(flash, "auto", dram_budget=None, runtime_bytes=0)[2].plan.minimum_bytes
+    return load_runtime(flash, "auto", dram_budget=None, base_bytes=0)[2].plan.minimum_bytes
 
 
 def run(flash, ffn, budget, threads=None, overlap=True, columns=None, monkeypatch=None):
     """(logits, tokens, runtime) of greedy(PROMPT, 6); columns=True: every miss reads gate|up rows then columns."""
     if columns:
         monkeypatch.setattr(ExpertCache, "reads_columns", lambda self, layer: True)
-    model, _, rt = load_runtime(flash, ffn, dram_budget=budget, runtime_bytes=0)
+    model, _, rt = load_runtime(flash, ffn, dram_budget=budget, base_bytes=0)
     rt.overlap = overlap
     before = numba.get_num_threads()
     numba.set_num_threads(threads or before)
@@ -111,11 +111,11 @@ def test_a_calibrated_threshold_reads_fewer_bytes(split_dirs, tmp_path):
     flash = shutil.copytree(split_dirs("qwen3moe", "q8_0"), tmp_path / "flash")
     tokens = np.random.default_rng(7).integers(3, 512, size=64).tolist()
     low = minimum(flash)
-    exact_model, _, exact = load_runtime(flash, "auto", dram_budget=low, runtime_bytes=0)
+    exact_model, _, exact = load_runtime(flash, "auto", dram_budget=low, base_bytes=0)
     exact_nll = nll(exact_model, tokens)
-    load_runtime(flash, "gate", dram_budget=None, runtime_bytes=0)     # calibrates: first use
+    load_runtime(flash, "gate", dram_budget=None, base_bytes=0)     # calibrates: first use
     assert (flash / "gate.json").exists()
-    gate_model, _, gate = load_runtime(flash, "gate", dram_budget=low, runtime_bytes=0)
+    gate_model, _, gate = load_runtime(flash, "gate", dram_budget=low, base_bytes=0)
     assert min(gate.thresholds) > 0
     gate_nll = nll(gate_model, tokens)
     per_miss = [rt.stats.read_bytes / rt.stats.misses for rt in (gate, exact)]   # routes may differ a little
@@ -131,9 +131,9 @@ def test_whole_chunks_still_load_and_bad_inputs_are_refused(tiny_model, split_di
     they are whole is refused; --expert-chunks split on a dense model is refused."""
     flash = convert(tiny_model("olmoe"), tmp_path / "whole", dtype="f16", progress=False)
     assert not read_layout(flash).experts.split
-    load_runtime(flash, "auto", dram_budget=None, runtime_bytes=0)
+    load_runtime(flash, "auto", dram_budget=None, base_bytes=0)
     with pytest.raises(UserError, match="--expert-chunks split"):
-        load_runtime(flash, "gate", dram_budget=None, runtime_bytes=0)
+        load_runtime(flash, "gate", dram_budget=None, base_bytes=0)
     bad = shutil.copytree(split_dirs("mixtral", "q4_0"), tmp_path / "bad")
     verify(bad, progress=False)
     edit_manifest(bad, lambda m: m["experts"].pop("split"))    # as a hostile file would: its checksum redone

@@ -218,11 +218,11 @@ def test_lookahead_prefetch_changes_bytes_not_results(stories):
     from flashinfer_lite.runtime import load_runtime
     ids = [1, 403, 261, 324, 281, 384, 265, 427, 298, 410, 327, 261, 368, 287]
     runs = {}
-    # the smallest budget the plan allows (runtime line left out so it does not depend on this process's RSS)
-    probe = load_runtime(stories["flash"], "predicted", ctx=64, runtime_bytes=0, lookahead=True)[2]
+    # the smallest budget the plan allows (process base left out so it does not depend on this process's RSS)
+    probe = load_runtime(stories["flash"], "predicted", ctx=64, base_bytes=0, lookahead=True)[2]
     minimum = probe.plan.minimum_bytes
     for ahead in (False, True):
-        model, _, rt = load_runtime(stories["flash"], "predicted", dram_budget=minimum, ctx=64, runtime_bytes=0,
+        model, _, rt = load_runtime(stories["flash"], "predicted", dram_budget=minimum, ctx=64, base_bytes=0,
                                     lookahead=ahead)
         kv = model.new_cache(64)
         runs[ahead] = (np.stack([model.forward([t], kv) for t in ids]), rt.stats)
@@ -314,7 +314,7 @@ def test_a_flipped_predictor_byte_is_found_by_verify_and_at_launch(stories, tmp_
     with pytest.raises(UserError, match="weights.safetensors: checksum mismatch: the predictor file is damaged"):
         verify(flash, progress=False)
     with pytest.raises(UserError, match="predictor file is damaged"):
-        load_runtime(flash, "predicted", runtime_bytes=0)
+        load_runtime(flash, "predicted", base_bytes=0)
 
 
 def test_collect_removes_what_a_killed_collect_left(tmp_path):

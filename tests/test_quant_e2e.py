@@ -22,7 +22,8 @@ from flashinfer_lite.model import Transformer
 from flashinfer_lite.quant import QuantMatrix, dequantize
 from flashinfer_lite.loader import open_any
 from flashinfer_lite.ffn.resident import ResidentFFN
-from flashinfer_lite.runtime import load_runtime, plan_resident
+from flashinfer_lite.modes import plan_in_ram
+from flashinfer_lite.runtime import load_runtime
 from storage.checkpoint import open_checkpoint, unpermute_qk
 from storage.convert import convert
 from storage.files import disk_bytes
@@ -223,7 +224,8 @@ def test_in_ram_modes_compute_on_the_blocks(tiny_gguf, tmp_path, kind):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
         assert tokens == want_tokens, path
     # the in-RAM plan counts what ResidentFFN holds
-    plan = plan_resident(FlashCheckpoint(flash), 1 << 30, 64, 0)
+    ckpt = FlashCheckpoint(flash)
+    plan = plan_in_ram(ckpt.config, ckpt.layout, ckpt.resident_kinds, 1 << 30, 64, 0)
     assert plan.ffn_bytes == sum(layer.nbytes for layer in model.ffn.layers)
 
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from conftest import STORIES
-from flashinfer_lite.budget import (HEAP_SLACK_BYTES, down_scale_bytes, plan_budget, plan_resident_ffn,
-                                    resident_bytes_for)
-from flashinfer_lite.budget import stream_args
-from flashinfer_lite.runtime import minimum_bytes, model_facts
+from flashinfer_lite.budget import HEAP_SLACK_BYTES, down_scale_bytes, plan_budget, resident_bytes_for, stream_args
+from flashinfer_lite.modes import minimum_bytes, plan_in_ram
+from flashinfer_lite.quant import COLUMN_SCALES_F16
+from flashinfer_lite.runtime import model_facts
 from storage.convert import convert
 from storage.errors import UserError
 from storage.format import FlashCheckpoint
@@ -28,13 +28,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 def planner_minimum(flashdir: Path, ctx: int, ffn: str) -> int:
     """The smallest budget decide() accepts for --ffn predicted (or auto: the in-RAM plan's when smaller), with the
-    runtime line left out (0), computed from the converted FLASHDIR as runtime.plan_dram / plan_resident do."""
+    process base left out (0), computed from the converted FLASHDIR as the predicted and dense modes plan it."""
     ckpt = FlashCheckpoint(flashdir)
     cfg, layout = ckpt.config, ckpt.layout
-    resident = resident_bytes_for(cfg, half=layout.dtype != "f32", kinds=ckpt.resident_kinds) + down_scale_bytes(layout)
+    resident = resident_bytes_for(cfg, half=layout.dtype != "f32", kinds=ckpt.resident_kinds) + \
+        down_scale_bytes(layout, COLUMN_SCALES_F16)
     sparse = plan_budget(cfg, layout, 1 << 60, ctx, resident_bytes=resident, **stream_args(layout),
                          heap_slack_bytes=HEAP_SLACK_BYTES).minimum_bytes
-    in_ram = plan_resident_ffn(cfg, layout, 1 << 60, ctx, resident, heap_slack_bytes=HEAP_SLACK_BYTES).minimum_bytes
+    in_ram = plan_in_ram(cfg, layout, ckpt.resident_kinds, None, ctx, 0, HEAP_SLACK_BYTES).minimum_bytes
     return sparse if ffn == "predicted" else min(sparse, in_ram)
 
 
@@ -102,7 +103,7 @@ def test_a_too_small_budget_is_refused_before_any_work_on_a_cold_cache(tmp_path,
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
-    assert re.match(r"error: DRAM budget 50\.0 MiB is below the minimum for this model, at least [0-9.]+ MiB",
+    assert re.match(r"error: DRAM budget 50\.0 MiB is below the minimum [0-9.]+ MiB for this model \(estimated before loading",
                     lines[0]), r.stderr
     made = [p for p in cache.rglob("*") if p.is_file()] if cache.exists() else []
     assert not made, made                                                       # nothing fetched or converted
@@ -165,7 +166,7 @@ def test_a_mixture_of_experts_minimum_is_the_planners_from_the_header_alone(tiny
         cfg, layout, kinds = model_facts(str(src))
         assert layout.experts.geometry() == FlashCheckpoint(flash).layout.experts.geometry(), src
         for ctx in (64, 128):
-            planner = load_runtime(flash, "auto", ctx=ctx, runtime_bytes=0)[2].plan.minimum_bytes
+            planner = load_runtime(flash, "auto", ctx=ctx, base_bytes=0)[2].plan.minimum_bytes
             for ffn in ("auto", "experts"):
                 assert minimum_bytes(cfg, layout, kinds, ffn, ctx, 0) == planner - header, (src, ctx, ffn)
 
@@ -181,7 +182,35 @@ def test_a_too_small_budget_for_a_mixture_of_experts_is_refused_before_conversio
                        env=env, capture_output=True, text=True, timeout=300)
     lines = r.stderr.strip().splitlines()
     assert r.returncode != 0 and len(lines) == 1, r.stderr
-    assert re.match(r"error: DRAM budget 50\.0 MiB is below the minimum for this model, at least [0-9.]+ MiB",
+    assert re.match(r"error: DRAM budget 50\.0 MiB is below the minimum [0-9.]+ MiB for this model \(estimated before loading",
                     lines[0]), r.stderr
     made = [p for p in cache.rglob("*") if p.is_file()] if cache.exists() else []
     assert not made, made
+
+
+def test_load_runtime_refuses_before_converting_and_names_the_planners_minimum(tmp_path, monkeypatch):
+    """load_runtime runs load()'s pipeline: given a budget, --ffn auto on a SiLU-gated HF directory is the exact gate
+    from a FLASHDIR (it used to be dense, refusing the budget as needing predictors), and a budget below the minimum is
+    refused from the header before anything is converted into the cache (it used to convert first). The refusal's
+    minimum (budget.BelowMinimum, what the benches retry at) is the converted model's exact-gate plan's smallest
+    budget at the same process base, less the early slack; and the planner's own refusal on the FLASHDIR names that
+    plan's minimum."""
+    import flashinfer_lite.runtime as runtime
+    from flashinfer_lite.budget import BelowMinimum
+    base = 64 << 20       # the early estimate's process base, fixed: the planner's is given the same
+    monkeypatch.setattr(runtime, "base_estimate_bytes", lambda layout, vocab_size: base)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(cache))
+    with pytest.raises(BelowMinimum) as early:
+        runtime.load_runtime(STORIES, "auto", dram_budget=32 << 20, ctx=64)
+    assert not cache.exists() or not [p for p in cache.rglob("*") if p.is_file()]
+    flash = convert(STORIES, tmp_path / "flash", progress=False)          # what first use converts
+    _, _, gate = runtime.load_runtime(flash, "auto", ctx=64, base_bytes=base)    # calibrates: first use
+    assert type(gate).__name__ == "GateFFN"
+    assert early.value.minimum_bytes == gate.plan.floor_bytes - runtime.EARLY_SLACK_BYTES
+    assert f"below the minimum {early.value.minimum_bytes / 2**20:.1f} MiB for this model" in str(early.value)
+    with pytest.raises(BelowMinimum) as planned:
+        runtime.load_runtime(flash, "auto", dram_budget=gate.plan.floor_bytes - 1, ctx=64, base_bytes=base)
+    assert planned.value.minimum_bytes == gate.plan.floor_bytes
+    assert str(planned.value).startswith(f"DRAM budget {(gate.plan.floor_bytes - 1) / 2**20:.1f} MiB is below the "
+                                         f"minimum {gate.plan.floor_bytes / 2**20:.1f} MiB for this model (")

@@ -56,8 +56,8 @@ def test_small_budget_still_exact_and_reads_more(flashdirs, monkeypatch):
     minimum = probe.plan.minimum_bytes
     reads = {}
     for extra in (0, 4 << 20):
-        # the probe's runtime line, not a new measurement of this (pytest) process: the arithmetic stays exact
-        model, _, rt = load_runtime(path, "oracle", dram_budget=minimum + extra, runtime_bytes=probe.plan.runtime_bytes)
+        # the probe's process base, not a new measurement of this (pytest) process: the arithmetic stays exact
+        model, _, rt = load_runtime(path, "oracle", dram_budget=minimum + extra, base_bytes=probe.plan.base_bytes)
         np.testing.assert_allclose(logits_token_by_token(model, ids), want, rtol=0, atol=2e-5)
         reads[extra] = rt.stats.read_bytes
         assert rt.cache.nbytes <= rt.plan.window_bytes + rt.plan.hot_bytes + rt.plan.buffer_bytes
@@ -161,7 +161,7 @@ def test_a_batched_prompt_counts_each_token_once(flashdirs):
     ids = np.random.default_rng(5).integers(3, 512, size=4).tolist()
     stats, reads = {}, {}
     for how in ("batched", "one by one"):
-        model, _, rt = load_runtime(path, "oracle", runtime_bytes=0)
+        model, _, rt = load_runtime(path, "oracle", base_bytes=0)
         rt.prefer_streaming = lambda layer, sets: False
         asked = []
         real = rt.active_ids

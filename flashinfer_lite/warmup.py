@@ -1,0 +1,305 @@
+"""Warm-up: the kernels a run needs, compiled (or loaded from Numba's on-disk cache) before the weights load, in child
+processes the first time (compile_in_child), with a stamp in Numba's cache that says so; the process base the plan
+counts is measured after them (measure_base_bytes). Which kernels a run needs is its FFN mode's (modes.MODES:
+each declares its compile steps); budget.py plans, this module spends time and memory.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numba
+import numpy as np
+
+from storage import columns
+from storage.config import ModelConfig
+from storage.files import write_best_effort
+from storage.format import expert_parts, read_layout
+from storage.reader import aligned_empty, bundle_reader
+from .ffn.experts import expert_ffn, stacks
+from .ffn.quant import DENSE_ROW_KERNEL_MAX_T, sparse_ffn
+from .ffn.split import SplitRows, SplitKernels
+from .kernels.attention import attention_rows
+from .kernels.gemv import MATMUL_ROW_KERNEL_MAX_T, matmul_t
+from .kernels.norm import add_rms_norm_rows, rms_norm_rows
+from .model import ExpertBatch, MixtureOfExperts, Transformer
+from .neuron_cache import NeuronCache
+from .process import rss_bytes
+from .quant import BLOCK, QuantMatrix, quant_matmul_t, quantize
+from .threads import step_counts
+
+# The FFN kernels compile_steps knows, in the order it runs them (a mode's `kernels` names some of them)
+FFN_STEPS = ("neuron_cache", "sparse", "dense", "gate")
+
+
+def compile_kernels(layout, steps: list[int] | None = None, kernels=None) -> None:
+    """Run every kernel of a run once: the neuron cache, the sparse FFN on two real bundles of `layout` (and the
+    dense FFN over them, for a quantized layout), attention and the norms, the resident matrices' kernels.
+
+    Numba compiles them (or loads them from its on-disk cache) on first call, with the argument types of that call;
+    these are the types the runtime uses (uint8 bundle matrix viewed as the layout's dtype, int32 rows, float32
+    vectors), so their machine code is in memory now, before the weights, and not on the first token.
+    steps: indices into compile_steps(layout, kernels) (default: all); kernels: as compile_steps'.
+    """
+    all_steps = compile_steps(layout, kernels)
+    for i in range(len(all_steps)) if steps is None else steps:
+        all_steps[i]()
+
+
+def compile_steps(layout, kernels=None) -> list:
+    """compile_kernels' work in pieces that compile_in_child can give one child process each (the compiler's memory
+    grows with what one process compiles). kernels: the FFN_STEPS a run's modes need (modes.kernels_for: the exact
+    gate's runs skip the bundle FFN's and the in-RAM FFN's kernels, which loaded would add 7.6 MiB to SmolLM2's
+    process base); None: every kernel the layout has."""
+    if layout.experts is not None:
+        return [*expert_steps(layout), *resident_steps(layout)]
+    k = min(2, layout.n_neurons[0])
+    x = np.zeros(layout.d, np.float32)
+
+    def bundles():
+        """Two real bundles [k, stride] as the cache keeps them, and their rows (int32 like the cache's slots)."""
+        B = aligned_empty((k, layout.stride), np.uint8)
+        with bundle_reader(layout, threads=1) as reader:
+            reader.read(0, np.arange(k), dest=B, slots=np.arange(k))
+        return B, np.arange(k, dtype=np.int32)
+
+    def neuron_cache():
+        with bundle_reader(layout, threads=1) as reader:
+            NeuronCache([k], layout.stride, reader, capacity=k, window=1).fetch(0, np.arange(k))
+
+    kind = layout.down_column(0) if layout.n_layers else None       # columns: tables of the right types
+    scales = [columns.zero_tables(kind, layout.d, layout.n_neurons[0])] if kind else None
+
+    def sparse():
+        B, rows = bundles()
+        sparse_ffn(layout, max_active=k, down_scales=scales)(B, rows, x, np.zeros_like(x))
+
+    def dense():                # runtime.ResidentFFN: decode rows and a prompt's widened blocks
+        B, _ = bundles()
+        kernel = sparse_ffn(layout, max_active=k, down_scales=scales)
+        layer = kernel.dense_layer(B)
+        for T in (1, DENSE_ROW_KERNEL_MAX_T + 1):
+            kernel.dense(layer, np.zeros((T, layout.d), np.float32), np.zeros((T, layout.d), np.float32))
+
+    def gate():                 # ffn.gate.GateFFN: coefficients over gate|up rows, the down sum over down rows
+        gu, dn = layout.parts["gate_up"], layout.parts["down"]
+        rows = SplitRows(gu.geometry_of(0), dn.geometry_of(0), layout.config.get("act", "silu"),
+                         layout.config.get("relu_threshold"), scales and scales[0], gu.quantized)   # layer 0's
+        for T in (1, 2):        # a decoded token; a prompt's rows (the down sum's tiles: another kernel)
+            X, coef = np.zeros((T, layout.d), np.float32), np.zeros((T, k), np.float32)
+            rows.coefficients(np.zeros((k, gu.stride), np.uint8), X, coef, 0.0)
+            rows.accumulate(aligned_empty((k, dn.stride), np.uint8), np.arange(k, dtype=np.int32), coef,
+                            np.zeros_like(X))
+
+    have = {"neuron_cache": neuron_cache, "sparse": sparse, **({"dense": dense} if layout.quantized else {}),
+            **({"gate": gate} if layout.parts else {})}
+    return [*(have[n] for n in FFN_STEPS if n in have and (kernels is None or n in kernels)),
+            *resident_steps(layout)]
+
+
+def resident_steps(layout) -> list:
+    """compile_steps of what every run has: attention and the norms, and the resident matrices' kernels, float16 (and,
+    in a quantized FLASHDIR, the blocks' too: one compiled function serves every kind): decode (row kernel, serial
+    and parallel), prefill (widened blocks), the embedding lookup."""
+    d = layout.d if layout.d % BLOCK == 0 else BLOCK
+
+    def attention():
+        x, X = np.zeros(layout.d, np.float32), np.zeros((1, layout.d), np.float32)
+        rms_norm_rows(X, x, 1e-5, np.empty_like(X))
+        add_rms_norm_rows(X, X.copy(), x, 1e-5, np.empty_like(X))
+        qkv, cache_bits = np.zeros((1, 1, 2), np.float32), np.zeros((1, 1, 2), np.uint16)
+        for half in (1, 0):          # with RoPE, without (model.Attention's T <= ATTENTION_KERNEL_MAX_T path)
+            cos = np.zeros((2, 1, half), np.float32)[:1, 0]
+            attention_rows(qkv.copy(), qkv.copy(), qkv.copy(), cos, cos, cache_bits, cache_bits, 0, 0,
+                           np.float32(1.0), np.empty_like(qkv))
+
+    def half_matrices():
+        w16 = np.zeros((2, d), np.float16)
+        for T in (1, MATMUL_ROW_KERNEL_MAX_T + 1):
+            matmul_t(np.zeros((T, d), np.float32), w16, parallel_min_work=0)
+        matmul_t(np.zeros((1, d), np.float32), w16)
+
+    def block_matrices():
+        wq = quantize(np.zeros((2, d), np.float32), "q8_0")
+        for T in (1, MATMUL_ROW_KERNEL_MAX_T + 1):
+            quant_matmul_t(np.zeros((T, d), np.float32), wq, "q8_0", parallel_min_work=0)
+        quant_matmul_t(np.zeros((1, d), np.float32), wq, "q8_0")
+        QuantMatrix.of(("q8_0", wq))[np.zeros(1, np.int64)]
+
+    # float32 resident matrices stay float32 (runtime.load_runtime): BLAS, no kernel
+    return [attention, *([half_matrices] if layout.dtype != "f32" else []),
+            *([block_matrices] if layout.quantized else [])]
+
+
+def expert_steps(layout) -> list:
+    """compile_steps of a mixture of experts (ffn.experts.ExpertFFN): model.MixtureOfExperts over one zeroed chunk,
+    for a decoded token and a prompt's rows; split chunks through the exact gate's kernels (ffn.split.SplitKernels)."""
+    E, cfg = layout.experts, ModelConfig.from_dict(layout.config)
+    chunk = np.zeros((1, E.chunk), np.uint8)
+    if E.split:
+        parts = expert_parts(layout)
+        kernels = SplitKernels(parts["gate_up"], parts["down"], cfg.act, cfg.relu_threshold)
+
+    def gated(x):               # ExpertCache.gated's kernels: every coefficient, then the down sum of two neurons
+        coef, y = np.zeros((x.shape[0], E.n), np.float32), np.zeros_like(x)
+        kernels.coefficients(E.heads(chunk[0]), x, coef, 0.0, 0)
+        kernels.accumulate(E.columns(chunk[0]), np.arange(2, dtype=np.int32), np.ascontiguousarray(coef[:, :2]), y, 0)
+        return y
+
+    def experts(layer, ids):
+        ids = [int(e) for e in ids]
+        if E.split:
+            return [ExpertBatch(ids, None, run=lambda ids, xs: [gated(x) for x in xs])]
+        return [ExpertBatch(ids, lambda e: expert_ffn(cfg, E, chunk[0], 0, e), chunk if stacks(cfg, E) else None,
+                            [0] * len(ids), E)]
+
+    def mixture():
+        w = {"layers.0.ffn.router.weight": np.zeros((cfg.n_experts, layout.d), np.float32)}
+        if cfg.shared_expert_dim:     # resident, in blocks: quant_ffn's decode row (one function serves every kind)
+            shapes = {"gate": (BLOCK, layout.d), "up": (BLOCK, layout.d), "down": (layout.d, BLOCK)}
+            for m, shape in shapes.items():
+                w[f"layers.0.ffn.shared.{m}.weight"] = QuantMatrix.of(
+                    ("q8_0", quantize(np.zeros(shape, np.float32), "q8_0"))) if layout.quantized else \
+                    np.zeros(shape, np.float16)
+            w["layers.0.ffn.shared_gate.weight"] = np.zeros((1, layout.d), np.float32)
+        moe = MixtureOfExperts(cfg, w, 0, experts=experts)
+        for T in (1, DENSE_ROW_KERNEL_MAX_T + 1):
+            moe(np.zeros((T, layout.d), np.float32))
+
+    return [mixture]
+
+
+def measure_base_bytes(layout, kernels=None) -> int:
+    """The plan's process base: RSS after compile_kernels (of the FFN source's kernels: compile_steps), measured in
+    this process just before the weights load.
+
+    Measured rather than a constant because it differs by platform, library versions and tokenizer (SmolLM2's takes
+    ~43 MiB, stories260K's ~2 MiB). The kernels are compiled in a child process first (compile_in_child), so this
+    process only loads their machine code from Numba's on-disk cache: compiling would leave ~80 MiB of the
+    compiler's memory in this process (and in its peak) on a first run, and not on the next. In a process that
+    already holds other things (a test run, a notebook) they count too: the budget is the process's.
+    What loading the kernels added, and what the line added to the RSS of the early refusal (base_estimate_bytes),
+    are kept in the compile stamp for the next run's estimate.
+    """
+    import gc
+    if not compiled_stamp(layout).exists():
+        compile_in_child(layout)
+    loaded, before = compiled_stamp(layout).exists(), rss_bytes()
+    compile_kernels(layout, kernels=kernels)
+    gc.collect()
+    rss = rss_bytes()
+    if loaded:                  # only loaded from the cache (never compiled here): figures of this installation
+        remember(layout, {"kernels": rss - before,
+                          **({model_key(layout): rss - _early_rss} if _early_rss is not None else {})})
+    return rss
+
+
+# Until this installation has measured them (the compile stamp keeps what it measured): what loading the kernels from
+# Numba's cache adds to RSS (45-65 MiB measured for SmolLM2 q4_1 and stories260K f16, Numba 0.6x, Linux x86-64:
+# the lowest, as the estimate is a lower bound), and what a tokenizer takes per vocabulary entry
+# (tokenizers 0.2x: SmolLM2's 49,152 entries 43 MiB, stories260K's 512 entries 2 MiB).
+KERNELS_DEFAULT_BYTES = 44 << 20
+TOKENIZER_BYTES_PER_TOKEN = 800
+# RSS of this process when base_estimate_bytes last ran: the start of what measure_base_bytes records
+_early_rss: int | None = None
+
+
+def base_estimate_bytes(layout, vocab_size: int) -> int:
+    """The process base a run of `layout` will measure (measure_base_bytes), estimated before the model is fetched,
+    converted, compiled or trained: this process's RSS now plus what the line added to it when this installation
+    last ran the model (kept in the compile stamp; the smallest seen), else the kernels (the stamp's figure, or
+    KERNELS_DEFAULT_BYTES) and the tokenizer (TOKENIZER_BYTES_PER_TOKEN per vocabulary entry)."""
+    global _early_rss
+    _early_rss = rss_bytes()
+    record = stamp_record(layout)
+    extra = record.get(model_key(layout))
+    if extra is None:
+        extra = record.get("kernels", KERNELS_DEFAULT_BYTES) + TOKENIZER_BYTES_PER_TOKEN * vocab_size
+    return _early_rss + extra
+
+
+def model_key(layout) -> str:
+    """What names a model in the stamp's record: its config and bundle kinds (a FLASHDIR and the source it was
+    converted from give the same)."""
+    import hashlib
+    import json
+    key = json.dumps([layout.config, layout.dtype, layout.down_dtype], sort_keys=True)
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def stamp_record(layout) -> dict:
+    """The figures compiled_stamp(layout) keeps: {"kernels": bytes, model_key: bytes}; {} when none (or unreadable)."""
+    import json
+    try:
+        record = json.loads(compiled_stamp(layout).read_text() or "{}")
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return {k: v for k, v in record.items() if isinstance(v, int)} if isinstance(record, dict) else {}
+
+
+def remember(layout, figures: dict) -> None:
+    """Keep in the stamp the smaller of each figure and the one it holds (best effort: a read-only cache keeps none)."""
+    import json
+    old = stamp_record(layout)
+    record = {**old, **{k: max(0, min(v, old.get(k, v))) for k, v in figures.items()}}
+    if record == old:
+        return
+    write_best_effort(compiled_stamp(layout), json.dumps(record))
+
+
+def compile_in_child(layout) -> None:
+    """compile_kernels in a child process, which fills Numba's on-disk cache, leaves compiled_stamp(layout) there
+    and exits, returning the compiler's memory with it. Without a FLASHDIR on disk (a layout built in memory) or
+    when the child fails, this process compiles instead: its process base is then larger, never wrong."""
+    import subprocess
+    if layout.flashdir is None:
+        return
+    if sys.stderr.isatty():     # progress, like the bars: an error stays one line in a log
+        print("compiling the kernels once for this installation (Numba; a minute or more) ...", file=sys.stderr)
+    n = len(compile_steps(layout))
+    for i in range(n):          # one child per step: each one's peak is the libraries and one step's compiler
+        subprocess.run([sys.executable, "-m", "flashinfer_lite.warmup", str(layout.flashdir), str(i),
+                        "stamp" if i == n - 1 else ""],
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, check=False)
+
+
+def compiled_stamp(layout):
+    """The file, in Numba's cache directory, that says compile_kernels ran there for these kernels and the argument
+    types of `layout`: its name hashes Numba's and Python's versions, the kernel modules' files (as Numba's own index
+    keys them: mtime and size) and what of the layout decides the types. Emptying the cache directory removes it."""
+    import hashlib
+
+    here = Path(__file__).parent      # every module holding a kernel: kernels/, ffn/, the block formats, the cache
+    files = [*sorted((here / "kernels").glob("*.py")), *sorted((here / "ffn").glob("*.py")), here / "quant.py",
+             here / "neuron_cache.py", here / "budget.py", Path(__file__)]
+    key = [numba.__version__, sys.version, *[(str(f.relative_to(here)), f.stat().st_mtime_ns, f.stat().st_size)
+                                             for f in files],
+           layout.d % BLOCK == 0, layout.dtype, layout.down_dtype, layout.vectors, layout.biases, bool(layout.parts),
+           layout.experts and (layout.experts.dtypes, layout.experts.split)]
+    digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+    return Path(attention_rows._cache.cache_path) / f"flashinfer-lite-kernels-{digest}.stamp"
+
+
+def warm_up(model: Transformer) -> None:
+    """One decode step on a scratch cache at each thread count a step may run on (threads.StepThreads), as llama.cpp
+    warms up at load: the decode's kernels load from Numba's cache here, in the load time, not in the first token's
+    (45-60 ms of a 7-10 ms step for SmolLM2's Q4_K_M: it set decode's P99). Every weight in DRAM only: a flash FFN's
+    step would read weights, and count them."""
+    n = numba.get_num_threads()
+    try:
+        for t in step_counts(n):
+            numba.set_num_threads(t)
+            model.forward([model.cfg.bos_id or 0], model.new_cache(1))
+    finally:
+        numba.set_num_threads(n)
+
+
+if __name__ == "__main__":     # compile_in_child's child: python -m flashinfer_lite.warmup FLASHDIR STEP [stamp]
+    _layout = read_layout(sys.argv[1], check_size=False)
+    compile_kernels(_layout, steps=[int(sys.argv[2])])
+    if sys.argv[3:] == ["stamp"]:
+        try:
+            compiled_stamp(_layout).touch()
+        except OSError:         # a read-only cache: the next run compiles in a child again, as this one did
+            pass
+
