@@ -523,7 +523,8 @@ def listen(host: str, port: int) -> socket.socket:
         raise UserError(f"cannot listen on {host}:{port}: {os.strerror(e.errno) if e.errno else e}") from None
 
 
-def check_arguments(args) -> None:
+def check_server_arguments(args) -> None:
+    """serve's own flags; generate's (sampling, -t, -c) are generate.check_arguments'."""
     if args.cors is not None:
         args.cors = args.cors.rstrip("/")
         if not re.fullmatch(r"https?://[^/\s]+", args.cors):
@@ -536,6 +537,7 @@ def check_arguments(args) -> None:
 
 def run(args) -> int:
     check_arguments(args)
+    check_server_arguments(args)
     try:  # before the model loads, so that the budget's process base counts them
         import starlette  # noqa: F401
         import uvicorn
