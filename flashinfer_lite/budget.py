@@ -30,7 +30,7 @@ import numpy as np
 
 from storage import columns
 from storage.format import BUNDLE_ALIGN, expert_parts, read_layout
-from storage.profile import DEFAULT_GAP_BYTES, StreamSettings, reader_defaults, stream_defaults
+from storage.profile import DEFAULT_GAP_BYTES, reader_defaults, stream_settings, stream_shape
 from storage.reader import MAX_READ_BYTES, aligned_empty, bundle_reader, parts_span_bytes
 
 from storage.errors import UserError
@@ -41,7 +41,7 @@ from .kernels.attention import attention_rows
 from .kernels.gemv import MATMUL_ROW_KERNEL_MAX_T, WIDEN_BLOCK_BYTES, matmul_t
 from .kernels.norm import add_rms_norm_rows, rms_norm_rows
 from .model import ATTENTION_TILE_ROWS, PREFILL_CHUNK_ROWS, ExpertBatch, KVCache, MixtureOfExperts, ModelConfig
-from .neuron_cache import MAP_BYTES_PER_NEURON, NeuronCache, select_hot
+from .neuron_cache import MAP_BYTES_PER_NEURON, NeuronCache, select_hot, staging_rows
 from .process import cgroup_room, rss_bytes
 from .quant import BLOCK, COLUMN_SCALES_F16, QuantMatrix, quant_matmul_t, quantize, row_bytes
 
@@ -323,11 +323,6 @@ def plan_resident_ffn(config, layout, dram_budget_bytes: int, ctx: int, resident
                       max_active=n_max, requested=requested, ffn_bytes=ffn)
 
 
-def staging_rows(max_active: int) -> int:
-    """Rows of the lookahead staging matrix: a guess larger than this is read in part (the rest on demand)."""
-    return min(max_active, MIN_WINDOW_ROWS)
-
-
 def prefill_transient_bytes(cfg: ModelConfig, ctx: int, gate: bool = False) -> int:
     """Peak bytes of one prompt chunk's temporaries (model.Transformer.forward runs a prompt PREFILL_CHUNK_ROWS tokens
     at a time), float32 unless said:
@@ -378,23 +373,10 @@ def read_scratch_bytes(layout, gap_bytes: int | None = None) -> int:
     return max(1, gap // layout.stride) * layout.stride
 
 
-def stream_settings(layout) -> StreamSettings:
-    """The chunk size and depth a FLASHDIR's layers are streamed with (the device's, storage.profile.stream_defaults):
-    the FFNs read with them and the DRAM plan counts their buffers (stream_args)."""
-    return stream_defaults(layout.device_path if layout.flashdir is not None else None)
-
-
 def stream_args(layout) -> dict:
     """plan_budget's stream arguments for `layout`: the buffers of stream_settings."""
     s = stream_settings(layout)
     return {"stream_chunk_bytes": s.chunk_bytes, "stream_depth": s.depth}
-
-
-def stream_shape(layout, chunk_bytes: int, depth: int) -> tuple[int, int]:
-    """(bundles a stream's chunk holds, chunks in flight) for `layout`: chunk_bytes of bundles, never more than a
-    layer has, and no more chunks than a layer fills (more would hold a second layer's rows)."""
-    rows = min(max(1, chunk_bytes // layout.stride), max(layout.n_neurons))
-    return rows, max(1, min(int(depth), -(-max(layout.n_neurons) // rows)))
 
 
 # ----------------------------------------------------------------------------------------------------------------------

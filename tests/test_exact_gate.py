@@ -248,11 +248,11 @@ def test_streams_with_chunks_in_flight_give_the_resident_bits(gated, dtype, monk
     """Every layer's gate|up rows and down rows read as streams of 3-row chunks, 3 chunks in flight and each stream's
     next layer primed while the current one is computed (storage.reader.RowStream): the prompt's and each decoded
     token's logits are the bits of the run with every row in DRAM and no stream."""
-    from flashinfer_lite import budget
+    from storage import profile
     from storage.profile import StreamSettings
     stride = {n: p.stride for n, p in read_layout(gated[dtype]).parts.items()}
     # 3 rows a chunk (at least 3: the smaller stride's chunk bytes hold 3 of the larger's rows or more)
-    monkeypatch.setattr(budget, "stream_defaults", lambda path: StreamSettings(3 * max(stride.values()), 3, "test"))
+    monkeypatch.setattr(profile, "stream_defaults", lambda path: StreamSettings(3 * max(stride.values()), 3, "test"))
     model, _, rt = load_runtime(gated[dtype], "auto", ctx=64, runtime_bytes=0)
     assert rt.plan.gate_layers == 2
     want = greedy(model, IDS, 8)

@@ -12,12 +12,12 @@ import time
 
 import numpy as np
 
+from storage.profile import stream_settings, stream_shape
 from storage.reader import RowStream, bundle_reader
 from storage.stats import FlashStats
 
-from ..budget import staging_rows, stream_settings, stream_shape
 from storage.config import ModelConfig
-from ..neuron_cache import NeuronCache
+from ..neuron_cache import NeuronCache, staging_rows
 from ..threads import beside_reads
 from .gating import threshold_of
 from .quant import sparse_ffns

@@ -23,10 +23,10 @@ from tqdm import tqdm
 
 from storage.errors import UserError
 from storage.checksums import drop_from_page_cache
+from storage.profile import stream_settings, stream_shape
 from storage.reader import BundleReader, RowStream
 from storage.stats import FlashStats
 
-from ..budget import stream_settings, stream_shape
 from ..neuron_cache import NeuronCache
 from .flash import FlashFFN
 from .split import SplitKernels
