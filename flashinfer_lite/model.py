@@ -17,7 +17,7 @@ from storage.config import ModelConfig
 from storage.errors import UserError
 from storage.experts import ExpertLayout
 from storage.half import half_matrix
-from .ffn.gating import coefficients, threshold_of
+from .ffn.gating import activations, threshold_of
 from .ffn.quant import DENSE_ROW_KERNEL_MAX_T, QUANT_FFN_ACTS, add_weighted_rows, quant_experts, quant_ffn
 from .kernels.attention import attention_rows
 from .kernels.gemv import matmul_t, widen_rows
@@ -327,9 +327,8 @@ class FeedForward:
         # x [T, d] -> a [T, n]; what a sparse FFN predicts and skips where it is zero
         c = self.cfg
         t = threshold_of(c.act, c.relu_threshold)
-        if c.glu:
-            return coefficients(c.act, linear(x, self.w_gate, self.b_gate), linear(x, self.w_up, self.b_up), t)
-        return coefficients(c.act, linear(x, self.w_up, self.b_up), None, t)
+        return activations(c.act, linear(x, self.w_gate, self.b_gate) if c.glu else None,
+                           linear(x, self.w_up, self.b_up), t)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         if x.shape[0] <= DENSE_ROW_KERNEL_MAX_T and self.fused:

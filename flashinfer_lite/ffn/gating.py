@@ -1,21 +1,27 @@
-"""The gating rule: how a neuron's gate and up products become the coefficient of its down vector. Written once, as
-Numba scalar functions for the kernels and their numpy twin for the dense model (model.FeedForward).
+"""The gating rule: how a neuron's gate and up vectors become the coefficient of its down vector. Written once, in
+Numba (`coefficient`), and called by every kernel that computes one: the sparse FFN over bundles (ffn.sparse), the
+blocks' gate|up rows (ffn.quant, ffn.split), the dense FFN over a GGUF's matrices and its experts, and the products
+of the whole-layer and reference FFNs (coefficients_of_products: ffn.quant.QuantSparseFFN.dense, ffn.dense). The
+tests hold its numpy twin (tests/glu_twin.py), in float64.
 
   GLU: coefficient = act(gate) * up          MLP (OPT): coefficient = act(up)
   act: silu, gelu_tanh (GeGLU, Gemma), or relu (dReLU: relu on the gate, and 0 unless up > 0 too)
   FATReLU: an activation act(gate) <= threshold counts as zero; then the neuron's up vector need not be read at all.
   SiLU and GELU have no threshold (threshold_of: -inf): both go negative; for ReLU the default 0 is exactly ReLU.
 
-The kernels call gate_activation first and skip the up product when it is 0 (nothing fired), then glu_coefficient.
+A neuron that did not fire has coefficient 0 and its up vector is not read.
 """
 from __future__ import annotations
 
 import math
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
 from storage.errors import UserError
+from flashinfer_lite.kernels.rows import dot, scalar
+from flashinfer_lite.quant import act8_dot, act_dot
 
 ACT_RELU, ACT_SILU, ACT_DRELU, ACT_GELU_TANH = 0, 1, 2, 3
 ACT_CODES = {"relu": ACT_RELU, "silu": ACT_SILU, "drelu": ACT_DRELU, "gelu_tanh": ACT_GELU_TANH}
@@ -62,23 +68,59 @@ def glu_coefficient(code, a, u):
     return a * u
 
 
-def silu(x: np.ndarray) -> np.ndarray:
-    # Written via exp(-|x|) so large |x| neither overflows nor loses the tail.
-    e = np.exp(-np.abs(x))
-    return np.where(x >= 0, x / (1.0 + e), x * e / (1.0 + e))
+def product(v, X, xa, t, kind):
+    """v . x, x = X[t] (X 2-D) or X (1-D: a row already picked, xa then its act8_row): v a vector of float32,
+    float16 bits or int8 elements, or GGUF blocks (uint8, `kind` the block format's code; xa: x's 8-bit blocks,
+    quant.act8_buffers, or empty); or the product itself, taken already (a float32). Resolved per type at compile
+    time, so every kernel shares one coefficient body."""
 
 
-def gelu_tanh(x: np.ndarray) -> np.ndarray:
-    return (0.5 * x * (1.0 + np.tanh(np.float32(GELU_C) * (x + np.float32(0.044715) * x * x * x)))).astype(x.dtype)
+@overload(product)
+def _product_impl(v, X, xa, t, kind):
+    if isinstance(v, types.Float):
+        return lambda v, X, xa, t, kind: v
+    if v.dtype == types.uint8:
+        if X.ndim == 1:
+            return lambda v, X, xa, t, kind: act8_dot(v, X, xa, kind)
+        return lambda v, X, xa, t, kind: act_dot(v, X, xa, t, kind)
+    if X.ndim == 1:
+        return lambda v, X, xa, t, kind: dot(v, X, v.shape[0])
+    return lambda v, X, xa, t, kind: dot(v, X[t], v.shape[0])
 
 
-def coefficients(act_name: str, g: np.ndarray, u: np.ndarray | None, threshold: float) -> np.ndarray:
-    """The numpy twin of gate_activation and glu_coefficient over whole arrays: g [T, n] the gate products (MLP: the up products), u
-    [T, n] the up products (None for MLP); threshold as threshold_of."""
-    code = act_code(act_name)
-    a = silu(g) if code == ACT_SILU else gelu_tanh(g) if code == ACT_GELU_TANH else np.maximum(g, 0.0)
-    if threshold > -np.inf:
-        a = np.where(a > threshold, a, 0.0).astype(g.dtype)
-    if u is None:
-        return a
-    return a * (np.maximum(u, 0.0) if code == ACT_DRELU else u)
+# Inlined into each kernel, so it computes with that kernel's floating-point flags (fastmath or not), as before it was
+# shared; the activation itself is always the one compiled above.
+@njit(cache=True, inline="always")
+def coefficient(first, up, fr, X, xa, t, glu, act, threshold, s_first, b_first, s_up, b_up, kind, up_kind,
+                act_threshold):
+    """The coefficient of one neuron on x (X, xa, t: as product's). GLU: f = first . x (the gate) and u = up . x;
+    MLP: f = first . x (its up vector), `up` unused. Each product times its scale and plus its bias, float32 slots
+    s_first, b_first, s_up, b_up of fr (-1: none). Then act(f) where it clears `threshold` (gate_activation), else 0
+    and u is not computed; GLU: times u (glu_coefficient); |c| <= act_threshold counts as 0 (the exact gate's
+    calibrated magnitude; -1: none)."""
+    a = gate_activation(act, product(first, X, xa, t, kind) * scalar(fr, s_first, 1.0) + scalar(fr, b_first, 0.0),
+                        threshold)
+    c = a
+    if glu and a != np.float32(0.0):
+        c = glu_coefficient(act, a, product(up, X, xa, t, up_kind) * scalar(fr, s_up, 1.0) + scalar(fr, b_up, 0.0))
+    return np.float32(0.0) if abs(c) <= act_threshold else c
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def coefficients_of_products(g, u, F, glu, act, threshold, b_gate, b_up):
+    """u[t, j] = the coefficient of neuron j from its products g = X G^T (GLU; MLP: unused) and u = X U^T (in place),
+    each plus its bias at slot b_gate / b_up of F[j] (float32 [n, slots]; -1: none)."""
+    for t in range(u.shape[0]):
+        for j in range(u.shape[1]):
+            first = g[t, j] if glu else u[t, j]
+            u[t, j] = coefficient(first, u[t, j], F[j], u, u, t, glu, act, threshold, -1, b_gate if glu else b_up, -1,
+                                  b_up, 0, 0, np.float32(-1.0))
+
+
+def activations(act: str, g: np.ndarray | None, u: np.ndarray, threshold) -> np.ndarray:
+    """The coefficients [T, n] of the products g (GLU's gate; None: MLP) and u [T, n], biases added (a new array)."""
+    a = np.array(u, dtype=np.float32, order="C")
+    gg = a if g is None else np.ascontiguousarray(g, dtype=np.float32)
+    F = np.zeros((a.shape[1], 0), np.float32)
+    coefficients_of_products(gg, a, F, g is not None, act_code(act), np.float32(threshold), -1, -1)
+    return a

@@ -26,8 +26,8 @@ from flashinfer_lite.quant import (COL_RUN_MAX, DOT8_ROWS, KINDS, Q4_K, QuantMat
                                    row_dequant, row_dot8, row_dot8k, rows_dot8, rows_dot8k)
 from storage import columns
 
-from .gating import act_code, gate_activation, glu_coefficient, threshold_of
-from .sparse import OUT_BLOCK, SparseFFN, coefficient
+from .gating import act_code, coefficient, coefficients_of_products, threshold_of
+from .sparse import OUT_BLOCK, SparseFFN
 
 # QuantSparseFFN.dense: up to this many rows, the row kernel per row (the layer's blocks read once per row); more
 # (a prompt): widened blocks + BLAS, which read them once for all rows
@@ -148,17 +148,6 @@ def quant_ffn_accumulate_rows(B, F, slots, coef, Y, down_at, kind, weights, bloc
             Y[t0 + i, lo:lo + m] = acc[i]
 
 
-@njit(cache=True, nogil=True)
-def gate_up_coefficient(g, u, fr, act, threshold, s_gate, s_up, bg, bu, act_threshold):
-    """ffn.sparse.coefficient's rule (GLU) on the neuron's gate and up dot products g, u (fr: its row's float32
-    view), then |c| <= act_threshold counts as 0. u is used only when the gate fired."""
-    a = gate_activation(act, g * scalar(fr, s_gate, 1.0) + scalar(fr, bg, 0.0), threshold)
-    c = a
-    if a != np.float32(0.0):
-        c = glu_coefficient(act, a, u * scalar(fr, s_up, 1.0) + scalar(fr, bu, 0.0))
-    return np.float32(0.0) if abs(c) <= act_threshold else c
-
-
 # Neurons per task of quant_gate_coefficients: their gate|up rows stay in L1 while x passes by, DOT8_ROWS rows at once
 GATE_TILE_NEURONS = 16
 
@@ -194,8 +183,8 @@ def quant_gate_coefficients(H, Hf, X, xa, coef, rb, up_at, up_rb, kind, up_kind,
                 else:
                     rows_dot8(H[j, up_at:up_at + up_rb], xq, xd, xs, xl, d, t0, u, up_kind)
                 for i in range(DOT8_ROWS):
-                    coef[t0 + i, j] = gate_up_coefficient(g[i], u[i], Hf[j], act, threshold, s_gate, s_up, bg, bu,
-                                                          act_threshold)
+                    coef[t0 + i, j] = coefficient(g[i], u[i], Hf[j], X, xa, t0 + i, True, act, threshold, s_gate, bg,
+                                                  s_up, bu, kind, up_kind, act_threshold)
         for t in range(full, T):
             for j in range(j0, j1):
                 gate, up = H[j, :rb], H[j, up_at:up_at + up_rb]
@@ -203,7 +192,8 @@ def quant_gate_coefficients(H, Hf, X, xa, coef, rb, up_at, up_rb, kind, up_kind,
                       row_dot8(gate, xa[0][t], xa[1][t], xa[2][t], xa[3][t], kind))
                 ut = (row_dot8k(up, xa[4][t], xa[5][t], xa[6][t], up_kind) if up_kind >= Q4_K else
                       row_dot8(up, xa[0][t], xa[1][t], xa[2][t], xa[3][t], up_kind))
-                coef[t, j] = gate_up_coefficient(gt, ut, Hf[j], act, threshold, s_gate, s_up, bg, bu, act_threshold)
+                coef[t, j] = coefficient(gt, ut, Hf[j], X, xa, t, True, act, threshold, s_gate, bg, s_up, bu, kind,
+                                         up_kind, act_threshold)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -253,7 +243,8 @@ def quant_dense_ffn_row(H, Hf, D, X, xa, t, y, coef, partial, rb, glu, act, thre
         for j in range(p * n // P, (p + 1) * n // P):
             prefetch_ahead(H, j, 0, H.shape[1])
             prefetch_ahead(D, j, 0, D.shape[1])
-            c = coefficient(H[j], Hf[j], X, xa, t, rb, glu, act, threshold, rb, -1, -1, bg, bu, kind, up_rb, up_kind)
+            c = coefficient(H[j, :rb], H[j, rb:rb + up_rb], Hf[j], X, xa, t, glu, act, threshold, -1,
+                            bg if glu else bu, -1, bu, kind, up_kind, np.float32(-1.0))
             coef[j] = c
             if c != np.float32(0.0):
                 if s_neuron >= 0:
@@ -266,10 +257,10 @@ def quant_dense_ffn_row(H, Hf, D, X, xa, t, y, coef, partial, rb, glu, act, thre
 
 
 @njit(cache=True, nogil=True)
-def dequantize_dense_layer(H, Hf, D, lo, G, U, Dw, bias_g, bias_u, rb, glu, kind, bg, bu, down_kind, up_rb, up_kind,
-                           s_neuron, S):
+def dequantize_dense_layer(H, Hf, D, lo, G, U, Dw, bias, rb, glu, kind, bg, bu, down_kind, up_rb, up_kind, s_neuron,
+                           S):
     """Neurons lo .. lo + len(Dw) widened to float32 rows: gate G (GLU only), up U, down Dw; their gate and up
-    biases (0 where there are none). Kinds and row bytes as quant_dense_ffn_row's."""
+    biases bias[r] (0 where there are none). Kinds and row bytes as quant_dense_ffn_row's."""
     for r in range(Dw.shape[0]):
         row = H[lo + r]
         if glu:
@@ -281,21 +272,8 @@ def dequantize_dense_layer(H, Hf, D, lo, G, U, Dw, bias_g, bias_u, rb, glu, kind
             col_dequant(D, lo + r, 0, Dw[r], down_kind, np.int64(Hf[lo + r, s_neuron]), S)
         else:
             row_dequant(D[lo + r], Dw[r], down_kind)
-        bias_g[r] = scalar(Hf[lo + r], bg, 0.0)
-        bias_u[r] = scalar(Hf[lo + r], bu, 0.0)
-
-
-@njit(cache=True, fastmath=True, nogil=True)
-def ffn_coefficients_from_products(g, u, bias_g, bias_u, glu, act, threshold):
-    """u[t, j] = the coefficient of neuron j from its products g = X G^T, u = X U^T (in place): ffn.sparse.coefficient's
-    rule on precomputed dot products."""
-    for t in range(u.shape[0]):
-        for j in range(u.shape[1]):
-            if glu:
-                a = gate_activation(act, g[t, j] + bias_g[j], threshold)
-                u[t, j] = glu_coefficient(act, a, u[t, j] + bias_u[j]) if a != np.float32(0.0) else a
-            else:
-                u[t, j] = gate_activation(act, u[t, j] + bias_u[j], threshold)
+        bias[r, 0] = scalar(Hf[lo + r], bg, 0.0)
+        bias[r, 1] = scalar(Hf[lo + r], bu, 0.0)
 
 
 def dense_geometry(g) -> tuple[int, int]:
@@ -405,17 +383,17 @@ class QuantSparseFFN(SparseFFN):
         block = max(1, min(n, WIDEN_BLOCK_BYTES // (4 * d)))
         if self._widened is None or self._widened[0].shape[0] != block:
             self._widened = (np.empty((block, d), np.float32), np.empty((block, d), np.float32),
-                             np.empty((block, d), np.float32), np.empty(block, np.float32), np.empty(block, np.float32))
-        G, U, Dw, bg, bu = self._widened
+                             np.empty((block, d), np.float32), np.empty((block, 2), np.float32))
+        G, U, Dw, bias = self._widened
         Y[:] = 0.0
         for lo in range(0, n, block):
             m = min(block, n - lo)
-            dequantize_dense_layer(H, Hf, D, lo, G[:m], U[:m], Dw[:m], bg[:m], bu[:m], self.row_bytes, self.glu,
+            dequantize_dense_layer(H, Hf, D, lo, G[:m], U[:m], Dw[:m], bias[:m], self.row_bytes, self.glu,
                                    self.kind.code, layer.bg, layer.bu, self.down_kind.code, self.up_len, self.up_kind,
                                    layer.neuron, self.S)
             a = (Xu if self.glu else Xf) @ U[:m].T                    # [T, m], then the coefficients in place
-            ffn_coefficients_from_products(Xf @ G[:m].T if self.glu else a, a, bg[:m], bu[:m], self.glu,
-                                           self.act_code, self.relu_threshold)
+            coefficients_of_products(Xf @ G[:m].T if self.glu else a, a, bias[:m], self.glu, self.act_code,
+                                     self.relu_threshold, 0, 1)
             Y += a @ Dw[:m]
 
 
@@ -444,21 +422,18 @@ def sparse_ffns(layout, down_scales=None, **kw) -> list[SparseFFN]:
 
 
 @njit(cache=True, fastmath=True, nogil=True, inline="always")
-def ffn_coefficients(Wg, Wu, X, xa, t, a, aa, lo, hi, glu, act, threshold, kind_g, kind_u):
+def dense_coefficients(Wg, Wu, X, xa, t, a, aa, lo, hi, glu, act, threshold, kind_g, kind_u):
     """The first pass of a quantized FFN on X[t] (xa: act8_buffers of X, row t filled, or empty), for neurons lo ..
-    hi (whole blocks of the down rows): the coefficients a[j] from Wg[j].x and Wu[j].x (MLP: Wu[j].x; ffn.gating),
+    hi (whole blocks of the down rows): the coefficients a[j] from Wg[j] and Wu[j] (MLP: Wg is Wu; ffn.gating),
     then their 8-bit blocks into aa (a 1-D act8_row tuple for a, or empty)."""
     x, xr = X[t], act8_row(xa, t)           # once, not per row (act8_dot)
+    none = a[:0]                            # no scales, no biases
     for j in range(lo, hi):
         prefetch_ahead(Wu, j, 0, Wu.shape[1])
         if glu:
             prefetch_ahead(Wg, j, 0, Wg.shape[1])
-            v = gate_activation(act, act8_dot(Wg[j], x, xr, kind_g), threshold)
-            if v != np.float32(0.0):
-                v = glu_coefficient(act, v, act8_dot(Wu[j], x, xr, kind_u))
-        else:
-            v = gate_activation(act, act8_dot(Wu[j], x, xr, kind_u), threshold)
-        a[j] = v
+        a[j] = coefficient(Wg[j], Wu[j], none, x, xr, 0, glu, act, threshold, -1, -1, -1, -1, kind_g, kind_u,
+                           np.float32(-1.0))
     quantize_act1(a[lo:hi], act8_slice(aa, lo, hi))
 
 
@@ -475,13 +450,13 @@ def ffn_down(Wd, a, aa, y, lo, hi, kind_d):
 def quant_ffn_row(Wg, Wu, Wd, x, xa, t, a, aa, y, tasks, glu, act, threshold, kind_g, kind_u, kind_d, down_weights):
     """y = Wd @ a with a[j] the coefficient of neuron j from Wg[j].x and Wu[j].x (MLP: Wu[j].x; ffn.gating), x = x[t]
     (xa: act8_buffers of x: row t filled here, or empty; aa: 8-bit blocks of a, filled here, or empty). Two parallel
-    passes of `tasks` tasks each: the coefficients of ranges of whole blocks of neurons (ffn_coefficients, blocks of
+    passes of `tasks` tasks each: the coefficients of ranges of whole blocks of neurons (dense_coefficients, blocks of
     down_weights), then ranges of the down rows (ffn_down)."""
     quantize_act1(x[t], act8_row(xa, t))
     n, d = Wu.shape[0], Wd.shape[0]
     nb = n // down_weights
     for p in prange(tasks):
-        ffn_coefficients(Wg, Wu, x, xa, t, a, aa, p * nb // tasks * down_weights, (p + 1) * nb // tasks * down_weights,
+        dense_coefficients(Wg, Wu, x, xa, t, a, aa, p * nb // tasks * down_weights, (p + 1) * nb // tasks * down_weights,
                          glu, act, threshold, kind_g, kind_u)
     for p in prange(tasks):
         ffn_down(Wd, a, aa, y, p * d // tasks, (p + 1) * d // tasks, kind_d)
@@ -501,7 +476,7 @@ def quant_experts_rows(S, X, xa, rows, slots, dest, A, aa, O, tasks, at_g, at_u,
     if tasks == 0:
         for q in prange(Q):
             s = S[slots[q]]
-            ffn_coefficients(s[at_g:at_g + n * rb_g].reshape((n, rb_g)), s[at_u:at_u + n * rb_u].reshape((n, rb_u)),
+            dense_coefficients(s[at_g:at_g + n * rb_g].reshape((n, rb_g)), s[at_u:at_u + n * rb_u].reshape((n, rb_u)),
                              X, xa, rows[q], A[q], act8_row(aa, q), 0, nb * down_weights, True, act, threshold,
                              kind_g, kind_u)
             ffn_down(s[at_d:at_d + d * rb_d].reshape((d, rb_d)), A[q], act8_row(aa, q), O[dest[q]], 0, d, kind_d)
@@ -509,7 +484,7 @@ def quant_experts_rows(S, X, xa, rows, slots, dest, A, aa, O, tasks, at_g, at_u,
     for task in prange(Q * tasks):
         q, p = task // tasks, task % tasks
         s = S[slots[q]]
-        ffn_coefficients(s[at_g:at_g + n * rb_g].reshape((n, rb_g)), s[at_u:at_u + n * rb_u].reshape((n, rb_u)), X,
+        dense_coefficients(s[at_g:at_g + n * rb_g].reshape((n, rb_g)), s[at_u:at_u + n * rb_u].reshape((n, rb_u)), X,
                          xa, rows[q], A[q], act8_row(aa, q), p * nb // tasks * down_weights,
                          (p + 1) * nb // tasks * down_weights, True, act, threshold, kind_g, kind_u)
     for task in prange(Q * tasks):

@@ -18,54 +18,22 @@ this: budget, overlap, pieces and prefill streaming all give the same output, te
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange, types
-from numba.extending import overload
+from numba import njit, prange
 
 from storage.errors import UserError
 from flashinfer_lite.kernels.f16 import f32_at
 from flashinfer_lite.kernels.prefetch import prefetch_piece
-from flashinfer_lite.kernels.rows import dot, scalar
-from flashinfer_lite.quant import act8_buffers, act_dot, quantize_act_rows
+from flashinfer_lite.kernels.rows import scalar
+from flashinfer_lite.quant import act8_buffers, quantize_act_rows
 from storage.format import BundleGeometry
 
-from .gating import ACT_DRELU, act_code, gate_activation, glu_coefficient, threshold_of
+from .gating import ACT_DRELU, act_code, coefficient, threshold_of
 
 STORAGE_VIEWS = {"f32": np.float32, "f16": np.uint16, "int8": np.int8}  # dtype name -> view of B the kernel reads
 
 # Output elements per task of the down accumulation: a constant (not the thread count), so that every element is
 # summed by the same loop code in the same order whatever -t is.
 OUT_BLOCK = 64
-
-
-def vector_dot(v, X, xa, t, n, kind):
-    """v . X[t] for one bundle vector v: n elements of float32, float16 bits or int8, or GGUF blocks (uint8: n bytes,
-    as many weights as X has columns, `kind` the block format's code; xa: X's 8-bit blocks, quant.act8_buffers, or
-    empty). Resolved per row type at compile time, so the float and the quantized FFN share one coefficient body."""
-
-
-@overload(vector_dot)
-def _vector_dot_impl(v, X, xa, t, n, kind):
-    if v.dtype == types.uint8:
-        return lambda v, X, xa, t, n, kind: act_dot(v, X, xa, t, kind)
-    return lambda v, X, xa, t, n, kind: dot(v, X[t], n)
-
-
-@njit(cache=True, fastmath=True)
-def coefficient(wr, fr, X, xa, t, n, glu, act, threshold, up_at, s_first, s_up, bg, bu, kind, up_n, up_kind):
-    """The coefficient of the neuron in row wr (its stored type; fr: its float32 view) on X[t] (xa: X's 8-bit blocks
-    or empty: vector_dot), by ffn.gating's rule.
-    wr[:n] is the first vector (GLU: gate, MLP: up) in block format `kind`, GLU's up vector wr[up_at:up_at + up_n]
-    in up_kind (blocks: a bundle's gate and up may differ, as in llama.cpp's mixtures); s_first, s_up, bg, bu:
-    float32 slots (-1: none) of the first vector's scale, up's scale, the gate and up biases."""
-    if glu:
-        g = vector_dot(wr[:n], X, xa, t, n, kind) * scalar(fr, s_first, 1.0) + scalar(fr, bg, 0.0)
-        a = gate_activation(act, g, threshold)
-        if a == np.float32(0.0):          # did not fire: the up vector is not read
-            return a
-        u = vector_dot(wr[up_at:up_at + up_n], X, xa, t, up_n, up_kind) * scalar(fr, s_up, 1.0) + scalar(fr, bu, 0.0)
-        return glu_coefficient(act, a, u)
-    return gate_activation(act, vector_dot(wr[:n], X, xa, t, n, kind) * scalar(fr, s_first, 1.0) + scalar(fr, bu, 0.0),
-                           threshold)
 
 
 # nogil: flash reads run in Python threads while these compute the rows already cached.
@@ -93,10 +61,8 @@ def ffn_coefficients(W, F, slots, js, X, xa, sel, coef, n, glu, act, threshold, 
         for t in range(X.shape[0]):
             c = np.float32(0.0)
             if sel[t, j]:
-                c = coefficient(wr, fr, X, xa, t, n, glu, act, threshold, up_at, s_first, s_up, bg, bu, kind, up_n,
-                                up_kind)
-                if abs(c) <= act_threshold:
-                    c = np.float32(0.0)
+                c = coefficient(wr[:n], wr[up_at:up_at + up_n], fr, X, xa, t, glu, act, threshold, s_first,
+                                bg if glu else bu, s_up, bu, kind, up_kind, act_threshold)
             coef[t, j] = c
 
 
