@@ -40,10 +40,11 @@ from .ffn.split import SplitKernels, SplitRows
 from .kernels.attention import attention_rows
 from .kernels.gemv import MATMUL_ROW_KERNEL_MAX_T, WIDEN_BLOCK_BYTES, matmul_t
 from .kernels.norm import add_rms_norm_rows, rms_norm_rows
-from .model import ATTENTION_TILE_ROWS, PREFILL_CHUNK_ROWS, ExpertBatch, KVCache, MixtureOfExperts, ModelConfig
+from .model import ATTENTION_TILE_ROWS, PREFILL_CHUNK_ROWS, KVCache, ModelConfig
+from .ffn.dense import ExpertBatch, MixtureOfExperts
 from .neuron_cache import MAP_BYTES_PER_NEURON, NeuronCache, select_hot, staging_rows
 from .process import cgroup_room, rss_bytes
-from .quant import BLOCK, COLUMN_SCALES_F16, QuantMatrix, quant_matmul_t, quantize, row_bytes
+from .kernels.blocks import BLOCK, COLUMN_SCALES_F16, QuantMatrix, quant_matmul_t, quantize, row_bytes
 
 # per window row: neuron_at int32 + ring int32 x window + miss ids/slots int64 x 2 + holes int64
 ROW_OVERHEAD_BYTES = 4 + 16 + 8
@@ -329,7 +330,7 @@ def prefill_transient_bytes(cfg: ModelConfig, ctx: int, gate: bool = False) -> i
       rows       per token: the residual stream and its normed copies, q/k/v and their rotated copies, the attention
                  output (~8 x d + 3 x (H + 2 Hkv) x hd), the FFN's rows of neurons (predictor scores, masks,
                  coefficients or the dense FFN's activations: ~4 x n), and one product's input in 8-bit blocks
-                 (quant.act8_of: both block sizes, and the prompt's BLAS copy of the rounded values: < 8 bytes a value
+                 (blocks.act8_of: both block sizes, and the prompt's BLAS copy of the rounded values: < 8 bytes a value
                  of the longer of d and n). gate: ffn.gate.GateFFN's rows of neurons are its coefficients (float32),
                  the kernel's row selection and the rows' any-mask (a byte each), and its 8-bit input is x's (d)
       attention  the layer's keys and values widened [ctx, Hkv, hd] x 2, one tile's scores [g x tile, ctx] and its
@@ -497,7 +498,7 @@ def resident_steps(layout) -> list:
 
 
 def expert_steps(layout) -> list:
-    """compile_steps of a mixture of experts (ffn.experts.ExpertFFN): model.MixtureOfExperts over one zeroed chunk,
+    """compile_steps of a mixture of experts (ffn.experts.ExpertFFN): ffn.dense.MixtureOfExperts over one zeroed chunk,
     for a decoded token and a prompt's rows; split chunks through the exact gate's kernels (ffn.split.SplitKernels)."""
     E, cfg = layout.experts, ModelConfig.from_dict(layout.config)
     chunk = np.zeros((1, E.chunk), np.uint8)
@@ -643,9 +644,9 @@ def compiled_stamp(layout):
 
     import numba
 
-    here = Path(__file__).parent      # every module holding a kernel: kernels/, ffn/, the block formats, the cache
-    files = [*sorted((here / "kernels").glob("*.py")), *sorted((here / "ffn").glob("*.py")), here / "quant.py",
-             here / "neuron_cache.py", Path(__file__)]
+    here = Path(__file__).parent      # every module holding a kernel: kernels/ (the block formats too), ffn/, the cache
+    files = [*sorted((here / "kernels").glob("*.py")), *sorted((here / "ffn").glob("*.py")), here / "neuron_cache.py",
+             Path(__file__)]
     key = [numba.__version__, sys.version, *[(str(f.relative_to(here)), f.stat().st_mtime_ns, f.stat().st_size)
                                              for f in files],
            layout.d % BLOCK == 0, layout.dtype, layout.down_dtype, layout.vectors, layout.biases, bool(layout.parts),

@@ -1,6 +1,6 @@
 """Building a model to run: from a model path, --ffn, --dram-budget and -c to a Transformer with its FFN source.
 
-  dense      every neuron, weights in DRAM (model.FeedForward; a quantized FLASHDIR: ffn.resident.ResidentFFN)
+  dense      every neuron, weights in DRAM (ffn.dense.FeedForward; a quantized FLASHDIR: ffn.resident.ResidentFFN)
   oracle     the neurons whose true activation is nonzero (ReLU) or clears the calibrated threshold (SwiGLU);
              needs the dense gate/up weights to know that, so it is a test mode, not a memory-saving one
   predicted  the neurons the low-rank predictor selects, read from flash (ffn.flash.FlashFFN): the product for
@@ -51,10 +51,11 @@ from .ffn.flash import FlashFFN
 from .ffn.gate import CALIBRATION_CTX, CALIBRATION_TOKENS, GateFFN, LayerMagnitudes, measure_thresholds
 from .ffn.resident import ResidentFFN
 from .loader import load_weights, open_any
-from .model import FeedForward, Transformer
+from .model import Transformer
+from .ffn.dense import FeedForward
 from .predictor_set import describe_calibration, load_expert_freq, load_predictors, read_manifest
 from .process import keep_freed_arrays_out_of_rss, return_freed_heap
-from .quant import set_act8
+from .kernels.blocks import set_act8
 from .threads import set_threads, step_counts
 
 # auto: a gated (SiLU, GELU) model with the split layout: gate at every budget; a mixture of experts: experts from
@@ -576,7 +577,7 @@ def load(path: str | None = None, dram_budget: int | str | None = "auto", ffn: s
     predictors trained, on first use). dram_budget: bytes, a size string ("300M"), "auto" (the default: what the
     machine can give) or None (no limit); ffn as the CLI's --ffn; ctx 0: the model's default context. act8: the dot
     products with weights in 32-weight blocks (q4_0, q4_1, q5_0, q5_1, q8_0) round x to 8 bits as llama.cpp does
-    (faster); False keeps x float32, the float math on the dequantized weights (quant.set_act8: for the process)."""
+    (faster); False keeps x float32, the float math on the dequantized weights (blocks.set_act8: for the process)."""
     t0 = time.perf_counter()
     one_blas_thread()
     set_threads(threads)

@@ -1,4 +1,4 @@
-"""The numpy twin of ffn.gating's rule, in float64: the oracle the Numba rule is checked against (tests only)."""
+"""The numpy twin of kernels.neurons's rule, in float64: the oracle the Numba rule is checked against (tests only)."""
 from __future__ import annotations
 
 import numpy as np

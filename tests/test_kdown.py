@@ -6,7 +6,7 @@ manifest, runtime in every mode, every budget) is tests/test_kquant.py's mixed G
 import numpy as np
 import pytest
 
-from flashinfer_lite import quant
+from flashinfer_lite.kernels import blocks as quant
 from storage import columns
 from storage.errors import UserError
 from test_kquant import gguf_dequant, random_matrix

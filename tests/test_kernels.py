@@ -14,7 +14,7 @@ import pytest
 from numba import njit
 
 from storage.errors import UserError
-from flashinfer_lite.ffn.gating import activations
+from flashinfer_lite.kernels.neurons import activations
 from flashinfer_lite.ffn.sparse import SparseFFN
 from flashinfer_lite.kernels.f16 import (HAS_F16C, f16_bits_to_f32_f16c, f16_bits_to_f32_portable, f32_to_f16_bits_f16c,
                                          f32_to_f16_bits_portable)
@@ -137,7 +137,7 @@ def scatter_rows(rng, bundles, extra):
 @pytest.mark.parametrize("act", ["relu", "drelu", "silu", "gelu_tanh"])
 @pytest.mark.parametrize("glu", [True, False])
 def test_the_glu_rule_is_its_float64_twin(act, glu):
-    """ffn.gating.coefficient (through coefficients_of_products, as the dense FFN and the prompts' BLAS path call it)
+    """kernels.neurons.coefficient (through coefficients_of_products, as the dense FFN and the prompts' BLAS path call it)
     against the float64 twin (tests/glu_twin.py) on products over a wide range, with and without a FATReLU threshold:
     the same neurons fire and each coefficient is within float32 rounding of the twin's."""
     if act == "drelu" and not glu:

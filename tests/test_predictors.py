@@ -50,7 +50,7 @@ def test_collect_records_what_the_dense_model_computes(stories):
     """The stored rows are the dense FFN's inputs and |activations|: recompute |a| from x with the source weights."""
     from storage.checkpoint import open_checkpoint
     from flashinfer_lite.loader import load_weights
-    from flashinfer_lite.model import FeedForward
+    from flashinfer_lite.ffn.dense import FeedForward
     from predictors.acts import Acts
     acts = Acts(stories["acts"])
     ckpt = open_checkpoint(STORIES)

@@ -19,7 +19,7 @@ from storage.stats import FlashStats
 from storage.config import ModelConfig
 from ..neuron_cache import NeuronCache, staging_rows
 from ..threads import beside_reads
-from .gating import threshold_of
+from ..kernels.neurons import threshold_of
 from .quant import sparse_ffns
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 
 from storage import columns
-from ..quant import K_KINDS, KINDS, act8_buffers, column_tables
-from .gating import act_code, threshold_of
-from .quant import quant_ffn_accumulate, quant_ffn_accumulate_rows, quant_gate_coefficients
-from .sparse import OUT_BLOCK, STORAGE_VIEWS, ffn_accumulate, ffn_coefficients
+from ..kernels.blocks import K_KINDS, KINDS, act8_buffers, column_tables
+from ..kernels.neurons import (OUT_BLOCK, act_code, ffn_accumulate, ffn_coefficients, quant_ffn_accumulate,
+                               quant_ffn_accumulate_rows, quant_gate_coefficients, threshold_of)
+from .sparse import STORAGE_VIEWS
 
 
 class SplitKernels:

@@ -7,5 +7,5 @@
   attention a decode step's attention over the float16 KV cache
   norm      RMSNorm and the residual add fused with it
 
-The FFN's kernels live with the FFN (flashinfer_lite/ffn/); those on GGUF blocks in flashinfer_lite/quant.py.
+The FFN's kernels live with the FFN (flashinfer_lite/ffn/); those on GGUF blocks in flashinfer_lite/kernels/blocks.py.
 """
