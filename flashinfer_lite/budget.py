@@ -36,7 +36,7 @@ from storage.reader import MAX_READ_BYTES, aligned_empty, bundle_reader, parts_s
 from storage.errors import UserError
 from .ffn.experts import expert_ffn, stacks
 from .ffn.quant import DENSE_ROW_KERNEL_MAX_T, dense_row_bytes, sparse_ffn
-from .ffn.split import SplitKernels, SplitRows
+from .ffn.flash import SplitKernels, SplitRows
 from .kernels.attention import attention_rows
 from .kernels.gemv import MATMUL_ROW_KERNEL_MAX_T, WIDEN_BLOCK_BYTES, matmul_t
 from .kernels.norm import add_rms_norm_rows, rms_norm_rows
@@ -258,14 +258,14 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
 
 def plan_gate(config, layout, dram_budget_bytes: int, ctx: int, window: int, sparsity: float,
               layers: int | None = None, parts: dict | None = None, **kw) -> BudgetPlan:
-    """The exact-gate FFN's plan (ffn.gate.GateFFN): layout a FlashLayout with the split parts. Every token needs every
+    """The exact-gate FFN's plan (ffn.flash.ExactGate): layout a FlashLayout with the split parts. Every token needs every
     layer's gate|up rows, so they come first: all layers resident when the budget holds them with the minimum
     down-row window, else as many layers as fit, from the first, and the others streamed through the buffers of a
     stream (stream_transient_bytes; what is read then is said by the runtime). The rest is plan_budget's for the
     down rows (window and hot region), with the active count of `sparsity` as its expected set. layers: plan exactly
     this many layers' rows resident (no search; 0: the plan's smallest). parts: the split parts when the layout does
     not carry them (layout.make_part, before conversion). kw: plan_budget's; the streams' settings default to the
-    device's (GateFFN streams down rows at every budget below the FFN)."""
+    device's (the exact gate streams down rows at every budget below the FFN)."""
     parts = layout.parts if parts is None else parts
     gu, dn = parts["gate_up"], parts["down"]
     if not kw.get("stream_chunk_bytes"):
@@ -331,7 +331,7 @@ def prefill_transient_bytes(cfg: ModelConfig, ctx: int, gate: bool = False) -> i
                  output (~8 x d + 3 x (H + 2 Hkv) x hd), the FFN's rows of neurons (predictor scores, masks,
                  coefficients or the dense FFN's activations: ~4 x n), and one product's input in 8-bit blocks
                  (blocks.act8_of: both block sizes, and the prompt's BLAS copy of the rounded values: < 8 bytes a value
-                 of the longer of d and n). gate: ffn.gate.GateFFN's rows of neurons are its coefficients (float32),
+                 of the longer of d and n). gate: ffn.flash.ExactGate's rows of neurons are its coefficients (float32),
                  the kernel's row selection and the rows' any-mask (a byte each), and its 8-bit input is x's (d)
       attention  the layer's keys and values widened [ctx, Hkv, hd] x 2, one tile's scores [g x tile, ctx] and its
                  mask (float64 + float32 + bool: model.attention_mask) [tile, ctx]
@@ -415,7 +415,7 @@ def compile_kernels(layout, steps: list[int] | None = None, source: str | None =
 
 def compile_steps(layout, source: str | None = None) -> list:
     """compile_kernels' work in pieces that compile_in_child can give one child process each (the compiler's memory
-    grows with what one process compiles). source "gate": only what ffn.gate.GateFFN's runs use (not the bundle FFN's
+    grows with what one process compiles). source "gate": only what ffn.flash.ExactGate's runs use (not the bundle FFN's
     nor the in-RAM FFN's kernels: loaded, they would add 7.6 MiB to SmolLM2's runtime line); None: every kernel."""
     if layout.experts is not None:
         return [*expert_steps(layout), *resident_steps(layout)]
@@ -447,7 +447,7 @@ def compile_steps(layout, source: str | None = None) -> list:
         for T in (1, DENSE_ROW_KERNEL_MAX_T + 1):
             kernel.dense(layer, np.zeros((T, layout.d), np.float32), np.zeros((T, layout.d), np.float32))
 
-    def gate():                 # ffn.gate.GateFFN: coefficients over gate|up rows, the down sum over down rows
+    def gate():                 # ffn.flash.ExactGate: coefficients over gate|up rows, the down sum over down rows
         gu, dn = layout.parts["gate_up"], layout.parts["down"]
         rows = SplitRows(gu.geometry_of(0), dn.geometry_of(0), layout.config.get("act", "silu"),
                          layout.config.get("relu_threshold"), scales and scales[0], gu.quantized)   # layer 0's
@@ -499,7 +499,7 @@ def resident_steps(layout) -> list:
 
 def expert_steps(layout) -> list:
     """compile_steps of a mixture of experts (ffn.experts.ExpertFFN): ffn.dense.MixtureOfExperts over one zeroed chunk,
-    for a decoded token and a prompt's rows; split chunks through the exact gate's kernels (ffn.split.SplitKernels)."""
+    for a decoded token and a prompt's rows; split chunks through the exact gate's kernels (ffn.flash.SplitKernels)."""
     E, cfg = layout.experts, ModelConfig.from_dict(layout.config)
     chunk = np.zeros((1, E.chunk), np.uint8)
     if E.split:

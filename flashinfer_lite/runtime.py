@@ -5,7 +5,7 @@
              needs the dense gate/up weights to know that, so it is a test mode, not a memory-saving one
   predicted  the neurons the low-rank predictor selects, read from flash (ffn.flash.FlashFFN): the product for
              ReLU-family models
-  gate       a GLU model's exact gate (ffn.gate.GateFFN): every neuron's act(gate.x) * up.x from gate|up rows in DRAM,
+  gate       a GLU model's exact gate (ffn.flash.ExactGate): every neuron's act(gate.x) * up.x from gate|up rows in DRAM,
              the calibrated threshold, the down rows of the neurons that clear it from flash; one function at every
              budget, and what --ffn auto runs for a gated (SiLU, GELU) model with the split layout
 
@@ -48,7 +48,7 @@ from .budget import (HEAP_SLACK_BYTES, BudgetPlan, auto_budget_bytes, down_scale
 from .default_model import default_model_path, ensure_default_model
 from .ffn.experts import ExpertFFN
 from .ffn.flash import FlashFFN
-from .ffn.gate import CALIBRATION_CTX, CALIBRATION_TOKENS, GateFFN, LayerMagnitudes, measure_thresholds
+from .ffn.gate import CALIBRATION_CTX, CALIBRATION_TOKENS, LayerMagnitudes, measure_thresholds
 from .ffn.resident import ResidentFFN
 from .loader import load_weights, open_any
 from .model import Transformer
@@ -517,17 +517,17 @@ def build(files: ModelFiles, decision: Decision, threads: int | None = None, pro
                            convert=half_matrix if ckpt.layout.dtype != "f32" else None)
     down_bias = [weights.get(f"layers.{i}.ffn.down.bias") for i in range(cfg.n_layers)]
     if decision.ffn == "gate":
-        runtime = GateFFN(cfg, ckpt.layout, decision.plan, files.gate, down_bias, threads=threads, verbose=verbose,
-                          down_scales=ckpt.down_scales_all())
+        runtime = FlashFFN.exact_gate(cfg, ckpt.layout, decision.plan, files.gate, down_bias, threads=threads,
+                                      verbose=verbose, down_scales=ckpt.down_scales_all())
         if verbose:
             print(runtime.reader.describe(), file=sys.stderr)
             print(runtime.stream.describe(stream_settings(ckpt.layout).source), file=sys.stderr)
         return Transformer(cfg, weights, ffn=runtime), files.tokenizer, runtime
     select = oracle_selector(cfg, ckpt, predictors) if decision.ffn == "oracle" else predictors.predict
-    runtime = FlashFFN(cfg, ckpt.layout, decision.plan, select, predictors,
-                       down_bias=[weights.get(f"layers.{i}.ffn.down.bias") for i in range(cfg.n_layers)],
-                       threads=threads, verbose=verbose, down_scales=ckpt.down_scales_all(),
-                       lookahead=lookahead_selector(cfg, weights, predictors) if decision.lookahead else None)
+    runtime = FlashFFN.predicted(cfg, ckpt.layout, decision.plan, select, predictors,
+                                 down_bias=[weights.get(f"layers.{i}.ffn.down.bias") for i in range(cfg.n_layers)],
+                                 threads=threads, verbose=verbose, down_scales=ckpt.down_scales_all(),
+                                 lookahead=lookahead_selector(cfg, weights, predictors) if decision.lookahead else None)
     if verbose:
         print(runtime.reader.describe(), file=sys.stderr)
         print(runtime.stream.describe(stream_settings(ckpt.layout).source), file=sys.stderr)

@@ -137,9 +137,9 @@ def scatter_rows(rng, bundles, extra):
 @pytest.mark.parametrize("act", ["relu", "drelu", "silu", "gelu_tanh"])
 @pytest.mark.parametrize("glu", [True, False])
 def test_the_glu_rule_is_its_float64_twin(act, glu):
-    """kernels.neurons.coefficient (through coefficients_of_products, as the dense FFN and the prompts' BLAS path call it)
-    against the float64 twin (tests/glu_twin.py) on products over a wide range, with and without a FATReLU threshold:
-    the same neurons fire and each coefficient is within float32 rounding of the twin's."""
+    """kernels.neurons.coefficient (through coefficients_of_products, as the dense FFN and the prompts' BLAS path
+    call it) against the float64 twin (tests/glu_twin.py) on products over a wide range, with and without a FATReLU
+    threshold: the same neurons fire and each coefficient is within float32 rounding of the twin's."""
     if act == "drelu" and not glu:
         pytest.skip("dReLU is gated")
     rng = np.random.default_rng(zlib.crc32(repr((act, glu)).encode()))

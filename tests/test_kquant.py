@@ -213,7 +213,7 @@ def test_mixed_gguf_runs_the_exact_gate(mixed_gguf, tmp_path, monkeypatch, float
     ids = np.random.default_rng(13).integers(3, 512, size=9).tolist()
     want_tokens, want = greedy(float64_gated_model(out, out, cal.thresholds), ids, 8)
     model, _, rt = load_runtime(out, "auto", ctx=64, runtime_bytes=0)
-    assert type(rt).__name__ == "GateFFN"
+    assert type(rt.selector).__name__ == "ExactGate"
     tokens, got = greedy(model, ids, 8)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
     assert tokens == want_tokens

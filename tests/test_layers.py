@@ -62,6 +62,20 @@ def test_import_graph_follows_the_floors():
     assert not bad, "\n".join(bad)
 
 
+def test_ffn_and_kernels_stay_below_planning():
+    """The FFN and its kernels compute; they do not plan: nothing under flashinfer_lite/ffn/ or kernels/ imports the
+    DRAM plan (budget) or the runtime's decisions (runtime, api), and the kernels import nothing of ffn/."""
+    bad = []
+    for name, path in modules():
+        if not name.startswith(("flashinfer_lite.ffn", "flashinfer_lite.kernels")):
+            continue
+        for target, line, _ in project_imports(name, path):
+            if target.startswith(("flashinfer_lite.budget", "flashinfer_lite.runtime", "flashinfer_lite.api")) or (
+                    name.startswith("flashinfer_lite.kernels") and target.startswith("flashinfer_lite.ffn")):
+                bad.append(f"{path.relative_to(REPO)}:{line} imports {target}")
+    assert not bad, "\n".join(bad)
+
+
 def fresh(code: str) -> str:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 0, r.stderr

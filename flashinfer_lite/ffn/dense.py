@@ -23,7 +23,8 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
 
 
 class FeedForward:
-    """Dense FFN: GLU y = a(x) Wd^T + bd with a = act(x Wg^T + bg) * (x Wu^T + bu); MLP y = act(x W1^T + b1) W2^T + b2."""
+    """Dense FFN: GLU y = a(x) Wd^T + bd with a = act(x Wg^T + bg) * (x Wu^T + bu);
+    MLP y = act(x W1^T + b1) W2^T + b2."""
 
     def __init__(self, cfg: ModelConfig, w: Mapping[str, np.ndarray], layer: int, prefix: str | None = None):
         p = f"layers.{layer}.ffn." if prefix is None else prefix    # prefix: one expert's (MixtureOfExperts)

@@ -10,7 +10,7 @@ each read as it lands with every other one already done. MixtureOfExperts sums t
 afterwards, so the bits never depend on what was cached or which experts shared a call.
 
 Split chunks (storage.experts: gate|up rows, then down columns) run the dense exact gate inside each expert
-(ffn.gate, the same kernels: ffn.split.SplitKernels): a miss reads the expert's gate|up rows into its slot, its
+(ffn.gate, the same kernels: ffn.flash.SplitKernels): a miss reads the expert's gate|up rows into its slot, its
 coefficients are computed, and only the down columns of the neurons whose |coefficient| clears the layer's threshold
 are read (the ones the slot does not hold yet), as coalesced runs, then summed in neuron order. A threshold of 0 is
 exact (only zero coefficients skipped: a ReLU-family expert's); where that skips nothing (a SiLU expert at 0) a miss
@@ -33,7 +33,7 @@ from storage.stats import FlashStats
 from .dense import ExpertBatch, FeedForward, MixtureOfExperts
 from ..kernels.blocks import QuantMatrix
 from ..kernels.neurons import QUANT_FFN_ACTS
-from .split import SplitKernels
+from .flash import SplitKernels
 
 
 def stacks(cfg: ModelConfig, E) -> bool:

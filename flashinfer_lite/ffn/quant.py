@@ -5,7 +5,8 @@ vector in its own block format (the bundle's geometry as storage.format.BundleGe
 elements). Its dense() computes a whole layer in RAM (DenseLayer, ffn.resident.ResidentFFN). quant_ffn: the dense
 FFN over a GGUF's QuantMatrix weights.
 The gate and up products (and quant_ffn's down products, rows along n) round x (the coefficients) to 8 bits where the
-kind has an 8-bit dot product (blocks.set_act8); the rest is float32 on the dequantized weights. The kernels: kernels.neurons.
+kind has an 8-bit dot product (blocks.set_act8); the rest is float32 on the dequantized weights.
+The kernels: kernels.neurons.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import numpy as np
 from storage import columns
 from storage.errors import UserError
 
-from ..kernels.blocks import KINDS, QuantMatrix, act8_buffers, act8_of, act8_rounded, act8_row, column_tables, quant_kind
+from ..kernels.blocks import (KINDS, QuantMatrix, act8_buffers, act8_of, act8_rounded, act8_row, column_tables,
+                              quant_kind)
 from ..kernels.gemv import WIDEN_BLOCK_BYTES
 from ..kernels.neurons import (DOWN_PARTIALS, DOWN_SPAN_OUTPUTS, EXPERT_TASKS, OUT_BLOCK, act_code,
                                coefficients_of_products, dequantize_dense_layer, quant_dense_ffn_row,

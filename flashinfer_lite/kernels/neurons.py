@@ -77,7 +77,8 @@ def gate_activation(code, g, threshold):
 
 @njit(cache=True, fastmath=True)
 def glu_coefficient(code, a, u):
-    """A GLU neuron's coefficient from its fired gate a (gate_activation) and up product u: a * u; dReLU: 0 unless u > 0."""
+    """A GLU neuron's coefficient from its fired gate a (gate_activation) and up product u: a * u; dReLU: 0 unless
+    u > 0."""
     if code == ACT_DRELU and not u > np.float32(0.0):
         return np.float32(0.0)
     return a * u
@@ -486,8 +487,8 @@ def quant_ffn_row(Wg, Wu, Wd, x, xa, t, a, aa, y, tasks, glu, act, threshold, ki
     n, d = Wu.shape[0], Wd.shape[0]
     nb = n // down_weights
     for p in prange(tasks):
-        dense_coefficients(Wg, Wu, x, xa, t, a, aa, p * nb // tasks * down_weights, (p + 1) * nb // tasks * down_weights,
-                         glu, act, threshold, kind_g, kind_u)
+        dense_coefficients(Wg, Wu, x, xa, t, a, aa, p * nb // tasks * down_weights,
+                           (p + 1) * nb // tasks * down_weights, glu, act, threshold, kind_g, kind_u)
     for p in prange(tasks):
         ffn_down(Wd, a, aa, y, p * d // tasks, (p + 1) * d // tasks, kind_d)
 
