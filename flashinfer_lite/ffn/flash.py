@@ -255,6 +255,11 @@ class FlashFFN:
         self._pass_lookups = 0   # hits + misses when the current forward pass began
         self._pass_streamed = False
 
+    @property
+    def predictors(self):
+        """The PredictorSet the selector asks (Predicted's, if it has one), else None."""
+        return getattr(self.selector, "predictors", None)
+
     @classmethod
     def predicted(cls, cfg: ModelConfig, layout, plan, select, predictors=None, down_bias=None,
                   threads: int | None = None, overlap: bool = True, lookahead=None, verbose: bool = False,
