@@ -121,8 +121,8 @@ class Worker:
             return g[None, :]
 
         t0 = time.perf_counter()
-        self.flash = FlashFFN(self.cfg, L, plan, replay, profile, overlap=not a.mode.endswith("-serial"),
-                              lookahead=guess if a.mode.endswith("-lookahead") else None)
+        self.flash = FlashFFN.predicted(self.cfg, L, plan, replay, profile, overlap=not a.mode.endswith("-serial"),
+                                        lookahead=guess if a.mode.endswith("-lookahead") else None)
         self.info.update(budget_bytes=budget, window_rows=plan.window_rows, overlap=self.flash.overlap,
                          hot_neurons=int(sum(len(self.flash.cache.hot(i)) for i in range(L.n_layers))),
                          max_active=max_active, hot_load_s=round(time.perf_counter() - t0, 3),

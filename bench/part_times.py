@@ -23,7 +23,7 @@ import harness as h  # first: flashinfer_lite sets the thread pools' variables b
 from flashinfer_lite.default_model import ensure_default_model
 from flashinfer_lite.generate import Sampler, Session, prompt_ids
 from flashinfer_lite import model as model_math
-from flashinfer_lite.model import linear
+from flashinfer_lite.kernels.blocks import linear
 
 import numpy as np  # noqa: E402
 

@@ -6,7 +6,7 @@ every block format (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k). sparse_ffn:
 share hung on the random weights, 47% of q4_0's neurons, 85% of the K-quants'), kernels.SparseFFN on f16 and int8
 bundles against QuantSparseFFN on bundles of each block format (gate, up and down in it; `<kind>.col`: down as a
 GGUF's down columns of that kind, storage.columns, with scale tables of all 11008 neurons). The block formats' dot
-products round x to 8 bits (quant.set_act8, the default; --act8-off adds GEMV rows with float32 x: "act8" false).
+products round x to 8 bits (blocks.set_act8, the default; --act8-off adds GEMV rows with float32 x: "act8" false).
 "vs_q4_0": GB/s over q4_0's at the same thread count (and act8), the speed per byte read, measured in pairs: each
 call follows one of q4_0, and vs_q4_0 is the median over the pairs, so load that comes and goes weighs on both
 (format after format, one format's ratio spread 0.7-1.5 from run to run on this machine).
@@ -31,7 +31,7 @@ import numpy as np
 
 from flashinfer_lite.ffn.quant import sparse_ffn
 from flashinfer_lite.kernels.gemv import matmul_t
-from flashinfer_lite.quant import KINDS, quant_matmul_t, quantize, set_act8
+from flashinfer_lite.kernels.blocks import KINDS, quant_matmul_t, quantize, set_act8
 from storage import columns
 from storage.blocks import QUANTIZABLE
 from storage.format import FlashLayout, pack_bundles
@@ -140,7 +140,7 @@ def main() -> None:
     ap.add_argument("--pool-mb", type=int, default=1024, help="bytes each format's calls rotate through")
     ap.add_argument("--rows", type=int, default=N, help="GEMV rows and FFN neurons (default 11008)")
     ap.add_argument("--cols", type=int, default=D, help="GEMV columns and FFN width d, a multiple of 32 (default 4096)")
-    ap.add_argument("--act8-off", action="store_true", help="GEMV rows with float32 x too (quant.set_act8 off)")
+    ap.add_argument("--act8-off", action="store_true", help="GEMV rows with float32 x too (blocks.set_act8 off)")
     a, rng, threads = ap.parse_args(), np.random.default_rng(0), sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)})
     res = {"shape": {"gemv": [a.rows, a.cols], "ffn": {"d": a.cols, "n": a.rows, "frac": a.frac}}, "loadavg_1m_start":
            os.getloadavg()[0], "gemv": bench_gemv(rng, a.calls, a.pool_mb, threads, a.rows, a.cols, a.act8_off),

@@ -32,11 +32,12 @@ from storage import columns
 from storage.blocks import row_bytes
 from storage.errors import UserError
 from storage.format import BUNDLE_ALIGN
-from storage.profile import DEFAULT_GAP_BYTES, StreamSettings, reader_defaults, stream_defaults
+from storage.profile import (DEFAULT_GAP_BYTES, StreamSettings, reader_defaults, stream_defaults, stream_settings,
+                             stream_shape)
 from storage.reader import MAX_READ_BYTES, parts_span_bytes
 from storage.sizes import parse_size
 from .model import ATTENTION_TILE_ROWS, PREFILL_CHUNK_ROWS, KVCache, ModelConfig
-from .neuron_cache import MAP_BYTES_PER_NEURON, select_hot
+from .neuron_cache import MAP_BYTES_PER_NEURON, select_hot, staging_rows
 from .process import cgroup_room, rss_bytes
 
 # per window row: neuron_at int32 + ring int32 x window + miss ids/slots int64 x 2 + holes int64
@@ -251,14 +252,14 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
 
 def plan_gate(config, layout, dram_budget_bytes: int, ctx: int, window: int, sparsity: float,
               layers: int | None = None, parts: dict | None = None, **kw) -> BudgetPlan:
-    """The exact-gate FFN's plan (ffn.gate.GateFFN): layout a FlashLayout with the split parts. Every token needs every
+    """The exact-gate FFN's plan (ffn.flash.ExactGate): layout a FlashLayout with the split parts. Every token needs every
     layer's gate|up rows, so they come first: all layers resident when the budget holds them with the minimum
     down-row window, else as many layers as fit, from the first, and the others streamed through the buffers of a
     stream (stream_transient_bytes; what is read then is said by the runtime). The rest is plan_budget's for the
     down rows (window and hot region), with the active count of `sparsity` as its expected set. layers: plan exactly
     this many layers' rows resident (no search; 0: the plan's smallest). parts: the split parts when the layout does
     not carry them (layout.make_part, before conversion). kw: plan_budget's; the streams' settings default to the
-    device's (GateFFN streams down rows at every budget below the FFN)."""
+    device's (the exact gate streams down rows at every budget below the FFN)."""
     parts = layout.parts if parts is None else parts
     gu, dn = parts["gate_up"], parts["down"]
     if not kw.get("stream_chunk_bytes"):
@@ -309,19 +310,14 @@ def plan_resident_ffn(config, layout, dram_budget_bytes: int, ctx: int, resident
                       max_active=n_max, requested=requested, ffn_bytes=ffn)
 
 
-def staging_rows(max_active: int) -> int:
-    """Rows of the lookahead staging matrix: a guess larger than this is read in part (the rest on demand)."""
-    return min(max_active, MIN_WINDOW_ROWS)
-
-
 def prefill_transient_bytes(cfg: ModelConfig, ctx: int, gate: bool = False) -> int:
     """Peak bytes of one prompt chunk's temporaries (model.Transformer.forward runs a prompt PREFILL_CHUNK_ROWS tokens
     at a time), float32 unless said:
       rows       per token: the residual stream and its normed copies, q/k/v and their rotated copies, the attention
                  output (~8 x d + 3 x (H + 2 Hkv) x hd), the FFN's rows of neurons (predictor scores, masks,
                  coefficients or the dense FFN's activations: ~4 x n), and one product's input in 8-bit blocks
-                 (quant.act8_of: both block sizes, and the prompt's BLAS copy of the rounded values: < 8 bytes a value
-                 of the longer of d and n). gate: ffn.gate.GateFFN's rows of neurons are its coefficients (float32),
+                 (blocks.act8_of: both block sizes, and the prompt's BLAS copy of the rounded values: < 8 bytes a value
+                 of the longer of d and n). gate: ffn.flash.ExactGate's rows of neurons are its coefficients (float32),
                  the kernel's row selection and the rows' any-mask (a byte each), and its 8-bit input is x's (d)
       attention  the layer's keys and values widened [ctx, Hkv, hd] x 2, one tile's scores [g x tile, ctx] and its
                  mask (float64 + float32 + bool: model.attention_mask) [tile, ctx]
@@ -364,23 +360,10 @@ def read_scratch_bytes(layout, gap_bytes: int | None = None) -> int:
     return max(1, gap // layout.stride) * layout.stride
 
 
-def stream_settings(layout) -> StreamSettings:
-    """The chunk size and depth a FLASHDIR's layers are streamed with (the device's, storage.profile.stream_defaults):
-    the FFNs read with them and the DRAM plan counts their buffers (stream_args)."""
-    return stream_defaults(layout.device_path if layout.flashdir is not None else None)
-
-
 def stream_args(layout) -> dict:
     """plan_budget's stream arguments for `layout`: the buffers of stream_settings."""
     s = stream_settings(layout)
     return {"stream_chunk_bytes": s.chunk_bytes, "stream_depth": s.depth}
-
-
-def stream_shape(layout, chunk_bytes: int, depth: int) -> tuple[int, int]:
-    """(bundles a stream's chunk holds, chunks in flight) for `layout`: chunk_bytes of bundles, never more than a
-    layer has, and no more chunks than a layer fills (more would hold a second layer's rows)."""
-    rows = min(max(1, chunk_bytes // layout.stride), max(layout.n_neurons))
-    return rows, max(1, min(int(depth), -(-max(layout.n_neurons) // rows)))
 
 
 # ----------------------------------------------------------------------------------------------------------------------

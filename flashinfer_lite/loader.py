@@ -11,7 +11,7 @@ from storage.format import FlashCheckpoint, is_flashdir
 from storage.checkpoint import Checkpoint, open_checkpoint
 from storage.half import half_matrix
 from .model import Transformer
-from .quant import QuantMatrix
+from .kernels.blocks import QuantMatrix
 from storage.tokenizer import Tokenizer
 
 

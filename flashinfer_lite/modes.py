@@ -5,10 +5,10 @@ class here and a line in MODES.
 
   experts    a mixture of experts from a FLASHDIR: whole experts read from flash as the router picks them
              (ffn.experts.ExpertFFN); with split expert chunks, --ffn gate runs the exact gate inside each expert
-  gate       a GLU model's exact gate (ffn.gate.GateFFN): every neuron's act(gate.x) * up.x from gate|up rows in
+  gate       a GLU model's exact gate (ffn.flash.ExactGate): every neuron's act(gate.x) * up.x from gate|up rows in
              DRAM, the calibrated threshold, the down rows of the neurons that clear it from flash; one function at
              every budget, and what --ffn auto runs for a gated (SiLU, GELU) model with the split layout
-  dense      every neuron, weights in DRAM (model.FeedForward; a quantized FLASHDIR: ffn.resident.ResidentFFN);
+  dense      every neuron, weights in DRAM (ffn.dense.FeedForward; a quantized FLASHDIR: ffn.resident.ResidentFFN);
              --ffn auto's choice when the whole model fits the budget
   predicted  the neurons the low-rank predictor selects, read from flash (ffn.flash.FlashFFN): the product for
              ReLU-family models
@@ -34,14 +34,14 @@ from .budget import (HEAP_SLACK_BYTES, Budget, down_scale_bytes, plan_budget, pl
                      plan_resident_ffn, resident_bytes_for, stream_args, stream_settings)
 from .ffn.experts import ExpertFFN
 from .ffn.flash import FlashFFN
-from .ffn.gate import GateFFN
 from .ffn.quant import dense_row_bytes
 from .ffn.resident import ResidentFFN
 from .kernels.gemv import WIDEN_BLOCK_BYTES
 from .loader import load_weights
-from .model import FeedForward, Transformer
+from .ffn.dense import FeedForward
+from .model import Transformer
 from .predictor_set import describe_calibration, read_manifest
-from .quant import COLUMN_SCALES_F16
+from .kernels.blocks import COLUMN_SCALES_F16
 from .warmup import FFN_STEPS, warm_up
 
 # FFN tensors that live in the bundles on flash; everything else (including ffn.down.bias) stays resident.
@@ -314,8 +314,8 @@ class GateMode(Mode):
         weights = load_weights(ckpt, progress, skip=lambda n: bool(_BUNDLED.fullmatch(n)),
                                convert=convert_of(ckpt.layout))
         down_bias = [weights.get(f"layers.{i}.ffn.down.bias") for i in range(cfg.n_layers)]
-        ffn = GateFFN(cfg, ckpt.layout, decision.plan, files.gate, down_bias, threads=threads, verbose=verbose,
-                      down_scales=ckpt.down_scales_all())
+        ffn = FlashFFN.exact_gate(cfg, ckpt.layout, decision.plan, files.gate, down_bias, threads=threads,
+                                  verbose=verbose, down_scales=ckpt.down_scales_all())
         say_readers(ffn, ckpt.layout, verbose)
         return Transformer(cfg, weights, ffn=ffn), ffn
 
@@ -452,10 +452,10 @@ class PredictedMode(Mode):
         ckpt, predictors, cfg = files.ckpt, files.predictors, files.ckpt.config
         weights = load_weights(ckpt, progress, skip=lambda n: bool(_BUNDLED.fullmatch(n)),
                                convert=convert_of(ckpt.layout))
-        ffn = FlashFFN(cfg, ckpt.layout, decision.plan, self.select(files, weights), predictors,
-                       down_bias=[weights.get(f"layers.{i}.ffn.down.bias") for i in range(cfg.n_layers)],
-                       threads=threads, verbose=verbose, down_scales=ckpt.down_scales_all(),
-                       lookahead=lookahead_selector(cfg, weights, predictors) if decision.lookahead else None)
+        ffn = FlashFFN.predicted(cfg, ckpt.layout, decision.plan, self.select(files, weights), predictors,
+                                 down_bias=[weights.get(f"layers.{i}.ffn.down.bias") for i in range(cfg.n_layers)],
+                                 threads=threads, verbose=verbose, down_scales=ckpt.down_scales_all(),
+                                 lookahead=lookahead_selector(cfg, weights, predictors) if decision.lookahead else None)
         say_readers(ffn, ckpt.layout, verbose)
         return Transformer(cfg, weights, ffn=ffn), ffn
 

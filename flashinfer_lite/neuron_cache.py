@@ -36,6 +36,16 @@ _T, _HORIZON, _NWIN, _CALL, _NHOLES = 0, 1, 2, 3, 4
 _OK, _BAD_ID, _DUPLICATE, _TOO_MANY = 0, -1, -2, -3
 
 
+# The lookahead staging matrix's rows at most (NeuronCache's staging_rows): a guess larger than this is read in part,
+# the rest on demand. The DRAM plan counts the same rows (budget).
+STAGING_MAX_ROWS = 256
+
+
+def staging_rows(max_active: int) -> int:
+    """Rows of the lookahead staging matrix for a layer set of at most max_active neurons."""
+    return min(max_active, STAGING_MAX_ROWS)
+
+
 def select_hot(freqs: list[np.ndarray], stride: int | list[int], budget_bytes: int) -> list[np.ndarray]:
     """Greedy PowerInfer placement: neurons of all layers by activation frequency per byte, highest first, until
     `budget_bytes` is full. freqs[layer][bundle_id] -> float. Returns per layer the sorted pinned bundle ids."""

@@ -9,6 +9,7 @@ training; calibrate_gate builds its uncalibrated model through it too.
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from .modes import (ModelFiles, check_mode, decide, dense_bytes_of, kernels_for,
                     runs_from_flash)
 from .predictor_set import load_expert_freq, load_predictors
 from .process import keep_freed_arrays_out_of_rss, return_freed_heap
-from .quant import set_act8
+from .kernels.blocks import set_act8
 from .threads import set_threads
 from .warmup import base_estimate_bytes, measure_base_bytes
 
@@ -194,7 +195,7 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | str | None = None,
 @dataclass
 class Model:
     """What load() returns as `model`: the transformer, its FFN object when the FFN runs from flash (modes: FlashFFN,
-    GateFFN or ExpertFFN; None when every weight is in DRAM), the context and how long loading took."""
+    FlashFFN or ExpertFFN; None when every weight is in DRAM), the context and how long loading took."""
     transformer: Transformer
     ffn: object | None
     ctx: int
@@ -208,7 +209,7 @@ def load(path: str | None = None, dram_budget: int | str | None = "auto", ffn: s
     predictors trained, on first use). dram_budget: bytes, a size string ("300M"), "auto" (the default: what the
     machine can give) or None (no limit); ffn as the CLI's --ffn; ctx 0: the model's default context. act8: the dot
     products with weights in 32-weight blocks (q4_0, q4_1, q5_0, q5_1, q8_0) round x to 8 bits as llama.cpp does
-    (faster); False keeps x float32, the float math on the dequantized weights (quant.set_act8: for the process)."""
+    (faster); False keeps x float32, the float math on the dequantized weights (blocks.set_act8: for the process)."""
     t0 = time.perf_counter()
     one_blas_thread()
     set_threads(threads)

@@ -18,14 +18,15 @@ from storage.format import expert_parts, read_layout
 from storage.reader import aligned_empty, bundle_reader
 from .ffn.experts import expert_ffn, stacks
 from .ffn.quant import DENSE_ROW_KERNEL_MAX_T, sparse_ffn
-from .ffn.split import SplitRows, SplitKernels
+from .ffn.flash import SplitKernels, SplitRows
 from .kernels.attention import attention_rows
 from .kernels.gemv import MATMUL_ROW_KERNEL_MAX_T, matmul_t
 from .kernels.norm import add_rms_norm_rows, rms_norm_rows
-from .model import ExpertBatch, MixtureOfExperts, Transformer
+from .ffn.dense import ExpertBatch, MixtureOfExperts
+from .model import Transformer
 from .neuron_cache import NeuronCache
 from .process import rss_bytes
-from .quant import BLOCK, QuantMatrix, quant_matmul_t, quantize
+from .kernels.blocks import BLOCK, QuantMatrix, quant_matmul_t, quantize
 from .threads import step_counts
 
 # The FFN kernels compile_steps knows, in the order it runs them (a mode's `kernels` names some of them)
@@ -81,7 +82,7 @@ def compile_steps(layout, kernels=None) -> list:
         for T in (1, DENSE_ROW_KERNEL_MAX_T + 1):
             kernel.dense(layer, np.zeros((T, layout.d), np.float32), np.zeros((T, layout.d), np.float32))
 
-    def gate():                 # ffn.gate.GateFFN: coefficients over gate|up rows, the down sum over down rows
+    def gate():                 # ffn.flash.ExactGate: coefficients over gate|up rows, the down sum over down rows
         gu, dn = layout.parts["gate_up"], layout.parts["down"]
         rows = SplitRows(gu.geometry_of(0), dn.geometry_of(0), layout.config.get("act", "silu"),
                          layout.config.get("relu_threshold"), scales and scales[0], gu.quantized)   # layer 0's
@@ -133,7 +134,7 @@ def resident_steps(layout) -> list:
 
 def expert_steps(layout) -> list:
     """compile_steps of a mixture of experts (ffn.experts.ExpertFFN): model.MixtureOfExperts over one zeroed chunk,
-    for a decoded token and a prompt's rows; split chunks through the exact gate's kernels (ffn.split.SplitKernels)."""
+    for a decoded token and a prompt's rows; split chunks through the exact gate's kernels (ffn.flash.SplitKernels)."""
     E, cfg = layout.experts, ModelConfig.from_dict(layout.config)
     chunk = np.zeros((1, E.chunk), np.uint8)
     if E.split:
@@ -269,9 +270,9 @@ def compiled_stamp(layout):
     keys them: mtime and size) and what of the layout decides the types. Emptying the cache directory removes it."""
     import hashlib
 
-    here = Path(__file__).parent      # every module holding a kernel: kernels/, ffn/, the block formats, the cache
-    files = [*sorted((here / "kernels").glob("*.py")), *sorted((here / "ffn").glob("*.py")), here / "quant.py",
-             here / "neuron_cache.py", here / "budget.py", Path(__file__)]
+    here = Path(__file__).parent      # every module holding a kernel: kernels/ (the block formats too), ffn/, the cache
+    files = [*sorted((here / "kernels").glob("*.py")), *sorted((here / "ffn").glob("*.py")), here / "neuron_cache.py",
+             here / "budget.py", Path(__file__)]
     key = [numba.__version__, sys.version, *[(str(f.relative_to(here)), f.stat().st_mtime_ns, f.stat().st_size)
                                              for f in files],
            layout.d % BLOCK == 0, layout.dtype, layout.down_dtype, layout.vectors, layout.biases, bool(layout.parts),

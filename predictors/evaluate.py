@@ -29,7 +29,7 @@ from flashinfer_lite.loader import open_any
 from flashinfer_lite.model import half_matrix
 from flashinfer_lite.modes import FFN_MODES, check_mode, keeps_float16, plans, predicts
 from flashinfer_lite.process import return_freed_heap
-from flashinfer_lite.quant import ACT8, set_act8
+from flashinfer_lite.kernels.blocks import ACT8, set_act8
 from flashinfer_lite.runtime import load
 from storage.gate_file import DEFAULT_SPARSITY
 from storage.sizes import parse_size

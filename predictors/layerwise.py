@@ -23,8 +23,9 @@ from tqdm import tqdm
 
 from storage.errors import UserError
 from flashinfer_lite.loader import load_tensor
-from flashinfer_lite.model import (Block, ExpertBatch, FeedForward, KVCache, MixtureOfExperts, embed_tokens,
-                                   layer_ropes, linear, output_logits, rope_tables)
+from flashinfer_lite.model import Block, KVCache, embed_tokens, layer_ropes, output_logits, rope_tables
+from flashinfer_lite.ffn.dense import ExpertBatch, FeedForward, MixtureOfExperts
+from flashinfer_lite.kernels.blocks import linear
 from flashinfer_lite.process import keep_freed_arrays_out_of_rss
 
 HIDDEN_IN_RAM_BYTES = 256 << 20     # hidden states beyond this live in a memory-mapped temporary file

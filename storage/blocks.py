@@ -9,10 +9,10 @@ byte layout, so a GGUF tensor's bytes (rows along ne1, blocks along ne0) are suc
   q5_0   22 bytes / 32: float16 d, u32 of 5th bits, 16 bytes of nibbles          value = d * (q - 16)
   q5_1   24 bytes / 32: float16 d, float16 m, u32 of 5th bits, nibbles           value = d * q + m
   q4_k  144 bytes / 256, q5_k 176 / 256, q6_k 210 / 256: llama.cpp's K-quants (super-blocks of 8 sub-blocks of 32
-        with 6-bit (q4_k, q5_k) or 8-bit (q6_k) sub-block scales; the layouts: flashinfer_lite/quant.py)
+        with 6-bit (q4_k, q5_k) or 8-bit (q6_k) sub-block scales; the layouts: flashinfer_lite/kernels/blocks.py)
 
 Here in numpy through gguf.quants (llama.cpp's reference, ported bit-exactly): what convert writes and what
-FlashCheckpoint reads back. The runtime computes on the blocks directly (flashinfer_lite/quant.py, bit-exact with
+FlashCheckpoint reads back. The runtime computes on the blocks directly (flashinfer_lite/kernels/blocks.py, bit-exact with
 these). gguf.quants has no quantizer for the K-quants: they are only ever copied from a GGUF, never made here.
 gguf is imported on first use: only quantized models pay for it.
 """

@@ -28,7 +28,7 @@ an 11-bit by 8-bit product, as gguf.quants'). Why not d*sc decoded to float32 pe
 pass reads from DRAM for nearly every sub-block at any firing share; it ran at 0.62-0.71 of q4_0's bytes per second
 (bench/quant_kernels.py, tables of every neuron). Kept raw they are 3.5 MB a layer (a 7B Q4_K_M's down: ~0.11 GB
 over 32 layers against ~0.36 GB), which the budget counts (budget.down_scale_bytes).
-The kernels: flashinfer_lite/quant.py (col_axpy, col_dequant); tests/test_kdown.py checks both against gguf.quants.
+The kernels: flashinfer_lite/kernels/blocks.py (col_axpy, col_dequant); tests/test_kdown.py checks both against gguf.quants.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def groups(kind: str) -> tuple[int, int]:
     return w, SUB_WEIGHTS.get(kind, w)
 
 
-GROUP = 64        # elements of a column group (the kernels' output block, ffn.sparse.OUT_BLOCK, is one)
+GROUP = 64        # elements of a column group (the kernels' output block, kernels.neurons.OUT_BLOCK, is one)
 
 
 def column_bytes(d: int, kind: str) -> int:

@@ -777,7 +777,7 @@ def expert_chunks(layout: FlashLayout) -> FlashLayout:
 
 def expert_parts(layout: FlashLayout) -> dict[str, FlashLayout]:
     """Split expert chunks as the split layout's parts (SPLIT_PARTS), so the dense exact gate's reader and kernels
-    (storage.reader.BundleReader, ffn.split.SplitKernels) work on them unchanged: region l * n_experts + e is expert e
+    (storage.reader.BundleReader, ffn.flash.SplitKernels) work on them unchanged: region l * n_experts + e is expert e
     of layer l, its rows its neurons' gate|up rows ("gate_up") or down columns ("down"); and "heads", the gate|up
     rows of a region as one row."""
     E = layout.experts

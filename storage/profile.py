@@ -123,3 +123,16 @@ def stream_defaults(path) -> StreamSettings:
     except (OSError, KeyError, TypeError, ValueError):
         pass
     return StreamSettings(DEFAULT_STREAM_CHUNK_BYTES, DEFAULT_STREAM_DEPTH, "built-in defaults")
+
+
+def stream_settings(layout) -> StreamSettings:
+    """The chunk size and depth a FLASHDIR's layers are streamed with (the device's: stream_defaults):
+    the FFNs read with them and the DRAM plan counts their buffers."""
+    return stream_defaults(layout.device_path if layout.flashdir is not None else None)
+
+
+def stream_shape(layout, chunk_bytes: int, depth: int) -> tuple[int, int]:
+    """(bundles a stream's chunk holds, chunks in flight) for `layout`: chunk_bytes of bundles, never more than a
+    layer has, and no more chunks than a layer fills (more would hold a second layer's rows)."""
+    rows = min(max(1, chunk_bytes // layout.stride), max(layout.n_neurons))
+    return rows, max(1, min(int(depth), -(-max(layout.n_neurons) // rows)))

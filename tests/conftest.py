@@ -22,7 +22,7 @@ CORPUS = DATA / "corpus"
 def float32_activations():
     """Dot products on float32 x (quant.set_act8 off), for tests whose oracle is the float64 math on the dequantized
     weights: 8-bit activations round x as llama.cpp does, which that oracle does not (tests/test_act8.py has theirs)."""
-    from flashinfer_lite.quant import ACT8, set_act8
+    from flashinfer_lite.kernels.blocks import ACT8, set_act8
     was = ACT8[0]
     set_act8(False)
     yield

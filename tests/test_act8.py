@@ -1,4 +1,4 @@
-"""8-bit activations (flashinfer_lite.quant: quantize_act, row_dot8, set_act8), against a numpy oracle written here
+"""8-bit activations (flashinfer_lite.kernels.blocks: quantize_act, row_dot8, set_act8), against a numpy oracle written here
 from llama.cpp's definitions (ggml's x86 quantize_row_q8_0 / q8_1 and its q4_0 / q4_1 / q5_0 / q5_1 / q8_0 dot
 products): the 8-bit blocks equal it bit for bit; the dot products equal float64 sums of its exact integer products
 to float32 rounding; and the results do not depend on the thread count or the GEMV path."""
@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flashinfer_lite import quant
+from flashinfer_lite.kernels import blocks as quant
 from flashinfer_lite.ffn.quant import quant_ffn
-from flashinfer_lite.quant import BLOCK, QuantMatrix, act8_of, quant_matmul_t, quantize, set_act8
+from flashinfer_lite.kernels.blocks import BLOCK, QuantMatrix, act8_of, quant_matmul_t, quantize, set_act8
 from storage.blocks import QUANTIZABLE
 from test_kernels import numba_threads
 

@@ -137,7 +137,7 @@ def test_gelu_predicted_ffn_equals_float64_dense_math_on_the_predicted_set(tiny_
     W = {n: src.tensor(n).astype(np.float64) for n in src.names() if ".ffn." in n}
     calls, rt = predicted_ffn_calls(gemma_predicted, PROMPT[:8])
     assert rt.stats.read_bytes > 0 and len(calls) == 8 * src.config.n_layers
-    preds, skipped = rt.predictors, 0
+    preds, skipped = rt.selector.predictors, 0
     for layer, x, y in calls:
         mask = preds.predict(layer, x, count=False)[0]
         p, x64 = f"layers.{layer}.ffn.", x[0].astype(np.float64)

@@ -190,7 +190,7 @@ def test_runtime_logits_equal_float64_math_on_the_neurons_that_cleared_the_thres
     probe = load_runtime(gated[dtype], "gate", ctx=64, base_bytes=0)[2].plan
     budget = probe.minimum_bytes - 1          # the gate|up rows do not all fit: each layer streams them
     model, _, rt = load_runtime(gated[dtype], "gate", ctx=64, base_bytes=0, dram_budget=budget)
-    assert rt.resident_layers == 0
+    assert rt.selector.resident_layers == 0
     tokens, got = greedy(model, IDS, 12)
     masks = []
     want_tokens, want = greedy(float64_gated_model(source, gated[dtype], cal.thresholds, masks), IDS, 12)
@@ -214,7 +214,7 @@ def test_a_gelu_gated_model_runs_the_exact_gate(tiny_model, tmp_path, float32_ac
     cal = read_gate_file(flash, L.n_layers, L.n_neurons[0], DEFAULT_SPARSITY)
     budget = load_runtime(flash, "gate", ctx=64, base_bytes=0)[2].plan.minimum_bytes - 1    # as the SiLU test's
     model, _, rt = load_runtime(flash, "auto", ctx=64, base_bytes=0, dram_budget=budget)
-    assert type(rt).__name__ == "GateFFN" and rt.resident_layers < L.n_layers     # some layers stream
+    assert type(rt.selector).__name__ == "ExactGate" and rt.selector.resident_layers < L.n_layers   # some stream
     tokens, got = greedy(model, IDS, 12)
     masks = []
     want_tokens, want = greedy(float64_gated_model(src, flash, cal.thresholds, masks), IDS, 12)
@@ -248,21 +248,21 @@ def test_streams_with_chunks_in_flight_give_the_resident_bits(gated, dtype, monk
     """Every layer's gate|up rows and down rows read as streams of 3-row chunks, 3 chunks in flight and each stream's
     next layer primed while the current one is computed (storage.reader.RowStream): the prompt's and each decoded
     token's logits are the bits of the run with every row in DRAM and no stream."""
-    from flashinfer_lite import budget
+    from storage import profile
     from storage.profile import StreamSettings
     stride = {n: p.stride for n, p in read_layout(gated[dtype]).parts.items()}
     # 3 rows a chunk (at least 3: the smaller stride's chunk bytes hold 3 of the larger's rows or more)
-    monkeypatch.setattr(budget, "stream_defaults", lambda path: StreamSettings(3 * max(stride.values()), 3, "test"))
+    monkeypatch.setattr(profile, "stream_defaults", lambda path: StreamSettings(3 * max(stride.values()), 3, "test"))
     model, _, rt = load_runtime(gated[dtype], "auto", ctx=64, base_bytes=0)
     assert rt.plan.gate_layers == 2
     want = greedy(model, IDS, 8)
     assert rt.stats.read_bytes == rt.stats.prefill_bytes_read == 0
     model, _, rt = load_runtime(gated[dtype], "auto", ctx=64, base_bytes=0, dram_budget=rt.plan.floor_bytes)
-    assert rt.plan.gate_layers == 0 and rt.stream.depth == 3 and rt.gate_up_stream.depth == 3
+    assert rt.plan.gate_layers == 0 and rt.stream.depth == 3 and rt.selector.gate_up_stream.depth == 3
     rt.stream_decode = lambda layer, ids: True                 # every decoded token's down rows read whole too
     rt.prefer_streaming = lambda layer, sets: True
     chunks, primes = [], []
-    for s in (rt.stream, rt.gate_up_stream):
+    for s in (rt.stream, rt.selector.gate_up_stream):
         s.chunks = (lambda f: lambda layer: (chunks.append(layer), (yield from f(layer))))(s.chunks)
         s.prime = (lambda f: lambda layer: (primes.append(layer), f(layer)))(s.prime)
     got = greedy(model, IDS, 8)

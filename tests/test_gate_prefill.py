@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from flashinfer_lite import model as model_module
-from flashinfer_lite.ffn.quant import QuantSparseFFN, quant_ffn_accumulate, quant_ffn_accumulate_rows
-from flashinfer_lite.ffn.split import SplitRows
-from flashinfer_lite.quant import KINDS, dequantize, quantize
+from flashinfer_lite.ffn.quant import QuantSparseFFN
+from flashinfer_lite.kernels.neurons import quant_ffn_accumulate, quant_ffn_accumulate_rows
+from flashinfer_lite.ffn.flash import SplitRows
+from flashinfer_lite.kernels.blocks import KINDS, dequantize, quantize
 from flashinfer_lite.runtime import load_runtime
 from storage.format import FlashLayout, pack_bundles
 from conftest import kquant_blocks

@@ -18,10 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import flashinfer_lite.ffn.dense as dense_module
 import flashinfer_lite.model as model_module
 from conftest import assert_same_bits_at_every_budget, greedy_tokens
-from flashinfer_lite.ffn.gating import coefficients, gelu_tanh
-from flashinfer_lite.quant import set_act8
+from glu_twin import activation
+from flashinfer_lite.kernels.blocks import set_act8
 from flashinfer_lite.runtime import load_runtime
 from storage.checkpoint import open_checkpoint
 from storage.convert import convert
@@ -122,15 +123,18 @@ def llama_cpp_rounding(monkeypatch, kind: str) -> None:
             out[:, h] = f16(p / p.sum(-1, keepdims=True)) @ V[:, h // g]
         return out
 
+    activations = dense_module.activations
+
     def gating(act, g, u, threshold):            # GELU through a float16 table, between -10 and 10 (0 below, x above)
         if act != "gelu_tanh":
-            return coefficients(act, g, u, threshold)
-        return np.where(g <= -10, 0, np.where(g >= 10, g, f16(gelu_tanh(f16(g))))).astype(np.float32) * u
-    monkeypatch.setattr(model_module, "linear", lambda x, w, b=None: linear(rnd(x), w, b))
+            return activations(act, g, u, threshold)
+        return np.where(g <= -10, 0, np.where(g >= 10, g, f16(activation(act, f16(g))))).astype(np.float32) * u
+    for module in (model_module, dense_module):                      # attention's products, and the FFN's
+        monkeypatch.setattr(module, "linear", lambda x, w, b=None: linear(rnd(x), w, b))
     monkeypatch.setattr(model_module, "prompt_attention", attention)
     monkeypatch.setattr(model_module, "ATTENTION_KERNEL_MAX_T", 0)   # decode steps through these too, not through
-    monkeypatch.setattr(model_module, "DENSE_ROW_KERNEL_MAX_T", 0)   # the Numba kernels
-    monkeypatch.setattr(model_module, "coefficients", gating)
+    monkeypatch.setattr(dense_module, "DENSE_ROW_KERNEL_MAX_T", 0)   # the Numba kernels
+    monkeypatch.setattr(dense_module, "activations", gating)
 
 
 @pytest.mark.parametrize("name", FIXTURES)

@@ -6,7 +6,7 @@ manifest, runtime in every mode, every budget) is tests/test_kquant.py's mixed G
 import numpy as np
 import pytest
 
-from flashinfer_lite import quant
+from flashinfer_lite.kernels import blocks as quant
 from storage import columns
 from storage.errors import UserError
 from test_kquant import gguf_dequant, random_matrix
@@ -128,7 +128,7 @@ def test_column_ffn_is_the_float64_math(kind, float32_activations):
 def test_split_down_rows_are_the_bundles_columns():
     """The split layout's down.bin rows hold the same column bytes and neuron id: SplitKernels sums them as
     QuantSparseFFN sums the bundles, to the bit."""
-    from flashinfer_lite.ffn.split import SplitKernels
+    from flashinfer_lite.ffn.flash import SplitKernels
     from storage.format import FlashLayout, SPLIT_PARTS
     ffn, B, order, g, u, down = bundles_with_columns("q6_k")
     d, n = g.shape[1], g.shape[0]

@@ -14,11 +14,14 @@ import pytest
 from numba import njit
 
 from storage.errors import UserError
+from flashinfer_lite.kernels.neurons import activations
 from flashinfer_lite.ffn.sparse import SparseFFN
 from flashinfer_lite.kernels.f16 import (HAS_F16C, f16_bits_to_f32_f16c, f16_bits_to_f32_portable, f32_to_f16_bits_f16c,
                                          f32_to_f16_bits_portable)
 from storage.format import BundleGeometry, FlashLayout, pack_bundles, unpack_bundles
 from storage.reader import aligned_empty
+
+from glu_twin import activation, coefficients
 
 RTOL = 1e-5
 
@@ -129,6 +132,29 @@ def scatter_rows(rng, bundles, extra):
     rows = rng.permutation(n + extra)[:n]
     M[rows] = bundles
     return M, rows.astype(np.int32)
+
+
+@pytest.mark.parametrize("act", ["relu", "drelu", "silu", "gelu_tanh"])
+@pytest.mark.parametrize("glu", [True, False])
+def test_the_glu_rule_is_its_float64_twin(act, glu):
+    """kernels.neurons.coefficient (through coefficients_of_products, as the dense FFN and the prompts' BLAS path
+    call it) against the float64 twin (tests/glu_twin.py) on products over a wide range, with and without a FATReLU
+    threshold: the same neurons fire and each coefficient is within float32 rounding of the twin's."""
+    if act == "drelu" and not glu:
+        pytest.skip("dReLU is gated")
+    rng = np.random.default_rng(zlib.crc32(repr((act, glu)).encode()))
+    g = (rng.standard_normal((7, 301)) * np.exp(rng.uniform(-6, 3, (7, 301)))).astype(np.float32)
+    u = (rng.standard_normal((7, 301)) * 2).astype(np.float32)
+    for threshold in ([-np.inf] if act in ("silu", "gelu_tanh") else [0.0, 0.05]):
+        got = activations(act, g if glu else None, u if glu else g, threshold)
+        want = coefficients(act, g if glu else None, u if glu else g, threshold)
+        first = activation(act, g.astype(np.float64))
+        # rounding may decide these: a gate at the threshold, or a tail float32 cannot tell from 0 (SiLU and GELU
+        # of a large negative gate underflow or saturate to 0 there)
+        scale = np.abs(want).max()
+        edge = (np.abs(first - threshold) < 1e-6 * np.maximum(1.0, np.abs(first))) | (np.abs(want) < 1e-6 * scale)
+        assert got.dtype == np.float32 and np.array_equal((got != 0)[~edge], (want != 0)[~edge])
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6 * scale)
 
 
 CASES = [(glu, act) for glu, act in ((True, "relu"), (True, "drelu"), (True, "silu"), (False, "relu"), (False, "silu"))]

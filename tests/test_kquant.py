@@ -8,7 +8,7 @@ import numba
 import numpy as np
 import pytest
 
-from flashinfer_lite import quant
+from flashinfer_lite.kernels import blocks as quant
 from storage.errors import UserError
 
 pytestmark = pytest.mark.usefixtures("float32_activations")   # oracle: float64 on the dequantized weights
@@ -166,7 +166,7 @@ def test_mixed_gguf_flashdir_keeps_its_blocks(mixed_gguf, tmp_path, monkeypatch)
         assert np.array_equal(got.view(np.uint32), src.reshape(got.shape).view(np.uint32))   # the same bits
     from test_quant_e2e import resident_data_bytes
     from flashinfer_lite.budget import down_scale_bytes, resident_bytes_for
-    from flashinfer_lite.quant import COLUMN_SCALES_F16
+    from flashinfer_lite.kernels.blocks import COLUMN_SCALES_F16
     from storage.columns import decode, table_bytes
     raw = sum(table_bytes(L.down_column(i), L.d, n) for i, n in enumerate(L.n_neurons))
     assert resident_bytes_for(flash.config, half=True, kinds=flash.resident_kinds) + raw == resident_data_bytes(out)
@@ -213,7 +213,7 @@ def test_mixed_gguf_runs_the_exact_gate(mixed_gguf, tmp_path, monkeypatch, float
     ids = np.random.default_rng(13).integers(3, 512, size=9).tolist()
     want_tokens, want = greedy(float64_gated_model(out, out, cal.thresholds), ids, 8)
     model, _, rt = load_runtime(out, "auto", ctx=64, base_bytes=0)
-    assert type(rt).__name__ == "GateFFN"
+    assert type(rt.selector).__name__ == "ExactGate"
     tokens, got = greedy(model, ids, 8)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
     assert tokens == want_tokens

@@ -63,6 +63,21 @@ def test_import_graph_follows_the_floors():
     assert not bad, "\n".join(bad)
 
 
+def test_ffn_and_kernels_stay_below_planning():
+    """The FFN and its kernels compute; they do not plan: nothing under flashinfer_lite/ffn/ or kernels/ imports the
+    DRAM plan (budget), the mode registry, the warm-up or the load pipeline (modes, warmup, runtime, api), and the kernels import nothing of ffn/."""
+    bad = []
+    for name, path in modules():
+        if not name.startswith(("flashinfer_lite.ffn", "flashinfer_lite.kernels")):
+            continue
+        for target, line, _ in project_imports(name, path):
+            if target.startswith(("flashinfer_lite.budget", "flashinfer_lite.runtime", "flashinfer_lite.api",
+                                  "flashinfer_lite.modes", "flashinfer_lite.warmup")) or (
+                    name.startswith("flashinfer_lite.kernels") and target.startswith("flashinfer_lite.ffn")):
+                bad.append(f"{path.relative_to(REPO)}:{line} imports {target}")
+    assert not bad, "\n".join(bad)
+
+
 def fresh(code: str) -> str:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -162,8 +177,8 @@ def test_only_the_mode_registry_compares_ffn_mode_names():
 
 def test_budget_planning_imports_no_ffn_kernels_or_warm_up():
     """budget.py is arithmetic on sizes: the FFN classes, the kernels and compiling them (warmup.py) are not its
-    imports; the kernels' size facts it needs come in as arguments. And the FFN and the kernels never import the load
-    pipeline, its registry or its warm-up (budget.stream_shape, imported by ffn/, is to move next to the streams)."""
+    imports; the kernels' size facts it needs come in as arguments (test_ffn_and_kernels_stay_below_planning checks
+    the other direction)."""
     forbidden = ("flashinfer_lite.ffn", "flashinfer_lite.kernels", "flashinfer_lite.quant", "flashinfer_lite.warmup",
                  "flashinfer_lite.modes", "flashinfer_lite.runtime")
     path = REPO / "flashinfer_lite" / "budget.py"
@@ -172,8 +187,4 @@ def test_budget_planning_imports_no_ffn_kernels_or_warm_up():
     tree = ast.parse(path.read_text(encoding="utf-8"))
     bad += [f"budget.py:{n.lineno} imports numba" for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
             and any((getattr(n, "module", None) or a.name).split(".")[0] == "numba" for a in n.names)]
-    for name, f in modules():
-        if name.startswith(("flashinfer_lite.ffn", "flashinfer_lite.kernels")):
-            bad += [f"{f.relative_to(REPO)}:{line} imports {t}" for t, line, _ in project_imports(name, f)
-                    if t.startswith(forbidden[3:])]
     assert not bad, "\n".join(bad)

@@ -29,7 +29,9 @@ def whole_model_collect(model, corpus_file, n_tokens, ctx, rows, seed, shard_row
     """The collection as it was before layer-streaming: every weight loaded, each window through Transformer.forward
     with a recording FFN, rows drawn window by window, a shard flushed once shard_rows rows are pending."""
     from flashinfer_lite.loader import load_weights, open_any
-    from flashinfer_lite.model import FeedForward, Transformer, linear
+    from flashinfer_lite.model import Transformer
+    from flashinfer_lite.ffn.dense import FeedForward
+    from flashinfer_lite.kernels.blocks import linear
     from predictors.acts import N_BINS, histogram, read_corpus
     from storage.tokenizer import token_segments
     ckpt = open_any(model)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from flashinfer_lite.ffn.quant import quant_experts, quant_ffn
-from flashinfer_lite.quant import BLOCK, QuantMatrix
+from flashinfer_lite.kernels.blocks import BLOCK, QuantMatrix
 from storage.experts import ExpertLayout
 from test_kernels import dense_coefficients, dense_ffn, numba_threads, rel_err
 
@@ -16,7 +16,7 @@ from test_kernels import dense_coefficients, dense_ffn, numba_threads, rel_err
 def test_every_pair_in_one_call_equals_float64_and_the_one_expert_kernel(dtypes, float32_activations):
     """float32 x: float64 math on the dequantized weights and quant_ffn's bits; 8-bit x (the default): quant_ffn's
     bits, x and the coefficients rounded the same way whichever pairs share the call."""
-    from flashinfer_lite.quant import set_act8
+    from flashinfer_lite.kernels.blocks import set_act8
     rng = np.random.default_rng(3)
     d, n, E = 3 * BLOCK, 9 * BLOCK, 5
     L = ExpertLayout(d, n, E, 1, dtypes)
@@ -47,14 +47,14 @@ def test_every_pair_in_one_call_equals_float64_and_the_one_expert_kernel(dtypes,
 def test_a_decode_step_is_one_kernel_call_per_layer(tiny_model, tmp_path, monkeypatch):
     """With every expert in DRAM, each layer of a decoded token computes its routed experts in one quant_experts call
     (a prompt's experts with more rows go through their own matrix products)."""
-    import flashinfer_lite.model as model_module
+    import flashinfer_lite.ffn.dense as dense_module
     from flashinfer_lite.runtime import load_runtime
     from storage.convert import convert
     flash = convert(tiny_model("qwen3moe"), tmp_path / "flash", dtype="q4_0", progress=False)
     model, _, rt = load_runtime(flash, "auto", dram_budget=None, base_bytes=0)
     calls = []
-    real = model_module.quant_experts
-    monkeypatch.setattr(model_module, "quant_experts", lambda *a, **k: (calls.append(len(a[3])), real(*a, **k)))
+    real = dense_module.quant_experts
+    monkeypatch.setattr(dense_module, "quant_experts", lambda *a, **k: (calls.append(len(a[3])), real(*a, **k)))
     kv = model.new_cache(32)
     model.forward([5, 6, 7], kv)
     calls.clear()

@@ -138,7 +138,7 @@ def test_whole_chunks_still_load_and_bad_inputs_are_refused(tiny_model, split_di
     verify(bad, progress=False)
     edit_manifest(bad, lambda m: m["experts"].pop("split"))    # as a hostile file would: its checksum redone
     with pytest.raises(UserError, match="checksum mismatch"):  # the chunks' digests are bound to their geometry
-        load_runtime(bad, "auto", dram_budget=None, runtime_bytes=0)
+        load_runtime(bad, "auto", dram_budget=None, base_bytes=0)
     with pytest.raises(UserError, match="checksum mismatch"):
         verify(bad, progress=False)
     with pytest.raises(UserError, match="dense model"):

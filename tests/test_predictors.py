@@ -50,7 +50,7 @@ def test_collect_records_what_the_dense_model_computes(stories):
     """The stored rows are the dense FFN's inputs and |activations|: recompute |a| from x with the source weights."""
     from storage.checkpoint import open_checkpoint
     from flashinfer_lite.loader import load_weights
-    from flashinfer_lite.model import FeedForward
+    from flashinfer_lite.ffn.dense import FeedForward
     from predictors.acts import Acts
     acts = Acts(stories["acts"])
     ckpt = open_checkpoint(STORIES)
@@ -265,7 +265,7 @@ def test_predicted_ffn_equals_float64_dense_math_on_the_predicted_set(stories):
     W = {n: src.tensor(n).astype(np.float64) for n in src.names() if ".ffn." in n}
     calls, rt = predicted_ffn_calls(stories["flash"], [1, 403, 261, 324, 281, 384, 265, 427])
     assert rt.stats.read_bytes > 0 and len(calls) == 8 * cfg.n_layers
-    preds = rt.predictors
+    preds = rt.selector.predictors
     restricted_differs = 0
     for layer, x, y in calls:
         mask = preds.predict(layer, x, count=False)[0]        # the set the runtime computed (the same x, same bits)

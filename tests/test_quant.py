@@ -17,7 +17,7 @@ from storage.errors import UserError
 from flashinfer_lite.kernels.gemv import MATMUL_ROW_KERNEL_MAX_T
 from flashinfer_lite.ffn.quant import DENSE_ROW_KERNEL_MAX_T, QuantSparseFFN, quant_ffn
 from storage.blocks import QUANTIZABLE
-from flashinfer_lite.quant import BLOCK, QuantMatrix, dequantize, quant_matmul_t, quantize, row_bytes
+from flashinfer_lite.kernels.blocks import BLOCK, QuantMatrix, dequantize, quant_matmul_t, quantize, row_bytes
 from storage.format import BundleGeometry, FlashLayout, bundle_geometry, pack_bundles
 from test_kernels import CASES, dense_coefficients, dense_ffn, make_model, numba_threads, rel_err, scatter_rows
 

@@ -19,7 +19,7 @@ from conftest import assert_same_bits_at_every_budget, transformers_model, write
 from flashinfer_lite.budget import resident_bytes_for
 from storage.errors import UserError
 from flashinfer_lite.model import Transformer
-from flashinfer_lite.quant import QuantMatrix, dequantize
+from flashinfer_lite.kernels.blocks import QuantMatrix, dequantize
 from flashinfer_lite.loader import open_any
 from flashinfer_lite.ffn.resident import ResidentFFN
 from flashinfer_lite.modes import plan_in_ram

@@ -17,7 +17,7 @@ import pytest
 from conftest import STORIES
 from flashinfer_lite.budget import HEAP_SLACK_BYTES, down_scale_bytes, plan_budget, resident_bytes_for, stream_args
 from flashinfer_lite.modes import minimum_bytes, plan_in_ram
-from flashinfer_lite.quant import COLUMN_SCALES_F16
+from flashinfer_lite.kernels.blocks import COLUMN_SCALES_F16
 from flashinfer_lite.runtime import model_facts
 from storage.convert import convert
 from storage.errors import UserError
@@ -206,7 +206,7 @@ def test_load_runtime_refuses_before_converting_and_names_the_planners_minimum(t
     assert not cache.exists() or not [p for p in cache.rglob("*") if p.is_file()]
     flash = convert(STORIES, tmp_path / "flash", progress=False)          # what first use converts
     _, _, gate = runtime.load_runtime(flash, "auto", ctx=64, base_bytes=base)    # calibrates: first use
-    assert type(gate).__name__ == "GateFFN"
+    assert type(gate.selector).__name__ == "ExactGate"
     assert early.value.minimum_bytes == gate.plan.floor_bytes - runtime.EARLY_SLACK_BYTES
     assert f"below the minimum {early.value.minimum_bytes / 2**20:.1f} MiB for this model" in str(early.value)
     with pytest.raises(BelowMinimum) as planned:

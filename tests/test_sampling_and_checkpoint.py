@@ -7,7 +7,7 @@ import pytest
 from storage.checkpoint import SafetensorsFile, open_checkpoint
 from storage.errors import UserError
 from flashinfer_lite.generate import Sampler
-from flashinfer_lite.model import softmax
+from flashinfer_lite.ffn.dense import softmax
 
 
 def test_sampler_greedy_and_top_k_1_pick_argmax():

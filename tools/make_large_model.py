@@ -245,7 +245,8 @@ def measure_active_share(model_dir: Path, n_tokens: int, n_layers: int, seed: in
     """Run n_tokens random tokens through the first n_layers with the dense math, one layer's weights at a time;
     per layer the share of neurons whose FATReLU activation is nonzero."""
     from storage.checkpoint import open_checkpoint
-    from flashinfer_lite.model import Attention, FeedForward, KVCache, rms_norm, rope_inv_freq
+    from flashinfer_lite.model import Attention, KVCache, rms_norm, rope_inv_freq
+    from flashinfer_lite.ffn.dense import FeedForward
     ck = open_checkpoint(model_dir)
     cfg = ck.config
     rng = np.random.default_rng(seed + 1)

@@ -4,13 +4,13 @@ Per layer the cache has `slots` expert-sized rows (budget.plan_experts sizes the
 them hold the layer's most routed experts on calibration text for the whole run, the others an LRU over recent
 tokens. A miss is one O_DIRECT read of the expert's chunk (storage.experts: gate, up and down back to back) straight
 into its slot, and the slot's bytes are the expert's matrices (views, no copy). The reads of a layer's misses are
-submitted before the experts already in DRAM are computed; those are handed over as one batch (model.ExpertBatch:
-the layer's slots and which expert is in which, so model.MixtureOfExperts computes them in one kernel call), then
+submitted before the experts already in DRAM are computed; those are handed over as one batch (ffn.dense.ExpertBatch:
+the layer's slots and which expert is in which, so ffn.dense.MixtureOfExperts computes them in one kernel call), then
 each read as it lands with every other one already done. MixtureOfExperts sums the outputs in expert order
 afterwards, so the bits never depend on what was cached or which experts shared a call.
 
 Split chunks (storage.experts: gate|up rows, then down columns) run the dense exact gate inside each expert
-(ffn.gate, the same kernels: ffn.split.SplitKernels): a miss reads the expert's gate|up rows into its slot, its
+(ffn.gate, the same kernels: ffn.flash.SplitKernels): a miss reads the expert's gate|up rows into its slot, its
 coefficients are computed, and only the down columns of the neurons whose |coefficient| clears the layer's threshold
 are read (the ones the slot does not hold yet), as coalesced runs, then summed in neuron order. A threshold of 0 is
 exact (only zero coefficients skipped: a ReLU-family expert's); where that skips nothing (a SiLU expert at 0) a miss
@@ -30,14 +30,14 @@ from storage.format import expert_chunks, expert_parts
 from storage.reader import SLOTS_IN_HUGE_PAGES, BundleReader, aligned_empty, in_flight_seconds, populate
 from storage.stats import FlashStats
 
-from ..model import ExpertBatch, FeedForward, MixtureOfExperts
-from ..quant import QuantMatrix
-from .quant import QUANT_FFN_ACTS
-from .split import SplitKernels
+from .dense import ExpertBatch, FeedForward, MixtureOfExperts
+from ..kernels.blocks import QuantMatrix
+from ..kernels.neurons import QUANT_FFN_ACTS
+from .flash import SplitKernels
 
 
 def stacks(cfg: ModelConfig, E) -> bool:
-    """Whether a batch of experts' decode rows computes in one kernel call over their slots (model.ExpertBatch's
+    """Whether a batch of experts' decode rows computes in one kernel call over their slots (ffn.dense.ExpertBatch's
     stack): every matrix in a block format, an activation quant_ffn has, whole chunks (not split)."""
     return all(t in BLOCK_BYTES for t in E.dtypes) and cfg.act in QUANT_FFN_ACTS and not E.split
 

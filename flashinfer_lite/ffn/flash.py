@@ -1,82 +1,319 @@
-"""FlashFFN: the FFN of every layer computed from bundles on flash through the neuron cache (an FFNFn, model.py).
+"""FlashFFN: the FFN of every layer from flash, one class: a selector (which neurons, and where their coefficients
+come from) times a row source (the neuron cache, or the layer read whole as a stream). An FFNFn (model.py).
 
-Per layer, per token: the neurons to compute (the selector: the predictor, the oracle or a trace), a cache lookup,
-one batched read of the misses straight into their cache rows, and the sparse FFN (ffn.sparse) over those rows.
-A prompt of many tokens touches most neurons, so prefill can instead stream each layer's whole FFN with large
-sequential reads; FlashFFN picks whichever moves fewer bytes.
+Selectors:
+  Predicted   the predictor, the oracle or a replayed trace names the neurons; their bundles (gate, up and down
+              together) are read and the coefficients computed on the rows read (ffn.sparse's kernels)
+  ExactGate   every neuron's coefficient act(gate.x) * up.x from its gate|up row (kept in DRAM; a layer whose rows do
+              not fit the budget is read as one sequential stream), the calibrated magnitude threshold (|c| <= t: the
+              neuron does not count); only the down rows of the neurons that clear it are read (SplitKernels).
+              No predictor: the set is the thresholded model's own, so the output is one function of x
+              whatever the budget.
+Per layer and token: the selector, a cache lookup, one batched read of the misses straight into their cache rows, and
+the sum over those rows. A prompt of many tokens touches most neurons, so prefill can instead stream each layer's rows
+with large sequential reads; FlashFFN picks whichever moves fewer bytes (and the exact gate also streams a decoded
+token's down rows when the cache cannot hold the layer anyway).
+
+Why gate AND up in DRAM for the exact gate (docs/PREDICTORS.md, bench/exact_gate.py): on SmolLM2 a gate-only score
+(CATS) costs +15% perplexity at 40% of the neurons dropped, the product |act(g) * u| +1.5%; the product needs the up
+row, and with both rows resident only the down row (a third of a bundle's weights) is read for the neurons that count.
+
+One summation order (kernels.neurons): the coefficients are per neuron, computed by the same kernel for any T; the
+down rows are added in bundle order, whatever the cache holds, the pieces or the prefill strategy.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 
 import numpy as np
 
-from storage.reader import RowStream, bundle_reader
+from storage import columns
+from storage.checksums import drop_from_page_cache
+from storage.config import ModelConfig
+from storage.errors import UserError
+from storage.profile import stream_settings, stream_shape
+from storage.reader import BundleReader, RowStream, bundle_reader
 from storage.stats import FlashStats
 
-from ..budget import staging_rows, stream_settings, stream_shape
-from storage.config import ModelConfig
-from ..neuron_cache import NeuronCache
+from ..kernels.blocks import K_KINDS, KINDS, act8_buffers, column_tables
+from ..kernels.neurons import (OUT_BLOCK, act_code, ffn_accumulate, ffn_coefficients, quant_ffn_accumulate,
+                               quant_ffn_accumulate_rows, quant_gate_coefficients, threshold_of)
+from ..neuron_cache import NeuronCache, staging_rows
 from ..threads import beside_reads
-from .gating import threshold_of
 from .quant import sparse_ffns
+from .sparse import STORAGE_VIEWS
 
+
+class SplitKernels:
+    """The two kernels of ffn.sparse over the split layout's rows, per layer (a Q4_K_M GGUF's layers mix block
+    formats): coefficients over gate|up rows, the down sum over down rows."""
+
+    def __init__(self, gate_up, down, act: str, relu_threshold, down_scales=None):
+        shared: dict = {}       # layers without scale tables share their geometry's (an MoE's regions: 1000s)
+
+        def rows(i: int) -> SplitRows:
+            tables = down_scales[i] if down_scales is not None else None
+            key = i if tables is not None else (gate_up.dtypes_of(i), down.dtypes_of(i))
+            if key not in shared:
+                shared[key] = SplitRows(gate_up.geometry_of(i), down.geometry_of(i), act, relu_threshold, tables,
+                                        gate_up.quantized)
+            return shared[key]
+        self.layers = [rows(i) for i in range(gate_up.n_layers)]
+
+    def coefficients(self, H: np.ndarray, X: np.ndarray, coef: np.ndarray, act_threshold: float, layer: int) -> None:
+        self.layers[layer].coefficients(H, X, coef, act_threshold)
+
+    def accumulate(self, D: np.ndarray, slots: np.ndarray, coef: np.ndarray, Y: np.ndarray, layer: int) -> None:
+        self.layers[layer].accumulate(D, slots, coef, Y)
+
+
+class SplitRows:
+    """One layer's rows: the kernels' offsets and scalar slots from the parts' BundleGeometry (gu: gate|up, dn: down)
+    and, for down columns, the layer's scale tables."""
+
+    def __init__(self, gu, dn, act: str, relu_threshold, tables, quantized: bool):
+        self.gu, self.dn, self.quantized = gu, dn, quantized
+        self.act = act_code(act)
+        self.threshold = threshold_of(act, relu_threshold)
+        g = self.gu
+        if self.quantized:
+            self.kind, self.up_kind = KINDS[g.dtype_of("gate")].code, KINDS[g.dtype_of("up")].code
+            self.n, self.up_n, self.up_at = g.vector_bytes("gate"), g.vector_bytes("up"), g.offset("up")
+            column = columns.kind_of(self.dn.dtype_of("down"))
+            self.down_kind = KINDS[column or self.dn.dtype_of("down")]
+            # a task covers whole blocks (as QuantSparseFFN); a column's elements stand alone
+            self.out_block = OUT_BLOCK if column else max(OUT_BLOCK, self.down_kind.weights)
+            if column and tables is None:
+                raise ValueError("down columns need their layers' scale tables (down_scales)")
+            self.S = column_tables(tables if column else None, column, self.dn.d)
+        else:
+            size = np.dtype(STORAGE_VIEWS[g.dtype]).itemsize
+            self.kind, self.n, self.up_at = 0, g.d, g.offset("up") // size
+            self.up_kind, self.up_n = 0, g.d
+        self.s_gate, self.s_up = g.scalar_slot("scale.gate"), g.scalar_slot("scale.up")
+        self.bg, self.bu = g.scalar_slot("bias.gate"), g.scalar_slot("bias.up")
+        self.s_down, self.s_neuron = self.dn.scalar_slot("scale.down"), self.dn.scalar_slot("neuron.down")
+
+    def _view(self, B: np.ndarray, dtype: str) -> np.ndarray:
+        return B if self.quantized else B.view(STORAGE_VIEWS[dtype])
+
+    def coefficients(self, H: np.ndarray, X: np.ndarray, coef: np.ndarray, act_threshold: float) -> None:
+        """coef[t, j] = the coefficient of gate|up row j (H uint8 [n, stride]) on X[t], 0 where |c| <= act_threshold.
+        Gate and up in block kinds with 8-bit dot products (all of them, with set_act8 on): quant_gate_coefficients,
+        for one row (decode) as for a prompt's many, so a token's bits do not depend on the rows it came with (the
+        prefill chunk)."""
+        n = H.shape[0]
+        if self.quantized:
+            xa = act8_buffers(*X.shape, self.kind, self.up_kind)
+            if all(xa[4 if k in K_KINDS else 0].shape[1] for k in (self.kind, self.up_kind)):  # x's blocks for both
+                quant_gate_coefficients(H, H.view(np.float32), X, xa, coef, self.n, self.up_at, self.up_n, self.kind,
+                                        self.up_kind, self.act, self.threshold, self.s_gate, self.s_up, self.bg,
+                                        self.bu, np.float32(act_threshold))
+                return
+        ones = np.ones((X.shape[0], n), np.uint8)
+        ffn_coefficients(self._view(H, self.gu.dtype), H.view(np.float32), np.arange(n, dtype=np.int32),
+                         np.arange(n, dtype=np.int64), X, act8_buffers(*X.shape, self.kind, self.up_kind)
+                         if self.quantized else act8_buffers(*X.shape), ones, coef, self.n, True, self.act,
+                         self.threshold,
+                         self.up_at, self.s_gate, self.s_up, self.bg, self.bu, self.kind, self.up_n, self.up_kind,
+                         self.gu.stride, np.float32(act_threshold))
+
+    def accumulate(self, D: np.ndarray, slots: np.ndarray, coef: np.ndarray, Y: np.ndarray) -> None:
+        """Y[t] += sum over j in order of coef[t, j] * down row slots[j] of D (uint8 [rows, stride])."""
+        if self.quantized:
+            # a prompt's rows: each down piece decoded once for many rows, with the bits of one row alone
+            kernel = quant_ffn_accumulate_rows if Y.shape[0] > 1 else quant_ffn_accumulate
+            kernel(D, D.view(np.float32), slots, coef, Y, 0, self.down_kind.code, self.down_kind.weights,
+                   self.down_kind.block_bytes, self.out_block, self.s_neuron, self.S)
+        else:
+            ffn_accumulate(self._view(D, self.dn.dtype), D.view(np.float32), slots, coef, Y, self.dn.d, 0,
+                           self.s_down)
+
+
+class Predicted:
+    """Selector: select(layer, x [T, d]) -> bool [T, n_neurons] by original neuron id, the neurons to compute (the
+    predictor, the oracle, or a replayed trace); their coefficients come from the bundle rows read.
+    predictors: the PredictorSet of the FLASHDIR, if any: its neuron frequencies choose the pinned hot neurons and its
+    act_threshold (per layer) is the SwiGLU magnitude under which a computed neuron counts as not fired."""
+    coefficients_first = False
+
+    def __init__(self, cfg: ModelConfig, layout, select, predictors=None):
+        self.cfg, self.layout, self.select, self.predictors = cfg, layout, select, predictors
+        self.bundle_of = layout.bundle_of    # selections speak original neuron ids, the cache bundle ids
+        self.act_threshold = [predictors.act_threshold(i) if predictors is not None else 0.0
+                              for i in range(cfg.n_layers)]
+
+    def freq(self) -> list[np.ndarray] | None:
+        """Per layer the neurons' activation frequencies in bundle order (they choose the pinned hot rows), if known."""
+        if self.predictors is None:
+            return None
+        return [self.predictors.neuron_freq(i)[self.layout.order[i]] for i in range(self.cfg.n_layers)]
+
+
+class ExactGate:
+    """Selector: every neuron's coefficient from the gate|up rows (layout.parts["gate_up"]), 0 where it does not clear
+    its layer's threshold (calibration: storage.gate_file.GateCalibration, whose neuron frequencies choose the pinned
+    hot rows). resident_layers: how many layers, from the first, keep their gate|up rows in DRAM (the rest are read
+    as a stream, with its chunks in flight while one is computed). kernels: the split layout's SplitKernels."""
+    coefficients_first = True
+
+    def __init__(self, cfg: ModelConfig, layout, plan, calibration, kernels: SplitKernels, stats: FlashStats,
+                 resident_layers: int | None = None, threads: int | None = None):
+        self.cfg, self.kernels, self.stats = cfg, kernels, stats
+        self.gate_up = layout.parts["gate_up"]
+        self.thresholds = list(calibration.thresholds)
+        self.calibration = calibration
+        k = plan.gate_layers if resident_layers is None else resident_layers
+        self.heads = [self._read_gate_up(i) if i < k else None for i in range(cfg.n_layers)]
+        st = stream_settings(layout)
+        self.gate_up_reader = BundleReader(self.gate_up, threads=threads) if k < cfg.n_layers else None
+        self.gate_up_stream = RowStream(self.gate_up_reader, *stream_shape(self.gate_up, st.chunk_bytes, st.depth)) \
+            if self.gate_up_reader else None
+        self.observe = None     # observe(layer, coef [T, n]): calibration's view of every coefficient
+
+    def freq(self) -> list[np.ndarray]:
+        """Per layer the share of calibration tokens each neuron counted in (they choose the pinned hot rows)."""
+        return list(self.calibration.freq)
+
+    @property
+    def resident_layers(self) -> int:
+        return sum(h is not None for h in self.heads)
+
+    def _read_gate_up(self, layer: int, dest: np.ndarray | None = None) -> np.ndarray:
+        """Layer `layer`'s gate|up rows uint8 [n, stride]: one sequential read of its region (into dest if given),
+        its pages dropped from the page cache behind it (the rows live in DRAM as this array, not twice)."""
+        G = self.gate_up
+        out = np.empty((G.n_neurons[layer], G.stride), np.uint8) if dest is None else dest
+        with open(G.ffn_path, "rb") as f:
+            got = os.preadv(f.fileno(), [out], G.offset[layer])
+            drop_from_page_cache(f.fileno(), G.offset[layer], out.nbytes)
+        if got != out.nbytes:
+            raise UserError(f"{G.ffn_path}: short read of layer {layer}: the file is truncated; re-run convert")
+        return out
+
+    def coefficients(self, layer: int, x: np.ndarray) -> np.ndarray:
+        """coef float32 [T, n] in bundle order: every neuron's coefficient, 0 where it did not clear the threshold.
+        A layer whose gate|up rows are not resident: chunk by chunk as they are read (a neuron's coefficient is its
+        own row's, so the bits are the resident layer's)."""
+        H = self.heads[layer]
+        if H is not None:
+            coef = np.empty((x.shape[0], H.shape[0]), np.float32)
+            t0 = time.perf_counter()
+            self.kernels.coefficients(H, x, coef, self.thresholds[layer], layer)
+            self.stats.compute_s += time.perf_counter() - t0
+            return coef
+        coef = np.empty((x.shape[0], self.gate_up.n_neurons[layer]), np.float32)
+        part = np.empty((x.shape[0], self.gate_up_stream.rows), np.float32)
+        for start, H, rs, waited in self.gate_up_stream.chunks(layer):
+            m = H.shape[0]
+            self.stats.read_s += waited
+            self.stats.io_s += rs.io_s
+            self.stats.read_bytes += rs.read_bytes
+            t0 = time.perf_counter()
+            self.kernels.coefficients(H, x, part[:, :m], self.thresholds[layer], layer)
+            coef[:, start:start + m] = part[:, :m]
+            self.stats.compute_s += time.perf_counter() - t0
+        self.gate_up_stream.prime(self._next_streamed(layer))
+        return coef
+
+    def _next_streamed(self, layer: int) -> int:
+        """The layer after `layer` whose gate|up rows are not resident (the next token's first, after the last)."""
+        n = self.cfg.n_layers
+        return next(i % n for i in range(layer + 1, layer + 1 + n) if self.heads[i % n] is None)
 
 
 class FlashFFN:
-    """The FFN of every layer, computed from bundles on flash through the neuron cache.
+    """The FFN of every layer from flash: `selector` (Predicted or ExactGate) times the rows of `layout` (the bundles,
+    or the split layout's down rows) through the neuron cache or read whole; build it with FlashFFN.predicted or
+    FlashFFN.exact_gate.
 
     plan: the budget.BudgetPlan that sizes the neuron cache (window rows, hot bytes, window tokens).
-    select(layer, x [T, d]) -> bool [T, n_neurons] by original neuron id: which neurons to compute (the predictor,
-    the oracle, or a replayed trace).
-    predictors: the PredictorSet of the FLASHDIR, if any: its neuron frequencies choose the pinned hot neurons and its
-    act_threshold (per layer) is the SwiGLU magnitude under which a computed neuron counts as not fired.
+    kernels: per layer the kernels over the rows (ffn.sparse.SparseFFN-s; the exact gate: ffn.flash.SplitRows-es).
     down_bias: per layer the FFN down bias (resident; None where the model has none).
     overlap: compute on the cached rows while the misses are read (False: read, then compute; for measuring).
     lookahead(layer, x [1, d]) -> bool [1, n_neurons]: a guess of `layer`'s set from the previous layer's FFN input
     x, so its reads start one layer early (Deja Vu); the exact set still decides, a wrong guess costs only bytes.
-    down_scales: per layer the down columns' scale tables (FlashCheckpoint.down_scales), if the bundles have them.
     """
 
-    def __init__(self, cfg: ModelConfig, layout, plan, select, predictors=None, down_bias=None,
-                 threads: int | None = None, overlap: bool = True, lookahead=None, verbose: bool = False,
-                 down_scales=None):
-        self.cfg, self.layout, self.plan, self.select, self.predictors = cfg, layout, plan, select, predictors
+    def __init__(self, cfg: ModelConfig, layout, plan, selector, kernels: list, stats: FlashStats, reader, streams,
+                 down_bias=None, overlap: bool = True, lookahead=None, verbose: bool = False):
+        self.cfg, self.layout, self.plan, self.selector, self.kernels = cfg, layout, plan, selector, kernels
         self.verbose, self.overlap, self.lookahead = verbose, overlap, lookahead
-        self.stats = FlashStats.for_layers(cfg.n_layers, cfg.ffn_dim)
+        self.stats, self.reader = stats, reader
         self.down_bias = list(down_bias) if down_bias is not None else [None] * cfg.n_layers
-        self.bundle_of = layout.bundle_of    # selections speak original neuron ids, the cache bundle ids
-        self.act_threshold = [predictors.act_threshold(i) if predictors is not None else 0.0
-                              for i in range(cfg.n_layers)]
-        self.reader = bundle_reader(layout, threads=threads)
-        hot = None
-        if predictors is not None and plan.hot_bytes:
-            hot = plan.hot_neurons([predictors.neuron_freq(i)[layout.order[i]] for i in range(cfg.n_layers)])
+        freq = selector.freq() if plan.hot_bytes else None
+        hot = plan.hot_neurons(freq) if freq is not None else None
         self.cache = NeuronCache(layout.n_neurons, layout.stride, self.reader, capacity=plan.window_rows,
                                  window=plan.window, hot=hot,
                                  staging_rows=staging_rows(plan.max_active) if lookahead else 0, stats=self.stats)
-        self.kernels = sparse_ffns(layout, act=cfg.act, relu_threshold=threshold_of(cfg.act, cfg.relu_threshold),
-                                   max_active=max(layout.n_neurons), down_scales=down_scales)   # per layer
         self._coef = np.zeros(max(layout.n_neurons), np.float32)   # one piece's coefficients
-        st = stream_settings(layout)      # prefill streaming's buffers (counted in the plan's buffers)
-        self.stream = RowStream(self.reader, *stream_shape(layout, st.chunk_bytes, st.depth))
+        # streaming's buffers (counted in the plan's buffers): streams, the device's storage.profile.StreamSettings
+        self.stream = RowStream(self.reader, *stream_shape(layout, streams.chunk_bytes, streams.depth))
+        self.streamed = [False] * cfg.n_layers    # exact gate, per layer: were its down rows read whole last time
         self._pass_lookups = 0   # hits + misses when the current forward pass began
+        self._pass_streamed = False
 
-    # -- choosing neurons ---------------------------------------------------------------------------------------------
-    def active_ids(self, layer: int, x: np.ndarray) -> list[np.ndarray]:
-        """Per row of x [T, d]: sorted bundle ids to compute."""
-        t0 = time.perf_counter()
-        mask = self.select(layer, x)
-        self.stats.predictor_s += time.perf_counter() - t0
-        return [np.sort(self.bundle_of[layer][np.flatnonzero(m)]) for m in mask]
+    @property
+    def predictors(self):
+        """The PredictorSet the selector asks (Predicted's, if it has one), else None."""
+        return getattr(self.selector, "predictors", None)
 
-    # -- the FFN ----------------------------------------------------------------------------------------------------
+    @classmethod
+    def predicted(cls, cfg: ModelConfig, layout, plan, select, predictors=None, down_bias=None,
+                  threads: int | None = None, overlap: bool = True, lookahead=None, verbose: bool = False,
+                  down_scales=None) -> "FlashFFN":
+        """The neurons select names (Predicted), their bundles through the neuron cache. down_scales: per layer the
+        down columns' scale tables (FlashCheckpoint.down_scales), if the bundles have them."""
+        kernels = sparse_ffns(layout, act=cfg.act, relu_threshold=threshold_of(cfg.act, cfg.relu_threshold),
+                              max_active=max(layout.n_neurons), down_scales=down_scales)   # per layer
+        return cls(cfg, layout, plan, Predicted(cfg, layout, select, predictors), kernels,
+                   FlashStats.for_layers(cfg.n_layers, cfg.ffn_dim), bundle_reader(layout, threads=threads),
+                   stream_settings(layout), down_bias, overlap, lookahead, verbose)
+
+    @classmethod
+    def exact_gate(cls, cfg: ModelConfig, layout, plan, calibration, down_bias=None,
+                   resident_layers: int | None = None, down_scales=None, threads: int | None = None,
+                   verbose: bool = False) -> "FlashFFN":
+        """The exact gate (ExactGate) over a FlashLayout with the split parts (layout.parts): the down rows through
+        the neuron cache, or read whole."""
+        down = layout.parts["down"]
+        kernels = SplitKernels(layout.parts["gate_up"], down, cfg.act, cfg.relu_threshold, down_scales)
+        stats = FlashStats.for_layers(cfg.n_layers, cfg.ffn_dim)
+        gate = ExactGate(cfg, layout, plan, calibration, kernels, stats, resident_layers, threads)
+        return cls(cfg, down, plan, gate, kernels.layers, stats, BundleReader(down, threads=threads),
+                   stream_settings(layout), down_bias, verbose=verbose)
+
     def __call__(self, layer: int, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
         T = x.shape[0]
         if layer == 0:                  # a forward pass starts
             self._pass_lookups = self.stats.hits + self.stats.misses
+            self._pass_streamed = False
+        if self.selector.coefficients_first:
+            y, n_active = self.gated(layer, x)
+        else:
+            y, n_active = self.selected(layer, x)
+        if self.down_bias[layer] is not None:
+            y += self.down_bias[layer]
+        self.stats.rows[layer] += T
+        self.stats.active[layer] += n_active
+        if layer == self.cfg.n_layers - 1:
+            self._close_pass(T, decoded=self._pass_streamed)
+        return y
+
+    # -- Predicted: the named neurons' bundles ------------------------------------------------------------------------
+    def active_ids(self, layer: int, x: np.ndarray) -> list[np.ndarray]:
+        """Per row of x [T, d]: sorted bundle ids to compute."""
+        t0 = time.perf_counter()
+        mask = self.selector.select(layer, x)
+        self.stats.predictor_s += time.perf_counter() - t0
+        return [np.sort(self.selector.bundle_of[layer][np.flatnonzero(m)]) for m in mask]
+
+    def selected(self, layer: int, x: np.ndarray) -> tuple[np.ndarray, int]:
+        """(the FFN of x's rows over the neurons the selector names, how many fired)."""
+        T = x.shape[0]
         ids = self.active_ids(layer, x)
         y = np.empty_like(x)
         union = np.unique(np.concatenate(ids)) if T > 1 else np.zeros(0, np.int64)
@@ -94,13 +331,8 @@ class FlashFFN:
             n_active = 0
             for t in range(T):
                 n_active += self.decode_row(layer, x[t], ids[t], y[t])
-        if self.down_bias[layer] is not None:
-            y += self.down_bias[layer]
-        self.stats.rows[layer] += T
-        self.stats.active[layer] += n_active
-        if layer == self.cfg.n_layers - 1:
-            self._close_pass(T)
-        return y
+        return y, n_active
+
 
     def decode_row(self, layer: int, x: np.ndarray, ids: np.ndarray, out: np.ndarray) -> int:
         """out[:] = sparse FFN of one token over `ids` (sorted); returns how many neurons actually fired.
@@ -140,7 +372,7 @@ class FlashFFN:
         t0 = time.perf_counter()
         guess = self.lookahead(layer, x[None, :])[0]
         self.stats.predictor_s += time.perf_counter() - t0
-        self.cache.prefetch(layer, np.sort(self.bundle_of[layer][np.flatnonzero(guess)]))
+        self.cache.prefetch(layer, np.sort(self.selector.bundle_of[layer][np.flatnonzero(guess)]))
 
     def _coefficients(self, layer: int, slots: np.ndarray, js, X: np.ndarray, coef: np.ndarray,
                       sel: np.ndarray | None = None, B: np.ndarray | None = None) -> None:
@@ -149,30 +381,11 @@ class FlashFFN:
         if js is not None and not len(js):
             return
         t0 = time.perf_counter()
-        t = self.act_threshold[layer] if self.act_threshold[layer] > 0 else -1.0
+        t = self.selector.act_threshold[layer]
+        t = t if t > 0 else -1.0
         self.kernels[layer].coefficients(self.cache.matrix(layer) if B is None else B, slots, js, X, coef, sel=sel,
                                  act_threshold=t)
         self.stats.compute_s += time.perf_counter() - t0
-
-    def _close_pass(self, T: int, decoded: bool = False) -> None:
-        """Count the pass's T tokens as decode-path tokens if any went through the neuron cache, or were decoded
-        reading their layers whole (decoded: GateFFN.stream_decode). Token boundaries come from the pass, not from
-        decode_row: a batched prompt calls decode_row T times per layer."""
-        if decoded or self.stats.hits + self.stats.misses > self._pass_lookups:
-            self.stats.tokens += T
-
-    # -- prefill streaming ------------------------------------------------------------------------------------------
-    def prefer_streaming(self, layer: int, ids: list[np.ndarray]) -> bool:
-        """Stream the whole layer when the rows' distinct uncached neurons exceed a third of it: random bundle reads
-        move bytes 2-3x slower than large sequential ones on the SSDs measured here."""
-        union = np.unique(np.concatenate(ids)) if ids else np.zeros(0, np.int64)
-        cached = self.cache.slot_of(layer)[union] >= 0 if union.size else np.zeros(0, bool)
-        uncached = int(union.size - np.count_nonzero(cached))
-        choice = uncached > self.layout.n_neurons[layer] / 3
-        if self.verbose and layer == 0:
-            how = "streaming whole layers" if choice else "through the neuron cache"
-            print(f"prefill of {len(ids)} tokens: {uncached} uncached neurons in layer 0 -> {how}", file=sys.stderr)
-        return choice
 
     def cached_rows(self, layer: int, x: np.ndarray, y: np.ndarray, ids: list[np.ndarray], union: np.ndarray,
                     looked_up: int = 0) -> int:
@@ -217,3 +430,111 @@ class FlashFFN:
             t2 = time.perf_counter()
             self.kernels[layer].accumulate(B, chunk_rows[:m], coef, y)
             self.stats.compute_s += time.perf_counter() - t2
+
+    # -- ExactGate: every coefficient first, then the down rows of those that count ----------------------------------
+    def gated(self, layer: int, x: np.ndarray) -> tuple[np.ndarray, int]:
+        """(the FFN of x's rows: the selector's coefficients, then the down rows of the neurons any row needs, how many
+        (row, neuron) coefficients counted)."""
+        T = x.shape[0]
+        if self.stream.primed < 0 and self.streams_again(layer):
+            self.stream.prime(layer)     # its first chunks come during the coefficients
+        coef = self.selector.coefficients(layer, x)
+        if self.selector.observe is not None:
+            self.selector.observe(layer, coef)
+        ids = np.flatnonzero(coef.any(axis=0))          # bundle ids any row needs, ascending
+        y = np.zeros_like(x)
+        self.streamed[layer] = True
+        if T > 1 and self.prefer_streaming(layer, [ids]):
+            self.stream_down(layer, coef, y)
+            self.stats.streamed_layers += 1
+        elif T == 1 and self.stream_decode(layer, ids):
+            self.stream_down(layer, coef, y, decode=True)
+            self._pass_streamed = True
+        else:
+            self.streamed[layer] = False
+            if self.stream.primed == layer:
+                self.stream.cancel()
+            self.accumulate_rows(layer, ids, coef, y)
+        self._dropped()
+        return y, int(np.count_nonzero(coef))
+
+
+    def streams_again(self, layer: int) -> bool:
+        """Whether layer `layer`'s down rows will likely be read whole again: they were last time, and the cache cannot
+        hold the layer."""
+        return self.streamed[layer] and self.cache.matrix(layer).shape[0] < self.layout.n_neurons[layer]
+
+    def _dropped(self) -> None:
+        """Count the bytes of primed chunks that were read and not used (a layer that did not stream after all)."""
+        for s in (self.stream, self.selector.gate_up_stream):
+            if s is not None and s.dropped.read_bytes:
+                self.stats.read_bytes += s.dropped.read_bytes
+                s.dropped = FlashStats()
+
+    def stream_decode(self, layer: int, ids: np.ndarray) -> bool:
+        """Read a decoded token's down rows with the whole layer, in large sequential chunks, when the cache cannot
+        hold the layer anyway (a budget below the FFN: its rows would not stay) and more than a third of it is not
+        cached: a gated model's token needs most of its rows (~60% at sparsity 0.4), and random reads of them move
+        bytes several times slower than sequential ones (fio on this machine's SSD: 0.5-0.9 GB/s at 7 KiB, 4.5 GB/s
+        sequential). On the 7B shape at 75% of its q4_0 GGUF the cache path read 1.98 GB per token in 4.3 s."""
+        n = self.layout.n_neurons[layer]
+        if self.cache.matrix(layer).shape[0] >= n:      # its pinned rows and window hold the whole layer
+            return False
+        uncached = ids.size - np.count_nonzero(self.cache.slot_of(layer)[ids] >= 0)
+        return uncached > n / 3
+
+    def accumulate_rows(self, layer: int, ids: np.ndarray, coef: np.ndarray, Y: np.ndarray) -> None:
+        """Y[t] += the down rows of `ids` (ascending) weighted by coef[t, ids], through the neuron cache in
+        window-sized pieces accumulated one after the other. Each row's sum skips its zero coefficients and adds the
+        rest in bundle order, so a token gives the same bits alone or in a prompt, in one piece or many (ffn.sparse)."""
+        cap = self.plan.window_rows
+        for start in range(0, len(ids), cap):
+            piece = ids[start:start + cap]
+            f = self.cache.start_fetch(layer, piece)
+            f.finish()
+            t0 = time.perf_counter()
+            self.kernels[layer].accumulate(self.cache.matrix(layer), f.slots, np.ascontiguousarray(coef[:, piece]), Y)
+            self.stats.compute_s += time.perf_counter() - t0
+
+    def stream_down(self, layer: int, coef: np.ndarray, y: np.ndarray, decode: bool = False) -> None:
+        """The down sum reading the layer's down rows in large sequential chunks, rows in bundle order (zero
+        coefficients skipped): the sum the cache path computes. decode: a decoded token's (its bytes count as the
+        decode path's reads), else a prompt's."""
+        slots = np.arange(self.stream.rows, dtype=np.int32)
+        for start, D, rs, waited in self.stream.chunks(layer):
+            m = D.shape[0]
+            self.stats.read_s += waited
+            self.stats.io_s += rs.io_s
+            if decode:
+                self.stats.read_bytes += rs.read_bytes
+                self.stats.requested_bytes += rs.requested_bytes
+            else:
+                self.stats.prefill_bytes_read += rs.read_bytes
+            t1 = time.perf_counter()
+            self.kernels[layer].accumulate(D, slots[:m], np.ascontiguousarray(coef[:, start:start + m]), y)
+            self.stats.compute_s += time.perf_counter() - t1
+        following = (layer + 1) % self.cfg.n_layers     # the next layer's (the next token's first, after the last)
+        if self.streams_again(following):
+            self.stream.prime(following)
+
+    # -- both --------------------------------------------------------------------------------------------------------
+
+    def _close_pass(self, T: int, decoded: bool = False) -> None:
+        """Count the pass's T tokens as decode-path tokens if any went through the neuron cache, or were decoded
+        reading their layers whole (decoded: stream_decode). Token boundaries come from the pass, not from
+        decode_row: a batched prompt calls decode_row T times per layer."""
+        if decoded or self.stats.hits + self.stats.misses > self._pass_lookups:
+            self.stats.tokens += T
+
+    # -- prefill streaming ------------------------------------------------------------------------------------------
+    def prefer_streaming(self, layer: int, ids: list[np.ndarray]) -> bool:
+        """Stream the whole layer when the rows' distinct uncached neurons exceed a third of it: random bundle reads
+        move bytes 2-3x slower than large sequential ones on the SSDs measured here."""
+        union = np.unique(np.concatenate(ids)) if ids else np.zeros(0, np.int64)
+        cached = self.cache.slot_of(layer)[union] >= 0 if union.size else np.zeros(0, bool)
+        uncached = int(union.size - np.count_nonzero(cached))
+        choice = uncached > self.layout.n_neurons[layer] / 3
+        if self.verbose and layer == 0:
+            how = "streaming whole layers" if choice else "through the neuron cache"
+            print(f"prefill of {len(ids)} tokens: {uncached} uncached neurons in layer 0 -> {how}", file=sys.stderr)
+        return choice

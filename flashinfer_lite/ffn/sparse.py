@@ -1,4 +1,5 @@
-"""The sparse FFN over a bundle matrix (Numba): only the listed neurons' rows are touched.
+"""SparseFFN: the sparse FFN's kernels (kernels.neurons) bound to one bundle geometry: only the listed neurons' rows
+are touched.
 
 A bundle matrix B is uint8[rows, stride]; row r holds one neuron, laid out as its storage.format.BundleGeometry says:
   GLU: [gate_i | up_i | down_i], MLP (OPT): [up_i (fc1 row) | down_i (fc2 column)], each d values of the storage
@@ -6,143 +7,23 @@ A bundle matrix B is uint8[rows, stride]; row r holds one neuron, laid out as it
   then bias_gate, bias_up).
 
   GLU: y = sum_j act(gate_j.x + bg_j) * (up_j.x + bu_j) * down_j     MLP: y = sum_j act(up_j.x + bu_j) * down_j
-with act and its threshold as ffn.gating says. The per-output down bias is not in the bundles: the caller adds it.
+with act and its threshold as kernels.neurons says. The per-output down bias is not in the bundles: the caller adds it.
 
-One summation order, whatever the thread count, the cache rows, the budget or the prefill strategy: the
-coefficients are per neuron (each computed whole by one thread, so order-free), and the down accumulation adds
-the neurons' contributions to each output element in the order the caller lists them (sorted neuron ids), one
-thread per fixed block of OUT_BLOCK output elements. A caller may split a set into pieces and accumulate them one
-after the other into the same y: the sum is bit-identical to one call over the whole set (the runtime relies on
-this: budget, overlap, pieces and prefill streaming all give the same output, tests/test_kernels.py).
+One summation order (kernels.neurons): a caller may split a set into pieces and accumulate them one after the other
+into the same y, bit-identical to one call over the whole set (the runtime relies on this: budget, overlap, pieces and
+prefill streaming all give the same output, tests/test_kernels.py).
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange, types
-from numba.extending import overload
 
 from storage.errors import UserError
-from flashinfer_lite.kernels.f16 import f32_at
-from flashinfer_lite.kernels.prefetch import prefetch_piece
-from flashinfer_lite.kernels.rows import dot, scalar
-from flashinfer_lite.quant import act8_buffers, act_dot, quantize_act_rows
 from storage.format import BundleGeometry
 
-from .gating import ACT_DRELU, act_code, gate_activation, glu_coefficient, threshold_of
+from ..kernels.blocks import act8_buffers
+from ..kernels.neurons import ACT_DRELU, act_code, ffn_accumulate, ffn_coefficients, threshold_of
 
 STORAGE_VIEWS = {"f32": np.float32, "f16": np.uint16, "int8": np.int8}  # dtype name -> view of B the kernel reads
-
-# Output elements per task of the down accumulation: a constant (not the thread count), so that every element is
-# summed by the same loop code in the same order whatever -t is.
-OUT_BLOCK = 64
-
-
-def vector_dot(v, X, xa, t, n, kind):
-    """v . X[t] for one bundle vector v: n elements of float32, float16 bits or int8, or GGUF blocks (uint8: n bytes,
-    as many weights as X has columns, `kind` the block format's code; xa: X's 8-bit blocks, quant.act8_buffers, or
-    empty). Resolved per row type at compile time, so the float and the quantized FFN share one coefficient body."""
-
-
-@overload(vector_dot)
-def _vector_dot_impl(v, X, xa, t, n, kind):
-    if v.dtype == types.uint8:
-        return lambda v, X, xa, t, n, kind: act_dot(v, X, xa, t, kind)
-    return lambda v, X, xa, t, n, kind: dot(v, X[t], n)
-
-
-@njit(cache=True, fastmath=True)
-def coefficient(wr, fr, X, xa, t, n, glu, act, threshold, up_at, s_first, s_up, bg, bu, kind, up_n, up_kind):
-    """The coefficient of the neuron in row wr (its stored type; fr: its float32 view) on X[t] (xa: X's 8-bit blocks
-    or empty: vector_dot), by ffn.gating's rule.
-    wr[:n] is the first vector (GLU: gate, MLP: up) in block format `kind`, GLU's up vector wr[up_at:up_at + up_n]
-    in up_kind (blocks: a bundle's gate and up may differ, as in llama.cpp's mixtures); s_first, s_up, bg, bu:
-    float32 slots (-1: none) of the first vector's scale, up's scale, the gate and up biases."""
-    if glu:
-        g = vector_dot(wr[:n], X, xa, t, n, kind) * scalar(fr, s_first, 1.0) + scalar(fr, bg, 0.0)
-        a = gate_activation(act, g, threshold)
-        if a == np.float32(0.0):          # did not fire: the up vector is not read
-            return a
-        u = vector_dot(wr[up_at:up_at + up_n], X, xa, t, up_n, up_kind) * scalar(fr, s_up, 1.0) + scalar(fr, bu, 0.0)
-        return glu_coefficient(act, a, u)
-    return gate_activation(act, vector_dot(wr[:n], X, xa, t, n, kind) * scalar(fr, s_first, 1.0) + scalar(fr, bu, 0.0),
-                           threshold)
-
-
-# nogil: flash reads run in Python threads while these compute the rows already cached.
-@njit(cache=True, parallel=True, fastmath=True, nogil=True)
-def ffn_coefficients(W, F, slots, js, X, xa, sel, coef, n, glu, act, threshold, up_at, s_first, s_up, bg, bu, kind,
-                     up_n, up_kind, head_bytes, act_threshold):
-    """coef[t, j] = coefficient of neuron row slots[j] on X[t] if sel[t, j] else 0, for every j in js.
-
-    W: the bundle matrix [rows, stride // itemsize] in its stored type (uint8 for blocks); F: its float32 view;
-    slots: int32[n] rows; js: int64 positions into slots to compute now (the rest of coef is left alone);
-    X: float32[T, d]; xa: quant.act8_buffers of X (filled here first) or empty; sel: uint8[T, >=n]; coef:
-    float32[T, >=n]. act_threshold: coefficients with |c| <= it count as
-    zero (SwiGLU's calibrated act_threshold; -1: none). head_bytes: the bytes before the down vector, asked for
-    whole one row ahead (prefetch_piece: a 7B q4_0 head is 4.6 KB, and each row's starts at an address the hardware
-    cannot guess). The rest: coefficient's.
-    """
-    quantize_act_rows(X, xa)
-    for q in prange(js.shape[0]):
-        j = js[q]
-        r = slots[j]
-        if q + 1 < js.shape[0]:
-            prefetch_piece(W, slots[js[q + 1]], 0, head_bytes)
-        wr = W[r]
-        fr = F[r]
-        for t in range(X.shape[0]):
-            c = np.float32(0.0)
-            if sel[t, j]:
-                c = coefficient(wr, fr, X, xa, t, n, glu, act, threshold, up_at, s_first, s_up, bg, bu, kind, up_n,
-                                up_kind)
-                if abs(c) <= act_threshold:
-                    c = np.float32(0.0)
-            coef[t, j] = c
-
-
-# No fastmath: nothing here needs reassociation to vectorise, and without it no FMA contraction can make one call
-# site round differently from another.
-@njit(cache=True, parallel=True, nogil=True)
-def ffn_accumulate(W, F, slots, coef, Y, d, down_at, s_down):
-    """Y[t] += sum over j = 0, 1, ... of coef[t, j] * down(slots[j]), in that order (zero coefficients skipped); the
-    down vector at element down_at of a row, its scale at slot s_down (-1: none).
-
-    Parallel over (row, block of OUT_BLOCK output elements): each output element is summed by one thread."""
-    n = slots.shape[0]
-    nb = (d + OUT_BLOCK - 1) // OUT_BLOCK
-    for q in prange(Y.shape[0] * nb):
-        t = q // nb
-        lo = (q % nb) * OUT_BLOCK
-        hi = min(d, lo + OUT_BLOCK)
-        y = Y[t, lo:hi]
-        m = hi - lo
-        # the fired neurons in order, then four per pass: four rows' loads in flight at once (rows sit at random
-        # addresses); each output element still adds them one after the other (no fastmath: no reassociation)
-        fired = np.empty(n, np.int64)
-        nf = 0
-        for j in range(n):
-            if coef[t, j] != np.float32(0.0):
-                fired[nf] = j
-                nf += 1
-        q4 = nf - nf % 4
-        for i in range(0, q4, 4):
-            j0, j1, j2, j3 = fired[i], fired[i + 1], fired[i + 2], fired[i + 3]
-            c0 = coef[t, j0] * scalar(F[slots[j0]], s_down, 1.0)
-            c1 = coef[t, j1] * scalar(F[slots[j1]], s_down, 1.0)
-            c2 = coef[t, j2] * scalar(F[slots[j2]], s_down, 1.0)
-            c3 = coef[t, j3] * scalar(F[slots[j3]], s_down, 1.0)
-            v0 = W[slots[j0], down_at + lo:down_at + hi]
-            v1 = W[slots[j1], down_at + lo:down_at + hi]
-            v2 = W[slots[j2], down_at + lo:down_at + hi]
-            v3 = W[slots[j3], down_at + lo:down_at + hi]
-            for k in range(m):
-                y[k] = (((y[k] + c0 * f32_at(v0, k)) + c1 * f32_at(v1, k)) + c2 * f32_at(v2, k)) + c3 * f32_at(v3, k)
-        for i in range(q4, nf):
-            j = fired[i]
-            c = coef[t, j] * scalar(F[slots[j]], s_down, 1.0)
-            v = W[slots[j], down_at + lo:down_at + hi]
-            for k in range(m):
-                y[k] += c * f32_at(v, k)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -159,7 +40,7 @@ class SparseFFN:
     ffn.coefficients(B, slots, js, X, coef)   # coef[:, js] for rows slots[js] (js: any subset, any time)
     ffn.accumulate(B, slots, coef, Y)         # Y += the neurons' outputs, in the order of slots
 
-    relu_threshold: the gate threshold (None: ffn.gating.threshold_of the activation). Subclasses for other bundle
+    relu_threshold: the gate threshold (None: kernels.neurons.threshold_of the activation). Subclasses for other bundle
     encodings (ffn.quant.QuantSparseFFN) replace DTYPES, views and the two kernel calls.
     """
     DTYPES = STORAGE_VIEWS
@@ -234,7 +115,7 @@ class SparseFFN:
                          self.up_kind, self.head_bytes, act_threshold)
 
     def act8(self, X: np.ndarray) -> tuple:
-        """Room for X's 8-bit blocks, which ffn_coefficients fills (quant.act8_buffers): none for float rows."""
+        """Room for X's 8-bit blocks, which ffn_coefficients fills (blocks.act8_buffers): none for float rows."""
         return act8_buffers(*X.shape)
 
     def accumulate(self, B: np.ndarray, slots: np.ndarray, coef: np.ndarray, Y: np.ndarray) -> None:

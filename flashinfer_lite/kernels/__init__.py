@@ -6,6 +6,7 @@
   gemv      resident matrices: x @ W^T for float16 or float32 W (matmul_t), and widening them for BLAS
   attention a decode step's attention over the float16 KV cache
   norm      RMSNorm and the residual add fused with it
-
-The FFN's kernels live with the FFN (flashinfer_lite/ffn/); those on GGUF blocks in flashinfer_lite/quant.py.
+  blocks    GGUF's block formats (q8_0 ... q6_k): row dot / dequant / axpy, 8-bit activations, down columns,
+            quant_matmul_t, QuantMatrix and linear (x @ W^T of any resident matrix)
+  neurons   the FFN's: the gating rule (once), the sparse FFN over bundle rows, and the FFNs over GGUF blocks
 """

@@ -82,7 +82,7 @@ def matmul_t(x: np.ndarray, w: np.ndarray, row_kernel_max_t: int = MATMUL_ROW_KE
 
 def matmul_widened(x: np.ndarray, n: int, d: int, widen, y: np.ndarray) -> None:
     """y[T, n] = x @ W^T for a compact W [n, d] that `widen(lo, block)` writes to float32 rows lo.. of `block`, one
-    L2-sized block at a time, each then multiplied by BLAS (the prefill path of matmul_t and quant.quant_matmul_t)."""
+    L2-sized block at a time, each then multiplied by BLAS (the prefill path of matmul_t and blocks.quant_matmul_t)."""
     buf = np.empty((max(1, min(n, WIDEN_BLOCK_BYTES // (4 * d))), d), np.float32)
     for lo in range(0, n, buf.shape[0]):
         block = buf[: min(buf.shape[0], n - lo)]

@@ -20,7 +20,7 @@ off. Quantizing weights is storage.blocks.quantize (gguf.quants, llama.cpp's).
 Kernels: the row operations row_dot, row_dot8, row_dequant and row_axpy (the FFN over blocks, ffn.quant, is built on
 them), quant_matmul_t (x @ W^T for resident matrices) and dequantize (whole matrix or given rows: the embedding
 lookup).
-QuantMatrix is a resident matrix kept so (model.linear dispatches on it).
+QuantMatrix is a resident matrix kept so (linear, below, dispatches on it).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from numba.extending import intrinsic
 
 from storage.errors import UserError
 from flashinfer_lite.kernels.f16 import HAS_F16C, f16_bits_to_f32, f32_to_f16_bits
-from flashinfer_lite.kernels.gemv import MATMUL_PARALLEL_MIN_WORK, MATMUL_ROW_KERNEL_MAX_T, matmul_widened
+from flashinfer_lite.kernels.gemv import MATMUL_PARALLEL_MIN_WORK, MATMUL_ROW_KERNEL_MAX_T, matmul_t, matmul_widened
 from flashinfer_lite.kernels.prefetch import prefetch_ahead
 from flashinfer_lite.kernels.rows import dot
 from flashinfer_lite.threads import numba_threads
@@ -962,7 +962,7 @@ def quant_matmul_t(x: np.ndarray, q: np.ndarray, kind: str, row_kernel_max_t: in
 class QuantMatrix:
     """A resident matrix [rows, cols] kept in a block format: q uint8 [rows, row_bytes(cols, kind)].
 
-    model.linear multiplies by it (quant_matmul_t); indexing by row ids dequantizes those rows (the embedding
+    linear multiplies by it (quant_matmul_t); indexing by row ids dequantizes those rows (the embedding
     lookup), so `embed[tokens]` reads as for an array."""
     q: np.ndarray
     kind: str
@@ -1197,3 +1197,13 @@ def col_dequant(B, r, at, out, kind, j, S):
     source rows: col_axpy of 1 onto -0.0 (1 * w is w, and -0.0 + w is w for every w, negative zero included)."""
     out[:] = np.float32(-0.0)
     col_axpy(out, np.float32(1.0), B, r, at, 0, kind, j, S)
+
+
+def linear(x: np.ndarray, w: np.ndarray | QuantMatrix, b: np.ndarray | None = None) -> np.ndarray:
+    # x [T, in] @ w [out, in]^T -> [T, out]. Resident matrices of a FLASHDIR: float16 (model.half_matrices) or in a
+    # block format (QuantMatrix), each with its Numba kernel; float32 through BLAS.
+    if isinstance(w, QuantMatrix):
+        y = w.matmul_t(x)
+    else:
+        y = matmul_t(x, w) if w.dtype == np.float16 else x @ w.T
+    return y if b is None else y + b
