@@ -194,8 +194,8 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | str | None = None,
 
 @dataclass
 class Model:
-    """What load() returns as `model`: the transformer, its FFN object when the FFN runs from flash (modes: FlashFFN,
-    FlashFFN or ExpertFFN; None when every weight is in DRAM), the context and how long loading took."""
+    """What load() returns as `model`: the transformer, its FFN object when the FFN runs from flash (ffn.flash.FlashFFN
+    or ffn.experts.ExpertFFN; None when every weight is in DRAM), the context and how long loading took."""
     transformer: Transformer
     ffn: object | None
     ctx: int

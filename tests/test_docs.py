@@ -86,3 +86,54 @@ def test_the_checks_find_what_they_look_for(tmp_path, text, diary, broken):
     assert [h.split(": ", 1)[1] for h in diary_lines(doc)] == diary
     assert broken_links(doc) == broken
     assert long_lines(doc) == [2]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# docs/ARCHITECTURE.md's two walks name real functions, through a bounded number of files
+
+WALKS = {"## Walk: one decode token's FFN": 6, "## Walk: `load()` to the first token": 8}
+CELL_NAME = re.compile(r"`([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)`")
+
+
+def walk_rows(text: str, heading: str) -> list[tuple[str, list[str]]]:
+    """(file, names) per row of the table under `heading`: the file cell's path and the backticked names after it."""
+    section = text.split(heading, 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[1].startswith("`") and cells[1].endswith(".py`"):
+            rows.append((cells[1].strip("`"), CELL_NAME.findall(cells[2])))
+    return rows
+
+
+def resolves(module, name: str) -> bool:
+    obj = module
+    for part in name.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return callable(obj)
+
+
+@pytest.mark.parametrize("heading", list(WALKS))
+def test_architecture_walks_name_real_functions_in_few_files(heading):
+    import importlib
+    rows = walk_rows((ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8"), heading)
+    assert rows, f"no table under {heading}"
+    files = {f for f, _ in rows}
+    assert len(files) <= WALKS[heading], f"{heading}: {len(files)} files: {sorted(files)}"
+    missing = []
+    for f, names in rows:
+        assert (ROOT / f).is_file(), f
+        module = importlib.import_module(f[:-3].replace("/", "."))
+        missing += [f"{f}: {n}" for n in names if not resolves(module, n)]
+        assert names, f"{f}: the walk names no function there"
+    assert not missing, "the walk names what the code does not have:\n" + "\n".join(missing)
+
+
+def test_the_walk_check_can_fail():
+    text = "## Walk: x\n\n| stop | file | what runs |\n|---|---|---|\n| 1 | `storage/sizes.py` | `parse_size`, `gone` |\n"
+    import storage.sizes
+    rows = walk_rows(text, "## Walk: x")
+    assert rows == [("storage/sizes.py", ["parse_size", "gone"])]
+    assert resolves(storage.sizes, "parse_size") and not resolves(storage.sizes, "gone")
