@@ -40,7 +40,8 @@ from .ffn.split import SplitKernels, SplitRows
 from .kernels.attention import attention_rows
 from .kernels.gemv import MATMUL_ROW_KERNEL_MAX_T, WIDEN_BLOCK_BYTES, matmul_t
 from .kernels.norm import add_rms_norm_rows, rms_norm_rows
-from .model import ATTENTION_TILE_ROWS, PREFILL_CHUNK_ROWS, ExpertBatch, KVCache, MixtureOfExperts, ModelConfig
+from .model import (ATTENTION_TILE_ROWS, PREFILL_CHUNK_ROWS, ExpertBatch, FeedForward, KVCache, MixtureOfExperts,
+                    ModelConfig)
 from .neuron_cache import MAP_BYTES_PER_NEURON, NeuronCache, select_hot
 from .process import cgroup_room, rss_bytes
 from .quant import BLOCK, COLUMN_SCALES_F16, QuantMatrix, quant_matmul_t, quantize, row_bytes
@@ -458,6 +459,14 @@ def compile_steps(layout, source: str | None = None) -> list:
         sparse_ffn(layout, max_active=k, down_scales=scales)(B, rows, x, np.zeros_like(x))
 
     def dense():                # runtime.ResidentFFN: decode rows and a prompt's widened blocks
+        if kind:                # down columns: the GGUF's matrices through model.FeedForward (one kernel, any kind)
+            m = lambda shape: QuantMatrix.of(("q8_0", quantize(np.zeros(shape, np.float32), "q8_0")))  # noqa: E731
+            w = {"gate.weight": m((BLOCK, layout.d)), "up.weight": m((BLOCK, layout.d)),
+                 "down.weight": m((layout.d, BLOCK))}
+            ffn = FeedForward(ModelConfig.from_dict(layout.config), w, 0, prefix="")
+            for T in (1, DENSE_ROW_KERNEL_MAX_T + 1):
+                ffn(np.zeros((T, layout.d), np.float32))
+            return
         B, _ = bundles()
         kernel = sparse_ffn(layout, max_active=k, down_scales=scales)
         layer = kernel.dense_layer(B)
