@@ -25,9 +25,13 @@ def open_any(path) -> Checkpoint:
 def load_tensor(ckpt: Checkpoint, name: str, convert=None, keep_blocks: bool = False):
     """A tensor as the runtime keeps it: a FLASHDIR's matrix stored in a block format stays in it (a QuantMatrix),
     anything else float32 through `convert` (e.g. half.half_matrix). A GGUF's blocks are dequantized (the float32
-    reference of load_reference()) unless keep_blocks (--ffn dense: a quarter of the DRAM, and the quantized kernels)."""
+    reference of load_reference()) unless keep_blocks (--ffn dense: a quarter of the DRAM, and the quantized kernels);
+    with keep_blocks, a FLASHDIR's FFN matrices that hold its GGUF's blocks exactly are those blocks too
+    (FlashCheckpoint.ffn_blocks), so a dense pass computes the GGUF's numbers."""
     flashdir = isinstance(ckpt, FlashCheckpoint)
     stored = ckpt.quantized(name) if keep_blocks or flashdir else None
+    if stored is None and keep_blocks and flashdir:
+        stored = ckpt.ffn_blocks(name)
     if stored is not None:
         return QuantMatrix.of(stored)
     half = ckpt.stored_half(name) if flashdir and convert is half_matrix else None

@@ -22,7 +22,7 @@ from .ffn.flash import SplitKernels, SplitRows
 from .kernels.attention import attention_rows
 from .kernels.gemv import MATMUL_ROW_KERNEL_MAX_T, matmul_t
 from .kernels.norm import add_rms_norm_rows, rms_norm_rows
-from .ffn.dense import ExpertBatch, MixtureOfExperts
+from .ffn.dense import ExpertBatch, FeedForward, MixtureOfExperts
 from .model import Transformer
 from .neuron_cache import NeuronCache
 from .process import rss_bytes
@@ -75,7 +75,15 @@ def compile_steps(layout, kernels=None) -> list:
         B, rows = bundles()
         sparse_ffn(layout, max_active=k, down_scales=scales)(B, rows, x, np.zeros_like(x))
 
-    def dense():                # runtime.ResidentFFN: decode rows and a prompt's widened blocks
+    def dense():                # ffn.resident.ResidentFFN: decode rows and a prompt's widened blocks
+        if kind:                # down columns: the GGUF's matrices through ffn.dense.FeedForward (one kernel, any kind)
+            m = lambda shape: QuantMatrix.of(("q8_0", quantize(np.zeros(shape, np.float32), "q8_0")))  # noqa: E731
+            w = {"gate.weight": m((BLOCK, layout.d)), "up.weight": m((BLOCK, layout.d)),
+                 "down.weight": m((layout.d, BLOCK))}
+            ffn = FeedForward(ModelConfig.from_dict(layout.config), w, 0, prefix="")
+            for T in (1, DENSE_ROW_KERNEL_MAX_T + 1):
+                ffn(np.zeros((T, layout.d), np.float32))
+            return
         B, _ = bundles()
         kernel = sparse_ffn(layout, max_active=k, down_scales=scales)
         layer = kernel.dense_layer(B)

@@ -81,11 +81,12 @@ def dense_reference(ckpt, segments, progress: bool = True) -> list[tuple[np.ndar
 
     Layer by layer over all segments (predictors/layerwise.py): one layer's weights in memory, so the model may be
     bigger than RAM. Each segment as one batch from an empty cache: the decode path's logits to float rounding.
-    As load's dense model (modes.keeps_float16), a float16 FLASHDIR runs with float16 matrices, a quantized
-    one with its resident matrices in blocks, anything else in float32."""
+    As load's dense model (modes.keeps_float16), a float16 FLASHDIR runs with float16 matrices, a GGUF and a
+    quantized FLASHDIR with their matrices in blocks (a FLASHDIR's FFN too where it holds its GGUF's blocks: the
+    GGUF's numbers, bit for bit), anything else in float32."""
     out = []
     with LayerStream(ckpt, segments, convert=half_matrix if keeps_float16(ckpt) else None, progress=progress,
-                     desc="eval dense") as stream:
+                     desc="eval dense", keep_blocks=True) as stream:
         stream.run()
         for k, logits in stream.logits():
             out.append((log_probs_at(logits[:-1], segments[k][1:]), np.argmax(logits[:-1], axis=-1)))

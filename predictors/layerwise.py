@@ -57,11 +57,14 @@ class LayerStream:
                 ...
 
     `convert` is applied to each tensor as it loads (e.g. model.half_matrix, as the dense runtime does for a float16
-    FLASHDIR); a quantized FLASHDIR's resident matrices stay in their blocks (loader.load_tensor).
+    FLASHDIR); a quantized FLASHDIR's resident matrices stay in their blocks (loader.load_tensor), and with
+    keep_blocks a GGUF's matrices and a FLASHDIR's FFN matrices that hold its GGUF's blocks too (as load's dense
+    model keeps them).
     """
 
-    def __init__(self, ckpt, segments, convert=None, progress: bool = False, desc: str = "layers"):
-        self.ckpt, self.cfg = ckpt, ckpt.config
+    def __init__(self, ckpt, segments, convert=None, progress: bool = False, desc: str = "layers",
+                 keep_blocks: bool = False):
+        self.ckpt, self.cfg, self.keep_blocks = ckpt, ckpt.config, keep_blocks
         self.segments = [np.asarray(w, np.int64) for w in segments]
         if not self.segments or min(len(w) for w in self.segments) == 0:
             raise UserError("empty input: nothing to evaluate")
@@ -96,7 +99,7 @@ class LayerStream:
         return self.hidden[self.bounds[k]:self.bounds[k + 1]]
 
     def _load(self, names) -> dict[str, np.ndarray]:
-        return {n: load_tensor(self.ckpt, n, self.convert) for n in names}
+        return {n: load_tensor(self.ckpt, n, self.convert, self.keep_blocks) for n in names}
 
     def run(self, hook: FFNHook | None = None, expert_hook: ExpertHook | None = None) -> None:
         """Embed every segment, then run every layer over every segment (the dense FFN; `hook` sees its input x and

@@ -187,6 +187,53 @@ def split(raw: np.ndarray, kind: str, n: int) -> tuple[np.ndarray, dict[str, np.
     return pack(q, kind), tables
 
 
+def join(cols: np.ndarray, kind: str, tables: dict) -> np.ndarray:
+    """split's inverse: columns uint8 [n, column_bytes(d)] in neuron order and their tables -> the matrix [d, n] as
+    GGUF stores it (uint8 [d, row_bytes], blocks along n), byte for byte. The resident dense FFN runs the GGUF's
+    own row kernels on it (ffn.resident.ResidentFFN), so a FLASHDIR computes its GGUF's numbers."""
+    W, BB = KIND_SIZES[check_kind(kind)]
+    D, n = tables["d"].shape[1], cols.shape[0]
+    nb = n // W
+    q = unpack(cols, kind, D).T.reshape(D, nb, W)                   # row i's values, block by block
+    t = {k: np.ascontiguousarray(v.T).reshape(D, nb, -1) for k, v in tables.items()}
+    b = np.zeros((D, nb, BB), np.uint8)
+    f16 = lambda v: v.reshape(D, nb, 1).astype("<u2").view(np.uint8)  # noqa: E731  (float16 bits -> 2 bytes)
+    nib = lambda lo, hi: (lo & 15) | ((hi & 15) << 4)  # noqa: E731
+    if kind == "q8_0":
+        b[:, :, :2], b[:, :, 2:] = f16(t["d"]), q
+    elif W == 32:                                                    # q4_0, q4_1, q5_0, q5_1
+        head = 4 if kind in ("q4_1", "q5_1") else 2
+        b[:, :, :2] = f16(t["d"])
+        if head == 4:
+            b[:, :, 2:4] = f16(t["m"])
+        five = kind in ("q5_0", "q5_1")
+        if five:
+            qh = (((q >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(axis=-1, dtype=np.uint32)
+            b[:, :, head:head + 4] = qh.astype("<u4").reshape(D, nb, 1).view(np.uint8)
+        b[:, :, head + 4 * five:] = nib(q[..., :16], q[..., 16:])
+    elif kind in ("q4_k", "q5_k"):
+        b[:, :, :2], b[:, :, 2:4] = f16(t["d"]), f16(t["m"])
+        sc, mn = t["sc"], t["mn"]                                    # [D, nb, 8] each, 6 bits
+        b[:, :, 4:8] = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
+        b[:, :, 8:12] = (mn[..., :4] & 63) | ((mn[..., 4:] >> 4) << 6)
+        b[:, :, 12:16] = nib(sc[..., 4:], mn[..., 4:])
+        base = 16 if kind == "q4_k" else 48
+        for p in range(4):                                           # sub-blocks 2p (low nibbles), 2p + 1 (high)
+            lo = 64 * p
+            b[:, :, base + 32 * p:base + 32 * p + 32] = nib(q[..., lo:lo + 32], q[..., lo + 32:lo + 64])
+        if kind == "q5_k":                                           # bit j of byte l: sub-block j's element l
+            for j in range(8):
+                b[:, :, 16:48] |= ((q[..., 32 * j:32 * j + 32] >> 4) & 1) << j
+    else:                                                            # q6_k
+        b[:, :, 192:208], b[:, :, 208:210] = t["sc"], f16(t["d"])
+        for j in range(8):
+            h, r = j >> 2, j & 3
+            v = q[..., 32 * j:32 * j + 32]
+            b[:, :, h * 64 + (r & 1) * 32:h * 64 + (r & 1) * 32 + 32] |= (v & 15) << (4 * (r >> 1))
+            b[:, :, 128 + h * 32:160 + h * 32] |= ((v >> 4) & 3) << (2 * r)
+    return b.reshape(D, nb * BB)
+
+
 def pack(q: np.ndarray, kind: str) -> np.ndarray:
     """Raw values uint8 [n, d] -> columns uint8 [n, column_bytes(d)]."""
     bits = BITS[kind]

@@ -915,6 +915,7 @@ class FlashCheckpoint:
                               for k, m in enumerate(MATRICES)}
         self._cached_expert: tuple[tuple[int, int], np.ndarray] | None = None
         self._cached_layer: tuple[int, dict] | None = None
+        self._cached_blocks: tuple[int, dict] | None = None     # ffn_blocks' layer
         check_shapes(self.config, self.shapes(), self._resident_path)
 
     def shapes(self) -> dict[str, tuple]:
@@ -975,6 +976,27 @@ class FlashCheckpoint:
         if kind is None:
             return None
         return kind, blocks.check_finite_blocks(self._resident.read(name, raw=True), kind, self._where(name))
+
+    def ffn_blocks(self, name: str) -> tuple[str, np.ndarray] | None:
+        """(kind, uint8 [rows, row_bytes]) of an FFN matrix of a layer whose down vectors are columns (a GGUF's
+        down blocks, kept exactly), in the GGUF's orientation and original neuron order: gate and up rows as the
+        bundles hold them (the GGUF's own where it stores them in a kind bundles hold: convert --dtype auto), down
+        joined from its columns and the layer's scale tables (storage.columns.join); else None. A dense run on these
+        computes its GGUF's numbers, bit for bit (ffn.resident.ResidentFFN, eval's dense reference)."""
+        i = self._ffn_names.get(name)
+        if i is None or not name.endswith(".weight") or self.layout.down_column(i) is None:
+            return None
+        if self._cached_blocks is None or self._cached_blocks[0] != i:
+            L, g = self.layout, self.layout.geometry_of(i)
+            B = self.bundles(i)
+            if not np.array_equal(L.order[i], np.arange(L.n_neurons[i])):
+                B = B[np.argsort(L.order[i])]                           # bundle order -> neuron order
+            vec = lambda v: np.ascontiguousarray(B[:, g.offset(v):g.offset(v) + g.vector_bytes(v)])  # noqa: E731
+            kind = L.down_column(i)
+            mats = {v: (g.dtype_of(v), vec(v)) for v in g.vectors if v != "down"}
+            mats["down"] = (kind, columns.join(vec("down"), kind, self.down_scales(i)))
+            self._cached_blocks = (i, mats)
+        return self._cached_blocks[1][name.split(".")[-2]]
 
     def stored_half(self, name: str) -> np.ndarray | None:
         """A resident matrix that resident.safetensors stores as float16, as stored (float16 [rows, cols]); else None.
@@ -1096,7 +1118,7 @@ class FlashCheckpoint:
 
     def release(self) -> None:
         """Drop the cached FFN layer (layer-streaming: the next layer's bundles load without it)."""
-        self._cached_layer = self._cached_expert = None
+        self._cached_layer = self._cached_expert = self._cached_blocks = None
 
     def tokenizer(self):
         return Tokenizer.from_dir(self.flashdir / self.layout.files["tokenizer"], self.config)

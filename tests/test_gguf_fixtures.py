@@ -6,13 +6,17 @@ Q8_0: x to Q8_0 blocks, 8 bits per value), its attention rounds q and the softma
 type), and its GELU is a float16 table. We round Q8_0's activations as llama.cpp does (quant.set_act8) and compute
 the rest in float32. TOL is the largest difference that this makes on these fixtures (measured at every position of
 llama.cpp's greedy path: F32 2.4e-4, F16 2.8e-3, Q8_0 1.6e-2 (2.2e-2 with float32 activations), on logits of
-magnitude ~0.7), about doubled (F32's quadrupled). test_the_difference_is_llama_cpps_rounding shows that
+magnitude ~0.7; Q4_K_M, llama.cpp's quantizer's K-quant mix, 3.4e-2 on logits of ~1.6), about doubled (F32's
+quadrupled). test_the_difference_is_llama_cpps_rounding shows that
 the difference is that rounding: applied to our activations too, it leaves Qwen's logits equal to llama.cpp's to
 float32's last bits at most positions, and halves Gemma's (the rest: GELU-table steps that float32
 summation order decides).
 """
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,10 +31,13 @@ from flashinfer_lite.runtime import load_runtime
 from storage.checkpoint import open_checkpoint
 from storage.convert import convert
 from storage.errors import UserError
+from storage.format import read_layout
+from storage.tokenizer import token_segments
 
 DATA = Path(__file__).resolve().parent / "data" / "gguf"
 FIXTURES = sorted(p.stem for p in DATA.glob("*.gguf"))
-TOL = {"f32": 1e-3, "f16": 6e-3, "q8_0": 3.5e-2}
+TOL = {"f32": 1e-3, "f16": 6e-3, "q8_0": 3.5e-2, "q4_k_m": 7e-2}
+K_QUANT_MIXES = ("q4_k_m",)      # made by llama.cpp's quantizer (tools/make_gguf_fixtures.py)
 
 
 def weight_type(name: str) -> str:
@@ -70,7 +77,7 @@ def test_dense_logits_and_greedy_tokens_equal_llama_cpps(name):
     for p in range(len(ref["ids"]) - 1, len(path) - 1):
         mine, theirs = int(np.argmax(logits[p])), path[p + 1]
         assert mine == theirs or ref["logits"][p, theirs] - ref["logits"][p, mine] < 2 * TOL[weight_type(name)], p
-    if weight_type(name) != "q8_0":   # float rounding alone: no near tie on these paths, the same 32 tokens
+    if weight_type(name) in ("f32", "f16"):   # float rounding alone: no near tie on these paths, the same 32 tokens
         assert tokens == path
 
 
@@ -110,7 +117,8 @@ def q8_0(x: np.ndarray) -> np.ndarray:
 
 def llama_cpp_rounding(monkeypatch, kind: str) -> None:
     """Round our activations where llama.cpp's CPU backend rounds them, for weights of type kind."""
-    rnd = {"f32": lambda x: x, "f16": f16, "q8_0": q8_0}[kind]
+    # K-quant mixes: our 8-bit activations round x as llama.cpp does already (q8_K blocks; q8_0 for 32-weight kinds)
+    rnd = {"f32": lambda x: x, "f16": f16, "q8_0": q8_0, "q4_k_m": lambda x: x}[kind]
     linear, attention_mask = model_module.linear, model_module.attention_mask
 
     def attention(q, k_bits, v_bits, pos0, window, scale):          # q and the softmax weights in float16
@@ -207,9 +215,12 @@ def test_the_gguf_tokenizer_gives_the_hf_tokenizers_ids(family, name):
 
 
 @pytest.mark.parametrize("name", ["qwen2-q8_0", "gemma3-q8_0"])
-def test_the_gguf_from_flash_gives_the_dense_tokens_at_every_budget(name, tmp_path, monkeypatch):
-    """Its FLASHDIR (the GGUF's gate/up blocks kept, down requantized along d) in oracle mode gives the FLASHDIR's
-    dense greedy tokens, and the same bits at every DRAM budget."""
+def test_the_gguf_from_flash_gives_the_dense_tokens_at_every_budget(name, tmp_path, monkeypatch,
+                                                                   float32_activations):
+    """Its FLASHDIR (the GGUF's gate/up blocks kept, down as columns) in oracle mode gives the FLASHDIR's dense greedy
+    tokens, and the same bits at every DRAM budget. With float32 activations: the dense FFN is the GGUF's row
+    kernel, which rounds the coefficients to 8-bit blocks before the down product (llama.cpp's numerics,
+    test_a_k_quant_gguf_and_its_flashdir_compute_one_function), where the sparse kernels sum c * w in float32."""
     ids = recorded(name)["ids"].tolist()
     flash = convert(DATA / f"{name}.gguf", tmp_path / "flash", progress=False)
     dense, _, rt = load_runtime(flash, "dense")
@@ -218,6 +229,50 @@ def test_the_gguf_from_flash_gives_the_dense_tokens_at_every_budget(name, tmp_pa
     model, _, rt = load_runtime(flash, "oracle")
     assert rt is not None and greedy_tokens(model, ids, 32) == want
     assert_same_bits_at_every_budget(flash, "oracle", ids, 8, monkeypatch)
+
+
+@pytest.mark.parametrize("name", [n for n in FIXTURES if weight_type(n) in K_QUANT_MIXES])
+def test_a_k_quant_gguf_and_its_flashdir_compute_one_function(name, tmp_path):
+    """--ffn dense on a GGUF in llama.cpp's K-quants (its quantizer's Q4_K_M) and on its FLASHDIR (convert, dtype
+    auto: the gate/up blocks kept, the down blocks kept exactly as columns) compute one function, the GGUF's: eval
+    prints the same perplexity, and that is the perplexity of the runtime's dense model on the GGUF (8-bit
+    activations, as llama.cpp); generate's greedy tokens are the same, and so are the logits, bit for bit, of the
+    prompt and of every decoded token.
+    (The FLASHDIR's dense FFN summed its down columns in float32 where the GGUF's row kernel rounds the coefficients
+    to q8_K blocks, and eval's dense reference dequantized the GGUF's matrices where the FLASHDIR's kept theirs.)"""
+    gguf = DATA / f"{name}.gguf"
+    flash = convert(gguf, tmp_path / "flash", progress=False)
+    layout = read_layout(flash)
+    assert {layout.down_column(i) for i in range(layout.n_layers)} == {"q4_k", "q6_k"}   # both, exactly
+    corpus = DATA.parent / "corpus" / "wikitext2_test.txt"
+    printed = []
+    for path in (gguf, flash):
+        r = subprocess.run([sys.executable, "-m", "flashinfer_lite", "eval", "-m", str(path), "--ffn", "dense",
+                            "--tokens", "200", "--ctx", "100", "--corpus", str(corpus)],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        printed.append(re.search(r"perplexity=(\S+)", r.stdout)[1])
+    assert printed[0] == printed[1], printed
+    # the oracle of what eval printed: the runtime's dense model on the GGUF, each segment as one batch
+    gguf_model, tokenizer, _ = load_runtime(gguf, "dense")
+    segments = list(token_segments(tokenizer, corpus.read_text(encoding="utf-8"), 200, 100, gguf_model.cfg.bos_id))
+    nll = 0.0
+    for w in segments:
+        z = gguf_model.forward(w, gguf_model.new_cache(len(w)), all_logits=True)[:-1].astype(np.float64)
+        z -= z.max(axis=-1, keepdims=True)
+        nll -= float((z[np.arange(len(w) - 1), w[1:]] - np.log(np.exp(z).sum(axis=-1))).sum())
+    assert f"{np.exp(nll / sum(len(w) - 1 for w in segments)):.4f}" == printed[0]
+    runs = []
+    for model in (gguf_model, load_runtime(flash, "dense")[0]):
+        ids = recorded(name)["ids"].tolist()
+        kv = model.new_cache(64)
+        logits = [model.forward(ids, kv, all_logits=True)]
+        for _ in range(16):
+            ids.append(int(np.argmax(logits[-1][-1])))
+            logits.append(model.forward(ids[-1:], kv)[None])
+        runs.append((ids, np.concatenate(logits)))
+    assert runs[0][0] == runs[1][0] and len(set(runs[0][0][-16:])) > 3
+    assert np.array_equal(runs[0][1], runs[1][1]), np.abs(runs[0][1] - runs[1][1]).max()
 
 
 def test_an_unsupported_gguf_architecture_is_one_line_naming_the_supported(tmp_path):

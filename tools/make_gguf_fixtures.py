@@ -1,7 +1,8 @@
-"""Make tests/data/gguf: tiny random Qwen2, Qwen3 and Gemma 3 models converted to GGUF by llama.cpp's own converter,
-with llama.cpp's logits on each file recorded next to it, so that the tests compare against llama.cpp without it.
+"""Make tests/data/gguf: tiny random Qwen2, Qwen3 and Gemma 3 models converted to GGUF by llama.cpp's own converter
+(and one quantized into K-quants by its own quantizer), with llama.cpp's logits on each file recorded next to it, so
+that the tests compare against llama.cpp without it.
 
-    python tools/make_gguf_fixtures.py LLAMA_CPP_DIR [-o tests/data/gguf]
+    python tools/make_gguf_fixtures.py LLAMA_CPP_DIR [-o tests/data/gguf] [--only NAME ...]
 
 LLAMA_CPP_DIR: a llama.cpp checkout (or the vendor/llama.cpp of the llama-cpp-python sdist) holding
 convert_hf_to_gguf.py, its conversion/ package and gguf-py/. Needs torch, transformers, sentencepiece and
@@ -56,7 +57,14 @@ MODELS = {
                                          query_pre_attn_scalar=16, sliding_window=8, final_logit_softcapping=1.0)),
     "gemma3-q8_0": ("gemma3", "q8_0", dict(num_hidden_layers=6, num_key_value_heads=2, head_dim=16,
                                            query_pre_attn_scalar=16, sliding_window=8)),
+    # llama.cpp's K-quants need rows of 256 weights: dim 256, ffn 512. Converted to F32, then quantized by
+    # llama.cpp's own quantizer (llama_model_quantize) into its Q4_K_M mix, as it picks the kinds: q4_k attention
+    # and gate/up, down q4_k in layer 0 and q6_k in layer 1, the embeddings (tied) q6_k
+    "qwen2-q4_k_m": ("qwen2", "q4_k_m", dict(num_hidden_layers=2, num_key_value_heads=1, hidden_size=256,
+                                             intermediate_size=512, tie_word_embeddings=True)),
 }
+# outtypes that llama.cpp's converter does not write: F32 first, then llama_model_quantize into this llama_ftype
+QUANTIZE = {"q4_k_m": 15}
 
 
 def qwen_tokenizer(dest: Path) -> int:
@@ -115,6 +123,7 @@ def build_model(family: str, extra: dict, dest: Path, seed: int) -> None:
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   max_position_embeddings=256, rms_norm_eps=1e-6)
+    common = {k: v for k, v in common.items() if k not in extra}
     if family == "gemma3":
         model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(pad_token_id=0, eos_token_id=1, bos_token_id=2,
                                                          **common, **extra))
@@ -146,6 +155,16 @@ base.TextModel.get_vocab_base_pre = get_vocab_base_pre
 sys.argv = [llama + "/convert_hf_to_gguf.py"] + sys.argv[2:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
+
+
+def quantize(src: Path, dest: Path, ftype: int) -> None:
+    """src quantized into dest by llama.cpp's quantizer (as bench/make_kquants.py, from a float file here)."""
+    import llama_cpp
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = 1
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(dest).encode(), params) != 0:
+        raise SystemExit(f"llama_model_quantize failed for {dest.name}")
 
 
 def llama_cpp_outputs(gguf_path: Path, ids: list[int]) -> dict:
@@ -195,8 +214,12 @@ def main(argv=None) -> int:
             hf.mkdir()
             build_model(family, extra, hf, seed)
             gguf_path = args.out / f"{name}.gguf"
-            subprocess.run([sys.executable, "-c", CONVERT, str(args.llama_cpp), str(hf), "--outfile", str(gguf_path),
-                            "--outtype", outtype], check=True, stdout=subprocess.DEVNULL)
+            converted = Path(tmp) / "f32.gguf" if outtype in QUANTIZE else gguf_path
+            subprocess.run([sys.executable, "-c", CONVERT, str(args.llama_cpp), str(hf), "--outfile", str(converted),
+                            "--outtype", "f32" if outtype in QUANTIZE else outtype], check=True,
+                           stdout=subprocess.DEVNULL)
+            if outtype in QUANTIZE:
+                quantize(converted, gguf_path, QUANTIZE[outtype])
             ids = AutoTokenizer.from_pretrained(hf)(PROMPT).input_ids
             np.savez(args.out / f"{name}.llama_cpp.npz", **llama_cpp_outputs(gguf_path, ids))
             np.savez(args.out / f"{name}.transformers.npz", **transformers_outputs(hf, ids))
