@@ -203,15 +203,15 @@ def test_the_default_gguf_in_a_read_only_cache_is_hashed_not_stamped(smollm2_ggu
 def test_every_best_effort_writer_leaves_a_read_only_directory_alone(read_only, tmp_path, monkeypatch):
     """write_best_effort and its callers that the tests above do not reach (the kernels' compiled stamp), aimed at
     a read-only directory: False or nothing, never an exception, nothing written."""
-    from flashinfer_lite import budget
+    from flashinfer_lite import warmup
     from storage import cache
     from storage.files import write_best_effort
     assert write_best_effort(read_only / "x.json", "{}") is False
     assert write_best_effort(tmp_path / "x.json", "{}") is True and (tmp_path / "x.json").read_text() == "{}"
     cache._write(read_only / "index.json", {"a": 1})
-    monkeypatch.setattr(budget, "compiled_stamp", lambda layout: read_only / "kernels.stamp")
-    monkeypatch.setattr(budget, "stamp_record", lambda layout: {})
-    budget.remember(None, {"kernels": 1})
+    monkeypatch.setattr(warmup, "compiled_stamp", lambda layout: read_only / "kernels.stamp")
+    monkeypatch.setattr(warmup, "stamp_record", lambda layout: {})
+    warmup.remember(None, {"kernels": 1})
     assert list(read_only.iterdir()) == []
 
 
