@@ -3,6 +3,7 @@ import os
 import pty
 import re
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -41,6 +42,9 @@ def run_pty(args, steps, timeout=240):
     times out."""
     pid, fd = pty.fork()
     if pid == 0:
+        # a job started in the background of a script (`cmd &`) ignores SIGINT, and Python keeps an ignored SIGINT
+        # ignored: the terminal's Ctrl-C must reach the CLI as it does a user's
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.execv(sys.executable, [sys.executable, "-m", "flashinfer_lite", *args])
     out, since, deadline = b"", 0, time.time() + timeout
 

@@ -718,8 +718,12 @@ PARENT = ("import sys\n"
 
 def start_first_use(d: Path) -> subprocess.Popen:
     env = dict(os.environ, FLASHINFER_LITE_CORPUS="builtin")
+    import signal
+    # its own process group, as a terminal's job; SIGINT as a terminal's job has it, even when this suite runs in the
+    # background of a script, which ignores SIGINT (an ignored SIGINT stays ignored through exec)
     return subprocess.Popen([sys.executable, "-c", PARENT, str(d)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=env, start_new_session=True)      # its own process group, as a terminal's job
+                            env=env, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def running(pid: int) -> bool:
