@@ -33,7 +33,7 @@ from .api import encode_prompt, load, make_prompt_cache, stream_generate
 from .default_model import FILENAME as DEFAULT_MODEL_FILE
 from storage.errors import UserError
 from .generate import ContextFull, Sampler, SamplingError, add_model_arguments, check_arguments, rss_summary
-from storage.tokenizer import StopStrings, check_utf8
+from storage.tokenizer import PromptTooLong, StopStrings
 
 MAX_STOP_STRINGS = 16
 JSON_ESCAPE = 6                # JSON spells a byte of text in at most 6 (\u001f)
@@ -165,17 +165,11 @@ def parse_job(body, chat: bool, server: "Server") -> Job:
     if size > server.max_prompt_bytes:   # checked before tokenizing: that takes ~130 bytes of memory a byte
         raise BadRequest(f"the prompt is {size} bytes, more than a context of {server.ctx} tokens holds "
                          f"({server.max_prompt_bytes})", param, code="context_length_exceeded")
-    text = "\n".join(m["content"] for m in prompt) if chat else prompt
-    try:
-        check_utf8(text, param)
-    except UserError as e:  # a lone surrogate escape
-        raise BadRequest(str(e), param) from None
     try:   # a long text is refused for the cost of its first pieces, before it is tokenized whole
-        server.tokenizer.check_length(text, server.ctx)
-    except UserError as e:
-        raise BadRequest(str(e), param, code="context_length_exceeded") from None
-    try:
+        server.tokenizer.check_length("\n".join(m["content"] for m in prompt) if chat else prompt, server.ctx)
         ids, _ = encode_prompt(server.tokenizer, prompt, use_chat_template=False)
+    except PromptTooLong as e:
+        raise BadRequest(str(e), param, code="context_length_exceeded") from None
     except UserError as e:  # bad UTF-8 (a lone surrogate escape), a template that refuses the conversation
         raise BadRequest(str(e), param) from None
     if not ids:   # a model that adds no BOS, given no text: nothing to evaluate

@@ -189,7 +189,7 @@ class Tokenizer:
         for k, piece in enumerate(corpus_chunks(text, LENGTH_CHECK_CHARS)):
             n += len(self.tok.encode(piece, add_special_tokens=False).ids)
             if n > ctx + 4 * (k + 1):
-                raise UserError(f"prompt is too long (over {n - 4 * (k + 1)} tokens, context is {ctx}); "
+                raise PromptTooLong(f"prompt is too long (over {n - 4 * (k + 1)} tokens, context is {ctx}); "
                                 f"raise -c or shorten the prompt")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -215,6 +215,11 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         # The rendered template already spells BOS where the model wants it, as Hugging Face does.
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+
+class PromptTooLong(UserError):
+    """A prompt of more tokens than the context holds (Tokenizer.check_length): a server answers it as
+    context_length_exceeded, other input errors as plain bad requests."""
 
 
 def check_utf8(text: str, what: str) -> None:
