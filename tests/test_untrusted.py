@@ -761,6 +761,22 @@ def assert_nothing_left(d: Path, child: int):
     assert not (d / "predictors").exists()
 
 
+def stopped_first_use(flash, tmp_path) -> tuple[Path, subprocess.Popen, int]:
+    """(FLASHDIR, parent, training child) of a first use whose training child was stopped (SIGSTOP) mid-training,
+    started over (up to 3 times) when the child had finished between the poll that found it and the stop."""
+    import signal
+    for attempt in range(3):
+        d = copy_flash(flash, tmp_path / str(attempt))
+        parent = start_first_use(d)
+        child = training_child(d, parent)
+        os.kill(child, signal.SIGSTOP)
+        if not (d / "predictors").exists():
+            return d, parent, child
+        os.kill(child, signal.SIGCONT)
+        parent.communicate(timeout=120)
+    pytest.fail("the training child finished before it could be stopped, 3 times")
+
+
 def signal_pending(pid: int, sig: int) -> bool:
     """sig is pending for process pid (sent to it, not yet delivered: it is stopped)."""
     status = Path(f"/proc/{pid}/status").read_text()
@@ -785,45 +801,24 @@ def test_ctrl_c_during_first_use_training_leaves_nothing(flash, tmp_path, to):
     The child is stopped before the signal, so that it cannot finish training first (on a busy machine it once did,
     and the parent exited 0), and continued once the interrupt waits in it: markers, not a sleep."""
     import signal
-    for attempt in range(3):
-        d = copy_flash(flash, tmp_path / str(attempt))
-        parent = start_first_use(d)
-        child = training_child(d, parent)
-        os.kill(child, signal.SIGSTOP)
-        if (d / "predictors").exists():     # it had finished between the poll that found it and the stop: again
-            os.kill(child, signal.SIGCONT)
-            parent.communicate(timeout=120)
-            continue
-        wait_for(lambda: stopped(child), 60, "the training child to stop")
-        (os.killpg if to == "group" else os.kill)(parent.pid, signal.SIGINT)
-        wait_for(lambda: interrupted(parent.pid, child), 60, "the interrupt to reach parent and child")
-        os.kill(child, signal.SIGCONT)
-        assert parent.wait(timeout=120) == 130, parent.stderr.read().decode()
-        assert_nothing_left(d, child)
-        return
-    pytest.fail("the training child finished before it could be stopped, 3 times")
+    d, parent, child = stopped_first_use(flash, tmp_path)
+    wait_for(lambda: stopped(child), 60, "the training child to stop")
+    (os.killpg if to == "group" else os.kill)(parent.pid, signal.SIGINT)
+    wait_for(lambda: interrupted(parent.pid, child), 60, "the interrupt to reach parent and child")
+    os.kill(child, signal.SIGCONT)
+    assert parent.wait(timeout=120) == 130, parent.stderr.read().decode()
+    assert_nothing_left(d, child)
 
 
 def test_sigkill_to_the_parent_ends_the_training_child(flash, tmp_path):
     import signal
-    for attempt in range(3):
-        d = copy_flash(flash, tmp_path / str(attempt))
-        parent = start_first_use(d)
-        child = training_child(d, parent)
-        # the child stopped while its parent dies, so that it cannot finish first (it trains stories260K in seconds:
-        # a cold suite once saw it write its predictors before the SIGKILL); the signal of its parent's death waits
-        # for it
-        os.kill(child, signal.SIGSTOP)
-        if (d / "predictors").exists():     # it had finished between the poll that found it and the stop: again
-            os.kill(child, signal.SIGCONT)
-            parent.communicate(timeout=120)
-            continue
-        os.kill(parent.pid, signal.SIGKILL)
-        parent.wait(timeout=30)
-        os.kill(child, signal.SIGCONT)
-        assert_nothing_left(d, child)          # the child was told (SIGTERM on its parent's death) and cleaned up
-        return
-    pytest.fail("the training child finished before it could be stopped, 3 times")
+    # the child stopped while its parent dies, so that it cannot finish first (it trains stories260K in seconds: a
+    # cold suite once saw it write its predictors before the SIGKILL); the signal of its parent's death waits for it
+    d, parent, child = stopped_first_use(flash, tmp_path)
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait(timeout=30)
+    os.kill(child, signal.SIGCONT)
+    assert_nothing_left(d, child)          # the child was told (SIGTERM on its parent's death) and cleaned up
 
 
 def test_two_concurrent_first_uses_train_once(flash, tmp_path):
