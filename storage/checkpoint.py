@@ -539,13 +539,6 @@ _GGUF_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen2moe", "qwen3moe")
 
 
-def gguf_field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
-
-
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's q/k row interleaving (GGUF pairs rotary dims adjacently; HF math splits them in halves)."""
     # llama.cpp wrote w.reshape(H, 2, r, ...).swapaxes(1, 2); this is its inverse.
@@ -553,18 +546,61 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# GGUF metadata value types (the format's spec): struct formats of the scalars, 8 = string, 9 = array
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+# the element types of the float tensors (gguf.GGUFReader's numpy dtypes); the others (BF16 too) are bytes
+_GGUF_ELEMENTS = {"F32": np.float32, "F16": np.float16}
+
+
 class GGUFArray:
-    """An array field of a GGUF header (the vocabulary, the merges), skipped by GGUFHeader: only its length is kept."""
-    def __init__(self, n: int):
-        self.n = n
+    """An array field of a GGUF header (the vocabulary, the merges), skipped by GGUFHeader: its length, the GGUF value
+    type of its items and the offset of the first are kept, and gguf_array reads it when it is asked for."""
+    def __init__(self, n: int, item: int = _GGUF_STRING, at: int = 0):
+        self.n, self.item, self.at = n, item, at
 
     def __len__(self) -> int:
         return self.n
 
 
-# GGUF metadata value types (the format's spec): struct formats of the scalars, 8 = string, 9 = array
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
+def gguf_array(m, a: GGUFArray) -> list:
+    """The values of array field `a` of the file mapped as m: Python numbers or strings (as gguf.GGUFReader's
+    contents()), read from the bytes GGUFHeader bounded. An array of arrays is not read (no field used has one)."""
+    if a.item in _GGUF_SCALARS:
+        return np.frombuffer(m, np.dtype("<" + _GGUF_SCALARS[a.item]), a.n, a.at).tolist()
+    if a.item != _GGUF_STRING:
+        raise UserError("a GGUF array of arrays is not read")
+    out, at = [], a.at
+    for _ in range(a.n):
+        n = int.from_bytes(m[at:at + 8], "little")
+        out.append(m[at + 8:at + 8 + n].decode("utf-8"))
+        at += 8 + n
+    return out
+
+
+def file_map_of(a: np.ndarray) -> mmap.mmap | None:
+    """The mapped file array `a` is a view of (np.frombuffer over an mmap, as GGUFCheckpoint's tensors), else None."""
+    while isinstance(a, np.ndarray):
+        a = a.base
+    a = a.obj if isinstance(a, memoryview) else a
+    return a if isinstance(a, mmap.mmap) else None
+
+
+def drop_mapped_pages(a: np.ndarray) -> None:
+    """When `a` is a view of a mapped file (file_map_of), madvise(MADV_DONTNEED) on the whole pages under it: out of
+    this process's RSS, still in the page cache, mapped again by a later read. For a copy that replaces the view, so
+    that the process does not hold its bytes twice. Pages `a` shares with a neighbour at either end are left (a
+    neighbour in the same huge page of the page cache is unmapped with it, and mapped again when read)."""
+    m = file_map_of(a)
+    if m is None or not a.flags.c_contiguous or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = a.__array_interface__["data"][0] - np.frombuffer(m, np.uint8, 1).__array_interface__["data"][0]
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (start + a.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if 0 <= start and end > first and start + a.nbytes <= len(m):
+        m.madvise(mmap.MADV_DONTNEED, first, end - first)
+
+
 GGML_MAX_DIMS = 4
 
 
@@ -574,7 +610,8 @@ class GGUFHeader:
     the tensors' kinds and shapes, the cache key) reads scalars only. Array fields are skipped, their lengths kept.
     Untrusted: every length and offset is checked against the file's size.
 
-    fields: {key: value} (GGUFArray for arrays); tensors: {name: (GGML type name, dims as the file lists them)}."""
+    fields: {key: value} (GGUFArray for arrays); tensors: {name: (GGML type name, dims as the file lists them)};
+    data: {name: the file offset of its first byte}; size: the file's size when read."""
 
     def __init__(self, path: Path):
         import struct
@@ -606,13 +643,17 @@ class GGUFHeader:
                     if not isinstance(align, int) or not 0 < align <= 1 << 20:
                         raise ValueError(f"alignment {align}")
                     start = -(-self._at // align) * align
-                    self.tensors = {}
+                    self.tensors, self.data = {}, {}
                     for name, kind, dims, offset in tensors:
                         block, size = gguf.GGML_QUANT_SIZES[kind]
                         count = math.prod(dims)
                         if count % block or start + offset + count // block * size > len(m):
                             raise ValueError(f"tensor {name} lies beyond the file's end")
+                        if name in self.tensors:
+                            raise ValueError(f"tensor {name} is listed twice")
                         self.tensors[name] = (kind.name, dims)
+                        self.data[name] = start + offset
+                    self.size = len(m)
                 finally:
                     del self._m
         except (ValueError, KeyError, struct.error, OSError, UnicodeDecodeError) as e:
@@ -640,6 +681,7 @@ class GGUFHeader:
         if kind != _GGUF_ARRAY or depth > 1:
             raise ValueError(f"metadata value type {kind}")
         item, n = self._scalar("I"), self._scalar("Q")
+        at = self._at
         if n > len(self._m):
             raise ValueError("an array longer than the file")
         if item in _GGUF_SCALARS:               # skipped whole
@@ -653,19 +695,22 @@ class GGUFHeader:
                     self._value(item, depth + 1)
         if self._at > len(self._m):
             raise ValueError("an array runs beyond the file's end")
-        return GGUFArray(n)
+        return GGUFArray(n, item, at)
 
     def field(self, key: str, default=None):
         return self.fields.get(key, default)
 
 
 class GGUFCheckpoint(Checkpoint):
-    """A GGUF file: its config and tensor table from the header alone (GGUFHeader); gguf.GGUFReader, which maps the
-    tensors and parses the vocabulary, is opened when a tensor or the tokenizer is read (conversion)."""
+    """A GGUF file: its config and tensor table from the header alone (GGUFHeader); the file is mapped when a tensor
+    or an array field (the vocabulary) is first read. Tensors are views of that map: a dense model computes on the
+    file's pages as llama.cpp does, and holds no copy of them (no gguf.GGUFReader: it builds an array for every token
+    and merge, 490 MiB and 15 s for a 152k vocabulary)."""
 
     def __init__(self, path: Path):
         self.path = path
         h = GGUFHeader(path)
+        self._fields, self._offsets, self._size = h.fields, h.data, h.size
         arch = h.field("general.architecture")
         if arch not in GGUF_ARCHS:
             raise UserError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(GGUF_ARCHS)})")
@@ -673,9 +718,8 @@ class GGUFCheckpoint(Checkpoint):
         need = lambda k: _required_field(h, f"{arch}.{k}")  # noqa: E731
 
         def field(k: str, default=None):
-            """{arch}.k from the header; an array's values (the header keeps only its length) from the reader."""
-            v = h.field(f"{arch}.{k}", default)
-            return gguf_field(self.reader, f"{arch}.{k}", default) if isinstance(v, GGUFArray) else v
+            """{arch}.k from the header; an array's values (the header keeps only where they are) from the file."""
+            return self.field(f"{arch}.{k}", default)
         dim, heads = int(need("embedding_length")), int(need("attention.head_count"))
         if dim < 1 or heads < 1:
             raise UserError(f"{path}: GGUF embedding_length and attention.head_count must be positive "
@@ -739,42 +783,62 @@ class GGUFCheckpoint(Checkpoint):
             **per_arch, **moe)
         self.check_complete()
 
-    @cached_property
-    def reader(self):
-        import gguf  # imported here: only GGUF users pay for it
+    def field(self, key: str, default=None):
+        """Metadata field `key`: a scalar or string as the header read it, an array's values read from the file."""
+        v = self._fields.get(key, default)
+        if not isinstance(v, GGUFArray):
+            return v
         try:
-            return gguf.GGUFReader(str(self.path), "r")
-        except Exception as e:  # the reader raises many types on corrupt input
-            raise UserError(f"not a valid GGUF file: {self.path} ({type(e).__name__}: {e})") from None
+            return gguf_array(self._file, v)
+        except UnicodeDecodeError as e:
+            raise UserError(f"not a valid GGUF file: {self.path} (field {key}: {e})") from None
 
     @cached_property
-    def _mapped(self) -> dict:
-        return {t.name: t for t in self.reader.tensors}
-
-    def _data(self, name: str):
-        """The reader's tensor for canonical `name` (data mapped, not read)."""
-        return self._mapped[self._index[name]]
+    def _file(self) -> mmap.mmap:
+        """The file mapped read-only and shared (PROT_READ, MAP_SHARED): every tensor is a view of it, nothing can
+        write through one, and the pages read are the page cache's (RSS counts them while they are mapped)."""
+        try:
+            with open(self.path, "rb") as f:
+                m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot map {self.path}: {e}") from None
+        if len(m) < self._size:     # cut since its header was read: a page beyond the end would be a SIGBUS
+            m.close()
+            raise UserError(f"{self.path} is shorter than when its header was read ({self._size} bytes)")
+        return m
 
     def _kind(self, name: str) -> str:
         return self._tensors[self._index[name]][0]
 
-    def _tensor(self, name: str):
-        """(the reader's tensor, its data: one expert's slice of a 3-D expert tensor), mapped, not read."""
-        t = self._data(name)
-        return (t, t.data[self._expert_of[name]]) if name in self._expert_of else (t, t.data)
+    def _tensor(self, name: str) -> tuple[str, np.ndarray]:
+        """(its GGML type name, its data as gguf.GGUFReader shapes it: [..., row bytes] of uint8 in a block format,
+        else the element type, dims reversed; one expert's slice of a 3-D expert tensor): a view of the mapped file,
+        not read."""
+        import gguf
+        t = self._index[name]
+        kind, dims = self._tensors[t]
+        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+        shape = tuple(int(n) for n in reversed(dims))
+        dtype = _GGUF_ELEMENTS.get(kind)
+        if dtype is None:
+            dtype, shape = np.uint8, (*shape[:-1], shape[-1] // block * size)
+        data = np.frombuffer(self._file, dtype, math.prod(shape), self._offsets[t]).reshape(shape)
+        return kind, data[self._expert_of[name]] if name in self._expert_of else data
 
     def _read(self, name: str) -> np.ndarray:
         import gguf
-        t, data = self._tensor(name)
+        ggml, data = self._tensor(name)
         kind = self.block_kind(name)
         if kind is not None:           # a NaN or inf scale named as such, before it spreads over its block
-            check_finite_blocks(np.asarray(data), kind, self.where(name))
+            check_finite_blocks(data, kind, self.where(name))
         try:
             with np.errstate(all="ignore"):    # non-finite values: one line from tensor()'s check, no warning
-                a = gguf.quants.dequantize(data, t.tensor_type)
+                a = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[ggml])
         except Exception as e:
-            raise UserError(f"cannot dequantize GGUF tensor {t.name} ({t.tensor_type.name}): {e}") from None
+            raise UserError(f"cannot dequantize GGUF tensor {self._index[name]} ({ggml}): {e}") from None
         a = np.asarray(a, dtype=np.float32).reshape(self.shape(name))
+        if a.ndim == 1 and not a.flags.writeable:     # a norm or a bias: a copy of its own, not a view of the file
+            a = a.copy()
         if self.arch != "llama":      # NeoX RoPE (half-split, as HF): llama.cpp's converter left q and k as they were
             return a
         if name.endswith("attn.q.weight") or name.endswith("attn.q.bias"):
@@ -800,37 +864,48 @@ class GGUFCheckpoint(Checkpoint):
         return kind if kind in BLOCK_BYTES and len(shape) == 2 else None
 
     def quantized(self, name: str) -> tuple[str, np.ndarray] | None:
+        """(kind, uint8 [rows, row_bytes]): a read-only view of the mapped file (q and k of a llama GGUF: a copy)."""
         kind, shape = self.block_kind(name), self.shape(name)
         if kind is None:
             return None
-        t, data = self._tensor(name)
-        q = np.asarray(data)
+        ggml, q = self._tensor(name)
         if q.dtype != np.uint8 or q.shape != (shape[0], row_bytes(shape[1], kind)):
-            raise UserError(f"{self.path}: GGUF tensor {t.name} ({t.tensor_type.name}) holds {q.dtype}{list(q.shape)}, "
+            raise UserError(f"{self.path}: GGUF tensor {self._index[name]} ({ggml}) holds {q.dtype}{list(q.shape)}, "
                             f"not the blocks of a {list(shape)} matrix")
         check_finite_blocks(q, kind, self.where(name))
-        # q and k: llama.cpp interleaved their rows (llama only); un-permuting moves whole rows, blocks and all
-        if self.arch != "llama":
-            return kind, q
-        if name.endswith("attn.q.weight"):
-            q = unpermute_qk(q, self.config.n_heads)
-        elif name.endswith("attn.k.weight"):
-            q = unpermute_qk(q, self.config.n_kv_heads)
-        return kind, q
+        return kind, self._unpermuted(name, q)
+
+    def stored_matrix(self, name: str) -> np.ndarray | None:
+        """Matrix `name` when the file stores it as float16 or float32, as stored (float16 keeps its type: not
+        widened to float32): a read-only view of the mapped file (q and k of a llama GGUF: a copy); else None."""
+        ggml, a = self._tensor(name)
+        if ggml not in ("F16", "F32") or a.ndim != 2 or name in self._expert_of:
+            return None
+        return self._unpermuted(name, check_finite(a, self.where(name)))
+
+    def _unpermuted(self, name: str, a: np.ndarray) -> np.ndarray:
+        """Rows `a` of matrix `name` in the math's order: llama.cpp interleaved the rows of q and k (llama only), so
+        those are un-permuted (whole rows move, blocks and all) into a read-only copy, and the file's pages under the
+        view leave RSS; any other is `a`."""
+        heads = {"attn.q.weight": self.config.n_heads, "attn.k.weight": self.config.n_kv_heads}.get(
+            name.split(".", 2)[-1]) if self.arch == "llama" else None
+        if heads is None:
+            return a
+        out = np.ascontiguousarray(unpermute_qk(a, heads))
+        out.flags.writeable = False
+        drop_mapped_pages(a)
+        return out
 
     def precision(self, name: str) -> str:
         return GGUF_TYPES[self._kind(name)]
 
     def release(self) -> None:
         # the file is memory-mapped read-only: its pages read so far count in RSS until dropped (re-read on demand)
-        if "reader" not in self.__dict__:
-            return
-        mm = getattr(self.reader.data, "_mmap", None)
-        if mm is not None and hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
-            mm.madvise(mmap.MADV_DONTNEED)
+        if "_file" in self.__dict__ and hasattr(mmap, "MADV_DONTNEED"):
+            self._file.madvise(mmap.MADV_DONTNEED)
 
     def tokenizer(self) -> Tokenizer:
-        return Tokenizer.from_gguf(lambda key, default=None: gguf_field(self.reader, key, default), self.config)
+        return Tokenizer.from_gguf(self.field, self.config)
 
 
 def gemma3_gguf_fields(field, n_layers: int, dim: int, heads: int, head_dim: int) -> dict:
