@@ -8,7 +8,7 @@ from tqdm import tqdm
 
 from storage.format import FlashCheckpoint, is_flashdir
 
-from storage.checkpoint import Checkpoint, open_checkpoint
+from storage.checkpoint import Checkpoint, GGUFCheckpoint, open_checkpoint
 from storage.half import half_matrix
 from .model import Transformer
 from .kernels.blocks import QuantMatrix
@@ -27,13 +27,17 @@ def load_tensor(ckpt: Checkpoint, name: str, convert=None, keep_blocks: bool = F
     anything else float32 through `convert` (e.g. half.half_matrix). A GGUF's blocks are dequantized (the float32
     reference of load_reference()) unless keep_blocks (--ffn dense: a quarter of the DRAM, and the quantized kernels);
     with keep_blocks, a FLASHDIR's FFN matrices that hold its GGUF's blocks exactly are those blocks too
-    (FlashCheckpoint.ffn_blocks), so a dense pass computes the GGUF's numbers."""
+    (FlashCheckpoint.ffn_blocks), so a dense pass computes the GGUF's numbers, and a GGUF's matrices are views of the
+    mapped file (its float16 ones kept float16): the file's pages are the model's DRAM, as in llama.cpp."""
     flashdir = isinstance(ckpt, FlashCheckpoint)
     stored = ckpt.quantized(name) if keep_blocks or flashdir else None
     if stored is None and keep_blocks and flashdir:
         stored = ckpt.ffn_blocks(name)
     if stored is not None:
         return QuantMatrix.of(stored)
+    mapped = ckpt.stored_matrix(name) if keep_blocks and isinstance(ckpt, GGUFCheckpoint) else None
+    if mapped is not None:
+        return mapped
     half = ckpt.stored_half(name) if flashdir and convert is half_matrix else None
     if half is not None:      # what half_matrix would keep, read as is: not widened to float32 and rounded back
         return half

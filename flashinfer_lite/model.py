@@ -13,6 +13,7 @@ import numpy as np
 import psutil
 
 from storage.config import ModelConfig
+from storage.checkpoint import drop_mapped_pages
 from storage.errors import UserError
 from storage.half import half_matrix
 from .ffn.dense import FeedForward, MixtureOfExperts
@@ -257,12 +258,20 @@ def prompt_attention(q: np.ndarray, k_bits: np.ndarray, v_bits: np.ndarray, pos0
 
 def stacked_rows(*ms):
     """The matrices' rows one after the other, as one matrix of their type (float arrays of one dtype, or QuantMatrix
-    of one kind and width); None when they differ."""
+    of one kind and width); None when they differ. A matrix that was a view of a mapped file (a GGUF's) leaves its
+    pages to the copy: the stack costs no DRAM beyond the file's (drop_mapped_pages)."""
     if all(isinstance(m, QuantMatrix) for m in ms) and len({(m.kind, m.cols) for m in ms}) == 1:
-        return QuantMatrix(np.concatenate([m.q for m in ms]), ms[0].kind, ms[0].cols)
-    if all(isinstance(m, np.ndarray) and m.ndim == 2 for m in ms) and len({(m.dtype, m.shape[1]) for m in ms}) == 1:
-        return np.concatenate(ms)
-    return None
+        out = QuantMatrix(np.concatenate([m.q for m in ms]), ms[0].kind, ms[0].cols)
+    elif all(isinstance(m, np.ndarray) and m.ndim == 2 for m in ms) and len({(m.dtype, m.shape[1]) for m in ms}) == 1:
+        out = np.concatenate(ms)
+    else:
+        return None
+    arrays = [m.q if isinstance(m, QuantMatrix) else m for m in ms]
+    for a in arrays:
+        drop_mapped_pages(a)
+    if not any(a.flags.writeable for a in arrays):   # read-only as the others: the kernels' one Numba specialization
+        (out.q if isinstance(out, QuantMatrix) else out).flags.writeable = False
+    return out
 
 
 def row_views(m, counts: list[int]) -> list:
