@@ -188,6 +188,28 @@ def test_a_warm_cache_mounted_read_only_elsewhere_runs(tmp_path, read_only, monk
     assert (read_only.parent / "rw" / "cache" / "source-digests.json").read_bytes() == digests
 
 
+def test_a_gguf_on_a_read_only_disk_runs_dense_from_its_mapped_pages(read_only):
+    """A GGUF seen through a read-only mount (a squashfs image, NFS): mapped read-only and shared, the dense model's
+    weights are views of it, and its greedy tokens are those of the same file on a writable disk."""
+    import gc
+    import shutil
+    from conftest import greedy_tokens
+    from flashinfer_lite.runtime import load_runtime
+    from storage.checkpoint import file_map_of
+    src = Path(__file__).resolve().parent / "data" / "gguf" / "qwen2-q4_k_m.gguf"
+    shutil.copyfile(src, read_only.parent / "rw" / src.name)
+    path = read_only / src.name
+    with pytest.raises(OSError, match="Read-only file system"):
+        open(path, "r+b")
+
+    def tokens(p: Path) -> list[int]:
+        model = load_runtime(p, "dense")[0]
+        assert file_map_of(model.dense_ffn[0].w_down.q) is not None
+        return greedy_tokens(model, [1, 2, 3], 12)
+    assert tokens(path) == tokens(src)
+    gc.collect()        # the map closes with the model's last view, so the mount can go
+
+
 def test_the_default_gguf_in_a_read_only_cache_is_hashed_not_stamped(smollm2_gguf, read_only, monkeypatch):
     """No stamp beside the default GGUF and none writable: its sha256 is checked in full, and `fetch` succeeds."""
     import shutil
