@@ -52,8 +52,10 @@ class FlashMatrix:
     def shape(self) -> tuple[int, int]:
         return self.layout.n_neurons[0], self.cols
 
-    def describe(self) -> str:
-        return f"{self.kind} {self.shape[0]} x {self.cols}: {self.stream.describe()}; {self.reader.describe()}"
+    def describe(self, streamed: bool) -> str:
+        """One line for -v: the matrix, how it is used (streamed: as the head), the reader's settings."""
+        use = f"streamed each token, {self.stream.describe()}" if streamed else "a step's token rows read"
+        return f"{self.kind} {self.shape[0]} x {self.cols} on flash: {use}; {self.reader.describe()}"
 
     def matrix(self, q: np.ndarray, where: str | None = None):
         """Rows as read (uint8 [n, stride]) as the resident matrix holds them: QuantMatrix, or float16/32 rows. With

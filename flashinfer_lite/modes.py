@@ -148,8 +148,11 @@ def load_head(ckpt, weights: dict, plan, verbose: bool = False) -> None:
         weights["embed.weight"] = on_flash("embed.weight")
     if verbose:
         for n in dict.fromkeys(("embed.weight", name)):
-            m = weights[n]
-            print(f"{n}: " + (m.describe() if isinstance(m, FlashMatrix) else "resident"), file=sys.stderr)
+            m, head = weights[n], n == name
+            use = "the embeddings and the head" if n == "embed.weight" and head else "the head" if head else \
+                "the embeddings"
+            print(f"{n} ({use}): " + (m.describe(head) if isinstance(m, FlashMatrix) else "resident, as stored"),
+                  file=sys.stderr)
 
 
 def dense_ffn_bytes(layout) -> int:
