@@ -4,8 +4,10 @@ with which function is modes.py's.
 
   process base what the process holds before the model's weights load: interpreter, numpy/numba/tokenizers,
                the compiled kernels, the tokenizer, the predictors; measured (RSS), not computed
-  resident     embeddings, attention, norms, head, FFN down bias (in DRAM; matrices float16 with f16/int8 bundles,
-               in blocks with q8_0/q4_0/q4_1 ones)
+  resident     attention, norms, FFN down bias (in DRAM; matrices float16 with f16/int8 bundles, in blocks with
+               quantized ones)
+  head         the head as stored, resident when the budget holds it, else a stream's buffers (read once per token)
+  embeddings   on flash: a prompt chunk's rows read per step (place_head)
   kv cache     keys and values for the whole context (float16, model.KVCache)
   buffers      reader gap scratch, kernel scratch, cache bookkeeping (slot maps per neuron), the prefill
                streaming chunk, a prompt chunk's temporaries (prefill_transient_bytes), the heap the prompt's
@@ -13,12 +15,13 @@ with which function is modes.py's.
   window       per layer `window_rows` bundle rows for the sliding window (LLM in a Flash)
   hot region   pinned hottest neurons across layers (PowerInfer), filled by neuron_cache.select_hot
 
-Minimum = process base + resident + kv + buffers + a fixed reservation of MIN_WINDOW_ROWS rows per layer: it does
-not grow with the active count, because a token's set larger than the window is computed in window-sized pieces
-(ffn.flash.FlashFFN.decode_row) to the same bits (ffn.sparse.SparseFFN.accumulate); a small window only costs reads.
-What the budget has beyond that pins hot neurons until the window could hold one token's expected set, then goes
-to the window up to its useful maximum (the expected active count x window tokens, capped at n_neurons), sharing
-with the hot region by `hot_share`; whatever one part cannot use goes to the other.
+Minimum = process base + resident + the head's stream + the embeddings' rows + kv + buffers + a fixed reservation of
+MIN_WINDOW_ROWS rows per layer: it does not grow with the active count, because a token's set larger than the window
+is computed in window-sized pieces (ffn.flash.FlashFFN.decode_row) to the same bits (ffn.sparse.SparseFFN.accumulate);
+a small window only costs reads. What the budget has beyond that holds the head first (place_head), then pins hot
+neurons until the window could hold one token's expected set, then goes to the window up to its useful maximum (the
+expected active count x window tokens, capped at n_neurons), sharing with the hot region by `hot_share`; whatever one
+part cannot use goes to the other.
 The process's peak RSS (the kernel's high-water mark, `process.peak_rss_bytes`) is what the budget is held to.
 """
 
@@ -34,7 +37,7 @@ from storage.errors import UserError
 from storage.format import BUNDLE_ALIGN
 from storage.profile import (DEFAULT_GAP_BYTES, StreamSettings, reader_defaults, stream_defaults, stream_settings,
                              stream_shape)
-from storage.reader import MAX_READ_BYTES, parts_span_bytes
+from storage.reader import MAX_READ_BYTES, parts_span_bytes, span_bytes
 from storage.sizes import parse_size
 from .model import ATTENTION_TILE_ROWS, PREFILL_CHUNK_ROWS, KVCache, ModelConfig
 from .neuron_cache import MAP_BYTES_PER_NEURON, select_hot, staging_rows
@@ -76,8 +79,12 @@ class BudgetPlan:
     ffn_bytes: int = 0          # the whole FFN resident (plan_resident_ffn): no window, no hot region
     gate_bytes: int = 0         # the exact-gate FFN's gate|up rows in DRAM (plan_gate), and its stream buffer
     gate_layers: int = 0        # of plan_gate: the layers whose gate|up rows are resident (from the first)
-    floor_bytes: int = 0        # of plan_gate: its smallest budget (every layer's rows streamed); minimum_bytes is
-                                # the smallest with gate_layers resident
+    floor_bytes: int = 0        # its smallest budget when minimum_bytes is that of a richer plan: plan_gate's every
+                                # layer's rows streamed (minimum_bytes: with gate_layers resident), place_head's head
+                                # streamed
+    head_bytes: int = 0         # of place_head: the head in DRAM, its matrix (resident) or a stream's buffers
+    head_read_bytes: int = 0    # of place_head: what a streamed head reads per token (0: resident)
+    embed_bytes: int = 0        # of place_head: the embedding rows of a prompt chunk (the table stays on flash)
 
     @property
     def hot_rows(self) -> int:
@@ -91,12 +98,17 @@ class BudgetPlan:
     @property
     def used_bytes(self) -> int:
         return (self.base_bytes + self.resident_bytes + self.kv_bytes + self.buffer_bytes + self.window_bytes
-                + self.hot_bytes + self.ffn_bytes + self.gate_bytes)
+                + self.hot_bytes + self.ffn_bytes + self.gate_bytes + self.head_bytes + self.embed_bytes)
 
     def table(self) -> str:
         rows = [("process base", self.base_bytes, "interpreter, libraries, compiled kernels, tokenizer, "
                                                   "predictors (measured)"),
-                ("resident dense", self.resident_bytes, "embeddings, attention, norms, head"),
+                *([("resident dense", self.resident_bytes, "attention, norms"),
+                   ("head", self.head_bytes, f"streamed from flash, {_mib(self.head_read_bytes)} read per token"
+                    if self.head_read_bytes else "resident, as stored"),
+                   ("embeddings", self.embed_bytes, "on flash: a prompt chunk's rows read per step")]
+                  if self.embed_bytes else
+                  [("resident dense", self.resident_bytes, "embeddings, attention, norms, head")]),
                 *([("resident ffn", self.ffn_bytes, "every layer's FFN weights, computed dense")] if self.ffn_bytes
                   else []),
                 *([("gate|up rows", self.gate_bytes, f"{self.gate_layers} of {self.n_layers} layers resident"
@@ -140,14 +152,21 @@ def resident_matrix_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     return out
 
 
-def resident_bytes_for(cfg: ModelConfig, half: bool = False, kinds: dict[str, str] | None = None) -> int:
+def matrix_row_bytes(cols: int, name: str, half: bool, kinds: dict[str, str]) -> int:
+    """Bytes of a row of resident matrix `name` as the runtime keeps it (resident_bytes_for)."""
+    return row_bytes(cols, kinds[name]) if name in kinds else cols * (2 if half else 4)
+
+
+def resident_bytes_for(cfg: ModelConfig, half: bool = False, kinds: dict[str, str] | None = None,
+                       on_flash: bool = False) -> int:
     """Bytes of every non-FFN tensor (+ FFN down bias and norm; a mixture of experts' routers, shared experts and
     their gates) as the runtime keeps them: matrices (embeddings, attention, lm_head) in the block format `kinds`
     names for them (a quantized FLASHDIR's resident_kinds), else float16 when `half` (half.half_matrix), else float32;
-    norms and biases float32."""
+    norms and biases float32. on_flash: without the embeddings and the head (place_head counts them)."""
     kinds = kinds or {}
-    matrices = sum(rows * row_bytes(cols, kinds[n]) if n in kinds else rows * cols * (2 if half else 4)
-                   for n, (rows, cols) in resident_matrix_shapes(cfg).items())
+    matrices = sum(rows * matrix_row_bytes(cols, n, half, kinds)
+                   for n, (rows, cols) in resident_matrix_shapes(cfg).items()
+                   if not (on_flash and n in ("embed.weight", "lm_head.weight")))
     d, q, kv = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     norm = d * (2 if cfg.norm == "layer" else 1)
     vectors = cfg.n_layers * (2 * norm + (q + 2 * kv) * cfg.qkv_bias + d * cfg.o_bias + d * cfg.mlp_bias)
@@ -308,6 +327,79 @@ def plan_resident_ffn(config, layout, dram_budget_bytes: int, ctx: int, resident
                       kv_bytes=kv, buffer_bytes=buffers, window_rows=0, window_bytes=0, hot_bytes=0,
                       minimum_bytes=need, n_layers=layout.n_layers, stride=layout.stride, ctx=ctx, window=0,
                       max_active=n_max, requested=requested, ffn_bytes=ffn)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The token embeddings and the head (flash_matrix.FlashMatrix): the table stays on flash, a step reads its tokens'
+# rows; the head is resident when the budget holds it, else streamed from flash once per token
+
+def head_name(cfg: ModelConfig) -> str:
+    """The matrix the head multiplies by: lm_head, or the token embeddings when tied (one matrix, both uses)."""
+    return "embed.weight" if cfg.tie_embeddings else "lm_head.weight"
+
+
+def stream_rows(stride: int, chunk_bytes: int, block_rows: int) -> int:
+    """Rows of a streamed head's chunk: chunk_bytes of rows, in whole blocks of `block_rows` (at least one: those
+    gemv.matmul_widened multiplies a prompt's rows by, flash_matrix.widened_rows), so that the streamed product makes
+    the resident one's calls on the same shapes."""
+    return max(1, chunk_bytes // stride // block_rows) * block_rows
+
+
+@dataclass(frozen=True)
+class HeadSizes:
+    """What a plan holds for the token embeddings and the head (head_sizes)."""
+    stored_bytes: int       # the head as stored: its DRAM resident, what it reads per token streamed
+    stream_bytes: int       # a head stream's buffers
+    embed_bytes: int        # a prompt chunk's embedding rows as read: rows, the reads' staging, the readers' scratch
+
+    @property
+    def streams(self) -> bool:
+        """Whether the head can stream in less DRAM than it takes resident (a head of a chunk or two cannot)."""
+        return self.stream_bytes < self.stored_bytes
+
+    @property
+    def minimum_bytes(self) -> int:
+        """What a plan holds for them at its smallest: the head's stream (or the head, when it does not stream) and
+        the embeddings' rows."""
+        return min(self.stream_bytes, self.stored_bytes) + self.embed_bytes
+
+
+def head_sizes(cfg: ModelConfig, half: bool, kinds: dict[str, str], ctx: int, stream_chunk_bytes: int,
+               stream_depth: int, block_rows: int) -> HeadSizes:
+    """HeadSizes of a run whose resident matrices are kept as resident_bytes_for says (half, kinds), with the
+    stream settings the FFN has (storage.profile.stream_settings: one device) and chunks in whole blocks of
+    block_rows (stream_rows). A stream's chunk is read into its own
+    buffer widened to 512-byte boundaries, one more 512 when its region is off them (storage.reader); a lookup of a
+    prompt chunk's rows reads each run of consecutive rows widened so into a staging buffer, then into its rows."""
+    V, d = cfg.vocab_size, cfg.dim
+    stride = matrix_row_bytes(d, head_name(cfg), half, kinds)
+    rows = min(stream_rows(stride, stream_chunk_bytes, block_rows), V)
+    depth = max(1, min(stream_depth, -(-V // rows)))
+    e = matrix_row_bytes(d, "embed.weight", half, kinds)
+    U = min(PREFILL_CHUNK_ROWS, ctx)
+    return HeadSizes(stored_bytes=V * stride, stream_bytes=depth * (span_bytes(rows, stride) + BUNDLE_ALIGN),
+                     embed_bytes=U * (2 * e + 2 * BUNDLE_ALIGN) + e + stride)
+
+
+def place_head(plan, sizes: HeadSizes, budget_bytes: int) -> BudgetPlan:
+    """The plan with the head resident when the budget holds it, else streamed; the embeddings on flash either way.
+    plan(budget_bytes, held) is the mode's plan with `held` bytes more resident (raising BelowMinimum below its
+    minimum). The head comes before the FFN's rows: it is read whole every token, so each byte of it held saves a
+    byte read per token, as a gate|up row does (plan_gate holds the head before them, an equal trade), where a hot
+    down row saves its read only on the tokens its neuron fires for. The minimum is the streamed head's (the resident
+    one's when a stream would take no less: HeadSizes.streams)."""
+    low = plan(1 << 60, sizes.minimum_bytes)
+    try:
+        p, head = plan(budget_bytes, sizes.stored_bytes + sizes.embed_bytes), sizes.stored_bytes
+    except BelowMinimum:
+        if not sizes.streams:
+            raise
+        p, head = plan(budget_bytes, sizes.stream_bytes + sizes.embed_bytes), sizes.stream_bytes
+        p.head_read_bytes = sizes.stored_bytes
+    p.resident_bytes -= head + sizes.embed_bytes
+    p.head_bytes, p.embed_bytes = head, sizes.embed_bytes
+    p.floor_bytes = low.floor_bytes or low.minimum_bytes
+    return p
 
 
 def prefill_transient_bytes(cfg: ModelConfig, ctx: int, gate: bool = False) -> int:

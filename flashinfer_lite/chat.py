@@ -9,7 +9,8 @@ from __future__ import annotations
 import sys
 
 from storage.errors import UserError
-from .generate import ContextFull, Session, add_model_arguments, check_arguments, open_model, sampler_from
+from .generate import (ContextFull, Session, add_model_arguments, check_arguments, open_model, sampler_from,
+                       streamed_head)
 from storage.tokenizer import StreamDecoder, check_utf8
 
 HELP = "/exit quits, /reset forgets the conversation, /stats shows timings; Ctrl-C stops an answer, Ctrl-D exits"
@@ -28,7 +29,7 @@ def read_line() -> str | None:
 
 
 def print_stats(session: Session, ffn) -> None:
-    session.timings.report(sys.stdout, ffn=ffn)
+    session.timings.report(sys.stdout, ffn=ffn, head=streamed_head(session.model))
 
 
 def run(args) -> int:
@@ -90,5 +91,5 @@ def run(args) -> int:
             print(f"[{note}]", file=sys.stderr)
         messages += [{"role": "user", "content": line}, {"role": "assistant", "content": tokenizer.decode(answer)}]
     print(file=sys.stderr)
-    session.timings.report(ffn=ffn)
+    session.timings.report(ffn=ffn, head=streamed_head(session.model))
     return 0

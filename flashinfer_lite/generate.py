@@ -15,6 +15,7 @@ from storage.errors import UserError
 from storage.gate_file import DEFAULT_SPARSITY, SPARSITIES
 from storage.tokenizer import StreamDecoder, Tokenizer, check_utf8
 
+from .flash_matrix import FlashMatrix
 from .model import Transformer
 from .process import peak_rss_bytes, rss_bytes
 
@@ -132,8 +133,9 @@ class Timings:
                 "tokens_per_second": round(n / ms * 1e3, 3) if ms else 0, "p50_ms": round(q(50), 3),
                 "p99_ms": round(q(99), 3)}
 
-    def report(self, out=sys.stderr, ffn=None) -> None:
-        """The perf lines as llama.cpp prints them (llama_perf_context_print), then flash stats and peak RSS."""
+    def report(self, out=sys.stderr, ffn=None, head=None) -> None:
+        """The perf lines as llama.cpp prints them (llama_perf_context_print), then flash stats (the FFN's, a
+        streamed head's: streamed_head) and peak RSS."""
         d = self.as_dict()
         w = "flashinfer_lite_perf"
         pt, pm = d["prompt_tokens"], d["prompt_ms"]
@@ -154,12 +156,23 @@ class Timings:
             print(f"{w}:       flash wait = {f['read_wait_ms_per_token']:10.2f} ms per token blocked, "
                   f"{f['read_in_flight_ms_per_token']:.2f} ms in flight ({100 * f['overlapped_share']:.0f}% "
                   f"overlapped with compute);{served}", file=out)
+        if head is not None:
+            h = head.stats.as_dict()
+            print(f"{w}:       head reads = {h['mb_read_per_token']:10.2f} MB per token, "
+                  f"{h['read_wait_ms_per_token']:.2f} ms per token waiting for them, "
+                  f"{h['compute_ms'] / max(h['decode_tokens'], 1):.2f} ms computing (the head streamed from flash)",
+                  file=out)
         m = rss_summary(ffn)
         line = f"{w}:         peak RSS = {m['peak_rss_mb']:10.1f} MiB"
         if "dram_budget_mb" in m:
             over = ", EXCEEDED" if m["peak_rss_mb"] > m["dram_budget_mb"] else ""
             line += f" (budget {m['dram_budget_mb']:.1f} MiB{over})"
         print(f"{line}, {m['rss_mb']:.1f} MiB now", file=out)
+
+
+def streamed_head(model: Transformer) -> FlashMatrix | None:
+    """The model's head when the plan streams it from flash (its stats: one pass a token), else None."""
+    return model.lm_head if isinstance(model.lm_head, FlashMatrix) else None
 
 
 def rss_summary(ffn=None) -> dict:
@@ -396,6 +409,8 @@ def run(args) -> int:
         note = "interrupted"
     if args.json:
         flash = {"flash": ffn.stats.as_dict()} if ffn is not None else {}
+        if streamed_head(model.transformer) is not None:
+            flash["head"] = streamed_head(model.transformer).stats.as_dict()
         print(json.dumps({"tokens": out, "text": tokenizer.decode_after(context, out), "prompt_tokens": ids,
                           "timings": session.timings.as_dict(), **flash, **rss_summary(ffn),
                           **({"stopped": note} if note else {})}))
@@ -403,5 +418,5 @@ def run(args) -> int:
         sys.stdout.write("\n")
         if note:
             print(f"[{note}]", file=sys.stderr)
-        session.timings.report(ffn=ffn)
+        session.timings.report(ffn=ffn, head=streamed_head(model.transformer))
     return 130 if note == "interrupted" else 0

@@ -379,7 +379,8 @@ class Transformer:
     """Decoder-only transformer over canonical weight names (see checkpoint.py).
 
     `weights` maps canonical names to float32 arrays; matrices may be float16 (half_matrices) or QuantMatrix (a
-    quantized FLASHDIR's). `ffn` replaces the
+    quantized FLASHDIR's), and the embeddings and head a FlashMatrix (flash_matrix.py: left on flash, looked up by
+    rows and streamed through the same product; a tied one is one matrix with both uses). `ffn` replaces the
     dense FFN (the flash runtime plugs in here); it receives the normed FFN input of a layer and returns that layer's
     FFN output.
     """
@@ -417,11 +418,21 @@ class Transformer:
         logits = []
         for start in range(0, T, PREFILL_CHUNK_ROWS):
             chunk = tokens[start:start + PREFILL_CHUNK_ROWS]
+            head = all_logits or start + len(chunk) == T
+            if head:
+                self.prime_head()
             x = self.forward_rows(chunk, kv)                                     # [t, d]
-            if all_logits or start + len(chunk) == T:
+            if head:
                 logits.append(output_logits(self.cfg, x if all_logits else x[-1:], (self.norm_w, self.norm_b),
                                             self.lm_head))                       # [t, V]
         return np.concatenate(logits) if all_logits else logits[-1][0]
+
+    def prime_head(self) -> None:
+        """Start reading a head streamed from flash (FlashMatrix.prime), so that its first chunks land while the
+        layers run."""
+        prime = getattr(self.lm_head, "prime", None)
+        if prime is not None:
+            prime()
 
     def forward_rows(self, tokens: np.ndarray, kv: KVCache) -> np.ndarray:
         """Every layer over tokens [t] (one chunk) at positions kv.length..; appends them to the cache and returns

@@ -30,14 +30,16 @@ from storage.errors import UserError
 from storage.format import FlashCheckpoint
 from storage.gate_file import DEFAULT_SPARSITY
 from storage.half import half_matrix
-from .budget import (HEAP_SLACK_BYTES, Budget, down_scale_bytes, plan_budget, plan_experts, plan_gate,
-                     plan_resident_ffn, resident_bytes_for, stream_args, stream_settings)
+from .budget import (HEAP_SLACK_BYTES, Budget, HeadSizes, down_scale_bytes, head_name, head_sizes, place_head,
+                     plan_budget, plan_experts, plan_gate, plan_resident_ffn, resident_bytes_for, stream_args,
+                     stream_settings)
+from .flash_matrix import FlashMatrix, widened_rows
 from .ffn.experts import ExpertFFN
 from .ffn.flash import FlashFFN
 from .ffn.quant import dense_row_bytes
 from .ffn.resident import ResidentFFN
 from .kernels.gemv import WIDEN_BLOCK_BYTES
-from .loader import load_weights
+from .loader import load_tensor, load_weights
 from .ffn.dense import FeedForward
 from .model import Transformer
 from .predictor_set import describe_calibration, read_manifest
@@ -46,6 +48,8 @@ from .warmup import FFN_STEPS, warm_up
 
 # FFN tensors that live in the bundles on flash; everything else (including ffn.down.bias) stays resident.
 _BUNDLED = re.compile(r"layers\.\d+\.ffn\.(gate|up|down)\.weight|layers\.\d+\.ffn\.(gate|up)\.bias")
+# Left to load_head, as the plan places them (the runs with a BudgetPlan from flash: gate, predicted, oracle)
+_HEAD = ("embed.weight", "lm_head.weight")
 _EXPERT = re.compile(r"layers\.\d+\.ffn\.experts\.\d+\.(gate|up|down)\.weight")   # in ffn.bin's expert chunks
 AUTO = "auto"
 
@@ -112,15 +116,43 @@ class Decision:
 # ----------------------------------------------------------------------------------------------------------------------
 # Sizes a mode plans with
 
-def resident_bytes_of(cfg: ModelConfig, layout, kinds: dict, dense_gate_up: bool = False) -> int:
+def resident_bytes_of(cfg: ModelConfig, layout, kinds: dict, dense_gate_up: bool = False,
+                      on_flash: bool = False) -> int:
     """The resident line: float16 bundles take the resident matrices float16 too (half the DRAM, and GEMV reads half
     the bytes), quantized ones in blocks (`kinds`); float32 bundles keep the whole model exact. dense_gate_up: the
-    dense gate/up weights, float32, kept for the run (--ffn oracle: the true activations need them)."""
-    resident = resident_bytes_for(cfg, half=layout.dtype != "f32", kinds=kinds) + \
+    dense gate/up weights, float32, kept for the run (--ffn oracle: the true activations need them). on_flash: without
+    the embeddings and the head (head_sizes_of: placed by budget.place_head)."""
+    resident = resident_bytes_for(cfg, half=layout.dtype != "f32", kinds=kinds, on_flash=on_flash) + \
         down_scale_bytes(layout, COLUMN_SCALES_F16)
     if dense_gate_up:
         resident += cfg.n_layers * cfg.ffn_dim * cfg.dim * 4 * (2 if cfg.glu else 1)
     return resident
+
+
+def head_sizes_of(cfg: ModelConfig, layout, kinds: dict, ctx: int) -> HeadSizes:
+    """budget.head_sizes of a run from `layout`'s FLASHDIR: its matrices kept as resident_bytes_of says, its device's
+    stream settings."""
+    s = stream_settings(layout)
+    return head_sizes(cfg, layout.dtype != "f32", kinds, ctx, s.chunk_bytes, s.depth, widened_rows(cfg.dim))
+
+
+def load_head(ckpt, weights: dict, plan, verbose: bool = False) -> None:
+    """The token embeddings and the head into `weights` as `plan` places them (budget.place_head): the embeddings a
+    FlashMatrix (rows read per step), the head resident as load_weights keeps it or a FlashMatrix streamed per
+    token; tied, one matrix with both uses (resident: the rows are looked up in it)."""
+    s = stream_settings(ckpt.layout)
+    name = head_name(ckpt.config)
+    on_flash = lambda n: FlashMatrix(*ckpt.rows_layout(n), s.chunk_bytes, s.depth)  # noqa: E731
+    weights[name] = on_flash(name) if plan.head_read_bytes else load_tensor(ckpt, name, convert_of(ckpt.layout))
+    if name != "embed.weight":
+        weights["embed.weight"] = on_flash("embed.weight")
+    if verbose:
+        for n in dict.fromkeys(("embed.weight", name)):
+            m, head = weights[n], n == name
+            use = "the embeddings and the head" if n == "embed.weight" and head else "the head" if head else \
+                "the embeddings"
+            print(f"{n} ({use}): " + (m.describe(head) if isinstance(m, FlashMatrix) else "resident, as stored"),
+                  file=sys.stderr)
 
 
 def dense_ffn_bytes(layout) -> int:
@@ -273,8 +305,10 @@ class GateMode(Mode):
         """Its plan with every layer's gate|up rows streamed (budget.plan_gate, layers=0)."""
         if not facts.exact_gate:        # decide names what the model lacks
             return None
+        head = head_sizes_of(facts.cfg, facts.layout, facts.kinds, ctx)
         return plan_gate(facts.cfg, facts.layout, 1 << 60, ctx, window, DEFAULT_SPARSITY, layers=0,
-                         resident_bytes=resident_bytes_of(facts.cfg, facts.layout, facts.kinds), base_bytes=base_bytes,
+                         resident_bytes=resident_bytes_of(facts.cfg, facts.layout, facts.kinds, on_flash=True)
+                         + head.minimum_bytes, base_bytes=base_bytes,
                          **stream_args(facts.layout), heap_slack_bytes=heap).minimum_bytes
 
     def decide(self, files, ffn, budget, ctx, window, lookahead, verbose):
@@ -291,12 +325,14 @@ class GateMode(Mode):
                "the default model" if files.default else files.source) if ffn == AUTO else None
         if files.gate is None:
             return Decision(self, None, False, False, (), why, calibrate_gate=True)
-        resident = resident_bytes_of(cfg, layout, files.ckpt.resident_kinds)
+        resident = resident_bytes_of(cfg, layout, files.ckpt.resident_kinds, on_flash=True)
+        head = head_sizes_of(cfg, layout, files.ckpt.resident_kinds, ctx)
 
         def plan_for(budget_bytes: int, requested: bool):
-            return plan_gate(cfg, layout, budget_bytes, ctx, window, files.gate.sparsity, resident_bytes=resident,
-                             base_bytes=files.base_bytes, **stream_args(layout), requested=requested,
-                             heap_slack_bytes=HEAP_SLACK_BYTES if files.base_bytes else 0)
+            return place_head(lambda b, held: plan_gate(
+                cfg, layout, b, ctx, window, files.gate.sparsity, resident_bytes=resident + held,
+                base_bytes=files.base_bytes, **stream_args(layout), requested=requested,
+                heap_slack_bytes=HEAP_SLACK_BYTES if files.base_bytes else 0), head, budget_bytes)
         plan = plan_for(*budget.split(plan_for(1 << 60, False).used_bytes))
         notes = ()
         gu = layout.parts["gate_up"]
@@ -311,8 +347,9 @@ class GateMode(Mode):
 
     def build(self, files, decision, threads, progress, verbose):
         ckpt, cfg = files.ckpt, files.ckpt.config
-        weights = load_weights(ckpt, progress, skip=lambda n: bool(_BUNDLED.fullmatch(n)),
+        weights = load_weights(ckpt, progress, skip=lambda n: bool(_BUNDLED.fullmatch(n)) or n in _HEAD,
                                convert=convert_of(ckpt.layout))
+        load_head(ckpt, weights, decision.plan, verbose)
         down_bias = [weights.get(f"layers.{i}.ffn.down.bias") for i in range(cfg.n_layers)]
         ffn = FlashFFN.exact_gate(cfg, ckpt.layout, decision.plan, files.gate, down_bias, threads=threads,
                                   verbose=verbose, down_scales=ckpt.down_scales_all())
@@ -402,9 +439,11 @@ class PredictedMode(Mode):
         return False
 
     def minimum(self, facts, ffn, ctx, window, base_bytes, heap):
+        head = head_sizes_of(facts.cfg, facts.layout, facts.kinds, ctx)
         return plan_budget(facts.cfg, facts.layout, 1 << 60, ctx, window,
                            resident_bytes=resident_bytes_of(facts.cfg, facts.layout, facts.kinds,
-                                                            self.dense_gate_up()),
+                                                            self.dense_gate_up(), on_flash=True)
+                           + head.minimum_bytes,
                            base_bytes=base_bytes, **stream_args(facts.layout), heap_slack_bytes=heap).minimum_bytes
 
     def check(self, files, ffn):
@@ -421,13 +460,15 @@ class PredictedMode(Mode):
         self.check(files, ffn)
         cfg, layout = files.ckpt.config, files.ckpt.layout
         lookahead = lookahead and self.guesses()
-        resident = resident_bytes_of(cfg, layout, files.ckpt.resident_kinds, self.dense_gate_up())
+        resident = resident_bytes_of(cfg, layout, files.ckpt.resident_kinds, self.dense_gate_up(), on_flash=True)
+        head = head_sizes_of(cfg, layout, files.ckpt.resident_kinds, ctx)
 
         def plan_for(budget_bytes: int, requested: bool):
-            return plan_budget(cfg, layout, budget_bytes, ctx, window,
-                               max_active=expected_max_active(cfg, files.predictors), resident_bytes=resident,
-                               base_bytes=files.base_bytes, **stream_args(layout), requested=requested,
-                               lookahead=lookahead, heap_slack_bytes=HEAP_SLACK_BYTES if files.base_bytes else 0)
+            return place_head(lambda b, held: plan_budget(
+                cfg, layout, b, ctx, window, max_active=expected_max_active(cfg, files.predictors),
+                resident_bytes=resident + held, base_bytes=files.base_bytes, **stream_args(layout),
+                requested=requested, lookahead=lookahead,
+                heap_slack_bytes=HEAP_SLACK_BYTES if files.base_bytes else 0), head, budget_bytes)
         whole = plan_for(1 << 60, False).used_bytes
         plan, notes = plan_for(*budget.split(whole)), ()
         if budget.auto and plan.requested:
@@ -450,8 +491,9 @@ class PredictedMode(Mode):
 
     def build(self, files, decision, threads, progress, verbose):
         ckpt, predictors, cfg = files.ckpt, files.predictors, files.ckpt.config
-        weights = load_weights(ckpt, progress, skip=lambda n: bool(_BUNDLED.fullmatch(n)),
+        weights = load_weights(ckpt, progress, skip=lambda n: bool(_BUNDLED.fullmatch(n)) or n in _HEAD,
                                convert=convert_of(ckpt.layout))
+        load_head(ckpt, weights, decision.plan, verbose)
         ffn = FlashFFN.predicted(cfg, ckpt.layout, decision.plan, self.select(files, weights), predictors,
                                  down_bias=[weights.get(f"layers.{i}.ffn.down.bias") for i in range(cfg.n_layers)],
                                  threads=threads, verbose=verbose, down_scales=ckpt.down_scales_all(),

@@ -1010,6 +1010,22 @@ class FlashCheckpoint:
             return None
         return check_finite(self._resident.read(name, raw=True), self._where(name))
 
+    def rows_layout(self, name: str) -> tuple[FlashLayout, str]:
+        """A resident matrix read from flash rather than held (the token embeddings, a streamed head): (a layout of
+        one region, the matrix where resident.safetensors stores it, each row a bundle of its row's bytes, for
+        storage.reader; the rows' type as stored: a block format, "f16" or "f32"). Nothing is read. The region
+        starts wherever the file has it: the reader widens its reads to 512-byte boundaries."""
+        e = self._resident.entries.get(name)
+        kind = self.resident_kinds.get(name) or {np.dtype("<f2"): "f16", np.dtype("<f4"): "f32"}.get(
+            e[1] if e is not None and not e[0] else None)
+        if kind is None or len(e[2]) != 2:
+            raise UserError(f"{self._where(name)} is not a matrix of blocks, float16 or float32; re-run convert")
+        rows, stride = e[2][0], e[2][1] * e[1].itemsize
+        cols = blocks.row_cols(stride, kind) if kind in blocks.BLOCK_BYTES else e[2][1]
+        return FlashLayout(d=cols, dtype=kind, vectors=(), biases=(), stride=stride, offset=[e[3]], n_neurons=[rows],
+                           order=[np.arange(rows, dtype=np.int64)], files={"ffn": self.layout.files["resident"]},
+                           flashdir=self.flashdir, align=PACKED_ALIGN), kind
+
     def names(self) -> list[str]:
         return self._resident_names + list(self._ffn_names) + list(self._expert_names)
 

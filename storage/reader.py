@@ -145,7 +145,8 @@ class BundleReader:
         # A dense run is still split so that a big request spreads over the threads.
         self.max_read_bundles = max(1, max_read_bytes // stride)
         self.max_read_bytes = max(BUNDLE_ALIGN, max_read_bytes // BUNDLE_ALIGN * BUNDLE_ALIGN)
-        self.packed = stride % BUNDLE_ALIGN != 0
+        # a region off a 512-byte boundary too (a resident matrix's rows: format.FlashCheckpoint.rows_layout)
+        self.packed = stride % BUNDLE_ALIGN != 0 or any(o % BUNDLE_ALIGN for o in self.layout.offset)
         self.fd, self.direct = open_for_reads(self.path)
         self._scratch = aligned_empty((max(self.coalesce_gap, 1) * stride,), np.uint8)
         self._lock = threading.Lock()       # read_ops plans from any thread
@@ -309,7 +310,8 @@ class BundleReader:
 
     def span_bytes(self, rows: int) -> int:
         """The most bytes submit_rows reads for `rows` bundles: their span widened to 512-byte boundaries."""
-        return span_bytes(rows, self.layout.stride)
+        stride = self.layout.stride
+        return span_bytes(rows, stride) + (BUNDLE_ALIGN if self.packed and stride % BUNDLE_ALIGN == 0 else 0)
 
     def failure(self, req: "Request", k: int, got: int) -> UserError:
         """The error for op k of a request whose retry returned `got` bytes (or -errno)."""

@@ -19,6 +19,7 @@ from conftest import assert_same_bits_at_every_budget, transformers_model, write
 from flashinfer_lite.budget import down_scale_bytes, resident_bytes_for
 from storage.errors import UserError
 from flashinfer_lite.model import Transformer
+from flashinfer_lite.flash_matrix import FlashMatrix
 from flashinfer_lite.kernels.blocks import COLUMN_SCALES_F16, QuantMatrix, dequantize
 from flashinfer_lite.loader import open_any
 from flashinfer_lite.ffn.resident import ResidentFFN
@@ -182,16 +183,22 @@ def test_quantized_flashdir_computes_the_dequantized_math(tiny_model, tmp_path, 
     assert set(flash.resident_kinds.values()) == {dtype} and "embed.weight" in flash.resident_kinds
     ids = np.random.default_rng(7).integers(3, 512, size=10).tolist()
     want_tokens, want = greedy(float64_model(out), ids, 12)
+    c = flash.config
     for mode in ("dense", "oracle"):
         model, _, rt = load_runtime(out, mode)
-        assert isinstance(model.embed, QuantMatrix) and isinstance(model.blocks[0].attn.wq, QuantMatrix)
+        # from flash (oracle) the embeddings' rows are read in their blocks (tied, no budget: the resident head's)
+        assert isinstance(model.embed, FlashMatrix if mode == "oracle" and not c.tie_embeddings else QuantMatrix)
+        assert model.embed.kind == dtype and isinstance(model.blocks[0].attn.wq, QuantMatrix)
         tokens, got = greedy(model, ids, 12)
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
         assert tokens == want_tokens, mode
-        if rt is not None:   # the budget counts the blocks (oracle adds its float32 gate/up, kept for the run)
-            c = flash.config
+        if rt is not None:   # the budget counts the blocks (oracle adds its float32 gate/up, kept for the run), the
+            # head resident as stored (no budget), the embeddings' table not at all
             oracle_extra = c.n_layers * c.ffn_dim * c.dim * 4 * (2 if c.glu else 1)
-            assert rt.plan.resident_bytes - oracle_extra == resident_data_bytes(out)
+            layout = flash.rows_layout("embed.weight")[0]
+            table = 0 if c.tie_embeddings else layout.stride * layout.n_neurons[0]
+            assert rt.plan.head_read_bytes == 0 and isinstance(model.lm_head, QuantMatrix)
+            assert rt.plan.resident_bytes + rt.plan.head_bytes + table - oracle_extra == resident_data_bytes(out)
     # the float32 source through transformers: logits within a few times the weights' quantization error (measured
     # 3.2-3.8x on these models; q4 errs ~15x more than q8, so the bound tells them apart)
     src = open_checkpoint(path)

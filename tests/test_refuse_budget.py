@@ -16,7 +16,7 @@ import pytest
 
 from conftest import STORIES
 from flashinfer_lite.budget import HEAP_SLACK_BYTES, down_scale_bytes, plan_budget, resident_bytes_for, stream_args
-from flashinfer_lite.modes import minimum_bytes, plan_in_ram
+from flashinfer_lite.modes import head_sizes_of, minimum_bytes, plan_in_ram
 from flashinfer_lite.kernels.blocks import COLUMN_SCALES_F16
 from flashinfer_lite.runtime import model_facts
 from storage.convert import convert
@@ -31,8 +31,9 @@ def planner_minimum(flashdir: Path, ctx: int, ffn: str) -> int:
     process base left out (0), computed from the converted FLASHDIR as the predicted and dense modes plan it."""
     ckpt = FlashCheckpoint(flashdir)
     cfg, layout = ckpt.config, ckpt.layout
-    resident = resident_bytes_for(cfg, half=layout.dtype != "f32", kinds=ckpt.resident_kinds) + \
-        down_scale_bytes(layout, COLUMN_SCALES_F16)
+    # the embeddings on flash, the head streamed when that takes less DRAM (budget.place_head)
+    resident = resident_bytes_for(cfg, half=layout.dtype != "f32", kinds=ckpt.resident_kinds, on_flash=True) + \
+        down_scale_bytes(layout, COLUMN_SCALES_F16) + head_sizes_of(cfg, layout, ckpt.resident_kinds, ctx).minimum_bytes
     sparse = plan_budget(cfg, layout, 1 << 60, ctx, resident_bytes=resident, **stream_args(layout),
                          heap_slack_bytes=HEAP_SLACK_BYTES).minimum_bytes
     in_ram = plan_in_ram(cfg, layout, ckpt.resident_kinds, None, ctx, 0, HEAP_SLACK_BYTES).minimum_bytes

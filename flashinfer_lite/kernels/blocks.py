@@ -1201,8 +1201,9 @@ def col_dequant(B, r, at, out, kind, j, S):
 
 def linear(x: np.ndarray, w: np.ndarray | QuantMatrix, b: np.ndarray | None = None) -> np.ndarray:
     # x [T, in] @ w [out, in]^T -> [T, out]. Resident matrices of a FLASHDIR: float16 (model.half_matrices) or in a
-    # block format (QuantMatrix), each with its Numba kernel; float32 through BLAS.
-    if isinstance(w, QuantMatrix):
+    # block format (QuantMatrix), each with its Numba kernel; float32 through BLAS; a matrix that computes its own
+    # product (QuantMatrix; a head streamed from flash, flash_matrix.FlashMatrix) by its matmul_t.
+    if not isinstance(w, np.ndarray):
         y = w.matmul_t(x)
     else:
         y = matmul_t(x, w) if w.dtype == np.float16 else x @ w.T
