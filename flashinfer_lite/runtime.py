@@ -267,7 +267,7 @@ def calibrate_gate(files: ModelFiles, dram_budget=None, n_tokens: int = CALIBRAT
     text = (resources.files("predictors") / "calibration.txt").read_text()
     windows = list(token_segments(tokenizer, text, n_tokens, ctx, cfg.bos_id))
     try:
-        by_sparsity = measure_thresholds(model, ffn, windows, SPARSITIES, progress)
+        by_sparsity = measure_thresholds(model, ffn, windows, SPARSITIES, progress, spill_dir=files.path)
     finally:
         ffn.reader.close()
         del model, ffn
