@@ -375,9 +375,9 @@ def check_free_space(out: Path, need: int) -> None:
         raise UserError(f"need {gigabytes(need)} free in {where} to convert into {out.name}, have {gigabytes(free)}")
 
 
-# What a conversion writes per second, for the line announcing a first use (storage.cache.first_use_line): the
-# 0.5B and 1.5B Qwen Q4_K_M GGUFs, 2 vCPUs, CPU time (a busy machine's wall time is longer; the bar's ETA is the
-# measured figure). Reading the GGUF's header with gguf-py is most of it for a 152k-token vocabulary.
+# What a conversion writes per second, for the line announcing a first use (storage.cache.first_use_line): the 1.5B
+# Qwen Q4_K_M GGUF's 1.1 GB took 20 CPU seconds (2 vCPUs), gguf-py's parse of its 152k-token vocabulary a good part;
+# the disk's writes come on top. A busy machine's wall time is longer: the bar's ETA is the measured figure.
 CONVERT_BYTES_PER_S = 30e6
 
 

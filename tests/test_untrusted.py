@@ -877,6 +877,7 @@ def test_first_use_conversion_onto_a_full_disk(small_disk, monkeypatch):
     monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(small_disk / "cache"))
     r = cli("generate", "-m", str(STORIES), "-p", "hi", "-n", "2", "--ffn", "predicted")
     assert_one_line_error(r, "need ", f"free in {small_disk / 'cache' / 'flash'} ", ", have ")
+    assert "converting " not in r.stderr.decode(), r.stderr.decode()      # refused before it is announced
     assert [p.name for p in (small_disk / "cache" / "flash").iterdir() if not p.name.endswith(".lock")] == []
 
 

@@ -20,6 +20,19 @@ BIN_SHIFT = 17
 BINS = 1 << 14
 
 
+# The calibration's rate, layer weights x tokens per second, for the line announcing a first use: the 0.5B and 1.5B
+# Qwen Q4_K_M took 12e9 and 15e9 per CPU second (2 vCPUs; process start and model load included). A quiet machine
+# runs two threads, a busy one gives less than one: the bar's ETA is the measured figure.
+CALIBRATION_WEIGHT_TOKENS_PER_S = 15e9
+
+
+def calibration_seconds(cfg, tokens: int = CALIBRATION_TOKENS) -> float:
+    """Roughly how long measure_thresholds runs the model over `tokens` once (the head computes one row a window)."""
+    attention = cfg.dim * cfg.head_dim * 2 * (cfg.n_heads + cfg.n_kv_heads)
+    ffn = (3 if cfg.glu else 2) * cfg.dim * cfg.ffn_dim
+    return cfg.n_layers * (attention + ffn) * tokens / CALIBRATION_WEIGHT_TOKENS_PER_S
+
+
 class LayerMagnitudes:
     """One layer's |coefficients| [tokens, n] over two passes of the same tokens: count() every row in the first,
     keep() in the second; then result(s): np.quantile(all, s), and per neuron the share of tokens above it.
