@@ -186,3 +186,14 @@ def test_gigabytes_reads_as_df_prints():
     assert convert_mod.gigabytes(1_100_000_000) == "1.1 GB"
     assert convert_mod.gigabytes(400_000_000) == "0.4 GB"
     assert convert_mod.gigabytes(1_500_000) == "1.5 MB"
+
+
+@pytest.mark.parametrize("kind, dtype", [("mixtral", "auto"), ("qwen2moe", "q8_0")])
+def test_flashdir_bytes_bounds_what_convert_writes_for_experts(tmp_path, tiny_model, kind, dtype):
+    """The same bound for a mixture of experts' chunks (and a shared expert resident)."""
+    from storage.files import disk_bytes
+    src = tiny_model(kind)
+    ckpt = open_checkpoint(src)
+    est = convert_mod.flashdir_bytes(ckpt, convert_mod.layout_for(ckpt, dtype))
+    got = disk_bytes(convert(src, tmp_path / "flash", dtype=dtype, progress=False))
+    assert got <= est <= got + convert_mod.TOKENIZER_BYTES_PER_TOKEN * ckpt.config.vocab_size + (64 << 10), (got, est)
