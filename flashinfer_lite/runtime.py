@@ -36,8 +36,8 @@ from .ffn.gate import (CALIBRATION_CTX, CALIBRATION_TOKENS, LayerMagnitudes, cal
                        measure_thresholds)
 from .loader import open_any
 from .model import Transformer
-from .modes import (ModelFiles, check_mode, decide, dense_bytes_of, kernels_for, minimum_bytes, plans,
-                    runs_from_flash)
+from .modes import (Facts, GateMode, ModelFiles, check_mode, decide, dense_bytes_of, kernels_for, minimum_bytes, plans,
+                    reach, runs_from_flash)
 from .predictor_set import load_expert_freq, load_predictors
 from .process import keep_freed_arrays_out_of_rss, return_freed_heap
 from .kernels.blocks import set_act8
@@ -130,7 +130,7 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
         return ModelFiles(source, source, default, flash_backed, ckpt, ckpt.tokenizer(), None, None,
                           dense_bytes_of(source, ckpt.config))
     keep_freed_arrays_out_of_rss()
-    path = flashdir_for(source, progress, then=lambda cfg: calibration_next(cfg, ffn))
+    path = flashdir_for(source, progress, then=lambda cfg, layout: calibration_next(cfg, layout, ffn))
     if verify:
         verify_at_load(path, progress=progress)
     ckpt = FlashCheckpoint(path)
@@ -143,11 +143,11 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
     return files
 
 
-def calibration_next(cfg: ModelConfig, ffn: str) -> tuple[str, float]:
+def calibration_next(cfg: ModelConfig, layout: FlashLayout, ffn: str) -> tuple[str, float]:
     """For the line announcing a first use's conversion (storage.cache.first_use_line): the exact gate's calibration,
-    and roughly how long it takes, when a run of --ffn `ffn` will need it next (a SiLU- or GELU-gated dense model under
-    gate or auto: a new conversion has no thresholds yet); else nothing."""
-    if ffn not in ("gate", "auto") or not cfg.exact_gate or cfg.moe:
+    and roughly how long it takes, when a run of --ffn `ffn` on the conversion's layout runs the exact gate (a new
+    conversion has no thresholds yet); else nothing."""
+    if not isinstance(next(iter(reach(Facts(cfg, layout, {}), ffn)), None), GateMode):
         return "", 0.0
     return (f", then calibrating the exact gate's thresholds on {CALIBRATION_TOKENS:,} tokens",
             calibration_seconds(cfg))

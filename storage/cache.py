@@ -124,13 +124,14 @@ def flashdir_for(path, progress: bool, then=None) -> str:
 
 def first_use_line(src: Path, dest: Path, then=None) -> str:
     """The line before a first use's conversion: what it writes where, what follows, and roughly how long it all takes
-    (convert_seconds; then(config) -> (", then ...", seconds) for what the run does next), so that minutes of work
+    (convert_seconds; then(config, layout) -> (", then ...", seconds): what the run does next), so that minutes of work
     are announced, not only shown by a progress bar once under way. A cache without room for it is refused first
     (convert.check_free_space), with nothing announced."""
     ckpt = open_checkpoint(src)
-    need = flashdir_bytes(ckpt, layout_for(ckpt, DEFAULT_DTYPE))
+    layout = layout_for(ckpt, DEFAULT_DTYPE)
+    need = flashdir_bytes(ckpt, layout)
     check_free_space(dest, need)
-    after, more = then(ckpt.config) if then is not None else ("", 0.0)
+    after, more = then(ckpt.config, layout) if then is not None else ("", 0.0)
     return (f"converting {src.name} into the flash layout at {dest} ({gigabytes(need)}, first use){after}: "
             f"{roughly(convert_seconds(need) + more)}")
 

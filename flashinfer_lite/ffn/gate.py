@@ -9,6 +9,8 @@ import sys
 import numpy as np
 from tqdm import tqdm
 
+from storage.checksums import drop_from_page_cache
+
 from .flash import FlashFFN
 
 CALIBRATION_TOKENS = 1024
@@ -99,8 +101,8 @@ def measure_thresholds(model, ffn, windows, sparsities, progress: bool = False, 
     kv = model.new_cache(max(map(len, windows)))
     tokens = sum(map(len, windows))
     spill = Spill.open(spill_dir, 4 * tokens * cfg.ffn_dim * cfg.n_layers)
-    bar = tqdm(total=len(windows) * (2 if spill is None else 1), desc="calibrate gate", unit="window", disable=not progress,
-               file=sys.stderr)
+    bar = tqdm(total=len(windows) * (2 if spill is None else 1), desc="calibrate gate", unit="window",
+               disable=not progress, file=sys.stderr)
 
     def run() -> None:
         for w in windows:
@@ -167,7 +169,6 @@ class Spill:
             self.flush()
 
     def flush(self) -> None:
-        from storage.checksums import drop_from_page_cache
         self.f.flush()
         os.fdatasync(self.f.fileno())
         end = self.f.tell()
@@ -176,7 +177,6 @@ class Spill:
 
     def read(self):
         """(layer, magnitudes [T, n]) as written."""
-        from storage.checksums import drop_from_page_cache
         self.flush()
         fd, pos = self.f.fileno(), 0
         for layer, shape in self.records:
