@@ -52,5 +52,5 @@ def test_dense_and_llama_rows_measure_their_own_processes(doc):
     if find_spec("llama_cpp") is None:
         assert "not installed" in ll["skipped"]
     else:
-        assert ll["peak_rss_bytes"] > m["file_bytes"] and ll["load_s"] > 0 and ll["prompt_tokens"] >= 1, ll
+        assert ll["peak_rss_bytes"] > m["file_bytes"] and ll["load_s"] > 0, ll
     assert GGUF.name in err and "| GGUF |" in err
