@@ -338,6 +338,7 @@ def write_flashdir(ckpt, layout: FlashLayout, dest: Path, progress: bool = True)
         tok_dir.mkdir()
         ckpt.tokenizer().save(tok_dir)
         bar.update(disk_bytes(tok_dir))
+        bar.total = bar.n           # the estimate bounds what was written: the bar ends at 100% of it
     write_manifest(layout, dest)
     _fsync_dir(dest)
 
