@@ -4,7 +4,9 @@ in memory that does not grow with the text. The exact gate itself: ffn.flash.Exa
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 
 import numpy as np
 from tqdm import tqdm
@@ -151,8 +153,6 @@ class Spill:
     @classmethod
     def open(cls, where, nbytes: int) -> "Spill | None":
         """A scratch file in directory `where` for `nbytes`, or None (no directory, no room, not writable)."""
-        import shutil
-        import tempfile
         if where is None:
             return None
         try:
@@ -170,7 +170,7 @@ class Spill:
 
     def flush(self) -> None:
         self.f.flush()
-        os.fdatasync(self.f.fileno())
+        getattr(os, "fdatasync", os.fsync)(self.f.fileno())     # macOS has fsync only
         end = self.f.tell()
         drop_from_page_cache(self.f.fileno(), self.flushed, end - self.flushed)
         self.flushed = end
