@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from storage.cache import cached_conversion, flashdir_for
+from storage.cache import cached_conversion, flashdir_for, roughly
 from storage.checkpoint import open_checkpoint
 from storage.config import ModelConfig
 from storage.convert import DEFAULT_DTYPE, layout_for, resident_kinds, resident_names
@@ -32,11 +32,12 @@ from . import BLAS_THREADS_FROM_USER
 from . import default_model
 from .budget import HEAP_SLACK_BYTES, BelowMinimum, Budget, resident_matrix_shapes
 from .default_model import default_model_path, ensure_default_model
-from .ffn.gate import CALIBRATION_CTX, CALIBRATION_TOKENS, LayerMagnitudes, measure_thresholds
+from .ffn.gate import (CALIBRATION_CTX, CALIBRATION_TOKENS, LayerMagnitudes, calibration_seconds,
+                       measure_thresholds)
 from .loader import open_any
 from .model import Transformer
-from .modes import (ModelFiles, check_mode, decide, dense_bytes_of, kernels_for, minimum_bytes, plans,
-                    runs_from_flash)
+from .modes import (Facts, GateMode, ModelFiles, check_mode, decide, dense_bytes_of, kernels_for, minimum_bytes, plans,
+                    reach, runs_from_flash)
 from .predictor_set import load_expert_freq, load_predictors
 from .process import keep_freed_arrays_out_of_rss, return_freed_heap
 from .kernels.blocks import set_act8
@@ -129,7 +130,7 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
         return ModelFiles(source, source, default, flash_backed, ckpt, ckpt.tokenizer(), None, None,
                           dense_bytes_of(source, ckpt.config))
     keep_freed_arrays_out_of_rss()
-    path = flashdir_for(source, progress)
+    path = flashdir_for(source, progress, then=lambda cfg, layout: calibration_next(cfg, layout, ffn))
     if verify:
         verify_at_load(path, progress=progress)
     ckpt = FlashCheckpoint(path)
@@ -140,6 +141,16 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
     if not ckpt.config.moe or ckpt.layout.experts.split:    # split expert chunks run the exact gate too
         files.gate = read_gate_file(path, ckpt.config.n_layers, ckpt.config.ffn_dim, sparsity)
     return files
+
+
+def calibration_next(cfg: ModelConfig, layout: FlashLayout, ffn: str) -> tuple[str, float]:
+    """For the line announcing a first use's conversion (storage.cache.first_use_line): the exact gate's calibration,
+    and roughly how long it takes, when a run of --ffn `ffn` on the conversion's layout runs the exact gate (a new
+    conversion has no thresholds yet); else nothing."""
+    if not isinstance(next(iter(reach(Facts(cfg, layout, {}), ffn)), None), GateMode):
+        return "", 0.0
+    return (f", then calibrating the exact gate's thresholds on {CALIBRATION_TOKENS:,} tokens",
+            calibration_seconds(cfg))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -267,7 +278,7 @@ def calibrate_gate(files: ModelFiles, dram_budget=None, n_tokens: int = CALIBRAT
     text = (resources.files("predictors") / "calibration.txt").read_text()
     windows = list(token_segments(tokenizer, text, n_tokens, ctx, cfg.bos_id))
     try:
-        by_sparsity = measure_thresholds(model, ffn, windows, SPARSITIES, progress)
+        by_sparsity = measure_thresholds(model, ffn, windows, SPARSITIES, progress, spill_dir=files.path)
     finally:
         ffn.reader.close()
         del model, ffn
@@ -289,6 +300,7 @@ def calibrate_on_first_use(files: ModelFiles, sparsity: float, dram_budget=None)
                         f"is writable (python -m predictors.calibrate_gate {files.path}), or run --ffn dense")
     progress = sys.stderr.isatty()
     if progress:                # on a terminal, with its progress bar; a script's stderr keeps its one error line
-        print(f"gate: calibrating the thresholds of {files.path} once, on first use", file=sys.stderr)
+        print(f"gate: calibrating the thresholds of {files.path} once, on first use: "
+              f"{roughly(calibration_seconds(files.ckpt.config))}", file=sys.stderr)
     calibrate_gate(files, dram_budget, progress=progress)
     files.gate = read_gate_file(files.path, files.ckpt.config.n_layers, files.ckpt.config.ffn_dim, sparsity)

@@ -22,7 +22,8 @@ from pathlib import Path
 from storage.errors import UserError, child_exit_code, run_child
 
 from .checkpoint import open_checkpoint
-from .convert import DEFAULT_DTYPE, convert, layout_for
+from .convert import (DEFAULT_DTYPE, check_free_space, convert, convert_seconds, flashdir_bytes, gigabytes,
+                      layout_for)
 from .files import (disk_bytes, exclusive, is_stale, remove_stale_temp_dirs, remove_temp, temp_entries,
                     write_best_effort)
 from .checksums import file_checksum, new_checksum
@@ -97,8 +98,9 @@ def cached_conversion(p: Path, known_only: bool = False) -> Path | None:
     return next((d for d in sorted(flash.glob(f"*-{key}")) if is_flashdir(d)), flash / f"{p.stem}-{key}")
 
 
-def flashdir_for(path, progress: bool) -> str:
-    """A FLASHDIR for any model path: itself, or a conversion cached under the user cache dir (made on first use)."""
+def flashdir_for(path, progress: bool, then=None) -> str:
+    """A FLASHDIR for any model path: itself, or a conversion cached under the user cache dir (made on first use,
+    announced by first_use_line; then: what the run does after it, for that line)."""
     if is_flashdir(path):
         return str(path)
     p = Path(path).expanduser().resolve()
@@ -111,13 +113,35 @@ def flashdir_for(path, progress: bool) -> str:
         with exclusive(dest, "the first-use conversion"):
             if not is_flashdir(dest):                       # a concurrent first use may have made it meanwhile
                 remove_stale_temp_dirs(flash)
-                print(f"converting {p.name} into the flash layout at {dest} (first use)", file=sys.stderr)
+                print(first_use_line(p, dest, then), file=sys.stderr)
                 convert_in_child(p, dest, progress)
     index = _read(flash / INDEX)
     if index.get(dest.name, {}).get("source") != str(p):
         index[dest.name] = {"source": str(p)}
         _write(flash / INDEX, index)
     return str(dest)
+
+
+def first_use_line(src: Path, dest: Path, then=None) -> str:
+    """The line before a first use's conversion: what it writes where, what follows, and roughly how long it all takes
+    (convert_seconds; then(config, layout) -> (", then ...", seconds): what the run does next), so that minutes of work
+    are announced, not only shown by a progress bar once under way. A cache without room for it is refused first
+    (convert.check_free_space), with nothing announced."""
+    ckpt = open_checkpoint(src)
+    layout = layout_for(ckpt, DEFAULT_DTYPE)
+    need = flashdir_bytes(ckpt, layout)
+    check_free_space(dest, need)
+    after, more = then(ckpt.config, layout) if then is not None else ("", 0.0)
+    return (f"converting {src.name} into the flash layout at {dest} ({gigabytes(need)}, first use){after}: "
+            f"{roughly(convert_seconds(need) + more)}")
+
+
+def roughly(seconds: float) -> str:
+    """A duration as an announcement gives it: under a minute, else whole minutes."""
+    if seconds < 60:
+        return "under a minute"
+    m = round(seconds / 60)
+    return f"about {m} minute{'s' * (m != 1)}"
 
 
 def convert_in_child(src: Path, dest: Path, progress: bool) -> None:

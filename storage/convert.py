@@ -31,7 +31,7 @@ from storage.half import half_matrix
 
 from .checkpoint import open_checkpoint
 from .experts import EXPERT_DTYPES, MATRICES, ExpertLayout, expert_tensor_name
-from .files import is_scratch, remove_stale_temp_dirs, temp_path
+from .files import disk_bytes, is_scratch, remove_stale_temp_dirs, temp_path
 from . import columns
 from .blocks import QUANTIZABLE, fits, quantize, row_bytes
 from .format import (DTYPES, MANIFEST, QUANT_DTYPES, PREDICTOR_DIR, FlashLayout, expert_checksum, file_checksum,
@@ -288,50 +288,108 @@ def _write_layer(sinks, ckpt, layout: FlashLayout, layer: int) -> list[str]:
 
 def write_flashdir(ckpt, layout: FlashLayout, dest: Path, progress: bool = True) -> None:
     """Write ffn.bin (or the split parts, when the layout keeps its bundles in them: layout_for), resident.safetensors,
-    tokenizer/ and (last) manifest.json into the empty directory dest.
+    tokenizer/ and (last) manifest.json into the empty directory dest. progress: a bar on stderr counting the bytes
+    written against flashdir_bytes, with its rate and the time left.
 
     Memory stays at about one layer whatever the layer count: a layer's FFN is read, packed and written before the
     next is read, and resident tensors are written one at a time as they are read."""
     names = resident_names(ckpt, layout)
     E = layout.experts
-    steps = tqdm(total=layout.n_layers + (E.n_layers if E is not None else 0) + 2, desc="convert", unit="step",
-                 disable=not progress, file=sys.stderr)
+    bar = tqdm(total=flashdir_bytes(ckpt, layout, names), desc="convert", unit="B", unit_scale=True,
+               unit_divisor=1024, disable=not progress, file=sys.stderr)
     outputs = layout.ffn_files
-    with steps, ExitStack() as files:
+    with bar, ExitStack() as files:
         sinks = [(files.enter_context(open(dest / F.files["ffn"], "wb")), F) for F in outputs]
+        written = 0
+
+        def advance() -> None:      # the FFN files' bytes so far (experts are written at their offsets: tell())
+            nonlocal written
+            now = sum(f.tell() for f, _ in sinks)
+            bar.update(max(now - written, 0))
+            written = max(now, written)
         for F in outputs:
             F.checksum = []
         for i in range(layout.n_layers):
-            steps.set_postfix_str(f"layer {i}")
+            bar.set_postfix_str(f"layer {i}")
             for F, digest in zip(outputs, _write_layer(sinks, ckpt, layout, i)):
                 F.checksum.append(digest)
-            steps.update()
+            advance()
         if E is not None:
             f = sinks[0][0]
             E.checksum = []
             for i in range(E.n_layers):
-                steps.set_postfix_str(f"layer {i}'s experts")
+                bar.set_postfix_str(f"layer {i}'s experts")
                 E.checksum.append(_write_experts(f, ckpt, layout, i))
-                steps.update()
+                advance()
             f.seek(0, os.SEEK_END)
         for f, F in sinks:
             f.write(b"\0" * (F.ffn_size - f.tell()))
             f.flush()
             os.fsync(f.fileno())
+        advance()
 
-        steps.set_postfix_str("resident")
+        bar.set_postfix_str("resident")
         layout.resident_checksum = write_resident(ckpt, names, dest / layout.files["resident"],
-                                                  half=layout.dtype != "f32",
-                                                  quant=resident_quant(layout), tables=scale_tables(ckpt, layout))
-        steps.update()
+                                                  half=layout.dtype != "f32", quant=resident_quant(layout),
+                                                  tables=scale_tables(ckpt, layout), written=bar.update)
 
-        steps.set_postfix_str("tokenizer")
+        bar.set_postfix_str("tokenizer")
         tok_dir = dest / layout.files["tokenizer"]
         tok_dir.mkdir()
         ckpt.tokenizer().save(tok_dir)
-        steps.update()
+        bar.update(disk_bytes(tok_dir))
+        bar.total = bar.n           # the estimate bounds what was written: the bar ends at 100% of it
     write_manifest(layout, dest)
     _fsync_dir(dest)
+
+
+# tokenizer/ per vocabulary entry, generously: SmolLM2's 49,152 entries take 1.5 MiB (32 bytes each)
+TOKENIZER_BYTES_PER_TOKEN = 64
+
+
+def flashdir_bytes(ckpt, layout: FlashLayout, names: list[str] | None = None) -> int:
+    """The bytes write_flashdir will write, from the header alone: the FFN files as the layout sizes them,
+    resident.safetensors's tensors as write_resident stores them (a matrix float16 overflows into float32 only
+    rarely: then more) and the tokenizer (TOKENIZER_BYTES_PER_TOKEN per vocabulary entry)."""
+    names = resident_names(ckpt, layout) if names is None else names
+    kinds = resident_kinds(ckpt, names, resident_quant(layout))
+    half = layout.dtype != "f32"
+    resident = sum(columns.table_bytes(layout.down_column(i), layout.d, layout.n_neurons[i])
+                   for i in range(layout.n_layers) if layout.down_column(i))
+    for n in names:
+        shape = ckpt.shape(n)
+        if n in kinds:
+            resident += shape[0] * row_bytes(shape[1], kinds[n])
+        else:
+            resident += int(np.prod(shape)) * (2 if half and len(shape) == 2 else 4)
+    return (sum(F.ffn_size for F in layout.ffn_files) + resident
+            + TOKENIZER_BYTES_PER_TOKEN * ckpt.config.vocab_size + (64 << 10))     # + headers and manifest
+
+
+def check_free_space(out: Path, need: int) -> None:
+    """Refuse, before anything is written, a conversion of `need` bytes into `out` that its filesystem has no room for
+    (the free space of its nearest existing directory): one line naming both, rather than ENOSPC after minutes. An
+    --force replacement counts in full: the old directory goes only once the new one is in place."""
+    where = next(p for p in (out.parent, *out.parent.parents) if p.is_dir())
+    free = shutil.disk_usage(where).free
+    if free < need:
+        raise UserError(f"need {gigabytes(need)} free in {where} to convert into {out.name}, have {gigabytes(free)}")
+
+
+# What a conversion writes per second, for the line announcing a first use (storage.cache.first_use_line): the 1.5B
+# Qwen Q4_K_M GGUF's 1.1 GB took 20 CPU seconds (2 vCPUs), gguf-py's parse of its 152k-token vocabulary a good part;
+# the disk's writes come on top. A busy machine's wall time is longer: the bar's ETA is the measured figure.
+CONVERT_BYTES_PER_S = 30e6
+
+
+def convert_seconds(nbytes: int) -> float:
+    """Roughly how long converting into nbytes takes (CONVERT_BYTES_PER_S)."""
+    return nbytes / CONVERT_BYTES_PER_S
+
+
+def gigabytes(n: int) -> str:
+    """Bytes as people read disk sizes: GB with one decimal (MB under 0.1 GB, as df -H prints them)."""
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 def resident_quant(layout: FlashLayout) -> str | None:
@@ -366,13 +424,14 @@ def resident_kinds(ckpt, names: list[str], quant: str | None) -> dict[str, str]:
     return kinds
 
 
-def write_resident(ckpt, names: list[str], path: Path, half: bool, quant: str | None = None, tables=()) -> str:
+def write_resident(ckpt, names: list[str], path: Path, half: bool, quant: str | None = None, tables=(),
+                   written=lambda nbytes: None) -> str:
     """Write the tensors `names` of ckpt into the safetensors file path, one at a time; return its checksum.
 
     half (float16 or int8 bundles): matrices float16 by the runtime's rule (storage.half), so the file holds
     what the runtime keeps in DRAM and is half the size; norms and biases float32. Else everything float32.
     quant (a block kind): the matrices of resident_kinds as uint8 [rows, row_bytes], named in the file's metadata.
-    tables: the down columns' scale tables (scale_tables), as they are."""
+    tables: the down columns' scale tables (scale_tables), as they are. written(nbytes): after each tensor."""
     store = half_matrix if half else (lambda a: a)
     kinds = resident_kinds(ckpt, names, quant)
     shapes = [(n, ckpt.shape(n)) for n in names]
@@ -381,13 +440,18 @@ def write_resident(ckpt, names: list[str], path: Path, half: bool, quant: str | 
     with open(fd, "wb") as f:
         out = SafetensorsWriter(f, [(n, s) for n, s, _, _ in tables] + shapes, metadata=kinds or None)
         for n, _, _, read in tables:
-            out.write(n, read())
+            t = read()
+            out.write(n, t)
+            written(t.nbytes)
         for n in names:
             if n in kinds:
                 stored = ckpt.quantized(n)
-                out.write(n, stored[1] if stored is not None else quantize(ckpt.tensor(n), kinds[n]))
+                t = stored[1] if stored is not None else quantize(ckpt.tensor(n), kinds[n])
             else:
-                out.write(n, store(np.asarray(ckpt.tensor(n), np.float32)))   # dropped once written
+                t = store(np.asarray(ckpt.tensor(n), np.float32))
+            out.write(n, t)
+            written(t.nbytes)
+            del t                               # dropped once written
         out.finish()
         f.flush()
         os.fsync(f.fileno())
@@ -456,9 +520,11 @@ def convert(model, output, dtype: str = DEFAULT_DTYPE, force: bool = False, prog
         print(f"convert: {note}", file=sys.stderr)
     tmp = temp_path(out, "tmp")
     try:
+        if out.parent.is_dir():
+            remove_stale_temp_dirs(out.parent)      # a killed conversion's GBs are free space again
+            shutil.rmtree(tmp, ignore_errors=True)
+        check_free_space(out, flashdir_bytes(ckpt, layout))
         out.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_temp_dirs(out.parent)
-        shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
             write_flashdir(ckpt, layout, tmp, progress)

@@ -181,3 +181,25 @@ def test_the_conversion_child_reports_one_line(tmp_path, capfd):
     err = capfd.readouterr().err
     assert e.value.code == 1 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf"]
+
+
+def test_first_use_announces_what_it_writes_what_follows_and_how_long(model_and_cache):
+    """Before a first use converts, one line: what it writes where and how many bytes (convert's estimate: the written
+    directory holds no more), that the exact gate's calibration follows, and roughly how long both take. The next run
+    converts nothing and announces nothing."""
+    import re
+    from storage.files import disk_bytes
+    from storage.gate_file import GATE_FILE
+    src, c = model_and_cache
+    r = run("generate", "-m", str(src), "-p", "Once", "-n", "2", "--ffn", "gate")
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("converting ")]
+    made = next((c / "flash").glob("stories*"))
+    assert len(lines) == 1, r.stderr
+    m = re.fullmatch(rf"converting stories into the flash layout at {re.escape(str(made))} \((\d+\.\d) MB, first "
+                     rf"use\), then calibrating the exact gate's thresholds on 1,024 tokens: under a minute", lines[0])
+    assert m, lines[0]
+    written = disk_bytes(made) - (made / GATE_FILE).stat().st_size
+    assert written <= float(m.group(1)) * 1e6 + 0.05e6, (written, lines[0])
+    r = run("generate", "-m", str(src), "-p", "Once", "-n", "2", "--ffn", "gate")
+    assert r.returncode == 0 and "converting" not in r.stderr and "calibrating" not in r.stderr, r.stderr

@@ -134,3 +134,66 @@ def test_interrupted_convert_leaves_no_accepted_directory(tmp_path, monkeypatch,
     else:
         with pytest.raises(UserError):
             FlashCheckpoint(out)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Free space: what a conversion will write, known before it writes
+
+GGUFS = STORIES.parent / "gguf"
+
+
+@pytest.mark.parametrize("model, dtype", [(STORIES, "f16"), (STORIES, "q8_0"), (STORIES, "f32"),
+                                          (GGUFS / "qwen2-q4_k_m.gguf", "auto"), (GGUFS / "gemma3-q8_0.gguf", "auto"),
+                                          ("model", "int8")])
+def test_flashdir_bytes_bounds_what_convert_writes(tmp_path, model, dtype):
+    """The estimate, from the header alone, against the bytes the written directory holds: never fewer, and over by at
+    most the tokenizer's allowance and the headers'."""
+    from storage.files import disk_bytes
+    ckpt = open_checkpoint(model) if model != "model" else convert_mod.open_checkpoint(model)
+    est = convert_mod.flashdir_bytes(ckpt, convert_mod.layout_for(ckpt, dtype))
+    out = convert(model, tmp_path / "flash", dtype=dtype, progress=False)
+    got = disk_bytes(out)
+    slack = convert_mod.TOKENIZER_BYTES_PER_TOKEN * ckpt.config.vocab_size + (64 << 10)
+    assert got <= est <= got + slack, (got, est)
+
+
+def test_refused_before_writing_when_the_disk_has_no_room(tmp_path, monkeypatch):
+    """disk_usage says one byte less than the estimate: one line naming both and the directory, nothing created; at
+    the estimate exactly it converts."""
+    import collections
+    import shutil
+    ckpt = open_checkpoint(STORIES)
+    need = convert_mod.flashdir_bytes(ckpt, convert_mod.layout_for(ckpt, "f16"))
+    usage = collections.namedtuple("usage", "total used free")
+    seen = []
+
+    def disk_usage(path, free):
+        seen.append(path)
+        return usage(1 << 40, 0, free)
+    out = tmp_path / "cache" / "flash"                # its parent does not exist yet: its nearest one is asked
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: disk_usage(p, need - 1))
+    with pytest.raises(UserError) as e:
+        convert(STORIES, out, dtype="f16", progress=False)
+    assert seen == [tmp_path]
+    msg = str(e.value)
+    assert msg.startswith("need ") and f"free in {tmp_path} " in msg and "have " in msg and "\n" not in msg, msg
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: disk_usage(p, need))
+    verify(convert(STORIES, out, dtype="f16", progress=False), progress=False)
+
+
+def test_gigabytes_reads_as_df_prints():
+    assert convert_mod.gigabytes(1_100_000_000) == "1.1 GB"
+    assert convert_mod.gigabytes(400_000_000) == "0.4 GB"
+    assert convert_mod.gigabytes(1_500_000) == "1.5 MB"
+
+
+@pytest.mark.parametrize("kind, dtype", [("mixtral", "auto"), ("qwen2moe", "q8_0")])
+def test_flashdir_bytes_bounds_what_convert_writes_for_experts(tmp_path, tiny_model, kind, dtype):
+    """The same bound for a mixture of experts' chunks (and a shared expert resident)."""
+    from storage.files import disk_bytes
+    src = tiny_model(kind)
+    ckpt = open_checkpoint(src)
+    est = convert_mod.flashdir_bytes(ckpt, convert_mod.layout_for(ckpt, dtype))
+    got = disk_bytes(convert(src, tmp_path / "flash", dtype=dtype, progress=False))
+    assert got <= est <= got + convert_mod.TOKENIZER_BYTES_PER_TOKEN * ckpt.config.vocab_size + (64 << 10), (got, est)

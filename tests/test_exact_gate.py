@@ -71,6 +71,36 @@ def test_calibration_quantiles_in_bounded_memory_equal_numpys():
             assert np.array_equal(freq, (every > t).mean(axis=0)), (trial, s)
 
 
+def test_calibration_runs_the_model_once_and_reads_the_second_pass_back_from_disk(gated, tmp_path, monkeypatch):
+    """The first pass's magnitudes spilled to a scratch file in the FLASHDIR: the model runs over the windows once,
+    not twice, and gate.json holds the bits of the two-pass calibration (no room for the file: Spill.open None), with
+    no scratch file left behind."""
+    from flashinfer_lite.ffn import gate as gate_mod
+    from storage.gate_file import SPARSITIES
+    calls = {"n": 0}
+    forward = Transformer.forward
+
+    def counted(self, *a, **k):
+        calls["n"] += 1
+        return forward(self, *a, **k)
+    monkeypatch.setattr(Transformer, "forward", counted)
+    got = {}
+    for name, spill in (("spill", True), ("twice", False)):
+        flash = shutil.copytree(gated["q8_0"], tmp_path / name)
+        (flash / GATE_FILE).unlink()
+        before = sorted(p.name for p in flash.iterdir())
+        if not spill:
+            monkeypatch.setattr(gate_mod.Spill, "open", classmethod(lambda cls, where, nbytes: None))
+        calls["n"] = 0
+        calibrate(str(flash), n_tokens=512, progress=False)
+        got[name] = (calls["n"], [read_gate_file(flash, 2, 160, s) for s in SPARSITIES])
+        assert sorted(p.name for p in flash.iterdir()) == sorted(before + [GATE_FILE])
+    (once, spilled), (twice, recomputed) = got["spill"], got["twice"]
+    assert twice == 2 * once and once >= 2
+    for a, b in zip(spilled, recomputed):
+        assert a.thresholds == b.thresholds and all(np.array_equal(x, y) for x, y in zip(a.freq, b.freq))
+
+
 def test_split_parts_hold_the_bundles_bytes(gated):
     """gate_up.bin and down.bin are the bundles' bytes (ffn.bin's, written from the same weights with --ffn-layout
     bundles) cut by BundleGeometry, checksummed and verified; there is no ffn.bin beside them."""

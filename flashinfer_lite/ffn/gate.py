@@ -3,10 +3,15 @@ in memory that does not grow with the text. The exact gate itself: ffn.flash.Exa
 """
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+import tempfile
 
 import numpy as np
 from tqdm import tqdm
+
+from storage.checksums import drop_from_page_cache
 
 from .flash import FlashFFN
 
@@ -17,6 +22,19 @@ CALIBRATION_CTX = 256
 # second pass keeps a bin's magnitudes: narrower bins keep fewer, but their counts take 4 bytes each per layer).
 BIN_SHIFT = 17
 BINS = 1 << 14
+
+
+# The calibration's rate, layer weights x tokens per second, for the line announcing a first use: the 0.5B and 1.5B
+# Qwen Q4_K_M took 12e9 and 15e9 per CPU second (2 vCPUs; process start and model load included). A quiet machine
+# runs two threads, a busy one gives less than one: the bar's ETA is the measured figure.
+CALIBRATION_WEIGHT_TOKENS_PER_S = 15e9
+
+
+def calibration_seconds(cfg, tokens: int = CALIBRATION_TOKENS) -> float:
+    """Roughly how long measure_thresholds runs the model over `tokens` once (the head computes one row a window)."""
+    attention = cfg.dim * cfg.head_dim * 2 * (cfg.n_heads + cfg.n_kv_heads)
+    ffn = (3 if cfg.glu else 2) * cfg.dim * cfg.ffn_dim
+    return cfg.n_layers * (attention + ffn) * tokens / CALIBRATION_WEIGHT_TOKENS_PER_S
 
 
 class LayerMagnitudes:
@@ -70,29 +88,104 @@ class LayerMagnitudes:
         return t, (self.above[s] + np.bincount(cols[vals > t], minlength=self.n)) / self.tokens
 
 
-def measure_thresholds(model, ffn, windows, sparsities, progress: bool = False) -> dict:
+def measure_thresholds(model, ffn, windows, sparsities, progress: bool = False, spill_dir=None) -> dict:
     """{s: (thresholds [L], freq [L][n])}: per layer the s-quantile of every |coefficient| the windows (token id
     lists) give with no threshold, and per neuron the share of tokens above it. The magnitudes of 1,024 tokens would
-    be 4 bytes x tokens x neurons x layers (189 MiB on the default model, 1.4 GiB on a 7B) beside the model, so the
-    windows go through twice (LayerMagnitudes): a histogram, then only the bins that hold the order statistics.
+    be 4 bytes x tokens x neurons x layers (189 MiB on the default model, 1.4 GiB on a 7B) beside the model, so they
+    are seen twice (LayerMagnitudes): a histogram, then only the bins that hold the order statistics. The second time
+    they are read back from a scratch file in spill_dir, written the first time (Spill: the model runs once, and the
+    file's bytes are a fraction of a pass's compute), or, without room there, computed again by a second pass.
     ffn: the exact gate's FlashFFN (its ExactGate holds the thresholds) or an ExpertFFN of split experts."""
     cfg = ffn.cfg
     gate = ffn.selector if isinstance(ffn, FlashFFN) else ffn     # per layer thresholds, and observe
     gate.thresholds = [-1.0] * cfg.n_layers         # every coefficient counts
     layers = [LayerMagnitudes(cfg.ffn_dim, sparsities) for _ in range(cfg.n_layers)]
     kv = model.new_cache(max(map(len, windows)))
-    bar = tqdm(total=2 * len(windows), desc="calibrate gate", unit="window", disable=not progress, file=sys.stderr)
-    for first in (True, False):     # the same tokens twice: the coefficients are the same bits both times
-        gate.observe = ((lambda layer, coef: layers[layer].count(np.abs(coef))) if first else
-                       (lambda layer, coef: layers[layer].keep(np.abs(coef))))
+    tokens = sum(map(len, windows))
+    spill = Spill.open(spill_dir, 4 * tokens * cfg.ffn_dim * cfg.n_layers)
+    bar = tqdm(total=len(windows) * (2 if spill is None else 1), desc="calibrate gate", unit="window",
+               disable=not progress, file=sys.stderr)
+
+    def run() -> None:
         for w in windows:
             kv.reset()
             model.forward(w, kv)
             bar.update()
-    bar.close()
-    gate.observe = None
+
+    def count(layer, coef):
+        mags = np.abs(coef)
+        layers[layer].count(mags)
+        if spill is not None:
+            spill.write(layer, mags)
+    try:
+        gate.observe = count
+        run()
+        if spill is not None:
+            for layer, mags in spill.read():
+                layers[layer].keep(mags)
+        else:                           # the same tokens again: the coefficients are the same bits both times
+            gate.observe = lambda layer, coef: layers[layer].keep(np.abs(coef))
+            run()
+    finally:
+        gate.observe = None
+        bar.close()
+        if spill is not None:
+            spill.close()
     out = {}
     for s in sparsities:
         th, freq = zip(*(m.result(s) for m in layers))
         out[s] = (list(th), list(freq))
     return out
+
+
+class Spill:
+    """The first pass's magnitudes in an unnamed scratch file (nothing is left behind, even by a SIGKILL), read back
+    in the order written for the second. Their pages are written out and dropped from the page cache every
+    FLUSH_BYTES and after each read: the file's bytes never count in the process's memory, nor (beyond FLUSH_BYTES) in
+    a memory cgroup around it."""
+
+    ROOM = 256 << 20            # free space left to others beyond the file
+    FLUSH_BYTES = 16 << 20
+
+    def __init__(self, f):
+        self.f, self.records, self.flushed = f, [], 0
+
+    @classmethod
+    def open(cls, where, nbytes: int) -> "Spill | None":
+        """A scratch file in directory `where` for `nbytes`, or None (no directory, no room, not writable)."""
+        if where is None:
+            return None
+        try:
+            if shutil.disk_usage(where).free < nbytes + cls.ROOM:
+                return None
+            return cls(tempfile.TemporaryFile(dir=where))
+        except OSError:
+            return None
+
+    def write(self, layer: int, mags: np.ndarray) -> None:
+        self.records.append((layer, mags.shape))
+        self.f.write(np.ascontiguousarray(mags, np.float32).data)
+        if self.f.tell() - self.flushed >= self.FLUSH_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        self.f.flush()
+        getattr(os, "fdatasync", os.fsync)(self.f.fileno())     # macOS has fsync only
+        end = self.f.tell()
+        drop_from_page_cache(self.f.fileno(), self.flushed, end - self.flushed)
+        self.flushed = end
+
+    def read(self):
+        """(layer, magnitudes [T, n]) as written."""
+        self.flush()
+        fd, pos = self.f.fileno(), 0
+        for layer, shape in self.records:
+            mags = np.empty(shape, np.float32)
+            if os.preadv(fd, [mags], pos) != mags.nbytes:
+                raise OSError(f"calibration's scratch file came back short at byte {pos}")
+            drop_from_page_cache(fd, pos, mags.nbytes)
+            pos += mags.nbytes
+            yield layer, mags
+
+    def close(self) -> None:
+        self.f.close()
