@@ -26,8 +26,32 @@ from .ffn.dense import ExpertBatch, FeedForward, MixtureOfExperts
 from .model import Transformer
 from .neuron_cache import NeuronCache
 from .process import rss_bytes
-from .kernels.blocks import BLOCK, QuantMatrix, quant_matmul_t, quantize
+from storage.blocks import row_bytes
+from .kernels.blocks import BLOCK, QuantMatrix, quant_matmul_t
 from .threads import step_counts
+
+def load_kernels_lean() -> None:
+    """Make Numba's on-disk cache load a kernel without refreshing its target context first. The refresh imports and
+    registers every implementation Numba has (numba.np, numba.typed, numba.cpython...: 26 MiB of SmolLM2's process
+    base), which only compiling uses; loading needs the runtime system (NRT) the machine code calls, initialized here
+    as the refresh would. A kernel compiled in this process still has it all: Numba's compiler refreshes itself.
+    A Numba whose cache lacks what this relies on keeps its own loading."""
+    from numba.core import caching
+    from numba.core.runtime import rtsys
+    cache = caching.Cache
+    if getattr(cache.load_overload, "lean", False) or not all(
+            hasattr(cache, n) for n in ("_load_overload", "_guard_against_spurious_io_errors")):
+        return
+
+    def load_overload(self, sig, target_context):
+        rtsys.initialize(target_context)
+        with self._guard_against_spurious_io_errors():
+            return self._load_overload(sig, target_context)
+    load_overload.lean = True
+    cache.load_overload = load_overload
+
+
+load_kernels_lean()     # before any kernel of this process loads: the runtime imports this module first
 
 # The FFN kernels compile_steps knows, in the order it runs them (a mode's `kernels` names some of them)
 FFN_STEPS = ("neuron_cache", "sparse", "dense", "gate")
@@ -77,7 +101,7 @@ def compile_steps(layout, kernels=None) -> list:
 
     def dense():                # ffn.resident.ResidentFFN: decode rows and a prompt's widened blocks
         if kind:                # down columns: the GGUF's matrices through ffn.dense.FeedForward (one kernel, any kind)
-            m = lambda shape: QuantMatrix.of(("q8_0", quantize(np.zeros(shape, np.float32), "q8_0")))  # noqa: E731
+            m = lambda shape: QuantMatrix.of(("q8_0", zero_q8_0(shape)))  # noqa: E731
             w = {"gate.weight": m((BLOCK, layout.d)), "up.weight": m((BLOCK, layout.d)),
                  "down.weight": m((layout.d, BLOCK))}
             ffn = FeedForward(ModelConfig.from_dict(layout.config), w, 0, prefix="")
@@ -106,6 +130,13 @@ def compile_steps(layout, kernels=None) -> list:
             *resident_steps(layout)]
 
 
+def zero_q8_0(shape: tuple[int, int]) -> np.ndarray:
+    """A zero matrix [rows, cols] in q8_0 blocks, as storage.blocks.quantize writes it (every byte 0: scale and
+    weights), without gguf's quantizer: the kernels' types are all a warm-up needs, and importing gguf would add
+    4.6 MiB to the process base of a run that never quantizes."""
+    return np.zeros((shape[0], row_bytes(shape[1], "q8_0")), np.uint8)
+
+
 def resident_steps(layout) -> list:
     """compile_steps of what every run has: attention and the norms, and the resident matrices' kernels, float16 (and,
     in a quantized FLASHDIR, the blocks' too: one compiled function serves every kind): decode (row kernel, serial
@@ -129,7 +160,7 @@ def resident_steps(layout) -> list:
         matmul_t(np.zeros((1, d), np.float32), w16)
 
     def block_matrices():
-        wq = quantize(np.zeros((2, d), np.float32), "q8_0")
+        wq = zero_q8_0((2, d))
         for T in (1, MATMUL_ROW_KERNEL_MAX_T + 1):
             quant_matmul_t(np.zeros((T, d), np.float32), wq, "q8_0", parallel_min_work=0)
         quant_matmul_t(np.zeros((1, d), np.float32), wq, "q8_0")
@@ -168,7 +199,7 @@ def expert_steps(layout) -> list:
             shapes = {"gate": (BLOCK, layout.d), "up": (BLOCK, layout.d), "down": (layout.d, BLOCK)}
             for m, shape in shapes.items():
                 w[f"layers.0.ffn.shared.{m}.weight"] = QuantMatrix.of(
-                    ("q8_0", quantize(np.zeros(shape, np.float32), "q8_0"))) if layout.quantized else \
+                    ("q8_0", zero_q8_0(shape))) if layout.quantized else \
                     np.zeros(shape, np.float16)
             w["layers.0.ffn.shared_gate.weight"] = np.zeros((1, layout.d), np.float32)
         moe = MixtureOfExperts(cfg, w, 0, experts=experts)
