@@ -119,7 +119,10 @@ def compile_steps(layout, kernels=None) -> list:
         rows = SplitRows(gu.geometry_of(0), dn.geometry_of(0), layout.config.get("act", "silu"),
                          layout.config.get("relu_threshold"), scales and scales[0], gu.quantized)   # layer 0's
         for T in (1, 2):        # a decoded token; a prompt's rows (the down sum's tiles: another kernel)
-            X, coef = np.zeros((T, layout.d), np.float32), np.zeros((T, k), np.float32)
+            X, coef = np.zeros((T, layout.d), np.float32), np.zeros((T, k + 1), np.float32)
+            # a streamed layer's last chunk fills a slice of the coefficients (FlashFFN.coefficients): its own type
+            rows.coefficients(np.zeros((k, gu.stride), np.uint8), X, coef[:, :k], 0.0)
+            coef = np.ascontiguousarray(coef[:, :k])
             rows.coefficients(np.zeros((k, gu.stride), np.uint8), X, coef, 0.0)
             rows.accumulate(aligned_empty((k, dn.stride), np.uint8), np.arange(k, dtype=np.int32), coef,
                             np.zeros_like(X))
@@ -166,9 +169,13 @@ def resident_steps(layout) -> list:
         quant_matmul_t(np.zeros((1, d), np.float32), wq, "q8_0")
         QuantMatrix.of(("q8_0", wq))[np.zeros(1, np.int64)]
 
+    def ring_watcher():         # storage.uring's completion watcher, compiled by a run's first io_uring reader: here
+        from storage._watch import watcher     # for a mixture of experts too, whose warm-up opens no reader
+        watcher()
+
     # float32 resident matrices stay float32 (runtime.load_runtime): BLAS, no kernel
     return [attention, *([half_matrices] if layout.dtype != "f32" else []),
-            *([block_matrices] if layout.quantized else [])]
+            *([block_matrices] if layout.quantized else []), *([ring_watcher] if sys.platform == "linux" else [])]
 
 
 def expert_steps(layout) -> list:
