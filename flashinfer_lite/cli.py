@@ -27,6 +27,22 @@ COMMANDS = {
 }
 
 
+# The commands that load a model: their libraries are imported one at a time first (the command's module imports them
+# anyway), so that -v can tell what each added to the process base (warmup.base_parts)
+MODEL_COMMANDS = ("generate", "chat", "serve")
+
+
+def mark_libraries() -> None:
+    from .process import mark_rss
+    mark_rss("interpreter")
+    import numpy  # noqa: F401
+    mark_rss("numpy")
+    import llvmlite.binding  # noqa: F401
+    mark_rss("llvmlite (the LLVM library)")
+    import numba  # noqa: F401
+    mark_rss("numba")
+
+
 def build_parser(command: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashinfer-lite", description="Run LLMs whose FFN weights stay on flash.")
     parser.add_argument("--version", action="version", version=f"flashinfer-lite {__version__}")
@@ -41,6 +57,8 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
+    if command in MODEL_COMMANDS:
+        mark_libraries()
     parser = build_parser(command if command in COMMANDS else None)
     args = parser.parse_args(argv)
     if not args.command:

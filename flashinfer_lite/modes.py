@@ -85,6 +85,8 @@ class ModelFiles:
     dense_bytes: int = 0            # DRAM a dense run of the source needs (a GGUF keeps its blocks: its file size)
     expert_freq: object = None      # a mixture of experts: [L, E] routings counted on calibration text, or None
     gate: object = None             # storage.gate_file.GateCalibration at the run's sparsity, or None
+    loading_peak_bytes: int = 0     # RSS while the kernels loaded, before LLVM's pages left it (runtime: the minimum's
+                                    # floor; warmup.measure_base_bytes)
 
     @property
     def facts(self) -> Facts:

@@ -1,6 +1,7 @@
 """Probes of this process and the machine it runs on: resident set, its peak, bytes read from storage, the memory
 cgroup's room, the page cache, and glibc's allocator. The runtime's budget, the predictors' training and the benches
-all measure through here. Standard library and numpy only: a bench's llama.cpp worker imports it without numba.
+all measure through here. Standard library only (numpy where an allocator setting needs it): a bench's llama.cpp
+worker imports it without numba, and the CLI before numpy, to tell what numpy adds (mark_rss).
 """
 
 from __future__ import annotations
@@ -8,8 +9,6 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-
-import numpy as np
 
 
 def cgroup_room(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
@@ -43,9 +42,23 @@ def cgroup_room(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgr
 
 
 def rss_bytes() -> int:
-    """Resident set of this process now (psutil)."""
-    import psutil
-    return int(psutil.Process().memory_info().rss)
+    """Resident set of this process now: /proc/self/statm's second field where there is one (what psutil reads; not
+    importing psutil keeps its 2 MiB out of the process base), else psutil."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import psutil
+        return int(psutil.Process().memory_info().rss)
+
+
+# The process base's parts as they came (mark_rss): (what, RSS after it). warmup.base_parts reads them.
+RSS_MARKS: list[tuple[str, int]] = []
+
+
+def mark_rss(what: str) -> None:
+    """Note the RSS after `what` joined the process (a library imported, the tokenizer built, kernels loaded)."""
+    RSS_MARKS.append((what, rss_bytes()))
 
 
 def peak_rss_bytes() -> int:
@@ -83,6 +96,7 @@ def keep_freed_arrays_out_of_rss(threshold: int = 128 << 10) -> None:
         return
     # numpy asks for transparent huge pages on arrays of 4 MiB and more: touching one row of a neuron-cache matrix
     # then makes a whole 2 MiB page resident (measured: +3.7 MiB over the plan on a 2-layer model's hot load).
+    import numpy as np
     try:
         np._core.multiarray._set_madvise_hugepage(False)
     except AttributeError:
@@ -96,6 +110,42 @@ def return_freed_heap() -> None:
     the default model) and the run planned after it would pass its budget by that much."""
     if sys.platform.startswith("linux"):
         _glibc("malloc_trim", 0)
+
+
+MADV_DONTNEED = 4
+
+
+def drop_file_pages(path_part: str) -> int:
+    """Unmap this process's resident pages of the files whose path contains `path_part`, where the mapping is
+    neither writable nor holds a page the process wrote (Anonymous: 0 in smaps): pages that are the file's own bytes,
+    kept by the page cache, read back on a later touch. Returns the bytes dropped from RSS. Linux only (else 0).
+
+    For the LLVM library once the kernels are loaded (warmup.measure_base_bytes): running loaded machine code never
+    touches it, only compiling or loading another kernel does, and that would read its pages back in."""
+    import ctypes
+    import re
+    try:
+        madvise = ctypes.CDLL(None).madvise
+        smaps = open("/proc/self/smaps")
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    header = re.compile(r"([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ \S+ +(\S.*)$")
+    found, mapping = [], None       # mapping: [start, end, perms, path, Rss kB, Anonymous kB] of the current header
+    with smaps:                     # a line at a time: the whole text would add to the peak this lowers
+        for line in smaps:
+            m = header.match(line)
+            if m:
+                mapping = [int(m[1], 16), int(m[2], 16), m[3], m[4], 0, None] if path_part in m[4] else None
+                if mapping:
+                    found.append(mapping)
+            elif mapping and line.startswith(("Rss:", "Anonymous:")):
+                mapping[4 if line[0] == "R" else 5] = int(line.split()[1])
+    dropped = 0
+    for start, end, perms, _, rss, anonymous in found:
+        if "w" not in perms and anonymous == 0 and rss and madvise(start, end - start, MADV_DONTNEED) == 0:
+            dropped += rss << 10
+    return dropped
 
 
 def _glibc(name: str, *args: int) -> None:

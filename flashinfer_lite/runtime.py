@@ -39,10 +39,11 @@ from .model import Transformer
 from .modes import (Facts, GateMode, ModelFiles, check_mode, decide, dense_bytes_of, kernels_for, minimum_bytes, plans,
                     reach, runs_from_flash)
 from .predictor_set import load_expert_freq, load_predictors
-from .process import keep_freed_arrays_out_of_rss, return_freed_heap
+from .process import RSS_MARKS, keep_freed_arrays_out_of_rss, mark_rss, peak_rss_bytes, return_freed_heap
 from .kernels.blocks import set_act8
 from .threads import set_threads
-from .warmup import base_estimate_bytes, measure_base_bytes
+from .warmup import (base_estimate_bytes, base_parts_table, drop_llvm_pages, loading_excess_bytes,
+                     measure_base_bytes)
 
 
 def one_blas_thread() -> None:
@@ -98,12 +99,15 @@ def refuse_below_minimum(source: str | None, ffn: str, dram_budget: int, ctx: in
     ctx = context_size(ctx, cfg)
     base = base_estimate_bytes(layout, cfg.vocab_size) if base_bytes is None else base_bytes
     # the heap's slack as the plan will count it: none when the caller plans the model's part alone (base 0)
-    minimum = minimum_bytes(cfg, layout, kinds, ffn, ctx, base, heap_slack_bytes=HEAP_SLACK_BYTES if base else 0) \
-        - EARLY_SLACK_BYTES
+    planned = minimum_bytes(cfg, layout, kinds, ffn, ctx, base, heap_slack_bytes=HEAP_SLACK_BYTES if base else 0)
+    # the loading's peak, a floor of the minimum (decide_in_budget)
+    floor = base + loading_excess_bytes(layout) if base_bytes is None else 0
+    minimum = max(planned, floor) - EARLY_SLACK_BYTES
     if dram_budget < minimum:
         raise BelowMinimum(dram_budget, minimum, f"estimated before loading: process base about "
                            f"{base / 2**20:.1f} MiB, the model's weights, kv cache and buffers for {ctx} positions "
-                           f"{(minimum - base) / 2**20:.1f} MiB")
+                           f"{(planned - base) / 2**20:.1f} MiB" + ("" if planned >= floor else
+                                                                    f"; loading the kernels {floor / 2**20:.1f} MiB"))
 
 
 def open_model_files(model, ffn: str, verify: bool = True, progress: bool = False,
@@ -117,6 +121,12 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
     what Budget.of takes); a size under the model's minimum is refused before any of that work, the default model's
     fetch included (refuse_below_minimum), for the modes that plan it (dense holds every weight, with no plan)."""
     check_mode(ffn)
+    again = bool(RSS_MARKS) and RSS_MARKS[-1][0] != "numba"       # a load before this one in this process
+    RSS_MARKS[:] = [] if again else RSS_MARKS                       # this one's parts start anew
+    mark_rss("the process before this load" if again else "flashinfer-lite and the libraries it imports")
+    start_peak = peak_rss_bytes()
+    drop_llvm_pages()           # what its import touched: of it, loading the kernels reads back 48 of 67 MiB
+    mark_rss("LLVM library pages dropped")
     budget = Budget.of(dram_budget)
     default = model is None
     flash_backed = (not default and is_flashdir(model)) or runs_from_flash(ffn, None if default else model, budget)
@@ -134,10 +144,24 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
     if verify:
         verify_at_load(path, progress=progress)
     ckpt = FlashCheckpoint(path)
-    files = ModelFiles(source, str(path), default, True, ckpt, ckpt.tokenizer(), load_predictors(path), None,
+    mark_rss("the model's files opened")
+    tokenizer = ckpt.tokenizer()
+    return_freed_heap()         # what parsing tokenizer.json left free (38 of Qwen2.5's 82 MiB), out of the peak
+    mark_rss(f"tokenizer ({tokenizer.vocab_size} tokens)")
+    if tokenizer.chat_template:     # rendered once, so that jinja2 (6.7 MiB) is in the base, not first in a prompt's
+        try:
+            tokenizer.apply_chat_template([{"role": "user", "content": "hello"}])
+        except UserError:           # a template that fails fails where it is used, with its own line
+            pass
+        mark_rss("chat template (jinja2)")
+    files = ModelFiles(source, str(path), default, True, ckpt, tokenizer, load_predictors(path), None,
                        expert_freq=load_expert_freq(path) if ckpt.config.moe else None)
-    files.base_bytes = measure_base_bytes(ckpt.layout, kernels_for(files.facts, ffn)) if base_bytes is None \
-        else base_bytes
+    mark_rss("predictors")
+    if base_bytes is None:
+        files.base_bytes, files.loading_peak_bytes = measure_base_bytes(ckpt.layout, kernels_for(files.facts, ffn),
+                                                                        start_peak)
+    else:
+        files.base_bytes = base_bytes
     if not ckpt.config.moe or ckpt.layout.experts.split:    # split expert chunks run the exact gate too
         files.gate = read_gate_file(path, ckpt.config.n_layers, ckpt.config.ffn_dim, sparsity)
     return files
@@ -163,21 +187,45 @@ def decide_and_build(files: ModelFiles, ffn: str, budget: Budget, ctx: int, wind
     own before deciding again (train: the default model's predictors, on first use, in a child process; else a model
     without them is an error naming the commands to run; the exact gate's thresholds, calibrated in this process
     under the budget: seconds); say the decision's notes (say); build."""
-    decision = decide(files, ffn, budget, ctx, window, lookahead, verbose)
+    decision = decide_in_budget(files, ffn, budget, ctx, window, lookahead, verbose)
     if decision.train_predictors:
         if not train:
             raise UserError(f"{files.path} has no predictors yet: train them first (first use of the default model)")
         train_on_first_use(files.path)
         files.predictors = load_predictors(files.path)
-        files.base_bytes = measure_base_bytes(files.ckpt.layout, kernels_for(files.facts, ffn))
-        decision = decide(files, ffn, budget, ctx, window, lookahead, verbose)
+        files.base_bytes, peak = measure_base_bytes(files.ckpt.layout, kernels_for(files.facts, ffn))
+        files.loading_peak_bytes = max(files.loading_peak_bytes, peak)     # the first loading's stays the floor
+        decision = decide_in_budget(files, ffn, budget, ctx, window, lookahead, verbose)
     if decision.calibrate_gate:        # the first exact-gate run of a FLASHDIR
         calibrate_on_first_use(files, sparsity, budget)
-        decision = decide(files, ffn, budget, ctx, window, lookahead, verbose)
+        decision = decide_in_budget(files, ffn, budget, ctx, window, lookahead, verbose)
     if say:
+        if verbose and files.base_bytes:
+            print(base_parts_table(files.base_bytes), file=sys.stderr)
         for line in decision.notes:
             print(line, file=sys.stderr)
     return (decision, *decision.mode.build(files, decision, threads, progress, verbose))
+
+
+def decide_in_budget(files: ModelFiles, ffn: str, budget: Budget, ctx: int, window: int, lookahead: bool,
+                     verbose: bool):
+    """modes.decide, with the loading's peak (files.loading_peak_bytes: what the process held while the kernels
+    loaded) as a floor of the minimum: a plan under it (a small model's: its weights less than the LLVM pages dropped
+    after loading) would promise a peak the process has already passed."""
+    floor = files.loading_peak_bytes
+
+    def under() -> BelowMinimum:
+        return BelowMinimum(budget.bytes, floor, f"process base {files.base_bytes / 2**20:.1f} MiB, which loading the "
+                                                 f"kernels took to {floor / 2**20:.1f} MiB: over the plan's minimum")
+    try:
+        decision = decide(files, ffn, budget, ctx, window, lookahead, verbose)
+    except BelowMinimum as e:
+        if e.minimum_bytes >= floor or not budget.requested:
+            raise
+        raise under() from None
+    if budget.requested and budget.bytes < floor:
+        raise under()
+    return decision
 
 
 def load_runtime(path, ffn: str = "dense", dram_budget: int | str | None = None, ctx: int | None = None,

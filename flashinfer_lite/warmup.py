@@ -25,9 +25,33 @@ from .kernels.norm import add_rms_norm_rows, rms_norm_rows
 from .ffn.dense import ExpertBatch, FeedForward, MixtureOfExperts
 from .model import Transformer
 from .neuron_cache import NeuronCache
-from .process import rss_bytes
-from .kernels.blocks import BLOCK, QuantMatrix, quant_matmul_t, quantize
+from .process import RSS_MARKS, drop_file_pages, mark_rss, peak_rss_bytes, return_freed_heap, rss_bytes
+from storage.blocks import row_bytes
+from .kernels.blocks import BLOCK, QuantMatrix, quant_matmul_t
 from .threads import step_counts
+
+def load_kernels_lean() -> None:
+    """Make Numba's on-disk cache load a kernel without refreshing its target context first. The refresh imports and
+    registers every implementation Numba has (numba.np, numba.typed, numba.cpython...: 26 MiB of SmolLM2's process
+    base), which only compiling uses; loading needs the runtime system (NRT) the machine code calls, initialized here
+    as the refresh would. A kernel compiled in this process still has it all: Numba's compiler refreshes itself.
+    A Numba whose cache lacks what this relies on keeps its own loading."""
+    from numba.core import caching
+    from numba.core.runtime import rtsys
+    cache = caching.Cache
+    if getattr(cache.load_overload, "lean", False) or not all(
+            hasattr(cache, n) for n in ("_load_overload", "_guard_against_spurious_io_errors")):
+        return
+
+    def load_overload(self, sig, target_context):
+        rtsys.initialize(target_context)
+        with self._guard_against_spurious_io_errors():
+            return self._load_overload(sig, target_context)
+    load_overload.lean = True
+    cache.load_overload = load_overload
+
+
+load_kernels_lean()     # before any kernel of this process loads: the runtime imports this module first
 
 # The FFN kernels compile_steps knows, in the order it runs them (a mode's `kernels` names some of them)
 FFN_STEPS = ("neuron_cache", "sparse", "dense", "gate")
@@ -77,7 +101,7 @@ def compile_steps(layout, kernels=None) -> list:
 
     def dense():                # ffn.resident.ResidentFFN: decode rows and a prompt's widened blocks
         if kind:                # down columns: the GGUF's matrices through ffn.dense.FeedForward (one kernel, any kind)
-            m = lambda shape: QuantMatrix.of(("q8_0", quantize(np.zeros(shape, np.float32), "q8_0")))  # noqa: E731
+            m = lambda shape: QuantMatrix.of(("q8_0", zero_q8_0(shape)))  # noqa: E731
             w = {"gate.weight": m((BLOCK, layout.d)), "up.weight": m((BLOCK, layout.d)),
                  "down.weight": m((layout.d, BLOCK))}
             ffn = FeedForward(ModelConfig.from_dict(layout.config), w, 0, prefix="")
@@ -95,7 +119,10 @@ def compile_steps(layout, kernels=None) -> list:
         rows = SplitRows(gu.geometry_of(0), dn.geometry_of(0), layout.config.get("act", "silu"),
                          layout.config.get("relu_threshold"), scales and scales[0], gu.quantized)   # layer 0's
         for T in (1, 2):        # a decoded token; a prompt's rows (the down sum's tiles: another kernel)
-            X, coef = np.zeros((T, layout.d), np.float32), np.zeros((T, k), np.float32)
+            X, coef = np.zeros((T, layout.d), np.float32), np.zeros((T, k + 1), np.float32)
+            # a streamed layer's last chunk fills a slice of the coefficients (FlashFFN.coefficients): its own type
+            rows.coefficients(np.zeros((k, gu.stride), np.uint8), X, coef[:, :k], 0.0)
+            coef = np.ascontiguousarray(coef[:, :k])
             rows.coefficients(np.zeros((k, gu.stride), np.uint8), X, coef, 0.0)
             rows.accumulate(aligned_empty((k, dn.stride), np.uint8), np.arange(k, dtype=np.int32), coef,
                             np.zeros_like(X))
@@ -104,6 +131,13 @@ def compile_steps(layout, kernels=None) -> list:
             **({"gate": gate} if layout.parts else {})}
     return [*(have[n] for n in FFN_STEPS if n in have and (kernels is None or n in kernels)),
             *resident_steps(layout)]
+
+
+def zero_q8_0(shape: tuple[int, int]) -> np.ndarray:
+    """A zero matrix [rows, cols] in q8_0 blocks, as storage.blocks.quantize writes it (every byte 0: scale and
+    weights), without gguf's quantizer: the kernels' types are all a warm-up needs, and importing gguf would add
+    4.6 MiB to the process base of a run that never quantizes."""
+    return np.zeros((shape[0], row_bytes(shape[1], "q8_0")), np.uint8)
 
 
 def resident_steps(layout) -> list:
@@ -129,15 +163,19 @@ def resident_steps(layout) -> list:
         matmul_t(np.zeros((1, d), np.float32), w16)
 
     def block_matrices():
-        wq = quantize(np.zeros((2, d), np.float32), "q8_0")
+        wq = zero_q8_0((2, d))
         for T in (1, MATMUL_ROW_KERNEL_MAX_T + 1):
             quant_matmul_t(np.zeros((T, d), np.float32), wq, "q8_0", parallel_min_work=0)
         quant_matmul_t(np.zeros((1, d), np.float32), wq, "q8_0")
         QuantMatrix.of(("q8_0", wq))[np.zeros(1, np.int64)]
 
+    def ring_watcher():         # storage.uring's completion watcher, compiled by a run's first io_uring reader: here
+        from storage._watch import watcher     # for a mixture of experts too, whose warm-up opens no reader
+        watcher()
+
     # float32 resident matrices stay float32 (runtime.load_runtime): BLAS, no kernel
     return [attention, *([half_matrices] if layout.dtype != "f32" else []),
-            *([block_matrices] if layout.quantized else [])]
+            *([block_matrices] if layout.quantized else []), *([ring_watcher] if sys.platform == "linux" else [])]
 
 
 def expert_steps(layout) -> list:
@@ -168,7 +206,7 @@ def expert_steps(layout) -> list:
             shapes = {"gate": (BLOCK, layout.d), "up": (BLOCK, layout.d), "down": (layout.d, BLOCK)}
             for m, shape in shapes.items():
                 w[f"layers.0.ffn.shared.{m}.weight"] = QuantMatrix.of(
-                    ("q8_0", quantize(np.zeros(shape, np.float32), "q8_0"))) if layout.quantized else \
+                    ("q8_0", zero_q8_0(shape))) if layout.quantized else \
                     np.zeros(shape, np.float16)
             w["layers.0.ffn.shared_gate.weight"] = np.zeros((1, layout.d), np.float32)
         moe = MixtureOfExperts(cfg, w, 0, experts=experts)
@@ -178,37 +216,83 @@ def expert_steps(layout) -> list:
     return [mixture]
 
 
-def measure_base_bytes(layout, kernels=None) -> int:
-    """The plan's process base: RSS after compile_kernels (of the FFN source's kernels: compile_steps), measured in
-    this process just before the weights load.
+def measure_base_bytes(layout, kernels=None, start_peak: int | None = None) -> tuple[int, int]:
+    """(the plan's process base, the loading's peak). The base: RSS after compile_kernels (of the FFN source's
+    kernels: compile_steps), measured in this process just before the weights load.
 
     Measured rather than a constant because it differs by platform, library versions and tokenizer (SmolLM2's takes
-    ~43 MiB, stories260K's ~2 MiB). The kernels are compiled in a child process first (compile_in_child), so this
-    process only loads their machine code from Numba's on-disk cache: compiling would leave ~80 MiB of the
-    compiler's memory in this process (and in its peak) on a first run, and not on the next. In a process that
-    already holds other things (a test run, a notebook) they count too: the budget is the process's.
-    What loading the kernels added, and what the line added to the RSS of the early refusal (base_estimate_bytes),
-    are kept in the compile stamp for the next run's estimate.
+    16 MiB, Qwen2.5's 50, stories260K's 3). The kernels are compiled in a child process first (compile_in_child), so
+    this process only loads their machine code from Numba's on-disk cache: compiling would leave ~80 MiB of the
+    compiler's memory in this process (and in its peak) on a first run, and not on the next. Then the heap's free
+    pages go back to the system and the LLVM library's pages leave the resident set (drop_llvm_pages: 48 MiB). In a
+    process that already holds other things (a test run, a notebook) they count too: the budget is the process's.
+    Each step is noted (process.mark_rss) for the parts -v prints (base_parts).
+    The loading's peak: the most this process held while loading (a floor of the minimum budget: a small model's
+    plan can be under it; runtime.decide_in_budget): RSS before LLVM's pages were dropped, or the process's peak
+    (VmHWM) when it grew since `start_peak` (the peak when the load began: the one reached within a step, or while
+    the tokenizer parsed its file), not one an earlier load of this process reached.
+    What loading the kernels added, what the line added to the RSS of the early refusal (base_estimate_bytes) and how
+    far the loading's peak went over the base are kept in the compile stamp for the next run's estimate.
     """
     import gc
     if not compiled_stamp(layout).exists():
         compile_in_child(layout)
     loaded, before = compiled_stamp(layout).exists(), rss_bytes()
-    compile_kernels(layout, kernels=kernels)
+    for i, step in enumerate(compile_steps(layout, kernels)):
+        step()
+        mark_rss(f"kernels: {step.__name__}" + (" (and Numba's runtime, LLVM's start)" if i == 0 else ""))
     gc.collect()
-    rss = rss_bytes()
+    return_freed_heap()
+    mark_rss("freed heap returned (malloc_trim)")
+    peak = RSS_MARKS[-1][1]
+    drop_llvm_pages()
+    mark_rss("LLVM library pages dropped")
+    high = peak_rss_bytes()     # after the drop: the kernel updates the high-water mark as it unmaps
+    if start_peak is not None and high > start_peak:
+        peak = max(peak, high)
+    rss = RSS_MARKS[-1][1]
     if loaded:                  # only loaded from the cache (never compiled here): figures of this installation
+        key = model_key(layout)
         remember(layout, {"kernels": rss - before,
-                          **({model_key(layout): rss - _early_rss} if _early_rss is not None else {})})
-    return rss
+                          key + " loading": peak - rss,
+                          **({key: rss - _early_rss} if _early_rss is not None else {})})
+    return rss, peak
+
+
+def drop_llvm_pages() -> int:
+    """Drop the LLVM library's pages (60-70 MiB, what its code and tables took at import and at loading the first
+    kernel) from this process's RSS once every kernel of the run is loaded: machine code loaded from Numba's cache
+    runs without LLVM; only compiling or loading another kernel runs it (and reads its pages back in, which
+    tests/test_process_base.py checks a run does not do). Returns the bytes dropped."""
+    from llvmlite.binding import ffi
+    return drop_file_pages(Path(ffi.lib._name).name)
+
+
+def base_parts(base: int) -> list[tuple[str, int]]:
+    """The process base `base` in parts, (what, bytes): the RSS each mark_rss of this process added since the one
+    before it (the first: since the process began), and what came after the last mark. They sum to base."""
+    parts, last = [], 0
+    for what, rss in RSS_MARKS:
+        parts.append((what, rss - last))
+        last = rss
+    if base != last:
+        parts.append(("since the last mark", base - last))
+    return parts
+
+
+def base_parts_table(base: int) -> str:
+    """base_parts as -v prints them: one line each, MiB, after the total."""
+    return "\n".join([f"process base {base / 2**20:10.1f} MiB, by part (RSS each added):",
+                      *(f"  {what:<50}{b / 2**20:+8.1f}" for what, b in base_parts(base))])
 
 
 # Until this installation has measured them (the compile stamp keeps what it measured): what loading the kernels from
-# Numba's cache adds to RSS (45-65 MiB measured for SmolLM2 q4_1 and stories260K f16, Numba 0.6x, Linux x86-64:
-# the lowest, as the estimate is a lower bound), and what a tokenizer takes per vocabulary entry
-# (tokenizers 0.2x: SmolLM2's 49,152 entries 43 MiB, stories260K's 512 entries 2 MiB).
-KERNELS_DEFAULT_BYTES = 44 << 20
-TOKENIZER_BYTES_PER_TOKEN = 800
+# Numba's cache adds to RSS once LLVM's pages are dropped again (12.7 MiB for stories260K f16, 20.1 for SmolLM2 q4_1,
+# 11.1 for Qwen2.5-0.5B's q5_0 FLASHDIR, Numba 0.6x, Linux x86-64: the lowest, as the estimate is a lower bound), and
+# what a tokenizer keeps per vocabulary entry once its parse's free heap is returned (tokenizers 0.2x: SmolLM2's
+# 49,152 entries 16.3 MiB, Qwen2.5's 151,936 entries 49.8 MiB).
+KERNELS_DEFAULT_BYTES = 10 << 20
+TOKENIZER_BYTES_PER_TOKEN = 320
 # RSS of this process when base_estimate_bytes last ran: the start of what measure_base_bytes records
 _early_rss: int | None = None
 
@@ -225,6 +309,12 @@ def base_estimate_bytes(layout, vocab_size: int) -> int:
     if extra is None:
         extra = record.get("kernels", KERNELS_DEFAULT_BYTES) + TOKENIZER_BYTES_PER_TOKEN * vocab_size
     return _early_rss + extra
+
+
+def loading_excess_bytes(layout) -> int:
+    """How far over its process base the loading of a run of `layout` went (measure_base_bytes' peak less its base),
+    as the compile stamp keeps it (the smallest seen); 0 until this installation has run the model."""
+    return stamp_record(layout).get(model_key(layout) + " loading", 0)
 
 
 def model_key(layout) -> str:
@@ -250,7 +340,7 @@ def remember(layout, figures: dict) -> None:
     """Keep in the stamp the smaller of each figure and the one it holds (best effort: a read-only cache keeps none)."""
     import json
     old = stamp_record(layout)
-    record = {**old, **{k: max(0, min(v, old.get(k, v))) for k, v in figures.items()}}
+    record = {**old, **{k: min(v, old.get(k, v)) for k, v in figures.items()}}
     if record == old:
         return
     write_best_effort(compiled_stamp(layout), json.dumps(record))

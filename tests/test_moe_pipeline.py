@@ -65,8 +65,9 @@ def test_eval_from_flash_under_the_minimum_budget_has_transformers_perplexity(mo
     _, src, flash, want, _ = moe
     dense = evaluate(src, [TEXT], "dense", n_tokens=TOKENS, ctx=CTX, progress=False)
     assert dense["tokens"] == 117 and dense["perplexity"] == pytest.approx(want, rel=1e-5)
-    for line in ("base_estimate_bytes", "measure_base_bytes"):     # the process base the minimum is made of
-        monkeypatch.setattr(runtime, line, lambda *a: 0)
+    monkeypatch.setattr(runtime, "base_estimate_bytes", lambda *a: 0)   # the process base the minimum is made of
+    monkeypatch.setattr(runtime, "measure_base_bytes", lambda *a: (0, 0))     # and the loading's peak
+    monkeypatch.setattr(runtime, "loading_excess_bytes", lambda layout: 0)
     minimum = load_runtime(flash, "auto", dram_budget=None, ctx=CTX, base_bytes=0)[2].plan.minimum_bytes
     res = evaluate(flash, [TEXT], "auto", n_tokens=TOKENS, ctx=CTX, dram_budget=minimum, progress=False)
     assert res["ffn_source"] == "ExpertFFN" and res["hit_rate"] < 0.8 and res["flash_mb_per_token"] > 0

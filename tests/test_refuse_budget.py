@@ -200,6 +200,8 @@ def test_load_runtime_refuses_before_converting_and_names_the_planners_minimum(t
     from flashinfer_lite.budget import BelowMinimum
     base = 64 << 20       # the early estimate's process base, fixed: the planner's is given the same
     monkeypatch.setattr(runtime, "base_estimate_bytes", lambda layout, vocab_size: base)
+    # and no loading's peak over it (what this installation measured before): the planner is given the base alone
+    monkeypatch.setattr(runtime, "loading_excess_bytes", lambda layout: 0)
     cache = tmp_path / "cache"
     monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(cache))
     with pytest.raises(BelowMinimum) as early:
