@@ -26,8 +26,9 @@ ENV = dict(os.environ, PYTHONPATH=str(h.REPO))
 def measure_minimum(gguf: str, contexts: list[int]) -> dict:
     from flashinfer_lite import budget, model, modes, runtime, warmup
     cfg, layout, kinds = runtime.model_facts(gguf)
-    base, resident = warmup.base_estimate_bytes(layout, cfg.vocab_size), modes.resident_bytes_of(cfg, layout, kinds)
-    out = {}
+    warmup.drop_llvm_pages()    # as open_model_files does before its early refusal (an estimate of this RSS)
+    base = warmup.base_estimate_bytes(layout, cfg.vocab_size)
+    resident, out = modes.resident_bytes_of(cfg, layout, kinds, on_flash=True), {}
     for ctx in contexts:
         try:
             runtime.refuse_below_minimum(gguf, "auto", 1, ctx, base)       # raises: no model runs in 1 byte
@@ -55,15 +56,14 @@ def worker_row(mode: str, gguf: Path, work: Path, extra: list[str]) -> dict:
     return dict(json.loads(out.read_text()) if out.exists() else {"error": p.stderr.strip()[-2000:]}, loadavg=load)
 
 
-def dense_row(gguf: Path, threads: int) -> dict:
-    load = os.getloadavg()
+def dense_row(gguf: Path, threads: int) -> dict:       # the load average as the run ends: beside its figures
     p = subprocess.run([sys.executable, "-m", "flashinfer_lite", "generate", "-m", str(gguf), "-p", "hi", "-n", "1",
                         "-t", str(threads), "--json"], env=ENV, capture_output=True, text=True)
     if p.returncode:
-        return {"error": (p.stderr.strip().splitlines() or ["?"])[-1], "loadavg": load}
+        return {"error": (p.stderr.strip().splitlines() or ["?"])[-1], "loadavg": os.getloadavg()}
     doc = json.loads(p.stdout.strip().splitlines()[-1])
     return {"load_s": round(doc["timings"]["load_ms"] / 1e3, 3), "peak_rss_bytes": int(doc["peak_rss_mb"] * MIB),
-            "loadavg": load}
+            "loadavg": os.getloadavg()}
 
 
 def twice(measure) -> dict:

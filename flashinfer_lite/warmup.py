@@ -16,6 +16,7 @@ from storage.config import ModelConfig
 from storage.files import write_best_effort
 from storage.format import expert_parts, read_layout
 from storage.reader import aligned_empty, bundle_reader
+from storage._watch import watcher
 from .ffn.experts import expert_ffn, stacks
 from .ffn.quant import DENSE_ROW_KERNEL_MAX_T, sparse_ffn
 from .ffn.flash import SplitKernels, SplitRows
@@ -170,8 +171,7 @@ def resident_steps(layout) -> list:
         QuantMatrix.of(("q8_0", wq))[np.zeros(1, np.int64)]
 
     def ring_watcher():         # storage.uring's completion watcher, compiled by a run's first io_uring reader: here
-        from storage._watch import watcher     # for a mixture of experts too, whose warm-up opens no reader
-        watcher()
+        watcher()               # for a mixture of experts too, whose warm-up opens no reader
 
     # float32 resident matrices stay float32 (runtime.load_runtime): BLAS, no kernel
     return [attention, *([half_matrices] if layout.dtype != "f32" else []),
