@@ -120,8 +120,8 @@ def probe_minimum(path, ffn: str, ctx: int, window: int = 5) -> dict:
     from flashinfer_lite.runtime import context_size, open_model_files
     files = open_model_files(path, ffn)
     ckpt, base = files.ckpt, files.base_bytes
-    minimum = minimum_bytes(ckpt.config, ckpt.layout, ckpt.resident_kinds, ffn, context_size(ctx, ckpt.config),
-                            base, window)
+    minimum = max(minimum_bytes(ckpt.config, ckpt.layout, ckpt.resident_kinds, ffn, context_size(ctx, ckpt.config),
+                                base, window), files.loading_peak_bytes)     # runtime.decide_in_budget's floor
     return {"minimum_bytes": minimum + MIN_MARGIN,
             "message": f"--ffn {ffn} -c {ctx}: minimum {minimum / 2**20:.1f} MiB, process base {base / 2**20:.1f} MiB"}
 
