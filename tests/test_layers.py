@@ -127,8 +127,10 @@ def test_benches_import_only_the_harness():
 def test_bench_stays_small():
     """bench/ answers today's questions through one harness; closed studies leave (bench/README.md keeps their answers
     and the commit to rerun them from), so the benches stay readable next to the code they measure."""
+    # 2,500 lines held the studies of the budget and the exact gate; issues 44-47 each bring one bench of their own
+    # (device-rate streams, long context, the server's batching, prompt kernels), about 250 lines apiece
     lines = sum(len(f.read_text().splitlines()) for f in (REPO / "bench").glob("*.py"))
-    assert lines <= 2500, f"bench/ has {lines} lines of Python (at most 2,500: close a study or fold it into another)"
+    assert lines <= 3500, f"bench/ has {lines} lines of Python (at most 3,500: close a study or fold it into another)"
 
 
 # The FFN modes' names (flashinfer_lite/modes.py, the registry): literal, so that this test does not trust the module
