@@ -12,6 +12,7 @@ from typing import Iterator
 from storage.errors import UserError
 from storage.tokenizer import StreamDecoder, Tokenizer, check_utf8
 
+from .constrain import Constraint, json_schema_grammar, text_grammar
 from .generate import Sampler, Session, Timings, prompt_ids
 from .process import peak_rss_bytes
 from .runtime import Model, load  # noqa: F401  (the library's entry: flashinfer_lite.load)
@@ -61,17 +62,27 @@ def stream_generate(model: Model, tokenizer: Tokenizer, prompt: str | list[int] 
                     temp: float = 0.0, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, seed: int = -1,
                     repeat_penalty: float = 1.0, repeat_last_n: int = 64,
                     system_prompt: str | None = None, use_chat_template: bool = True,
-                    ignore_eos: bool = False, prompt_cache: Session | None = None) -> Iterator[GenerationResponse]:
+                    ignore_eos: bool = False, prompt_cache: Session | None = None, logits_processors=None,
+                    json_schema: dict | str | None = None, grammar: str | None = None) -> Iterator[GenerationResponse]:
     """Yield a GenerationResponse per sampled token (encode_prompt says how the prompt is read). temp 0 = greedy
-    (mlx-lm's default). prompt_cache (make_prompt_cache): reuse its KV cache; its timings are this call's."""
+    (mlx-lm's default). prompt_cache (make_prompt_cache): reuse its KV cache; its timings are this call's.
+    logits_processors: callables (history ids, logits) -> logits, as mlx-lm's, run after the repetition penalty and
+    before top-k/top-p/min-p/temperature. json_schema (a dict or its JSON text) or grammar (GBNF or Lark text): the
+    output is held to it (llguidance's masks, one more processor) and ends where it is complete."""
     sampler = Sampler(temp, top_k, top_p, seed, min_p, repeat_penalty, repeat_last_n)   # checks them, first
+    processors = list(logits_processors or [])
+    if json_schema is not None or grammar is not None:
+        if json_schema is not None and grammar is not None:
+            raise UserError("give one constraint: json_schema or grammar, not both")
+        rules = json_schema_grammar(json_schema) if json_schema is not None else text_grammar(grammar)
+        processors.append(Constraint(tokenizer, rules, model.transformer.cfg.vocab_size))
     ids, raw = encode_prompt(tokenizer, prompt, system_prompt, use_chat_template)
     session = prompt_cache or Session(model.transformer, tokenizer, model.ctx)
     session.timings = Timings()
     stream = StreamDecoder(tokenizer, ids[-StreamDecoder.CONTEXT_IDS:] if raw else [])
     t = session.timings
     n = 0
-    for tok in session.generate(ids, max_tokens, sampler, ignore_eos):
+    for tok in session.generate(ids, max_tokens, sampler, ignore_eos, processors):
         n += 1
         decode_ms = sum(t.token_ms)
         yield GenerationResponse(

@@ -15,6 +15,7 @@ from storage.errors import UserError
 from storage.gate_file import DEFAULT_SPARSITY, SPARSITIES
 from storage.tokenizer import StreamDecoder, Tokenizer, check_utf8
 
+from .constrain import Constraint, json_schema_grammar, text_grammar
 from .flash_matrix import FlashMatrix
 from .model import Transformer
 from .process import peak_rss_bytes, rss_bytes
@@ -85,9 +86,13 @@ class Sampler:
         out[ids] = np.where(v > 0, v / self.repeat_penalty, v * self.repeat_penalty)
         return out
 
-    def __call__(self, logits: np.ndarray, history=()) -> int:
-        """The next token from logits [V]; history: the ids so far (prompt and output), for the penalty."""
+    def __call__(self, logits: np.ndarray, history=(), processors=()) -> int:
+        """The next token from logits [V]; history: the ids so far (prompt and output), for the penalty and the
+        processors: callables (history, logits) -> logits as mlx-lm's logits_processors (a grammar's mask,
+        constrain.Constraint), run after the penalty and before the cut-offs and the temperature."""
         logits = self.penalize(logits, history)
+        for process in processors:
+            logits = process(history, logits)
         if self.temp <= 0:
             return int(np.argmax(logits))
         idx = np.argsort(-logits, kind="stable")
@@ -122,6 +127,8 @@ class Timings:
     prompt_tokens: int = 0
     prompt_ms: float = 0.0
     token_ms: list[float] = field(default_factory=list)
+    constrain_ms: float = 0.0     # in logits processors (a grammar's masks)
+    constrain_tokens: int = 0     # tokens sampled under them
 
     def as_dict(self) -> dict:
         n, ms = len(self.token_ms), float(sum(self.token_ms))
@@ -131,7 +138,10 @@ class Timings:
                 "prompt_tokens_per_second": round(self.prompt_tokens / self.prompt_ms * 1e3, 3) if self.prompt_ms else 0,
                 "eval_tokens": n, "eval_ms": round(ms, 3), "ms_per_token": round(ms / n, 3) if n else 0,
                 "tokens_per_second": round(n / ms * 1e3, 3) if ms else 0, "p50_ms": round(q(50), 3),
-                "p99_ms": round(q(99), 3)}
+                "p99_ms": round(q(99), 3),
+                **({"constrain_ms": round(self.constrain_ms, 3),
+                    "constrain_ms_per_token": round(self.constrain_ms / self.constrain_tokens, 3)}
+                   if self.constrain_tokens else {})}
 
     def report(self, out=sys.stderr, ffn=None, head=None) -> None:
         """The perf lines as llama.cpp prints them (llama_perf_context_print), then flash stats (the FFN's, a
@@ -147,6 +157,9 @@ class Timings:
               f"P50 {d['p50_ms']:.2f} ms, P99 {d['p99_ms']:.2f} ms)", file=out)
         print(f"{w}:       total time = {d['load_ms'] + pm + d['eval_ms']:10.2f} ms / {pt + d['eval_tokens']:5d} tokens",
               file=out)
+        if self.constrain_tokens:
+            print(f"{w}:   grammar's mask = {d['constrain_ms']:10.2f} ms / {self.constrain_tokens:5d} tokens "
+                  f"({d['constrain_ms_per_token']:8.2f} ms per token, not in the eval time)", file=out)
         if ffn is not None:
             f = ffn.stats.as_dict()
             print(f"{w}:      flash reads = {f['mb_read_per_token']:10.2f} MB per token, hit rate {f['hit_rate']:.3f}, "
@@ -212,9 +225,11 @@ class Session:
         self.kv.reset()
         self.cached = []
 
-    def generate(self, ids: list[int], n_predict: int, sampler: Sampler, ignore_eos: bool = False):
+    def generate(self, ids: list[int], n_predict: int, sampler: Sampler, ignore_eos: bool = False,
+                 logits_processors=()):
         """Bring the cache to `ids` (reusing the common prefix), then yield sampled ids until EOS, n_predict, or a
-        full context."""
+        full context. logits_processors: the Sampler's processors (their time goes into timings.constrain_ms); one
+        with a done(history) method (a grammar, constrain.Constraint) ends the output once it says so."""
         if len(ids) > self.ctx:
             raise UserError(f"prompt is too long ({len(ids)} tokens, context is {self.ctx}); "
                             f"raise -c or shorten the prompt")
@@ -232,13 +247,15 @@ class Session:
         self.timings.prompt_ms += (time.perf_counter() - t0) * 1e3
         self.timings.prompt_tokens += len(new)
         produced = 0
+        processors = [self.timed(p) for p in logits_processors]
+        ends = [self.timed(p.done, count=False) for p in logits_processors if hasattr(p, "done")]
         while n_predict < 0 or produced < n_predict:
-            tok = sampler(logits, self.cached)
+            tok = sampler(logits, self.cached, processors) if processors else sampler(logits, self.cached)
             produced += 1
             if tok in self.tokenizer.eos_ids and not ignore_eos:
                 return
             yield tok
-            if produced == n_predict:
+            if produced == n_predict or (ends and any(done(self.cached + [tok]) for done in ends)):
                 return
             if self.kv.length >= self.ctx:
                 raise ContextFull(self.ctx)
@@ -247,6 +264,19 @@ class Session:
                 logits = self.model.forward([tok], self.kv)
             self.cached.append(tok)
             self.timings.token_ms.append((time.perf_counter() - t0) * 1e3)
+
+
+    def timed(self, process, count: bool = True):
+        """process, its time added to timings.constrain_ms (a grammar's cost per token, apart from the forward
+        pass's); count: a call is a token sampled under it."""
+        def run(*args):
+            t0 = time.perf_counter()
+            try:
+                return process(*args)
+            finally:
+                self.timings.constrain_ms += (time.perf_counter() - t0) * 1e3
+                self.timings.constrain_tokens += count
+        return run
 
 
 class ContextFull(Exception):
@@ -299,6 +329,34 @@ def add_arguments(p) -> None:
     p.add_argument("--ignore-chat-template", action="store_true",
                    help="feed the prompt as is, even when the model has a chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object (tokens, text, timings) instead of text")
+    p.add_argument("--json-schema", metavar="FILE", help="constrain the output to JSON that this JSON schema allows "
+                                                         "(needs llguidance)")
+    p.add_argument("--grammar", metavar="FILE", help="constrain the output to this grammar, GBNF (llama.cpp's) or Lark "
+                                                     "(needs llguidance)")
+
+
+def read_grammar(args) -> str | None:
+    """The grammar of --json-schema or --grammar (llguidance's form), checked before the model loads; None without."""
+    if args.json_schema and args.grammar:
+        raise UserError("give one constraint: --json-schema FILE or --grammar FILE, not both")
+    path = args.json_schema or args.grammar
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(1 << 20)
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror}") from None
+    if len(raw) == 1 << 20:
+        raise UserError(f"{path} is over 1 MiB, larger than any grammar or schema should be")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not valid UTF-8 (byte {e.start})") from None
+    try:
+        return json_schema_grammar(text) if args.json_schema else text_grammar(text)
+    except UserError as e:
+        raise UserError(f"{path}: {e}") from None
 
 
 def check_arguments(args) -> None:
@@ -378,6 +436,7 @@ def prompt_ids(tokenizer: Tokenizer, text: str, system: str | None, use_template
 def run(args) -> int:
     check_arguments(args)
     source = open_prompt(args)
+    grammar = read_grammar(args)
     model, tokenizer = open_model(args)
     text = read_prompt(source, tokenizer, model.ctx)
     ffn = model.ffn
@@ -385,6 +444,9 @@ def run(args) -> int:
     session.timings.load_ms = model.load_ms
     ids = prompt_ids(tokenizer, text, args.system_prompt, not args.ignore_chat_template)
     sampler = sampler_from(args)
+    processors = []
+    if grammar is not None:
+        processors.append(Constraint(tokenizer, grammar, model.transformer.cfg.vocab_size))
     raw = args.ignore_chat_template or not tokenizer.chat_template
     context = ids[-StreamDecoder.CONTEXT_IDS:] if raw else []     # a raw prompt's continuation joins its text
     out, stream, shown = [], StreamDecoder(tokenizer, context), ""
@@ -392,7 +454,7 @@ def run(args) -> int:
     if not args.json and raw:
         sys.stdout.write(text)  # a raw prompt is echoed, as llama.cpp does, so the output reads as one text
     try:
-        for tok in session.generate(ids, args.n_predict, sampler, args.ignore_eos):
+        for tok in session.generate(ids, args.n_predict, sampler, args.ignore_eos, processors):
             out.append(tok)
             piece = stream.push(tok)
             if not args.json:
