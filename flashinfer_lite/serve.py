@@ -30,9 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .api import encode_prompt, load, make_prompt_cache, stream_generate
+from .constrain import Constraint, checked, json_schema_grammar
 from .default_model import FILENAME as DEFAULT_MODEL_FILE
 from storage.errors import UserError
 from .generate import ContextFull, Sampler, SamplingError, add_model_arguments, check_arguments, rss_summary
+from .tools import ToolError, ToolText, call_grammar, check_tool_choice, check_tools, template_message
 from storage.tokenizer import PromptTooLong, StopStrings
 
 MAX_STOP_STRINGS = 16
@@ -78,6 +80,8 @@ class Job:
     stream: bool
     include_usage: bool
     chat: bool
+    grammar: str | None = None         # the output's grammar (response_format, a required tool call): llguidance's
+    tools: list[str] | None = None     # the functions the answer may call (its tool calls are parsed out)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -112,7 +116,27 @@ def message_text(m, i: int) -> dict:
         content = ""
     if not isinstance(content, str):
         raise BadRequest(f"{where}.content must be a string or a list of text parts", f"{where}.content")
-    return {"role": m["role"], "content": content}
+    try:
+        return {"role": m["role"], "content": content, **template_message(m, where)}
+    except ToolError as e:
+        raise BadRequest(str(e), e.param) from None
+
+
+def response_grammar(body: dict) -> str | None:
+    """The grammar `response_format` asks for: {"type": "json_object"} any JSON object, {"type": "json_schema",
+    "json_schema": {"schema": ...}} the schema's documents (held to it whether "strict" or not); "text" or none: None."""
+    form = body.get("response_format")
+    kind = form.get("type") if isinstance(form, dict) else None
+    if form is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return json_schema_grammar({"type": "object"})
+    spec = form.get("json_schema") if kind == "json_schema" else None
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+        raise BadRequest("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                         "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                         "response_format")
+    return json_schema_grammar(spec.get("schema", {}))
 
 
 def parse_job(body, chat: bool, server: "Server") -> Job:
@@ -160,6 +184,16 @@ def parse_job(body, chat: bool, server: "Server") -> Job:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", "stream_options")
+    tools, choice = job_tools(body, chat, server)
+    try:
+        grammar = response_grammar(body)
+        if choice not in ("auto", "none"):      # "required" or a named function: held to one call
+            if grammar is not None:
+                raise BadRequest("'response_format' and a required tool call cannot both hold the answer",
+                                 "response_format")
+            grammar = checked(call_grammar(server.tokenizer, tools, None if choice == "required" else choice))
+    except UserError as e:   # llguidance missing, a schema it refuses
+        raise BadRequest(str(e), "tool_choice" if choice not in ("auto", "none") else "response_format") from None
     param = "messages" if chat else "prompt"
     size = sum(len(t.encode("utf-8", "surrogatepass")) for t in ([m["content"] for m in prompt] if chat else [prompt]))
     if size > server.max_prompt_bytes:   # checked before tokenizing: that takes ~130 bytes of memory a byte
@@ -167,7 +201,8 @@ def parse_job(body, chat: bool, server: "Server") -> Job:
                          f"({server.max_prompt_bytes})", param, code="context_length_exceeded")
     try:   # a long text is refused for the cost of its first pieces, before it is tokenized whole
         server.tokenizer.check_length("\n".join(m["content"] for m in prompt) if chat else prompt, server.ctx)
-        ids, _ = encode_prompt(server.tokenizer, prompt, use_chat_template=False)
+        ids = server.tokenizer.encode_chat(prompt, tools=tools) if tools else \
+            encode_prompt(server.tokenizer, prompt, use_chat_template=False)[0]
     except PromptTooLong as e:
         raise BadRequest(str(e), param, code="context_length_exceeded") from None
     except UserError as e:  # bad UTF-8 (a lone surrogate escape), a template that refuses the conversation
@@ -177,7 +212,26 @@ def parse_job(body, chat: bool, server: "Server") -> Job:
     if len(ids) > server.ctx:
         raise BadRequest(f"the prompt is {len(ids)} tokens, more than the context of {server.ctx}",
                          param, code="context_length_exceeded")
-    return Job(prompt, ids, max_tokens, sampling, stop, stream, options.get("include_usage") is True, chat)
+    return Job(prompt, ids, max_tokens, sampling, stop, stream, options.get("include_usage") is True, chat,
+               grammar, [t["function"]["name"] for t in tools] if tools and choice != "none" else None)
+
+
+def job_tools(body: dict, chat: bool, server: "Server") -> tuple[list[dict] | None, str]:
+    """(tools, tool_choice) of a request: tools the template renders, None without tools or with tool_choice "none"
+    (the model is not told of them)."""
+    tools = body.get("tools")
+    if tools is None or not chat:
+        if tools is not None:
+            raise BadRequest("'tools' are for /v1/chat/completions", "tools")
+        return None, "none"
+    try:
+        tools = check_tools(tools)
+        choice = check_tool_choice(body.get("tool_choice"), tools)
+    except ToolError as e:
+        raise BadRequest(str(e), e.param) from None
+    if not server.tokenizer.takes_tools():
+        raise BadRequest("this model's chat template does not render tools: it cannot call them", "tools")
+    return (None if choice == "none" else tools), choice
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -196,6 +250,7 @@ class Outcome:
     finish_reason: str
     completion_tokens: int
     timings: dict
+    tool_calls: list[dict] | None = None
 
 
 class Server:
@@ -241,9 +296,14 @@ class Server:
             if self.stopping:
                 raise ShuttingDown()
             loop = asyncio.get_running_loop()
-            steps = stream_generate(self.model, self.tokenizer, job.prompt, job.max_tokens, use_chat_template=job.chat,
-                                    prompt_cache=self.cache, ignore_eos=self.args.ignore_eos, **job.sampling)
+            constraint = None if job.grammar is None else await loop.run_in_executor(self.worker, self.constraint, job)
+            # with tools the prompt's ids were rendered with them: those are fed as they are
+            steps = stream_generate(self.model, self.tokenizer, job.ids if job.tools else job.prompt, job.max_tokens,
+                                    use_chat_template=job.chat, prompt_cache=self.cache,
+                                    ignore_eos=self.args.ignore_eos, logits_processors=constraint and [constraint],
+                                    **job.sampling)
             stops, n, finish = StopStrings(job.stop), 0, "stop"
+            calls = ToolText(job.tools) if job.tools else None
             try:
                 while not stops.stopped:
                     if self.stopping:
@@ -260,18 +320,29 @@ class Server:
                     if n == job.max_tokens:
                         finish = "length"
                     piece = stops.push(step.text)
+                    if piece and calls:
+                        piece = calls.push(piece)
                     if piece:
                         yield piece
             finally:
                 # the worker runs one call at a time, in order: the close waits for a token still being computed,
                 # and the next request's steps wait for the close
                 self.worker.submit(steps.close)
-            if stops.stopped:
-                finish = "stop"
-            tail = stops.flush()
+            if stops.stopped or (constraint is not None and constraint.matcher.is_stopped()):
+                finish = "stop"     # a grammar complete at the last token allowed ends as it would before it
+            tail, found = stops.flush(), None
+            if calls:
+                shown = calls.push(tail)
+                rest, found = calls.finish()
+                tail = shown + rest
+                finish = "tool_calls" if found else finish
             if tail:
                 yield tail
-            yield Outcome(finish, n, self.timings(job, n))
+            yield Outcome(finish, n, self.timings(job, n), found or None)
+
+    def constraint(self, job: Job):
+        """job's grammar as a logits processor (the worker builds llguidance's vocabulary on first use)."""
+        return Constraint(self.tokenizer, job.grammar, self.model.transformer.cfg.vocab_size)
 
     def timings(self, job: Job, n: int) -> dict:
         """llama-server's `timings`; predicted_ms counts the forward passes after the prompt's."""
@@ -280,7 +351,9 @@ class Server:
                 "prompt_ms": t["prompt_ms"],
                 "prompt_per_token_ms": round(t["prompt_ms"] / t["prompt_tokens"], 3) if t["prompt_tokens"] else 0,
                 "prompt_per_second": t["prompt_tokens_per_second"], "predicted_n": n, "predicted_ms": t["eval_ms"],
-                "predicted_per_token_ms": t["ms_per_token"], "predicted_per_second": t["tokens_per_second"]}
+                "predicted_per_token_ms": t["ms_per_token"], "predicted_per_second": t["tokens_per_second"],
+                **({"constrain_ms": t["constrain_ms"], "constrain_per_token_ms": t["constrain_ms_per_token"]}
+                   if "constrain_ms" in t else {})}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -291,10 +364,14 @@ def usage(job: Job, out: Outcome) -> dict:
             "total_tokens": len(job.ids) + out.completion_tokens}
 
 
-def chunk(job: Job, server: Server, text: str | None = None, finish: str | None = None, role: bool = False) -> dict:
-    """One streamed event: a text delta (or the first, with the role; or the last, with the finish reason)."""
+def chunk(job: Job, server: Server, text: str | None = None, finish: str | None = None, role: bool = False,
+          tool_calls: list[dict] | None = None) -> dict:
+    """One streamed event: a text delta (or the first, with the role; or the calls, whole; or the last, with the
+    finish reason)."""
     if job.chat:
         delta = {"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}
+        if tool_calls:
+            delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls)]}
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
     else:
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
@@ -304,8 +381,10 @@ def chunk(job: Job, server: Server, text: str | None = None, finish: str | None 
 
 def whole(job: Job, server: Server, text: str, out: Outcome) -> dict:
     if job.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": out.finish_reason}
+        message = {"role": "assistant", "content": text or None if out.tool_calls else text}
+        if out.tool_calls:
+            message["tool_calls"] = out.tool_calls
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": out.finish_reason}
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": out.finish_reason}
     return {"id": ("chatcmpl-" if job.chat else "cmpl-") + job.id, "created": job.created, "model": server.name,
@@ -325,6 +404,8 @@ async def events(job: Job, server: Server):
                 yield sse(chunk(job, server, role=True))
             async for piece in pieces:
                 if isinstance(piece, Outcome):
+                    if piece.tool_calls:
+                        yield sse(chunk(job, server, tool_calls=piece.tool_calls))
                     last = chunk(job, server, finish=piece.finish_reason)
                     last["timings"] = piece.timings
                     yield sse(last)

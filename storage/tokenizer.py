@@ -206,15 +206,27 @@ class Tokenizer:
         text = self.decode(list(context) + list(ids))
         return text[len(before):] if text.startswith(before) else self.decode(ids)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """tools: OpenAI's function tools ({"type": "function", "function": {...}}), as Hugging Face passes them."""
         if not self.chat_template:
             raise UserError("this model has no chat template (use `generate` with a plain prompt)")
-        return render_chat_template(self.chat_template, messages, add_generation_prompt,
+        return render_chat_template(self.chat_template, messages, add_generation_prompt, tools=tools,
                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
         # The rendered template already spells BOS where the model wants it, as Hugging Face does.
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False)
+
+    def takes_tools(self) -> bool:
+        """The chat template renders the tools it is given (Qwen2.5's and Llama 3.x's do; ChatML without them does
+        not): a conversation renders differently with a tool than without."""
+        msgs = [{"role": "user", "content": "hello"}]
+        tool = {"type": "function", "function": {"name": "tool_probe", "description": "d",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+        return bool(self.chat_template) and self.apply_chat_template(msgs, tools=[tool]) != \
+            self.apply_chat_template(msgs)
 
 
 class PromptTooLong(UserError):
@@ -383,11 +395,16 @@ class _Steps:
         return self.line
 
 
-def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool, **special) -> str:
+def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool,
+                         tools: list[dict] | None = None, **special) -> str:
     """Render a Hugging Face chat template in a sandbox, with the globals and filters HF templates rely on. The
     template comes with the model file, so its render is bounded in work (TEMPLATE_STEPS lines of its code) and in
-    size (no value built and no output over TEMPLATE_CHARS past four times the messages' text): one line otherwise."""
+    size (no value built and no output over TEMPLATE_CHARS past four times the messages' text and tools' JSON): one
+    line otherwise. tools, when given, is the template's `tools`."""
     given = [m.get("content") for m in messages if isinstance(m, dict)] + list(special.values())
+    given += [json.dumps(m.get("tool_calls")) for m in messages if isinstance(m, dict) and m.get("tool_calls")]
+    if tools is not None:
+        special["tools"], given = tools, given + [json.dumps(tools)]
     limit = TEMPLATE_CHARS + 4 * sum(len(t) for t in given if isinstance(t, str))
     env, bounded, jinja2 = _sandbox(limit)
 
