@@ -203,6 +203,19 @@ def test_bad_constraints_are_one_line_before_the_model_loads(tmp_path):
         assert r.returncode == 1 and len(lines) == 1 and words in lines[0], r.stderr
 
 
+def test_grammar_cost_bench_smoke(smollm2_gguf):
+    """bench/grammar_cost.py on the default model's vocabulary, llguidance (a core dependency) and outlines-core when
+    installed: each row walks the schema's document token by token, every token allowed, or the row is an error."""
+    from conftest import run_bench
+    libs = ["llguidance"] + (["outlines-core"] if __import__("importlib").util.find_spec("outlines_core") else [])
+    doc, err = run_bench("grammar_cost.py", smollm2_gguf, "--rounds", "1", "--libraries", ",".join(libs))
+    assert [r["mode"] for r in doc["rows"]] == libs
+    for r in doc["rows"]:
+        assert "error" not in r, r
+        assert r["vocab"] == 49152 and r["document_tokens"] > 20 and r["cpu_ms_per_token"] > 0
+    assert "| llguidance |" in err
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # The server
 
