@@ -247,7 +247,7 @@ class Session:
         self.timings.prompt_ms += (time.perf_counter() - t0) * 1e3
         self.timings.prompt_tokens += len(new)
         produced = 0
-        processors = [self.timed(p) for p in logits_processors]
+        processors = [self.timed(p, count=not k) for k, p in enumerate(logits_processors)]
         ends = [self.timed(p.done, count=False) for p in logits_processors if hasattr(p, "done")]
         while n_predict < 0 or produced < n_predict:
             tok = sampler(logits, self.cached, processors) if processors else sampler(logits, self.cached)
@@ -255,7 +255,8 @@ class Session:
             if tok in self.tokenizer.eos_ids and not ignore_eos:
                 return
             yield tok
-            if produced == n_predict or (ends and any(done(self.cached + [tok]) for done in ends)):
+            # the grammar hears of the last token too, so it can tell whether it ended with the output
+            if (ends and any([done(self.cached + [tok]) for done in ends])) or produced == n_predict:
                 return
             if self.kv.length >= self.ctx:
                 raise ContextFull(self.ctx)

@@ -243,6 +243,17 @@ def test_json_schema_strict_on_the_default_model(smollm2):
     check_five_schemas(smollm2)
 
 
+def test_a_grammar_complete_at_the_last_token_allowed_is_a_stop(smollm2):
+    """The answer that completes its schema at exactly max_tokens ends "stop"; one token fewer is "length"."""
+    def ask(n):
+        return smollm2.client.chat.completions.create(model="any", max_tokens=n, temperature=0,
+                                                      messages=[{"role": "user", "content": SCHEMAS["enums"][0]}],
+                                                      response_format=strict("enums")).choices[0]
+    n = smollm2.client.chat.completions.create(model="any", max_tokens=100, temperature=0, response_format=strict(
+        "enums"), messages=[{"role": "user", "content": SCHEMAS["enums"][0]}]).usage.completion_tokens
+    assert ask(n).finish_reason == "stop" and ask(n - 1).finish_reason == "length"
+
+
 def test_json_object_streamed_equals_whole_and_completions_take_it(smollm2):
     """The 135M model, free to write any object, loops in it (its answer is cut at max_tokens): the whole and the
     streamed answers are the same object's beginning; the 0.5B's whole objects parse (test_json_object_on_...)."""
@@ -250,6 +261,9 @@ def test_json_object_streamed_equals_whole_and_completions_take_it(smollm2):
     whole = smollm2.client.chat.completions.create(model="any", messages=msgs, max_tokens=40, temperature=0,
                                                    response_format={"type": "json_object"})
     assert whole.choices[0].message.content.startswith('{"')
+    # the next request would reuse the whole prompt's KV but its last token (evaluated alone, not in the prompt's
+    # batch: other rounding, and a near tie can turn): another prompt first, so both evaluate it the same way
+    smollm2.client.completions.create(model="any", prompt="Tom", max_tokens=1)
     pieces = smollm2.client.chat.completions.create(model="any", messages=msgs, max_tokens=40, temperature=0,
                                                     response_format={"type": "json_object"}, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in pieces if c.choices) == whole.choices[0].message.content
@@ -303,6 +317,7 @@ def test_a_weather_tool_call_and_its_answer_on_the_real_0_5b(qwen):
         call = r.choices[0].message.tool_calls[0]
         assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather", (choice, r)
         assert "paris" in json.loads(call.function.arguments)["city"].lower()
+    qwen.client.completions.create(model="any", prompt="Tom", max_tokens=1)    # the prompt evaluated anew (above)
     streamed = qwen.client.chat.completions.create(model="any", messages=msgs, tools=WEATHER, max_tokens=100,
                                                    temperature=0, stream=True)
     deltas = [c.choices[0] for c in streamed if c.choices]
