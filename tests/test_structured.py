@@ -146,6 +146,22 @@ def test_every_token_sampled_under_the_mask_is_allowed(smollm2_tokenizer, name):
         jsonschema.validate(json.loads(tok.decode(out)), schema)
 
 
+@pytest.mark.parametrize("text", ['start: "It is " ("sunny" | "raining") " in " CITY "."\nCITY: /[A-Z][a-z]{1,8}/\n',
+                                  'root ::= "It is " ("sunny" | "raining") " in " [A-Z] [a-z] [a-z]? [a-z]? "."\n'])
+def test_lark_and_gbnf_grammars_hold_greedy_and_sampled_output(smollm2_tokenizer, text):
+    """A grammar given as Lark or as GBNF: every output sampled under it is a sentence of it (the regex its rules
+    spell), greedy or at temperature 1."""
+    import re
+    from flashinfer_lite.constrain import Constraint, text_grammar
+    from flashinfer_lite.generate import Sampler
+    tok, vocab = smollm2_tokenizer
+    rng = np.random.default_rng(2)
+    for sampler in (Sampler(temp=0), Sampler(temp=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=2)):
+        out = sample_under(Constraint(tok, text_grammar(text), vocab), sampler, vocab, rng)
+        limit = "{1,8}" if text.startswith("start") else "{1,3}"
+        assert re.fullmatch(r"It is (sunny|raining) in [A-Z][a-z]" + limit + r"\.", tok.decode(out)), tok.decode(out)
+
+
 def test_tool_call_grammar_holds_a_call_in_the_template_s_format(smollm2_tokenizer):
     """A Llama-style (no <tool_call> in the template) grammar: random sampling under it gives one call of the named
     function whose parameters validate against its schema."""
