@@ -141,8 +141,8 @@ def test_every_token_sampled_under_the_mask_is_allowed(smollm2_tokenizer, name):
         grammar = json_schema_grammar(schema)
         c = Constraint(tok, grammar, vocab)
         out = sample_under(c, Sampler(temp=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed), vocab, rng)
-        fresh = llguidance.LLMatcher(ll_tokenizer(tok, vocab), grammar, log_level=0)
-        assert fresh.validate_tokens(out) == len(out) and fresh.consume_tokens(out) and fresh.is_accepting()
+        again = llguidance.LLMatcher(ll_tokenizer(tok, vocab), grammar, log_level=0)
+        assert again.validate_tokens(out) == len(out) and again.consume_tokens(out) and again.is_accepting()
         jsonschema.validate(json.loads(tok.decode(out)), schema)
 
 
@@ -242,6 +242,13 @@ def smollm2(smollm2_gguf):
         yield s
 
 
+def fresh(served) -> None:
+    """A prompt that shares no prefix with a chat's: the next request evaluates its whole prompt. A prompt evaluated
+    after a reused prefix is cut into other batches than when evaluated whole, rounds otherwise, and a near tie of a
+    greedy answer can turn on that: answers compared with each other are made after this."""
+    served.client.completions.create(model="any", prompt="Tom", max_tokens=1)
+
+
 def strict(name: str) -> dict:
     return {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name][1], "strict": True}}
 
@@ -274,12 +281,11 @@ def test_json_object_streamed_equals_whole_and_completions_take_it(smollm2):
     """The 135M model, free to write any object, loops in it (its answer is cut at max_tokens): the whole and the
     streamed answers are the same object's beginning; the 0.5B's whole objects parse (test_json_object_on_...)."""
     msgs = [{"role": "user", "content": "Describe a cat as JSON."}]
+    fresh(smollm2)
     whole = smollm2.client.chat.completions.create(model="any", messages=msgs, max_tokens=40, temperature=0,
                                                    response_format={"type": "json_object"})
     assert whole.choices[0].message.content.startswith('{"')
-    # the next request would reuse the whole prompt's KV but its last token (evaluated alone, not in the prompt's
-    # batch: other rounding, and a near tie can turn): another prompt first, so both evaluate it the same way
-    smollm2.client.completions.create(model="any", prompt="Tom", max_tokens=1)
+    fresh(smollm2)
     pieces = smollm2.client.chat.completions.create(model="any", messages=msgs, max_tokens=40, temperature=0,
                                                     response_format={"type": "json_object"}, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in pieces if c.choices) == whole.choices[0].message.content
@@ -327,13 +333,17 @@ def test_json_object_on_the_real_0_5b(qwen):
 
 def test_a_weather_tool_call_and_its_answer_on_the_real_0_5b(qwen):
     msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    answers = {}
     for choice in ("auto", "required", {"type": "function", "function": {"name": "get_weather"}}):
+        fresh(qwen)
         r = qwen.client.chat.completions.create(model="any", messages=msgs, tools=WEATHER, tool_choice=choice,
                                                 max_tokens=100, temperature=0)
         call = r.choices[0].message.tool_calls[0]
         assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather", (choice, r)
         assert "paris" in json.loads(call.function.arguments)["city"].lower()
-    qwen.client.completions.create(model="any", prompt="Tom", max_tokens=1)    # the prompt evaluated anew (above)
+        answers[str(choice)] = call
+    call = answers["auto"]
+    fresh(qwen)
     streamed = qwen.client.chat.completions.create(model="any", messages=msgs, tools=WEATHER, max_tokens=100,
                                                    temperature=0, stream=True)
     deltas = [c.choices[0] for c in streamed if c.choices]
