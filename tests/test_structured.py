@@ -331,7 +331,32 @@ def test_json_object_on_the_real_0_5b(qwen):
     assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
 
 
+def test_tools_render_as_transformers_renders_them():
+    """Qwen2.5's template with tools, an assistant call (its arguments JSON text from the client) and the tool's
+    answer: the prompt our sandbox renders is the one transformers' apply_chat_template renders."""
+    if not REAL_05B.exists():
+        pytest.skip(f"{REAL_05B.name} absent")
+    from transformers import PreTrainedTokenizerFast
+    from storage.checkpoint import open_checkpoint
+    from flashinfer_lite.serve import message_text
+    tok = open_checkpoint(REAL_05B).tokenizer()
+    sent = [{"role": "user", "content": "What is the weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C."}]
+    msgs = [message_text(m, i) for i, m in enumerate(sent)]
+    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok.tok, chat_template=tok.chat_template)
+    want = hf.apply_chat_template(msgs, tools=WEATHER, tokenize=False, add_generation_prompt=True)
+    assert tok.apply_chat_template(msgs, tools=WEATHER) == want
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in want
+    assert "<tool_response>\nSunny, 21 C.\n</tool_response>" in want and '"name": "get_weather"' in want
+
+
 def test_a_weather_tool_call_and_its_answer_on_the_real_0_5b(qwen):
+    """The call, whatever tool_choice; the tool's answer sent back gets text, no call. (The 0.5B Coder's final answer
+    restates its call and the tool's JSON rather than a sentence; the 1.5B's does no better: the models', since the
+    prompt is transformers' own, test_tools_render_as_transformers_renders_them.)"""
     msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
     answers = {}
     for choice in ("auto", "required", {"type": "function", "function": {"name": "get_weather"}}):
