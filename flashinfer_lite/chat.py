@@ -4,7 +4,8 @@ Commands at the prompt: /help, /exit, /reset (forget the conversation), /stats (
 answered with the list, never sent to the model. On a terminal, lines are edited and recalled as in a shell (the
 stdlib's readline: arrows, Ctrl-R), the history kept in the cache directory. A line ending in a backslash goes on
 on the next line; three double quotes open a block of lines that a line ending in them closes (as llama.cpp and
-Ollama read them). When the context fills, the oldest exchanges are dropped (the system prompt stays) and the answer goes on.
+Ollama read them). When the context fills, the oldest exchanges are dropped (the system prompt stays) and the answer
+goes on.
 Ctrl-C stops the answer being written, not the session; Ctrl-D (end of input) exits.
 """
 from __future__ import annotations

@@ -267,9 +267,10 @@ def load(path: str | None = None, dram_budget: int | str | None = "auto", ffn: s
          sparsity: float = DEFAULT_SPARSITY, act8: bool = True, say: bool = True):
     """(model, tokenizer) for an HF directory, a GGUF file or a FLASHDIR, or a repo id in the Hugging Face cache
     (hub.resolve_model); None = the default model (fetched, and its predictors trained, on first use). dram_budget:
-    bytes, a size string ("300M"), "auto" (the default: what the machine can give) or None (no limit); ffn as the CLI's --ffn; ctx 0: the model's default context. act8: the dot
-    products with weights in 32-weight blocks (q4_0, q4_1, q5_0, q5_1, q8_0) round x to 8 bits as llama.cpp does
-    (faster); False keeps x float32, the float math on the dequantized weights (blocks.set_act8: for the process).
+    bytes, a size string ("300M"), "auto" (the default: what the machine can give) or None (no limit); ffn as the
+    CLI's --ffn; ctx 0: the model's default context. act8: the dot products with weights in 32-weight blocks (q4_0,
+    q4_1, q5_0, q5_1, q8_0) round x to 8 bits as llama.cpp does (faster); False keeps x float32, the float math on the
+    dequantized weights (blocks.set_act8: for the process).
     say: print the decision's notes and the mode --ffn auto chose (the commands do; the Python API only when
     verbose). A first use's work (download, conversion, training) is announced either way: it takes minutes."""
     t0 = time.perf_counter()

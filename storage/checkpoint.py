@@ -966,7 +966,7 @@ def open_checkpoint(path) -> Checkpoint:
         if not (p / "config.json").exists():
             raise UserError(f"not a Hugging Face model directory (no config.json): {p}")
         return HFCheckpoint(p)
-    if p.suffix.lower() == ".gguf" or _gguf_magic(p):   # a hub cache's blob (a .gguf's symlink, resolved) has no suffix
+    if p.suffix.lower() == ".gguf" or _gguf_magic(p):   # a hub cache's blob (a .gguf symlink's target): no suffix
         if not p.is_file():
             raise UserError(f"not a regular file: {p}")
         return GGUFCheckpoint(p)
