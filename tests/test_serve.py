@@ -747,3 +747,20 @@ def test_api_key_from_the_environment_alias_metrics_and_the_request_log():
         lines = re.findall(r"^POST /v1/completions 200 (\d+)\+(\d+) tokens \d+ ms$", log, re.M)
         assert [tuple(map(int, t)) for t in lines] == [(u.prompt_tokens, u.completion_tokens) for u in used], log
         assert re.search(r"^GET /v1/models 401 - tokens \d+ ms$", log, re.M), log
+
+
+def test_metrics_of_a_model_on_flash_count_its_reads_and_budget(stories, budget_mib):
+    """The stories server runs its FFN from flash under --dram-budget: /metrics says the budget and counts the rows
+    read from flash (stories260K's all fit the neuron cache after the first tokens: the count then stays), and the
+    peak RSS stays within the budget."""
+    def metrics() -> dict:
+        status, _, body = stories.call("GET", "/metrics", None, {"Host": "localhost"})
+        assert status == 200
+        return prometheus(body.decode())
+    before = metrics()
+    assert before[("flashinfer_lite_dram_budget_bytes", "")] == budget_mib << 20
+    stories.client.completions.create(model="any", prompt="Zoe and Max found a shell", max_tokens=24)
+    after = metrics()
+    read = ("flashinfer_lite_flash_read_bytes_total", "")
+    assert after[read] >= before[read] > 0
+    assert after[("flashinfer_lite_peak_rss_bytes", "")] <= budget_mib << 20
