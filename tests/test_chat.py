@@ -188,16 +188,17 @@ def test_history_multiline_and_help_in_a_terminal(stories_chat, tmp_path):
     env = {"FLASHINFER_LITE_CACHE": str(tmp_path / "cache")}
     args = ["chat", "-m", str(stories_chat), "--temp", "0", "-n", "12", "--ffn", "dense"]
     steps = [
+        # each line typed once its prompt is there: typed before, the terminal would echo it a second time
         ("> ", "/help\n"),
-        ("arrows recall", '"""\n'),
+        ("\n> ", '"""\n'),
         ("... ", "Lily saw\n"),
         ("... ", 'a big dog"""\n'),
         ("\n> ", "Once upon \\\n"),
         ("... ", "a time\n"),
         ("\n> ", "/reset\n"),
-        ("(conversation reset)", "The cat\n"),
+        ("\n> ", "The cat\n"),
         ("\n> ", "/reset\n"),
-        ("(conversation reset)", UP + UP + "\n"),     # recalls "The cat" (the line before /reset)
+        ("\n> ", UP + UP + "\n"),                   # recalls "The cat" (the line before /reset)
         ("\n> ", "/exit\n"),
     ]
     out, code = run_with_env(env, args, steps)
