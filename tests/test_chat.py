@@ -269,3 +269,23 @@ def test_a_full_context_shifts_and_the_chat_goes_on(stories_chat, tmp_path):
                      out.replace("\r\n", "\n")), out
     runs = int(re.search(r"eval time = +[\d.]+ ms / +(\d+) runs", out).group(1))
     assert runs >= 3 * 29 - 2 and "answer stopped" not in out     # every answer ran its 30 tokens
+
+
+def test_the_history_file_is_bounded(tmp_path, monkeypatch):
+    """The history kept in the cache directory holds the last HISTORY_LINES lines, however many were typed."""
+    readline = pytest.importorskip("readline")
+    from flashinfer_lite.chat import HISTORY_LINES, open_history
+    monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(sys, "stdin", open(os.devnull))
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: True)
+    readline.clear_history()
+    try:
+        save = open_history()
+        for i in range(HISTORY_LINES + 500):
+            readline.add_history(f"line {i}")
+        save()
+        lines = (tmp_path / "cache" / "chat_history").read_text().splitlines()
+        assert len(lines) == HISTORY_LINES and lines[-1] == f"line {HISTORY_LINES + 499}"
+    finally:
+        readline.clear_history()
+        sys.stdin.close()
