@@ -15,7 +15,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 __version__ = "0.1.0"
 
 # The Python API (flashinfer_lite/api.py), imported on first use (PEP 562) so `import flashinfer_lite` stays light.
-__all__ = ["load", "generate", "stream_generate"]
+__all__ = ["load", "generate", "stream_generate", "make_prompt_cache"]
 
 
 def __getattr__(name):

@@ -1,7 +1,7 @@
 """The Python API in mlx-lm's shape: load() returns (model, tokenizer); generate() returns text; stream_generate()
 yields one response per token; make_prompt_cache() keeps a KV cache across calls. load is runtime.load, the one the
-commands call too, and the rest runs the same code as `flashinfer-lite generate` (Session.generate, Sampler,
-StreamDecoder): one decode loop for the CLI, the API and `flashinfer-lite serve`."""
+commands call too (quiet unless verbose), and the rest runs the same code as `flashinfer-lite generate`
+(Session.generate, Sampler, StreamDecoder): one decode loop for the CLI, the API and `flashinfer-lite serve`."""
 from __future__ import annotations
 
 import numbers
@@ -9,26 +9,44 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
+import numpy as np
+
 from storage.errors import UserError
 from storage.tokenizer import StreamDecoder, Tokenizer, check_utf8
 
 from .constrain import Constraint, json_schema_grammar, text_grammar
-from .generate import Sampler, Session, Timings, prompt_ids
+from .generate import Sampler, Session, Timings, log_softmax, prompt_ids
 from .process import peak_rss_bytes
-from .runtime import Model, load  # noqa: F401  (the library's entry: flashinfer_lite.load)
+from . import runtime
+from .runtime import Model
+
+
+def load(path=None, dram_budget="auto", ffn: str = "auto", ctx: int = 0, threads: int | None = None,
+         lookahead: bool = False, verbose: bool = False, **kwargs):
+    """(model, tokenizer): runtime.load (the commands' loader), which prints nothing unless verbose: then its
+    decisions (the FFN mode chosen, the budget split) go to stderr as the commands print them."""
+    return runtime.load(path, dram_budget, ffn, ctx, threads, lookahead, verbose, say=verbose, **kwargs)
 
 
 @dataclass
 class GenerationResponse:
-    """One step of stream_generate: the new text piece (may be "" while a character's bytes are incomplete)."""
+    """One step of stream_generate: the new text piece (may be "" while a character's bytes are incomplete).
+
+    The last response says why the output ended (finish_reason): "length" on the token that reached max_tokens or
+    filled the context; "stop" when the model ended it, on a response of its own after the last token (as mlx-lm's:
+    token is the end-of-sequence id, text "", generation_tokens unchanged). Every other response: None."""
     text: str
     token: int
     prompt_tokens: int       # prompt tokens evaluated (not those whose KV a prompt_cache already held)
     prompt_tps: float        # prompt tokens per second
-    generation_tokens: int   # tokens sampled so far, this one included
+    generation_tokens: int   # tokens of the output so far, this one included
     generation_tps: float    # decode tokens per second so far (forward passes after the prompt)
     token_ms: float          # this token's forward pass; 0 for the first (it came from the prompt's pass)
     peak_memory_mb: float    # the process's peak RSS
+    finish_reason: str | None = None
+    # with logprobs=True: log-softmax [V] of the model's logits this token was drawn from, before the sampling
+    # chain (penalties, top-k/p, min-p, temperature), float32
+    logprobs: np.ndarray | None = None
 
 
 def make_prompt_cache(model: Model, tokenizer: Tokenizer) -> Session:
@@ -39,11 +57,15 @@ def make_prompt_cache(model: Model, tokenizer: Tokenizer) -> Session:
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int] | list[dict], system_prompt: str | None = None,
                   use_chat_template: bool = True) -> tuple[list[int], bool]:
-    """(ids, raw) for a prompt: a str gets the chat template when the model has one (as the CLI does), a list of
+    """(ids, raw) for a prompt: a str gets the chat template when the model has one (as the CLI does), unless
+    use_chat_template is False or the str is templated already (it starts with the template's own opening,
+    template_opening: tokenizer.apply_chat_template's output, as mlx-lm's users pass it); a list of
     {"role", "content"} messages always gets it, a list of ids is fed as is. raw: the output continues the prompt's
     text, so its first piece is decoded after the prompt's last ids (keeping a SentencePiece leading space)."""
     if isinstance(prompt, str):
         check_utf8(prompt, "prompt")
+        if use_chat_template and tokenizer.chat_template and is_templated(tokenizer, prompt):
+            return tokenizer.encode(prompt, add_special_tokens=False), False   # it spells BOS where the model wants
         return prompt_ids(tokenizer, prompt, system_prompt, use_chat_template), \
             not (use_chat_template and tokenizer.chat_template)
     if isinstance(prompt, (bytes, bytearray, memoryview)):    # iterating bytes gives ints: not token ids
@@ -58,18 +80,37 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int] | list[dict], sy
     return [int(i) for i in ids], True
 
 
+def template_opening(tokenizer: Tokenizer) -> str:
+    """What the model's chat template writes before the first role's name (ChatML's "<|im_start|>", Llama 3's
+    "<|begin_of_text|><|start_header_id|>"): the mark of a prompt templated already. "" when the template starts
+    with a role's name (nothing to tell a templated text by)."""
+    if not hasattr(tokenizer, "_template_opening"):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}])
+        at = min((i for i in (text.find("system"), text.find("user")) if i >= 0), default=0)
+        tokenizer._template_opening = text[:at] if text[:at].strip() else ""
+    return tokenizer._template_opening
+
+
+def is_templated(tokenizer: Tokenizer, text: str) -> bool:
+    opening = template_opening(tokenizer)
+    return bool(opening) and text.lstrip().startswith(opening)
+
+
 def stream_generate(model: Model, tokenizer: Tokenizer, prompt: str | list[int] | list[dict], max_tokens: int = 256,
                     temp: float = 0.0, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, seed: int = -1,
-                    repeat_penalty: float = 1.0, repeat_last_n: int = 64,
-                    system_prompt: str | None = None, use_chat_template: bool = True,
-                    ignore_eos: bool = False, prompt_cache: Session | None = None, logits_processors=None,
-                    json_schema: dict | str | None = None, grammar: str | None = None) -> Iterator[GenerationResponse]:
-    """Yield a GenerationResponse per sampled token (encode_prompt says how the prompt is read). temp 0 = greedy
-    (mlx-lm's default). prompt_cache (make_prompt_cache): reuse its KV cache; its timings are this call's.
-    logits_processors: callables (history ids, logits) -> logits, as mlx-lm's, run after the repetition penalty and
-    before top-k/top-p/min-p/temperature. json_schema (a dict or its JSON text) or grammar (GBNF or Lark text): the
-    output is held to it (llguidance's masks, one more processor) and ends where it is complete."""
-    sampler = Sampler(temp, top_k, top_p, seed, min_p, repeat_penalty, repeat_last_n)   # checks them, first
+                    repeat_penalty: float = 1.0, repeat_last_n: int = 64, presence_penalty: float = 0.0,
+                    frequency_penalty: float = 0.0, system_prompt: str | None = None, use_chat_template: bool = True,
+                    ignore_eos: bool = False, prompt_cache: Session | None = None, logprobs: bool = False,
+                    logits_processors=None, json_schema: dict | str | None = None,
+                    grammar: str | None = None) -> Iterator[GenerationResponse]:
+    """Yield a GenerationResponse per sampled token (encode_prompt says how the prompt is read), the last with its
+    finish_reason. temp 0 = greedy (mlx-lm's default). prompt_cache (make_prompt_cache): reuse its KV cache; its
+    timings are this call's. logprobs: each response carries the log-softmax of the logits its token came from.
+    logits_processors: callables (history ids, logits) -> logits, as mlx-lm's, run after the penalties and before
+    top-k/top-p/min-p/temperature. json_schema (a dict or its JSON text) or grammar (GBNF or Lark text): the output is
+    held to it (llguidance's masks, one more processor) and ends where it is complete."""
+    sampler = Sampler(temp, top_k, top_p, seed, min_p, repeat_penalty, repeat_last_n,   # checks them, first
+                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
     processors = list(logits_processors or [])
     if json_schema is not None or grammar is not None:
         if json_schema is not None and grammar is not None:
@@ -82,17 +123,34 @@ def stream_generate(model: Model, tokenizer: Tokenizer, prompt: str | list[int] 
     stream = StreamDecoder(tokenizer, ids[-StreamDecoder.CONTEXT_IDS:] if raw else [])
     t = session.timings
     n = 0
-    for tok in session.generate(ids, max_tokens, sampler, ignore_eos, processors):
-        n += 1
+
+    def response(text: str, tok: int, finish: str | None) -> GenerationResponse:
         decode_ms = sum(t.token_ms)
-        yield GenerationResponse(
-            text=stream.push(tok), token=tok, prompt_tokens=t.prompt_tokens,
+        return GenerationResponse(
+            text=text, token=tok, prompt_tokens=t.prompt_tokens,
             prompt_tps=t.prompt_tokens / t.prompt_ms * 1e3 if t.prompt_ms else 0.0, generation_tokens=n,
             generation_tps=len(t.token_ms) / decode_ms * 1e3 if decode_ms else 0.0,
-            token_ms=t.token_ms[-1] if t.token_ms else 0.0, peak_memory_mb=peak_rss_bytes() / 2**20)
+            token_ms=t.token_ms[-1] if t.token_ms else 0.0, peak_memory_mb=peak_rss_bytes() / 2**20,
+            finish_reason=finish, logprobs=log_softmax(session.logits) if logprobs else None)
+    steps = session.generate(ids, max_tokens, sampler, ignore_eos, processors)
+    try:
+        for tok in steps:
+            n += 1
+            # the generation ends after this token when it is the max_tokens-th or fills the context (ContextFull)
+            full = n == max_tokens or session.kv.length >= session.ctx
+            yield response(stream.push(tok), tok, "length" if full else None)
+            if full:
+                return
+    finally:
+        steps.close()
+    # the model ended it (its end-of-sequence id), or the grammar did (complete: the end-of-sequence id is all it
+    # would allow next)
+    last = sampler.drawn[-1] if sampler.drawn else None
+    if last in tokenizer.eos_ids or (last is not None and any(hasattr(p, "done") for p in processors)):
+        yield response("", last if last in tokenizer.eos_ids or not tokenizer.eos_ids else tokenizer.eos_ids[0], "stop")
 
 
-def generate(model: Model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: int = 256,
+def generate(model: Model, tokenizer: Tokenizer, prompt: str | list[int] | list[dict], max_tokens: int = 256,
              verbose: bool = False, **kwargs) -> str:
     """The generated text (stream_generate's pieces joined). verbose: stream it to stdout and print timings."""
     pieces, last = [], None

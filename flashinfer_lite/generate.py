@@ -26,7 +26,8 @@ from .threads import StepThreads
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Sampling (llama.cpp's default chain: repetition penalty, top-k, top-p, min-p, temperature, then draw)
+# Sampling (llama.cpp's default chain: penalties (repetition, then frequency and presence), top-k, top-p, min-p,
+# temperature, then draw)
 
 class SamplingError(UserError, ValueError):
     """A sampling argument of the wrong type or out of its range. `name` is the Sampler field, so that each front end
@@ -54,6 +55,8 @@ SAMPLING_RULES = {
     "min_p": (lambda v: _number(v) and 0 <= v <= 1, "a number between 0 and 1 (0 = off)"),
     "repeat_penalty": (lambda v: _number(v) and v > 0, "a number > 0 (1 = off)"),
     "repeat_last_n": (lambda v: _integer(v) and v >= -1, "an integer >= -1 (-1 = the whole context)"),
+    "presence_penalty": (lambda v: _number(v) and -2 <= v <= 2, "a number between -2 and 2 (0 = off)"),
+    "frequency_penalty": (lambda v: _number(v) and -2 <= v <= 2, "a number between -2 and 2 (0 = off)"),
 }
 
 
@@ -66,33 +69,57 @@ class Sampler:
     min_p: float = 0.05             # llama.cpp's default: drop tokens under 5% of the most likely one's probability
     repeat_penalty: float = 1.0     # 1 = off (llama.cpp's default)
     repeat_last_n: int = 64
+    presence_penalty: float = 0.0   # OpenAI's: minus this from the logit of every token drawn at least once
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times the number of times a token was drawn
     rng: np.random.Generator = field(init=False)
+    drawn: list[int] = field(init=False)    # the ids this Sampler returned, for the frequency and presence penalties
 
     def __post_init__(self):
         for name, (ok, rule) in SAMPLING_RULES.items():
             if not ok(getattr(self, name)):
                 raise SamplingError(name, getattr(self, name), rule)
         self.rng = np.random.default_rng(None if self.seed < 0 else self.seed)
+        self.drawn = []
 
-    def penalize(self, logits: np.ndarray, history) -> np.ndarray:
-        """llama.cpp's repetition penalty: each distinct token of the last repeat_last_n ids has its logit divided by
-        the penalty when positive, multiplied when negative."""
-        if self.repeat_penalty == 1.0 or self.repeat_last_n == 0 or not len(history):
+    def penalize(self, logits: np.ndarray, history, drawn=()) -> np.ndarray:
+        """llama.cpp's penalties, in its order: the repetition penalty (each distinct token of the last repeat_last_n
+        ids of history has its logit divided by the penalty when positive, multiplied when negative), then OpenAI's
+        frequency and presence penalties, logit - count * frequency_penalty - (count > 0) * presence_penalty, where
+        count is how often the token is in `drawn`: the output so far, as OpenAI counts it. (llama.cpp counts the
+        last repeat_last_n ids, prompt included: a chat template's own end-of-turn token would be penalized there.)"""
+        repeat = self.repeat_penalty != 1.0 and self.repeat_last_n != 0 and len(history)
+        counted = (self.presence_penalty or self.frequency_penalty) and len(drawn)
+        if not repeat and not counted:
             return logits
-        recent = history[-self.repeat_last_n:] if self.repeat_last_n > 0 else history
-        ids = np.unique(np.asarray(recent, np.int64))
         out = np.array(logits, dtype=np.float32, copy=True)
-        v = out[ids]
-        out[ids] = np.where(v > 0, v / self.repeat_penalty, v * self.repeat_penalty)
+        if repeat:
+            recent = history[-self.repeat_last_n:] if self.repeat_last_n > 0 else history
+            ids = np.unique(np.asarray(recent, np.int64))
+            v = out[ids]
+            out[ids] = np.where(v > 0, v / self.repeat_penalty, v * self.repeat_penalty)
+        if counted:
+            ids, counts = np.unique(np.asarray(drawn, np.int64), return_counts=True)
+            out[ids] -= (counts * self.frequency_penalty + self.presence_penalty).astype(np.float32)
         return out
 
     def __call__(self, logits: np.ndarray, history=(), processors=()) -> int:
-        """The next token from logits [V]; history: the ids so far (prompt and output), for the penalty and the
+        """The next token from logits [V]; history: the ids so far (prompt and output), for the penalties and the
         processors: callables (history, logits) -> logits as mlx-lm's logits_processors (a grammar's mask,
-        constrain.Constraint), run after the penalty and before the cut-offs and the temperature."""
-        logits = self.penalize(logits, history)
+        constrain.Constraint), run after the penalties and before the cut-offs and the temperature. A Sampler counts
+        what it draws for the frequency and presence penalties: one Sampler per completion (a chat's next turn:
+        reset())."""
+        logits = self.penalize(logits, history, self.drawn)
         for process in processors:
             logits = process(history, logits)
+        tok = self.draw(logits)
+        self.drawn.append(tok)
+        return tok
+
+    def reset(self) -> None:
+        """Forget the output counted by the frequency and presence penalties (a new completion)."""
+        self.drawn = []
+
+    def draw(self, logits: np.ndarray) -> int:
         if self.temp <= 0:
             return int(np.argmax(logits))
         idx = np.argsort(-logits, kind="stable")
@@ -113,9 +140,17 @@ class Sampler:
         return int(idx[self.rng.choice(len(idx), p=p / p.sum())])
 
 
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """log p of every token [V], float32, from logits [V] (the exponentials summed in float64)."""
+    z = np.asarray(logits, np.float32)
+    top = z.max()
+    return (z - np.float32(top + np.log(np.exp((z - top).astype(np.float64)).sum()))).astype(np.float32)
+
+
 def sampler_from(args) -> Sampler:
     return Sampler(args.temp, args.top_k, args.top_p, args.seed, min_p=args.min_p,
-                   repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n)
+                   repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+                   presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -213,6 +248,7 @@ class Session:
         self.kv = model.new_cache(ctx)
         self.cached: list[int] = []
         self.timings = Timings()
+        self.logits: np.ndarray | None = None
         # each decode step's thread count, by measured step times (choose_threads False: always -t, as a bench
         # that times the parts of a step at a given thread count needs)
         self.threads = StepThreads(choose=choose_threads)
@@ -221,9 +257,10 @@ class Session:
     def ctx(self) -> int:
         return self.kv.capacity
 
-    def reset(self) -> None:
-        self.kv.reset()
-        self.cached = []
+    def reset(self, keep: int = 0) -> None:
+        """Forget the cache but its first `keep` tokens."""
+        self.kv.reset(keep)
+        self.cached = self.cached[:keep]
 
     def generate(self, ids: list[int], n_predict: int, sampler: Sampler, ignore_eos: bool = False,
                  logits_processors=()):
@@ -250,6 +287,7 @@ class Session:
         processors = [self.timed(p, count=not k) for k, p in enumerate(logits_processors)]
         ends = [self.timed(p.done, count=False) for p in logits_processors if hasattr(p, "done")]
         while n_predict < 0 or produced < n_predict:
+            self.logits = logits    # the model's logits the token is drawn from, before the sampling chain (logprobs)
             tok = sampler(logits, self.cached, processors) if processors else sampler(logits, self.cached)
             produced += 1
             if tok in self.tokenizer.eos_ids and not ignore_eos:
@@ -290,7 +328,9 @@ class ContextFull(Exception):
 
 def add_model_arguments(p) -> None:
     """Flags shared by generate and chat, named as llama.cpp names them."""
-    p.add_argument("-m", "--model", help="HF directory or .gguf file (default: SmolLM2-135M-Instruct, fetched on first use)")
+    p.add_argument("-m", "--model", help="HF directory or .gguf file, or a repo id in the Hugging Face cache "
+                                         "(ORG/NAME, a GGUF repo's ORG/NAME:Q4_K_M; offline) (default: "
+                                         "SmolLM2-135M-Instruct, fetched on first use)")
     p.add_argument("-n", "--n-predict", type=int, default=256, help="tokens to generate, -1 = until EOS (default 256)")
     p.add_argument("-c", "--ctx-size", type=int, default=0, help=f"context size (default: the model's, at most {DEFAULT_MAX_CTX})")
     p.add_argument("--temp", type=float, default=0.8, help="temperature, 0 = greedy (default 0.8)")
@@ -303,6 +343,12 @@ def add_model_arguments(p) -> None:
                    help="penalize repeated tokens: logit / P if positive, x P if negative, 1.0 = off (default 1.0)")
     p.add_argument("--repeat-last-n", type=int, default=64,
                    help="last N tokens to penalize, 0 = off, -1 = all (default 64)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract this from the logit of every token the output already holds, -2 to 2, 0 = off "
+                        "(OpenAI's; default 0)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract this times a token's count in the output from its logit, -2 to 2, 0 = off "
+                        "(OpenAI's; default 0)")
     p.add_argument("-s", "--seed", type=int, default=-1, help="RNG seed, -1 = random (default -1)")
     p.add_argument("-sys", "--system-prompt", default=None, help="system prompt for the chat template")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")

@@ -34,6 +34,7 @@ from .budget import HEAP_SLACK_BYTES, BelowMinimum, Budget, resident_matrix_shap
 from .default_model import default_model_path, ensure_default_model
 from .ffn.gate import (CALIBRATION_CTX, CALIBRATION_TOKENS, LayerMagnitudes, calibration_seconds,
                        measure_thresholds)
+from .hub import resolve_model
 from .loader import open_any
 from .model import Transformer
 from .modes import (Facts, GateMode, ModelFiles, check_mode, decide, dense_bytes_of, kernels_for, minimum_bytes, plans,
@@ -263,13 +264,17 @@ class Model:
 
 def load(path: str | None = None, dram_budget: int | str | None = "auto", ffn: str = "auto", ctx: int = 0,
          threads: int | None = None, lookahead: bool = False, verbose: bool = False,
-         sparsity: float = DEFAULT_SPARSITY, act8: bool = True):
-    """(model, tokenizer) for an HF directory, a GGUF file or a FLASHDIR; None = the default model (fetched, and its
-    predictors trained, on first use). dram_budget: bytes, a size string ("300M"), "auto" (the default: what the
-    machine can give) or None (no limit); ffn as the CLI's --ffn; ctx 0: the model's default context. act8: the dot
-    products with weights in 32-weight blocks (q4_0, q4_1, q5_0, q5_1, q8_0) round x to 8 bits as llama.cpp does
-    (faster); False keeps x float32, the float math on the dequantized weights (blocks.set_act8: for the process)."""
+         sparsity: float = DEFAULT_SPARSITY, act8: bool = True, say: bool = True):
+    """(model, tokenizer) for an HF directory, a GGUF file or a FLASHDIR, or a repo id in the Hugging Face cache
+    (hub.resolve_model); None = the default model (fetched, and its predictors trained, on first use). dram_budget:
+    bytes, a size string ("300M"), "auto" (the default: what the machine can give) or None (no limit); ffn as the
+    CLI's --ffn; ctx 0: the model's default context. act8: the dot products with weights in 32-weight blocks (q4_0,
+    q4_1, q5_0, q5_1, q8_0) round x to 8 bits as llama.cpp does (faster); False keeps x float32, the float math on the
+    dequantized weights (blocks.set_act8: for the process).
+    say: print the decision's notes and the mode --ffn auto chose (the commands do; the Python API only when
+    verbose). A first use's work (download, conversion, training) is announced either way: it takes minutes."""
     t0 = time.perf_counter()
+    path = resolve_model(path)
     one_blas_thread()
     set_threads(threads)
     set_act8(act8)
@@ -279,8 +284,8 @@ def load(path: str | None = None, dram_budget: int | str | None = "auto", ffn: s
     ctx = context_size(ctx, files.ckpt.config)
     decision, transformer, flash_ffn = decide_and_build(files, ffn, budget, ctx, lookahead=lookahead,
                                                         threads=threads, progress=progress, verbose=verbose,
-                                                        sparsity=sparsity)
-    if decision.auto is not None:
+                                                        sparsity=sparsity, say=say)
+    if decision.auto is not None and say:
         fit, whose = decision.auto
         whose = decision.mode.whose(files, whose)
         print(f"ffn: {decision.ffn} (--ffn auto, {f'{fit}; ' if fit else ''}{whose})", file=sys.stderr)

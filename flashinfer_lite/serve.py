@@ -1,6 +1,7 @@
 """`flashinfer-lite serve`: the OpenAI API over HTTP for one model, as llama-server and mlx_lm.server serve it.
 
-POST /v1/chat/completions and /v1/completions (server-sent events with "stream": true), GET /v1/models, GET /health.
+POST /v1/chat/completions and /v1/completions (server-sent events with "stream": true), GET /v1/models, GET /health,
+GET /metrics (Prometheus' text format). Each request answered is one line on stderr.
 The runtime holds one sequence, so one request generates at a time and the others wait in arrival order; its KV
 cache is kept, so a request whose prompt extends the last one's (the next turn of a conversation) evaluates only what
 it adds. A client that disconnects stops its generation. Starlette and uvicorn (the `serve` extra) are imported only
@@ -29,15 +30,22 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .api import encode_prompt, load, make_prompt_cache, stream_generate
+import numpy as np
+
+from .api import encode_prompt, make_prompt_cache, stream_generate
 from .constrain import Constraint, checked, json_schema_grammar
 from .default_model import FILENAME as DEFAULT_MODEL_FILE
 from storage.errors import UserError
-from .generate import ContextFull, Sampler, SamplingError, add_model_arguments, check_arguments, rss_summary
+from .generate import Sampler, SamplingError, add_model_arguments, check_arguments, rss_summary, streamed_head
+from .process import peak_rss_bytes, rss_bytes
+from .runtime import load
 from .tools import ToolError, ToolText, call_grammar, check_tool_choice, check_tools, template_message
 from storage.tokenizer import PromptTooLong, StopStrings
 
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 16               # n: choices of one prompt, generated one after the other
+MAX_TOP_LOGPROBS = 20          # OpenAI's bound of top_logprobs (the legacy completions' logprobs: 5)
+API_KEY_ENV = "FLASHINFER_LITE_API_KEY"
 JSON_ESCAPE = 6                # JSON spells a byte of text in at most 6 (\u001f)
 BODY_FIELDS_BYTES = 64 << 10   # a body's room besides its text: the other fields, the JSON syntax, a chat's roles
 
@@ -51,7 +59,10 @@ def add_arguments(p) -> None:
                         "(a reverse proxy's; repeatable)")
     p.add_argument("--cors", metavar="ORIGIN", help="let web pages of this origin call the API (e.g. "
                                                     "http://localhost:3000); default: no cross-origin access")
-    p.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' (GET /health stays open)")
+    p.add_argument("--api-key", metavar="KEY", default=os.environ.get(API_KEY_ENV) or None,
+                   help=f"require 'Authorization: Bearer KEY' (GET /health stays open); default: ${API_KEY_ENV}")
+    p.add_argument("--alias", metavar="NAME", help="the model's id in responses and /v1/models (default: its file "
+                                                   "or directory name)")
     p.add_argument("--timeout", type=float, default=60, metavar="SECONDS",
                    help="how long a client may take to send its request body (default 60)")
 
@@ -80,8 +91,12 @@ class Job:
     stream: bool
     include_usage: bool
     chat: bool
-    grammar: str | None = None         # the output's grammar (response_format, a required tool call): llguidance's
-    tools: list[str] | None = None     # the functions the answer may call (its tool calls are parsed out)
+    grammar: str | None = None    # the output's grammar (response_format, a required tool call): llguidance's
+    tools: list[str] | None = None   # the functions the answer may call (its tool calls are parsed out)
+    logprobs: int | None = None   # the top alternatives to list beside each token's logprob; None: no logprobs
+    echo: bool = False            # completions: the prompt's text before the output's
+    n: int = 1                    # choices, generated one after the other (choice i samples with seed + i)
+    cache_n: int = 0              # prompt tokens the first choice found in the KV cache
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -160,15 +175,31 @@ def parse_job(body, chat: bool, server: "Server") -> Job:
             prompt = prompt[0]
         if not isinstance(prompt, str):
             raise BadRequest("'prompt' must be a string", "prompt")
-    n = number(body, "n", 1, integer=True)
-    if n != 1:
-        raise BadRequest("only n = 1 is supported", "n")
+    n = number(body, "n", 1, lo=1, hi=MAX_CHOICES, integer=True)
+    if chat:
+        want = body.get("logprobs")
+        if want is not None and not isinstance(want, bool):
+            raise BadRequest("'logprobs' must be true or false", "logprobs")
+        top = number(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
+        if top is not None and not want:
+            raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        logprobs, echo = (top or 0) if want else None, False
+    else:
+        logprobs = number(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
+        echo = body.get("echo", False)
+        if not isinstance(echo, bool):
+            raise BadRequest("'echo' must be true or false", "echo")
+        if echo and logprobs is not None:
+            # the prompt's logprobs take logits at every prompt position: [T, V] floats no budget planned for
+            raise BadRequest("'echo' with 'logprobs' (the prompt's log probabilities) is not supported", "echo")
     max_tokens = number(body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
                         a.n_predict if a.n_predict > 0 else server.ctx, lo=1, integer=True)
     sampling = dict(temp=number(body, "temperature", a.temp), top_p=number(body, "top_p", a.top_p),
                     top_k=number(body, "top_k", a.top_k, integer=True), min_p=number(body, "min_p", a.min_p),
                     repeat_penalty=number(body, "repeat_penalty", a.repeat_penalty),
-                    seed=number(body, "seed", a.seed, integer=True), repeat_last_n=a.repeat_last_n)
+                    seed=number(body, "seed", a.seed, integer=True), repeat_last_n=a.repeat_last_n,
+                    presence_penalty=number(body, "presence_penalty", a.presence_penalty),
+                    frequency_penalty=number(body, "frequency_penalty", a.frequency_penalty))
     try:
         Sampler(**sampling)     # the CLI's and the API's check of the ranges
     except SamplingError as e:
@@ -213,7 +244,8 @@ def parse_job(body, chat: bool, server: "Server") -> Job:
         raise BadRequest(f"the prompt is {len(ids)} tokens, more than the context of {server.ctx}",
                          param, code="context_length_exceeded")
     return Job(prompt, ids, max_tokens, sampling, stop, stream, options.get("include_usage") is True, chat,
-               grammar, [t["function"]["name"] for t in tools] if tools and choice != "none" else None)
+               grammar, [t["function"]["name"] for t in tools] if tools and choice != "none" else None,
+               logprobs, echo, n)
 
 
 def job_tools(body: dict, chat: bool, server: "Server") -> tuple[list[dict] | None, str]:
@@ -253,6 +285,23 @@ class Outcome:
     tool_calls: list[dict] | None = None
 
 
+class Logprobs(list):
+    """Log probabilities of tokens sampled ({"id", "logprob", "top": [(id, logprob)], "offset": its text's}), yielded
+    by Server.generate before the text they make."""
+
+
+def next_step(steps, top: int | None):
+    """(the next GenerationResponse or None, its token's logprob entry or None): on the worker, which alone touches
+    the [V] log-softmax; top: how many alternatives to list (None: no logprobs)."""
+    step = next(steps, None)
+    if step is None or step.logprobs is None or step.finish_reason == "stop":
+        return step, None
+    lp, step.logprobs = step.logprobs, None
+    best = np.argpartition(-lp, top)[:top] if 0 < top < len(lp) else np.arange(len(lp) if top else 0)
+    best = best[np.argsort(-lp[best], kind="stable")]
+    return step, {"id": step.token, "logprob": float(lp[step.token]), "top": [(int(i), float(lp[i])) for i in best]}
+
+
 class Server:
     def __init__(self, args):
         import numba
@@ -260,7 +309,7 @@ class Server:
         self.model, self.tokenizer = load(args.model, args.dram_budget, args.ffn, args.ctx_size, args.threads,
                                           args.lookahead, args.verbose)
         self.ctx = self.model.ctx
-        self.name = Path(args.model).name if args.model else Path(DEFAULT_MODEL_FILE).stem
+        self.name = args.alias or (Path(args.model).name if args.model else Path(DEFAULT_MODEL_FILE).stem)
         self.cache = make_prompt_cache(self.model, self.tokenizer)
         # The most text a context holds: ctx tokens of the longest vocabulary entry in UTF-8 (byte-level and
         # SentencePiece vocabularies spell a byte of text in 2 or 3 bytes: slack that also covers NFC composing 3
@@ -270,6 +319,9 @@ class Server:
         self.max_body_bytes = JSON_ESCAPE * self.max_prompt_bytes + BODY_FIELDS_BYTES
         self.stopping = False   # SIGTERM or Ctrl-C: a generation ends after its token, a waiting request at once
         self.tokens_predicted_total = 0   # llama-server's metric of that name: every token sampled, for /health
+        self.prompt_tokens_total = 0      # the prompts' tokens (usage.prompt_tokens), cached or evaluated
+        self.requests: dict[int, int] = {}   # HTTP status -> requests answered so (/metrics)
+        self.waiting = 0                  # requests waiting for the model
         self.lock = asyncio.Lock()   # FIFO: waiting requests get the model in arrival order
         # numba's thread count is per thread: the worker takes the one load() set here (-t)
         self.worker = ThreadPoolExecutor(1, "generate", initializer=numba.set_num_threads,
@@ -288,37 +340,51 @@ class Server:
         """fn(*args) on the generation worker, after what it was given before."""
         return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
 
-    async def generate(self, job: Job):
-        """Yield the text pieces of job's output, stop strings cut out, then its Outcome. Closing this generator
-        early (a client gone) stops the generation after the token being computed; a server stopping raises
-        ShuttingDown after it."""
-        async with self.lock:
+    async def generate(self, job: Job, choice: int = 0):
+        """Yield the text pieces of job's output (its choice-th choice), stop strings cut out, then its Outcome; with
+        logprobs, each token's Logprobs before its text. Closing this generator early (a client gone) stops the
+        generation after the token being computed; a server stopping raises ShuttingDown after it."""
+        self.waiting += 1
+        try:
+            await self.lock.acquire()
+        finally:
+            self.waiting -= 1
+        try:
             if self.stopping:
                 raise ShuttingDown()
+            if choice == 0:
+                self.prompt_tokens_total += len(job.ids)
             loop = asyncio.get_running_loop()
+            sampling = dict(job.sampling)
+            if choice:
+                if sampling["seed"] >= 0:      # n choices of one seed: each its own draw, reproducibly
+                    sampling["seed"] += choice
+                # each choice evaluates the prompt as the first did (from the same cached prefix, the rest in one
+                # pass): a prompt's last token evaluated alone gives slightly other logits than in a batch
+                self.worker.submit(self.cache.reset, job.cache_n)
+            # a grammar per choice: its matcher follows one output
             constraint = None if job.grammar is None else await loop.run_in_executor(self.worker, self.constraint, job)
             # with tools the prompt's ids were rendered with them: those are fed as they are
             steps = stream_generate(self.model, self.tokenizer, job.ids if job.tools else job.prompt, job.max_tokens,
                                     use_chat_template=job.chat, prompt_cache=self.cache,
                                     ignore_eos=self.args.ignore_eos, logits_processors=constraint and [constraint],
-                                    **job.sampling)
-            stops, n, finish = StopStrings(job.stop), 0, "stop"
+                                    logprobs=job.logprobs is not None, **sampling)
+            stops, n, finish, shown = StopStrings(job.stop), 0, "stop", 0
             calls = ToolText(job.tools) if job.tools else None
             try:
                 while not stops.stopped:
                     if self.stopping:
                         raise ShuttingDown()
-                    try:
-                        step = await loop.run_in_executor(self.worker, next, steps, None)
-                    except ContextFull:
-                        finish = "length"
-                        break
-                    if step is None:
+                    step, entry = await loop.run_in_executor(self.worker, next_step, steps, job.logprobs)
+                    if step is None or step.finish_reason == "stop":   # the end-of-sequence token: no text of its own
                         break
                     n += 1
                     self.tokens_predicted_total += 1
-                    if n == job.max_tokens:
+                    if step.finish_reason == "length":
                         finish = "length"
+                    if entry is not None:
+                        yield Logprobs([{**entry, "offset": shown}])
+                    shown += len(step.text)
                     piece = stops.push(step.text)
                     if piece and calls:
                         piece = calls.push(piece)
@@ -338,7 +404,11 @@ class Server:
                 finish = "tool_calls" if found else finish
             if tail:
                 yield tail
-            yield Outcome(finish, n, self.timings(job, n), found or None)
+            out = Outcome(finish, n, self.timings(job, n), found or None)
+            job.cache_n = out.timings["cache_n"]
+            yield out
+        finally:
+            self.lock.release()
 
     def constraint(self, job: Job):
         """job's grammar as a logits processor (the worker builds llguidance's vocabulary on first use)."""
@@ -359,65 +429,102 @@ class Server:
 # ----------------------------------------------------------------------------------------------------------------------
 # Responses in the OpenAI shapes
 
-def usage(job: Job, out: Outcome) -> dict:
-    return {"prompt_tokens": len(job.ids), "completion_tokens": out.completion_tokens,
-            "total_tokens": len(job.ids) + out.completion_tokens}
+def usage(job: Job, outs: list[Outcome]) -> dict:
+    done = sum(o.completion_tokens for o in outs)
+    return {"prompt_tokens": len(job.ids), "completion_tokens": done, "total_tokens": len(job.ids) + done}
+
+
+def logprobs_doc(job: Job, server: Server, entries: list[dict]) -> dict | None:
+    """OpenAI's logprobs of tokens: chat's {"content": [{token, logprob, bytes, top_logprobs}]}, the legacy
+    completions' {tokens, token_logprobs, top_logprobs, text_offset}. A token's text is its bytes decoded, a piece of
+    a character replaced by U+FFFD (its bytes say which)."""
+    if job.logprobs is None or not entries:
+        return None
+    tok = server.tokenizer
+
+    def text(i: int) -> str:
+        return tok.token_bytes(i).decode("utf-8", "replace")
+    if job.chat:
+        def one(i: int, lp: float) -> dict:
+            return {"token": text(i), "logprob": lp, "bytes": list(tok.token_bytes(i))}
+        return {"content": [{**one(e["id"], e["logprob"]), "top_logprobs": [one(i, lp) for i, lp in e["top"]]}
+                            for e in entries], "refusal": None}
+    base = len(job.prompt) if job.echo else 0
+    return {"tokens": [text(e["id"]) for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{text(i): lp for i, lp in e["top"]} for e in entries],
+            "text_offset": [base + e["offset"] for e in entries]}
 
 
 def chunk(job: Job, server: Server, text: str | None = None, finish: str | None = None, role: bool = False,
-          tool_calls: list[dict] | None = None) -> dict:
+          index: int = 0, entries=(), tool_calls: list[dict] | None = None) -> dict:
     """One streamed event: a text delta (or the first, with the role; or the calls, whole; or the last, with the
     finish reason)."""
+    logprobs = logprobs_doc(job, server, list(entries))
     if job.chat:
         delta = {"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}
         if tool_calls:
             delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls)]}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     return {"id": ("chatcmpl-" if job.chat else "cmpl-") + job.id, "created": job.created, "model": server.name,
             "object": "chat.completion.chunk" if job.chat else "text_completion", "choices": [choice]}
 
 
-def whole(job: Job, server: Server, text: str, out: Outcome) -> dict:
-    if job.chat:
-        message = {"role": "assistant", "content": text or None if out.tool_calls else text}
-        if out.tool_calls:
-            message["tool_calls"] = out.tool_calls
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": out.finish_reason}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": out.finish_reason}
+def whole(job: Job, server: Server, answers: list[tuple[str, Outcome, list]]) -> dict:
+    """The response to a request not streamed: answers are each choice's (text, Outcome, logprob entries)."""
+    choices = []
+    for i, (text, out, entries) in enumerate(answers):
+        if job.chat:
+            message = {"role": "assistant", "content": text or None if out.tool_calls else text}
+            if out.tool_calls:
+                message["tool_calls"] = out.tool_calls
+            choices.append({"index": i, "message": message, "logprobs": logprobs_doc(job, server, entries),
+                            "finish_reason": out.finish_reason})
+        else:
+            choices.append({"index": i, "text": job.prompt + text if job.echo else text,
+                            "logprobs": logprobs_doc(job, server, entries), "finish_reason": out.finish_reason})
     return {"id": ("chatcmpl-" if job.chat else "cmpl-") + job.id, "created": job.created, "model": server.name,
-            "object": "chat.completion" if job.chat else "text_completion", "choices": [choice],
-            "usage": usage(job, out), "timings": out.timings}
+            "object": "chat.completion" if job.chat else "text_completion", "choices": choices,
+            "usage": usage(job, [out for _, out, _ in answers]), "timings": answers[-1][1].timings}
 
 
 def sse(doc) -> str:
     return f"data: {doc if isinstance(doc, str) else json.dumps(doc, ensure_ascii=False)}\n\n"
 
 
-async def events(job: Job, server: Server):
-    """The server-sent events of a streamed response, ending with `data: [DONE]`."""
-    async with aclosing(server.generate(job)) as pieces:
-        try:
-            if job.chat:
-                yield sse(chunk(job, server, role=True))
-            async for piece in pieces:
-                if isinstance(piece, Outcome):
-                    if piece.tool_calls:
-                        yield sse(chunk(job, server, tool_calls=piece.tool_calls))
-                    last = chunk(job, server, finish=piece.finish_reason)
-                    last["timings"] = piece.timings
-                    yield sse(last)
-                    if job.include_usage:
-                        yield sse({**chunk(job, server), "choices": [], "usage": usage(job, piece)})
-                else:
-                    yield sse(chunk(job, server, piece))
-        except ShuttingDown as e:   # the status line has gone out: the error is the stream's last event
-            yield sse(error_body(str(e), "server_error"))
-        except Exception as e:
-            traceback.print_exc()
-            yield sse(error_body(f"generation failed: {e}", "server_error"))
+async def events(job: Job, server: Server, state: dict):
+    """The server-sent events of a streamed response, ending with `data: [DONE]`; state["usage"]: its usage."""
+    outs = []
+    try:
+        for i in range(job.n):
+            async with aclosing(server.generate(job, i)) as pieces:
+                if job.chat:
+                    yield sse(chunk(job, server, role=True, index=i))
+                elif job.echo:
+                    yield sse(chunk(job, server, job.prompt, index=i))
+                pending = []
+                async for piece in pieces:
+                    if isinstance(piece, Logprobs):
+                        pending += piece
+                    elif isinstance(piece, Outcome):
+                        outs.append(piece)
+                        if piece.tool_calls:
+                            yield sse(chunk(job, server, index=i, tool_calls=piece.tool_calls))
+                        last = chunk(job, server, finish=piece.finish_reason, index=i, entries=pending)
+                        last["timings"] = piece.timings
+                        yield sse(last)
+                    else:
+                        yield sse(chunk(job, server, piece, index=i, entries=pending))
+                        pending = []
+        state["usage"] = usage(job, outs)
+        if job.include_usage:
+            yield sse({**chunk(job, server), "choices": [], "usage": state["usage"]})
+    except ShuttingDown as e:   # the status line has gone out: the error is the stream's last event
+        yield sse(error_body(str(e), "server_error"))
+    except Exception as e:
+        traceback.print_exc()
+        yield sse(error_body(f"generation failed: {e}", "server_error"))
     yield sse("[DONE]")
 
 
@@ -513,6 +620,55 @@ def guarded(app, args):
     return refusing(inner, host_refusal)
 
 
+def logged(app, server: Server):
+    """app, each HTTP request counted by its status (/metrics) and logged in one line on stderr when answered:
+    method, path, status, tokens (prompt + completion, from the usage the handler put in the scope's state), ms."""
+    async def asgi(scope, receive, send):
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        t0, state, status = time.perf_counter(), scope.setdefault("state", {}), [500]
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+        try:
+            await app(scope, receive, sending)
+        finally:
+            server.requests[status[0]] = server.requests.get(status[0], 0) + 1
+            u = state.get("usage")
+            tokens = f"{u['prompt_tokens']}+{u['completion_tokens']} tokens" if u else "- tokens"
+            print(f"{scope['method']} {scope['path']} {status[0]} {tokens} {(time.perf_counter() - t0) * 1e3:.0f} ms",
+                  file=sys.stderr, flush=True)
+    return asgi
+
+
+def metrics_text(server: Server) -> str:
+    """/metrics in Prometheus' text format (version 0.0.4)."""
+    ffn, head = server.model.ffn, streamed_head(server.model.transformer)
+    flash = (ffn.stats.read_bytes + ffn.stats.prefill_bytes_read if ffn is not None else 0) + \
+        (head.stats.read_bytes if head is not None else 0)
+    plan = getattr(ffn, "plan", None)
+    rows = [("prompt_tokens_total", "counter", "prompt tokens of the requests (usage.prompt_tokens)",
+             [("", server.prompt_tokens_total)]),
+            ("tokens_predicted_total", "counter", "tokens generated", [("", server.tokens_predicted_total)]),
+            ("requests_total", "counter", "HTTP requests answered, by status",
+             [(f'{{status="{k}"}}', v) for k, v in sorted(server.requests.items())]),
+            ("requests_waiting", "gauge", "requests waiting for the model (the queue)", [("", server.waiting)]),
+            ("requests_processing", "gauge", "requests generating", [("", int(server.lock.locked()))]),
+            ("flash_read_bytes_total", "counter", "bytes of weights read from flash", [("", flash)]),
+            ("rss_bytes", "gauge", "resident memory of the process", [("", rss_bytes())]),
+            ("peak_rss_bytes", "gauge", "the kernel's high-water mark of the resident memory",
+             [("", peak_rss_bytes())])]
+    if plan is not None and plan.requested:
+        rows.append(("dram_budget_bytes", "gauge", "--dram-budget", [("", plan.budget_bytes)]))
+    lines = []
+    for name, kind, help_, samples in rows:
+        lines += [f"# HELP flashinfer_lite_{name} {help_}", f"# TYPE flashinfer_lite_{name} {kind}"]
+        lines += [f"flashinfer_lite_{name}{labels} {value}" for labels, value in samples]
+    return "\n".join(lines) + "\n"
+
+
 def make_app(server: Server):
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
@@ -543,24 +699,31 @@ def make_app(server: Server):
         except ClientDisconnect:   # gone while sending its body: no one to answer, nothing worth a log line
             return Response(status_code=499)
         if job.stream:
-            return EventStream(events(job, server), media_type="text/event-stream",
+            return EventStream(events(job, server, request.scope["state"]), media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text, out = [], None
+        answers = []
         try:
-            async with aclosing(server.generate(job)) as pieces:
-                async for piece in pieces:
-                    if isinstance(piece, Outcome):
-                        out = piece
-                    else:
-                        text.append(piece)
-                    if await request.is_disconnected():
-                        return JSONResponse(error_body("client disconnected", "invalid_request_error"), 499)
+            for i in range(job.n):
+                text, out, entries = [], None, []
+                async with aclosing(server.generate(job, i)) as pieces:
+                    async for piece in pieces:
+                        if isinstance(piece, Outcome):
+                            out = piece
+                        elif isinstance(piece, Logprobs):
+                            entries += piece
+                        else:
+                            text.append(piece)
+                        if await request.is_disconnected():
+                            return JSONResponse(error_body("client disconnected", "invalid_request_error"), 499)
+                answers.append(("".join(text), out, entries))
         except ShuttingDown as e:
             return error(BadRequest(str(e), status=503))
         except Exception as e:
             traceback.print_exc()
             return error(BadRequest(f"generation failed: {e}", status=500))
-        return JSONResponse(whole(job, server, "".join(text), out))
+        doc = whole(job, server, answers)
+        request.scope["state"]["usage"] = doc["usage"]
+        return JSONResponse(doc)
 
     async def chat_completions(request):
         return await completions(request, chat=True)
@@ -576,6 +739,9 @@ def make_app(server: Server):
         return JSONResponse({"status": "ok", "tokens_predicted_total": server.tokens_predicted_total,
                              **rss_summary(server.model.ffn)})
 
+    async def metrics(request):
+        return Response(metrics_text(server), media_type="text/plain; version=0.0.4; charset=utf-8")
+
     async def http_error(request, exc: HTTPException):
         return error(BadRequest(str(exc.detail), status=exc.status_code))
 
@@ -585,9 +751,10 @@ def make_app(server: Server):
     routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/completions", text_completions, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
-              Route("/health", health, methods=["GET"])]
+              Route("/health", health, methods=["GET"]),
+              Route("/metrics", metrics, methods=["GET"])]
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
-    return guarded(app, server.args)
+    return logged(guarded(app, server.args), server)
 
 
 def listen(host: str, port: int) -> socket.socket:

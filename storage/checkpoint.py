@@ -949,6 +949,14 @@ def _required_field(header: GGUFHeader, key: str):
 
 # ----------------------------------------------------------------------------------------------------------------------
 
+def _gguf_magic(p: Path) -> bool:
+    try:
+        with open(p, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 def open_checkpoint(path) -> Checkpoint:
     """An HF directory or a .gguf file (a flash directory is opened by storage.format.FlashCheckpoint)."""
     p = Path(path).expanduser()
@@ -958,7 +966,7 @@ def open_checkpoint(path) -> Checkpoint:
         if not (p / "config.json").exists():
             raise UserError(f"not a Hugging Face model directory (no config.json): {p}")
         return HFCheckpoint(p)
-    if p.suffix.lower() == ".gguf":
+    if p.suffix.lower() == ".gguf" or _gguf_magic(p):   # a hub cache's blob (a .gguf symlink's target): no suffix
         if not p.is_file():
             raise UserError(f"not a regular file: {p}")
         return GGUFCheckpoint(p)

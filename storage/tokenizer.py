@@ -206,6 +206,30 @@ class Tokenizer:
         text = self.decode(list(context) + list(ids))
         return text[len(before):] if text.startswith(before) else self.decode(ids)
 
+    @functools.cached_property
+    def _piece_bytes(self):
+        """piece -> bytes for the vocabulary's decoder: byte-level BPE (GPT-2's alphabet of 256 printable characters,
+        one a byte), else SentencePiece's (U+2581 a space, <0xNN> the byte NN)."""
+        if type(self.tok.decoder).__name__ == "ByteLevel":
+            printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+            shifted = [b for b in range(256) if b not in printable]
+            byte_of = {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(shifted)}
+            return lambda piece: bytes(byte_of[c] for c in piece) if all(c in byte_of for c in piece) \
+                else piece.encode("utf-8")
+        byte = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+        return lambda piece: bytes([int(byte.fullmatch(piece).group(1), 16)]) if byte.fullmatch(piece) \
+            else piece.replace("\u2581", " ").encode("utf-8")
+
+    @functools.cached_property
+    def _added_ids(self) -> set[int]:
+        return set(self.tok.get_added_tokens_decoder())
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of text one token stands for (a piece of a UTF-8 character, for some): an added token's own
+        text, any other's piece through the decoder's alphabet."""
+        piece = self.tok.id_to_token(int(token_id)) or ""
+        return piece.encode("utf-8") if token_id in self._added_ids else self._piece_bytes(piece)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None) -> str:
         """tools: OpenAI's function tools ({"type": "function", "function": {...}}), as Hugging Face passes them."""

@@ -86,3 +86,63 @@ def test_api_token_ids_still_generate_as_their_text(stories_api):
     model, tok = stories_api
     assert generate(model, tok, tok.encode("Once upon"), max_tokens=8) == generate(model, tok, "Once upon",
                                                                                      max_tokens=8)
+
+
+def test_load_verbose_false_prints_nothing(capfd):
+    from flashinfer_lite import load
+    load(STORIES, verbose=False)
+    assert capfd.readouterr() == ("", "")
+    load(STORIES, verbose=True)          # the decisions, as the commands print them
+    assert "ffn: " in capfd.readouterr().err
+
+
+def test_make_prompt_cache_is_importable_from_the_package():
+    from flashinfer_lite import make_prompt_cache
+    from flashinfer_lite.api import make_prompt_cache as api_make_prompt_cache
+    assert make_prompt_cache is api_make_prompt_cache
+
+
+def test_a_templated_string_is_not_templated_again(smollm2_gguf):
+    """tokenizer.apply_chat_template's text, given as the prompt, is fed as it is (it opens with the template's own
+    "<|im_start|>"): the same ids and answer as the messages; a plain string gets the template; use_chat_template
+    False feeds it raw."""
+    from flashinfer_lite import load, stream_generate
+    from flashinfer_lite.api import encode_prompt
+    model, tok = load(smollm2_gguf, ffn="dense")
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    templated = tok.apply_chat_template(msgs)
+    assert encode_prompt(tok, templated)[0] == tok.encode_chat(msgs) == encode_prompt(tok, msgs)[0]
+    assert encode_prompt(tok, msgs[0]["content"])[0] == tok.encode_chat(msgs)
+    assert encode_prompt(tok, "Paris is", use_chat_template=False)[0] == tok.encode("Paris is")
+    a = list(stream_generate(model, tok, templated, max_tokens=8))
+    b = list(stream_generate(model, tok, msgs, max_tokens=8))
+    assert [s.token for s in a] == [s.token for s in b] and a[0].prompt_tokens == len(tok.encode_chat(msgs))
+
+
+def test_finish_reason_and_logprobs_on_responses(smollm2_gguf):
+    """The last response says why the output ended: "stop" on a response of its own when the model ended it (its
+    token the end-of-sequence id, no text), "length" on the max_tokens-th token or the one that filled the context
+    (no exception). logprobs=True: each response's [V] log-softmax of the logits its token came from, against
+    float64 from a direct forward pass; the greedy token is its argmax."""
+    import numpy as np
+    from flashinfer_lite import load, stream_generate
+    model, tok = load(smollm2_gguf, ffn="dense")
+    msgs = [{"role": "user", "content": "Say hi."}]
+    steps = list(stream_generate(model, tok, msgs, max_tokens=64, logprobs=True))
+    assert steps[-1].finish_reason == "stop" and steps[-1].token in tok.eos_ids and steps[-1].text == ""
+    assert all(s.finish_reason is None for s in steps[:-1]) and steps[-1].generation_tokens == len(steps) - 1
+    tr = model.transformer
+    kv = tr.new_cache(128)
+    logits = tr.forward(tok.encode_chat(msgs), kv)
+    for s in steps:
+        z = logits.astype(np.float64)
+        want = z - z.max() - np.log(np.exp(z - z.max()).sum())
+        assert s.logprobs.shape == (tok.vocab_size,) and np.abs(s.logprobs - want).max() < 1e-4
+        assert s.token == int(np.argmax(s.logprobs))
+        logits = tr.forward([s.token], kv)
+    cut = list(stream_generate(model, tok, msgs, max_tokens=3))
+    assert [s.finish_reason for s in cut] == [None, None, "length"]
+    small, tok = load(STORIES, ctx=12)
+    ids = tok.encode("Once upon a time")
+    full = list(stream_generate(small, tok, ids, max_tokens=100, ignore_eos=True))
+    assert len(full) == 12 - len(ids) + 1 and full[-1].finish_reason == "length"

@@ -1,5 +1,7 @@
-"""llama.cpp's min-p and repeat penalty against numpy reference math on fixed logits."""
+"""llama.cpp's min-p and penalties (repeat; OpenAI's frequency and presence) against numpy reference math on fixed
+logits."""
 import numpy as np
+import pytest
 
 from flashinfer_lite.generate import Sampler
 
@@ -36,3 +38,32 @@ def test_repeat_penalty_divides_positive_and_multiplies_negative_logits_of_the_l
     top = int(np.argmax(logits))
     assert Sampler(temp=0, repeat_penalty=100.0)(logits, [top]) != top
     assert Sampler(temp=0, repeat_penalty=100.0, repeat_last_n=0)(logits, [top]) == top
+
+
+def test_frequency_and_presence_penalties_follow_openai_after_the_repeat_penalty():
+    """llama.cpp's order (the repetition penalty, then frequency and presence), OpenAI's formula: logit - count *
+    frequency - (count > 0) * presence, count over what the Sampler drew (not the prompt); float64 oracle."""
+    rng = np.random.default_rng(2)
+    logits = rng.normal(size=40).astype(np.float32)
+    history = [5, 9, 9, 30]                      # the prompt, for the repetition penalty
+    drawn = [9, 12, 12, 12, 33]
+    s = Sampler(temp=0, repeat_penalty=1.2, repeat_last_n=-1, frequency_penalty=0.7, presence_penalty=-0.4)
+    want = logits.astype(np.float64).copy()
+    for t in set(history):
+        want[t] = want[t] / 1.2 if want[t] > 0 else want[t] * 1.2
+    for t in set(drawn):
+        want[t] -= drawn.count(t) * 0.7 + (-0.4)
+    np.testing.assert_allclose(s.penalize(logits, history, drawn), want, rtol=1e-6)
+    # the Sampler counts what it returns; reset() forgets it
+    s = Sampler(temp=0, frequency_penalty=2.0)
+    flat = np.zeros(4, np.float32)
+    assert [s(flat) for _ in range(4)] == [0, 1, 2, 3]
+    s.reset()
+    assert s(flat) == 0
+
+
+@pytest.mark.parametrize("field", ["presence_penalty", "frequency_penalty"])
+@pytest.mark.parametrize("value", [-2.01, 2.5, float("nan"), True])
+def test_penalties_are_bounded(field, value):
+    with pytest.raises(ValueError, match=f"{field} .* is out of range: a number between -2 and 2"):
+        Sampler(**{field: value})

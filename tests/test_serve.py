@@ -537,3 +537,230 @@ def test_bad_server_flags_are_one_line_before_the_model_loads(flag):
                        capture_output=True, timeout=120, cwd=REPO)
     err = r.stderr.decode().strip().splitlines()
     assert r.returncode == 1 and len(err) == 1 and err[0].startswith(f"error: {flag[0]}"), err
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# logprobs, penalties, n, echo: against the model's own logits, computed here in float64 from a direct forward pass
+
+@pytest.fixture(scope="module")
+def smollm2_model(smollm2_gguf):
+    """The served model in this process, every weight in DRAM as the server holds it (--ffn dense)."""
+    from flashinfer_lite.runtime import load
+    return load(str(smollm2_gguf), ffn="dense", say=False)
+
+
+def fresh(served) -> None:
+    """Leave the server's KV cache holding a text no prompt here starts with, so that the next prompt is evaluated
+    in one pass, as the oracle evaluates it (a prompt's last token evaluated alone, after a cached prefix, gives
+    logits slightly other than a batch's: a near tie can go the other way)."""
+    served.client.completions.create(model="any", prompt="Zebra", max_tokens=1)
+
+
+def float64_log_softmax(logits):
+    import numpy as np
+    z = np.asarray(logits, np.float64)
+    z = z - z.max()
+    return z - np.log(np.exp(z).sum())
+
+
+def oracle_steps(model, ids, n, penalty=lambda logits, out: logits, stop=()):
+    """(token, float64 log-softmax of the raw logits) for n greedy steps after ids (or up to a token of stop): a
+    prompt pass, then a token at a time, the token the argmax of penalty(logits, output so far)."""
+    import numpy as np
+    tr = model.transformer
+    kv = tr.new_cache(len(ids) + n + 1)
+    logits, out, steps = tr.forward(ids, kv), [], []
+    for _ in range(n):
+        lp = float64_log_softmax(logits)
+        tok = int(np.argmax(penalty(np.asarray(logits, np.float64), out)))
+        if tok in stop:
+            break
+        steps.append((tok, lp))
+        out.append(tok)
+        logits = tr.forward([tok], kv)
+    return steps
+
+
+def test_chat_logprobs_are_the_log_softmax_of_the_model_logits(smollm2, smollm2_model):
+    """Each token's logprob, and its top 5, equal float64 log-softmax of the logits a direct forward pass gives
+    (within 1e-4); the top alternative is the greedy token; streamed, the same entries."""
+    import numpy as np
+    model, tok = smollm2_model
+    msgs = [{"role": "user", "content": "Name three colors."}]
+    kw = dict(model="any", messages=msgs, max_tokens=12, temperature=0, logprobs=True, top_logprobs=5)
+    fresh(smollm2)
+    r = smollm2.client.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    steps = oracle_steps(model, tok.encode_chat(msgs), 12, stop=tok.eos_ids)
+    assert len(content) == r.usage.completion_tokens == len(steps) > 5
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    for e, (want, lp) in zip(content, steps):
+        assert bytes(e.bytes) == tok.token_bytes(want)
+        assert abs(e.logprob - lp[want]) < 1e-4, (e.logprob, lp[want])
+        assert bytes(e.top_logprobs[0].bytes) == bytes(e.bytes)             # the top alternative is the greedy token
+        top = np.argsort(-lp, kind="stable")[:5]
+        assert [bytes(t.bytes) for t in e.top_logprobs] == [tok.token_bytes(i) for i in top]
+        np.testing.assert_allclose([t.logprob for t in e.top_logprobs], lp[top], atol=1e-4)
+    fresh(smollm2)
+    streamed = [c.choices[0].logprobs.content for c in smollm2.client.chat.completions.create(**kw, stream=True)
+                if c.choices and c.choices[0].logprobs]
+    entries = [e for part in streamed for e in part]
+    assert [(e.token, e.bytes) for e in entries] == [(e.token, e.bytes) for e in content]
+    np.testing.assert_allclose([e.logprob for e in entries], [e.logprob for e in content], atol=1e-5)
+
+
+def test_completions_logprobs_in_the_legacy_shape(smollm2, smollm2_model):
+    import numpy as np
+    model, tok = smollm2_model
+    prompt = "The capital of France is"
+    fresh(smollm2)
+    r = smollm2.client.completions.create(model="any", prompt=prompt, max_tokens=8, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text and len(lp.tokens) == r.usage.completion_tokens == 8
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(8)]
+    for i, (want, ref) in enumerate(oracle_steps(model, tok.encode(prompt), 8)):
+        assert abs(lp.token_logprobs[i] - ref[want]) < 1e-4
+        assert len(lp.top_logprobs[i]) == 3 and max(lp.top_logprobs[i].values()) == lp.token_logprobs[i]
+        np.testing.assert_allclose(sorted(lp.top_logprobs[i].values(), reverse=True),
+                                   np.sort(ref)[::-1][:3], atol=1e-4)
+
+
+def test_penalties_change_the_choice_as_openai_defines_them(smollm2, smollm2_model):
+    """Greedy with frequency and presence penalties: each token is the argmax of logit - count * frequency -
+    (count > 0) * presence, count its occurrences in the output so far (float64, from a direct forward pass); the
+    penalties change the answer (SmolLM2 repeats itself here)."""
+    import numpy as np
+    model, tok = smollm2_model
+    prompt, n = "List: apple, apple, apple, apple,", 16
+    ids = tok.encode(prompt)
+
+    def penalized(frequency, presence):
+        def penalty(logits, out):
+            counts = np.bincount(np.asarray(out, np.int64), minlength=len(logits)).astype(np.float64)
+            return logits - counts * frequency - (counts > 0) * presence
+        return tok.decode([t for t, _ in oracle_steps(model, ids, n, penalty, tok.eos_ids)])
+    fresh(smollm2)
+    plain = smollm2.client.completions.create(model="any", prompt=prompt, max_tokens=n, temperature=0)
+    assert plain.choices[0].text == penalized(0, 0)
+    for frequency, presence in ((1.5, 0.0), (0.0, 2.0), (0.8, -0.5)):
+        fresh(smollm2)
+        r = smollm2.client.completions.create(model="any", prompt=prompt, max_tokens=n, temperature=0,
+                                              frequency_penalty=frequency, presence_penalty=presence)
+        assert r.choices[0].text == penalized(frequency, presence), (frequency, presence)
+        if presence >= 0:
+            assert r.choices[0].text != plain.choices[0].text
+    for field, value in (("presence_penalty", 2.5), ("frequency_penalty", -3), ("presence_penalty", "1")):
+        status, doc = smollm2.post("/v1/completions", json.dumps({"prompt": "Hi", field: value}).encode())
+        assert status == 400 and doc["error"]["param"] == field, doc
+
+
+def test_n_choices_and_echo(smollm2):
+    """n choices of one prompt: indexed, usage summed, each seeded draw its own (seed + index), greedy ones equal;
+    streamed, the same texts under their indexes. echo puts the prompt before the text, streamed first."""
+    kw = dict(model="any", prompt="Once upon a time", max_tokens=8)
+    fresh(smollm2)
+    greedy = smollm2.client.completions.create(**kw, temperature=0, n=3)
+    assert [c.index for c in greedy.choices] == [0, 1, 2] and len({c.text for c in greedy.choices}) == 1
+    assert greedy.usage.completion_tokens == sum(8 for _ in greedy.choices)
+    drawn = smollm2.client.completions.create(**kw, temperature=1.5, seed=7, n=3)
+    assert len({c.text for c in drawn.choices}) > 1
+    again = smollm2.client.completions.create(**kw, temperature=1.5, seed=7, n=3)
+    assert [c.text for c in again.choices] == [c.text for c in drawn.choices]
+    fresh(smollm2)
+    chunks = list(smollm2.client.completions.create(**kw, temperature=0, n=2, stream=True))
+    for i in (0, 1):
+        assert "".join(c.choices[0].text for c in chunks if c.choices[0].index == i) == greedy.choices[0].text
+    chat = smollm2.client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Hi"}],
+                                                  max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content
+    fresh(smollm2)
+    echoed = smollm2.client.completions.create(**kw, temperature=0, echo=True)
+    assert echoed.choices[0].text == kw["prompt"] + greedy.choices[0].text
+    first = next(iter(smollm2.client.completions.create(**kw, temperature=0, echo=True, stream=True)))
+    assert first.choices[0].text == kw["prompt"]
+    for body in ({"n": 0}, {"n": 17}, {"n": 1.5}, {"echo": "yes"}, {"echo": True, "logprobs": 1}, {"logprobs": 21},
+                 {"logprobs": True}):
+        status, doc = smollm2.post("/v1/completions", json.dumps({"prompt": "Hi", **body}).encode())
+        assert status == 400 and doc["error"]["param"] == next(iter(body)), (body, doc)
+    for body in ({"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}, {"logprobs": 1}):
+        status, doc = smollm2.post("/v1/chat/completions", json.dumps(
+            {"messages": [{"role": "user", "content": "Hi"}], **body}).encode())
+        assert status == 400 and doc["error"]["param"] in body, (body, doc)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Operations: the API key from the environment, --alias, /metrics, a log line per request
+
+def prometheus(text: str) -> dict:
+    """{(name, labels): value} of Prometheus' text format; every sample line checked against its grammar."""
+    samples, types = {}, {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            types[name] = kind
+            continue
+        if line.startswith("#") or not line:
+            continue
+        m = re.fullmatch(r'([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_]\w*="[^"]*",?)*\})? (\S+)', line)
+        assert m, line
+        assert m.group(1) in types, f"{m.group(1)} has no # TYPE"
+        samples[(m.group(1), m.group(2) or "")] = float(m.group(3))
+    return samples
+
+
+def test_api_key_from_the_environment_alias_metrics_and_the_request_log():
+    key = "k-" + os.urandom(8).hex()
+    with serving("-m", str(STORIES), "--ffn", "dense", "-c", "256", "--alias", "my-model",
+                 env={"FLASHINFER_LITE_API_KEY": key}) as s:
+        for client_key in ("unused", key[:-1] + "x"):
+            with pytest.raises(openai.AuthenticationError) as e:
+                openai.OpenAI(base_url=s.url + "/v1", api_key=client_key, max_retries=0).models.list()
+            assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+        assert s.call("GET", "/metrics", None, {"Host": "localhost"})[0] == 401
+        assert s.health()["status"] == "ok"                     # /health stays open
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key=key, max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list()] == ["my-model"]
+        auth = {"Host": "localhost", "Authorization": f"Bearer {key}"}
+
+        def metrics() -> dict:
+            status, headers, body = s.call("GET", "/metrics", None, auth)
+            assert status == 200 and headers["content-type"].startswith("text/plain"), status
+            return prometheus(body.decode())
+        before = metrics()
+        r = client.completions.create(model="x", prompt="Once upon a time", max_tokens=7, temperature=0)
+        assert r.model == "my-model"
+        streamed = list(client.completions.create(model="x", prompt="The dog", max_tokens=5, stream=True,
+                                                  stream_options={"include_usage": True}))
+        after = metrics()
+        used = [r.usage, streamed[-1].usage]
+        moved = {name: after[(f"flashinfer_lite_{name}", "")] - before[(f"flashinfer_lite_{name}", "")]
+                 for name in ("prompt_tokens_total", "tokens_predicted_total")}
+        assert moved["prompt_tokens_total"] == sum(u.prompt_tokens for u in used)
+        assert moved["tokens_predicted_total"] == sum(u.completion_tokens for u in used) == 12
+        assert after[("flashinfer_lite_requests_total", '{status="401"}')] == 3
+        assert after[("flashinfer_lite_requests_total", '{status="200"}')] >= 4
+        assert after[("flashinfer_lite_rss_bytes", "")] > 10 << 20
+        assert after[("flashinfer_lite_peak_rss_bytes", "")] >= after[("flashinfer_lite_rss_bytes", "")]
+        assert after[("flashinfer_lite_requests_waiting", "")] == 0
+        log = s.stderr()
+        lines = re.findall(r"^POST /v1/completions 200 (\d+)\+(\d+) tokens \d+ ms$", log, re.M)
+        assert [tuple(map(int, t)) for t in lines] == [(u.prompt_tokens, u.completion_tokens) for u in used], log
+        assert re.search(r"^GET /v1/models 401 - tokens \d+ ms$", log, re.M), log
+
+
+def test_metrics_of_a_model_on_flash_count_its_reads_and_budget(stories, budget_mib):
+    """The stories server runs its FFN from flash under --dram-budget: /metrics says the budget and counts the rows
+    read from flash (stories260K's all fit the neuron cache after the first tokens: the count then stays), and the
+    peak RSS stays within the budget."""
+    def metrics() -> dict:
+        status, _, body = stories.call("GET", "/metrics", None, {"Host": "localhost"})
+        assert status == 200
+        return prometheus(body.decode())
+    before = metrics()
+    assert before[("flashinfer_lite_dram_budget_bytes", "")] == budget_mib << 20
+    stories.client.completions.create(model="any", prompt="Zoe and Max found a shell", max_tokens=24)
+    after = metrics()
+    read = ("flashinfer_lite_flash_read_bytes_total", "")
+    assert after[read] >= before[read] > 0
+    assert after[("flashinfer_lite_peak_rss_bytes", "")] <= budget_mib << 20
