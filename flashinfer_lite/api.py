@@ -15,7 +15,7 @@ from storage.errors import UserError
 from storage.tokenizer import StreamDecoder, Tokenizer, check_utf8
 
 from .constrain import Constraint, json_schema_grammar, text_grammar
-from .generate import Sampler, Session, Timings, log_softmax, prompt_ids
+from .generate import ContextFull, Sampler, Session, Timings, log_softmax, prompt_ids
 from .process import peak_rss_bytes
 from . import runtime
 from .runtime import Model
@@ -140,6 +140,10 @@ def stream_generate(model: Model, tokenizer: Tokenizer, prompt: str | list[int] 
             full = n == max_tokens or session.kv.length >= session.ctx
             yield response(stream.push(tok), tok, "length" if full else None)
             if full:
+                try:    # a grammar hears of the last token (it may be complete); nothing more is computed
+                    next(steps, None)
+                except ContextFull:
+                    pass
                 return
     finally:
         steps.close()
