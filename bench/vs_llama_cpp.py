@@ -279,8 +279,8 @@ def add_floors(results: list[dict], capped_ffn: str) -> None:
         if "p50_ms" not in r:
             continue
         seq = by.get((r["round"], "sequential", "none"), {}).get("seq_MBps")
-        ram = by.get((r["round"], r["mode"] if r["mode"].startswith("llama") else "flash-auto"
-                      if capped_ffn == "auto" else f"flash-{capped_ffn}", "none"), {}).get("p50_ms")
+        engine = r["mode"] if r["cap"] == "none" or r["mode"].startswith("llama") else f"flash-{capped_ffn}"
+        ram = by.get((r["round"], engine, "none"), {}).get("p50_ms")
         mb = r["decode_MB_per_token"]
         r["read_GBps"] = round(mb / r["p50_ms"], 3)
         if seq and ram:

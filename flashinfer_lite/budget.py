@@ -347,9 +347,9 @@ SPARSE_PIECE_S = 1e-3
 class TokenReads:
     """Per layer how a decoded token's FFN rows come (plan_reads): gate_up[i] "resident" or "stream"; down[i]
     "resident" (its pinned rows and window hold the layer), "stream" (read whole, in order) or "sparse" (the neurons
-    that count, their rows in coalesced runs, window-sized pieces one after the other); the modeled seconds of each way to read layer i's down rows (stream_s,
-    sparse_s: 0 for a resident layer) and of its gate|up stream; pinned: per layer the bundle ids the hot region
-    holds."""
+    that count, their rows in coalesced runs, window-sized pieces one after the other); the modeled seconds of each
+    way to read layer i's down rows (stream_s, sparse_s: 0 for a resident layer) and of its gate|up stream; pinned:
+    per layer the bundle ids the hot region holds."""
     gate_up: tuple[str, ...]
     down: tuple[str, ...]
     gate_up_s: tuple[float, ...]
