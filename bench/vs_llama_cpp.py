@@ -271,9 +271,10 @@ def main(argv=None) -> int:
 def add_floors(results: list[dict], capped_ffn: str) -> None:
     """Each measured row's read rate (MB read per token over its P50) and floor: max(its engine's uncapped P50 in the
     same round, its bytes per token at the sequential rate measured in that round); and, under a cap, llama.cpp's
-    P50 at that cap in that round over its own (how many times faster). A capped llama.cpp row that read nothing
-    from storage was not held to its cap (the GGUF's pages sat in the page cache charged to another process's cgroup,
-    as on a shared machine where others read the same file): it is marked unbound and no ratio is taken to it."""
+    P50 at that cap in that round over its own (how many times faster). A capped llama.cpp row that read under 1 MB a
+    token was not held to its cap (a dense model under a cap below its file reads much of it every token; the GGUF's
+    pages sat in the page cache charged to another process's cgroup, as on a shared machine where others read the
+    same file): it is marked unbound and no ratio is taken to it."""
     by = {(r["round"], r["mode"], r["cap"]): r for r in results if "p50_ms" in r or "seq_MBps" in r}
     for r in results:
         if "p50_ms" not in r:
@@ -286,10 +287,10 @@ def add_floors(results: list[dict], capped_ffn: str) -> None:
         if seq and ram:
             r["floor_ms"] = round(max(ram, 1e3 * mb / seq), 1)
             r["over_floor"] = round(r["p50_ms"] / r["floor_ms"], 2)
-        if r["mode"].startswith("llama") and r["cap"] != "none" and not mb:
+        if r["mode"].startswith("llama") and r["cap"] != "none" and mb < 1.0:
             r["unbound"] = True
         llama = by.get((r["round"], "llama.cpp", r["cap"]))
-        held = r["cap"] == "none" or (llama or {}).get("decode_MB_per_token")
+        held = r["cap"] == "none" or (llama or {}).get("decode_MB_per_token", 0.0) >= 1.0
         if llama and held and not r["mode"].startswith("llama"):
             r["x_llama"] = round(llama["p50_ms"] / r["p50_ms"], 2)
 
