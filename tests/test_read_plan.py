@@ -114,3 +114,19 @@ def test_a_stream_with_a_follower_reads_the_next_layers_ahead_and_in_order(flash
         list(s.chunks(1))                              # it ran on to layer 0: asked for 1, it starts over
         assert s.dropped.read_bytes > 0
         s.cancel()
+
+
+@pytest.mark.parametrize("n, chunk_rows, depth", [(4864, 8000, 2), (4864, 8000, 3), (8960, 4854, 2), (300, 7, 3),
+                                                  (5, 8, 4), (1, 8, 2)])
+def test_a_layer_smaller_than_depth_chunks_is_cut_into_depth_chunks(n, chunk_rows, depth):
+    """stream_shape: chunks of chunk_bytes while a layer fills depth of them; a smaller layer in depth chunks (so one
+    is read while another is computed), never more buffer bytes than depth chunks of chunk_bytes, nor more chunks than
+    rows."""
+    from storage.profile import stream_shape
+    layout = SimpleNamespace(n_neurons=[n, n // 2], stride=STRIDE)
+    rows, d = stream_shape(layout, chunk_rows * STRIDE, depth)
+    assert rows * d * STRIDE <= max(chunk_rows * depth, depth) * STRIDE and rows <= chunk_rows
+    assert d == min(depth, -(-n // rows))                      # the layer spans the chunks in flight
+    assert d > 1 or n == 1                                      # one is read while another is computed
+    if n >= chunk_rows * depth:
+        assert rows == chunk_rows
