@@ -130,3 +130,24 @@ def test_a_layer_smaller_than_depth_chunks_is_cut_into_depth_chunks(n, chunk_row
     assert d > 1 or n == 1                                      # one is read while another is computed
     if n >= chunk_rows * depth:
         assert rows == chunk_rows
+
+
+def test_the_plan_prices_reads_at_the_profiled_rates_else_the_built_in_ones(tmp_path, monkeypatch):
+    """device_rates: a flash-bench profile's stream MB/s and its random entries' MB/s by request size for the device
+    holding the path; random_Bps interpolates in log2(size), below the smallest size at its requests per second;
+    without a profile, the built-in defaults."""
+    from storage import profile
+    monkeypatch.setenv("FLASHINFER_LITE_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "down.bin"
+    f.write_bytes(b"\0" * 4096)
+    none = profile.device_rates(f)
+    assert none.source == "built-in defaults" and none.seq_Bps == profile.DEFAULT_SEQ_MBPS * 1e6
+    profile.save_profile(tmp_path, {"dir": str(tmp_path), "created": "now", "stream": {"chunk": 8 << 20, "depth": 2,
+                                                                                       "MBps": 900.0},
+                                    "entries": [{"chunk": 4096, "MBps": 200.0, "gap_bytes": 0},
+                                                {"chunk": 65536, "MBps": 600.0, "gap_bytes": 0}]})
+    r = profile.device_rates(f)
+    assert r.seq_Bps == 900e6 and "flash-bench profile" in r.source
+    assert r.random_Bps(4096) == 200e6 and r.random_Bps(2048) == 100e6 and r.random_Bps(65536) == 600e6
+    assert r.random_Bps(16384) == pytest.approx(400e6)           # halfway in log2 between 4 and 64 KiB
+    assert r.random_Bps(1 << 30) == 600e6                        # past the largest size, its rate
