@@ -5,12 +5,17 @@
     PYTHONPATH=. python bench/vs_llama_cpp.py --quick      # smoke test: the default model, 6 tokens, ~1 minute
     PYTHONPATH=. python bench/vs_llama_cpp.py --prompt-file CORPUS.txt --prompt-tokens 4000 --ctx 8192 -n 2 --caps none
                                               # prompt speed: 4,000 tokens of text, prompt ms/token per engine
+    PYTHONPATH=. python bench/vs_llama_cpp.py -m GGUF --caps none,75%,50% --capped-ffn auto --floor
+                                              # issue 44: a SwiGLU GGUF at 75% and 50% of its size, each row's floor
 
 Needs llama-cpp-python (the `bench` extra). Rows (bench/README.md, "llama.cpp itself"): llama.cpp[-passive]
 (harness.measure_llama), flash-dense, flash-auto and flash-predicted (harness.load_model, generate's Session, greedy),
 each its own process under tools/memcap.py with --threads threads. Caps: none, a size, P% of the GGUF, base+P%
 (llama.cpp's uncapped peak minus the GGUF, plus P% of the GGUF) and min (flashinfer-lite's minimum, probed in a fresh
-process, plus --slack). FLASHDIR defaults to flashinfer-lite's own conversion of the GGUF with predictors trained on
+process, plus --slack). --floor: every round also measures the device's sequential rate (a stream of the FLASHDIR's
+largest FFN file, O_DIRECT, storage.flash_bench.bench_streams), and each row gets its read rate (bytes read per token
+over its P50) and its floor, max(its engine's uncapped P50: the compute, the bytes it reads per token / that rate).
+FLASHDIR defaults to flashinfer-lite's own conversion of the GGUF with predictors trained on
 first use; --quick converts the default model into a temp dir with a predictor for the last layer only.
 llama.cpp runs with use_extra_bufts=False (llama.cpp's --no-repack): on the 2-vCPU VM the bench was written on, its
 AMX matmul (an extra buffer type) segfaults on the first decode; --llama-extra-bufts turns them back on.
@@ -66,10 +71,22 @@ def measure_flash(ffn: str, budget: str, job: dict) -> dict:
     return res
 
 
+def measure_sequential(job: dict, seconds: float = 3.0) -> dict:
+    """The device's sequential rate now: the FLASHDIR's largest FFN file streamed whole (O_DIRECT), 8 MiB chunks, 8
+    in flight (flash-bench's stream cell, nothing computed between)."""
+    from storage.flash_bench import bench_streams
+    from storage.format import read_layout
+    path = max((F.ffn_path for F in read_layout(job["flash"]).ffn_files), key=os.path.getsize)
+    rows = bench_streams(Path(path), os.path.getsize(path), seconds, chunks=(8 << 20,), depths=(8,))
+    return {"engine": "device", "seq_MBps": round(rows[0]["MBps"], 1), "file": str(path)}
+
+
 def measure(a) -> dict:
     job = json.loads(Path(a.job).read_text())
     if a.worker.startswith("llama.cpp"):
         return h.measure_llama(job)
+    if a.worker == "sequential":
+        return measure_sequential(job)
     if a.worker == "probe":
         return h.probe_minimum(job["flash"], job["capped_ffn"], job["ctx"])
     return measure_flash(a.worker.split("-")[1], a.budget, job)
@@ -86,13 +103,14 @@ def run_row(mode: str, cap: str, cap_bytes: int | None, work: Path, budget: str 
     return dict(r, cap=cap)
 
 
-def default_flashdir(gguf: Path) -> str:
-    """flashinfer-lite's own FLASHDIR for the GGUF, with predictors: what `generate -m GGUF --ffn predicted` uses."""
+def default_flashdir(gguf: Path, predictors: bool = True) -> str:
+    """flashinfer-lite's own FLASHDIR for the GGUF, with predictors (unless not `predictors`: --capped-ffn auto runs a
+    SiLU model's exact gate): what `generate -m GGUF --ffn predicted` uses."""
     from flashinfer_lite.runtime import train_on_first_use
     from flashinfer_lite.predictor_set import has_trained_predictors
     from storage.cache import flashdir_for
     flash = flashdir_for(gguf, progress=sys.stderr.isatty())
-    if not has_trained_predictors(flash):
+    if predictors and not has_trained_predictors(flash):
         train_on_first_use(flash)
     return flash
 
@@ -156,6 +174,8 @@ def main(argv=None) -> int:
                                                                      "repack); off by default, see the docstring")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of every row (the machine is shared: the "
                     "markdown adds each row's best round)")
+    ap.add_argument("--floor", action="store_true", help="measure the device's sequential rate each round; each "
+                    "row's read rate and floor (see the docstring)")
     ap.add_argument("--quick", action="store_true", help="smoke test: default model, tiny predictors, 6 tokens")
     h.add_arguments(ap, "--job", "--budget")
     a = ap.parse_args(argv)
@@ -177,7 +197,7 @@ def main(argv=None) -> int:
         a.tokens, a.caps = 6, "none,min"
         flash = prepare_quick(gguf, work)
     else:
-        flash = a.flash or default_flashdir(gguf)
+        flash = a.flash or default_flashdir(gguf, predictors=a.capped_ffn != "auto")
     tokenizer = open_any(gguf).tokenizer()
     if a.prompt_file:
         with open(a.prompt_file, encoding="utf-8", errors="replace") as f:
@@ -201,9 +221,11 @@ def main(argv=None) -> int:
     for rnd in range(1, a.repeat + 1):
         def row(mode, spec, cap, budget="auto"):
             return dict(run_row(mode, spec, cap, work, budget, f"#{rnd}"), round=rnd)
+        if a.floor:
+            results.append(row("sequential", "none", None))
         results += [row(m, "none", None) for m in llamas]
         if ref is None:                                  # round 1: the reference tokens and llama.cpp's baseline
-            ref = results[0]
+            ref = next(r for r in results if r["mode"] == llamas[0])
             llama_base = ref["memcap"]["peak_bytes"] - gguf_bytes if "memcap" in ref else None
         for spec in a.caps.split(","):
             if spec == "min" and minimum is None:
@@ -219,6 +241,8 @@ def main(argv=None) -> int:
                 results += [row(m, spec, cap) for m in llamas]
             else:
                 results += [row("flash-dense", spec, None), row("flash-auto", spec, None)]
+            if spec == "none" and a.capped_ffn == "auto":
+                continue                                 # flash-auto's uncapped row is above
             fr = row(f"flash-{a.capped_ffn}", spec, cap, "auto" if cap is None else str(cap - slack))
             if spec == "min" and "below_minimum" in fr:  # its own process measured more than the probe's
                 need = h.retry_bytes(fr)
@@ -232,6 +256,8 @@ def main(argv=None) -> int:
             r["agree_prefix"] = agree_prefix(r["gen_tokens"], ref["gen_tokens"])
         if "gen_tokens" in r and dense:
             r["agree_prefix_flash_dense"] = agree_prefix(r["gen_tokens"], dense["gen_tokens"])
+    if a.floor:
+        add_floors(results, a.capped_ffn)
     doc = {"gguf": str(gguf), "gguf_bytes": gguf_bytes, "flash": str(flash), "flash_files": flash_files,
            "prompt": a.prompt, "prompt_ids": ids, "tokens": a.tokens, "ctx": ctx, "threads": a.threads,
            "caps": a.caps.split(","), "slack_bytes": slack, "llama_baseline_bytes": llama_base,
@@ -240,6 +266,33 @@ def main(argv=None) -> int:
            "repeat": a.repeat, "results": results, "seconds": round(time.perf_counter() - t_start, 1),
            "command": h.command("vs_llama_cpp.py", argv)}
     return h.emit(doc, markdown, a.md, None if a.keep else work)
+
+
+def add_floors(results: list[dict], capped_ffn: str) -> None:
+    """Each measured row's read rate (MB read per token over its P50) and floor: max(its engine's uncapped P50 in the
+    same round, its bytes per token at the sequential rate measured in that round); and, under a cap, llama.cpp's
+    P50 at that cap in that round over its own (how many times faster). A capped llama.cpp row that read under 1 MB a
+    token was not held to its cap (a dense model under a cap below its file reads much of it every token; the GGUF's
+    pages sat in the page cache charged to another process's cgroup, as on a shared machine where others read the
+    same file): it is marked unbound and no ratio is taken to it."""
+    by = {(r["round"], r["mode"], r["cap"]): r for r in results if "p50_ms" in r or "seq_MBps" in r}
+    for r in results:
+        if "p50_ms" not in r:
+            continue
+        seq = by.get((r["round"], "sequential", "none"), {}).get("seq_MBps")
+        engine = r["mode"] if r["cap"] == "none" or r["mode"].startswith("llama") else f"flash-{capped_ffn}"
+        ram = by.get((r["round"], engine, "none"), {}).get("p50_ms")
+        mb = r["decode_MB_per_token"]
+        r["read_GBps"] = round(mb / r["p50_ms"], 3)
+        if seq and ram:
+            r["floor_ms"] = round(max(ram, 1e3 * mb / seq), 1)
+            r["over_floor"] = round(r["p50_ms"] / r["floor_ms"], 2)
+        if r["mode"].startswith("llama") and r["cap"] != "none" and mb < 1.0:
+            r["unbound"] = True
+        llama = by.get((r["round"], "llama.cpp", r["cap"]))
+        held = r["cap"] == "none" or (llama or {}).get("decode_MB_per_token", 0.0) >= 1.0
+        if llama and held and not r["mode"].startswith("llama"):
+            r["x_llama"] = round(llama["p50_ms"] / r["p50_ms"], 2)
 
 
 def markdown(doc: dict) -> str:
@@ -253,24 +306,32 @@ def markdown(doc: dict) -> str:
              f"{m['cpus']} CPUs; {doc['date']}, load avg {m['load_avg_start'][0]:.2f} -> {m['load_avg_end'][0]:.2f}",
              ""]
     rows = []
+    seq = [f"{r['seq_MBps'] / 1e3:.2f}" for r in doc["results"] if "seq_MBps" in r]
+    if seq:
+        lines += [f"Sequential rate of the device in this run (8 MiB x 8 in flight, O_DIRECT), per round: "
+                  f"{' / '.join(seq)} GB/s. Floor: max(the engine's uncapped P50 in the round, MB read per token / "
+                  f"that round's rate); x llama.cpp: llama.cpp's P50 at the cap in the round over the row's.", ""]
     for r in doc["results"]:
-        if r["mode"] == "probe":
+        if r["mode"] in ("probe", "sequential"):
             continue
         cap = "-" if r.get("cap_bytes") is None else f"{r['cap_bytes'] / mib:.0f}"
         budget = f"{r['budget_bytes'] / mib:.1f}" if r.get("budget_bytes") else "-"
         head = [r["round"], r["cap"], cap, r["mode"], budget]
         if "p50_ms" not in r:
-            rows.append(head + [h.failed(r)] + [""] * 10)
+            rows.append(head + [h.failed(r)] + [""] * (10 + 4 * bool(seq)))
             continue
         n = len(r["gen_tokens"])
         rows.append(head + [f"{r['load_s']:.2f}", *(h.fmt(r[k]) for k in ("prompt_ms_per_token", "p50_ms", "p99_ms")),
                             h.fmt(r["tokens_per_s"], 2), h.fmt(r["decode_MB_per_token"], 2),
                             f"{r['peak_rss_bytes'] / mib:.0f}", f"{r.get('memcap', {}).get('peak_bytes', 0) / mib:.0f}",
                             f"{r.get('agree_prefix', '-')}/{n}", f"{r.get('agree_prefix_flash_dense', '-')}/{n}",
-                            f"{r['loadavg'][0]:.2f}"])
+                            f"{r['loadavg'][0]:.2f}"]
+                    + ([h.fmt(r.get("read_GBps"), 2), h.fmt(r.get("floor_ms")), h.fmt(r.get("over_floor"), 2),
+                        "cap unbound" if r.get("unbound") else h.fmt(r.get("x_llama"), 2)] if seq else []))
     lines += h.table(["round", "cap", "cap MiB", "engine", "DRAM budget MiB", "load s", "prompt ms/tok",
                       "decode ms/tok P50", "P99", "tok/s", "MB read/tok", "peak RSS MiB", "memcap peak MiB",
-                      "= llama.cpp (first k)", "= flash-dense", "load avg"], rows)
+                      "= llama.cpp (first k)", "= flash-dense", "load avg"]
+                     + (["read GB/s", "floor ms", "P50 / floor", "x llama.cpp"] if seq else []), rows)
     if doc["repeat"] > 1:
         runs: dict[tuple, list] = {}
         for r in doc["results"]:

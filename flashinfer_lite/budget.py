@@ -27,6 +27,7 @@ The process's peak RSS (the kernel's high-water mark, `process.peak_rss_bytes`) 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,8 +36,8 @@ from storage import columns
 from storage.blocks import row_bytes
 from storage.errors import UserError
 from storage.format import BUNDLE_ALIGN
-from storage.profile import (DEFAULT_GAP_BYTES, StreamSettings, reader_defaults, stream_defaults, stream_settings,
-                             stream_shape)
+from storage.profile import (DEFAULT_GAP_BYTES, DeviceRates, StreamSettings, device_rates, reader_defaults,
+                             stream_defaults, stream_settings, stream_shape)
 from storage.reader import MAX_READ_BYTES, parts_span_bytes, span_bytes
 from storage.sizes import parse_size
 from .model import ATTENTION_TILE_ROWS, PREFILL_CHUNK_ROWS, KVCache, ModelConfig
@@ -327,6 +328,156 @@ def plan_resident_ffn(config, layout, dram_budget_bytes: int, ctx: int, resident
                       kv_bytes=kv, buffer_bytes=buffers, window_rows=0, window_bytes=0, hot_bytes=0,
                       minimum_bytes=need, n_layers=layout.n_layers, stride=layout.stride, ctx=ctx, window=0,
                       max_active=n_max, requested=requested, ffn_bytes=ffn)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# How the exact gate reads a token's rows: planned for time, not bytes
+
+# Tokens sampled from the activation frequencies to price a layer's sparse reads (their coalesced runs): a fixed seed,
+# so a plan is one function of the profile, the budget and the statistics
+SAMPLED_TOKENS = 16
+# A sparse layer's reads go through the neuron cache in window-sized pieces, each read and waited for after the layer's
+# coefficients (nothing runs ahead of them): a piece's round trip (cache bookkeeping, read planning, submit, wait) took
+# about 2 ms on the real 1.5B at 520M on a loaded 2-core machine (1.15 s of waits for 588 pieces a token; fio there:
+# 0.1 ms for one 4 KiB read, 0.4 ms for 256 KiB), so one is priced at 1 ms on top of its bytes.
+SPARSE_PIECE_S = 1e-3
+
+
+@dataclass(frozen=True)
+class TokenReads:
+    """Per layer how a decoded token's FFN rows come (plan_reads): gate_up[i] "resident" or "stream"; down[i]
+    "resident" (its pinned rows and window hold the layer), "stream" (read whole, in order) or "sparse" (the neurons
+    that count, their rows in coalesced runs, window-sized pieces one after the other); the modeled seconds of each
+    way to read layer i's down rows (stream_s, sparse_s: 0 for a resident layer) and of its gate|up stream; pinned:
+    per layer the bundle ids the hot region holds."""
+    gate_up: tuple[str, ...]
+    down: tuple[str, ...]
+    gate_up_s: tuple[float, ...]
+    stream_s: tuple[float, ...]
+    sparse_s: tuple[float, ...]
+    pinned: tuple[np.ndarray, ...]
+    rates: DeviceRates
+    placement: str          # "hottest rows" or "whole layers": how the hot region was filled
+
+    @property
+    def seconds(self) -> float:
+        """The modeled read time of a token: every streamed matrix at the sequential rate, sparse layers at the random
+        rate of their runs."""
+        down = {"resident": lambda i: 0.0, "stream": lambda i: self.stream_s[i], "sparse": lambda i: self.sparse_s[i]}
+        return sum(self.gate_up_s) + sum(down[c](i) for i, c in enumerate(self.down))
+
+    def following(self, part: str, layer: int) -> int:
+        """The layer after `layer` (cyclic: a next token's first after the last) whose `part` rows stream, or -1."""
+        ways = self.gate_up if part == "gate_up" else self.down
+        n = len(ways)
+        return next((j % n for j in range(layer + 1, layer + 1 + n) if ways[j % n] == "stream"), -1)
+
+    def describe(self) -> str:
+        """Lines for -v: per way of reading, its layers and modeled milliseconds, and the token's total."""
+        def spans(ways, want):
+            idx = [i for i, w in enumerate(ways) if w == want]
+            out, start = [], None
+            for k, i in enumerate(idx):
+                start = i if start is None else start
+                if k + 1 == len(idx) or idx[k + 1] != i + 1:
+                    out.append(f"{start}" if start == i else f"{start}-{i}")
+                    start = None
+            return ",".join(out) or "none"
+        r = self.rates
+        lines = [f"reads planned for time ({r.source}: sequential {r.seq_Bps / 1e9:.2f} GB/s), "
+                 f"{1e3 * self.seconds:.1f} ms of reads per token; hot region: {self.placement}",
+                 f"  gate|up resident: layers {spans(self.gate_up, 'resident')}; streamed: layers "
+                 f"{spans(self.gate_up, 'stream')} ({1e3 * sum(self.gate_up_s):.1f} ms)"]
+        for way in ("resident", "stream", "sparse"):
+            idx = [i for i, w in enumerate(self.down) if w == way]
+            if idx:
+                times = "" if way == "resident" else (
+                    f" (streamed {1e3 * sum(self.stream_s[i] for i in idx):.1f} ms against sparse "
+                    f"{1e3 * sum(self.sparse_s[i] for i in idx):.1f} ms)")
+                lines.append(f"  down {way}: layers {spans(self.down, way)}{times}")
+        return "\n".join(lines)
+
+
+def sparse_read(p: np.ndarray, stride: int, gap_rows: int, rng) -> tuple[float, float, float]:
+    """(bytes, requests, rows) per token, averaged over SAMPLED_TOKENS tokens drawn from neuron probabilities p (bundle
+    order; 0 for rows already in DRAM), of reading each token's rows as the reader does: runs of rows at most
+    gap_rows apart read as one request, widened to 512-byte boundaries."""
+    draws = rng.random((SAMPLED_TOKENS, p.size)) < p
+    nbytes = requests = 0
+    for row in draws:
+        ids = np.flatnonzero(row)
+        if not ids.size:
+            continue
+        new = np.r_[True, np.diff(ids) - 1 > gap_rows]
+        first, last = ids[new], ids[np.r_[new[1:], True]]
+        requests += first.size
+        nbytes += int(np.sum(-(-(last + 1 - first) * stride // BUNDLE_ALIGN) * BUNDLE_ALIGN + BUNDLE_ALIGN))
+    return nbytes / SAMPLED_TOKENS, requests / SAMPLED_TOKENS, float(draws.sum()) / SAMPLED_TOKENS
+
+
+def plan_reads(gate_up, down, gate_layers: int, window_rows: int, hot_rows: int, freq: list[np.ndarray],
+               rates: DeviceRates, gap_rows: int) -> TokenReads:
+    """The exact gate's reads of a token, chosen to take the least time on a device of `rates`: gate|up rows of the
+    first gate_layers layers resident (plan_gate), the others streamed; the hot region's hot_rows pinned down rows
+    either the hottest across layers (freq: per layer each neuron's share of calibration tokens, bundle order) or
+    whole layers (the window's rows make up the rest), whichever the model says is faster; then per layer whose rows
+    the cache cannot hold, a stream of the whole layer or sparse reads of the neurons that count, whichever is
+    faster (a sparse layer pays SPARSE_PIECE_S per window-sized piece besides its bytes at the random rate of its
+    runs' size). Pinned rows of a layer that streams save nothing (the stream reads them too), so whole layers can beat
+    the hottest rows: on the real 1.5B at 520M the gate fires 59% of the neurons, and sparse 1.1 KB rows read far
+    slower than a stream. Deterministic: a function of its arguments (sparse_read's draws have a fixed seed)."""
+    n = list(down.n_neurons)
+    L = len(n)
+    stream_s = [down.region_bytes(i) / rates.seq_Bps for i in range(L)]
+
+    def down_s(i: int, pins: np.ndarray) -> tuple[str, float]:
+        if pins.size + window_rows >= n[i]:
+            return "resident", 0.0
+        p = np.asarray(freq[i], np.float64).copy()
+        p[pins] = 0.0
+        nbytes, requests, rows = sparse_read(p, down.stride, gap_rows, np.random.default_rng(i))
+        if not requests:
+            return "sparse", 0.0
+        pieces = math.ceil(rows / max(window_rows, 1))
+        return "sparse", nbytes / rates.random_Bps(nbytes / requests) + pieces * SPARSE_PIECE_S
+
+    def price(pins: list[np.ndarray]):
+        ways, sparse = [], []
+        for i in range(L):
+            way, t = down_s(i, pins[i])
+            sparse.append(t)
+            ways.append(way if way == "resident" or t < stream_s[i] else "stream")
+        cost = sum(0.0 if w == "resident" else min(stream_s[i], sparse[i]) for i, w in enumerate(ways))
+        return cost, ways, sparse
+
+    hottest = select_hot(list(freq), down.stride, hot_rows * down.stride)
+    # whole layers: the layers whose reads cost the most first, each needing its rows beyond the window
+    base = price([np.zeros(0, np.int64)] * L)
+    order = sorted(range(L), key=lambda i: (-min(stream_s[i], base[2][i]), i))
+    whole, left = [np.zeros(0, np.int64)] * L, hot_rows
+    for i in order:
+        need = max(0, n[i] - window_rows)
+        if 0 < need <= left:        # its hottest rows pinned, the window holds the coldest
+            whole[i] = np.sort(np.argsort(-np.asarray(freq[i]), kind="stable")[:need]).astype(np.int64)
+            left -= need
+    rest = select_hot([np.zeros(0) if whole[i].size else f for i, f in enumerate(freq)], down.stride,
+                      left * down.stride)
+    whole = [w if w.size else r for w, r in zip(whole, rest)]
+    candidates = [("hottest rows", hottest, price(hottest)), ("whole layers", whole, price(whole))]
+    placement, pins, (_, ways, sparse) = min(candidates, key=lambda c: c[2][0])      # a tie keeps the hottest rows
+    gu = [gate_up.region_bytes(i) / rates.seq_Bps if i >= gate_layers else 0.0 for i in range(L)]
+    return TokenReads(gate_up=tuple("resident" if i < gate_layers else "stream" for i in range(L)),
+                      down=tuple(ways), gate_up_s=tuple(gu), stream_s=tuple(stream_s),
+                      sparse_s=tuple(sparse), pinned=tuple(pins), rates=rates, placement=placement)
+
+
+def gate_reads(layout, plan: BudgetPlan, calibration) -> TokenReads:
+    """plan_reads for an exact-gate run of `plan` on a FLASHDIR's split layout, with the calibration's neuron
+    frequencies, the device's profiled rates (storage.profile.device_rates) and the down reader's coalescing gap."""
+    gu, dn = layout.parts["gate_up"], layout.parts["down"]
+    return plan_reads(gu, dn, plan.gate_layers, plan.window_rows, plan.hot_rows, list(calibration.freq),
+                      device_rates(dn.device_path if dn.flashdir is not None else None),
+                      reader_gap_bytes(dn) // dn.stride)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

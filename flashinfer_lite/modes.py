@@ -30,9 +30,9 @@ from storage.errors import UserError
 from storage.format import FlashCheckpoint
 from storage.gate_file import DEFAULT_SPARSITY
 from storage.half import half_matrix
-from .budget import (HEAP_SLACK_BYTES, Budget, HeadSizes, down_scale_bytes, head_name, head_sizes, place_head,
-                     plan_budget, plan_experts, plan_gate, plan_resident_ffn, resident_bytes_for, stream_args,
-                     stream_settings)
+from .budget import (HEAP_SLACK_BYTES, Budget, HeadSizes, down_scale_bytes, gate_reads, head_name, head_sizes,
+                     place_head, plan_budget, plan_experts, plan_gate, plan_resident_ffn, resident_bytes_for,
+                     stream_args, stream_settings)
 from .flash_matrix import FlashMatrix, widened_rows
 from .ffn.experts import ExpertFFN
 from .ffn.flash import FlashFFN
@@ -354,7 +354,8 @@ class GateMode(Mode):
         load_head(ckpt, weights, decision.plan, verbose)
         down_bias = [weights.get(f"layers.{i}.ffn.down.bias") for i in range(cfg.n_layers)]
         ffn = FlashFFN.exact_gate(cfg, ckpt.layout, decision.plan, files.gate, down_bias, threads=threads,
-                                  verbose=verbose, down_scales=ckpt.down_scales_all())
+                                  verbose=verbose, down_scales=ckpt.down_scales_all(),
+                                  reads=gate_reads(ckpt.layout, decision.plan, files.gate))
         say_readers(ffn, ckpt.layout, verbose)
         return Transformer(cfg, weights, ffn=ffn), ffn
 

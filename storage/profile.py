@@ -37,6 +37,13 @@ DEFAULT_STREAM_CHUNK_BYTES = 8 << 20
 DEFAULT_STREAM_DEPTH = 2
 
 
+# The device's rates where flash-bench has not measured it, for the read planner (budget.plan_reads): sequential, a
+# layer read whole in large chunks (flash-bench's 2 MiB stream cells on the SSD the defaults were set on: 1.2-1.4 GB/s;
+# fio at 4 MiB x 16 there: 1.5-4.5 GB/s), and random reads at depth by request size (there: 0.5-0.9 GB/s at 4-8 KiB).
+DEFAULT_SEQ_MBPS = 1300.0
+DEFAULT_RANDOM_MBPS = ((4096, 500.0), (65536, 1000.0), (1 << 20, 1300.0))
+
+
 class ReaderSettings(NamedTuple):
     threads: int        # the thread engine's threads
     gap_bytes: int      # coalescing gap
@@ -49,6 +56,31 @@ class StreamSettings(NamedTuple):
     chunk_bytes: int    # a stream's chunk: what one compute step takes, and one buffer
     depth: int          # chunks in flight (each in its own buffer)
     source: str         # where these come from, for -v
+
+
+class DeviceRates(NamedTuple):
+    """What reading costs on a device, in bytes per second: seq_Bps a stream's (a layer read whole), random
+    (request bytes, bytes per second of such requests at depth) by ascending size."""
+    seq_Bps: float
+    random: tuple[tuple[int, float], ...]
+    source: str         # where these come from, for -v
+
+    def random_Bps(self, request_bytes: int) -> float:
+        """The rate of random requests of this size: interpolated in log2(size) between the measured sizes; below the
+        smallest, as many requests a second as at the smallest (a small read costs a request, not its bytes); above
+        the largest, the largest's rate; never above the sequential rate."""
+        sizes = [s for s, _ in self.random]
+        rates = [r for _, r in self.random]
+        s = max(1, int(request_bytes))
+        if s <= sizes[0]:
+            rate = rates[0] * s / sizes[0]
+        elif s >= sizes[-1]:
+            rate = rates[-1]
+        else:
+            k = next(i for i in range(1, len(sizes)) if s <= sizes[i])
+            w = (math.log2(s) - math.log2(sizes[k - 1])) / (math.log2(sizes[k]) - math.log2(sizes[k - 1]))
+            rate = rates[k - 1] + w * (rates[k] - rates[k - 1])
+        return min(rate, self.seq_Bps)
 
 
 def profile_path() -> Path:
@@ -132,7 +164,29 @@ def stream_settings(layout) -> StreamSettings:
 
 
 def stream_shape(layout, chunk_bytes: int, depth: int) -> tuple[int, int]:
-    """(bundles a stream's chunk holds, chunks in flight) for `layout`: chunk_bytes of bundles, never more than a
-    layer has, and no more chunks than a layer fills (more would hold a second layer's rows)."""
-    rows = min(max(1, chunk_bytes // layout.stride), max(layout.n_neurons))
-    return rows, max(1, min(int(depth), -(-max(layout.n_neurons) // rows)))
+    """(bundles a stream's chunk holds, chunks in flight) for `layout`: chunk_bytes of bundles, and a layer smaller
+    than `depth` chunks cut into `depth` chunks of the same buffers' bytes. A layer in one chunk, one in flight, left
+    nothing in flight while it was computed (the 0.5B's 3 and 6 MB layers under 8 MiB chunks: 174 ms of waits a token
+    at 75% of its file); in depth chunks each chunk's compute has the next one's read beside it, and a stream that runs
+    on into the next layer (RowStream follow) reads its first chunk meanwhile."""
+    n = max(layout.n_neurons)
+    depth = max(1, int(depth))
+    rows = max(1, min(chunk_bytes // layout.stride, -(-n // depth)))
+    return rows, max(1, min(depth, -(-n // rows)))
+
+
+def device_rates(path) -> DeviceRates:
+    """The read rates of the device holding `path` (None: the built-in defaults): the profile's stream rate and its
+    random entries' MB/s per request size, else DEFAULT_SEQ_MBPS and DEFAULT_RANDOM_MBPS."""
+    try:
+        prof = (load_profiles().get(device_key(path)) if path is not None else None) or {}
+        random = tuple(sorted((int(e["chunk"]), float(e["MBps"]) * 1e6) for e in prof.get("entries", [])
+                              if int(e["chunk"]) > 0 and float(e.get("MBps", 0)) > 0))
+        seq = float(prof["stream"]["MBps"]) * 1e6 if prof.get("stream", {}).get("MBps") else 0.0
+        if random and seq > 0:
+            return DeviceRates(seq, random, f"flash-bench profile of {prof.get('dir', '?')} from "
+                                            f"{prof.get('created', '?')}")
+    except (OSError, KeyError, TypeError, ValueError):
+        pass
+    return DeviceRates(DEFAULT_SEQ_MBPS * 1e6, tuple((c, r * 1e6) for c, r in DEFAULT_RANDOM_MBPS),
+                       "built-in defaults")

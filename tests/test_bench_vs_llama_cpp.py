@@ -169,3 +169,25 @@ def test_busy_decode_runs_both_engines_beside_a_spinner_and_they_agree(smollm2_g
     spinning = [p for p in psutil.process_iter(["cmdline"]) if p.pid not in before
                 and "while True: pass" in " ".join(p.info["cmdline"] or [])]
     assert not spinning
+
+
+def test_a_rows_floor_is_its_compute_or_its_bytes_at_the_rate_measured_in_its_round():
+    """add_floors (--floor): per row max(its engine's uncapped P50 in the round, MB per token / the round's sequential
+    rate), its read rate, and llama.cpp's P50 at the same cap and round over its own. Worked out by hand."""
+    from vs_llama_cpp import add_floors
+
+    def row(mode, cap, p50, mb, rnd=1):
+        return {"mode": mode, "cap": cap, "round": rnd, "p50_ms": p50, "decode_MB_per_token": mb}
+    results = [{"mode": "sequential", "cap": "none", "round": 1, "seq_MBps": 1000.0},
+               row("llama.cpp", "none", 100.0, 0.0), row("flash-auto", "none", 50.0, 0.0),
+               row("llama.cpp", "50%", 1000.0, 500.0), row("flash-auto", "50%", 200.0, 300.0),
+               row("flash-auto", "75%", 80.0, 20.0), row("flash-auto", "50%", 90.0, 30.0, rnd=2),
+               row("llama.cpp", "75%", 120.0, 0.5)]
+    add_floors(results, "auto")
+    llama, flash, light, other, unbound = results[3], results[4], results[5], results[6], results[7]
+    assert llama["floor_ms"] == 500.0 and "x_llama" not in llama          # its bytes: 500 MB at 1 GB/s
+    assert flash["floor_ms"] == 300.0 and flash["over_floor"] == round(200 / 300, 2)
+    assert flash["read_GBps"] == 1.5 and flash["x_llama"] == 5.0
+    # its compute; llama.cpp at 75% read under 1 MB a token: its cap did not hold it (pages charged elsewhere)
+    assert light["floor_ms"] == 50.0 and "x_llama" not in light and unbound["unbound"] and "unbound" not in llama
+    assert "floor_ms" not in other                                        # round 2 measured no rate

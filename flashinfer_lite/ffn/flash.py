@@ -169,8 +169,9 @@ class ExactGate:
         self.heads = [self._read_gate_up(i) if i < k else None for i in range(cfg.n_layers)]
         st = stream_settings(layout)
         self.gate_up_reader = BundleReader(self.gate_up, threads=threads) if k < cfg.n_layers else None
-        self.gate_up_stream = RowStream(self.gate_up_reader, *stream_shape(self.gate_up, st.chunk_bytes, st.depth)) \
-            if self.gate_up_reader else None
+        # one stream over every streamed layer: its buffers go on to the next streamed layer as they free up
+        self.gate_up_stream = RowStream(self.gate_up_reader, *stream_shape(self.gate_up, st.chunk_bytes, st.depth),
+                                        follow=self._next_streamed) if self.gate_up_reader else None
         self.observe = None     # observe(layer, coef [T, n]): calibration's view of every coefficient
 
     def freq(self) -> list[np.ndarray]:
@@ -238,19 +239,29 @@ class FlashFFN:
     """
 
     def __init__(self, cfg: ModelConfig, layout, plan, selector, kernels: list, stats: FlashStats, reader, streams,
-                 down_bias=None, overlap: bool = True, lookahead=None, verbose: bool = False):
+                 down_bias=None, overlap: bool = True, lookahead=None, verbose: bool = False, reads=None):
         self.cfg, self.layout, self.plan, self.selector, self.kernels = cfg, layout, plan, selector, kernels
         self.verbose, self.overlap, self.lookahead = verbose, overlap, lookahead
         self.stats, self.reader = stats, reader
         self.down_bias = list(down_bias) if down_bias is not None else [None] * cfg.n_layers
-        freq = selector.freq() if plan.hot_bytes else None
-        hot = plan.hot_neurons(freq) if freq is not None else None
+        # reads: the exact gate's reads planned for time on this device (budget.TokenReads): it pins the hot rows and
+        # says per layer whether a token's down rows stream or are read sparse
+        self.reads = reads
+        if reads is not None:
+            hot = list(reads.pinned) if plan.hot_bytes else None
+        else:
+            freq = selector.freq() if plan.hot_bytes else None
+            hot = plan.hot_neurons(freq) if freq is not None else None
+        if verbose and self.reads is not None:
+            print(self.reads.describe(), file=sys.stderr)
         self.cache = NeuronCache(layout.n_neurons, layout.stride, self.reader, capacity=plan.window_rows,
                                  window=plan.window, hot=hot,
                                  staging_rows=staging_rows(plan.max_active) if lookahead else 0, stats=self.stats)
         self._coef = np.zeros(max(layout.n_neurons), np.float32)   # one piece's coefficients
         # streaming's buffers (counted in the plan's buffers): streams, the device's storage.profile.StreamSettings
-        self.stream = RowStream(self.reader, *stream_shape(layout, streams.chunk_bytes, streams.depth))
+        # the exact gate's down rows: one stream over the layers the plan streams (prefill streams without follow)
+        follow = (lambda layer: self.reads.following("down", layer)) if self.reads is not None else None
+        self.stream = RowStream(self.reader, *stream_shape(layout, streams.chunk_bytes, streams.depth), follow=follow)
         self.streamed = [False] * cfg.n_layers    # exact gate, per layer: were its down rows read whole last time
         self._pass_lookups = 0   # hits + misses when the current forward pass began
         self._pass_streamed = False
@@ -275,15 +286,17 @@ class FlashFFN:
     @classmethod
     def exact_gate(cls, cfg: ModelConfig, layout, plan, calibration, down_bias=None,
                    resident_layers: int | None = None, down_scales=None, threads: int | None = None,
-                   verbose: bool = False) -> "FlashFFN":
+                   verbose: bool = False, reads=None) -> "FlashFFN":
         """The exact gate (ExactGate) over a FlashLayout with the split parts (layout.parts): the down rows through
-        the neuron cache, or read whole."""
+        the neuron cache, or read whole. reads: the budget.TokenReads that pins the hot rows and says per layer how a
+        token's down rows are read (None: the hottest rows pinned, a layer streamed when more than a third of it is
+        not cached)."""
         down = layout.parts["down"]
         kernels = SplitKernels(layout.parts["gate_up"], down, cfg.act, cfg.relu_threshold, down_scales)
         stats = FlashStats.for_layers(cfg.n_layers, cfg.ffn_dim)
         gate = ExactGate(cfg, layout, plan, calibration, kernels, stats, resident_layers, threads)
         return cls(cfg, down, plan, gate, kernels.layers, stats, BundleReader(down, threads=threads),
-                   stream_settings(layout), down_bias, verbose=verbose)
+                   stream_settings(layout), down_bias, verbose=verbose, reads=reads)
 
     def __call__(self, layer: int, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
@@ -480,6 +493,8 @@ class FlashFFN:
         n = self.layout.n_neurons[layer]
         if self.cache.matrix(layer).shape[0] >= n:      # its pinned rows and window hold the whole layer
             return False
+        if self.reads is not None:                      # the plan's choice, priced on the device's rates
+            return self.reads.down[layer] == "stream"
         uncached = ids.size - np.count_nonzero(self.cache.slot_of(layer)[ids] >= 0)
         return uncached > n / 3
 
@@ -500,7 +515,7 @@ class FlashFFN:
         """The down sum reading the layer's down rows in large sequential chunks, rows in bundle order (zero
         coefficients skipped): the sum the cache path computes. decode: a decoded token's (its bytes count as the
         decode path's reads), else a prompt's."""
-        slots = np.arange(self.stream.rows, dtype=np.int32)
+        fired = coef.any(axis=0)
         for start, D, rs, waited in self.stream.chunks(layer):
             m = D.shape[0]
             self.stats.read_s += waited
@@ -511,7 +526,10 @@ class FlashFFN:
             else:
                 self.stats.prefill_bytes_read += rs.read_bytes
             t1 = time.perf_counter()
-            self.kernels[layer].accumulate(D, slots[:m], np.ascontiguousarray(coef[:, start:start + m]), y)
+            # only the rows some token needs, in bundle order: the kernel skips zero coefficients anyway (the same
+            # terms in the same order, the same bits), but it walks and prefetches every row it is given
+            rows = np.flatnonzero(fired[start:start + m]).astype(np.int32)
+            self.kernels[layer].accumulate(D, rows, np.ascontiguousarray(coef[:, start + rows]), y)
             self.stats.compute_s += time.perf_counter() - t1
         following = (layer + 1) % self.cfg.n_layers     # the next layer's (the next token's first, after the last)
         if self.streams_again(following):
