@@ -71,3 +71,17 @@ def test_a_prompts_products_are_float64_of_the_rounded_x(kind, act8):
         got = quant_matmul_t(x, Q, kind, parallel_min_work=0)
     assert np.all(np.abs(got - want) <= 1e-6 * scale + 1e-30), kind
 
+
+def test_a_prompts_coefficients_in_parallel_have_the_serial_bits():
+    """The dense FFN's coefficients of a prompt (kernels.neurons.activations: rows in parallel from
+    PARALLEL_COEFFICIENTS elements) against the serial kernel, silu and gelu_tanh."""
+    from flashinfer_lite.kernels.neurons import PARALLEL_COEFFICIENTS, act_code, activations, coefficients_of_products
+    rng = np.random.default_rng(3)
+    g, u = (rng.standard_normal((9, PARALLEL_COEFFICIENTS // 8)).astype(np.float32) * 4 for _ in range(2))
+    for act in ("silu", "gelu_tanh"):
+        want = u.copy()
+        coefficients_of_products(g, want, np.zeros((u.shape[1], 0), np.float32), True, act_code(act),
+                                 np.float32(-np.inf), -1, -1)
+        with numba_threads(2):
+            got = activations(act, g, u, -np.inf)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), act
