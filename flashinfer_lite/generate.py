@@ -161,6 +161,7 @@ class Timings:
     load_ms: float = 0.0
     prompt_tokens: int = 0
     prompt_ms: float = 0.0
+    first_token_ms: float = 0.0      # the last prompt's time to its first token: its evaluation, then the sampling
     token_ms: list[float] = field(default_factory=list)
     constrain_ms: float = 0.0     # in logits processors (a grammar's masks)
     constrain_tokens: int = 0     # tokens sampled under them
@@ -171,6 +172,7 @@ class Timings:
         return {"load_ms": round(self.load_ms, 3), "prompt_tokens": self.prompt_tokens,
                 "prompt_ms": round(self.prompt_ms, 3),
                 "prompt_tokens_per_second": round(self.prompt_tokens / self.prompt_ms * 1e3, 3) if self.prompt_ms else 0,
+                "first_token_ms": round(self.first_token_ms, 3),
                 "eval_tokens": n, "eval_ms": round(ms, 3), "ms_per_token": round(ms / n, 3) if n else 0,
                 "tokens_per_second": round(n / ms * 1e3, 3) if ms else 0, "p50_ms": round(q(50), 3),
                 "p99_ms": round(q(99), 3),
@@ -187,6 +189,7 @@ class Timings:
         print(f"{w}:        load time = {d['load_ms']:10.2f} ms", file=out)
         print(f"{w}: prompt eval time = {pm:10.2f} ms / {pt:5d} tokens ({pm / max(pt, 1):8.2f} ms per token, "
               f"{d['prompt_tokens_per_second']:8.2f} tokens per second)", file=out)
+        print(f"{w}: first token time = {d['first_token_ms']:10.2f} ms", file=out)
         print(f"{w}:        eval time = {d['eval_ms']:10.2f} ms / {d['eval_tokens']:5d} runs   "
               f"({d['ms_per_token']:8.2f} ms per token, {d['tokens_per_second']:8.2f} tokens per second, "
               f"P50 {d['p50_ms']:.2f} ms, P99 {d['p99_ms']:.2f} ms)", file=out)
@@ -278,7 +281,7 @@ class Session:
         self.kv.reset(keep)
         self.cached = list(ids[:keep])
         new = ids[keep:]
-        t0 = time.perf_counter()
+        t0 = start = time.perf_counter()
         logits = self.model.forward(new, self.kv)
         self.cached += new
         self.timings.prompt_ms += (time.perf_counter() - t0) * 1e3
@@ -290,6 +293,8 @@ class Session:
             self.logits = logits    # the model's logits the token is drawn from, before the sampling chain (logprobs)
             tok = sampler(logits, self.cached, processors) if processors else sampler(logits, self.cached)
             produced += 1
+            if produced == 1:
+                self.timings.first_token_ms = (time.perf_counter() - start) * 1e3
             if tok in self.tokenizer.eos_ids and not ignore_eos:
                 return
             yield tok

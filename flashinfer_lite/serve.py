@@ -420,7 +420,8 @@ class Server:
         return {"cache_n": len(job.ids) - t["prompt_tokens"], "prompt_n": t["prompt_tokens"],
                 "prompt_ms": t["prompt_ms"],
                 "prompt_per_token_ms": round(t["prompt_ms"] / t["prompt_tokens"], 3) if t["prompt_tokens"] else 0,
-                "prompt_per_second": t["prompt_tokens_per_second"], "predicted_n": n, "predicted_ms": t["eval_ms"],
+                "prompt_per_second": t["prompt_tokens_per_second"], "first_token_ms": t["first_token_ms"],
+                "predicted_n": n, "predicted_ms": t["eval_ms"],
                 "predicted_per_token_ms": t["ms_per_token"], "predicted_per_second": t["tokens_per_second"],
                 **({"constrain_ms": t["constrain_ms"], "constrain_per_token_ms": t["constrain_ms_per_token"]}
                    if "constrain_ms" in t else {})}

@@ -28,7 +28,7 @@ from .model import Transformer
 from .neuron_cache import NeuronCache
 from .process import RSS_MARKS, drop_file_pages, mark_rss, peak_rss_bytes, return_freed_heap, rss_bytes
 from storage.blocks import row_bytes
-from .kernels.blocks import BLOCK, QuantMatrix, quant_matmul_t
+from .kernels.blocks import BLOCK, DOT8_ROWS, QuantMatrix, quant_matmul_t
 from .threads import step_counts
 
 def load_kernels_lean() -> None:
@@ -167,7 +167,8 @@ def resident_steps(layout) -> list:
         wq = zero_q8_0((2, d))
         for T in (1, MATMUL_ROW_KERNEL_MAX_T + 1):
             quant_matmul_t(np.zeros((T, d), np.float32), wq, "q8_0", parallel_min_work=0)
-        quant_matmul_t(np.zeros((1, d), np.float32), wq, "q8_0")
+        for T in (1, DOT8_ROWS + 1):          # a prompt's tiles (blocks.quant_tile) serial, and a decode GEMV
+            quant_matmul_t(np.zeros((T, d), np.float32), wq, "q8_0", parallel_min_work=1 << 62)
         QuantMatrix.of(("q8_0", wq))[np.zeros(1, np.int64)]
 
     def ring_watcher():         # storage.uring's completion watcher, compiled by a run's first io_uring reader: here

@@ -38,6 +38,7 @@ def test_generate_json_equals_transformers_greedy():
     assert out["tokens"] == want
     assert out["text"].startswith(", there was a little girl")
     assert out["timings"]["eval_tokens"] == 39 and out["timings"]["prompt_tokens"] == len(ids)
+    assert out["timings"]["first_token_ms"] >= out["timings"]["prompt_ms"] > 0   # the prompt, then the sampling
 
 
 def test_generate_streams_text_and_prints_llama_cpp_timings():
@@ -45,7 +46,8 @@ def test_generate_streams_text_and_prints_llama_cpp_timings():
     assert r.returncode == 0
     assert r.stdout.decode().startswith("Once upon a time, there was a little girl")
     err = r.stderr.decode()
-    for line in ("load time =", "prompt eval time =", "eval time =", "ms per token", "tokens per second", "P99"):
+    for line in ("load time =", "prompt eval time =", "first token time =", "eval time =", "ms per token",
+                 "tokens per second", "P99"):
         assert line in err
 
 

@@ -53,7 +53,7 @@ def oracle(W: np.ndarray, kind: str, x: np.ndarray) -> np.ndarray:
                                       ("q5_k", "q6_k"), ("q5_0", "q4_k")])
 def test_gate_coefficients_are_one_rows_bits_and_llama_cpps_integers(gate, up):
     rng = np.random.default_rng(7)
-    d, n, T = 256, 40, 11                 # T: two tiles of rows_dot8's rows, then three rows one at a time
+    d, n, T = 256, 40, 11                 # T: a tile of rows_dot8's rows, then three rows one at a time
     Wg, Wu = (blocks((rng.standard_normal((n, d)) * 0.3).astype(np.float32), k) for k in (gate, up))
     pad = np.zeros((n, -(Wg.shape[1] + Wu.shape[1]) % 4), np.uint8)    # rows of whole float32 slots, as bundles'
     H = np.ascontiguousarray(np.concatenate([Wg, Wu, pad], axis=1))

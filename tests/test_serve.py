@@ -175,6 +175,7 @@ def test_greedy_completions_equal_generate_and_extend_the_cache(stories, flags, 
         assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
         timings = r.model_extra["timings"]
         assert timings["predicted_n"] == n and timings["prompt_n"] + timings["cache_n"] == r.usage.prompt_tokens
+        assert timings["first_token_ms"] >= timings["prompt_ms"] > 0
     assert timings["cache_n"] >= len(want["prompt_tokens"]) - 6   # the second reused the first's prompt from the KV
 
 

@@ -133,12 +133,25 @@ def coefficients_of_products(g, u, F, glu, act, threshold, b_gate, b_up):
                                   b_up, 0, 0, np.float32(-1.0))
 
 
+@njit(cache=True, parallel=True, fastmath=True, nogil=True)
+def coefficients_of_rows(g, u, F, glu, act, threshold, b_gate, b_up):
+    """coefficients_of_products, the rows in parallel (each element's bits are its own: the same)."""
+    for t in prange(u.shape[0]):
+        coefficients_of_products(g[t:t + 1], u[t:t + 1], F, glu, act, threshold, b_gate, b_up)
+
+
+# From this many coefficients a prompt's take both threads: a real 1.5B's 256 rows x 8960 neurons took 37 ms serial
+# (an exp and a division each), a tenth of its layer's time
+PARALLEL_COEFFICIENTS = 1 << 16
+
+
 def activations(act: str, g: np.ndarray | None, u: np.ndarray, threshold) -> np.ndarray:
     """The coefficients [T, n] of the products g (GLU's gate; None: MLP) and u [T, n], biases added (a new array)."""
     a = np.array(u, dtype=np.float32, order="C")
     gg = a if g is None else np.ascontiguousarray(g, dtype=np.float32)
     F = np.zeros((a.shape[1], 0), np.float32)
-    coefficients_of_products(gg, a, F, g is not None, act_code(act), np.float32(threshold), -1, -1)
+    run = coefficients_of_rows if a.size >= PARALLEL_COEFFICIENTS else coefficients_of_products
+    run(gg, a, F, g is not None, act_code(act), np.float32(threshold), -1, -1)
     return a
 
 

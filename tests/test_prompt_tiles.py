@@ -1,0 +1,87 @@
+"""A prompt's matrix products over weights in block formats (kernels.blocks.quant_tile: tiles of weight rows against
+DOT8_ROWS rows of x at a time, x in 8-bit blocks): each (row, weight row) has the bits of the decode path's one-row
+product, whatever T, the thread count or the serial/parallel split; and against float64 on the dequantized weights
+times x as its 8-bit blocks round it (llama.cpp's numerics), within float32 rounding of the per-block sums."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flashinfer_lite.kernels import blocks as quant
+from flashinfer_lite.kernels.blocks import DOT8_ROWS, QUANT_TILE_ROWS, quant_matmul_t, quantize, set_act8
+from storage.blocks import QUANTIZABLE
+from test_act8 import oracle_dot, q8k_blocks
+from test_kernels import numba_threads
+
+KINDS = [*QUANTIZABLE, "q4_k", "q5_k", "q6_k"]
+# rows of x: fewer than a tile of x's rows, whole tiles, whole tiles and a rest
+ROWS = [2, DOT8_ROWS, 2 * DOT8_ROWS + 3]
+
+
+@pytest.fixture
+def act8(float32_activations):
+    set_act8(True)         # float32_activations restores the default after the test
+
+
+def matrix(kind: str, n: int, d: int, rng) -> np.ndarray:
+    w = (rng.standard_normal((n, d)) * np.exp(rng.uniform(-3, 1, (n, 1)))).astype(np.float32)
+    if kind in QUANTIZABLE:
+        return quantize(w, kind)
+    from conftest import kquant_blocks
+    return kquant_blocks(w, kind.upper())
+
+
+def oracle(Q: np.ndarray, kind: str, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(float64 results [T, n], the sums of |terms| [T, n]) of llama.cpp's dot products: the 32-weight kinds by
+    test_act8.oracle_dot (q4_1 / q5_1's min term from x's float16 s), the K-quants as the dequantized weights times x
+    as its q8_K blocks round it."""
+    if kind in QUANTIZABLE:
+        ref = np.array([[oracle_dot(Q[j], kind, r) for j in range(len(Q))] for r in x])
+        return ref[..., 0], ref[..., 1]
+    w = quant.dequantize(Q, kind, x.shape[1]).astype(np.float64)
+    xr = np.stack([(q.reshape(-1, 256) * d[:, None].astype(np.float64)).reshape(-1) for q, d in map(q8k_blocks, x)])
+    return xr @ w.T, np.abs(xr) @ np.abs(w).T
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_prompts_rows_have_the_one_row_bits(kind, act8):
+    rng = np.random.default_rng(len(kind))
+    n, d = 2 * QUANT_TILE_ROWS + 5, 512               # a short last tile of weight rows
+    Q = matrix(kind, n, d, rng)
+    x = (rng.standard_normal((ROWS[-1], d)) * 2).astype(np.float32)
+    with numba_threads(1):
+        one = np.concatenate([quant_matmul_t(x[t:t + 1], Q, kind, parallel_min_work=1 << 40) for t in range(len(x))])
+    for T in ROWS:
+        for threads, min_work in ((1, 1 << 40), (2, 0)):          # serial, parallel over tiles
+            with numba_threads(threads):
+                y = quant_matmul_t(x[:T], Q, kind, parallel_min_work=min_work)
+            assert np.array_equal(y.view(np.uint32), one[:T].view(np.uint32)), (kind, T, threads)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_prompts_products_are_float64_of_the_rounded_x(kind, act8):
+    """The documented rounding: per block the exact integer sum, then float32 products and sums over the row's
+    blocks, so each result is the float64 one within a few float32 steps of the sum of |terms|."""
+    rng = np.random.default_rng(7 + len(kind))
+    n, d = 23, 768
+    Q = matrix(kind, n, d, rng)
+    x = (rng.standard_normal((ROWS[-1], d)) * 3).astype(np.float32)
+    want, scale = oracle(Q, kind, x)
+    with numba_threads(2):
+        got = quant_matmul_t(x, Q, kind, parallel_min_work=0)
+    assert np.all(np.abs(got - want) <= 1e-6 * scale + 1e-30), kind
+
+
+def test_a_prompts_coefficients_in_parallel_have_the_serial_bits():
+    """The dense FFN's coefficients of a prompt (kernels.neurons.activations: rows in parallel from
+    PARALLEL_COEFFICIENTS elements) against the serial kernel, silu and gelu_tanh."""
+    from flashinfer_lite.kernels.neurons import PARALLEL_COEFFICIENTS, act_code, activations, coefficients_of_products
+    rng = np.random.default_rng(3)
+    g, u = (rng.standard_normal((9, PARALLEL_COEFFICIENTS // 8)).astype(np.float32) * 4 for _ in range(2))
+    for act in ("silu", "gelu_tanh"):
+        want = u.copy()
+        coefficients_of_products(g, want, np.zeros((u.shape[1], 0), np.float32), True, act_code(act),
+                                 np.float32(-np.inf), -1, -1)
+        with numba_threads(2):
+            got = activations(act, g, u, -np.inf)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), act
