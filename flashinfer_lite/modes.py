@@ -81,7 +81,7 @@ class ModelFiles:
     ckpt: object                    # FlashCheckpoint, or the source's checkpoint (a dense run of an HF dir or GGUF)
     tokenizer: object
     predictors: object              # PredictorSet or None
-    base_bytes: int | None          # the plan's process base (None: no plan will be made)
+    base_bytes: int | None          # the process base: the plan's, or a dense run's of a source (None: none measured)
     dense_bytes: int = 0            # DRAM a dense run of the source needs (a GGUF keeps its blocks: its file size)
     expert_freq: object = None      # a mixture of experts: [L, E] routings counted on calibration text, or None
     gate: object = None             # storage.gate_file.GateCalibration at the run's sparsity, or None
@@ -414,9 +414,9 @@ class DenseMode(Mode):
         FFN as ResidentFFN; any other as dense FeedForward matrices (float16, float32 for f32 bundles). A source's as
         stored (a GGUF keeps its blocks)."""
         ckpt = files.ckpt
-        if not files.flash_backed:
-            model = Transformer(ckpt.config, load_weights(ckpt, progress, keep_blocks=True))
-        elif ckpt.config.moe:    # every expert read from its chunk, kept as stored (float16, float32 or blocks)
+        if not files.flash_backed:      # its kernels are loaded (runtime.open_model_files: warmup.dense_warm_up)
+            return Transformer(ckpt.config, load_weights(ckpt, progress, keep_blocks=True)), None
+        if ckpt.config.moe:    # every expert read from its chunk, kept as stored (float16, float32 or blocks)
             model = Transformer(ckpt.config, load_weights(ckpt, progress, convert=convert_of(ckpt.layout)))
         elif not ckpt.layout.quantized:
             model = Transformer(ckpt.config, load_weights(ckpt, progress,
@@ -589,17 +589,17 @@ def kernels_for(facts: Facts, ffn: str) -> set[str]:
     return {k for m in reach(facts, ffn) for k in m.kernels}
 
 
-def runs_from_flash(ffn: str, source: str | None, budget: Budget) -> bool:
+def runs_from_flash(ffn: str, source: str | None, budget: Budget, open_source=open_checkpoint) -> bool:
     """Whether --ffn `ffn` runs a model named by `source` (None: the default model, a GGUF) from a FLASHDIR,
     converting it into the cache on first use. A mode asked for by name: as the mode says. auto: the default model;
     a mixture of experts always; a SiLU- or GELU-gated model given a --dram-budget, or under auto when its dense
     weights (a GGUF's file, else float32) do not fit what the machine can give (the exact gate needs no predictors; a
-    ReLU-family model needs trained ones, and is told so)."""
+    ReLU-family model needs trained ones, and is told so). open_source: what opens the source's checkpoint."""
     if ffn != AUTO:
         return next(m for m in MODES if m.name == ffn).flash
     if source is None:
         return True
-    cfg = open_checkpoint(str(source)).config
+    cfg = open_source(str(source)).config
     if cfg.moe:
         return True
     if not cfg.exact_gate or budget.bytes is None:

@@ -8,6 +8,7 @@ training; calibrate_gate builds its uncalibrated model through it too.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import sys
@@ -43,7 +44,7 @@ from .process import RSS_MARKS, keep_freed_arrays_out_of_rss, mark_rss, peak_rss
 from .kernels.blocks import set_act8
 from .threads import set_threads
 from .warmup import (base_estimate_bytes, base_parts_table, drop_llvm_pages, loading_excess_bytes,
-                     measure_base_bytes)
+                     measure_base_bytes, measure_dense_base_bytes)
 
 
 def one_blas_thread() -> None:
@@ -129,32 +130,28 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
     mark_rss("LLVM library pages dropped")
     budget = Budget.of(dram_budget)
     default = model is None
-    flash_backed = (not default and is_flashdir(model)) or runs_from_flash(ffn, None if default else model, budget)
+    open_source = functools.cache(open_any)     # a source's header is read once (a 152k vocabulary: 0.1 s)
+    flash_backed = (not default and is_flashdir(model)) or runs_from_flash(ffn, None if default else str(model),
+                                                                           budget, open_source)
     if budget.requested and flash_backed and plans(ffn):
         refuse_below_minimum(None if default else str(model), ffn, budget.bytes, ctx, base_bytes)
     source = str(ensure_default_model()) if default else str(model)
+    keep_freed_arrays_out_of_rss()  # in a dense run too: a short prompt touches a page of each layer's KV, not 2 MiB
     if not flash_backed or not plans(ffn):     # every weight in DRAM, as stored: no plan, no predictors
         if flash_backed and verify:   # the resident file and the manifest are checked, not only each layer
             verify_at_load(source, progress=progress)
-        ckpt = open_any(source)
-        return ModelFiles(source, source, default, flash_backed, ckpt, ckpt.tokenizer(), None, None,
-                          dense_bytes_of(source, ckpt.config))
-    keep_freed_arrays_out_of_rss()
+        ckpt = open_source(source)
+        files = ModelFiles(source, source, default, flash_backed, ckpt, open_tokenizer(ckpt), None, None,
+                           dense_bytes_of(source, ckpt.config))
+        if not flash_backed:    # a source's matrices, as stored: its kernels load before them (DenseMode.build)
+            base, files.loading_peak_bytes = measure_dense_base_bytes(ckpt, start_peak)
+            files.base_bytes = base if base_bytes is None else base_bytes
+        return files
     path = flashdir_for(source, progress, then=lambda cfg, layout: calibration_next(cfg, layout, ffn))
     if verify:
         verify_at_load(path, progress=progress)
     ckpt = FlashCheckpoint(path)
-    mark_rss("the model's files opened")
-    tokenizer = ckpt.tokenizer()
-    return_freed_heap()         # what parsing tokenizer.json left free (38 of Qwen2.5's 82 MiB), out of the peak
-    mark_rss(f"tokenizer ({tokenizer.vocab_size} tokens)")
-    if tokenizer.chat_template:     # rendered once, so that jinja2 (6.7 MiB) is in the base, not first in a prompt's
-        try:
-            tokenizer.apply_chat_template([{"role": "user", "content": "hello"}])
-        except UserError:           # a template that fails fails where it is used, with its own line
-            pass
-        mark_rss("chat template (jinja2)")
-    files = ModelFiles(source, str(path), default, True, ckpt, tokenizer, load_predictors(path), None,
+    files = ModelFiles(source, str(path), default, True, ckpt, open_tokenizer(ckpt), load_predictors(path), None,
                        expert_freq=load_expert_freq(path) if ckpt.config.moe else None)
     mark_rss("predictors")
     if base_bytes is None:
@@ -165,6 +162,23 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
     if not ckpt.config.moe or ckpt.layout.experts.split:    # split expert chunks run the exact gate too
         files.gate = read_gate_file(path, ckpt.config.n_layers, ckpt.config.ffn_dim, sparsity)
     return files
+
+
+def open_tokenizer(ckpt):
+    """The model's tokenizer, with what building it left free returned to the system (38 of Qwen2.5's 82 MiB, out of
+    the peak) and its chat template rendered once, so that jinja2 (6.7 MiB) is in the process base, not first in a
+    prompt's; each noted for the base's parts."""
+    mark_rss("the model's files opened")
+    tokenizer = ckpt.tokenizer()
+    return_freed_heap()
+    mark_rss(f"tokenizer ({tokenizer.vocab_size} tokens)")
+    if tokenizer.chat_template:
+        try:
+            tokenizer.apply_chat_template([{"role": "user", "content": "hello"}])
+        except UserError:           # a template that fails fails where it is used, with its own line
+            pass
+        mark_rss("chat template (jinja2)")
+    return tokenizer
 
 
 def calibration_next(cfg: ModelConfig, layout: FlashLayout, ffn: str) -> tuple[str, float]:
