@@ -5,6 +5,7 @@ each declares its compile steps); budget.py plans, this module spends time and m
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from .kernels.attention import attention_rows
 from .kernels.gemv import MATMUL_ROW_KERNEL_MAX_T, matmul_t
 from .kernels.norm import add_rms_norm_rows, rms_norm_rows
 from .ffn.dense import ExpertBatch, FeedForward, MixtureOfExperts
+from .loader import load_weights
 from .model import Transformer
 from .neuron_cache import NeuronCache
 from .process import RSS_MARKS, drop_file_pages, mark_rss, peak_rss_bytes, return_freed_heap, rss_bytes
@@ -430,8 +432,6 @@ def dense_warm_up(ckpt) -> None:
     a step may run on. Its tensors are the run's own arrays (a GGUF's: read-only views of the mapped file, a type of
     their own to Numba), so the run loads no kernel later, and LLVM's pages, dropped after this, stay out of a peak
     that holds the whole file. The file's pages this read leave RSS with it (ckpt.release): the run maps them again."""
-    import dataclasses
-    from .loader import load_weights
     cfg = ckpt.config
     first: dict[tuple, int] = {}
     for i in range(cfg.n_layers):
