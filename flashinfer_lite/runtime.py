@@ -37,8 +37,8 @@ from .ffn.gate import (CALIBRATION_CTX, CALIBRATION_TOKENS, LayerMagnitudes, cal
                        measure_thresholds)
 from .loader import open_any
 from .model import Transformer
-from .modes import (Facts, GateMode, ModelFiles, check_mode, decide, dense_bytes_of, kernels_for, minimum_bytes, plans,
-                    reach, runs_from_flash)
+from .modes import (Facts, GateMode, ModelFiles, below_loading_peak, check_mode, decide, dense_bytes_of, kernels_for,
+                    minimum_bytes, plans, reach, runs_from_flash)
 from .predictor_set import load_expert_freq, load_predictors
 from .process import RSS_MARKS, keep_freed_arrays_out_of_rss, mark_rss, peak_rss_bytes, return_freed_heap
 from .kernels.blocks import set_act8
@@ -99,16 +99,17 @@ def refuse_below_minimum(source: str | None, ffn: str, dram_budget: int, ctx: in
     cfg, layout, kinds = model_facts(source)
     ctx = context_size(ctx, cfg)
     base = base_estimate_bytes(layout, cfg.vocab_size) if base_bytes is None else base_bytes
+    peak = base + loading_excess_bytes(layout) if base_bytes is None else 0     # the loading's, as last measured
     # the heap's slack as the plan will count it: none when the caller plans the model's part alone (base 0)
-    planned = minimum_bytes(cfg, layout, kinds, ffn, ctx, base, heap_slack_bytes=HEAP_SLACK_BYTES if base else 0)
-    # the loading's peak, a floor of the minimum (decide_in_budget)
-    floor = base + loading_excess_bytes(layout) if base_bytes is None else 0
-    minimum = max(planned, floor) - EARLY_SLACK_BYTES
-    if dram_budget < minimum:
-        raise BelowMinimum(dram_budget, minimum, f"estimated before loading: process base about "
-                           f"{base / 2**20:.1f} MiB, the model's weights, kv cache and buffers for {ctx} positions "
-                           f"{(planned - base) / 2**20:.1f} MiB" + ("" if planned >= floor else
-                                                                    f"; loading the kernels {floor / 2**20:.1f} MiB"))
+    minimum = minimum_bytes(cfg, layout, kinds, ffn, ctx, base, heap_slack_bytes=HEAP_SLACK_BYTES if base else 0,
+                            loading_peak_bytes=peak)
+    if dram_budget >= minimum - EARLY_SLACK_BYTES:
+        return
+    if minimum == peak:
+        raise below_loading_peak(dram_budget, peak - EARLY_SLACK_BYTES, base, estimated=True)
+    raise BelowMinimum(dram_budget, minimum - EARLY_SLACK_BYTES, f"estimated before loading: process base about "
+                       f"{base / 2**20:.1f} MiB, the model's weights, kv cache and buffers for {ctx} positions "
+                       f"{(minimum - base) / 2**20:.1f} MiB")
 
 
 def open_model_files(model, ffn: str, verify: bool = True, progress: bool = False,
@@ -201,7 +202,7 @@ def decide_and_build(files: ModelFiles, ffn: str, budget: Budget, ctx: int, wind
     own before deciding again (train: the default model's predictors, on first use, in a child process; else a model
     without them is an error naming the commands to run; the exact gate's thresholds, calibrated in this process
     under the budget: seconds); say the decision's notes (say); build."""
-    decision = decide_in_budget(files, ffn, budget, ctx, window, lookahead, verbose)
+    decision = decide(files, ffn, budget, ctx, window, lookahead, verbose)
     if decision.train_predictors:
         if not train:
             raise UserError(f"{files.path} has no predictors yet: train them first (first use of the default model)")
@@ -209,37 +210,16 @@ def decide_and_build(files: ModelFiles, ffn: str, budget: Budget, ctx: int, wind
         files.predictors = load_predictors(files.path)
         files.base_bytes, peak = measure_base_bytes(files.ckpt.layout, kernels_for(files.facts, ffn))
         files.loading_peak_bytes = max(files.loading_peak_bytes, peak)     # the first loading's stays the floor
-        decision = decide_in_budget(files, ffn, budget, ctx, window, lookahead, verbose)
+        decision = decide(files, ffn, budget, ctx, window, lookahead, verbose)
     if decision.calibrate_gate:        # the first exact-gate run of a FLASHDIR
         calibrate_on_first_use(files, sparsity, budget)
-        decision = decide_in_budget(files, ffn, budget, ctx, window, lookahead, verbose)
+        decision = decide(files, ffn, budget, ctx, window, lookahead, verbose)
     if say:
         if verbose and files.base_bytes:
             print(base_parts_table(files.base_bytes), file=sys.stderr)
         for line in decision.notes:
             print(line, file=sys.stderr)
     return (decision, *decision.mode.build(files, decision, threads, progress, verbose))
-
-
-def decide_in_budget(files: ModelFiles, ffn: str, budget: Budget, ctx: int, window: int, lookahead: bool,
-                     verbose: bool):
-    """modes.decide, with the loading's peak (files.loading_peak_bytes: what the process held while the kernels
-    loaded) as a floor of the minimum: a plan under it (a small model's: its weights less than the LLVM pages dropped
-    after loading) would promise a peak the process has already passed."""
-    floor = files.loading_peak_bytes
-
-    def under() -> BelowMinimum:
-        return BelowMinimum(budget.bytes, floor, f"process base {files.base_bytes / 2**20:.1f} MiB, which loading the "
-                                                 f"kernels took to {floor / 2**20:.1f} MiB: over the plan's minimum")
-    try:
-        decision = decide(files, ffn, budget, ctx, window, lookahead, verbose)
-    except BelowMinimum as e:
-        if e.minimum_bytes >= floor or not budget.requested:
-            raise
-        raise under() from None
-    if budget.requested and budget.bytes < floor:
-        raise under()
-    return decision
 
 
 def load_runtime(path, ffn: str = "dense", dram_budget: int | str | None = None, ctx: int | None = None,

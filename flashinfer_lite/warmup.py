@@ -230,7 +230,7 @@ def measure_base_bytes(layout, kernels=None, start_peak: int | None = None) -> t
     process that already holds other things (a test run, a notebook) they count too: the budget is the process's.
     Each step is noted (process.mark_rss) for the parts -v prints (base_parts).
     The loading's peak: the most this process held while loading (a floor of the minimum budget: a small model's
-    plan can be under it; runtime.decide_in_budget): RSS before LLVM's pages were dropped, or the process's peak
+    plan can be under it; modes.minimum_bytes): RSS before LLVM's pages were dropped, or the process's peak
     (VmHWM) when it grew since `start_peak` (the peak when the load began: the one reached within a step, or while
     the tokenizer parsed its file), not one an earlier load of this process reached.
     What loading the kernels added, what the line added to the RSS of the early refusal (base_estimate_bytes) and how

@@ -217,3 +217,31 @@ def test_load_runtime_refuses_before_converting_and_names_the_planners_minimum(t
     assert planned.value.minimum_bytes == gate.plan.floor_bytes
     assert str(planned.value).startswith(f"DRAM budget {(gate.plan.floor_bytes - 1) / 2**20:.1f} MiB is below the "
                                          f"minimum {gate.plan.floor_bytes / 2**20:.1f} MiB for this model (")
+
+
+def test_the_loading_peak_floors_the_minimum_of_every_caller(tmp_path, monkeypatch):
+    """What the process held while its kernels loaded (the loading's peak) is a floor of the minimum, applied in one
+    place (modes.minimum_bytes): the benches' minimum (ModelFiles.minimum_bytes), decide's refusal and the early
+    refusal, before loading (from the peak this installation last measured), name it, in one wording."""
+    import flashinfer_lite.runtime as runtime
+    from flashinfer_lite.budget import BelowMinimum
+    from flashinfer_lite.modes import decide
+    flash = convert(STORIES, tmp_path / "flash", progress=False)
+    base, ctx = 64 << 20, 64
+    files = runtime.open_model_files(flash, "auto", base_bytes=base, ctx=ctx)
+    planned = files.minimum_bytes("auto", ctx)
+    assert planned > base
+    peak = files.loading_peak_bytes = planned + (16 << 20)        # a small model's: over its plan's minimum
+    assert files.minimum_bytes("auto", ctx) == peak
+    with pytest.raises(BelowMinimum) as refused:
+        decide(files, "auto", peak - 1, ctx)
+    assert refused.value.minimum_bytes == peak
+    assert decide(files, "auto", peak, ctx).calibrate_gate      # at the floor: decided (its thresholds come first)
+    monkeypatch.setattr(runtime, "base_estimate_bytes", lambda layout, vocab_size: base)
+    monkeypatch.setattr(runtime, "loading_excess_bytes", lambda layout: peak - base)
+    with pytest.raises(BelowMinimum) as early:
+        runtime.refuse_below_minimum(str(flash), "auto", planned, ctx)
+    assert early.value.minimum_bytes == peak - runtime.EARLY_SLACK_BYTES
+    for e in (refused.value, early.value):
+        assert f"below the minimum {e.minimum_bytes / 2**20:.1f} MiB for this model (" in str(e)
+        assert f"loading the kernels takes the process to {'about ' if e is early.value else ''}" in str(e), str(e)
