@@ -14,6 +14,7 @@ import numpy as np
 
 from storage import columns
 from storage.config import ModelConfig
+from storage.errors import UserError
 from storage.files import write_best_effort
 from storage.format import expert_parts, read_layout
 from storage.reader import aligned_empty, bundle_reader
@@ -28,7 +29,8 @@ from .ffn.dense import ExpertBatch, FeedForward, MixtureOfExperts
 from .loader import load_weights
 from .model import Transformer
 from .neuron_cache import NeuronCache
-from .process import RSS_MARKS, drop_file_pages, mark_rss, peak_rss_bytes, return_freed_heap, rss_bytes
+from .process import (RSS_MARKS, cgroup_room, drop_file_pages, mark_rss, peak_rss_bytes, return_freed_heap,
+                      rss_bytes)
 from storage.blocks import row_bytes
 from .kernels.blocks import BLOCK, QuantMatrix, quant_matmul_t
 from .threads import step_counts
@@ -363,10 +365,18 @@ def remember(layout, figures: dict) -> None:
     write_best_effort(compiled_stamp(layout), json.dumps(record))
 
 
+# The most one compile child's RSS reached (the exact gate's step: 325 MiB on SmolLM2's q4_1 FLASHDIR, Numba 0.6x,
+# Linux x86-64): what a memory cgroup must leave beside the process on a first use
+COMPILE_CHILD_BYTES = 330 << 20
+
+
 def compile_in_child(layout) -> None:
     """compile_kernels in a child process, which fills Numba's on-disk cache, leaves compiled_stamp(layout) there
     and exits, returning the compiler's memory with it. Without a FLASHDIR on disk (a layout built in memory) or
-    when the child fails, this process compiles instead: its process base is then larger, never wrong."""
+    when the child fails, this process compiles instead: its process base is then larger, never wrong. A child
+    killed by a memory cgroup's limit is refused in one line that says what a first use needs: this process would
+    not compile within that limit either."""
+    import signal
     import subprocess
     if layout.flashdir is None:
         return
@@ -374,9 +384,19 @@ def compile_in_child(layout) -> None:
         print("compiling the kernels once for this installation (Numba; a minute or more) ...", file=sys.stderr)
     n = len(compile_steps(layout))
     for i in range(n):          # one child per step: each one's peak is the libraries and one step's compiler
-        subprocess.run([sys.executable, "-m", "flashinfer_lite.warmup", str(layout.flashdir), str(i),
-                        "stamp" if i == n - 1 else ""],
-                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, check=False)
+        child = subprocess.Popen([sys.executable, "-m", "flashinfer_lite.warmup", str(layout.flashdir), str(i),
+                                  "stamp" if i == n - 1 else ""], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        try:                    # the OOM killer's first choice in a memory cgroup, not the run that started it
+            Path(f"/proc/{child.pid}/oom_score_adj").write_text("1000")
+        except OSError:
+            pass
+        if child.wait() == -signal.SIGKILL and cgroup_room() is not None:
+            held = rss_bytes()
+            raise UserError(f"a first use compiles the kernels (once for this installation), and this memory "
+                            f"cgroup's limit killed the compiler: it takes about {COMPILE_CHILD_BYTES >> 20} MiB "
+                            f"beside this process's {held >> 20} MiB; give the first use a limit of about "
+                            f"{(held + COMPILE_CHILD_BYTES) >> 20} MiB (later runs load the compiled kernels and "
+                            f"need only their --dram-budget)")
 
 
 def compiled_stamp(layout):
