@@ -113,15 +113,14 @@ def trained_flashdir(source, work: Path, dtype: str, corpus: list[Path], tokens:
 
 
 def probe_minimum(path, ffn: str, ctx: int, window: int = 5) -> dict:
-    """The runtime's own minimum DRAM budget for this FFN mode and context (modes.minimum_bytes, the planner's), with
-    the process base measured in this fresh process by the library's loading path (runtime.open_model_files), as a
-    row's process will measure its own; minimum_bytes adds MIN_MARGIN for the difference."""
-    from flashinfer_lite.modes import minimum_bytes
+    """The runtime's own minimum DRAM budget for this FFN mode and context (modes.ModelFiles.minimum_bytes: the
+    planner's, floored at the loading's peak), with the process base measured in this fresh process by the library's
+    loading path (runtime.open_model_files), as a row's process will measure its own; minimum_bytes adds MIN_MARGIN
+    for the difference."""
     from flashinfer_lite.runtime import context_size, open_model_files
     files = open_model_files(path, ffn)
-    ckpt, base = files.ckpt, files.base_bytes
-    minimum = max(minimum_bytes(ckpt.config, ckpt.layout, ckpt.resident_kinds, ffn, context_size(ctx, ckpt.config),
-                                base, window), files.loading_peak_bytes)     # runtime.decide_in_budget's floor
+    base = files.base_bytes
+    minimum = files.minimum_bytes(ffn, context_size(ctx, files.ckpt.config), window)
     return {"minimum_bytes": minimum + MIN_MARGIN,
             "message": f"--ffn {ffn} -c {ctx}: minimum {minimum / 2**20:.1f} MiB, process base {base / 2**20:.1f} MiB"}
 

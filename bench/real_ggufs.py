@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Real GGUFs in a small budget (issue 43): per GGUF (default: the default model's), its size, the minimum
 --dram-budget at -c 512, 2048 and 8192 split into process base, resident weights, KV and the rest (what `generate
---dram-budget 1M -c N` refuses with; no conversion), the dense run's peak RSS and load time (`generate -m GGUF --json`,
-no budget) and llama.cpp's (harness.llama_model: mmap, "hi" evaluated): each its own process, the second of two (warm).
+--dram-budget 1M -c N` refuses with; no conversion), the dense run's peak RSS, its goal (file + KV at the default
+context + the process base -v prints, + 5%) and load time (`generate -m GGUF --json -v`, no budget) and llama.cpp's (harness.llama_model: mmap, "hi" evaluated): each its own process, the second of two (warm).
     PYTHONPATH=. python bench/real_ggufs.py [GGUF ...] [--contexts 512,2048,8192] [--md FILE]
 """
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -38,7 +39,8 @@ def measure_minimum(gguf: str, contexts: list[int]) -> dict:
                                      (e.minimum_bytes, base, resident, kv, e.minimum_bytes - base - resident - kv)))
         except Exception as e:  # noqa: BLE001  (a context past the model's maximum: the row says so)
             out[str(ctx)] = {"error": str(e)}
-    return {"minimum": out}
+    # a dense run's KV cache (generate's default context): its peak's goal is file + KV + process base + 5%
+    return {"minimum": out, "dense_kv_bytes": model.KVCache.nbytes_for(cfg, runtime.context_size(0, cfg))}
 
 
 def measure_llama(gguf: str, threads: int) -> dict:
@@ -58,12 +60,13 @@ def worker_row(mode: str, gguf: Path, work: Path, extra: list[str]) -> dict:
 
 def dense_row(gguf: Path, threads: int) -> dict:       # the load average as the run ends: beside its figures
     p = subprocess.run([sys.executable, "-m", "flashinfer_lite", "generate", "-m", str(gguf), "-p", "hi", "-n", "1",
-                        "-t", str(threads), "--json"], env=ENV, capture_output=True, text=True)
+                        "-t", str(threads), "--json", "-v"], env=ENV, capture_output=True, text=True)
     if p.returncode:
         return {"error": (p.stderr.strip().splitlines() or ["?"])[-1], "loadavg": os.getloadavg()}
     doc = json.loads(p.stdout.strip().splitlines()[-1])
+    base = re.search(r"^process base +([\d.]+) MiB", p.stderr, re.M)     # what -v prints
     return {"load_s": round(doc["timings"]["load_ms"] / 1e3, 3), "peak_rss_bytes": int(doc["peak_rss_mb"] * MIB),
-            "loadavg": os.getloadavg()}
+            "base_bytes": int(float(base[1]) * MIB) if base else None, "loadavg": os.getloadavg()}
 
 
 def twice(measure) -> dict:
@@ -111,19 +114,30 @@ def peak_cell(x: dict, f: int) -> str:
         (x.get("skipped") or h.failed(x))[:80]
 
 
+def goal_cell(r: dict) -> str:
+    """The dense peak's goal, file + KV + process base + 5%, and its parts (MiB)."""
+    kv, base = r.get("dense_kv_bytes"), r["dense"].get("base_bytes")
+    if kv is None or base is None:
+        return "?"
+    return f"{1.05 * (r['file_bytes'] + kv + base) / MIB:.0f}: {r['file_bytes'] / MIB:.0f} + {kv / MIB:.0f} + " \
+           f"{base / MIB:.0f}"
+
+
 def markdown(doc: dict) -> str:
-    m, rows = doc["machine"], []
+    """Two tables: the minimums, then the dense runs beside llama.cpp's."""
+    m, minimums, dense = doc["machine"], [], []
     for r in doc["models"]:
-        f, d, ll = r["file_bytes"], r["dense"], r["llama_cpp"]
-        rows.append([Path(r["gguf"]).name, f"{f / MIB:.0f}", *(minimum_cell(r.get("minimum", {}).get(str(c), r), f)
-                                                               for c in doc["contexts"]),
-                     peak_cell(d, f), h.fmt(d.get("load_s"), 2), peak_cell(ll, f), h.fmt(ll.get("load_s"), 2),
-                     f"{d['loadavg'][0]:.1f}"])
+        f, d, ll, name = r["file_bytes"], r["dense"], r["llama_cpp"], Path(r["gguf"]).name
+        minimums.append([name, f"{f / MIB:.0f}", *(minimum_cell(r.get("minimum", {}).get(str(c), r), f)
+                                                   for c in doc["contexts"])])
+        dense.append([name, f"{f / MIB:.0f}", peak_cell(d, f), goal_cell(r), h.fmt(d.get("load_s"), 2),
+                      peak_cell(ll, f), h.fmt(ll.get("load_s"), 2), f"{d['loadavg'][0]:.1f}"])
     return "\n".join([f"{doc['command']}; {m['cpus']} CPUs; {doc['date']}; load avg {m['load_avg_start'][0]:.2f} -> "
-                      f"{m['load_avg_end'][0]:.2f}. MiB; minimum = base + resident + KV + rest", "",
-                      *h.table(["GGUF", "file", *(f"minimum -c {c} (/file)" for c in doc["contexts"]),
-                                "dense peak RSS (/file)", "dense load s", "llama.cpp peak RSS (/file)",
-                                "llama.cpp load s", "load avg"], rows)])
+                      f"{m['load_avg_end'][0]:.2f}. MiB; minimum = base + resident + KV + rest; dense goal = 1.05 x "
+                      f"(file + KV + base)", "",
+                      *h.table(["GGUF", "file", *(f"minimum -c {c} (/file)" for c in doc["contexts"])], minimums), "",
+                      *h.table(["GGUF", "file", "dense peak RSS (/file)", "dense goal: file + KV + base", "dense load s",
+                                "llama.cpp peak RSS (/file)", "llama.cpp load s", "load avg"], dense)])
 
 
 if __name__ == "__main__":

@@ -30,9 +30,9 @@ from storage.errors import UserError
 from storage.format import FlashCheckpoint
 from storage.gate_file import DEFAULT_SPARSITY
 from storage.half import half_matrix
-from .budget import (HEAP_SLACK_BYTES, Budget, HeadSizes, down_scale_bytes, gate_reads, head_name, head_sizes,
-                     place_head, plan_budget, plan_experts, plan_gate, plan_resident_ffn, resident_bytes_for,
-                     stream_args, stream_settings)
+from .budget import (HEAP_SLACK_BYTES, BelowMinimum, Budget, HeadSizes, down_scale_bytes, gate_reads, head_name,
+                     head_sizes, place_head, plan_budget, plan_experts, plan_gate, plan_resident_ffn,
+                     resident_bytes_for, stream_args, stream_settings)
 from .flash_matrix import FlashMatrix, widened_rows
 from .ffn.experts import ExpertFFN
 from .ffn.flash import FlashFFN
@@ -81,12 +81,12 @@ class ModelFiles:
     ckpt: object                    # FlashCheckpoint, or the source's checkpoint (a dense run of an HF dir or GGUF)
     tokenizer: object
     predictors: object              # PredictorSet or None
-    base_bytes: int | None          # the plan's process base (None: no plan will be made)
+    base_bytes: int | None          # the process base: the plan's, or a dense run's of a source (None: none measured)
     dense_bytes: int = 0            # DRAM a dense run of the source needs (a GGUF keeps its blocks: its file size)
     expert_freq: object = None      # a mixture of experts: [L, E] routings counted on calibration text, or None
     gate: object = None             # storage.gate_file.GateCalibration at the run's sparsity, or None
-    loading_peak_bytes: int = 0     # RSS while the kernels loaded, before LLVM's pages left it (runtime: the minimum's
-                                    # floor; warmup.measure_base_bytes)
+    loading_peak_bytes: int = 0     # RSS while the kernels loaded, before LLVM's pages left it (the minimum's floor:
+                                    # minimum_bytes; warmup.measure_base_bytes)
 
     @property
     def facts(self) -> Facts:
@@ -96,6 +96,13 @@ class ModelFiles:
     @property
     def trained(self) -> bool:
         return self.predictors is not None and self.predictors.has_predictors
+
+    def minimum_bytes(self, ffn: str, ctx: int, window: int = 5) -> int:
+        """minimum_bytes of a run of these files: their FLASHDIR's facts, the process base measured and the loading's
+        peak (what decide refuses below; the benches' minimum)."""
+        c = self.ckpt
+        return minimum_bytes(c.config, c.layout, c.resident_kinds, ffn, ctx, self.base_bytes or 0, window,
+                             HEAP_SLACK_BYTES if self.base_bytes else 0, self.loading_peak_bytes)
 
 
 @dataclass(frozen=True)
@@ -415,9 +422,9 @@ class DenseMode(Mode):
         FFN as ResidentFFN; any other as dense FeedForward matrices (float16, float32 for f32 bundles). A source's as
         stored (a GGUF keeps its blocks)."""
         ckpt = files.ckpt
-        if not files.flash_backed:
-            model = Transformer(ckpt.config, load_weights(ckpt, progress, keep_blocks=True))
-        elif ckpt.config.moe:    # every expert read from its chunk, kept as stored (float16, float32 or blocks)
+        if not files.flash_backed:      # its kernels are loaded (runtime.open_model_files: warmup.dense_warm_up)
+            return Transformer(ckpt.config, load_weights(ckpt, progress, keep_blocks=True)), None
+        if ckpt.config.moe:    # every expert read from its chunk, kept as stored (float16, float32 or blocks)
             model = Transformer(ckpt.config, load_weights(ckpt, progress, convert=convert_of(ckpt.layout)))
         elif not ckpt.layout.quantized:
             model = Transformer(ckpt.config, load_weights(ckpt, progress,
@@ -565,24 +572,44 @@ def decide(files: ModelFiles, ffn: str, budget=None, ctx: int | None = None, win
     check_mode(ffn)
     budget = Budget.of(budget)
     ctx = ctx or files.ckpt.config.default_ctx
+    floor = files.loading_peak_bytes if budget.requested else 0     # minimum_bytes' floor
     for mode in reach(files.facts, ffn):
         if mode.fits(files, ffn, budget, ctx):
-            return mode.decide(files, ffn, budget, ctx, window, lookahead, verbose)
+            try:
+                decision = mode.decide(files, ffn, budget, ctx, window, lookahead, verbose)
+            except BelowMinimum as e:
+                if e.minimum_bytes >= floor:
+                    raise
+                raise below_loading_peak(budget.bytes, floor, files.base_bytes) from None
+            if budget.requested and budget.bytes < floor:
+                raise below_loading_peak(budget.bytes, floor, files.base_bytes)
+            return decision
     raise UserError(f"--ffn {ffn} does not apply to {files.source}")
 
 
+def below_loading_peak(budget_bytes: int, peak_bytes: int, base_bytes: int, estimated: bool = False) -> BelowMinimum:
+    """The refusal of a budget under the loading's peak (minimum_bytes' floor), measured (decide) or estimated before
+    loading (runtime.refuse_below_minimum): one wording."""
+    about = "about " if estimated else ""
+    return BelowMinimum(budget_bytes, peak_bytes, f"{'estimated before loading: ' if estimated else ''}loading the "
+                        f"kernels takes the process to {about}{peak_bytes / 2**20:.1f} MiB from a process base of "
+                        f"{about}{base_bytes / 2**20:.1f} MiB, over the plan's minimum")
+
+
 def minimum_bytes(cfg: ModelConfig, layout, kinds: dict, ffn: str, ctx: int, base_bytes: int,
-                  window: int = 5, heap_slack_bytes: int = HEAP_SLACK_BYTES) -> int:
+                  window: int = 5, heap_slack_bytes: int = HEAP_SLACK_BYTES, loading_peak_bytes: int = 0) -> int:
     """The smallest --dram-budget a run of --ffn `ffn` may be planned with (--lookahead off), on the layout its
     FLASHDIR has (or conversion will make): the smallest of the minimums of the modes it may run (reach), with the
     process base `base_bytes` and the heap's slack (a run plans with HEAP_SLACK_BYTES; one that plans the model's
     part alone, base 0, without); 0 when none plans one (--ffn dense; a mode a mixture of experts refuses by name).
     A mixture of experts' counts the resident file's tensor bytes (decide plans with the file's size: its header
-    more)."""
+    more). At least `loading_peak_bytes`: the most the process held while loading (warmup.measure_base_bytes' peak),
+    which decide refuses a budget under too: a small model's plan can be below it (its weights less than the LLVM
+    pages dropped once the kernels are loaded), and would promise a peak the process has already passed."""
     facts = Facts(cfg, layout, kinds)
     found = [m.minimum(facts, ffn, ctx, window, base_bytes, heap_slack_bytes) for m in reach(facts, ffn)]
     found = [b for b in found if b is not None]
-    return min(found) if found else 0
+    return max(min(found), loading_peak_bytes) if found else 0
 
 
 def kernels_for(facts: Facts, ffn: str) -> set[str]:
@@ -590,17 +617,17 @@ def kernels_for(facts: Facts, ffn: str) -> set[str]:
     return {k for m in reach(facts, ffn) for k in m.kernels}
 
 
-def runs_from_flash(ffn: str, source: str | None, budget: Budget) -> bool:
+def runs_from_flash(ffn: str, source: str | None, budget: Budget, open_source=open_checkpoint) -> bool:
     """Whether --ffn `ffn` runs a model named by `source` (None: the default model, a GGUF) from a FLASHDIR,
     converting it into the cache on first use. A mode asked for by name: as the mode says. auto: the default model;
     a mixture of experts always; a SiLU- or GELU-gated model given a --dram-budget, or under auto when its dense
     weights (a GGUF's file, else float32) do not fit what the machine can give (the exact gate needs no predictors; a
-    ReLU-family model needs trained ones, and is told so)."""
+    ReLU-family model needs trained ones, and is told so). open_source: what opens the source's checkpoint."""
     if ffn != AUTO:
         return next(m for m in MODES if m.name == ffn).flash
     if source is None:
         return True
-    cfg = open_checkpoint(str(source)).config
+    cfg = open_source(str(source)).config
     if cfg.moe:
         return True
     if not cfg.exact_gate or budget.bytes is None:

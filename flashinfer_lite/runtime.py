@@ -8,6 +8,7 @@ training; calibrate_gate builds its uncalibrated model through it too.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import sys
@@ -37,14 +38,14 @@ from .ffn.gate import (CALIBRATION_CTX, CALIBRATION_TOKENS, LayerMagnitudes, cal
 from .hub import resolve_model
 from .loader import open_any
 from .model import Transformer
-from .modes import (Facts, GateMode, ModelFiles, check_mode, decide, dense_bytes_of, kernels_for, minimum_bytes, plans,
-                    reach, runs_from_flash)
+from .modes import (Facts, GateMode, ModelFiles, below_loading_peak, check_mode, decide, dense_bytes_of, kernels_for,
+                    minimum_bytes, plans, reach, runs_from_flash)
 from .predictor_set import load_expert_freq, load_predictors
 from .process import RSS_MARKS, keep_freed_arrays_out_of_rss, mark_rss, peak_rss_bytes, return_freed_heap
 from .kernels.blocks import set_act8
 from .threads import set_threads
 from .warmup import (base_estimate_bytes, base_parts_table, drop_llvm_pages, loading_excess_bytes,
-                     measure_base_bytes)
+                     measure_base_bytes, measure_dense_base_bytes)
 
 
 def one_blas_thread() -> None:
@@ -99,16 +100,17 @@ def refuse_below_minimum(source: str | None, ffn: str, dram_budget: int, ctx: in
     cfg, layout, kinds = model_facts(source)
     ctx = context_size(ctx, cfg)
     base = base_estimate_bytes(layout, cfg.vocab_size) if base_bytes is None else base_bytes
+    peak = base + loading_excess_bytes(layout) if base_bytes is None else 0     # the loading's, as last measured
     # the heap's slack as the plan will count it: none when the caller plans the model's part alone (base 0)
-    planned = minimum_bytes(cfg, layout, kinds, ffn, ctx, base, heap_slack_bytes=HEAP_SLACK_BYTES if base else 0)
-    # the loading's peak, a floor of the minimum (decide_in_budget)
-    floor = base + loading_excess_bytes(layout) if base_bytes is None else 0
-    minimum = max(planned, floor) - EARLY_SLACK_BYTES
-    if dram_budget < minimum:
-        raise BelowMinimum(dram_budget, minimum, f"estimated before loading: process base about "
-                           f"{base / 2**20:.1f} MiB, the model's weights, kv cache and buffers for {ctx} positions "
-                           f"{(planned - base) / 2**20:.1f} MiB" + ("" if planned >= floor else
-                                                                    f"; loading the kernels {floor / 2**20:.1f} MiB"))
+    minimum = minimum_bytes(cfg, layout, kinds, ffn, ctx, base, heap_slack_bytes=HEAP_SLACK_BYTES if base else 0,
+                            loading_peak_bytes=peak)
+    if dram_budget >= minimum - EARLY_SLACK_BYTES:
+        return
+    if minimum == peak:
+        raise below_loading_peak(dram_budget, peak - EARLY_SLACK_BYTES, base, estimated=True)
+    raise BelowMinimum(dram_budget, minimum - EARLY_SLACK_BYTES, f"estimated before loading: process base about "
+                       f"{base / 2**20:.1f} MiB, the model's weights, kv cache and buffers for {ctx} positions "
+                       f"{(minimum - base) / 2**20:.1f} MiB")
 
 
 def open_model_files(model, ffn: str, verify: bool = True, progress: bool = False,
@@ -130,32 +132,28 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
     mark_rss("LLVM library pages dropped")
     budget = Budget.of(dram_budget)
     default = model is None
-    flash_backed = (not default and is_flashdir(model)) or runs_from_flash(ffn, None if default else model, budget)
+    open_source = functools.cache(open_any)     # a source's header is read once (a 152k vocabulary: 0.1 s)
+    flash_backed = (not default and is_flashdir(model)) or runs_from_flash(ffn, None if default else str(model),
+                                                                           budget, open_source)
     if budget.requested and flash_backed and plans(ffn):
         refuse_below_minimum(None if default else str(model), ffn, budget.bytes, ctx, base_bytes)
     source = str(ensure_default_model()) if default else str(model)
+    keep_freed_arrays_out_of_rss()  # in a dense run too: a short prompt touches a page of each layer's KV, not 2 MiB
     if not flash_backed or not plans(ffn):     # every weight in DRAM, as stored: no plan, no predictors
         if flash_backed and verify:   # the resident file and the manifest are checked, not only each layer
             verify_at_load(source, progress=progress)
-        ckpt = open_any(source)
-        return ModelFiles(source, source, default, flash_backed, ckpt, ckpt.tokenizer(), None, None,
-                          dense_bytes_of(source, ckpt.config))
-    keep_freed_arrays_out_of_rss()
+        ckpt = open_source(source)
+        files = ModelFiles(source, source, default, flash_backed, ckpt, open_tokenizer(ckpt), None, None,
+                           dense_bytes_of(source, ckpt.config))
+        if not flash_backed:    # a source's matrices, as stored: its kernels load before them (DenseMode.build)
+            base, files.loading_peak_bytes = measure_dense_base_bytes(ckpt, start_peak)
+            files.base_bytes = base if base_bytes is None else base_bytes
+        return files
     path = flashdir_for(source, progress, then=lambda cfg, layout: calibration_next(cfg, layout, ffn))
     if verify:
         verify_at_load(path, progress=progress)
     ckpt = FlashCheckpoint(path)
-    mark_rss("the model's files opened")
-    tokenizer = ckpt.tokenizer()
-    return_freed_heap()         # what parsing tokenizer.json left free (38 of Qwen2.5's 82 MiB), out of the peak
-    mark_rss(f"tokenizer ({tokenizer.vocab_size} tokens)")
-    if tokenizer.chat_template:     # rendered once, so that jinja2 (6.7 MiB) is in the base, not first in a prompt's
-        try:
-            tokenizer.apply_chat_template([{"role": "user", "content": "hello"}])
-        except UserError:           # a template that fails fails where it is used, with its own line
-            pass
-        mark_rss("chat template (jinja2)")
-    files = ModelFiles(source, str(path), default, True, ckpt, tokenizer, load_predictors(path), None,
+    files = ModelFiles(source, str(path), default, True, ckpt, open_tokenizer(ckpt), load_predictors(path), None,
                        expert_freq=load_expert_freq(path) if ckpt.config.moe else None)
     mark_rss("predictors")
     if base_bytes is None:
@@ -166,6 +164,23 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
     if not ckpt.config.moe or ckpt.layout.experts.split:    # split expert chunks run the exact gate too
         files.gate = read_gate_file(path, ckpt.config.n_layers, ckpt.config.ffn_dim, sparsity)
     return files
+
+
+def open_tokenizer(ckpt):
+    """The model's tokenizer, with what building it left free returned to the system (38 of Qwen2.5's 82 MiB, out of
+    the peak) and its chat template rendered once, so that jinja2 (6.7 MiB) is in the process base, not first in a
+    prompt's; each noted for the base's parts."""
+    mark_rss("the model's files opened")
+    tokenizer = ckpt.tokenizer()
+    return_freed_heap()
+    mark_rss(f"tokenizer ({tokenizer.vocab_size} tokens)")
+    if tokenizer.chat_template:
+        try:
+            tokenizer.apply_chat_template([{"role": "user", "content": "hello"}])
+        except UserError:           # a template that fails fails where it is used, with its own line
+            pass
+        mark_rss("chat template (jinja2)")
+    return tokenizer
 
 
 def calibration_next(cfg: ModelConfig, layout: FlashLayout, ffn: str) -> tuple[str, float]:
@@ -188,7 +203,7 @@ def decide_and_build(files: ModelFiles, ffn: str, budget: Budget, ctx: int, wind
     own before deciding again (train: the default model's predictors, on first use, in a child process; else a model
     without them is an error naming the commands to run; the exact gate's thresholds, calibrated in this process
     under the budget: seconds); say the decision's notes (say); build."""
-    decision = decide_in_budget(files, ffn, budget, ctx, window, lookahead, verbose)
+    decision = decide(files, ffn, budget, ctx, window, lookahead, verbose)
     if decision.train_predictors:
         if not train:
             raise UserError(f"{files.path} has no predictors yet: train them first (first use of the default model)")
@@ -196,37 +211,16 @@ def decide_and_build(files: ModelFiles, ffn: str, budget: Budget, ctx: int, wind
         files.predictors = load_predictors(files.path)
         files.base_bytes, peak = measure_base_bytes(files.ckpt.layout, kernels_for(files.facts, ffn))
         files.loading_peak_bytes = max(files.loading_peak_bytes, peak)     # the first loading's stays the floor
-        decision = decide_in_budget(files, ffn, budget, ctx, window, lookahead, verbose)
+        decision = decide(files, ffn, budget, ctx, window, lookahead, verbose)
     if decision.calibrate_gate:        # the first exact-gate run of a FLASHDIR
         calibrate_on_first_use(files, sparsity, budget)
-        decision = decide_in_budget(files, ffn, budget, ctx, window, lookahead, verbose)
+        decision = decide(files, ffn, budget, ctx, window, lookahead, verbose)
     if say:
         if verbose and files.base_bytes:
             print(base_parts_table(files.base_bytes), file=sys.stderr)
         for line in decision.notes:
             print(line, file=sys.stderr)
     return (decision, *decision.mode.build(files, decision, threads, progress, verbose))
-
-
-def decide_in_budget(files: ModelFiles, ffn: str, budget: Budget, ctx: int, window: int, lookahead: bool,
-                     verbose: bool):
-    """modes.decide, with the loading's peak (files.loading_peak_bytes: what the process held while the kernels
-    loaded) as a floor of the minimum: a plan under it (a small model's: its weights less than the LLVM pages dropped
-    after loading) would promise a peak the process has already passed."""
-    floor = files.loading_peak_bytes
-
-    def under() -> BelowMinimum:
-        return BelowMinimum(budget.bytes, floor, f"process base {files.base_bytes / 2**20:.1f} MiB, which loading the "
-                                                 f"kernels took to {floor / 2**20:.1f} MiB: over the plan's minimum")
-    try:
-        decision = decide(files, ffn, budget, ctx, window, lookahead, verbose)
-    except BelowMinimum as e:
-        if e.minimum_bytes >= floor or not budget.requested:
-            raise
-        raise under() from None
-    if budget.requested and budget.bytes < floor:
-        raise under()
-    return decision
 
 
 def load_runtime(path, ffn: str = "dense", dram_budget: int | str | None = None, ctx: int | None = None,

@@ -5,6 +5,7 @@ each declares its compile steps); budget.py plans, this module spends time and m
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import numpy as np
 
 from storage import columns
 from storage.config import ModelConfig
+from storage.errors import UserError
 from storage.files import write_best_effort
 from storage.format import expert_parts, read_layout
 from storage.reader import aligned_empty, bundle_reader
@@ -24,9 +26,11 @@ from .kernels.attention import attention_rows
 from .kernels.gemv import MATMUL_ROW_KERNEL_MAX_T, matmul_t
 from .kernels.norm import add_rms_norm_rows, rms_norm_rows
 from .ffn.dense import ExpertBatch, FeedForward, MixtureOfExperts
+from .loader import load_weights
 from .model import Transformer
 from .neuron_cache import NeuronCache
-from .process import RSS_MARKS, drop_file_pages, mark_rss, peak_rss_bytes, return_freed_heap, rss_bytes
+from .process import (RSS_MARKS, cgroup_room, drop_file_pages, mark_rss, peak_rss_bytes, return_freed_heap,
+                      rss_bytes)
 from storage.blocks import row_bytes
 from .kernels.blocks import BLOCK, DOT8_ROWS, QuantMatrix, quant_matmul_t
 from .threads import step_counts
@@ -229,19 +233,31 @@ def measure_base_bytes(layout, kernels=None, start_peak: int | None = None) -> t
     process that already holds other things (a test run, a notebook) they count too: the budget is the process's.
     Each step is noted (process.mark_rss) for the parts -v prints (base_parts).
     The loading's peak: the most this process held while loading (a floor of the minimum budget: a small model's
-    plan can be under it; runtime.decide_in_budget): RSS before LLVM's pages were dropped, or the process's peak
+    plan can be under it; modes.minimum_bytes): RSS before LLVM's pages were dropped, or the process's peak
     (VmHWM) when it grew since `start_peak` (the peak when the load began: the one reached within a step, or while
     the tokenizer parsed its file), not one an earlier load of this process reached.
     What loading the kernels added, what the line added to the RSS of the early refusal (base_estimate_bytes) and how
     far the loading's peak went over the base are kept in the compile stamp for the next run's estimate.
     """
-    import gc
     if not compiled_stamp(layout).exists():
         compile_in_child(layout)
     loaded, before = compiled_stamp(layout).exists(), rss_bytes()
     for i, step in enumerate(compile_steps(layout, kernels)):
         step()
         mark_rss(f"kernels: {step.__name__}" + (" (and Numba's runtime, LLVM's start)" if i == 0 else ""))
+    rss, peak = settle_base(start_peak)
+    if loaded:                  # only loaded from the cache (never compiled here): figures of this installation
+        key = model_key(layout)
+        remember(layout, {"kernels": rss - before,
+                          key + " loading": peak - rss,
+                          **({key: rss - _early_rss} if _early_rss is not None else {})})
+    return rss, peak
+
+
+def settle_base(start_peak: int | None) -> tuple[int, int]:
+    """(the process base, the loading's peak) once the kernels are loaded (measure_base_bytes says what each is): the
+    heap's free pages returned, then LLVM's pages dropped, each noted for base_parts."""
+    import gc
     gc.collect()
     return_freed_heap()
     mark_rss("freed heap returned (malloc_trim)")
@@ -251,13 +267,16 @@ def measure_base_bytes(layout, kernels=None, start_peak: int | None = None) -> t
     high = peak_rss_bytes()     # after the drop: the kernel updates the high-water mark as it unmaps
     if start_peak is not None and high > start_peak:
         peak = max(peak, high)
-    rss = RSS_MARKS[-1][1]
-    if loaded:                  # only loaded from the cache (never compiled here): figures of this installation
-        key = model_key(layout)
-        remember(layout, {"kernels": rss - before,
-                          key + " loading": peak - rss,
-                          **({key: rss - _early_rss} if _early_rss is not None else {})})
-    return rss, peak
+    return RSS_MARKS[-1][1], peak
+
+
+def measure_dense_base_bytes(ckpt, start_peak: int | None = None) -> tuple[int, int]:
+    """measure_base_bytes for a dense run of `ckpt`'s matrices as stored (an HF directory or a GGUF): its kernels
+    loaded by dense_warm_up (compiled in this process the first time: no layout to give a child), the base measured
+    before the weights load."""
+    dense_warm_up(ckpt)
+    mark_rss("kernels: dense (and Numba's runtime, LLVM's start)")
+    return settle_base(start_peak)
 
 
 def drop_llvm_pages() -> int:
@@ -347,10 +366,18 @@ def remember(layout, figures: dict) -> None:
     write_best_effort(compiled_stamp(layout), json.dumps(record))
 
 
+# The most one compile child's RSS reached (the exact gate's step: 325 MiB on SmolLM2's q4_1 FLASHDIR, Numba 0.6x,
+# Linux x86-64): what a memory cgroup must leave beside the process on a first use
+COMPILE_CHILD_BYTES = 330 << 20
+
+
 def compile_in_child(layout) -> None:
     """compile_kernels in a child process, which fills Numba's on-disk cache, leaves compiled_stamp(layout) there
     and exits, returning the compiler's memory with it. Without a FLASHDIR on disk (a layout built in memory) or
-    when the child fails, this process compiles instead: its process base is then larger, never wrong."""
+    when the child fails, this process compiles instead: its process base is then larger, never wrong. A child
+    killed by a memory cgroup's limit is refused in one line that says what a first use needs: this process would
+    not compile within that limit either."""
+    import signal
     import subprocess
     if layout.flashdir is None:
         return
@@ -358,9 +385,19 @@ def compile_in_child(layout) -> None:
         print("compiling the kernels once for this installation (Numba; a minute or more) ...", file=sys.stderr)
     n = len(compile_steps(layout))
     for i in range(n):          # one child per step: each one's peak is the libraries and one step's compiler
-        subprocess.run([sys.executable, "-m", "flashinfer_lite.warmup", str(layout.flashdir), str(i),
-                        "stamp" if i == n - 1 else ""],
-                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, check=False)
+        child = subprocess.Popen([sys.executable, "-m", "flashinfer_lite.warmup", str(layout.flashdir), str(i),
+                                  "stamp" if i == n - 1 else ""], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        try:                    # the OOM killer's first choice in a memory cgroup, not the run that started it
+            Path(f"/proc/{child.pid}/oom_score_adj").write_text("1000")
+        except OSError:
+            pass
+        if child.wait() == -signal.SIGKILL and cgroup_room() is not None:
+            held = rss_bytes()
+            raise UserError(f"a first use compiles the kernels (once for this installation), and this memory "
+                            f"cgroup's limit killed the compiler: it takes about {COMPILE_CHILD_BYTES >> 20} MiB "
+                            f"beside this process's {held >> 20} MiB; give the first use a limit of about "
+                            f"{(held + COMPILE_CHILD_BYTES) >> 20} MiB (later runs load the compiled kernels and "
+                            f"need only their --dram-budget)")
 
 
 def compiled_stamp(layout):
@@ -392,6 +429,59 @@ def warm_up(model: Transformer) -> None:
             model.forward([model.cfg.bos_id or 0], model.new_cache(1))
     finally:
         numba.set_num_threads(n)
+
+
+# The prompt lengths a dense warm-up runs, at the most threads, before its decode steps: each side of every length the
+# kernels switch at (the FFN's fused row kernel and attention's kernel up to 2 rows; the matrices' row kernel up to
+# 12, its parallel form at the most work; widened blocks above). A decode step at each thread count loads the serial
+# forms; nothing else depends on the thread count.
+DENSE_WARM_UP_ROWS = (MATMUL_ROW_KERNEL_MAX_T + 1, MATMUL_ROW_KERNEL_MAX_T, DENSE_ROW_KERNEL_MAX_T)
+
+
+def layer_storage(ckpt, layer: int) -> tuple:
+    """What decides the kernels (and their argument types) a layer of `ckpt` runs on: its tensors' block kinds (None:
+    stored as floats) and precisions, by name within the layer."""
+    prefix = f"layers.{layer}."
+    return tuple(sorted((n[len(prefix):], ckpt.block_kind(n), ckpt.precision(n))
+                        for n in ckpt.names() if n.startswith(prefix)))
+
+
+def dense_warm_up(ckpt) -> None:
+    """Load the kernels a dense run of `ckpt` (an HF directory or a GGUF, its matrices as stored: DenseMode.build)
+    calls, before its weights are loaded: on a model of the first layer of each storage (layer_storage) with the
+    embeddings and the head, a prompt's chunk of each DENSE_WARM_UP_ROWS length, and a decode step at each thread count
+    a step may run on. Its tensors are the run's own arrays (a GGUF's: read-only views of the mapped file, a type of
+    their own to Numba), so the run loads no kernel later, and LLVM's pages, dropped after this, stay out of a peak
+    that holds the whole file. The file's pages this read leave RSS with it (ckpt.release): the run maps them again."""
+    cfg = ckpt.config
+    first: dict[tuple, int] = {}
+    for i in range(cfg.n_layers):
+        first.setdefault(layer_storage(ckpt, i), i)
+    layers = sorted(first.values())
+    renamed = {f"layers.{i}.": f"layers.{j}." for j, i in enumerate(layers)}
+
+    def name_in_model(n: str) -> str | None:      # its name in the model of `layers`; None: a layer left out
+        if not n.startswith("layers."):
+            return n
+        prefix = n[:n.index(".", 7) + 1]
+        return renamed[prefix] + n[len(prefix):] if prefix in renamed else None
+    weights = load_weights(ckpt, skip=lambda n: name_in_model(n) is None, keep_blocks=True)
+    small = dataclasses.replace(cfg, n_layers=len(layers), sliding_layers=None if cfg.sliding_layers is None else
+                                [cfg.sliding_layers[i] for i in layers])
+    model = Transformer(small, {name_in_model(n): w for n, w in weights.items()})
+    token = cfg.bos_id or 0
+    n = numba.get_num_threads()
+    try:
+        kv = model.new_cache(sum(DENSE_WARM_UP_ROWS))
+        for rows in DENSE_WARM_UP_ROWS:
+            model.forward_rows(np.full(rows, token, np.int64), kv)
+        for t in reversed(step_counts(n)):
+            numba.set_num_threads(t)
+            model.forward([token], model.new_cache(1))
+    finally:
+        numba.set_num_threads(n)
+    del model, weights
+    ckpt.release()
 
 
 if __name__ == "__main__":     # compile_in_child's child: python -m flashinfer_lite.warmup FLASHDIR STEP [stamp]

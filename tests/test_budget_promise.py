@@ -132,7 +132,7 @@ def test_long_prompts_stay_within_a_budget_just_above_the_minimum(mode, request,
 def experts_flashdir(tmp_path_factory):
     """A mixture of experts, 4 layers x 16 experts of 1024 neurons (2 routed) at dim 512, its experts in q4_0 blocks
     (0.84 MiB each, 54 MiB in all: more than the test's budget buys, 8 MiB over a minimum that loading the kernels
-    sets for so small a model, 33 MiB over its plan's: runtime.decide_in_budget):
+    sets for so small a model, 33 MiB over its plan's: modes.minimum_bytes):
     their decode rows run in one kernel call (ffn.quant.quant_experts), which a first run compiles."""
     from make_large_model import main as make_large_model
     from storage.convert import convert

@@ -3,7 +3,9 @@ dequantized, widened or duplicated copies), the metadata arrays (the vocabulary)
 per-item arrays, and the values read are the reference reader's (gguf-py, llama.cpp's)."""
 from __future__ import annotations
 
+import json
 import mmap
+import re
 import subprocess
 import sys
 import tracemalloc
@@ -104,6 +106,57 @@ def test_a_dense_gguf_holds_its_file_and_no_second_copy(smollm2_gguf):
     assert r.returncode == 0, r.stderr.decode()
     grown, size = int(r.stdout.split()[-1]), smollm2_gguf.stat().st_size
     assert grown <= size + (2 << 20), (grown, size)
+
+
+# generate in a child process, then its peak and the LLVM library's resident bytes (/proc/self/smaps)
+GENERATE = """
+import json, re, sys
+from flashinfer_lite.cli import main
+from flashinfer_lite.process import peak_rss_bytes
+rc = main(sys.argv[1:])
+llvm, inside = 0, False
+for line in open("/proc/self/smaps"):
+    if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
+        inside = "libllvmlite" in line
+    elif inside and line.startswith("Rss:"):
+        llvm += int(line.split()[1]) << 10
+print(json.dumps({"rc": rc, "peak": peak_rss_bytes(), "llvm_rss": llvm}))
+"""
+
+
+def dense_generate(path, ctx: int) -> tuple[dict, float]:
+    """(the child's report, the process base -v printed, bytes) of generate -m GGUF with no budget: dense."""
+    r = subprocess.run([sys.executable, "-c", GENERATE, "generate", "-m", str(path), "-p", "Once upon a time", "-n",
+                        "8", "--temp", "0", "-c", str(ctx), "-v"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    base = re.search(r"^process base +([\d.]+) MiB, by part", r.stderr, re.M)
+    assert base and "ffn: dense" in r.stderr, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1]), float(base[1]) * 2**20
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux: /proc/self/smaps, VmHWM")
+def test_a_dense_gguf_run_peaks_within_its_file_kv_and_process_base(smollm2_gguf):
+    """SmolLM2's GGUF run dense: the peak (VmHWM) at most the file + the KV cache + the process base -v prints + 5%.
+    The kernels load before the weights (warmup.dense_warm_up) and LLVM's pages (48 MiB) leave RSS before the file's
+    pages come in; loaded after (the order before), they sat on top of the whole file: 253 MiB against a bound of 199 (203 against 214 now)."""
+    from flashinfer_lite.model import KVCache
+    from storage.checkpoint import open_checkpoint
+    ctx = 512
+    report, base = dense_generate(smollm2_gguf, ctx)
+    kv = KVCache.nbytes_for(open_checkpoint(smollm2_gguf).config, ctx)
+    bound = 1.05 * (smollm2_gguf.stat().st_size + kv + base)
+    assert report["peak"] <= bound, (report["peak"] / 2**20, bound / 2**20)
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux: /proc/self/smaps")
+@pytest.mark.parametrize("name", ["qwen2-q4_k_m", "qwen2-f16", "gemma3-q8_0", "qwen3-f32"])
+def test_a_dense_gguf_run_loads_no_kernel_after_its_process_base(name):
+    """Every kernel a dense run calls, a prompt's and a decode step's, was loaded by the warm-up before its weights:
+    LLVM's pages, dropped then, are not read back in (what stays is the library's written data, 2 MiB): the warm-up's
+    arrays are the run's types (read-only views of the file, float16 kept float16, float32 through BLAS)."""
+    report, _ = dense_generate(DATA / f"{name}.gguf", 64)
+    assert report["llvm_rss"] < 8 << 20, report["llvm_rss"] / 2**20
 
 
 @pytest.mark.parametrize("name", ["qwen2-q8_0.gguf", "gemma3-f16.gguf", "smollm2"])

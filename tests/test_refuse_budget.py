@@ -4,6 +4,7 @@ alone (runtime.model_facts), and a cold first run with a too-small budget fetche
 nothing."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import resource
@@ -217,3 +218,58 @@ def test_load_runtime_refuses_before_converting_and_names_the_planners_minimum(t
     assert planned.value.minimum_bytes == gate.plan.floor_bytes
     assert str(planned.value).startswith(f"DRAM budget {(gate.plan.floor_bytes - 1) / 2**20:.1f} MiB is below the "
                                          f"minimum {gate.plan.floor_bytes / 2**20:.1f} MiB for this model (")
+
+
+def test_the_loading_peak_floors_the_minimum_of_every_caller(tmp_path, monkeypatch):
+    """What the process held while its kernels loaded (the loading's peak) is a floor of the minimum, applied in one
+    place (modes.minimum_bytes): the benches' minimum (ModelFiles.minimum_bytes), decide's refusal and the early
+    refusal, before loading (from the peak this installation last measured), name it, in one wording."""
+    import flashinfer_lite.runtime as runtime
+    from flashinfer_lite.budget import BelowMinimum
+    from flashinfer_lite.modes import decide
+    flash = convert(STORIES, tmp_path / "flash", progress=False)
+    base, ctx = 64 << 20, 64
+    files = runtime.open_model_files(flash, "auto", base_bytes=base, ctx=ctx)
+    planned = files.minimum_bytes("auto", ctx)
+    assert planned > base
+    peak = files.loading_peak_bytes = planned + (16 << 20)        # a small model's: over its plan's minimum
+    assert files.minimum_bytes("auto", ctx) == peak
+    with pytest.raises(BelowMinimum) as refused:
+        decide(files, "auto", peak - 1, ctx)
+    assert refused.value.minimum_bytes == peak
+    assert decide(files, "auto", peak, ctx).calibrate_gate      # at the floor: decided (its thresholds come first)
+    monkeypatch.setattr(runtime, "base_estimate_bytes", lambda layout, vocab_size: base)
+    monkeypatch.setattr(runtime, "loading_excess_bytes", lambda layout: peak - base)
+    with pytest.raises(BelowMinimum) as early:
+        runtime.refuse_below_minimum(str(flash), "auto", planned, ctx)
+    assert early.value.minimum_bytes == peak - runtime.EARLY_SLACK_BYTES
+    for e in (refused.value, early.value):
+        assert f"below the minimum {e.minimum_bytes / 2**20:.1f} MiB for this model (" in str(e)
+        assert f"loading the kernels takes the process to {'about ' if e is early.value else ''}" in str(e), str(e)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="Linux: memory cgroups")
+def test_a_first_use_in_a_memory_cgroup_too_small_to_compile_is_one_line(tiny_model, tmp_path):
+    """A cold first run (empty Numba cache) under a real memory cgroup too small for a compiler beside the run: the
+    compile child is the OOM killer's choice, and the run ends with one line that names the limit a first use needs
+    and says later runs need less (it used to compile in this process instead, its process base then too large for
+    its budget, or be killed)."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from memcap import available
+    if why_not := available():
+        pytest.skip(why_not)
+    flash = convert(tiny_model("llama-silu-gqa"), tmp_path / "flash", dtype="q8_0", progress=False)
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"), FLASHINFER_LITE_CACHE=str(tmp_path / "cache"),
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    summary = tmp_path / "memcap.json"
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "memcap.py"), "--limit", "130M", "--json", str(summary),
+                        "--", sys.executable, "-m", "flashinfer_lite", "generate", "-m", str(flash), "-p", "hi", "-n",
+                        "2", "-c", "64", "--dram-budget", "170M"], env=env, capture_output=True, text=True,
+                       timeout=900)
+    lines = [line for line in r.stderr.strip().splitlines() if not line.startswith("memcap: ")]
+    assert r.returncode == 1 and len(lines) == 1, r.stderr[-3000:]
+    from flashinfer_lite.warmup import COMPILE_CHILD_BYTES
+    m = re.match(r"error: a first use compiles the kernels .* give the first use a limit of about (\d+) MiB "
+                 r"\(later runs load the compiled kernels and need only their --dram-budget\)$", lines[0])
+    assert m and int(m[1]) > 130 and int(m[1]) >= COMPILE_CHILD_BYTES >> 20, lines[0]
+    assert json.loads(summary.read_text())["oom_kills"] >= 1
