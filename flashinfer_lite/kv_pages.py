@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 
+from storage.cache import cache_dir
 from storage.config import ModelConfig
 from storage.errors import UserError
 from storage.reader import aligned_empty
@@ -104,10 +105,7 @@ def writable_directory(path: str) -> None:
 def kv_directory(options: KVOptions) -> Path:
     """The directory of the file of pages on flash: the user's (runtime: else next to the model's flash files), else
     the cache."""
-    if options.directory:
-        return Path(options.directory)
-    from storage.cache import cache_dir
-    return cache_dir()
+    return Path(options.directory) if options.directory else cache_dir()
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -190,7 +188,7 @@ def fixed_bytes(cfg: ModelConfig, capacity: int, options: KVOptions) -> int:
     tails = L * sum(slot_bytes(cfg, k) for k in kinds)
     staging = sum(STAGE_PAGES * (slot_bytes(cfg, k) + (PAGE_POSITIONS * n * 4 if k == "q8_0" else 0)) for k in kinds)
     scores = 2 * cfg.n_heads * capacity * 4 + L * P * 2
-    quest = (2 * L * P * n * 4 + 3 * cfg.n_heads * P * cfg.head_dim * 4) if options.quest else 0
+    quest = (L * P * (2 * n * 4 + 8) + 3 * cfg.n_heads * P * cfg.head_dim * 4) if options.quest else 0
     return tails + staging + scores + quest
 
 
@@ -485,7 +483,7 @@ class KVCache:
         ties to the earlier page)."""
         n = last + 1
         chosen = np.zeros((n, self.Hkv), np.uint8)
-        keep = self.options.pages_read(self.pages)
+        keep = self.options.pages_read(n)               # a share: of the pages the context has now
         if n <= keep + 2:
             chosen[:] = 1
             return chosen

@@ -32,7 +32,8 @@ from pathlib import Path
 from .api import encode_prompt, load, make_prompt_cache, stream_generate
 from .default_model import FILENAME as DEFAULT_MODEL_FILE
 from storage.errors import UserError
-from .generate import ContextFull, Sampler, SamplingError, add_model_arguments, check_arguments, rss_summary
+from .generate import (ContextFull, Sampler, SamplingError, add_model_arguments, check_arguments, kv_options_from,
+                       rss_summary)
 from storage.tokenizer import PromptTooLong, StopStrings
 
 MAX_STOP_STRINGS = 16
@@ -203,7 +204,7 @@ class Server:
         import numba
         self.args = args
         self.model, self.tokenizer = load(args.model, args.dram_budget, args.ffn, args.ctx_size, args.threads,
-                                          args.lookahead, args.verbose)
+                                          args.lookahead, args.verbose, kv=kv_options_from(args))
         self.ctx = self.model.ctx
         self.name = Path(args.model).name if args.model else Path(DEFAULT_MODEL_FILE).stem
         self.cache = make_prompt_cache(self.model, self.tokenizer)

@@ -154,12 +154,16 @@ def resident_steps(layout) -> list:
         x, X = np.zeros(layout.d, np.float32), np.zeros((1, layout.d), np.float32)
         rms_norm_rows(X, x, 1e-5, np.empty_like(X))
         add_rms_norm_rows(X, X.copy(), x, 1e-5, np.empty_like(X))
-        cache = KVCache(SimpleNamespace(n_layers=1, n_heads=1, n_kv_heads=1, head_dim=2), 1,
-                        options=KVOptions())
-        qkv = np.zeros((1, 1, 2), np.float32)
-        for half in (1, 0):          # with RoPE, without (model.Attention's T <= ATTENTION_KERNEL_MAX_T path)
-            cos = np.zeros((2, 1, half), np.float32)[:1, 0]
-            cache.attend(0, qkv.copy(), qkv.copy(), qkv.copy(), cos, cos, 0, 0, np.float32(1.0), np.empty_like(qkv))
+        # pages of float16 bits, and of float32 (q8_0's, dequantized); with RoPE and without (model.Attention's
+        # T <= ATTENTION_KERNEL_MAX_T path)
+        for kind in ("f16", "q8_0"):
+            cache = KVCache(SimpleNamespace(n_layers=1, n_heads=1, n_kv_heads=1, head_dim=32), 1,
+                            options=KVOptions(kind, kind))
+            qkv = np.zeros((1, 1, 32), np.float32)
+            for half in (16, 0):
+                cos = np.zeros((2, 1, half), np.float32)[:1, 0]
+                cache.attend(0, qkv.copy(), qkv.copy(), qkv.copy(), cos, cos, 0, 0, np.float32(1.0),
+                             np.empty_like(qkv))
 
     def half_matrices():
         w16 = np.zeros((2, d), np.float16)

@@ -12,7 +12,7 @@ from flashinfer_lite.kv_pages import PAGE_POSITIONS, KVCache, KVOptions, quest_b
 from flashinfer_lite.loader import load_reference
 from storage.errors import UserError
 
-from conftest import STORIES
+from conftest import DATA, STORIES
 
 
 def run(model, ids: list[int], n: int, options: KVOptions, ctx: int) -> tuple[np.ndarray, KVCache]:
@@ -196,3 +196,65 @@ def test_prompt_attention_over_blocks_matches_float64(window, block_pages, monke
     want = attention64(q.astype(np.float64), K, V, pos0, window or 0)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
+
+def test_the_minimum_budget_does_not_grow_with_the_context_by_more_than_page_metadata():
+    """modes.minimum_bytes (the planner's) of a GGUF at -c 512 and -c 8192: the KV pages can go to flash, so the
+    minimum grows by the fixed part's per-position bytes (a decode step's scores, the pages' flags), not by the KV
+    cache (which grows 16x: 2 x layers x Hkv x hd x 2 bytes a position)."""
+    from flashinfer_lite.modes import minimum_bytes
+    from flashinfer_lite.runtime import model_facts
+    cfg, layout, kinds = model_facts(str(DATA / "gguf" / "qwen2-q4_k_m.gguf"))
+    small, large = (minimum_bytes(cfg, layout, kinds, "auto", c, 0) for c in (512, 8192))
+    whole = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2 * (8192 - 512)
+    per_position = 2 * cfg.n_heads * 4 + 2 * cfg.n_layers / PAGE_POSITIONS
+    assert 0 < large - small <= (8192 - 512) * per_position < whole / 8
+
+
+def test_the_plan_puts_the_kv_pages_it_has_no_room_for_on_flash_and_says_so():
+    """plan_budget between its minimum and the whole KV: the pages that fit (per layer, from the first) in DRAM, the
+    rest on flash, and the table's kv line says both; at the minimum none in DRAM; with room, all."""
+    from flashinfer_lite.budget import kv_minimum_bytes, plan_budget
+    from flashinfer_lite.runtime import model_facts
+    cfg, layout, kinds = model_facts(str(DATA / "gguf" / "qwen2-q4_k_m.gguf"))
+    ctx, per_page = 4096, kv_pages.dram_page_bytes(cfg, KVOptions())
+    low = plan_budget(cfg, layout, 1 << 60, ctx).minimum_bytes
+    at_min = plan_budget(cfg, layout, low, ctx)
+    half = plan_budget(cfg, layout, low + 50 * per_page + per_page // 2, ctx)
+    whole = plan_budget(cfg, layout, 1 << 60, ctx)
+    assert (at_min.kv_dram_pages, half.kv_dram_pages, whole.kv_dram_pages) == (0, 50, ctx // PAGE_POSITIONS)
+    assert at_min.kv_bytes == kv_minimum_bytes(cfg, ctx) and half.kv_bytes == at_min.kv_bytes + 50 * per_page
+    assert half.used_bytes <= half.budget_bytes
+    assert "4096 positions, f16/f16: 50 of 128 pages per layer in DRAM, 78 on flash" in half.table()
+
+
+def test_a_run_at_its_minimum_budget_puts_the_kv_on_flash_and_decodes_the_same_tokens(tmp_path):
+    """load_runtime of a GGUF at its plan's minimum: no KV page in DRAM (the plan's and the model's cache agree), the
+    file in --kv-dir, and the greedy tokens of a run with no budget (every page in DRAM)."""
+    from flashinfer_lite.runtime import load_runtime
+    from conftest import greedy_tokens
+    gguf = str(DATA / "gguf" / "qwen2-q4_k_m.gguf")
+    from flashinfer_lite.modes import minimum_bytes
+    from flashinfer_lite.runtime import model_facts
+    whole, tok, _ = load_runtime(gguf, "auto", ctx=256, base_bytes=0, dram_budget=1 << 40)    # from flash, roomy
+    ids = tok.encode("The quick brown fox jumps over the lazy dog. " * 6)
+    want = greedy_tokens(whole, ids, 24, ctx=256)
+    kv_dir = tmp_path / "kv"
+    kv_dir.mkdir()
+    minimum = minimum_bytes(*model_facts(gguf), "auto", 256, 0, heap_slack_bytes=0)     # base 0: no heap slack
+    tight, _, ffn = load_runtime(gguf, "auto", ctx=256, base_bytes=0, dram_budget=minimum,
+                                 kv=KVOptions(directory=str(kv_dir)))
+    assert ffn.plan.kv_dram_pages == 0 and tight.kv_options.dram_pages == 0
+    assert whole.kv_options.dram_pages == 256 // PAGE_POSITIONS
+    assert greedy_tokens(tight, ids, 24, ctx=256) == want
+    assert list(kv_dir.iterdir()) == []
+    with pytest.raises(UserError, match="--kv-dir .*: not a directory"):
+        load_runtime(gguf, "auto", ctx=256, base_bytes=0, kv=KVOptions(directory=str(tmp_path / "missing")))
+
+
+def test_the_cli_refuses_bad_kv_flags_in_one_line():
+    import subprocess
+    import sys
+    for flags, said in ((["--kv-pages", "0"], "--kv-pages '0'"), (["--cache-type-v", "q4_0"], "invalid choice")):
+        r = subprocess.run([sys.executable, "-m", "flashinfer_lite", "generate", "-m", str(STORIES), "-p", "hi",
+                            *flags], capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
