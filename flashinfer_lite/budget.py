@@ -19,7 +19,7 @@ with which function is modes.py's.
   window       per layer `window_rows` bundle rows for the sliding window (LLM in a Flash)
   hot region   pinned hottest neurons across layers (PowerInfer), filled by neuron_cache.select_hot
 
-Minimum = process base + resident + the head's stream + the embeddings' rows + kv's fixed part + buffers + a fixed reservation of
+Minimum = process base + resident + the head's stream + the embeddings' rows + kv + buffers + a fixed reservation of
 MIN_WINDOW_ROWS rows per layer: it does not grow with the active count, because a token's set larger than the window
 is computed in window-sized pieces (ffn.flash.FlashFFN.decode_row) to the same bits (ffn.sparse.SparseFFN.accumulate);
 a small window only costs reads. What the budget has beyond that holds the head first (place_head), then pins hot

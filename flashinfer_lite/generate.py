@@ -294,7 +294,8 @@ def add_model_arguments(p) -> None:
     p.add_argument("--cache-type-k", default="f16", choices=CACHE_TYPES,
                    help="KV cache type of the keys: f16 or q8_0 (blocks of 32 with a float16 scale, as llama.cpp's); "
                         "default f16")
-    p.add_argument("--cache-type-v", default="f16", choices=CACHE_TYPES, help="KV cache type of the values (default f16)")
+    p.add_argument("--cache-type-v", default="f16", choices=CACHE_TYPES,
+                   help="KV cache type of the values (default f16)")
     p.add_argument("--kv-pages", default=None, metavar="N|P%",
                    help="Quest: a decode step's attention reads the N KV pages (or P%% of them) whose keys bound its "
                         "query's scores highest, plus the first and the latest (approximate; default: every page, "

@@ -181,13 +181,13 @@ def dram_page_bytes(cfg: ModelConfig, options: KVOptions, n_layers: int | None =
 
 def fixed_bytes(cfg: ModelConfig, capacity: int, options: KVOptions) -> int:
     """What a cache keeps besides its pages in DRAM: each layer's page being filled, the staging of pages read from
-    flash (and their dequantized copy), a decode step's scores [2, H, capacity], the flags of the pages flushed, and
+    flash (and their dequantized copy), a decode step's scores [2, H, capacity], the pages' flags and ids, and
     with Quest the pages' key bounds (min and max, float32) and a step's bounds [H, pages, hd] x 2."""
     L, P, n = cfg.n_layers, n_pages(capacity), cfg.n_kv_heads * cfg.head_dim
     kinds = (options.type_k, options.type_v)
     tails = L * sum(slot_bytes(cfg, k) for k in kinds)
     staging = sum(STAGE_PAGES * (slot_bytes(cfg, k) + (PAGE_POSITIONS * n * 4 if k == "q8_0" else 0)) for k in kinds)
-    scores = 2 * cfg.n_heads * capacity * 4 + L * P * 2
+    scores = 2 * cfg.n_heads * capacity * 4 + L * P * 2 + P * (cfg.n_kv_heads + 8)
     quest = (L * P * (2 * n * 4 + 8) + 3 * cfg.n_heads * P * cfg.head_dim * 4) if options.quest else 0
     return tails + staging + scores + quest
 
@@ -325,6 +325,8 @@ class KVCache:
         self.flushed = np.zeros((L, self.pages), bool)       # pages written to the file
         self.staging = None
         self.scores = np.empty((2, cfg.n_heads, capacity), np.float32)
+        self.every_page = np.ones((self.pages, self.Hkv), np.uint8)          # exact attention's `chosen`
+        self.page_ids = np.arange(self.pages, dtype=np.int64)
         if o.quest:
             self.kmin = np.empty((L, self.pages, self.Hkv, self.hd), np.float32)
             self.kmax = np.empty((L, self.pages, self.Hkv, self.hd), np.float32)
@@ -509,9 +511,9 @@ class KVCache:
         first, last = int(lo.min()) // P, (pos0 + T - 1) // P
         if self.options.quest and T == 1 and not sliding_window:
             chosen = self.select(layer, q[0], last)
+            pages = np.flatnonzero(chosen[first:].any(axis=1)) + first
         else:
-            chosen = np.ones((last + 1, self.Hkv), np.uint8)
-        pages = np.flatnonzero(chosen[first:].any(axis=1)) + first
+            chosen, pages = self.every_page, self.page_ids[first:last + 1]
         m = np.full((T, H), -np.inf, np.float32)
         scores = self.scores[:T] if T <= len(self.scores) else np.empty((T, H, self.capacity), np.float32)
         for store, slots, some in self.page_values(layer, 0, pages):

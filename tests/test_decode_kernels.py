@@ -1,6 +1,6 @@
-"""The decode step's Numba kernels (the paged attention of kv_pages.KVCache.attend, rms_norm_rows, add_rms_norm_rows) against float64 numpy
-math, and the model's two attention paths (kernel, batched numpy) against each other. The float32 -> float16
-conversion the cache writes with is checked in test_kernels.py."""
+"""The decode step's Numba kernels (the paged attention of kv_pages.KVCache.attend, rms_norm_rows, add_rms_norm_rows)
+against float64 numpy math, and the model's two attention paths (kernel, batched numpy) against each other. The cache
+writes float16 with numpy's rounding (to nearest even), as F16C does (checked in test_kernels.py)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -88,7 +88,8 @@ def test_paged_attention_matches_float64(T, pos0, window, rope, dram_pages, tmp_
 # The model's two attention paths give the same logits
 
 def test_kernel_and_batched_attention_agree(monkeypatch):
-    """Every token decoded one at a time through the paged kernels (kv_pages.KVCache.attend) vs every token in one batched numpy pass: both
+    """Every token decoded one at a time through the paged kernels (kv_pages.KVCache.attend) vs every token in one
+    batched numpy pass: both
     read the same float16 cache, so they differ by float32 order (and its occasional float16 rounding flip)."""
     model, tok = load_reference(STORIES)
     ids = tok.encode("Once upon a time, there was a little dog")

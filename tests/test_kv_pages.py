@@ -33,8 +33,9 @@ def stories_prompt(tok) -> list[int]:
 @pytest.mark.parametrize("dram_pages", [0, 1, 2])
 def test_pages_on_flash_give_the_dram_caches_logits_bit_for_bit(dram_pages, tmp_path, monkeypatch):
     """A prompt in chunks that cross pages (model.PREFILL_CHUNK_ROWS 24: pages fill mid-chunk and are flushed then;
-    its attention over blocks of two pages, some in DRAM, some on flash, some the one being filled), then decode steps over a context of 3+ pages: every logit equal to the all-DRAM cache's, and the file of pages
-    (unlinked at creation) leaves nothing in the directory."""
+    its attention over blocks of two pages, some in DRAM, some on flash, some the one being filled), then decode steps
+    over a context of 3+ pages: every logit equal to the all-DRAM cache's, and the file of pages (unlinked at
+    creation) leaves nothing in the directory."""
     from flashinfer_lite import model as model_math
     monkeypatch.setattr(model_math, "PREFILL_CHUNK_ROWS", 24)
     monkeypatch.setattr(model_math, "ATTENTION_KEY_BLOCK", 2 * PAGE_POSITIONS)     # a prompt's blocks cross flash
@@ -199,14 +200,14 @@ def test_prompt_attention_over_blocks_matches_float64(window, block_pages, monke
 
 def test_the_minimum_budget_does_not_grow_with_the_context_by_more_than_page_metadata():
     """modes.minimum_bytes (the planner's) of a GGUF at -c 512 and -c 8192: the KV pages can go to flash, so the
-    minimum grows by the fixed part's per-position bytes (a decode step's scores, the pages' flags), not by the KV
-    cache (which grows 16x: 2 x layers x Hkv x hd x 2 bytes a position)."""
+    minimum grows by the fixed part's per-position bytes (a decode step's scores, the pages' flags and ids), not by
+    the KV cache (which grows 16x: 2 x layers x Hkv x hd x 2 bytes a position)."""
     from flashinfer_lite.modes import minimum_bytes
     from flashinfer_lite.runtime import model_facts
     cfg, layout, kinds = model_facts(str(DATA / "gguf" / "qwen2-q4_k_m.gguf"))
     small, large = (minimum_bytes(cfg, layout, kinds, "auto", c, 0) for c in (512, 8192))
     whole = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2 * (8192 - 512)
-    per_position = 2 * cfg.n_heads * 4 + 2 * cfg.n_layers / PAGE_POSITIONS
+    per_position = 2 * cfg.n_heads * 4 + (2 * cfg.n_layers + cfg.n_kv_heads + 8) / PAGE_POSITIONS
     assert 0 < large - small <= (8192 - 512) * per_position < whole / 8
 
 
