@@ -18,7 +18,7 @@ from __future__ import annotations
 import errno
 import os
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -334,11 +334,6 @@ class KVCache:
         self.stats = PageStats()
         self.length = 0  # positions filled
 
-    @staticmethod
-    def nbytes_for(cfg: ModelConfig, capacity: int, options: KVOptions | None = None) -> int:
-        """The whole cache in DRAM (kv_pages.all_bytes)."""
-        return all_bytes(cfg, capacity, KVOptions() if options is None else options)
-
     def reset(self, length: int = 0) -> None:
         """Keep the first `length` positions (a later write reloads a partial page from the file if it must)."""
         self.length = length
@@ -537,7 +532,3 @@ def quest_bounds(q: np.ndarray, kmin: np.ndarray, kmax: np.ndarray) -> np.ndarra
     lo = q[:, :, None, :] * kmin.transpose(1, 0, 2)[:, None, :, :]
     hi = q[:, :, None, :] * kmax.transpose(1, 0, 2)[:, None, :, :]
     return np.maximum(lo, hi).sum(axis=-1)
-
-
-def with_dram_pages(options: KVOptions, pages: int | None) -> KVOptions:
-    return replace(options, dram_pages=pages)
