@@ -305,18 +305,20 @@ class KVCache:
         self.pages = n_pages(capacity)
         self.dram_pages = self.pages if o.dram_pages is None else min(self.pages, max(0, o.dram_pages))
         per_page = dram_page_bytes(cfg, o, L)
-        if self.dram_pages * per_page > psutil.virtual_memory().total:   # -c 300000 on a model claiming 10M positions
-            raise UserError(f"a context of {capacity} positions needs {self.dram_pages * per_page / 2**30:.1f} GiB "
-                            f"of KV cache in DRAM, more than this machine's "
-                            f"{psutil.virtual_memory().total / 2**30:.1f} GiB of memory: give a smaller -c or a "
-                            f"--dram-budget")
+        fixed, ram = fixed_bytes(cfg, capacity, o), psutil.virtual_memory().total
+        need = self.dram_pages * per_page + fixed
+        if need > ram:       # -c 300000 on a model claiming 10M positions: refused before allocating
+            flash = " or a --dram-budget (the pages beyond it go to flash)" if fixed < ram // 2 else ""
+            raise UserError(f"a context of {capacity} positions needs {need / 2**30:.1f} GiB of KV cache, more than "
+                            f"this machine's {ram / 2**30:.1f} GiB of memory: give a smaller -c{flash}")
         self.page_bytes = tuple(page_bytes(cfg, k) for k in self.kinds)
         self.slot_bytes = tuple(slot_bytes(cfg, k) for k in self.kinds)
         try:            # zeros: pages not yet written take no DRAM (calloc's untouched pages)
             self.pool = tuple(np.zeros((L, self.dram_pages, b), np.uint8) for b in self.page_bytes)
+            self.scores = np.empty((2, cfg.n_heads, capacity), np.float32)
         except MemoryError:
-            raise UserError(f"cannot allocate the KV cache of a {capacity}-position context: give a smaller -c or a "
-                            f"--dram-budget") from None
+            raise UserError(f"cannot allocate the KV cache of a {capacity}-position context "
+                            f"({need / 2**30:.1f} GiB): give a smaller -c or a --dram-budget") from None
         self.tail = tuple(aligned_empty((L, s), np.uint8, FILE_ALIGN) for s in self.slot_bytes) \
             if self.dram_pages < self.pages else None
         for t in self.tail or ():
@@ -324,7 +326,6 @@ class KVCache:
         self.tail_page = np.full(L, -1, np.int64)            # the page each layer's tail holds
         self.flushed = np.zeros((L, self.pages), bool)       # pages written to the file
         self.staging = None
-        self.scores = np.empty((2, cfg.n_heads, capacity), np.float32)
         self.every_page = np.ones((self.pages, self.Hkv), np.uint8)          # exact attention's `chosen`
         self.page_ids = np.arange(self.pages, dtype=np.int64)
         if o.quest:
