@@ -259,3 +259,16 @@ def test_the_cli_refuses_bad_kv_flags_in_one_line():
         r = subprocess.run([sys.executable, "-m", "flashinfer_lite", "generate", "-m", str(STORIES), "-p", "hi",
                             *flags], capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_without_o_direct_the_file_is_buffered_and_the_bits_are_the_same(tmp_path, monkeypatch):
+    """Where O_DIRECT is refused (here: not offered), the file of pages is opened buffered, describe() says so, and
+    the logits are the DRAM cache's."""
+    import os
+    model, tok = load_reference(STORIES)
+    ids = stories_prompt(tok)
+    want, _ = run(model, ids, 8, KVOptions(), 128)
+    monkeypatch.delattr(os, "O_DIRECT")
+    got, kv = run(model, ids, 8, KVOptions(dram_pages=0, directory=str(tmp_path)), 128)
+    assert kv.file is not None and not kv.file.direct and "buffered" in kv.describe()
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
