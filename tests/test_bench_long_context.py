@@ -1,4 +1,4 @@
-"""bench/long_context.py on the tiny qwen2 GGUF: a row per context under its memory cgroup, exact and Quest decoding
+"""bench/long_context.py on a tiny qwen2 GGUF: a row per context under its memory cgroup, exact and Quest decoding
 from the same prompt, exact reading every page of the context and Quest fewer. No timing is asserted."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from conftest import DATA, run_bench
 
-GGUF = DATA / "gguf" / "qwen2-q4_k_m.gguf"
+GGUF = DATA / "gguf" / "qwen2-q8_0.gguf"     # not real_ggufs' fixture: a run records its loading peak
 
 
 def test_rows_hold_exact_and_quest_from_one_prompt_within_the_cap():

@@ -231,11 +231,10 @@ def test_the_plan_puts_the_kv_pages_it_has_no_room_for_on_flash_and_says_so():
 def test_a_run_at_its_minimum_budget_puts_the_kv_on_flash_and_decodes_the_same_tokens(tmp_path):
     """load_runtime of a GGUF at its plan's minimum: no KV page in DRAM (the plan's and the model's cache agree), the
     file in --kv-dir, and the greedy tokens of a run with no budget (every page in DRAM)."""
-    from flashinfer_lite.runtime import load_runtime
-    from conftest import greedy_tokens
-    gguf = str(DATA / "gguf" / "qwen2-q4_k_m.gguf")
     from flashinfer_lite.modes import minimum_bytes
-    from flashinfer_lite.runtime import model_facts
+    from flashinfer_lite.runtime import load_runtime, model_facts
+    from conftest import greedy_tokens
+    gguf = str(DATA / "gguf" / "qwen2-q8_0.gguf")     # not real_ggufs' fixture: a run records its loading peak
     whole, tok, _ = load_runtime(gguf, "auto", ctx=256, base_bytes=0, dram_budget=1 << 40)    # from flash, roomy
     ids = tok.encode("The quick brown fox jumps over the lazy dog. " * 6)
     want = greedy_tokens(whole, ids, 24, ctx=256)
