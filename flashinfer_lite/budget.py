@@ -165,7 +165,7 @@ def kv_note(ctx: int, dram_pages: int | None) -> str:
     """The plan's kv line: the context, its pages in DRAM and on flash."""
     o, pages = kv_pages.kv_options(), kv_pages.n_pages(ctx)
     held = pages if dram_pages is None else dram_pages
-    quest = f", Quest reads {o.pages_read(pages)} + 2" if o.quest else ""
+    quest = f", Quest reads {o.quest_words}" if o.quest else ""
     return (f"{ctx} positions, {o.type_k}/{o.type_v}: {held} of {pages} pages per layer in DRAM, {pages - held} "
             f"on flash{quest}")
 

@@ -62,6 +62,12 @@ class KVOptions:
     def quest(self) -> bool:
         return self.quest_pages > 0 or self.quest_share > 0
 
+    @property
+    def quest_words(self) -> str:
+        """What Quest reads, as said: "N pages" or "P% of the pages", + the first and the latest."""
+        what = f"{self.quest_pages} pages" if self.quest_pages else f"{self.quest_share:.0%} of the pages"
+        return what + " + the first and the latest"
+
     def pages_read(self, n_pages: int) -> int:
         """Quest's pages read besides the first and the latest, of n_pages."""
         return self.quest_pages or max(1, int(self.quest_share * n_pages))
@@ -356,7 +362,7 @@ class KVCache:
         io = "O_DIRECT" if self.file is None or self.file.direct else "buffered: the filesystem refuses O_DIRECT"
         where = "" if self.dram_pages == self.pages else \
             f", the rest on flash ({io}, a file in {kv_directory(o)}, deleted at exit)"
-        read = f"Quest: {o.pages_read(self.pages)} + the first and the latest" if o.quest else "every page"
+        read = f"Quest: {o.quest_words}" if o.quest else "every page"
         return (f"kv cache {o.type_k}/{o.type_v} in pages of {PAGE_POSITIONS} positions: {self.dram_pages} of "
                 f"{self.pages} per layer in DRAM{where}; a decode step reads {read}")
 
