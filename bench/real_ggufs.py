@@ -25,7 +25,7 @@ ENV = dict(os.environ, PYTHONPATH=str(h.REPO))
 
 
 def measure_minimum(gguf: str, contexts: list[int]) -> dict:
-    from flashinfer_lite import budget, model, modes, runtime, warmup
+    from flashinfer_lite import budget, modes, runtime, warmup
     cfg, layout, kinds = runtime.model_facts(gguf)
     warmup.drop_llvm_pages()    # as open_model_files does before its early refusal (an estimate of this RSS)
     base = warmup.base_estimate_bytes(layout, cfg.vocab_size)
@@ -34,7 +34,7 @@ def measure_minimum(gguf: str, contexts: list[int]) -> dict:
         try:
             runtime.refuse_below_minimum(gguf, "auto", 1, ctx, base)       # raises: no model runs in 1 byte
         except budget.BelowMinimum as e:
-            kv = model.KVCache.nbytes_for(cfg, ctx)
+            kv = budget.kv_minimum_bytes(cfg, ctx)     # the KV's part of the minimum: pages go to flash
             out[str(ctx)] = dict(zip(("minimum_bytes", *SPLIT),
                                      (e.minimum_bytes, base, resident, kv, e.minimum_bytes - base - resident - kv)))
         except Exception as e:  # noqa: BLE001  (a context past the model's maximum: the row says so)

@@ -8,7 +8,11 @@ with which function is modes.py's.
                quantized ones)
   head         the head as stored, resident when the budget holds it, else a stream's buffers (read once per token)
   embeddings   on flash: a prompt chunk's rows read per step (place_head)
-  kv cache     keys and values for the whole context (float16, model.KVCache)
+  kv cache     keys and values in pages (kv_pages): the minimum holds the fixed part (each layer's page being
+               filled, the staging of pages read from flash, a step's scores, Quest's bounds), not the pages; what the
+               budget has beyond the minimum holds pages first (each layer's first ones, up to the whole context:
+               exact attention reads every page every token, as the head is read, so each byte held saves a byte
+               read), the rest of the pages go to a file on flash
   buffers      reader gap scratch, kernel scratch, cache bookkeeping (slot maps per neuron), the prefill
                streaming chunk, a prompt chunk's temporaries (prefill_transient_bytes), the heap the prompt's
                transient arrays leave behind
@@ -40,7 +44,8 @@ from storage.profile import (DEFAULT_GAP_BYTES, DeviceRates, StreamSettings, dev
                              stream_defaults, stream_settings, stream_shape)
 from storage.reader import MAX_READ_BYTES, parts_span_bytes, span_bytes
 from storage.sizes import parse_size
-from .model import ATTENTION_TILE_ROWS, PREFILL_CHUNK_ROWS, KVCache, ModelConfig
+from . import kv_pages
+from .model import ATTENTION_KEY_BLOCK, ATTENTION_TILE_ROWS, PREFILL_CHUNK_ROWS, ModelConfig
 from .neuron_cache import MAP_BYTES_PER_NEURON, select_hot, staging_rows
 from .process import cgroup_room, rss_bytes
 
@@ -86,6 +91,7 @@ class BudgetPlan:
     head_bytes: int = 0         # of place_head: the head in DRAM, its matrix (resident) or a stream's buffers
     head_read_bytes: int = 0    # of place_head: what a streamed head reads per token (0: resident)
     embed_bytes: int = 0        # of place_head: the embedding rows of a prompt chunk (the table stays on flash)
+    kv_dram_pages: int | None = None    # of kv_share: KV pages per layer in DRAM (None: every page)
 
     @property
     def hot_rows(self) -> int:
@@ -115,7 +121,7 @@ class BudgetPlan:
                 *([("gate|up rows", self.gate_bytes, f"{self.gate_layers} of {self.n_layers} layers resident"
                    + ("" if self.gate_layers == self.n_layers else ", the rest streamed"))]
                   if self.gate_bytes else []),
-                ("kv cache", self.kv_bytes, f"{self.ctx} positions"),
+                ("kv cache", self.kv_bytes, kv_note(self.ctx, self.kv_dram_pages)),
                 ("buffers", self.buffer_bytes, "a prompt's widened blocks, kernel scratch, heap" if self.ffn_bytes
                  else "reader scratch, kernel scratch, slot maps, prefill chunk"),
                 *([] if self.ffn_bytes else [   # the FFN in RAM has no neuron cache
@@ -137,6 +143,32 @@ def budget_table(rows: list[tuple[str, int, str]], budget_bytes: int) -> str:
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The KV cache's share (kv_pages.KVCache): its fixed part in the minimum, pages from what is left
+
+def kv_minimum_bytes(cfg: ModelConfig, ctx: int) -> int:
+    """The KV cache at its smallest: its fixed part, every page on flash (kv_pages.fixed_bytes)."""
+    return kv_pages.fixed_bytes(cfg, ctx, kv_pages.kv_options())
+
+
+def kv_share(cfg: ModelConfig, ctx: int, room: int) -> tuple[int, int]:
+    """(bytes, pages per layer in DRAM) of the KV cache given `room` bytes beyond its minimum: as many pages per
+    layer as fit, up to the context's."""
+    o = kv_pages.kv_options()
+    per_page = kv_pages.dram_page_bytes(cfg, o)
+    pages = min(kv_pages.n_pages(ctx), max(0, room) // per_page)
+    return kv_pages.fixed_bytes(cfg, ctx, o) + pages * per_page, pages
+
+
+def kv_note(ctx: int, dram_pages: int | None) -> str:
+    """The plan's kv line: the context, its pages in DRAM and on flash."""
+    o, pages = kv_pages.kv_options(), kv_pages.n_pages(ctx)
+    held = pages if dram_pages is None else dram_pages
+    quest = f", Quest reads {o.quest_words}" if o.quest else ""
+    return (f"{ctx} positions, {o.type_k}/{o.type_v}: {held} of {pages} pages per layer in DRAM, {pages - held} "
+            f"on flash{quest}")
 
 
 def resident_matrix_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -236,7 +268,7 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
     reserve = min(n_max, MIN_WINDOW_ROWS)
     row = stride + ROW_OVERHEAD_BYTES + 4 * window
     res = resident_bytes if resident_bytes is not None else resident_bytes_for(cfg)
-    kv = KVCache.nbytes_for(cfg, ctx)
+    kv = kv_minimum_bytes(cfg, ctx)
     buffers = (read_scratch_bytes(layout, gap_bytes) + threads * layout.d * 4 + n_max * 4
                + sum(layout.n_neurons) * (MAP_BYTES_PER_NEURON + layout.bundle_of[0].itemsize)
                + n_layers * MATRIX_SLACK_BYTES
@@ -250,7 +282,8 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
         raise BelowMinimum(dram_budget_bytes, minimum, f"process base {_mib(base_bytes)}, resident {_mib(res)}, kv "
                            f"{_mib(kv)} for {ctx} positions, buffers {_mib(buffers)}, window {reserve} rows x "
                            f"{n_layers} layers")
-    extra = dram_budget_bytes - minimum
+    kv, kv_dram_pages = kv_share(cfg, ctx, dram_budget_bytes - minimum)
+    extra = dram_budget_bytes - minimum - (kv - kv_minimum_bytes(cfg, ctx))
     win_extra_max = n_layers * max(0, min(n_max, max_active * window) - reserve) * row
     hot_row = stride + HOT_ROW_OVERHEAD_BYTES
     hot_max = sum(layout.n_neurons) * hot_row
@@ -267,7 +300,7 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
     return BudgetPlan(budget_bytes=dram_budget_bytes, base_bytes=base_bytes, resident_bytes=res, kv_bytes=kv,
                       buffer_bytes=buffers, window_rows=rows, window_bytes=n_layers * rows * row, hot_bytes=hot,
                       minimum_bytes=minimum, n_layers=n_layers, stride=stride, ctx=ctx, window=window,
-                      max_active=max_active, requested=requested)
+                      max_active=max_active, requested=requested, kv_dram_pages=kv_dram_pages)
 
 
 def plan_gate(config, layout, dram_budget_bytes: int, ctx: int, window: int, sparsity: float,
@@ -320,7 +353,7 @@ def plan_resident_ffn(config, layout, dram_budget_bytes: int, ctx: int, resident
     n_max = max(layout.n_neurons)
     buffers = scratch_bytes + 2 * n_max * 4 + prefill_transient_bytes(cfg, ctx) + heap_slack_bytes
     ffn = ffn_bytes
-    kv = KVCache.nbytes_for(cfg, ctx)
+    kv = kv_pages.all_bytes(cfg, ctx, kv_pages.kv_options())     # every weight in DRAM: every KV page too
     need = base_bytes + resident_bytes + kv + buffers + ffn
     if need > dram_budget_bytes:
         return None
@@ -562,8 +595,11 @@ def prefill_transient_bytes(cfg: ModelConfig, ctx: int, gate: bool = False) -> i
                  (blocks.act8_of: both block sizes, and the prompt's BLAS copy of the rounded values: < 8 bytes a value
                  of the longer of d and n). gate: ffn.flash.ExactGate's rows of neurons are its coefficients (float32),
                  the kernel's row selection and the rows' any-mask (a byte each), and its 8-bit input is x's (d)
-      attention  the layer's keys and values widened [ctx, Hkv, hd] x 2, one tile's scores [g x tile, ctx] and its
-                 mask (float64 + float32 + bool: model.attention_mask) [tile, ctx]
+      attention  a block's keys and values (model.ATTENTION_KEY_BLOCK positions, whatever the context) gathered
+                 from their pages (float16, or float32 from q8_0: kv_pages.KVCache.rows) and widened [block, Hkv, hd]
+                 x 2, one tile's scores [g x tile, block] and its mask (float64 + float32 + bool:
+                 model.attention_mask) [tile, block], the chunk's running sums and output [rows, H, hd] x 2, the
+                 chunk's keys and values encoded for their pages (q8_0's rounding: ~4 float32 copies)
     SmolLM2 at -c 1024, measured (tracemalloc, a 256-token chunk after 768 cached): the exact gate's chunk peaks at
     7.4 MiB (planned: 13.8), a predicted run's of a 4096-neuron model at 25.4 MiB (planned: 29.8)."""
     U = min(PREFILL_CHUNK_ROWS, ctx)
@@ -572,7 +608,9 @@ def prefill_transient_bytes(cfg: ModelConfig, ctx: int, gate: bool = False) -> i
     rows = U * (4 * (8 * cfg.dim + 3 * qkv) + neurons)
     g = cfg.n_heads // cfg.n_kv_heads
     tile = min(ATTENTION_TILE_ROWS, U)
-    attention = 2 * ctx * cfg.n_kv_heads * cfg.head_dim * 4 + tile * ctx * (4 * g + 13)
+    B, kv = min(ATTENTION_KEY_BLOCK, ctx), cfg.n_kv_heads * cfg.head_dim
+    attention = 2 * B * kv * 8 + tile * B * (4 * g + 13) + 2 * U * cfg.n_heads * (cfg.head_dim + 1) * 4 \
+        + 2 * U * kv * 16
     return rows + attention
 
 
@@ -697,6 +735,7 @@ class ExpertPlan:
     ctx: int
     minimum_bytes: int
     requested: bool = True
+    kv_dram_pages: int | None = None    # of kv_share: KV pages per layer in DRAM (None: every page)
 
     @property
     def experts_bytes(self) -> int:
@@ -709,7 +748,7 @@ class ExpertPlan:
     def table(self) -> str:
         rows = [("process base", self.base_bytes, "interpreter, libraries, tokenizer, kernels (measured)"),
                 ("resident dense", self.resident_bytes, "embeddings, attention, routers, shared experts, norms"),
-                ("kv cache", self.kv_bytes, f"{self.ctx} positions"),
+                ("kv cache", self.kv_bytes, kv_note(self.ctx, self.kv_dram_pages)),
                 ("buffers", self.buffer_bytes, "prefill chunk, heap"),
                 ("experts", self.experts_bytes, f"{self.slots} of {self.n_experts} experts x {self.n_layers} layers "
                                                 f"({self.pinned} pinned per layer), {self.chunk / 2**20:.2f} MiB each"),
@@ -723,7 +762,7 @@ def plan_experts(cfg: ModelConfig, experts, dram_budget_bytes: int | None, ctx: 
     """Slots per layer for whole experts (experts: storage.experts.ExpertLayout) in what the budget leaves after the
     process base, the resident weights, the KV cache and a prompt chunk's temporaries; None: every expert. pin:
     calibration counts exist, so half the slots hold the most routed experts (at least MIN_EXPERT_SLOTS stay an LRU)."""
-    kv = KVCache.nbytes_for(cfg, ctx)
+    kv = kv_minimum_bytes(cfg, ctx)
     buffers = prefill_transient_bytes(cfg, ctx) + HEAP_SLACK_BYTES
     if experts.split:     # ffn.experts.gated, k experts at a time: their coefficients [rows, n] (up to a prompt
         # chunk's rows each) and their column reads' staging (packed rows: storage.reader)
@@ -734,12 +773,14 @@ def plan_experts(cfg: ModelConfig, experts, dram_budget_bytes: int | None, ctx: 
     per_slot = cfg.n_layers * (experts.chunk + (experts.n if experts.split else 0))
     minimum = fixed + MIN_EXPERT_SLOTS * per_slot
     E = cfg.n_experts
-    budget = fixed + E * per_slot if dram_budget_bytes is None else dram_budget_bytes
+    pages = kv_pages.all_bytes(cfg, ctx, kv_pages.kv_options()) - kv        # every KV page in DRAM
+    budget = fixed + pages + E * per_slot if dram_budget_bytes is None else dram_budget_bytes
     if budget < minimum:
         raise BelowMinimum(budget, minimum, f"a mixture of experts: {MIN_EXPERT_SLOTS} experts per layer of "
                            f"{_mib(experts.chunk)} each, resident {_mib(resident_bytes)}, kv {_mib(kv)} for {ctx} "
                            f"positions, process base {_mib(base_bytes)}")
-    slots = min(E, (budget - fixed) // per_slot)
+    kv, kv_dram_pages = kv_share(cfg, ctx, budget - minimum)               # KV pages first, as plan_budget
+    slots = min(E, (budget - fixed - (kv - kv_minimum_bytes(cfg, ctx))) // per_slot)
     pinned = min(slots // 2, slots - MIN_EXPERT_SLOTS) if pin and slots < E else (slots if slots == E else 0)
     return ExpertPlan(budget, base_bytes, resident_bytes, kv, buffers, slots, max(0, pinned), experts.chunk,
-                      cfg.n_layers, E, ctx, minimum, requested)
+                      cfg.n_layers, E, ctx, minimum, requested, kv_dram_pages)

@@ -17,6 +17,7 @@ from storage.tokenizer import StreamDecoder, Tokenizer, check_utf8
 
 from .constrain import Constraint, json_schema_grammar, text_grammar
 from .flash_matrix import FlashMatrix
+from .kv_pages import CACHE_TYPES, KVCache, KVOptions, parse_kv_pages
 from .model import Transformer
 from .process import peak_rss_bytes, rss_bytes
 
@@ -180,9 +181,9 @@ class Timings:
                     "constrain_ms_per_token": round(self.constrain_ms / self.constrain_tokens, 3)}
                    if self.constrain_tokens else {})}
 
-    def report(self, out=sys.stderr, ffn=None, head=None) -> None:
+    def report(self, out=sys.stderr, ffn=None, head=None, kv: KVCache | None = None) -> None:
         """The perf lines as llama.cpp prints them (llama_perf_context_print), then flash stats (the FFN's, a
-        streamed head's: streamed_head) and peak RSS."""
+        streamed head's: streamed_head; with kv, its pages read per decoded token) and peak RSS."""
         d = self.as_dict()
         w = "flashinfer_lite_perf"
         pt, pm = d["prompt_tokens"], d["prompt_ms"]
@@ -213,6 +214,10 @@ class Timings:
                   f"{h['read_wait_ms_per_token']:.2f} ms per token waiting for them, "
                   f"{h['compute_ms'] / max(h['decode_tokens'], 1):.2f} ms computing (the head streamed from flash)",
                   file=out)
+        if kv is not None:
+            p = kv.stats.per_token()
+            print(f"{w}:         kv pages = {p['pages_read']:10.1f} read per token ({p['flash_pages_read']:.1f} from "
+                  f"flash) of {p['pages']:.1f} in context, all layers; {kv.describe()}", file=out)
         m = rss_summary(ffn)
         line = f"{w}:         peak RSS = {m['peak_rss_mb']:10.1f} MiB"
         if "dram_budget_mb" in m:
@@ -368,8 +373,21 @@ def add_model_arguments(p) -> None:
     p.add_argument("--lookahead", action="store_true",
                    help="start each layer's flash reads one layer early on a guess (its predictor on the previous "
                         "layer's input); pays only where compute, not flash bandwidth, is the bottleneck")
+    p.add_argument("--cache-type-k", default="f16", choices=CACHE_TYPES,
+                   help="KV cache type of the keys: f16 or q8_0 (blocks of 32 with a float16 scale, as llama.cpp's); "
+                        "default f16")
+    p.add_argument("--cache-type-v", default="f16", choices=CACHE_TYPES,
+                   help="KV cache type of the values (default f16)")
+    p.add_argument("--kv-pages", default=None, metavar="N|P%",
+                   help="Quest: a decode step's attention reads the N KV pages (or P%% of them) whose keys bound its "
+                        "query's scores highest, plus the first and the latest (approximate; default: every page, "
+                        "exact)")
+    p.add_argument("--kv-dir", default=None,
+                   help="directory of the file of KV pages beyond the budget's DRAM share (default: next to the "
+                        "model's flash files, else the cache directory); the file is deleted when the run ends")
     p.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: all cores)")
-    p.add_argument("-v", "--verbose", action="store_true", help="print the budget split and runtime decisions")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="print the budget split and runtime decisions, and the KV pages read per token")
 
 
 def add_arguments(p) -> None:
@@ -424,13 +442,19 @@ def check_arguments(args) -> None:
         need(False, "--" + e.name.replace("_", "-"), e.value, e.rule)
     need(args.n_predict >= -1, "-n", args.n_predict, ">= -1 (-1 = until end of sequence)")
     need(args.ctx_size >= 0, "-c", args.ctx_size, ">= 1 (or 0: the model's default)")
+    kv_options_from(args)
+
+
+def kv_options_from(args) -> KVOptions:
+    """The KV flags (--cache-type-k/v, --kv-pages, --kv-dir) as load()'s kv."""
+    return KVOptions(args.cache_type_k, args.cache_type_v, directory=args.kv_dir, **parse_kv_pages(args.kv_pages))
 
 
 def open_model(args):
     """(Model, Tokenizer) for the command's flags: -m (or the default model), --ffn, --dram-budget, -c, -t,
-    --lookahead, -v, by the library's load()."""
+    --lookahead, -v, the KV flags, by the library's load()."""
     return load(args.model, args.dram_budget, args.ffn, args.ctx_size, args.threads, args.lookahead, args.verbose,
-                sparsity=args.sparsity)
+                sparsity=args.sparsity, kv=kv_options_from(args))
 
 
 def open_prompt(args):
@@ -527,10 +551,12 @@ def run(args) -> int:
             flash["head"] = streamed_head(model.transformer).stats.as_dict()
         print(json.dumps({"tokens": out, "text": tokenizer.decode_after(context, out), "prompt_tokens": ids,
                           "timings": session.timings.as_dict(), **flash, **rss_summary(ffn),
+                          "kv": {**session.kv.stats.per_token(), "dram_pages": session.kv.dram_pages,
+                                 "pages": session.kv.pages},
                           **({"stopped": note} if note else {})}))
     else:
         sys.stdout.write("\n")
         if note:
             print(f"[{note}]", file=sys.stderr)
-        session.timings.report(ffn=ffn, head=streamed_head(model.transformer))
+        session.timings.report(ffn=ffn, head=streamed_head(model.transformer), kv=session.kv if args.verbose else None)
     return 130 if note == "interrupted" else 0

@@ -10,17 +10,16 @@ import math
 from typing import Callable, Mapping
 
 import numpy as np
-import psutil
 
 from storage.config import ModelConfig
 from storage.checkpoint import drop_mapped_pages
 from storage.errors import UserError
 from storage.half import half_matrix
 from .ffn.dense import FeedForward, MixtureOfExperts
-from .kernels.attention import attention_rows
 from .kernels.blocks import QuantMatrix, linear
 from .kernels.gemv import widen_rows
 from .kernels.norm import add_rms_norm_rows, rms_norm_rows
+from .kv_pages import PAGE_POSITIONS, KVCache, KVOptions
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -120,46 +119,12 @@ def half_matrices(weights: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# KV cache: preallocated for the whole context, so decoding never reallocates
-
-class KVCache:
-    """Keys and values in float16: half the DRAM of float32, and half the bytes each decoded token reads back
-    (attention_rows reads every cached position of every layer per token). llama.cpp's default KV type too; a key or
-    value beyond float16's range (65504) would become inf."""
-
-    def __init__(self, cfg: ModelConfig, capacity: int, n_layers: int | None = None):
-        # n_layers: the model's by default; 1 when layers run one at a time (predictors/layerwise.py)
-        L = cfg.n_layers if n_layers is None else n_layers
-        shape = (L, capacity, cfg.n_kv_heads, cfg.head_dim)  # [L, S, Hkv, hd]
-        need, ram = 2 * 2 * math.prod(shape), psutil.virtual_memory().total
-        if need > ram:       # -c 300000 on a model claiming 10M positions: 2.28 TiB, refused before allocating
-            raise UserError(f"a context of {capacity} positions needs {need / 2**30:.1f} GiB of KV cache, more than "
-                            f"this machine's {ram / 2**30:.1f} GiB of memory: give a smaller -c")
-        try:
-            self.k = np.zeros(shape, np.float16)
-            self.v = np.zeros(shape, np.float16)
-        except MemoryError:
-            raise UserError(f"cannot allocate the KV cache of a {capacity}-position context "
-                            f"({need / 2**30:.1f} GiB): give a smaller -c") from None
-        self.k_bits, self.v_bits = self.k.view(np.uint16), self.v.view(np.uint16)  # what Numba reads (no float16)
-        self.capacity = capacity
-        self.length = 0  # positions filled
-
-    @staticmethod
-    def nbytes_for(cfg: ModelConfig, capacity: int) -> int:
-        return 2 * cfg.n_layers * capacity * cfg.n_kv_heads * cfg.head_dim * 2
-
-    def reset(self, length: int = 0) -> None:
-        self.length = length
-
-
-# ----------------------------------------------------------------------------------------------------------------------
 # Attention and feed-forward
 
-# Up to this many new tokens (decode), attention runs in one Numba call (attention_rows); more (a prompt, a chat turn)
-# as batched numpy matrix products, where BLAS reads each key once for all query rows. SmolLM2's shapes, per layer:
-# T = 1 at 200 cached positions 37 vs 54 us, T = 4 122 vs 92 us (kernel vs numpy; at 1000 positions the crossover
-# is T = 2-3).
+# Up to this many new tokens (decode), attention runs in Numba calls over its pages (kv_pages.KVCache.attend); more
+# (a prompt, a chat turn) as batched numpy matrix products, where BLAS reads each key once for all query rows.
+# SmolLM2's shapes, per layer, measured with the one-call kernel these replaced: T = 1 at 200 cached positions 37 vs
+# 54 us, T = 4 122 vs 92 us (kernel vs numpy; at 1000 positions the crossover is T = 2-3).
 ATTENTION_KERNEL_MAX_T = 2
 
 class Attention:
@@ -197,17 +162,15 @@ class Attention:
             q, k = self.qk_normed(q, self.q_norm), self.qk_normed(k, self.k_norm)
         if T <= ATTENTION_KERNEL_MAX_T:
             out = np.empty((T, H, hd), np.float32)
-            no_rope = np.zeros((T, 0), np.float32)             # cos/sin [T, 0]: attention_rows rotates nothing
+            no_rope = np.zeros((T, 0), np.float32)             # cos/sin [T, 0]: kv.attend rotates nothing
             cos, sin = (rope[0][:, 0], rope[1][:, 0]) if rope is not None else (no_rope, no_rope)
-            attention_rows(q, k, v, cos, sin, kv.k_bits[self.slot], kv.v_bits[self.slot], pos0,
-                           self.window or 0, self.scale, out)
+            kv.attend(self.slot, q, k, v, np.ascontiguousarray(cos), np.ascontiguousarray(sin), pos0,
+                      self.window or 0, self.scale, out)
             return linear(out.reshape(T, H * hd), self.wo, self.bo)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        S = pos0 + T
-        kv.k[self.slot, pos0:S] = k                            # rounded to float16 as attention_rows does
-        kv.v[self.slot, pos0:S] = v
-        out = prompt_attention(q, kv.k_bits[self.slot, :S], kv.v_bits[self.slot, :S], pos0, self.window, self.scale)
+        kv.write(self.slot, pos0, k, v)                        # rounded to float16 (or q8_0) as kv.attend does
+        out = prompt_attention(q, kv, self.slot, pos0, self.window, self.scale)
         out = out.reshape(T, H * hd)
         return linear(out, self.wo, self.bo)
 
@@ -217,43 +180,67 @@ class Attention:
         return norm(self.cfg, rows, (w, None)).reshape(a.shape)
 
 
-# A prompt's attention computes this many query rows of one KV head at a time: its scores are [g x rows, S], not
+# A prompt's attention computes this many query rows of one KV head at a time: its scores are [g x rows, keys], not
 # [H, T, S] for the whole prompt (at 3670 tokens that was 485 MiB per array), so the DRAM budget counts them
 # (budget.prefill_transient_bytes).
 ATTENTION_TILE_ROWS = 64
+# ... over the keys and values of this many positions at a time (whole pages at fixed positions, wherever each page
+# lives: DRAM or flash changes no bit), an online softmax across them: the temporaries are a block's and a tile's
+# whatever the context, and a long prompt never holds a layer's whole KV in DRAM.
+ATTENTION_KEY_BLOCK = 16 * PAGE_POSITIONS
 
 
-def prompt_attention(q: np.ndarray, k_bits: np.ndarray, v_bits: np.ndarray, pos0: int,
-                     sliding_window: int | None, scale: np.float32) -> np.ndarray:
-    """Causal attention of q [T, H, hd] (positions pos0..) over the cache's keys and values [S, Hkv, hd] (float16
-    bits, S = pos0 + T, this chunk's included), scores q.k times scale -> [T, H, hd]: per KV head,
-    ATTENTION_TILE_ROWS query rows at a time, each over the keys up to its last position. The g query heads of a KV
-    head are stacked as rows, so that one BLAS product reads each key once for all of them."""
+def prompt_attention(q: np.ndarray, kv: KVCache, slot: int, pos0: int, sliding_window: int | None,
+                     scale: np.float32) -> np.ndarray:
+    """Causal attention of q [T, H, hd] (positions pos0..) over the cache's keys and values of layer `slot`
+    (positions 0..pos0 + T - 1, this chunk's included), scores q.k times scale -> [T, H, hd]. Per block of
+    ATTENTION_KEY_BLOCK positions, per KV head, ATTENTION_TILE_ROWS query rows at a time: the g query heads of a KV
+    head stacked as rows, so that one BLAS product reads each key once for all of them; each row's running max m,
+    sum l and weighted values acc are rescaled by exp(m_old - m_new) as a block raises its max (flash attention)."""
     T, H, hd = q.shape
-    Hkv = k_bits.shape[1]
+    Hkv = kv.Hkv
     g = H // Hkv
-    K, V = widened(k_bits), widened(v_bits)                                # [S, Hkv, hd]
-    out = np.empty((T, H, hd), np.float32)
+    S = pos0 + T
+    acc = np.zeros((Hkv, g, T, hd), np.float32)
+    m = np.full((Hkv, g, T), -np.inf, np.float32)
+    total = np.zeros((Hkv, g, T), np.float32)
     # one tile's scores, for every tile: a flash runtime gives each array over 128 KiB a mapping of its own
     # (process.keep_freed_arrays_out_of_rss), whose pages fault in anew each time (+50% on this function's time)
-    room = np.empty(g * min(ATTENTION_TILE_ROWS, T) * k_bits.shape[0], np.float32)
-    for h in range(Hkv):
-        heads = slice(h * g, (h + 1) * g)
+    room = np.empty(g * min(ATTENTION_TILE_ROWS, T) * min(ATTENTION_KEY_BLOCK, S), np.float32)
+    start = 0 if sliding_window is None else max(0, pos0 - sliding_window + 1)
+    for b0 in range(start - start % ATTENTION_KEY_BLOCK, S, ATTENTION_KEY_BLOCK):
+        b1 = min(b0 + ATTENTION_KEY_BLOCK, S)
+        K, V = (b if b.dtype == np.float32 else widened(b) for b in kv.rows(slot, b0, b1))     # [b1 - b0, Hkv, hd]
         for t0 in range(0, T, ATTENTION_TILE_ROWS):
             rows = min(ATTENTION_TILE_ROWS, T - t0)
-            s = pos0 + t0 + rows                                           # keys the tile's last query sees
-            qt = np.ascontiguousarray(q[t0:t0 + rows, heads].transpose(1, 0, 2)).reshape(g * rows, hd)
-            scores = np.matmul(qt, K[:s, h].T, out=room[:g * rows * s].reshape(g * rows, s)).reshape(g, rows, s)
-            scores *= scale
-            # without a sliding window every row sees the keys before the tile's first position: only the last
-            # `rows` keys are masked (adding 0 elsewhere changed no score; it was a third of the softmax's time)
-            first = pos0 + t0 if sliding_window is None else 0
-            scores[:, :, first:] += attention_mask(pos0 + t0, rows, sliding_window, first)
-            scores -= scores.max(axis=-1, keepdims=True)                   # softmax, in place
-            np.exp(scores, out=scores)
-            scores /= scores.sum(axis=-1, keepdims=True)
-            out[t0:t0 + rows, heads] = (scores.reshape(g * rows, s) @ V[:s, h]).reshape(g, rows, hd).transpose(1, 0, 2)
-    return out
+            first, last = pos0 + t0, pos0 + t0 + rows - 1                 # the tile's positions
+            e = min(b1, last + 1)                                          # keys past `last` no row sees
+            if e <= b0 or (sliding_window is not None and b1 <= first - sliding_window + 1):
+                continue
+            n = e - b0
+            # without a sliding window every row sees the keys up to the tile's first position: a mask only where
+            # the block reaches past it (adding 0 elsewhere changed no score)
+            mask = None if sliding_window is None and e <= first + 1 else \
+                attention_mask(first, rows, sliding_window, b0)[:, :n]
+            for h in range(Hkv):
+                qt = np.ascontiguousarray(q[t0:t0 + rows, h * g:(h + 1) * g].transpose(1, 0, 2)).reshape(g * rows, hd)
+                scores = np.matmul(qt, K[:n, h].T, out=room[:g * rows * n].reshape(g * rows, n)).reshape(g, rows, n)
+                scores *= scale
+                if mask is not None:
+                    scores += mask
+                tile = slice(t0, t0 + rows)
+                m_old = m[h, :, tile]
+                m_new = np.maximum(m_old, scores.max(axis=-1))
+                safe = np.where(m_new == -np.inf, np.float32(0), m_new)  # a row that sees nothing yet keeps 0s
+                scores -= safe[:, :, None]
+                np.exp(scores, out=scores)
+                alpha = np.exp(m_old - safe)
+                total[h, :, tile] = total[h, :, tile] * alpha + scores.sum(axis=-1)
+                acc[h, :, tile] = acc[h, :, tile] * alpha[:, :, None] + (scores.reshape(g * rows, n) @ V[:n, h]
+                                                                         ).reshape(g, rows, hd)
+                m[h, :, tile] = m_new
+    acc /= total[..., None]
+    return acc.reshape(H, T, hd).transpose(1, 0, 2)
 
 
 def stacked_rows(*ms):
@@ -400,9 +387,11 @@ class Transformer:
         self.ffn = ffn
         self.after_layer: Callable[[], None] | None = None    # called after each layer (threads.StepThreads.step)
         self.inv_freq = layer_ropes(cfg)                                       # per layer: [hd/2] or None
+        self.kv_options: KVOptions | None = None     # how new_cache keeps the KV (runtime: the plan's); None: defaults
 
     def new_cache(self, capacity: int) -> KVCache:
-        return KVCache(self.cfg, capacity)
+        """A KV cache of `capacity` positions, kept as kv_options says (the run's flags and plan)."""
+        return KVCache(self.cfg, capacity, options=self.kv_options or KVOptions())
 
     def block(self, i: int, x: np.ndarray, kv: KVCache, pos0: int, rope: tuple | None) -> np.ndarray:
         return self.blocks[i](x, kv, pos0, rope, self.ffn)

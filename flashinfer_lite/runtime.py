@@ -13,7 +13,7 @@ import gc
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -36,6 +36,7 @@ from .default_model import default_model_path, ensure_default_model
 from .ffn.gate import (CALIBRATION_CTX, CALIBRATION_TOKENS, LayerMagnitudes, calibration_seconds,
                        measure_thresholds)
 from .hub import resolve_model
+from .kv_pages import KVOptions, kv_options, set_kv_options, writable_directory
 from .loader import open_any
 from .model import Transformer
 from .modes import (Facts, GateMode, ModelFiles, below_loading_peak, check_mode, decide, dense_bytes_of, kernels_for,
@@ -220,13 +221,27 @@ def decide_and_build(files: ModelFiles, ffn: str, budget: Budget, ctx: int, wind
             print(base_parts_table(files.base_bytes), file=sys.stderr)
         for line in decision.notes:
             print(line, file=sys.stderr)
-    return (decision, *decision.mode.build(files, decision, threads, progress, verbose))
+    built = decision.mode.build(files, decision, threads, progress, verbose)
+    built[0].kv_options = run_kv_options(files, decision)
+    return (decision, *built)
+
+
+def run_kv_options(files: ModelFiles, decision) -> KVOptions:
+    """The load's KV options (set_kv_options) with the plan's pages in DRAM (none planned: every page), and the file
+    of pages on flash next to the model's flash files unless --kv-dir says where (a model run from DRAM: the cache)."""
+    o = kv_options()
+    pages = getattr(decision.plan, "kv_dram_pages", None)
+    if o.directory is not None:
+        writable_directory(o.directory)
+    elif files.path is not None and is_flashdir(files.path) and os.access(files.path, os.W_OK):
+        o = replace(o, directory=str(files.path))
+    return replace(o, dram_pages=pages)
 
 
 def load_runtime(path, ffn: str = "dense", dram_budget: int | str | None = None, ctx: int | None = None,
                  window: int = 5, threads: int | None = None, progress: bool = False, verbose: bool = False,
                  verify: bool = True, base_bytes: int | None = None, lookahead: bool = False,
-                 sparsity: float = DEFAULT_SPARSITY):
+                 sparsity: float = DEFAULT_SPARSITY, kv: KVOptions | None = None):
     """(model, tokenizer, ffn) for a model path and an FFN mode, through load()'s pipeline without first-use
     training (a model without the predictors its run needs is an error naming the commands to run); ffn is the
     FFN object (None when every weight is in DRAM).
@@ -239,6 +254,7 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | str | None = None,
     cost more than the early start hides (bench/README.md).
     """
     one_blas_thread()
+    set_kv_options(kv or KVOptions())
     budget = Budget.of(dram_budget)
     files = open_model_files(path, ffn, verify, progress, base_bytes, ctx or 0, sparsity, budget)
     _, transformer, flash_ffn = decide_and_build(files, ffn, budget, ctx, window, lookahead, threads, progress,
@@ -258,7 +274,7 @@ class Model:
 
 def load(path: str | None = None, dram_budget: int | str | None = "auto", ffn: str = "auto", ctx: int = 0,
          threads: int | None = None, lookahead: bool = False, verbose: bool = False,
-         sparsity: float = DEFAULT_SPARSITY, act8: bool = True, say: bool = True):
+         sparsity: float = DEFAULT_SPARSITY, act8: bool = True, say: bool = True, kv: KVOptions | None = None):
     """(model, tokenizer) for an HF directory, a GGUF file or a FLASHDIR, or a repo id in the Hugging Face cache
     (hub.resolve_model); None = the default model (fetched, and its predictors trained, on first use). dram_budget:
     bytes, a size string ("300M"), "auto" (the default: what the machine can give) or None (no limit); ffn as the
@@ -266,12 +282,15 @@ def load(path: str | None = None, dram_budget: int | str | None = "auto", ffn: s
     q4_1, q5_0, q5_1, q8_0) round x to 8 bits as llama.cpp does (faster); False keeps x float32, the float math on the
     dequantized weights (blocks.set_act8: for the process).
     say: print the decision's notes and the mode --ffn auto chose (the commands do; the Python API only when
-    verbose). A first use's work (download, conversion, training) is announced either way: it takes minutes."""
+    verbose). A first use's work (download, conversion, training) is announced either way: it takes minutes.
+    kv: how the KV cache is kept (kv_pages.KVOptions: cache types, Quest, the directory of its pages on flash;
+    default float16, exact)."""
     t0 = time.perf_counter()
     path = resolve_model(path)
     one_blas_thread()
     set_threads(threads)
     set_act8(act8)
+    set_kv_options(kv or KVOptions())
     budget = Budget.of(dram_budget)
     progress = sys.stderr.isatty()
     files = open_model_files(path, ffn, progress=progress, ctx=ctx, sparsity=sparsity, dram_budget=budget)

@@ -36,7 +36,8 @@ from .api import encode_prompt, make_prompt_cache, stream_generate
 from .constrain import Constraint, checked, json_schema_grammar
 from .default_model import FILENAME as DEFAULT_MODEL_FILE
 from storage.errors import UserError
-from .generate import Sampler, SamplingError, add_model_arguments, check_arguments, rss_summary, streamed_head
+from .generate import (Sampler, SamplingError, add_model_arguments, check_arguments, kv_options_from, rss_summary,
+                       streamed_head)
 from .process import peak_rss_bytes, rss_bytes
 from .runtime import load
 from .tools import ToolError, ToolText, call_grammar, check_tool_choice, check_tools, template_message
@@ -307,7 +308,7 @@ class Server:
         import numba
         self.args = args
         self.model, self.tokenizer = load(args.model, args.dram_budget, args.ffn, args.ctx_size, args.threads,
-                                          args.lookahead, args.verbose)
+                                          args.lookahead, args.verbose, kv=kv_options_from(args))
         self.ctx = self.model.ctx
         self.name = args.alias or (Path(args.model).name if args.model else Path(DEFAULT_MODEL_FILE).stem)
         self.cache = make_prompt_cache(self.model, self.tokenizer)

@@ -8,8 +8,10 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numba
+
 import numpy as np
 
 from storage import columns
@@ -22,7 +24,8 @@ from storage._watch import watcher
 from .ffn.experts import expert_ffn, stacks
 from .ffn.quant import DENSE_ROW_KERNEL_MAX_T, sparse_ffn
 from .ffn.flash import SplitKernels, SplitRows
-from .kernels.attention import attention_rows
+from .kernels.attention import rotate_rows
+from .kv_pages import KVCache, KVOptions
 from .kernels.gemv import MATMUL_ROW_KERNEL_MAX_T, matmul_t
 from .kernels.norm import add_rms_norm_rows, rms_norm_rows
 from .ffn.dense import ExpertBatch, FeedForward, MixtureOfExperts
@@ -155,11 +158,16 @@ def resident_steps(layout) -> list:
         x, X = np.zeros(layout.d, np.float32), np.zeros((1, layout.d), np.float32)
         rms_norm_rows(X, x, 1e-5, np.empty_like(X))
         add_rms_norm_rows(X, X.copy(), x, 1e-5, np.empty_like(X))
-        qkv, cache_bits = np.zeros((1, 1, 2), np.float32), np.zeros((1, 1, 2), np.uint16)
-        for half in (1, 0):          # with RoPE, without (model.Attention's T <= ATTENTION_KERNEL_MAX_T path)
-            cos = np.zeros((2, 1, half), np.float32)[:1, 0]
-            attention_rows(qkv.copy(), qkv.copy(), qkv.copy(), cos, cos, cache_bits, cache_bits, 0, 0,
-                           np.float32(1.0), np.empty_like(qkv))
+        # pages of float16 bits, and of float32 (q8_0's, dequantized); with RoPE and without (model.Attention's
+        # T <= ATTENTION_KERNEL_MAX_T path)
+        for kind in ("f16", "q8_0"):
+            cache = KVCache(SimpleNamespace(n_layers=1, n_heads=1, n_kv_heads=1, head_dim=32), 1,
+                            options=KVOptions(kind, kind))
+            qkv = np.zeros((1, 1, 32), np.float32)
+            for half in (16, 0):
+                cos = np.zeros((2, 1, half), np.float32)[:1, 0]
+                cache.attend(0, qkv.copy(), qkv.copy(), qkv.copy(), cos, cos, 0, 0, np.float32(1.0),
+                             np.empty_like(qkv))
 
     def half_matrices():
         w16 = np.zeros((2, d), np.float16)
@@ -414,7 +422,7 @@ def compiled_stamp(layout):
            layout.d % BLOCK == 0, layout.dtype, layout.down_dtype, layout.vectors, layout.biases, bool(layout.parts),
            layout.experts and (layout.experts.dtypes, layout.experts.split)]
     digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
-    return Path(attention_rows._cache.cache_path) / f"flashinfer-lite-kernels-{digest}.stamp"
+    return Path(rotate_rows._cache.cache_path) / f"flashinfer-lite-kernels-{digest}.stamp"
 
 
 def warm_up(model: Transformer) -> None:

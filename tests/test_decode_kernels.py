@@ -1,14 +1,16 @@
-"""The decode step's Numba kernels (kernels.attention_rows, rms_norm_rows, add_rms_norm_rows) against float64 numpy
-math, and the model's two attention paths (kernel, batched numpy) against each other. The float32 -> float16
-conversion the cache writes with is checked in test_kernels.py."""
+"""The decode step's Numba kernels (the paged attention of kv_pages.KVCache.attend, rms_norm_rows, add_rms_norm_rows)
+against float64 numpy math, and the model's two attention paths (kernel, batched numpy) against each other. The cache
+writes float16 with numpy's rounding (to nearest even), as F16C does (checked in test_kernels.py)."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from flashinfer_lite import model as model_math
-from flashinfer_lite.kernels.attention import attention_rows
 from flashinfer_lite.kernels.norm import add_rms_norm_rows, rms_norm_rows
+from flashinfer_lite.kv_pages import KVCache, KVOptions
 from flashinfer_lite.loader import load_reference
 
 from conftest import STORIES
@@ -44,15 +46,20 @@ def attention64(q, K, V, pos0, window):
 
 @pytest.mark.parametrize("T,pos0,window,rope", [(1, 0, 0, True), (1, 37, 0, True), (3, 20, 0, True),
                                                 (1, 37, 5, True), (4, 9, 3, True), (2, 11, 0, False)])
-def test_attention_rows_matches_float64(T, pos0, window, rope):
+@pytest.mark.parametrize("dram_pages", [None, 0])
+def test_paged_attention_matches_float64(T, pos0, window, rope, dram_pages, tmp_path):
+    """kv_pages.KVCache.attend, pages in DRAM (None: all) or on flash (0), against float64 attention over the float16
+    keys and values the cache holds."""
     rng = np.random.default_rng(T * 100 + pos0)
-    H, Hkv, hd, cap = 6, 2, 64, 48
+    H, Hkv, hd, cap = 6, 2, 64, 80
+    cfg = SimpleNamespace(n_layers=1, n_heads=H, n_kv_heads=Hkv, head_dim=hd)
+    kv = KVCache(cfg, cap, options=KVOptions(dram_pages=dram_pages, directory=str(tmp_path)))
     q = rng.standard_normal((T, H, hd)).astype(np.float32) * 2
     k = rng.standard_normal((T, Hkv, hd)).astype(np.float32) * 2
     v = rng.standard_normal((T, Hkv, hd)).astype(np.float32)
-    K = rng.standard_normal((cap, Hkv, hd)).astype(np.float16)     # earlier positions, and garbage beyond
-    V = rng.standard_normal((cap, Hkv, hd)).astype(np.float16)
-    K0, V0 = K.copy(), V.copy()
+    K0 = rng.standard_normal((pos0, Hkv, hd)).astype(np.float32)     # earlier positions
+    V0 = rng.standard_normal((pos0, Hkv, hd)).astype(np.float32)
+    kv.write(0, 0, K0, V0)
     inv_freq = 1.0 / (10000.0 ** (np.arange(0, hd, 2) / hd))
     pos = np.arange(pos0, pos0 + T, dtype=np.float64)
     if rope:
@@ -63,46 +70,26 @@ def test_attention_rows_matches_float64(T, pos0, window, rope):
         cos = sin = np.zeros((T, 0), np.float32)
         q64, k64 = q.astype(np.float64), k.astype(np.float64)
     out = np.empty((T, H, hd), np.float32)
-    attention_rows(q, k, v, cos, sin, K.view(np.uint16), V.view(np.uint16), pos0, window,
-                   np.float32(1.0 / np.sqrt(hd)), out)
+    kv.attend(0, q, k, v, cos, sin, pos0, window, np.float32(1.0 / np.sqrt(hd)), out)
 
+    K, V = (b.view(np.float16).astype(np.float64) for b in kv.rows(0, 0, pos0 + T))
     new = slice(pos0, pos0 + T)
-    # the new rows: float16 of the (rotated) keys and values, within float16's rounding; nothing else touched
-    np.testing.assert_allclose(K[new].astype(np.float64), k64, rtol=2 ** -11, atol=1e-6)
-    assert np.array_equal(V[new], v.astype(np.float16))
-    rest = np.ones(cap, bool)
-    rest[new] = False
-    assert np.array_equal(K[rest], K0[rest]) and np.array_equal(V[rest], V0[rest])
+    # the new rows: float16 of the (rotated) keys and values, within float16's rounding; the earlier ones as written
+    np.testing.assert_allclose(K[new], k64, rtol=2 ** -11, atol=1e-6)
+    assert np.array_equal(V[new], v.astype(np.float16).astype(np.float64))
+    assert np.array_equal(K[:pos0], K0.astype(np.float16).astype(np.float64))
+    assert (kv.on_flash > 0) == (dram_pages == 0 and pos0 + T >= 32)
     # the output over the float16 keys and values now in the cache
-    want = attention64(q64, K.astype(np.float64), V.astype(np.float64), pos0, window)
+    want = attention64(q64, K, V, pos0, window)
     np.testing.assert_allclose(out, want, rtol=RTOL, atol=RTOL * np.abs(want).max())
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# RMSNorm with the residual add
-
-def test_add_rms_norm_rows_matches_float64():
-    rng = np.random.default_rng(3)
-    x = rng.standard_normal((3, 576)).astype(np.float32) * 4
-    delta = rng.standard_normal((3, 576)).astype(np.float32)
-    w = rng.standard_normal(576).astype(np.float32)
-    h64 = x.astype(np.float64) + delta
-    want = h64 / np.sqrt((h64 * h64).mean(-1, keepdims=True) + 1e-5) * w
-    out = np.empty_like(x)
-    rms_norm_rows(x, w, 1e-5, out)
-    x64 = x.astype(np.float64)
-    np.testing.assert_allclose(out, x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + 1e-5) * w, rtol=RTOL,
-                               atol=1e-6)
-    add_rms_norm_rows(x, delta, w, 1e-5, out)
-    np.testing.assert_allclose(x, h64, rtol=1e-6)          # the residual add, in place
-    np.testing.assert_allclose(out, want, rtol=RTOL, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The model's two attention paths give the same logits
 
 def test_kernel_and_batched_attention_agree(monkeypatch):
-    """Every token decoded one at a time through attention_rows vs every token in one batched numpy pass: both
+    """Every token decoded one at a time through the paged kernels (kv_pages.KVCache.attend) vs every token in one
+    batched numpy pass: both
     read the same float16 cache, so they differ by float32 order (and its occasional float16 rounding flip)."""
     model, tok = load_reference(STORIES)
     ids = tok.encode("Once upon a time, there was a little dog")
@@ -112,7 +99,9 @@ def test_kernel_and_batched_attention_agree(monkeypatch):
     monkeypatch.setattr(model_math, "ATTENTION_KERNEL_MAX_T", 1)     # T = 1: the kernel
     kv2 = model.new_cache(32)
     stepped = np.stack([model.forward([t], kv2) for t in ids])
-    assert kv.k.dtype == np.float16 and kv.length == kv2.length == len(ids)
+    assert kv.kinds == ("f16", "f16") and kv.length == kv2.length == len(ids)
     np.testing.assert_allclose(stepped, batched, rtol=0, atol=5e-4 * np.abs(batched).max())   # measured 1.2e-4
-    np.testing.assert_allclose(kv2.k[:, :len(ids)].astype(np.float32), kv.k[:, :len(ids)].astype(np.float32),
-                               rtol=2 ** -10, atol=1e-3)
+    for layer in range(model.cfg.n_layers):
+        for a, b in zip(kv2.rows(layer, 0, len(ids)), kv.rows(layer, 0, len(ids))):
+            np.testing.assert_allclose(a.view(np.float16).astype(np.float32), b.view(np.float16).astype(np.float32),
+                                       rtol=2 ** -10, atol=1e-3)

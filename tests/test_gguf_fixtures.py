@@ -121,8 +121,8 @@ def llama_cpp_rounding(monkeypatch, kind: str) -> None:
     rnd = {"f32": lambda x: x, "f16": f16, "q8_0": q8_0, "q4_k_m": lambda x: x}[kind]
     linear, attention_mask = model_module.linear, model_module.attention_mask
 
-    def attention(q, k_bits, v_bits, pos0, window, scale):          # q and the softmax weights in float16
-        K, V = (b.view(np.float16).astype(np.float32) for b in (k_bits, v_bits))
+    def attention(q, kv, slot, pos0, window, scale):                # q and the softmax weights in float16
+        K, V = (b.view(np.float16).astype(np.float32) for b in kv.rows(slot, 0, pos0 + q.shape[0]))
         g = q.shape[1] // K.shape[1]
         out = np.empty(q.shape, np.float32)
         for h in range(q.shape[1]):

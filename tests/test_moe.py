@@ -119,6 +119,7 @@ def test_the_most_routed_experts_are_pinned_from_calibration_counts(flashdirs, t
     import shutil
     from conftest import CORPUS
     from predictors.expert_freq import count_routes
+    from flashinfer_lite.budget import kv_minimum_bytes
     from flashinfer_lite.predictor_set import load_expert_freq, save_expert_freq
     flash = shutil.copytree(flashdirs("qwen2moe", "f16"), tmp_path / "flash")
     counts = count_routes(flash, [CORPUS / "tinystories_cased_197KB.txt"], 96, ctx=32, progress=False)
@@ -126,8 +127,9 @@ def test_the_most_routed_experts_are_pinned_from_calibration_counts(flashdirs, t
     save_expert_freq(flash, counts)
     assert np.array_equal(load_expert_freq(flash), counts)
     want, _ = greedy(load_runtime(flash, "dense")[0], PROMPT, 6)
-    _, _, rt = load_runtime(flash, "auto", dram_budget=None, base_bytes=0)
-    budget = rt.plan.minimum_bytes + 2 * rt.plan.n_layers * rt.plan.chunk      # 4 slots a layer: 2 pinned
+    whole, _, rt = load_runtime(flash, "auto", dram_budget=None, base_bytes=0)
+    pages = rt.plan.kv_bytes - kv_minimum_bytes(whole.cfg, rt.plan.ctx)        # every KV page in DRAM (they come first)
+    budget = rt.plan.minimum_bytes + pages + 2 * rt.plan.n_layers * rt.plan.chunk      # 4 slots a layer: 2 pinned
     model, _, rt = load_runtime(flash, "auto", dram_budget=budget, base_bytes=0)
     assert rt.plan.slots == 4 and rt.plan.pinned == 2
     for layer in range(2):

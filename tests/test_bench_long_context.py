@@ -1,0 +1,31 @@
+"""bench/long_context.py on a tiny qwen2 GGUF: a row per context under its memory cgroup, exact and Quest decoding
+from the same prompt, exact reading every page of the context and Quest fewer. No timing is asserted."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from conftest import DATA, run_bench
+
+GGUF = DATA / "gguf" / "qwen2-q8_0.gguf"     # not real_ggufs' fixture: a run records its loading peak
+
+
+def test_rows_hold_exact_and_quest_from_one_prompt_within_the_cap():
+    sys.path.insert(0, str(DATA.parents[1] / "tools"))
+    import memcap
+    why = memcap.available()
+    if why:
+        pytest.skip(f"memory cgroup unavailable: {why}")
+    doc, md = run_bench("long_context.py", "-m", GGUF, "--contexts", "256", "--depths", "0.3,0.8", "-n", "4",
+                        "--budget-ctx", "256", timeout=900)
+    (row,) = doc["rows"]
+    assert "error" not in row and "below_minimum" not in row, row
+    assert row["oom"] == 0 and row["peak_rss_bytes"] <= row["cap_bytes"]
+    assert len(row["depths"]) == 2 and row["pages"] == 256 // 32
+    for d in row["depths"]:
+        assert d["prompt_tokens"] <= 256 - 4
+        exact, quest = d["exact"], d["quest"]
+        assert exact["pages_read"] == exact["pages"] > quest["pages_read"] > 0
+        assert isinstance(exact["found"], bool) and isinstance(quest["answer"], str)
+    assert "| 256 |" in md

@@ -1,0 +1,273 @@
+"""The KV cache in pages (kv_pages): pages on flash give the DRAM cache's logits bit for bit (the exact mode is the
+oracle of every budget), Quest's bound is an upper bound of every q.k of its page, q8_0 pages are llama.cpp's blocks
+(gguf-py's quantizer as the oracle), and the file of pages leaves nothing behind."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from flashinfer_lite import kv_pages
+from flashinfer_lite.kv_pages import PAGE_POSITIONS, KVCache, KVOptions, quest_bounds, quantize_q8_0
+from flashinfer_lite.loader import load_reference
+from storage.errors import UserError
+
+from conftest import DATA, STORIES
+
+
+def run(model, ids: list[int], n: int, options: KVOptions, ctx: int) -> tuple[np.ndarray, KVCache]:
+    """Logits of a prompt (every position) and of n greedy decode steps after it, on a cache kept as `options`."""
+    kv = KVCache(model.cfg, ctx, options=options)
+    rows = [model.forward(ids, kv, all_logits=True)]
+    for _ in range(n):
+        rows.append(model.forward([int(np.argmax(rows[-1][-1]))], kv)[None])
+    return np.concatenate(rows), kv
+
+
+def stories_prompt(tok) -> list[int]:
+    return tok.encode("Once upon a time, there was a little girl named Lily. She loved to play outside in the park "
+                      "with her friends and her dog. One day, Lily saw a big red ball in the grass. She ran to get it, "
+                      "but her dog got there first.")
+
+
+@pytest.mark.parametrize("dram_pages", [0, 1, 2])
+def test_pages_on_flash_give_the_dram_caches_logits_bit_for_bit(dram_pages, tmp_path, monkeypatch):
+    """A prompt in chunks that cross pages (model.PREFILL_CHUNK_ROWS 24: pages fill mid-chunk and are flushed then;
+    its attention over blocks of two pages, some in DRAM, some on flash, some the one being filled), then decode steps
+    over a context of 3+ pages: every logit equal to the all-DRAM cache's, and the file of pages (unlinked at
+    creation) leaves nothing in the directory."""
+    from flashinfer_lite import model as model_math
+    monkeypatch.setattr(model_math, "PREFILL_CHUNK_ROWS", 24)
+    monkeypatch.setattr(model_math, "ATTENTION_KEY_BLOCK", 2 * PAGE_POSITIONS)     # a prompt's blocks cross flash
+    model, tok = load_reference(STORIES)
+    ids = stories_prompt(tok)
+    assert len(ids) > 2 * PAGE_POSITIONS
+    want, _ = run(model, ids, 40, KVOptions(), 160)
+    got, kv = run(model, ids, 40, KVOptions(dram_pages=dram_pages, directory=str(tmp_path)), 160)
+    assert kv.on_flash >= model.cfg.n_layers * (3 - dram_pages)        # the pages past the DRAM share were written
+    assert kv.stats.flash_pages_read > 0
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_context_cut_inside_a_flushed_page_reads_it_back(tmp_path):
+    """A chat's next turn keeps a prefix that ends inside a page already on flash (Session.generate: kv.reset(keep)):
+    the page comes back from the file, and the logits equal the DRAM cache's; with Quest too (its bounds of that page
+    rebuilt from the rows kept)."""
+    model, tok = load_reference(STORIES)
+    ids = stories_prompt(tok)
+    keep = PAGE_POSITIONS + 5
+    other = ids[:keep] + tok.encode(" the sun was shining and the birds sang")
+    outs = []
+    for options in (KVOptions(), KVOptions(dram_pages=0, directory=str(tmp_path)), KVOptions(quest_pages=1),
+                    KVOptions(quest_pages=1, dram_pages=0, directory=str(tmp_path))):
+        kv = KVCache(model.cfg, 160, options=options)
+        model.forward(ids, kv)
+        kv.reset(keep)
+        logits = [model.forward(other[keep:], kv, all_logits=True)]
+        for _ in range(8):                      # decode steps: Quest's bounds of the page cut, recomputed
+            logits.append(model.forward([int(np.argmax(logits[-1][-1]))], kv)[None])
+        outs.append(np.concatenate(logits))
+    assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
+    assert np.array_equal(outs[2].view(np.uint32), outs[3].view(np.uint32))
+
+
+def test_q8_0_cache_on_flash_equals_q8_0_in_dram_and_stays_close_to_f16(smollm2_gguf, tmp_path):
+    """q8_0 keys and values (SmolLM2: head_dim 64, two blocks a head): pages on flash give the q8_0 DRAM cache's bits;
+    and the quantized cache's logits stay near the float16 cache's."""
+    model, tok = load_reference(smollm2_gguf)
+    ids = tok.encode("The capital of France is Paris. The capital of Germany is Berlin. The capital of Spain is "
+                     "Madrid. The capital of Portugal is Lisbon. The capital of Austria is Vienna. The capital of "
+                     "Italy is")
+    assert len(ids) > PAGE_POSITIONS
+    q8 = dict(type_k="q8_0", type_v="q8_0")
+    want, _ = run(model, ids, 8, KVOptions(**q8), 64)
+    got, kv = run(model, ids, 8, KVOptions(dram_pages=0, directory=str(tmp_path), **q8), 64)
+    assert kv.on_flash > 0
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    f16, _ = run(model, ids, 8, KVOptions(), 64)
+    assert not np.array_equal(f16, want)                                    # the cache type is in effect
+    np.testing.assert_allclose(want, f16, atol=0.05 * np.abs(f16).max())
+
+
+def test_q8_0_blocks_are_gguf_pys(tmp_path):
+    """quantize_q8_0's bytes equal gguf-py's quantizer's (llama.cpp's quantize_row_q8_0 ported), on keys' kind of
+    values: normal, a zero block, tiny and large magnitudes, halves that round away from zero."""
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import quantize
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((6, 2, 64)).astype(np.float32) * np.float32(3)
+    x[0, 0, :32] = 0                                      # d = 0: q all zero
+    x[1, 1] *= np.float32(1e-6)
+    x[2, 0] *= np.float32(2000)
+    x[3, 1, :32] = np.arange(32, dtype=np.float32) - 15.5    # amax 15.5: x / d hits .5 steps
+    want = quantize(x.reshape(-1, 64), gguf.GGMLQuantizationType.Q8_0)
+    got = quantize_q8_0(x.reshape(-1, 64))
+    assert got.dtype == np.uint8 and got.shape == want.shape
+    assert np.array_equal(got, want)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, PAGE_POSITIONS), st.sampled_from([(1, 1), (2, 4), (2, 1)]),
+       st.integers(-20, 20))
+def test_quest_bound_is_at_least_every_qk_of_its_page(seed, rows, heads, exponent):
+    """For any query and any keys of a page (1 to PAGE_POSITIONS rows, any GQA group), the bound sum_c max(q_c min_c,
+    q_c max_c) is >= q.k of every key of the page. Values are integers times a power of two, so that every product
+    and sum is exact in float64: the comparison needs no tolerance, and a wrong formula (max(q_c max_c) alone, the
+    sum of the maxima over the page's rows) fails it."""
+    Hkv, g = heads
+    rng = np.random.default_rng(seed)
+    hd = 16
+    keys = rng.integers(-1000, 1001, (rows, Hkv, hd)).astype(np.float64) * 2.0 ** exponent
+    q = rng.integers(-1000, 1001, (Hkv, g, hd)).astype(np.float64)
+    b = quest_bounds(q, keys.min(axis=0)[None], keys.max(axis=0)[None])        # [Hkv, g, 1]
+    qk = np.einsum("cgd,rcd->cgr", q, keys)                                    # every q.k [Hkv, g, rows]
+    assert np.all(b >= qk)
+    if rows == 1:                                                              # one key: the bound is its q.k
+        assert np.array_equal(b, qk)
+
+
+def test_quest_reads_the_first_the_latest_and_the_top_pages_per_kv_head():
+    """select: each KV head reads the first page, the latest and the pages_read pages of the largest bound, taking
+    the largest over its group's queries (GQA); here one page is made to win for each head's second query."""
+    cfg = type("C", (), dict(n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8))
+    kv = KVCache(cfg, 10 * PAGE_POSITIONS, options=KVOptions(quest_pages=1))
+    rng = np.random.default_rng(0)
+    keys = rng.standard_normal((10 * PAGE_POSITIONS, 2, 8)).astype(np.float32) * 0.1
+    keys[3 * PAGE_POSITIONS + 4, 0] = 5.0                  # page 3 wins for KV head 0's queries along +1
+    keys[6 * PAGE_POSITIONS + 9, 1] = -5.0                 # page 6 for KV head 1's along -1
+    kv.write(0, 0, keys, keys)
+    q = np.zeros((4, 8), np.float32)
+    q[1] = 1.0                                             # head 1: KV head 0's group (heads 0, 1)
+    q[3] = -1.0                                            # head 3: KV head 1's group (heads 2, 3)
+    chosen = kv.select(0, q, 9)
+    assert chosen.shape == (10, 2)
+    assert sorted(np.flatnonzero(chosen[:, 0])) == [0, 3, 9]
+    assert sorted(np.flatnonzero(chosen[:, 1])) == [0, 6, 9]
+
+
+def test_quest_is_deterministic_off_by_default_and_exact_when_it_reads_every_page():
+    """Quest is off unless asked; asked with as many pages as the context has, its logits are the exact mode's bits;
+    with fewer, two runs give the same bits and it reads fewer pages than the exact mode."""
+    assert not KVOptions().quest
+    model, tok = load_reference(STORIES)
+    ids = stories_prompt(tok) * 3
+    exact, kv_exact = run(model, ids, 24, KVOptions(), 320)
+    every, _ = run(model, ids, 24, KVOptions(quest_pages=100), 320)
+    assert np.array_equal(every.view(np.uint32), exact.view(np.uint32))
+    a, kv_a = run(model, ids, 24, KVOptions(quest_pages=2), 320)
+    b, _ = run(model, ids, 24, KVOptions(quest_pages=2), 320)
+    assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    assert kv_a.stats.pages_read < kv_exact.stats.pages_read
+    assert not np.array_equal(a, exact)                    # it did leave pages out
+
+
+def test_kv_options_refuse_bad_values_in_one_line():
+    with pytest.raises(UserError, match="--cache-type-k 'q4_0'"):
+        KVOptions(type_k="q4_0")
+    for bad in ("0", "150%", "x"):
+        with pytest.raises(UserError, match="--kv-pages"):
+            kv_pages.parse_kv_pages(bad)
+    assert kv_pages.parse_kv_pages("25%") == {"quest_share": 0.25}
+    assert kv_pages.parse_kv_pages("8") == {"quest_pages": 8}
+    cfg = type("C", (), dict(n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8))
+    with pytest.raises(UserError, match="q8_0 KV needs a head dimension"):
+        KVCache(cfg, 8, options=KVOptions(type_v="q8_0"))
+
+
+@pytest.mark.parametrize("window", [None, 5, 40])
+@pytest.mark.parametrize("block_pages", [1, 2, 16])
+def test_prompt_attention_over_blocks_matches_float64(window, block_pages, monkeypatch, tmp_path):
+    """model.prompt_attention's online softmax over blocks of keys (1, 2 or 16 pages; a chunk at position 50 of a
+    context of 130, some pages on flash) against float64 attention over the float16 keys and values the cache holds."""
+    from types import SimpleNamespace
+    from flashinfer_lite import model as model_math
+    from test_decode_kernels import attention64
+    monkeypatch.setattr(model_math, "ATTENTION_KEY_BLOCK", block_pages * PAGE_POSITIONS)
+    rng = np.random.default_rng(block_pages)
+    H, Hkv, hd, S, pos0 = 6, 2, 16, 130, 50
+    cfg = SimpleNamespace(n_layers=1, n_heads=H, n_kv_heads=Hkv, head_dim=hd)
+    kv = KVCache(cfg, S, options=KVOptions(dram_pages=1, directory=str(tmp_path)))
+    keys = rng.standard_normal((S, Hkv, hd)).astype(np.float32) * 2
+    values = rng.standard_normal((S, Hkv, hd)).astype(np.float32)
+    kv.write(0, 0, keys, values)
+    q = rng.standard_normal((S - pos0, H, hd)).astype(np.float32)
+    got = model_math.prompt_attention(q, kv, 0, pos0, window, np.float32(1 / np.sqrt(hd)))
+    K, V = (b.view(np.float16).astype(np.float64) for b in kv.rows(0, 0, S))
+    want = attention64(q.astype(np.float64), K, V, pos0, window or 0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_the_minimum_budget_does_not_grow_with_the_context_by_more_than_page_metadata():
+    """modes.minimum_bytes (the planner's) of a GGUF at -c 512 and -c 8192: the KV pages can go to flash, so the
+    minimum grows by the fixed part's per-position bytes (a decode step's scores, the pages' flags and ids), not by
+    the KV cache (which grows 16x: 2 x layers x Hkv x hd x 2 bytes a position)."""
+    from flashinfer_lite.modes import minimum_bytes
+    from flashinfer_lite.runtime import model_facts
+    cfg, layout, kinds = model_facts(str(DATA / "gguf" / "qwen2-q4_k_m.gguf"))
+    small, large = (minimum_bytes(cfg, layout, kinds, "auto", c, 0) for c in (512, 8192))
+    whole = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2 * (8192 - 512)
+    per_position = 2 * cfg.n_heads * 4 + (2 * cfg.n_layers + cfg.n_kv_heads + 8) / PAGE_POSITIONS
+    assert 0 < large - small <= (8192 - 512) * per_position < whole / 8
+
+
+def test_the_plan_puts_the_kv_pages_it_has_no_room_for_on_flash_and_says_so():
+    """plan_budget between its minimum and the whole KV: the pages that fit (per layer, from the first) in DRAM, the
+    rest on flash, and the table's kv line says both; at the minimum none in DRAM; with room, all."""
+    from flashinfer_lite.budget import kv_minimum_bytes, plan_budget
+    from flashinfer_lite.runtime import model_facts
+    cfg, layout, kinds = model_facts(str(DATA / "gguf" / "qwen2-q4_k_m.gguf"))
+    ctx, per_page = 4096, kv_pages.dram_page_bytes(cfg, KVOptions())
+    low = plan_budget(cfg, layout, 1 << 60, ctx).minimum_bytes
+    at_min = plan_budget(cfg, layout, low, ctx)
+    half = plan_budget(cfg, layout, low + 50 * per_page + per_page // 2, ctx)
+    whole = plan_budget(cfg, layout, 1 << 60, ctx)
+    assert (at_min.kv_dram_pages, half.kv_dram_pages, whole.kv_dram_pages) == (0, 50, ctx // PAGE_POSITIONS)
+    assert at_min.kv_bytes == kv_minimum_bytes(cfg, ctx) and half.kv_bytes == at_min.kv_bytes + 50 * per_page
+    assert half.used_bytes <= half.budget_bytes
+    assert "4096 positions, f16/f16: 50 of 128 pages per layer in DRAM, 78 on flash" in half.table()
+
+
+def test_a_run_at_its_minimum_budget_puts_the_kv_on_flash_and_decodes_the_same_tokens(tmp_path):
+    """load_runtime of a GGUF at its plan's minimum: no KV page in DRAM (the plan's and the model's cache agree), the
+    file in --kv-dir, and the greedy tokens of a run with no budget (every page in DRAM)."""
+    from flashinfer_lite.modes import minimum_bytes
+    from flashinfer_lite.runtime import load_runtime, model_facts
+    from conftest import greedy_tokens
+    gguf = str(DATA / "gguf" / "qwen2-q8_0.gguf")     # not real_ggufs' fixture: a run records its loading peak
+    whole, tok, _ = load_runtime(gguf, "auto", ctx=256, base_bytes=0, dram_budget=1 << 40)    # from flash, roomy
+    ids = tok.encode("The quick brown fox jumps over the lazy dog. " * 6)
+    want = greedy_tokens(whole, ids, 24, ctx=256)
+    kv_dir = tmp_path / "kv"
+    kv_dir.mkdir()
+    minimum = minimum_bytes(*model_facts(gguf), "auto", 256, 0, heap_slack_bytes=0)     # base 0: no heap slack
+    tight, _, ffn = load_runtime(gguf, "auto", ctx=256, base_bytes=0, dram_budget=minimum,
+                                 kv=KVOptions(directory=str(kv_dir)))
+    assert ffn.plan.kv_dram_pages == 0 and tight.kv_options.dram_pages == 0
+    assert whole.kv_options.dram_pages == 256 // PAGE_POSITIONS
+    assert greedy_tokens(tight, ids, 24, ctx=256) == want
+    assert list(kv_dir.iterdir()) == []
+    with pytest.raises(UserError, match="--kv-dir .*: not a directory"):
+        load_runtime(gguf, "auto", ctx=256, base_bytes=0, kv=KVOptions(directory=str(tmp_path / "missing")))
+
+
+def test_the_cli_refuses_bad_kv_flags_in_one_line():
+    import subprocess
+    import sys
+    for flags, said in ((["--kv-pages", "0"], "--kv-pages '0'"), (["--cache-type-v", "q4_0"], "invalid choice")):
+        r = subprocess.run([sys.executable, "-m", "flashinfer_lite", "generate", "-m", str(STORIES), "-p", "hi",
+                            *flags], capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_without_o_direct_the_file_is_buffered_and_the_bits_are_the_same(tmp_path, monkeypatch):
+    """Where O_DIRECT is refused (here: not offered), the file of pages is opened buffered, describe() says so, and
+    the logits are the DRAM cache's."""
+    import os
+    model, tok = load_reference(STORIES)
+    ids = stories_prompt(tok)
+    want, _ = run(model, ids, 8, KVOptions(), 128)
+    monkeypatch.delattr(os, "O_DIRECT")
+    got, kv = run(model, ids, 8, KVOptions(dram_pages=0, directory=str(tmp_path)), 128)
+    assert kv.file is not None and not kv.file.direct and "buffered" in kv.describe()
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
