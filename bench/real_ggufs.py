@@ -25,7 +25,7 @@ ENV = dict(os.environ, PYTHONPATH=str(h.REPO))
 
 
 def measure_minimum(gguf: str, contexts: list[int]) -> dict:
-    from flashinfer_lite import budget, modes, runtime, warmup
+    from flashinfer_lite import budget, kv_pages, modes, runtime, warmup
     cfg, layout, kinds = runtime.model_facts(gguf)
     warmup.drop_llvm_pages()    # as open_model_files does before its early refusal (an estimate of this RSS)
     base = warmup.base_estimate_bytes(layout, cfg.vocab_size)
@@ -40,7 +40,8 @@ def measure_minimum(gguf: str, contexts: list[int]) -> dict:
         except Exception as e:  # noqa: BLE001  (a context past the model's maximum: the row says so)
             out[str(ctx)] = {"error": str(e)}
     # a dense run's KV cache (generate's default context): its peak's goal is file + KV + process base + 5%
-    return {"minimum": out, "dense_kv_bytes": model.KVCache.nbytes_for(cfg, runtime.context_size(0, cfg))}
+    dense_kv = kv_pages.all_bytes(cfg, runtime.context_size(0, cfg), kv_pages.KVOptions())    # every page in DRAM
+    return {"minimum": out, "dense_kv_bytes": dense_kv}
 
 
 def measure_llama(gguf: str, threads: int) -> dict:

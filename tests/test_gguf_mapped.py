@@ -140,11 +140,11 @@ def test_a_dense_gguf_run_peaks_within_its_file_kv_and_process_base(smollm2_gguf
     """SmolLM2's GGUF run dense: the peak (VmHWM) at most the file + the KV cache + the process base -v prints + 5%.
     The kernels load before the weights (warmup.dense_warm_up) and LLVM's pages (48 MiB) leave RSS before the file's
     pages come in; loaded after (the order before), they sat on top of the whole file: 253 MiB against a bound of 199 (203 against 214 now)."""
-    from flashinfer_lite.model import KVCache
+    from flashinfer_lite.kv_pages import KVOptions, all_bytes
     from storage.checkpoint import open_checkpoint
     ctx = 512
     report, base = dense_generate(smollm2_gguf, ctx)
-    kv = KVCache.nbytes_for(open_checkpoint(smollm2_gguf).config, ctx)
+    kv = all_bytes(open_checkpoint(smollm2_gguf).config, ctx, KVOptions())    # a dense run's: every page in DRAM
     bound = 1.05 * (smollm2_gguf.stat().st_size + kv + base)
     assert report["peak"] <= bound, (report["peak"] / 2**20, bound / 2**20)
 
