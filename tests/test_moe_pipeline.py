@@ -102,8 +102,10 @@ def test_collect_counts_transformers_routing_and_train_writes_them_for_the_cache
         assert json.loads((again / "manifest.json").read_text())["expert_counts"] == m["expert_counts"], model
     assert train(out, flash, progress=False) == []                          # no neuron predictor
     assert np.array_equal(load_expert_freq(flash), want)
-    _, _, rt = load_runtime(flash, "auto", dram_budget=None, base_bytes=0)
-    budget = rt.plan.minimum_bytes + 2 * rt.plan.n_layers * rt.plan.chunk    # 4 slots a layer: 2 pinned
+    from flashinfer_lite.budget import kv_minimum_bytes
+    whole, _, rt = load_runtime(flash, "auto", dram_budget=None, base_bytes=0)
+    pages = rt.plan.kv_bytes - kv_minimum_bytes(whole.cfg, rt.plan.ctx)      # every KV page in DRAM (they come first)
+    budget = rt.plan.minimum_bytes + pages + 2 * rt.plan.n_layers * rt.plan.chunk    # 4 slots a layer: 2 pinned
     _, _, rt = load_runtime(flash, "auto", dram_budget=budget, base_bytes=0)
     assert [sorted(p) for p in rt.cache.pinned] == [sorted(np.argsort(-c, kind="stable")[:2].tolist()) for c in want]
     m["expert_counts"][1][3] = -1                                            # a damaged manifest
