@@ -483,8 +483,10 @@ class KVCache:
 
     def select(self, layer: int, q: np.ndarray, last: int) -> np.ndarray:
         """Quest: which pages 0..last each KV head reads [last + 1, Hkv] (uint8) for a query q [H, hd] (rotated): the
-        first, the latest, and the pages_read pages with the largest bounds (max over the head's group of queries;
-        ties to the earlier page)."""
+        first, the latest, and pages_read pages more. A page holds every KV head's keys and values, so one read serves
+        them all: the pages are taken by rank, round robin over the KV heads (each head's ranking by its bound, the
+        largest over its group of queries; ties to the earlier page), until pages_read distinct pages are in, and every
+        head attends over all of them."""
         n = last + 1
         chosen = np.zeros((n, self.Hkv), np.uint8)
         keep = self.options.pages_read(n)               # a share: of the pages the context has now
@@ -494,9 +496,9 @@ class KVCache:
         H = q.shape[0]
         b = quest_bounds(q.reshape(self.Hkv, H // self.Hkv, self.hd), self.kmin[layer, :n], self.kmax[layer, :n])
         b = b.max(axis=1)                                                     # [Hkv, n]: the group's largest
-        for c in range(self.Hkv):
-            order = np.argsort(-b[c, 1:last], kind="stable")[:keep] + 1
-            chosen[order, c] = 1
+        ranked = np.stack([np.argsort(-b[c, 1:last], kind="stable") for c in range(self.Hkv)], axis=1).ravel() + 1
+        _, at = np.unique(ranked, return_index=True)                          # each page at its best rank, first head
+        chosen[ranked[np.sort(at)[:keep]]] = 1
         chosen[0] = chosen[last] = 1
         return chosen
 

@@ -127,23 +127,40 @@ def test_quest_bound_is_at_least_every_qk_of_its_page(seed, rows, heads, exponen
         assert np.array_equal(b, qk)
 
 
-def test_quest_reads_the_first_the_latest_and_the_top_pages_per_kv_head():
-    """select: each KV head reads the first page, the latest and the pages_read pages of the largest bound, taking
-    the largest over its group's queries (GQA); here one page is made to win for each head's second query."""
+def test_quest_reads_the_first_the_latest_and_the_top_pages_round_robin_over_kv_heads():
+    """select: the first page, the latest and pages_read pages more, taken by rank round robin over the KV heads (each
+    head's bound the largest over its group's queries: GQA), every head reading all of them: a page holds every
+    head's keys, so the pages read are never more than asked. Here one page is made to win for each head's second
+    query."""
     cfg = type("C", (), dict(n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8))
-    kv = KVCache(cfg, 10 * PAGE_POSITIONS, options=KVOptions(quest_pages=1))
     rng = np.random.default_rng(0)
     keys = rng.standard_normal((10 * PAGE_POSITIONS, 2, 8)).astype(np.float32) * 0.1
     keys[3 * PAGE_POSITIONS + 4, 0] = 5.0                  # page 3 wins for KV head 0's queries along +1
     keys[6 * PAGE_POSITIONS + 9, 1] = -5.0                 # page 6 for KV head 1's along -1
-    kv.write(0, 0, keys, keys)
     q = np.zeros((4, 8), np.float32)
     q[1] = 1.0                                             # head 1: KV head 0's group (heads 0, 1)
     q[3] = -1.0                                            # head 3: KV head 1's group (heads 2, 3)
-    chosen = kv.select(0, q, 9)
-    assert chosen.shape == (10, 2)
-    assert sorted(np.flatnonzero(chosen[:, 0])) == [0, 3, 9]
-    assert sorted(np.flatnonzero(chosen[:, 1])) == [0, 6, 9]
+    for pages, want in ((1, [0, 3, 9]), (2, [0, 3, 6, 9])):
+        kv = KVCache(cfg, 10 * PAGE_POSITIONS, options=KVOptions(quest_pages=pages))
+        kv.write(0, 0, keys, keys)
+        chosen = kv.select(0, q, 9)
+        assert chosen.shape == (10, 2)
+        for c in range(2):
+            assert sorted(np.flatnonzero(chosen[:, c])) == want, (pages, c)
+    # with 3 pages, the next by rank: head 0's second (6, in already), then head 1's second (a plain loop as oracle)
+    kv = KVCache(cfg, 10 * PAGE_POSITIONS, options=KVOptions(quest_pages=3))
+    kv.write(0, 0, keys, keys)
+    stored = keys.astype(np.float16).astype(np.float32).reshape(10, PAGE_POSITIONS, 2, 8)   # the bounds as stored
+    b = quest_bounds(q.reshape(2, 2, 8), stored.min(axis=1), stored.max(axis=1)).max(axis=1)
+    ranks = [sorted(range(1, 9), key=lambda p: (-b[c, p], p)) for c in range(2)]
+    picked = []
+    for r in range(8):
+        for c in range(2):
+            if len(picked) < 3 and ranks[c][r] not in picked:
+                picked.append(ranks[c][r])
+    assert picked[:2] == [3, 6]
+    for c in range(2):
+        assert sorted(np.flatnonzero(kv.select(0, q, 9)[:, c])) == sorted([0, *picked, 9])
 
 
 def test_quest_is_deterministic_off_by_default_and_exact_when_it_reads_every_page():
