@@ -108,20 +108,7 @@ def test_a_dense_gguf_holds_its_file_and_no_second_copy(smollm2_gguf):
     assert grown <= size + (2 << 20), (grown, size)
 
 
-# generate in a child process, then its peak and the LLVM library's resident bytes (/proc/self/smaps)
-GENERATE = """
-import json, re, sys
-from flashinfer_lite.cli import main
-from flashinfer_lite.process import peak_rss_bytes
-rc = main(sys.argv[1:])
-llvm, inside = 0, False
-for line in open("/proc/self/smaps"):
-    if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
-        inside = "libllvmlite" in line
-    elif inside and line.startswith("Rss:"):
-        llvm += int(line.split()[1]) << 10
-print(json.dumps({"rc": rc, "peak": peak_rss_bytes(), "llvm_rss": llvm}))
-"""
+from child_run import GENERATE_REPORT as GENERATE   # noqa: E402  (its peak and LLVM's resident bytes)
 
 
 def dense_generate(path, ctx: int) -> tuple[dict, float]:

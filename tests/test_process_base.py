@@ -12,19 +12,7 @@ import pytest
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux: /proc/self/smaps")
 
-# generate in a child process, then what it holds: its modules and the LLVM library's resident bytes
-RUN = """
-import json, re, sys
-from flashinfer_lite.cli import main
-rc = main(sys.argv[1:])
-llvm, inside = 0, False
-for line in open("/proc/self/smaps"):
-    if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
-        inside = "libllvmlite" in line
-    elif inside and line.startswith("Rss:"):
-        llvm += int(line.split()[1]) << 10
-print(json.dumps({"rc": rc, "modules": sorted(sys.modules), "llvm_rss": llvm}))
-"""
+from child_run import GENERATE_REPORT as RUN   # noqa: E402  (its modules and LLVM's resident bytes)
 
 
 @pytest.fixture(scope="module")
