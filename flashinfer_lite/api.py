@@ -59,12 +59,12 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int] | list[dict], sy
                   use_chat_template: bool = True) -> tuple[list[int], bool]:
     """(ids, raw) for a prompt: a str gets the chat template when the model has one (as the CLI does), unless
     use_chat_template is False or the str is templated already (it starts with the template's own opening,
-    template_opening: tokenizer.apply_chat_template's output, as mlx-lm's users pass it); a list of
+    Tokenizer.template_opening: apply_chat_template's output, as mlx-lm's users pass it); a list of
     {"role", "content"} messages always gets it, a list of ids is fed as is. raw: the output continues the prompt's
     text, so its first piece is decoded after the prompt's last ids (keeping a SentencePiece leading space)."""
     if isinstance(prompt, str):
         check_utf8(prompt, "prompt")
-        if use_chat_template and tokenizer.chat_template and is_templated(tokenizer, prompt):
+        if use_chat_template and tokenizer.chat_template and tokenizer.is_templated(prompt):
             return tokenizer.encode(prompt, add_special_tokens=False), False   # it spells BOS where the model wants
         return prompt_ids(tokenizer, prompt, system_prompt, use_chat_template), \
             not (use_chat_template and tokenizer.chat_template)
@@ -78,22 +78,6 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int] | list[dict], sy
     if bad is not None:
         raise UserError(f"prompt token id {bad!r} is not an id of this vocabulary (0 to {n - 1})")
     return [int(i) for i in ids], True
-
-
-def template_opening(tokenizer: Tokenizer) -> str:
-    """What the model's chat template writes before the first role's name (ChatML's "<|im_start|>", Llama 3's
-    "<|begin_of_text|><|start_header_id|>"): the mark of a prompt templated already. "" when the template starts
-    with a role's name (nothing to tell a templated text by)."""
-    if not hasattr(tokenizer, "_template_opening"):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}])
-        at = min((i for i in (text.find("system"), text.find("user")) if i >= 0), default=0)
-        tokenizer._template_opening = text[:at] if text[:at].strip() else ""
-    return tokenizer._template_opening
-
-
-def is_templated(tokenizer: Tokenizer, text: str) -> bool:
-    opening = template_opening(tokenizer)
-    return bool(opening) and text.lstrip().startswith(opening)
 
 
 def stream_generate(model: Model, tokenizer: Tokenizer, prompt: str | list[int] | list[dict], max_tokens: int = 256,
@@ -150,8 +134,9 @@ def stream_generate(model: Model, tokenizer: Tokenizer, prompt: str | list[int] 
     # the model ended it (its end-of-sequence id), or the grammar did (complete: the end-of-sequence id is all it
     # would allow next)
     last = sampler.drawn[-1] if sampler.drawn else None
-    if last in tokenizer.eos_ids or (last is not None and any(hasattr(p, "done") for p in processors)):
-        yield response("", last if last in tokenizer.eos_ids or not tokenizer.eos_ids else tokenizer.eos_ids[0], "stop")
+    eos = last in tokenizer.eos_ids
+    if eos or (last is not None and any(hasattr(p, "done") for p in processors)):
+        yield response("", last if eos else (tokenizer.eos_ids or [last])[0], "stop")
 
 
 def generate(model: Model, tokenizer: Tokenizer, prompt: str | list[int] | list[dict], max_tokens: int = 256,

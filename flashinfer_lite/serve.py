@@ -262,7 +262,7 @@ def job_tools(body: dict, chat: bool, server: "Server") -> tuple[list[dict] | No
         choice = check_tool_choice(body.get("tool_choice"), tools)
     except ToolError as e:
         raise BadRequest(str(e), e.param) from None
-    if not server.tokenizer.takes_tools():
+    if not server.tokenizer.takes_tools:
         raise BadRequest("this model's chat template does not render tools: it cannot call them", "tools")
     return (None if choice == "none" else tools), choice
 

@@ -243,14 +243,30 @@ class Tokenizer:
         # The rendered template already spells BOS where the model wants it, as Hugging Face does.
         return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False)
 
+    @functools.cached_property
     def takes_tools(self) -> bool:
         """The chat template renders the tools it is given (Qwen2.5's and Llama 3.x's do; ChatML without them does
-        not): a conversation renders differently with a tool than without."""
+        not): a conversation renders differently with a tool than without. Rendered once per tokenizer."""
         msgs = [{"role": "user", "content": "hello"}]
         tool = {"type": "function", "function": {"name": "tool_probe", "description": "d",
                                                  "parameters": {"type": "object", "properties": {}}}}
         return bool(self.chat_template) and self.apply_chat_template(msgs, tools=[tool]) != \
             self.apply_chat_template(msgs)
+
+    @functools.cached_property
+    def template_opening(self) -> str:
+        """What the chat template writes before the first role's name (ChatML's "<|im_start|>", Llama 3's
+        "<|begin_of_text|><|start_header_id|>"): the mark of a prompt templated already. "" without a template, or
+        when it starts with a role's name (nothing to tell a templated text by)."""
+        if not self.chat_template:
+            return ""
+        text = self.apply_chat_template([{"role": "user", "content": "x"}])
+        at = min((i for i in (text.find("system"), text.find("user")) if i >= 0), default=0)
+        return text[:at] if text[:at].strip() else ""
+
+    def is_templated(self, text: str) -> bool:
+        """text starts with the template's own opening: apply_chat_template's output, not a plain prompt."""
+        return bool(self.template_opening) and text.lstrip().startswith(self.template_opening)
 
 
 class PromptTooLong(UserError):
