@@ -40,8 +40,8 @@ from storage import columns
 from storage.blocks import row_bytes
 from storage.errors import UserError
 from storage.format import BUNDLE_ALIGN
-from storage.profile import (DEFAULT_GAP_BYTES, DeviceRates, StreamSettings, device_rates, reader_defaults,
-                             stream_defaults, stream_settings, stream_shape)
+from storage.profile import (DEFAULT_GAP_BYTES, DeviceRates, device_rates, reader_defaults, stream_settings,
+                             stream_shape)
 from storage.reader import MAX_READ_BYTES, parts_span_bytes, span_bytes
 from storage.sizes import parse_size
 from . import kv_pages

@@ -296,7 +296,7 @@ class Session:
         ends = [self.timed(p.done, count=False) for p in logits_processors if hasattr(p, "done")]
         while n_predict < 0 or produced < n_predict:
             self.logits = logits    # the model's logits the token is drawn from, before the sampling chain (logprobs)
-            tok = sampler(logits, self.cached, processors) if processors else sampler(logits, self.cached)
+            tok = sampler(logits, self.cached, processors)
             produced += 1
             if produced == 1:
                 self.timings.first_token_ms = (time.perf_counter() - start) * 1e3
