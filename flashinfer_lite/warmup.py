@@ -477,18 +477,11 @@ def dense_warm_up(ckpt) -> None:
     small = dataclasses.replace(cfg, n_layers=len(layers), sliding_layers=None if cfg.sliding_layers is None else
                                 [cfg.sliding_layers[i] for i in layers])
     model = Transformer(small, {name_in_model(n): w for n, w in weights.items()})
-    token = cfg.bos_id or 0
-    n = numba.get_num_threads()
-    try:
-        kv = model.new_cache(sum(DENSE_WARM_UP_ROWS))
-        for rows in DENSE_WARM_UP_ROWS:
-            model.forward_rows(np.full(rows, token, np.int64), kv)
-        for t in reversed(step_counts(n)):
-            numba.set_num_threads(t)
-            model.forward([token], model.new_cache(1))
-    finally:
-        numba.set_num_threads(n)
-    del model, weights
+    kv = model.new_cache(sum(DENSE_WARM_UP_ROWS))
+    for rows in DENSE_WARM_UP_ROWS:
+        model.forward_rows(np.full(rows, cfg.bos_id or 0, np.int64), kv)
+    warm_up(model)              # the decode step at each thread count
+    del model, weights, kv
     ckpt.release()
 
 
