@@ -16,8 +16,8 @@ from numba import njit
 from storage.errors import UserError
 from flashinfer_lite.kernels.neurons import activations
 from flashinfer_lite.ffn.sparse import SparseFFN
-from flashinfer_lite.kernels.f16 import (HAS_F16C, f16_bits_to_f32_f16c, f16_bits_to_f32_portable, f32_to_f16_bits_f16c,
-                                         f32_to_f16_bits_portable)
+from flashinfer_lite.kernels.rows import (HAS_F16C, f16_bits_to_f32_f16c, f16_bits_to_f32_portable, f32_to_f16_bits_f16c,
+                                          f32_to_f16_bits_portable)
 from storage.format import BundleGeometry, FlashLayout, pack_bundles, unpack_bundles
 from storage.reader import aligned_empty
 

@@ -34,10 +34,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from storage.errors import UserError
-from flashinfer_lite.kernels.f16 import HAS_F16C, f16_bits_to_f32, f32_to_f16_bits
 from flashinfer_lite.kernels.gemv import MATMUL_PARALLEL_MIN_WORK, MATMUL_ROW_KERNEL_MAX_T, matmul_t, matmul_widened
-from flashinfer_lite.kernels.prefetch import prefetch_ahead
-from flashinfer_lite.kernels.rows import dot
+from flashinfer_lite.kernels.rows import HAS_F16C, dot, f16_bits_to_f32, f32_to_f16_bits, prefetch_ahead
 from flashinfer_lite.threads import numba_threads
 from storage.blocks import BLOCK, KIND_SIZES, check_kind, quantize, row_bytes  # noqa: F401 (quantize: re-exported)
 from storage.columns import decode as decode_columns
@@ -102,7 +100,7 @@ def _f32_block(builder, arr, b):
 
 
 def _half_at(context, builder, ptr, offset):
-    """The float16 at byte ptr[offset] as float32, by kernels.f16.f16_bits_to_f32 (F16C or portable, as the host).
+    """The float16 at byte ptr[offset] as float32, by kernels.rows.f16_bits_to_f32 (F16C or portable, as the host).
     With F16C, LLVM converts a float16 alone by loading it with `vpinsrw $0, mem, %xmmA, %xmmB`: the other lanes
     come from whatever register xmmA is, and when that is an accumulator every block waits for the block before it
     (q4_0 and q8_0 in quant_matmul_rows, q4_1's mins: a third fewer bytes per second, bench/quant_kernels.py), and

@@ -11,9 +11,7 @@ from numba import njit, prange
 
 from ..threads import numba_threads
 
-from .f16 import f32_at
-from .prefetch import prefetch_ahead
-from .rows import dot
+from .rows import dot, f32_at, prefetch_ahead
 
 
 MATMUL_ROW_KERNEL_MAX_T = 12      # T up to this: row kernel; above: widened blocks + BLAS (crossover measured 12-16)

@@ -34,9 +34,7 @@ from storage.errors import UserError
 from .blocks import (COL_RUN_MAX, DOT8_ROWS, Q4_K, act8_dot, act8_row, act8_slice, act_dot, col_axpy, col_axpys,
                      col_dequant, col_group, col_span, quantize_act1, quantize_act_rows, row_axpy, row_dequant,
                      row_dot8, row_dot8k, rows_dot8, rows_dot8k)
-from .f16 import f32_at
-from .prefetch import prefetch_ahead, prefetch_piece, prefetch_row, rows_ahead
-from .rows import dot, scalar
+from .rows import dot, f32_at, prefetch_ahead, prefetch_piece, prefetch_row, rows_ahead, scalar
 
 ACT_RELU, ACT_SILU, ACT_DRELU, ACT_GELU_TANH = 0, 1, 2, 3
 ACT_CODES = {"relu": ACT_RELU, "silu": ACT_SILU, "drelu": ACT_DRELU, "gelu_tanh": ACT_GELU_TANH}
