@@ -21,8 +21,7 @@ import numpy as np
 
 from storage.blocks import BLOCK_BYTES, check_finite_blocks
 from storage.errors import UserError
-from storage.reader import BundleReader, RowStream, aligned_empty
-from storage.stats import FlashStats
+from storage.reader import BundleReader, FlashStats, RowStream, aligned_empty
 from storage.untrusted import check_finite
 from .budget import stream_rows
 from .kernels.blocks import QuantMatrix, linear

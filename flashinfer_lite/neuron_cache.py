@@ -27,8 +27,7 @@ import numpy as np
 from numba import njit, prange
 
 from storage.errors import UserError
-from storage.reader import aligned_empty
-from storage.stats import FlashStats
+from storage.reader import FlashStats, aligned_empty
 
 # per-layer scalar state, int64[5]
 _T, _HORIZON, _NWIN, _CALL, _NHOLES = 0, 1, 2, 3, 4
@@ -274,7 +273,7 @@ class NeuronCache:
     for layer ...: slots = cache.fetch(layer, active_bundle_ids); kernel(cache.matrix(layer), slots, x, y)
 
     reader: storage.reader.BundleReader, or anything with `submit(layer, bundle_ids, dest=..., slots=...)`
-    returning an object whose wait() gives a storage.stats.FlashStats with the reader's fields.
+    returning an object whose wait() gives a storage.reader.FlashStats with the reader's fields.
     """
 
     def __init__(self, n_neurons: list[int], stride: int, reader, capacity: int | list[int], window: int = 5,

@@ -278,7 +278,7 @@ def expert_rate(flashdir, seconds: float) -> dict:
     random whole chunks of a random layer into pages of the slots' kind (reader.SLOTS_IN_HUGE_PAGES), k distinct ones
     a call (a layer's misses), then wait, as EXPERT_PROBES says.
     Per probe: MBps (bytes over wall time), busy_MBps (over the time reads were in flight, the expert cache's
-    measure: storage.stats read_busy_s), in_flight (the mean reads in flight over that time), and on the disk's own
+    measure: FlashStats.read_busy_s), in_flight (the mean reads in flight over that time), and on the disk's own
     busy clock (disk_stat: every process's requests) disk_MBps and disk_read_share, as expert_reads has them."""
     layout = read_layout(flashdir)
     E = layout.experts
@@ -310,7 +310,7 @@ def disk_stat(path) -> tuple[int, int] | None:
 
 
 def reads_mark(stats, flashdir) -> dict:
-    """The expert cache's read counters (storage.stats.FlashStats) and the disk's busy time now, for expert_reads."""
+    """The expert cache's read counters (storage.reader.FlashStats) and the disk's busy time now, for expert_reads."""
     return {"busy_s": stats.read_busy_s, "bytes": stats.read_busy_bytes, "op_s": stats.read_op_s,
             "touch_s": stats.first_touch_s, "tokens": stats.tokens, "disk": disk_stat(flashdir), "flashdir": flashdir}
 

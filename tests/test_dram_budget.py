@@ -77,7 +77,7 @@ def test_end_line_prints_the_peak_next_to_the_budget():
     from types import SimpleNamespace
 
     from flashinfer_lite.generate import Timings
-    from storage.stats import FlashStats
+    from storage.reader import FlashStats
     budget = 300 << 20
     ffn = SimpleNamespace(stats=FlashStats.for_layers(2, 8), plan=SimpleNamespace(requested=True, budget_bytes=budget))
     out = io.StringIO()

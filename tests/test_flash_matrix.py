@@ -259,7 +259,7 @@ def test_the_timing_lines_say_what_a_streamed_head_read():
     import io
     from types import SimpleNamespace
     from flashinfer_lite.generate import Timings
-    from storage.stats import FlashStats
+    from storage.reader import FlashStats
     head = SimpleNamespace(stats=FlashStats(read_bytes=3 << 20, read_s=0.5, compute_s=0.25, tokens=2))
     out = io.StringIO()
     Timings().report(out, head=head)

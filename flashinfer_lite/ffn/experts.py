@@ -27,8 +27,8 @@ from storage.blocks import BLOCK_BYTES
 from storage.config import EXACT_GATE_ACTS, ModelConfig
 from storage.experts import MATRICES
 from storage.format import expert_chunks, expert_parts
-from storage.reader import SLOTS_IN_HUGE_PAGES, BundleReader, aligned_empty, in_flight_seconds, populate
-from storage.stats import FlashStats
+from storage.reader import (SLOTS_IN_HUGE_PAGES, BundleReader, FlashStats, aligned_empty, in_flight_seconds,
+                            populate)
 
 from .dense import ExpertBatch, FeedForward, MixtureOfExperts
 from ..kernels.blocks import QuantMatrix

@@ -34,8 +34,7 @@ from storage.checksums import drop_from_page_cache
 from storage.config import ModelConfig
 from storage.errors import UserError
 from storage.profile import stream_settings, stream_shape
-from storage.reader import BundleReader, RowStream, bundle_reader
-from storage.stats import FlashStats
+from storage.reader import BundleReader, FlashStats, RowStream, bundle_reader
 
 from ..kernels.blocks import K_KINDS, KINDS, act8_buffers, column_tables
 from ..kernels.neurons import (OUT_BLOCK, act_code, ffn_accumulate, ffn_coefficients, quant_ffn_accumulate,
