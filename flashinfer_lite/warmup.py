@@ -183,7 +183,7 @@ def resident_steps(layout) -> list:
             quant_matmul_t(np.zeros((T, d), np.float32), wq, "q8_0", parallel_min_work=1 << 62)
         QuantMatrix.of(("q8_0", wq))[np.zeros(1, np.int64)]
 
-    def ring_watcher():         # storage.uring's completion watcher, compiled by a run's first io_uring reader: here
+    def ring_watcher():         # the io_uring Ring's watcher, compiled by a run's first io_uring reader: here
         watcher()               # for a mixture of experts too, whose warm-up opens no reader
 
     # float32 resident matrices stay float32 (runtime.load_runtime): BLAS, no kernel

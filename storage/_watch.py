@@ -1,4 +1,4 @@
-"""The io_uring ring's watcher (storage.uring.Ring with stamps): compiled, so it runs without the GIL and stamps a
+"""The io_uring ring's watcher (storage.reader.Ring with stamps): compiled, so it runs without the GIL and stamps a
 completion within tens of microseconds of its posting, whatever the Python threads are doing. Numba is loaded, and
 the watcher compiled (or taken from the cache), by the first ring with stamps, not when this module is imported."""
 from __future__ import annotations

@@ -36,8 +36,8 @@ from storage.sizes import human, parse_size  # noqa: F401  (re-exported for benc
 
 from .cache import cache_dir
 from .profile import DEFAULT_DEPTH, DEFAULT_THREADS, device_key, save_profile
-from . import uring
 from .reader import SLOTS_IN_HUGE_PAGES, BundleReader, RowStream, aligned_empty, in_flight_seconds, populate
+from .reader import refused as ring_refused
 
 STREAM_CHUNKS = (1 << 20, 2 << 20, 4 << 20, 8 << 20)   # a stream's chunk sizes and chunks in flight measured
 STREAM_DEPTHS = (1, 2, 4, 8)
@@ -457,7 +457,7 @@ def run(args) -> int:
     old_term = signal.signal(signal.SIGTERM, _interrupt)
     try:
         write_scratch(scratch, size)
-        refused = uring.refused() if depths else ""
+        refused = ring_refused() if depths else ""
         if refused:
             print(f"{refused}: measuring the thread engine only", file=sys.stderr)
             depths = []

@@ -80,7 +80,7 @@ def test_tiny_run_writes_results_and_a_profile_the_reader_uses(tmp_path, monkeyp
                "--seconds", "0.05", "-m", str(flashdir), "--out", str(tmp_path / "out")])
     assert list(work.iterdir()) == []                                   # scratch file removed
     rows = list(csv.DictReader(open(tmp_path / "out" / "flash_bench.csv")))
-    ring = flash_bench.uring.refused() == ""
+    ring = flash_bench.ring_refused() == ""
     assert {(int(r["chunk"]), r["engine"], int(r["threads"]), int(r["depth"])) for r in rows} == \
         {(c, "threads", t, 0) for c in (1024, 65536) for t in (1, 2)} | \
         ({(c, "io_uring", 0, 4) for c in (1024, 65536)} if ring else set())

@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 from flash_fixtures import assert_stored_equal, bundle_vectors, write_random_flashdir
 from storage.errors import UserError
 from storage import reader as reader_mod
-from storage import uring
 from storage.format import read_layout, unpack_bundles, verify
 from storage.reader import aligned_empty, populate
 from storage.reader import BundleReader
@@ -203,7 +202,7 @@ def inject_eio(monkeypatch, engine: str, failures: dict, short_by: int = 0) -> N
             return real(fd, iov_addr, n, off)
         monkeypatch.setattr(reader_mod, "_preadv", flaky)
     else:
-        real = uring.Ring.reap
+        real = reader_mod.Ring.reap
 
         def flaky(ring):
             tags, res, when = real(ring)
@@ -211,7 +210,7 @@ def inject_eio(monkeypatch, engine: str, failures: dict, short_by: int = 0) -> N
             res[:k] = res[:k] - short_by if short_by else -errno.EIO
             failures["left"] -= k
             return tags, res, when
-        monkeypatch.setattr(uring.Ring, "reap", flaky)
+        monkeypatch.setattr(reader_mod.Ring, "reap", flaky)
 
 
 @pytest.mark.parametrize("short_by", [0, 512], ids=["EIO", "short read"])
@@ -244,7 +243,7 @@ def test_thread_fallback_where_io_uring_is_refused(flashdirs, monkeypatch, errno
 
     def refused(*args):
         raise OSError(errno_, os.strerror(errno_))
-    monkeypatch.setattr(uring, "setup", refused)
+    monkeypatch.setattr(reader_mod, "setup", refused)
     with BundleReader(path, threads=2, engine="io_uring") as r:
         assert r.engine == "threads"
         assert f"2 threads of preadv (io_uring unavailable: {os.strerror(errno_)})" in r.describe()
@@ -259,17 +258,17 @@ def test_ring_without_cooperative_task_running(flashdirs, monkeypatch):
     """Before Linux 5.19 io_uring_setup refuses IORING_SETUP_COOP_TASKRUN with EINVAL: the ring is set up without it
     and reads the same bytes."""
     path, _ = flashdirs["f16"]
-    real, asked = uring.setup, []
+    real, asked = reader_mod.setup, []
 
     def old_kernel(entries, flags=0):
         asked.append(flags)
         if flags:
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
         return real(entries, flags)
-    monkeypatch.setattr(uring, "setup", old_kernel)
+    monkeypatch.setattr(reader_mod, "setup", old_kernel)
     with BundleReader(path, engine="io_uring", depth=4) as r:
         check_engine(r, "io_uring")
-        assert asked == [uring.IORING_SETUP_COOP_TASKRUN, 0]
+        assert asked == [reader_mod.IORING_SETUP_COOP_TASKRUN, 0]
         ids = np.array([3, 0, 7, 150, 299, 42])
         dest = aligned_empty((6, r.layout.stride), np.uint8)
         r.read(1, ids, dest, np.arange(6))

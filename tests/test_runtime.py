@@ -68,7 +68,7 @@ def test_thread_fallback_gives_the_same_logits_and_says_so_once(flashdirs, monke
     """With io_uring refused (as in a seccomp'd container), the reads go through threads: the same bits, and -v says
     once which engine it uses and why."""
     import errno
-    from storage import uring
+    from storage import reader
     path = flashdirs["llama-relu", "f16"]
     ids = np.random.default_rng(5).integers(3, 512, size=12).tolist()
     model, _, rt = load_runtime(path, "oracle", verbose=True)
@@ -78,7 +78,7 @@ def test_thread_fallback_gives_the_same_logits_and_says_so_once(flashdirs, monke
 
     def refused(*args):
         raise OSError(errno.EPERM, "Operation not permitted")
-    monkeypatch.setattr(uring, "setup", refused)
+    monkeypatch.setattr(reader, "setup", refused)
     model, _, rt = load_runtime(path, "oracle", verbose=True)
     assert rt.reader.engine == "threads"
     assert np.array_equal(logits_token_by_token(model, ids), want)
