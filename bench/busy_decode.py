@@ -75,7 +75,7 @@ def main(argv=None) -> int:
 
     from flashinfer_lite.default_model import ensure_default_model
     from flashinfer_lite.generate import prompt_ids
-    from flashinfer_lite.loader import open_any
+    from flashinfer_lite.model import open_any
     t_start, mach = time.perf_counter(), h.machine()
     work = h.work_dir(a, "busy-decode-")
     gguf = Path(a.model or ensure_default_model()).resolve()

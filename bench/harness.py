@@ -35,20 +35,20 @@ MIN_MARGIN = 4 << 20     # a row's process measures its own process base: a litt
 
 def load_model(path, ffn="dense", threads: int | None = None, **kw):
     """(model, tokenizer, runtime or None) of `path`. `ffn` is an --ffn mode, built by the library's loading path
-    (runtime.load_runtime, its keywords in kw); "float32", every weight dequantized to float32 (loader.load_reference: the
+    (runtime.load_runtime, its keywords in kw); "float32", every weight dequantized to float32 (model.load_reference: the
     reference whose activations the placement and cache benches record); or a function (checkpoint, resident weights) -> FFN for a bench's own
     FFN source (bundles memmapped, streamed by layer, replayed sets): the resident weights are then loaded as the
     runtime keeps them (matrices float16 unless the FLASHDIR is f32). threads: Numba's compute threads."""
     from flashinfer_lite.threads import set_threads
     set_threads(threads)
     if ffn == "float32":
-        from flashinfer_lite.loader import load_reference
+        from flashinfer_lite.model import load_reference
         return (*load_reference(path), None)
     if not callable(ffn):
         from flashinfer_lite.runtime import load_runtime
         return load_runtime(path, ffn, **kw)
     from storage.half import half_matrix
-    from flashinfer_lite.loader import load_weights
+    from flashinfer_lite.model import load_weights
     from flashinfer_lite.model import Transformer
     from storage.format import FlashCheckpoint, ffn_tensor_names
     ck = FlashCheckpoint(path)

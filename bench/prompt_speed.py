@@ -81,7 +81,7 @@ def measure(a) -> dict:
 # Driver
 
 def prompt_of(gguf: Path, path: Path, n: int) -> list[int]:
-    from flashinfer_lite.loader import open_any
+    from flashinfer_lite.model import open_any
     with open(path, encoding="utf-8", errors="replace") as f:
         text = f.read(16 * n)                         # more than enough text for n tokens
     ids = open_any(gguf).tokenizer().encode(text)[:n]

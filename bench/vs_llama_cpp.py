@@ -118,7 +118,7 @@ def default_flashdir(gguf: Path, predictors: bool = True) -> str:
 def prepare_quick(gguf: Path, work: Path) -> str:
     """A float16 FLASHDIR of the GGUF in `work` with a predictor in the last layer only: the others are dense layers
     (predicted mode reads all their neurons through the neuron cache), so training takes seconds, not minutes."""
-    from flashinfer_lite.loader import open_any
+    from flashinfer_lite.model import open_any
     cal = work / "cal.txt"
     cal.write_bytes((h.CORPUS / "wikitext2_valid.txt").read_bytes()[:12_000])
     n_layers = open_any(gguf).config.n_layers
@@ -184,7 +184,7 @@ def main(argv=None) -> int:
 
     from flashinfer_lite.default_model import ensure_default_model
     from flashinfer_lite.generate import prompt_ids
-    from flashinfer_lite.loader import open_any
+    from flashinfer_lite.model import open_any
     from storage.format import read_layout
     if not set(a.llama_omp.split(",")) <= {"active", "passive"}:
         ap.error(f"--llama-omp takes active, passive or both, not {a.llama_omp!r}")

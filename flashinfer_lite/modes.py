@@ -39,9 +39,8 @@ from .ffn.flash import FlashFFN
 from .ffn.quant import dense_row_bytes
 from .ffn.resident import ResidentFFN
 from .kernels.gemv import WIDEN_BLOCK_BYTES
-from .loader import load_tensor, load_weights
+from .model import Transformer, load_tensor, load_weights
 from .ffn.dense import FeedForward
-from .model import Transformer
 from .predictor_set import describe_calibration, read_manifest
 from .kernels.blocks import COLUMN_SCALES_F16
 from .warmup import FFN_STEPS, warm_up
@@ -198,7 +197,7 @@ def expected_max_active(cfg: ModelConfig, predictors) -> int:
 
 def keeps_float16(ckpt) -> bool:
     """Whether a dense run keeps its matrices float16: a FLASHDIR of float16 (or int8) bundles. Not a quantized one:
-    its FFN dequantizes to values float16 would round (its resident matrices stay in blocks: loader.load_tensor)."""
+    its FFN dequantizes to values float16 would round (its resident matrices stay in blocks: model.load_tensor)."""
     return isinstance(ckpt, FlashCheckpoint) and ckpt.layout.dtype in ("f16", "int8")
 
 

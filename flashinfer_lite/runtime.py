@@ -37,8 +37,7 @@ from .ffn.gate import (CALIBRATION_CTX, CALIBRATION_TOKENS, LayerMagnitudes, cal
                        measure_thresholds)
 from .hub import resolve_model
 from .kv_pages import KVOptions, kv_options, set_kv_options, writable_directory
-from .loader import open_any
-from .model import Transformer
+from .model import Transformer, open_any
 from .modes import (Facts, GateMode, ModelFiles, below_loading_peak, check_mode, decide, dense_bytes_of, kernels_for,
                     minimum_bytes, plans, reach, runs_from_flash)
 from .predictor_set import load_expert_freq, load_predictors

@@ -29,8 +29,7 @@ from .kv_pages import KVCache, KVOptions
 from .kernels.gemv import MATMUL_ROW_KERNEL_MAX_T, matmul_t
 from .kernels.norm import add_rms_norm_rows, rms_norm_rows
 from .ffn.dense import ExpertBatch, FeedForward, MixtureOfExperts
-from .loader import load_weights
-from .model import Transformer
+from .model import Transformer, load_weights
 from .neuron_cache import NeuronCache
 from .process import (RSS_MARKS, cgroup_room, drop_file_pages, mark_rss, peak_rss_bytes, return_freed_heap,
                       rss_bytes)

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from storage.errors import UserError
-from flashinfer_lite.loader import open_any
+from flashinfer_lite.model import open_any
 from storage.files import remove_stale_temp_dirs, temp_path
 from storage.tokenizer import token_segments
 

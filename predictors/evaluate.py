@@ -25,7 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from storage.errors import UserError, child_exit_code, run_child
-from flashinfer_lite.loader import open_any
+from flashinfer_lite.model import open_any
 from flashinfer_lite.model import half_matrix
 from flashinfer_lite.modes import FFN_MODES, check_mode, keeps_float16, plans, predicts
 from flashinfer_lite.process import return_freed_heap

@@ -27,7 +27,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from storage.errors import UserError, child_exit_code
-from flashinfer_lite.loader import open_any
+from flashinfer_lite.model import open_any
 from flashinfer_lite.predictor_set import describe_calibration as describe, read_manifest
 from storage.files import exclusive, remove_stale_temp_dirs, temp_path
 from storage.predictor_files import PREDICTOR_DIR

@@ -22,7 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from storage.errors import UserError
-from flashinfer_lite.loader import load_tensor
+from flashinfer_lite.model import load_tensor
 from flashinfer_lite.model import Block, KVCache, embed_tokens, layer_ropes, output_logits, rope_tables
 from flashinfer_lite.ffn.dense import ExpertBatch, FeedForward, MixtureOfExperts
 from flashinfer_lite.kernels.blocks import linear
@@ -57,7 +57,7 @@ class LayerStream:
                 ...
 
     `convert` is applied to each tensor as it loads (e.g. model.half_matrix, as the dense runtime does for a float16
-    FLASHDIR); a quantized FLASHDIR's resident matrices stay in their blocks (loader.load_tensor), and with
+    FLASHDIR); a quantized FLASHDIR's resident matrices stay in their blocks (model.load_tensor), and with
     keep_blocks a GGUF's matrices and a FLASHDIR's FFN matrices that hold its GGUF's blocks too (as load's dense
     model keeps them).
     """

@@ -26,7 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 from storage.errors import UserError
-from flashinfer_lite.loader import is_flashdir, open_any
+from flashinfer_lite.model import is_flashdir, open_any
 from flashinfer_lite.process import keep_freed_arrays_out_of_rss
 from flashinfer_lite.predictor_set import save_expert_freq
 from storage.predictor_files import write_predictor_files

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_same_bits_at_every_budget, greedy_tokens, predicted_ffn_calls, transformers_model
-from flashinfer_lite.loader import load_weights
+from flashinfer_lite.model import load_weights
 from flashinfer_lite.model import Transformer
 from flashinfer_lite.runtime import load_runtime
 from storage.checkpoint import open_checkpoint
@@ -115,7 +115,7 @@ def gemma_predicted(tiny_model, tmp_path_factory):
 def test_gelu_thresholds_hit_the_target_sparsity(tiny_model, gemma_predicted):
     """GELU goes negative like SiLU: the threshold is on |a|, calibrated to zero half the neurons, on text."""
     from conftest import CORPUS
-    from flashinfer_lite.loader import load_reference
+    from flashinfer_lite.model import load_reference
     model, tok = load_reference(tiny_model("gemma3"))
     preds = load_runtime(gemma_predicted, "predicted")[2].predictors
     ids = tok.encode((CORPUS / "tinystories_cased_197KB.txt").read_text()[-2000:])[:120]

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import STORIES, stories_with_chat_template
 from flashinfer_lite.generate import Sampler, Session
-from flashinfer_lite.loader import load_reference
+from flashinfer_lite.model import load_reference
 
 
 @pytest.fixture(scope="module")

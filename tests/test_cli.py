@@ -136,7 +136,7 @@ def test_runtime_path_does_not_import_torch():
 def test_a_raw_continuation_keeps_the_space_at_the_join():
     """SentencePiece drops a leading space when a continuation is decoded alone ("Once upon" + "▁a" -> "Once upona").
     Stream and --json text must equal the tokenizer's decoding of prompt + continuation as one sequence."""
-    from flashinfer_lite.loader import load_reference
+    from flashinfer_lite.model import load_reference
     _, tok = load_reference(STORIES)
     r = cli("generate", "-m", str(STORIES), "-p", "Once upon", "-n", "12", "--temp", "0", "--json")
     assert r.returncode == 0, r.stderr.decode()

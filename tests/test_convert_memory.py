@@ -15,7 +15,7 @@ from conftest import transformers_model
 from flash_fixtures import RandomCheckpoint
 from flashinfer_lite.budget import resident_bytes_for
 from storage.half import half_matrix
-from flashinfer_lite.loader import load_weights
+from flashinfer_lite.model import load_weights
 from flashinfer_lite.model import Transformer
 from flashinfer_lite.runtime import load_runtime
 from storage.checkpoint import SafetensorsFile, open_checkpoint

@@ -11,7 +11,7 @@ import pytest
 from flashinfer_lite import model as model_math
 from flashinfer_lite.kernels.norm import add_rms_norm_rows, rms_norm_rows
 from flashinfer_lite.kv_pages import KVCache, KVOptions
-from flashinfer_lite.loader import load_reference
+from flashinfer_lite.model import load_reference
 
 from conftest import STORIES
 

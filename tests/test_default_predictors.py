@@ -220,7 +220,7 @@ def test_calibration_files_are_the_calibration_splits(tmp_path):
 
 def test_mixed_text_takes_a_share_of_each_file(tmp_path):
     """Half the tokens from WikiText, then TinyStories: both sources reach the windows collect reads."""
-    from flashinfer_lite.loader import open_any
+    from flashinfer_lite.model import open_any
     from predictors.first_use import mixed_text
     tok = open_any(STORIES).tokenizer()
     files = [CORPUS / "wikitext2_valid.txt", CORPUS / "tinystories_cased_197KB.txt"]

@@ -2,8 +2,14 @@
 200 characters, no dates or load averages in library code, and every relative link in README.md and docs/ resolves."""
 from __future__ import annotations
 
+import dis
+import importlib
+import inspect
 import re
 import subprocess
+import sys
+import types
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -89,9 +95,27 @@ def test_the_checks_find_what_they_look_for(tmp_path, text, diary, broken):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# docs/ARCHITECTURE.md's two walks name real functions, through a bounded number of files
+# docs/ARCHITECTURE.md's two walks name real functions, and the project code those functions reach lies in the walk's
+# files: what a stop calls is followed, so a helper in another module counts as the file it is
 
-WALKS = {"## Walk: one decode token's FFN": 6, "## Walk: `load()` to the first token": 8}
+PROJECT = ("flashinfer_lite", "storage")
+
+
+@dataclass
+class Walk:
+    most: int                                           # files of the walk at most
+    skip: dict = field(default_factory=dict)            # function (qualified name) -> why the walk does not go there
+    outside: dict = field(default_factory=dict)         # module reached -> why it is not one of the walk's files
+
+
+WALKS = {
+    "## Walk: one decode token's FFN": Walk(6, skip={
+        "FlashFFN.selected": "the predicted selector's path: another mode than the walk's (docs/MODES.md)",
+    }, outside={
+        "storage.errors": "UserError is only raised: a failure ends the walk with one line",
+    }),
+    "## Walk: `load()` to the first token": Walk(8),
+}
 CELL_NAME = re.compile(r"`([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)`")
 
 
@@ -106,29 +130,117 @@ def walk_rows(text: str, heading: str) -> list[tuple[str, list[str]]]:
     return rows
 
 
-def resolves(module, name: str) -> bool:
+def lookup(module, name: str):
+    """module's object at the dotted name, or None."""
     obj = module
     for part in name.split("."):
         if not hasattr(obj, part):
-            return False
+            return None
         obj = getattr(obj, part)
-    return callable(obj)
+    return obj
+
+
+def resolves(module, name: str) -> bool:
+    return callable(lookup(module, name))
+
+
+def in_project(module_name) -> bool:
+    return isinstance(module_name, str) and module_name.split(".")[0] in PROJECT
+
+
+def code_objects(code: types.CodeType):
+    """code and the code nested in it (comprehensions, lambdas, inner functions)."""
+    yield code
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            yield from code_objects(c)
+
+
+def self_attributes(code: types.CodeType) -> set[str]:
+    """The names a method's code reads or calls as self.NAME (self: its first argument)."""
+    if not code.co_argcount:
+        return set()
+    me, names, prev = code.co_varnames[0], set(), None
+    for ins in dis.get_instructions(code):
+        if prev is not None and prev.opname.startswith("LOAD_FAST") and prev.argval == me \
+                and ins.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+            names.add(ins.argval)
+        prev = ins
+    return names
+
+
+def owner(func: types.FunctionType):
+    """The class func is a method of (by its qualified name), or None."""
+    parts = func.__qualname__.split(".<locals>")[0].split(".")
+    obj = sys.modules.get(func.__module__)
+    for part in parts[:-1]:
+        obj = getattr(obj, part, None)
+    return obj if len(parts) > 1 and isinstance(obj, type) else None
+
+
+def reached(roots, skip=()) -> dict[str, set[str]]:
+    """{module: qualified names} of the project code `roots` reach: the globals each function's code names (a Numba
+    dispatcher through its py_func, an intrinsic through its definition, a class through __init__, a module through
+    the attributes the code reads of it) and the methods it reads as self.NAME, recursively; the functions named in
+    `skip` are not followed."""
+    seen, out, todo = set(), {}, list(roots)
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, property):
+            todo += [f for f in (obj.fget, obj.fset) if f is not None]
+            continue
+        if isinstance(obj, types.ModuleType):
+            if in_project(obj.__name__):
+                out.setdefault(obj.__name__, set())
+            continue
+        if isinstance(obj, type):
+            if in_project(obj.__module__):
+                out.setdefault(obj.__module__, set()).add(obj.__qualname__)
+                todo += [vars(obj)[m] for m in ("__init__", "__post_init__") if m in vars(obj)]
+            continue
+        func = getattr(obj, "py_func", None) or getattr(obj, "_defn", None) or obj   # Numba dispatcher, intrinsic
+        func = getattr(func, "__func__", func)                                  # a bound or class method
+        if not isinstance(func, types.FunctionType) or not in_project(func.__module__) or func.__qualname__ in skip:
+            continue
+        out.setdefault(func.__module__, set()).add(func.__qualname__)
+        g, cls = func.__globals__, owner(func)
+        for code in code_objects(func.__code__):
+            for name in code.co_names:
+                if name in g:
+                    todo.append(g[name])
+                    if isinstance(g[name], types.ModuleType) and in_project(g[name].__name__):
+                        todo += [getattr(g[name], a) for a in code.co_names if hasattr(g[name], a)]
+        if cls is not None:
+            todo += [inspect.getattr_static(cls, a) for a in self_attributes(func.__code__) if hasattr(cls, a)]
+        for cell in func.__closure__ or ():
+            try:
+                todo.append(cell.cell_contents)
+            except ValueError:          # a cell not yet filled
+                pass
+    return out
 
 
 @pytest.mark.parametrize("heading", list(WALKS))
-def test_architecture_walks_name_real_functions_in_few_files(heading):
-    import importlib
+def test_architecture_walks_name_real_functions_and_stay_in_their_files(heading):
+    walk = WALKS[heading]
     rows = walk_rows((ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8"), heading)
     assert rows, f"no table under {heading}"
     files = {f for f, _ in rows}
-    assert len(files) <= WALKS[heading], f"{heading}: {len(files)} files: {sorted(files)}"
-    missing = []
+    assert len(files) <= walk.most, f"{heading}: {len(files)} files: {sorted(files)}"
+    missing, roots = [], []
     for f, names in rows:
         assert (ROOT / f).is_file(), f
+        assert names, f"{f}: the walk names no function there"
         module = importlib.import_module(f[:-3].replace("/", "."))
         missing += [f"{f}: {n}" for n in names if not resolves(module, n)]
-        assert names, f"{f}: the walk names no function there"
+        roots += [lookup(module, n) for n in names if resolves(module, n)]
     assert not missing, "the walk names what the code does not have:\n" + "\n".join(missing)
+    modules = {f[:-3].replace("/", ".") for f in files}
+    beyond = {m: sorted(q)[:6] for m, q in reached(roots, walk.skip).items() if m not in modules | set(walk.outside)}
+    assert not beyond, f"{heading}: its functions reach project code outside its {len(files)} files: {beyond}"
 
 
 def test_the_walk_check_can_fail():
@@ -137,3 +249,17 @@ def test_the_walk_check_can_fail():
     rows = walk_rows(text, "## Walk: x")
     assert rows == [("storage/sizes.py", ["parse_size", "gone"])]
     assert resolves(storage.sizes, "parse_size") and not resolves(storage.sizes, "gone")
+
+
+def test_reached_follows_kernels_methods_and_skips():
+    """What the walk check follows: a Numba kernel's Python code to the kernels it inlines, a method to the methods it
+    calls on self and on to a class it makes; what it is told to skip stays out."""
+    from flashinfer_lite.ffn.flash import FlashFFN
+    from flashinfer_lite.kernels.neurons import quant_gate_coefficients
+    kernel = reached([quant_gate_coefficients])
+    assert {"flashinfer_lite.kernels.neurons", "flashinfer_lite.kernels.blocks"} <= set(kernel)
+    assert "coefficient" in kernel["flashinfer_lite.kernels.neurons"]              # the gating rule, inlined
+    gated = reached([FlashFFN.gated])
+    assert {"FlashFFN._dropped", "FlashFFN.stream_down"} <= gated["flashinfer_lite.ffn.flash"]
+    assert "FlashStats" in gated["storage.reader"]                                  # _dropped makes a FlashStats()
+    assert "FlashStats" not in reached([FlashFFN.gated], skip={"FlashFFN._dropped"}).get("storage.reader", set())

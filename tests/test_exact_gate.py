@@ -17,7 +17,7 @@ import pytest
 
 from conftest import assert_same_bits_at_every_budget, planner_minimum
 from test_quant_e2e import greedy          # n greedy tokens after a batched prompt, and every step's logits
-from flashinfer_lite.loader import open_any
+from flashinfer_lite.model import open_any
 from flashinfer_lite.model import Transformer
 from flashinfer_lite.runtime import load_runtime
 from flashinfer_lite.ffn.gate import LayerMagnitudes

@@ -3,7 +3,7 @@ its stored blocks, resident when the budget holds it, else streamed from flash c
 the real Q4_K_M GGUFs: a vocabulary much larger than the model's width, K-quant embeddings and head (Qwen2.5-1.5B's
 Q4_K and Q6_K), untied and tied.
 
-Oracles: the same model with its embeddings and head in DRAM (loader.load_tensor's, what every run used before),
+Oracles: the same model with its embeddings and head in DRAM (model.load_tensor's, what every run used before),
 bit for bit; the planner's arithmetic on the fixture's own file sizes; the kernel's and a memory cgroup's accounting
 of a real `generate` process under a budget the old plan refused.
 """
@@ -16,7 +16,7 @@ import pytest
 from conftest import write_llama_gguf
 from flashinfer_lite.budget import BelowMinimum, head_sizes, place_head, plan_budget
 from flashinfer_lite.flash_matrix import FlashMatrix, widened_rows
-from flashinfer_lite.loader import load_weights
+from flashinfer_lite.model import load_weights
 from flashinfer_lite.model import Transformer
 from flashinfer_lite.modes import convert_of, head_sizes_of, resident_bytes_of
 from storage.config import ModelConfig

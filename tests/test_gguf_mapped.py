@@ -76,7 +76,7 @@ def test_writing_through_a_mapped_weight_fails(tmp_path):
 
 RSS_PROBE = """
 import gc, sys
-from flashinfer_lite.loader import load_weights, open_any
+from flashinfer_lite.model import load_weights, open_any
 from flashinfer_lite.model import Transformer
 
 def rss():   # resident anonymous and file pages, as the kernel counts them

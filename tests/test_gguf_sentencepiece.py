@@ -6,7 +6,7 @@ import pytest
 
 from conftest import STORIES, write_llama_gguf
 from storage.checkpoint import open_checkpoint
-from flashinfer_lite.loader import load_reference
+from flashinfer_lite.model import load_reference
 
 
 TEXTS = ["Once upon a time, there was a little girl named Lily.", "  two  spaces\nand a newline!",

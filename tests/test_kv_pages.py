@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from flashinfer_lite import kv_pages
 from flashinfer_lite.kv_pages import PAGE_POSITIONS, KVCache, KVOptions, quest_bounds, quantize_q8_0
-from flashinfer_lite.loader import load_reference
+from flashinfer_lite.model import load_reference
 from storage.errors import UserError
 
 from conftest import DATA, STORIES

@@ -28,7 +28,7 @@ def corpus(tmp_path, n_bytes=20_000) -> Path:
 def whole_model_collect(model, corpus_file, n_tokens, ctx, rows, seed, shard_rows):
     """The collection as it was before layer-streaming: every weight loaded, each window through Transformer.forward
     with a recording FFN, rows drawn window by window, a shard flushed once shard_rows rows are pending."""
-    from flashinfer_lite.loader import load_weights, open_any
+    from flashinfer_lite.model import load_weights, open_any
     from flashinfer_lite.model import Transformer
     from flashinfer_lite.ffn.dense import FeedForward
     from flashinfer_lite.kernels.blocks import linear
@@ -119,7 +119,7 @@ def test_collect_equals_the_whole_model_path(kind, tiny_model, stories_flash_f16
 def test_hidden_states_spill_to_a_memory_mapped_file(tmp_path, monkeypatch):
     """Beyond HIDDEN_IN_RAM_BYTES the hidden states live in a temporary file: same logits as in RAM, and as
     Transformer.forward on each window."""
-    from flashinfer_lite.loader import load_reference, open_any
+    from flashinfer_lite.model import load_reference, open_any
     from predictors import layerwise
     ckpt = open_any(STORIES)
     model, _ = load_reference(STORIES)
@@ -196,7 +196,7 @@ if mode == "collect":
     from predictors.collect import collect
     collect(model, [text], 256, out, ctx=128, rows=64, progress=False)
 else:   # the whole model in memory: the control that shows the measurement sees weights
-    from flashinfer_lite.loader import load_weights, open_any
+    from flashinfer_lite.model import load_weights, open_any
     w = load_weights(open_any(model))
 # VmHWM: this process's peak RSS since exec (ru_maxrss would carry over the forking parent's, pytest's)
 hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")][0]

@@ -60,7 +60,7 @@ def test_llama_cpp_runs_the_gguf(tiny, kind, atol):
         pytest.skip(f"llama_cpp does not import: {e}")
     sys.path.insert(0, str(REPO))
     from bench.harness import llama_model
-    from flashinfer_lite.loader import load_reference
+    from flashinfer_lite.model import load_reference
     path = tiny / f"model.{kind}.gguf"
     model, tok = load_reference(path)
     ids = tok.encode("Once upon a time")

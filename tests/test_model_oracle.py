@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from storage.checkpoint import open_checkpoint
-from flashinfer_lite.loader import load_reference, load_weights
+from flashinfer_lite.model import load_reference, load_weights
 from flashinfer_lite.model import Transformer
 
 from conftest import STORIES, TINY, TINY_MOE, greedy_tokens, transformers_model

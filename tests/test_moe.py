@@ -154,7 +154,7 @@ def test_gguf_mixtures_of_experts_match_transformers(tiny_model, kind, tmp_path)
     """GGUF `llama` with llama.expert_count (Mixtral), `qwen2moe` and `qwen3moe`, their experts in 3-D
     ffn_{gate,up,down}_exps tensors: float32, the logits of transformers on the HF model they were written from."""
     import torch
-    from flashinfer_lite.loader import load_reference
+    from flashinfer_lite.model import load_reference
     from moe_gguf import write_moe_gguf
     src = tiny_model(kind)
     path = write_moe_gguf(src, tmp_path / "m.gguf", GGUF_ARCH[kind])

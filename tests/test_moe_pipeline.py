@@ -18,7 +18,7 @@ TOKENS, CTX = 120, 48            # three segments: 48, 48 and 24 tokens
 def segments_of(model):
     from predictors.acts import read_corpus
     from storage.tokenizer import token_segments
-    from flashinfer_lite.loader import open_any
+    from flashinfer_lite.model import open_any
     ckpt = open_any(model)
     return list(token_segments(ckpt.tokenizer(), read_corpus([TEXT]).text, TOKENS, CTX, ckpt.config.bos_id))
 
@@ -118,7 +118,7 @@ def test_collect_holds_one_routed_expert_at_a_time(tmp_path):
     """collect's peak allocation does not grow with a layer's experts (4 against 64 experts of 128 neurons, d 256: the
     60 more are 22.5 MiB in float32), while loading every weight, the control, grows by all of them."""
     import tracemalloc
-    from flashinfer_lite.loader import load_weights, open_any
+    from flashinfer_lite.model import load_weights, open_any
     from predictors.collect import collect
     from make_large_model import main as make_model      # tools/ (conftest puts it on the path)
 

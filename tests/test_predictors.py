@@ -49,7 +49,7 @@ def stories(tmp_path_factory):
 def test_collect_records_what_the_dense_model_computes(stories):
     """The stored rows are the dense FFN's inputs and |activations|: recompute |a| from x with the source weights."""
     from storage.checkpoint import open_checkpoint
-    from flashinfer_lite.loader import load_weights
+    from flashinfer_lite.model import load_weights
     from flashinfer_lite.ffn.dense import FeedForward
     from predictors.acts import Acts
     acts = Acts(stories["acts"])
@@ -125,7 +125,7 @@ def test_thresholds_only(stories, tmp_path):
 def test_relu_recall_meets_target_on_heldout_text(tiny_model, tmp_path):
     """Random ReLU Llama: collect from the HF dir, train into its FLASHDIR, then check recall on text the predictor
     never saw against the dense activations (a != 0) computed from the source weights."""
-    from flashinfer_lite.loader import load_reference
+    from flashinfer_lite.model import load_reference
     from predictors.collect import collect
     from flashinfer_lite.predictor_set import load_predictors
     from predictors.train import train
@@ -259,7 +259,7 @@ def test_predicted_ffn_equals_float64_dense_math_on_the_predicted_set(stories):
     """Issue 14 goal 3, an oracle outside the runtime: for every layer's FFN call of a real decode (bounded budget,
     so reads, pieces and the window all take part), float64 dense math on the source checkpoint's weights,
     restricted to the neurons the predictor chose and thresholded as calibrated, equals the runtime's output."""
-    from flashinfer_lite.loader import open_any
+    from flashinfer_lite.model import open_any
     src = open_any(STORIES)                        # the HF checkpoint, not the FLASHDIR the runtime reads
     cfg = src.config
     W = {n: src.tensor(n).astype(np.float64) for n in src.names() if ".ffn." in n}

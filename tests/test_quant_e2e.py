@@ -21,7 +21,7 @@ from storage.errors import UserError
 from flashinfer_lite.model import Transformer
 from flashinfer_lite.flash_matrix import FlashMatrix
 from flashinfer_lite.kernels.blocks import COLUMN_SCALES_F16, QuantMatrix, dequantize
-from flashinfer_lite.loader import open_any
+from flashinfer_lite.model import open_any
 from flashinfer_lite.ffn.resident import ResidentFFN
 from flashinfer_lite.modes import plan_in_ram
 from flashinfer_lite.runtime import load_runtime

@@ -7,7 +7,7 @@ import pytest
 
 from storage.checkpoint import open_checkpoint
 from flashinfer_lite.kernels.gemv import MATMUL_ROW_KERNEL_MAX_T, WIDEN_BLOCK_BYTES, matmul_t
-from flashinfer_lite.loader import load_weights
+from flashinfer_lite.model import load_weights
 from flashinfer_lite.model import Transformer, half_matrices
 
 from conftest import STORIES
@@ -138,7 +138,7 @@ def test_f16_flashdir_loads_its_stored_halves(tiny_model, tmp_path, monkeypatch)
     from storage.convert import convert
     from storage.format import FlashCheckpoint
     from storage.half import half_matrix
-    from flashinfer_lite.loader import load_tensor
+    from flashinfer_lite.model import load_tensor
 
     src = tiny_model("llama-bias-untied")
     flash = FlashCheckpoint(convert(src, tmp_path / "flash", dtype="f16", progress=False))

@@ -572,7 +572,7 @@ def test_a_real_chat_template_still_renders_long_conversations(smollm2_gguf):
     """The bounds leave room: SmolLM2's template (5 steps per message) over 2000 messages of 1000 digits each (long
     numbers are not field widths outside a format string), as transformers' own renderer writes it."""
     from transformers import PreTrainedTokenizerFast
-    from flashinfer_lite.loader import open_any
+    from flashinfer_lite.model import open_any
     tok = open_any(smollm2_gguf).tokenizer()
     msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": "1234567890" * 100} for i in range(2000)]
     want = PreTrainedTokenizerFast(tokenizer_object=tok.tok, chat_template=tok.chat_template).apply_chat_template(

@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=256, help="tokens of replay text")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    from flashinfer_lite.loader import load_reference
+    from flashinfer_lite.model import load_reference
     if a.model is None:
         from flashinfer_lite.default_model import ensure_default_model
         a.model = ensure_default_model()
