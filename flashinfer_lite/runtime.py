@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from storage.cache import cached_conversion, flashdir_for, roughly
+from storage.cache import cached_conversion, flashdir_for, resolve_model, roughly
 from storage.checkpoint import open_checkpoint
 from storage.config import ModelConfig
 from storage.convert import DEFAULT_DTYPE, layout_for, resident_kinds, resident_names
@@ -35,7 +35,6 @@ from .budget import HEAP_SLACK_BYTES, BelowMinimum, Budget, resident_matrix_shap
 from .default_model import default_model_path, ensure_default_model
 from .ffn.gate import (CALIBRATION_CTX, CALIBRATION_TOKENS, LayerMagnitudes, calibration_seconds,
                        measure_thresholds)
-from .hub import resolve_model
 from .kv_pages import KVOptions, kv_options, set_kv_options, writable_directory
 from .model import Transformer, open_any
 from .modes import (Facts, GateMode, ModelFiles, below_loading_peak, check_mode, decide, dense_bytes_of, kernels_for,
@@ -275,7 +274,7 @@ def load(path: str | None = None, dram_budget: int | str | None = "auto", ffn: s
          threads: int | None = None, lookahead: bool = False, verbose: bool = False,
          sparsity: float = DEFAULT_SPARSITY, act8: bool = True, say: bool = True, kv: KVOptions | None = None):
     """(model, tokenizer) for an HF directory, a GGUF file or a FLASHDIR, or a repo id in the Hugging Face cache
-    (hub.resolve_model); None = the default model (fetched, and its predictors trained, on first use). dram_budget:
+    (cache.resolve_model); None = the default model (fetched, and its predictors trained, on first use). dram_budget:
     bytes, a size string ("300M"), "auto" (the default: what the machine can give) or None (no limit); ffn as the
     CLI's --ffn; ctx 0: the model's default context. act8: the dot products with weights in 32-weight blocks (q4_0,
     q4_1, q5_0, q5_1, q8_0) round x to 8 bits as llama.cpp does (faster); False keeps x float32, the float math on the
