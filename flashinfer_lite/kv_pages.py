@@ -93,8 +93,11 @@ _options = KVOptions()
 
 
 def set_kv_options(options: KVOptions) -> None:
-    """The KV options the plans of this load count with (as blocks.set_act8 sets act8): runtime.load's flags."""
+    """The KV options the plans of this load count with (as blocks.set_act8 sets act8): runtime.load's flags. A
+    directory is checked before it is kept, so a refused load leaves the process's options as they were."""
     global _options
+    if options.directory is not None:
+        writable_directory(options.directory)
     _options = options
 
 

@@ -268,6 +268,16 @@ def test_a_run_at_its_minimum_budget_puts_the_kv_on_flash_and_decodes_the_same_t
         load_runtime(gguf, "auto", ctx=256, base_bytes=0, kv=KVOptions(directory=str(tmp_path / "missing")))
 
 
+def test_a_refused_kv_dir_leaves_the_process_options_as_they_were(tmp_path):
+    """A load refused for its --kv-dir once left that directory as the process's KV options, and every later load
+    in the process (a calibration's, a test's) was refused for it."""
+    from flashinfer_lite.kv_pages import kv_options, set_kv_options
+    before = kv_options()
+    with pytest.raises(UserError, match="--kv-dir .*: not a directory"):
+        set_kv_options(KVOptions(directory=str(tmp_path / "missing")))
+    assert kv_options() is before
+
+
 def test_the_cli_refuses_bad_kv_flags_in_one_line():
     import subprocess
     import sys
