@@ -251,8 +251,8 @@ QUANT_FFN_ACTS = ("relu", "drelu", "silu", "gelu_tanh")
 
 
 # Columns quant_ffn_accumulate adds in one pass: a whole sub-block's (col_group: 32 neurons at most), so its scales
-# are formed and each output's sum loaded and stored once per sub-block, not once per 4 columns (a real 1.5B's q4_k
-# down: 0.064 against 0.095 ns per element and column, in cache)
+# are formed and each output's sum loaded and stored once per sub-block, not once per 4 columns (q4_k columns of
+# 1536: 0.064 against 0.095 ns per element and column, in cache; bench/README.md, issue 44)
 COL_RUN_COLUMNS = 32
 
 
