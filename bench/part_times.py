@@ -6,7 +6,8 @@
 MODEL defaults to the default model (SmolLM2-135M-Instruct GGUF). The model's parts are wrapped with timers
 (attention per layer on the instance, model.norm in the module, the FFN call, the lm_head matmul measured on its own), the sampler is
 timed around its call, and "python" is the rest of forward(): embedding, residual adds, RoPE tables, the per-layer
-loop. Greedy decoding, the same Session.generate loop as the CLI. Prints one JSON document on stdout and a table on
+loop. A flash FFN's kernels (--ffn gate: ffn.flash.SplitRows) are timed too, inside "ffn": "ffn_kernels" has their
+coefficients (every neuron's gate|up rows) and down sums; the rest of "ffn" is reads and the neuron cache's lookups. Greedy decoding, the same Session.generate loop as the CLI. Prints one JSON document on stdout and a table on
 stderr. Timer overhead (~1 us a call, ~100 calls a token) is inside the parts it wraps.
 """
 from __future__ import annotations
@@ -60,6 +61,11 @@ def main() -> int:
     # the norms are module functions that Block and output_logits look up by name at each call
     for name in NORM_FUNCTIONS:
         setattr(model_math, name, timed(getattr(model_math, name), acc, "norms"))
+    # a flash FFN's per-layer kernels (shared between layers of one geometry: each wrapped once)
+    for k in {id(k): k for k in getattr(model.ffn, "kernels", None) or []}.values():
+        if hasattr(k, "coefficients") and hasattr(k, "accumulate"):
+            k.coefficients = timed(k.coefficients, acc, "coefficients")
+            k.accumulate = timed(k.accumulate, acc, "down")
     model.ffn = timed(model.ffn, acc, "ffn")
     forward = model.forward
     model.forward = timed(forward, acc, "forward")
@@ -96,14 +102,20 @@ def main() -> int:
         out["total"] = round(sum(parts.values()) / tokens * 1e3, 3)
         return out
 
+    def kernels(acc: dict, tokens: int) -> dict:
+        return {k: round(acc[k] / tokens * 1e3, 3) for k in ("coefficients", "down") if k in acc}
+
     doc = {"model": args.model or "default (SmolLM2-135M-Instruct GGUF)", "ffn": args.ffn,
            "loadavg": [round(v, 2) for v in os.getloadavg()],   # the machine is shared: how busy it was
            "threads": args.threads, "prompt_tokens": len(ids), "decode_tokens": steps, "load_ms": round(load_ms, 1),
            "decode_ms_per_token": table(decode, steps, steps, 1),
-           "prompt_ms_per_token": table(prompt, len(ids), 1, 1)}
+           "prompt_ms_per_token": table(prompt, len(ids), 1, 1),
+           "ffn_kernels_ms_per_token": {"decode": kernels(decode, steps), "prompt": kernels(prompt, len(ids))}}
     print(f"{'part':<12}{'decode ms/tok':>15}{'prompt ms/tok':>15}", file=sys.stderr)
     for k in (*PARTS, "total"):
         print(f"{k:<12}{doc['decode_ms_per_token'][k]:>15.3f}{doc['prompt_ms_per_token'][k]:>15.3f}", file=sys.stderr)
+    for k, v in doc["ffn_kernels_ms_per_token"]["decode"].items():   # inside "ffn" above
+        print(f"  ffn {k:<8}{v:>13.3f}{doc['ffn_kernels_ms_per_token']['prompt'][k]:>15.3f}", file=sys.stderr)
     print(json.dumps(doc))
     return 0
 

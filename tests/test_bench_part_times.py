@@ -12,3 +12,20 @@ def test_profile_prints_parts_that_sum_to_the_total():
         assert parts["attention"] > 0 and parts["ffn"] > 0
         assert abs(sum(v for k, v in parts.items() if k != "total") - parts["total"]) < 0.01
     assert "attention" in err
+    # a dense FFN has no flash kernels to time apart (--ffn gate and predicted do: coefficients, down)
+    assert doc["ffn_kernels_ms_per_token"] == {"decode": {}, "prompt": {}}
+
+
+def test_the_exact_gates_kernels_are_timed_inside_the_ffn(tiny_model, tmp_path):
+    """--ffn gate: the coefficients (every neuron's gate|up rows) and the down sums are timed apart, and they are part
+    of the FFN's time, decode and prompt."""
+    from predictors.calibrate_gate import calibrate
+    from storage.convert import convert
+    flash = convert(tiny_model("llama-silu-gqa"), tmp_path / "flash", dtype="q8_0", progress=False)
+    calibrate(str(flash), n_tokens=64, progress=False)
+    doc, _ = run_bench("part_times.py", "-m", flash, "--ffn", "gate", "-n", "4", "-p", "Once upon a time",
+                       timeout=300)
+    for phase, key in (("decode", "decode_ms_per_token"), ("prompt", "prompt_ms_per_token")):
+        k = doc["ffn_kernels_ms_per_token"][phase]
+        assert set(k) == {"coefficients", "down"} and k["coefficients"] > 0 and k["down"] > 0
+        assert k["coefficients"] + k["down"] <= doc[key]["ffn"]

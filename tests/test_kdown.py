@@ -242,3 +242,57 @@ def test_exact_gate_over_down_columns(uniform_gated, monkeypatch, float32_activa
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), np.abs(got - want).max()
     assert tokens == want_tokens and rt.stats.read_bytes > 0
     assert_same_bits_at_every_budget(uniform_gated, "gate", IDS, 6, monkeypatch)
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_down_sum_in_sub_block_runs_is_one_column_at_a_time(layer):
+    """quant_ffn_accumulate adds a sub-block's fired columns in one pass (col_axpy_run, up to 32 of them, each
+    output's sum held across them): every output gets the bits of one col_axpy per fired column in slot order, at any
+    task span and thread count, and the float64 sum. The columns are llama.cpp's own Q4_K_M quantizer's (the
+    fixture GGUF's down of layer 0 is q4_k, of layer 1 q6_k); the slot order keeps runs of a sub-block long
+    (sorted neurons) in one half and breaks them (shuffled) in the other."""
+    import numba
+    from gguf import GGUFReader
+
+    from conftest import DATA
+    from flashinfer_lite.kernels.neurons import quant_ffn_accumulate
+    t = next(t for t in GGUFReader(DATA / "gguf" / "qwen2-q4_k_m.gguf").tensors
+             if t.name == f"blk.{layer}.ffn_down.weight")
+    kind = t.tensor_type.name.lower()
+    raw = np.ascontiguousarray(t.data).view(np.uint8)              # [d, row bytes], blocks along n
+    d, n = raw.shape[0], int(t.shape[0])
+    cols, tables = columns.split(raw, kind, n)
+    S, k = quant.column_tables(tables, kind, d), quant.KINDS[kind]
+    rng = np.random.default_rng(layer)
+    order = np.concatenate([np.arange(n // 2), n // 2 + rng.permutation(n - n // 2)])   # slot -> neuron
+    at = cols.shape[1]                                             # the neuron id after the column, as a bundle's
+    B = np.zeros((n, at + 4), np.uint8)
+    B[:, :at] = cols[order]
+    B.view(np.float32)[:, at // 4] = order
+    slots = np.arange(n, dtype=np.int32)
+    coef = rng.normal(size=(1, n)).astype(np.float32)
+    coef[0, rng.random(n) < 0.4] = 0.0                             # 60% fired, as at --sparsity 0.4
+    want = np.zeros(d, np.float32)
+    for j in np.flatnonzero(coef[0]):
+        quant.col_axpy(want, coef[0, j], B, j, 0, 0, k.code, order[j], S)
+    down64 = gguf_dequant(raw, kind).reshape(d, n).astype(np.float64)
+    np.testing.assert_allclose(want, down64[:, order] @ coef[0].astype(np.float64), rtol=0,
+                               atol=1e-5 * np.abs(want).max())
+    old = numba.get_num_threads()
+    try:
+        for threads in (1, 2):
+            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+            for span in (64, 128, d):
+                Y = np.zeros((1, d), np.float32)
+                quant_ffn_accumulate(B, B.view(np.float32), slots, coef, Y, 0, k.code, k.weights, k.block_bytes,
+                                     span, at // 4, S)
+                assert np.array_equal(Y[0].view(np.uint32), want.view(np.uint32)), (threads, span)
+    finally:
+        numba.set_num_threads(old)
+    # a run of any length is count single columns' bits
+    y, one = np.ones(d, np.float32), np.ones(d, np.float32)
+    run = np.flatnonzero(order // (16 if kind == "q6_k" else 32) == 3)     # sub-block 3's columns (sorted half)
+    quant.col_axpy_run(y, B, run.astype(np.int64), coef[0, run].copy(), len(run), 0, 0, k.code, order[run[0]], S)
+    for j in run:
+        quant.col_axpy(one, coef[0, j], B, j, 0, 0, k.code, order[j], S)
+    assert np.array_equal(y.view(np.uint32), one.view(np.uint32))

@@ -41,7 +41,7 @@ from ..kernels.neurons import (OUT_BLOCK, act_code, ffn_accumulate, ffn_coeffici
                                quant_ffn_accumulate_rows, quant_gate_coefficients, threshold_of)
 from ..neuron_cache import NeuronCache, staging_rows
 from ..threads import beside_reads
-from .quant import sparse_ffns
+from .quant import down_span, sparse_ffns
 from .sparse import STORAGE_VIEWS
 
 
@@ -123,9 +123,11 @@ class SplitRows:
         """Y[t] += sum over j in order of coef[t, j] * down row slots[j] of D (uint8 [rows, stride])."""
         if self.quantized:
             # a prompt's rows: each down piece decoded once for many rows, with the bits of one row alone
-            kernel = quant_ffn_accumulate_rows if Y.shape[0] > 1 else quant_ffn_accumulate
+            rows = Y.shape[0] > 1
+            kernel = quant_ffn_accumulate_rows if rows else quant_ffn_accumulate
             kernel(D, D.view(np.float32), slots, coef, Y, 0, self.down_kind.code, self.down_kind.weights,
-                   self.down_kind.block_bytes, self.out_block, self.s_neuron, self.S)
+                   self.down_kind.block_bytes, self.out_block if rows else down_span(self.out_block, self.dn.d),
+                   self.s_neuron, self.S)
         else:
             ffn_accumulate(self._view(D, self.dn.dtype), D.view(np.float32), slots, coef, Y, self.dn.d, 0,
                            self.s_down)

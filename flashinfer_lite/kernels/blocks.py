@@ -1297,6 +1297,70 @@ def col_axpys(y, B, rows, cs, count, at, lo, kind, j, S):
     col_runs(y, B, rows, cs, count, at, lo, S[0].shape[1] // 2, kind, a, m, sc, mn)
 
 
+def _col_loop(context, builder, y, B, stride, rows, cs, count, at, lo, half, kind, Ar, Mr, SCr, MNr, f16):
+    """_col_runs with its terms in a loop instead of unrolled: y[k] += cs[i] * (element lo + k of the column at byte
+    `at` of row rows[i] of B) for i = 0 .. count - 1 in turn, each 64 elements' sums held in registers across the
+    terms, their scales formed once for all of them. Per element the same operations in the same order as
+    _col_runs (the same bits), for any count."""
+    at, lo, half, count = (builder.sext(v, _I64) if v.type.width < 64 else v for v in (at, lo, half, count))
+    vt = ir.VectorType(_F32, _COL_GROUP)
+    vp = vt.as_pointer()
+    row = lambda arr, i: builder.bitcast(builder.gep(arr.data, [i]), vp)  # noqa: E731
+    acc_at = cgutils.alloca_once(builder, vt)          # promoted to a register: the loop's running sums
+    for k in KINDS.values():
+        with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k.code))):
+            n = builder.udiv(y.nitems, ir.Constant(y.nitems.type, _COL_GROUP))
+            with cgutils.for_range(builder, n) as loop:
+                o = builder.mul(loop.index, ir.Constant(loop.index.type, _COL_GROUP))
+                i0 = builder.add(lo, o)
+                if f16:             # float16 bits: widened exactly (vcvtph2ps)
+                    vh = ir.VectorType(ir.HalfType(), _COL_GROUP)
+                    a, m = (builder.fpext(builder.bitcast(_load_vec(builder, t.data, _I16, _COL_GROUP, i0), vh), vt)
+                            for t in (Ar, Mr))
+                else:
+                    a, m = builder.load(row(Ar, i0), align=4), builder.load(row(Mr, i0), align=4)
+                if k.code in (Q4_K, Q5_K, Q6_K):
+                    sc = _load_vec(builder, SCr.data, _I8, _COL_GROUP, i0)
+                    a = builder.fmul(a, builder.sitofp(sc, vt) if k.code == Q6_K else builder.uitofp(sc, vt))
+                if k.code in (Q4_K, Q5_K):
+                    m = builder.fmul(m, builder.uitofp(_load_vec(builder, MNr.data, _I8, _COL_GROUP, i0), vt))
+                dst = row(y, o)
+                builder.store(builder.load(dst, align=4), acc_at)
+                with cgutils.for_range(builder, count) as term:
+                    i = term.index
+                    data = builder.gep(B.data, [builder.mul(builder.load(builder.gep(rows.data, [i])), stride)])
+                    cv = _vec(builder, _F32, builder.load(builder.gep(cs.data, [i])), _COL_GROUP)
+                    w = _col_weights(builder, k.code, _col_values(builder, k.code, data, at, i0, half), a, m)
+                    builder.store(builder.fadd(builder.load(acc_at), builder.fmul(cv, w)), acc_at)
+                builder.store(builder.load(acc_at), dst, align=4)
+
+
+@intrinsic
+def col_loop(typingctx, y, B, rows, cs, count, at, lo, half, kind, Ar, Mr, SCr, MNr):
+    """col_runs for any count (columns sharing their scale rows): each element adds its count terms in order, the
+    bits of count col_run calls, its scales and sum loaded once for all of them."""
+    f = getattr(Ar, "dtype", None)
+    if not (f in (types.float32, types.uint16) and _rows_ok(y, types.float32, rows, types.int64, cs, types.float32,
+                                                            Ar, f, Mr, f, SCr, types.uint8, MNr, types.uint8)
+            and isinstance(B, types.Array) and B.ndim == 2 and B.layout == "C" and B.dtype == types.uint8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        y, B, rows, cs, count, at, lo, half, kind, Ar, Mr, SCr, MNr = _arrays(context, builder, sig, args)
+        _col_loop(context, builder, y, B, builder.extract_value(B.strides, 0), rows, cs, count, at, lo, half, kind,
+                  Ar, Mr, SCr, MNr, f == types.uint16)
+        return context.get_dummy_value()
+    return types.none(y, B, rows, cs, count, at, lo, half, kind, Ar, Mr, SCr, MNr), codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def col_axpy_run(y, B, rows, cs, count, at, lo, kind, j, S):
+    """col_axpy of (cs[i], row rows[i] of B) for i < count in turn, whose neurons share neuron j's sub-block
+    (col_group), any count: col_loop, the same bits. Inlined: no call (and no reference counts) per run."""
+    a, m, sc, mn = _col_rows(S, kind, j, B, rows[0])
+    col_loop(y, B, rows, cs, count, at, lo, S[0].shape[1] // 2, kind, a, m, sc, mn)
+
+
 @njit(cache=True, nogil=True)
 def col_dequant(B, r, at, out, kind, j, S):
     """out[:] = neuron j's column (at byte `at` of row r of B), bit-identical to gguf.quants' dequantization of the

@@ -31,8 +31,7 @@ from numba.extending import overload
 
 from storage.errors import UserError
 
-from .blocks import (COL_RUN_MAX, DOT8_ROWS, Q4_K, act8_dot, act8_row, act8_slice, act_dot, col_axpy, col_axpys,
-                     col_dequant, col_group, col_span, quantize_act1, quantize_act_rows, row_axpy, row_dequant,
+from .blocks import (DOT8_ROWS, Q4_K, act8_dot, act8_row, act8_slice, act_dot, col_axpy, col_axpy_run, col_dequant, col_group, col_span, quantize_act1, quantize_act_rows, row_axpy, row_dequant,
                      row_dot8, row_dot8k, rows_dot8, rows_dot8k)
 from .rows import dot, f32_at, prefetch_ahead, prefetch_piece, prefetch_row, rows_ahead, scalar
 
@@ -249,6 +248,12 @@ EXPERT_TASKS = 2
 QUANT_FFN_ACTS = ("relu", "drelu", "silu", "gelu_tanh")
 
 
+# Columns quant_ffn_accumulate adds in one pass: a whole sub-block's (col_group: 32 neurons at most), so its scales
+# are formed and each output's sum loaded and stored once per sub-block, not once per 4 columns (q4_k columns of
+# 1536: 0.064 against 0.095 ns per element and column, in cache; bench/README.md, issue 44)
+COL_RUN_COLUMNS = 32
+
+
 @njit(cache=True, parallel=True, nogil=True)
 def quant_ffn_accumulate(B, F, slots, coef, Y, down_at, kind, weights, block_bytes, out_block, s_neuron, S):
     """Y[t] += sum over j = 0, 1, ... of coef[t, j] * down(slots[j]), in that order (zero coefficients skipped);
@@ -260,7 +265,7 @@ def quant_ffn_accumulate(B, F, slots, coef, Y, down_at, kind, weights, block_byt
     slot order and a set accumulated in pieces gives the bit-identical sum. out_block is a multiple of the block's
     weights, so a task's outputs are whole blocks of the down rows. Each task asks for the pieces it reads a few rows
     ahead (the rows sit where the hardware cannot guess), and adds consecutive fired columns of one sub-block in one
-    pass (col_axpys: their terms still in slot order)."""
+    pass (col_axpy_run: their terms still in slot order, each output's sum in a register across them)."""
     n = slots.shape[0]
     d = Y.shape[1]
     nb = (d + out_block - 1) // out_block
@@ -272,8 +277,8 @@ def quant_ffn_accumulate(B, F, slots, coef, Y, down_at, kind, weights, block_byt
         if s_neuron >= 0:
             c0, c1, h0, h1 = col_span(kind, d, lo, hi)
             ahead = rows_ahead(c1 - c0 + h1 - h0)
-            rows, cs = np.empty(COL_RUN_MAX, np.int64), np.empty(COL_RUN_MAX, np.float32)
-            held, group, first = 0, -1, 0   # fired neurons of one sub-block not yet added (col_axpys)
+            rows, cs = np.empty(COL_RUN_COLUMNS, np.int64), np.empty(COL_RUN_COLUMNS, np.float32)
+            held, group, first = 0, -1, 0   # fired neurons of one sub-block not yet added (col_axpy_run)
             for j in range(n + 1):
                 if j + ahead < n:     # the column's pieces and its neuron id, a few rows ahead
                     r = slots[j + ahead]
@@ -284,8 +289,8 @@ def quant_ffn_accumulate(B, F, slots, coef, Y, down_at, kind, weights, block_byt
                     continue
                 neuron = np.int64(F[slots[j], s_neuron]) if j < n else -1
                 g = col_group(kind, neuron) if j < n else -1
-                if held and (g != group or held == COL_RUN_MAX):
-                    col_axpys(y, B, rows, cs, held, down_at, lo, kind, first, S)
+                if held and (g != group or held == COL_RUN_COLUMNS):
+                    col_axpy_run(y, B, rows, cs, held, down_at, lo, kind, first, S)
                     held = 0
                 if j < n:
                     if held == 0:
