@@ -1220,33 +1220,6 @@ def col_run(typingctx, y, c, Br, at, lo, half, kind, Ar, Mr, SCr, MNr):
     return types.none(y, c, Br, at, lo, half, kind, Ar, Mr, SCr, MNr), codegen
 
 
-COL_RUN_MAX = 4     # columns of one sub-block that col_runs adds in one pass
-
-
-@intrinsic
-def col_runs(typingctx, y, B, rows, cs, count, at, lo, half, kind, Ar, Mr, SCr, MNr):
-    """col_run of (cs[i], row rows[i] of B) for i = 0 .. count - 1 in turn (count <= COL_RUN_MAX; columns with the
-    same scale rows), in one pass: each element adds its terms in that order, as count calls would (the same bits),
-    and its scales and sum are loaded once."""
-    f = getattr(Ar, "dtype", None)
-    if not (f in (types.float32, types.uint16) and _rows_ok(y, types.float32, rows, types.int64, cs, types.float32,
-                                                            Ar, f, Mr, f, SCr, types.uint8, MNr, types.uint8)
-            and isinstance(B, types.Array) and B.ndim == 2 and B.layout == "C" and B.dtype == types.uint8):
-        return None
-
-    def codegen(context, builder, sig, args):
-        y, B, rows, cs, count, at, lo, half, kind, Ar, Mr, SCr, MNr = _arrays(context, builder, sig, args)
-        stride = builder.extract_value(B.strides, 0)
-        for n in range(1, COL_RUN_MAX + 1):
-            with builder.if_then(builder.icmp_signed("==", count, ir.Constant(count.type, n))):
-                terms = [(builder.load(builder.gep(cs.data, [ir.Constant(_I64, i)])), builder.gep(B.data, [
-                    builder.mul(builder.load(builder.gep(rows.data, [ir.Constant(_I64, i)])), stride)]))
-                    for i in range(n)]
-                _col_runs(context, builder, y, terms, at, lo, half, kind, Ar, Mr, SCr, MNr, f == types.uint16)
-        return context.get_dummy_value()
-    return types.none(y, B, rows, cs, count, at, lo, half, kind, Ar, Mr, SCr, MNr), codegen
-
-
 @njit(cache=True, nogil=True, inline="always")
 def col_span(kind, d, lo, hi):
     """(c0, c1, h0, h1): the bytes of a column of d elements (storage.columns) that elements lo .. hi (whole groups)
@@ -1263,7 +1236,7 @@ def col_span(kind, d, lo, hi):
 @njit(cache=True, nogil=True, inline="always")
 def col_group(kind, j):
     """The sub-block of neurons that neuron j is in (storage.columns.groups): its row of the sc and mn tables, and
-    what the neurons that col_axpys adds in one pass share."""
+    what the neurons that col_axpy_run adds in one pass share."""
     return j // (16 if kind == Q6_K else 32)
 
 
@@ -1287,14 +1260,6 @@ def col_axpy(y, c, B, r, at, lo, kind, j, S):
     multiples of 64): strict float32, as row_axpy (col_run)."""
     a, m, sc, mn = _col_rows(S, kind, j, B, r)
     col_run(y, c, B[r], at, lo, S[0].shape[1] // 2, kind, a, m, sc, mn)
-
-
-@njit(cache=True, nogil=True)
-def col_axpys(y, B, rows, cs, count, at, lo, kind, j, S):
-    """col_axpy of (cs[i], row rows[i] of B) for i < count in turn, whose neurons share neuron j's sub-block
-    (col_group): col_runs, the same bits."""
-    a, m, sc, mn = _col_rows(S, kind, j, B, rows[0])
-    col_runs(y, B, rows, cs, count, at, lo, S[0].shape[1] // 2, kind, a, m, sc, mn)
 
 
 def _col_loop(context, builder, y, B, stride, rows, cs, count, at, lo, half, kind, Ar, Mr, SCr, MNr, f16):
@@ -1337,8 +1302,8 @@ def _col_loop(context, builder, y, B, stride, rows, cs, count, at, lo, half, kin
 
 @intrinsic
 def col_loop(typingctx, y, B, rows, cs, count, at, lo, half, kind, Ar, Mr, SCr, MNr):
-    """col_runs for any count (columns sharing their scale rows): each element adds its count terms in order, the
-    bits of count col_run calls, its scales and sum loaded once for all of them."""
+    """count col_run calls in one pass (columns sharing their scale rows): each element adds its count terms in
+    order, the same bits, its scales and sum loaded once for all of them."""
     f = getattr(Ar, "dtype", None)
     if not (f in (types.float32, types.uint16) and _rows_ok(y, types.float32, rows, types.int64, cs, types.float32,
                                                             Ar, f, Mr, f, SCr, types.uint8, MNr, types.uint8)
