@@ -702,6 +702,9 @@ def metrics_text(server: Server) -> str:
             ("rss_bytes", "gauge", "resident memory of the process", [("", rss_bytes())]),
             ("peak_rss_bytes", "gauge", "the kernel's high-water mark of the resident memory",
              [("", peak_rss_bytes())])]
+    if server.batch is not None:
+        rows.append(("batch_steps_total", "counter", "decode steps of --parallel, by the sequences each computed",
+                     [(f'{{sequences="{k}"}}', v) for k, v in sorted(server.batch.steps.items())]))
     if plan is not None and plan.requested:
         rows.append(("dram_budget_bytes", "gauge", "--dram-budget", [("", plan.budget_bytes)]))
     lines = []
