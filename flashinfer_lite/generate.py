@@ -357,11 +357,16 @@ class DecodeBatch:
     grammar, its generation loop on a thread of its own: their prompts run one at a time, and their decode steps
     together, one Transformer.forward_batch over every token handed in (continuous batching: a sequence joins at the
     step after its prompt and leaves when its generation ends). A step starts once every session in a generation
-    has handed in its token, or GATHER_S after the first one came (a session whose client is slow to take its text
-    does not hold the others). Each row's logits are the ones its session would get alone (forward_batch), so the
-    batching changes no token, only when each is computed."""
+    has handed in its token, or half the last step's time (GATHER_S at least) after the first one came. A token's
+    way out to its client and the next one's way back take a few event-loop and thread switches, tens of ms on a
+    loaded machine: sessions whose steps fell out of phase (a prompt evaluated between them) would otherwise stay
+    so, each step computing a part of them (measured: 4 clients decoding as 1- and 2-row steps for a whole answer
+    at a 20 ms wait); a client slow to take its text holds the others for at most that. Each row's logits are the
+    ones its session would get alone (forward_batch), so the batching changes no token, only when each is
+    computed."""
 
-    GATHER_S = 0.02
+    GATHER_S = 0.05
+    GATHER_SHARE = 0.5
 
     def __init__(self, model: Transformer, threads: int | None = None):
         self.model = model
@@ -370,6 +375,7 @@ class DecodeBatch:
         self.tokens: list[tuple] = []       # (kv, token, Future)
         self.active = 0                     # sessions between the start and the end of a generation
         self.steps: Counter = Counter()     # decode steps run, by their number of sequences
+        self.step_s = 0.0                   # the last decode step's time
         self.thread = threading.Thread(target=self._run, args=(threads,), name="decode-batch", daemon=True)
         self.thread.start()
 
@@ -398,22 +404,26 @@ class DecodeBatch:
             with self.cond:
                 while not self.prompts and not self.tokens:
                     self.cond.wait()
-                if self.tokens:
-                    deadline = time.monotonic() + self.GATHER_S
+                # a prompt first: its sequence joins the next step (at most N - 1 of them come between two steps,
+                # one per other session); a step taken while prompts wait would leave them waiting for good
+                if self.prompts:
+                    work = [self.prompts.pop(0)]
+                else:
+                    deadline = time.monotonic() + max(self.GATHER_S, self.GATHER_SHARE * self.step_s)
                     while len(self.tokens) < self.active and not self.prompts:
                         left = deadline - time.monotonic()
                         if left <= 0:
                             break
                         self.cond.wait(left)
                     work, self.tokens = self.tokens, []
-                else:
-                    work = [self.prompts.pop(0)]
             try:
                 if len(work[0][1]) > 1:
                     kv, ids, done = work[0]
                     done.set_result(self.model.forward(ids, kv))
                     continue
+                t0 = time.perf_counter()
                 logits = self.model.forward_batch([ids[0] for _, ids, _ in work], [kv for kv, _, _ in work])
+                self.step_s = time.perf_counter() - t0
                 self.steps[len(work)] += 1
                 for row, (_, _, done) in zip(logits, work):
                     done.set_result(row.copy())

@@ -10,12 +10,26 @@ from conftest import STORIES
 PROMPTS = ["Once upon a time", "The capital of France is", "def fib(n):", "Water boils at"]
 
 
-@pytest.fixture(scope="module", params=["dense", "gate"])
+_LOADED: dict = {}
+
+
+def loaded(gguf, ffn: str):
+    from flashinfer_lite.runtime import load
+    if ffn not in _LOADED:
+        _LOADED[ffn] = load(str(gguf), None, ffn, 128, say=False)
+    return _LOADED[ffn]
+
+
+@pytest.fixture(params=["dense", "gate"])
 def smollm2(request, smollm2_gguf):
     """The default model (Q4_1 blocks: 8-bit activations) with every weight in DRAM, and with the exact gate's FFN
     from flash (its rows read for the union of the neurons the batch needs)."""
-    from flashinfer_lite.runtime import load
-    return load(str(smollm2_gguf), None, request.param, 128, say=False)
+    return loaded(smollm2_gguf, request.param)
+
+
+@pytest.fixture
+def smollm2_gate(smollm2_gguf):
+    return loaded(smollm2_gguf, "gate")
 
 
 def solo_steps(model, ids, n):
@@ -71,11 +85,11 @@ def test_the_flash_ffn_batch_equals_its_solo_steps_on_stories():
             np.testing.assert_array_equal(logits[b], solo[b][1][s])
 
 
-def test_a_sequence_joining_mid_batch_gets_its_solo_answer(smollm2):
+def test_a_sequence_joining_mid_batch_gets_its_solo_answer(smollm2_gate):
     """Continuous batching: two sequences start, a third joins after they have decoded 4 tokens, a fourth after the
     first ends; each one's greedy tokens are its solo ones, and the steps did run several sequences at once."""
     from flashinfer_lite.generate import DecodeBatch, Sampler, Session
-    model, tok = smollm2
+    model, tok = smollm2_gate
     T = model.transformer
     ids = [tok.encode(p) for p in PROMPTS]
     want = [toks for toks, _ in solo_steps(T, ids, 8)]
