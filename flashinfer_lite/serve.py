@@ -849,4 +849,5 @@ def run(args) -> int:
             Uvicorn(config).run(sockets=[sock])
         finally:
             server.worker.shutdown(wait=True)
+            server.steppers.shutdown(wait=True)
     return 0

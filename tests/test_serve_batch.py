@@ -4,6 +4,7 @@ of each answer is the same model's greedy output alone, in this process (the exa
 of x whatever the budget: the server's budget changes which rows are read, not a bit)."""
 import math
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -18,8 +19,10 @@ from test_serve import prometheus, serving
 REAL_05B = Path(os.environ.get("FIL_REAL_GGUFS", Path.home() / ".cache" / "fil-real-ggufs")) / \
     "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 # distinct first tokens: no prompt finds another's prefix in a session's cache, so each is evaluated in one pass as
-# the oracle evaluates it
-PROMPTS = ["Once upon a time", "The capital of France is", "def fib(n):", "Water boils at"]
+# the oracle evaluates it (a prompt found in a cache has only its last token evaluated, alone: logits a little other
+# than the whole prompt's pass, batched or not). The first four come at once, the last four join three decoding.
+PROMPTS = ["Once upon a time", "The capital of France is", "def fib(n):", "Water boils at",
+           "My favourite book is", "In 1969, the first", "Hello, my name is", "A list of prime numbers:"]
 N_TOKENS = 10
 
 
@@ -27,7 +30,8 @@ def solo_answers(path: Path, ffn: str) -> dict:
     from flashinfer_lite.api import generate
     from flashinfer_lite.runtime import load
     model, tok = load(str(path), None, ffn, 256, say=False)
-    return {p: generate(model, tok, p, N_TOKENS, temp=0.0, use_chat_template=False) for p in PROMPTS}
+    return {p: generate(model, tok, p, N_TOKENS, temp=0.0, use_chat_template=False, ignore_eos=True)
+            for p in PROMPTS}
 
 
 def budget_for(path: Path, flags: list[str]) -> tuple[int, str]:
@@ -41,7 +45,7 @@ def budget_for(path: Path, flags: list[str]) -> tuple[int, str]:
 
 
 def four_clients_and_one_joining(path: Path, ffn: str) -> None:
-    flags = ["--ffn", ffn, "-c", "256", "--parallel", "4"]
+    flags = ["--ffn", ffn, "-c", "256", "--parallel", "4", "--ignore-eos"]   # every answer N_TOKENS long
     budget, refusal = budget_for(path, flags)
     # the refusal counts the 4 contexts, at startup
     assert "4 contexts of 256 positions" in refusal, refusal
@@ -52,15 +56,15 @@ def four_clients_and_one_joining(path: Path, ffn: str) -> None:
                                                temperature=0).choices[0].text
         before = prometheus(s.call("GET", "/metrics", None, {"Host": "localhost"})[2].decode())
         with ThreadPoolExecutor(4) as pool:
-            got = dict(zip(PROMPTS, pool.map(ask, PROMPTS)))
-        assert got == want
+            got = dict(zip(PROMPTS[:4], pool.map(ask, PROMPTS[:4])))
+        assert got == {p: want[p] for p in PROMPTS[:4]}
         # one joins mid-batch: three streams are decoding (each has had two pieces) when the fourth arrives
         started = [threading.Event() for _ in range(3)]
 
         def stream(i: int) -> str:
             pieces = []
-            for c in s.client.completions.create(model="m", prompt=PROMPTS[i], max_tokens=N_TOKENS, temperature=0,
-                                                 stream=True):
+            for c in s.client.completions.create(model="m", prompt=PROMPTS[4 + i], max_tokens=N_TOKENS,
+                                                 temperature=0, stream=True):
                 pieces.append(c.choices[0].text if c.choices else "")
                 if len(pieces) == 2:
                     started[i].set()
@@ -68,11 +72,17 @@ def four_clients_and_one_joining(path: Path, ffn: str) -> None:
         with ThreadPoolExecutor(3) as pool:
             first = [pool.submit(stream, i) for i in range(3)]
             assert all(e.wait(300) for e in started)
-            late = ask(PROMPTS[3])
+            late = ask(PROMPTS[7])
             early = [f.result(timeout=300) for f in first]
-        assert early == [want[p] for p in PROMPTS[:3]] and late == want[PROMPTS[3]]
+        assert early == [want[p] for p in PROMPTS[4:7]] and late == want[PROMPTS[7]]
         after = prometheus(s.call("GET", "/metrics", None, {"Host": "localhost"})[2].decode())
         peak = s.peak_rss_bytes()
+        log = s.stderr()
+    # one log line per request, each with its own tokens, though they were decoded together
+    lines = re.findall(r"^POST /v1/completions 200 (\d+)\+(\d+) tokens \d+ ms$", log, re.M)
+    assert len(lines) >= 8 and all(int(c) == N_TOKENS for _, c in lines[-8:]), log
+    predicted = ("flashinfer_lite_tokens_predicted_total", "")
+    assert after[predicted] - before[predicted] == 8 * N_TOKENS
     steps = {k[1]: v for k, v in after.items() if k[0] == "flashinfer_lite_batch_steps_total"}
     assert sum(v for k, v in steps.items() if k != '{sequences="1"}') > 0, steps     # some steps were batched
     read = ("flashinfer_lite_flash_read_bytes_total", "")
