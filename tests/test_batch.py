@@ -123,3 +123,43 @@ def test_a_sequence_joining_mid_batch_gets_its_solo_answer(smollm2_gate):
         t.join(120)
     assert got[0] == want[0][:6] and got[1:] == want[1:], (got, want)
     assert sum(n for size, n in batch.steps.items() if size >= 2) > 0, batch.steps
+
+
+def test_a_waiting_prompt_runs_before_the_next_step():
+    """A prompt handed in while a step runs is evaluated before the next step, though a session's token is waiting
+    too: steps taken first would let the decoding sessions keep the model and the prompt wait until they end."""
+    from flashinfer_lite.generate import DecodeBatch
+
+    class Recorder:
+        def __init__(self):
+            self.calls, self.gate, self.entered = [], threading.Event(), threading.Event()
+
+        def forward(self, ids, kv):
+            self.calls.append(("prompt", kv))
+            return np.zeros(3, np.float32)
+
+        def forward_batch(self, tokens, caches):
+            self.entered.set()
+            self.gate.wait(30)
+            self.calls.append(("step", *caches))
+            return np.zeros((len(tokens), 3), np.float32)
+
+    model = Recorder()
+    batch = DecodeBatch(model)
+    batch.enter()
+    batch.enter()
+    first = threading.Thread(target=batch.forward, args=("a", [1]))
+    first.start()                      # a's step starts (the other session is not decoding yet) and holds
+    assert model.entered.wait(30)
+    later = [threading.Thread(target=batch.forward, args=("b", [1, 2, 3])),
+             threading.Thread(target=batch.forward, args=("a", [5]))]
+    for t in later:
+        t.start()
+    for _ in range(3000):              # both wait behind a's step
+        if batch.prompts and batch.tokens:
+            break
+        threading.Event().wait(0.01)
+    model.gate.set()
+    for t in [first, *later]:
+        t.join(30)
+    assert model.calls == [("step", "a"), ("prompt", "b"), ("step", "a")]
