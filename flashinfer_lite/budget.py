@@ -148,18 +148,45 @@ def _mib(n: int) -> str:
 # ----------------------------------------------------------------------------------------------------------------------
 # The KV cache's share (kv_pages.KVCache): its fixed part in the minimum, pages from what is left
 
+# serve --parallel N: N sequences decoded together, each with a KV cache of its own (and its logits between steps)
+_contexts = 1
+
+
+def set_contexts(n: int) -> None:
+    """How many contexts the plans of this load count the KV share for (as kv_pages.set_kv_options): runtime.load's
+    `parallel`."""
+    global _contexts
+    _contexts = max(1, int(n))
+
+
+def contexts() -> int:
+    return _contexts
+
+
+def sequence_extra_bytes(cfg: ModelConfig) -> int:
+    """What each sequence beyond the first holds besides its KV cache: its logits [V] between steps, its row of a
+    batched step's logits and its log-softmax (float32)."""
+    return (_contexts - 1) * 3 * cfg.vocab_size * 4
+
+
 def kv_minimum_bytes(cfg: ModelConfig, ctx: int) -> int:
-    """The KV cache at its smallest: its fixed part, every page on flash (kv_pages.fixed_bytes)."""
-    return kv_pages.fixed_bytes(cfg, ctx, kv_pages.kv_options())
+    """The KV caches at their smallest: their fixed parts, every page on flash (kv_pages.fixed_bytes), one per
+    context (set_contexts)."""
+    return _contexts * kv_pages.fixed_bytes(cfg, ctx, kv_pages.kv_options()) + sequence_extra_bytes(cfg)
+
+
+def kv_all_bytes(cfg: ModelConfig, ctx: int) -> int:
+    """The KV caches with every page in DRAM, one per context."""
+    return _contexts * kv_pages.all_bytes(cfg, ctx, kv_pages.kv_options()) + sequence_extra_bytes(cfg)
 
 
 def kv_share(cfg: ModelConfig, ctx: int, room: int) -> tuple[int, int]:
-    """(bytes, pages per layer in DRAM) of the KV cache given `room` bytes beyond its minimum: as many pages per
-    layer as fit, up to the context's."""
+    """(bytes, pages per layer in DRAM of each context's cache) of the KV caches given `room` bytes beyond their
+    minimum: as many pages per layer as fit in every context, up to the context's."""
     o = kv_pages.kv_options()
     per_page = kv_pages.dram_page_bytes(cfg, o)
-    pages = min(kv_pages.n_pages(ctx), max(0, room) // per_page)
-    return kv_pages.fixed_bytes(cfg, ctx, o) + pages * per_page, pages
+    pages = min(kv_pages.n_pages(ctx), max(0, room) // (per_page * _contexts))
+    return kv_minimum_bytes(cfg, ctx) + _contexts * pages * per_page, pages
 
 
 def kv_note(ctx: int, dram_pages: int | None) -> str:
@@ -167,8 +194,13 @@ def kv_note(ctx: int, dram_pages: int | None) -> str:
     o, pages = kv_pages.kv_options(), kv_pages.n_pages(ctx)
     held = pages if dram_pages is None else dram_pages
     quest = f", Quest reads {o.quest_words}" if o.quest else ""
-    return (f"{ctx} positions, {o.type_k}/{o.type_v}: {held} of {pages} pages per layer in DRAM, {pages - held} "
+    return (f"{positions(ctx)}, {o.type_k}/{o.type_v}: {held} of {pages} pages per layer in DRAM, {pages - held} "
             f"on flash{quest}")
+
+
+def positions(ctx: int) -> str:
+    """The KV share's positions, said: "256 positions", or "4 contexts of 256 positions" (set_contexts)."""
+    return f"{ctx} positions" if _contexts == 1 else f"{_contexts} contexts of {ctx} positions"
 
 
 def resident_matrix_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -280,7 +312,7 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
     minimum = base_bytes + res + kv + buffers + n_layers * reserve * row
     if dram_budget_bytes < minimum:
         raise BelowMinimum(dram_budget_bytes, minimum, f"process base {_mib(base_bytes)}, resident {_mib(res)}, kv "
-                           f"{_mib(kv)} for {ctx} positions, buffers {_mib(buffers)}, window {reserve} rows x "
+                           f"{_mib(kv)} for {positions(ctx)}, buffers {_mib(buffers)}, window {reserve} rows x "
                            f"{n_layers} layers")
     kv, kv_dram_pages = kv_share(cfg, ctx, dram_budget_bytes - minimum)
     extra = dram_budget_bytes - minimum - (kv - kv_minimum_bytes(cfg, ctx))
@@ -353,7 +385,7 @@ def plan_resident_ffn(config, layout, dram_budget_bytes: int, ctx: int, resident
     n_max = max(layout.n_neurons)
     buffers = scratch_bytes + 2 * n_max * 4 + prefill_transient_bytes(cfg, ctx) + heap_slack_bytes
     ffn = ffn_bytes
-    kv = kv_pages.all_bytes(cfg, ctx, kv_pages.kv_options())     # every weight in DRAM: every KV page too
+    kv = kv_all_bytes(cfg, ctx)     # every weight in DRAM: every KV page too
     need = base_bytes + resident_bytes + kv + buffers + ffn
     if need > dram_budget_bytes:
         return None
@@ -773,7 +805,7 @@ def plan_experts(cfg: ModelConfig, experts, dram_budget_bytes: int | None, ctx: 
     per_slot = cfg.n_layers * (experts.chunk + (experts.n if experts.split else 0))
     minimum = fixed + MIN_EXPERT_SLOTS * per_slot
     E = cfg.n_experts
-    pages = kv_pages.all_bytes(cfg, ctx, kv_pages.kv_options()) - kv        # every KV page in DRAM
+    pages = kv_all_bytes(cfg, ctx) - kv        # every KV page in DRAM
     budget = fixed + pages + E * per_slot if dram_budget_bytes is None else dram_budget_bytes
     if budget < minimum:
         raise BelowMinimum(budget, minimum, f"a mixture of experts: {MIN_EXPERT_SLOTS} experts per layer of "

@@ -5,7 +5,10 @@ import json
 import math
 import numbers
 import sys
+import threading
 import time
+from collections import Counter
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -251,8 +254,10 @@ class Session:
     conversation added since (the rendered template of the whole conversation shares a prefix with the last one).
     """
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, ctx: int, choose_threads: bool = True):
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, ctx: int, choose_threads: bool = True,
+                 batch: "DecodeBatch | None" = None):
         self.model, self.tokenizer = model, tokenizer
+        self.batch = batch      # the model is shared with other sessions: its passes run there (DecodeBatch)
         self.kv = model.new_cache(ctx)
         self.cached: list[int] = []
         self.timings = Timings()
@@ -274,7 +279,23 @@ class Session:
                  logits_processors=()):
         """Bring the cache to `ids` (reusing the common prefix), then yield sampled ids until EOS, n_predict, or a
         full context. logits_processors: the Sampler's processors (their time goes into timings.constrain_ms); one
-        with a done(history) method (a grammar, constrain.Constraint) ends the output once it says so."""
+        with a done(history) method (a grammar, constrain.Constraint) ends the output once it says so. A session of a
+        DecodeBatch counts in its steps from its prompt to its end."""
+        if self.batch is not None:
+            self.batch.enter()
+        try:
+            yield from self._generate(ids, n_predict, sampler, ignore_eos, logits_processors)
+        finally:
+            if self.batch is not None:
+                self.batch.leave()
+
+    def forward(self, ids: list[int]) -> np.ndarray:
+        """The model over ids at the cache's end (logits [V] of the last): here, or as one row of a DecodeBatch step."""
+        if self.batch is not None:
+            return self.batch.forward(self.kv, ids)
+        return self.model.forward(ids, self.kv)
+
+    def _generate(self, ids, n_predict, sampler, ignore_eos, logits_processors):
         if len(ids) > self.ctx:
             raise UserError(f"prompt is too long ({len(ids)} tokens, context is {self.ctx}); "
                             f"raise -c or shorten the prompt")
@@ -287,7 +308,7 @@ class Session:
         self.cached = list(ids[:keep])
         new = ids[keep:]
         t0 = start = time.perf_counter()
-        logits = self.model.forward(new, self.kv)
+        logits = self.forward(new)
         self.cached += new
         self.timings.prompt_ms += (time.perf_counter() - t0) * 1e3
         self.timings.prompt_tokens += len(new)
@@ -309,8 +330,11 @@ class Session:
             if self.kv.length >= self.ctx:
                 raise ContextFull(self.ctx)
             t0 = time.perf_counter()
-            with self.threads.step(self.model):
-                logits = self.model.forward([tok], self.kv)
+            if self.batch is not None:
+                logits = self.forward([tok])
+            else:
+                with self.threads.step(self.model):
+                    logits = self.model.forward([tok], self.kv)
             self.cached.append(tok)
             self.timings.token_ms.append((time.perf_counter() - t0) * 1e3)
 
@@ -326,6 +350,87 @@ class Session:
                 self.timings.constrain_ms += (time.perf_counter() - t0) * 1e3
                 self.timings.constrain_tokens += count
         return run
+
+
+class DecodeBatch:
+    """The model's one thread for several Sessions (serve --parallel N), each with its own KV cache, sampler and
+    grammar, its generation loop on a thread of its own: their prompts run one at a time, and their decode steps
+    together, one Transformer.forward_batch over every token handed in (continuous batching: a sequence joins at the
+    step after its prompt and leaves when its generation ends). A step starts once every session in a generation
+    has handed in its token, or half the last step's time (GATHER_S at least) after the first one came. A token's
+    way out to its client and the next one's way back take a few event-loop and thread switches, tens of ms on a
+    loaded machine: sessions whose steps fell out of phase (a prompt evaluated between them) would otherwise stay
+    so, each step computing a part of them (measured: 4 clients decoding as 1- and 2-row steps for a whole answer
+    at a 20 ms wait); a client slow to take its text holds the others for at most that. Each row's logits are the
+    ones its session would get alone (forward_batch), so the batching changes no token, only when each is
+    computed."""
+
+    GATHER_S = 0.05
+    GATHER_SHARE = 0.5
+
+    def __init__(self, model: Transformer, threads: int | None = None):
+        self.model = model
+        self.cond = threading.Condition()
+        self.prompts: list[tuple] = []      # (kv, ids, Future) in arrival order
+        self.tokens: list[tuple] = []       # (kv, token, Future)
+        self.active = 0                     # sessions between the start and the end of a generation
+        self.steps: Counter = Counter()     # decode steps run, by their number of sequences
+        self.step_s = 0.0                   # the last decode step's time
+        self.thread = threading.Thread(target=self._run, args=(threads,), name="decode-batch", daemon=True)
+        self.thread.start()
+
+    def enter(self) -> None:
+        with self.cond:
+            self.active += 1
+
+    def leave(self) -> None:
+        with self.cond:
+            self.active -= 1
+            self.cond.notify_all()
+
+    def forward(self, kv, ids: list[int]) -> np.ndarray:
+        """Session.forward's pass, run on the batch's thread; waits for it (logits [V])."""
+        done: Future = Future()
+        with self.cond:
+            (self.tokens if len(ids) == 1 else self.prompts).append((kv, ids, done))
+            self.cond.notify_all()
+        return done.result()
+
+    def _run(self, threads: int | None) -> None:
+        import numba
+        if threads:
+            numba.set_num_threads(threads)
+        while True:
+            with self.cond:
+                while not self.prompts and not self.tokens:
+                    self.cond.wait()
+                # a prompt first: its sequence joins the next step (at most N - 1 of them come between two steps,
+                # one per other session); a step taken while prompts wait would leave them waiting for good
+                if self.prompts:
+                    work = [self.prompts.pop(0)]
+                else:
+                    deadline = time.monotonic() + max(self.GATHER_S, self.GATHER_SHARE * self.step_s)
+                    while len(self.tokens) < self.active and not self.prompts:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            break
+                        self.cond.wait(left)
+                    work, self.tokens = self.tokens, []
+            try:
+                if len(work[0][1]) > 1:
+                    kv, ids, done = work[0]
+                    done.set_result(self.model.forward(ids, kv))
+                    continue
+                t0 = time.perf_counter()
+                logits = self.model.forward_batch([ids[0] for _, ids, _ in work], [kv for kv, _, _ in work])
+                self.step_s = time.perf_counter() - t0
+                self.steps[len(work)] += 1
+                for row, (_, _, done) in zip(logits, work):
+                    done.set_result(row.copy())
+            except BaseException as e:     # the waiting sessions raise it (a context overflow, a short read)
+                for _, _, done in work:
+                    if not done.done():
+                        done.set_exception(e)
 
 
 class ContextFull(Exception):

@@ -179,6 +179,44 @@ class Attention:
         out = out.reshape(T, H * hd)
         return linear(out, self.wo, self.bo)
 
+    def rows(self, x: np.ndarray, seqs: list[tuple]) -> np.ndarray:
+        """A decode step of B sequences (Transformer.forward_batch): x [B, d], row b the token of seqs[b] = (its
+        KVCache, its position, its rope tables). The projections run once over the B rows, attention per sequence
+        against its own cache, as a one-token step does. -> [B, d]"""
+        cfg, B = self.cfg, x.shape[0]
+        q, k, v = self.qkv(x)
+        out = np.empty((B, cfg.n_heads, cfg.head_dim), np.float32)
+        for b, (kv, pos, rope) in enumerate(seqs):
+            self.decode_attend(q[b:b + 1], k[b:b + 1], v[b:b + 1], kv, pos, rope, out[b:b + 1])
+        return linear(out.reshape(B, -1), self.wo, self.bo)
+
+    def decode_attend(self, q, k, v, kv: KVCache, pos0: int, rope: tuple | None, out: np.ndarray) -> None:
+        """out [T, H, hd] = attention of a few new tokens (T <= ATTENTION_KERNEL_MAX_T) over kv, in its Numba calls."""
+        T = q.shape[0]
+        no_rope = np.zeros((T, 0), np.float32)             # cos/sin [T, 0]: kv.attend rotates nothing
+        cos, sin = (rope[0][:, 0], rope[1][:, 0]) if rope is not None else (no_rope, no_rope)
+        kv.attend(self.slot, q, k, v, np.ascontiguousarray(cos), np.ascontiguousarray(sin), pos0,
+                  self.window or 0, self.scale, out)
+
+    def qkv(self, x: np.ndarray) -> tuple:
+        """The queries [T, H, hd], keys and values [T, Hkv, hd] of x [T, d] (biases added, qk_norm applied): the
+        first lines of __call__, which a batched decode step shares."""
+        cfg, T = self.cfg, x.shape[0]
+        H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        if self.wqkv is not None:
+            qkv = linear(x, self.wqkv)
+            cut = (0, H * hd, (H + Hkv) * hd, qkv.shape[1])    # slices, not np.split: ~10 us less per layer
+            q, k, v = (np.ascontiguousarray(qkv[:, a:b]) for a, b in zip(cut, cut[1:]))
+            q, k, v = (a if b is None else a + b for a, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
+            q, k, v = q.reshape(T, H, hd), k.reshape(T, Hkv, hd), v.reshape(T, Hkv, hd)
+        else:
+            q = linear(x, self.wq, self.bq).reshape(T, H, hd)
+            k = linear(x, self.wk, self.bk).reshape(T, Hkv, hd)
+            v = linear(x, self.wv, self.bv).reshape(T, Hkv, hd)
+        if self.q_norm is not None:
+            q, k = self.qk_normed(q, self.q_norm), self.qk_normed(k, self.k_norm)
+        return q, k, v
+
     def qk_normed(self, a: np.ndarray, w: np.ndarray) -> np.ndarray:
         """RMSNorm of queries or keys [T, heads, hd] before RoPE: over each head (Qwen3) or all heads at once (OLMoE)."""
         rows = a.reshape(-1, a.shape[-1]) if self.cfg.qk_norm == "head" else a.reshape(a.shape[0], -1)
@@ -340,6 +378,20 @@ class Block:
         """A pre-norm layer's second half: the FFN's output f added to the residual stream h, in place."""
         h += norm(self.cfg, f, self.ffn_post_norm) if self.cfg.post_norms else f
 
+    def rows(self, x: np.ndarray, seqs: list[tuple], ffn: FFNFn) -> np.ndarray:
+        """This layer over a decode step of B sequences (Transformer.forward_batch): x [B, d], row b the token of
+        seqs[b] = (its KVCache, position, rope tables); the FFN runs once over the B rows. __call__'s math."""
+        cfg, i = self.cfg, self.layer
+        if not cfg.pre_norm:
+            h = norm(cfg, x + self.attn.rows(x, seqs), self.attn_norm)
+            return norm(cfg, h + ffn(i, h), self.ffn_norm)
+        h = x.copy()
+        a = self.attn.rows(norm(cfg, x, self.attn_norm), seqs)
+        if cfg.post_norms:
+            a = norm(cfg, a, self.attn_post_norm)
+        self.add_ffn(h, ffn(i, add_norm(cfg, h, a, self.ffn_norm)))
+        return h
+
 
 def embed_tokens(cfg: ModelConfig, embed: np.ndarray, pos_embed: np.ndarray | None, tokens: np.ndarray,
                  pos0: int) -> np.ndarray:
@@ -420,6 +472,41 @@ class Transformer:
                 logits.append(output_logits(self.cfg, x if all_logits else x[-1:], (self.norm_w, self.norm_b),
                                             self.lm_head))                       # [t, V]
         return np.concatenate(logits) if all_logits else logits[-1][0]
+
+    def forward_batch(self, tokens, caches: list[KVCache]) -> np.ndarray:
+        """One decode step of B sequences: token b at position caches[b].length of its own cache, appended to it.
+        Returns logits [B, V]. The projections, the FFN and the head run once over the B rows (each layer's weights
+        read once for the batch; a flash FFN's rows for the union of the neurons the rows need), attention per
+        sequence against its own cache. Every kernel gives a row the bits it has alone (kernels.blocks' 8-bit
+        activations are rounded per row; ffn.flash sums each row in bundle order), so row b is
+        forward([tokens[b]], caches[b]) (tests/test_batch.py). Not float32 matrices: BLAS sums a [B, d] product in
+        another order than a one-row product (stories260K dense: 7e-4 apart in logits)."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if len(tokens) != len(caches) or not len(caches):
+            raise ValueError(f"forward_batch: {len(tokens)} tokens for {len(caches)} caches")
+        for kv in caches:
+            if kv.length >= kv.capacity:
+                raise UserError(f"context overflow: {kv.length + 1} tokens do not fit the context of {kv.capacity}")
+        cfg = self.cfg
+        x = np.concatenate([embed_tokens(cfg, self.embed, self.pos_embed, tokens[b:b + 1], kv.length)
+                            for b, kv in enumerate(caches)])                  # [B, d]
+        tables = {id(f): [rope_tables(f, kv.length, 1) for kv in caches] for f in self.inv_freq}
+        self.prime_head()
+        flash = hasattr(self.ffn, "decoding")       # a flash FFN: told the rows are decoded tokens, not a prompt's
+        if flash:
+            self.ffn.decoding = True
+        try:
+            for i in range(cfg.n_layers):
+                ropes = tables[id(self.inv_freq[i])]
+                x = self.blocks[i].rows(x, [(kv, kv.length, r) for kv, r in zip(caches, ropes)], self.ffn)
+                if self.after_layer is not None:
+                    self.after_layer()
+        finally:
+            if flash:
+                self.ffn.decoding = False
+        for kv in caches:
+            kv.length += 1
+        return output_logits(cfg, x, (self.norm_w, self.norm_b), self.lm_head)
 
     def prime_head(self) -> None:
         """Start reading a head streamed from flash (FlashMatrix.prime), so that its first chunks land while the

@@ -31,7 +31,7 @@ from storage.tokenizer import token_segments
 
 from . import BLAS_THREADS_FROM_USER
 from . import default_model
-from .budget import HEAP_SLACK_BYTES, BelowMinimum, Budget, resident_matrix_shapes
+from .budget import HEAP_SLACK_BYTES, BelowMinimum, Budget, positions, resident_matrix_shapes, set_contexts
 from .default_model import default_model_path, ensure_default_model
 from .ffn.gate import (CALIBRATION_CTX, CALIBRATION_TOKENS, LayerMagnitudes, calibration_seconds,
                        measure_thresholds)
@@ -108,7 +108,7 @@ def refuse_below_minimum(source: str | None, ffn: str, dram_budget: int, ctx: in
     if minimum == peak:
         raise below_loading_peak(dram_budget, peak - EARLY_SLACK_BYTES, base, estimated=True)
     raise BelowMinimum(dram_budget, minimum - EARLY_SLACK_BYTES, f"estimated before loading: process base about "
-                       f"{base / 2**20:.1f} MiB, the model's weights, kv cache and buffers for {ctx} positions "
+                       f"{base / 2**20:.1f} MiB, the model's weights, kv cache and buffers for {positions(ctx)} "
                        f"{(minimum - base) / 2**20:.1f} MiB")
 
 
@@ -272,7 +272,8 @@ class Model:
 
 def load(path: str | None = None, dram_budget: int | str | None = "auto", ffn: str = "auto", ctx: int = 0,
          threads: int | None = None, lookahead: bool = False, verbose: bool = False,
-         sparsity: float = DEFAULT_SPARSITY, act8: bool = True, say: bool = True, kv: KVOptions | None = None):
+         sparsity: float = DEFAULT_SPARSITY, act8: bool = True, say: bool = True, kv: KVOptions | None = None,
+         parallel: int = 1):
     """(model, tokenizer) for an HF directory, a GGUF file or a FLASHDIR, or a repo id in the Hugging Face cache
     (cache.resolve_model); None = the default model (fetched, and its predictors trained, on first use). dram_budget:
     bytes, a size string ("300M"), "auto" (the default: what the machine can give) or None (no limit); ffn as the
@@ -282,13 +283,15 @@ def load(path: str | None = None, dram_budget: int | str | None = "auto", ffn: s
     say: print the decision's notes and the mode --ffn auto chose (the commands do; the Python API only when
     verbose). A first use's work (download, conversion, training) is announced either way: it takes minutes.
     kv: how the KV cache is kept (kv_pages.KVOptions: cache types, Quest, the directory of its pages on flash;
-    default float16, exact)."""
+    default float16, exact). parallel: the sequences decoded together (serve --parallel), each with a KV cache of its
+    own: the plan counts that many contexts of ctx positions."""
     t0 = time.perf_counter()
     path = resolve_model(path)
     one_blas_thread()
     set_threads(threads)
     set_act8(act8)
     set_kv_options(kv or KVOptions())
+    set_contexts(parallel)
     budget = Budget.of(dram_budget)
     progress = sys.stderr.isatty()
     files = open_model_files(path, ffn, progress=progress, ctx=ctx, sparsity=sparsity, dram_budget=budget)

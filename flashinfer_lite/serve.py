@@ -2,9 +2,10 @@
 
 POST /v1/chat/completions and /v1/completions (server-sent events with "stream": true), GET /v1/models, GET /health,
 GET /metrics (Prometheus' text format). Each request answered is one line on stderr.
-The runtime holds one sequence, so one request generates at a time and the others wait in arrival order; its KV
-cache is kept, so a request whose prompt extends the last one's (the next turn of a conversation) evaluates only what
-it adds. A client that disconnects stops its generation. Starlette and uvicorn (the `serve` extra) are imported only
+By default one request generates at a time and the others wait in arrival order; --parallel N decodes up to N
+together (generate.DecodeBatch: one pass over the weights for all their tokens, each with a KV cache of its own).
+The KV caches are kept, so a request whose prompt extends an earlier one's (the next turn of a conversation)
+evaluates only what it adds. A client that disconnects stops its generation. Starlette and uvicorn (the `serve` extra) are imported only
 when this command runs.
 
 No web page can drive it: a browser's cross-site POST has to be a "simple" one (form or text/plain bodies), and every
@@ -36,14 +37,16 @@ from .api import encode_prompt, make_prompt_cache, stream_generate
 from .constrain import Constraint, checked, json_schema_grammar
 from .default_model import FILENAME as DEFAULT_MODEL_FILE
 from storage.errors import UserError
-from .generate import (Sampler, SamplingError, add_model_arguments, check_arguments, kv_options_from, rss_summary,
-                       streamed_head)
+from .generate import (DecodeBatch, Sampler, SamplingError, Session, add_model_arguments, check_arguments,
+                       kv_options_from, rss_summary, streamed_head)
 from .process import peak_rss_bytes, rss_bytes
 from .runtime import load
 from .tools import ToolError, ToolText, call_grammar, check_tool_choice, check_tools, template_message
 from storage.tokenizer import PromptTooLong, StopStrings
 
 MAX_STOP_STRINGS = 16
+MAX_PARALLEL = 64             # --parallel: a batched step's rows stay far below a prompt chunk's (the budget's
+                               # transients), each sequence a KV cache of its own
 MAX_CHOICES = 16               # n: choices of one prompt, generated one after the other
 MAX_TOP_LOGPROBS = 20          # OpenAI's bound of top_logprobs (the legacy completions' logprobs: 5)
 API_KEY_ENV = "FLASHINFER_LITE_API_KEY"
@@ -66,6 +69,9 @@ def add_arguments(p) -> None:
                                                    "or directory name)")
     p.add_argument("--timeout", type=float, default=60, metavar="SECONDS",
                    help="how long a client may take to send its request body (default 60)")
+    p.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
+                   help="sequences decoded together, each with a KV cache of its own that the budget counts: up to N "
+                        "requests generate at once, their tokens through one pass over the weights (default 1)")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -308,10 +314,17 @@ class Server:
         import numba
         self.args = args
         self.model, self.tokenizer = load(args.model, args.dram_budget, args.ffn, args.ctx_size, args.threads,
-                                          args.lookahead, args.verbose, kv=kv_options_from(args))
+                                          args.lookahead, args.verbose, kv=kv_options_from(args),
+                                          parallel=args.parallel)
         self.ctx = self.model.ctx
         self.name = args.alias or (Path(args.model).name if args.model else Path(DEFAULT_MODEL_FILE).stem)
-        self.cache = make_prompt_cache(self.model, self.tokenizer)
+        # --parallel N: N sessions (a KV cache each) whose passes run together on the batch's thread; a request takes
+        # a free one, the one whose cache holds the longest prefix of its prompt
+        self.batch = DecodeBatch(self.model.transformer, numba.get_num_threads()) if args.parallel > 1 else None
+        self.slots = [Session(self.model.transformer, self.tokenizer, self.ctx, batch=self.batch)
+                      for _ in range(args.parallel)] if self.batch else [make_prompt_cache(self.model, self.tokenizer)]
+        self.free = list(self.slots)
+        self.room = asyncio.Semaphore(len(self.slots))   # FIFO: waiting requests get a session in arrival order
         # The most text a context holds: ctx tokens of the longest vocabulary entry in UTF-8 (byte-level and
         # SentencePiece vocabularies spell a byte of text in 2 or 3 bytes: slack that also covers NFC composing 3
         # bytes into 2). A body holds its text spelt in JSON, at most JSON_ESCAPE bytes a byte.
@@ -323,19 +336,38 @@ class Server:
         self.prompt_tokens_total = 0      # the prompts' tokens (usage.prompt_tokens), cached or evaluated
         self.requests: dict[int, int] = {}   # HTTP status -> requests answered so (/metrics)
         self.waiting = 0                  # requests waiting for the model
-        self.lock = asyncio.Lock()   # FIFO: waiting requests get the model in arrival order
         # numba's thread count is per thread: the worker takes the one load() set here (-t)
         self.worker = ThreadPoolExecutor(1, "generate", initializer=numba.set_num_threads,
                                          initargs=(numba.get_num_threads(),))
-        self.worker.submit(self.warm_up).result()
+        # the sessions' generation loops (sampling, grammars, logprobs) with --parallel; one at a time on the
+        # worker without
+        self.steppers = ThreadPoolExecutor(len(self.slots), "sequence") if self.batch else self.worker
+        if self.batch:
+            list(self.steppers.map(self.warm_up, self.slots))
+        else:
+            self.worker.submit(self.warm_up, self.slots[0]).result()
 
-    def warm_up(self) -> None:
+    def warm_up(self, session) -> None:
         """A two-token prompt and one decode step, as llama-server warms up: the kernels' first calls (compiling or
-        loading them from numba's cache) are paid before the first request, not by it."""
+        loading them from numba's cache) are paid before the first request, not by it (with --parallel, every
+        session at once: the batched step's too)."""
         ids = self.tokenizer.encode("Hello there", add_special_tokens=True)[:2] or [0, 0]
-        for _ in stream_generate(self.model, self.tokenizer, ids, 2, prompt_cache=self.cache, ignore_eos=True):
+        for _ in stream_generate(self.model, self.tokenizer, ids, 2, prompt_cache=session, ignore_eos=True):
             pass
-        self.cache.reset()
+        session.reset()
+
+    def take_slot(self, ids: list[int]):
+        """The free session whose cache holds the longest prefix of ids (a conversation's next turn finds its own)."""
+        def shared(session) -> int:
+            n = 0
+            for a, b in zip(session.cached, ids):
+                if a != b:
+                    break
+                n += 1
+            return n
+        best = max(self.free, key=shared)
+        self.free.remove(best)
+        return best
 
     async def on_worker(self, fn, *args):
         """fn(*args) on the generation worker, after what it was given before."""
@@ -347,27 +379,27 @@ class Server:
         generation after the token being computed; a server stopping raises ShuttingDown after it."""
         self.waiting += 1
         try:
-            await self.lock.acquire()
+            await self.room.acquire()
         finally:
             self.waiting -= 1
+        session, loop, closed = self.take_slot(job.ids), asyncio.get_running_loop(), None
         try:
             if self.stopping:
                 raise ShuttingDown()
             if choice == 0:
                 self.prompt_tokens_total += len(job.ids)
-            loop = asyncio.get_running_loop()
             sampling = dict(job.sampling)
             if choice:
                 if sampling["seed"] >= 0:      # n choices of one seed: each its own draw, reproducibly
                     sampling["seed"] += choice
                 # each choice evaluates the prompt as the first did (from the same cached prefix, the rest in one
                 # pass): a prompt's last token evaluated alone gives slightly other logits than in a batch
-                self.worker.submit(self.cache.reset, job.cache_n)
+                await loop.run_in_executor(self.steppers, session.reset, min(job.cache_n, len(session.cached)))
             # a grammar per choice: its matcher follows one output
             constraint = None if job.grammar is None else await loop.run_in_executor(self.worker, self.constraint, job)
             # with tools the prompt's ids were rendered with them: those are fed as they are
             steps = stream_generate(self.model, self.tokenizer, job.ids if job.tools else job.prompt, job.max_tokens,
-                                    use_chat_template=job.chat, prompt_cache=self.cache,
+                                    use_chat_template=job.chat, prompt_cache=session,
                                     ignore_eos=self.args.ignore_eos, logits_processors=constraint and [constraint],
                                     logprobs=job.logprobs is not None, **sampling)
             stops, n, finish, shown = StopStrings(job.stop), 0, "stop", 0
@@ -376,7 +408,7 @@ class Server:
                 while not stops.stopped:
                     if self.stopping:
                         raise ShuttingDown()
-                    step, entry = await loop.run_in_executor(self.worker, next_step, steps, job.logprobs)
+                    step, entry = await loop.run_in_executor(self.steppers, next_step, steps, job.logprobs)
                     if step is None or step.finish_reason == "stop":   # the end-of-sequence token: no text of its own
                         break
                     n += 1
@@ -392,9 +424,10 @@ class Server:
                     if piece:
                         yield piece
             finally:
-                # the worker runs one call at a time, in order: the close waits for a token still being computed,
-                # and the next request's steps wait for the close
-                self.worker.submit(steps.close)
+                # the session goes back to the free ones once its generation is closed (a token still being computed
+                # is awaited there); without --parallel the worker runs one call at a time, in order, so the next
+                # request's steps wait for the close anyway
+                closed = self.steppers.submit(steps.close)
             if stops.stopped or (constraint is not None and constraint.matcher.is_stopped()):
                 finish = "stop"     # a grammar complete at the last token allowed ends as it would before it
             tail, found = stops.flush(), None
@@ -405,19 +438,26 @@ class Server:
                 finish = "tool_calls" if found else finish
             if tail:
                 yield tail
-            out = Outcome(finish, n, self.timings(job, n), found or None)
+            out = Outcome(finish, n, self.timings(job, n, session), found or None)
             job.cache_n = out.timings["cache_n"]
             yield out
         finally:
-            self.lock.release()
+            def release(_=None):
+                self.free.append(session)
+                self.room.release()
+            if closed is None:
+                release()
+            else:
+                closed.add_done_callback(lambda _: loop.call_soon_threadsafe(release))
 
     def constraint(self, job: Job):
         """job's grammar as a logits processor (the worker builds llguidance's vocabulary on first use)."""
         return Constraint(self.tokenizer, job.grammar, self.model.transformer.cfg.vocab_size)
 
-    def timings(self, job: Job, n: int) -> dict:
-        """llama-server's `timings`; predicted_ms counts the forward passes after the prompt's."""
-        t = self.cache.timings.as_dict()
+    def timings(self, job: Job, n: int, session) -> dict:
+        """llama-server's `timings`; predicted_ms counts the forward passes after the prompt's (with --parallel, the
+        batched steps this sequence was in, waits for them included)."""
+        t = session.timings.as_dict()
         return {"cache_n": len(job.ids) - t["prompt_tokens"], "prompt_n": t["prompt_tokens"],
                 "prompt_ms": t["prompt_ms"],
                 "prompt_per_token_ms": round(t["prompt_ms"] / t["prompt_tokens"], 3) if t["prompt_tokens"] else 0,
@@ -657,11 +697,14 @@ def metrics_text(server: Server) -> str:
             ("requests_total", "counter", "HTTP requests answered, by status",
              [(f'{{status="{k}"}}', v) for k, v in sorted(server.requests.items())]),
             ("requests_waiting", "gauge", "requests waiting for the model (the queue)", [("", server.waiting)]),
-            ("requests_processing", "gauge", "requests generating", [("", int(server.lock.locked()))]),
+            ("requests_processing", "gauge", "requests generating", [("", len(server.slots) - len(server.free))]),
             ("flash_read_bytes_total", "counter", "bytes of weights read from flash", [("", flash)]),
             ("rss_bytes", "gauge", "resident memory of the process", [("", rss_bytes())]),
             ("peak_rss_bytes", "gauge", "the kernel's high-water mark of the resident memory",
              [("", peak_rss_bytes())])]
+    if server.batch is not None:
+        rows.append(("batch_steps_total", "counter", "decode steps of --parallel, by the sequences each computed",
+                     [(f'{{sequences="{k}"}}', v) for k, v in sorted(server.batch.steps.items())]))
     if plan is not None and plan.requested:
         rows.append(("dram_budget_bytes", "gauge", "--dram-budget", [("", plan.budget_bytes)]))
     lines = []
@@ -777,6 +820,8 @@ def check_server_arguments(args) -> None:
         raise UserError("--api-key must be a non-empty key of printable characters without spaces")
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         raise UserError(f"--timeout {args.timeout} is out of range: a number of seconds > 0")
+    if not 1 <= args.parallel <= MAX_PARALLEL:
+        raise UserError(f"--parallel {args.parallel} is out of range: 1 to {MAX_PARALLEL} sequences")
 
 
 def run(args) -> int:
@@ -804,4 +849,5 @@ def run(args) -> int:
             Uvicorn(config).run(sockets=[sock])
         finally:
             server.worker.shutdown(wait=True)
+            server.steppers.shutdown(wait=True)
     return 0

@@ -266,6 +266,9 @@ class FlashFFN:
         self.streamed = [False] * cfg.n_layers    # exact gate, per layer: were its down rows read whole last time
         self._pass_lookups = 0   # hits + misses when the current forward pass began
         self._pass_streamed = False
+        # the rows are decoded tokens of several sequences (model.Transformer.forward_batch), not a prompt's: the
+        # exact gate reads their union's down rows as a decoded token's, and the bytes count as decode reads
+        self.decoding = False
 
     @property
     def predictors(self):
@@ -435,7 +438,10 @@ class FlashFFN:
             m = B.shape[0]
             self.stats.read_s += waited     # the wait for a read in flight (the next ones go on meanwhile)
             self.stats.io_s += rs.io_s
-            self.stats.prefill_bytes_read += rs.read_bytes
+            if self.decoding:
+                self.stats.read_bytes += rs.read_bytes
+            else:
+                self.stats.prefill_bytes_read += rs.read_bytes
             # The decode path's kernel and order: each row's selected neurons in bundle order, chunk after chunk,
             # accumulated into the same y[t] (its down bias stays out: it is added once per layer).
             coef = np.empty((x.shape[0], m), np.float32)
@@ -458,10 +464,11 @@ class FlashFFN:
         ids = np.flatnonzero(coef.any(axis=0))          # bundle ids any row needs, ascending
         y = np.zeros_like(x)
         self.streamed[layer] = True
-        if T > 1 and self.prefer_streaming(layer, [ids]):
+        decode = T == 1 or self.decoding
+        if not decode and self.prefer_streaming(layer, [ids]):
             self.stream_down(layer, coef, y)
             self.stats.streamed_layers += 1
-        elif T == 1 and self.stream_decode(layer, ids):
+        elif decode and self.stream_decode(layer, ids):
             self.stream_down(layer, coef, y, decode=True)
             self._pass_streamed = True
         else:
