@@ -6,10 +6,11 @@
 
 Per GGUF and prompt length, each round runs llama.cpp (harness.measure_llama: eval of the prompt's ids, no repacked
 buffers) and flashinfer-lite (harness.load_model's dense FFN in RAM, generate's Session, greedy) one after the other,
-the order alternating from round to round, each its own process (harness.run_row; no memory cap without --cap-fraction). The prompt is the
-first --prompt-tokens tokens of --prompt-file (WikiText-2's validation text by default). A row: prompt ms/token,
-flashinfer-lite's time to first token (the prompt, then the sampling), decode P50 over -n greedy tokens, and whether
-the greedy tokens agree with llama.cpp's. The table gives each engine's median over the rounds and their ratio.
+the order alternating from round to round, each its own process (harness.run_row; no memory cap without
+--cap-fraction). The prompt is the first --prompt-tokens tokens of --prompt-file (WikiText-2's validation text by
+default). A row: prompt ms/token, flashinfer-lite's time to first token (the prompt, then the sampling), decode P50
+over -n greedy tokens, and whether the greedy tokens agree with llama.cpp's. The table gives each engine's median
+over the rounds and their ratio.
 --cap-fraction F: both engines under a memory cgroup of F times the GGUF's size (page cache included), flashinfer-lite
 with --ffn auto and --dram-budget auto (what the cgroup leaves it: the exact gate from flash), llama.cpp's mapped file
 evicted and read again as it runs.
