@@ -2,13 +2,18 @@
 """A prompt's speed, llama.cpp against flashinfer-lite in RAM: the same GGUF, the same prompt tokens (issue #47).
 
     PYTHONPATH=. python bench/prompt_speed.py -m A.gguf [-m B.gguf] [--prompt-tokens 512,4000] [--rounds 2] [--md FILE]
+        [--cap-fraction 0.5]
 
 Per GGUF and prompt length, each round runs llama.cpp (harness.measure_llama: eval of the prompt's ids, no repacked
 buffers) and flashinfer-lite (harness.load_model's dense FFN in RAM, generate's Session, greedy) one after the other,
-the order alternating from round to round, each its own process (harness.run_row, no memory cap). The prompt is the
-first --prompt-tokens tokens of --prompt-file (WikiText-2's validation text by default). A row: prompt ms/token,
-flashinfer-lite's time to first token (the prompt, then the sampling), decode P50 over -n greedy tokens, and whether
-the greedy tokens agree with llama.cpp's. The table gives each engine's median over the rounds and their ratio.
+the order alternating from round to round, each its own process (harness.run_row; no memory cap without
+--cap-fraction). The prompt is the first --prompt-tokens tokens of --prompt-file (WikiText-2's validation text by
+default). A row: prompt ms/token, flashinfer-lite's time to first token (the prompt, then the sampling), decode P50
+over -n greedy tokens, and whether the greedy tokens agree with llama.cpp's. The table gives each engine's median
+over the rounds and their ratio.
+--cap-fraction F: both engines under a memory cgroup of F times the GGUF's size (page cache included), flashinfer-lite
+with --ffn auto and --dram-budget auto (what the cgroup leaves it: the exact gate from flash), llama.cpp's mapped file
+evicted and read again as it runs.
 Needs llama-cpp-python (the `bench` extra).
 """
 from __future__ import annotations
@@ -32,10 +37,13 @@ ROW_FIELDS = ("engine", "model", "prompt_tokens", "round", "load_s", "prompt_ms"
 # Workers: one row in this process
 
 def measure_flash(job: dict) -> dict:
-    """flashinfer-lite's generate path on the GGUF in RAM: the dense FFN, every weight in its block format."""
+    """flashinfer-lite's generate path on the GGUF: in RAM the dense FFN, every weight in its block format; under a
+    cap --ffn auto within --dram-budget auto."""
     from flashinfer_lite.generate import Sampler, Session
     t0 = time.perf_counter()
-    model, tokenizer, _ = h.load_model(job["gguf"], "dense", threads=job["threads"], ctx=job["ctx"])
+    capped = {"dram_budget": "auto"} if job.get("cap_bytes") else {}
+    model, tokenizer, _ = h.load_model(job["gguf"], "auto" if capped else "dense", threads=job["threads"],
+                                       ctx=job["ctx"], **capped)
     load_s = time.perf_counter() - t0
     session = Session(model, tokenizer, job["ctx"])
     steps = session.generate(job["prompt_ids"], job["n_gen"], Sampler(temp=0.0), ignore_eos=True)
@@ -100,7 +108,8 @@ def markdown(doc: dict) -> str:
     lines = [f"`{doc['command']}`", "",
              f"{doc['threads']} threads, {doc['rounds']} rounds, {doc['tokens']} greedy tokens a row; load average "
              f"{m['load_avg_start'][0]:.2f} at the start, {m['load_avg_end'][0]:.2f} at the end "
-             f"({m['cpus']} CPUs).", ""]
+             f"({m['cpus']} CPUs)." + (f" Memory cgroup: {doc['cap_fraction']:g} x each GGUF's size."
+                                          if doc.get("cap_fraction") else " No memory cap."), ""]
     rows = []
     for case in doc["cases"]:
         rs = case["rows"]
@@ -134,6 +143,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("-n", "--tokens", type=int, default=4, help="greedy tokens a row (decode P50, agreement)")
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--cap-fraction", type=float, default=None,
+                    help="run both engines under a memory cgroup of this fraction of the GGUF's size")
     h.add_arguments(ap, "--job")
     a = ap.parse_args(argv)
     if a.worker:
@@ -144,6 +155,8 @@ def main(argv=None) -> int:
         ap.error(f"--prompt-tokens takes comma-separated counts, not {a.prompt_tokens!r}")
     if not a.model:
         ap.error("give at least one GGUF with -m")
+    if a.cap_fraction is not None and not 0 < a.cap_fraction <= 1:
+        ap.error(f"--cap-fraction takes a fraction in (0, 1], not {a.cap_fraction}")
     for g in a.model:
         if not g.is_file():
             ap.error(f"no such GGUF: {g}")
@@ -152,20 +165,22 @@ def main(argv=None) -> int:
     for gguf in a.model:
         for n in lengths:
             ids = prompt_of(gguf, a.prompt_file, n)
+            cap = int(a.cap_fraction * gguf.stat().st_size) if a.cap_fraction else None
             job = {"gguf": str(gguf.resolve()), "prompt_ids": ids, "n_gen": a.tokens, "ctx": n + a.tokens + 1,
-                   "threads": a.threads, "llama_extra_bufts": False}
+                   "threads": a.threads, "llama_extra_bufts": False, "cap_bytes": cap}
             jp = work / f"{gguf.stem}-{n}.job.json"
             jp.write_text(json.dumps(job))
             print(f"prompt_speed: {gguf.name}, {n} prompt tokens", file=sys.stderr)
             rows = []
             for r in range(a.rounds):
                 for engine in (ENGINES if r % 2 == 0 else ENGINES[::-1]):
-                    res = h.run_row(__file__, engine, f"{gguf.stem}-{n}-{engine}-{r}", None, work, ["--job", jp])
+                    res = h.run_row(__file__, engine, f"{gguf.stem}-{n}-{engine}-{r}", cap, work, ["--job", jp])
                     res.update(engine=res.get("engine", engine), model=gguf.name, round=r)
                     rows.append({k: res[k] for k in ROW_FIELDS if k in res}
                                 | {k: res[k] for k in ("error", "below_minimum") if k in res})
-            cases.append({"model": gguf.name, "prompt_tokens": n, "rows": rows})
+            cases.append({"model": gguf.name, "prompt_tokens": n, "cap_bytes": cap, "rows": rows})
     doc = {"command": h.command("prompt_speed.py", argv), "threads": a.threads, "rounds": a.rounds,
+           "cap_fraction": a.cap_fraction,
            "tokens": a.tokens, "machine": mach, "cases": cases}
     return h.emit(doc, markdown, a.md, None if a.keep else work)
 

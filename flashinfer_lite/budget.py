@@ -45,7 +45,7 @@ from storage.profile import (DEFAULT_GAP_BYTES, DeviceRates, device_rates, reade
 from storage.reader import MAX_READ_BYTES, parts_span_bytes, span_bytes
 from storage.sizes import parse_size
 from . import kv_pages
-from .model import ATTENTION_KEY_BLOCK, ATTENTION_TILE_ROWS, PREFILL_CHUNK_ROWS, ModelConfig
+from .model import ATTENTION_HEAD_WORKERS, ATTENTION_KEY_BLOCK, ATTENTION_TILE_ROWS, PREFILL_CHUNK_ROWS, ModelConfig
 from .neuron_cache import MAP_BYTES_PER_NEURON, select_hot, staging_rows
 from .process import cgroup_room, rss_bytes
 
@@ -630,8 +630,9 @@ def prefill_transient_bytes(cfg: ModelConfig, ctx: int, gate: bool = False) -> i
       attention  a block's keys and values (model.ATTENTION_KEY_BLOCK positions, whatever the context) gathered
                  from their pages (float16, or float32 from q8_0: kv_pages.KVCache.rows) and widened [block, Hkv, hd]
                  x 2, one tile's scores [g x tile, block] and its mask (float64 + float32 + bool:
-                 model.attention_mask) [tile, block], the chunk's running sums and output [rows, H, hd] x 2, the
-                 chunk's keys and values encoded for their pages (q8_0's rounding: ~4 float32 copies)
+                 model.attention_mask) [tile, block] per thread of the KV heads (model.attention_workers), the
+                 chunk's running sums and output [rows, H, hd] x 2, the chunk's keys and values encoded for their
+                 pages (q8_0's rounding: ~4 float32 copies)
     SmolLM2 at -c 1024, measured (tracemalloc, a 256-token chunk after 768 cached): the exact gate's chunk peaks at
     7.4 MiB (planned: 13.8), a predicted run's of a 4096-neuron model at 25.4 MiB (planned: 29.8)."""
     U = min(PREFILL_CHUNK_ROWS, ctx)
@@ -641,7 +642,8 @@ def prefill_transient_bytes(cfg: ModelConfig, ctx: int, gate: bool = False) -> i
     g = cfg.n_heads // cfg.n_kv_heads
     tile = min(ATTENTION_TILE_ROWS, U)
     B, kv = min(ATTENTION_KEY_BLOCK, ctx), cfg.n_kv_heads * cfg.head_dim
-    attention = 2 * B * kv * 8 + tile * B * (4 * g + 13) + 2 * U * cfg.n_heads * (cfg.head_dim + 1) * 4 \
+    workers = min(ATTENTION_HEAD_WORKERS, cfg.n_kv_heads)
+    attention = 2 * B * kv * 8 + workers * tile * B * (4 * g + 13) + 2 * U * cfg.n_heads * (cfg.head_dim + 1) * 4 \
         + 2 * U * kv * 16
     return rows + attention
 

@@ -8,6 +8,7 @@ The last section reads a model's tensors as the runtime keeps them (load_weights
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -25,6 +26,7 @@ from .kernels.blocks import QuantMatrix, linear
 from .kernels.gemv import widen_rows
 from .kernels.norm import add_rms_norm_rows, rms_norm_rows
 from .kv_pages import PAGE_POSITIONS, KVCache, KVOptions
+from .threads import numba_threads
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -249,41 +251,68 @@ def prompt_attention(q: np.ndarray, kv: KVCache, slot: int, pos0: int, sliding_w
     total = np.zeros((Hkv, g, T), np.float32)
     # one tile's scores, for every tile: a flash runtime gives each array over 128 KiB a mapping of its own
     # (process.keep_freed_arrays_out_of_rss), whose pages fault in anew each time (+50% on this function's time)
-    room = np.empty(g * min(ATTENTION_TILE_ROWS, T) * min(ATTENTION_KEY_BLOCK, S), np.float32)
+    rooms = [np.empty(g * min(ATTENTION_TILE_ROWS, T) * min(ATTENTION_KEY_BLOCK, S), np.float32)
+             for _ in range(attention_workers(Hkv))]
     start = 0 if sliding_window is None else max(0, pos0 - sliding_window + 1)
     for b0 in range(start - start % ATTENTION_KEY_BLOCK, S, ATTENTION_KEY_BLOCK):
         b1 = min(b0 + ATTENTION_KEY_BLOCK, S)
         K, V = (b if b.dtype == np.float32 else widened(b) for b in kv.rows(slot, b0, b1))     # [b1 - b0, Hkv, hd]
-        for t0 in range(0, T, ATTENTION_TILE_ROWS):
-            rows = min(ATTENTION_TILE_ROWS, T - t0)
-            first, last = pos0 + t0, pos0 + t0 + rows - 1                 # the tile's positions
-            e = min(b1, last + 1)                                          # keys past `last` no row sees
-            if e <= b0 or (sliding_window is not None and b1 <= first - sliding_window + 1):
-                continue
-            n = e - b0
-            # without a sliding window every row sees the keys up to the tile's first position: a mask only where
-            # the block reaches past it (adding 0 elsewhere changed no score)
-            mask = None if sliding_window is None and e <= first + 1 else \
-                attention_mask(first, rows, sliding_window, b0)[:, :n]
-            for h in range(Hkv):
-                qt = np.ascontiguousarray(q[t0:t0 + rows, h * g:(h + 1) * g].transpose(1, 0, 2)).reshape(g * rows, hd)
-                scores = np.matmul(qt, K[:n, h].T, out=room[:g * rows * n].reshape(g * rows, n)).reshape(g, rows, n)
-                scores *= scale
-                if mask is not None:
-                    scores += mask
-                tile = slice(t0, t0 + rows)
-                m_old = m[h, :, tile]
-                m_new = np.maximum(m_old, scores.max(axis=-1))
-                safe = np.where(m_new == -np.inf, np.float32(0), m_new)  # a row that sees nothing yet keeps 0s
-                scores -= safe[:, :, None]
-                np.exp(scores, out=scores)
-                alpha = np.exp(m_old - safe)
-                total[h, :, tile] = total[h, :, tile] * alpha + scores.sum(axis=-1)
-                acc[h, :, tile] = acc[h, :, tile] * alpha[:, :, None] + (scores.reshape(g * rows, n) @ V[:n, h]
-                                                                         ).reshape(g, rows, hd)
-                m[h, :, tile] = m_new
+
+        def heads(first_head: int, room: np.ndarray) -> None:
+            """The block's scores for KV heads first_head, first_head + len(rooms), ... (each head's rows its own)."""
+            for t0 in range(0, T, ATTENTION_TILE_ROWS):
+                rows = min(ATTENTION_TILE_ROWS, T - t0)
+                first, last = pos0 + t0, pos0 + t0 + rows - 1                 # the tile's positions
+                e = min(b1, last + 1)                                          # keys past `last` no row sees
+                if e <= b0 or (sliding_window is not None and b1 <= first - sliding_window + 1):
+                    continue
+                n = e - b0
+                # without a sliding window every row sees the keys up to the tile's first position: a mask only
+                # where the block reaches past it (adding 0 elsewhere changed no score)
+                mask = None if sliding_window is None and e <= first + 1 else \
+                    attention_mask(first, rows, sliding_window, b0)[:, :n]
+                for h in range(first_head, Hkv, len(rooms)):
+                    qt = np.ascontiguousarray(q[t0:t0 + rows, h * g:(h + 1) * g].transpose(1, 0, 2)).reshape(
+                        g * rows, hd)
+                    scores = np.matmul(qt, K[:n, h].T, out=room[:g * rows * n].reshape(g * rows, n)).reshape(
+                        g, rows, n)
+                    scores *= scale
+                    if mask is not None:
+                        scores += mask
+                    tile = slice(t0, t0 + rows)
+                    m_old = m[h, :, tile]
+                    m_new = np.maximum(m_old, scores.max(axis=-1))
+                    safe = np.where(m_new == -np.inf, np.float32(0), m_new)  # a row that sees nothing yet keeps 0s
+                    scores -= safe[:, :, None]
+                    np.exp(scores, out=scores)
+                    alpha = np.exp(m_old - safe)
+                    total[h, :, tile] = total[h, :, tile] * alpha + scores.sum(axis=-1)
+                    acc[h, :, tile] = acc[h, :, tile] * alpha[:, :, None] + (scores.reshape(g * rows, n) @ V[:n, h]
+                                                                             ).reshape(g, rows, hd)
+                    m[h, :, tile] = m_new
+        if len(rooms) == 1:
+            heads(0, rooms[0])
+        else:   # numpy lets go of the GIL in each product and ufunc: the KV heads' work on as many cores
+            list(_attention_pool(len(rooms)).map(heads, range(len(rooms)), rooms))
     acc /= total[..., None]
     return acc.reshape(H, T, hd).transpose(1, 0, 2)
+
+
+# A prompt's attention runs its KV heads on up to this many threads (each head's arithmetic its own: the same bits);
+# budget.prefill_transient_bytes counts a tile's scores once per thread.
+ATTENTION_HEAD_WORKERS = 2
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+
+
+def attention_workers(kv_heads: int) -> int:
+    """Threads prompt_attention runs kv_heads heads on: Numba's thread count (-t), at most ATTENTION_HEAD_WORKERS."""
+    return max(1, min(kv_heads, numba_threads(), ATTENTION_HEAD_WORKERS))
+
+
+def _attention_pool(workers: int) -> ThreadPoolExecutor:
+    if workers not in _POOLS:
+        _POOLS[workers] = ThreadPoolExecutor(workers, "attention")
+    return _POOLS[workers]
 
 
 def stacked_rows(*ms):

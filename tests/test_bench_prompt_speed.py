@@ -27,3 +27,14 @@ def test_prompt_speed_rows_alternate_and_agree(smollm2_gguf):
         assert r["first_token_ms"] >= r["prompt_ms"]
     assert all(r["gen_tokens"] == rows[0]["gen_tokens"] for r in rows)
     assert "| yes |" in err
+
+
+@pytest.mark.parametrize("fraction", ["0", "1.5"])
+def test_a_cap_fraction_outside_0_1_is_one_line(fraction, tmp_path):
+    import subprocess
+    import sys
+    from conftest import DATA
+    repo = DATA.parents[1]
+    p = subprocess.run([sys.executable, str(repo / "bench" / "prompt_speed.py"), "-m", str(tmp_path / "x.gguf"),
+                        "--cap-fraction", fraction], cwd=repo, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--cap-fraction takes a fraction in (0, 1]" in p.stderr.strip().splitlines()[-1]

@@ -87,6 +87,21 @@ def test_paged_attention_matches_float64(T, pos0, window, rope, dram_pages, tmp_
 # ---------------------------------------------------------------------------------------------------------------
 # The model's two attention paths give the same logits
 
+def test_a_prompts_attention_has_the_same_bits_on_one_thread_or_two():
+    """A prompt's attention runs its KV heads on Numba's thread count (model.attention_workers, at most 2): each head's
+    arithmetic is its own, so the logits of every row are the same bits on one thread or two."""
+    from test_kernels import numba_threads
+    model, tok = load_reference(STORIES)
+    ids = tok.encode("Once upon a time, there was a little dog who liked to run in the park with his friends")
+    assert model.cfg.n_kv_heads > 1 and len(ids) > model_math.ATTENTION_KERNEL_MAX_T
+    out = []
+    for threads in (1, 2):
+        with numba_threads(threads):
+            assert model_math.attention_workers(model.cfg.n_kv_heads) == threads
+            out.append(model.forward(ids, model.new_cache(64), all_logits=True))
+    assert np.array_equal(out[0].view(np.uint32), out[1].view(np.uint32))
+
+
 def test_kernel_and_batched_attention_agree(monkeypatch):
     """Every token decoded one at a time through the paged kernels (kv_pages.KVCache.attend) vs every token in one
     batched numpy pass: both

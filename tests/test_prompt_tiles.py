@@ -85,3 +85,47 @@ def test_a_prompts_coefficients_in_parallel_have_the_serial_bits():
         with numba_threads(2):
             got = activations(act, g, u, -np.inf)
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), act
+
+
+def test_a_prompts_silu_coefficients_have_the_scalar_bits():
+    """The dense FFN's SiLU coefficients of a prompt (blocks.silu_coefficient_rows: glibc's expf 8 at a time) against
+    the decode path's scalar kernel, bit for bit: every 331st finite float32 bit pattern (each range expf treats
+    apart: underflow, overflow, subnormals, signed zeros) times up products of both signs. (Not infinities or NaNs:
+    the scalar kernel's division raises on some of them, a gate product is finite.)"""
+    from flashinfer_lite.ffn.dense import silu_reference
+    from flashinfer_lite.kernels.blocks import HAS_AVX512, prompt_silu_ok, silu_coefficient_rows
+    if not HAS_AVX512:
+        pytest.skip("the 8-wide SiLU needs AVX-512's permutes; the scalar path runs instead")
+    assert prompt_silu_ok(silu_reference)
+    g = np.arange(0, 1 << 32, 331, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    g = g[np.isfinite(g)]
+    g = g[:len(g) - len(g) % 4096].reshape(-1, 4096)
+    u = np.random.default_rng(5).standard_normal(g.shape).astype(np.float32) * 3
+    want, got = u.copy(), u.copy()
+    silu_reference(g, want)
+    with numba_threads(2):
+        silu_coefficient_rows(g, got)
+    same = got.view(np.uint32) == want.view(np.uint32)
+    assert same.all(), (g[~same][:5], got[~same][:5], want[~same][:5])
+
+
+@pytest.mark.parametrize("kinds", [("q4_k", "q6_k"), ("q5_0", "q8_0")])
+def test_a_prompts_dense_ffn_rows_have_the_decode_bits(kinds, act8):
+    """ffn.dense.FeedForward over matrices in blocks: a prompt's rows (the tiles, the 8-wide SiLU, the tiles of the
+    down products) give each row the bits of the decode path's fused kernel alone (ffn.quant.quant_ffn)."""
+    from types import SimpleNamespace
+    from flashinfer_lite.ffn.dense import FeedForward
+    from flashinfer_lite.ffn.quant import quant_ffn
+    from flashinfer_lite.kernels.blocks import QuantMatrix
+    rng = np.random.default_rng(11)
+    d, n = 512, 768
+    gate, up = (QuantMatrix(matrix(kinds[0], n, d, rng), kinds[0], d) for _ in range(2))
+    down = QuantMatrix(matrix(kinds[1], d, n, rng), kinds[1], n)
+    cfg = SimpleNamespace(glu=True, act="silu", relu_threshold=None)
+    ffn = FeedForward(cfg, {"p.gate.weight": gate, "p.up.weight": up, "p.down.weight": down}, 0, prefix="p.")
+    x = (rng.standard_normal((2 * DOT8_ROWS + 3, d)) * 2).astype(np.float32)
+    with numba_threads(2):
+        y = ffn(x)
+    with numba_threads(1):
+        one = np.concatenate([quant_ffn(x[t:t + 1], gate, up, down, "silu", None) for t in range(len(x))])
+    assert np.array_equal(y.view(np.uint32), one.view(np.uint32)), kinds

@@ -12,8 +12,9 @@ import numpy as np
 from storage.config import ModelConfig
 from storage.experts import ExpertLayout
 
-from ..kernels.blocks import QuantMatrix, linear
-from ..kernels.neurons import QUANT_FFN_ACTS, activations, add_weighted_rows, threshold_of
+from ..kernels.blocks import SILU_LANES, QuantMatrix, linear, prompt_silu_ok, silu_coefficient_rows
+from ..kernels.neurons import (QUANT_FFN_ACTS, act_code, activations, add_weighted_rows, coefficients_of_products,
+                               threshold_of)
 from .quant import DENSE_ROW_KERNEL_MAX_T, quant_experts, quant_ffn
 
 
@@ -41,14 +42,25 @@ class FeedForward:
         # x [T, d] -> a [T, n]; what a sparse FFN predicts and skips where it is zero
         c = self.cfg
         t = threshold_of(c.act, c.relu_threshold)
-        return activations(c.act, linear(x, self.w_gate, self.b_gate) if c.glu else None,
-                           linear(x, self.w_up, self.b_up), t)
+        g, u = linear(x, self.w_gate, self.b_gate) if c.glu else None, linear(x, self.w_up, self.b_up)
+        if (c.glu and c.act == "silu" and x.shape[0] > DENSE_ROW_KERNEL_MAX_T and u.shape[1] % SILU_LANES == 0
+                and u.dtype == np.float32 and u.flags.c_contiguous and prompt_silu_ok(silu_reference)):
+            silu_coefficient_rows(np.ascontiguousarray(g, np.float32), u)   # a prompt's: 8 at a time, the same bits
+            return u
+        return activations(c.act, g, u, t)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         if x.shape[0] <= DENSE_ROW_KERNEL_MAX_T and self.fused:
             y = quant_ffn(x, self.w_gate, self.w_up, self.w_down, self.cfg.act, self.cfg.relu_threshold)
             return y if self.b_down is None else y + self.b_down
         return linear(self.activations(x), self.w_down, self.b_down)
+
+def silu_reference(g: np.ndarray, u: np.ndarray) -> None:
+    """u[:] = the SiLU GLU coefficients of g and u by the decode path's scalar kernel (what blocks.prompt_silu_ok checks
+    the prompt's kernel against)."""
+    coefficients_of_products(g, u, np.zeros((g.shape[1], 0), np.float32), True, act_code("silu"),
+                             threshold_of("silu", None), -1, -1)
+
 
 def route(cfg: ModelConfig, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The router's choice, as transformers computes it: softmax over the experts' logits [T, E] (float32), the
