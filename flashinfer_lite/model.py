@@ -154,32 +154,16 @@ class Attention:
 
     def __call__(self, x: np.ndarray, kv: KVCache, pos0: int, rope: tuple | None) -> np.ndarray:
         cfg, T = self.cfg, x.shape[0]
-        H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        if self.wqkv is not None:
-            qkv = linear(x, self.wqkv)
-            cut = (0, H * hd, (H + Hkv) * hd, qkv.shape[1])    # slices, not np.split: ~10 us less per layer
-            q, k, v = (np.ascontiguousarray(qkv[:, a:b]) for a, b in zip(cut, cut[1:]))
-            q, k, v = (a if b is None else a + b for a, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
-            q, k, v = q.reshape(T, H, hd), k.reshape(T, Hkv, hd), v.reshape(T, Hkv, hd)
-        else:
-            q = linear(x, self.wq, self.bq).reshape(T, H, hd)
-            k = linear(x, self.wk, self.bk).reshape(T, Hkv, hd)
-            v = linear(x, self.wv, self.bv).reshape(T, Hkv, hd)
-        if self.q_norm is not None:
-            q, k = self.qk_normed(q, self.q_norm), self.qk_normed(k, self.k_norm)
+        q, k, v = self.qkv(x)
         if T <= ATTENTION_KERNEL_MAX_T:
-            out = np.empty((T, H, hd), np.float32)
-            no_rope = np.zeros((T, 0), np.float32)             # cos/sin [T, 0]: kv.attend rotates nothing
-            cos, sin = (rope[0][:, 0], rope[1][:, 0]) if rope is not None else (no_rope, no_rope)
-            kv.attend(self.slot, q, k, v, np.ascontiguousarray(cos), np.ascontiguousarray(sin), pos0,
-                      self.window or 0, self.scale, out)
-            return linear(out.reshape(T, H * hd), self.wo, self.bo)
+            out = np.empty((T, cfg.n_heads, cfg.head_dim), np.float32)
+            self.decode_attend(q, k, v, kv, pos0, rope, out)
+            return linear(out.reshape(T, -1), self.wo, self.bo)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         kv.write(self.slot, pos0, k, v)                        # rounded to float16 (or q8_0) as kv.attend does
         out = prompt_attention(q, kv, self.slot, pos0, self.window, self.scale)
-        out = out.reshape(T, H * hd)
-        return linear(out, self.wo, self.bo)
+        return linear(out.reshape(T, -1), self.wo, self.bo)
 
     def rows(self, x: np.ndarray, seqs: list[tuple]) -> np.ndarray:
         """A decode step of B sequences (Transformer.forward_batch): x [B, d], row b the token of seqs[b] = (its
@@ -201,8 +185,8 @@ class Attention:
                   self.window or 0, self.scale, out)
 
     def qkv(self, x: np.ndarray) -> tuple:
-        """The queries [T, H, hd], keys and values [T, Hkv, hd] of x [T, d] (biases added, qk_norm applied): the
-        first lines of __call__, which a batched decode step shares."""
+        """The queries [T, H, hd], keys and values [T, Hkv, hd] of x [T, d] (biases added, qk_norm applied), before
+        RoPE: kv.attend rotates a few tokens' own, prompt chunks rotate theirs in __call__."""
         cfg, T = self.cfg, x.shape[0]
         H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         if self.wqkv is not None:
