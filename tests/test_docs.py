@@ -113,6 +113,7 @@ WALKS = {
         "FlashFFN.selected": "the predicted selector's path: another mode than the walk's (docs/MODES.md)",
     }, outside={
         "storage.errors": "UserError is only raised: a failure ends the walk with one line",
+        "flashinfer_lite.threads": "numba_threads: the thread count the down sum's tasks are sized by, a setting read",
     }),
     "## Walk: `load()` to the first token": Walk(14, skip={
         "convert_in_child": "a model's first use: its conversion into the cache",

@@ -37,11 +37,11 @@ from storage.profile import stream_settings, stream_shape
 from storage.reader import BundleReader, FlashStats, RowStream, bundle_reader
 
 from ..kernels.blocks import K_KINDS, KINDS, act8_buffers, column_tables
-from ..kernels.neurons import (OUT_BLOCK, act_code, ffn_accumulate, ffn_coefficients, quant_ffn_accumulate,
+from ..kernels.neurons import (OUT_BLOCK, act_code, down_span, ffn_accumulate, ffn_coefficients, quant_ffn_accumulate,
                                quant_ffn_accumulate_rows, quant_gate_coefficients, threshold_of)
 from ..neuron_cache import NeuronCache, staging_rows
 from ..threads import beside_reads
-from .quant import down_span, sparse_ffns
+from .quant import sparse_ffns
 from .sparse import STORAGE_VIEWS
 
 

@@ -20,7 +20,7 @@ from storage.errors import UserError
 from ..kernels.blocks import (KINDS, QuantMatrix, act8_buffers, act8_of, act8_rounded, act8_row, column_tables,
                               quant_kind)
 from ..kernels.gemv import WIDEN_BLOCK_BYTES
-from ..kernels.neurons import (DOWN_PARTIALS, DOWN_SPAN_OUTPUTS, EXPERT_TASKS, OUT_BLOCK, act_code,
+from ..kernels.neurons import (DOWN_PARTIALS, EXPERT_TASKS, OUT_BLOCK, act_code, down_span,
                                coefficients_of_products, dequantize_dense_layer, quant_dense_ffn_row,
                                quant_experts_rows, quant_ffn_accumulate, quant_ffn_row, threshold_of)
 from ..threads import numba_threads
@@ -66,14 +66,6 @@ def dense_geometry(g) -> tuple[int, int]:
 def dense_row_bytes(g) -> int:
     """DRAM per neuron of QuantSparseFFN.dense_layer (what the budget counts for a resident FFN)."""
     return dense_geometry(g)[1] + g.vector_bytes("down")
-
-
-def down_span(out_block: int, d: int) -> int:
-    """The outputs of a task of quant_ffn_accumulate: whole out_blocks, as many as two tasks per thread allow (up to
-    DOWN_SPAN_OUTPUTS). Each task walks every fired down row, so longer spans read longer pieces of each in fewer
-    passes over the set (the exact gate's 64-output tasks of a real 1.5B spent 2-3x the time of 384-output ones on
-    walking); an element's sum runs in slot order whatever the span."""
-    return out_block * max(1, min(DOWN_SPAN_OUTPUTS // out_block, d // (out_block * 2 * numba_threads())))
 
 
 class QuantSparseFFN(SparseFFN):
