@@ -135,7 +135,7 @@ def measure_row(job: dict) -> dict:
             d[mode] = {"answer": text.strip()[:20], "found": str(key) in text,
                        "ms_per_token": round(sum(ms) / max(len(ms), 1), 1),
                        "pages_read": round(p["pages_read"], 1), "flash_pages_read": round(p["flash_pages_read"], 1),
-                       "pages": round(p["pages"], 1)}
+                       "pages": round(p["pages"], 1), "read_ahead": round(p["read_ahead"], 3)}
         row["depths"].append(d)
     return row
 

@@ -41,4 +41,5 @@ def test_rows_hold_exact_and_quest_from_one_prompt_within_the_cap():
         exact, quest = d["exact"], d["quest"]
         assert exact["pages_read"] == exact["pages"] > quest["pages_read"] > 0
         assert isinstance(exact["found"], bool) and isinstance(quest["answer"], str)
+        assert exact["flash_pages_read"] == 0 or exact["read_ahead"] > 0.5    # pages read while the layer before ran
     assert "| 256 |" in md and "llama.cpp peak RSS MiB" in md
