@@ -168,8 +168,8 @@ def markdown(doc: dict) -> str:
                          f"{e['answer']!r} / {q['answer']!r}", r["oom"]])
     lines += h.table(["-c", "peak RSS MiB", "pages in DRAM / layer", "depth", "prompt s", "ms/token exact / Quest",
                       "pages read per token (flash) exact / Quest", "passkey found", "answers", "OOM kills"], rows)
-    more = [[r["ctx"], ms(r.get("dram"), "ms_per_token"), mib(r.get("llama")), ms(r.get("llama"), "p50_ms"),
-             ms(r.get("llama"), "prompt_ms"), ms(r.get("llama"), "found")] for r in doc["rows"]
+    more = [[r["ctx"], ms(r.get("dram"), "ms_per_token"), mib(r.get("llama")), ms(r.get("llama"), "p50_ms", "-"),
+             ms(r.get("llama"), "prompt_ms", "-"), ms(r.get("llama"), "found", "-")] for r in doc["rows"]
             if "dram" in r or "llama" in r]
     for r in doc["rows"]:
         if "ppl" in r:
@@ -183,9 +183,9 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def ms(r: dict | None, key: str) -> str:
-    """A figure of an extra row, or why it has none (OOM-killed, refused, not run)."""
-    return "not run" if r is None else str(r[key]) if key in r else h.failed(r)
+def ms(r: dict | None, key: str, why: str | None = None) -> str:
+    """A figure of an extra row, or why it has none (OOM-killed, refused, not run; `why` instead, if given)."""
+    return "not run" if r is None else str(r[key]) if key in r else why or h.failed(r)
 
 
 def mib(r: dict | None) -> str:
