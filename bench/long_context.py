@@ -3,10 +3,11 @@
 WikiText filler) run in a DRAM budget that holds a -c 2048 run's minimum plus 64 MiB, under a memory cgroup of that
 size: the KV pages beyond the budget's share go to flash. Per row: peak RSS, prompt time, and per decode mode (exact:
 every page; Quest: --quest-share of the pages + the first and the latest) decode ms/token, KV pages read per token
-(from flash) and the passkey answers.
+(from flash) and the passkey answers. Per context also (--dram-row) the exact mode unbudgeted, every page in DRAM, and
+(--llama) llama.cpp (llama-cpp-python, no repacked buffers) on the first depth's prompt in the same cgroup.
 
     PYTHONPATH=. python bench/long_context.py -m GGUF [--contexts 2048,4096,8192] [--depths 0.1,0.5,0.9]
-        [--quest-share 0.25] [--budget-mib N | --budget-ctx 2048] [--md FILE]
+        [--prompt-tokens N] [--quest-share 0.25] [--budget-mib N | --budget-ctx 2048] [--dram-row] [--llama] [--md FILE]
 
 The prompt runs once per depth; both modes decode from it (the prompt is exact in both): exact first, then the cache
 is cut back to the prompt (KVCache.reset) and Quest decodes. Times come from a shared 2-core machine: the load
@@ -47,6 +48,64 @@ def decode(model, kv, logits, n: int) -> tuple[list[int], list[float]]:
     return out, ms
 
 
+def measure_dram(job: dict) -> dict:
+    """Decode ms/token, exact, with no budget: every weight and every KV page in DRAM. Only the time is asked of this
+    row, which does not depend on the values attended over: the cache is filled with the prompt's length of random
+    rows instead of a prompt (a second prefill of the prompt would double the bench's cost)."""
+    import numpy as np
+    from flashinfer_lite.kv_pages import KVCache, KVOptions
+    model, _, _ = h.load_model(job["gguf"], "auto", threads=job["threads"], ctx=job["ctx"], dram_budget=None)
+    kv = KVCache(model.cfg, job["ctx"], options=KVOptions())
+    rng, n, shape = np.random.default_rng(0), job["prompt_tokens"], (model.cfg.n_kv_heads, model.cfg.head_dim)
+    for layer in range(model.cfg.n_layers):
+        for at in range(0, n, 1024):
+            k, v = rng.standard_normal((2, min(1024, n - at), *shape), dtype=np.float32)
+            kv.write(layer, at, k, v)
+    kv.length = n
+    _, ms = decode(model, kv, np.zeros(1), job["n_gen"])
+    return {"ms_per_token": round(sum(ms) / len(ms), 1), "dram_pages": kv.dram_pages, "pages": kv.pages}
+
+
+def measure_llama(job: dict) -> dict:
+    """harness.measure_llama on the prompt's ids, and the text of its greedy tokens (llama.cpp's own vocabulary)."""
+    import llama_cpp
+    r = h.measure_llama(job)
+    text = llama_cpp.Llama(job["gguf"], vocab_only=True, verbose=False).detokenize(r["gen_tokens"]).decode(
+        errors="replace")
+    return dict(r, answer=text.strip()[:20], found=str(job["key"]) in text)
+
+
+def measure_ppl(job: dict) -> dict:
+    """Perplexity of the last job["ppl"] tokens of a passage of the prompt's length (the filler text from its start),
+    exact and Quest: the passage before them runs as a prompt once; exact scores them as prompt chunks of 16, Quest
+    one decode step each (it selects pages only when decoding), from the same cache cut back to the passage's start.
+    Log-probabilities in float64, a row at a time (the logits of 1,000 rows would be 600 MB on a Qwen vocabulary)."""
+    import numpy as np
+    from flashinfer_lite.kv_pages import KVCache, KVOptions, PageStats
+
+    def logp(x, t):
+        x = x.astype(np.float64)
+        return x[t] - x.max() - np.log(np.exp(x - x.max()).sum())
+    model, tok, _ = h.load_model(job["gguf"], "auto", threads=job["threads"], ctx=job["ctx"],
+                                 dram_budget=job["budget"], kv=KVOptions(quest_share=job["quest_share"]))
+    ids = tok.encode(Path(job["filler"]).read_text()[:job["prompt_tokens"] * 6])[:job["prompt_tokens"]]
+    head, kv = len(ids) - job["ppl"], KVCache(model.cfg, job["ctx"], options=model.kv_options)
+    t0 = time.perf_counter()
+    last = model.forward(ids[:head], kv)
+    row = {"tokens": len(ids), "scored": len(ids) - head, "prompt_s": round(time.perf_counter() - t0, 1)}
+    for mode in ("exact", "quest"):
+        kv.reset(head)
+        kv.options = model.kv_options if mode == "quest" else replace(model.kv_options, quest_share=0.0)
+        kv.stats, total = PageStats(), logp(last, ids[head])
+        step = 16 if mode == "exact" else 1
+        for at in range(head, len(ids) - 1, step):
+            x = model.forward(ids[at:min(at + step, len(ids) - 1)], kv, all_logits=True)
+            total += sum(logp(r, ids[at + 1 + i]) for i, r in enumerate(x))
+        row[mode] = round(float(np.exp(-total / row["scored"])), 4)
+    row["quest_pages_read"] = round(kv.stats.per_token()["pages_read"], 1)
+    return row
+
+
 def measure_row(job: dict) -> dict:
     from flashinfer_lite.kv_pages import KVCache, KVOptions, PageStats
     quest = KVOptions(quest_share=job["quest_share"])
@@ -54,17 +113,19 @@ def measure_row(job: dict) -> dict:
     model, tok, _ = h.load_model(job["gguf"], "auto", threads=job["threads"], ctx=job["ctx"],
                                  dram_budget=job["budget"], kv=quest)
     load_s = time.perf_counter() - t0
-    filler = tok.encode(Path(h.CORPUS / "wikitext2_test.txt").read_text()[:job["ctx"] * 8])
+    filler = tok.encode(Path(job["filler"]).read_text()[:job["prompt_tokens"] * 6])
+    filler *= -(-job["prompt_tokens"] // len(filler))        # a short file's text again, as often as it takes
     options = model.kv_options
     kv = KVCache(model.cfg, job["ctx"], options=options)
     row = {"load_s": round(load_s, 3), "dram_pages": kv.dram_pages, "pages": kv.pages, "depths": []}
     for i, depth in enumerate(job["depths"]):
         key = 10000 + (7919 * (i + 1) * job["ctx"]) % 90000
-        ids = passkey_ids(tok, filler, job["ctx"] - job["n_gen"], depth, key)
+        ids = passkey_ids(tok, filler, job["prompt_tokens"], depth, key)
         kv.reset()
         t0 = time.perf_counter()
         logits = model.forward(ids, kv)
-        d = {"depth": depth, "key": key, "prompt_tokens": len(ids), "prompt_s": round(time.perf_counter() - t0, 1)}
+        d = {"depth": depth, "key": key, "prompt_tokens": len(ids), "prompt_s": round(time.perf_counter() - t0, 1),
+             "ids": ids if i == 0 else None}
         for mode, o in (("exact", replace(options, quest_share=0.0)), ("quest", options)):
             kv.options, kv.stats = o, PageStats()
             kv.reset(len(ids))
@@ -74,7 +135,7 @@ def measure_row(job: dict) -> dict:
             d[mode] = {"answer": text.strip()[:20], "found": str(key) in text,
                        "ms_per_token": round(sum(ms) / max(len(ms), 1), 1),
                        "pages_read": round(p["pages_read"], 1), "flash_pages_read": round(p["flash_pages_read"], 1),
-                       "pages": round(p["pages"], 1)}
+                       "pages": round(p["pages"], 1), "read_ahead": round(p["read_ahead"], 3)}
         row["depths"].append(d)
     return row
 
@@ -107,7 +168,28 @@ def markdown(doc: dict) -> str:
                          f"{e['answer']!r} / {q['answer']!r}", r["oom"]])
     lines += h.table(["-c", "peak RSS MiB", "pages in DRAM / layer", "depth", "prompt s", "ms/token exact / Quest",
                       "pages read per token (flash) exact / Quest", "passkey found", "answers", "OOM kills"], rows)
+    more = [[r["ctx"], ms(r.get("dram"), "ms_per_token"), mib(r.get("llama")), ms(r.get("llama"), "p50_ms", "-"),
+             ms(r.get("llama"), "prompt_ms", "-"), ms(r.get("llama"), "found", "-")] for r in doc["rows"]
+            if "dram" in r or "llama" in r]
+    for r in doc["rows"]:
+        if "ppl" in r:
+            p = r["ppl"]
+            lines.append(f"\n-c {r['ctx']}: perplexity of the last {p['scored']} of {p['tokens']} tokens, exact "
+                         f"{p['exact']} / Quest {p['quest']} ({p['quest_pages_read']} pages read per token), peak RSS "
+                         f"{p['peak_rss_bytes'] / MIB:.0f} MiB" if "exact" in p else f"\nperplexity: {h.failed(p)}")
+    if more:
+        lines += ["", *h.table(["-c", "ms/token exact, every page in DRAM (no budget)", "llama.cpp peak RSS MiB",
+                                "llama.cpp ms/token (P50)", "llama.cpp prompt ms", "llama.cpp passkey found"], more)]
     return "\n".join(lines)
+
+
+def ms(r: dict | None, key: str, why: str | None = None) -> str:
+    """A figure of an extra row, or why it has none (OOM-killed, refused, not run; `why` instead, if given)."""
+    return "not run" if r is None else str(r[key]) if key in r else why or h.failed(r)
+
+
+def mib(r: dict | None) -> str:
+    return "not run" if r is None else h.failed(r) if "error" in r else f"{r['peak_rss_bytes'] / MIB:.0f}"
 
 
 def main(argv=None) -> int:
@@ -120,10 +202,17 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-ctx", type=int, default=2048, help="the context whose minimum sets the budget (2048)")
     ap.add_argument("-n", "--n-gen", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt-tokens", type=int, help="prompt length (default: the context less -n)")
+    ap.add_argument("--filler", type=Path, default=h.CORPUS / "wikitext2_test.txt", help="the text the key hides in")
+    ap.add_argument("--dram-row", action="store_true", help="also decode exact with no budget, every page in DRAM")
+    ap.add_argument("--llama", action="store_true", help="also llama.cpp on the first depth's prompt, same cgroup")
+    ap.add_argument("--ppl", type=int, default=0, help="also the perplexity of the filler's last N tokens of a "
+                    "--prompt-tokens passage, exact and Quest, same cgroup")
     h.add_arguments(ap, "--job")
     a = ap.parse_args(argv)
     if a.worker:
-        return h.worker(a.out, a.worker, lambda: measure_row(json.loads(Path(a.job).read_text())))
+        measure = dict(row=measure_row, dram=measure_dram, ppl=measure_ppl, **{"llama.cpp": measure_llama})[a.worker]
+        return h.worker(a.out, a.worker, lambda: measure(json.loads(Path(a.job).read_text())))
     if a.model is None:
         ap.error("-m GGUF is required")
     work = h.work_dir(a, "long-context-")
@@ -136,11 +225,23 @@ def main(argv=None) -> int:
            "quest_share": a.quest_share, "rows": []}
     for ctx in map(int, a.contexts.split(",")):
         job = work / f"job-{ctx}.json"
-        job.write_text(json.dumps({"gguf": str(a.model), "ctx": ctx, "budget": budget, "threads": a.threads,
-                                   "n_gen": a.n_gen, "quest_share": a.quest_share,
-                                   "depths": [float(x) for x in a.depths.split(",")]}))
-        r = h.run_row(__file__, "row", f"ctx-{ctx}", budget, work, ["--job", job])
-        doc["rows"].append(dict(r, ctx=ctx, oom=r.get("memcap", {}).get("oom_kills")))
+        spec = {"gguf": str(a.model), "ctx": ctx, "budget": budget, "threads": a.threads, "n_gen": a.n_gen,
+                "ppl": a.ppl, "quest_share": a.quest_share, "depths": [float(x) for x in a.depths.split(",") if x],
+                "prompt_tokens": a.prompt_tokens or ctx - a.n_gen, "filler": str(a.filler.resolve())}
+        job.write_text(json.dumps(spec))
+        r = {"depths": []} if not spec["depths"] else h.run_row(__file__, "row", f"ctx-{ctx}", budget, work,
+                                                                   ["--job", job])
+        r = dict(r, ctx=ctx, oom=r.get("memcap", {}).get("oom_kills"))
+        if a.ppl:
+            r["ppl"] = h.run_row(__file__, "ppl", f"ppl-{ctx}", budget, work, ["--job", job])
+        ids = [d.pop("ids") for d in r.get("depths", [])][:1]
+        if a.dram_row:
+            r["dram"] = h.run_row(__file__, "dram", f"dram-{ctx}", None, work, ["--job", job])
+        if a.llama and ids:
+            job.write_text(json.dumps(dict(spec, prompt_ids=ids[0], key=r["depths"][0]["key"],
+                                           llama_extra_bufts=False)))
+            r["llama"] = h.run_row(__file__, "llama.cpp", f"llama-{ctx}", budget, work, ["--job", job])
+        doc["rows"].append(r)
     return h.emit(doc, markdown, a.md, None if a.keep else work)
 
 

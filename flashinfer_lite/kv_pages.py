@@ -6,6 +6,12 @@ the whole cache: a decode step two passes over the pages it reads (the scores, t
 float32 operation is the same wherever a page lives, so the exact mode's bits do not depend on the budget), a prompt
 chunk the layer's positions gathered into one array (model.prompt_attention).
 
+Reads from the file run in a thread of the cache's own, one batch of pages ahead of the batch attention computes on
+(two staging buffers in turn), as the FFN's rows stream while the layer before computes: the values' first batch while
+the keys' last is scored, and, where the next read is known before it is asked for, the next layer's first batch
+(exact decode: the same pages; a prompt: the next block of keys). A read ahead whose pages are written to the file
+before it is used, or that is not what comes next, is dropped: the bytes attention reads are the file's.
+
 Quest (Tang et al. 2024): each page keeps the per-channel min and max of its keys (after RoPE); a query's upper bound
 on q.k over a page is sum_c max(q_c min_c, q_c max_c), and a decode step reads only the pages with the largest bounds
 (`quest_pages`), plus the first (the attention sink) and the latest. Off by default: an approximation.
@@ -18,6 +24,7 @@ from __future__ import annotations
 import errno
 import os
 import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +41,8 @@ from .kernels.attention import page_scores, page_values, rotate_rows
 # Hkv x hd >= 64 (every real model), so a page is one O_DIRECT read with no padding; and Quest's bounds stay tight
 # (its paper's 16 is twice the metadata: 2 x 4 x Hkv x hd bytes a page, 1/8 of a float16 page's bytes at 32 vs 1/4).
 PAGE_POSITIONS = 32
-# Pages read from flash per batch (per keys or values): the staging buffers' size, whatever the context.
+# Pages read from flash per batch (keys or values): the size of each of the two staging buffers, whatever the
+# context (one batch in use, the next one in flight).
 STAGE_PAGES = 16
 FILE_ALIGN = 4096           # O_DIRECT's alignment of offsets, sizes and buffers (the logical block, at most)
 CACHE_TYPES = ("f16", "q8_0")
@@ -195,7 +203,8 @@ def fixed_bytes(cfg: ModelConfig, capacity: int, options: KVOptions) -> int:
     L, P, n = cfg.n_layers, n_pages(capacity), cfg.n_kv_heads * cfg.head_dim
     kinds = (options.type_k, options.type_v)
     tails = L * sum(slot_bytes(cfg, k) for k in kinds)
-    staging = sum(STAGE_PAGES * (slot_bytes(cfg, k) + (PAGE_POSITIONS * n * 4 if k == "q8_0" else 0)) for k in kinds)
+    staging = 2 * STAGE_PAGES * max(slot_bytes(cfg, k) for k in kinds) + \
+        sum(STAGE_PAGES * PAGE_POSITIONS * n * 4 for k in kinds if k == "q8_0")
     scores = 2 * cfg.n_heads * capacity * 4 + L * P * 2 + P * (cfg.n_kv_heads + 8)
     quest = (L * P * (2 * n * 4 + 8) + 3 * cfg.n_heads * P * cfg.head_dim * 4) if options.quest else 0
     return tails + staging + scores + quest
@@ -284,16 +293,41 @@ class PageFile:
 
 @dataclass
 class PageStats:
-    """Decode steps and the pages their attention read (summed over layers), of which from flash."""
+    """Decode steps and the pages their attention read (summed over layers), of which from flash; and the reads of
+    flash pages (keys and values each) that were in flight before attention asked for them."""
     steps: int = 0
     pages_read: int = 0
     flash_pages_read: int = 0
     pages_held: int = 0         # pages of the context at each step, summed (what exact attention would read)
+    flash_reads: int = 0        # page reads from the file (a page's keys and its values: two)
+    flash_reads_ahead: int = 0  # of which submitted before their batch was asked for
 
     def per_token(self) -> dict:
         s = max(self.steps, 1)
         return {"pages_read": self.pages_read / s, "flash_pages_read": self.flash_pages_read / s,
-                "pages": self.pages_held / s}
+                "pages": self.pages_held / s, "read_ahead": self.flash_reads_ahead / max(self.flash_reads, 1)}
+
+
+class PageRead:
+    """Pages (ascending, one batch) of a layer's keys (w = 0) or values being read from the file into a staging
+    buffer by the cache's reading thread."""
+
+    def __init__(self, w: int, layer: int, pages: np.ndarray, buf: np.ndarray, future: Future):
+        self.w, self.layer, self.pages, self.buf, self.future = w, layer, pages, buf, future
+
+    def is_(self, w: int, layer: int, pages: np.ndarray) -> bool:
+        return self.w == w and self.layer == layer and np.array_equal(self.pages, pages)
+
+    def wait(self) -> np.ndarray:
+        self.future.result()            # the read's OSError, if it failed
+        return self.buf
+
+    def drop(self) -> None:
+        """Wait for a read nobody will use (its buffer is about to be reused); its error is the next read's to find."""
+        try:
+            self.future.result()
+        except OSError:
+            pass
 
 
 class KVCache:
@@ -334,7 +368,10 @@ class KVCache:
             t[:] = 0               # rows not yet written are read as zeros (q8_0: no NaN from stale bytes), never used
         self.tail_page = np.full(L, -1, np.int64)            # the page each layer's tail holds
         self.flushed = np.zeros((L, self.pages), bool)       # pages written to the file
-        self.staging = None
+        self.staging = None         # two buffers, in turn (page_values)
+        self.turn = 0
+        self.ahead: PageRead | None = None      # the read in flight beyond the batch in use
+        self.reads = None                       # the reading thread (ThreadPoolExecutor), on the first read
         self.every_page = np.ones((self.pages, self.Hkv), np.uint8)          # exact attention's `chosen`
         self.page_ids = np.arange(self.pages, dtype=np.int64)
         if o.quest:
@@ -349,6 +386,9 @@ class KVCache:
         self.length = length
 
     def close(self) -> None:
+        if self.reads is not None:
+            self.reads.shutdown(wait=True)
+            self.reads, self.ahead = None, None
         if self.file is not None:
             self.file.close()
 
@@ -429,6 +469,9 @@ class KVCache:
     def _flush(self, layer: int, p: int) -> None:
         if self.file is None:
             self.file = PageFile(kv_directory(self.options), self.slot_bytes, self.n_layers, self.pages)
+        if self.ahead is not None and self.ahead.layer == layer and p in self.ahead.pages:
+            self.ahead.drop()           # it read the page as it was (a context cut and grown again)
+            self.ahead = None
         for w in (0, 1):
             self.file.write(w, layer, p, self.tail[w][layer])
         self.flushed[layer, p] = True
@@ -436,12 +479,55 @@ class KVCache:
 
     # ---- reading
 
-    def page_values(self, layer: int, w: int, pages: np.ndarray):
+    def flash_pages(self, layer: int, pages: np.ndarray) -> np.ndarray:
+        """Of pages (ascending) of a layer, those read from the file: past the DRAM share and not the one being
+        filled."""
+        return pages[(pages >= self.dram_pages) & (pages != self.tail_page[layer])]
+
+    def _read(self, w: int, layer: int, pages: np.ndarray) -> PageRead:
+        """Start reading a batch of pages into the staging buffer the batch before it does not use."""
+        if self.staging is None:
+            self.staging = tuple(aligned_empty((STAGE_PAGES * max(self.slot_bytes),), np.uint8, FILE_ALIGN)
+                                 for _ in range(2))
+            self.reads = ThreadPoolExecutor(1, thread_name_prefix="kv-pages")
+        self.turn ^= 1
+        s = self.slot_bytes[w]
+        buf = self.staging[self.turn][:STAGE_PAGES * s].reshape(STAGE_PAGES, s)
+        return PageRead(w, layer, pages, buf, self.reads.submit(self.file.read, w, layer, pages, buf[:len(pages)]))
+
+    def _take(self, w: int, layer: int, pages: np.ndarray) -> PageRead:
+        """The read of this batch: the one in flight if it is this batch, else one started now."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            if ahead.is_(w, layer, pages):
+                self.stats.flash_reads_ahead += len(pages)
+                return ahead
+            ahead.drop()
+        return self._read(w, layer, pages)
+
+    def read_ahead(self, w: int, layer: int, pages: np.ndarray) -> None:
+        """Start reading the first batch of the pages a later page_values(layer, w, pages) will read from the file
+        (the pages there now, written in full), unless a read is in flight already."""
+        if self.ahead is not None or self.file is None or not 0 <= layer < self.n_layers:
+            return
+        flash = self.flash_pages(layer, pages)
+        flash = flash[self.flushed[layer, flash]][:STAGE_PAGES]
+        if len(flash):
+            self.ahead = self._read(w, layer, flash)
+
+    def page_values(self, layer: int, w: int, pages: np.ndarray, then: tuple | None = None):
         """Pages (ascending) of a layer's keys (w = 0) or values, as the kernels read them: yields (store, slots,
         pages) in ascending page order, store [n, P, Hkv, hd] (float16 bits or float32) holding page pages[i] at
-        slots[i]; pages from flash in batches of STAGE_PAGES."""
+        slots[i]; pages from flash in batches of STAGE_PAGES, each read while the one before is in use. then:
+        (w, layer, pages) of the page_values that will come next, whose first batch is read while the last one here
+        is in use."""
         shape = (PAGE_POSITIONS, self.Hkv, self.hd)
         kind, pb = self.kinds[w], self.page_bytes[w]
+        flash = self.flash_pages(layer, pages)
+        batches = [flash[i:i + STAGE_PAGES] for i in range(0, len(flash), STAGE_PAGES)]
+        read = self._take(w, layer, batches[0]) if batches else None      # in flight while the DRAM pages are used
+        if not batches and then is not None:
+            self.read_ahead(*then)
         dram = pages[pages < self.dram_pages]
         if len(dram):
             if kind == "f16":
@@ -450,16 +536,17 @@ class KVCache:
                 for i in range(0, len(dram), STAGE_PAGES):
                     some = dram[i:i + STAGE_PAGES]
                     yield readable(kind, self.pool[w][layer][some], (-1, *shape)), np.arange(len(some)), some
-        rest = pages[pages >= self.dram_pages]
-        tail = rest[rest == self.tail_page[layer]]
-        flash = rest[rest != self.tail_page[layer]]
-        if len(flash):
-            if self.staging is None:
-                self.staging = tuple(aligned_empty((STAGE_PAGES, s), np.uint8, FILE_ALIGN) for s in self.slot_bytes)
-            for i in range(0, len(flash), STAGE_PAGES):
-                some = flash[i:i + STAGE_PAGES]
-                self.file.read(w, layer, some, self.staging[w])
-                yield readable(kind, self.staging[w][:len(some), :pb], (-1, *shape)), np.arange(len(some)), some
+        for i, some in enumerate(batches):
+            if i + 1 < len(batches):
+                self.ahead = self._read(w, layer, batches[i + 1])
+            elif then is not None:
+                self.read_ahead(*then)
+            buf = read.wait()
+            self.stats.flash_reads += len(some)
+            yield readable(kind, buf[:len(some), :pb], (-1, *shape)), np.arange(len(some)), some
+            if i + 1 < len(batches):
+                read = self._take(w, layer, batches[i + 1])
+        tail = pages[(pages >= self.dram_pages) & (pages == self.tail_page[layer])]
         if len(tail):
             yield readable(kind, self.tail[w][layer:layer + 1, :pb], (-1, *shape)), np.zeros(1, np.int64), tail
 
@@ -468,13 +555,17 @@ class KVCache:
         start a page's first position), for a prompt's attention: a view of the pool when they all are there."""
         P = PAGE_POSITIONS
         first, last = start // P, -(-stop // P)
+        # read ahead: the block of keys a prompt's attention reads next, of this layer, else of the next layer
+        after = np.arange(last, min(2 * last - first, self.pages))
+        after = (0, layer, after) if self.flushed[layer, after].any() else (0, layer + 1, np.arange(last - first))
         out = []
         for w in (0, 1):
             if last <= self.dram_pages and self.kinds[w] == "f16":
                 out.append(readable("f16", self.pool[w][layer], (-1, self.Hkv, self.hd))[start:stop])
                 continue
             rows = None
-            for store, slots, pages in self.page_values(layer, w, np.arange(first, last)):
+            then = (1, layer, np.arange(first, last)) if w == 0 else after
+            for store, slots, pages in self.page_values(layer, w, np.arange(first, last), then):
                 if rows is None:
                     rows = np.empty(((last - first) * P, self.Hkv, self.hd), store.dtype)
                 for s, p in zip(slots, pages):
@@ -516,18 +607,22 @@ class KVCache:
         lo = np.maximum(hi - sliding_window + 1, 0) if sliding_window > 0 else np.zeros(T, np.int64)
         P = PAGE_POSITIONS
         first, last = int(lo.min()) // P, (pos0 + T - 1) // P
+        then = None
         if self.options.quest and T == 1 and not sliding_window:
             chosen = self.select(layer, q[0], last)
             pages = np.flatnonzero(chosen[first:].any(axis=1)) + first
         else:
             chosen, pages = self.every_page, self.page_ids[first:last + 1]
+            if T == 1 and not self.options.quest:   # the next layer reads the same pages (the next step's: one more)
+                then = (0, layer + 1, pages) if layer + 1 < self.n_layers else \
+                    (0, 0, self.page_ids[first:(pos0 + T) // P + 1])
         m = np.full((T, H), -np.inf, np.float32)
         scores = self.scores[:T] if T <= len(self.scores) else np.empty((T, H, self.capacity), np.float32)
-        for store, slots, some in self.page_values(layer, 0, pages):
+        for store, slots, some in self.page_values(layer, 0, pages, (1, layer, pages)):
             page_scores(q, store, slots, some, P, lo, hi, chosen, scale, scores, m)
         out[:] = 0.0
         total = np.zeros((T, H), np.float32)
-        for store, slots, some in self.page_values(layer, 1, pages):
+        for store, slots, some in self.page_values(layer, 1, pages, then):
             page_values(scores, m, store, slots, some, P, lo, hi, chosen, out, total)
         out *= (np.float32(1.0) / total)[:, :, None]
         if T == 1:

@@ -298,3 +298,61 @@ def test_without_o_direct_the_file_is_buffered_and_the_bits_are_the_same(tmp_pat
     got, kv = run(model, ids, 8, KVOptions(dram_pages=0, directory=str(tmp_path)), 128)
     assert kv.file is not None and not kv.file.direct and "buffered" in kv.describe()
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_reads_from_flash_run_a_batch_ahead_and_change_no_byte(tmp_path, monkeypatch):
+    """Two decode steps over 3 layers whose pages are on flash (batches of 2 pages): every read of the file but the
+    first of all (layer 0's first keys) was in flight before attention asked for it (the values' first batch during
+    the keys' last, the next layer's first during this layer's values, the next step's layer 0 during the last
+    layer's), and each output equals float64 attention over the float16 keys and values written."""
+    from types import SimpleNamespace
+    from test_decode_kernels import attention64
+    monkeypatch.setattr(kv_pages, "STAGE_PAGES", 2)
+    rng = np.random.default_rng(5)
+    L, H, Hkv, hd, n = 3, 4, 2, 16, 260          # pages 1..7 on flash (0 in DRAM), page 8 being filled
+    cfg = SimpleNamespace(n_layers=L, n_heads=H, n_kv_heads=Hkv, head_dim=hd)
+    kv = KVCache(cfg, 9 * PAGE_POSITIONS, options=KVOptions(dram_pages=1, directory=str(tmp_path)))
+    keys, values = rng.standard_normal((2, L, n + 2, Hkv, hd)).astype(np.float32)
+    for layer in range(L):
+        kv.write(layer, 0, keys[layer, :n], values[layer, :n])
+    no_rope, scale = np.zeros((1, 0), np.float32), np.float32(1 / np.sqrt(hd))
+    for pos in (n, n + 1):
+        for layer in range(L):
+            q = rng.standard_normal((1, H, hd)).astype(np.float32)
+            out = np.empty((1, H, hd), np.float32)
+            kv.attend(layer, q, keys[layer, pos:pos + 1].copy(), values[layer, pos:pos + 1].copy(), no_rope, no_rope,
+                      pos, 0, scale, out)
+            K, V = (x[layer, :pos + 1].astype(np.float16).astype(np.float64) for x in (keys, values))
+            want = attention64(q.astype(np.float64), K, V, pos, 0)
+            np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert kv.stats.flash_reads == 2 * L * 2 * 7               # steps x layers x (keys, values) x pages 1..7
+    assert kv.stats.flash_reads_ahead == kv.stats.flash_reads - 2
+    kv.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_read_ahead_of_a_page_written_again_is_not_used(tmp_path, monkeypatch):
+    """A context cut at the last row of a page on flash (reset) and that row written anew: layer 0's step reads the
+    next layer's pages ahead, page 1 as the file held it; layer 1's write then completes page 1 and writes it to the
+    file again. The output is attention over the new row, not the old one read ahead."""
+    from types import SimpleNamespace
+    from test_decode_kernels import attention64
+    monkeypatch.setattr(kv_pages, "STAGE_PAGES", 2)
+    rng = np.random.default_rng(9)
+    L, H, Hkv, hd, P = 2, 2, 1, 16, PAGE_POSITIONS
+    cfg = SimpleNamespace(n_layers=L, n_heads=H, n_kv_heads=Hkv, head_dim=hd)
+    kv = KVCache(cfg, 4 * P, options=KVOptions(dram_pages=0, directory=str(tmp_path)))
+    keys, values = rng.standard_normal((2, L, 3 * P, Hkv, hd)).astype(np.float32) * 3
+    for layer in range(L):
+        kv.write(layer, 0, keys[layer], values[layer])          # pages 0-2, all in the file
+    kv.reset(2 * P - 1)
+    no_rope, scale = np.zeros((1, 0), np.float32), np.float32(1 / np.sqrt(hd))
+    for layer in range(L):
+        k, v = rng.standard_normal((2, 1, Hkv, hd)).astype(np.float32) * 3
+        keys[layer, 2 * P - 1], values[layer, 2 * P - 1] = k[0], v[0]
+        q = rng.standard_normal((1, H, hd)).astype(np.float32)
+        out = np.empty((1, H, hd), np.float32)
+        kv.attend(layer, q, k, v, no_rope, no_rope, 2 * P - 1, 0, scale, out)
+        K, V = (x[layer, :2 * P].astype(np.float16).astype(np.float64) for x in (keys, values))
+        np.testing.assert_allclose(out, attention64(q.astype(np.float64), K, V, 2 * P - 1, 0), rtol=1e-5, atol=1e-5)
+    kv.close()
