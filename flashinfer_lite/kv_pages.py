@@ -339,6 +339,7 @@ class KVCache:
                  options: KVOptions | None = None):
         # n_layers: the model's by default; 1 when layers run one at a time (predictors/layerwise.py)
         self.cfg, self.capacity, self.file = cfg, capacity, None
+        self.reads = None       # the reading thread (ThreadPoolExecutor), on the first read; set first: close() asks
         self.options = o = KVOptions() if options is None else options
         L = self.n_layers = cfg.n_layers if n_layers is None else n_layers
         self.Hkv, self.hd = cfg.n_kv_heads, cfg.head_dim
@@ -371,7 +372,6 @@ class KVCache:
         self.staging = None         # two buffers, in turn (page_values)
         self.turn = 0
         self.ahead: PageRead | None = None      # the read in flight beyond the batch in use
-        self.reads = None                       # the reading thread (ThreadPoolExecutor), on the first read
         self.every_page = np.ones((self.pages, self.Hkv), np.uint8)          # exact attention's `chosen`
         self.page_ids = np.arange(self.pages, dtype=np.int64)
         if o.quest:
