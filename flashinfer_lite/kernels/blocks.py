@@ -1268,6 +1268,24 @@ def _col_weights(builder, kind, q, a, m):
     return builder.call(fma, [a, builder.uitofp(q, vt), m if kind in (Q4_1, Q5_1) else builder.fneg(m)])
 
 
+def _col_scales(builder, code, i0, Ar, Mr, SCr, MNr, f16):
+    """(a, m) <64 x float> of elements i0 .. i0 + 63 of the columns' scale rows: Ar and Mr as float32 (widened
+    exactly from float16 bits if f16), times a K-quant's sc and mn (exact products, as gguf.quants' float32 ones)."""
+    vt = ir.VectorType(_F32, _COL_GROUP)
+    if f16:             # float16 bits: widened exactly (vcvtph2ps)
+        vh = ir.VectorType(ir.HalfType(), _COL_GROUP)
+        a, m = (builder.fpext(builder.bitcast(_load_vec(builder, t.data, _I16, _COL_GROUP, i0), vh), vt)
+                for t in (Ar, Mr))
+    else:
+        a, m = (builder.load(builder.bitcast(builder.gep(t.data, [i0]), vt.as_pointer()), align=4) for t in (Ar, Mr))
+    if code in (Q4_K, Q5_K, Q6_K):
+        sc = _load_vec(builder, SCr.data, _I8, _COL_GROUP, i0)
+        a = builder.fmul(a, builder.sitofp(sc, vt) if code == Q6_K else builder.uitofp(sc, vt))
+    if code in (Q4_K, Q5_K):
+        m = builder.fmul(m, builder.uitofp(_load_vec(builder, MNr.data, _I8, _COL_GROUP, i0), vt))
+    return a, m
+
+
 def _col_runs(context, builder, y, terms, at, lo, half, kind, Ar, Mr, SCr, MNr, f16):
     """y[k] += c * (element lo + k of the column at byte `at` of row data) for each (c, data) of terms in turn
     (columns sharing the scale rows Ar, Mr, SCr, MNr; Ar and Mr float16 bits if f16, else float32), 64 elements a
@@ -1283,18 +1301,7 @@ def _col_runs(context, builder, y, terms, at, lo, half, kind, Ar, Mr, SCr, MNr, 
             with cgutils.for_range(builder, n) as loop:
                 o = builder.mul(loop.index, ir.Constant(loop.index.type, _COL_GROUP))
                 i0 = builder.add(lo, o)
-                vt = ir.VectorType(_F32, _COL_GROUP)
-                if f16:             # float16 bits: widened exactly (vcvtph2ps)
-                    vh = ir.VectorType(ir.HalfType(), _COL_GROUP)
-                    a, m = (builder.fpext(builder.bitcast(_load_vec(builder, t.data, _I16, _COL_GROUP, i0), vh), vt)
-                            for t in (Ar, Mr))
-                else:
-                    a, m = builder.load(row(Ar, i0), align=4), builder.load(row(Mr, i0), align=4)
-                if k.code in (Q4_K, Q5_K, Q6_K):
-                    sc = _load_vec(builder, SCr.data, _I8, _COL_GROUP, i0)
-                    a = builder.fmul(a, builder.sitofp(sc, vt) if k.code == Q6_K else builder.uitofp(sc, vt))
-                if k.code in (Q4_K, Q5_K):
-                    m = builder.fmul(m, builder.uitofp(_load_vec(builder, MNr.data, _I8, _COL_GROUP, i0), vt))
+                a, m = _col_scales(builder, k.code, i0, Ar, Mr, SCr, MNr, f16)
                 dst = row(y, o)
                 acc = builder.load(dst, align=4)
                 for cv, (_, data) in zip(cs, terms):
@@ -1379,17 +1386,7 @@ def _col_loop(context, builder, y, B, stride, rows, cs, count, at, lo, half, kin
             with cgutils.for_range(builder, n) as loop:
                 o = builder.mul(loop.index, ir.Constant(loop.index.type, _COL_GROUP))
                 i0 = builder.add(lo, o)
-                if f16:             # float16 bits: widened exactly (vcvtph2ps)
-                    vh = ir.VectorType(ir.HalfType(), _COL_GROUP)
-                    a, m = (builder.fpext(builder.bitcast(_load_vec(builder, t.data, _I16, _COL_GROUP, i0), vh), vt)
-                            for t in (Ar, Mr))
-                else:
-                    a, m = builder.load(row(Ar, i0), align=4), builder.load(row(Mr, i0), align=4)
-                if k.code in (Q4_K, Q5_K, Q6_K):
-                    sc = _load_vec(builder, SCr.data, _I8, _COL_GROUP, i0)
-                    a = builder.fmul(a, builder.sitofp(sc, vt) if k.code == Q6_K else builder.uitofp(sc, vt))
-                if k.code in (Q4_K, Q5_K):
-                    m = builder.fmul(m, builder.uitofp(_load_vec(builder, MNr.data, _I8, _COL_GROUP, i0), vt))
+                a, m = _col_scales(builder, k.code, i0, Ar, Mr, SCr, MNr, f16)
                 dst = row(y, o)
                 builder.store(builder.load(dst, align=4), acc_at)
                 with cgutils.for_range(builder, count) as term:
