@@ -58,7 +58,8 @@ def main() -> int:
         limit = parse_size(args.limit)
     except UserError as e:
         ap.error(str(e))
-    cg = ROOT / f"flashinfer-lite-{os.getpid()}"
+    # pid and time: a cgroup left behind by a killed run (its finally never ran) may hold a reused pid's name
+    cg = ROOT / f"flashinfer-lite-{os.getpid()}-{time.monotonic_ns()}"
     cg.mkdir()
     try:
         (cg / "memory.limit_in_bytes").write_text(str(limit))
