@@ -804,6 +804,8 @@ def stopped_first_use(flash, tmp_path) -> tuple[Path, subprocess.Popen, int]:
         parent = start_first_use(d)
         child = training_child(d, parent)
         os.kill(child, signal.SIGSTOP)
+        # the stop is delivered asynchronously: only a stopped child cannot write its predictors after the check
+        wait_for(lambda: not running(child) or stopped(child), 60, "the training child to stop")
         if not (d / "predictors").exists():
             return d, parent, child
         os.kill(child, signal.SIGCONT)
@@ -836,7 +838,6 @@ def test_ctrl_c_during_first_use_training_leaves_nothing(flash, tmp_path, to):
     and the parent exited 0), and continued once the interrupt waits in it: markers, not a sleep."""
     import signal
     d, parent, child = stopped_first_use(flash, tmp_path)
-    wait_for(lambda: stopped(child), 60, "the training child to stop")
     (os.killpg if to == "group" else os.kill)(parent.pid, signal.SIGINT)
     wait_for(lambda: interrupted(parent.pid, child), 60, "the interrupt to reach parent and child")
     os.kill(child, signal.SIGCONT)
