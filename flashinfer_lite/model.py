@@ -370,19 +370,31 @@ class Block:
         self.ffn_post_norm = (w.get(f"layers.{layer}.ffn_post_norm.weight"), None)
 
     def __call__(self, x: np.ndarray, kv: KVCache, pos0: int, rope, ffn: FFNFn) -> np.ndarray:
+        return self.layer_with(x, lambda a: self.attn(a, kv, pos0, rope), ffn)
+
+    def rows(self, x: np.ndarray, seqs: list[tuple], ffn: FFNFn) -> np.ndarray:
+        """This layer over a decode step of B sequences (Transformer.forward_batch): x [B, d], row b the token of
+        seqs[b] = (its KVCache, position, rope tables); attention per sequence, the FFN once over the B rows."""
+        return self.layer_with(x, lambda a: self.attn.rows(a, seqs), ffn)
+
+    def layer_with(self, x: np.ndarray, attention, ffn: FFNFn) -> np.ndarray:
+        """The layer's math with `attention` (normed input [T, d] -> its attention output [T, d])."""
         cfg, i = self.cfg, self.layer
         if cfg.pre_norm:
-            h, h_normed = self.attend(x, kv, pos0, rope)
+            h, h_normed = self.attend_with(x, attention)
             self.add_ffn(h, ffn(i, h_normed))
             return h
-        h = norm(cfg, x + self.attn(x, kv, pos0, rope), self.attn_norm)
+        h = norm(cfg, x + attention(x), self.attn_norm)
         return norm(cfg, h + ffn(i, h), self.ffn_norm)
 
     def attend(self, x: np.ndarray, kv: KVCache, pos0: int, rope) -> tuple[np.ndarray, np.ndarray]:
         """A pre-norm layer's first half: (the residual stream after attention, the FFN's normed input)."""
+        return self.attend_with(x, lambda a: self.attn(a, kv, pos0, rope))
+
+    def attend_with(self, x: np.ndarray, attention) -> tuple[np.ndarray, np.ndarray]:
         cfg = self.cfg
         h = x.copy()                                           # the residual stream; the caller's x is left as is
-        a = self.attn(norm(cfg, x, self.attn_norm), kv, pos0, rope)
+        a = attention(norm(cfg, x, self.attn_norm))
         if cfg.post_norms:
             a = norm(cfg, a, self.attn_post_norm)
         return h, add_norm(cfg, h, a, self.ffn_norm)
@@ -390,20 +402,6 @@ class Block:
     def add_ffn(self, h: np.ndarray, f: np.ndarray) -> None:
         """A pre-norm layer's second half: the FFN's output f added to the residual stream h, in place."""
         h += norm(self.cfg, f, self.ffn_post_norm) if self.cfg.post_norms else f
-
-    def rows(self, x: np.ndarray, seqs: list[tuple], ffn: FFNFn) -> np.ndarray:
-        """This layer over a decode step of B sequences (Transformer.forward_batch): x [B, d], row b the token of
-        seqs[b] = (its KVCache, position, rope tables); the FFN runs once over the B rows. __call__'s math."""
-        cfg, i = self.cfg, self.layer
-        if not cfg.pre_norm:
-            h = norm(cfg, x + self.attn.rows(x, seqs), self.attn_norm)
-            return norm(cfg, h + ffn(i, h), self.ffn_norm)
-        h = x.copy()
-        a = self.attn.rows(norm(cfg, x, self.attn_norm), seqs)
-        if cfg.post_norms:
-            a = norm(cfg, a, self.attn_post_norm)
-        self.add_ffn(h, ffn(i, add_norm(cfg, h, a, self.ffn_norm)))
-        return h
 
 
 def embed_tokens(cfg: ModelConfig, embed: np.ndarray, pos_embed: np.ndarray | None, tokens: np.ndarray,
