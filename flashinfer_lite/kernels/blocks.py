@@ -1286,15 +1286,11 @@ def _col_scales(builder, code, i0, Ar, Mr, SCr, MNr, f16):
     return a, m
 
 
-def _col_runs(context, builder, y, terms, at, lo, half, kind, Ar, Mr, SCr, MNr, f16):
-    """y[k] += c * (element lo + k of the column at byte `at` of row data) for each (c, data) of terms in turn
-    (columns sharing the scale rows Ar, Mr, SCr, MNr; Ar and Mr float16 bits if f16, else float32), 64 elements a
-    step: col_run's loop, one per kind. A K-quant's a and m are formed here, d*sc and dmin*mn (exact products, as
-    gguf.quants' float32 ones)."""
-    at, lo, half = (builder.sext(v, _I64) if v.type.width < 64 else v for v in (at, lo, half))
-    cs = [_vec(builder, _F32, c, _COL_GROUP) for c, _ in terms]
+def _col_groups(builder, y, lo, kind, Ar, Mr, SCr, MNr, f16, add):
+    """The column kernels' loop: for each 64 elements of y (one branch per kind), the scales a, m of elements lo + o ..
+    of the columns (_col_scales), then y[o:o + 64] = add(code, i0, a, m, y[o:o + 64]) (i0 = lo + o)."""
+    lo = builder.sext(lo, _I64) if lo.type.width < 64 else lo
     vp = ir.VectorType(_F32, _COL_GROUP).as_pointer()
-    row = lambda arr, i: builder.bitcast(builder.gep(arr.data, [i]), vp)  # noqa: E731
     for k in KINDS.values():
         with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k.code))):
             n = builder.udiv(y.nitems, ir.Constant(y.nitems.type, _COL_GROUP))
@@ -1302,12 +1298,24 @@ def _col_runs(context, builder, y, terms, at, lo, half, kind, Ar, Mr, SCr, MNr, 
                 o = builder.mul(loop.index, ir.Constant(loop.index.type, _COL_GROUP))
                 i0 = builder.add(lo, o)
                 a, m = _col_scales(builder, k.code, i0, Ar, Mr, SCr, MNr, f16)
-                dst = row(y, o)
-                acc = builder.load(dst, align=4)
-                for cv, (_, data) in zip(cs, terms):
-                    w = _col_weights(builder, k.code, _col_values(builder, k.code, data, at, i0, half), a, m)
-                    acc = builder.fadd(acc, builder.fmul(cv, w))
-                builder.store(acc, dst, align=4)
+                dst = builder.bitcast(builder.gep(y.data, [o]), vp)
+                builder.store(add(k.code, i0, a, m, builder.load(dst, align=4)), dst, align=4)
+
+
+def _col_runs(context, builder, y, terms, at, lo, half, kind, Ar, Mr, SCr, MNr, f16):
+    """y[k] += c * (element lo + k of the column at byte `at` of row data) for each (c, data) of terms in turn
+    (columns sharing the scale rows Ar, Mr, SCr, MNr; Ar and Mr float16 bits if f16, else float32), 64 elements a
+    step: col_run's loop, one per kind. A K-quant's a and m are formed here, d*sc and dmin*mn (exact products, as
+    gguf.quants' float32 ones)."""
+    at, half = (builder.sext(v, _I64) if v.type.width < 64 else v for v in (at, half))
+    cs = [_vec(builder, _F32, c, _COL_GROUP) for c, _ in terms]
+
+    def add(code, i0, a, m, acc):
+        for cv, (_, data) in zip(cs, terms):
+            w = _col_weights(builder, code, _col_values(builder, code, data, at, i0, half), a, m)
+            acc = builder.fadd(acc, builder.fmul(cv, w))
+        return acc
+    _col_groups(builder, y, lo, kind, Ar, Mr, SCr, MNr, f16, add)
 
 
 @intrinsic
@@ -1375,27 +1383,19 @@ def _col_loop(context, builder, y, B, stride, rows, cs, count, at, lo, half, kin
     `at` of row rows[i] of B) for i = 0 .. count - 1 in turn, each 64 elements' sums held in registers across the
     terms, their scales formed once for all of them. Per element the same operations in the same order as
     _col_runs (the same bits), for any count."""
-    at, lo, half, count = (builder.sext(v, _I64) if v.type.width < 64 else v for v in (at, lo, half, count))
-    vt = ir.VectorType(_F32, _COL_GROUP)
-    vp = vt.as_pointer()
-    row = lambda arr, i: builder.bitcast(builder.gep(arr.data, [i]), vp)  # noqa: E731
-    acc_at = cgutils.alloca_once(builder, vt)          # promoted to a register: the loop's running sums
-    for k in KINDS.values():
-        with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k.code))):
-            n = builder.udiv(y.nitems, ir.Constant(y.nitems.type, _COL_GROUP))
-            with cgutils.for_range(builder, n) as loop:
-                o = builder.mul(loop.index, ir.Constant(loop.index.type, _COL_GROUP))
-                i0 = builder.add(lo, o)
-                a, m = _col_scales(builder, k.code, i0, Ar, Mr, SCr, MNr, f16)
-                dst = row(y, o)
-                builder.store(builder.load(dst, align=4), acc_at)
-                with cgutils.for_range(builder, count) as term:
-                    i = term.index
-                    data = builder.gep(B.data, [builder.mul(builder.load(builder.gep(rows.data, [i])), stride)])
-                    cv = _vec(builder, _F32, builder.load(builder.gep(cs.data, [i])), _COL_GROUP)
-                    w = _col_weights(builder, k.code, _col_values(builder, k.code, data, at, i0, half), a, m)
-                    builder.store(builder.fadd(builder.load(acc_at), builder.fmul(cv, w)), acc_at)
-                builder.store(builder.load(acc_at), dst, align=4)
+    at, half, count = (builder.sext(v, _I64) if v.type.width < 64 else v for v in (at, half, count))
+    acc_at = cgutils.alloca_once(builder, ir.VectorType(_F32, _COL_GROUP))   # a register: the terms' running sums
+
+    def add(code, i0, a, m, acc):
+        builder.store(acc, acc_at)
+        with cgutils.for_range(builder, count) as term:
+            i = term.index
+            data = builder.gep(B.data, [builder.mul(builder.load(builder.gep(rows.data, [i])), stride)])
+            cv = _vec(builder, _F32, builder.load(builder.gep(cs.data, [i])), _COL_GROUP)
+            w = _col_weights(builder, code, _col_values(builder, code, data, at, i0, half), a, m)
+            builder.store(builder.fadd(builder.load(acc_at), builder.fmul(cv, w)), acc_at)
+        return builder.load(acc_at)
+    _col_groups(builder, y, lo, kind, Ar, Mr, SCr, MNr, f16, add)
 
 
 @intrinsic
