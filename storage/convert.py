@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from storage.errors import UserError
+from storage.errors import UserError, commit
 from storage.half import half_matrix
 
 from .checkpoint import open_checkpoint
@@ -488,12 +488,14 @@ def _place(tmp: Path, out: Path, force: bool) -> None:
     if force and (out.exists() or out.is_symlink()):
         _check_output(out, force)                 # again: it may have changed during the conversion
         old = temp_path(out, "old")
-        os.replace(out, old)
-        os.replace(tmp, out)
+        with commit():
+            os.replace(out, old)
+            os.replace(tmp, out)
         shutil.rmtree(old)
         return
     try:
-        os.rename(tmp, out)                       # replaces at most an empty directory
+        with commit():
+            os.rename(tmp, out)                   # replaces at most an empty directory
     except OSError as e:
         if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
             raise UserError(f"{out} was created by someone else while this convert ran; left it as it is") from None

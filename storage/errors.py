@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 PARENT_ENV = "FLASHINFER_LITE_PARENT"   # the parent's pid, for the child to check it is still there
 CHILD_CLEANUP_SECONDS = 60              # how long an interrupted parent waits for its child to clean up
@@ -62,6 +63,21 @@ def _interrupted(signum, frame):
         return
     _first_interrupt[:] = [now]
     raise KeyboardInterrupt
+
+
+@contextmanager
+def commit():
+    """The rename that publishes a child's work (predictors, a conversion): not done once an interrupt has come. The
+    handler's record decides, not its exception: a KeyboardInterrupt raised inside a library's __del__ is printed as
+    "Exception ignored" and dropped, and the child would go on to publish what its parent reports as interrupted
+    (seen in CI). The signals wait during the rename itself, so that it is either not begun or finished."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        if _first_interrupt:
+            raise KeyboardInterrupt
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def end_with_parent() -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from .checksums import file_checksum, manifest_checksum
-from .errors import UserError
+from .errors import UserError, commit
 from .files import remove_stale_temp_dirs, temp_path
 from .untrusted import read_json
 
@@ -61,9 +61,10 @@ def write_predictor_files(flashdir, manifest: dict, weights: dict[str, np.ndarra
         manifest["manifest_checksum"] = manifest_checksum(manifest)
         (tmp / PREDICTOR_MANIFEST).write_text(json.dumps(manifest, indent=1))
         old = temp_path(dest, "old")
-        if dest.exists():
-            os.replace(dest, old)
-        os.replace(tmp, dest)
+        with commit():
+            if dest.exists():
+                os.replace(dest, old)
+            os.replace(tmp, dest)
         shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
