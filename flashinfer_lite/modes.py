@@ -228,6 +228,7 @@ class Mode:
     help: str
     kernels: tuple[str, ...] = FFN_STEPS
     flash: bool = True              # asked for by name, it runs from a FLASHDIR (a source is converted first)
+    predictors: bool = False        # it asks the FLASHDIR's predictor set (predictor_set.load_predictors)
 
     def applies(self, facts: Facts, ffn: str) -> bool:
         return ffn == self.name
@@ -444,6 +445,7 @@ class DenseMode(Mode):
 
 
 class PredictedMode(Mode):
+    predictors = True           # its selector and its window's expected set (OracleMode: the activation thresholds)
     name = "predicted"
     help = "the neurons the low-rank predictor selects, read from flash"
 
@@ -623,6 +625,12 @@ def minimum_bytes(cfg: ModelConfig, layout, kinds: dict, ffn: str, ctx: int, bas
 def kernels_for(facts: Facts, ffn: str) -> set[str]:
     """The FFN kernels (warmup.FFN_STEPS) a run of --ffn `ffn` may use: what the process base is measured with."""
     return {k for m in reach(facts, ffn) for k in m.kernels}
+
+
+def needs_predictors(facts: Facts, ffn: str) -> bool:
+    """Whether a run of --ffn `ffn` may ask the FLASHDIR's predictor set (a mode it may run says so): loaded then,
+    before the process base is measured; the exact gate and a mixture of experts never do."""
+    return any(m.predictors for m in reach(facts, ffn))
 
 
 def runs_from_flash(ffn: str, source: str | None, budget: Budget, open_source=open_checkpoint) -> bool:

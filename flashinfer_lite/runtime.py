@@ -38,7 +38,7 @@ from .ffn.gate import (CALIBRATION_CTX, CALIBRATION_TOKENS, LayerMagnitudes, cal
 from .kv_pages import KVOptions, kv_options, set_kv_options, writable_directory
 from .model import Transformer, open_any
 from .modes import (Facts, GateMode, ModelFiles, below_loading_peak, check_mode, decide, dense_bytes_of, kernels_for,
-                    minimum_bytes, plans, reach, runs_from_flash)
+                    minimum_bytes, needs_predictors, plans, reach, runs_from_flash)
 from .predictor_set import load_expert_freq, load_predictors
 from .process import RSS_MARKS, keep_freed_arrays_out_of_rss, mark_rss, peak_rss_bytes, return_freed_heap
 from .kernels.blocks import set_act8
@@ -118,8 +118,9 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
     """The facts decide() needs. A FLASHDIR backs every mode but dense of an HF directory or GGUF, and auto of one
     that needs no predictors to run from flash when it has to (modes.runs_from_flash); any other runs dense. Such a
     model is converted into the cache on first use, and a launch checks sizes and the verified stamp, not every byte.
-    The process base is measured here, on a process that holds everything but the weights (tokenizer, predictors,
-    the kernels of the modes --ffn may run: modes.kernels_for), unless base_bytes is given. dram_budget: a Budget (or
+    The process base is measured here, on a process that holds everything but the weights (tokenizer, the predictors
+    when a mode --ffn may run asks them: modes.needs_predictors, the kernels of the modes --ffn may run:
+    modes.kernels_for), unless base_bytes is given. dram_budget: a Budget (or
     what Budget.of takes); a size under the model's minimum is refused before any of that work, the default model's
     fetch included (refuse_below_minimum), for the modes that plan it (dense holds every weight, with no plan).
     contexts: the sequences the run decodes together (load's parallel), each with a KV cache the plans count."""
@@ -153,9 +154,11 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
     if verify:
         verify_at_load(path, progress=progress)
     ckpt = FlashCheckpoint(path)
-    files = ModelFiles(source, str(path), default, True, ckpt, open_tokenizer(ckpt), load_predictors(path), None,
+    files = ModelFiles(source, str(path), default, True, ckpt, open_tokenizer(ckpt), None, None,
                        expert_freq=load_expert_freq(path) if ckpt.config.moe else None, contexts=contexts)
-    mark_rss("predictors")
+    if needs_predictors(files.facts, ffn):      # in the base only when a mode --ffn may run asks them
+        files.predictors = load_predictors(path)
+        mark_rss("predictors")
     if base_bytes is None:
         files.base_bytes, files.loading_peak_bytes = measure_base_bytes(ckpt.layout, kernels_for(files.facts, ffn),
                                                                         start_peak)
