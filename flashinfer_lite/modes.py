@@ -581,19 +581,31 @@ def decide(files: ModelFiles, ffn: str, budget=None, ctx: int | None = None, win
     check_mode(ffn)
     budget = Budget.of(budget)
     ctx = ctx or files.ckpt.config.default_ctx
-    floor = files.loading_peak_bytes if budget.requested else 0     # minimum_bytes' floor
     for mode in reach(files.facts, ffn):
         if mode.fits(files, ffn, budget, ctx):
             try:
-                decision = mode.decide(files, ffn, budget, ctx, window, lookahead, verbose)
+                decision, refusal = mode.decide(files, ffn, budget, ctx, window, lookahead, verbose), None
             except BelowMinimum as e:
-                if e.minimum_bytes >= floor:
-                    raise
-                raise below_loading_peak(budget.bytes, floor, files.base_bytes) from None
-            if budget.requested and budget.bytes < floor:
-                raise below_loading_peak(budget.bytes, floor, files.base_bytes)
+                decision, refusal = None, e
+            if budget.requested:
+                refusal = floor_refusal(budget.bytes, refusal, files.loading_peak_bytes, files.base_bytes)
+            if refusal is not None:
+                raise refusal from None
             return decision
     raise UserError(f"--ffn {ffn} does not apply to {files.source}")
+
+
+def floor_refusal(budget_bytes: int, refusal: BelowMinimum | None, peak_bytes: int, base_bytes: int,
+                  estimated: bool = False) -> BelowMinimum | None:
+    """minimum_bytes' rule for a budget, in one place: at least the plan's minimum and the loading's peak. refusal:
+    the plan's (None: the budget holds the plan). The refusal to raise (the plan's, or below_loading_peak's when the
+    peak is the higher floor), else None. decide applies it to what it measured, runtime.refuse_below_minimum to its
+    estimate before loading."""
+    if refusal is None and budget_bytes >= peak_bytes:
+        return None
+    if refusal is not None and refusal.minimum_bytes >= peak_bytes:
+        return refusal
+    return below_loading_peak(budget_bytes, peak_bytes, base_bytes, estimated)
 
 
 def below_loading_peak(budget_bytes: int, peak_bytes: int, base_bytes: int, estimated: bool = False) -> BelowMinimum:

@@ -37,8 +37,8 @@ from .ffn.gate import (CALIBRATION_CTX, CALIBRATION_TOKENS, LayerMagnitudes, cal
                        measure_thresholds)
 from .kv_pages import KVOptions, kv_options, set_kv_options, writable_directory
 from .model import Transformer, open_any
-from .modes import (Facts, GateMode, ModelFiles, below_loading_peak, check_mode, decide, dense_bytes_of, kernels_for,
-                    minimum_bytes, needs_predictors, plans, reach, runs_from_flash)
+from .modes import (Facts, GateMode, ModelFiles, check_mode, decide, dense_bytes_of, kernels_for,
+                    floor_refusal, minimum_bytes, needs_predictors, plans, reach, runs_from_flash)
 from .predictor_set import load_expert_freq, load_predictors
 from .process import RSS_MARKS, keep_freed_arrays_out_of_rss, mark_rss, peak_rss_bytes, return_freed_heap
 from .kernels.blocks import set_act8
@@ -102,14 +102,16 @@ def refuse_below_minimum(source: str | None, ffn: str, dram_budget: int, ctx: in
     peak = base + loading_excess_bytes(layout) if base_bytes is None else 0     # the loading's, as last measured
     # the heap's slack as the plan will count it: none when the caller plans the model's part alone (base 0)
     minimum = minimum_bytes(cfg, layout, kinds, ffn, ctx, base, heap_slack_bytes=HEAP_SLACK_BYTES if base else 0,
-                            loading_peak_bytes=peak, contexts=contexts)
-    if dram_budget >= minimum - EARLY_SLACK_BYTES:
+                            contexts=contexts)      # the plan's: the loading's peak is floor_refusal's
+    if not minimum:             # no mode --ffn may run plans one: decide refuses it by name
         return
-    if minimum == peak:
-        raise below_loading_peak(dram_budget, peak - EARLY_SLACK_BYTES, base, estimated=True)
-    raise BelowMinimum(dram_budget, minimum - EARLY_SLACK_BYTES, f"estimated before loading: process base about "
-                       f"{base / 2**20:.1f} MiB, the model's weights, kv cache and buffers for "
-                       f"{positions(ctx, contexts)} {(minimum - base) / 2**20:.1f} MiB")
+    refusal = None if dram_budget >= minimum - EARLY_SLACK_BYTES else BelowMinimum(
+        dram_budget, minimum - EARLY_SLACK_BYTES, f"estimated before loading: process base about "
+        f"{base / 2**20:.1f} MiB, the model's weights, kv cache and buffers for {positions(ctx, contexts)} "
+        f"{(minimum - base) / 2**20:.1f} MiB")
+    refusal = floor_refusal(dram_budget, refusal, peak - EARLY_SLACK_BYTES, base, estimated=True)
+    if refusal is not None:
+        raise refusal
 
 
 def open_model_files(model, ffn: str, verify: bool = True, progress: bool = False,

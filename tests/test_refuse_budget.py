@@ -250,6 +250,21 @@ def test_the_loading_peak_floors_the_minimum_of_every_caller(tmp_path, monkeypat
         assert f"loading the kernels takes the process to {'about ' if e is early.value else ''}" in str(e), str(e)
 
 
+
+def test_the_floor_refusal_names_the_higher_of_the_plan_and_the_loading_peak():
+    """modes.floor_refusal, the rule decide and the early refusal share: a budget under the plan's minimum gets the
+    plan's refusal, unless the loading's peak is higher (then the peak's, as the budget under it though the plan
+    fits); at both floors, none."""
+    from flashinfer_lite.budget import BelowMinimum
+    from flashinfer_lite.modes import floor_refusal
+    MiB = 1 << 20
+    plan = BelowMinimum(90 * MiB, 100 * MiB, "the plan's parts")
+    assert floor_refusal(120 * MiB, None, 120 * MiB, 50 * MiB) is None
+    assert floor_refusal(90 * MiB, plan, 80 * MiB, 50 * MiB) is plan
+    for refusal, budget in ((plan, 90 * MiB), (None, 110 * MiB)):
+        e = floor_refusal(budget, refusal, 120 * MiB, 50 * MiB)
+        assert e.minimum_bytes == 120 * MiB and "loading the kernels takes the process to 120.0 MiB" in str(e)
+
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="Linux: memory cgroups")
 def test_a_first_use_in_a_memory_cgroup_too_small_to_compile_is_one_line(tiny_model, tmp_path):
     """A cold first run (empty Numba cache) under a real memory cgroup too small for a compiler beside the run: the
