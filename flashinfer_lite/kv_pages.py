@@ -34,7 +34,7 @@ import psutil
 from storage.cache import cache_dir
 from storage.config import ModelConfig
 from storage.errors import UserError
-from storage.reader import aligned_empty
+from storage.reader import aligned_empty, open_direct
 from .kernels.attention import page_scores, page_values, rotate_rows
 
 # 32 positions a page: the page of a layer's keys is then 64 x Hkv x hd bytes in float16, a multiple of 4 KiB for any
@@ -234,31 +234,9 @@ class PageFile:
         os.close(fd)
         self.path = path
         try:
-            self.fd, self.direct = self._open(path)
+            self.fd, self.direct = open_direct(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0), FILE_ALIGN)
         finally:
             os.unlink(path)
-
-    @staticmethod
-    def _open(path: str) -> tuple[int, bool]:
-        flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
-        if hasattr(os, "O_DIRECT"):
-            try:
-                fd = os.open(path, flags | os.O_DIRECT)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-            else:
-                probe = aligned_empty((FILE_ALIGN,), np.uint8, FILE_ALIGN)
-                probe[:] = 0
-                try:            # some filesystems accept the flag but refuse the I/O
-                    os.pwrite(fd, memoryview(probe), 0)
-                    os.preadv(fd, [memoryview(probe)], 0)
-                    return fd, True
-                except OSError as e:
-                    os.close(fd)
-                    if e.errno != errno.EINVAL:
-                        raise
-        return os.open(path, flags), False
 
     def offset(self, which: int, layer: int, page: int) -> int:
         base = 0 if which == 0 else self.n_layers * self.pages * self.slots[0]

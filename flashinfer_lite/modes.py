@@ -59,10 +59,12 @@ AUTO = "auto"
 @dataclass(frozen=True)
 class Facts:
     """What the registry asks of a model before any file is opened for a run: its config, the layout of the FLASHDIR
-    that backs the run (None: none does, a dense run of an HF directory or GGUF) and its resident kinds."""
+    that backs the run (None: none does, a dense run of an HF directory or GGUF), its resident kinds, and the contexts
+    the run decodes together (serve --parallel: a KV cache each)."""
     cfg: ModelConfig
     layout: object
     kinds: dict
+    contexts: int = 1
 
     @property
     def exact_gate(self) -> bool:
@@ -86,11 +88,12 @@ class ModelFiles:
     gate: object = None             # storage.gate_file.GateCalibration at the run's sparsity, or None
     loading_peak_bytes: int = 0     # RSS while the kernels loaded, before LLVM's pages left it (the minimum's floor:
                                     # minimum_bytes; warmup.measure_base_bytes)
+    contexts: int = 1               # sequences decoded together (runtime.load's parallel): a KV cache each
 
     @property
     def facts(self) -> Facts:
         layout = self.ckpt.layout if self.flash_backed else None
-        return Facts(self.ckpt.config, layout, self.ckpt.resident_kinds if self.flash_backed else {})
+        return Facts(self.ckpt.config, layout, self.ckpt.resident_kinds if self.flash_backed else {}, self.contexts)
 
     @property
     def trained(self) -> bool:
@@ -101,7 +104,7 @@ class ModelFiles:
         peak (what decide refuses below; the benches' minimum)."""
         c = self.ckpt
         return minimum_bytes(c.config, c.layout, c.resident_kinds, ffn, ctx, self.base_bytes or 0, window,
-                             HEAP_SLACK_BYTES if self.base_bytes else 0, self.loading_peak_bytes)
+                             HEAP_SLACK_BYTES if self.base_bytes else 0, self.loading_peak_bytes, self.contexts)
 
 
 @dataclass(frozen=True)
@@ -173,7 +176,7 @@ def dense_ffn_bytes(layout) -> int:
 
 
 def plan_in_ram(cfg: ModelConfig, layout, kinds: dict, budget, ctx: int, base_bytes: int,
-                heap_slack_bytes: int | None = None):
+                heap_slack_bytes: int | None = None, contexts: int = 1):
     """The in-RAM FFN's plan (budget.plan_resident_ffn: every layer's weights as on flash, the prompt's widened
     blocks), or None when the whole model does not fit `budget` (a Budget, or what Budget.of takes). The heap's
     slack is counted with a process base (default)."""
@@ -181,7 +184,7 @@ def plan_in_ram(cfg: ModelConfig, layout, kinds: dict, budget, ctx: int, base_by
     heap = (HEAP_SLACK_BYTES if base_bytes else 0) if heap_slack_bytes is None else heap_slack_bytes
     return plan_resident_ffn(cfg, layout, 1 << 60 if budget.bytes is None else budget.bytes, ctx,
                              resident_bytes_of(cfg, layout, kinds), dense_ffn_bytes(layout), 3 * WIDEN_BLOCK_BYTES,
-                             base_bytes, heap_slack_bytes=heap, requested=budget.requested)
+                             base_bytes, heap_slack_bytes=heap, requested=budget.requested, contexts=contexts)
 
 
 def expected_max_active(cfg: ModelConfig, predictors) -> int:
@@ -225,6 +228,7 @@ class Mode:
     help: str
     kernels: tuple[str, ...] = FFN_STEPS
     flash: bool = True              # asked for by name, it runs from a FLASHDIR (a source is converted first)
+    predictors: bool = False        # it asks the FLASHDIR's predictor set (predictor_set.load_predictors)
 
     def applies(self, facts: Facts, ffn: str) -> bool:
         return ffn == self.name
@@ -262,7 +266,7 @@ class ExpertsMode(Mode):
             return None
         return plan_experts(facts.cfg, facts.layout.experts, None, ctx,
                             resident_bytes_of(facts.cfg, facts.layout, facts.kinds), base_bytes,
-                            pin=False).minimum_bytes
+                            pin=False, contexts=facts.contexts).minimum_bytes
 
     def decide(self, files, ffn, budget, ctx, window, lookahead, verbose):
         """Its experts read from flash through the expert cache, as many per layer as the budget holds (every one
@@ -280,7 +284,8 @@ class ExpertsMode(Mode):
             return Decision(self, None, False, False, (), None, calibrate_gate=True, name=ffn)
         resident = os.path.getsize(ckpt.flashdir / ckpt.layout.files["resident"])
         plan = plan_experts(ckpt.config, ckpt.layout.experts, budget.bytes, ctx, resident, files.base_bytes,
-                            pin=files.expert_freq is not None, requested=budget.bytes is not None)
+                            pin=files.expert_freq is not None, requested=budget.bytes is not None,
+                            contexts=files.contexts)
         notes = (plan.table(),) if verbose or plan.requested else ()
         if gate:
             notes += (f"gate: inside each routed expert, sparsity {files.gate.sparsity:g}: only the down columns of "
@@ -317,7 +322,7 @@ class GateMode(Mode):
         return plan_gate(facts.cfg, facts.layout, 1 << 60, ctx, window, DEFAULT_SPARSITY, layers=0,
                          resident_bytes=resident_bytes_of(facts.cfg, facts.layout, facts.kinds, on_flash=True)
                          + head.minimum_bytes, base_bytes=base_bytes,
-                         **stream_args(facts.layout), heap_slack_bytes=heap).minimum_bytes
+                         **stream_args(facts.layout), heap_slack_bytes=heap, contexts=facts.contexts).minimum_bytes
 
     def decide(self, files, ffn, budget, ctx, window, lookahead, verbose):
         """Its plan (budget.plan_gate) at any budget, including none (every down row in DRAM: the same function),
@@ -340,7 +345,8 @@ class GateMode(Mode):
             return place_head(lambda b, held: plan_gate(
                 cfg, layout, b, ctx, window, files.gate.sparsity, resident_bytes=resident + held,
                 base_bytes=files.base_bytes, **stream_args(layout), requested=requested,
-                heap_slack_bytes=HEAP_SLACK_BYTES if files.base_bytes else 0), head, budget_bytes)
+                heap_slack_bytes=HEAP_SLACK_BYTES if files.base_bytes else 0, contexts=files.contexts), head,
+                budget_bytes)
         plan = plan_for(*budget.split(plan_for(1 << 60, False).used_bytes))
         notes = ()
         gu = layout.parts["gate_up"]
@@ -386,20 +392,21 @@ class DenseMode(Mode):
     def fits(self, files, ffn, budget, ctx):
         return not self.conditional(files.facts, ffn) or \
             plan_in_ram(files.ckpt.config, files.ckpt.layout, files.ckpt.resident_kinds, budget, ctx,
-                        files.base_bytes) is not None
+                        files.base_bytes, contexts=files.contexts) is not None
 
     def minimum(self, facts, ffn, ctx, window, base_bytes, heap):
         """--ffn dense holds every weight with no plan; auto's in-RAM plan has a minimum."""
         if not self.conditional(facts, ffn):
             return None
-        return plan_in_ram(facts.cfg, facts.layout, facts.kinds, None, ctx, base_bytes, heap).minimum_bytes
+        return plan_in_ram(facts.cfg, facts.layout, facts.kinds, None, ctx, base_bytes, heap,
+                           facts.contexts).minimum_bytes
 
     def decide(self, files, ffn, budget, ctx, window, lookahead, verbose):
         if self.conditional(files.facts, ffn):
             whose = "the default model" if files.default else \
                 f"{files.source} has {'trained' if files.trained else 'no trained'} predictors"
             plan = plan_in_ram(files.ckpt.config, files.ckpt.layout, files.ckpt.resident_kinds, budget, ctx,
-                               files.base_bytes)
+                               files.base_bytes, contexts=files.contexts)
             notes = (plan.table(),) if verbose or plan.requested else ()
             return Decision(self, plan, False, False, notes, ("the whole model fits in DRAM", whose))
         if budget.requested:
@@ -438,6 +445,7 @@ class DenseMode(Mode):
 
 
 class PredictedMode(Mode):
+    predictors = True           # its selector and its window's expected set (OracleMode: the activation thresholds)
     name = "predicted"
     help = "the neurons the low-rank predictor selects, read from flash"
 
@@ -453,7 +461,8 @@ class PredictedMode(Mode):
                            resident_bytes=resident_bytes_of(facts.cfg, facts.layout, facts.kinds,
                                                             self.dense_gate_up(), on_flash=True)
                            + head.minimum_bytes,
-                           base_bytes=base_bytes, **stream_args(facts.layout), heap_slack_bytes=heap).minimum_bytes
+                           base_bytes=base_bytes, **stream_args(facts.layout), heap_slack_bytes=heap,
+                           contexts=facts.contexts).minimum_bytes
 
     def check(self, files, ffn):
         if not files.trained and not files.default:
@@ -477,7 +486,8 @@ class PredictedMode(Mode):
                 cfg, layout, b, ctx, window, max_active=expected_max_active(cfg, files.predictors),
                 resident_bytes=resident + held, base_bytes=files.base_bytes, **stream_args(layout),
                 requested=requested, lookahead=lookahead,
-                heap_slack_bytes=HEAP_SLACK_BYTES if files.base_bytes else 0), head, budget_bytes)
+                heap_slack_bytes=HEAP_SLACK_BYTES if files.base_bytes else 0, contexts=files.contexts), head,
+                budget_bytes)
         whole = plan_for(1 << 60, False).used_bytes
         plan, notes = plan_for(*budget.split(whole)), ()
         if budget.auto and plan.requested:
@@ -571,19 +581,31 @@ def decide(files: ModelFiles, ffn: str, budget=None, ctx: int | None = None, win
     check_mode(ffn)
     budget = Budget.of(budget)
     ctx = ctx or files.ckpt.config.default_ctx
-    floor = files.loading_peak_bytes if budget.requested else 0     # minimum_bytes' floor
     for mode in reach(files.facts, ffn):
         if mode.fits(files, ffn, budget, ctx):
             try:
-                decision = mode.decide(files, ffn, budget, ctx, window, lookahead, verbose)
+                decision, refusal = mode.decide(files, ffn, budget, ctx, window, lookahead, verbose), None
             except BelowMinimum as e:
-                if e.minimum_bytes >= floor:
-                    raise
-                raise below_loading_peak(budget.bytes, floor, files.base_bytes) from None
-            if budget.requested and budget.bytes < floor:
-                raise below_loading_peak(budget.bytes, floor, files.base_bytes)
+                decision, refusal = None, e
+            if budget.requested:
+                refusal = floor_refusal(budget.bytes, refusal, files.loading_peak_bytes, files.base_bytes)
+            if refusal is not None:
+                raise refusal from None
             return decision
     raise UserError(f"--ffn {ffn} does not apply to {files.source}")
+
+
+def floor_refusal(budget_bytes: int, refusal: BelowMinimum | None, peak_bytes: int, base_bytes: int,
+                  estimated: bool = False) -> BelowMinimum | None:
+    """minimum_bytes' rule for a budget, in one place: at least the plan's minimum and the loading's peak. refusal:
+    the plan's (None: the budget holds the plan). The refusal to raise (the plan's, or below_loading_peak's when the
+    peak is the higher floor), else None. decide applies it to what it measured, runtime.refuse_below_minimum to its
+    estimate before loading."""
+    if refusal is None and budget_bytes >= peak_bytes:
+        return None
+    if refusal is not None and refusal.minimum_bytes >= peak_bytes:
+        return refusal
+    return below_loading_peak(budget_bytes, peak_bytes, base_bytes, estimated)
 
 
 def below_loading_peak(budget_bytes: int, peak_bytes: int, base_bytes: int, estimated: bool = False) -> BelowMinimum:
@@ -596,7 +618,8 @@ def below_loading_peak(budget_bytes: int, peak_bytes: int, base_bytes: int, esti
 
 
 def minimum_bytes(cfg: ModelConfig, layout, kinds: dict, ffn: str, ctx: int, base_bytes: int,
-                  window: int = 5, heap_slack_bytes: int = HEAP_SLACK_BYTES, loading_peak_bytes: int = 0) -> int:
+                  window: int = 5, heap_slack_bytes: int = HEAP_SLACK_BYTES, loading_peak_bytes: int = 0,
+                  contexts: int = 1) -> int:
     """The smallest --dram-budget a run of --ffn `ffn` may be planned with (--lookahead off), on the layout its
     FLASHDIR has (or conversion will make): the smallest of the minimums of the modes it may run (reach), with the
     process base `base_bytes` and the heap's slack (a run plans with HEAP_SLACK_BYTES; one that plans the model's
@@ -605,7 +628,7 @@ def minimum_bytes(cfg: ModelConfig, layout, kinds: dict, ffn: str, ctx: int, bas
     more). At least `loading_peak_bytes`: the most the process held while loading (warmup.measure_base_bytes' peak),
     which decide refuses a budget under too: a small model's plan can be below it (its weights less than the LLVM
     pages dropped once the kernels are loaded), and would promise a peak the process has already passed."""
-    facts = Facts(cfg, layout, kinds)
+    facts = Facts(cfg, layout, kinds, contexts)
     found = [m.minimum(facts, ffn, ctx, window, base_bytes, heap_slack_bytes) for m in reach(facts, ffn)]
     found = [b for b in found if b is not None]
     return max(min(found), loading_peak_bytes) if found else 0
@@ -614,6 +637,12 @@ def minimum_bytes(cfg: ModelConfig, layout, kinds: dict, ffn: str, ctx: int, bas
 def kernels_for(facts: Facts, ffn: str) -> set[str]:
     """The FFN kernels (warmup.FFN_STEPS) a run of --ffn `ffn` may use: what the process base is measured with."""
     return {k for m in reach(facts, ffn) for k in m.kernels}
+
+
+def needs_predictors(facts: Facts, ffn: str) -> bool:
+    """Whether a run of --ffn `ffn` may ask the FLASHDIR's predictor set (a mode it may run says so): loaded then,
+    before the process base is measured; the exact gate and a mixture of experts never do."""
+    return any(m.predictors for m in reach(facts, ffn))
 
 
 def runs_from_flash(ffn: str, source: str | None, budget: Budget, open_source=open_checkpoint) -> bool:

@@ -31,14 +31,14 @@ from storage.tokenizer import token_segments
 
 from . import BLAS_THREADS_FROM_USER
 from . import default_model
-from .budget import HEAP_SLACK_BYTES, BelowMinimum, Budget, positions, resident_matrix_shapes, set_contexts
+from .budget import HEAP_SLACK_BYTES, BelowMinimum, Budget, positions, resident_matrix_shapes
 from .default_model import default_model_path, ensure_default_model
 from .ffn.gate import (CALIBRATION_CTX, CALIBRATION_TOKENS, LayerMagnitudes, calibration_seconds,
                        measure_thresholds)
 from .kv_pages import KVOptions, kv_options, set_kv_options, writable_directory
 from .model import Transformer, open_any
-from .modes import (Facts, GateMode, ModelFiles, below_loading_peak, check_mode, decide, dense_bytes_of, kernels_for,
-                    minimum_bytes, plans, reach, runs_from_flash)
+from .modes import (Facts, GateMode, ModelFiles, check_mode, decide, dense_bytes_of, kernels_for,
+                    floor_refusal, minimum_bytes, needs_predictors, plans, reach, runs_from_flash)
 from .predictor_set import load_expert_freq, load_predictors
 from .process import RSS_MARKS, keep_freed_arrays_out_of_rss, mark_rss, peak_rss_bytes, return_freed_heap
 from .kernels.blocks import set_act8
@@ -90,38 +90,42 @@ EARLY_SLACK_BYTES = 2 << 20
 
 
 def refuse_below_minimum(source: str | None, ffn: str, dram_budget: int, ctx: int,
-                         base_bytes: int | None = None) -> None:
+                         base_bytes: int | None = None, contexts: int = 1) -> None:
     """Raise BelowMinimum when `dram_budget` (bytes) is below what a run of --ffn `ffn` of the model (source None:
     the default model) needs, in the first second: before fetch, conversion, kernel compilation or training spend
     minutes. The model's part is the planner's own (modes.minimum_bytes, on model_facts); the process base is the
     caller's when it fixes one, else warmup.base_estimate_bytes' (exact within EARLY_SLACK_BYTES once this
-    installation has run the model)."""
+    installation has run the model). contexts: the sequences decoded together (a KV cache each)."""
     cfg, layout, kinds = model_facts(source)
     ctx = context_size(ctx, cfg)
     base = base_estimate_bytes(layout, cfg.vocab_size) if base_bytes is None else base_bytes
     peak = base + loading_excess_bytes(layout) if base_bytes is None else 0     # the loading's, as last measured
     # the heap's slack as the plan will count it: none when the caller plans the model's part alone (base 0)
     minimum = minimum_bytes(cfg, layout, kinds, ffn, ctx, base, heap_slack_bytes=HEAP_SLACK_BYTES if base else 0,
-                            loading_peak_bytes=peak)
-    if dram_budget >= minimum - EARLY_SLACK_BYTES:
+                            contexts=contexts)      # the plan's: the loading's peak is floor_refusal's
+    if not minimum:             # no mode --ffn may run plans one: decide refuses it by name
         return
-    if minimum == peak:
-        raise below_loading_peak(dram_budget, peak - EARLY_SLACK_BYTES, base, estimated=True)
-    raise BelowMinimum(dram_budget, minimum - EARLY_SLACK_BYTES, f"estimated before loading: process base about "
-                       f"{base / 2**20:.1f} MiB, the model's weights, kv cache and buffers for {positions(ctx)} "
-                       f"{(minimum - base) / 2**20:.1f} MiB")
+    refusal = None if dram_budget >= minimum - EARLY_SLACK_BYTES else BelowMinimum(
+        dram_budget, minimum - EARLY_SLACK_BYTES, f"estimated before loading: process base about "
+        f"{base / 2**20:.1f} MiB, the model's weights, kv cache and buffers for {positions(ctx, contexts)} "
+        f"{(minimum - base) / 2**20:.1f} MiB")
+    refusal = floor_refusal(dram_budget, refusal, peak - EARLY_SLACK_BYTES, base, estimated=True)
+    if refusal is not None:
+        raise refusal
 
 
 def open_model_files(model, ffn: str, verify: bool = True, progress: bool = False,
                      base_bytes: int | None = None, ctx: int = 0, sparsity: float = DEFAULT_SPARSITY,
-                     dram_budget=None) -> ModelFiles:
+                     dram_budget=None, contexts: int = 1) -> ModelFiles:
     """The facts decide() needs. A FLASHDIR backs every mode but dense of an HF directory or GGUF, and auto of one
     that needs no predictors to run from flash when it has to (modes.runs_from_flash); any other runs dense. Such a
     model is converted into the cache on first use, and a launch checks sizes and the verified stamp, not every byte.
-    The process base is measured here, on a process that holds everything but the weights (tokenizer, predictors,
-    the kernels of the modes --ffn may run: modes.kernels_for), unless base_bytes is given. dram_budget: a Budget (or
+    The process base is measured here, on a process that holds everything but the weights (tokenizer, the predictors
+    when a mode --ffn may run asks them: modes.needs_predictors, the kernels of the modes --ffn may run:
+    modes.kernels_for), unless base_bytes is given. dram_budget: a Budget (or
     what Budget.of takes); a size under the model's minimum is refused before any of that work, the default model's
-    fetch included (refuse_below_minimum), for the modes that plan it (dense holds every weight, with no plan)."""
+    fetch included (refuse_below_minimum), for the modes that plan it (dense holds every weight, with no plan).
+    contexts: the sequences the run decodes together (load's parallel), each with a KV cache the plans count."""
     check_mode(ffn)
     again = bool(RSS_MARKS) and RSS_MARKS[-1][0] != "numba"       # a load before this one in this process
     RSS_MARKS[:] = [] if again else RSS_MARKS                       # this one's parts start anew
@@ -135,7 +139,7 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
     flash_backed = (not default and is_flashdir(model)) or runs_from_flash(ffn, None if default else str(model),
                                                                            budget, open_source)
     if budget.requested and flash_backed and plans(ffn):
-        refuse_below_minimum(None if default else str(model), ffn, budget.bytes, ctx, base_bytes)
+        refuse_below_minimum(None if default else str(model), ffn, budget.bytes, ctx, base_bytes, contexts)
     source = str(ensure_default_model()) if default else str(model)
     keep_freed_arrays_out_of_rss()  # in a dense run too: a short prompt touches a page of each layer's KV, not 2 MiB
     if not flash_backed or not plans(ffn):     # every weight in DRAM, as stored: no plan, no predictors
@@ -143,7 +147,7 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
             verify_at_load(source, progress=progress)
         ckpt = open_source(source)
         files = ModelFiles(source, source, default, flash_backed, ckpt, open_tokenizer(ckpt), None, None,
-                           dense_bytes_of(source, ckpt.config))
+                           dense_bytes_of(source, ckpt.config), contexts=contexts)
         if not flash_backed:    # a source's matrices, as stored: its kernels load before them (DenseMode.build)
             base, files.loading_peak_bytes = measure_dense_base_bytes(ckpt, start_peak)
             files.base_bytes = base if base_bytes is None else base_bytes
@@ -152,9 +156,11 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
     if verify:
         verify_at_load(path, progress=progress)
     ckpt = FlashCheckpoint(path)
-    files = ModelFiles(source, str(path), default, True, ckpt, open_tokenizer(ckpt), load_predictors(path), None,
-                       expert_freq=load_expert_freq(path) if ckpt.config.moe else None)
-    mark_rss("predictors")
+    files = ModelFiles(source, str(path), default, True, ckpt, open_tokenizer(ckpt), None, None,
+                       expert_freq=load_expert_freq(path) if ckpt.config.moe else None, contexts=contexts)
+    if needs_predictors(files.facts, ffn):      # in the base only when a mode --ffn may run asks them
+        files.predictors = load_predictors(path)
+        mark_rss("predictors")
     if base_bytes is None:
         files.base_bytes, files.loading_peak_bytes = measure_base_bytes(ckpt.layout, kernels_for(files.facts, ffn),
                                                                         start_peak)
@@ -291,10 +297,10 @@ def load(path: str | None = None, dram_budget: int | str | None = "auto", ffn: s
     set_threads(threads)
     set_act8(act8)
     set_kv_options(kv or KVOptions())
-    set_contexts(parallel)
     budget = Budget.of(dram_budget)
     progress = sys.stderr.isatty()
-    files = open_model_files(path, ffn, progress=progress, ctx=ctx, sparsity=sparsity, dram_budget=budget)
+    files = open_model_files(path, ffn, progress=progress, ctx=ctx, sparsity=sparsity, dram_budget=budget,
+                             contexts=max(1, int(parallel)))
     ctx = context_size(ctx, files.ckpt.config)
     decision, transformer, flash_ffn = decide_and_build(files, ffn, budget, ctx, lookahead=lookahead,
                                                         threads=threads, progress=progress, verbose=verbose,

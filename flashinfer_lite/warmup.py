@@ -424,6 +424,61 @@ def compiled_stamp(layout):
     return Path(rotate_rows._cache.cache_path) / f"flashinfer-lite-kernels-{digest}.stamp"
 
 
+def kernel_sources(modules) -> tuple[dict[Path, set[Path]], list[Path]]:
+    """({cache directory: the sources cached there}, the sources a kernel may have inlined) of the Numba kernels that
+    `modules` define with cache=True: their own files, and the files of the project modules those import (a kernel
+    inlines the kernels and the constants it names, which Numba's index does not key: it keys the kernel's own file)."""
+    import re
+    from numba.core.dispatcher import Dispatcher
+    dirs: dict[Path, set[Path]] = {}
+    for m in modules:
+        for f in vars(m).values():
+            if isinstance(f, Dispatcher) and f.py_func.__module__ == m.__name__ and hasattr(f._cache, "cache_path"):
+                dirs.setdefault(Path(f._cache.cache_path), set()).add(Path(m.__file__))
+    sources = {f for fs in dirs.values() for f in fs}
+    for f in list(sources):     # `from .rows import dot`, `from storage.blocks import BLOCK`: a file beside them
+        for dots, name in re.findall(r"^\s*from\s+(\.*)([\w.]*)\s+import", f.read_text(), re.M):
+            top = name.split(".")[0]
+            base = f.parents[len(dots) - 1] if dots else next(
+                (p for p in f.parents if (p / top).is_dir() or (p / f"{top}.py").is_file()), None)
+            if base is None:
+                continue
+            target = base.joinpath(*name.split(".")) if name else base
+            sources.update(t for t in (target.with_suffix(".py"), target / "__init__.py") if t.is_file())
+    return dirs, sorted(sources)
+
+
+def drop_stale_kernels(modules=None) -> bool:
+    """Remove the Numba cache's kernels of `modules` (default: every project module that defines one) when the sources
+    they may have inlined (kernel_sources) changed since the cache was filled, and the compile stamps that vouched for
+    them: Numba would load a kernel whose own file did not change with the code it inlined from a file that did (or
+    that moved: ModuleNotFoundError). A stamp named by a hash of those sources' bytes, in the first kernel's cache
+    directory, says the cache is theirs. Best effort (a read-only cache stays as it is). True when it removed any."""
+    import hashlib
+    if modules is None:
+        modules = [m for n, m in list(sys.modules.items())
+                   if n.split(".")[0] in ("flashinfer_lite", "storage") and getattr(m, "__file__", None)]
+    dirs, sources = kernel_sources(modules)
+    if not dirs:
+        return False
+    digest = hashlib.sha256()
+    for f in sources:
+        digest.update(f.name.encode() + b"\0" + f.read_bytes())
+    stamp = min(dirs) / f"flashinfer-lite-sources-{digest.hexdigest()[:16]}.stamp"
+    if stamp.exists():
+        return False
+    removed = False
+    for d in dirs:      # a kernel cache directory holds only its source directory's kernels: all of them go
+        for f in [*d.glob("*.nbi"), *d.glob("*.nbc"), *d.glob("flashinfer-lite-*.stamp")]:
+            try:
+                f.unlink()
+                removed = True
+            except OSError:
+                pass
+    write_best_effort(stamp, "")
+    return removed
+
+
 def warm_up(model: Transformer) -> None:
     """One decode step on a scratch cache at each thread count a step may run on (threads.StepThreads), as llama.cpp
     warms up at load: the decode's kernels load from Numba's cache here, in the load time, not in the first token's
@@ -484,6 +539,9 @@ def dense_warm_up(ckpt) -> None:
     ckpt.release()
 
 
+drop_stale_kernels()    # before any kernel of this process loads: every kernel module is imported (above)
+
+
 if __name__ == "__main__":     # compile_in_child's child: python -m flashinfer_lite.warmup FLASHDIR STEP [stamp]
     _layout = read_layout(sys.argv[1], check_size=False)
     compile_kernels(_layout, steps=[int(sys.argv[2])])
@@ -492,4 +550,3 @@ if __name__ == "__main__":     # compile_in_child's child: python -m flashinfer_
             compiled_stamp(_layout).touch()
         except OSError:         # a read-only cache: the next run compiles in a child again, as this one did
             pass
-

@@ -88,29 +88,40 @@ def populate(a: np.ndarray) -> bool:
     return a.nbytes == 0 or _madvise(first, a.ctypes.data + a.nbytes - first, MADV_POPULATE_WRITE) == 0
 
 
-def open_for_reads(path: Path) -> tuple[int, bool]:
-    """(fd, direct): O_DIRECT if the filesystem accepts it (checked with a real aligned read), else buffered."""
-    global _warned_buffered
-    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+def open_direct(path, flags: int, align: int = BUNDLE_ALIGN) -> tuple[int, bool]:
+    """(fd, direct): `path` opened with `flags`, and O_DIRECT when the filesystem accepts it, checked with a real
+    aligned I/O of `align` bytes at offset 0 (some accept the flag but refuse the I/O): a read, and first a write of
+    zeros when `flags` open for writing. Else buffered. An error other than O_DIRECT's refusal (EINVAL) is raised."""
     if hasattr(os, "O_DIRECT"):
         try:
             fd = os.open(path, flags | os.O_DIRECT)
         except OSError as e:
             if e.errno != errno.EINVAL:
-                raise UserError(f"{path}: cannot open ({e.strerror})")
+                raise
         else:
-            probe = aligned_empty((BUNDLE_ALIGN,), np.uint8)
+            probe = aligned_empty((align,), np.uint8)
+            probe[:] = 0
             try:
-                os.preadv(fd, [memoryview(probe)], 0)   # some filesystems accept the flag but refuse the read
+                if flags & (os.O_WRONLY | os.O_RDWR):
+                    os.pwrite(fd, memoryview(probe), 0)
+                os.preadv(fd, [memoryview(probe)], 0)
                 return fd, True
             except OSError as e:
                 os.close(fd)
                 if e.errno != errno.EINVAL:
-                    raise UserError(f"{path}: cannot read ({e.strerror})")
+                    raise
+    return os.open(path, flags), False
+
+
+def open_for_reads(path: Path) -> tuple[int, bool]:
+    """(fd, direct): open_direct for reading; buffered reads are said once per process."""
+    global _warned_buffered
     try:
-        fd = os.open(path, flags)
+        fd, direct = open_direct(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
-        raise UserError(f"{path}: cannot open ({e.strerror})")
+        raise UserError(f"{path}: cannot open ({e.strerror})") from None
+    if direct:
+        return fd, True
     if not _warned_buffered:
         _warned_buffered = True
         print(f"flashinfer-lite: O_DIRECT refused for {path}; using buffered reads + posix_fadvise(DONTNEED)",

@@ -163,3 +163,20 @@ def test_a_waiting_prompt_runs_before_the_next_step():
     for t in [first, *later]:
         t.join(30)
     assert model.calls == [("step", "a"), ("prompt", "b"), ("step", "a")]
+
+
+def test_a_load_counts_its_own_contexts_not_an_earlier_loads():
+    """The contexts a plan counts KV caches for (serve --parallel) are the load's own: a load_runtime after a load of
+    three contexts in this process plans one, and its kv line says so (a process-wide setting once leaked from one
+    load into the next). No budget: every KV page in DRAM, three caches and two more sequences' logits."""
+    from flashinfer_lite.budget import kv_all_bytes
+    from flashinfer_lite.runtime import load, load_runtime
+    model, _ = load(str(STORIES), None, "oracle", 128, parallel=3, say=False)
+    three = model.ffn.plan
+    assert three.contexts == 3 and "3 contexts of 128 positions" in three.table()
+    _, _, ffn = load_runtime(str(STORIES), "oracle", None, 128)
+    one = ffn.plan
+    assert one.contexts == 1 and "3 contexts" not in one.table() and "128 positions" in one.table()
+    cfg = model.transformer.cfg
+    assert one.kv_bytes == kv_all_bytes(cfg, 128)
+    assert three.kv_bytes == 3 * one.kv_bytes + 2 * 3 * cfg.vocab_size * 4    # logits, batch row, log-softmax

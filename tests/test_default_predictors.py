@@ -97,6 +97,12 @@ def test_first_use_trains_from_the_corpus_once_when_the_model_does_not_fit(defau
     # the predictors load and predict
     ps = load_predictors(flashdir)
     assert ps.has_predictors and ps.n_layers == 5
+    # only the modes that ask them load them: the exact gate's files (and process base) leave them out
+    from flashinfer_lite.process import RSS_MARKS
+    assert runtime.open_model_files(None, "gate").predictors is None
+    assert "predictors" not in [what for what, _ in RSS_MARKS]
+    assert runtime.open_model_files(None, "predicted").predictors.has_predictors
+    assert "predictors" in [what for what, _ in RSS_MARKS]
     # a layer keeps its predictor only where it would read at most max_read_share of the neurons (stories260K's
     # SwiGLU predictors select about 0.98 at recall 0.99, so here every layer reads all and the threshold decides)
     cards = [json.loads((flashdir / "predictors" / f"layer_{i:03d}.json").read_text()) for i in range(5)]

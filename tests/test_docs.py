@@ -115,7 +115,7 @@ WALKS = {
         "storage.errors": "UserError is only raised: a failure ends the walk with one line",
         "flashinfer_lite.threads": "numba_threads: the thread count the down sum's tasks are sized by, a setting read",
     }),
-    "## Walk: `load()` to the first token": Walk(14, skip={
+    "## Walk: `load()` to the first token": Walk(13, skip={
         "convert_in_child": "a model's first use: its conversion into the cache",
         "first_use_line": "a model's first use: the line announcing its conversion",
         **dict.fromkeys(["layout_for", "resident_names", "resident_kinds"],
@@ -123,6 +123,8 @@ WALKS = {
         "calibration_next": "a model's first use: the line announcing conversion and calibration",
         "calibrate_on_first_use": "a FLASHDIR's first exact-gate run: its thresholds calibrated, once",
         "train_on_first_use": "the default model's predictors, trained on first use for --ffn predicted",
+        "load_predictors": "a FLASHDIR's predictors, loaded when a mode --ffn may run asks them (the exact gate never)",
+        "load_expert_freq": "a mixture of experts' routing counts",
     }, outside={
         **dict.fromkeys(["flashinfer_lite.ffn", "flashinfer_lite.kernels", "flashinfer_lite.kv_pages",
                          "flashinfer_lite.flash_matrix", "flashinfer_lite.neuron_cache", "storage.reader",

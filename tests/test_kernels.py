@@ -5,8 +5,11 @@ Bundles are packed with storage.format.pack_bundles; for f16/int8 the oracle use
 """
 from __future__ import annotations
 
+import re
+import sys
 import zlib
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import numba
@@ -337,3 +340,59 @@ def test_same_bits_whatever_the_split_rows_threads_or_batch(dtype, glu, act):
             ffn.accumulate(bundles[lo:lo + m], slots, coef, Y)
         for t in range(T):
             assert np.array_equal(Y[t], ref[t]), (t, chunk)
+
+
+# A kernel's Numba cache after a move (drop_stale_kernels): a pair of modules of the test's own, in child processes
+STALE_KERNEL = """from numba import njit
+from helper import bump
+
+
+@njit(cache=True)
+def run(x):
+    return bump(x)
+"""
+STALE_RUN = """import sys
+sys.path.insert(0, sys.argv[1])
+import kernel
+if sys.argv[2] == "drop":
+    from flashinfer_lite.warmup import drop_stale_kernels
+    drop_stale_kernels([kernel])
+print(kernel.run(1))
+"""
+
+
+def test_a_kernel_cache_is_dropped_when_code_it_inlined_moves(tmp_path):
+    """Numba's index keys a cached kernel by its own file: when a kernel it inlined moves to another module (as
+    kernels/f16.py was folded into kernels/rows.py) and that file stays as it was, Numba loads the old machine code,
+    which names the module that is gone. drop_stale_kernels, given the kernel's module, hashes what it imports and
+    drops the cache when that changed: the run compiles the kernel anew, with the moved code."""
+    import subprocess
+    (tmp_path / "kernel.py").write_text(STALE_KERNEL)
+    (tmp_path / "helper.py").write_text("from old import bump  # noqa: F401\n")
+    (tmp_path / "old.py").write_text("from numba import njit\n\n\n@njit\ndef bump(x):\n    return x + 1\n")
+
+    def run(mode):
+        return subprocess.run([sys.executable, "-c", STALE_RUN, str(tmp_path), mode], capture_output=True, text=True,
+                              timeout=300)
+    assert run("drop").stdout == "2\n"          # compiled, cached, the sources stamped
+    assert list((tmp_path / "__pycache__").glob("flashinfer-lite-sources-*.stamp"))
+    (tmp_path / "old.py").unlink()              # the move: old.py folded into helper.py; kernel.py unchanged
+    (tmp_path / "helper.py").write_text("from numba import njit\n\n\n@njit\ndef bump(x):\n    return x + 2\n")
+    stale = run("keep")
+    assert "ModuleNotFoundError: No module named 'old'" in stale.stderr, stale.stderr[-2000:]   # Numba alone
+    assert run("drop").stdout == "3\n"
+
+
+def test_every_kernel_module_is_in_the_stale_check():
+    """drop_stale_kernels' default covers every module of the project that defines a cached kernel at import (the
+    io_uring watcher's is compiled on demand and inlines nothing of the project), and the storage constants they
+    inline (storage/blocks.py: BLOCK)."""
+    from flashinfer_lite import warmup
+    root = Path(warmup.__file__).parents[1]
+    defining = {f for f in [*root.glob("flashinfer_lite/**/*.py"), *root.glob("storage/*.py")]
+                if re.search(r"^@.*cache=True", f.read_text(), re.M) and f.name != "_watch.py"}
+    modules = [m for n, m in list(sys.modules.items()) if n.split(".")[0] in ("flashinfer_lite", "storage")
+               and getattr(m, "__file__", None)]
+    dirs, sources = warmup.kernel_sources(modules)
+    assert {f for fs in dirs.values() for f in fs} == defining
+    assert root / "storage" / "blocks.py" in sources

@@ -356,3 +356,42 @@ def test_a_read_ahead_of_a_page_written_again_is_not_used(tmp_path, monkeypatch)
         K, V = (x[layer, :2 * P].astype(np.float16).astype(np.float64) for x in (keys, values))
         np.testing.assert_allclose(out, attention64(q.astype(np.float64), K, V, 2 * P - 1, 0), rtol=1e-5, atol=1e-5)
     kv.close()
+
+
+@pytest.mark.parametrize("refuses", ["open", "io"])
+def test_the_page_file_falls_back_to_buffered_io_where_o_direct_is_refused(tmp_path, monkeypatch, refuses):
+    """The KV pages' file opens as the bundle reader's files do (storage.reader.open_direct): O_DIRECT where the
+    filesystem takes it, else buffered, whether the flag itself is refused (EINVAL at open, tmpfs before Linux 6.6) or
+    only the I/O is (EINVAL at the probe). Buffered, a page written reads back as written."""
+    import errno
+    import os
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    real_open, real_pwrite = os.open, os.pwrite
+    direct_fds, opened_direct = set(), []
+
+    def open_(p, flags, *a):
+        if flags & os.O_DIRECT and refuses == "open":
+            raise OSError(errno.EINVAL, "Invalid argument")
+        fd = real_open(p, flags, *a)
+        (direct_fds.add if flags & os.O_DIRECT else direct_fds.discard)(fd)     # a closed fd's number comes back
+        opened_direct.extend([True] if flags & os.O_DIRECT else [])
+        return fd
+
+    def pwrite(fd, buf, offset):
+        if fd in direct_fds:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, buf, offset)
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    f = kv_pages.PageFile(tmp_path, (kv_pages.FILE_ALIGN, kv_pages.FILE_ALIGN), 1, 2)
+    try:
+        assert not f.direct and not list(tmp_path.iterdir())        # buffered, and unlinked: nothing left behind
+        assert opened_direct == ([True] if refuses == "io" else [])     # the flag taken, the probe refused
+        page = np.arange(kv_pages.FILE_ALIGN, dtype=np.uint8)
+        f.write(1, 0, 1, page)
+        got = np.zeros((1, kv_pages.FILE_ALIGN), np.uint8)
+        f.read(1, 0, np.array([1]), got)
+        np.testing.assert_array_equal(got[0], page)
+    finally:
+        f.close()

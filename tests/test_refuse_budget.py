@@ -109,7 +109,9 @@ def test_a_too_small_budget_is_refused_before_any_work_on_a_cold_cache(tmp_path,
                     lines[0]), r.stderr
     made = [p for p in cache.rglob("*") if p.is_file()] if cache.exists() else []
     assert not made, made                                                       # nothing fetched or converted
-    compiled = [p for p in numba.rglob("*") if p.is_file()]    # Numba makes its directories on import, no files
+    # Numba makes its directories on import, and warmup stamps its kernels' sources there (drop_stale_kernels): no
+    # other file
+    compiled = [p for p in numba.rglob("*") if p.is_file() and not p.name.startswith("flashinfer-lite-sources-")]
     assert not compiled, compiled                                                     # nothing compiled
     assert cpu < 5, (cpu, wall)
 
@@ -247,6 +249,21 @@ def test_the_loading_peak_floors_the_minimum_of_every_caller(tmp_path, monkeypat
         assert f"below the minimum {e.minimum_bytes / 2**20:.1f} MiB for this model (" in str(e)
         assert f"loading the kernels takes the process to {'about ' if e is early.value else ''}" in str(e), str(e)
 
+
+
+def test_the_floor_refusal_names_the_higher_of_the_plan_and_the_loading_peak():
+    """modes.floor_refusal, the rule decide and the early refusal share: a budget under the plan's minimum gets the
+    plan's refusal, unless the loading's peak is higher (then the peak's, as the budget under it though the plan
+    fits); at both floors, none."""
+    from flashinfer_lite.budget import BelowMinimum
+    from flashinfer_lite.modes import floor_refusal
+    MiB = 1 << 20
+    plan = BelowMinimum(90 * MiB, 100 * MiB, "the plan's parts")
+    assert floor_refusal(120 * MiB, None, 120 * MiB, 50 * MiB) is None
+    assert floor_refusal(90 * MiB, plan, 80 * MiB, 50 * MiB) is plan
+    for refusal, budget in ((plan, 90 * MiB), (None, 110 * MiB)):
+        e = floor_refusal(budget, refusal, 120 * MiB, 50 * MiB)
+        assert e.minimum_bytes == 120 * MiB and "loading the kernels takes the process to 120.0 MiB" in str(e)
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="Linux: memory cgroups")
 def test_a_first_use_in_a_memory_cgroup_too_small_to_compile_is_one_line(tiny_model, tmp_path):
