@@ -432,6 +432,11 @@ class NeuronCache:
     def window_rows(self, layer: int) -> int:
         return int(self.layers[layer].state[_NWIN])
 
+    def pinned_whole(self, layer: int) -> bool:
+        """Every neuron of `layer` is pinned: its rows are slot_of(layer), nothing is looked up, read or evicted."""
+        L = self.layers[layer]
+        return L.n_hot == L.slot_of.size
+
     def slot_of(self, layer: int) -> np.ndarray:
         """Read-only view: bundle id -> row (-1 absent)."""
         v = self.layers[layer].slot_of.view()

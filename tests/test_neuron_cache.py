@@ -297,3 +297,19 @@ def test_prefetch_guess_serves_the_misses_it_covers_and_nothing_else(flash):
     cache.prefetch(0, np.r_[5:9])
     slots = cache.fetch(1, np.r_[95, 96])
     assert np.array_equal(cache.matrix(1)[slots], source[1][[95, 96]])
+
+
+def test_a_layer_pinned_whole_gives_its_rows_without_a_fetch(flash):
+    """pinned_whole(layer): every neuron pinned, so slot_of(layer)[ids] are the rows a fetch would give (the exact
+    gate's in-RAM down sum takes them without one): the file's bundles, nothing read after the pins; a layer with one
+    neuron unpinned is not whole."""
+    layout, source, reader = flash
+    spy = SpyReader(reader)
+    hot = [np.arange(N)[::-1], np.arange(N - 1)]        # layer 0 whole (pinned in any order), layer 1 one short
+    cache = NeuronCache(layout.n_neurons, layout.stride, spy, capacity=4, window=3, hot=hot)
+    assert cache.pinned_whole(0) and not cache.pinned_whole(1)
+    pins = len(spy.calls)
+    ids = np.array([0, 3, 7, 50, N - 1])
+    rows = cache.slot_of(0)[ids]
+    assert np.array_equal(cache.matrix(0)[rows], source[0][ids])
+    assert np.array_equal(cache.fetch(0, ids), rows) and len(spy.calls) == pins

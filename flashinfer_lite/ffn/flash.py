@@ -461,8 +461,8 @@ class FlashFFN:
         coef = self.selector.coefficients(layer, x)
         if self.selector.observe is not None:
             self.selector.observe(layer, coef)
-        ids = np.flatnonzero(coef.any(axis=0))          # bundle ids any row needs, ascending
-        y = np.zeros_like(x)
+        ids = np.flatnonzero(coef[0] if T == 1 else coef.any(axis=0))     # bundle ids any row needs, ascending
+        y = np.zeros(x.shape, np.float32)
         self.streamed[layer] = True
         decode = T == 1 or self.decoding
         if not decode and self.prefer_streaming(layer, [ids]):
@@ -510,6 +510,13 @@ class FlashFFN:
         """Y[t] += the down rows of `ids` (ascending) weighted by coef[t, ids], through the neuron cache in
         window-sized pieces accumulated one after the other. Each row's sum skips its zero coefficients and adds the
         rest in bundle order, so a token gives the same bits alone or in a prompt, in one piece or many (ffn.sparse)."""
+        if self.cache.pinned_whole(layer):   # in RAM: the rows a fetch would give, without its bookkeeping
+            self.stats.hits += ids.size
+            t0 = time.perf_counter()
+            self.kernels[layer].accumulate(self.cache.matrix(layer), self.cache.slot_of(layer)[ids],
+                                           np.ascontiguousarray(coef[:, ids]), Y)
+            self.stats.compute_s += time.perf_counter() - t0
+            return
         cap = self.plan.window_rows
         for start in range(0, len(ids), cap):
             piece = ids[start:start + cap]

@@ -34,7 +34,7 @@ from storage.errors import UserError
 from .blocks import (DOT8_ROWS, Q4_K, act8_dot, act8_row, act8_slice, act_dot, col_axpy, col_axpy_run, col_dequant, col_group, col_span, quantize_act1, quantize_act_rows, row_axpy, row_dequant,
                      row_dot8, row_dot8k, rows_dot8, rows_dot8k)
 from ..threads import numba_threads
-from .rows import dot, f32_at, prefetch_ahead, prefetch_piece, prefetch_row, rows_ahead, scalar
+from .rows import dot, f32_at, prefetch_ahead, prefetch_piece, prefetch_row, prefetch_row_l2, rows_ahead, scalar
 
 ACT_RELU, ACT_SILU, ACT_DRELU, ACT_GELU_TANH = 0, 1, 2, 3
 ACT_CODES = {"relu": ACT_RELU, "silu": ACT_SILU, "drelu": ACT_DRELU, "gelu_tanh": ACT_GELU_TANH}
@@ -281,10 +281,10 @@ def quant_ffn_accumulate(B, F, slots, coef, Y, down_at, kind, weights, block_byt
             rows, cs = np.empty(COL_RUN_COLUMNS, np.int64), np.empty(COL_RUN_COLUMNS, np.float32)
             held, group, first = 0, -1, 0   # fired neurons of one sub-block not yet added (col_axpy_run)
             for j in range(n + 1):
-                if j + ahead < n:     # the column's pieces and its neuron id, a few rows ahead
+                if j + ahead < n:     # the column's pieces (into L2: col_axpy_run's pass fills L1) and neuron id
                     r = slots[j + ahead]
-                    prefetch_row(B, r, down_at + c0, down_at + c1)
-                    prefetch_row(B, r, down_at + h0, down_at + h1)
+                    prefetch_row_l2(B, r, down_at + c0, down_at + c1)
+                    prefetch_row_l2(B, r, down_at + h0, down_at + h1)
                     prefetch_row(B, r, 4 * s_neuron, 4 * s_neuron + 4)
                 if j < n and coef[t, j] == np.float32(0.0):
                     continue

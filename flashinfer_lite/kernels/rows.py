@@ -165,21 +165,35 @@ PREFETCH_AHEAD = 2048   # bytes: how far ahead of the row being computed a row l
 CACHE_LINE = 64
 
 
-@intrinsic
-def _prefetch_line(typingctx, a, byte):
-    """Ask for the cache line holding byte `byte` of array a's data (llvm.prefetch, read, into L1: never faults)."""
-    if not isinstance(a, types.Array) or not isinstance(byte, types.Integer):
-        return None
-
+def _prefetch_into(locality: int):
+    """codegen of an intrinsic (a, byte): ask for the cache line holding byte `byte` of array a's data (llvm.prefetch,
+    read, never faults) with `locality` (3: into L1, prefetcht0; 2: into L2, prefetcht1 on x86)."""
     def codegen(context, builder, sig, args):
         i8p = ir.IntType(8).as_pointer()
         data = builder.bitcast(context.make_array(sig.args[0])(context, builder, args[0]).data, i8p)
         i32 = ir.IntType(32)
         fn = builder.module.declare_intrinsic("llvm.prefetch", (), ir.FunctionType(ir.VoidType(),
                                                                                   [i8p, i32, i32, i32]))
-        builder.call(fn, [builder.gep(data, [args[1]]), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        builder.call(fn, [builder.gep(data, [args[1]]), ir.Constant(i32, 0), ir.Constant(i32, locality),
+                          ir.Constant(i32, 1)])
         return context.get_dummy_value()
-    return types.none(a, byte), codegen
+    return codegen
+
+
+@intrinsic
+def _prefetch_line(typingctx, a, byte):
+    """Ask for the cache line holding byte `byte` of array a's data into L1 (llvm.prefetch: never faults)."""
+    if not isinstance(a, types.Array) or not isinstance(byte, types.Integer):
+        return None
+    return types.none(a, byte), _prefetch_into(3)
+
+
+@intrinsic
+def _prefetch_line_l2(typingctx, a, byte):
+    """_prefetch_line into L2 only."""
+    if not isinstance(a, types.Array) or not isinstance(byte, types.Integer):
+        return None
+    return types.none(a, byte), _prefetch_into(2)
 
 
 @njit(cache=True, inline="always")
@@ -198,6 +212,18 @@ def prefetch_row(M, r, lo, hi):
     the loop has begun reading it."""
     if hi - lo < PREFETCH_AHEAD:
         prefetch_piece(M, r, lo, hi)
+
+
+@njit(cache=True, inline="always")
+def prefetch_row_l2(M, r, lo, hi):
+    """prefetch_row into L2 only, for a loop that asks for a run of rows before one pass over all of them, whose
+    sums and scales stay in L1 meanwhile: the exact gate's down columns (kernels.neurons.quant_ffn_accumulate), a run
+    of up to 32 columns of 1.1 KB asked into L1, left their pass waiting on memory (the real 1.5B's down sum on one
+    thread took 1.5x the time it takes with this, the same bits)."""
+    if hi - lo < PREFETCH_AHEAD and 0 <= r < M.shape[0]:
+        start = r * M.strides[0]
+        for b in range(start + lo, start + hi, CACHE_LINE):
+            _prefetch_line_l2(M, b)
 
 
 @njit(cache=True, inline="always")
