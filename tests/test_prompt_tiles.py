@@ -90,8 +90,8 @@ def test_a_prompts_coefficients_in_parallel_have_the_serial_bits():
 def test_a_prompts_silu_coefficients_have_the_scalar_bits():
     """The dense FFN's SiLU coefficients of a prompt (blocks.silu_coefficient_rows: glibc's expf 8 at a time) against
     the decode path's scalar kernel, bit for bit: every 331st finite float32 bit pattern (each range expf treats
-    apart: underflow, overflow, subnormals, signed zeros) times up products of both signs. (Not infinities or NaNs:
-    the scalar kernel's division raises on some of them, a gate product is finite.)"""
+    apart: underflow, overflow, subnormals, signed zeros) times up products of both signs. (Infinities and NaNs:
+    test_silu_coefficients_of_infinities_and_nans.)"""
     from flashinfer_lite.ffn.dense import silu_reference
     from flashinfer_lite.kernels.blocks import HAS_AVX512, prompt_silu_ok, silu_coefficient_rows
     if not HAS_AVX512:
@@ -107,6 +107,36 @@ def test_a_prompts_silu_coefficients_have_the_scalar_bits():
         silu_coefficient_rows(g, got)
     same = got.view(np.uint32) == want.view(np.uint32)
     assert same.all(), (g[~same][:5], got[~same][:5], want[~same][:5])
+
+
+def test_silu_coefficients_of_infinities_and_nans():
+    """Gate and up products of +-inf, NaN (two payloads), zeros, the largest and smallest magnitudes: the scalar
+    kernel (decode's, kernels.neurons) follows IEEE float32 (it raised ZeroDivisionError on a NaN gate): an infinite
+    or NaN gate against the float64 twin (NaN and -inf: 0, +inf: inf times u; finite u, as the twin reads u even
+    where the gate is 0), an infinite or NaN u times a gate of 1.5 by IEEE rules, and every pair bit for bit against
+    the 8-wide prompt kernel."""
+    from flashinfer_lite.ffn.dense import silu_reference
+    from flashinfer_lite.kernels.blocks import HAS_AVX512, silu_coefficient_rows
+    from glu_twin import coefficients
+    special = np.array([np.inf, -np.inf, np.nan, 0.0, -0.0, 3.4e38, -3.4e38, 1e-45, -1e-45, 88.73, -104.0, 1.5],
+                       np.float32)
+    special = np.append(special, np.uint32(0xFFC00001).view(np.float32))       # a negative NaN with a payload
+    g, u = (a.astype(np.float32).reshape(1, -1) for a in np.meshgrid(special, special, indexing="ij"))
+    pad = (-g.shape[1]) % 8
+    g, u = np.pad(g, ((0, 0), (0, pad)), constant_values=1), np.pad(u, ((0, 0), (0, pad)), constant_values=1)
+    got = u.copy()
+    silu_reference(g, got)
+    odd_gate = ~np.isfinite(g) & np.isfinite(u)
+    with np.errstate(all="ignore"):
+        want = coefficients("silu", g.astype(np.float64), u.astype(np.float64), -np.inf).astype(np.float32)
+        ieee = np.float32(1.5) / (np.float32(1) + np.exp(np.float32(-1.5))) * u
+    assert np.array_equal(got[odd_gate], want[odd_gate], equal_nan=True)
+    odd_up = (g == 1.5) & ~np.isfinite(u)
+    assert np.array_equal(got[odd_up], ieee[odd_up], equal_nan=True)
+    if HAS_AVX512:
+        eight = u.copy()
+        silu_coefficient_rows(g, eight)
+        assert np.array_equal(got.view(np.uint32), eight.view(np.uint32))
 
 
 @pytest.mark.parametrize("kinds", [("q4_k", "q6_k"), ("q5_0", "q8_0")])
