@@ -58,6 +58,42 @@ def test_a_prompts_rows_have_the_one_row_bits(kind, act8):
             assert np.array_equal(y.view(np.uint32), one[:T].view(np.uint32)), (kind, T, threads)
 
 
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
+def test_a_prompts_k_quant_tiles_at_the_largest_sums(kind, act8):
+    """The tiles' sub-block sums at their extremes (kernels.blocks._paired_lanes packs two sub-blocks' 4-weight sums
+    into one lane's 16-bit halves): every weight at its largest code (q6_k: 63, the sums +-4 * 63 * 127), scales at
+    their largest and smallest, x at +-127 by sub-block; each (row, weight row) has the one-row bits and equals the
+    float64 product of the dequantized weights and the rounded x."""
+    from storage.blocks import row_bytes
+    rng = np.random.default_rng(17)
+    n, d = 2 * QUANT_TILE_ROWS + 3, 512
+    per = row_bytes(256, kind)
+    Q = np.full((n, d // 256, per), 0xFF, np.uint8)
+    if kind == "q6_k":         # int8 scales +-127 and -128, d 1.0 (float16 0x3c00)
+        Q[:, :, 192:208] = rng.choice(np.array([127, 129, 128, 1, 255], np.uint8), (n, d // 256, 16))
+        Q[:, :, 208:210] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    else:                      # d 1.0, dmin 0.5, 6-bit scales and mins at 63 or a random pattern
+        Q[:, :, 0:2] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+        Q[:, :, 2:4] = np.frombuffer(np.float16(0.5).tobytes(), np.uint8)
+        Q[n // 2:, :, 4:16] = rng.integers(0, 256, (n - n // 2, d // 256, 12), dtype=np.uint8)
+    head = Q[-3:, :, 208:210] if kind == "q6_k" else Q[-3:, :, 0:4]
+    kept = head.copy()
+    Q[-3:] = rng.integers(0, 256, (3, d // 256, per), dtype=np.uint8)     # random codes and scales, d kept
+    head[...] = kept
+    Q = Q.reshape(n, -1)
+    # x: the first value +1 (so it rounds to -127), then whole sub-blocks of +1 or -1 (-127 or +127)
+    signs = rng.choice([-1.0, 1.0], (ROWS[-1], d // 32))
+    signs[:, 0] = 1.0
+    x = np.repeat(signs, 32, axis=1).astype(np.float32)
+    with numba_threads(1):
+        one = np.concatenate([quant_matmul_t(x[t:t + 1], Q, kind, parallel_min_work=1 << 40) for t in range(len(x))])
+    with numba_threads(2):
+        y = quant_matmul_t(x, Q, kind, parallel_min_work=0)
+    assert np.array_equal(y.view(np.uint32), one.view(np.uint32))
+    want, scale = oracle(Q, kind, x)
+    assert np.all(np.abs(y - want) <= 1e-6 * scale + 1e-30)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_prompts_products_are_float64_of_the_rounded_x(kind, act8):
     """The documented rounding: per block the exact integer sum, then float32 products and sums over the row's
