@@ -1020,6 +1020,12 @@ def quant_matmul_kernel(Q, x, y, chunks, kind, a):
 # count. It replaces widening the blocks to float32 for BLAS: a real 1.5B's prompt is 1.3G multiply-adds a token,
 # where BLAS ran at 8-17 G a second a core and these integer products at 45-55 G (q4_k, q6_k; q5_0 30 G), measured
 # one thread, alternating, in CPU time.
+# What those bits cost: a K-quant row's 8 lanes each hold a sum over the block's sub-blocks of (the sub-block's scale
+# times 4 products), so every 4 products need a multiply by their scale. llama.cpp's tiled prompt GEMM (weight rows in
+# the lanes of vpdpbusd, x's 4 bytes broadcast, 4 rows of x a weight load) sums a whole sub-block's 32 products first
+# and scales them once: in that order such a kernel ran 1.5x these tiles (103-114 against 70-73 G multiply-adds a
+# second, one thread, q4_k), while the same layout with these lanes' sums (same bits) ran 0.7x. Other numbers, so
+# not taken here: the decode path would have to change with it.
 QUANT_TILE_ROWS = 16     # weight rows a task: a 1536-column q4_k tile is 14 KB, in L1 while x's rows pass by
 
 
