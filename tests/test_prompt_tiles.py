@@ -195,3 +195,62 @@ def test_a_prompts_dense_ffn_rows_have_the_decode_bits(kinds, act8):
     with numba_threads(1):
         one = np.concatenate([quant_ffn(x[t:t + 1], gate, up, down, "silu", None) for t in range(len(x))])
     assert np.array_equal(y.view(np.uint32), one.view(np.uint32)), kinds
+
+
+def k_integers(Q: np.ndarray, kind: str, d: int):
+    """A K-quant matrix's parts, parsed from its bytes (llama.cpp's layouts) as numpy integers: codes u [n, d] (q6_k:
+    q + 32), each weight's scale [n, d], each 16 weights' multiplier of x's group sum [n, d // 16] (q4_k / q5_k: the
+    min of their sub-block; q6_k: their scale), and the float16 d and dmin [n, d // 256] as float32."""
+    n, nb = len(Q), d // 256
+    B = Q.reshape(n, nb, -1).astype(np.int64)
+    e = np.arange(256)
+    half = lambda at: B[:, :, at:at + 2].astype(np.uint8).copy().view(np.float16)[..., 0].astype(np.float32)  # noqa
+    if kind == "q6_k":
+        h, r, l = e // 128, (e % 128) // 32, e % 32
+        u = (B[:, :, h * 64 + (r & 1) * 32 + l] >> (4 * (r >> 1))) & 15 | ((B[:, :, 128 + h * 32 + l] >> (2 * r)) & 3) << 4
+        sc = B[:, :, 192:208].astype(np.uint8).view(np.int8).astype(np.int64)
+        return (u.reshape(n, d), np.repeat(sc, 16, axis=2).reshape(n, d), sc.reshape(n, -1), half(208),
+                np.zeros((n, nb), np.float32))
+    s = e // 32
+    u = (B[:, :, (16 if kind == "q4_k" else 48) + (s >> 1) * 32 + e % 32] >> (4 * (s & 1))) & 15
+    if kind == "q5_k":
+        u |= ((B[:, :, 16 + e % 32] >> s) & 1) << 4
+    b = B[:, :, 4:16]
+    sc = np.concatenate([b[..., 0:4] & 63, (b[..., 8:12] & 15) | ((b[..., 0:4] >> 6) << 4)], axis=2)
+    mn = np.concatenate([b[..., 4:8] & 63, (b[..., 8:12] >> 4) | ((b[..., 4:8] >> 6) << 4)], axis=2)
+    return (u.reshape(n, d), np.repeat(sc, 32, axis=2).reshape(n, d), np.repeat(mn, 2, axis=2).reshape(n, -1),
+            half(0), half(2))
+
+
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
+def test_k_quant_products_sum_each_block_as_one_integer(kind, act8):
+    """The documented order (kernels.blocks.row_dot8k, k_tile_dot: llama.cpp's tiled GEMM's): per block of 256 the
+    exact integer sum of scale * code * x, computed here in int64 from the bytes, then in float32, block after block,
+    acc += float(sum) * (d * x's d) and the mins' (dmin * x's d) * float(mins' sum) (q6_k: (d * x's d) * float(32 *
+    scale-weighted x's sums)) summed apart, the result acc - mins. Every (row, weight row) of a prompt has exactly
+    these bits, whatever T and the threads (the tiles), and so has the decode path's row."""
+    rng = np.random.default_rng(5 + len(kind))
+    n, d = QUANT_TILE_ROWS + 7, 768
+    Q = matrix(kind, n, d, rng)
+    x = (rng.standard_normal((2 * DOT8_ROWS + 3, d)) * 3).astype(np.float32)
+    u, sc, mult, wd, wm = k_integers(Q, kind, d)
+    f32 = np.float32
+    want = np.empty((len(x), n), np.float32)
+    for t, (q, xd) in enumerate(map(q8k_blocks, x)):
+        q = q.astype(np.int64)
+        tot = (u * sc * q).reshape(n, -1, 256).sum(axis=2)                      # [n, blocks], exact
+        low = (mult * q.reshape(-1, 16).sum(axis=1)).reshape(n, -1, 16).sum(axis=2)
+        for j in range(n):
+            acc = mins = f32(0)
+            for b in range(d // 256):
+                dd = f32(wd[j, b] * xd[b])
+                acc = f32(acc + f32(f32(tot[j, b]) * dd))
+                m = f32(dd * f32(32 * low[j, b])) if kind == "q6_k" else f32(f32(wm[j, b] * xd[b]) * f32(low[j, b]))
+                mins = f32(mins + m)
+            want[t, j] = f32(acc - mins)
+    with numba_threads(2):
+        y = quant_matmul_t(x, Q, kind, parallel_min_work=0)
+    with numba_threads(1):
+        one = np.concatenate([quant_matmul_t(x[t:t + 1], Q, kind, parallel_min_work=1 << 40) for t in range(len(x))])
+    assert np.array_equal(one.view(np.uint32), want.view(np.uint32))
+    assert np.array_equal(y.view(np.uint32), want.view(np.uint32))
