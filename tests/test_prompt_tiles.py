@@ -207,7 +207,8 @@ def k_integers(Q: np.ndarray, kind: str, d: int):
     half = lambda at: B[:, :, at:at + 2].astype(np.uint8).copy().view(np.float16)[..., 0].astype(np.float32)  # noqa
     if kind == "q6_k":
         h, r, l = e // 128, (e % 128) // 32, e % 32
-        u = (B[:, :, h * 64 + (r & 1) * 32 + l] >> (4 * (r >> 1))) & 15 | ((B[:, :, 128 + h * 32 + l] >> (2 * r)) & 3) << 4
+        u = (B[:, :, h * 64 + (r & 1) * 32 + l] >> (4 * (r >> 1))) & 15
+        u |= ((B[:, :, 128 + h * 32 + l] >> (2 * r)) & 3) << 4
         sc = B[:, :, 192:208].astype(np.uint8).view(np.int8).astype(np.int64)
         return (u.reshape(n, d), np.repeat(sc, 16, axis=2).reshape(n, d), sc.reshape(n, -1), half(208),
                 np.zeros((n, nb), np.float32))

@@ -961,7 +961,8 @@ def k_unpack(typingctx, r, W, SC, MN, WF, lane, kind):
                         put(SC, builder.add(builder.mul(b, c(_TILE_SCALES)), c(g * TILE_LANES)), v)
                     for p in range(8):     # group sums 2p and 2p + 1's multipliers (_k_low's)
                         lo, hi = (half(2 * p), half(2 * p + 1)) if k == Q6_K else (half(8 + p), half(8 + p))
-                        v = builder.or_(builder.zext(lo, _I32), builder.shl(builder.zext(hi, _I32), ir.Constant(_I32, 16)))
+                        v = builder.or_(builder.zext(lo, _I32),
+                                        builder.shl(builder.zext(hi, _I32), ir.Constant(_I32, 16)))
                         put(MN, builder.add(builder.mul(b, c(_TILE_MINS)), c(p * TILE_LANES)), v)
                     if k == Q6_K:
                         wd, dmin = _half_at(context, builder, r.data, builder.add(o, c(208))), ir.Constant(_F32, 0.0)
@@ -988,12 +989,13 @@ def k_tile_dot(typingctx, W, SC, MN, WF, kq, kd, kb, n, t0, out, kind):
             return context.get_dummy_value()
         n, t0 = (builder.sext(v, _I64) if v.type.width < 64 else v for v in (n, t0))
         vi, vf = ir.VectorType(_I32, TILE_LANES), ir.VectorType(_F32, TILE_LANES)
-        zi, zf = ir.Constant(vi, [ir.Constant(_I32, 0)] * TILE_LANES), ir.Constant(vf, [ir.Constant(_F32, 0.0)] * TILE_LANES)
+        zi, zf = _vec(builder, _I32, 0, TILE_LANES), _vec(builder, _F32, 0.0, TILE_LANES)
         c = lambda v: ir.Constant(_I64, v)  # noqa: E731
         fn = lambda name: cgutils.get_or_insert_function(builder.module, ir.FunctionType(vi, [vi] * 3), name)  # noqa
         dpbusd, dpwssd = fn("llvm.x86.avx512.vpdpbusd.512"), fn("llvm.x86.avx512.vpdpwssd.512")
-        vload = lambda arr, at: builder.load(builder.bitcast(builder.gep(arr.data, [at]), vi.as_pointer()), align=4)  # noqa
-        fload = lambda arr, at: builder.load(builder.bitcast(builder.gep(arr.data, [at]), vf.as_pointer()), align=4)  # noqa
+        vload = lambda arr, at, t=vi: builder.load(builder.bitcast(  # noqa: E731
+            builder.gep(arr.data, [at]), t.as_pointer()), align=4)
+        fload = lambda arr, at: vload(arr, at, vf)  # noqa: E731
         xword = lambda at: builder.load(builder.bitcast(builder.gep(kq.data, [at]), _I32.as_pointer()), align=1)  # noqa
         n_blocks = builder.sdiv(n, c(SUPER))
         rows = [builder.add(t0, c(i)) for i in range(K_TILE_X)]
@@ -1026,7 +1028,8 @@ def k_tile_dot(typingctx, W, SC, MN, WF, kq, kd, kb, n, t0, out, kind):
                         at = builder.add(builder.mul(t, builder.mul(n_blocks, c(16))), builder.mul(b, c(16)))
                         low = zi
                         for p in range(8):     # x's group sums 2p, 2p + 1 (|sum| <= 16 * 127) as int16 halves
-                            s0, s1 = (builder.load(builder.gep(kb.data, [builder.add(at, c(2 * p + h))])) for h in (0, 1))
+                            s0, s1 = (builder.load(builder.gep(kb.data, [builder.add(at, c(2 * p + h))]))
+                                      for h in (0, 1))
                             pair = builder.or_(builder.and_(s0, ir.Constant(_I32, 0xFFFF)),
                                                builder.shl(s1, ir.Constant(_I32, 16)))
                             low = builder.call(dpwssd, [low, vload(MN, builder.add(builder.mul(b, c(_TILE_MINS)),
