@@ -1,5 +1,5 @@
 """A prompt's matrix products over weights in block formats (kernels.blocks.quant_tile: tiles of weight rows against
-DOT8_ROWS rows of x at a time, x in 8-bit blocks): each (row, weight row) has the bits of the decode path's one-row
+DOT8_ROWS rows of x at a time, the K-quants' by k_tiles, x in 8-bit blocks): each (row, weight row) has the bits of the decode path's one-row
 product, whatever T, the thread count or the serial/parallel split; and against float64 on the dequantized weights
 times x as its 8-bit blocks round it (llama.cpp's numerics), within float32 rounding of the per-block sums."""
 from __future__ import annotations

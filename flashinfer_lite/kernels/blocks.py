@@ -1172,7 +1172,8 @@ QUANT_TILE_ROWS = 16     # weight rows a task: a 1536-column q4_k tile is 14 KB,
 @njit(cache=True, nogil=True)
 def quant_tile(Q, y, d, j0, j1, kind, a, out):
     """y[:, j0:j1] = x @ dequant(Q[j0:j1])^T for x [T, d] as its 8-bit blocks a (act8_of, filled; blocks for kind):
-    DOT8_ROWS rows at a time, then the rest one at a time (row_dot8 / row_dot8k: the same operations per row)."""
+    DOT8_ROWS rows at a time, then the rest one at a time (row_dot8 / row_dot8k: the same operations per row); the
+    K-quants by k_tiles where the host has its instructions (the same bits)."""
     T = y.shape[0]
     full = T - T % DOT8_ROWS
     xq, xd, xs, xl = a[0].reshape(-1), a[1].reshape(-1), a[2].reshape(-1), a[3].reshape(-1)
