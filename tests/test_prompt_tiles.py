@@ -1,5 +1,5 @@
 """A prompt's matrix products over weights in block formats (kernels.blocks.quant_tile: tiles of weight rows against
-DOT8_ROWS rows of x at a time, x in 8-bit blocks): each (row, weight row) has the bits of the decode path's one-row
+DOT8_ROWS rows of x at a time, the K-quants' by k_tiles, x in 8-bit blocks): each (row, weight row) has the bits of the decode path's one-row
 product, whatever T, the thread count or the serial/parallel split; and against float64 on the dequantized weights
 times x as its 8-bit blocks round it (llama.cpp's numerics), within float32 rounding of the per-block sums."""
 from __future__ import annotations
@@ -58,6 +58,42 @@ def test_a_prompts_rows_have_the_one_row_bits(kind, act8):
             assert np.array_equal(y.view(np.uint32), one[:T].view(np.uint32)), (kind, T, threads)
 
 
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
+def test_a_prompts_k_quant_tiles_at_the_largest_sums(kind, act8):
+    """The tiles' sub-block sums at their extremes (kernels.blocks._paired_lanes packs two sub-blocks' 4-weight sums
+    into one lane's 16-bit halves): every weight at its largest code (q6_k: 63, the sums +-4 * 63 * 127), scales at
+    their largest and smallest, x at +-127 by sub-block; each (row, weight row) has the one-row bits and equals the
+    float64 product of the dequantized weights and the rounded x."""
+    from storage.blocks import row_bytes
+    rng = np.random.default_rng(17)
+    n, d = 2 * QUANT_TILE_ROWS + 3, 512
+    per = row_bytes(256, kind)
+    Q = np.full((n, d // 256, per), 0xFF, np.uint8)
+    if kind == "q6_k":         # int8 scales +-127 and -128, d 1.0 (float16 0x3c00)
+        Q[:, :, 192:208] = rng.choice(np.array([127, 129, 128, 1, 255], np.uint8), (n, d // 256, 16))
+        Q[:, :, 208:210] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    else:                      # d 1.0, dmin 0.5, 6-bit scales and mins at 63 or a random pattern
+        Q[:, :, 0:2] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+        Q[:, :, 2:4] = np.frombuffer(np.float16(0.5).tobytes(), np.uint8)
+        Q[n // 2:, :, 4:16] = rng.integers(0, 256, (n - n // 2, d // 256, 12), dtype=np.uint8)
+    head = Q[-3:, :, 208:210] if kind == "q6_k" else Q[-3:, :, 0:4]
+    kept = head.copy()
+    Q[-3:] = rng.integers(0, 256, (3, d // 256, per), dtype=np.uint8)     # random codes and scales, d kept
+    head[...] = kept
+    Q = Q.reshape(n, -1)
+    # x: the first value +1 (so it rounds to -127), then whole sub-blocks of +1 or -1 (-127 or +127)
+    signs = rng.choice([-1.0, 1.0], (ROWS[-1], d // 32))
+    signs[:, 0] = 1.0
+    x = np.repeat(signs, 32, axis=1).astype(np.float32)
+    with numba_threads(1):
+        one = np.concatenate([quant_matmul_t(x[t:t + 1], Q, kind, parallel_min_work=1 << 40) for t in range(len(x))])
+    with numba_threads(2):
+        y = quant_matmul_t(x, Q, kind, parallel_min_work=0)
+    assert np.array_equal(y.view(np.uint32), one.view(np.uint32))
+    want, scale = oracle(Q, kind, x)
+    assert np.all(np.abs(y - want) <= 1e-6 * scale + 1e-30)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_prompts_products_are_float64_of_the_rounded_x(kind, act8):
     """The documented rounding: per block the exact integer sum, then float32 products and sums over the row's
@@ -90,8 +126,8 @@ def test_a_prompts_coefficients_in_parallel_have_the_serial_bits():
 def test_a_prompts_silu_coefficients_have_the_scalar_bits():
     """The dense FFN's SiLU coefficients of a prompt (blocks.silu_coefficient_rows: glibc's expf 8 at a time) against
     the decode path's scalar kernel, bit for bit: every 331st finite float32 bit pattern (each range expf treats
-    apart: underflow, overflow, subnormals, signed zeros) times up products of both signs. (Not infinities or NaNs:
-    the scalar kernel's division raises on some of them, a gate product is finite.)"""
+    apart: underflow, overflow, subnormals, signed zeros) times up products of both signs. (Infinities and NaNs:
+    test_silu_coefficients_of_infinities_and_nans.)"""
     from flashinfer_lite.ffn.dense import silu_reference
     from flashinfer_lite.kernels.blocks import HAS_AVX512, prompt_silu_ok, silu_coefficient_rows
     if not HAS_AVX512:
@@ -107,6 +143,36 @@ def test_a_prompts_silu_coefficients_have_the_scalar_bits():
         silu_coefficient_rows(g, got)
     same = got.view(np.uint32) == want.view(np.uint32)
     assert same.all(), (g[~same][:5], got[~same][:5], want[~same][:5])
+
+
+def test_silu_coefficients_of_infinities_and_nans():
+    """Gate and up products of +-inf, NaN (two payloads), zeros, the largest and smallest magnitudes: the scalar
+    kernel (decode's, kernels.neurons) follows IEEE float32 (it raised ZeroDivisionError on a NaN gate): an infinite
+    or NaN gate against the float64 twin (NaN and -inf: 0, +inf: inf times u; finite u, as the twin reads u even
+    where the gate is 0), an infinite or NaN u times a gate of 1.5 by IEEE rules, and every pair bit for bit against
+    the 8-wide prompt kernel."""
+    from flashinfer_lite.ffn.dense import silu_reference
+    from flashinfer_lite.kernels.blocks import HAS_AVX512, silu_coefficient_rows
+    from glu_twin import coefficients
+    special = np.array([np.inf, -np.inf, np.nan, 0.0, -0.0, 3.4e38, -3.4e38, 1e-45, -1e-45, 88.73, -104.0, 1.5],
+                       np.float32)
+    special = np.append(special, np.uint32(0xFFC00001).view(np.float32))       # a negative NaN with a payload
+    g, u = (a.astype(np.float32).reshape(1, -1) for a in np.meshgrid(special, special, indexing="ij"))
+    pad = (-g.shape[1]) % 8
+    g, u = np.pad(g, ((0, 0), (0, pad)), constant_values=1), np.pad(u, ((0, 0), (0, pad)), constant_values=1)
+    got = u.copy()
+    silu_reference(g, got)
+    odd_gate = ~np.isfinite(g) & np.isfinite(u)
+    with np.errstate(all="ignore"):
+        want = coefficients("silu", g.astype(np.float64), u.astype(np.float64), -np.inf).astype(np.float32)
+        ieee = np.float32(1.5) / (np.float32(1) + np.exp(np.float32(-1.5))) * u
+    assert np.array_equal(got[odd_gate], want[odd_gate], equal_nan=True)
+    odd_up = (g == 1.5) & ~np.isfinite(u)
+    assert np.array_equal(got[odd_up], ieee[odd_up], equal_nan=True)
+    if HAS_AVX512:
+        eight = u.copy()
+        silu_coefficient_rows(g, eight)
+        assert np.array_equal(got.view(np.uint32), eight.view(np.uint32))
 
 
 @pytest.mark.parametrize("kinds", [("q4_k", "q6_k"), ("q5_0", "q8_0")])
@@ -129,3 +195,63 @@ def test_a_prompts_dense_ffn_rows_have_the_decode_bits(kinds, act8):
     with numba_threads(1):
         one = np.concatenate([quant_ffn(x[t:t + 1], gate, up, down, "silu", None) for t in range(len(x))])
     assert np.array_equal(y.view(np.uint32), one.view(np.uint32)), kinds
+
+
+def k_integers(Q: np.ndarray, kind: str, d: int):
+    """A K-quant matrix's parts, parsed from its bytes (llama.cpp's layouts) as numpy integers: codes u [n, d] (q6_k:
+    q + 32), each weight's scale [n, d], each 16 weights' multiplier of x's group sum [n, d // 16] (q4_k / q5_k: the
+    min of their sub-block; q6_k: their scale), and the float16 d and dmin [n, d // 256] as float32."""
+    n, nb = len(Q), d // 256
+    B = Q.reshape(n, nb, -1).astype(np.int64)
+    e = np.arange(256)
+    half = lambda at: B[:, :, at:at + 2].astype(np.uint8).copy().view(np.float16)[..., 0].astype(np.float32)  # noqa
+    if kind == "q6_k":
+        h, r, l = e // 128, (e % 128) // 32, e % 32
+        u = (B[:, :, h * 64 + (r & 1) * 32 + l] >> (4 * (r >> 1))) & 15
+        u |= ((B[:, :, 128 + h * 32 + l] >> (2 * r)) & 3) << 4
+        sc = B[:, :, 192:208].astype(np.uint8).view(np.int8).astype(np.int64)
+        return (u.reshape(n, d), np.repeat(sc, 16, axis=2).reshape(n, d), sc.reshape(n, -1), half(208),
+                np.zeros((n, nb), np.float32))
+    s = e // 32
+    u = (B[:, :, (16 if kind == "q4_k" else 48) + (s >> 1) * 32 + e % 32] >> (4 * (s & 1))) & 15
+    if kind == "q5_k":
+        u |= ((B[:, :, 16 + e % 32] >> s) & 1) << 4
+    b = B[:, :, 4:16]
+    sc = np.concatenate([b[..., 0:4] & 63, (b[..., 8:12] & 15) | ((b[..., 0:4] >> 6) << 4)], axis=2)
+    mn = np.concatenate([b[..., 4:8] & 63, (b[..., 8:12] >> 4) | ((b[..., 4:8] >> 6) << 4)], axis=2)
+    return (u.reshape(n, d), np.repeat(sc, 32, axis=2).reshape(n, d), np.repeat(mn, 2, axis=2).reshape(n, -1),
+            half(0), half(2))
+
+
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
+def test_k_quant_products_sum_each_block_as_one_integer(kind, act8):
+    """The documented order (kernels.blocks.row_dot8k, k_tile_dot: llama.cpp's tiled GEMM's): per block of 256 the
+    exact integer sum of scale * code * x, computed here in int64 from the bytes, then in float32, block after block,
+    acc += float(sum) * (d * x's d) and the mins' (dmin * x's d) * float(mins' sum) (q6_k: (d * x's d) * float(32 *
+    scale-weighted x's sums)) summed apart, the result acc - mins. Every (row, weight row) of a prompt has exactly
+    these bits, whatever T and the threads (the tiles), and so has the decode path's row."""
+    rng = np.random.default_rng(5 + len(kind))
+    n, d = QUANT_TILE_ROWS + 7, 768
+    Q = matrix(kind, n, d, rng)
+    x = (rng.standard_normal((2 * DOT8_ROWS + 3, d)) * 3).astype(np.float32)
+    u, sc, mult, wd, wm = k_integers(Q, kind, d)
+    f32 = np.float32
+    want = np.empty((len(x), n), np.float32)
+    for t, (q, xd) in enumerate(map(q8k_blocks, x)):
+        q = q.astype(np.int64)
+        tot = (u * sc * q).reshape(n, -1, 256).sum(axis=2)                      # [n, blocks], exact
+        low = (mult * q.reshape(-1, 16).sum(axis=1)).reshape(n, -1, 16).sum(axis=2)
+        for j in range(n):
+            acc = mins = f32(0)
+            for b in range(d // 256):
+                dd = f32(wd[j, b] * xd[b])
+                acc = f32(acc + f32(f32(tot[j, b]) * dd))
+                m = f32(dd * f32(32 * low[j, b])) if kind == "q6_k" else f32(f32(wm[j, b] * xd[b]) * f32(low[j, b]))
+                mins = f32(mins + m)
+            want[t, j] = f32(acc - mins)
+    with numba_threads(2):
+        y = quant_matmul_t(x, Q, kind, parallel_min_work=0)
+    with numba_threads(1):
+        one = np.concatenate([quant_matmul_t(x[t:t + 1], Q, kind, parallel_min_work=1 << 40) for t in range(len(x))])
+    assert np.array_equal(one.view(np.uint32), want.view(np.uint32))
+    assert np.array_equal(y.view(np.uint32), want.view(np.uint32))

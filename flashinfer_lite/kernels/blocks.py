@@ -718,6 +718,24 @@ def _scaled_lanes(builder, acc, u, xv, sv):
     return builder.add(acc, fn("llvm.x86.avx2.pmadd.wd", v8, [pairs, sv]))
 
 
+def _paired_lanes(builder, acc, us, xvs, sv):
+    """_scaled_lanes of two sub-blocks at once, the same integers with 3 multiplying instructions where it takes 4:
+    acc + (<8 x i32>: lane l = the sum over h of sv[2l + h] times (us[h] . xvs[h] over bytes 4l .. 4l + 3)), exact.
+    Each sub-block's 4-byte sums by vpdpbusd; as |u| < 64 and |x| <= 127 they fit 16 bits (4 * 63 * 127 < 2^15), so
+    the two go into one lane's halves and one vpdpwssd multiplies them by their scales and adds them (AVX512-VNNI;
+    llama.cpp takes vpmaddubsw and vpmaddwd per sub-block, as _scaled_lanes)."""
+    v8 = ir.VectorType(_I32, LANES)
+    zero = ir.Constant(v8, [ir.Constant(_I32, 0)] * LANES)
+    dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8, v8, v8]),
+                                         "llvm.x86.avx512.vpdpbusd.256")
+    lo, hi = (builder.call(dot, [zero, builder.bitcast(u, v8), builder.bitcast(x, v8)]) for u, x in zip(us, xvs))
+    halves = builder.and_(lo, _vec(builder, _I32, 0xFFFF, LANES)), builder.shl(hi, _vec(builder, _I32, 16, LANES))
+    pair = builder.or_(*halves)
+    madd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8, v8, v8]),
+                                          "llvm.x86.avx512.vpdpwssd.256")
+    return builder.call(madd, [acc, pair, builder.bitcast(sv, v8)])
+
+
 def _k_low(builder, kind, scales, kb, at, unsummed=False):
     """The integer sum over a K-quant block's 16 groups of 16 weights of x's sum of the group (kb[at + g]) times the
     group's multiplier (_k_scales' lanes): q6_k its scale g, q4_k / q5_k the min of its sub-block g // 2. Exact.
@@ -769,12 +787,14 @@ def _dot8k_rows(context, builder, r, kq, kd, kb, kind, n, rows):
     weight block's scales and sub-blocks decoded once for all of them, each row summed by exactly the operations
     row_dot8k performs alone, so a row's bits do not depend on how many rows share the call (as _dot8_rows)."""
     vf, vi = ir.VectorType(_F32, LANES), ir.VectorType(_I32, LANES)
-    accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, [ir.Constant(_F32, 0.0)] * LANES)) for _ in rows]
+    accs = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in rows]
     mins = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in rows]
     # 8 rows (a prompt's tile): each block's per-row scalars (x's scale, d, the mins' integer and term) side by side,
     # lane i row i, by the same float32 operations lane by lane: the same bits, a fifth of a block's operations less
     across = len(rows) == LANES and HAS_AVX2
+    paired = len(rows) > 1 and HAS_VNNI       # a prompt's tiles: _paired_lanes (the decode path's row as it was)
     mins_v = cgutils.alloca_once_value(builder, ir.Constant(vf, [ir.Constant(_F32, 0.0)] * LANES))
+    accs_v = cgutils.alloca_once_value(builder, ir.Constant(vf, [ir.Constant(_F32, 0.0)] * LANES))
     n_blocks = builder.sdiv(n, ir.Constant(n.type, SUPER))
     c = lambda v: ir.Constant(n_blocks.type, v)  # noqa: E731
     pick = lambda p, lanes: builder.shuffle_vector(p, p, ir.Constant(ir.VectorType(_I32, len(lanes)), lanes))  # noqa
@@ -792,7 +812,16 @@ def _dot8k_rows(context, builder, r, kq, kd, kb, kind, n, rows):
                 # the same sums either way
                 n_chains = 2 if len(rows) < DOT8_ROWS else 1
                 chains = [[ir.Constant(vi, [ir.Constant(_I32, 0)] * LANES)] * n_chains for _ in rows]
-                for s in range(SUPER // BLOCK):
+                # lane l's scale in sub-block s (q6_k: lanes 0-3 its first 16 weights', 4-7 the next 16's)
+                scale_of = (lambda s, lane: 2 * s + lane // 4) if k == Q6_K else (lambda s, lane: s)
+                for s in range(0, SUPER // BLOCK, 2) if paired else ():
+                    us = [_k_values(builder, k, r.data, o, s + h) for h in (0, 1)]
+                    sv = pick(scales, [scale_of(s + h, lane) for lane in range(LANES) for h in (0, 1)])
+                    for i, (q0, _, _) in enumerate(at):
+                        xvs = [_load_vec(builder, kq.data, _I8, BLOCK, builder.add(
+                            q0, builder.add(builder.mul(b, c(SUPER)), c(BLOCK * (s + h))))) for h in (0, 1)]
+                        chains[i][0] = _paired_lanes(builder, chains[i][0], us, xvs, sv)
+                for s in range(SUPER // BLOCK) if not paired else ():
                     u = _k_values(builder, k, r.data, o, s)
                     # q6_k: lanes 0-3 the first 16 weights (scale 2s), 4-7 the next 16 (2s + 1)
                     sv = pick(scales, [2 * s] * 8 + [2 * s + 1] * 8 if k == Q6_K else [s] * 16)
@@ -817,16 +846,16 @@ def _dot8k_rows(context, builder, r, kq, kd, kb, kind, n, rows):
                         m = builder.fmul(builder.fmul(_vec(builder, _F32, dmin, LANES), xd, flags=_KEEP),
                                          builder.sitofp(_row_sums(builder, lows), vf), flags=_KEEP)
                     builder.store(builder.fadd(builder.load(mins_v), m, flags=_KEEP), mins_v)
-                    for i in range(LANES):
-                        lanes = chains[i][0] if n_chains == 1 else builder.add(chains[i][0], chains[i][1])
-                        term = builder.fmul(builder.sitofp(lanes, vf), pick(d, [i] * LANES), flags=_KEEP)
-                        builder.store(builder.fadd(builder.load(accs[i]), term, flags=_KEEP), accs[i])
+                    sums = _row_sums(builder, [chains[i][0] if n_chains == 1 else builder.add(*chains[i])
+                                               for i in range(LANES)])
+                    term = builder.fmul(builder.sitofp(sums, vf), d, flags=_KEEP)
+                    builder.store(builder.fadd(builder.load(accs_v), term, flags=_KEEP), accs_v)
                 else:
                     for i, (_, d0, _) in enumerate(at):
                         lanes = chains[i][0] if n_chains == 1 else builder.add(chains[i][0], chains[i][1])
                         xd = builder.load(builder.gep(kd.data, [builder.add(d0, b)]))
                         d = builder.fmul(wd, xd, flags=_KEEP)
-                        term = builder.fmul(builder.sitofp(lanes, vf), _vec(builder, _F32, d, LANES), flags=_KEEP)
+                        term = builder.fmul(builder.sitofp(_sum_lanes(builder, lanes), _F32), d, flags=_KEEP)
                         builder.store(builder.fadd(builder.load(accs[i]), term, flags=_KEEP), accs[i])
                         if k == Q6_K:          # sum of scale * (q + 32) * x, less 32 * scale * x's sums
                             m = builder.fmul(d, builder.sitofp(builder.mul(lows[i], ir.Constant(_I32, 32)), _F32),
@@ -835,18 +864,20 @@ def _dot8k_rows(context, builder, r, kq, kd, kb, kind, n, rows):
                             m = builder.fmul(builder.fmul(dmin, xd, flags=_KEEP), builder.sitofp(lows[i], _F32),
                                              flags=_KEEP)
                         builder.store(builder.fadd(builder.load(mins[i]), m, flags=_KEEP), mins[i])
+    lane = lambda v, i: builder.extract_element(builder.load(v), ir.Constant(_I32, i))  # noqa: E731
     if across:
-        mins = [builder.extract_element(builder.load(mins_v), ir.Constant(_I32, i)) for i in range(LANES)]
+        accs, mins = [lane(accs_v, i) for i in range(LANES)], [lane(mins_v, i) for i in range(LANES)]
     else:
-        mins = [builder.load(m) for m in mins]
-    return [builder.fsub(_horizontal_sum(builder, builder.load(a), _KEEP), m, flags=_KEEP) for a, m in zip(accs, mins)]
+        accs, mins = [builder.load(a) for a in accs], [builder.load(m) for m in mins]
+    return [builder.fsub(a, m, flags=_KEEP) for a, m in zip(accs, mins)]
 
 
 @intrinsic
 def row_dot8k(typingctx, r, kq, kd, kb, kind):
     """r . x for a K-quant row r (q4_k, q5_k, q6_k) and x as q8_K blocks (quantize_act_k's kq, kd, kb): per block of
-    256 the exact integer sum over its sub-blocks of scale * (8 lanes of products), in 8 lanes, times (d * x's
-    scale), summed lane-wise block after block and then by halving; the mins (q4_k, q5_k: dmin * m * x's sums) and
+    256 the exact integer sum over its sub-blocks of scale * (the sub-block's products), one int32, times (d * x's
+    scale), summed block after block in one float32 (llama.cpp's tiled prompt GEMM's order: k_tile_dot's, so a
+    prompt's rows have these bits); the mins (q4_k, q5_k: dmin * m * x's sums) and
     q6_k's offset (32 * scale * x's sums) are integers per block too, scaled and summed apart. The scales are decoded
     once per block (_k_scales) and the mins' integer is one vector product with x's sums (as llama.cpp's
     ggml_vec_dot_q4_K_q8_K)."""
@@ -874,6 +905,147 @@ def rows_dot8k(typingctx, r, kq, kd, kb, n, t0, out, kind):
             builder.store(v, builder.gep(out.data, [ir.Constant(_I64, i)]))
         return context.get_dummy_value()
     return types.none(r, kq, kd, kb, n, t0, out, kind), codegen
+
+
+# A prompt's K-quant tiles: TILE_LANES weight rows side by side, weight row i in lane i of <16 x i32> (unpacked once
+# per tile, k_unpack), x's 4 bytes broadcast, K_TILE_X rows of x per weight load (llama.cpp's tiled GEMM layout).
+# Each 32-weight sub-block's products (q6_k: each 16 weights', one scale each) are summed as integers by vpdpbusd
+# first, then scaled once: per block the same exact integer row_dot8k sums, so each (row of x, weight row) gets
+# row_dot8k's bits (the float32 operations on it are the same, lane by lane).
+TILE_LANES = 16
+K_TILE_X = 4
+K_TILES = HAS_VNNI and HAS_AVX512      # its instructions (elsewhere quant_tile takes rows_dot8k: the same bits)
+# the unpacked tile, per block of 256 weights, int32 words: the codes (8 sub-blocks x 8 runs of 4 bytes x 16 lanes),
+# the scales (16 groups x 16 lanes: q4_k / q5_k 8 sub-blocks', q6_k 16 groups'), the pairs of x's group sums'
+# multipliers (8 pairs x 16 lanes: two int16 halves); float32: d and dmin (16 lanes each)
+_TILE_CODES, _TILE_SCALES, _TILE_MINS = 64 * TILE_LANES, 16 * TILE_LANES, 8 * TILE_LANES
+
+
+@njit(cache=True, nogil=True)
+def k_tile_buffers(d):
+    """Zeroed tile buffers for rows of d weights (k_unpack's W, SC, MN, WF)."""
+    nb = d // SUPER
+    return (np.zeros(nb * _TILE_CODES, np.int32), np.zeros(nb * _TILE_SCALES, np.int32),
+            np.zeros(nb * _TILE_MINS, np.int32), np.zeros(nb * 2 * TILE_LANES, np.float32))
+
+
+@intrinsic
+def k_unpack(typingctx, r, W, SC, MN, WF, lane, kind):
+    """Weight row r (a K-quant row) into lane `lane` of the tile buffers (k_tile_buffers: W codes, SC scales, MN the
+    multipliers of x's group sums, WF d and dmin): _k_values, _k_scales and the float16 fields, the same numbers
+    row_dot8k reads."""
+    if not _rows_ok(r, types.uint8, W, types.int32, SC, types.int32, MN, types.int32, WF, types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        r, W, SC, MN, WF, lane, kind = _arrays(context, builder, sig, args)
+        lane = builder.sext(lane, _I64) if lane.type.width < 64 else lane
+        c = lambda v: ir.Constant(_I64, v)  # noqa: E731
+        put = lambda arr, at, v: builder.store(v, builder.gep(arr.data, [builder.add(at, lane)]))  # noqa: E731
+        v8 = ir.VectorType(_I32, LANES)
+        for k in K_KINDS:
+            with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
+                n_blocks = builder.udiv(r.nitems, c(_GEOMETRY[k][1]))
+                with cgutils.for_range(builder, n_blocks) as loop:
+                    b = loop.index
+                    o = builder.mul(b, c(_GEOMETRY[k][1]))
+                    for s in range(SUPER // BLOCK):
+                        words = builder.bitcast(_k_values(builder, k, r.data, o, s), v8)
+                        for i in range(LANES):
+                            at = builder.add(builder.mul(b, c(_TILE_CODES)), c((s * LANES + i) * TILE_LANES))
+                            put(W, at, builder.extract_element(words, ir.Constant(_I32, i)))
+                    scales = _k_scales(builder, k, r.data, o)
+                    half = lambda g: builder.extract_element(scales, ir.Constant(_I32, g))  # noqa: E731
+                    for g in range(16 if k == Q6_K else 8):
+                        v = builder.sext(half(g), _I32) if k == Q6_K else builder.zext(half(g), _I32)
+                        put(SC, builder.add(builder.mul(b, c(_TILE_SCALES)), c(g * TILE_LANES)), v)
+                    for p in range(8):     # group sums 2p and 2p + 1's multipliers (_k_low's)
+                        lo, hi = (half(2 * p), half(2 * p + 1)) if k == Q6_K else (half(8 + p), half(8 + p))
+                        v = builder.or_(builder.zext(lo, _I32),
+                                        builder.shl(builder.zext(hi, _I32), ir.Constant(_I32, 16)))
+                        put(MN, builder.add(builder.mul(b, c(_TILE_MINS)), c(p * TILE_LANES)), v)
+                    if k == Q6_K:
+                        wd, dmin = _half_at(context, builder, r.data, builder.add(o, c(208))), ir.Constant(_F32, 0.0)
+                    else:
+                        wd, dmin = _half_pair_at(context, builder, r.data, o)
+                    at = builder.mul(b, c(2 * TILE_LANES))
+                    put(WF, at, wd)
+                    put(WF, builder.add(at, c(TILE_LANES)), dmin)
+        return context.get_dummy_value()
+    return types.none(r, W, SC, MN, WF, lane, kind), codegen
+
+
+@intrinsic
+def k_tile_dot(typingctx, W, SC, MN, WF, kq, kd, kb, n, t0, out, kind):
+    """out[16i + j] = row_dot8k of the tile's weight row j (k_unpack'd) with row t0 + i of x, i < K_TILE_X, bit for
+    bit (kq, kd, kb: act8_buffers' q8_K parts of T rows, flattened; n: x's values per row)."""
+    if not _rows_ok(W, types.int32, SC, types.int32, MN, types.int32, WF, types.float32, kq, types.int8,
+                    kd, types.float32, kb, types.int32, out, types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        W, SC, MN, WF, kq, kd, kb, n, t0, out, kind = _arrays(context, builder, sig, args)
+        if not K_TILES:      # never called there (quant_tile), and its instructions would not compile
+            return context.get_dummy_value()
+        n, t0 = (builder.sext(v, _I64) if v.type.width < 64 else v for v in (n, t0))
+        vi, vf = ir.VectorType(_I32, TILE_LANES), ir.VectorType(_F32, TILE_LANES)
+        zi, zf = _vec(builder, _I32, 0, TILE_LANES), _vec(builder, _F32, 0.0, TILE_LANES)
+        c = lambda v: ir.Constant(_I64, v)  # noqa: E731
+        fn = lambda name: cgutils.get_or_insert_function(builder.module, ir.FunctionType(vi, [vi] * 3), name)  # noqa
+        dpbusd, dpwssd = fn("llvm.x86.avx512.vpdpbusd.512"), fn("llvm.x86.avx512.vpdpwssd.512")
+        vload = lambda arr, at, t=vi: builder.load(builder.bitcast(  # noqa: E731
+            builder.gep(arr.data, [at]), t.as_pointer()), align=4)
+        fload = lambda arr, at: vload(arr, at, vf)  # noqa: E731
+        xword = lambda at: builder.load(builder.bitcast(builder.gep(kq.data, [at]), _I32.as_pointer()), align=1)  # noqa
+        n_blocks = builder.sdiv(n, c(SUPER))
+        rows = [builder.add(t0, c(i)) for i in range(K_TILE_X)]
+        accs = [cgutils.alloca_once_value(builder, zf) for _ in rows]
+        mins = [cgutils.alloca_once_value(builder, zf) for _ in rows]
+        for k in K_KINDS:
+            run = 4 if k == Q6_K else LANES        # runs of 4 weights under one scale
+            with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
+                with cgutils.for_range(builder, n_blocks) as loop:
+                    b = loop.index
+                    q0 = [builder.add(builder.mul(t, n), builder.mul(b, c(SUPER))) for t in rows]
+                    tot = [zi] * K_TILE_X
+                    for g in range(SUPER // (4 * run)):
+                        part = [zi] * K_TILE_X
+                        for i in range(run):
+                            w = vload(W, builder.add(builder.mul(b, c(_TILE_CODES)), c((g * run + i) * TILE_LANES)))
+                            for x in range(K_TILE_X):
+                                xv = _vec(builder, _I32, xword(builder.add(q0[x], c(4 * (g * run + i)))), TILE_LANES)
+                                part[x] = builder.call(dpbusd, [part[x], w, xv])
+                        sc = vload(SC, builder.add(builder.mul(b, c(_TILE_SCALES)), c(g * TILE_LANES)))
+                        tot = [builder.add(t, builder.mul(p, sc)) for t, p in zip(tot, part)]
+                    wd = fload(WF, builder.mul(b, c(2 * TILE_LANES)))
+                    dmin = fload(WF, builder.add(builder.mul(b, c(2 * TILE_LANES)), c(TILE_LANES)))
+                    for x, t in enumerate(rows):
+                        xd = _vec(builder, _F32, builder.load(builder.gep(kd.data, [builder.add(
+                            builder.mul(t, n_blocks), b)])), TILE_LANES)
+                        d = builder.fmul(wd, xd, flags=_KEEP)
+                        term = builder.fmul(builder.sitofp(tot[x], vf), d, flags=_KEEP)
+                        builder.store(builder.fadd(builder.load(accs[x]), term, flags=_KEEP), accs[x])
+                        at = builder.add(builder.mul(t, builder.mul(n_blocks, c(16))), builder.mul(b, c(16)))
+                        low = zi
+                        for p in range(8):     # x's group sums 2p, 2p + 1 (|sum| <= 16 * 127) as int16 halves
+                            s0, s1 = (builder.load(builder.gep(kb.data, [builder.add(at, c(2 * p + h))]))
+                                      for h in (0, 1))
+                            pair = builder.or_(builder.and_(s0, ir.Constant(_I32, 0xFFFF)),
+                                               builder.shl(s1, ir.Constant(_I32, 16)))
+                            low = builder.call(dpwssd, [low, vload(MN, builder.add(builder.mul(b, c(_TILE_MINS)),
+                                                                                   c(p * TILE_LANES))),
+                                                        _vec(builder, _I32, pair, TILE_LANES)])
+                        if k == Q6_K:
+                            m = builder.fmul(d, builder.sitofp(builder.mul(low, _vec(builder, _I32, 32, TILE_LANES)),
+                                                               vf), flags=_KEEP)
+                        else:
+                            m = builder.fmul(builder.fmul(dmin, xd, flags=_KEEP), builder.sitofp(low, vf), flags=_KEEP)
+                        builder.store(builder.fadd(builder.load(mins[x]), m, flags=_KEEP), mins[x])
+        for x in range(K_TILE_X):
+            res = builder.fsub(builder.load(accs[x]), builder.load(mins[x]), flags=_KEEP)
+            builder.store(res, builder.bitcast(builder.gep(out.data, [c(TILE_LANES * x)]), vf.as_pointer()), align=4)
+        return context.get_dummy_value()
+    return types.none(W, SC, MN, WF, kq, kd, kb, n, t0, out, kind), codegen
 
 
 @intrinsic
@@ -992,17 +1164,23 @@ def quant_matmul_kernel(Q, x, y, chunks, kind, a):
 # count. It replaces widening the blocks to float32 for BLAS: a real 1.5B's prompt is 1.3G multiply-adds a token,
 # where BLAS ran at 8-17 G a second a core and these integer products at 45-55 G (q4_k, q6_k; q5_0 30 G), measured
 # one thread, alternating, in CPU time.
+# The K-quants take k_tiles (llama.cpp's tiled GEMM layout, sub-block sums first: 1.5x the rows_dot8k tiles in a
+# prototype, one thread, q4_k), whose order row_dot8k shares (bench/README.md).
 QUANT_TILE_ROWS = 16     # weight rows a task: a 1536-column q4_k tile is 14 KB, in L1 while x's rows pass by
 
 
 @njit(cache=True, nogil=True)
 def quant_tile(Q, y, d, j0, j1, kind, a, out):
     """y[:, j0:j1] = x @ dequant(Q[j0:j1])^T for x [T, d] as its 8-bit blocks a (act8_of, filled; blocks for kind):
-    DOT8_ROWS rows at a time, then the rest one at a time (row_dot8 / row_dot8k: the same operations per row)."""
+    DOT8_ROWS rows at a time, then the rest one at a time (row_dot8 / row_dot8k: the same operations per row); the
+    K-quants by k_tiles where the host has its instructions (the same bits)."""
     T = y.shape[0]
     full = T - T % DOT8_ROWS
     xq, xd, xs, xl = a[0].reshape(-1), a[1].reshape(-1), a[2].reshape(-1), a[3].reshape(-1)
     kq, kd, kb = a[4].reshape(-1), a[5].reshape(-1), a[6].reshape(-1)
+    if K_TILES and kind >= Q4_K:
+        k_tiles(Q, y, d, j0, j1, kind, a)
+        return
     for t0 in range(0, full, DOT8_ROWS):
         for j in range(j0, j1):
             if kind >= Q4_K:
@@ -1015,6 +1193,29 @@ def quant_tile(Q, y, d, j0, j1, kind, a, out):
         for j in range(j0, j1):
             y[t, j] = (row_dot8k(Q[j], a[4][t], a[5][t], a[6][t], kind) if kind >= Q4_K else
                        row_dot8(Q[j], a[0][t], a[1][t], a[2][t], a[3][t], kind))
+
+
+@njit(cache=True, nogil=True)
+def k_tiles(Q, y, d, j0, j1, kind, a):
+    """quant_tile's work for a K-quant Q: TILE_LANES weight rows at a time unpacked (k_unpack), then K_TILE_X rows of
+    x at a time against them (k_tile_dot), the rest one at a time (row_dot8k): the same bits per (row, weight row)."""
+    T = y.shape[0]
+    full = T - T % K_TILE_X
+    kq, kd, kb = a[4].reshape(-1), a[5].reshape(-1), a[6].reshape(-1)
+    W, SC, MN, WF = k_tile_buffers(d)
+    out = np.empty(K_TILE_X * TILE_LANES, np.float32)
+    for l0 in range(j0, j1, TILE_LANES):
+        m = min(TILE_LANES, j1 - l0)
+        for i in range(m):
+            k_unpack(Q[l0 + i], W, SC, MN, WF, i, kind)
+        for t0 in range(0, full, K_TILE_X):
+            k_tile_dot(W, SC, MN, WF, kq, kd, kb, d, t0, out, kind)
+            for x in range(K_TILE_X):
+                for i in range(m):
+                    y[t0 + x, l0 + i] = out[TILE_LANES * x + i]
+        for t in range(full, T):
+            for i in range(m):
+                y[t, l0 + i] = row_dot8k(Q[l0 + i], a[4][t], a[5][t], a[6][t], kind)
 
 
 @njit(cache=True, nogil=True, parallel=True)

@@ -31,6 +31,9 @@ from numba.extending import overload
 
 from storage.errors import UserError
 
+# These kernels inline blocks' dot products (intrinsics), and Numba's cache checks only this file's stamp: a change
+# of their numbers there (the K-quants' block sums as one integer, shared with blocks.k_tiles) needs this file
+# rewritten too, or a cached kernel here keeps the old bits while a prompt's tiles take the new ones.
 from .blocks import (DOT8_ROWS, Q4_K, act8_dot, act8_row, act8_slice, act_dot, col_axpy, col_axpy_run, col_dequant, col_group, col_span, quantize_act1, quantize_act_rows, row_axpy, row_dequant,
                      row_dot8, row_dot8k, rows_dot8, rows_dot8k)
 from ..threads import numba_threads
@@ -55,17 +58,29 @@ def threshold_of(act: str, relu_threshold: float | None) -> np.float32:
     return np.float32(0.0 if relu_threshold is None else relu_threshold)
 
 
+# SiLU and the threshold test with fast math but for nnan / ninf, and division by IEEE rules (error_model numpy): an
+# infinite or NaN gate product follows float32 semantics as kernels.blocks.silu_coefficient_rows does (NaN and -inf:
+# 0; +inf: inf) instead of raising ZeroDivisionError (under nnan a NaN divisor compared equal to zero). GELU keeps
+# all of fast math: its bits are as they were.
+IEEE_FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}
+
+
+@njit(cache=True, fastmath=IEEE_FAST, error_model="numpy")
+def silu(v):
+    return v / (np.float32(1.0) + math.exp(-v))
+
+
 @njit(cache=True, fastmath=True)
 def activation(code, v):
     if code == ACT_SILU:
-        return v / (np.float32(1.0) + math.exp(-v))
+        return silu(v)
     if code == ACT_GELU_TANH:
         u = np.float32(GELU_C) * (v + np.float32(0.044715) * v * v * v)
         return np.float32(0.5) * v * (np.float32(1.0) + math.tanh(u))
     return v if v > np.float32(0.0) else np.float32(0.0)  # relu and drelu
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, fastmath=IEEE_FAST)
 def gate_activation(code, g, threshold):
     """act(g) when it clears the threshold, else 0 (also for NaN): the neuron fired or not. For MLP this is the
     coefficient itself (g: the up product)."""
