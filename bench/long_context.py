@@ -3,10 +3,9 @@
 WikiText filler) run in a DRAM budget of a -c 2048 run's minimum plus 64 MiB, under a memory cgroup of that size: the
 KV pages beyond the budget's share go to flash. Per row: peak RSS, prompt time, and per decode mode (exact: every page;
 Quest: --quest-share of the pages + the first and the latest) decode ms/token, pages read per token and the answers.
-Each depth's prompt runs once, deepest first, from what the cache holds of the deeper one's (the head and the filler up
-to the shallower key); both modes decode from it (exact, then the cache cut back to the prompt: KVCache.reset, Quest).
-Per context also (--dram-row) the exact mode with every KV page in DRAM, the weights planned as in the budget (the
-cgroup raised by the pages the plan keeps on flash), and (--llama) llama.cpp on the first depth's prompt, same cgroup.
+Depths run deepest first, each prompt from the part of the deeper one's the cache holds (up to its own key); both modes
+decode from it (exact, then Quest from the cache cut back to the prompt: KVCache.reset). Also (--dram-row) exact with
+every KV page in DRAM, weights as planned, and (--llama) llama.cpp on the first depth's prompt in the same cgroup.
 
     PYTHONPATH=. python bench/long_context.py -m GGUF [--contexts 2048,4096,8192] [--depths 0.1,0.5,0.9]
         [--prompt-tokens N] [--quest-share 0.25] [--budget-mib N | --budget-ctx 2048] [--dram-row] [--llama] [--md FILE]
@@ -50,9 +49,8 @@ def decode(model, kv, logits, n: int) -> tuple[list[int], list[float]]:
 
 
 def measure_dram(job: dict) -> dict:
-    """Decode ms/token, exact, with every KV page in DRAM and the weights as the row's budget plans them: its budget,
-    the cache built with every page, the cgroup raised by the row's pages on flash. The cache holds random rows of the
-    prompt's length (only the time is asked of this row, not its values; a second prefill would double the cost)."""
+    """Decode ms/token, exact, every KV page in DRAM, the weights as the row's budget plans them (the cgroup raised by
+    the row's pages on flash), over random rows of the prompt's length: only the time is asked of this row."""
     import numpy as np
     from flashinfer_lite.kv_pages import KVCache
     model, _ = load(job)
@@ -69,7 +67,7 @@ def measure_dram(job: dict) -> dict:
 
 
 def load(job: dict):
-    """(model, tokenizer) as every row of a job loads them: its budget, Quest's share in the KV options."""
+    """(model, tokenizer) as every row loads them: the job's budget, Quest's share in the KV options."""
     from flashinfer_lite.kv_pages import KVOptions
     return h.load_model(job["gguf"], "auto", threads=job["threads"], ctx=job["ctx"], dram_budget=job["budget"],
                         kv=KVOptions(quest_share=job["quest_share"]))[:2]
@@ -123,9 +121,7 @@ def measure_row(job: dict) -> dict:
     options = model.kv_options
     kv = KVCache(model.cfg, job["ctx"], options=options)
     row.update(dram_pages=kv.dram_pages, pages=kv.pages, page_bytes=dram_page_bytes(model.cfg, options))
-    before: list[int] = []      # the prompt the cache holds
-    # deepest first: a shallower depth's prompt starts as the deeper one's up to its own key, so it prefills only
-    # from there (KVCache.reset keeps the rest)
+    before: list[int] = []      # the prompt in the cache: deepest first, a shallower one starts as it, up to its key
     for i, depth in sorted(enumerate(job["depths"]), key=lambda d: -d[1]):
         ids, key = passkey_ids(tok, filler, job["prompt_tokens"], depth, job["ctx"])
         kept = next((n for n, (a, b) in enumerate(zip(before, ids[:-1])) if a != b), min(len(before), len(ids) - 1))
