@@ -1,23 +1,21 @@
 #!/usr/bin/env python3
 """Long context inside the budget (issue #45): per context length, a passkey prompt (a 5-digit key at a few depths of
-WikiText filler) run in a DRAM budget that holds a -c 2048 run's minimum plus 64 MiB, under a memory cgroup of that
-size: the KV pages beyond the budget's share go to flash. Per row: peak RSS, prompt time, and per decode mode (exact:
-every page; Quest: --quest-share of the pages + the first and the latest) decode ms/token, KV pages read per token
-(from flash) and the passkey answers. Per context also (--dram-row) the exact mode unbudgeted, every page in DRAM, and
-(--llama) llama.cpp (llama-cpp-python, no repacked buffers) on the first depth's prompt in the same cgroup.
+WikiText filler) run in a DRAM budget of a -c 2048 run's minimum plus 64 MiB, under a memory cgroup of that size: the
+KV pages beyond the budget's share go to flash. Per row: peak RSS, prompt time, and per decode mode (exact: every page;
+Quest: --quest-share of the pages + the first and the latest) decode ms/token, pages read per token and the answers.
+Depths run deepest first, each prompt from the part of the deeper one's the cache holds (up to its own key); both modes
+decode from it (exact, then Quest from the cache cut back to the prompt: KVCache.reset). Also (--dram-row) exact with
+every KV page in DRAM, weights as planned, and (--llama) llama.cpp on the first depth's prompt in the same cgroup.
 
     PYTHONPATH=. python bench/long_context.py -m GGUF [--contexts 2048,4096,8192] [--depths 0.1,0.5,0.9]
         [--prompt-tokens N] [--quest-share 0.25] [--budget-mib N | --budget-ctx 2048] [--dram-row] [--llama] [--md FILE]
-
-The prompt runs once per depth; both modes decode from it (the prompt is exact in both): exact first, then the cache
-is cut back to the prompt (KVCache.reset) and Quest decodes. Times come from a shared 2-core machine: the load
-average is in each row.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import time
+import zlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,12 +27,14 @@ QUESTION = "\n\nWhat is the pass key? The pass key is"
 MIB = 2**20
 
 
-def passkey_ids(tok, filler: list[int], n: int, depth: float, key: int) -> list[int]:
-    """About n tokens: the head, filler with the key's sentence at `depth` of it, the question."""
+def passkey_ids(tok, filler: list[int], n: int, depth: float, ctx: int) -> tuple[list[int], int]:
+    """(about n tokens: the head, filler with the key's sentence at `depth` of it, the question; the key). The key comes
+    from ctx and the depth's value: runs of one depth each hide different keys."""
+    key = 10000 + zlib.crc32(f"{ctx} {depth:g}".encode()) % 90000
     head, mid, tail = (tok.encode(t) for t in (HEAD, KEY.format(key=key), QUESTION))
     room = n - len(head) - len(mid) - len(tail)
     cut = int(room * depth)
-    return head + filler[:cut] + mid + filler[cut:room] + tail
+    return head + filler[:cut] + mid + filler[cut:room] + tail, key
 
 
 def decode(model, kv, logits, n: int) -> tuple[list[int], list[float]]:
@@ -49,13 +49,12 @@ def decode(model, kv, logits, n: int) -> tuple[list[int], list[float]]:
 
 
 def measure_dram(job: dict) -> dict:
-    """Decode ms/token, exact, with no budget: every weight and every KV page in DRAM. Only the time is asked of this
-    row, which does not depend on the values attended over: the cache is filled with the prompt's length of random
-    rows instead of a prompt (a second prefill of the prompt would double the bench's cost)."""
+    """Decode ms/token, exact, every KV page in DRAM, the weights as the row's budget plans them (the cgroup raised by
+    the row's pages on flash), over random rows of the prompt's length: only the time is asked of this row."""
     import numpy as np
-    from flashinfer_lite.kv_pages import KVCache, KVOptions
-    model, _, _ = h.load_model(job["gguf"], "auto", threads=job["threads"], ctx=job["ctx"], dram_budget=None)
-    kv = KVCache(model.cfg, job["ctx"], options=KVOptions())
+    from flashinfer_lite.kv_pages import KVCache
+    model, _ = load(job)
+    kv = KVCache(model.cfg, job["ctx"], options=replace(model.kv_options, quest_share=0.0, dram_pages=None))
     rng, n, shape = np.random.default_rng(0), job["prompt_tokens"], (model.cfg.n_kv_heads, model.cfg.head_dim)
     for layer in range(model.cfg.n_layers):
         for at in range(0, n, 1024):
@@ -63,7 +62,15 @@ def measure_dram(job: dict) -> dict:
             kv.write(layer, at, k, v)
     kv.length = n
     _, ms = decode(model, kv, np.zeros(1), job["n_gen"])
-    return {"ms_per_token": round(sum(ms) / len(ms), 1), "dram_pages": kv.dram_pages, "pages": kv.pages}
+    return {"ms_per_token": round(sum(ms) / len(ms), 1), "dram_pages": kv.dram_pages, "pages": kv.pages,
+            "planned_dram_pages": model.kv_options.dram_pages}    # the row's plan (None: every page)
+
+
+def load(job: dict):
+    """(model, tokenizer) as every row loads them: the job's budget, Quest's share in the KV options."""
+    from flashinfer_lite.kv_pages import KVOptions
+    return h.load_model(job["gguf"], "auto", threads=job["threads"], ctx=job["ctx"], dram_budget=job["budget"],
+                        kv=KVOptions(quest_share=job["quest_share"]))[:2]
 
 
 def measure_llama(job: dict) -> dict:
@@ -76,18 +83,16 @@ def measure_llama(job: dict) -> dict:
 
 
 def measure_ppl(job: dict) -> dict:
-    """Perplexity of the last job["ppl"] tokens of a passage of the prompt's length (the filler text from its start),
-    exact and Quest: the passage before them runs as a prompt once; exact scores them as prompt chunks of 16, Quest
-    one decode step each (it selects pages only when decoding), from the same cache cut back to the passage's start.
-    Log-probabilities in float64, a row at a time (the logits of 1,000 rows would be 600 MB on a Qwen vocabulary)."""
+    """Perplexity of the last job["ppl"] tokens of a passage of the prompt's length (the filler from its start), exact
+    (prompt chunks of 16) and Quest (a decode step each: it selects pages only when decoding), from one prompt of the
+    passage before them. Log-probabilities in float64, a row at a time (1,000 rows' logits: 600 MB on Qwen's vocab)."""
     import numpy as np
-    from flashinfer_lite.kv_pages import KVCache, KVOptions, PageStats
+    from flashinfer_lite.kv_pages import KVCache, PageStats
 
     def logp(x, t):
         x = x.astype(np.float64)
         return x[t] - x.max() - np.log(np.exp(x - x.max()).sum())
-    model, tok, _ = h.load_model(job["gguf"], "auto", threads=job["threads"], ctx=job["ctx"],
-                                 dram_budget=job["budget"], kv=KVOptions(quest_share=job["quest_share"]))
+    model, tok = load(job)
     ids = tok.encode(Path(job["filler"]).read_text()[:job["prompt_tokens"] * 6])[:job["prompt_tokens"]]
     head, kv = len(ids) - job["ppl"], KVCache(model.cfg, job["ctx"], options=model.kv_options)
     t0 = time.perf_counter()
@@ -107,36 +112,36 @@ def measure_ppl(job: dict) -> dict:
 
 
 def measure_row(job: dict) -> dict:
-    from flashinfer_lite.kv_pages import KVCache, KVOptions, PageStats
-    quest = KVOptions(quest_share=job["quest_share"])
+    from flashinfer_lite.kv_pages import KVCache, PageStats, dram_page_bytes
     t0 = time.perf_counter()
-    model, tok, _ = h.load_model(job["gguf"], "auto", threads=job["threads"], ctx=job["ctx"],
-                                 dram_budget=job["budget"], kv=quest)
-    load_s = time.perf_counter() - t0
+    model, tok = load(job)
+    row = {"load_s": round(time.perf_counter() - t0, 3), "depths": []}
     filler = tok.encode(Path(job["filler"]).read_text()[:job["prompt_tokens"] * 6])
     filler *= -(-job["prompt_tokens"] // len(filler))        # a short file's text again, as often as it takes
     options = model.kv_options
     kv = KVCache(model.cfg, job["ctx"], options=options)
-    row = {"load_s": round(load_s, 3), "dram_pages": kv.dram_pages, "pages": kv.pages, "depths": []}
-    for i, depth in enumerate(job["depths"]):
-        key = 10000 + (7919 * (i + 1) * job["ctx"]) % 90000
-        ids = passkey_ids(tok, filler, job["prompt_tokens"], depth, key)
-        kv.reset()
+    row.update(dram_pages=kv.dram_pages, pages=kv.pages, page_bytes=dram_page_bytes(model.cfg, options))
+    before: list[int] = []      # the prompt in the cache: deepest first, a shallower one starts as it, up to its key
+    for i, depth in sorted(enumerate(job["depths"]), key=lambda d: -d[1]):
+        ids, key = passkey_ids(tok, filler, job["prompt_tokens"], depth, job["ctx"])
+        kept = next((n for n, (a, b) in enumerate(zip(before, ids[:-1])) if a != b), min(len(before), len(ids) - 1))
+        kv.reset(kept)
         t0 = time.perf_counter()
-        logits = model.forward(ids, kv)
-        d = {"depth": depth, "key": key, "prompt_tokens": len(ids), "prompt_s": round(time.perf_counter() - t0, 1),
-             "ids": ids if i == 0 else None}
+        logits = model.forward(ids[kept:], kv)
+        d = {"depth": depth, "key": key, "prompt_tokens": len(ids), "prefilled": len(ids) - kept,
+             "prompt_s": round(time.perf_counter() - t0, 1), "ids": ids if i == 0 else None}
+        before = ids
         for mode, o in (("exact", replace(options, quest_share=0.0)), ("quest", options)):
             kv.options, kv.stats = o, PageStats()
             kv.reset(len(ids))
             out, ms = decode(model, kv, logits, job["n_gen"])
-            p = kv.stats.per_token()
-            text = tok.decode(out)
-            d[mode] = {"answer": text.strip()[:20], "found": str(key) in text,
+            text, p = tok.decode(out), kv.stats.per_token()
+            d[mode] = {"answer": text.strip()[:20], "found": str(key) in text, "read_ahead": round(p["read_ahead"], 3),
                        "ms_per_token": round(sum(ms) / max(len(ms), 1), 1),
-                       "pages_read": round(p["pages_read"], 1), "flash_pages_read": round(p["flash_pages_read"], 1),
-                       "pages": round(p["pages"], 1), "read_ahead": round(p["read_ahead"], 3)}
+                       **{k: round(p[k], 1) for k in ("pages_read", "flash_pages_read", "pages")}}
         row["depths"].append(d)
+        Path(job["partial"]).write_text(json.dumps(row))      # the depths so far, should a long run be stopped
+    row["depths"].sort(key=lambda d: job["depths"].index(d["depth"]))
     return row
 
 
@@ -162,12 +167,14 @@ def markdown(doc: dict) -> str:
         for d in r["depths"]:
             e, q = d["exact"], d["quest"]
             rows.append([r["ctx"], f"{r['peak_rss_bytes'] / MIB:.0f}", f"{r['dram_pages']}/{r['pages']}",
-                         d["depth"], d["prompt_s"], f"{e['ms_per_token']} / {q['ms_per_token']}",
+                         d["depth"], f"{d['prompt_s']} ({d.get('prefilled', d['prompt_tokens'])})",
+                         f"{e['ms_per_token']} / {q['ms_per_token']}",
                          f"{e['pages_read']:.0f} ({e['flash_pages_read']:.0f}) / {q['pages_read']:.0f} "
                          f"({q['flash_pages_read']:.0f})", f"{e['found']} / {q['found']}",
                          f"{e['answer']!r} / {q['answer']!r}", r["oom"]])
-    lines += h.table(["-c", "peak RSS MiB", "pages in DRAM / layer", "depth", "prompt s", "ms/token exact / Quest",
-                      "pages read per token (flash) exact / Quest", "passkey found", "answers", "OOM kills"], rows)
+    lines += h.table(["-c", "peak RSS MiB", "pages in DRAM / layer", "depth", "prompt s (tokens prefilled)",
+                      "ms/token exact / Quest", "pages read per token (flash) exact / Quest", "passkey found",
+                      "answers", "OOM kills"], rows)
     more = [[r["ctx"], ms(r.get("dram"), "ms_per_token"), mib(r.get("llama")), ms(r.get("llama"), "p50_ms", "-"),
              ms(r.get("llama"), "prompt_ms", "-"), ms(r.get("llama"), "found", "-")] for r in doc["rows"]
             if "dram" in r or "llama" in r]
@@ -178,8 +185,9 @@ def markdown(doc: dict) -> str:
                          f"{p['exact']} / Quest {p['quest']} ({p['quest_pages_read']} pages read per token), peak RSS "
                          f"{p['peak_rss_bytes'] / MIB:.0f} MiB" if "exact" in p else f"\nperplexity: {h.failed(p)}")
     if more:
-        lines += ["", *h.table(["-c", "ms/token exact, every page in DRAM (no budget)", "llama.cpp peak RSS MiB",
-                                "llama.cpp ms/token (P50)", "llama.cpp prompt ms", "llama.cpp passkey found"], more)]
+        lines += ["", *h.table(["-c", "ms/token exact, every KV page in DRAM (same weight plan)",
+                                "llama.cpp peak RSS MiB", "llama.cpp ms/token (P50)", "llama.cpp prompt ms",
+                                "llama.cpp passkey found"], more)]
     return "\n".join(lines)
 
 
@@ -204,7 +212,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, help="prompt length (default: the context less -n)")
     ap.add_argument("--filler", type=Path, default=h.CORPUS / "wikitext2_test.txt", help="the text the key hides in")
-    ap.add_argument("--dram-row", action="store_true", help="also decode exact with no budget, every page in DRAM")
+    ap.add_argument("--dram-row", action="store_true",
+                    help="also decode exact with every KV page in DRAM, the weights as planned in the budget")
     ap.add_argument("--llama", action="store_true", help="also llama.cpp on the first depth's prompt, same cgroup")
     ap.add_argument("--ppl", type=int, default=0, help="also the perplexity of the filler's last N tokens of a "
                     "--prompt-tokens passage, exact and Quest, same cgroup")
@@ -216,18 +225,15 @@ def main(argv=None) -> int:
     if a.model is None:
         ap.error("-m GGUF is required")
     work = h.work_dir(a, "long-context-")
-    if a.budget_mib:
-        budget = int(a.budget_mib * MIB)
-    else:
-        budget = minimum_at(a.model, a.budget_ctx) + (64 << 20)
+    budget = int(a.budget_mib * MIB) if a.budget_mib else minimum_at(a.model, a.budget_ctx) + (64 << 20)
     doc = {"command": h.command("long_context.py", argv), "machine": h.machine(), "budget_mib": budget / MIB,
-           "budget_ctx": None if a.budget_mib else a.budget_ctx,
-           "quest_share": a.quest_share, "rows": []}
+           "budget_ctx": None if a.budget_mib else a.budget_ctx, "quest_share": a.quest_share, "rows": []}
     for ctx in map(int, a.contexts.split(",")):
         job = work / f"job-{ctx}.json"
         spec = {"gguf": str(a.model), "ctx": ctx, "budget": budget, "threads": a.threads, "n_gen": a.n_gen,
                 "ppl": a.ppl, "quest_share": a.quest_share, "depths": [float(x) for x in a.depths.split(",") if x],
-                "prompt_tokens": a.prompt_tokens or ctx - a.n_gen, "filler": str(a.filler.resolve())}
+                "prompt_tokens": a.prompt_tokens or ctx - a.n_gen, "filler": str(a.filler.resolve()),
+                "partial": str(work / f"ctx-{ctx}.partial.json")}
         job.write_text(json.dumps(spec))
         r = {"depths": []} if not spec["depths"] else h.run_row(__file__, "row", f"ctx-{ctx}", budget, work,
                                                                    ["--job", job])
@@ -236,7 +242,8 @@ def main(argv=None) -> int:
             r["ppl"] = h.run_row(__file__, "ppl", f"ppl-{ctx}", budget, work, ["--job", job])
         ids = [d.pop("ids") for d in r.get("depths", [])][:1]
         if a.dram_row:
-            r["dram"] = h.run_row(__file__, "dram", f"dram-{ctx}", None, work, ["--job", job])
+            cap = budget + (r["pages"] - r["dram_pages"]) * r["page_bytes"] if "page_bytes" in r else None
+            r["dram"] = h.run_row(__file__, "dram", f"dram-{ctx}", cap, work, ["--job", job])
         if a.llama and ids:
             job.write_text(json.dumps(dict(spec, prompt_ids=ids[0], key=r["depths"][0]["key"],
                                            llama_extra_bufts=False)))

@@ -58,6 +58,8 @@ class KVOptions:
     quest_share: float = 0.0        # or this share of the pages (when quest_pages is 0)
     directory: str | None = None    # where the file of pages on flash goes; None: the process's default (kv_directory)
     dram_pages: int | None = None   # per layer, in DRAM (the plan's KV share); None: every page
+    kcache: float = 0.0             # KCache: an exact decode step reads every page's keys but only the values of the
+                                    # pages where a position's softmax weight reaches this (and the first and latest)
 
     def __post_init__(self):
         for name in ("type_k", "type_v"):
@@ -65,6 +67,8 @@ class KVOptions:
                 raise UserError(f"--cache-type-{name[-1]} {getattr(self, name)!r}: one of {', '.join(CACHE_TYPES)}")
         if self.quest_pages < 0 or not 0.0 <= self.quest_share <= 1.0:
             raise UserError("--kv-pages: a number of pages >= 1 or a share such as 25%")
+        if not 0.0 <= self.kcache < 1.0:
+            raise UserError(f"KCache's threshold {self.kcache}: a softmax weight, at least 0 and below 1")
 
     @property
     def quest(self) -> bool:
@@ -279,10 +283,12 @@ class PageStats:
     pages_held: int = 0         # pages of the context at each step, summed (what exact attention would read)
     flash_reads: int = 0        # page reads from the file (a page's keys and its values: two)
     flash_reads_ahead: int = 0  # of which submitted before their batch was asked for
+    value_pages_read: int = 0   # pages whose values a step read (KCache: fewer than pages_read, their keys)
 
     def per_token(self) -> dict:
         s = max(self.steps, 1)
         return {"pages_read": self.pages_read / s, "flash_pages_read": self.flash_pages_read / s,
+                "value_pages_read": self.value_pages_read / s,
                 "pages": self.pages_held / s, "read_ahead": self.flash_reads_ahead / max(self.flash_reads, 1)}
 
 
@@ -594,21 +600,38 @@ class KVCache:
             if T == 1 and not self.options.quest:   # the next layer reads the same pages (the next step's: one more)
                 then = (0, layer + 1, pages) if layer + 1 < self.n_layers else \
                     (0, 0, self.page_ids[first:(pos0 + T) // P + 1])
+        kcache = self.options.kcache > 0 and T == 1 and not sliding_window and not self.options.quest
         m = np.full((T, H), -np.inf, np.float32)
         scores = self.scores[:T] if T <= len(self.scores) else np.empty((T, H, self.capacity), np.float32)
-        for store, slots, some in self.page_values(layer, 0, pages, (1, layer, pages)):
+        for store, slots, some in self.page_values(layer, 0, pages, None if kcache else (1, layer, pages)):
             page_scores(q, store, slots, some, P, lo, hi, chosen, scale, scores, m)
+        values = self.heavy_pages(pages, scores[0], m[0], pos0 + 1) if kcache else pages
         out[:] = 0.0
         total = np.zeros((T, H), np.float32)
-        for store, slots, some in self.page_values(layer, 1, pages, then):
+        for store, slots, some in self.page_values(layer, 1, values, then):
             page_values(scores, m, store, slots, some, P, lo, hi, chosen, out, total)
         out *= (np.float32(1.0) / total)[:, :, None]
         if T == 1:
             self.stats.pages_read += len(pages)
+            self.stats.value_pages_read += len(values)
             self.stats.flash_pages_read += int(np.count_nonzero((pages >= self.dram_pages)
                                                                 & (pages != self.tail_page[layer])))
             self.stats.pages_held += last + 1 - first
             self.stats.steps += layer == self.n_layers - 1
+
+
+    def heavy_pages(self, pages: np.ndarray, scores: np.ndarray, m: np.ndarray, n: int) -> np.ndarray:
+        """KCache: of a step's pages (0.. the latest, the context's n positions), those holding a position whose
+        softmax weight reaches options.kcache for some head (scores [H, capacity] and their largest m [H], as the
+        keys' pass left them), and the first and the latest. Attention then sums the values of these alone, its
+        weights normalized over them: it moves by at most twice the weight left out times the largest value."""
+        w = np.exp(scores[:, :n] - m[:, None])
+        w /= w.sum(axis=1, keepdims=True)
+        peak = np.zeros(len(pages) * PAGE_POSITIONS, np.float32)
+        peak[:n] = w.max(axis=0)
+        heavy = peak.reshape(len(pages), PAGE_POSITIONS).max(axis=1) >= self.options.kcache
+        heavy[0] = heavy[-1] = True
+        return pages[heavy]
 
 
 def quest_bounds(q: np.ndarray, kmin: np.ndarray, kmax: np.ndarray) -> np.ndarray:

@@ -43,8 +43,8 @@ from .predictor_set import load_expert_freq, load_predictors
 from .process import RSS_MARKS, keep_freed_arrays_out_of_rss, mark_rss, peak_rss_bytes, return_freed_heap
 from .kernels.blocks import set_act8
 from .threads import set_threads
-from .warmup import (base_estimate_bytes, base_parts_table, drop_llvm_pages, loading_excess_bytes,
-                     measure_base_bytes, measure_dense_base_bytes)
+from .warmup import (base_estimate_bytes, base_parts_table, compile_in_child, compiled_stamp, drop_llvm_pages,
+                     loading_excess_bytes, measure_base_bytes, measure_dense_base_bytes)
 
 
 def one_blas_thread() -> None:
@@ -156,6 +156,8 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
     if verify:
         verify_at_load(path, progress=progress)
     ckpt = FlashCheckpoint(path)
+    if base_bytes is None and not compiled_stamp(ckpt.layout).exists():    # a first use: the compilers run beside
+        compile_in_child(ckpt.layout)   # this process before it holds its tokenizer (Qwen2.5's: 49 MiB)
     files = ModelFiles(source, str(path), default, True, ckpt, open_tokenizer(ckpt), None, None,
                        expert_freq=load_expert_freq(path) if ckpt.config.moe else None, contexts=contexts)
     if needs_predictors(files.facts, ffn):      # in the base only when a mode --ffn may run asks them

@@ -121,22 +121,28 @@ def compile_steps(layout, kernels=None) -> list:
         for T in (1, DENSE_ROW_KERNEL_MAX_T + 1):
             kernel.dense(layer, np.zeros((T, layout.d), np.float32), np.zeros((T, layout.d), np.float32))
 
-    def gate():                 # ffn.flash.ExactGate: coefficients over gate|up rows, the down sum over down rows
-        gu, dn = layout.parts["gate_up"], layout.parts["down"]
-        rows = SplitRows(gu.geometry_of(0), dn.geometry_of(0), layout.config.get("act", "silu"),
-                         layout.config.get("relu_threshold"), scales and scales[0], gu.quantized)   # layer 0's
-        for T in (1, 2):        # a decoded token; a prompt's rows (the down sum's tiles: another kernel)
+    def gate(T: int, sums: bool):
+        """ffn.flash.ExactGate's coefficients over gate|up rows, or its down sum over down rows, for T rows (1: a
+        decoded token; 2: a prompt's, other kernels): four steps, as each is a large kernel to compile (in one child
+        the four took the child to 337 MiB on Qwen2.5-0.5B's q5_0 FLASHDIR, alone at most 262)."""
+        def step():
+            gu, dn = layout.parts["gate_up"], layout.parts["down"]
+            rows = SplitRows(gu.geometry_of(0), dn.geometry_of(0), layout.config.get("act", "silu"),
+                             layout.config.get("relu_threshold"), scales and scales[0], gu.quantized)  # layer 0's
             X, coef = np.zeros((T, layout.d), np.float32), np.zeros((T, k + 1), np.float32)
+            if sums:
+                rows.accumulate(aligned_empty((k, dn.stride), np.uint8), np.arange(k, dtype=np.int32),
+                                np.ascontiguousarray(coef[:, :k]), np.zeros_like(X))
+                return
             # a streamed layer's last chunk fills a slice of the coefficients (FlashFFN.coefficients): its own type
             rows.coefficients(np.zeros((k, gu.stride), np.uint8), X, coef[:, :k], 0.0)
-            coef = np.ascontiguousarray(coef[:, :k])
-            rows.coefficients(np.zeros((k, gu.stride), np.uint8), X, coef, 0.0)
-            rows.accumulate(aligned_empty((k, dn.stride), np.uint8), np.arange(k, dtype=np.int32), coef,
-                            np.zeros_like(X))
+            rows.coefficients(np.zeros((k, gu.stride), np.uint8), X, np.ascontiguousarray(coef[:, :k]), 0.0)
+        step.__name__ = f"gate ({'down sums' if sums else 'coefficients'}, {T} row{'s' if T > 1 else ''})"
+        return step
 
-    have = {"neuron_cache": neuron_cache, "sparse": sparse, **({"dense": dense} if layout.quantized else {}),
-            **({"gate": gate} if layout.parts else {})}
-    return [*(have[n] for n in FFN_STEPS if n in have and (kernels is None or n in kernels)),
+    have = {"neuron_cache": [neuron_cache], "sparse": [sparse], **({"dense": [dense]} if layout.quantized else {}),
+            **({"gate": [gate(T, sums) for T in (1, 2) for sums in (False, True)]} if layout.parts else {})}
+    return [*(s for n in FFN_STEPS if n in have and (kernels is None or n in kernels) for s in have[n]),
             *resident_steps(layout)]
 
 
@@ -373,9 +379,10 @@ def remember(layout, figures: dict) -> None:
     write_best_effort(compiled_stamp(layout), json.dumps(record))
 
 
-# The most one compile child's RSS reached (the exact gate's step: 325 MiB on SmolLM2's q4_1 FLASHDIR, Numba 0.6x,
-# Linux x86-64): what a memory cgroup must leave beside the process on a first use
-COMPILE_CHILD_BYTES = 330 << 20
+# The most one compile child's RSS reached (Qwen2.5-0.5B's q5_0 FLASHDIR, Numba 0.6x, Linux x86-64: the blocks'
+# matrices, 277 MiB, of which 105 the libraries imported; the exact gate's steps at most 262, 337 as one step): what a
+# memory cgroup must leave beside the process on a first use
+COMPILE_CHILD_BYTES = 290 << 20
 
 
 def compile_in_child(layout) -> None:

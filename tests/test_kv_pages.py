@@ -3,6 +3,8 @@ oracle of every budget), Quest's bound is an upper bound of every q.k of its pag
 (gguf-py's quantizer as the oracle), and the file of pages leaves nothing behind."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -395,3 +397,47 @@ def test_the_page_file_falls_back_to_buffered_io_where_o_direct_is_refused(tmp_p
         np.testing.assert_array_equal(got[0], page)
     finally:
         f.close()
+
+
+def test_kcache_reads_the_values_of_the_heavy_pages_and_moves_attention_by_at_most_the_weight_left_out(tmp_path):
+    """KCache: a decode step reads every page's keys and the values only of the pages where a position's softmax
+    weight reaches the threshold for some head (and the first and the latest). Against float64 attention over the
+    float16 keys and values written: each head's output moves by at most twice the weight left out times the largest
+    |value|; threshold 0 is the exact mode, bit for bit."""
+    from types import SimpleNamespace
+    from test_decode_kernels import attention64
+    rng = np.random.default_rng(7)
+    H, Hkv, hd, n, P = 4, 2, 16, 300, PAGE_POSITIONS
+    cfg = SimpleNamespace(n_layers=1, n_heads=H, n_kv_heads=Hkv, head_dim=hd)
+    keys, values = rng.standard_normal((2, n + 1, Hkv, hd)).astype(np.float32)
+    q = 2 * rng.standard_normal((1, H, hd)).astype(np.float32)
+    no_rope, scale = np.zeros((1, 0), np.float32), np.float32(1 / np.sqrt(hd))
+
+    def step(options):
+        kv = KVCache(cfg, 10 * P, options=replace(options, dram_pages=1, directory=str(tmp_path)))
+        kv.write(0, 0, keys[:n], values[:n])
+        out = np.empty((1, H, hd), np.float32)
+        kv.attend(0, q.copy(), keys[n:n + 1].copy(), values[n:n + 1].copy(), no_rope, no_rope, n, 0, scale, out)
+        kv.close()
+        return out, kv.stats
+    exact, _ = step(KVOptions())
+    same, _ = step(KVOptions(kcache=0.0))
+    assert np.array_equal(same.view(np.uint32), exact.view(np.uint32))
+    threshold = 0.065         # the pages' largest weights here: 0.02-0.1
+    got, stats = step(KVOptions(kcache=threshold))
+    K, V = (x.astype(np.float16).astype(np.float64) for x in (keys, values))
+    g = H // Hkv
+    w = np.stack([np.exp(s - s.max()) / np.exp(s - s.max()).sum()
+                  for s in (K[:, h // g] @ q[0, h].astype(np.float64) / np.sqrt(hd) for h in range(H))])   # [H, n+1]
+    peak = np.zeros(10 * P)
+    peak[:n + 1] = w.max(axis=0)
+    heavy = peak.reshape(10, P).max(axis=1) >= threshold
+    heavy[0] = heavy[n // P] = True
+    assert stats.pages_read == n // P + 1 and stats.value_pages_read == heavy.sum()
+    assert 2 < stats.value_pages_read < stats.pages_read          # some pages' values read, not all
+    left_out = np.array([w[h, ~np.repeat(heavy, P)[:n + 1]].sum() for h in range(H)])
+    want = attention64(q.astype(np.float64), K, V, n, 0)
+    err = np.abs(got - want).max(axis=2)[0]
+    assert (left_out > 0).all() and (err <= 2 * left_out * np.abs(V).max() + 1e-5).all(), (err, left_out)
+    with pytest.raises(UserError, match="KCache's threshold"):
+        KVOptions(kcache=1.0)

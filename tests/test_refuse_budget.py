@@ -265,6 +265,22 @@ def test_the_floor_refusal_names_the_higher_of_the_plan_and_the_loading_peak():
         e = floor_refusal(budget, refusal, 120 * MiB, 50 * MiB)
         assert e.minimum_bytes == 120 * MiB and "loading the kernels takes the process to 120.0 MiB" in str(e)
 
+
+def test_a_first_use_compiles_before_the_tokenizer_is_built(tmp_path, monkeypatch):
+    """A first use's compile children run beside a process that holds no tokenizer yet (Qwen2.5's: 49 MiB of the
+    342 MiB memory cgroup its -c 32768 runs in), not beside the whole process base (it used to compile from
+    measure_base_bytes, after the tokenizer and the predictors)."""
+    import flashinfer_lite.runtime as runtime
+    from flashinfer_lite.process import RSS_MARKS
+    flash = convert(STORIES, tmp_path / "flash", progress=False)
+    held = []           # the parts this process held at each compile
+    monkeypatch.setattr(runtime, "compiled_stamp", lambda layout: tmp_path / "never-compiled.stamp")
+    monkeypatch.setattr(runtime, "compile_in_child", lambda layout: held.append([w for w, _ in RSS_MARKS]))
+    monkeypatch.setattr(runtime, "measure_base_bytes", lambda layout, kernels, start_peak: (64 << 20, 64 << 20))
+    runtime.open_model_files(flash, "auto", ctx=64)
+    assert len(held) == 1 and not any(w.startswith("tokenizer") for w in held[0]), held
+
+
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="Linux: memory cgroups")
 def test_a_first_use_in_a_memory_cgroup_too_small_to_compile_is_one_line(tiny_model, tmp_path):
     """A cold first run (empty Numba cache) under a real memory cgroup too small for a compiler beside the run: the
