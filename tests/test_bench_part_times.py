@@ -53,5 +53,6 @@ def test_ffn_cpu_alternates_the_modes_and_times_the_gates_kernels_inside_its_ffn
     assert cpu["gate"]["coefficients"] + cpu["gate"]["down"] <= cpu["gate"]["ffn"]
     assert all(len(v) == 2 and min(v) > 0 for v in doc["rounds_ms"].values())
     assert doc["ratio_to_first"]["dense"] == 1.0
-    assert abs(doc["ratio_to_first"]["gate"] - cpu["gate"]["ffn"] / cpu["dense"]["ffn"]) < 0.01
+    g, d, h = cpu["gate"]["ffn"], cpu["dense"]["ffn"], 0.0005     # printed to 3 decimals: each within h of its own
+    assert (g - h) / (d + h) - h <= doc["ratio_to_first"]["gate"] <= (g + h) / (d - h) + h
     assert "gate" in err
