@@ -306,3 +306,19 @@ def test_a_first_use_in_a_memory_cgroup_too_small_to_compile_is_one_line(tiny_mo
                  r"\(later runs load the compiled kernels and need only their --dram-budget\)$", lines[0])
     assert m and int(m[1]) > 130 and int(m[1]) >= COMPILE_CHILD_BYTES >> 20, lines[0]
     assert json.loads(summary.read_text())["oom_kills"] >= 1
+
+
+def test_the_early_estimate_is_at_most_the_smallest_base_measured(monkeypatch):
+    """The early refusal's base: this process's RSS now plus what the line added when the model last ran, but never
+    over the smallest base a run measured: the RSS at the early check moves by megabytes between processes on a busy
+    machine (the suite saw the estimate 8 MiB over the planner's minimum: a budget the plan takes, refused)."""
+    from flashinfer_lite import warmup
+    MiB = 1 << 20
+    monkeypatch.setattr(warmup, "model_key", lambda layout: "m")
+    monkeypatch.setattr(warmup, "rss_bytes", lambda: 90 * MiB)          # a process that holds 8 MiB more than usual
+    monkeypatch.setattr(warmup, "stamp_record", lambda layout: {"m": 40 * MiB})
+    assert warmup.base_estimate_bytes(None, 1000) == 130 * MiB          # no base recorded yet: RSS + the line's
+    monkeypatch.setattr(warmup, "stamp_record", lambda layout: {"m": 40 * MiB, "m base": 122 * MiB})
+    assert warmup.base_estimate_bytes(None, 1000) == 122 * MiB
+    monkeypatch.setattr(warmup, "rss_bytes", lambda: 70 * MiB)          # a lighter process: its own, lower
+    assert warmup.base_estimate_bytes(None, 1000) == 110 * MiB
