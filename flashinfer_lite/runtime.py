@@ -44,7 +44,7 @@ from .process import RSS_MARKS, keep_freed_arrays_out_of_rss, mark_rss, peak_rss
 from .kernels.blocks import set_act8
 from .threads import set_threads
 from .warmup import (base_estimate_bytes, base_parts_table, compile_in_child, compiled_stamp, drop_llvm_pages,
-                     loading_excess_bytes, measure_base_bytes, measure_dense_base_bytes)
+                     forget_early_rss, loading_excess_bytes, measure_base_bytes, measure_dense_base_bytes)
 
 
 def one_blas_thread() -> None:
@@ -131,6 +131,7 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
     RSS_MARKS[:] = [] if again else RSS_MARKS                       # this one's parts start anew
     mark_rss("the process before this load" if again else "flashinfer-lite and the libraries it imports")
     start_peak = peak_rss_bytes()
+    forget_early_rss()
     drop_llvm_pages()           # what its import touched: of it, loading the kernels reads back 48 of 67 MiB
     mark_rss("LLVM library pages dropped")
     budget = Budget.of(dram_budget)

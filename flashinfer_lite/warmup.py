@@ -259,11 +259,13 @@ def measure_base_bytes(layout, kernels=None, start_peak: int | None = None) -> t
         step()
         mark_rss(f"kernels: {step.__name__}" + (" (and Numba's runtime, LLVM's start)" if i == 0 else ""))
     rss, peak = settle_base(start_peak)
+    global _early_rss
+    early, _early_rss = _early_rss, None    # this load's own estimate, once: a later load's would be another's RSS
     if loaded:                  # only loaded from the cache (never compiled here): figures of this installation
         key = model_key(layout)
         remember(layout, {"kernels": rss - before,
                           key + " loading": peak - rss, key + " base": rss,
-                          **({key: rss - _early_rss} if _early_rss is not None else {})})
+                          **({key: rss - early} if early is not None else {})})
     return rss, peak
 
 
@@ -328,6 +330,14 @@ KERNELS_DEFAULT_BYTES = 10 << 20
 TOKENIZER_BYTES_PER_TOKEN = 320
 # RSS of this process when base_estimate_bytes last ran: the start of what measure_base_bytes records
 _early_rss: int | None = None
+
+
+def forget_early_rss() -> None:
+    """A load starts: an estimate an earlier load of this process made (and never measured against: it was refused,
+    or ran dense) is not this one's start. A test worker once recorded its 1 GB of growth since such an estimate as
+    the line's part, and the next run's early refusal named 1.1 GB for a 94 MiB model."""
+    global _early_rss
+    _early_rss = None
 
 
 def base_estimate_bytes(layout, vocab_size: int) -> int:

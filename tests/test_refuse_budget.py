@@ -322,3 +322,20 @@ def test_the_early_estimate_is_at_most_the_smallest_base_measured(monkeypatch):
     assert warmup.base_estimate_bytes(None, 1000) == 122 * MiB
     monkeypatch.setattr(warmup, "rss_bytes", lambda: 70 * MiB)          # a lighter process: its own, lower
     assert warmup.base_estimate_bytes(None, 1000) == 110 * MiB
+
+
+def test_a_load_records_no_line_part_from_an_earlier_loads_estimate(tmp_path, monkeypatch):
+    """An early estimate a load made and never measured against (refused) is not a later load's start: a test worker
+    that had grown by 1 GB since one recorded that as the line's part, and the next run's early refusal named 1.1 GB
+    for a 94 MiB model."""
+    from flashinfer_lite import runtime, warmup
+    flash = convert(STORIES, tmp_path / "flash", progress=False)
+    with pytest.raises(Exception, match="below the minimum"):
+        runtime.open_model_files(flash, "auto", ctx=64, dram_budget=1 << 20)     # estimates, refuses
+    assert warmup._early_rss is not None
+    recorded = []
+    monkeypatch.setattr(warmup, "remember", lambda layout, figures: recorded.append(figures))
+    monkeypatch.setattr(warmup, "compiled_stamp", lambda layout: tmp_path / "flash" / "manifest.json")  # "compiled"
+    runtime.open_model_files(flash, "auto", ctx=64)                                 # no budget: no estimate
+    # its figures: the kernels', the loading's and the base's, but no "what the line added" (the bare model key)
+    assert recorded and all(k == "kernels" or " " in k for f in recorded for k in f), recorded
