@@ -354,7 +354,8 @@ def base_estimate_bytes(layout, vocab_size: int) -> int:
     extra = record.get(model_key(layout))
     if extra is None:
         extra = record.get("kernels", KERNELS_DEFAULT_BYTES) + TOKENIZER_BYTES_PER_TOKEN * vocab_size
-    return min(_early_rss + extra, record.get(model_key(layout) + " base", _early_rss + extra))
+    estimate = _early_rss + extra
+    return min(estimate, record.get(model_key(layout) + " base", estimate))
 
 
 def loading_excess_bytes(layout) -> int:
