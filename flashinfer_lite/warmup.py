@@ -474,7 +474,9 @@ def drop_stale_kernels(modules=None) -> bool:
     they may have inlined (kernel_sources) changed since the cache was filled, and the compile stamps that vouched for
     them: Numba would load a kernel whose own file did not change with the code it inlined from a file that did (or
     that moved: ModuleNotFoundError). A stamp named by a hash of those sources' bytes, in the first kernel's cache
-    directory, says the cache is theirs. Best effort (a read-only cache stays as it is). True when it removed any."""
+    directory, says the cache is theirs. Their bytes are read only when their sizes or mtimes changed since a stamp
+    named by those (as Numba's own index keys a kernel's file) was left: every import checks, so every launch would
+    hash them. Best effort (a read-only cache stays as it is). True when it removed any."""
     import hashlib
     if modules is None:
         modules = [m for n, m in list(sys.modules.items())
@@ -482,11 +484,16 @@ def drop_stale_kernels(modules=None) -> bool:
     dirs, sources = kernel_sources(modules)
     if not dirs:
         return False
+    stats = repr([(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in sources]).encode()
+    seen = min(dirs) / f"flashinfer-lite-sources-stat-{hashlib.sha256(stats).hexdigest()[:16]}.stamp"
+    if seen.exists():
+        return False
     digest = hashlib.sha256()
     for f in sources:
         digest.update(f.name.encode() + b"\0" + f.read_bytes())
     stamp = min(dirs) / f"flashinfer-lite-sources-{digest.hexdigest()[:16]}.stamp"
-    if stamp.exists():
+    if stamp.exists():          # the same bytes, touched or copied: the cache is still theirs
+        write_best_effort(seen, "")
         return False
     removed = False
     for d in dirs:      # a kernel cache directory holds only its source directory's kernels: all of them go
@@ -497,6 +504,7 @@ def drop_stale_kernels(modules=None) -> bool:
             except OSError:
                 pass
     write_best_effort(stamp, "")
+    write_best_effort(seen, "")
     return removed
 
 
