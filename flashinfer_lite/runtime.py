@@ -1,8 +1,10 @@
 """Loading a model to run, one pipeline: --dram-budget resolved once (budget.Budget) -> the model's facts
-(open_model_files: a budget below the model's minimum refused in the first second, then the default model's fetch,
-conversion into the cache, the kernels' warm-up and the process base) -> decide (modes.decide: the FFN mode and its
-DRAM plan) -> prepare (first-use training of the default model's predictors, calibration of the exact gate's
-thresholds; then decide again) -> build (the mode's). load() is the library's entry (flashinfer_lite.load), which
+(open_model_files: a budget below the model's minimum refused in the first second, then the model's files as a first
+use left them (located), the kernels' warm-up and the process base) -> decide (modes.decide: the FFN mode and its
+DRAM plan) -> build (the mode's). Prepare is what a first use lacks, done where its absence is found, once: the
+default model's fetch and the conversion into the cache (prepare_files), the kernels compiled in child processes
+(open_model_files, before the tokenizer), the default model's predictors trained and the exact gate's thresholds
+calibrated (decide_and_build, which then decides again). load() is the library's entry (flashinfer_lite.load), which
 generate, chat, serve and eval call; load_runtime() is the same pipeline for a given path, without first-use
 training; calibrate_gate builds its uncalibrated model through it too.
 """
@@ -66,12 +68,7 @@ def model_facts(source: str | None, cached: bool = True) -> tuple[ModelConfig, F
     source None: the default model, from default_model's record of its header while the file is not fetched yet."""
     if source is None:
         if not default_model_path().is_file():
-            cfg = ModelConfig(**default_model.CONFIG)
-            layout = FlashLayout.create(cfg.dim, [cfg.ffn_dim] * cfg.n_layers, default_model.FFN_DTYPES[0], cfg.glu,
-                                        layer_dtypes=[default_model.FFN_DTYPES] * cfg.n_layers, config=cfg.to_dict())
-            kinds = {n: default_model.EMBED_KIND if n == "embed.weight" else default_model.ATTENTION_KIND
-                     for n in resident_matrix_shapes(cfg)}
-            return cfg, layout, kinds
+            return default_model_facts()
         source = str(default_model_path())
     path = Path(source).expanduser().resolve()
     made = source if is_flashdir(source) or not (cached and path.exists()) else \
@@ -83,6 +80,16 @@ def model_facts(source: str | None, cached: bool = True) -> tuple[ModelConfig, F
     layout = layout_for(ckpt, DEFAULT_DTYPE)
     return ckpt.config, layout, resident_kinds(ckpt, resident_names(ckpt, layout),
                                                layout.dtype if layout.quantized else None)
+
+
+def default_model_facts() -> tuple[ModelConfig, FlashLayout, dict]:
+    """model_facts of the default model before its first use fetches it: default_model's record of its header."""
+    cfg = ModelConfig(**default_model.CONFIG)
+    layout = FlashLayout.create(cfg.dim, [cfg.ffn_dim] * cfg.n_layers, default_model.FFN_DTYPES[0], cfg.glu,
+                                layer_dtypes=[default_model.FFN_DTYPES] * cfg.n_layers, config=cfg.to_dict())
+    kinds = {n: default_model.EMBED_KIND if n == "embed.weight" else default_model.ATTENTION_KIND
+             for n in resident_matrix_shapes(cfg)}
+    return cfg, layout, kinds
 
 
 # What the early refusal leaves below its estimate: the process base of two runs differs by well under this
@@ -141,7 +148,7 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
                                                                            budget, open_source)
     if budget.requested and flash_backed and plans(ffn):
         refuse_below_minimum(None if default else str(model), ffn, budget.bytes, ctx, base_bytes, contexts)
-    source = str(ensure_default_model()) if default else str(model)
+    source, path = located(model, flash_backed) or prepare_files(model, ffn, flash_backed, progress)
     keep_freed_arrays_out_of_rss()  # in a dense run too: a short prompt touches a page of each layer's KV, not 2 MiB
     if not flash_backed or not plans(ffn):     # every weight in DRAM, as stored: no plan, no predictors
         if flash_backed and verify:   # the resident file and the manifest are checked, not only each layer
@@ -153,12 +160,13 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
             base, files.loading_peak_bytes = measure_dense_base_bytes(ckpt, start_peak)
             files.base_bytes = base if base_bytes is None else base_bytes
         return files
-    path = flashdir_for(source, progress, then=lambda cfg, layout: calibration_next(cfg, layout, ffn))
     if verify:
         verify_at_load(path, progress=progress)
     ckpt = FlashCheckpoint(path)
-    if base_bytes is None and not compiled_stamp(ckpt.layout).exists():    # a first use: the compilers run beside
-        compile_in_child(ckpt.layout)   # this process before it holds its tokenizer (Qwen2.5's: 49 MiB)
+    # the one place a load compiles (measure_base_bytes only loads): on a first use of these kernels, the compilers
+    # run beside this process before it holds its tokenizer (Qwen2.5's: 49 MiB)
+    if base_bytes is None and not compiled_stamp(ckpt.layout).exists():
+        compile_in_child(ckpt.layout)
     files = ModelFiles(source, str(path), default, True, ckpt, open_tokenizer(ckpt), None, None,
                        expert_freq=load_expert_freq(path) if ckpt.config.moe else None, contexts=contexts)
     if needs_predictors(files.facts, ffn):      # in the base only when a mode --ffn may run asks them
@@ -172,6 +180,33 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
     if not ckpt.config.moe or ckpt.layout.experts.split:    # split expert chunks run the exact gate too
         files.gate = read_gate_file(path, ckpt.config.n_layers, ckpt.config.ffn_dim, sparsity)
     return files
+
+
+def located(model, flash_backed: bool) -> tuple[str, str] | None:
+    """(source, path) of a model whose first use is done, as a warm load finds them without reading the model: the
+    source (-m, or the default model's file) and the FLASHDIR that backs the run (itself, or the source's conversion
+    in the cache, found by the content digest the cache remembers with the files' sizes, mtimes and inodes), or the
+    source when none does. None: a first use's work comes first (prepare_files). The default model's file is vouched
+    for by that digest as well: its sha256 was checked before it was converted, so only a first use checks it."""
+    if model is None and not flash_backed:      # a dense run of the default model's file: its stamp checked first
+        return None
+    source = str(default_model_path()) if model is None else str(model)
+    if not Path(source).expanduser().exists():
+        return None
+    if not flash_backed or is_flashdir(source):
+        return source, source
+    made = cached_conversion(Path(source).expanduser().resolve(), known_only=True)
+    return (source, str(made)) if made is not None and is_flashdir(made) else None
+
+
+def prepare_files(model, ffn: str, flash_backed: bool, progress: bool) -> tuple[str, str]:
+    """A model's first use, before its files are opened: the default model's file fetched and checked by its sha256
+    (default_model.ensure_default_model), a source converted into the cache (cache.flashdir_for, announced by its
+    line); (source, path) as located finds them from then on."""
+    source = str(ensure_default_model()) if model is None else str(model)
+    if not flash_backed:
+        return source, source
+    return source, flashdir_for(source, progress, then=lambda cfg, layout: calibration_next(cfg, layout, ffn))
 
 
 def open_tokenizer(ckpt):

@@ -239,9 +239,10 @@ def measure_base_bytes(layout, kernels=None, start_peak: int | None = None) -> t
     kernels: compile_steps), measured in this process just before the weights load.
 
     Measured rather than a constant because it differs by platform, library versions and tokenizer (SmolLM2's takes
-    16 MiB, Qwen2.5's 50, stories260K's 3). The kernels are compiled in a child process first (compile_in_child), so
-    this process only loads their machine code from Numba's on-disk cache: compiling would leave ~80 MiB of the
-    compiler's memory in this process (and in its peak) on a first run, and not on the next. Then the heap's free
+    16 MiB, Qwen2.5's 50, stories260K's 3). The load compiles the kernels in child processes first (compile_in_child,
+    when compiled_stamp is missing: runtime.open_model_files, before the tokenizer), so this process only loads their
+    machine code from Numba's on-disk cache: compiling would leave ~80 MiB of the compiler's memory in this process
+    (and in its peak) on a first run, and not on the next; without the stamp they compile here, a larger base. Then the heap's free
     pages go back to the system and the LLVM library's pages leave the resident set (drop_llvm_pages: 48 MiB). In a
     process that already holds other things (a test run, a notebook) they count too: the budget is the process's.
     Each step is noted (process.mark_rss) for the parts -v prints (base_parts).
@@ -252,8 +253,6 @@ def measure_base_bytes(layout, kernels=None, start_peak: int | None = None) -> t
     What loading the kernels added, what the line added to the RSS of the early refusal (base_estimate_bytes) and how
     far the loading's peak went over the base are kept in the compile stamp for the next run's estimate.
     """
-    if not compiled_stamp(layout).exists():
-        compile_in_child(layout)
     loaded, before = compiled_stamp(layout).exists(), rss_bytes()
     for i, step in enumerate(compile_steps(layout, kernels)):
         step()
