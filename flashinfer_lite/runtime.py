@@ -187,11 +187,12 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
 
 
 def located(model, flash_backed: bool) -> tuple[str, str] | None:
-    """(source, path) of a model whose first use is done, as a warm load finds them without reading the model: the
+    """(source, path) of a model whose first use is done, as a warm load finds them (its header read, no weight): the
     source (-m, or the default model's file) and the FLASHDIR that backs the run (itself, or the source's conversion
     in the cache, found by the content digest the cache remembers with the files' sizes, mtimes and inodes), or the
     source when none does. None: a first use's work comes first (prepare_files). The default model's file is vouched
-    for by that digest as well: its sha256 was checked before it was converted, so only a first use checks it."""
+    for by that digest as well: its sha256 was checked before it was converted, and a file changed since is a first
+    use's work again."""
     if model is None and not flash_backed:      # a dense run of the default model's file: its stamp checked first
         return None
     source = str(default_model_path()) if model is None else str(model)
