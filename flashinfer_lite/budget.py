@@ -93,6 +93,7 @@ class BudgetPlan:
     embed_bytes: int = 0        # of place_head: the embedding rows of a prompt chunk (the table stays on flash)
     kv_dram_pages: int | None = None    # of kv_share: KV pages per layer in DRAM (None: every page)
     contexts: int = 1           # the KV caches planned: one per sequence decoded together
+    kv_options: object = None   # how each is kept (kv_pages.KVOptions; None: the defaults)
 
     @property
     def hot_rows(self) -> int:
@@ -122,7 +123,7 @@ class BudgetPlan:
                 *([("gate|up rows", self.gate_bytes, f"{self.gate_layers} of {self.n_layers} layers resident"
                    + ("" if self.gate_layers == self.n_layers else ", the rest streamed"))]
                   if self.gate_bytes else []),
-                ("kv cache", self.kv_bytes, kv_note(self.ctx, self.kv_dram_pages, self.contexts)),
+                ("kv cache", self.kv_bytes, kv_note(self.ctx, self.kv_dram_pages, self.contexts, self.kv_options)),
                 ("buffers", self.buffer_bytes, "a prompt's widened blocks, kernel scratch, heap" if self.ffn_bytes
                  else "reader scratch, kernel scratch, slot maps, prefill chunk"),
                 *([] if self.ffn_bytes else [   # the FFN in RAM has no neuron cache
@@ -150,7 +151,8 @@ def _mib(n: int) -> str:
 # The KV cache's share (kv_pages.KVCache): its fixed part in the minimum, pages from what is left
 
 # contexts, in every function below and in the plans: serve --parallel N's N sequences decoded together, each with a
-# KV cache of its own (and its logits between steps); runtime.load's `parallel`, carried by the load's ModelFiles
+# KV cache of its own (and its logits between steps); runtime.load's `parallel`, carried by the load's ModelFiles.
+# kv_options: how each KV cache is kept (kv_pages.KVOptions: types, Quest; None: the defaults), the load's too
 
 
 def sequence_extra_bytes(cfg: ModelConfig, contexts: int = 1) -> int:
@@ -159,29 +161,30 @@ def sequence_extra_bytes(cfg: ModelConfig, contexts: int = 1) -> int:
     return (contexts - 1) * 3 * cfg.vocab_size * 4
 
 
-def kv_minimum_bytes(cfg: ModelConfig, ctx: int, contexts: int = 1) -> int:
+def kv_minimum_bytes(cfg: ModelConfig, ctx: int, contexts: int = 1, kv_options=None) -> int:
     """The KV caches at their smallest: their fixed parts, every page on flash (kv_pages.fixed_bytes), one per
     context."""
-    return contexts * kv_pages.fixed_bytes(cfg, ctx, kv_pages.kv_options()) + sequence_extra_bytes(cfg, contexts)
+    o = kv_options or kv_pages.KVOptions()
+    return contexts * kv_pages.fixed_bytes(cfg, ctx, o) + sequence_extra_bytes(cfg, contexts)
 
 
-def kv_all_bytes(cfg: ModelConfig, ctx: int, contexts: int = 1) -> int:
+def kv_all_bytes(cfg: ModelConfig, ctx: int, contexts: int = 1, kv_options=None) -> int:
     """The KV caches with every page in DRAM, one per context."""
-    return contexts * kv_pages.all_bytes(cfg, ctx, kv_pages.kv_options()) + sequence_extra_bytes(cfg, contexts)
+    o = kv_options or kv_pages.KVOptions()
+    return contexts * kv_pages.all_bytes(cfg, ctx, o) + sequence_extra_bytes(cfg, contexts)
 
 
-def kv_share(cfg: ModelConfig, ctx: int, room: int, contexts: int = 1) -> tuple[int, int]:
+def kv_share(cfg: ModelConfig, ctx: int, room: int, contexts: int = 1, kv_options=None) -> tuple[int, int]:
     """(bytes, pages per layer in DRAM of each context's cache) of the KV caches given `room` bytes beyond their
     minimum: as many pages per layer as fit in every context, up to the context's."""
-    o = kv_pages.kv_options()
-    per_page = kv_pages.dram_page_bytes(cfg, o)
+    per_page = kv_pages.dram_page_bytes(cfg, kv_options or kv_pages.KVOptions())
     pages = min(kv_pages.n_pages(ctx), max(0, room) // (per_page * contexts))
-    return kv_minimum_bytes(cfg, ctx, contexts) + contexts * pages * per_page, pages
+    return kv_minimum_bytes(cfg, ctx, contexts, kv_options) + contexts * pages * per_page, pages
 
 
-def kv_note(ctx: int, dram_pages: int | None, contexts: int = 1) -> str:
+def kv_note(ctx: int, dram_pages: int | None, contexts: int = 1, kv_options=None) -> str:
     """The plan's kv line: the context, its pages in DRAM and on flash."""
-    o, pages = kv_pages.kv_options(), kv_pages.n_pages(ctx)
+    o, pages = kv_options or kv_pages.KVOptions(), kv_pages.n_pages(ctx)
     held = pages if dram_pages is None else dram_pages
     quest = f", Quest reads {o.quest_words}" if o.quest else ""
     return (f"{positions(ctx, contexts)}, {o.type_k}/{o.type_v}: {held} of {pages} pages per layer in DRAM, "
@@ -265,7 +268,7 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
                 hot_share: float = 0.5, resident_bytes: int | None = None, threads: int = 2,
                 gap_bytes: int | None = None, base_bytes: int = 0,
                 stream_chunk_bytes: int = 0, stream_depth: int = 1, requested: bool = True, lookahead: bool = False,
-                heap_slack_bytes: int = 0, gate: bool = False, contexts: int = 1) -> BudgetPlan:
+                heap_slack_bytes: int = 0, gate: bool = False, contexts: int = 1, kv_options=None) -> BudgetPlan:
     """Split `dram_budget_bytes` (see module docstring). config: ModelConfig or its dict; layout: FlashLayout.
 
     max_active: the cold neurons one token is expected to need per layer (modes.expected_max_active): sizes the
@@ -290,7 +293,7 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
     reserve = min(n_max, MIN_WINDOW_ROWS)
     row = stride + ROW_OVERHEAD_BYTES + 4 * window
     res = resident_bytes if resident_bytes is not None else resident_bytes_for(cfg)
-    kv = kv_minimum_bytes(cfg, ctx, contexts)
+    kv = kv_minimum_bytes(cfg, ctx, contexts, kv_options)
     buffers = (read_scratch_bytes(layout, gap_bytes) + threads * layout.d * 4 + n_max * 4
                + sum(layout.n_neurons) * (MAP_BYTES_PER_NEURON + layout.bundle_of[0].itemsize)
                + n_layers * MATRIX_SLACK_BYTES
@@ -304,8 +307,8 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
         raise BelowMinimum(dram_budget_bytes, minimum, f"process base {_mib(base_bytes)}, resident {_mib(res)}, kv "
                            f"{_mib(kv)} for {positions(ctx, contexts)}, buffers {_mib(buffers)}, window {reserve} "
                            f"rows x {n_layers} layers")
-    kv, kv_dram_pages = kv_share(cfg, ctx, dram_budget_bytes - minimum, contexts)
-    extra = dram_budget_bytes - minimum - (kv - kv_minimum_bytes(cfg, ctx, contexts))
+    kv, kv_dram_pages = kv_share(cfg, ctx, dram_budget_bytes - minimum, contexts, kv_options)
+    extra = dram_budget_bytes - minimum - (kv - kv_minimum_bytes(cfg, ctx, contexts, kv_options))
     win_extra_max = n_layers * max(0, min(n_max, max_active * window) - reserve) * row
     hot_row = stride + HOT_ROW_OVERHEAD_BYTES
     hot_max = sum(layout.n_neurons) * hot_row
@@ -323,7 +326,7 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
                       buffer_bytes=buffers, window_rows=rows, window_bytes=n_layers * rows * row, hot_bytes=hot,
                       minimum_bytes=minimum, n_layers=n_layers, stride=stride, ctx=ctx, window=window,
                       max_active=max_active, requested=requested, kv_dram_pages=kv_dram_pages,
-                      contexts=contexts)
+                      contexts=contexts, kv_options=kv_options)
 
 
 def plan_gate(config, layout, dram_budget_bytes: int, ctx: int, window: int, sparsity: float,
@@ -367,7 +370,7 @@ def plan_gate(config, layout, dram_budget_bytes: int, ctx: int, window: int, spa
 
 def plan_resident_ffn(config, layout, dram_budget_bytes: int, ctx: int, resident_bytes: int, ffn_bytes: int,
                       scratch_bytes: int, base_bytes: int = 0, heap_slack_bytes: int = 0,
-                      requested: bool = True, contexts: int = 1) -> BudgetPlan | None:
+                      requested: bool = True, contexts: int = 1, kv_options=None) -> BudgetPlan | None:
     """The plan of the in-RAM FFN (ffn.resident.ResidentFFN): every layer's weights in DRAM as on flash (ffn_bytes:
     modes.dense_ffn_bytes), plus the prompt's widened float32 blocks (scratch_bytes: gate, up, down of
     ffn.quant.QuantSparseFFN.dense) and the coefficients; None when that does not fit `dram_budget_bytes` (then the
@@ -376,14 +379,15 @@ def plan_resident_ffn(config, layout, dram_budget_bytes: int, ctx: int, resident
     n_max = max(layout.n_neurons)
     buffers = scratch_bytes + 2 * n_max * 4 + prefill_transient_bytes(cfg, ctx) + heap_slack_bytes
     ffn = ffn_bytes
-    kv = kv_all_bytes(cfg, ctx, contexts)       # every weight in DRAM: every KV page too
+    kv = kv_all_bytes(cfg, ctx, contexts, kv_options)       # every weight in DRAM: every KV page too
     need = base_bytes + resident_bytes + kv + buffers + ffn
     if need > dram_budget_bytes:
         return None
     return BudgetPlan(budget_bytes=dram_budget_bytes, base_bytes=base_bytes, resident_bytes=resident_bytes,
                       kv_bytes=kv, buffer_bytes=buffers, window_rows=0, window_bytes=0, hot_bytes=0,
                       minimum_bytes=need, n_layers=layout.n_layers, stride=layout.stride, ctx=ctx, window=0,
-                      max_active=n_max, requested=requested, ffn_bytes=ffn, contexts=contexts)
+                      max_active=n_max, requested=requested, ffn_bytes=ffn, contexts=contexts,
+                      kv_options=kv_options)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -762,6 +766,7 @@ class ExpertPlan:
     requested: bool = True
     kv_dram_pages: int | None = None    # of kv_share: KV pages per layer in DRAM (None: every page)
     contexts: int = 1           # the KV caches planned: one per sequence decoded together
+    kv_options: object = None   # how each is kept (kv_pages.KVOptions; None: the defaults)
 
     @property
     def experts_bytes(self) -> int:
@@ -774,7 +779,7 @@ class ExpertPlan:
     def table(self) -> str:
         rows = [("process base", self.base_bytes, "interpreter, libraries, tokenizer, kernels (measured)"),
                 ("resident dense", self.resident_bytes, "embeddings, attention, routers, shared experts, norms"),
-                ("kv cache", self.kv_bytes, kv_note(self.ctx, self.kv_dram_pages, self.contexts)),
+                ("kv cache", self.kv_bytes, kv_note(self.ctx, self.kv_dram_pages, self.contexts, self.kv_options)),
                 ("buffers", self.buffer_bytes, "prefill chunk, heap"),
                 ("experts", self.experts_bytes, f"{self.slots} of {self.n_experts} experts x {self.n_layers} layers "
                                                 f"({self.pinned} pinned per layer), {self.chunk / 2**20:.2f} MiB each"),
@@ -784,11 +789,12 @@ class ExpertPlan:
 
 
 def plan_experts(cfg: ModelConfig, experts, dram_budget_bytes: int | None, ctx: int, resident_bytes: int,
-                 base_bytes: int, pin: bool, requested: bool = True, contexts: int = 1) -> ExpertPlan:
+                 base_bytes: int, pin: bool, requested: bool = True, contexts: int = 1,
+                 kv_options=None) -> ExpertPlan:
     """Slots per layer for whole experts (experts: storage.experts.ExpertLayout) in what the budget leaves after the
     process base, the resident weights, the KV cache and a prompt chunk's temporaries; None: every expert. pin:
     calibration counts exist, so half the slots hold the most routed experts (at least MIN_EXPERT_SLOTS stay an LRU)."""
-    kv = kv_minimum_bytes(cfg, ctx, contexts)
+    kv = kv_minimum_bytes(cfg, ctx, contexts, kv_options)
     buffers = prefill_transient_bytes(cfg, ctx) + HEAP_SLACK_BYTES
     if experts.split:     # ffn.experts.gated, k experts at a time: their coefficients [rows, n] (up to a prompt
         # chunk's rows each) and their column reads' staging (packed rows: storage.reader)
@@ -799,14 +805,14 @@ def plan_experts(cfg: ModelConfig, experts, dram_budget_bytes: int | None, ctx: 
     per_slot = cfg.n_layers * (experts.chunk + (experts.n if experts.split else 0))
     minimum = fixed + MIN_EXPERT_SLOTS * per_slot
     E = cfg.n_experts
-    pages = kv_all_bytes(cfg, ctx, contexts) - kv       # every KV page in DRAM
+    pages = kv_all_bytes(cfg, ctx, contexts, kv_options) - kv       # every KV page in DRAM
     budget = fixed + pages + E * per_slot if dram_budget_bytes is None else dram_budget_bytes
     if budget < minimum:
         raise BelowMinimum(budget, minimum, f"a mixture of experts: {MIN_EXPERT_SLOTS} experts per layer of "
                            f"{_mib(experts.chunk)} each, resident {_mib(resident_bytes)}, kv {_mib(kv)} for "
                            f"{positions(ctx, contexts)}, process base {_mib(base_bytes)}")
-    kv, kv_dram_pages = kv_share(cfg, ctx, budget - minimum, contexts)     # KV pages first, as plan_budget
-    slots = min(E, (budget - fixed - (kv - kv_minimum_bytes(cfg, ctx, contexts))) // per_slot)
+    kv, kv_dram_pages = kv_share(cfg, ctx, budget - minimum, contexts, kv_options)     # KV pages first
+    slots = min(E, (budget - fixed - (kv - kv_minimum_bytes(cfg, ctx, contexts, kv_options))) // per_slot)
     pinned = min(slots // 2, slots - MIN_EXPERT_SLOTS) if pin and slots < E else (slots if slots == E else 0)
     return ExpertPlan(budget, base_bytes, resident_bytes, kv, buffers, slots, max(0, pinned), experts.chunk,
-                      cfg.n_layers, E, ctx, minimum, requested, kv_dram_pages, contexts)
+                      cfg.n_layers, E, ctx, minimum, requested, kv_dram_pages, contexts, kv_options)

@@ -101,22 +101,6 @@ def parse_kv_pages(text: str | None) -> dict:
     raise UserError(f"--kv-pages {text!r}: a number of pages >= 1, a share such as 25%, or all")
 
 
-_options = KVOptions()
-
-
-def set_kv_options(options: KVOptions) -> None:
-    """The KV options the plans of this load count with (as blocks.set_act8 sets act8): runtime.load's flags. A
-    directory is checked before it is kept, so a refused load leaves the process's options as they were."""
-    global _options
-    if options.directory is not None:
-        writable_directory(options.directory)
-    _options = options
-
-
-def kv_options() -> KVOptions:
-    return _options
-
-
 def writable_directory(path: str) -> None:
     """--kv-dir checked when the model loads, not when the first page goes to flash mid-answer."""
     if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):

@@ -60,11 +60,13 @@ AUTO = "auto"
 class Facts:
     """What the registry asks of a model before any file is opened for a run: its config, the layout of the FLASHDIR
     that backs the run (None: none does, a dense run of an HF directory or GGUF), its resident kinds, and the contexts
-    the run decodes together (serve --parallel: a KV cache each)."""
+    the run decodes together (serve --parallel: a KV cache each) and how each is kept (kv_pages.KVOptions; None: the
+    defaults)."""
     cfg: ModelConfig
     layout: object
     kinds: dict
     contexts: int = 1
+    kv_options: object = None
 
     @property
     def exact_gate(self) -> bool:
@@ -89,11 +91,13 @@ class ModelFiles:
     loading_peak_bytes: int = 0     # RSS while the kernels loaded, before LLVM's pages left it (the minimum's floor:
                                     # minimum_bytes; warmup.measure_base_bytes)
     contexts: int = 1               # sequences decoded together (runtime.load's parallel): a KV cache each
+    kv_options: object = None       # how each KV cache is kept (kv_pages.KVOptions, runtime.load's kv; None: defaults)
 
     @property
     def facts(self) -> Facts:
         layout = self.ckpt.layout if self.flash_backed else None
-        return Facts(self.ckpt.config, layout, self.ckpt.resident_kinds if self.flash_backed else {}, self.contexts)
+        return Facts(self.ckpt.config, layout, self.ckpt.resident_kinds if self.flash_backed else {}, self.contexts,
+                     self.kv_options)
 
     @property
     def trained(self) -> bool:
@@ -104,7 +108,8 @@ class ModelFiles:
         peak (what decide refuses below; the benches' minimum)."""
         c = self.ckpt
         return minimum_bytes(c.config, c.layout, c.resident_kinds, ffn, ctx, self.base_bytes or 0, window,
-                             HEAP_SLACK_BYTES if self.base_bytes else 0, self.loading_peak_bytes, self.contexts)
+                             HEAP_SLACK_BYTES if self.base_bytes else 0, self.loading_peak_bytes, self.contexts,
+                             self.kv_options)
 
 
 @dataclass(frozen=True)
@@ -176,7 +181,7 @@ def dense_ffn_bytes(layout) -> int:
 
 
 def plan_in_ram(cfg: ModelConfig, layout, kinds: dict, budget, ctx: int, base_bytes: int,
-                heap_slack_bytes: int | None = None, contexts: int = 1):
+                heap_slack_bytes: int | None = None, contexts: int = 1, kv_options=None):
     """The in-RAM FFN's plan (budget.plan_resident_ffn: every layer's weights as on flash, the prompt's widened
     blocks), or None when the whole model does not fit `budget` (a Budget, or what Budget.of takes). The heap's
     slack is counted with a process base (default)."""
@@ -184,7 +189,8 @@ def plan_in_ram(cfg: ModelConfig, layout, kinds: dict, budget, ctx: int, base_by
     heap = (HEAP_SLACK_BYTES if base_bytes else 0) if heap_slack_bytes is None else heap_slack_bytes
     return plan_resident_ffn(cfg, layout, 1 << 60 if budget.bytes is None else budget.bytes, ctx,
                              resident_bytes_of(cfg, layout, kinds), dense_ffn_bytes(layout), 3 * WIDEN_BLOCK_BYTES,
-                             base_bytes, heap_slack_bytes=heap, requested=budget.requested, contexts=contexts)
+                             base_bytes, heap_slack_bytes=heap, requested=budget.requested, contexts=contexts,
+                             kv_options=kv_options)
 
 
 def expected_max_active(cfg: ModelConfig, predictors) -> int:
@@ -266,7 +272,7 @@ class ExpertsMode(Mode):
             return None
         return plan_experts(facts.cfg, facts.layout.experts, None, ctx,
                             resident_bytes_of(facts.cfg, facts.layout, facts.kinds), base_bytes,
-                            pin=False, contexts=facts.contexts).minimum_bytes
+                            pin=False, contexts=facts.contexts, kv_options=facts.kv_options).minimum_bytes
 
     def decide(self, files, ffn, budget, ctx, window, lookahead, verbose):
         """Its experts read from flash through the expert cache, as many per layer as the budget holds (every one
@@ -285,7 +291,7 @@ class ExpertsMode(Mode):
         resident = os.path.getsize(ckpt.flashdir / ckpt.layout.files["resident"])
         plan = plan_experts(ckpt.config, ckpt.layout.experts, budget.bytes, ctx, resident, files.base_bytes,
                             pin=files.expert_freq is not None, requested=budget.bytes is not None,
-                            contexts=files.contexts)
+                            contexts=files.contexts, kv_options=files.kv_options)
         notes = (plan.table(),) if verbose or plan.requested else ()
         if gate:
             notes += (f"gate: inside each routed expert, sparsity {files.gate.sparsity:g}: only the down columns of "
@@ -322,7 +328,8 @@ class GateMode(Mode):
         return plan_gate(facts.cfg, facts.layout, 1 << 60, ctx, window, DEFAULT_SPARSITY, layers=0,
                          resident_bytes=resident_bytes_of(facts.cfg, facts.layout, facts.kinds, on_flash=True)
                          + head.minimum_bytes, base_bytes=base_bytes,
-                         **stream_args(facts.layout), heap_slack_bytes=heap, contexts=facts.contexts).minimum_bytes
+                         **stream_args(facts.layout), heap_slack_bytes=heap, contexts=facts.contexts,
+                         kv_options=facts.kv_options).minimum_bytes
 
     def decide(self, files, ffn, budget, ctx, window, lookahead, verbose):
         """Its plan (budget.plan_gate) at any budget, including none (every down row in DRAM: the same function),
@@ -345,7 +352,8 @@ class GateMode(Mode):
             return place_head(lambda b, held: plan_gate(
                 cfg, layout, b, ctx, window, files.gate.sparsity, resident_bytes=resident + held,
                 base_bytes=files.base_bytes, **stream_args(layout), requested=requested,
-                heap_slack_bytes=HEAP_SLACK_BYTES if files.base_bytes else 0, contexts=files.contexts), head,
+                heap_slack_bytes=HEAP_SLACK_BYTES if files.base_bytes else 0, contexts=files.contexts,
+                kv_options=files.kv_options), head,
                 budget_bytes)
         plan = plan_for(*budget.split(plan_for(1 << 60, False).used_bytes))
         notes = ()
@@ -392,21 +400,21 @@ class DenseMode(Mode):
     def fits(self, files, ffn, budget, ctx):
         return not self.conditional(files.facts, ffn) or \
             plan_in_ram(files.ckpt.config, files.ckpt.layout, files.ckpt.resident_kinds, budget, ctx,
-                        files.base_bytes, contexts=files.contexts) is not None
+                        files.base_bytes, contexts=files.contexts, kv_options=files.kv_options) is not None
 
     def minimum(self, facts, ffn, ctx, window, base_bytes, heap):
         """--ffn dense holds every weight with no plan; auto's in-RAM plan has a minimum."""
         if not self.conditional(facts, ffn):
             return None
         return plan_in_ram(facts.cfg, facts.layout, facts.kinds, None, ctx, base_bytes, heap,
-                           facts.contexts).minimum_bytes
+                           facts.contexts, facts.kv_options).minimum_bytes
 
     def decide(self, files, ffn, budget, ctx, window, lookahead, verbose):
         if self.conditional(files.facts, ffn):
             whose = "the default model" if files.default else \
                 f"{files.source} has {'trained' if files.trained else 'no trained'} predictors"
             plan = plan_in_ram(files.ckpt.config, files.ckpt.layout, files.ckpt.resident_kinds, budget, ctx,
-                               files.base_bytes, contexts=files.contexts)
+                               files.base_bytes, contexts=files.contexts, kv_options=files.kv_options)
             notes = (plan.table(),) if verbose or plan.requested else ()
             return Decision(self, plan, False, False, notes, ("the whole model fits in DRAM", whose))
         if budget.requested:
@@ -462,7 +470,7 @@ class PredictedMode(Mode):
                                                             self.dense_gate_up(), on_flash=True)
                            + head.minimum_bytes,
                            base_bytes=base_bytes, **stream_args(facts.layout), heap_slack_bytes=heap,
-                           contexts=facts.contexts).minimum_bytes
+                           contexts=facts.contexts, kv_options=facts.kv_options).minimum_bytes
 
     def check(self, files, ffn):
         if not files.trained and not files.default:
@@ -486,7 +494,8 @@ class PredictedMode(Mode):
                 cfg, layout, b, ctx, window, max_active=expected_max_active(cfg, files.predictors),
                 resident_bytes=resident + held, base_bytes=files.base_bytes, **stream_args(layout),
                 requested=requested, lookahead=lookahead,
-                heap_slack_bytes=HEAP_SLACK_BYTES if files.base_bytes else 0, contexts=files.contexts), head,
+                heap_slack_bytes=HEAP_SLACK_BYTES if files.base_bytes else 0, contexts=files.contexts,
+                kv_options=files.kv_options), head,
                 budget_bytes)
         whole = plan_for(1 << 60, False).used_bytes
         plan, notes = plan_for(*budget.split(whole)), ()
@@ -619,7 +628,7 @@ def below_loading_peak(budget_bytes: int, peak_bytes: int, base_bytes: int, esti
 
 def minimum_bytes(cfg: ModelConfig, layout, kinds: dict, ffn: str, ctx: int, base_bytes: int,
                   window: int = 5, heap_slack_bytes: int = HEAP_SLACK_BYTES, loading_peak_bytes: int = 0,
-                  contexts: int = 1) -> int:
+                  contexts: int = 1, kv_options=None) -> int:
     """The smallest --dram-budget a run of --ffn `ffn` may be planned with (--lookahead off), on the layout its
     FLASHDIR has (or conversion will make): the smallest of the minimums of the modes it may run (reach), with the
     process base `base_bytes` and the heap's slack (a run plans with HEAP_SLACK_BYTES; one that plans the model's
@@ -628,7 +637,7 @@ def minimum_bytes(cfg: ModelConfig, layout, kinds: dict, ffn: str, ctx: int, bas
     more). At least `loading_peak_bytes`: the most the process held while loading (warmup.measure_base_bytes' peak),
     which decide refuses a budget under too: a small model's plan can be below it (its weights less than the LLVM
     pages dropped once the kernels are loaded), and would promise a peak the process has already passed."""
-    facts = Facts(cfg, layout, kinds, contexts)
+    facts = Facts(cfg, layout, kinds, contexts, kv_options)
     found = [m.minimum(facts, ffn, ctx, window, base_bytes, heap_slack_bytes) for m in reach(facts, ffn)]
     found = [b for b in found if b is not None]
     return max(min(found), loading_peak_bytes) if found else 0

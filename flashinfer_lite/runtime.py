@@ -1,8 +1,10 @@
 """Loading a model to run, one pipeline: --dram-budget resolved once (budget.Budget) -> the model's facts
-(open_model_files: a budget below the model's minimum refused in the first second, then the default model's fetch,
-conversion into the cache, the kernels' warm-up and the process base) -> decide (modes.decide: the FFN mode and its
-DRAM plan) -> prepare (first-use training of the default model's predictors, calibration of the exact gate's
-thresholds; then decide again) -> build (the mode's). load() is the library's entry (flashinfer_lite.load), which
+(open_model_files: a budget below the model's minimum refused in the first second, then the model's files as a first
+use left them (located), the kernels' warm-up and the process base) -> decide (modes.decide: the FFN mode and its
+DRAM plan) -> build (the mode's). Prepare is what a first use lacks, done where its absence is found, once: the
+default model's fetch and the conversion into the cache (prepare_files), the kernels compiled in child processes
+(open_model_files, before the tokenizer), the default model's predictors trained and the exact gate's thresholds
+calibrated (decide_and_build, which then decides again). load() is the library's entry (flashinfer_lite.load), which
 generate, chat, serve and eval call; load_runtime() is the same pipeline for a given path, without first-use
 training; calibrate_gate builds its uncalibrated model through it too.
 """
@@ -35,7 +37,7 @@ from .budget import HEAP_SLACK_BYTES, BelowMinimum, Budget, positions, resident_
 from .default_model import default_model_path, ensure_default_model
 from .ffn.gate import (CALIBRATION_CTX, CALIBRATION_TOKENS, LayerMagnitudes, calibration_seconds,
                        measure_thresholds)
-from .kv_pages import KVOptions, kv_options, set_kv_options, writable_directory
+from .kv_pages import KVOptions, writable_directory
 from .model import Transformer, open_any
 from .modes import (Facts, GateMode, ModelFiles, check_mode, decide, dense_bytes_of, kernels_for,
                     floor_refusal, minimum_bytes, needs_predictors, plans, reach, runs_from_flash)
@@ -66,12 +68,7 @@ def model_facts(source: str | None, cached: bool = True) -> tuple[ModelConfig, F
     source None: the default model, from default_model's record of its header while the file is not fetched yet."""
     if source is None:
         if not default_model_path().is_file():
-            cfg = ModelConfig(**default_model.CONFIG)
-            layout = FlashLayout.create(cfg.dim, [cfg.ffn_dim] * cfg.n_layers, default_model.FFN_DTYPES[0], cfg.glu,
-                                        layer_dtypes=[default_model.FFN_DTYPES] * cfg.n_layers, config=cfg.to_dict())
-            kinds = {n: default_model.EMBED_KIND if n == "embed.weight" else default_model.ATTENTION_KIND
-                     for n in resident_matrix_shapes(cfg)}
-            return cfg, layout, kinds
+            return default_model_facts()
         source = str(default_model_path())
     path = Path(source).expanduser().resolve()
     made = source if is_flashdir(source) or not (cached and path.exists()) else \
@@ -85,24 +82,35 @@ def model_facts(source: str | None, cached: bool = True) -> tuple[ModelConfig, F
                                                layout.dtype if layout.quantized else None)
 
 
+def default_model_facts() -> tuple[ModelConfig, FlashLayout, dict]:
+    """model_facts of the default model before its first use fetches it: default_model's record of its header."""
+    cfg = ModelConfig(**default_model.CONFIG)
+    layout = FlashLayout.create(cfg.dim, [cfg.ffn_dim] * cfg.n_layers, default_model.FFN_DTYPES[0], cfg.glu,
+                                layer_dtypes=[default_model.FFN_DTYPES] * cfg.n_layers, config=cfg.to_dict())
+    kinds = {n: default_model.EMBED_KIND if n == "embed.weight" else default_model.ATTENTION_KIND
+             for n in resident_matrix_shapes(cfg)}
+    return cfg, layout, kinds
+
+
 # What the early refusal leaves below its estimate: the process base of two runs differs by well under this
 EARLY_SLACK_BYTES = 2 << 20
 
 
 def refuse_below_minimum(source: str | None, ffn: str, dram_budget: int, ctx: int,
-                         base_bytes: int | None = None, contexts: int = 1) -> None:
+                         base_bytes: int | None = None, contexts: int = 1, kv_options=None) -> None:
     """Raise BelowMinimum when `dram_budget` (bytes) is below what a run of --ffn `ffn` of the model (source None:
     the default model) needs, in the first second: before fetch, conversion, kernel compilation or training spend
     minutes. The model's part is the planner's own (modes.minimum_bytes, on model_facts); the process base is the
     caller's when it fixes one, else warmup.base_estimate_bytes' (exact within EARLY_SLACK_BYTES once this
-    installation has run the model). contexts: the sequences decoded together (a KV cache each)."""
+    installation has run the model). contexts: the sequences decoded together (a KV cache each, kept as kv_options
+    says: kv_pages.KVOptions)."""
     cfg, layout, kinds = model_facts(source)
     ctx = context_size(ctx, cfg)
     base = base_estimate_bytes(layout, cfg.vocab_size) if base_bytes is None else base_bytes
     peak = base + loading_excess_bytes(layout) if base_bytes is None else 0     # the loading's, as last measured
     # the heap's slack as the plan will count it: none when the caller plans the model's part alone (base 0)
     minimum = minimum_bytes(cfg, layout, kinds, ffn, ctx, base, heap_slack_bytes=HEAP_SLACK_BYTES if base else 0,
-                            contexts=contexts)      # the plan's: the loading's peak is floor_refusal's
+                            contexts=contexts, kv_options=kv_options)   # the plan's: the peak is floor_refusal's
     if not minimum:             # no mode --ffn may run plans one: decide refuses it by name
         return
     refusal = None if dram_budget >= minimum - EARLY_SLACK_BYTES else BelowMinimum(
@@ -116,7 +124,7 @@ def refuse_below_minimum(source: str | None, ffn: str, dram_budget: int, ctx: in
 
 def open_model_files(model, ffn: str, verify: bool = True, progress: bool = False,
                      base_bytes: int | None = None, ctx: int = 0, sparsity: float = DEFAULT_SPARSITY,
-                     dram_budget=None, contexts: int = 1) -> ModelFiles:
+                     dram_budget=None, contexts: int = 1, kv_options: KVOptions | None = None) -> ModelFiles:
     """The facts decide() needs. A FLASHDIR backs every mode but dense of an HF directory or GGUF, and auto of one
     that needs no predictors to run from flash when it has to (modes.runs_from_flash); any other runs dense. Such a
     model is converted into the cache on first use, and a launch checks sizes and the verified stamp, not every byte.
@@ -125,7 +133,8 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
     modes.kernels_for), unless base_bytes is given. dram_budget: a Budget (or
     what Budget.of takes); a size under the model's minimum is refused before any of that work, the default model's
     fetch included (refuse_below_minimum), for the modes that plan it (dense holds every weight, with no plan).
-    contexts: the sequences the run decodes together (load's parallel), each with a KV cache the plans count."""
+    contexts: the sequences the run decodes together (load's parallel), each with a KV cache the plans count, kept as
+    kv_options says (load's kv; None: the defaults)."""
     check_mode(ffn)
     again = bool(RSS_MARKS) and RSS_MARKS[-1][0] != "numba"       # a load before this one in this process
     RSS_MARKS[:] = [] if again else RSS_MARKS                       # this one's parts start anew
@@ -140,27 +149,30 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
     flash_backed = (not default and is_flashdir(model)) or runs_from_flash(ffn, None if default else str(model),
                                                                            budget, open_source)
     if budget.requested and flash_backed and plans(ffn):
-        refuse_below_minimum(None if default else str(model), ffn, budget.bytes, ctx, base_bytes, contexts)
-    source = str(ensure_default_model()) if default else str(model)
+        refuse_below_minimum(None if default else str(model), ffn, budget.bytes, ctx, base_bytes, contexts,
+                             kv_options)
+    source, path = located(model, flash_backed) or prepare_files(model, ffn, flash_backed, progress)
     keep_freed_arrays_out_of_rss()  # in a dense run too: a short prompt touches a page of each layer's KV, not 2 MiB
     if not flash_backed or not plans(ffn):     # every weight in DRAM, as stored: no plan, no predictors
         if flash_backed and verify:   # the resident file and the manifest are checked, not only each layer
             verify_at_load(source, progress=progress)
         ckpt = open_source(source)
         files = ModelFiles(source, source, default, flash_backed, ckpt, open_tokenizer(ckpt), None, None,
-                           dense_bytes_of(source, ckpt.config), contexts=contexts)
+                           dense_bytes_of(source, ckpt.config), contexts=contexts, kv_options=kv_options)
         if not flash_backed:    # a source's matrices, as stored: its kernels load before them (DenseMode.build)
             base, files.loading_peak_bytes = measure_dense_base_bytes(ckpt, start_peak)
             files.base_bytes = base if base_bytes is None else base_bytes
         return files
-    path = flashdir_for(source, progress, then=lambda cfg, layout: calibration_next(cfg, layout, ffn))
     if verify:
         verify_at_load(path, progress=progress)
     ckpt = FlashCheckpoint(path)
-    if base_bytes is None and not compiled_stamp(ckpt.layout).exists():    # a first use: the compilers run beside
-        compile_in_child(ckpt.layout)   # this process before it holds its tokenizer (Qwen2.5's: 49 MiB)
+    # the one place a load compiles (measure_base_bytes only loads): on a first use of these kernels, the compilers
+    # run beside this process before it holds its tokenizer (Qwen2.5's: 49 MiB)
+    if base_bytes is None and not compiled_stamp(ckpt.layout).exists():
+        compile_in_child(ckpt.layout)
     files = ModelFiles(source, str(path), default, True, ckpt, open_tokenizer(ckpt), None, None,
-                       expert_freq=load_expert_freq(path) if ckpt.config.moe else None, contexts=contexts)
+                       expert_freq=load_expert_freq(path) if ckpt.config.moe else None, contexts=contexts,
+                       kv_options=kv_options)
     if needs_predictors(files.facts, ffn):      # in the base only when a mode --ffn may run asks them
         files.predictors = load_predictors(path)
         mark_rss("predictors")
@@ -172,6 +184,34 @@ def open_model_files(model, ffn: str, verify: bool = True, progress: bool = Fals
     if not ckpt.config.moe or ckpt.layout.experts.split:    # split expert chunks run the exact gate too
         files.gate = read_gate_file(path, ckpt.config.n_layers, ckpt.config.ffn_dim, sparsity)
     return files
+
+
+def located(model, flash_backed: bool) -> tuple[str, str] | None:
+    """(source, path) of a model whose first use is done, as a warm load finds them (its header read, no weight): the
+    source (-m, or the default model's file) and the FLASHDIR that backs the run (itself, or the source's conversion
+    in the cache, found by the content digest the cache remembers with the files' sizes, mtimes and inodes), or the
+    source when none does. None: a first use's work comes first (prepare_files). The default model's file is vouched
+    for by that digest as well: its sha256 was checked before it was converted, and a file changed since is a first
+    use's work again."""
+    if model is None and not flash_backed:      # a dense run of the default model's file: its stamp checked first
+        return None
+    source = str(default_model_path()) if model is None else str(model)
+    if not Path(source).expanduser().exists():
+        return None
+    if not flash_backed or is_flashdir(source):
+        return source, source
+    made = cached_conversion(Path(source).expanduser().resolve(), known_only=True)
+    return (source, str(made)) if made is not None and is_flashdir(made) else None
+
+
+def prepare_files(model, ffn: str, flash_backed: bool, progress: bool) -> tuple[str, str]:
+    """A model's first use, before its files are opened: the default model's file fetched and checked by its sha256
+    (default_model.ensure_default_model), a source converted into the cache (cache.flashdir_for, announced by its
+    line); (source, path) as located finds them from then on."""
+    source = str(ensure_default_model()) if model is None else str(model)
+    if not flash_backed:
+        return source, source
+    return source, flashdir_for(source, progress, then=lambda cfg, layout: calibration_next(cfg, layout, ffn))
 
 
 def open_tokenizer(ckpt):
@@ -234,9 +274,9 @@ def decide_and_build(files: ModelFiles, ffn: str, budget: Budget, ctx: int, wind
 
 
 def run_kv_options(files: ModelFiles, decision) -> KVOptions:
-    """The load's KV options (set_kv_options) with the plan's pages in DRAM (none planned: every page), and the file
+    """The load's KV options (files.kv_options) with the plan's pages in DRAM (none planned: every page), and the file
     of pages on flash next to the model's flash files unless --kv-dir says where (a model run from DRAM: the cache)."""
-    o = kv_options()
+    o = files.kv_options or KVOptions()
     pages = getattr(decision.plan, "kv_dram_pages", None)
     if o.directory is not None:
         writable_directory(o.directory)
@@ -261,12 +301,21 @@ def load_runtime(path, ffn: str = "dense", dram_budget: int | str | None = None,
     cost more than the early start hides (bench/README.md).
     """
     one_blas_thread()
-    set_kv_options(kv or KVOptions())
+    kv = kv_options_of(kv)
     budget = Budget.of(dram_budget)
-    files = open_model_files(path, ffn, verify, progress, base_bytes, ctx or 0, sparsity, budget)
+    files = open_model_files(path, ffn, verify, progress, base_bytes, ctx or 0, sparsity, budget, kv_options=kv)
     _, transformer, flash_ffn = decide_and_build(files, ffn, budget, ctx, window, lookahead, threads, progress,
                                                  verbose, sparsity, train=False)
     return transformer, files.tokenizer, flash_ffn
+
+
+def kv_options_of(kv: KVOptions | None) -> KVOptions:
+    """A load's KV options (default: KVOptions()), carried by its files to its plans and its caches; --kv-dir checked
+    when the model loads, not when the first page goes to flash mid-answer."""
+    kv = kv or KVOptions()
+    if kv.directory is not None:
+        writable_directory(kv.directory)
+    return kv
 
 
 @dataclass
@@ -299,11 +348,11 @@ def load(path: str | None = None, dram_budget: int | str | None = "auto", ffn: s
     one_blas_thread()
     set_threads(threads)
     set_act8(act8)
-    set_kv_options(kv or KVOptions())
+    kv = kv_options_of(kv)
     budget = Budget.of(dram_budget)
     progress = sys.stderr.isatty()
     files = open_model_files(path, ffn, progress=progress, ctx=ctx, sparsity=sparsity, dram_budget=budget,
-                             contexts=max(1, int(parallel)))
+                             contexts=max(1, int(parallel)), kv_options=kv)
     ctx = context_size(ctx, files.ckpt.config)
     decision, transformer, flash_ffn = decide_and_build(files, ffn, budget, ctx, lookahead=lookahead,
                                                         threads=threads, progress=progress, verbose=verbose,

@@ -239,9 +239,10 @@ def measure_base_bytes(layout, kernels=None, start_peak: int | None = None) -> t
     kernels: compile_steps), measured in this process just before the weights load.
 
     Measured rather than a constant because it differs by platform, library versions and tokenizer (SmolLM2's takes
-    16 MiB, Qwen2.5's 50, stories260K's 3). The kernels are compiled in a child process first (compile_in_child), so
-    this process only loads their machine code from Numba's on-disk cache: compiling would leave ~80 MiB of the
-    compiler's memory in this process (and in its peak) on a first run, and not on the next. Then the heap's free
+    16 MiB, Qwen2.5's 50, stories260K's 3). The load compiles the kernels in child processes first (compile_in_child,
+    when compiled_stamp is missing: runtime.open_model_files, before the tokenizer), so this process only loads their
+    machine code from Numba's on-disk cache: compiling would leave ~80 MiB of the compiler's memory in this process
+    (and in its peak) on a first run, and not on the next; without the stamp they compile here, a larger base. Then the heap's free
     pages go back to the system and the LLVM library's pages leave the resident set (drop_llvm_pages: 48 MiB). In a
     process that already holds other things (a test run, a notebook) they count too: the budget is the process's.
     Each step is noted (process.mark_rss) for the parts -v prints (base_parts).
@@ -252,8 +253,6 @@ def measure_base_bytes(layout, kernels=None, start_peak: int | None = None) -> t
     What loading the kernels added, what the line added to the RSS of the early refusal (base_estimate_bytes) and how
     far the loading's peak went over the base are kept in the compile stamp for the next run's estimate.
     """
-    if not compiled_stamp(layout).exists():
-        compile_in_child(layout)
     loaded, before = compiled_stamp(layout).exists(), rss_bytes()
     for i, step in enumerate(compile_steps(layout, kernels)):
         step()
@@ -474,7 +473,9 @@ def drop_stale_kernels(modules=None) -> bool:
     they may have inlined (kernel_sources) changed since the cache was filled, and the compile stamps that vouched for
     them: Numba would load a kernel whose own file did not change with the code it inlined from a file that did (or
     that moved: ModuleNotFoundError). A stamp named by a hash of those sources' bytes, in the first kernel's cache
-    directory, says the cache is theirs. Best effort (a read-only cache stays as it is). True when it removed any."""
+    directory, says the cache is theirs. Their bytes are read only when their sizes or mtimes changed since a stamp
+    named by those (as Numba's own index keys a kernel's file) was left: every import checks, so every launch would
+    hash them. Best effort (a read-only cache stays as it is). True when it removed any."""
     import hashlib
     if modules is None:
         modules = [m for n, m in list(sys.modules.items())
@@ -482,11 +483,16 @@ def drop_stale_kernels(modules=None) -> bool:
     dirs, sources = kernel_sources(modules)
     if not dirs:
         return False
+    stats = repr([(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in sources]).encode()
+    seen = min(dirs) / f"flashinfer-lite-sources-stat-{hashlib.sha256(stats).hexdigest()[:16]}.stamp"
+    if seen.exists():
+        return False
     digest = hashlib.sha256()
     for f in sources:
         digest.update(f.name.encode() + b"\0" + f.read_bytes())
     stamp = min(dirs) / f"flashinfer-lite-sources-{digest.hexdigest()[:16]}.stamp"
-    if stamp.exists():
+    if stamp.exists():          # the same bytes, touched or copied: the cache is still theirs
+        write_best_effort(seen, "")
         return False
     removed = False
     for d in dirs:      # a kernel cache directory holds only its source directory's kernels: all of them go
@@ -497,6 +503,7 @@ def drop_stale_kernels(modules=None) -> bool:
             except OSError:
                 pass
     write_best_effort(stamp, "")
+    write_best_effort(seen, "")
     return removed
 
 

@@ -15,13 +15,11 @@ import argparse
 import sys
 
 from flashinfer_lite.ffn.gate import CALIBRATION_CTX, CALIBRATION_TOKENS
-from flashinfer_lite.kv_pages import KVOptions, set_kv_options
 from flashinfer_lite.runtime import calibrate_gate, open_model_files
 from storage.errors import child_exit_code
 
 
 def calibrate(flashdir: str, n_tokens: int = CALIBRATION_TOKENS, progress: bool = True) -> None:
-    set_kv_options(KVOptions())         # an entry point, as load(): not the options a load before it in the process set
     calibrate_gate(open_model_files(flashdir, "gate", verify=False, base_bytes=0), None, n_tokens, progress)
 
 

@@ -203,3 +203,25 @@ def test_first_use_announces_what_it_writes_what_follows_and_how_long(model_and_
     assert written <= float(m.group(1)) * 1e6 + 0.05e6, (written, lines[0])
     r = run("generate", "-m", str(src), "-p", "Once", "-n", "2", "--ffn", "gate")
     assert r.returncode == 0 and "converting" not in r.stderr and "calibrating" not in r.stderr, r.stderr
+
+
+def test_a_warm_load_finds_the_default_models_files_without_its_first_use_steps(model_and_cache, monkeypatch):
+    """runtime.located: once a first use fetched and converted the default model (here stories260K), a load finds
+    its file and the conversion from the digest the cache remembers with the files' sizes, mtimes and inodes: no
+    fetch or sha256 check (runtime.prepare_files); a file touched since is a first use's work again, which finds
+    the same conversion (its content did not change)."""
+    from flashinfer_lite import runtime
+    src, _ = model_and_cache
+    prepared = []
+    monkeypatch.setattr(runtime, "default_model_path", lambda: src)
+    monkeypatch.setattr(runtime, "ensure_default_model", lambda quiet=False: prepared.append(src) or src)
+    assert runtime.located(None, True) is None                      # nothing converted yet: a first use
+    source, path = runtime.prepare_files(None, "dense", True, progress=False)
+    assert prepared == [src] and source == str(src) and cache.is_flashdir(path)
+    assert runtime.located(None, True) == (str(src), path)          # warm: nothing fetched, checked or converted
+    assert prepared == [src] and runtime.located(None, False) is None   # a dense run of its file: its stamp checked
+    config = src / "config.json"
+    st = config.stat()
+    os.utime(config, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert runtime.located(None, True) is None                      # touched: the digest no longer vouches for it
+    assert runtime.prepare_files(None, "dense", True, progress=False) == (str(src), path)

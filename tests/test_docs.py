@@ -115,7 +115,10 @@ WALKS = {
         "storage.errors": "UserError is only raised: a failure ends the walk with one line",
         "flashinfer_lite.threads": "numba_threads: the thread count the down sum's tasks are sized by, a setting read",
     }),
-    "## Walk: `load()` to the first token": Walk(13, skip={
+    "## Walk: `load()` to the first token": Walk(8, skip={
+        "prepare_files": "a model's first use: the default model's fetch and sha256 check, the conversion into the "
+                         "cache (a warm load finds both done: runtime.located)",
+        "default_model_facts": "the default model's facts before its first use fetches it (its recorded header)",
         "convert_in_child": "a model's first use: its conversion into the cache",
         "first_use_line": "a model's first use: the line announcing its conversion",
         **dict.fromkeys(["layout_for", "resident_names", "resident_kinds"],
@@ -136,6 +139,13 @@ WALKS = {
                          "storage.predictor_files", "storage.files", "storage.profile"],
                         "storage's readers beneath the walk's stops: model files and the device profile, parsed and "
                         "checked"),
+        **dict.fromkeys(["storage.tokenizer", "storage.gate_file"],
+                        "storage's readers beneath the walk's stops: tokenizer.json (through format.py's "
+                        "FlashCheckpoint.tokenizer) and gate.json, parsed and checked"),
+        "flashinfer_lite.default_model": "default_model_path: where the default model's file is kept; its fetch and "
+                                         "sha256 check are a first use's (runtime.prepare_files)",
+        "flashinfer_lite.process": "the RSS probes (/proc) warmup.py's stop measures the process base with",
+        "flashinfer_lite.threads": "Numba's thread count: a setting applied, as in the walk above",
         "storage.errors": "UserError is only raised: a failure ends the walk with one line",
     }),
 }

@@ -387,6 +387,31 @@ def test_a_kernel_cache_is_dropped_when_code_it_inlined_moves(tmp_path):
     assert run("drop").stdout == "3\n"
 
 
+def test_the_stale_check_hashes_the_sources_only_when_their_sizes_or_mtimes_change(tmp_path, monkeypatch):
+    """drop_stale_kernels runs at every import: with its sources as they were (same sizes and mtimes) it reads none of
+    their bytes and keeps the cache; once one changes, it hashes them and still drops the cache."""
+    import importlib
+    from flashinfer_lite.warmup import drop_stale_kernels
+    (tmp_path / "kernel_st.py").write_text(STALE_KERNEL.replace("helper", "helper_st"))
+    (tmp_path / "helper_st.py").write_text("from numba import njit\n\n\n@njit\ndef bump(x):\n    return x + 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    kernel = importlib.import_module("kernel_st")
+    cache = Path(kernel.run._cache.cache_path)
+    cache.mkdir(parents=True, exist_ok=True)
+    drop_stale_kernels([kernel])                # the sources stamped
+    cached = cache / "kernel_st.run-6.py312.nbi"
+    cached.write_bytes(b"")                     # a kernel Numba cached since
+
+    def no_read(self):
+        raise AssertionError(f"read {self}")
+    with monkeypatch.context() as m:
+        m.setattr(Path, "read_bytes", no_read)
+        assert drop_stale_kernels([kernel]) is False
+    assert cached.exists()
+    (tmp_path / "helper_st.py").write_text("from numba import njit\n\n\n@njit\ndef bump(x):\n    return x + 20\n")
+    assert drop_stale_kernels([kernel]) is True and not cached.exists()
+
+
 def test_every_kernel_module_is_in_the_stale_check():
     """drop_stale_kernels' default covers every module of the project that defines a cached kernel at import (the
     io_uring watcher's is compiled on demand and inlines nothing of the project), and the storage constants they

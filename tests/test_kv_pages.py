@@ -270,14 +270,21 @@ def test_a_run_at_its_minimum_budget_puts_the_kv_on_flash_and_decodes_the_same_t
         load_runtime(gguf, "auto", ctx=256, base_bytes=0, kv=KVOptions(directory=str(tmp_path / "missing")))
 
 
-def test_a_refused_kv_dir_leaves_the_process_options_as_they_were(tmp_path):
-    """A load refused for its --kv-dir once left that directory as the process's KV options, and every later load
-    in the process (a calibration's, a test's) was refused for it."""
-    from flashinfer_lite.kv_pages import kv_options, set_kv_options
-    before = kv_options()
-    with pytest.raises(UserError, match="--kv-dir .*: not a directory"):
-        set_kv_options(KVOptions(directory=str(tmp_path / "missing")))
-    assert kv_options() is before
+def test_two_loads_in_one_process_plan_and_keep_their_own_kv_options():
+    """The KV options are the load's, carried by its files to its plan and its caches: a load after another with
+    other options changes nothing of the first (a process-wide setting once did: the first load's plan then said,
+    and its minimum counted, the second's options)."""
+    from flashinfer_lite.runtime import load_runtime
+    gguf = str(DATA / "gguf" / "qwen2-q8_0.gguf")
+    quest = KVOptions(quest_pages=2)
+    q, _, q_ffn = load_runtime(gguf, "auto", ctx=256, base_bytes=0, dram_budget=1 << 40, kv=quest)
+    exact, _, exact_ffn = load_runtime(gguf, "auto", ctx=256, base_bytes=0, dram_budget=1 << 40)
+    assert (q.new_cache(256).options.quest_pages, exact.new_cache(256).options.quest_pages) == (2, 0)
+    assert "Quest reads" in q_ffn.plan.table() and "Quest" not in exact_ffn.plan.table()
+    # every page in DRAM in both: the plans' KV shares differ by kv_pages' bytes of their own options (Quest's bounds)
+    assert q_ffn.plan.kv_bytes - exact_ffn.plan.kv_bytes == \
+        kv_pages.all_bytes(q.cfg, 256, quest) - kv_pages.all_bytes(q.cfg, 256, KVOptions()) > 0
+    assert q_ffn.plan.minimum_bytes > exact_ffn.plan.minimum_bytes
 
 
 def test_the_cli_refuses_bad_kv_flags_in_one_line():

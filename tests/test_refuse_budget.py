@@ -269,14 +269,16 @@ def test_the_floor_refusal_names_the_higher_of_the_plan_and_the_loading_peak():
 def test_a_first_use_compiles_before_the_tokenizer_is_built(tmp_path, monkeypatch):
     """A first use's compile children run beside a process that holds no tokenizer yet (Qwen2.5's: 49 MiB of the
     342 MiB memory cgroup its -c 32768 runs in), not beside the whole process base (it used to compile from
-    measure_base_bytes, after the tokenizer and the predictors)."""
+    measure_base_bytes, after the tokenizer and the predictors), and once: the load's one compile check is there
+    (measure_base_bytes, which checked again, only loads them)."""
     import flashinfer_lite.runtime as runtime
+    from flashinfer_lite import warmup
     from flashinfer_lite.process import RSS_MARKS
     flash = convert(STORIES, tmp_path / "flash", progress=False)
     held = []           # the parts this process held at each compile
-    monkeypatch.setattr(runtime, "compiled_stamp", lambda layout: tmp_path / "never-compiled.stamp")
-    monkeypatch.setattr(runtime, "compile_in_child", lambda layout: held.append([w for w, _ in RSS_MARKS]))
-    monkeypatch.setattr(runtime, "measure_base_bytes", lambda layout, kernels, start_peak: (64 << 20, 64 << 20))
+    for module in (runtime, warmup):
+        monkeypatch.setattr(module, "compiled_stamp", lambda layout: tmp_path / "never-compiled.stamp")
+        monkeypatch.setattr(module, "compile_in_child", lambda layout: held.append([w for w, _ in RSS_MARKS]))
     runtime.open_model_files(flash, "auto", ctx=64)
     assert len(held) == 1 and not any(w.startswith("tokenizer") for w in held[0]), held
 
