@@ -372,15 +372,16 @@ def row_axpy(typingctx, y, c, r, kind):
 # 8-bit activations (llama.cpp's dot products, for the 32-weight block kinds). x is rounded once per GEMV into
 # blocks of 32 int8 as ggml's x86 CPU backend rounds it (quantize_row_q8_0 / q8_1): the scale max|x| / 127 kept as
 # float16, the values rint(x * (127 / max|x|)), ties to even. A weight block's dot product with such a block is then
-# an exact integer, computed as 8 lanes of 4 products each (one vpdpbusd where the host has AVX512-VNNI), and only
-# the 8 lanes' float sums depend on rounding: their order is fixed here, so the bits do not depend on the host's
-# instructions, the thread count or the call site. K-quant rows keep the float32 dot product (row_dot).
+# an exact integer (8 lanes of 4 products each, one vpdpbusd where the host has AVX512-VNNI, summed), and only the
+# float32 operations on each block's integer depend on rounding: their order is fixed here (row_dot8), so the bits do
+# not depend on the host's instructions, the thread count or the call site (a prompt's tiles or a decode row).
 
 INT8_KINDS = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)   # x in blocks of 32 (q8_0 / q8_1): codes 0 .. Q5_1 (act_dot)
 K_KINDS = (Q4_K, Q5_K, Q6_K)                  # x in blocks of 256 (q8_K): codes Q4_K .. (act_dot)
 assert INT8_KINDS == tuple(range(Q5_1 + 1)) and K_KINDS == tuple(range(Q4_K, Q6_K + 1))
 SUPER = 256                                   # weights of a K-quant block (and of a q8_K block of x)
 LANES = 8                                     # int32 lanes per 32-weight block: 4 products each
+GROUP = LANES                                 # blocks whose integer lanes one transpose sums (_row_sums)
 # unsigned weight values u = q + offset (q8_0: q + 128; q4_0: the nibble, q = u - 8; q5_0: u - 16): the products are
 # u8 x s8 (vpdpbusd's), and offset * (x's lane sums) is taken off in integers
 _OFFSET_SHIFT = {Q8_0: 7, Q4_0: 3, Q5_0: 4}
@@ -579,62 +580,103 @@ def _packed_values(builder, kind, ptr, at):
     return u
 
 
+def _group_terms(builder, sums, d):
+    """<8 x float>: lane j float(sums[j]) * d[j], block j of a group's term (float32, as for one block alone)."""
+    return builder.fmul(builder.sitofp(sums, d.type), d, flags=_KEEP)
+
+
+def _add_in_order(builder, slot, v, count=LANES):
+    """slot += v's lanes 0 .. count - 1, one after another (a row's blocks in their order: the one-block bits)."""
+    acc = builder.load(slot)
+    for j in range(count):
+        acc = builder.fadd(acc, builder.extract_element(v, ir.Constant(_I32, j)), flags=_KEEP)
+    builder.store(acc, slot)
+
+
+def _slot(builder, arr, j):
+    return builder.gep(arr, [j])
+
+
 def _dot8_rows(context, builder, r, xq, xd, xs, xl, kind, n, rows):
     """The float32 results of row_dot8 of row r with each of `rows` rows of x (row i's values at xq[rows[i] * n],
     its scales at xd[rows[i] * n // 32], ...; n: x's length): each weight block decoded once for all of them, each
-    row summed by exactly the operations row_dot8 performs alone (its own two chains, in its own order), so a row's
-    bits do not depend on how many rows share the call."""
-    vf = ir.VectorType(_F32, LANES)
-    zero = ir.Constant(vf, [ir.Constant(_F32, 0.0)] * LANES)
-    R = len(rows)
-    accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(2)] for _ in range(R)]  # even, odd blocks
-    mins = [[cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(2)] for _ in range(R)]
+    row summed by exactly the operations row_dot8 performs alone, so a row's bits do not depend on how many rows
+    share the call. A block's 8 integer lanes wait in a slot of a group of GROUP blocks; a whole group's lanes are
+    summed by one transpose (_row_sums: block j's integer in lane j) and multiplied by their scales lane by lane,
+    then added to the row's sum one block after another; the last blocks of a row (fewer than a group) are summed
+    alone by the same operations."""
+    vi, vf = ir.VectorType(_I32, LANES), ir.VectorType(_F32, LANES)
+    accs = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in rows]
+    mins = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in rows]
+    result = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in rows]
+    held = [cgutils.alloca_once(builder, vi, size=GROUP) for _ in rows]      # a group's integer lanes, per row
+    wds, wms = (cgutils.alloca_once(builder, _F32, size=GROUP) for _ in range(2))
     n_blocks = builder.sdiv(n, ir.Constant(n.type, BLOCK))
     c = lambda v: ir.Constant(n_blocks.type, v)  # noqa: E731
     at = [(builder.mul(t, n), builder.mul(t, n_blocks), builder.mul(t, builder.mul(n_blocks, c(LANES))))
           for t in rows]                                                  # each row's start in xq, xd and xs, xl
+    fvec = lambda arr, i: builder.load(builder.bitcast(builder.gep(arr, [i]), vf.as_pointer()), align=4)  # noqa
 
-    def block(k, b, chain):
-        o = builder.mul(b, c(_GEOMETRY[k][1]))
-        u = _unsigned_values(builder, k, r.data, o)
-        if k in (Q4_1, Q5_1):       # d and m with one load (see _half_at: one at a time, each waited on a sum)
-            wd, wm = _half_pair_at(context, builder, r.data, o)
-        else:
-            wd, wm = _half_at(context, builder, r.data, o), None
-        for i, (q0, d0, l0) in enumerate(at):
-            xv = _load_vec(builder, xq.data, _I8, BLOCK, builder.add(q0, builder.mul(b, c(BLOCK))))
-            lanes = _lanes_of(builder, u, xv)
-            if k in _OFFSET_SHIFT:
-                xsum = _load_vec(builder, xl.data, _I32, LANES, builder.add(l0, builder.mul(b, c(LANES))))
-                lanes = builder.sub(lanes, builder.shl(xsum, _vec(builder, _I32, _OFFSET_SHIFT[k], LANES)))
-            scale = builder.fmul(wd, builder.load(builder.gep(xd.data, [builder.add(d0, b)])), flags=_KEEP)
-            term = builder.fmul(builder.sitofp(lanes, vf), _vec(builder, _F32, scale, LANES), flags=_KEEP)
-            acc = accs[i][chain]
-            builder.store(builder.fadd(builder.load(acc), term, flags=_KEEP), acc)
-            if wm is not None:
-                m = builder.fmul(wm, builder.load(builder.gep(xs.data, [builder.add(d0, b)])), flags=_KEEP)
-                builder.store(builder.fadd(builder.load(mins[i][chain]), m, flags=_KEEP), mins[i][chain])
+    def one(k, i, b, lanes, wd, wm):      # block b of row i alone: its integer, times (wd * x's d), added
+        d0 = at[i][1]
+        d = builder.fmul(wd, builder.load(builder.gep(xd.data, [builder.add(d0, b)])), flags=_KEEP)
+        term = builder.fmul(builder.sitofp(_sum_lanes(builder, lanes), _F32), d, flags=_KEEP)
+        builder.store(builder.fadd(builder.load(accs[i]), term, flags=_KEEP), accs[i])
+        if k in (Q4_1, Q5_1):
+            m = builder.fmul(wm, builder.load(builder.gep(xs.data, [builder.add(d0, b)])), flags=_KEEP)
+            builder.store(builder.fadd(builder.load(mins[i]), m, flags=_KEEP), mins[i])
 
     for k in INT8_KINDS:
         with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
-            with cgutils.for_range(builder, builder.sdiv(n_blocks, c(2))) as loop:
-                block(k, builder.mul(loop.index, c(2)), 0)
-                block(k, builder.add(builder.mul(loop.index, c(2)), c(1)), 1)
-            with builder.if_then(builder.icmp_signed("==", builder.srem(n_blocks, c(2)), c(1))):
-                block(k, builder.sub(n_blocks, c(1)), 0)
-    out = []
-    for (a0, a1), (m0, m1) in zip(accs, mins):
-        total = builder.fadd(builder.load(a0), builder.load(a1), flags=_KEEP)
-        out.append(builder.fadd(_horizontal_sum(builder, total, _KEEP),
-                                builder.fadd(builder.load(m0), builder.load(m1), flags=_KEEP), flags=_KEEP))
-    return out
+            with cgutils.for_range(builder, n_blocks) as loop:
+                b = loop.index
+                j = builder.and_(b, c(GROUP - 1))
+                o = builder.mul(b, c(_GEOMETRY[k][1]))
+                u = _unsigned_values(builder, k, r.data, o)
+                if k in (Q4_1, Q5_1):       # d and m with one load (see _half_at: one at a time, each waited on a sum)
+                    wd, wm = _half_pair_at(context, builder, r.data, o)
+                    builder.store(wm, _slot(builder, wms, j))
+                else:
+                    wd = _half_at(context, builder, r.data, o)
+                builder.store(wd, _slot(builder, wds, j))
+                for i, (q0, d0, l0) in enumerate(at):
+                    xv = _load_vec(builder, xq.data, _I8, BLOCK, builder.add(q0, builder.mul(b, c(BLOCK))))
+                    lanes = _lanes_of(builder, u, xv)
+                    if k in _OFFSET_SHIFT:
+                        xsum = _load_vec(builder, xl.data, _I32, LANES, builder.add(l0, builder.mul(b, c(LANES))))
+                        lanes = builder.sub(lanes, builder.shl(xsum, _vec(builder, _I32, _OFFSET_SHIFT[k], LANES)))
+                    builder.store(lanes, _slot(builder, held[i], j))
+                with builder.if_then(builder.icmp_signed("==", j, c(GROUP - 1))):
+                    b0 = builder.sub(b, c(GROUP - 1))
+                    for i, (_, d0, _) in enumerate(at):
+                        sums = _row_sums(builder, [builder.load(_slot(builder, held[i], c(g))) for g in range(GROUP)])
+                        d = builder.fmul(fvec(wds, c(0)), fvec(xd.data, builder.add(d0, b0)), flags=_KEEP)
+                        _add_in_order(builder, accs[i], _group_terms(builder, sums, d))
+                        if k in (Q4_1, Q5_1):
+                            m = builder.fmul(fvec(wms, c(0)), fvec(xs.data, builder.add(d0, b0)), flags=_KEEP)
+                            _add_in_order(builder, mins[i], m)
+            rest = builder.and_(n_blocks, c(GROUP - 1))
+            with cgutils.for_range(builder, rest) as loop:
+                j = loop.index
+                b = builder.add(builder.sub(n_blocks, rest), j)
+                wd = builder.load(_slot(builder, wds, j))
+                wm = builder.load(_slot(builder, wms, j)) if k in (Q4_1, Q5_1) else None
+                for i in range(len(rows)):
+                    one(k, i, b, builder.load(_slot(builder, held[i], j)), wd, wm)
+            for i in range(len(rows)):
+                total = builder.load(accs[i])
+                if k in (Q4_1, Q5_1):
+                    total = builder.fadd(total, builder.load(mins[i]), flags=_KEEP)
+                builder.store(total, result[i])
+    return [builder.load(v) for v in result]
 
 
 @intrinsic
 def row_dot8(typingctx, r, xq, xd, xs, xl, kind):
     """r . x for a quantized row r of a kind in INT8_KINDS and x as 8-bit blocks (quantize_act's xq, xd, xs, xl):
-    per block the exact integer dot product in 8 lanes, times (weight scale * x scale), summed lane-wise block after
-    block, the lanes then summed by halving; q4_1 / q5_1 add min * s per block, summed apart (llama.cpp's order)."""
+    per block the exact integer dot product (one int32), times (weight scale * x scale), summed block after block in
+    one float32; q4_1 / q5_1 add min * s per block, summed apart, to it at the end (the K-quants' order, row_dot8k;
+    a prompt's tiles, q_tile_dot, have these bits)."""
     if not _rows_ok(r, types.uint8, xq, types.int8, xd, types.float32, xs, types.float32, xl, types.int32):
         return None
 
@@ -1048,6 +1090,116 @@ def k_tile_dot(typingctx, W, SC, MN, WF, kq, kd, kb, n, t0, out, kind):
     return types.none(W, SC, MN, WF, kq, kd, kb, n, t0, out, kind), codegen
 
 
+# A prompt's 32-weight tiles (q8_0, q4_0, q4_1, q5_0, q5_1), the K-quant tiles' layout: TILE_LANES weight rows side by
+# side, per block 8 words of 4 unsigned values (_unsigned_values) and the float32 d and m, unpacked once per tile
+# (q_unpack); x's 4 bytes broadcast, K_TILE_X rows of x per weight load. A block's 8 vpdpbusd give each lane the
+# block's exact integer (less offset * x's block sum where the values carry an offset), then row_dot8's float32
+# operations lane by lane: each (row of x, weight row) gets row_dot8's bits.
+_Q_TILE_CODES = LANES * TILE_LANES    # int32 words per block: 8 runs of 4 values x 16 lanes
+
+
+@njit(cache=True, nogil=True)
+def q_tile_buffers(d):
+    """Zeroed tile buffers for rows of d weights of a 32-weight kind (q_unpack's W, WF)."""
+    nb = d // BLOCK
+    return np.zeros(nb * _Q_TILE_CODES, np.int32), np.zeros(nb * 2 * TILE_LANES, np.float32)
+
+
+@intrinsic
+def q_unpack(typingctx, r, W, WF, lane, kind):
+    """Weight row r (a kind in INT8_KINDS) into lane `lane` of the tile buffers (q_tile_buffers: W the values, WF d
+    and m): the numbers row_dot8 reads."""
+    if not _rows_ok(r, types.uint8, W, types.int32, WF, types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        r, W, WF, lane, kind = _arrays(context, builder, sig, args)
+        lane = builder.sext(lane, _I64) if lane.type.width < 64 else lane
+        c = lambda v: ir.Constant(_I64, v)  # noqa: E731
+        put = lambda arr, at, v: builder.store(v, builder.gep(arr.data, [builder.add(at, lane)]))  # noqa: E731
+        v8 = ir.VectorType(_I32, LANES)
+        for k in INT8_KINDS:
+            with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
+                with cgutils.for_range(builder, builder.udiv(r.nitems, c(_GEOMETRY[k][1]))) as loop:
+                    b = loop.index
+                    o = builder.mul(b, c(_GEOMETRY[k][1]))
+                    words = builder.bitcast(_unsigned_values(builder, k, r.data, o), v8)
+                    for i in range(LANES):
+                        put(W, builder.add(builder.mul(b, c(_Q_TILE_CODES)), c(i * TILE_LANES)),
+                            builder.extract_element(words, ir.Constant(_I32, i)))
+                    if k in (Q4_1, Q5_1):
+                        wd, wm = _half_pair_at(context, builder, r.data, o)
+                    else:
+                        wd, wm = _half_at(context, builder, r.data, o), ir.Constant(_F32, 0.0)
+                    at = builder.mul(b, c(2 * TILE_LANES))
+                    put(WF, at, wd)
+                    put(WF, builder.add(at, c(TILE_LANES)), wm)
+        return context.get_dummy_value()
+    return types.none(r, W, WF, lane, kind), codegen
+
+
+@intrinsic
+def q_tile_dot(typingctx, W, WF, xq, xd, xs, xl, n, t0, out, kind):
+    """out[16i + j] = row_dot8 of the tile's weight row j (q_unpack'd) with row t0 + i of x, i < K_TILE_X, bit for
+    bit (xq, xd, xs, xl: act8_buffers' 32-weight parts of T rows, flattened; n: x's values per row)."""
+    if not _rows_ok(W, types.int32, WF, types.float32, xq, types.int8, xd, types.float32, xs, types.float32,
+                    xl, types.int32, out, types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        W, WF, xq, xd, xs, xl, n, t0, out, kind = _arrays(context, builder, sig, args)
+        if not K_TILES:      # never called there (quant_tile), and its instructions would not compile
+            return context.get_dummy_value()
+        n, t0 = (builder.sext(v, _I64) if v.type.width < 64 else v for v in (n, t0))
+        vi, vf = ir.VectorType(_I32, TILE_LANES), ir.VectorType(_F32, TILE_LANES)
+        zi, zf = _vec(builder, _I32, 0, TILE_LANES), _vec(builder, _F32, 0.0, TILE_LANES)
+        c = lambda v: ir.Constant(_I64, v)  # noqa: E731
+        dpbusd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vi, [vi] * 3),
+                                                "llvm.x86.avx512.vpdpbusd.512")
+        vload = lambda arr, at, t=vi: builder.load(builder.bitcast(  # noqa: E731
+            builder.gep(arr.data, [at]), t.as_pointer()), align=4)
+        xword = lambda at: builder.load(builder.bitcast(builder.gep(xq.data, [at]), _I32.as_pointer()), align=1)  # noqa
+        splat = lambda arr, at: _vec(builder, _F32, builder.load(builder.gep(arr.data, [at])), TILE_LANES)  # noqa
+        n_blocks = builder.sdiv(n, c(BLOCK))
+        rows = [builder.add(t0, c(i)) for i in range(K_TILE_X)]
+        accs = [cgutils.alloca_once_value(builder, zf) for _ in rows]
+        mins = [cgutils.alloca_once_value(builder, zf) for _ in rows]
+        for k in INT8_KINDS:
+            with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
+                with cgutils.for_range(builder, n_blocks) as loop:
+                    b = loop.index
+                    q0 = [builder.add(builder.mul(t, n), builder.mul(b, c(BLOCK))) for t in rows]
+                    tot = [zi] * K_TILE_X
+                    for i in range(LANES):
+                        w = vload(W, builder.add(builder.mul(b, c(_Q_TILE_CODES)), c(i * TILE_LANES)))
+                        for x in range(K_TILE_X):
+                            xv = _vec(builder, _I32, xword(builder.add(q0[x], c(4 * i))), TILE_LANES)
+                            tot[x] = builder.call(dpbusd, [tot[x], w, xv])
+                    wd = vload(WF, builder.mul(b, c(2 * TILE_LANES)), vf)
+                    wm = vload(WF, builder.add(builder.mul(b, c(2 * TILE_LANES)), c(TILE_LANES)), vf)
+                    for x, t in enumerate(rows):
+                        at = builder.add(builder.mul(t, n_blocks), b)
+                        if k in _OFFSET_SHIFT:     # offset * x's block sum (its 8 lane sums), taken off in integers
+                            xsum = _sum_lanes(builder, _load_vec(builder, xl.data, _I32, LANES,
+                                                                 builder.mul(at, c(LANES))))
+                            xsum = builder.shl(xsum, ir.Constant(_I32, _OFFSET_SHIFT[k]))
+                            tot[x] = builder.sub(tot[x], _vec(builder, _I32, xsum, TILE_LANES))
+                        d = builder.fmul(wd, splat(xd, at), flags=_KEEP)
+                        term = builder.fmul(builder.sitofp(tot[x], vf), d, flags=_KEEP)
+                        builder.store(builder.fadd(builder.load(accs[x]), term, flags=_KEEP), accs[x])
+                        if k in (Q4_1, Q5_1):
+                            m = builder.fmul(wm, splat(xs, at), flags=_KEEP)
+                            builder.store(builder.fadd(builder.load(mins[x]), m, flags=_KEEP), mins[x])
+                for x in range(K_TILE_X):
+                    res = builder.load(accs[x])
+                    if k in (Q4_1, Q5_1):
+                        res = builder.fadd(res, builder.load(mins[x]), flags=_KEEP)
+                    builder.store(res, builder.bitcast(builder.gep(out.data, [c(TILE_LANES * x)]),
+                                                       vf.as_pointer()), align=4)
+        return context.get_dummy_value()
+    return types.none(W, WF, xq, xd, xs, xl, n, t0, out, kind), codegen
+
+
 @intrinsic
 def act8_dot(typingctx, r, x, a, kind):
     """r . x (float32[n]) by 8-bit blocks a (a 1-D tuple: act8_row, act8_slice) where a holds the blocks kind dots
@@ -1173,13 +1325,16 @@ QUANT_TILE_ROWS = 16     # weight rows a task: a 1536-column q4_k tile is 14 KB,
 def quant_tile(Q, y, d, j0, j1, kind, a, out):
     """y[:, j0:j1] = x @ dequant(Q[j0:j1])^T for x [T, d] as its 8-bit blocks a (act8_of, filled; blocks for kind):
     DOT8_ROWS rows at a time, then the rest one at a time (row_dot8 / row_dot8k: the same operations per row); the
-    K-quants by k_tiles where the host has its instructions (the same bits)."""
+    tiles of weight rows in lanes (k_tiles, q_tiles) where the host has their instructions (the same bits)."""
     T = y.shape[0]
     full = T - T % DOT8_ROWS
     xq, xd, xs, xl = a[0].reshape(-1), a[1].reshape(-1), a[2].reshape(-1), a[3].reshape(-1)
     kq, kd, kb = a[4].reshape(-1), a[5].reshape(-1), a[6].reshape(-1)
-    if K_TILES and kind >= Q4_K:
-        k_tiles(Q, y, d, j0, j1, kind, a)
+    if K_TILES:
+        if kind >= Q4_K:
+            k_tiles(Q, y, d, j0, j1, kind, a)
+        else:
+            q_tiles(Q, y, d, j0, j1, kind, a)
         return
     for t0 in range(0, full, DOT8_ROWS):
         for j in range(j0, j1):
@@ -1216,6 +1371,29 @@ def k_tiles(Q, y, d, j0, j1, kind, a):
         for t in range(full, T):
             for i in range(m):
                 y[t, l0 + i] = row_dot8k(Q[l0 + i], a[4][t], a[5][t], a[6][t], kind)
+
+
+@njit(cache=True, nogil=True)
+def q_tiles(Q, y, d, j0, j1, kind, a):
+    """quant_tile's work for a 32-weight kind: k_tiles' loops over q_unpack and q_tile_dot (the same bits as
+    row_dot8 per (row, weight row))."""
+    T = y.shape[0]
+    full = T - T % K_TILE_X
+    xq, xd, xs, xl = a[0].reshape(-1), a[1].reshape(-1), a[2].reshape(-1), a[3].reshape(-1)
+    W, WF = q_tile_buffers(d)
+    out = np.empty(K_TILE_X * TILE_LANES, np.float32)
+    for l0 in range(j0, j1, TILE_LANES):
+        m = min(TILE_LANES, j1 - l0)
+        for i in range(m):
+            q_unpack(Q[l0 + i], W, WF, i, kind)
+        for t0 in range(0, full, K_TILE_X):
+            q_tile_dot(W, WF, xq, xd, xs, xl, d, t0, out, kind)
+            for x in range(K_TILE_X):
+                for i in range(m):
+                    y[t0 + x, l0 + i] = out[TILE_LANES * x + i]
+        for t in range(full, T):
+            for i in range(m):
+                y[t, l0 + i] = row_dot8(Q[l0 + i], a[0][t], a[1][t], a[2][t], a[3][t], kind)
 
 
 @njit(cache=True, nogil=True, parallel=True)
