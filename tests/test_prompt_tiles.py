@@ -261,7 +261,8 @@ def test_k_quant_products_sum_each_block_as_one_integer(kind, act8):
 def test_32_weight_products_sum_each_block_as_one_integer(kind, act8):
     """The documented order of the 32-weight kinds (kernels.blocks.row_dot8, q_tile_dot: the K-quants' above): per
     block the exact integer sum of code * x (int64 here, from the bytes), then in float32, block after block, acc +=
-    float(sum) * (d * x's d); q4_1 / q5_1's min * x's s summed apart and added last. Every (row, weight row) of a
+    float(sum) * (d * x's d) in two sums (even and odd blocks) added at the end; q4_1 / q5_1's min * x's s summed
+    apart the same way and added last. Every (row, weight row) of a
     prompt has exactly these bits, whatever T and the threads (the tiles), and so has the decode path's row: rows of
     8 groups' width and of a group and a rest (row_dot8 sums whole groups of blocks by one transpose)."""
     from test_act8 import q8_blocks, weight_blocks
@@ -277,11 +278,12 @@ def test_32_weight_products_sum_each_block_as_one_integer(kind, act8):
             for j in range(n):
                 q, wd, wm = weight_blocks(Q[j], kind)
                 tot = (q * xq.reshape(-1, 32).astype(np.int64)).sum(axis=1)
-                acc = mins = f32(0)
+                acc, mins = [f32(0), f32(0)], [f32(0), f32(0)]       # even, odd blocks
                 for b in range(len(tot)):
-                    acc = f32(acc + f32(f32(tot[b]) * f32(wd[b] * xd[b])))
-                    mins = f32(mins + f32(wm[b] * xs[b]))
-                want[t, j] = f32(acc + mins) if kind in ("q4_1", "q5_1") else acc
+                    acc[b % 2] = f32(acc[b % 2] + f32(f32(tot[b]) * f32(wd[b] * xd[b])))
+                    mins[b % 2] = f32(mins[b % 2] + f32(wm[b] * xs[b]))
+                total = f32(acc[0] + acc[1])
+                want[t, j] = f32(total + f32(mins[0] + mins[1])) if kind in ("q4_1", "q5_1") else total
         with numba_threads(2):
             y = quant_matmul_t(x, Q, kind, parallel_min_work=0)
         with numba_threads(1):
