@@ -255,3 +255,39 @@ def test_k_quant_products_sum_each_block_as_one_integer(kind, act8):
         one = np.concatenate([quant_matmul_t(x[t:t + 1], Q, kind, parallel_min_work=1 << 40) for t in range(len(x))])
     assert np.array_equal(one.view(np.uint32), want.view(np.uint32))
     assert np.array_equal(y.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("kind", QUANTIZABLE)
+def test_32_weight_products_sum_each_block_as_one_integer(kind, act8):
+    """The documented order of the 32-weight kinds (kernels.blocks.row_dot8, q_tile_dot: the K-quants' above): per
+    block the exact integer sum of code * x (int64 here, from the bytes), then in float32, block after block, acc +=
+    float(sum) * (d * x's d) in two sums (even and odd blocks) added at the end; q4_1 / q5_1's min * x's s summed
+    apart the same way and added last. Every (row, weight row) of a
+    prompt has exactly these bits, whatever T and the threads (the tiles), and so has the decode path's row: rows of
+    8 groups' width and of a group and a rest (row_dot8 sums whole groups of blocks by one transpose)."""
+    from test_act8 import q8_blocks, weight_blocks
+    f32 = np.float32
+    for d in (2048, 1056):
+        rng = np.random.default_rng(d + len(kind))
+        n = QUANT_TILE_ROWS + 7
+        Q = matrix(kind, n, d, rng)
+        x = (rng.standard_normal((2 * DOT8_ROWS + 3, d)) * 3).astype(np.float32)
+        want = np.empty((len(x), n), np.float32)
+        for t in range(len(x)):
+            xq, xd, xs = q8_blocks(x[t])
+            for j in range(n):
+                q, wd, wm = weight_blocks(Q[j], kind)
+                tot = (q * xq.reshape(-1, 32).astype(np.int64)).sum(axis=1)
+                acc, mins = [f32(0), f32(0)], [f32(0), f32(0)]       # even, odd blocks
+                for b in range(len(tot)):
+                    acc[b % 2] = f32(acc[b % 2] + f32(f32(tot[b]) * f32(wd[b] * xd[b])))
+                    mins[b % 2] = f32(mins[b % 2] + f32(wm[b] * xs[b]))
+                total = f32(acc[0] + acc[1])
+                want[t, j] = f32(total + f32(mins[0] + mins[1])) if kind in ("q4_1", "q5_1") else total
+        with numba_threads(2):
+            y = quant_matmul_t(x, Q, kind, parallel_min_work=0)
+        with numba_threads(1):
+            one = np.concatenate([quant_matmul_t(x[t:t + 1], Q, kind, parallel_min_work=1 << 40)
+                                  for t in range(len(x))])
+        assert np.array_equal(one.view(np.uint32), want.view(np.uint32)), (kind, d)
+        assert np.array_equal(y.view(np.uint32), want.view(np.uint32)), (kind, d)

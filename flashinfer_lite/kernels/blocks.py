@@ -372,15 +372,17 @@ def row_axpy(typingctx, y, c, r, kind):
 # 8-bit activations (llama.cpp's dot products, for the 32-weight block kinds). x is rounded once per GEMV into
 # blocks of 32 int8 as ggml's x86 CPU backend rounds it (quantize_row_q8_0 / q8_1): the scale max|x| / 127 kept as
 # float16, the values rint(x * (127 / max|x|)), ties to even. A weight block's dot product with such a block is then
-# an exact integer, computed as 8 lanes of 4 products each (one vpdpbusd where the host has AVX512-VNNI), and only
-# the 8 lanes' float sums depend on rounding: their order is fixed here, so the bits do not depend on the host's
-# instructions, the thread count or the call site. K-quant rows keep the float32 dot product (row_dot).
+# an exact integer (8 lanes of 4 products each, one vpdpbusd where the host has AVX512-VNNI, summed), and only the
+# float32 operations on each block's integer depend on rounding: their order is fixed here (row_dot8), so the bits do
+# not depend on the host's instructions, the thread count or the call site (a prompt's tiles or a decode row).
 
 INT8_KINDS = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)   # x in blocks of 32 (q8_0 / q8_1): codes 0 .. Q5_1 (act_dot)
 K_KINDS = (Q4_K, Q5_K, Q6_K)                  # x in blocks of 256 (q8_K): codes Q4_K .. (act_dot)
 assert INT8_KINDS == tuple(range(Q5_1 + 1)) and K_KINDS == tuple(range(Q4_K, Q6_K + 1))
 SUPER = 256                                   # weights of a K-quant block (and of a q8_K block of x)
 LANES = 8                                     # int32 lanes per 32-weight block: 4 products each
+GROUP = LANES                                 # blocks whose integer lanes one transpose sums (_row_sums)
+CHAINS = 2     # float32 sums a row, even and odd blocks: a decode row waits on half as many adds one after another
 # unsigned weight values u = q + offset (q8_0: q + 128; q4_0: the nibble, q = u - 8; q5_0: u - 16): the products are
 # u8 x s8 (vpdpbusd's), and offset * (x's lane sums) is taken off in integers
 _OFFSET_SHIFT = {Q8_0: 7, Q4_0: 3, Q5_0: 4}
@@ -579,62 +581,144 @@ def _packed_values(builder, kind, ptr, at):
     return u
 
 
+def _group_terms(builder, sums, d):
+    """<8 x float>: lane j float(sums[j]) * d[j], block j of a group's term (float32, as for one block alone)."""
+    return builder.fmul(builder.sitofp(sums, d.type), d, flags=_KEEP)
+
+
+def _add_in_order(builder, slots, v, count=LANES):
+    """slots[j % len(slots)] += lane j of v, j = 0 .. count - 1 in order (a group of a row's blocks, each into its
+    chain: the one-block bits)."""
+    accs = [builder.load(slot) for slot in slots]
+    for j in range(count):
+        h = j % len(slots)
+        accs[h] = builder.fadd(accs[h], builder.extract_element(v, ir.Constant(_I32, j)), flags=_KEEP)
+    for slot, acc in zip(slots, accs):
+        builder.store(acc, slot)
+
+
+def _halves_of(context, builder, ptr, offsets, pairs):
+    """<8 x float> of the float16 at byte ptr[offsets[j]] (8 blocks' d), or with pairs the two <8 x float> of the
+    float16 pairs there (d and m): loaded into one vector, one conversion (F16C), no round trip through memory."""
+    if not HAS_F16C:
+        halves = [_half_pair_at(context, builder, ptr, o) if pairs else (_half_at(context, builder, ptr, o),)
+                  for o in offsets]
+        out = []
+        for h in range(2 if pairs else 1):
+            v = ir.Constant(ir.VectorType(_F32, LANES), ir.Undefined)
+            for j, p in enumerate(halves):
+                v = builder.insert_element(v, p[h], ir.Constant(_I32, j))
+            out.append(v)
+        return out
+    ty = _I32 if pairs else _I16
+    v = ir.Constant(ir.VectorType(ty, LANES), ir.Undefined)
+    for j, o in enumerate(offsets):
+        v = builder.insert_element(v, builder.load(builder.bitcast(builder.gep(ptr, [o]), ty.as_pointer()), align=1),
+                                   ir.Constant(_I32, j))
+    f = builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), LANES * (1 + pairs))),
+                      ir.VectorType(_F32, LANES * (1 + pairs)))
+    if not pairs:
+        return [f]
+    return [builder.shuffle_vector(f, f, ir.Constant(ir.VectorType(_I32, LANES), list(range(h, 2 * LANES, 2))))
+            for h in (0, 1)]
+
+
 def _dot8_rows(context, builder, r, xq, xd, xs, xl, kind, n, rows):
     """The float32 results of row_dot8 of row r with each of `rows` rows of x (row i's values at xq[rows[i] * n],
     its scales at xd[rows[i] * n // 32], ...; n: x's length): each weight block decoded once for all of them, each
-    row summed by exactly the operations row_dot8 performs alone (its own two chains, in its own order), so a row's
-    bits do not depend on how many rows share the call."""
+    row summed by exactly the operations row_dot8 performs alone, so a row's bits do not depend on how many rows
+    share the call. Blocks go GROUP at a time: their integer lanes summed by one transpose (_row_sums: block j's
+    integer in lane j), multiplied by their scales lane by lane, then added to the row's sums (CHAINS: even and odd
+    blocks) one block after another; the last blocks of a row (fewer than a group) one at a time by the same
+    operations."""
+    zero = ir.Constant(_F32, 0.0)
+    accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(CHAINS)] for _ in rows]   # even, odd blocks
+    mins = [[cgutils.alloca_once_value(builder, zero) for _ in range(CHAINS)] for _ in rows]
+    result = [cgutils.alloca_once_value(builder, zero) for _ in rows]
     vf = ir.VectorType(_F32, LANES)
-    zero = ir.Constant(vf, [ir.Constant(_F32, 0.0)] * LANES)
-    R = len(rows)
-    accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(2)] for _ in range(R)]  # even, odd blocks
-    mins = [[cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(2)] for _ in range(R)]
     n_blocks = builder.sdiv(n, ir.Constant(n.type, BLOCK))
     c = lambda v: ir.Constant(n_blocks.type, v)  # noqa: E731
     at = [(builder.mul(t, n), builder.mul(t, n_blocks), builder.mul(t, builder.mul(n_blocks, c(LANES))))
           for t in rows]                                                  # each row's start in xq, xd and xs, xl
+    fvec = lambda arr, i: builder.load(builder.bitcast(builder.gep(arr, [i]), vf.as_pointer()), align=4)  # noqa
 
-    def block(k, b, chain):
+    def lanes_of(k, b, u, i):    # block b's 8 integer lanes with row i of x (less offset * x's lane sums)
+        q0, _, l0 = at[i]
+        xv = _load_vec(builder, xq.data, _I8, BLOCK, builder.add(q0, builder.mul(b, c(BLOCK))))
+        lanes = _lanes_of(builder, u, xv)
+        if k in _OFFSET_SHIFT:
+            xsum = _load_vec(builder, xl.data, _I32, LANES, builder.add(l0, builder.mul(b, c(LANES))))
+            lanes = builder.sub(lanes, builder.shl(xsum, _vec(builder, _I32, _OFFSET_SHIFT[k], LANES)))
+        return lanes
+
+    def x_scales(arr, at, m):    # m consecutive float32 of x's (lanes m .. 7 left undefined)
+        if m == GROUP:
+            return fvec(arr, at)
+        v = ir.Constant(vf, ir.Undefined)
+        for j in range(m):
+            v = builder.insert_element(v, builder.load(builder.gep(arr, [builder.add(at, c(j))])), ir.Constant(_I32, j))
+        return v
+
+    def group(k, b0, m=GROUP):   # blocks b0 .. b0 + m - 1 (b0 even; m = GROUP, or half of it for a row's rest)
+        blocks = [builder.add(b0, c(j)) for j in range(m)]
+        offsets = [builder.mul(b, c(_GEOMETRY[k][1])) for b in blocks]
+        us = [_unsigned_values(builder, k, r.data, o) for o in offsets]
+        halves = _halves_of(context, builder, r.data, offsets, k in (Q4_1, Q5_1))
+        none = [ir.Constant(ir.VectorType(_I32, LANES), [ir.Constant(_I32, 0)] * LANES)] * (GROUP - m)
+        for i, (_, d0, _) in enumerate(at):
+            sums = _row_sums(builder, [lanes_of(k, b, u, i) for b, u in zip(blocks, us)] + none)
+            d = builder.fmul(halves[0], x_scales(xd.data, builder.add(d0, b0), m), flags=_KEEP)
+            _add_in_order(builder, accs[i], _group_terms(builder, sums, d), m)
+            if k in (Q4_1, Q5_1):
+                _add_in_order(builder, mins[i], builder.fmul(halves[1], x_scales(xs.data, builder.add(d0, b0), m),
+                                                             flags=_KEEP), m)
+
+    def one(k, b, h):            # block b alone into chain h: its integer, times (wd * x's d), added
         o = builder.mul(b, c(_GEOMETRY[k][1]))
         u = _unsigned_values(builder, k, r.data, o)
         if k in (Q4_1, Q5_1):       # d and m with one load (see _half_at: one at a time, each waited on a sum)
             wd, wm = _half_pair_at(context, builder, r.data, o)
         else:
-            wd, wm = _half_at(context, builder, r.data, o), None
-        for i, (q0, d0, l0) in enumerate(at):
-            xv = _load_vec(builder, xq.data, _I8, BLOCK, builder.add(q0, builder.mul(b, c(BLOCK))))
-            lanes = _lanes_of(builder, u, xv)
-            if k in _OFFSET_SHIFT:
-                xsum = _load_vec(builder, xl.data, _I32, LANES, builder.add(l0, builder.mul(b, c(LANES))))
-                lanes = builder.sub(lanes, builder.shl(xsum, _vec(builder, _I32, _OFFSET_SHIFT[k], LANES)))
-            scale = builder.fmul(wd, builder.load(builder.gep(xd.data, [builder.add(d0, b)])), flags=_KEEP)
-            term = builder.fmul(builder.sitofp(lanes, vf), _vec(builder, _F32, scale, LANES), flags=_KEEP)
-            acc = accs[i][chain]
-            builder.store(builder.fadd(builder.load(acc), term, flags=_KEEP), acc)
-            if wm is not None:
+            wd = _half_at(context, builder, r.data, o)
+        for i, (_, d0, _) in enumerate(at):
+            d = builder.fmul(wd, builder.load(builder.gep(xd.data, [builder.add(d0, b)])), flags=_KEEP)
+            term = builder.fmul(builder.sitofp(_sum_lanes(builder, lanes_of(k, b, u, i)), _F32), d, flags=_KEEP)
+            builder.store(builder.fadd(builder.load(accs[i][h]), term, flags=_KEEP), accs[i][h])
+            if k in (Q4_1, Q5_1):
                 m = builder.fmul(wm, builder.load(builder.gep(xs.data, [builder.add(d0, b)])), flags=_KEEP)
-                builder.store(builder.fadd(builder.load(mins[i][chain]), m, flags=_KEEP), mins[i][chain])
+                builder.store(builder.fadd(builder.load(mins[i][h]), m, flags=_KEEP), mins[i][h])
 
     for k in INT8_KINDS:
         with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
-            with cgutils.for_range(builder, builder.sdiv(n_blocks, c(2))) as loop:
-                block(k, builder.mul(loop.index, c(2)), 0)
-                block(k, builder.add(builder.mul(loop.index, c(2)), c(1)), 1)
+            groups = builder.sdiv(n_blocks, c(GROUP))
+            with cgutils.for_range(builder, groups) as loop:
+                group(k, builder.mul(loop.index, c(GROUP)))
+            done = builder.mul(groups, c(GROUP))        # even: the rest's chains by parity, in pairs
+            half = builder.icmp_signed(">=", builder.sub(n_blocks, done), c(GROUP // 2))
+            with builder.if_then(half):
+                group(k, done, GROUP // 2)
+            done = builder.select(half, builder.add(done, c(GROUP // 2)), done)
+            with cgutils.for_range(builder, builder.sdiv(builder.sub(n_blocks, done), c(2))) as loop:
+                b = builder.add(done, builder.mul(loop.index, c(2)))
+                one(k, b, 0)
+                one(k, builder.add(b, c(1)), 1)
             with builder.if_then(builder.icmp_signed("==", builder.srem(n_blocks, c(2)), c(1))):
-                block(k, builder.sub(n_blocks, c(1)), 0)
-    out = []
-    for (a0, a1), (m0, m1) in zip(accs, mins):
-        total = builder.fadd(builder.load(a0), builder.load(a1), flags=_KEEP)
-        out.append(builder.fadd(_horizontal_sum(builder, total, _KEEP),
-                                builder.fadd(builder.load(m0), builder.load(m1), flags=_KEEP), flags=_KEEP))
-    return out
+                one(k, builder.sub(n_blocks, c(1)), 0)
+            for i in range(len(rows)):
+                total = builder.fadd(*(builder.load(a) for a in accs[i]), flags=_KEEP)
+                if k in (Q4_1, Q5_1):
+                    total = builder.fadd(total, builder.fadd(*(builder.load(m) for m in mins[i]), flags=_KEEP),
+                                         flags=_KEEP)
+                builder.store(total, result[i])
+    return [builder.load(v) for v in result]
 
 
 @intrinsic
 def row_dot8(typingctx, r, xq, xd, xs, xl, kind):
     """r . x for a quantized row r of a kind in INT8_KINDS and x as 8-bit blocks (quantize_act's xq, xd, xs, xl):
-    per block the exact integer dot product in 8 lanes, times (weight scale * x scale), summed lane-wise block after
-    block, the lanes then summed by halving; q4_1 / q5_1 add min * s per block, summed apart (llama.cpp's order)."""
+    per block the exact integer dot product (one int32), times (weight scale * x scale), summed block after block in
+    two float32 (even and odd blocks, added at the end); q4_1 / q5_1 add min * s per block, summed apart the same
+    way, to it last (row_dot8k's order but for the two sums; a prompt's tiles, q_tile_dot, have these bits)."""
     if not _rows_ok(r, types.uint8, xq, types.int8, xd, types.float32, xs, types.float32, xl, types.int32):
         return None
 
@@ -781,6 +865,20 @@ def _row_sums(builder, vs):
     return vs[0]
 
 
+def _k_block_terms(builder, k, sums, low, wd, dmin, xd):
+    """A K-quant block's (term, mins' term) from its integers (sums: scale * code * x; low: _k_low's), scalars or
+    lanes alike: term = float(sums) * (d * x's d); q6_k's mins (d * x's d) * float(32 * low) (its codes carry 32),
+    q4_k / q5_k's (dmin * x's d) * float(low)."""
+    d = builder.fmul(wd, xd, flags=_KEEP)
+    ty = d.type
+    term = builder.fmul(builder.sitofp(sums, ty), d, flags=_KEEP)
+    if k == Q6_K:
+        thirty_two = ir.Constant(low.type, 32) if not isinstance(low.type, ir.VectorType) else \
+            _vec(builder, _I32, 32, low.type.count)
+        return term, builder.fmul(d, builder.sitofp(builder.mul(low, thirty_two), ty), flags=_KEEP)
+    return term, builder.fmul(builder.fmul(dmin, xd, flags=_KEEP), builder.sitofp(low, ty), flags=_KEEP)
+
+
 def _dot8k_rows(context, builder, r, kq, kd, kb, kind, n, rows):
     """The float32 results of row_dot8k of K-quant row r with each of `rows` rows of x as q8_K blocks (row i's values
     at kq[rows[i] * n], its scales at kd[rows[i] * n // 256], its sums at kb[rows[i] * n // 16]; n: x's length): each
@@ -792,6 +890,18 @@ def _dot8k_rows(context, builder, r, kq, kd, kb, kind, n, rows):
     # 8 rows (a prompt's tile): each block's per-row scalars (x's scale, d, the mins' integer and term) side by side,
     # lane i row i, by the same float32 operations lane by lane: the same bits, a fifth of a block's operations less
     across = len(rows) == LANES and HAS_AVX2
+    # fewer rows (a decode GEMV's one): a block's integer lanes (and the mins') wait in a group of GROUP blocks, summed
+    # by one transpose (_row_sums) and scaled lane by lane, then added block after block (as _dot8_rows)
+    grouped = not across and HAS_AVX2
+    held = [[cgutils.alloca_once(builder, vi, size=GROUP) for _ in range(2)] for _ in rows]   # sums', mins' lanes
+    wds, dmins = (cgutils.alloca_once(builder, _F32, size=GROUP) for _ in range(2))
+    fvec = lambda arr, i: builder.load(builder.bitcast(builder.gep(arr, [i]), vf.as_pointer()), align=4)  # noqa
+
+    def held_f(arr):    # a group's floats, one load each (one vector load of 8 separate stores would wait on them)
+        v = ir.Constant(vf, ir.Undefined)
+        for g in range(GROUP):
+            v = builder.insert_element(v, builder.load(builder.gep(arr, [c(g)])), ir.Constant(_I32, g))
+        return v
     paired = len(rows) > 1 and HAS_VNNI       # a prompt's tiles: _paired_lanes (the decode path's row as it was)
     mins_v = cgutils.alloca_once_value(builder, ir.Constant(vf, [ir.Constant(_F32, 0.0)] * LANES))
     accs_v = cgutils.alloca_once_value(builder, ir.Constant(vf, [ir.Constant(_F32, 0.0)] * LANES))
@@ -806,8 +916,8 @@ def _dot8k_rows(context, builder, r, kq, kd, kb, kind, n, rows):
                 b = loop.index
                 o = builder.mul(b, c(_GEOMETRY[k][1]))
                 scales = _k_scales(builder, k, r.data, o)
-                lows = [_k_low(builder, k, scales, kb, builder.add(s0, builder.mul(b, c(SUPER // 16))), across)
-                        for _, _, s0 in at]
+                lows = [_k_low(builder, k, scales, kb, builder.add(s0, builder.mul(b, c(SUPER // 16))),
+                               across or grouped) for _, _, s0 in at]
                 # two chains a row to overlap latency where the rows are few (one alone: row_dot8k); integers, so
                 # the same sums either way
                 n_chains = 2 if len(rows) < DOT8_ROWS else 1
@@ -850,19 +960,44 @@ def _dot8k_rows(context, builder, r, kq, kd, kb, kind, n, rows):
                                                for i in range(LANES)])
                     term = builder.fmul(builder.sitofp(sums, vf), d, flags=_KEEP)
                     builder.store(builder.fadd(builder.load(accs_v), term, flags=_KEEP), accs_v)
+                elif grouped:
+                    j = builder.and_(b, c(GROUP - 1))
+                    builder.store(wd, builder.gep(wds, [j]))
+                    if k != Q6_K:
+                        builder.store(dmin, builder.gep(dmins, [j]))
+                    for i in range(len(rows)):
+                        lanes = chains[i][0] if n_chains == 1 else builder.add(chains[i][0], chains[i][1])
+                        builder.store(lanes, builder.gep(held[i][0], [j]))
+                        builder.store(lows[i], builder.gep(held[i][1], [j]))
+                    with builder.if_then(builder.icmp_signed("==", j, c(GROUP - 1))):
+                        b0 = builder.sub(b, c(GROUP - 1))
+                        for i, (_, d0, _) in enumerate(at):
+                            sums, low = (_row_sums(builder, [builder.load(builder.gep(held[i][h], [c(g)]))
+                                                             for g in range(GROUP)]) for h in (0, 1))
+                            xd = fvec(kd.data, builder.add(d0, b0))
+                            t, m = _k_block_terms(builder, k, sums, low, held_f(wds),
+                                                  None if k == Q6_K else held_f(dmins), xd)
+                            _add_in_order(builder, [accs[i]], t)
+                            _add_in_order(builder, [mins[i]], m)
                 else:
                     for i, (_, d0, _) in enumerate(at):
                         lanes = chains[i][0] if n_chains == 1 else builder.add(chains[i][0], chains[i][1])
                         xd = builder.load(builder.gep(kd.data, [builder.add(d0, b)]))
-                        d = builder.fmul(wd, xd, flags=_KEEP)
-                        term = builder.fmul(builder.sitofp(_sum_lanes(builder, lanes), _F32), d, flags=_KEEP)
-                        builder.store(builder.fadd(builder.load(accs[i]), term, flags=_KEEP), accs[i])
-                        if k == Q6_K:          # sum of scale * (q + 32) * x, less 32 * scale * x's sums
-                            m = builder.fmul(d, builder.sitofp(builder.mul(lows[i], ir.Constant(_I32, 32)), _F32),
-                                             flags=_KEEP)
-                        else:                  # (d * sc) * q - (dmin * m): the mins times x's sums
-                            m = builder.fmul(builder.fmul(dmin, xd, flags=_KEEP), builder.sitofp(lows[i], _F32),
-                                             flags=_KEEP)
+                        t, m = _k_block_terms(builder, k, _sum_lanes(builder, lanes), lows[i], wd, dmin, xd)
+                        builder.store(builder.fadd(builder.load(accs[i]), t, flags=_KEEP), accs[i])
+                        builder.store(builder.fadd(builder.load(mins[i]), m, flags=_KEEP), mins[i])
+            if grouped:     # the last blocks, fewer than a group: alone, by the same operations
+                rest = builder.and_(n_blocks, c(GROUP - 1))
+                with cgutils.for_range(builder, rest) as loop:
+                    j = loop.index
+                    b = builder.add(builder.sub(n_blocks, rest), j)
+                    wd = builder.load(builder.gep(wds, [j]))
+                    dmin = None if k == Q6_K else builder.load(builder.gep(dmins, [j]))
+                    for i, (_, d0, _) in enumerate(at):
+                        xd = builder.load(builder.gep(kd.data, [builder.add(d0, b)]))
+                        sums, low = (_sum_lanes(builder, builder.load(builder.gep(held[i][h], [j]))) for h in (0, 1))
+                        t, m = _k_block_terms(builder, k, sums, low, wd, dmin, xd)
+                        builder.store(builder.fadd(builder.load(accs[i]), t, flags=_KEEP), accs[i])
                         builder.store(builder.fadd(builder.load(mins[i]), m, flags=_KEEP), mins[i])
     lane = lambda v, i: builder.extract_element(builder.load(v), ir.Constant(_I32, i))  # noqa: E731
     if across:
@@ -1048,6 +1183,123 @@ def k_tile_dot(typingctx, W, SC, MN, WF, kq, kd, kb, n, t0, out, kind):
     return types.none(W, SC, MN, WF, kq, kd, kb, n, t0, out, kind), codegen
 
 
+# A prompt's 32-weight tiles (q8_0, q4_0, q4_1, q5_0, q5_1), the K-quant tiles' layout: TILE_LANES weight rows side by
+# side, per block 8 words of 4 unsigned values (_unsigned_values) and the float32 d and m, unpacked once per tile
+# (q_unpack); x's 4 bytes broadcast, K_TILE_X rows of x per weight load. A block's 8 vpdpbusd give each lane the
+# block's exact integer (less offset * x's block sum where the values carry an offset), then row_dot8's float32
+# operations lane by lane: each (row of x, weight row) gets row_dot8's bits.
+_Q_TILE_CODES = LANES * TILE_LANES    # int32 words per block: 8 runs of 4 values x 16 lanes
+
+
+@njit(cache=True, nogil=True)
+def q_tile_buffers(d):
+    """Zeroed tile buffers for rows of d weights of a 32-weight kind (q_unpack's W, WF)."""
+    nb = d // BLOCK
+    return np.zeros(nb * _Q_TILE_CODES, np.int32), np.zeros(nb * 2 * TILE_LANES, np.float32)
+
+
+@intrinsic
+def q_unpack(typingctx, r, W, WF, lane, kind):
+    """Weight row r (a kind in INT8_KINDS) into lane `lane` of the tile buffers (q_tile_buffers: W the values, WF d
+    and m): the numbers row_dot8 reads."""
+    if not _rows_ok(r, types.uint8, W, types.int32, WF, types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        r, W, WF, lane, kind = _arrays(context, builder, sig, args)
+        lane = builder.sext(lane, _I64) if lane.type.width < 64 else lane
+        c = lambda v: ir.Constant(_I64, v)  # noqa: E731
+        put = lambda arr, at, v: builder.store(v, builder.gep(arr.data, [builder.add(at, lane)]))  # noqa: E731
+        v8 = ir.VectorType(_I32, LANES)
+        for k in INT8_KINDS:
+            with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
+                with cgutils.for_range(builder, builder.udiv(r.nitems, c(_GEOMETRY[k][1]))) as loop:
+                    b = loop.index
+                    o = builder.mul(b, c(_GEOMETRY[k][1]))
+                    words = builder.bitcast(_unsigned_values(builder, k, r.data, o), v8)
+                    for i in range(LANES):
+                        put(W, builder.add(builder.mul(b, c(_Q_TILE_CODES)), c(i * TILE_LANES)),
+                            builder.extract_element(words, ir.Constant(_I32, i)))
+                    if k in (Q4_1, Q5_1):
+                        wd, wm = _half_pair_at(context, builder, r.data, o)
+                    else:
+                        wd, wm = _half_at(context, builder, r.data, o), ir.Constant(_F32, 0.0)
+                    at = builder.mul(b, c(2 * TILE_LANES))
+                    put(WF, at, wd)
+                    put(WF, builder.add(at, c(TILE_LANES)), wm)
+        return context.get_dummy_value()
+    return types.none(r, W, WF, lane, kind), codegen
+
+
+@intrinsic
+def q_tile_dot(typingctx, W, WF, xq, xd, xs, xl, n, t0, out, kind):
+    """out[16i + j] = row_dot8 of the tile's weight row j (q_unpack'd) with row t0 + i of x, i < K_TILE_X, bit for
+    bit (xq, xd, xs, xl: act8_buffers' 32-weight parts of T rows, flattened; n: x's values per row)."""
+    if not _rows_ok(W, types.int32, WF, types.float32, xq, types.int8, xd, types.float32, xs, types.float32,
+                    xl, types.int32, out, types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        W, WF, xq, xd, xs, xl, n, t0, out, kind = _arrays(context, builder, sig, args)
+        if not K_TILES:      # never called there (quant_tile), and its instructions would not compile
+            return context.get_dummy_value()
+        n, t0 = (builder.sext(v, _I64) if v.type.width < 64 else v for v in (n, t0))
+        vi, vf = ir.VectorType(_I32, TILE_LANES), ir.VectorType(_F32, TILE_LANES)
+        zi, zf = _vec(builder, _I32, 0, TILE_LANES), _vec(builder, _F32, 0.0, TILE_LANES)
+        c = lambda v: ir.Constant(_I64, v)  # noqa: E731
+        dpbusd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vi, [vi] * 3),
+                                                "llvm.x86.avx512.vpdpbusd.512")
+        vload = lambda arr, at, t=vi: builder.load(builder.bitcast(  # noqa: E731
+            builder.gep(arr.data, [at]), t.as_pointer()), align=4)
+        xword = lambda at: builder.load(builder.bitcast(builder.gep(xq.data, [at]), _I32.as_pointer()), align=1)  # noqa
+        splat = lambda arr, at: _vec(builder, _F32, builder.load(builder.gep(arr.data, [at])), TILE_LANES)  # noqa
+        n_blocks = builder.sdiv(n, c(BLOCK))
+        rows = [builder.add(t0, c(i)) for i in range(K_TILE_X)]
+        accs = [[cgutils.alloca_once_value(builder, zf) for _ in range(CHAINS)] for _ in rows]   # even, odd blocks
+        mins = [[cgutils.alloca_once_value(builder, zf) for _ in range(CHAINS)] for _ in rows]
+
+        def block(k, b, h):         # block b into chain h of each row of x
+            q0 = [builder.add(builder.mul(t, n), builder.mul(b, c(BLOCK))) for t in rows]
+            tot = [zi] * K_TILE_X
+            for i in range(LANES):
+                w = vload(W, builder.add(builder.mul(b, c(_Q_TILE_CODES)), c(i * TILE_LANES)))
+                for x in range(K_TILE_X):
+                    xv = _vec(builder, _I32, xword(builder.add(q0[x], c(4 * i))), TILE_LANES)
+                    tot[x] = builder.call(dpbusd, [tot[x], w, xv])
+            wd = vload(WF, builder.mul(b, c(2 * TILE_LANES)), vf)
+            wm = vload(WF, builder.add(builder.mul(b, c(2 * TILE_LANES)), c(TILE_LANES)), vf)
+            for x, t in enumerate(rows):
+                at = builder.add(builder.mul(t, n_blocks), b)
+                if k in _OFFSET_SHIFT:     # offset * x's block sum (its 8 lane sums), taken off in integers
+                    xsum = _sum_lanes(builder, _load_vec(builder, xl.data, _I32, LANES,
+                                                         builder.mul(at, c(LANES))))
+                    xsum = builder.shl(xsum, ir.Constant(_I32, _OFFSET_SHIFT[k]))
+                    tot[x] = builder.sub(tot[x], _vec(builder, _I32, xsum, TILE_LANES))
+                d = builder.fmul(wd, splat(xd, at), flags=_KEEP)
+                term = builder.fmul(builder.sitofp(tot[x], vf), d, flags=_KEEP)
+                builder.store(builder.fadd(builder.load(accs[x][h]), term, flags=_KEEP), accs[x][h])
+                if k in (Q4_1, Q5_1):
+                    m = builder.fmul(wm, splat(xs, at), flags=_KEEP)
+                    builder.store(builder.fadd(builder.load(mins[x][h]), m, flags=_KEEP), mins[x][h])
+
+        for k in INT8_KINDS:
+            with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
+                with cgutils.for_range(builder, builder.sdiv(n_blocks, c(2))) as loop:
+                    block(k, builder.mul(loop.index, c(2)), 0)
+                    block(k, builder.add(builder.mul(loop.index, c(2)), c(1)), 1)
+                with builder.if_then(builder.icmp_signed("==", builder.srem(n_blocks, c(2)), c(1))):
+                    block(k, builder.sub(n_blocks, c(1)), 0)
+                for x in range(K_TILE_X):
+                    res = builder.fadd(*(builder.load(a) for a in accs[x]), flags=_KEEP)
+                    if k in (Q4_1, Q5_1):
+                        res = builder.fadd(res, builder.fadd(*(builder.load(m) for m in mins[x]), flags=_KEEP),
+                                           flags=_KEEP)
+                    builder.store(res, builder.bitcast(builder.gep(out.data, [c(TILE_LANES * x)]),
+                                                       vf.as_pointer()), align=4)
+        return context.get_dummy_value()
+    return types.none(W, WF, xq, xd, xs, xl, n, t0, out, kind), codegen
+
+
 @intrinsic
 def act8_dot(typingctx, r, x, a, kind):
     """r . x (float32[n]) by 8-bit blocks a (a 1-D tuple: act8_row, act8_slice) where a holds the blocks kind dots
@@ -1173,13 +1425,16 @@ QUANT_TILE_ROWS = 16     # weight rows a task: a 1536-column q4_k tile is 14 KB,
 def quant_tile(Q, y, d, j0, j1, kind, a, out):
     """y[:, j0:j1] = x @ dequant(Q[j0:j1])^T for x [T, d] as its 8-bit blocks a (act8_of, filled; blocks for kind):
     DOT8_ROWS rows at a time, then the rest one at a time (row_dot8 / row_dot8k: the same operations per row); the
-    K-quants by k_tiles where the host has its instructions (the same bits)."""
+    tiles of weight rows in lanes (k_tiles, q_tiles) where the host has their instructions (the same bits)."""
     T = y.shape[0]
     full = T - T % DOT8_ROWS
     xq, xd, xs, xl = a[0].reshape(-1), a[1].reshape(-1), a[2].reshape(-1), a[3].reshape(-1)
     kq, kd, kb = a[4].reshape(-1), a[5].reshape(-1), a[6].reshape(-1)
-    if K_TILES and kind >= Q4_K:
-        k_tiles(Q, y, d, j0, j1, kind, a)
+    if K_TILES:
+        if kind >= Q4_K:
+            k_tiles(Q, y, d, j0, j1, kind, a)
+        else:
+            q_tiles(Q, y, d, j0, j1, kind, a)
         return
     for t0 in range(0, full, DOT8_ROWS):
         for j in range(j0, j1):
@@ -1216,6 +1471,29 @@ def k_tiles(Q, y, d, j0, j1, kind, a):
         for t in range(full, T):
             for i in range(m):
                 y[t, l0 + i] = row_dot8k(Q[l0 + i], a[4][t], a[5][t], a[6][t], kind)
+
+
+@njit(cache=True, nogil=True)
+def q_tiles(Q, y, d, j0, j1, kind, a):
+    """quant_tile's work for a 32-weight kind: k_tiles' loops over q_unpack and q_tile_dot (the same bits as
+    row_dot8 per (row, weight row))."""
+    T = y.shape[0]
+    full = T - T % K_TILE_X
+    xq, xd, xs, xl = a[0].reshape(-1), a[1].reshape(-1), a[2].reshape(-1), a[3].reshape(-1)
+    W, WF = q_tile_buffers(d)
+    out = np.empty(K_TILE_X * TILE_LANES, np.float32)
+    for l0 in range(j0, j1, TILE_LANES):
+        m = min(TILE_LANES, j1 - l0)
+        for i in range(m):
+            q_unpack(Q[l0 + i], W, WF, i, kind)
+        for t0 in range(0, full, K_TILE_X):
+            q_tile_dot(W, WF, xq, xd, xs, xl, d, t0, out, kind)
+            for x in range(K_TILE_X):
+                for i in range(m):
+                    y[t0 + x, l0 + i] = out[TILE_LANES * x + i]
+        for t in range(full, T):
+            for i in range(m):
+                y[t, l0 + i] = row_dot8(Q[l0 + i], a[0][t], a[1][t], a[2][t], a[3][t], kind)
 
 
 @njit(cache=True, nogil=True, parallel=True)
