@@ -230,7 +230,7 @@ def main(argv=None) -> int:
     ap.add_argument("--llama", action="store_true", help="also llama.cpp on the first depth's prompt, same cgroup")
     ap.add_argument("--kcache", type=float, default=0.0, help="also KCache with this softmax weight (0: not run)")
     ap.add_argument("--ppl", type=int, default=0, help="also the perplexity of the filler's last N tokens of a "
-                    "--prompt-tokens passage, exact and Quest, same cgroup")
+                    "--prompt-tokens passage, exact, Quest (and --kcache's), same cgroup")
     h.add_arguments(ap, "--job")
     a = ap.parse_args(argv)
     if a.worker:
