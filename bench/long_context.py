@@ -66,6 +66,13 @@ def measure_dram(job: dict) -> dict:
             "planned_dram_pages": model.kv_options.dram_pages}    # the row's plan (None: every page)
 
 
+def modes(job: dict, options) -> list:
+    """(name, KV options) of each decode mode: exact (every page), Quest, and KCache if --kcache W is given."""
+    exact = replace(options, quest_share=0.0)
+    return [("exact", exact), ("quest", options)] + [("kcache", replace(exact, kcache=job["kcache"]))] * (
+        job.get("kcache", 0) > 0)
+
+
 def load(job: dict):
     """(model, tokenizer) as every row loads them: the job's budget, Quest's share in the KV options."""
     from flashinfer_lite.kv_pages import KVOptions
@@ -98,16 +105,16 @@ def measure_ppl(job: dict) -> dict:
     t0 = time.perf_counter()
     last = model.forward(ids[:head], kv)
     row = {"tokens": len(ids), "scored": len(ids) - head, "prompt_s": round(time.perf_counter() - t0, 1)}
-    for mode in ("exact", "quest"):
+    for mode, kv.options in modes(job, model.kv_options):
         kv.reset(head)
-        kv.options = model.kv_options if mode == "quest" else replace(model.kv_options, quest_share=0.0)
         kv.stats, total = PageStats(), logp(last, ids[head])
         step = 16 if mode == "exact" else 1
         for at in range(head, len(ids) - 1, step):
             x = model.forward(ids[at:min(at + step, len(ids) - 1)], kv, all_logits=True)
             total += sum(logp(r, ids[at + 1 + i]) for i, r in enumerate(x))
         row[mode] = round(float(np.exp(-total / row["scored"])), 4)
-    row["quest_pages_read"] = round(kv.stats.per_token()["pages_read"], 1)
+        p = kv.stats.per_token()       # decode steps' (exact's chunks of 16 count none); the pages held: the same
+        row.update({f"{mode}_pages_read": round(p["value_pages_read"], 1), "pages": round(p["pages"], 1)})
     return row
 
 
@@ -131,14 +138,14 @@ def measure_row(job: dict) -> dict:
         d = {"depth": depth, "key": key, "prompt_tokens": len(ids), "prefilled": len(ids) - kept,
              "prompt_s": round(time.perf_counter() - t0, 1), "ids": ids if i == 0 else None}
         before = ids
-        for mode, o in (("exact", replace(options, quest_share=0.0)), ("quest", options)):
+        for mode, o in modes(job, options):
             kv.options, kv.stats = o, PageStats()
             kv.reset(len(ids))
             out, ms = decode(model, kv, logits, job["n_gen"])
             text, p = tok.decode(out), kv.stats.per_token()
             d[mode] = {"answer": text.strip()[:20], "found": str(key) in text, "read_ahead": round(p["read_ahead"], 3),
                        "ms_per_token": round(sum(ms) / max(len(ms), 1), 1),
-                       **{k: round(p[k], 1) for k in ("pages_read", "flash_pages_read", "pages")}}
+                       **{k: round(p[k], 1) for k in ("pages_read", "flash_pages_read", "pages", "value_pages_read")}}
         row["depths"].append(d)
         Path(job["partial"]).write_text(json.dumps(row))      # the depths so far, should a long run be stopped
     row["depths"].sort(key=lambda d: job["depths"].index(d["depth"]))
@@ -182,8 +189,14 @@ def markdown(doc: dict) -> str:
         if "ppl" in r:
             p = r["ppl"]
             lines.append(f"\n-c {r['ctx']}: perplexity of the last {p['scored']} of {p['tokens']} tokens, exact "
-                         f"{p['exact']} / Quest {p['quest']} ({p['quest_pages_read']} pages read per token), peak RSS "
+                         f"{p['exact']} / Quest {p['quest']} ({p['quest_pages_read']} pages read per token)"
+                         + (f" / KCache {p['kcache']} ({p['kcache_pages_read']} value pages read per token of "
+                            f"{p['pages']})" if "kcache" in p else "") + ", peak RSS "
                          f"{p['peak_rss_bytes'] / MIB:.0f} MiB" if "exact" in p else f"\nperplexity: {h.failed(p)}")
+    lines += [f"\nKCache {doc['kcache']:g}, -c {r['ctx']} depth {d['depth']}: found {d['kcache']['found']} "
+              f"{d['kcache']['answer']!r}, {d['kcache']['ms_per_token']} ms/token, value pages read per token "
+              f"{d['kcache']['value_pages_read']:.0f} of {d['kcache']['pages_read']:.0f}" for r in doc["rows"]
+              for d in r.get("depths", []) if "kcache" in d]
     if more:
         lines += ["", *h.table(["-c", "ms/token exact, every KV page in DRAM (same weight plan)",
                                 "llama.cpp peak RSS MiB", "llama.cpp ms/token (P50)", "llama.cpp prompt ms",
@@ -215,8 +228,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dram-row", action="store_true",
                     help="also decode exact with every KV page in DRAM, the weights as planned in the budget")
     ap.add_argument("--llama", action="store_true", help="also llama.cpp on the first depth's prompt, same cgroup")
+    ap.add_argument("--kcache", type=float, default=0.0, help="also KCache with this softmax weight (0: not run)")
     ap.add_argument("--ppl", type=int, default=0, help="also the perplexity of the filler's last N tokens of a "
-                    "--prompt-tokens passage, exact and Quest, same cgroup")
+                    "--prompt-tokens passage, exact, Quest (and --kcache's), same cgroup")
     h.add_arguments(ap, "--job")
     a = ap.parse_args(argv)
     if a.worker:
@@ -227,11 +241,13 @@ def main(argv=None) -> int:
     work = h.work_dir(a, "long-context-")
     budget = int(a.budget_mib * MIB) if a.budget_mib else minimum_at(a.model, a.budget_ctx) + (64 << 20)
     doc = {"command": h.command("long_context.py", argv), "machine": h.machine(), "budget_mib": budget / MIB,
-           "budget_ctx": None if a.budget_mib else a.budget_ctx, "quest_share": a.quest_share, "rows": []}
+           "budget_ctx": None if a.budget_mib else a.budget_ctx, "quest_share": a.quest_share, "rows": [],
+           "kcache": a.kcache}
     for ctx in map(int, a.contexts.split(",")):
         job = work / f"job-{ctx}.json"
         spec = {"gguf": str(a.model), "ctx": ctx, "budget": budget, "threads": a.threads, "n_gen": a.n_gen,
-                "ppl": a.ppl, "quest_share": a.quest_share, "depths": [float(x) for x in a.depths.split(",") if x],
+                "ppl": a.ppl, "kcache": a.kcache, "quest_share": a.quest_share,
+                "depths": [float(x) for x in a.depths.split(",") if x],
                 "prompt_tokens": a.prompt_tokens or ctx - a.n_gen, "filler": str(a.filler.resolve()),
                 "partial": str(work / f"ctx-{ctx}.partial.json")}
         job.write_text(json.dumps(spec))

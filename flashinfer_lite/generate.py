@@ -20,7 +20,7 @@ from storage.tokenizer import StreamDecoder, Tokenizer, check_utf8
 
 from .constrain import Constraint, json_schema_grammar, text_grammar
 from .flash_matrix import FlashMatrix
-from .kv_pages import CACHE_TYPES, KVCache, KVOptions, parse_kv_pages
+from .kv_pages import CACHE_TYPES, KVCache, KVOptions, parse_kcache, parse_kv_pages
 from .model import Transformer
 from .process import peak_rss_bytes, rss_bytes
 
@@ -478,6 +478,14 @@ def add_model_arguments(p) -> None:
     p.add_argument("--lookahead", action="store_true",
                    help="start each layer's flash reads one layer early on a guess (its predictor on the previous "
                         "layer's input); pays only where compute, not flash bandwidth, is the bottleneck")
+    add_kv_arguments(p)
+    p.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: all cores)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="print the budget split and runtime decisions, and the KV pages read per token")
+
+
+def add_kv_arguments(p) -> None:
+    """The KV cache's flags (kv_options_from): generate, chat and serve's, and eval's."""
     p.add_argument("--cache-type-k", default="f16", choices=CACHE_TYPES,
                    help="KV cache type of the keys: f16 or q8_0 (blocks of 32 with a float16 scale, as llama.cpp's); "
                         "default f16")
@@ -487,12 +495,13 @@ def add_model_arguments(p) -> None:
                    help="Quest: a decode step's attention reads the N KV pages (or P%% of them) whose keys bound its "
                         "query's scores highest, plus the first and the latest (approximate; default: every page, "
                         "exact)")
+    p.add_argument("--kcache", default=None, metavar="W",
+                   help="KCache: a decode step scores every KV page's keys, then reads the values only of the pages "
+                        "holding a position whose softmax weight reaches W (e.g. 0.001; approximate; default off: "
+                        "every page's values); not with --kv-pages")
     p.add_argument("--kv-dir", default=None,
                    help="directory of the file of KV pages beyond the budget's DRAM share (default: next to the "
                         "model's flash files, else the cache directory); the file is deleted when the run ends")
-    p.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: all cores)")
-    p.add_argument("-v", "--verbose", action="store_true",
-                   help="print the budget split and runtime decisions, and the KV pages read per token")
 
 
 def add_arguments(p) -> None:
@@ -551,8 +560,9 @@ def check_arguments(args) -> None:
 
 
 def kv_options_from(args) -> KVOptions:
-    """The KV flags (--cache-type-k/v, --kv-pages, --kv-dir) as load()'s kv."""
-    return KVOptions(args.cache_type_k, args.cache_type_v, directory=args.kv_dir, **parse_kv_pages(args.kv_pages))
+    """The KV flags (--cache-type-k/v, --kv-pages, --kcache, --kv-dir) as load()'s kv."""
+    return KVOptions(args.cache_type_k, args.cache_type_v, directory=args.kv_dir, **parse_kv_pages(args.kv_pages),
+                     **parse_kcache(args.kcache))
 
 
 def open_model(args):

@@ -51,7 +51,7 @@ Q8_BLOCK, Q8_BYTES = 32, 34  # values per q8_0 block; its bytes: the float16 sca
 
 @dataclass(frozen=True)
 class KVOptions:
-    """How the KV cache is kept (the CLI's --cache-type-k/v, --kv-pages, --kv-dir; the plan's dram_pages)."""
+    """How the KV cache is kept (the CLI's --cache-type-k/v, --kv-pages, --kcache, --kv-dir; the plan's dram_pages)."""
     type_k: str = "f16"
     type_v: str = "f16"
     quest_pages: int = 0            # Quest: pages a decode step reads besides the first and the latest; 0: every page
@@ -68,7 +68,10 @@ class KVOptions:
         if self.quest_pages < 0 or not 0.0 <= self.quest_share <= 1.0:
             raise UserError("--kv-pages: a number of pages >= 1 or a share such as 25%")
         if not 0.0 <= self.kcache < 1.0:
-            raise UserError(f"KCache's threshold {self.kcache}: a softmax weight, at least 0 and below 1")
+            raise UserError(f"--kcache {self.kcache:g}: a softmax weight, at least 0 and below 1 (0: off)")
+        if self.kcache and self.quest:      # KCache reads every page's keys, Quest only some: one or the other
+            raise UserError("--kcache with --kv-pages: KCache scores every page's keys, Quest chooses pages; "
+                            "give one of them")
 
     @property
     def quest(self) -> bool:
@@ -99,6 +102,16 @@ def parse_kv_pages(text: str | None) -> dict:
     except ValueError:
         pass
     raise UserError(f"--kv-pages {text!r}: a number of pages >= 1, a share such as 25%, or all")
+
+
+def parse_kcache(text: str | None) -> dict:
+    """--kcache W: KCache's softmax weight, 0 <= W < 1; None or "off": off (every page's values, exact)."""
+    if text is None or text == "off":
+        return {}
+    try:
+        return {"kcache": float(text)}      # its range is KVOptions'
+    except ValueError:
+        raise UserError(f"--kcache {text!r}: a softmax weight such as 0.001 (at least 0, below 1), or off") from None
 
 
 def writable_directory(path: str) -> None:

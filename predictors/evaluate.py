@@ -30,6 +30,8 @@ from flashinfer_lite.model import half_matrix
 from flashinfer_lite.modes import FFN_MODES, check_mode, keeps_float16, plans, predicts
 from flashinfer_lite.process import return_freed_heap
 from flashinfer_lite.kernels.blocks import ACT8, set_act8
+from flashinfer_lite.generate import add_kv_arguments, kv_options_from
+from flashinfer_lite.kv_pages import KVOptions
 from flashinfer_lite.runtime import load
 from storage.gate_file import DEFAULT_SPARSITY
 from storage.sizes import parse_size
@@ -52,12 +54,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="DRAM budget of the oracle/predicted model, as generate's (default auto)")
     parser.add_argument("--json", action="store_true",
                         help="print only one JSON object on stdout (the table goes to stderr)")
+    add_kv_arguments(parser)     # the mode's model keeps its KV cache as generate's would
 
 
 def run(args) -> int:
     budget = args.dram_budget if args.dram_budget == "auto" else parse_size(args.dram_budget)
+    kv = kv_options_from(args)      # a bad KV flag refused before the dense reference runs
     res = evaluate(args.model, args.corpus, args.ffn, n_tokens=args.tokens, ctx=args.ctx, dram_budget=budget,
-                   sparsity=args.sparsity)
+                   sparsity=args.sparsity, kv=kv)
     print(format_result(res), file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(res))
@@ -108,7 +112,8 @@ def dense_reference_apart(model_path, segments, progress: bool = True) -> list[t
 
 
 def evaluate(model_path, corpus, ffn: str, n_tokens: int = 2048, ctx: int = 256, progress: bool = True,
-             dram_budget: int | str | None = None, sparsity: float = DEFAULT_SPARSITY) -> dict:
+             dram_budget: int | str | None = None, sparsity: float = DEFAULT_SPARSITY,
+             kv: KVOptions | None = None) -> dict:
     if n_tokens < 2:
         raise UserError(f"--tokens must be at least 2 (got {n_tokens})")
     check_mode(ffn)
@@ -132,7 +137,7 @@ def evaluate(model_path, corpus, ffn: str, n_tokens: int = 2048, ctx: int = 256,
         nll, agree, t_model = nll_dense, n_pred, t_dense
     else:
         return_freed_heap()        # what tokenizing the corpus freed (27 MiB of SmolLM2's on wikitext2_test)
-        loaded, _ = load(model_path, dram_budget, ffn, ctx, sparsity=sparsity)
+        loaded, _ = load(model_path, dram_budget, ffn, ctx, sparsity=sparsity, kv=kv)
         model, flash = loaded.transformer, loaded.ffn
         kv = model.new_cache(ctx)
         nll, agree, t_model = 0.0, 0, 0.0

@@ -24,12 +24,13 @@ def test_rows_hold_exact_and_quest_from_one_prompt_within_the_cap():
     except ImportError:
         llama = []
     doc, md = run_bench("long_context.py", "-m", GGUF, "--contexts", "256", "--depths", "0.3,0.8", "-n", "4",
-                        "--budget-ctx", "256", "--prompt-tokens", "200", "--dram-row", "--ppl", "8", *llama,
+                        "--budget-ctx", "256", "--prompt-tokens", "200", "--dram-row", "--ppl", "8", "--kcache", "0.05", *llama,
                         timeout=900)
     (row,) = doc["rows"]
     ppl = row["ppl"]        # the last 8 of 200 tokens, exact and Quest from one prompt
     assert ppl["scored"] == 8 and ppl["tokens"] == 200 and ppl["exact"] > 1
-    assert abs(ppl["quest"] / ppl["exact"] - 1) < 0.1
+    assert abs(ppl["quest"] / ppl["exact"] - 1) < 0.1 and abs(ppl["kcache"] / ppl["exact"] - 1) < 0.1
+    assert 0 < ppl["kcache_pages_read"] <= ppl["pages"] and ppl["exact_pages_read"] == 0   # exact: prompt chunks
     dram = row["dram"]     # every KV page in DRAM, the weights as the row's budget plans them, the cap raised by
     assert "error" not in dram and dram["dram_pages"] == dram["pages"] == 256 // 32 and dram["ms_per_token"] > 0
     assert dram["planned_dram_pages"] == row["dram_pages"] <= row["pages"]                # the row's pages on flash
@@ -51,9 +52,11 @@ def test_rows_hold_exact_and_quest_from_one_prompt_within_the_cap():
         assert 190 <= d["prompt_tokens"] <= 200 and "ids" not in d
         exact, quest = d["exact"], d["quest"]
         assert exact["pages_read"] == exact["pages"] > quest["pages_read"] > 0
+        kc = d["kcache"]      # every page's keys, the values of some
+        assert kc["pages_read"] == exact["pages_read"] and 2 * 2 <= kc["value_pages_read"] <= kc["pages_read"]
         assert isinstance(exact["found"], bool) and isinstance(quest["answer"], str)
         assert exact["flash_pages_read"] == 0 or exact["read_ahead"] > 0.5    # pages read while the layer before ran
-    assert "| 256 |" in md and "llama.cpp peak RSS MiB" in md
+    assert "| 256 |" in md and "llama.cpp peak RSS MiB" in md and "KCache 0.05, -c 256 depth 0.3: found" in md
 
 
 def test_the_passkey_comes_from_the_depths_value_not_its_place_in_the_list():

@@ -294,6 +294,53 @@ def test_the_cli_refuses_bad_kv_flags_in_one_line():
         r = subprocess.run([sys.executable, "-m", "flashinfer_lite", "generate", "-m", str(STORIES), "-p", "hi",
                             *flags], capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+    # --kcache: one line "error: ..." and exit 1, before any model loads (eval: before its dense reference; serve:
+    # before it listens): a weight out of range, not a number, or with Quest (KCache scores every page's keys)
+    missing = str(DATA / "no-such-model.gguf")
+    for command, flags, said in (("generate", ["--kcache", "1.5"], "--kcache 1.5: a softmax weight"),
+                                 ("chat", ["--kcache", "-0.1"], "--kcache -0.1: a softmax weight"),
+                                 ("serve", ["--kcache", "abc"], "--kcache 'abc': a softmax weight"),
+                                 ("eval", ["--kcache", "0.01", "--kv-pages", "25%", "--corpus", missing],
+                                  "--kcache with --kv-pages")):
+        r = subprocess.run([sys.executable, "-m", "flashinfer_lite", command, "-m", missing, *flags],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1 and r.stderr.strip().splitlines() == [r.stderr.strip()], (command, r.stderr)
+        assert r.stderr.startswith("error: ") and said in r.stderr, (command, r.stderr)
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve", "eval"])
+def test_the_kcache_flag_becomes_the_loads_kv_options(command):
+    """--kcache W of every command that loads a model is KVOptions(kcache=W), beside the other KV flags; "off" and
+    no flag: 0 (every page's values)."""
+    from flashinfer_lite.cli import build_parser
+    from flashinfer_lite.generate import kv_options_from
+    need = ["--corpus", "x.txt"] if command == "eval" else []
+    parse = build_parser(command).parse_args
+    args = parse([command, "-m", "x.gguf", *need, "--kcache", "0.002", "--cache-type-k", "q8_0"])
+    assert kv_options_from(args) == KVOptions(type_k="q8_0", kcache=0.002)
+    for off in ([], ["--kcache", "off"], ["--kcache", "0"]):
+        assert kv_options_from(parse([command, "-m", "x.gguf", *need, *off])).kcache == 0.0
+    with pytest.raises(UserError, match="--kcache with --kv-pages"):
+        KVOptions(kcache=0.01, quest_pages=4)       # the API refuses the pair as the flags are refused
+
+
+def test_generate_with_kcache_reads_fewer_value_pages_than_keys():
+    """generate --kcache reaches the model's cache: --json's kv counts every page's keys read and, at a weight
+    hardly any position reaches, the values of fewer pages (at least the first and the latest of each layer's);
+    without it, as many value pages as key pages."""
+    import json
+    import subprocess
+    import sys
+
+    def kv(*flags):
+        r = subprocess.run([sys.executable, "-m", "flashinfer_lite", "generate", "-m", str(STORIES), "-p",
+                            "Once upon a time, there was a little girl named Lily. She loved to play outside " * 5,
+                            "-n", "12", "--temp", "0", "--json", *flags], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout.strip().splitlines()[-1])["kv"]
+    exact, kcache = kv(), kv("--kcache", "0.9")
+    assert exact["value_pages_read"] == exact["pages_read"] == kcache["pages_read"] >= 4 * 5   # 4+ pages x 5 layers
+    assert 2 * 5 <= kcache["value_pages_read"] < kcache["pages_read"]
 
 
 def test_without_o_direct_the_file_is_buffered_and_the_bits_are_the_same(tmp_path, monkeypatch):
@@ -446,5 +493,5 @@ def test_kcache_reads_the_values_of_the_heavy_pages_and_moves_attention_by_at_mo
     want = attention64(q.astype(np.float64), K, V, n, 0)
     err = np.abs(got - want).max(axis=2)[0]
     assert (left_out > 0).all() and (err <= 2 * left_out * np.abs(V).max() + 1e-5).all(), (err, left_out)
-    with pytest.raises(UserError, match="KCache's threshold"):
+    with pytest.raises(UserError, match="--kcache 1: a softmax weight"):
         KVOptions(kcache=1.0)
