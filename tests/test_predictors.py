@@ -302,6 +302,40 @@ def test_a_predictor_that_would_read_nearly_everything_is_dropped(stories):
             assert ps.predict(i, x).all()
 
 
+def test_keep_selects_the_top_share_of_the_scores(stories, tmp_path):
+    """Issue 44: `train-predictor --keep F` sets a read budget in place of a recall target. Per layer past the dense
+    one, the stored predictor selects, on the rows its cut was tuned on, the entries whose float64 score (from the
+    stored weights) is among the top share F of that layer's scores; on the reporting rows (text neither training
+    nor tuning saw) it reads about F of the neurons; no threshold is left (every selected neuron counts)."""
+    from flashinfer_lite.predictor_set import load_predictors, read_manifest
+    from predictors import train
+    from predictors.acts import Acts
+    flash = tmp_path / "flash"
+    shutil.copytree(stories["flash"], flash)
+    keep = 0.3
+    cards = train.train(stories["acts"], flash, keep=keep, steps=20, progress=False, threads=1)
+    m, ps, acts = read_manifest(flash), load_predictors(flash), Acts(stories["acts"])
+    assert m["keep"] == keep and m["dense_layers"] == [0] and m["act_threshold"] == [0.0] * 5
+    for i in range(1, 5):
+        x, _ = acts.layer(i)
+        _, tune, report = train.split_rows(len(x))
+        w_in, w_out, bias = (np.asarray(a, np.float64) for a in ps._w[i])     # [d, r], [r, n], [n]
+        score = (x[tune].astype(np.float64) @ w_in) @ w_out + bias
+        k = int(round(keep * score.size))
+        top = np.zeros(score.size, bool)
+        top[np.argsort(score, axis=None)[::-1][:k]] = True
+        got = ps.predict(i, x[tune], count=False).ravel()
+        near = np.abs(score.ravel()) < 1e-4 * np.abs(score).max()             # float32 vs float64 at the cut
+        assert np.array_equal(got[~near], top[~near]) and near.sum() < 0.001 * score.size, i
+        share = ps.predict(i, x[report], count=False).mean()
+        assert abs(share - keep) < 0.1 and abs(cards[i]["pred_share"] - share) < 1e-3, (i, share)
+        assert 0 < cards[i]["mass_kept"] <= 1
+    with pytest.raises(UserError, match="--keep must be in"):
+        train.train(stories["acts"], flash, keep=1.0, steps=1, progress=False)
+    with pytest.raises(SystemExit):      # one selection target: a budget or a recall, not both
+        parse(train, [str(stories["acts"]), "-o", str(flash), "--keep", "0.5", "--target-recall", "0.9"])
+
+
 def test_a_flipped_predictor_byte_is_found_by_verify_and_at_launch(stories, tmp_path):
     from flashinfer_lite.runtime import load_runtime
     from storage.format import verify
