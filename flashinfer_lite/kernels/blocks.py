@@ -1677,7 +1677,7 @@ def _col_int_loop(builder, I, B, stride, rows, ks, count, at, lo, half, kind, SC
                         word = builder.or_(word, builder.shl(builder.and_(kc, ir.Constant(_I32, 255)),
                                                              ir.Constant(_I32, 8 * c)))
                     cat = lambda a, b: builder.shuffle_vector(a, b, ir.Constant(  # noqa: E731
-                        ir.VectorType(_I32, 2 * _COL_GROUP), list(range(2 * _COL_GROUP))))
+                        ir.VectorType(_I32, 2 * a.type.count), list(range(2 * a.type.count))))
                     z = builder.shuffle_vector(cat(us[0], us[1]), cat(us[2], us[3]),
                                                ir.Constant(ir.VectorType(_I32, 4 * _COL_GROUP), _QUAD))
                     kv = _vec(builder, _I32, word, 16)
@@ -1686,9 +1686,7 @@ def _col_int_loop(builder, I, B, stride, rows, ks, count, at, lo, half, kind, SC
                         zm = builder.shuffle_vector(z, z, ir.Constant(ir.VectorType(_I32, _COL_GROUP),
                                                                       list(range(64 * m, 64 * m + 64))))
                         parts.append(builder.call(dpbusd, [ir.Constant(v16i, None), builder.bitcast(zm, v16i), kv]))
-                    prod = builder.shuffle_vector(builder.shuffle_vector(parts[0], parts[1], ir.Constant(
-                        ir.VectorType(_I32, 32), list(range(32)))), builder.shuffle_vector(parts[2], parts[3], ir.Constant(
-                        ir.VectorType(_I32, 32), list(range(32)))), ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
+                    prod = cat(cat(parts[0], parts[1]), cat(parts[2], parts[3]))
                     if off:
                         prod = builder.sub(prod, _vec(builder, _I32, builder.mul(total, ir.Constant(_I32, off)),
                                                       _COL_GROUP))
