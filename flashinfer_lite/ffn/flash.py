@@ -98,12 +98,12 @@ class SplitRows:
             if column and tables is None:
                 raise ValueError("down columns need their layers' scale tables (down_scales)")
             self.S = column_tables(tables if column else None, column, self.dn.d)
-            self.columns = column is not None
+            self.down_columns = column is not None
         else:
             size = np.dtype(STORAGE_VIEWS[g.dtype]).itemsize
             self.kind, self.n, self.up_at = 0, g.d, g.offset("up") // size
             self.up_kind, self.up_n = 0, g.d
-            self.columns = False
+            self.down_columns = False
         self._ints = None    # begin's rounded coefficients and the down sum's integer state, until finish
         self._row = None     # begin's 8-bit buffers for one row, kept for the next token
         self.s_gate, self.s_up = g.scalar_slot("scale.gate"), g.scalar_slot("scale.up")
@@ -141,7 +141,7 @@ class SplitRows:
         blocks of neurons whatever the bundles' order, and the pieces accumulate integers
         (kernels.neurons.gate_down_ints) until finish. Otherwise nothing: the float32 sum."""
         self._ints = None
-        if not self.columns:
+        if not self.down_columns:
             return
         T, n = coef.shape
         code = self.down_kind.code
