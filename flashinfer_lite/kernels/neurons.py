@@ -461,7 +461,8 @@ def gate_down_ints(B, F, slots, coef, KQ, XD, KS, Y, carry, cb_in, cb_out, down_
         lo = (q % ns) * out_block
         m = min(d, lo + out_block) - lo
         c0, c1, h0, h1 = col_span(kind, d, lo, lo + m)
-        ahead = rows_ahead(c1 - c0 + h1 - h0)
+        # a run is added after its columns are gathered: ask for them a run's length earlier than one at a time
+        ahead = rows_ahead(c1 - c0 + h1 - h0) + COL_RUN_COLUMNS
         I = np.empty((R, m), np.int32)
         cur_b = np.empty(R, np.int64)
         for i in range(R):
