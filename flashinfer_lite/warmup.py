@@ -131,8 +131,11 @@ def compile_steps(layout, kernels=None) -> list:
                              layout.config.get("relu_threshold"), scales and scales[0], gu.quantized)  # layer 0's
             X, coef = np.zeros((T, layout.d), np.float32), np.zeros((T, k + 1), np.float32)
             if sums:
+                Y = np.zeros_like(X)
+                rows.begin(np.zeros((T, dn.n_neurons[0]), np.float32))     # down columns: the integer sums
                 rows.accumulate(aligned_empty((k, dn.stride), np.uint8), np.arange(k, dtype=np.int32),
-                                np.ascontiguousarray(coef[:, :k]), np.zeros_like(X))
+                                np.ascontiguousarray(coef[:, :k]), Y)
+                rows.finish(Y)
                 return
             # a streamed layer's last chunk fills a slice of the coefficients (FlashFFN.coefficients): its own type
             rows.coefficients(np.zeros((k, gu.stride), np.uint8), X, coef[:, :k], 0.0)

@@ -296,3 +296,133 @@ def test_down_sum_in_sub_block_runs_is_one_column_at_a_time(layer):
     for j in run:
         quant.col_axpy(one, coef[0, j], B, j, 0, 0, k.code, order[j], S)
     assert np.array_equal(y.view(np.uint32), one.view(np.uint32))
+
+
+def split_kernels_of(kind, d=64, n=512, seed=3):
+    """SplitKernels over the split layout of bundles_with_columns' neurons in neuron order (as convert writes them):
+    (kernels, gate|up rows H, down rows D, the GGUF's raw down matrix)."""
+    from flashinfer_lite.ffn.flash import SplitKernels
+    from storage.format import FlashLayout, SPLIT_PARTS
+    _, B, order, *_ = bundles_with_columns(kind, d, n, seed)
+    L = FlashLayout.create(d, [n], "q8_0", True, layer_dtypes=[("q8_0", "q8_0", kind + ".col")])
+    parts = {name: L.make_part(name) for name in SPLIT_PARTS}
+    H, D = (L.geometry.extract(B[np.argsort(order)], parts[p].geometry) for p in ("gate_up", "down"))
+    raw = source(kind, d, n, seed)
+    return SplitKernels(parts["gate_up"], parts["down"], "silu", None, [columns.split(raw, kind, n)[1]]), H, D, raw
+
+
+def integer_down_sum(raw, kind, coef):
+    """The gate's down sum of one row's coefficients coef [n] as numpy computes it from the GGUF's raw matrix, outside
+    the runtime: the coefficients rounded to llama.cpp's 8-bit blocks (q8_K per 256 neurons for the K-quants, q8_0
+    per 32 for the others: test_act8's oracles), each block's integer sums in int64, then per block in order
+    y += f32(I) * (f32(a) * xd) and its min term in float32 (the runtime's order). Returns (that float32 y, the float64
+    value of the same rounded coefficients on gguf's weights, and the sum of the terms' magnitudes)."""
+    from test_act8 import q8_blocks, q8k_blocks
+    d, n = raw.shape[0], len(coef)
+    cols, t = columns.split(raw, kind, n)
+    w, sw = columns.groups(kind)
+    kq, xd = q8k_blocks(coef)[:2] if w == 256 else q8_blocks(coef)[:2]
+    q = columns.unpack(cols, kind, d).astype(np.int64)             # [n, d] raw values
+    q = q - 256 * (q > 127) if kind == "q8_0" else q - {"q4_0": 8, "q5_0": 16, "q6_k": 32}.get(kind, 0)
+    f16 = lambda v: v.view(np.float16).astype(np.float32)  # noqa: E731
+    sc = t["sc"].view(np.int8).astype(np.int64) if kind == "q6_k" else t.get("sc", np.ones((n // sw, d), np.int64))
+    kq64 = kq.astype(np.int64)
+    y = np.zeros(d, np.float32)
+    for b in range(n // w):
+        if not kq[b * w:(b + 1) * w].any():
+            continue
+        subs = range(b * w // sw, (b + 1) * w // sw)
+        I = sum(sc[s].astype(np.int64) * (kq64[s * sw:(s + 1) * sw] @ q[s * sw:(s + 1) * sw]) for s in subs)
+        x = np.float32(xd[b])
+        y = y + I.astype(np.float32) * (f16(t["d"][b]) * x)
+        if kind in ("q4_1", "q5_1"):
+            y = y + np.float32(kq64[b * w:(b + 1) * w].sum()) * (f16(t["m"][b]) * x)
+        elif kind in ("q4_k", "q5_k"):
+            M = sum(t["mn"][s].astype(np.int64) * kq64[s * sw:(s + 1) * sw].sum() for s in subs)
+            y = y - M.astype(np.float32) * (f16(t["m"][b]) * x)
+    c = kq64 * np.repeat(xd.astype(np.float64), w)                   # the rounded coefficients
+    W = gguf_dequant(raw, kind).reshape(d, n).astype(np.float64)
+    return y, W @ c, np.abs(W) @ np.abs(c)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gate_down_sum_is_integers_on_the_rounded_coefficients(kind):
+    """SplitRows' down sum of down columns (begin, pieces, finish): the coefficients rounded to 8 bits per block as
+    the dense path rounds them, integer sums per block, three float operations per block and output. Bit for bit
+    numpy's integers and float32 steps (integer_down_sum), in one call or in pieces, a row alone or among a prompt's;
+    within 2^-20 of the float64 value on gguf's weights of those rounded coefficients (float32 rounds a block's
+    term and the sum of about n / 32 terms: (2 blocks + 3) 2^-24 at most here)."""
+    k, H, D, raw = split_kernels_of(kind)
+    d, n = raw.shape[0], H.shape[0]
+    rng = np.random.default_rng(9)
+    X = rng.normal(size=(3, d)).astype(np.float32)
+    coef = np.zeros((3, n), np.float32)
+    k.coefficients(H, X, coef, 0.0, 0)
+    coef[rng.random(coef.shape) < 0.4] = 0.0                        # 60% fired, each row its own
+    coef[:, 256:288] = 0.0                                           # a block no row needs
+    coef[2] = 0.0                                                    # a row with nothing fired
+    ids = np.flatnonzero(coef.any(axis=0)).astype(np.int32)
+
+    def run(rows, pieces):
+        Y = np.zeros((len(rows), d), np.float32)
+        k.begin(np.ascontiguousarray(coef[rows]), 0)
+        for p in np.array_split(ids, pieces):
+            k.accumulate(D, p, np.ascontiguousarray(coef[rows][:, p]), Y, 0)
+        k.finish(Y, 0)
+        return Y
+    Y = run([0, 1, 2], 1)
+    assert not Y[2].any()
+    for t in (0, 1):
+        want, exact, size = integer_down_sum(raw, kind, coef[t])
+        assert np.array_equal(Y[t].view(np.uint32), want.view(np.uint32)), t
+        assert np.all(np.abs(Y[t] - exact) <= 2.0 ** -20 * size), np.abs(Y[t] - exact).max()
+    for rows, pieces in (([0, 1, 2], 5), ([1], 1), ([1], 7), ([0], 3)):
+        assert np.array_equal(run(rows, pieces).view(np.uint32), Y[rows].view(np.uint32)), (rows, pieces)
+
+
+def test_exact_gate_over_down_columns_in_integers_at_every_budget(uniform_gated, monkeypatch):
+    """8-bit activations on (the default): the gate's down sum of columns in integers (SplitRows.begin) gives the
+    same bits with no budget and at the minimum (a token's set in pieces through the window), on 1 or 2 threads,
+    with the prompt through the cache or streamed; and it is the integer sum, not the float32 one."""
+    from conftest import assert_same_bits_at_every_budget
+    from test_exact_gate import IDS
+    from flashinfer_lite.kernels.blocks import set_act8
+    from flashinfer_lite.runtime import load_runtime
+    assert_same_bits_at_every_budget(uniform_gated, "gate", IDS, 6, monkeypatch)
+    model, _, rt = load_runtime(uniform_gated, "gate", ctx=64, base_bytes=0)
+    began = []
+    rt.kernels[0].begin = (lambda f: lambda coef: (f(coef), began.append(rt.kernels[0]._ints is not None)))(
+        rt.kernels[0].begin)
+    model.forward(IDS, model.new_cache(64))
+    assert began == [True]
+
+
+def test_a_permuted_flashdir_gives_the_gate_the_same_logits(uniform_gated):
+    """Neurons in another order on flash (co-activation placement, issue 44) change nothing the gate computes: the
+    coefficients are rounded by blocks of neurons, not of bundles, and the down sum is integers per block, converted
+    in block order. A prompt's and decoded tokens' logits are the identity order's bits (8-bit activations on); the
+    calibration is the same model's (its frequencies only choose pinned rows: the whole model is in DRAM here)."""
+    import shutil
+    from test_exact_gate import IDS
+    from test_quant_e2e import greedy
+    from flashinfer_lite.runtime import load_runtime
+    from storage.checkpoint import open_checkpoint
+    from storage.convert import layout_for, write_flashdir
+    from storage.format import read_layout
+    from storage.gate_file import GATE_FILE
+    out = uniform_gated.parent / "permuted"
+    if not out.exists():
+        ckpt = open_checkpoint(uniform_gated.parent / "uniform.gguf")
+        rng = np.random.default_rng(11)
+        orders = [rng.permutation(n) for n in read_layout(uniform_gated).n_neurons]
+        out.mkdir()
+        write_flashdir(ckpt, layout_for(ckpt, "auto", orders), out, progress=False)
+        shutil.copy(uniform_gated / GATE_FILE, out / GATE_FILE)
+    got = []
+    for path in (uniform_gated, out):
+        model, _, rt = load_runtime(path, "gate", ctx=64, base_bytes=0)
+        got.append(greedy(model, IDS, 6))
+    L = read_layout(out)
+    assert L.parts["down"].geometry.dtype == "q6_k.col" and not np.array_equal(L.order[0], np.arange(L.n_neurons[0]))
+    assert rt.kernels[0].order is not None                          # the permuted layout's path
+    assert got[1][0] == got[0][0] and np.array_equal(got[1][1].view(np.uint32), got[0][1].view(np.uint32))

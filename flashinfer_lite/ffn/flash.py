@@ -19,7 +19,9 @@ Why gate AND up in DRAM for the exact gate (docs/PREDICTORS.md, bench/exact_gate
 row, and with both rows resident only the down row (a third of a bundle's weights) is read for the neurons that count.
 
 One summation order (kernels.neurons): the coefficients are per neuron, computed by the same kernel for any T; the
-down rows are added in bundle order, whatever the cache holds, the pieces or the prefill strategy.
+down rows are added in bundle order, whatever the cache holds, the pieces or the prefill strategy. A GGUF's down
+columns (8-bit activations on) are summed in integers on the coefficients rounded to 8 bits per block of neurons
+(SplitRows.begin), exact whatever the order, and converted to float once per block, in block order.
 """
 from __future__ import annotations
 
@@ -36,9 +38,10 @@ from storage.errors import UserError
 from storage.profile import stream_settings, stream_shape
 from storage.reader import BundleReader, FlashStats, RowStream, bundle_reader
 
-from ..kernels.blocks import K_KINDS, KINDS, act8_buffers, column_tables
-from ..kernels.neurons import (OUT_BLOCK, act_code, down_span, ffn_accumulate, ffn_coefficients, quant_ffn_accumulate,
-                               quant_ffn_accumulate_rows, quant_gate_coefficients, threshold_of)
+from ..kernels.blocks import ACT8, INT8_KINDS, K_KINDS, KINDS, Q6_K, act8_buffers, column_tables, quantize_act_rows
+from ..kernels.neurons import (GATE_DOWN_ROWS, OUT_BLOCK, act_code, down_span, ffn_accumulate, ffn_coefficients,
+                               gate_down_finish, gate_down_ints, quant_ffn_accumulate, quant_ffn_accumulate_rows,
+                               quant_gate_coefficients, threshold_of)
 from ..neuron_cache import NeuronCache, staging_rows
 from ..threads import beside_reads
 from .quant import sparse_ffns
@@ -57,7 +60,7 @@ class SplitKernels:
             key = i if tables is not None else (gate_up.dtypes_of(i), down.dtypes_of(i))
             if key not in shared:
                 shared[key] = SplitRows(gate_up.geometry_of(i), down.geometry_of(i), act, relu_threshold, tables,
-                                        gate_up.quantized)
+                                        gate_up.quantized, order=down.order[i])
             return shared[key]
         self.layers = [rows(i) for i in range(gate_up.n_layers)]
 
@@ -67,13 +70,21 @@ class SplitKernels:
     def accumulate(self, D: np.ndarray, slots: np.ndarray, coef: np.ndarray, Y: np.ndarray, layer: int) -> None:
         self.layers[layer].accumulate(D, slots, coef, Y)
 
+    def begin(self, coef: np.ndarray, layer: int) -> None:
+        self.layers[layer].begin(coef)
+
+    def finish(self, Y: np.ndarray, layer: int) -> None:
+        self.layers[layer].finish(Y)
+
 
 class SplitRows:
     """One layer's rows: the kernels' offsets and scalar slots from the parts' BundleGeometry (gu: gate|up, dn: down)
     and, for down columns, the layer's scale tables."""
 
-    def __init__(self, gu, dn, act: str, relu_threshold, tables, quantized: bool):
+    def __init__(self, gu, dn, act: str, relu_threshold, tables, quantized: bool, order=None):
         self.gu, self.dn, self.quantized = gu, dn, quantized
+        # bundle b holds neuron order[b]; None or the identity: neuron b (begin's carried blocks need ascending neurons)
+        self.order = None if order is None or np.array_equal(order, np.arange(len(order))) else np.asarray(order)
         self.act = act_code(act)
         self.threshold = threshold_of(act, relu_threshold)
         g = self.gu
@@ -87,10 +98,14 @@ class SplitRows:
             if column and tables is None:
                 raise ValueError("down columns need their layers' scale tables (down_scales)")
             self.S = column_tables(tables if column else None, column, self.dn.d)
+            self.down_columns = column is not None
         else:
             size = np.dtype(STORAGE_VIEWS[g.dtype]).itemsize
             self.kind, self.n, self.up_at = 0, g.d, g.offset("up") // size
             self.up_kind, self.up_n = 0, g.d
+            self.down_columns = False
+        self._ints = None    # begin's rounded coefficients and the down sum's integer state, until finish
+        self._row = None     # begin's 8-bit buffers for one row, kept for the next token
         self.s_gate, self.s_up = g.scalar_slot("scale.gate"), g.scalar_slot("scale.up")
         self.bg, self.bu = g.scalar_slot("bias.gate"), g.scalar_slot("bias.up")
         self.s_down, self.s_neuron = self.dn.scalar_slot("scale.down"), self.dn.scalar_slot("neuron.down")
@@ -119,8 +134,60 @@ class SplitRows:
                          self.up_at, self.s_gate, self.s_up, self.bg, self.bu, self.kind, self.up_n, self.up_kind,
                          self.gu.stride, np.float32(act_threshold))
 
+    def begin(self, coef: np.ndarray) -> None:
+        """A layer's down sum starts, over coef [T, n] (every neuron's coefficient, bundle order): with down columns
+        and 8-bit activations on, the coefficients are rounded to the 8-bit blocks the dense path gives its down GEMV
+        (act8_buffers of the down's kind: q8_K per 256 neurons for the K-quants, q8_0 per 32 for the others), by
+        blocks of neurons whatever the bundles' order, and the pieces accumulate integers
+        (kernels.neurons.gate_down_ints) until finish. Otherwise nothing: the float32 sum."""
+        self._ints = None
+        if not self.down_columns:
+            return
+        T, n = coef.shape
+        code = self.down_kind.code
+        if T == 1 and self._row is not None and self._row[0] == (n, ACT8[0]):
+            xa = self._row[1]           # a decoded token's: the buffers of the last one
+        else:
+            xa = act8_buffers(T, n, code)
+            if T == 1:
+                self._row = ((n, ACT8[0]), xa)
+        q, part = (0, 1) if code in INT8_KINDS else (4, 5)
+        if not xa[q].shape[1]:
+            return                      # 8-bit activations off: the float32 sum
+        if self.order is not None:      # rounded by the blocks of neurons, whatever the bundles' order
+            by_neuron = np.empty_like(coef)
+            by_neuron[:, self.order] = coef
+            coef = by_neuron
+        quantize_act_rows(np.ascontiguousarray(coef), xa)
+        block, sub = (256, 16 if code == Q6_K else 32) if code not in INT8_KINDS else (32, 32)
+        KQ = xa[q]
+        KS = KQ.reshape(T, n // sub, sub).sum(axis=2, dtype=np.int32)
+        d = self.dn.d
+        # a permuted layout's slots come in any neuron order: every block's sums kept to the end (T x blocks x d)
+        ACC = np.zeros((T, n // block if self.order is not None else 0, d), np.int32)
+        fired = KQ.reshape(T, n // block, block).any(axis=2) if self.order is not None else np.zeros((T, 0), bool)
+        self._ints = (KQ, xa[part], KS, np.zeros((T, d), np.int32), np.full(T, -1, np.int64), np.full(T, -1, np.int64),
+                      ACC, fired)
+
+    def finish(self, Y: np.ndarray) -> None:
+        """Y[t] += what begin's integer sums still carry: the layer's down sum complete (nothing for the float one)."""
+        if self._ints is not None:
+            KQ, XD, KS, carry, cb, _, ACC, fired = self._ints
+            gate_down_finish(Y, carry, cb, self.down_kind.code, self.S, XD, KS, ACC, fired)
+            self._ints = None
+
     def accumulate(self, D: np.ndarray, slots: np.ndarray, coef: np.ndarray, Y: np.ndarray) -> None:
-        """Y[t] += sum over j in order of coef[t, j] * down row slots[j] of D (uint8 [rows, stride])."""
+        """Y[t] += sum over j in order of coef[t, j] * down row slots[j] of D (uint8 [rows, stride]); between begin
+        and finish, in integers (begin) over the slots whose coefficient is not 0, ascending within and across the
+        calls (any order in a permuted layout)."""
+        if self._ints is not None:
+            KQ, XD, KS, carry, cb_in, cb_out, ACC, fired = self._ints
+            k = self.down_kind
+            gate_down_ints(D, D.view(np.float32), slots, coef, KQ, XD, KS, Y, carry, cb_in, cb_out, 0, k.code,
+                           down_span(self.out_block, self.dn.d), self.s_neuron, self.S,
+                           GATE_DOWN_ROWS if Y.shape[0] > 1 else 1, ACC)
+            self._ints = (KQ, XD, KS, carry, cb_out, cb_in, ACC, fired)      # the blocks carried, for the next piece
+            return
         if self.quantized:
             # a prompt's rows: each down piece decoded once for many rows, with the bits of one row alone
             rows = Y.shape[0] > 1
@@ -463,6 +530,7 @@ class FlashFFN:
             self.selector.observe(layer, coef)
         ids = np.flatnonzero(coef[0] if T == 1 else coef.any(axis=0))     # bundle ids any row needs, ascending
         y = np.zeros(x.shape, np.float32)
+        self.kernels[layer].begin(coef)
         self.streamed[layer] = True
         decode = T == 1 or self.decoding
         if not decode and self.prefer_streaming(layer, [ids]):
@@ -476,6 +544,7 @@ class FlashFFN:
             if self.stream.primed == layer:
                 self.stream.cancel()
             self.accumulate_rows(layer, ids, coef, y)
+        self.kernels[layer].finish(y)
         self._dropped()
         return y, int(np.count_nonzero(coef))
 

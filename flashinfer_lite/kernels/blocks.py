@@ -1895,6 +1895,109 @@ def col_loop(typingctx, y, B, rows, cs, count, at, lo, half, kind, Ar, Mr, SCr, 
     return types.none(y, B, rows, cs, count, at, lo, half, kind, Ar, Mr, SCr, MNr), codegen
 
 
+# The exact gate's down sum in integers (kernels.neurons.gate_down_ints): a sub-block's fired columns times their
+# 8-bit coefficients, exact in int32 (|a value| <= 128 after its offset, |a coefficient| <= 127: each product fits 16
+# bits, a K-quant block's sum, its sub-blocks' scales applied, 31), 64 elements a vector step
+
+
+def _col_int_term(builder, code, B, stride, rows, ks, i, at, i0, half):
+    """<64 x i32>: ks[i] times the integer values i0 .. i0 + 63 of column rows[i] (offset off), as 16-bit products
+    (exact: |value| <= 128, |k| <= 127)."""
+    v16, v32 = ir.VectorType(_I16, _COL_GROUP), ir.VectorType(_I32, _COL_GROUP)
+    data = builder.gep(B.data, [builder.mul(builder.load(builder.gep(rows.data, [i])), stride)])
+    q = _col_values(builder, code, data, at, i0, half)
+    v = builder.sext(q, v16) if code == Q8_0 else builder.zext(q, v16)
+    off = _COL_OFFSETS.get(code, 0)
+    if off:
+        v = builder.sub(v, _vec(builder, _I16, off, _COL_GROUP))
+    c = builder.trunc(builder.load(builder.gep(ks.data, [i])), _I16)
+    return builder.sext(builder.mul(v, _vec(builder, _I16, c, _COL_GROUP)), v32)
+
+
+_COL_OFFSETS = {Q4_0: 8, Q5_0: 16, Q6_K: 32}     # the values' offsets (q8_0: signed, offset 128 when made unsigned)
+# Four columns' values interleaved, byte 4e + c = column c's element e: a <256 x i8> from two <128 x i8> halves
+_QUAD = [(c // 2) * 128 + (c % 2) * 64 + e for e in range(_COL_GROUP) for c in range(4)]
+
+
+def _col_int_loop(builder, I, B, stride, rows, ks, count, at, lo, half, kind, SCr):
+    """I[k] += sc[lo + k] * sum over i < count of ks[i] * (integer value lo + k of the column at byte `at` of row
+    rows[i] of B), k < len(I): the values as storage.columns holds them, offset off (q8_0 its int8 values, q4_0
+    q - 8, q5_0 q - 16, q6_k q - 32; the others q: their min is the block's term), sc the K-quants' sub-block scales
+    SCr (q6_k: int8 bits), 1 for the others. With AVX512-VNNI four columns at a time: their unsigned values
+    interleaved, one vpdpbusd per 16 outputs by the four coefficients, the offsets taken off as offset * (their sum);
+    elsewhere (and the last count % 4) one column at a time in 16-bit products. Integers: the same sums."""
+    at, half, count, lo = (builder.sext(v, _I64) if v.type.width < 64 else v for v in (at, half, count, lo))
+    v32, v16i = ir.VectorType(_I32, _COL_GROUP), ir.VectorType(_I32, 16)
+    acc_at = cgutils.alloca_once(builder, v32)
+    vp = v32.as_pointer()
+    quads = builder.udiv(count, ir.Constant(count.type, 4)) if HAS_VNNI and HAS_AVX512 else ir.Constant(_I64, 0)
+    c4 = lambda q, c: builder.add(builder.mul(q, ir.Constant(_I64, 4)), ir.Constant(_I64, c))  # noqa: E731
+    dpbusd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16i, [v16i] * 3),
+                                            "llvm.x86.avx512.vpdpbusd.512")
+    for k in KINDS.values():
+        code = k.code
+        off = 128 if code == Q8_0 else _COL_OFFSETS.get(code, 0)
+        with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, code))):
+            n = builder.udiv(I.nitems, ir.Constant(I.nitems.type, _COL_GROUP))
+            with cgutils.for_range(builder, n) as loop:
+                o = builder.mul(loop.index, ir.Constant(loop.index.type, _COL_GROUP))
+                i0 = builder.add(lo, o)
+                builder.store(ir.Constant(v32, None), acc_at)
+                with cgutils.for_range(builder, quads) as quad:
+                    us, word, total = [], ir.Constant(_I32, 0), ir.Constant(_I32, 0)
+                    for c in range(4):
+                        i = c4(quad.index, c)
+                        data = builder.gep(B.data, [builder.mul(builder.load(builder.gep(rows.data, [i])), stride)])
+                        u = _col_values(builder, code, data, at, i0, half)
+                        us.append(builder.xor(u, _vec(builder, _I8, 0x80, _COL_GROUP)) if code == Q8_0 else u)
+                        kc = builder.load(builder.gep(ks.data, [i]))
+                        total = builder.add(total, kc)
+                        word = builder.or_(word, builder.shl(builder.and_(kc, ir.Constant(_I32, 255)),
+                                                             ir.Constant(_I32, 8 * c)))
+                    cat = lambda a, b: builder.shuffle_vector(a, b, ir.Constant(  # noqa: E731
+                        ir.VectorType(_I32, 2 * a.type.count), list(range(2 * a.type.count))))
+                    z = builder.shuffle_vector(cat(us[0], us[1]), cat(us[2], us[3]),
+                                               ir.Constant(ir.VectorType(_I32, 4 * _COL_GROUP), _QUAD))
+                    kv = _vec(builder, _I32, word, 16)
+                    parts = []
+                    for m in range(4):
+                        zm = builder.shuffle_vector(z, z, ir.Constant(ir.VectorType(_I32, _COL_GROUP),
+                                                                      list(range(64 * m, 64 * m + 64))))
+                        parts.append(builder.call(dpbusd, [ir.Constant(v16i, None), builder.bitcast(zm, v16i), kv]))
+                    prod = cat(cat(parts[0], parts[1]), cat(parts[2], parts[3]))
+                    if off:
+                        prod = builder.sub(prod, _vec(builder, _I32, builder.mul(total, ir.Constant(_I32, off)),
+                                                      _COL_GROUP))
+                    builder.store(builder.add(builder.load(acc_at), prod), acc_at)
+                rest = builder.sub(count, builder.mul(quads, ir.Constant(_I64, 4)))
+                with cgutils.for_range(builder, rest) as term:
+                    i = builder.add(builder.mul(quads, ir.Constant(_I64, 4)), term.index)
+                    prod = _col_int_term(builder, code, B, stride, rows, ks, i, at, i0, half)
+                    builder.store(builder.add(builder.load(acc_at), prod), acc_at)
+                acc = builder.load(acc_at)
+                if code in (Q4_K, Q5_K, Q6_K):
+                    sc = _load_vec(builder, SCr.data, _I8, _COL_GROUP, i0)
+                    acc = builder.mul(acc, builder.sext(sc, v32) if code == Q6_K else builder.zext(sc, v32))
+                dst = builder.bitcast(builder.gep(I.data, [o]), vp)
+                builder.store(builder.add(builder.load(dst, align=4), acc), dst, align=4)
+
+
+@intrinsic
+def col_int_run(typingctx, I, B, rows, ks, count, at, lo, half, kind, SCr):
+    """I[k] += sc[lo + k] * sum over i < count of ks[i] * (integer value lo + k of column rows[i] of B, at byte
+    `at`), k < len(I) (lo and len(I) multiples of 64; half: the columns' d / 2; SCr: the sub-block's row of the sc
+    table, any uint8 row where the kind has none): the columns of one sub-block, in integers (_col_int_loop)."""
+    if not (_rows_ok(I, types.int32, rows, types.int64, ks, types.int32, SCr, types.uint8)
+            and isinstance(B, types.Array) and B.ndim == 2 and B.layout == "C" and B.dtype == types.uint8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        I, B, rows, ks, count, at, lo, half, kind, SCr = _arrays(context, builder, sig, args)
+        _col_int_loop(builder, I, B, builder.extract_value(B.strides, 0), rows, ks, count, at, lo, half, kind, SCr)
+        return context.get_dummy_value()
+    return types.none(I, B, rows, ks, count, at, lo, half, kind, SCr), codegen
+
+
 @njit(cache=True, nogil=True, inline="always")
 def col_axpy_run(y, B, rows, cs, count, at, lo, kind, j, S):
     """col_axpy of (cs[i], row rows[i] of B) for i < count in turn, whose neurons share neuron j's sub-block

@@ -34,7 +34,7 @@ from storage.errors import UserError
 # These kernels inline blocks' dot products (intrinsics), and Numba's cache checks only this file's stamp: a change
 # of their numbers there (the K-quants' block sums as one integer, shared with blocks.k_tiles) needs this file
 # rewritten too, or a cached kernel here keeps the old bits while a prompt's tiles take the new ones.
-from .blocks import (DOT8_ROWS, Q4_K, act8_dot, act8_row, act8_slice, act_dot, col_axpy, col_axpy_run, col_dequant, col_group, col_span, quantize_act1, quantize_act_rows, row_axpy, row_dequant,
+from .blocks import (DOT8_ROWS, Q4_1, Q4_K, Q5_1, Q5_K, Q6_K, act8_dot, act8_row, act8_slice, act_dot, col_axpy, col_axpy_run, col_int_run, col_dequant, col_group, col_span, quantize_act1, quantize_act_rows, row_axpy, row_dequant,
                      row_dot8, row_dot8k, rows_dot8, rows_dot8k)
 from ..threads import numba_threads
 from .rows import dot, f32_at, prefetch_ahead, prefetch_piece, prefetch_row, prefetch_row_l2, rows_ahead, scalar
@@ -387,6 +387,151 @@ def quant_ffn_accumulate_rows(B, F, slots, coef, Y, down_at, kind, weights, bloc
                         acc[i, k] += c * w[k]
         for i in range(rows):
             Y[t0 + i, lo:lo + m] = acc[i]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The exact gate's down sum in integers (a GGUF's down columns, 8-bit activations on). A row's coefficients are
+# rounded to 8 bits per block of the down's neurons as the dense path rounds them before its down GEMV (q8_K per 256
+# for the K-quants, q8_0 per 32 for the others: ffn.flash.SplitRows.begin); then, per output element, each block's
+# sum over its fired neurons is an exact integer (a K-quant's sub-blocks times their integer scales), and only the
+# block's conversion is float: y += float(I) * (d * xd), then the block's min term (q4_1, q5_1: + K * (m * xd);
+# q4_k, q5_k: - M * (dmin * xd), M = sum over sub-blocks of mn * K_s, K: the block's or sub-block's sum of the
+# rounded coefficients). Three float operations per block and output instead of three per weight; the integers do not
+# depend on the order of the neurons, so the float part runs in block order whatever the pieces, the chunks, the
+# thread count or the rows that share a call. A call's slots hold ascending neuron ids, and so do a layer's calls one
+# after the other (identity order): the last block of a call is carried (its integer sums) into the next, and the
+# layer's last by gate_down_finish.
+
+# Rows of a prompt per task of gate_down_ints: they share the walk over the slots (and the pieces it brings to L1)
+GATE_DOWN_ROWS = 16
+
+
+@njit(cache=True, nogil=True, inline="always")
+def gate_down_groups(kind):
+    """(neurons per block: a row of the a and m tables and of the coefficients' scales, per sub-block: of sc, mn)."""
+    if kind == Q4_K or kind == Q5_K:
+        return 256, 32
+    if kind == Q6_K:
+        return 256, 16
+    return 32, 32
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _convert_block(y, I, kind, b, t, lo, m, S, XD, KS):
+    """y[e] += block b's float terms of output lo + e for row t (the block's integer sums I; the section's comment)."""
+    A, M, SC, MN = S
+    x = XD[t, b]
+    a = A[b]
+    for e in range(m):
+        y[e] = y[e] + np.float32(I[e]) * (f32_at(a, lo + e) * x)
+    if kind == Q4_1 or kind == Q5_1:
+        mm, k = M[b], np.float32(KS[t, b])
+        for e in range(m):
+            y[e] = y[e] + k * (f32_at(mm, lo + e) * x)
+    elif kind == Q4_K or kind == Q5_K:
+        mm = M[b]
+        for e in range(m):
+            total = np.int32(0)
+            for s in range(8 * b, 8 * b + 8):
+                total += np.int32(MN[s, lo + e]) * KS[t, s]
+            y[e] = y[e] - np.float32(total) * (f32_at(mm, lo + e) * x)
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def gate_down_ints(B, F, slots, coef, KQ, XD, KS, Y, carry, cb_in, cb_out, down_at, kind, out_block, s_neuron, S,
+                   rows, ACC):
+    """Y[t] += the down sum of the columns in slots (ascending neuron ids, the neuron id at float32 slot s_neuron of F,
+    B's float32 view) by the rounded coefficients KQ[t, neuron] (int8 [T, n], neuron order; coef [T, len(slots)]:
+    which slots any row needs), in integers (the section's comment): each block's sums carried from the call before
+    (carry [T, d], block cb_in[t]; -1: none) and into the next (carry, cb_out[t]); the blocks between converted in
+    block order. XD [T, blocks]: the coefficients' scales; KS [T, sub-blocks]: their integer sums. ACC int32
+    [T, blocks, d] (else [T, 0, d]): every block's sums kept whole instead, for slots in any neuron order (a permuted
+    layout; gate_down_finish converts them). One task per
+    (`rows` rows, out_block outputs); consecutive fired columns of one sub-block are added in one pass (col_int_run:
+    each output's sum in a register across them, then times the sub-block's scale)."""
+    n = slots.shape[0]
+    T, d = Y.shape
+    G, SW = gate_down_groups(kind)
+    half = d // 2
+    SC = S[2]
+    ns = (d + out_block - 1) // out_block
+    for q in prange((T + rows - 1) // rows * ns):
+        t0 = q // ns * rows
+        R = min(T, t0 + rows) - t0
+        lo = (q % ns) * out_block
+        m = min(d, lo + out_block) - lo
+        c0, c1, h0, h1 = col_span(kind, d, lo, lo + m)
+        # a run is added after its columns are gathered: ask for them a run's length earlier than one at a time
+        ahead = rows_ahead(c1 - c0 + h1 - h0) + COL_RUN_COLUMNS
+        I = np.empty((R, m), np.int32)
+        cur_b = np.empty(R, np.int64)
+        for i in range(R):
+            I[i] = carry[t0 + i, lo:lo + m]
+            cur_b[i] = cb_in[t0 + i]
+        run, neurons = np.empty(COL_RUN_COLUMNS, np.int64), np.empty(COL_RUN_COLUMNS, np.int64)
+        ks = np.empty(COL_RUN_COLUMNS, np.int32)
+        whole = ACC.shape[1] > 0
+        sums = np.empty(m, np.int32)
+        held, group, s = 0, -1, -1
+        for j in range(n + 1):
+            if j + ahead < n:     # the column's pieces (into L2: col_int_run's pass fills L1) and neuron id
+                r = slots[j + ahead]
+                prefetch_row_l2(B, r, down_at + c0, down_at + c1)
+                prefetch_row_l2(B, r, down_at + h0, down_at + h1)
+                prefetch_row(B, r, 4 * s_neuron, 4 * s_neuron + 4)
+            if j < n:
+                used = False
+                for i in range(R):
+                    used = used or coef[t0 + i, j] != np.float32(0.0)
+                if not used:
+                    continue
+                neuron = np.int64(F[slots[j], s_neuron])
+                s = neuron // SW
+            if held and (j == n or s != group or held == COL_RUN_COLUMNS):
+                b = neurons[0] // G
+                for i in range(R):
+                    nonzero = False
+                    for h in range(held):
+                        ks[h] = KQ[t0 + i, neurons[h]]
+                        nonzero = nonzero or ks[h] != 0
+                    if not nonzero:
+                        continue
+                    if whole:
+                        sums[:] = ACC[t0 + i, b, lo:lo + m]
+                        col_int_run(sums, B, run, ks, held, down_at, lo, half, kind,
+                                    SC[group] if SC.shape[0] else B[run[0]])
+                        ACC[t0 + i, b, lo:lo + m] = sums
+                        continue
+                    if b != cur_b[i]:       # a new block: the one before is complete
+                        if cur_b[i] >= 0:
+                            _convert_block(Y[t0 + i, lo:lo + m], I[i], kind, cur_b[i], t0 + i, lo, m, S, XD, KS)
+                        I[i] = 0
+                        cur_b[i] = b
+                    col_int_run(I[i], B, run, ks, held, down_at, lo, half, kind,
+                                SC[group] if SC.shape[0] else B[run[0]])
+                held = 0
+            if j < n:
+                if held == 0:
+                    group = s
+                run[held], neurons[held] = slots[j], neuron
+                held += 1
+        for i in range(R):
+            carry[t0 + i, lo:lo + m] = I[i]
+            if lo == 0:
+                cb_out[t0 + i] = cur_b[i]
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def gate_down_finish(Y, carry, cb, kind, S, XD, KS, ACC, fired):
+    """Y[t] += the float terms of each row's last block (carry, cb[t]; -1: none), or with ACC [T, blocks, d] (not
+    empty) of its every block b where fired[t, b], in block order: the layer's down sum complete."""
+    T, d = Y.shape
+    for t in prange(T):
+        for b in range(ACC.shape[1]):
+            if fired[t, b]:
+                _convert_block(Y[t], ACC[t, b], kind, b, t, 0, d, S, XD, KS)
+        if cb[t] >= 0:
+            _convert_block(Y[t], carry[t], kind, cb[t], t, 0, d, S, XD, KS)
 
 
 # Neurons per task of quant_gate_coefficients: their gate|up rows stay in L1 while x passes by, DOT8_ROWS rows at once
