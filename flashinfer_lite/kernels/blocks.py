@@ -1064,6 +1064,15 @@ def k_tile_buffers(d):
             np.zeros(nb * _TILE_MINS, np.int32), np.zeros(nb * 2 * TILE_LANES, np.float32))
 
 
+def _lane_writer(builder, lane):
+    """An unpack's two helpers: c(v), an int64 constant, and put(arr, at, v), arr[at + lane] = v."""
+    lane = builder.sext(lane, _I64) if lane.type.width < 64 else lane
+
+    def put(arr, at, v):
+        builder.store(v, builder.gep(arr.data, [builder.add(at, lane)]))
+    return (lambda v: ir.Constant(_I64, v)), put
+
+
 @intrinsic
 def k_unpack(typingctx, r, W, SC, MN, WF, lane, kind):
     """Weight row r (a K-quant row) into lane `lane` of the tile buffers (k_tile_buffers: W codes, SC scales, MN the
@@ -1074,9 +1083,7 @@ def k_unpack(typingctx, r, W, SC, MN, WF, lane, kind):
 
     def codegen(context, builder, sig, args):
         r, W, SC, MN, WF, lane, kind = _arrays(context, builder, sig, args)
-        lane = builder.sext(lane, _I64) if lane.type.width < 64 else lane
-        c = lambda v: ir.Constant(_I64, v)  # noqa: E731
-        put = lambda arr, at, v: builder.store(v, builder.gep(arr.data, [builder.add(at, lane)]))  # noqa: E731
+        c, put = _lane_writer(builder, lane)
         v8 = ir.VectorType(_I32, LANES)
         for k in K_KINDS:
             with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
@@ -1207,9 +1214,7 @@ def q_unpack(typingctx, r, W, WF, lane, kind):
 
     def codegen(context, builder, sig, args):
         r, W, WF, lane, kind = _arrays(context, builder, sig, args)
-        lane = builder.sext(lane, _I64) if lane.type.width < 64 else lane
-        c = lambda v: ir.Constant(_I64, v)  # noqa: E731
-        put = lambda arr, at, v: builder.store(v, builder.gep(arr.data, [builder.add(at, lane)]))  # noqa: E731
+        c, put = _lane_writer(builder, lane)
         v8 = ir.VectorType(_I32, LANES)
         for k in INT8_KINDS:
             with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
