@@ -395,10 +395,11 @@ def remember(layout, figures: dict) -> None:
     write_best_effort(compiled_stamp(layout), json.dumps(record))
 
 
-# The most one compile child's RSS reached (Qwen2.5-0.5B's q5_0 FLASHDIR, Numba 0.6x, Linux x86-64: the blocks'
-# matrices, 277 MiB, of which 105 the libraries imported; the exact gate's steps at most 262, 337 as one step): what a
-# memory cgroup must leave beside the process on a first use
-COMPILE_CHILD_BYTES = 290 << 20
+# The most one compile child's RSS reached (Numba 0.6x, Linux x86-64; about 105 MiB of it the libraries imported):
+# SmolLM2's q4_1 FLASHDIR, the exact gate's coefficients of a prompt's rows 367 MB, its down sum of one row in
+# integers 343 (Qwen2.5-0.5B's q5_0: the blocks' matrices 277 MiB): what a memory cgroup must leave beside the process
+# on a first use
+COMPILE_CHILD_BYTES = 370 << 20
 
 
 def compile_in_child(layout) -> None:
