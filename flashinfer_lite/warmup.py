@@ -245,9 +245,10 @@ def measure_base_bytes(layout, kernels=None, start_peak: int | None = None) -> t
     16 MiB, Qwen2.5's 50, stories260K's 3). The load compiles the kernels in child processes first (compile_in_child,
     when compiled_stamp is missing: runtime.open_model_files, before the tokenizer), so this process only loads their
     machine code from Numba's on-disk cache: compiling would leave ~80 MiB of the compiler's memory in this process
-    (and in its peak) on a first run, and not on the next; without the stamp they compile here, a larger base. Then the heap's free
-    pages go back to the system and the LLVM library's pages leave the resident set (drop_llvm_pages: 48 MiB). In a
-    process that already holds other things (a test run, a notebook) they count too: the budget is the process's.
+    (and in its peak) on a first run, and not on the next; without the stamp they compile here, a larger base. Then
+    the heap's free pages go back to the system and the LLVM library's pages leave the resident set (drop_llvm_pages:
+    48 MiB). In a process that already holds other things (a test run, a notebook) they count too: the budget is the
+    process's.
     Each step is noted (process.mark_rss) for the parts -v prints (base_parts).
     The loading's peak: the most this process held while loading (a floor of the minimum budget: a small model's
     plan can be under it; modes.minimum_bytes): RSS before LLVM's pages were dropped, or the process's peak

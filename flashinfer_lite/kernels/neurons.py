@@ -34,8 +34,9 @@ from storage.errors import UserError
 # These kernels inline blocks' dot products (intrinsics), and Numba's cache checks only this file's stamp: a change
 # of their numbers there (the K-quants' block sums as one integer, shared with blocks.k_tiles) needs this file
 # rewritten too, or a cached kernel here keeps the old bits while a prompt's tiles take the new ones.
-from .blocks import (DOT8_ROWS, Q4_1, Q4_K, Q5_1, Q5_K, Q6_K, act8_dot, act8_row, act8_slice, act_dot, col_axpy, col_axpy_run, col_int_run, col_dequant, col_group, col_span, quantize_act1, quantize_act_rows, row_axpy, row_dequant,
-                     row_dot8, row_dot8k, rows_dot8, rows_dot8k)
+from .blocks import (DOT8_ROWS, Q4_1, Q4_K, Q5_1, Q5_K, Q6_K, act8_dot, act8_row, act8_slice, act_dot, col_axpy,
+                     col_axpy_run, col_int_run, col_dequant, col_group, col_span, quantize_act1, quantize_act_rows,
+                     row_axpy, row_dequant, row_dot8, row_dot8k, rows_dot8, rows_dot8k)
 from ..threads import numba_threads
 from .rows import dot, f32_at, prefetch_ahead, prefetch_piece, prefetch_row, prefetch_row_l2, rows_ahead, scalar
 
