@@ -66,6 +66,21 @@ def write_gate_file(flashdir, n_neurons: int, calibration: dict, by_sparsity: di
         remove_quietly(tmp)
 
 
+def reorder_gate_file(src, dest, orders) -> None:
+    """Write src's gate.json into FLASHDIR dest, whose bundles are src's in another order: dest's bundle b of layer
+    i is src's bundle orders[i][b]. The thresholds are quantiles of every coefficient, which no order changes; each
+    bundle keeps its neuron's frequency."""
+    m = _read(src)
+    n = m["n_neurons"]
+    by_sparsity = {}
+    for s, rec in m["sparsity"].items():
+        freq = [_decode_freq(f, n) for f in rec["freq"]]
+        if len(freq) != len(orders) or any(f is None for f in freq):
+            raise UserError(f"{Path(src) / GATE_FILE}: frequencies of sparsity {s} are malformed")
+        by_sparsity[float(s)] = (rec["thresholds"], [f[o] for f, o in zip(freq, orders)])
+    write_gate_file(dest, n, m["calibration"], by_sparsity)
+
+
 def gate_sparsities(flashdir) -> list[float]:
     """The sparsities gate.json holds ([] without one)."""
     m = _read(flashdir)
