@@ -426,3 +426,89 @@ def test_a_permuted_flashdir_gives_the_gate_the_same_logits(uniform_gated):
     assert L.parts["down"].geometry.dtype == "q6_k.col" and not np.array_equal(L.order[0], np.arange(L.n_neurons[0]))
     assert rt.kernels[0].order is not None                          # the permuted layout's path
     assert got[1][0] == got[0][0] and np.array_equal(got[1][1].view(np.uint32), got[0][1].view(np.uint32))
+
+
+@pytest.fixture(scope="module")
+def coact_gated(uniform_gated):
+    """uniform_gated's GGUF converted with --order coact: its neurons placed by the exact gate's co-activation."""
+    from storage.convert import convert
+    out = uniform_gated.parent / "coact"
+    if not out.exists():
+        convert(uniform_gated.parent / "uniform.gguf", out, progress=False, order="coact")
+    return out
+
+
+def test_coact_order_writes_each_neurons_source_bytes_at_its_place(coact_gated):
+    """--order coact's layout: each layer's order is a permutation (not the identity), and bundle b's written bytes
+    are the source's neuron order[b], read independently: its gate and up rows the GGUF's blocks as gguf-py reads
+    them, its down column gguf-py's dequantized down weights (through the source's own scale tables) and the neuron
+    id beside it."""
+    from gguf import GGUFReader
+    from storage.format import read_layout
+    L = read_layout(coact_gated)
+    src = {t.name: np.ascontiguousarray(t.data).view(np.uint8) for t in
+           GGUFReader(coact_gated.parent / "uniform.gguf").tensors}
+    gu, dn = L.parts["gate_up"], L.parts["down"]
+    moved = 0
+    for i in range(L.n_layers):
+        n, order = L.n_neurons[i], L.order[i]
+        assert np.array_equal(np.sort(order), np.arange(n))
+        moved += int(np.count_nonzero(order != np.arange(n)))
+        G = np.fromfile(gu.ffn_path, np.uint8)[gu.offset[i]:gu.offset[i] + n * gu.stride].reshape(n, gu.stride)
+        gate, up = src[f"blk.{i}.ffn_gate.weight"], src[f"blk.{i}.ffn_up.weight"]
+        assert np.array_equal(G[:, :gate.shape[1]], gate[order])
+        assert np.array_equal(G[:, gate.shape[1]:gate.shape[1] + up.shape[1]], up[order])
+        D = np.fromfile(dn.ffn_path, np.uint8)[dn.offset[i]:dn.offset[i] + n * dn.stride].reshape(n, dn.stride)
+        raw = src[f"blk.{i}.ffn_down.weight"]
+        want = gguf_dequant(raw, "q6_k").reshape(raw.shape[0], n)          # [d, n]
+        at = columns.column_bytes(raw.shape[0], "q6_k")
+        _, tables = columns.split(raw, "q6_k", n)
+        got = columns.dequantize_columns(np.ascontiguousarray(D[:, :at]), "q6_k", tables, order)
+        assert np.array_equal(got.view(np.uint32), want.T[order].view(np.uint32))
+        assert np.array_equal(D[:, at:at + 4].copy().view(np.float32)[:, 0], order.astype(np.float32))
+    assert moved > 0
+
+
+def test_a_reordered_gate_file_moves_each_frequency_with_its_neuron(tmp_path):
+    """reorder_gate_file: every sparsity's thresholds as they were, and bundle b's frequency the source's bundle
+    orders[i][b], to the bit of the stored uint16."""
+    from storage.gate_file import read_gate_file, reorder_gate_file, write_gate_file
+    rng = np.random.default_rng(3)
+    src, dest = tmp_path / "a", tmp_path / "b"
+    src.mkdir(), dest.mkdir()
+    cal = {s: ([float(x) for x in rng.random(2)], [rng.random(37), rng.random(37)]) for s in (0.3, 0.4)}
+    write_gate_file(src, 37, {"tokens": 5}, cal)
+    orders = [rng.permutation(37), rng.permutation(37)]
+    reorder_gate_file(src, dest, orders)
+    for s in cal:
+        a, b = read_gate_file(src, 2, 37, s), read_gate_file(dest, 2, 37, s)
+        assert b.thresholds == a.thresholds and b.calibration == a.calibration
+        assert all(np.array_equal(fb, fa[o]) for fa, fb, o in zip(a.freq, b.freq, orders))
+        assert not np.array_equal(b.freq[0], a.freq[0])
+
+
+def test_coact_order_gives_the_gate_the_same_logits_from_flash(uniform_gated, coact_gated):
+    """The FLASHDIR convert --order coact writes gives the identity order's greedy tokens and logits bit for bit,
+    in DRAM and at its minimum budget, which reads its down columns from flash (gate.json's frequencies, moved with
+    the neurons, choose the pinned rows there). The identity order runs at the same thresholds: convert calibrated them on its
+    own tokens, so the reference is uniform_gated's files with the coact gate.json's frequencies moved back."""
+    import shutil
+    from test_exact_gate import IDS
+    from test_quant_e2e import greedy
+    from flashinfer_lite.runtime import load_runtime
+    from storage.format import read_layout
+    from storage.gate_file import GATE_FILE, reorder_gate_file
+    ref = uniform_gated.parent / "coact-reference"
+    if not ref.exists():
+        shutil.copytree(uniform_gated, ref, ignore=shutil.ignore_patterns(GATE_FILE))
+        reorder_gate_file(coact_gated, ref, [np.argsort(o) for o in read_layout(coact_gated).order])
+    got = []
+    for path in (ref, coact_gated):
+        model, _, rt = load_runtime(path, "gate", ctx=64, base_bytes=0)
+        got.append(greedy(model, IDS, 6))
+    assert rt.kernels[0].order is not None
+    model, _, low = load_runtime(coact_gated, "gate", dram_budget=rt.plan.minimum_bytes, ctx=64, base_bytes=0)
+    got.append(greedy(model, IDS, 6))
+    assert low.stats.read_bytes > 0                                 # its down columns came from flash
+    for tokens, logits in got[1:]:
+        assert tokens == got[0][0] and np.array_equal(logits.view(np.uint32), got[0][1].view(np.uint32))
