@@ -15,6 +15,8 @@ COMMANDS = {
     "chat": ("flashinfer_lite.chat", "chat with a model, keeping the conversation across turns"),
     "serve": ("flashinfer_lite.serve", "serve a model over HTTP with the OpenAI API (chat and text completions)"),
     "convert": ("storage.convert", "convert an HF directory or GGUF file into the flash layout"),
+    "order-neurons": ("predictors.coact", "convert a gated model with the neurons that fire together stored "
+                                          "together (co-activation order): a token's down rows in fewer runs"),
     "verify": ("storage.verify", "check a flash directory's checksums"),
     "flash-bench": ("storage.flash_bench", "profile flash read bandwidth (chunk size x threads) and tune the reader"),
     "collect": ("predictors.collect", "record FFN inputs and activations of a model over a corpus"),

@@ -1,4 +1,5 @@
-"""Neurons placed by co-activation (`convert --order coact`): the exact gate's down rows of the neurons that fire
+"""`flashinfer-lite order-neurons MODEL -o FLASHDIR [--text FILE] [--tokens N] [--force]`: convert a gated model with
+its neurons placed by co-activation: the exact gate's down rows of the neurons that fire
 together stored next to each other, so that a token's fired set falls into long runs of the file and the reader
 (storage.reader: runs whose holes are at most its coalescing gap become one request) reads it in fewer requests.
 
@@ -15,11 +16,23 @@ that the hot ones, which fire for nearly every token, make one long run at the f
 """
 from __future__ import annotations
 
+import argparse
 import sys
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
+
+from flashinfer_lite.ffn.gate import CALIBRATION_CTX, CALIBRATION_TOKENS
+from flashinfer_lite.runtime import load_runtime
+from storage.convert import DEFAULT_DTYPE, convert
+from storage.errors import UserError
+from storage.format import read_layout
+from storage.gate_file import DEFAULT_SPARSITY, GATE_FILE
+from storage.tokenizer import token_segments
+
+from .calibrate_gate import calibrate
 
 
 def coact_order(bits: np.ndarray) -> np.ndarray:
@@ -84,21 +97,15 @@ def fired_bits(model, ffn, windows, progress: bool = False) -> list[np.ndarray]:
 def orders_for(flashdir, text: str | None = None, n_tokens: int | None = None, sparsity: float | None = None,
                progress: bool = False) -> tuple[list[np.ndarray], dict]:
     """(per layer the co-activation order of FLASHDIR's bundles: position -> bundle id, what was measured): the exact
-    gate at `sparsity` (calibrated first if gate.json is missing) over n_tokens of `text` (default: the built-in
-    calibration text, the one the thresholds come from), in windows of the calibration's context."""
-    from importlib import resources
-    from flashinfer_lite.ffn.gate import CALIBRATION_CTX, CALIBRATION_TOKENS
-    from flashinfer_lite.runtime import load_runtime
-    from storage.gate_file import DEFAULT_SPARSITY, GATE_FILE
-    from .calibrate_gate import calibrate
-    from storage.tokenizer import token_segments
+    gate at `sparsity` (calibrated first if gate.json is missing, on n_tokens of the built-in calibration text) over
+    n_tokens of `text` (default: that text), in windows of the calibration's context."""
     sparsity = DEFAULT_SPARSITY if sparsity is None else sparsity
     n_tokens = CALIBRATION_TOKENS if n_tokens is None else n_tokens
     builtin = text is None
     if builtin:
         text = (resources.files("predictors") / "calibration.txt").read_text()
     if not (Path(flashdir) / GATE_FILE).exists():      # the thresholds first, with their own progress bar
-        calibrate(str(flashdir), progress=progress)
+        calibrate(str(flashdir), n_tokens, progress=progress)
     model, tokenizer, ffn = load_runtime(flashdir, "gate", ctx=CALIBRATION_CTX, verify=False, base_bytes=0,
                                          sparsity=sparsity)
     try:
@@ -114,3 +121,40 @@ def orders_for(flashdir, text: str | None = None, n_tokens: int | None = None, s
     info = {"text": "the built-in calibration text (calibration.txt)" if builtin else "a text given to convert",
             "tokens": int(sum(map(len, windows))), "sparsity": float(sparsity)}
     return orders, info
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="a gated model's HF directory or .gguf file")
+    parser.add_argument("-o", "--output", required=True, help="flash directory to create")
+    parser.add_argument("--text", metavar="FILE",
+                        help="text to measure which neurons fire together on (default: the built-in calibration "
+                             "text, the one the exact gate's thresholds come from); never an evaluation text")
+    parser.add_argument("--tokens", type=int, default=CALIBRATION_TOKENS,
+                        help=f"tokens of it (default {CALIBRATION_TOKENS}; the thresholds take as many of the "
+                             f"built-in text)")
+    parser.add_argument("--force", action="store_true", help="replace an existing flash directory")
+
+
+def run(args) -> int:
+    if args.tokens < CALIBRATION_CTX:
+        raise UserError(f"--tokens must be at least {CALIBRATION_CTX}")
+    text = None
+    if args.text is not None:
+        try:
+            text = Path(args.text).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"--text {args.text}: cannot read it as UTF-8 text "
+                            f"({getattr(e, 'strerror', None) or e})") from None
+        if not text.strip():
+            raise UserError(f"--text {args.text} is empty")
+    out = convert_coact(args.model, args.output, text, args.tokens, force=args.force)
+    L = read_layout(out)
+    print(f"wrote {out}: {L.n_layers} layers x {L.n_neurons[0]} neurons in co-activation order")
+    return 0
+
+
+def convert_coact(model, output, text: str | None = None, n_tokens: int | None = None, dtype: str = DEFAULT_DTYPE,
+                  force: bool = False, progress: bool = True) -> Path:
+    """storage.convert.convert with the neurons in co-activation order (orders_for, on a copy in the model's order)."""
+    return convert(model, output, dtype=dtype, force=force, progress=progress,
+                   order_by=lambda work: orders_for(work, text, n_tokens, progress=progress)[0])

@@ -37,14 +37,13 @@ from .blocks import QUANTIZABLE, fits, quantize, row_bytes
 from .format import (DTYPES, MANIFEST, QUANT_DTYPES, PREDICTOR_DIR, FlashLayout, expert_checksum, file_checksum,
                      ffn_tensor_names, pack_bundles, read_layout, scale_table_name, write_manifest,
                      write_verified_stamp)
-from .gate_file import reorder_gate_file
+from .gate_file import GATE_FILE, reorder_gate_file
 from .safetensors_out import SafetensorsWriter
 
 PACK_NEURONS = 4096   # neurons packed at a time: bounds the extra memory for wide FFNs
 DEFAULT_DTYPE = "auto"
 EXPERT_CHUNKS = ("whole", "split")    # storage.experts: whole matrices, or heads then down columns
 FFN_LAYOUTS = ("auto", "bundles", "parts")   # a dense model's FFN: ffn.bin's bundles, or the split parts alone
-ORDERS = ("identity", "coact")                  # the neurons' placement in the FFN files (predictors.coact)
 # resident matrices a quantized FLASHDIR keeps in blocks: the ones multiplied (linear) or looked up by row (embeddings)
 QUANTIZED_RESIDENT = re.compile(r"embed\.weight|lm_head\.weight|layers\.\d+\.attn\.[qkvo]\.weight")
 
@@ -66,20 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the exact gate, --ffn gate, reads them, and the other modes assemble bundles from them "
                              "with two reads a neuron). auto (default): parts for SiLU- and GELU-gated models, whose "
                              "FFN runs the exact gate, bundles for the others")
-    parser.add_argument("--order", choices=ORDERS, default="identity",
-                        help="where each neuron's rows sit in the FFN files: identity (the model's order; default) or "
-                             "coact (a gated model's neurons that fire together under the exact gate stored next to "
-                             "each other, measured on calibration text: a token's down rows then fall into fewer, "
-                             "longer runs; the model's output is the same bits)")
-    parser.add_argument("--order-text", metavar="FILE",
-                        help="--order coact: the text to measure co-activation on (default: the built-in calibration "
-                             "text, the one the exact gate's thresholds come from); never an evaluation text")
     parser.add_argument("--force", action="store_true", help="replace an existing flash directory")
 
 
 def run(args) -> int:
     out = convert(args.model, args.output, dtype=args.dtype, force=args.force, expert_chunks=args.expert_chunks,
-                  ffn_layout=args.ffn_layout, order=args.order, order_text=args.order_text)
+                  ffn_layout=args.ffn_layout)
     L = read_layout(out)
     if L.experts is not None:
         E = L.experts
@@ -87,8 +78,7 @@ def run(args) -> int:
               f"{' split' if E.split else ''} chunks of {E.chunk} bytes, ffn.bin {L.ffn_size / 2**20:.1f} MiB")
         return 0
     print(f"wrote {out}: {L.n_layers} layers x {L.n_neurons[0]} neurons, {L.dtype} bundles of {L.stride} bytes"
-          + "".join(f", {F.files['ffn']} {F.ffn_size / 2**20:.1f} MiB" for F in L.ffn_files)
-          + (", neurons in co-activation order" if args.order == "coact" else ""))
+          + "".join(f", {F.files['ffn']} {F.ffn_size / 2**20:.1f} MiB" for F in L.ffn_files))
     return 0
 
 
@@ -479,7 +469,7 @@ def replaceable(out: Path) -> bool:
         layout = read_layout(out, check_size=False)
     except UserError:
         return False
-    ours = {MANIFEST, PREDICTOR_DIR, *layout.files.values()}
+    ours = {MANIFEST, PREDICTOR_DIR, GATE_FILE, *layout.files.values()}     # gate.json: calibrated, or order_by's
     return all(p.name in ours or is_scratch(p.name) for p in out.iterdir())
 
 
@@ -514,15 +504,12 @@ def _place(tmp: Path, out: Path, force: bool) -> None:
 
 
 def convert(model, output, dtype: str = DEFAULT_DTYPE, force: bool = False, progress: bool = True,
-            expert_chunks: str = "whole", ffn_layout: str = "auto", order: str = "identity",
-            order_text=None) -> Path:
+            expert_chunks: str = "whole", ffn_layout: str = "auto", order_by=None) -> Path:
+    """Convert `model` into the FLASHDIR `output`. order_by: a function of a FLASHDIR of the model written in its own
+    order (a temp directory beside output) giving each layer's bundle order (position -> bundle id; it may write
+    gate.json there): the model is then written again in that order (predictors.coact: co-activation)."""
     out = Path(output).expanduser()
     _check_output(out, force)
-    if order not in ORDERS:
-        raise UserError(f"--order is one of {', '.join(ORDERS)}, not {order!r}")
-    if order_text is not None and order != "coact":
-        raise UserError("--order-text is the text --order coact measures on; give --order coact too")
-    text = _order_text(order_text)
     ckpt = open_checkpoint(model)
     if expert_chunks not in EXPERT_CHUNKS:
         raise UserError(f"--expert-chunks is one of {', '.join(EXPERT_CHUNKS)}, not {expert_chunks!r}")
@@ -531,9 +518,10 @@ def convert(model, output, dtype: str = DEFAULT_DTYPE, force: bool = False, prog
     if ffn_layout != "auto" and ckpt.config.moe:
         raise UserError(f"--ffn-layout is for dense models; {model} is a mixture of experts (--expert-chunks)")
     layout = layout_for(ckpt, dtype, ffn_layout=ffn_layout)
-    if order == "coact" and (ckpt.config.moe or not ckpt.config.exact_gate or "down" not in layout.parts):
-        raise UserError(f"--order coact places the neurons of a dense gated model by the exact gate's firing, in the "
-                        f"split layout (--ffn-layout auto or parts); {model} with --ffn-layout {ffn_layout} is not one")
+    if order_by is not None and (ckpt.config.moe or not ckpt.config.exact_gate or "down" not in layout.parts):
+        raise UserError(f"a co-activation order places the neurons of a dense gated model by the exact gate's firing, "
+                        f"in the split layout (--ffn-layout auto or parts); {model} with --ffn-layout {ffn_layout} is "
+                        f"not one")
     if expert_chunks == "split":
         layout.experts.split = True
         layout.ffn_size = layout.experts.end
@@ -541,7 +529,7 @@ def convert(model, output, dtype: str = DEFAULT_DTYPE, force: bool = False, prog
     if note and progress:
         print(f"convert: {note}", file=sys.stderr)
     tmp = temp_path(out, "tmp")
-    work = temp_path(out, "calibrate") if order == "coact" else None    # the model in its own order, measured
+    work = temp_path(out, "calibrate") if order_by else None     # the model in its own order, measured
     try:
         if out.parent.is_dir():
             remove_stale_temp_dirs(out.parent)      # a killed conversion's GBs are free space again
@@ -553,7 +541,7 @@ def convert(model, output, dtype: str = DEFAULT_DTYPE, force: bool = False, prog
             if work is None:
                 write_flashdir(ckpt, layout, tmp, progress)
             else:
-                _write_in_coact_order(ckpt, layout, work, tmp, text, progress, dtype, ffn_layout)
+                _write_in_order(ckpt, layout, work, tmp, order_by, progress, dtype, ffn_layout)
             _place(tmp, out, force)
             _fsync_dir(out.parent)
         except BaseException:   # includes Ctrl-C: no half-written directory survives
@@ -568,30 +556,16 @@ def convert(model, output, dtype: str = DEFAULT_DTYPE, force: bool = False, prog
     return out
 
 
-def _order_text(path) -> str | None:
-    """--order-text's text, read before any work (None: the built-in calibration text)."""
-    if path is None:
-        return None
-    try:
-        text = Path(path).expanduser().read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"--order-text {path}: cannot read it as UTF-8 text ({getattr(e, 'strerror', None) or e})") \
-            from None
-    if not text.strip():
-        raise UserError(f"--order-text {path} is empty")
-    return text
-
-
-def _write_in_coact_order(ckpt, layout: FlashLayout, work: Path, dest: Path, text, progress: bool, dtype: str,
-                          ffn_layout: str) -> None:
-    """--order coact: write the model in its own order into `work`, run its exact gate there over calibration text
-    (predictors.coact: thresholds calibrated first, then which neurons fire together), and write it again into dest
-    with each layer's neurons in co-activation order; dest's gate.json is work's, its frequencies moved with their
-    bundles (the thresholds and every coefficient are the same bits in any order)."""
-    from predictors.coact import orders_for         # the runtime: imported only for this
+def _write_in_order(ckpt, layout: FlashLayout, work: Path, dest: Path, order_by, progress: bool, dtype: str,
+                    ffn_layout: str) -> None:
+    """convert's order_by: write the model in its own order into `work`, ask order_by(work) for each layer's order,
+    and write the model again into dest in that order; work's gate.json (the exact gate's thresholds, if order_by
+    calibrated them) goes with it, its frequencies moved with their bundles (the thresholds and every coefficient are
+    the same bits in any order)."""
     work.mkdir()
     write_flashdir(ckpt, layout, work, progress)
-    orders, _ = orders_for(work, text, progress=progress)
+    orders = order_by(work)
     ordered = layout_for(ckpt, dtype, [layout.order[i][o] for i, o in enumerate(orders)], ffn_layout)
     write_flashdir(ckpt, ordered, dest, progress)
-    reorder_gate_file(work, dest, orders)
+    if (work / GATE_FILE).exists():
+        reorder_gate_file(work, dest, orders)

@@ -430,20 +430,21 @@ def test_a_permuted_flashdir_gives_the_gate_the_same_logits(uniform_gated):
 
 @pytest.fixture(scope="module")
 def coact_gated(uniform_gated):
-    """uniform_gated's GGUF converted with --order coact: its neurons placed by the exact gate's co-activation."""
-    from storage.convert import convert
+    """uniform_gated's GGUF converted by order-neurons: its neurons placed by the exact gate's co-activation."""
+    from predictors.coact import convert_coact
     out = uniform_gated.parent / "coact"
     if not out.exists():
-        convert(uniform_gated.parent / "uniform.gguf", out, progress=False, order="coact")
+        convert_coact(uniform_gated.parent / "uniform.gguf", out, n_tokens=256, progress=False)
     return out
 
 
 def test_coact_order_writes_each_neurons_source_bytes_at_its_place(coact_gated):
-    """--order coact's layout: each layer's order is a permutation (not the identity), and bundle b's written bytes
+    """order-neurons' layout: each layer's order is a permutation (not the identity), and bundle b's written bytes
     are the source's neuron order[b], read independently: its gate and up rows the GGUF's blocks as gguf-py reads
     them, its down column gguf-py's dequantized down weights (through the source's own scale tables) and the neuron
     id beside it."""
     from gguf import GGUFReader
+    from storage.convert import replaceable
     from storage.format import read_layout
     L = read_layout(coact_gated)
     src = {t.name: np.ascontiguousarray(t.data).view(np.uint8) for t in
@@ -467,6 +468,7 @@ def test_coact_order_writes_each_neurons_source_bytes_at_its_place(coact_gated):
         assert np.array_equal(got.view(np.uint32), want.T[order].view(np.uint32))
         assert np.array_equal(D[:, at:at + 4].copy().view(np.float32)[:, 0], order.astype(np.float32))
     assert moved > 0
+    assert replaceable(coact_gated)             # --force may replace it, gate.json and all
 
 
 def test_a_reordered_gate_file_moves_each_frequency_with_its_neuron(tmp_path):
@@ -488,10 +490,11 @@ def test_a_reordered_gate_file_moves_each_frequency_with_its_neuron(tmp_path):
 
 
 def test_coact_order_gives_the_gate_the_same_logits_from_flash(uniform_gated, coact_gated):
-    """The FLASHDIR convert --order coact writes gives the identity order's greedy tokens and logits bit for bit,
+    """The FLASHDIR order-neurons writes gives the identity order's greedy tokens and logits bit for bit,
     in DRAM and at its minimum budget, which reads its down columns from flash (gate.json's frequencies, moved with
-    the neurons, choose the pinned rows there). The identity order runs at the same thresholds: convert calibrated them on its
-    own tokens, so the reference is uniform_gated's files with the coact gate.json's frequencies moved back."""
+    the neurons, choose the pinned rows there). The identity order runs at the same thresholds: convert calibrated
+    them on its own tokens, so the reference is uniform_gated's files with the coact gate.json's frequencies moved
+    back."""
     import shutil
     from test_exact_gate import IDS
     from test_quant_e2e import greedy
