@@ -115,6 +115,7 @@ def measure_ppl(job: dict) -> dict:
         row[mode] = round(float(np.exp(-total / row["scored"])), 4)
         p = kv.stats.per_token()       # decode steps' (exact's chunks of 16 count none); the pages held: the same
         row.update({f"{mode}_pages_read": round(p["value_pages_read"], 1), "pages": round(p["pages"], 1)})
+        Path(job["partial"]).with_suffix(".ppl.json").write_text(json.dumps(row))    # the modes so far
     return row
 
 
