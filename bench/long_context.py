@@ -2,13 +2,15 @@
 """Long context inside the budget (issue #45): per context length, a passkey prompt (a 5-digit key at a few depths of
 WikiText filler) run in a DRAM budget of a -c 2048 run's minimum plus 64 MiB, under a memory cgroup of that size: the
 KV pages beyond the budget's share go to flash. Per row: peak RSS, prompt time, and per decode mode (exact: every page;
-Quest: --quest-share of the pages + the first and the latest) decode ms/token, pages read per token and the answers.
+Quest: --quest-share of the pages, at least --quest-min-pages, + the first and the latest) decode ms/token, pages read
+per token and the answers.
 Depths run deepest first, each prompt from the part of the deeper one's the cache holds (up to its own key); both modes
 decode from it (exact, then Quest from the cache cut back to the prompt: KVCache.reset). Also (--dram-row) exact with
 every KV page in DRAM, weights as planned, and (--llama) llama.cpp on the first depth's prompt in the same cgroup.
 
     PYTHONPATH=. python bench/long_context.py -m GGUF [--contexts 2048,4096,8192] [--depths 0.1,0.5,0.9]
-        [--prompt-tokens N] [--quest-share 0.25] [--budget-mib N | --budget-ctx 2048] [--dram-row] [--llama] [--md FILE]
+        [--prompt-tokens N] [--quest-share 0.25] [--quest-min-pages 40] [--budget-mib N | --budget-ctx 2048]
+        [--dram-row] [--llama] [--md FILE]
 """
 from __future__ import annotations
 
@@ -77,7 +79,7 @@ def load(job: dict):
     """(model, tokenizer) as every row loads them: the job's budget, Quest's share in the KV options."""
     from flashinfer_lite.kv_pages import KVOptions
     return h.load_model(job["gguf"], "auto", threads=job["threads"], ctx=job["ctx"], dram_budget=job["budget"],
-                        kv=KVOptions(quest_share=job["quest_share"]))[:2]
+                        kv=KVOptions(quest_share=job["quest_share"], quest_min_pages=job["quest_min_pages"]))[:2]
 
 
 def measure_llama(job: dict) -> dict:
@@ -115,6 +117,7 @@ def measure_ppl(job: dict) -> dict:
         row[mode] = round(float(np.exp(-total / row["scored"])), 4)
         p = kv.stats.per_token()       # decode steps' (exact's chunks of 16 count none); the pages held: the same
         row.update({f"{mode}_pages_read": round(p["value_pages_read"], 1), "pages": round(p["pages"], 1)})
+        Path(job["partial"]).with_suffix(".ppl.json").write_text(json.dumps(row))    # the modes so far
     return row
 
 
@@ -165,7 +168,8 @@ def minimum_at(gguf: Path, ctx: int) -> int:
 def markdown(doc: dict) -> str:
     why = f" (the -c {doc['budget_ctx']} minimum + 64 MiB)" if doc["budget_ctx"] else ""
     lines = [f"`{doc['command']}`", "", f"budget {doc['budget_mib']:.0f} MiB{why}, memory cgroup of that size; "
-             f"Quest reads {doc['quest_share']:.0%} of the pages + first + latest", ""]
+             f"Quest reads {doc['quest_share']:.0%} of the pages (at least {doc['quest_min_pages']}) + first + latest",
+             ""]
     rows = []
     for r in doc["rows"]:
         if "depths" not in r:
@@ -214,11 +218,14 @@ def mib(r: dict | None) -> str:
 
 
 def main(argv=None) -> int:
+    from flashinfer_lite.kv_pages import QUEST_MIN_PAGES
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", type=Path, help="GGUF (required)")
     ap.add_argument("--contexts", default="2048,4096,8192")
     ap.add_argument("--depths", default="0.1,0.5,0.9")
     ap.add_argument("--quest-share", type=float, default=0.25)
+    ap.add_argument("--quest-min-pages", type=int, default=QUEST_MIN_PAGES,
+                    help=f"Quest's fewest pages besides the first and the latest ({QUEST_MIN_PAGES})")
     ap.add_argument("--budget-mib", type=float, help="default: the --budget-ctx minimum + 64 MiB")
     ap.add_argument("--budget-ctx", type=int, default=2048, help="the context whose minimum sets the budget (2048)")
     ap.add_argument("-n", "--n-gen", type=int, default=8)
@@ -241,13 +248,14 @@ def main(argv=None) -> int:
     work = h.work_dir(a, "long-context-")
     budget = int(a.budget_mib * MIB) if a.budget_mib else minimum_at(a.model, a.budget_ctx) + (64 << 20)
     doc = {"command": h.command("long_context.py", argv), "machine": h.machine(), "budget_mib": budget / MIB,
-           "budget_ctx": None if a.budget_mib else a.budget_ctx, "quest_share": a.quest_share, "rows": [],
+           "budget_ctx": None if a.budget_mib else a.budget_ctx, "quest_share": a.quest_share,
+           "quest_min_pages": a.quest_min_pages, "rows": [],
            "kcache": a.kcache}
     for ctx in map(int, a.contexts.split(",")):
         job = work / f"job-{ctx}.json"
         spec = {"gguf": str(a.model), "ctx": ctx, "budget": budget, "threads": a.threads, "n_gen": a.n_gen,
                 "ppl": a.ppl, "kcache": a.kcache, "quest_share": a.quest_share,
-                "depths": [float(x) for x in a.depths.split(",") if x],
+                "quest_min_pages": a.quest_min_pages, "depths": [float(x) for x in a.depths.split(",") if x],
                 "prompt_tokens": a.prompt_tokens or ctx - a.n_gen, "filler": str(a.filler.resolve()),
                 "partial": str(work / f"ctx-{ctx}.partial.json")}
         job.write_text(json.dumps(spec))

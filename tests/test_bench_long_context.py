@@ -25,7 +25,7 @@ def test_rows_hold_exact_and_quest_from_one_prompt_within_the_cap():
         llama = []
     doc, md = run_bench("long_context.py", "-m", GGUF, "--contexts", "256", "--depths", "0.3,0.8", "-n", "4",
                         "--budget-ctx", "256", "--prompt-tokens", "200", "--dram-row", "--ppl", "8", "--kcache", "0.05",
-                        *llama, timeout=900)
+                        "--quest-min-pages", "1", *llama, timeout=900)     # Quest: fewer than a context of 8 pages
     (row,) = doc["rows"]
     ppl = row["ppl"]        # the last 8 of 200 tokens, exact and Quest from one prompt
     assert ppl["scored"] == 8 and ppl["tokens"] == 200 and ppl["exact"] > 1

@@ -165,15 +165,57 @@ def test_quest_reads_the_first_the_latest_and_the_top_pages_round_robin_over_kv_
         assert sorted(np.flatnonzero(kv.select(0, q, 9)[:, c])) == sorted([0, *picked, 9])
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 24), st.sampled_from([0.1, 0.25, 0.5, 1.0]), st.integers(1, 12),
+       st.sampled_from([(1, 1), (2, 2), (2, 1), (4, 2)]))
+def test_quest_reads_its_share_of_the_pages_and_never_fewer_than_its_floor(seed, n, share, floor, heads):
+    """With a share (--kv-pages P%), a decode step reads max(quest_min_pages, int(share x pages)) pages besides the
+    first and the latest (every page of a context that has no more), chosen as a float64 numpy oracle does: each
+    page's bound per KV head (the largest over its group's queries), pages ranked by it (ties to the earlier), taken
+    round robin over the KV heads until that many are in. Keys and queries are small integers (each page scaled by
+    its own factor, so bounds spread): float16 holds them and float32 sums them exactly, so the ranks agree."""
+    Hkv, g = heads
+    hd, P = 8, PAGE_POSITIONS
+    cfg = type("C", (), dict(n_layers=1, n_heads=Hkv * g, n_kv_heads=Hkv, head_dim=hd))
+    rng = np.random.default_rng(seed)
+    keys = rng.integers(-30, 31, (n, P, Hkv, hd)) * rng.integers(1, 5, (n, 1, 1, 1))
+    q = rng.integers(-30, 31, (Hkv * g, hd))
+    kv = KVCache(cfg, n * P, options=KVOptions(quest_share=share, quest_min_pages=floor))
+    kv.write(0, 0, keys.reshape(n * P, Hkv, hd).astype(np.float32), keys.reshape(n * P, Hkv, hd).astype(np.float32))
+    got = set(np.flatnonzero(kv.select(0, q.astype(np.float32), n - 1).any(axis=1)))
+    keep = max(floor, int(share * n))
+    if n <= keep + 2:
+        want = set(range(n))
+    else:
+        lo, hi = keys.min(axis=1).astype(np.float64), keys.max(axis=1).astype(np.float64)     # [n, Hkv, hd]
+        qg = q.reshape(Hkv, g, 1, hd).astype(np.float64)
+        bound = np.maximum(qg * lo.transpose(1, 0, 2)[:, None], qg * hi.transpose(1, 0, 2)[:, None]).sum(-1).max(1)
+        ranks = [sorted(range(1, n - 1), key=lambda p: (-bound[c, p], p)) for c in range(Hkv)]
+        picked: list[int] = []
+        for r in range(n - 2):
+            for c in range(Hkv):
+                if len(picked) < keep and ranks[c][r] not in picked:
+                    picked.append(ranks[c][r])
+        want = {0, n - 1, *picked}
+    assert got == want
+    assert len(got) == min(n, keep + 2)
+
+
 def test_quest_is_deterministic_off_by_default_and_exact_when_it_reads_every_page():
     """Quest is off unless asked; asked with as many pages as the context has, its logits are the exact mode's bits;
-    with fewer, two runs give the same bits and it reads fewer pages than the exact mode."""
+    with fewer, two runs give the same bits and it reads fewer pages than the exact mode. A share of a context shorter
+    than Quest's floor reads every page: the exact mode's bits too."""
     assert not KVOptions().quest
     model, tok = load_reference(STORIES)
     ids = stories_prompt(tok) * 3
     exact, kv_exact = run(model, ids, 24, KVOptions(), 320)
     every, _ = run(model, ids, 24, KVOptions(quest_pages=100), 320)
     assert np.array_equal(every.view(np.uint32), exact.view(np.uint32))
+    floor, kv_floor = run(model, ids, 24, KVOptions(quest_share=0.25), 320)
+    assert np.array_equal(floor.view(np.uint32), exact.view(np.uint32))
+    assert kv_floor.stats.pages_read == kv_exact.stats.pages_read
+    quarter, kv_quarter = run(model, ids, 24, KVOptions(quest_share=0.25, quest_min_pages=1), 320)
+    assert kv_quarter.stats.pages_read < kv_exact.stats.pages_read and not np.array_equal(quarter, exact)
     a, kv_a = run(model, ids, 24, KVOptions(quest_pages=2), 320)
     b, _ = run(model, ids, 24, KVOptions(quest_pages=2), 320)
     assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
@@ -189,6 +231,8 @@ def test_kv_options_refuse_bad_values_in_one_line():
             kv_pages.parse_kv_pages(bad)
     assert kv_pages.parse_kv_pages("25%") == {"quest_share": 0.25}
     assert kv_pages.parse_kv_pages("8") == {"quest_pages": 8}
+    with pytest.raises(UserError, match="--kv-pages"):
+        KVOptions(quest_share=0.25, quest_min_pages=0)
     cfg = type("C", (), dict(n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8))
     with pytest.raises(UserError, match="q8_0 KV needs a head dimension"):
         KVCache(cfg, 8, options=KVOptions(type_v="q8_0"))
