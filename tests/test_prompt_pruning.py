@@ -230,3 +230,20 @@ def test_bad_ratios_are_one_line_before_the_model_loads():
     from flashinfer_lite import api
     with pytest.raises(UserError, match="prompt_pruning 'half'"):
         api.load(missing, prompt_pruning="half")
+
+
+def test_a_batched_decode_step_after_pruned_prompts_is_each_ones_own(stories):
+    """serve --parallel's step (Transformer.forward_batch) over caches that pruned their prompts differently gives each
+    row the logits of that cache's own decode step (float32 matrices: BLAS's order, so within 1e-4; a step that wrote or
+    read the pruned layers at the position instead of the slot would be far off)."""
+    model, tok = stories
+    prompts = [tok.encode(STORY * 2), tok.encode(STORY)[:60]]
+    alone, batched = [], []
+    for ids, ratio in zip(prompts, (0.5, 0.3)):
+        for out in (alone, batched):
+            kv = KVCache(model.cfg, 512, options=KVOptions(prompt_pruning=ratio))
+            out.append((kv, int(np.argmax(model.forward(ids, kv)))))
+    want = np.stack([model.forward([t], kv) for kv, t in alone])
+    got = model.forward_batch([t for _, t in batched], [kv for kv, _ in batched])
+    assert np.abs(got - want).max() < 1e-4
+    assert all(a.length == b.length and np.array_equal(a.pruned, b.pruned) for (a, _), (b, _) in zip(alone, batched))
