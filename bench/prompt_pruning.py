@@ -45,7 +45,7 @@ def measure(job: dict) -> dict:
         for at in range(n, len(ids) - 1, 16):
             x = model.forward(ids[at:min(at + 16, len(ids) - 1)], kv, all_logits=True)
             nll -= sum(logp(row, ids[at + 1 + i]) for i, row in enumerate(x))
-        ppl.append({"ratio": r, "perplexity": round(math.exp(nll / (len(ids) - n)), 4)})
+        ppl.append({"ratio": r, "perplexity": round(math.exp(nll / (len(ids) - n)), 4), "pruned": kv.pruned.tolist()})
     return {"passkey": rows, "ppl": ppl}
 
 

@@ -380,13 +380,14 @@ class KVCache:
             self.bound_rows = np.zeros((L, self.pages), np.int64)     # rows of the page kmin/kmax cover
         self.stats = PageStats()
         self.length = 0  # positions filled
-        # prompt pruning (pruning.py): the end of the last pruned prompt, whose positions the later layers hold in
-        # another order (the kept tokens', then the revived ones')
+        # prompt pruning (pruning.py): per layer, the positions of pruned prompts it holds no keys and values of; a
+        # position after them is at slot position - pruned[layer] of the layer. pruned_end: the last pruned prompt's end
+        self.pruned = np.zeros(L, np.int64)
         self.pruned_end = 0
 
     def reusable(self, length: int) -> int:
-        """How many of the first `length` positions a reset can keep: none inside a pruned prompt (a later layer's
-        slot there is not the position it holds), else all."""
+        """How many of the first `length` positions a reset can keep: none inside a pruned prompt (its layers' slots
+        no longer say which positions they hold), else all."""
         return 0 if length < self.pruned_end else length
 
     def reset(self, length: int = 0) -> None:
@@ -395,7 +396,7 @@ class KVCache:
         if length < self.pruned_end:
             if length:
                 raise ValueError(f"KVCache.reset({length}): inside a pruned prompt (ends at {self.pruned_end})")
-            self.pruned_end = 0
+            self.pruned[:], self.pruned_end = 0, 0
         self.length = length
 
     def close(self) -> None:

@@ -8,13 +8,11 @@ prompt pruned reaches the stage's share of RATIO. The last prompt token is never
 logits. Within a stage the kept tokens run through the stage's layers in chunks of PREFILL_CHUNK_ROWS, as
 Transformer.forward_rows runs a prompt (so the first stage's bits are an unpruned run's).
 
-A pruned token's hidden state, as it left the layers, is kept (LazyLLM's Aux Cache). When the prompt's layers are done,
-every pruned token is revived in each layer it skipped, for the tokens that follow: its keys and values computed from
-that hidden state by the layer's projections (LazyLLM revives a token so when a later step needs it; here all of them
-at once, a key and value projection per pruned token and layer, a few percent of a layer's work). Within the prompt,
-then, the kept tokens attend to the kept tokens only; a later token attends to every prompt position, keys rotated at
-their own positions (RoPE). A later layer holds the prompt's kept tokens first, then the revived ones: a slot there is
-not the position it holds, so a cache cut inside a pruned prompt forgets all of it (KVCache.reusable).
+The KV cache: a layer holds keys and values of the tokens it computed only, one after the other, keys rotated at their
+own positions (RoPE), so a later token's attention at that layer sees the kept tokens where they were. A pruned token
+is gone from the later layers for good: this keeps no auxiliary cache to revive it (LazyLLM's Aux Cache). A position
+after a pruned prompt sits at slot position - kv.pruned[layer] of a layer; a cache cut inside a pruned prompt forgets
+all of it (KVCache.reusable).
 """
 from __future__ import annotations
 
@@ -75,16 +73,16 @@ def kept_rows(weights: np.ndarray, n_keep: int) -> np.ndarray:
 
 def pruned_prefill(model, tokens: np.ndarray, kv: KVCache, ratio: float) -> np.ndarray:
     """Every layer over tokens [T] at positions kv.length.., pruning as the module says; appends them to the cache
-    (the pruned tokens revived) and returns the last token's last hidden state [1, d]."""
+    (kv.pruned counts each layer's pruned tokens) and returns the last token's last hidden state [1, d]."""
     cfg, T, pos0 = model.cfg, len(tokens), kv.length
     L = cfg.n_layers
     if any(cfg.window(i) is not None for i in range(L)):
         raise UserError("--prompt-pruning: not for a model with sliding-window layers (a window counts positions, "
-                        "a pruned prompt's slots in the later layers are not its positions)")
+                        "a pruned layer's cache holds fewer)")
     x = embed_tokens(cfg, model.embed, model.pos_embed, tokens, pos0)            # [T, d]
     tables = {id(f): rope_tables(f, pos0, T) for f in model.inv_freq}
     rows = np.arange(T)                               # the tokens still computed (their index in the prompt)
-    aux: list[tuple[int, np.ndarray, np.ndarray]] = []   # (the first layer skipped, the tokens, their hidden states)
+    base = pos0 - kv.pruned                           # each layer's slot of the prompt's first token
     plan = stages(L, ratio, T)
     starts = [0] + [layer for layer, _ in plan]
     ends = starts[1:] + [L]
@@ -93,11 +91,9 @@ def pruned_prefill(model, tokens: np.ndarray, kv: KVCache, ratio: float) -> np.n
         if s > 0:
             prev = a - 1
             table = tables[id(model.inv_freq[prev])]
-            w = last_token_weights(model, prev, x_last, kv, pos0, len(rows),
+            w = last_token_weights(model, prev, x_last, kv, int(base[prev]), len(rows),
                                    None if table is None else (table[0][-1:], table[1][-1:]))
             keep = kept_rows(w, plan[s - 1][1])
-            gone = np.setdiff1d(np.arange(len(rows)), keep)
-            aux.append((a, rows[gone], x[gone]))
             x, rows = x[keep], rows[keep]
         if s == len(starts) - 1:
             model.prime_head()
@@ -109,30 +105,10 @@ def pruned_prefill(model, tokens: np.ndarray, kv: KVCache, ratio: float) -> np.n
                     x_last = xc[-1:].copy()
                 table = tables[id(model.inv_freq[i])]
                 rope = None if table is None else (table[0][chunk], table[1][chunk])
-                xc = model.block(i, xc, kv, pos0 + c0, rope)
+                xc = model.block(i, xc, kv, int(base[i]) + c0, rope)
                 if model.after_layer is not None:
                     model.after_layer()
             x[c0:c0 + PREFILL_CHUNK_ROWS] = xc
-    revive(model, kv, pos0, T, aux, tables)
+        kv.pruned[a:b] += T - len(rows)
     kv.length = kv.pruned_end = pos0 + T
     return x[-1:]
-
-
-def revive(model, kv: KVCache, pos0: int, T: int, aux: list, tables: dict) -> None:
-    """Each layer's keys and values of the prompt's pruned tokens (aux: per stage, its first layer, the tokens it
-    pruned and their hidden states then), computed from those hidden states, written after the layer's kept tokens
-    (slots up to pos0 + T - 1), keys rotated at the tokens' own positions."""
-    cfg = model.cfg
-    for i in range(cfg.n_layers):
-        gone = [(rows, x) for first, rows, x in aux if first <= i]
-        if not gone:
-            continue
-        rows, x = (np.concatenate(p) for p in zip(*gone))
-        block, table = model.blocks[i], tables[id(model.inv_freq[i])]
-        at = pos0 + T - len(rows)
-        for c0 in range(0, len(rows), PREFILL_CHUNK_ROWS):
-            chunk, xc = rows[c0:c0 + PREFILL_CHUNK_ROWS], x[c0:c0 + PREFILL_CHUNK_ROWS]
-            _, k, v = block.attn.qkv(norm(cfg, xc, block.attn_norm) if cfg.pre_norm else xc)
-            if table is not None:
-                k = apply_rope(k, table[0][chunk], table[1][chunk])
-            kv.write(block.attn.slot, at + c0, k, v)

@@ -1,5 +1,5 @@
 """bench/prompt_pruning.py on a tiny qwen2 GGUF: per depth a row for pruning off and for each ratio, the perplexity of
-the continuation per ratio from a pruned prefix, and the
+the continuation per ratio from a pruned prefix (the layers after the first stage hold fewer prompt tokens), and the
 markdown table. No timing is asserted."""
 from __future__ import annotations
 
@@ -15,4 +15,5 @@ def test_rows_hold_every_depth_and_ratio_and_the_continuations_perplexity():
     assert all(d["ttft_ms"] >= 0 and isinstance(d["found"], bool) for d in row["passkey"])
     off, half = row["ppl"]
     assert (off["ratio"], half["ratio"]) == (0.0, 0.5) and off["perplexity"] > 1 and half["perplexity"] > 1
+    assert off["pruned"] == [0, 0] and half["pruned"] == [0, 60]       # 2 layers: one stage, at layer 1
     assert "| 0.5 |" in md and "passkey found" in md
