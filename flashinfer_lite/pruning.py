@@ -4,10 +4,9 @@ Inference"): the prompt tokens the last prompt token attends to least are not co
 A pruned prompt runs its layers in stages (PRUNING_STAGES); each stage's layers compute only the tokens kept at its
 start. At the start of a stage the last prompt token's attention probabilities at the layer before (softmax over that
 layer's keys, averaged over the query heads) rank the tokens still computed; the lowest go, so that the share of the
-prompt pruned reaches the stage's share of RATIO. The last prompt token is never pruned (its hidden state gives the
-logits), nor are the last PRUNING_RECENT of the prompt's tokens. Within a stage the kept tokens run through the stage's
-layers in chunks of PREFILL_CHUNK_ROWS, as Transformer.forward_rows runs a prompt (so the first stage's bits are an
-unpruned run's).
+prompt pruned reaches the stage's share of RATIO. The last prompt token is never pruned: its hidden state gives the
+logits. Within a stage the kept tokens run through the stage's layers in chunks of PREFILL_CHUNK_ROWS, as
+Transformer.forward_rows runs a prompt (so the first stage's bits are an unpruned run's).
 
 The KV cache: a layer holds keys and values of the tokens it computed only, one after the other, keys rotated at their
 own positions (RoPE), so a later token's attention at that layer sees the kept tokens where they were. A pruned token
@@ -27,9 +26,6 @@ from .model import PREFILL_CHUNK_ROWS, apply_rope, embed_tokens, norm, rope_tabl
 # tokens at a quarter of the depth, then more at half and three quarters, RATIO over the last quarter of the layers.
 # The layers computed, as a share of a prompt's token-layers: 1 - RATIO / 2.
 PRUNING_STAGES = ((0.25, 1 / 3), (0.5, 2 / 3), (0.75, 1.0))
-# The prompt's last tokens, this share of them, are never pruned: the answer continues from them (at 4,000 tokens the
-# last 250)
-PRUNING_RECENT = 1 / 16
 
 
 def stages(n_layers: int, ratio: float, T: int) -> list[tuple[int, int]]:
@@ -68,14 +64,11 @@ def last_token_weights(model, layer: int, x_last: np.ndarray, kv: KVCache, slot0
     return p[:, slot0:].mean(axis=0)
 
 
-def kept_rows(weights: np.ndarray, n_keep: int, recent: int = 1) -> np.ndarray:
+def kept_rows(weights: np.ndarray, n_keep: int) -> np.ndarray:
     """Of the tokens still computed (weights [n], the last prompt token's last), the rows of the n_keep kept, in order:
-    the last `recent` (at least the last token; at most n_keep), and those of the largest weights among the others
-    (ties to the earlier token)."""
-    n = len(weights)
-    recent = min(max(recent, 1), n_keep)
-    order = np.argsort(-weights[:n - recent], kind="stable")[:n_keep - recent]
-    return np.concatenate([np.sort(order), np.arange(n - recent, n)])
+    the last one, and the n_keep - 1 others of the largest weights (ties to the earlier token)."""
+    order = np.argsort(-weights[:-1], kind="stable")[:n_keep - 1]
+    return np.append(np.sort(order), len(weights) - 1)
 
 
 def pruned_prefill(model, tokens: np.ndarray, kv: KVCache, ratio: float) -> np.ndarray:
@@ -100,7 +93,7 @@ def pruned_prefill(model, tokens: np.ndarray, kv: KVCache, ratio: float) -> np.n
             table = tables[id(model.inv_freq[prev])]
             w = last_token_weights(model, prev, x_last, kv, int(base[prev]), len(rows),
                                    None if table is None else (table[0][-1:], table[1][-1:]))
-            keep = kept_rows(w, plan[s - 1][1], round(T * PRUNING_RECENT))
+            keep = kept_rows(w, plan[s - 1][1])
             x, rows = x[keep], rows[keep]
         if s == len(starts) - 1:
             model.prime_head()

@@ -74,8 +74,7 @@ def f16(a: np.ndarray) -> np.ndarray:
 class Reference:
     """A float64 Llama over the checkpoint's tensors, layer by layer over the rows still computed, LazyLLM's selection
     at the documented stages: layers round(L/4), round(L/2), round(3L/4) keep T - round(T x ratio x k/3) tokens
-    (k = 1, 2, 3): the last T/16, and those the last token's attention at the layer before weighs most, averaged over
-    heads."""
+    (k = 1, 2, 3): the last, and those the last token's attention at the layer before weighs most, averaged over heads."""
 
     def __init__(self, path):
         ckpt = open_any(path)
@@ -133,9 +132,9 @@ class Reference:
                 n_past = len(self.past[i - 1][0]) - len(pos)     # the layer's keys before this prompt: none here
                 weight = last_prob[:, n_past:].mean(axis=0)
                 self.weights.append(weight)
-                n, recent = len(pos), min(max(round(T / 16), 1), plan[i])     # the last T/16 always kept
-                order = sorted(range(n - recent), key=lambda j: (-weight[j], j))[:plan[i] - recent]
-                keep = np.array(sorted(order) + list(range(n - recent, n)))
+                weight = weight[:-1]
+                order = sorted(range(len(weight)), key=lambda j: (-weight[j], j))[:plan[i] - 1]
+                keep = np.array(sorted(order) + [len(pos) - 1])
                 self.kept.append(pos[keep].astype(int))
                 x, pos = x[keep], pos[keep]
             x, last_prob = self.layer(i, x, pos, self.past[i])
@@ -158,8 +157,8 @@ def test_pruned_logits_equal_the_float64_pruned_model(stories, ratio, monkeypatc
     seen = []
     ranked = pruning.kept_rows
 
-    def record(weights, n_keep, recent):
-        seen.append((weights.copy(), ranked(weights, n_keep, recent)))
+    def record(weights, n_keep):
+        seen.append((weights.copy(), ranked(weights, n_keep)))
         return seen[-1][1]
     monkeypatch.setattr(pruning, "kept_rows", record)
     ours, kv = run(model, ids, 6, KVOptions(prompt_pruning=ratio))
@@ -178,11 +177,9 @@ def test_pruned_logits_equal_the_float64_pruned_model(stories, ratio, monkeypatc
         rows = rows[keep]
         assert np.array_equal(rows, want_kept)
         assert np.abs(weights - want_weights).max() < 1e-4      # probabilities of float32 hidden states
-        # the oracle of the ranking: each kept weight at least every pruned one, but the last T/16 kept whatever theirs
-        recent = np.arange(len(weights) - round(T / 16), len(weights))
-        ranked = np.setdiff1d(keep, recent)
-        pruned = np.setdiff1d(np.arange(len(weights)), keep)
-        assert np.isin(recent, keep).all() and weights[ranked].min() >= weights[pruned].max()
+        # the oracle of the ranking: each kept weight at least every pruned one (the last token kept whatever its own)
+        pruned = np.setdiff1d(np.arange(len(weights) - 1), keep)
+        assert weights[keep[:-1]].min() >= weights[pruned].max() and keep[-1] == len(weights) - 1
     # stages at layers 1, 2 and 4 of 5
     assert len(seen) == 3 and kv.pruned.tolist() == [0, T - len(ref.kept[0]), T - len(ref.kept[1]),
                                                      T - len(ref.kept[1]), T - len(ref.kept[2])]
@@ -194,7 +191,7 @@ def test_the_last_token_attention_weights_are_softmax_probabilities(stories, mon
     model, tok = stories
     seen = []
     ranked = pruning.kept_rows
-    monkeypatch.setattr(pruning, "kept_rows", lambda w, n, recent: seen.append(w) or ranked(w, n, recent))
+    monkeypatch.setattr(pruning, "kept_rows", lambda w, n: seen.append(w) or ranked(w, n))
     run(model, tok.encode(STORY), 0, KVOptions(prompt_pruning=0.5))
     assert len(seen) == 3 and all(abs(w.sum() - 1) < 1e-9 and (w >= 0).all() for w in seen)
 
