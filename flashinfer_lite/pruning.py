@@ -22,9 +22,9 @@ from storage.errors import UserError
 from .kv_pages import KVCache
 from .model import PREFILL_CHUNK_ROWS, apply_rope, embed_tokens, norm, rope_tables, widened
 
-# (where a stage starts, as a share of the layers; the share of RATIO pruned from then on): a quarter of RATIO's
-# tokens at a quarter of the depth, then more at half and three quarters, RATIO over the last quarter of the layers.
-# The layers computed, as a share of a prompt's token-layers: 1 - RATIO / 2.
+# (where a stage starts, as a share of the layers; the share of RATIO pruned from then on): a third of RATIO's tokens
+# at a quarter of the depth, two thirds at half, RATIO over the last quarter of the layers. The layers compute about
+# 1 - RATIO / 2 of a prompt's token-layers.
 PRUNING_STAGES = ((0.25, 1 / 3), (0.5, 2 / 3), (0.75, 1.0))
 
 
@@ -35,7 +35,7 @@ def stages(n_layers: int, ratio: float, T: int) -> list[tuple[int, int]]:
     for at, share in PRUNING_STAGES:
         layer = min(max(round(at * n_layers), 1), n_layers - 1)     # a model of few layers: fewer stages
         kept = min(kept, max(1, T - round(T * ratio * share)))
-        if layer < 1:
+        if layer < 1:                   # one layer: no stage
             continue
         if out and out[-1][0] == layer:
             out[-1] = (layer, kept)
