@@ -26,6 +26,7 @@ from .kernels.blocks import QuantMatrix, linear
 from .kernels.gemv import widen_rows
 from .kernels.norm import add_rms_norm_rows, rms_norm_rows
 from .kv_pages import PAGE_POSITIONS, KVCache, KVOptions
+from . import pruning
 from .threads import numba_threads
 
 
@@ -474,8 +475,7 @@ class Transformer:
             raise UserError(f"context overflow: {pos0 + T} tokens do not fit the context of {kv.capacity}")
         ratio = kv.options.prompt_pruning
         if ratio and not all_logits and T > ATTENTION_KERNEL_MAX_T:     # a prompt's, LazyLLM's (pruning.py)
-            from .pruning import pruned_prefill
-            x = pruned_prefill(self, tokens, kv, ratio)
+            x = pruning.pruned_prefill(self, tokens, kv, ratio)
             return output_logits(self.cfg, x, (self.norm_w, self.norm_b), self.lm_head)[0]
         logits = []
         for start in range(0, T, PREFILL_CHUNK_ROWS):

@@ -19,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 
 from storage.errors import UserError
+from . import model as model_math      # model.py calls pruned_prefill: its names are read when called, not imported
 from .kv_pages import KVCache
-from .model import PREFILL_CHUNK_ROWS, apply_rope, embed_tokens, norm, rope_tables, widened
 
 # (where a stage starts, as a share of the layers; the share of RATIO pruned from then on): a third of RATIO's tokens
 # at a quarter of the depth, two thirds at half, RATIO over the last quarter of the layers. The layers compute about
@@ -50,12 +50,12 @@ def last_token_weights(model, layer: int, x_last: np.ndarray, kv: KVCache, slot0
     [1, d]; the layer's keys in kv up to and including its own), averaged over the query heads -> [n] (float64)."""
     block, cfg = model.blocks[layer], model.cfg
     attn = block.attn
-    q = attn.qkv(norm(cfg, x_last, block.attn_norm) if cfg.pre_norm else x_last)[0]      # [1, H, hd]
+    q = attn.qkv(model_math.norm(cfg, x_last, block.attn_norm) if cfg.pre_norm else x_last)[0]      # [1, H, hd]
     if rope_last is not None:
-        q = apply_rope(q, *rope_last)
+        q = model_math.apply_rope(q, *rope_last)
     S = slot0 + n
     keys, _ = kv.rows(attn.slot, 0, S)                                                   # [S, Hkv, hd]
-    keys = keys if keys.dtype == np.float32 else widened(keys)
+    keys = keys if keys.dtype == np.float32 else model_math.widened(keys)
     g = cfg.n_heads // cfg.n_kv_heads
     scores = np.einsum("hd,shd->hs", q[0].astype(np.float64), np.repeat(keys, g, axis=1).astype(np.float64))
     scores *= float(attn.scale)
@@ -79,8 +79,8 @@ def pruned_prefill(model, tokens: np.ndarray, kv: KVCache, ratio: float) -> np.n
     if any(cfg.window(i) is not None for i in range(L)):
         raise UserError("--prompt-pruning: not for a model with sliding-window layers (a window counts positions, "
                         "a pruned layer's cache holds fewer)")
-    x = embed_tokens(cfg, model.embed, model.pos_embed, tokens, pos0)            # [T, d]
-    tables = {id(f): rope_tables(f, pos0, T) for f in model.inv_freq}
+    x = model_math.embed_tokens(cfg, model.embed, model.pos_embed, tokens, pos0)            # [T, d]
+    tables = {id(f): model_math.rope_tables(f, pos0, T) for f in model.inv_freq}
     rows = np.arange(T)                               # the tokens still computed (their index in the prompt)
     base = pos0 - kv.pruned                           # each layer's slot of the prompt's first token
     plan = stages(L, ratio, T)
@@ -97,9 +97,9 @@ def pruned_prefill(model, tokens: np.ndarray, kv: KVCache, ratio: float) -> np.n
             x, rows = x[keep], rows[keep]
         if s == len(starts) - 1:
             model.prime_head()
-        for c0 in range(0, len(rows), PREFILL_CHUNK_ROWS):
-            chunk = rows[c0:c0 + PREFILL_CHUNK_ROWS]
-            xc = x[c0:c0 + PREFILL_CHUNK_ROWS]
+        step = model_math.PREFILL_CHUNK_ROWS
+        for c0 in range(0, len(rows), step):
+            chunk, xc = rows[c0:c0 + step], x[c0:c0 + step]
             for i in range(a, b):
                 if i == b - 1 and c0 + len(chunk) == len(rows):
                     x_last = xc[-1:].copy()
@@ -108,7 +108,7 @@ def pruned_prefill(model, tokens: np.ndarray, kv: KVCache, ratio: float) -> np.n
                 xc = model.block(i, xc, kv, int(base[i]) + c0, rope)
                 if model.after_layer is not None:
                     model.after_layer()
-            x[c0:c0 + PREFILL_CHUNK_ROWS] = xc
+            x[c0:c0 + step] = xc
         kv.pruned[a:b] += T - len(rows)
     kv.length = kv.pruned_end = pos0 + T
     return x[-1:]

@@ -54,7 +54,6 @@ def test_pruning_off_and_a_ratio_that_prunes_nothing_are_todays_bits(stories):
 def test_staged_chunks_are_todays_bits(stories, monkeypatch):
     """The same with chunks of 16 rows: the staged order runs chunk after chunk per stage, today's chunk by chunk
     through every layer."""
-    monkeypatch.setattr(pruning, "PREFILL_CHUNK_ROWS", 16)
     monkeypatch.setattr("flashinfer_lite.model.PREFILL_CHUNK_ROWS", 16)
     model, tok = stories
     ids = tok.encode(STORY * 2)
