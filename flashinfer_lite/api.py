@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numbers
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import numpy as np
@@ -16,15 +16,21 @@ from storage.tokenizer import StreamDecoder, Tokenizer, check_utf8
 
 from .constrain import Constraint, json_schema_grammar, text_grammar
 from .generate import ContextFull, Sampler, Session, Timings, log_softmax, prompt_ids
+from .kv_pages import KVOptions
 from .process import peak_rss_bytes
 from . import runtime
 from .runtime import Model
 
 
 def load(path=None, dram_budget="auto", ffn: str = "auto", ctx: int = 0, threads: int | None = None,
-         lookahead: bool = False, verbose: bool = False, **kwargs):
+         lookahead: bool = False, verbose: bool = False, prompt_pruning: float = 0.0, **kwargs):
     """(model, tokenizer): runtime.load (the commands' loader), which prints nothing unless verbose: then its
-    decisions (the FFN mode chosen, the budget split) go to stderr as the commands print them."""
+    decisions (the FFN mode chosen, the budget split) go to stderr as the commands print them. prompt_pruning: the
+    CLI's --prompt-pruning RATIO (pruning.py; 0: off), checked before the model loads."""
+    if prompt_pruning:
+        if not isinstance(prompt_pruning, numbers.Real) or isinstance(prompt_pruning, bool):
+            raise UserError(f"prompt_pruning {prompt_pruning!r}: a share of the prompt's tokens such as 0.5")
+        kwargs["kv"] = replace(kwargs.get("kv") or KVOptions(), prompt_pruning=float(prompt_pruning))
     return runtime.load(path, dram_budget, ffn, ctx, threads, lookahead, verbose, say=verbose, **kwargs)
 
 

@@ -20,7 +20,7 @@ from storage.tokenizer import StreamDecoder, Tokenizer, check_utf8
 
 from .constrain import Constraint, json_schema_grammar, text_grammar
 from .flash_matrix import FlashMatrix
-from .kv_pages import CACHE_TYPES, KVCache, KVOptions, parse_kcache, parse_kv_pages
+from .kv_pages import CACHE_TYPES, KVCache, KVOptions, parse_kcache, parse_kv_pages, parse_prompt_pruning
 from .model import Transformer
 from .process import peak_rss_bytes, rss_bytes
 
@@ -271,7 +271,8 @@ class Session:
         return self.kv.capacity
 
     def reset(self, keep: int = 0) -> None:
-        """Forget the cache but its first `keep` tokens."""
+        """Forget the cache but its first `keep` tokens (none if they end inside a pruned prompt)."""
+        keep = self.kv.reusable(keep)
         self.kv.reset(keep)
         self.cached = self.cached[:keep]
 
@@ -304,6 +305,7 @@ class Session:
             if a != b:
                 break
             keep += 1
+        keep = self.kv.reusable(keep)
         self.kv.reset(keep)
         self.cached = list(ids[:keep])
         new = ids[keep:]
@@ -499,6 +501,10 @@ def add_kv_arguments(p) -> None:
                    help="KCache: a decode step scores every KV page's keys, then reads the values only of the pages "
                         "holding a position whose softmax weight reaches W (e.g. 0.001; approximate; default off: "
                         "every page's values); not with --kv-pages")
+    p.add_argument("--prompt-pruning", default=None, metavar="RATIO",
+                   help="LazyLLM: a prompt's tokens its last token attends to least are not computed by the later "
+                        "layers, RATIO of them by the last quarter (e.g. 0.5; approximate, a faster first token; "
+                        "default off)")
     p.add_argument("--kv-dir", default=None,
                    help="directory of the file of KV pages beyond the budget's DRAM share (default: next to the "
                         "model's flash files, else the cache directory); the file is deleted when the run ends")
@@ -560,9 +566,9 @@ def check_arguments(args) -> None:
 
 
 def kv_options_from(args) -> KVOptions:
-    """The KV flags (--cache-type-k/v, --kv-pages, --kcache, --kv-dir) as load()'s kv."""
+    """The KV flags (--cache-type-k/v, --kv-pages, --kcache, --prompt-pruning, --kv-dir) as load()'s kv."""
     return KVOptions(args.cache_type_k, args.cache_type_v, directory=args.kv_dir, **parse_kv_pages(args.kv_pages),
-                     **parse_kcache(args.kcache))
+                     **parse_kcache(args.kcache), **parse_prompt_pruning(args.prompt_pruning))
 
 
 def open_model(args):

@@ -68,6 +68,7 @@ class KVOptions:
     dram_pages: int | None = None   # per layer, in DRAM (the plan's KV share); None: every page
     kcache: float = 0.0             # KCache: an exact decode step reads every page's keys but only the values of the
                                     # pages where a position's softmax weight reaches this (and the first and latest)
+    prompt_pruning: float = 0.0     # LazyLLM (pruning.py): the share of a prompt's tokens its last layers skip; 0: off
 
     def __post_init__(self):
         for name in ("type_k", "type_v"):
@@ -77,6 +78,9 @@ class KVOptions:
             raise UserError("--kv-pages: a number of pages >= 1 or a share such as 25%")
         if not 0.0 <= self.kcache < 1.0:
             raise UserError(f"--kcache {self.kcache:g}: a softmax weight, at least 0 and below 1 (0: off)")
+        if not 0.0 <= self.prompt_pruning < 1.0:
+            raise UserError(f"--prompt-pruning {self.prompt_pruning:g}: a share of the prompt's tokens, at least 0 "
+                            "and below 1 (0: off)")
         if self.kcache and self.quest:      # KCache reads every page's keys, Quest only some: one or the other
             raise UserError("--kcache with --kv-pages: KCache scores every page's keys, Quest chooses pages; "
                             "give one of them")
@@ -122,6 +126,21 @@ def parse_kcache(text: str | None) -> dict:
         return {"kcache": float(text)}      # its range is KVOptions'
     except ValueError:
         raise UserError(f"--kcache {text!r}: a softmax weight such as 0.001 (at least 0, below 1), or off") from None
+
+
+def parse_prompt_pruning(text: str | None) -> dict:
+    """--prompt-pruning RATIO: the share of a prompt's tokens pruned by its last layers, 0 <= RATIO < 1; None or "off":
+    off."""
+    if text is None or text == "off":
+        return {}
+    try:
+        ratio = float(text)
+    except ValueError:
+        ratio = float("nan")
+    if not 0.0 <= ratio < 1.0:          # nan too
+        raise UserError(f"--prompt-pruning {text!r}: a share of the prompt's tokens such as 0.5 (at least 0, below 1), "
+                        "or off")
+    return {"prompt_pruning": ratio}
 
 
 def writable_directory(path: str) -> None:
@@ -371,9 +390,23 @@ class KVCache:
             self.bound_rows = np.zeros((L, self.pages), np.int64)     # rows of the page kmin/kmax cover
         self.stats = PageStats()
         self.length = 0  # positions filled
+        # prompt pruning (pruning.py): per layer, the positions of pruned prompts it holds no keys and values of; a
+        # position after them is at slot position - pruned[layer] of the layer. pruned_end: the last pruned prompt's end
+        self.pruned = np.zeros(L, np.int64)
+        self.pruned_end = 0
+
+    def reusable(self, length: int) -> int:
+        """How many of the first `length` positions a reset can keep: none inside a pruned prompt (its layers' slots
+        no longer say which positions they hold), else all."""
+        return 0 if length < self.pruned_end else length
 
     def reset(self, length: int = 0) -> None:
-        """Keep the first `length` positions (a later write reloads a partial page from the file if it must)."""
+        """Keep the first `length` positions (a later write reloads a partial page from the file if it must); a
+        length inside a pruned prompt is refused (reusable says what can be kept)."""
+        if length < self.pruned_end:
+            if length:
+                raise ValueError(f"KVCache.reset({length}): inside a pruned prompt (ends at {self.pruned_end})")
+            self.pruned[:], self.pruned_end = 0, 0
         self.length = length
 
     def close(self) -> None:

@@ -26,6 +26,7 @@ from .kernels.blocks import QuantMatrix, linear
 from .kernels.gemv import widen_rows
 from .kernels.norm import add_rms_norm_rows, rms_norm_rows
 from .kv_pages import PAGE_POSITIONS, KVCache, KVOptions
+from . import pruning
 from .threads import numba_threads
 
 
@@ -472,6 +473,10 @@ class Transformer:
             raise UserError("empty input: nothing to evaluate")
         if pos0 + T > kv.capacity:
             raise UserError(f"context overflow: {pos0 + T} tokens do not fit the context of {kv.capacity}")
+        ratio = kv.options.prompt_pruning
+        if ratio and not all_logits and T > ATTENTION_KERNEL_MAX_T:     # a prompt's, LazyLLM's (pruning.py)
+            x = pruning.pruned_prefill(self, tokens, kv, ratio)
+            return output_logits(self.cfg, x, (self.norm_w, self.norm_b), self.lm_head)[0]
         logits = []
         for start in range(0, T, PREFILL_CHUNK_ROWS):
             chunk = tokens[start:start + PREFILL_CHUNK_ROWS]
@@ -509,7 +514,8 @@ class Transformer:
         try:
             for i in range(cfg.n_layers):
                 ropes = tables[id(self.inv_freq[i])]
-                x = self.blocks[i].rows(x, [(kv, kv.length, r) for kv, r in zip(caches, ropes)], self.ffn)
+                x = self.blocks[i].rows(x, [(kv, kv.length - int(kv.pruned[i]), r) for kv, r in zip(caches, ropes)],
+                                        self.ffn)
                 if self.after_layer is not None:
                     self.after_layer()
         finally:
@@ -528,12 +534,13 @@ class Transformer:
 
     def forward_rows(self, tokens: np.ndarray, kv: KVCache) -> np.ndarray:
         """Every layer over tokens [t] (one chunk) at positions kv.length..; appends them to the cache and returns
-        the last layer's hidden states [t, d]."""
+        the last layer's hidden states [t, d]. A layer that pruned a prompt before (pruning.py) holds them at slots
+        kv.pruned[layer] fewer."""
         pos0 = kv.length
         x = embed_tokens(self.cfg, self.embed, self.pos_embed, tokens, pos0)    # [t, d]
         tables = {id(f): rope_tables(f, pos0, len(tokens)) for f in self.inv_freq}   # one per distinct base
         for i in range(self.cfg.n_layers):
-            x = self.block(i, x, kv, pos0, tables[id(self.inv_freq[i])])
+            x = self.block(i, x, kv, pos0 - int(kv.pruned[i]), tables[id(self.inv_freq[i])])
             if self.after_layer is not None:
                 self.after_layer()
         kv.length = pos0 + len(tokens)

@@ -130,8 +130,8 @@ WALKS = {
         "load_expert_freq": "a mixture of experts' routing counts",
     }, outside={
         **dict.fromkeys(["flashinfer_lite.ffn", "flashinfer_lite.kernels", "flashinfer_lite.kv_pages",
-                         "flashinfer_lite.flash_matrix", "flashinfer_lite.neuron_cache", "storage.reader",
-                         "storage._watch"],
+                         "flashinfer_lite.flash_matrix", "flashinfer_lite.neuron_cache", "flashinfer_lite.pruning",
+                         "storage.reader", "storage._watch"],
                         "the forward pass's own code: the walk above follows its FFN; attention, the KV cache and "
                         "the kernels are the math of model.py's stop"),
         **dict.fromkeys(["storage.config", "storage.checkpoint", "storage.untrusted", "storage.checksums",
