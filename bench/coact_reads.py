@@ -5,12 +5,8 @@ FLASHDIR written by `flashinfer-lite order-neurons` from the same source, counte
 
     PYTHONPATH=. python bench/coact_reads.py -m FLASHDIR --coact COACT_FLASHDIR --text FILE [--skip 1024] [--tokens 512]
 
-Each token of --text after the first --skip (those the order was measured on) runs through FLASHDIR's exact gate as
-part of a prompt; which neurons cleared its thresholds is the set a decoded token would read (the coefficients do not
-depend on the order: tests/test_kdown.py). Counts only: no read is made.
-"""
-from __future__ import annotations
-
+Each token of --text after the first --skip (those the order was fitted on) runs through FLASHDIR's exact gate in a
+prompt; the neurons over its thresholds are what a decoded token would read. Counts only: no read is made."""
 import argparse
 
 import numpy as np
@@ -26,8 +22,7 @@ GAPS = (0, 2, 8, None)      # rows read through; None: the reader's own (the dev
 
 
 def counts(down, bits, order, gap) -> tuple[float, float]:
-    """(requests, bytes) a token on average: bits per layer uint8 [n, T/8] in the model's order; order per layer the
-    FLASHDIR's bundle -> neuron."""
+    """(requests, bytes) a token: bits per layer uint8 [n, T/8] in the model's order; order: bundle -> neuron."""
     with BundleReader(down, coalesce_gap=gap) as r:
         req = nbytes = 0
         for i, (b, o) in enumerate(zip(bits, order)):
@@ -45,24 +40,20 @@ def main() -> int:
     ap.add_argument("-m", "--model", required=True, help="the FLASHDIR in the model's order, calibrated (gate.json)")
     ap.add_argument("--coact", required=True, help="the same source written by order-neurons")
     ap.add_argument("--text", required=True, help="held-out text (after --skip tokens)")
-    ap.add_argument("--skip", type=int, default=1024)
-    ap.add_argument("--tokens", type=int, default=512)
+    for flag, v in (("--skip", 1024), ("--tokens", 512)):
+        ap.add_argument(flag, type=int, default=v)
     a = ap.parse_args()
-    model, tok, ffn = h.load_model(a.model, "gate", ctx=256, base_bytes=0)
     ctx = 256
+    model, tok, ffn = h.load_model(a.model, "gate", ctx=ctx, base_bytes=0)
     windows = list(token_segments(tok, open(a.text).read(), a.skip + a.tokens, ctx, ffn.cfg.bos_id))[a.skip // ctx:]
     bits = fired_bits(model, ffn, windows)
     ffn.reader.close()
     ident, coact = read_layout(a.model), read_layout(a.coact)
     down = ident.parts["down"]
     fired = np.mean([np.bitwise_count(b).sum() for b in bits]) / sum(map(len, windows))
-    rows = []
-    for name, L in (("model's order", ident), ("coact", coact)):
-        row = [name]
-        for gap in GAPS:
-            req, nbytes = counts(down, bits, L.order, gap)
-            row.append(f"{req:,.0f} / {nbytes / 1e6:.1f} MB")
-        rows.append(row)
+    rows = [[name, *(f"{req:,.0f} / {nbytes / 1e6:.1f} MB" for req, nbytes in (counts(down, bits, L.order, gap)
+                                                                          for gap in GAPS))]
+            for name, L in (("model's order", ident), ("coact", coact))]
     gap = BundleReader(down).coalesce_gap
     print(f"{len(windows)} windows, {fired:,.0f} of {down.n_neurons[0]} neurons fired a layer and token")
     print("\n".join(h.table(["order", *(f"gap {g if g is not None else gap} rows" for g in GAPS)], rows)))

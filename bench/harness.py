@@ -31,6 +31,29 @@ MIN_MARGIN = 4 << 20     # a row's process measures its own process base: a litt
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# Long prompts: the passkey test and a token's log-probability
+
+PASSKEY = ("There is a pass key hidden inside a lot of irrelevant text. Find it and remember it.\n\n",
+           "\n\nThe pass key is {key}. Remember it. {key} is the pass key.\n\n",
+           "\n\nWhat is the pass key? The pass key is")
+
+
+def passkey_ids(tok, filler: list[int], n: int, depth: float, ctx: int) -> tuple[list[int], int]:
+    """(about n tokens: the head, filler with the key's sentence at `depth` of it, the question; the key). The key comes
+    from ctx and the depth's value: runs of one depth each hide different keys."""
+    import zlib
+    key = 10000 + zlib.crc32(f"{ctx} {depth:g}".encode()) % 90000
+    head, mid, tail = (tok.encode(t.format(key=key)) for t in PASSKEY)
+    room = n - len(head) - len(mid) - len(tail)
+    return head + filler[:int(room * depth)] + mid + filler[int(room * depth):room] + tail, key
+
+
+def logp(x: np.ndarray, t: int) -> float:      # log softmax(x)[t], in float64
+    x = x.astype(np.float64)
+    return float(x[t] - x.max() - np.log(np.exp(x - x.max()).sum()))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # Building a model: the one place a bench loads one
 
 def load_model(path, ffn="dense", threads: int | None = None, **kw):

@@ -17,26 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
-import zlib
 from dataclasses import replace
 from pathlib import Path
 
 import harness as h
 
-HEAD = "There is a pass key hidden inside a lot of irrelevant text. Find it and remember it.\n\n"
-KEY = "\n\nThe pass key is {key}. Remember it. {key} is the pass key.\n\n"
-QUESTION = "\n\nWhat is the pass key? The pass key is"
 MIB = 2**20
-
-
-def passkey_ids(tok, filler: list[int], n: int, depth: float, ctx: int) -> tuple[list[int], int]:
-    """(about n tokens: the head, filler with the key's sentence at `depth` of it, the question; the key). The key comes
-    from ctx and the depth's value: runs of one depth each hide different keys."""
-    key = 10000 + zlib.crc32(f"{ctx} {depth:g}".encode()) % 90000
-    head, mid, tail = (tok.encode(t) for t in (HEAD, KEY.format(key=key), QUESTION))
-    room = n - len(head) - len(mid) - len(tail)
-    cut = int(room * depth)
-    return head + filler[:cut] + mid + filler[cut:room] + tail, key
 
 
 def decode(model, kv, logits, n: int) -> tuple[list[int], list[float]]:
@@ -98,9 +84,6 @@ def measure_ppl(job: dict) -> dict:
     import numpy as np
     from flashinfer_lite.kv_pages import KVCache, PageStats
 
-    def logp(x, t):
-        x = x.astype(np.float64)
-        return x[t] - x.max() - np.log(np.exp(x - x.max()).sum())
     model, tok = load(job)
     ids = tok.encode(Path(job["filler"]).read_text()[:job["prompt_tokens"] * 6])[:job["prompt_tokens"]]
     head, kv = len(ids) - job["ppl"], KVCache(model.cfg, job["ctx"], options=model.kv_options)
@@ -109,11 +92,11 @@ def measure_ppl(job: dict) -> dict:
     row = {"tokens": len(ids), "scored": len(ids) - head, "prompt_s": round(time.perf_counter() - t0, 1)}
     for mode, kv.options in modes(job, model.kv_options):
         kv.reset(head)
-        kv.stats, total = PageStats(), logp(last, ids[head])
+        kv.stats, total = PageStats(), h.logp(last, ids[head])
         step = 16 if mode == "exact" else 1
         for at in range(head, len(ids) - 1, step):
             x = model.forward(ids[at:min(at + step, len(ids) - 1)], kv, all_logits=True)
-            total += sum(logp(r, ids[at + 1 + i]) for i, r in enumerate(x))
+            total += sum(h.logp(r, ids[at + 1 + i]) for i, r in enumerate(x))
         row[mode] = round(float(np.exp(-total / row["scored"])), 4)
         p = kv.stats.per_token()       # decode steps' (exact's chunks of 16 count none); the pages held: the same
         row.update({f"{mode}_pages_read": round(p["value_pages_read"], 1), "pages": round(p["pages"], 1)})
@@ -133,7 +116,7 @@ def measure_row(job: dict) -> dict:
     row.update(dram_pages=kv.dram_pages, pages=kv.pages, page_bytes=dram_page_bytes(model.cfg, options))
     before: list[int] = []      # the prompt in the cache: deepest first, a shallower one starts as it, up to its key
     for i, depth in sorted(enumerate(job["depths"]), key=lambda d: -d[1]):
-        ids, key = passkey_ids(tok, filler, job["prompt_tokens"], depth, job["ctx"])
+        ids, key = h.passkey_ids(tok, filler, job["prompt_tokens"], depth, job["ctx"])
         kept = next((n for n, (a, b) in enumerate(zip(before, ids[:-1])) if a != b), min(len(before), len(ids) - 1))
         kv.reset(kept)
         t0 = time.perf_counter()

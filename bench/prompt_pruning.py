@@ -2,17 +2,14 @@
 
     PYTHONPATH=. python bench/prompt_pruning.py -m GGUF [--ratios 0.5,0.7] [--prompt-tokens 4000] [--depths 10] [--md F]
 
-One worker, the model loaded once (dense FFN). Per passkey depth (long_context.py's prompt), ratio 0 (off) and each of
+One worker, the model loaded once (dense FFN). Per passkey depth (harness.passkey_ids), ratio 0 (off) and each of
 --ratios: the prompt's pass and argmax (wall, CPU time), whether -n greedy tokens hold the key. Per ratio, the
 perplexity of --ppl tokens after --prompt-tokens of WikiText-2 test (a pruned prompt, then 16 at a time)."""
-import argparse, json, math, statistics, time, zlib  # noqa: E401
+import argparse, json, math, statistics, time  # noqa: E401
 from pathlib import Path
 
 import harness as h
 
-HEAD = "There is a pass key hidden inside a lot of irrelevant text. Find it and remember it.\n\n"
-KEY = "\n\nThe pass key is {key}. Remember it. {key} is the pass key.\n\n"
-QUESTION = "\n\nWhat is the pass key? The pass key is"
 
 
 def measure(job: dict) -> dict:
@@ -23,12 +20,8 @@ def measure(job: dict) -> dict:
     filler = tok.encode((h.CORPUS / "wikitext2_test.txt").read_text()[:(n + job["ppl"]) * 8])
     cache = lambda r: KVCache(model.cfg, job["ctx"], options=KVOptions(prompt_pruning=r))  # noqa: E731
     [model.forward(part, kv) for kv in [cache(0.0)] for part in (filler[:64], filler[64:65])]   # kernels compile here
-    logp = lambda x, t: float(x[t] - x.max() - np.log(np.exp(x.astype(np.float64) - x.max()).sum()))  # noqa: E731
     for depth in job["depths"]:
-        key = 10000 + zlib.crc32(f"{depth:g}".encode()) % 90000
-        head, mid, tail = (tok.encode(t) for t in (HEAD, KEY.format(key=key), QUESTION))
-        room = n - len(head) - len(mid) - len(tail)
-        ids = head + filler[:int(room * depth)] + mid + filler[int(room * depth):room] + tail
+        ids, key = h.passkey_ids(tok, filler, n, depth, job["ctx"])
         for r in job["ratios"]:
             kv = cache(r)
             t0, c0 = time.perf_counter(), time.process_time()
@@ -41,10 +34,10 @@ def measure(job: dict) -> dict:
     ids = filler[:n + job["ppl"]]
     for r in job["ratios"]:
         kv = cache(r)
-        nll = -logp(model.forward(ids[:n], kv), ids[n])
+        nll = -h.logp(model.forward(ids[:n], kv), ids[n])
         for at in range(n, len(ids) - 1, 16):
             x = model.forward(ids[at:min(at + 16, len(ids) - 1)], kv, all_logits=True)
-            nll -= sum(logp(row, ids[at + 1 + i]) for i, row in enumerate(x))
+            nll -= sum(h.logp(row, ids[at + 1 + i]) for i, row in enumerate(x))
         ppl.append({"ratio": r, "perplexity": round(math.exp(nll / (len(ids) - n)), 4), "pruned": kv.pruned.tolist()})
     return {"passkey": rows, "ppl": ppl}
 

@@ -63,13 +63,13 @@ def test_the_passkey_comes_from_the_depths_value_not_its_place_in_the_list():
     """Runs of one depth each hide different keys (the key used to come from the depth's index in --depths: every
     one-depth run hid the same key), and a depth hides the same key wherever it is listed."""
     sys.path.insert(0, str(DATA.parents[1] / "bench"))
-    import long_context
+    import harness
 
     class Digits:       # a tokenizer of one token per character: only the key's place and value matter here
         encode = staticmethod(lambda text: [ord(c) for c in text])
     filler = list(range(1000, 1400))
-    keys = {depth: long_context.passkey_ids(Digits, filler, 300, depth, 32768)[1] for depth in (0.1, 0.5, 0.9)}
+    keys = {depth: harness.passkey_ids(Digits, filler, 300, depth, 32768)[1] for depth in (0.1, 0.5, 0.9)}
     assert len(set(keys.values())) == 3 and all(10000 <= k < 100000 for k in keys.values())
-    assert long_context.passkey_ids(Digits, filler, 300, 0.5, 32768)[1] == keys[0.5]
-    ids, key = long_context.passkey_ids(Digits, filler, 300, 0.5, 32768)
+    assert harness.passkey_ids(Digits, filler, 300, 0.5, 32768)[1] == keys[0.5]
+    ids, key = harness.passkey_ids(Digits, filler, 300, 0.5, 32768)
     assert str(key) in "".join(chr(i) for i in ids if i < 1000)

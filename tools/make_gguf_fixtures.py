@@ -158,7 +158,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def quantize(src: Path, dest: Path, ftype: int) -> None:
-    """src quantized into dest by llama.cpp's quantizer (as bench/make_kquants.py, from a float file here)."""
+    """src quantized into dest by llama.cpp's quantizer (as tools/make_kquants.py, from a float file here)."""
     import llama_cpp
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype

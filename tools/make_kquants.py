@@ -2,7 +2,7 @@
 """The default model's GGUF re-quantized by llama.cpp's own quantizer into Q4_K_M, Q5_K_M and Q6_K (issue #27), and
 what each file holds: tensor types by matrix, file size. JSON on stdout.
 
-    PYTHONPATH=. python bench/make_kquants.py [-m GGUF] [-o DIR] [--types q4_k_m,q5_k_m,q6_k]
+    PYTHONPATH=. python tools/make_kquants.py [-m GGUF] [-o DIR] [--types q4_k_m,q5_k_m,q6_k]
 
 Needs llama-cpp-python (the `bench` extra): llama_model_quantize with allow_requantize, from the Q4_1 file as a user
 would (llama.cpp dequantizes and rounds again). The files are written into DIR (default: next to the source, under
