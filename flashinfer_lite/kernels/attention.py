@@ -8,7 +8,7 @@ import math
 import numpy as np
 from numba import njit
 
-from .rows import axpy, dot
+from .rows import _bits_as_f32, axpy, dot, f32_at
 
 
 @njit(cache=True, fastmath=True, nogil=True)
@@ -88,3 +88,117 @@ def page_values(scores, m, V, slots, pages, page_rows, lo, hi, chosen, out, tota
                     tot += w
                     axpy(o, w, Vp[j - base, c], hd)
                 total[t, h] = tot
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# A prompt's attention (model.prompt_attention): per KV head and block of keys one call, which widens the head's keys
+# and values once, then per tile of query rows (the g query heads of the KV head, stacked: one key load serves them
+# all) two BLAS products (np.dot: scipy's sgemm, the GIL released) around one fused pass of the online softmax.
+# The fused pass replaced ~10 numpy passes over each tile's scores (scale, mask, max, subtract, exp, sum, rescale),
+# ~30% of the attention's time at 4,000 tokens, and the Python between them, which held the GIL against the other head.
+
+# No ninf/nnan: the running max starts at -inf, and a row that sees no key of a block keeps it.
+_SOFTMAX_MATH = {"reassoc", "contract", "nsz", "arcp", "afn"}
+
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI, _LN2_LO = np.float32(0.693359375), np.float32(-2.12194440e-4)
+_EXP_MIN = np.float32(-87.0)      # exp(-87) = 1.6e-38, a normal float32; below it exp_nonpositive gives 0
+
+
+@njit(cache=True, fastmath=_SOFTMAX_MATH, inline="always")
+def exp_nonpositive(x):
+    """exp(x) for float32 x <= 0 (-inf: 0), in operations LLVM vectorizes (Numba has no SIMD expf without SVML, and a
+    scalar expf call per score cost more than the products): x = n ln2 + r, |r| <= ln2/2, Cephes' expf polynomial
+    for e^r, 2^n as float bits. Within 2 ulp of float64's exp (tests/test_decode_kernels.py); 0 below -87."""
+    y = max(x, _EXP_MIN)
+    n = np.floor(y * _LOG2E + np.float32(0.5))
+    r = y - n * _LN2_HI - n * _LN2_LO
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    e = (p * r * r + r + np.float32(1.0)) * _bits_as_f32(np.int32(n) + np.int32(127) << np.int32(23))
+    return e if x >= _EXP_MIN else np.float32(0.0)
+
+
+@njit(cache=True, fastmath=True)
+def scaled_max(p, scale):
+    """p *= scale in place, and its largest: finite scores, so all of fastmath's flags (nnan lets LLVM vectorize the
+    max)."""
+    mx = p[0] * scale
+    for k in range(len(p)):
+        v = p[k] * scale
+        p[k] = v
+        mx = max(mx, v)
+    return mx
+
+
+@njit(cache=True, fastmath=_SOFTMAX_MATH, nogil=True)
+def prompt_block(q, K, V, c, pos0, b0, window, tile_rows, scale, m, total, acc, room):
+    """Queries q [T, H, hd] (positions pos0..) of KV head c's query heads over the block of keys and values K, V
+    [n, Hkv, hd] (float16 bits or float32; positions b0..), causal (window > 0: also within the sliding window):
+    each row's running max m, sum total [Hkv, g, T] and weighted values acc [Hkv, g, T, hd] updated, rescaled by
+    exp(m_old - m_new) where the block raises the max (flash attention). room: float32 scratch of at least
+    2 n hd + g tile_rows (n + 2 hd) values."""
+    T, H, hd = q.shape
+    g = acc.shape[1]
+    S = pos0 + T
+    b1 = min(b0 + K.shape[0], S)
+    nk = b1 - b0
+    if nk <= 0:
+        return
+    Kh = room[:nk * hd].reshape(nk, hd)
+    Vh = room[nk * hd:2 * nk * hd].reshape(nk, hd)
+    for j in range(nk):
+        kj, vj, kh, vh = K[j, c], V[j, c], Kh[j], Vh[j]
+        for d in range(hd):
+            kh[d] = f32_at(kj, d)
+            vh[d] = f32_at(vj, d)
+    rest = room[2 * nk * hd:]
+    for t0 in range(0, T, tile_rows):
+        rows = min(tile_rows, T - t0)
+        first, last = pos0 + t0, pos0 + t0 + rows - 1
+        e = min(b1, last + 1)                                    # keys past `last` no row of the tile sees
+        if e <= b0 or (window > 0 and b1 <= first - window + 1):
+            continue
+        n, M = e - b0, g * rows
+        Qt = rest[:M * hd].reshape(M, hd)
+        P = rest[M * hd:M * hd + M * n].reshape(M, n)
+        PV = rest[M * hd + M * n:2 * M * hd + M * n].reshape(M, hd)
+        for j in range(g):                                       # row j x rows + r: query head c g + j, position t0 + r
+            for r in range(rows):
+                Qt[j * rows + r] = q[t0 + r, c * g + j]
+        np.dot(Qt, Kh[:n].T, P)
+        for i in range(M):
+            j, r = i // rows, i % rows
+            t, pos = t0 + r, first + r
+            lo = 0 if window <= 0 else max(0, pos - window + 1 - b0)     # the row's keys: lo .. hi - 1 of the block
+            hi = min(n, pos + 1 - b0)
+            p = P[i]
+            if hi <= lo:
+                p[:] = 0.0
+                continue
+            mo = m[c, j, t]
+            seen = p[lo:hi]          # a slice, so indices start at 0: no wraparound check, the loops vectorize
+            mx = max(mo, scaled_max(seen, scale))
+            s = np.float32(0.0)
+            for k in range(hi - lo):
+                w = exp_nonpositive(seen[k] - mx)
+                seen[k] = w
+                s += w
+            p[:lo] = 0.0
+            p[hi:] = 0.0
+            alpha = exp_nonpositive(mo - mx)
+            m[c, j, t] = mx
+            total[c, j, t] = total[c, j, t] * alpha + s
+            a = acc[c, j, t]
+            for d in range(hd):
+                a[d] *= alpha
+        np.dot(P, Vh[:n], PV)
+        for i in range(M):
+            a = acc[c, i // rows, t0 + i % rows]
+            pv = PV[i]
+            for d in range(hd):
+                a[d] += pv[d]
