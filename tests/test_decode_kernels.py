@@ -123,7 +123,7 @@ def test_kernel_and_batched_attention_agree(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# A prompt's attention (kernels.attention.prompt_block) against float64
+# A prompt's attention (model.prompt_attention, kernels.attention.softmax_tile) against float64
 
 def test_the_softmax_exp_is_within_an_ulp_of_float64_and_zero_below_its_range():
     """exp_nonpositive, the prompt kernel's vectorizable exp: within 1 ulp of float64's exp rounded to float32 over

@@ -91,11 +91,11 @@ def page_values(scores, m, V, slots, pages, page_rows, lo, hi, chosen, out, tota
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# A prompt's attention (model.prompt_attention): per KV head and block of keys one call, which widens the head's keys
-# and values once, then per tile of query rows (the g query heads of the KV head, stacked: one key load serves them
-# all) two BLAS products (np.dot: scipy's sgemm, the GIL released) around one fused pass of the online softmax.
-# The fused pass replaced ~10 numpy passes over each tile's scores (scale, mask, max, subtract, exp, sum, rescale),
-# ~30% of the attention's time at 4,000 tokens, and the Python between them, which held the GIL against the other head.
+# A prompt's attention (model.prompt_attention): per KV head and block of keys the head's keys and values widened once
+# (head_rows), then per tile of query rows (the g query heads of the KV head stacked: one key load serves them all) two
+# numpy BLAS products around one Numba pass of the online softmax (softmax_tile), which replaced ~10 numpy passes over
+# each tile's scores (scale, mask, max, subtract, exp, sum, rescale): ~30% of the attention's time at 4,000 tokens.
+# The products stay numpy's: inside Numba, np.dot needs scipy (its BLAS), not a dependency of the runtime.
 
 # No ninf/nnan: the running max starts at -inf, and a row that sees no key of a block keeps it.
 _SOFTMAX_MATH = {"reassoc", "contract", "nsz", "arcp", "afn"}
@@ -135,70 +135,54 @@ def scaled_max(p, scale):
     return mx
 
 
+@njit(cache=True, fastmath=True, nogil=True)
+def head_rows(K, c, out):
+    """out [n, hd] = KV head c's rows of K [n, Hkv, hd] (float16 bits or float32) as float32."""
+    for j in range(out.shape[0]):
+        kj, o = K[j, c], out[j]
+        for d in range(out.shape[1]):
+            o[d] = f32_at(kj, d)
+
+
 @njit(cache=True, fastmath=_SOFTMAX_MATH, nogil=True)
-def prompt_block(q, K, V, c, pos0, b0, window, tile_rows, scale, m, total, acc, room):
-    """Queries q [T, H, hd] (positions pos0..) of KV head c's query heads over the block of keys and values K, V
-    [n, Hkv, hd] (float16 bits or float32; positions b0..), causal (window > 0: also within the sliding window):
-    each row's running max m, sum total [Hkv, g, T] and weighted values acc [Hkv, g, T, hd] updated, rescaled by
-    exp(m_old - m_new) where the block raises the max (flash attention). room: float32 scratch of at least
-    2 n hd + g tile_rows (n + 2 hd) values."""
-    T, H, hd = q.shape
-    g = acc.shape[1]
-    S = pos0 + T
-    b1 = min(b0 + K.shape[0], S)
-    nk = b1 - b0
-    if nk <= 0:
-        return
-    Kh = room[:nk * hd].reshape(nk, hd)
-    Vh = room[nk * hd:2 * nk * hd].reshape(nk, hd)
-    for j in range(nk):
-        kj, vj, kh, vh = K[j, c], V[j, c], Kh[j], Vh[j]
-        for d in range(hd):
-            kh[d] = f32_at(kj, d)
-            vh[d] = f32_at(vj, d)
-    rest = room[2 * nk * hd:]
-    for t0 in range(0, T, tile_rows):
-        rows = min(tile_rows, T - t0)
-        first, last = pos0 + t0, pos0 + t0 + rows - 1
-        e = min(b1, last + 1)                                    # keys past `last` no row of the tile sees
-        if e <= b0 or (window > 0 and b1 <= first - window + 1):
+def softmax_tile(P, c, t0, rows, pos0, b0, window, scale, m, total, acc):
+    """The online softmax of one tile: P [g x rows, n] the scores q.k of query rows t0.. (row j x rows + r: query head
+    c g + j, position pos0 + t0 + r) over keys b0..b0 + n - 1, before the scale. Each row's visible keys (causal;
+    window > 0: within the sliding window) become exp(score - m_new), the others 0; the running max m, sum total
+    [Hkv, g, T] and the weighted values acc [Hkv, g, T, hd] are rescaled by exp(m_old - m_new) (flash attention),
+    so that acc + P @ V is the tile's new acc."""
+    M, n = P.shape
+    first = pos0 + t0
+    for i in range(M):
+        j, r = i // rows, i % rows
+        t, pos = t0 + r, first + r
+        lo = 0 if window <= 0 else min(n, max(0, pos - window + 1 - b0))   # the row's keys: lo .. hi - 1
+        hi = max(lo, min(n, pos + 1 - b0))
+        p = P[i]
+        p[:lo] = 0.0
+        p[hi:] = 0.0
+        if hi == lo:
             continue
-        n, M = e - b0, g * rows
-        Qt = rest[:M * hd].reshape(M, hd)
-        P = rest[M * hd:M * hd + M * n].reshape(M, n)
-        PV = rest[M * hd + M * n:2 * M * hd + M * n].reshape(M, hd)
-        for j in range(g):                                       # row j x rows + r: query head c g + j, position t0 + r
-            for r in range(rows):
-                Qt[j * rows + r] = q[t0 + r, c * g + j]
-        np.dot(Qt, Kh[:n].T, P)
-        for i in range(M):
-            j, r = i // rows, i % rows
-            t, pos = t0 + r, first + r
-            lo = 0 if window <= 0 else max(0, pos - window + 1 - b0)     # the row's keys: lo .. hi - 1 of the block
-            hi = min(n, pos + 1 - b0)
-            p = P[i]
-            if hi <= lo:
-                p[:] = 0.0
-                continue
-            mo = m[c, j, t]
-            seen = p[lo:hi]          # a slice, so indices start at 0: no wraparound check, the loops vectorize
-            mx = max(mo, scaled_max(seen, scale))
-            s = np.float32(0.0)
-            for k in range(hi - lo):
-                w = exp_nonpositive(seen[k] - mx)
-                seen[k] = w
-                s += w
-            p[:lo] = 0.0
-            p[hi:] = 0.0
-            alpha = exp_nonpositive(mo - mx)
-            m[c, j, t] = mx
-            total[c, j, t] = total[c, j, t] * alpha + s
-            a = acc[c, j, t]
-            for d in range(hd):
-                a[d] *= alpha
-        np.dot(P, Vh[:n], PV)
-        for i in range(M):
-            a = acc[c, i // rows, t0 + i % rows]
-            pv = PV[i]
-            for d in range(hd):
-                a[d] += pv[d]
+        seen = p[lo:hi]          # a slice, so indices start at 0: no wraparound check, the loops vectorize
+        mo = m[c, j, t]
+        mx = max(mo, scaled_max(seen, scale))
+        s = np.float32(0.0)
+        for k in range(hi - lo):
+            w = exp_nonpositive(seen[k] - mx)
+            seen[k] = w
+            s += w
+        alpha = exp_nonpositive(mo - mx)
+        m[c, j, t] = mx
+        total[c, j, t] = total[c, j, t] * alpha + s
+        a = acc[c, j, t]
+        for d in range(a.shape[0]):
+            a[d] *= alpha
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def add_tile(PV, c, t0, rows, acc):
+    """acc[c, j, t0 + r] += PV[j x rows + r] (the tile's weighted values, softmax_tile's row order)."""
+    for i in range(PV.shape[0]):
+        a, pv = acc[c, i // rows, t0 + i % rows], PV[i]
+        for d in range(pv.shape[0]):
+            a[d] += pv[d]
