@@ -109,7 +109,7 @@ _EXP_MIN = np.float32(-87.0)      # exp(-87) = 1.6e-38, a normal float32; below 
 def exp_nonpositive(x):
     """exp(x) for float32 x <= 0 (-inf: 0), in operations LLVM vectorizes (Numba has no SIMD expf without SVML, and a
     scalar expf call per score cost more than the products): x = n ln2 + r, |r| <= ln2/2, Cephes' expf polynomial
-    for e^r, 2^n as float bits. Within 2 ulp of float64's exp (tests/test_decode_kernels.py); 0 below -87."""
+    for e^r, 2^n as float bits. Within 1 ulp of float64's exp (tests/test_decode_kernels.py); 0 below -87."""
     y = max(x, _EXP_MIN)
     n = np.floor(y * _LOG2E + np.float32(0.5))
     r = y - n * _LN2_HI - n * _LN2_LO
