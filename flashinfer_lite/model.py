@@ -22,8 +22,8 @@ from storage.format import FlashCheckpoint, is_flashdir
 from storage.half import half_matrix
 from storage.tokenizer import Tokenizer
 from .ffn.dense import FeedForward, MixtureOfExperts
+from .kernels.attention import add_tile, head_rows, softmax_tile
 from .kernels.blocks import QuantMatrix, linear
-from .kernels.gemv import widen_rows
 from .kernels.norm import add_rms_norm_rows, rms_norm_rows
 from .kv_pages import PAGE_POSITIONS, KVCache, KVOptions
 from . import pruning
@@ -226,7 +226,8 @@ def prompt_attention(q: np.ndarray, kv: KVCache, slot: int, pos0: int, sliding_w
     (positions 0..pos0 + T - 1, this chunk's included), scores q.k times scale -> [T, H, hd]. Per block of
     ATTENTION_KEY_BLOCK positions, per KV head, ATTENTION_TILE_ROWS query rows at a time: the g query heads of a KV
     head stacked as rows, so that one BLAS product reads each key once for all of them; each row's running max m,
-    sum l and weighted values acc are rescaled by exp(m_old - m_new) as a block raises its max (flash attention)."""
+    sum l and weighted values acc are rescaled by exp(m_old - m_new) as a block raises its max (flash attention),
+    its softmax in one Numba pass per tile (kernels.attention.softmax_tile)."""
     T, H, hd = q.shape
     Hkv = kv.Hkv
     g = H // Hkv
@@ -234,50 +235,38 @@ def prompt_attention(q: np.ndarray, kv: KVCache, slot: int, pos0: int, sliding_w
     acc = np.zeros((Hkv, g, T, hd), np.float32)
     m = np.full((Hkv, g, T), -np.inf, np.float32)
     total = np.zeros((Hkv, g, T), np.float32)
-    # one tile's scores, for every tile: a flash runtime gives each array over 128 KiB a mapping of its own
+    # scratch per thread, for every call: a flash runtime gives each array over 128 KiB a mapping of its own
     # (process.keep_freed_arrays_out_of_rss), whose pages fault in anew each time (+50% on this function's time)
-    rooms = [np.empty(g * min(ATTENTION_TILE_ROWS, T) * min(ATTENTION_KEY_BLOCK, S), np.float32)
-             for _ in range(attention_workers(Hkv))]
+    B, tile = min(ATTENTION_KEY_BLOCK, S), min(ATTENTION_TILE_ROWS, T)
+    rooms = [np.empty(2 * B * hd + g * tile * (B + 2 * hd), np.float32) for _ in range(attention_workers(Hkv))]
     start = 0 if sliding_window is None else max(0, pos0 - sliding_window + 1)
+    window = sliding_window or 0
     for b0 in range(start - start % ATTENTION_KEY_BLOCK, S, ATTENTION_KEY_BLOCK):
         b1 = min(b0 + ATTENTION_KEY_BLOCK, S)
-        K, V = (b if b.dtype == np.float32 else widened(b) for b in kv.rows(slot, b0, b1))     # [b1 - b0, Hkv, hd]
+        K, V = kv.rows(slot, b0, b1)                                          # [b1 - b0, Hkv, hd]
 
         def heads(first_head: int, room: np.ndarray) -> None:
-            """The block's scores for KV heads first_head, first_head + len(rooms), ... (each head's rows its own)."""
-            for t0 in range(0, T, ATTENTION_TILE_ROWS):
-                rows = min(ATTENTION_TILE_ROWS, T - t0)
-                first, last = pos0 + t0, pos0 + t0 + rows - 1                 # the tile's positions
-                e = min(b1, last + 1)                                          # keys past `last` no row sees
-                if e <= b0 or (sliding_window is not None and b1 <= first - sliding_window + 1):
-                    continue
-                n = e - b0
-                # without a sliding window every row sees the keys up to the tile's first position: a mask only
-                # where the block reaches past it (adding 0 elsewhere changed no score)
-                mask = None if sliding_window is None and e <= first + 1 else \
-                    attention_mask(first, rows, sliding_window, b0)[:, :n]
-                for h in range(first_head, Hkv, len(rooms)):
-                    qt = np.ascontiguousarray(q[t0:t0 + rows, h * g:(h + 1) * g].transpose(1, 0, 2)).reshape(
-                        g * rows, hd)
-                    scores = np.matmul(qt, K[:n, h].T, out=room[:g * rows * n].reshape(g * rows, n)).reshape(
-                        g, rows, n)
-                    scores *= scale
-                    if mask is not None:
-                        scores += mask
-                    tile = slice(t0, t0 + rows)
-                    m_old = m[h, :, tile]
-                    m_new = np.maximum(m_old, scores.max(axis=-1))
-                    safe = np.where(m_new == -np.inf, np.float32(0), m_new)  # a row that sees nothing yet keeps 0s
-                    scores -= safe[:, :, None]
-                    np.exp(scores, out=scores)
-                    alpha = np.exp(m_old - safe)
-                    total[h, :, tile] = total[h, :, tile] * alpha + scores.sum(axis=-1)
-                    acc[h, :, tile] = acc[h, :, tile] * alpha[:, :, None] + (scores.reshape(g * rows, n) @ V[:n, h]
-                                                                             ).reshape(g, rows, hd)
-                    m[h, :, tile] = m_new
+            """The block for KV heads first_head, first_head + len(rooms), ... (each head's rows its own)."""
+            nk = b1 - b0
+            Kh, Vh = room[:nk * hd].reshape(nk, hd), room[nk * hd:2 * nk * hd].reshape(nk, hd)
+            rest = room[2 * nk * hd:]
+            for c in range(first_head, Hkv, len(rooms)):
+                head_rows(K, c, Kh)
+                head_rows(V, c, Vh)
+                for t0 in range(0, T, ATTENTION_TILE_ROWS):
+                    rows = min(ATTENTION_TILE_ROWS, T - t0)
+                    first, last = pos0 + t0, pos0 + t0 + rows - 1                 # the tile's positions
+                    e = min(b1, last + 1)                                          # keys past `last` no row sees
+                    if e <= b0 or (sliding_window is not None and b1 <= first - sliding_window + 1):
+                        continue
+                    n, M = e - b0, g * rows
+                    qt = np.ascontiguousarray(q[t0:t0 + rows, c * g:(c + 1) * g].transpose(1, 0, 2)).reshape(M, hd)
+                    P = np.matmul(qt, Kh[:n].T, out=rest[:M * n].reshape(M, n))
+                    softmax_tile(P, c, t0, rows, pos0, b0, window, scale, m, total, acc)
+                    add_tile(np.matmul(P, Vh[:n], out=rest[M * n:M * (n + hd)].reshape(M, hd)), c, t0, rows, acc)
         if len(rooms) == 1:
             heads(0, rooms[0])
-        else:   # numpy lets go of the GIL in each product and ufunc: the KV heads' work on as many cores
+        else:   # numpy and the kernels let go of the GIL: the KV heads' work on as many cores
             list(_attention_pool(len(rooms)).map(heads, range(len(rooms)), rooms))
     acc /= total[..., None]
     return acc.reshape(H, T, hd).transpose(1, 0, 2)
@@ -324,13 +313,6 @@ def row_views(m, counts: list[int]) -> list:
     if isinstance(m, QuantMatrix):
         return [QuantMatrix(q, m.kind, m.cols) for q in np.split(m.q, cuts)]
     return np.split(m, cuts)
-
-
-def widened(bits: np.ndarray) -> np.ndarray:
-    """float16 bits [S, Hkv, hd] -> float32, by the Numba F16C loop (numpy's astype is ~10x slower)."""
-    out = np.empty(bits.shape, np.float32)
-    widen_rows(bits.reshape(bits.shape[0], -1), 0, out.reshape(bits.shape[0], -1))
-    return out
 
 
 def attention_mask(pos0: int, T: int, sliding_window: int | None, first: int = 0) -> np.ndarray:

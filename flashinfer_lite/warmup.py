@@ -24,7 +24,7 @@ from storage._watch import watcher
 from .ffn.experts import expert_ffn, stacks
 from .ffn.quant import DENSE_ROW_KERNEL_MAX_T, sparse_ffn
 from .ffn.flash import SplitKernels, SplitRows
-from .kernels.attention import rotate_rows
+from .kernels.attention import add_tile, head_rows, rotate_rows, softmax_tile
 from .kv_pages import KVCache, KVOptions
 from .kernels.gemv import MATMUL_ROW_KERNEL_MAX_T, matmul_t
 from .kernels.norm import add_rms_norm_rows, rms_norm_rows
@@ -176,6 +176,12 @@ def resident_steps(layout) -> list:
                 cos = np.zeros((2, 1, half), np.float32)[:1, 0]
                 cache.attend(0, qkv.copy(), qkv.copy(), qkv.copy(), cos, cos, 0, 0, np.float32(1.0),
                              np.empty_like(qkv))
+            K, V = cache.rows(0, 0, 1)         # a prompt's (model.prompt_attention)
+            acc, rows = np.zeros((1, 1, 1, 32), np.float32), np.zeros((1, 32), np.float32)
+            head_rows(K, 0, rows)
+            softmax_tile(np.zeros((1, 1), np.float32), 0, 0, 1, 0, 0, 0, np.float32(1.0),
+                         np.zeros((1, 1, 1), np.float32), np.zeros((1, 1, 1), np.float32), acc)
+            add_tile(rows, 0, 0, 1, acc)
 
     def half_matrices():
         w16 = np.zeros((2, d), np.float16)
