@@ -20,6 +20,7 @@ import numpy as np
 
 from storage.errors import UserError
 from . import model as model_math      # model.py calls pruned_prefill: its names are read when called, not imported
+from .kernels.gemv import widen_rows
 from .kv_pages import KVCache
 
 # (where a stage starts, as a share of the layers; the share of RATIO pruned from then on): a third of RATIO's tokens
@@ -55,7 +56,10 @@ def last_token_weights(model, layer: int, x_last: np.ndarray, kv: KVCache, slot0
         q = model_math.apply_rope(q, *rope_last)
     S = slot0 + n
     keys, _ = kv.rows(attn.slot, 0, S)                                                   # [S, Hkv, hd]
-    keys = keys if keys.dtype == np.float32 else model_math.widened(keys)
+    if keys.dtype != np.float32:        # float16 bits [S, Hkv, hd], widened by the F16C loop
+        wide = np.empty(keys.shape, np.float32)
+        widen_rows(keys.reshape(S, -1), 0, wide.reshape(S, -1))
+        keys = wide
     g = cfg.n_heads // cfg.n_kv_heads
     scores = np.einsum("hd,shd->hs", q[0].astype(np.float64), np.repeat(keys, g, axis=1).astype(np.float64))
     scores *= float(attn.scale)
