@@ -200,20 +200,26 @@ def resident_steps(layout) -> list:
             matmul_t(np.zeros((T, d), np.float32), w16, parallel_min_work=0)
         matmul_t(np.zeros((1, d), np.float32), w16)
 
-    def block_matrices():
-        wq = zero_q8_0((2, d))
-        for T in (1, MATMUL_ROW_KERNEL_MAX_T + 1):
-            quant_matmul_t(np.zeros((T, d), np.float32), wq, "q8_0", parallel_min_work=0)
-        for T in (1, DOT8_ROWS + 1):          # a prompt's tiles (blocks.quant_tile) serial, and a decode GEMV
-            quant_matmul_t(np.zeros((T, d), np.float32), wq, "q8_0", parallel_min_work=1 << 62)
-        QuantMatrix.of(("q8_0", wq))[np.zeros(1, np.int64)]
+    def block_matrices(T: int, parallel: bool):
+        """A step per kernel of blocks.quant_matmul_t (its kernels hold every kind's loops: the four in one child
+        took it to 457 MB), T rows: a decode GEMV (1), a prompt's tiles (more; blocks.quant_tile), in parallel or
+        serial; the embedding lookup with the serial GEMV."""
+        def step():
+            wq = zero_q8_0((2, d))
+            quant_matmul_t(np.zeros((T, d), np.float32), wq, "q8_0", parallel_min_work=0 if parallel else 1 << 62)
+            if T == 1 and not parallel:
+                QuantMatrix.of(("q8_0", wq))[np.zeros(1, np.int64)]
+        step.__name__ = f"block_matrices ({T} row{'s' if T > 1 else ''}, {'parallel' if parallel else 'serial'})"
+        return step
 
     def ring_watcher():         # the io_uring Ring's watcher, compiled by a run's first io_uring reader: here
         watcher()               # for a mixture of experts too, whose warm-up opens no reader
 
     # float32 resident matrices stay float32 (runtime.load_runtime): BLAS, no kernel
-    return [attention, *([half_matrices] if layout.dtype != "f32" else []),
-            *([block_matrices] if layout.quantized else []), *([ring_watcher] if sys.platform == "linux" else [])]
+    blocks = [block_matrices(T, parallel) for T, parallel in
+              ((1, True), (MATMUL_ROW_KERNEL_MAX_T + 1, True), (1, False), (DOT8_ROWS + 1, False))]
+    return [attention, *([half_matrices] if layout.dtype != "f32" else []), *(blocks if layout.quantized else []),
+            *([ring_watcher] if sys.platform == "linux" else [])]
 
 
 def expert_steps(layout) -> list:
