@@ -419,11 +419,12 @@ def remember(layout, figures: dict) -> None:
     write_best_effort(compiled_stamp(layout), json.dumps(record))
 
 
-# The most one compile child's RSS reached (Numba 0.6x, Linux x86-64; about 105 MiB of it the libraries imported):
-# SmolLM2's q4_1 FLASHDIR, the exact gate's coefficients of a prompt's rows 367 MB, its down sum of one row in
-# integers 343 (Qwen2.5-0.5B's q5_0: the blocks' matrices 277 MiB): what a memory cgroup must leave beside the process
-# on a first use
-COMPILE_CHILD_BYTES = 370 << 20
+# The most one compile child's RSS reached (Numba 0.6x, Linux x86-64; about 105 MiB of it the libraries imported,
+# 170 once Numba compiled a first parallel kernel), each step alone with an empty cache: the resident blocks' prompt
+# tiles in parallel (blocks.quant_tiles_kernel, every kind's loops) 312 MiB; the dense FFN's prompt path 280, the
+# exact gate's down sum 267 and coefficients 252 (SmolLM2's q4_1 FLASHDIR; Qwen2.5-0.5B's q5_0 within a few MiB of
+# them): what a memory cgroup must leave beside the process on a first use
+COMPILE_CHILD_BYTES = 315 << 20
 
 
 def compile_in_child(layout) -> None:
