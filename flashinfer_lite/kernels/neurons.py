@@ -588,7 +588,7 @@ def quant_gate_coefficients(H, Hf, X, xa, coef, rb, up_at, up_rb, kind, up_kind,
 # (literals), so each dot product or column run it calls holds those kinds' loops alone (blocks._emitted), not every
 # kind's behind a branch. The same operations, so the same bits; a compile child's memory grows with the code it
 # compiles: with every kind's, a first use's took more than a 300 MiB memory cgroup leaves beside the run
-# (SmolLM2's q4_1 FLASHDIR: the gate's coefficients 368 MB, one kernel of them 258 with its kinds alone).
+# (SmolLM2's q4_1 FLASHDIR: the gate's coefficients step 359 MiB, one kernel of them with its kinds alone 252).
 @functools.cache
 def gate_coefficients_for(kind: int, up_kind: int):
     """quant_gate_coefficients for gate rows in `kind` and up rows in up_kind (its arguments less the two kinds)."""
