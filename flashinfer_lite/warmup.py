@@ -106,45 +106,62 @@ def compile_steps(layout, kernels=None) -> list:
         B, rows = bundles()
         sparse_ffn(layout, max_active=k, down_scales=scales)(B, rows, x, np.zeros_like(x))
 
-    def dense():                # ffn.resident.ResidentFFN: decode rows and a prompt's widened blocks
-        if kind:                # down columns: the GGUF's matrices through ffn.dense.FeedForward (one kernel, any kind)
-            m = lambda shape: QuantMatrix.of(("q8_0", zero_q8_0(shape)))  # noqa: E731
-            w = {"gate.weight": m((BLOCK, layout.d)), "up.weight": m((BLOCK, layout.d)),
-                 "down.weight": m((layout.d, BLOCK))}
-            ffn = FeedForward(ModelConfig.from_dict(layout.config), w, 0, prefix="")
-            for T in (1, DENSE_ROW_KERNEL_MAX_T + 1):
-                ffn(np.zeros((T, layout.d), np.float32))
-            return
-        B, _ = bundles()
-        kernel = sparse_ffn(layout, max_active=k, down_scales=scales)
-        layer = kernel.dense_layer(B)
-        for T in (1, DENSE_ROW_KERNEL_MAX_T + 1):
-            kernel.dense(layer, np.zeros((T, layout.d), np.float32), np.zeros((T, layout.d), np.float32))
-
-    def gate(T: int, sums: bool):
-        """ffn.flash.ExactGate's coefficients over gate|up rows, or its down sum over down rows, for T rows (1: a
-        decoded token; 2: a prompt's, other kernels): four steps, as each is a large kernel to compile (in one child
-        the four took the child to 337 MiB on Qwen2.5-0.5B's q5_0 FLASHDIR, alone at most 262)."""
+    def dense(T: int):          # ffn.resident.ResidentFFN: decode rows (T = 1) or a prompt's widened blocks
         def step():
-            gu, dn = layout.parts["gate_up"], layout.parts["down"]
-            rows = SplitRows(gu.geometry_of(0), dn.geometry_of(0), layout.config.get("act", "silu"),
-                             layout.config.get("relu_threshold"), scales and scales[0], gu.quantized)  # layer 0's
-            X, coef = np.zeros((T, layout.d), np.float32), np.zeros((T, k + 1), np.float32)
-            if sums:
-                Y = np.zeros_like(X)
-                rows.begin(np.zeros((T, dn.n_neurons[0]), np.float32))     # down columns: the integer sums
-                rows.accumulate(aligned_empty((k, dn.stride), np.uint8), np.arange(k, dtype=np.int32),
-                                np.ascontiguousarray(coef[:, :k]), Y)
-                rows.finish(Y)
+            if kind:            # down columns: the GGUF's matrices through ffn.dense.FeedForward (one kernel, any kind)
+                m = lambda shape: QuantMatrix.of(("q8_0", zero_q8_0(shape)))  # noqa: E731
+                w = {"gate.weight": m((BLOCK, layout.d)), "up.weight": m((BLOCK, layout.d)),
+                     "down.weight": m((layout.d, BLOCK))}
+                FeedForward(ModelConfig.from_dict(layout.config), w, 0, prefix="")(np.zeros((T, layout.d), np.float32))
                 return
-            # a streamed layer's last chunk fills a slice of the coefficients (FlashFFN.coefficients): its own type
-            rows.coefficients(np.zeros((k, gu.stride), np.uint8), X, coef[:, :k], 0.0)
-            rows.coefficients(np.zeros((k, gu.stride), np.uint8), X, np.ascontiguousarray(coef[:, :k]), 0.0)
-        step.__name__ = f"gate ({'down sums' if sums else 'coefficients'}, {T} row{'s' if T > 1 else ''})"
+            B, _ = bundles()
+            kernel = sparse_ffn(layout, max_active=k, down_scales=scales)
+            X = np.zeros((T, layout.d), np.float32)
+            kernel.dense(kernel.dense_layer(B), X, np.zeros_like(X))
+        step.__name__ = f"dense ({T} row{'s' if T > 1 else ''})"
         return step
 
-    have = {"neuron_cache": [neuron_cache], "sparse": [sparse], **({"dense": [dense]} if layout.quantized else {}),
-            **({"gate": [gate(T, sums) for T in (1, 2) for sums in (False, True)]} if layout.parts else {})}
+    def gate(layer: int, what: str):
+        """ffn.flash.ExactGate's kernels for the block kinds of layer `layer` (a kernel per kind: kernels.neurons
+        .gate_coefficients_for, gate_down_for): its coefficients over gate|up rows into a whole array, or into a slice
+        of one (a streamed layer's last chunk fills one: FlashFFN.coefficients; its own type), or its down sum over
+        down rows (of a prompt's rows, and of a decoded token's where those take other kernels: down rows, not
+        columns). A step per kernel: each is a large one to compile, and a child's memory grows with what it
+        compiles (two in one child took SmolLM2's q4_1 FLASHDIR to 367 MB)."""
+        def step():
+            gu, dn = layout.parts["gate_up"], layout.parts["down"]
+            column = layout.down_column(layer)
+            tables = columns.zero_tables(column, layout.d, layout.n_neurons[layer]) if column else None
+            rows = SplitRows(gu.geometry_of(layer), dn.geometry_of(layer), layout.config.get("act", "silu"),
+                             layout.config.get("relu_threshold"), tables, gu.quantized)
+            H = np.zeros((k, gu.stride), np.uint8)
+            for T in (2, 1) if what == "down sums" and not column else (2,):
+                X, coef = np.zeros((T, layout.d), np.float32), np.zeros((T, k + 1), np.float32)
+                if what == "down sums":
+                    Y = np.zeros_like(X)
+                    rows.begin(np.zeros((T, dn.n_neurons[layer]), np.float32))     # down columns: integer sums
+                    rows.accumulate(aligned_empty((k, dn.stride), np.uint8), np.arange(k, dtype=np.int32),
+                                    np.ascontiguousarray(coef[:, :k]), Y)
+                    rows.finish(Y)
+                else:
+                    rows.coefficients(H, X, coef[:, :k] if what == "coefficients of a chunk" else
+                                      np.ascontiguousarray(coef[:, :k]), 0.0)
+        step.__name__ = f"gate ({what}, layer {layer}'s kinds)"
+        return step
+
+    def gate_steps() -> list:
+        """gate's steps, for the first layer of each distinct block kinds (a Q4_K_M GGUF's layers mix them)."""
+        gu, dn = layout.parts["gate_up"], layout.parts["down"]
+        heads, downs = {}, {}
+        for i in range(layout.n_layers):
+            heads.setdefault(gu.dtypes_of(i), i)
+            downs.setdefault(dn.dtypes_of(i), i)
+        return [*(gate(i, what) for i in heads.values() for what in ("coefficients", "coefficients of a chunk")),
+                *(gate(i, "down sums") for i in downs.values())]
+
+    have = {"neuron_cache": [neuron_cache], "sparse": [sparse],
+            **({"dense": [dense(T) for T in (1, DENSE_ROW_KERNEL_MAX_T + 1)]} if layout.quantized else {}),
+            **({"gate": gate_steps()} if layout.parts else {})}
     return [*(s for n in FFN_STEPS if n in have and (kernels is None or n in kernels) for s in have[n]),
             *resident_steps(layout)]
 
@@ -189,20 +206,26 @@ def resident_steps(layout) -> list:
             matmul_t(np.zeros((T, d), np.float32), w16, parallel_min_work=0)
         matmul_t(np.zeros((1, d), np.float32), w16)
 
-    def block_matrices():
-        wq = zero_q8_0((2, d))
-        for T in (1, MATMUL_ROW_KERNEL_MAX_T + 1):
-            quant_matmul_t(np.zeros((T, d), np.float32), wq, "q8_0", parallel_min_work=0)
-        for T in (1, DOT8_ROWS + 1):          # a prompt's tiles (blocks.quant_tile) serial, and a decode GEMV
-            quant_matmul_t(np.zeros((T, d), np.float32), wq, "q8_0", parallel_min_work=1 << 62)
-        QuantMatrix.of(("q8_0", wq))[np.zeros(1, np.int64)]
+    def block_matrices(T: int, parallel: bool):
+        """A step per kernel of blocks.quant_matmul_t (its kernels hold every kind's loops: the four in one child
+        took it to 457 MB), T rows: a decode GEMV (1), a prompt's tiles (more; blocks.quant_tile), in parallel or
+        serial; the embedding lookup with the serial GEMV."""
+        def step():
+            wq = zero_q8_0((2, d))
+            quant_matmul_t(np.zeros((T, d), np.float32), wq, "q8_0", parallel_min_work=0 if parallel else 1 << 62)
+            if T == 1 and not parallel:
+                QuantMatrix.of(("q8_0", wq))[np.zeros(1, np.int64)]
+        step.__name__ = f"block_matrices ({T} row{'s' if T > 1 else ''}, {'parallel' if parallel else 'serial'})"
+        return step
 
     def ring_watcher():         # the io_uring Ring's watcher, compiled by a run's first io_uring reader: here
         watcher()               # for a mixture of experts too, whose warm-up opens no reader
 
     # float32 resident matrices stay float32 (runtime.load_runtime): BLAS, no kernel
-    return [attention, *([half_matrices] if layout.dtype != "f32" else []),
-            *([block_matrices] if layout.quantized else []), *([ring_watcher] if sys.platform == "linux" else [])]
+    blocks = [block_matrices(T, parallel) for T, parallel in
+              ((1, True), (MATMUL_ROW_KERNEL_MAX_T + 1, True), (1, False), (DOT8_ROWS + 1, False))]
+    return [attention, *([half_matrices] if layout.dtype != "f32" else []), *(blocks if layout.quantized else []),
+            *([ring_watcher] if sys.platform == "linux" else [])]
 
 
 def expert_steps(layout) -> list:
@@ -402,11 +425,12 @@ def remember(layout, figures: dict) -> None:
     write_best_effort(compiled_stamp(layout), json.dumps(record))
 
 
-# The most one compile child's RSS reached (Numba 0.6x, Linux x86-64; about 105 MiB of it the libraries imported):
-# SmolLM2's q4_1 FLASHDIR, the exact gate's coefficients of a prompt's rows 367 MB, its down sum of one row in
-# integers 343 (Qwen2.5-0.5B's q5_0: the blocks' matrices 277 MiB): what a memory cgroup must leave beside the process
-# on a first use
-COMPILE_CHILD_BYTES = 370 << 20
+# The most one compile child's RSS reached (Numba 0.6x, Linux x86-64; about 105 MiB of it the libraries imported,
+# 170 once Numba compiled a first parallel kernel), each step alone with an empty cache: the resident blocks' prompt
+# tiles in parallel (blocks.quant_tiles_kernel, every kind's loops) 312 MiB; the dense FFN's prompt path 280, the
+# exact gate's down sum 267 and coefficients 252 (SmolLM2's q4_1 FLASHDIR; Qwen2.5-0.5B's q5_0 within a few MiB of
+# them): what a memory cgroup must leave beside the process on a first use
+COMPILE_CHILD_BYTES = 315 << 20
 
 
 def compile_in_child(layout) -> None:

@@ -40,8 +40,8 @@ from storage.reader import BundleReader, FlashStats, RowStream, bundle_reader
 
 from ..kernels.blocks import ACT8, INT8_KINDS, K_KINDS, KINDS, Q6_K, act8_buffers, column_tables, quantize_act_rows
 from ..kernels.neurons import (GATE_DOWN_ROWS, OUT_BLOCK, act_code, down_span, ffn_accumulate, ffn_coefficients,
-                               gate_down_finish, gate_down_ints, quant_ffn_accumulate, quant_ffn_accumulate_rows,
-                               quant_gate_coefficients, threshold_of)
+                               gate_coefficients_for, gate_down_finish, gate_down_for, quant_ffn_accumulate,
+                               quant_ffn_accumulate_rows, threshold_of)
 from ..neuron_cache import NeuronCache, staging_rows
 from ..threads import beside_reads
 from .quant import sparse_ffns
@@ -122,9 +122,9 @@ class SplitRows:
         if self.quantized:
             xa = act8_buffers(*X.shape, self.kind, self.up_kind)
             if all(xa[4 if k in K_KINDS else 0].shape[1] for k in (self.kind, self.up_kind)):  # x's blocks for both
-                quant_gate_coefficients(H, H.view(np.float32), X, xa, coef, self.n, self.up_at, self.up_n, self.kind,
-                                        self.up_kind, self.act, self.threshold, self.s_gate, self.s_up, self.bg,
-                                        self.bu, np.float32(act_threshold))
+                gate_coefficients_for(self.kind, self.up_kind)(
+                    H, H.view(np.float32), X, xa, coef, self.n, self.up_at, self.up_n, self.act, self.threshold,
+                    self.s_gate, self.s_up, self.bg, self.bu, np.float32(act_threshold))
                 return
         ones = np.ones((X.shape[0], n), np.uint8)
         ffn_coefficients(self._view(H, self.gu.dtype), H.view(np.float32), np.arange(n, dtype=np.int32),
@@ -183,9 +183,9 @@ class SplitRows:
         if self._ints is not None:
             KQ, XD, KS, carry, cb_in, cb_out, ACC, fired = self._ints
             k = self.down_kind
-            gate_down_ints(D, D.view(np.float32), slots, coef, KQ, XD, KS, Y, carry, cb_in, cb_out, 0, k.code,
-                           down_span(self.out_block, self.dn.d), self.s_neuron, self.S,
-                           GATE_DOWN_ROWS if Y.shape[0] > 1 else 1, ACC)
+            gate_down_for(k.code)(D, D.view(np.float32), slots, coef, KQ, XD, KS, Y, carry, cb_in, cb_out, 0,
+                                  down_span(self.out_block, self.dn.d), self.s_neuron, self.S,
+                                  GATE_DOWN_ROWS if Y.shape[0] > 1 else 1, ACC)
             self._ints = (KQ, XD, KS, carry, cb_out, cb_in, ACC, fired)      # the blocks carried, for the next piece
             return
         if self.quantized:

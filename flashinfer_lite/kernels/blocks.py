@@ -253,7 +253,8 @@ def _for_runs(context, builder, kind, ptr, n_items, body, c=None):
     cs = None if c is None else _vec(builder, _F32, c)
     lookup = c is not None and HAS_AVX512
     slots = cgutils.alloca_once(builder, _F32, size=16 * K_CHUNK_BLOCKS) if lookup else None
-    for k, (per_block, block_bytes) in _GEOMETRY.items():
+    for k in _emitted(kind, _GEOMETRY):
+        per_block, block_bytes = _GEOMETRY[k]
         subs = per_block // BLOCK
         blocks = builder.sdiv(n_items, ir.Constant(n_items.type, per_block))
         at = lambda b: builder.mul(b, ir.Constant(b.type, block_bytes))  # noqa: E731
@@ -323,11 +324,22 @@ def _rows_ok(*arrays_and_dtypes) -> bool:
 
 
 def _arrays(context, builder, sig, args):
-    return [context.make_array(t)(context, builder, a) if isinstance(t, types.Array) else a
+    """The arguments: arrays as Numba's array structures, and an integer typed as a literal (the kind of a kernel made
+    for one kind: kernels.neurons.gate_coefficients_for) as that constant, whose loop alone _emitted then emits."""
+    return [context.make_array(t)(context, builder, a) if isinstance(t, types.Array) else
+            ir.Constant(a.type, t.literal_value) if isinstance(t, types.IntegerLiteral) else a
             for t, a in zip(sig.args, args)]
 
 
-@intrinsic
+def _emitted(kind, codes):
+    """The kind codes of `codes` whose loops to emit for `kind` (an LLVM value): the one it is when it is a constant
+    (none when it is none of them), else all of them, each behind a branch on `kind` taken at run time. A compiler's
+    memory grows with the code: kernels that emitted every kind's loops in each call took a first use's compile
+    child past a 300 MiB memory cgroup."""
+    return [k for k in codes if k == kind.constant] if isinstance(kind, ir.Constant) else list(codes)
+
+
+@intrinsic(prefer_literal=True)
 def row_dot(typingctx, r, x, kind):
     """dequant(r) . x, for x float32[cols] and r a quantized row of cols weights (uint8, whole blocks)."""
     if not _rows_ok(r, types.uint8, x, types.float32):
@@ -341,7 +353,7 @@ def row_dot(typingctx, r, x, kind):
     return types.float32(r, x, kind), codegen
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def row_dequant(typingctx, r, out, kind):
     """out[:] = dequant(r), out float32[cols], bit-identical to gguf.quants.dequantize."""
     if not _rows_ok(r, types.uint8, out, types.float32):
@@ -355,7 +367,7 @@ def row_dequant(typingctx, r, out, kind):
     return types.none(r, out, kind), codegen
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def row_axpy(typingctx, y, c, r, kind):
     """y[:] += c * dequant(r), y float32[cols]; strict float32 (no contraction), so every call site rounds alike."""
     if not _rows_ok(r, types.uint8, y, types.float32):
@@ -688,7 +700,7 @@ def _dot8_rows(context, builder, r, xq, xd, xs, xl, kind, n, rows):
                 m = builder.fmul(wm, builder.load(builder.gep(xs.data, [builder.add(d0, b)])), flags=_KEEP)
                 builder.store(builder.fadd(builder.load(mins[i][h]), m, flags=_KEEP), mins[i][h])
 
-    for k in INT8_KINDS:
+    for k in _emitted(kind, INT8_KINDS):
         with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
             groups = builder.sdiv(n_blocks, c(GROUP))
             with cgutils.for_range(builder, groups) as loop:
@@ -713,7 +725,7 @@ def _dot8_rows(context, builder, r, xq, xd, xs, xl, kind, n, rows):
     return [builder.load(v) for v in result]
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def row_dot8(typingctx, r, xq, xd, xs, xl, kind):
     """r . x for a quantized row r of a kind in INT8_KINDS and x as 8-bit blocks (quantize_act's xq, xd, xs, xl):
     per block the exact integer dot product (one int32), times (weight scale * x scale), summed block after block in
@@ -732,7 +744,7 @@ def row_dot8(typingctx, r, xq, xd, xs, xl, kind):
 DOT8_ROWS = 8     # twice the 4 it was: a prompt's tiles 1.2-1.4x faster (q4_k, q6_k), 12 or 16 were slower
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def rows_dot8(typingctx, r, xq, xd, xs, xl, n, t0, out, kind):
     """out[i] = row_dot8 of r with row t0 + i of x, for i < DOT8_ROWS, bit for bit: x's 8-bit blocks as quantize_act
     fills them row after row (xq, xd, xs, xl: act8_buffers' parts of T rows, flattened; n: x's values per row)."""
@@ -910,7 +922,7 @@ def _dot8k_rows(context, builder, r, kq, kd, kb, kind, n, rows):
     pick = lambda p, lanes: builder.shuffle_vector(p, p, ir.Constant(ir.VectorType(_I32, len(lanes)), lanes))  # noqa
     at = [(builder.mul(t, n), builder.mul(t, n_blocks), builder.mul(t, builder.mul(n_blocks, c(SUPER // 16))))
           for t in rows]                                                  # each row's start in kq, kd and kb
-    for k in K_KINDS:
+    for k in _emitted(kind, K_KINDS):
         with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
             with cgutils.for_range(builder, n_blocks) as loop:
                 b = loop.index
@@ -1007,7 +1019,7 @@ def _dot8k_rows(context, builder, r, kq, kd, kb, kind, n, rows):
     return [builder.fsub(a, m, flags=_KEEP) for a, m in zip(accs, mins)]
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def row_dot8k(typingctx, r, kq, kd, kb, kind):
     """r . x for a K-quant row r (q4_k, q5_k, q6_k) and x as q8_K blocks (quantize_act_k's kq, kd, kb): per block of
     256 the exact integer sum over its sub-blocks of scale * (the sub-block's products), one int32, times (d * x's
@@ -1025,7 +1037,7 @@ def row_dot8k(typingctx, r, kq, kd, kb, kind):
     return types.float32(r, kq, kd, kb, kind), codegen
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def rows_dot8k(typingctx, r, kq, kd, kb, n, t0, out, kind):
     """out[i] = row_dot8k of r with row t0 + i of x, for i < DOT8_ROWS, bit for bit (rows_dot8's counterpart: kq, kd,
     kb act8_buffers' q8_K parts of T rows, flattened; n: x's values per row)."""
@@ -1073,7 +1085,7 @@ def _lane_writer(builder, lane):
     return (lambda v: ir.Constant(_I64, v)), put
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def k_unpack(typingctx, r, W, SC, MN, WF, lane, kind):
     """Weight row r (a K-quant row) into lane `lane` of the tile buffers (k_tile_buffers: W codes, SC scales, MN the
     multipliers of x's group sums, WF d and dmin): _k_values, _k_scales and the float16 fields, the same numbers
@@ -1085,7 +1097,7 @@ def k_unpack(typingctx, r, W, SC, MN, WF, lane, kind):
         r, W, SC, MN, WF, lane, kind = _arrays(context, builder, sig, args)
         c, put = _lane_writer(builder, lane)
         v8 = ir.VectorType(_I32, LANES)
-        for k in K_KINDS:
+        for k in _emitted(kind, K_KINDS):
             with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
                 n_blocks = builder.udiv(r.nitems, c(_GEOMETRY[k][1]))
                 with cgutils.for_range(builder, n_blocks) as loop:
@@ -1117,7 +1129,7 @@ def k_unpack(typingctx, r, W, SC, MN, WF, lane, kind):
     return types.none(r, W, SC, MN, WF, lane, kind), codegen
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def k_tile_dot(typingctx, W, SC, MN, WF, kq, kd, kb, n, t0, out, kind):
     """out[16i + j] = row_dot8k of the tile's weight row j (k_unpack'd) with row t0 + i of x, i < K_TILE_X, bit for
     bit (kq, kd, kb: act8_buffers' q8_K parts of T rows, flattened; n: x's values per row)."""
@@ -1143,7 +1155,7 @@ def k_tile_dot(typingctx, W, SC, MN, WF, kq, kd, kb, n, t0, out, kind):
         rows = [builder.add(t0, c(i)) for i in range(K_TILE_X)]
         accs = [cgutils.alloca_once_value(builder, zf) for _ in rows]
         mins = [cgutils.alloca_once_value(builder, zf) for _ in rows]
-        for k in K_KINDS:
+        for k in _emitted(kind, K_KINDS):
             run = 4 if k == Q6_K else LANES        # runs of 4 weights under one scale
             with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
                 with cgutils.for_range(builder, n_blocks) as loop:
@@ -1205,7 +1217,7 @@ def q_tile_buffers(d):
     return np.zeros(nb * _Q_TILE_CODES, np.int32), np.zeros(nb * 2 * TILE_LANES, np.float32)
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def q_unpack(typingctx, r, W, WF, lane, kind):
     """Weight row r (a kind in INT8_KINDS) into lane `lane` of the tile buffers (q_tile_buffers: W the values, WF d
     and m): the numbers row_dot8 reads."""
@@ -1216,7 +1228,7 @@ def q_unpack(typingctx, r, W, WF, lane, kind):
         r, W, WF, lane, kind = _arrays(context, builder, sig, args)
         c, put = _lane_writer(builder, lane)
         v8 = ir.VectorType(_I32, LANES)
-        for k in INT8_KINDS:
+        for k in _emitted(kind, INT8_KINDS):
             with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
                 with cgutils.for_range(builder, builder.udiv(r.nitems, c(_GEOMETRY[k][1]))) as loop:
                     b = loop.index
@@ -1236,7 +1248,7 @@ def q_unpack(typingctx, r, W, WF, lane, kind):
     return types.none(r, W, WF, lane, kind), codegen
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def q_tile_dot(typingctx, W, WF, xq, xd, xs, xl, n, t0, out, kind):
     """out[16i + j] = row_dot8 of the tile's weight row j (q_unpack'd) with row t0 + i of x, i < K_TILE_X, bit for
     bit (xq, xd, xs, xl: act8_buffers' 32-weight parts of T rows, flattened; n: x's values per row)."""
@@ -1287,7 +1299,7 @@ def q_tile_dot(typingctx, W, WF, xq, xd, xs, xl, n, t0, out, kind):
                     m = builder.fmul(wm, splat(xs, at), flags=_KEEP)
                     builder.store(builder.fadd(builder.load(mins[x][h]), m, flags=_KEEP), mins[x][h])
 
-        for k in INT8_KINDS:
+        for k in _emitted(kind, INT8_KINDS):
             with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k))):
                 with cgutils.for_range(builder, builder.sdiv(n_blocks, c(2))) as loop:
                     block(k, builder.mul(loop.index, c(2)), 0)
@@ -1305,7 +1317,7 @@ def q_tile_dot(typingctx, W, WF, xq, xd, xs, xl, n, t0, out, kind):
     return types.none(W, WF, xq, xd, xs, xl, n, t0, out, kind), codegen
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def act8_dot(typingctx, r, x, a, kind):
     """r . x (float32[n]) by 8-bit blocks a (a 1-D tuple: act8_row, act8_slice) where a holds the blocks kind dots
     with (row_dot8, row_dot8k), else row_dot on x. An intrinsic, not an inlined Numba function: a function's array
@@ -1634,7 +1646,7 @@ def _silu_lanes(builder, v, u):
     return builder.select(builder.fcmp_unordered("!=", a, _splat(_F32, 0.0)), builder.fmul(a, u), a)
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def silu_run(typingctx, g, u):
     """u[:] = the SiLU GLU coefficients of gate products g and up products u (float32, lengths a multiple of 8),
     _silu_lanes 8 at a time, strict float32 / float64 (no fast-math flags)."""
@@ -1775,15 +1787,15 @@ def _col_groups(builder, y, lo, kind, Ar, Mr, SCr, MNr, f16, add):
     of the columns (_col_scales), then y[o:o + 64] = add(code, i0, a, m, y[o:o + 64]) (i0 = lo + o)."""
     lo = builder.sext(lo, _I64) if lo.type.width < 64 else lo
     vp = ir.VectorType(_F32, _COL_GROUP).as_pointer()
-    for k in KINDS.values():
-        with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, k.code))):
+    for code in _emitted(kind, _GEOMETRY):
+        with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, code))):
             n = builder.udiv(y.nitems, ir.Constant(y.nitems.type, _COL_GROUP))
             with cgutils.for_range(builder, n) as loop:
                 o = builder.mul(loop.index, ir.Constant(loop.index.type, _COL_GROUP))
                 i0 = builder.add(lo, o)
-                a, m = _col_scales(builder, k.code, i0, Ar, Mr, SCr, MNr, f16)
+                a, m = _col_scales(builder, code, i0, Ar, Mr, SCr, MNr, f16)
                 dst = builder.bitcast(builder.gep(y.data, [o]), vp)
-                builder.store(add(k.code, i0, a, m, builder.load(dst, align=4)), dst, align=4)
+                builder.store(add(code, i0, a, m, builder.load(dst, align=4)), dst, align=4)
 
 
 def _col_runs(context, builder, y, terms, at, lo, half, kind, Ar, Mr, SCr, MNr, f16):
@@ -1802,7 +1814,7 @@ def _col_runs(context, builder, y, terms, at, lo, half, kind, Ar, Mr, SCr, MNr, 
     _col_groups(builder, y, lo, kind, Ar, Mr, SCr, MNr, f16, add)
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def col_run(typingctx, y, c, Br, at, lo, half, kind, Ar, Mr, SCr, MNr):
     """y[k] += c * (element lo + k of the column at byte `at` of Br), k < len(y) (lo and len(y) multiples of 64;
     half: the column's d / 2, where its high bits begin; Ar, Mr, SCr, MNr: the rows of its scale tables, any row of
@@ -1882,7 +1894,7 @@ def _col_loop(context, builder, y, B, stride, rows, cs, count, at, lo, half, kin
     _col_groups(builder, y, lo, kind, Ar, Mr, SCr, MNr, f16, add)
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def col_loop(typingctx, y, B, rows, cs, count, at, lo, half, kind, Ar, Mr, SCr, MNr):
     """count col_run calls in one pass (columns sharing their scale rows): each element adds its count terms in
     order, the same bits, its scales and sum loaded once for all of them."""
@@ -1939,8 +1951,7 @@ def _col_int_loop(builder, I, B, stride, rows, ks, count, at, lo, half, kind, SC
     c4 = lambda q, c: builder.add(builder.mul(q, ir.Constant(_I64, 4)), ir.Constant(_I64, c))  # noqa: E731
     dpbusd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16i, [v16i] * 3),
                                             "llvm.x86.avx512.vpdpbusd.512")
-    for k in KINDS.values():
-        code = k.code
+    for code in _emitted(kind, _GEOMETRY):
         off = 128 if code == Q8_0 else _COL_OFFSETS.get(code, 0)
         with builder.if_then(builder.icmp_signed("==", kind, ir.Constant(kind.type, code))):
             n = builder.udiv(I.nitems, ir.Constant(I.nitems.type, _COL_GROUP))
@@ -1987,7 +1998,7 @@ def _col_int_loop(builder, I, B, stride, rows, ks, count, at, lo, half, kind, SC
                 builder.store(builder.add(builder.load(dst, align=4), acc), dst, align=4)
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def col_int_run(typingctx, I, B, rows, ks, count, at, lo, half, kind, SCr):
     """I[k] += sc[lo + k] * sum over i < count of ks[i] * (integer value lo + k of column rows[i] of B, at byte
     `at`), k < len(I) (lo and len(I) multiples of 64; half: the columns' d / 2; SCr: the sub-block's row of the sc

@@ -23,6 +23,7 @@ the same y: the sum is bit-identical to one call over the whole set (tests/test_
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -581,6 +582,31 @@ def quant_gate_coefficients(H, Hf, X, xa, coef, rb, up_at, up_rb, kind, up_kind,
                       row_dot8(up, xa[0][t], xa[1][t], xa[2][t], xa[3][t], up_kind))
                 coef[t, j] = coefficient(gt, ut, Hf[j], X, xa, t, True, act, threshold, s_gate, bg, s_up, bu, kind,
                                          up_kind, act_threshold)
+
+
+# A kernel made for the kinds a layout has (a factory per kernel, cached): the kinds reach the kernel as constants
+# (literals), so each dot product or column run it calls holds those kinds' loops alone (blocks._emitted), not every
+# kind's behind a branch. The same operations, so the same bits; a compile child's memory grows with the code it
+# compiles: with every kind's, a first use's took more than a 300 MiB memory cgroup leaves beside the run
+# (SmolLM2's q4_1 FLASHDIR: the gate's coefficients step 359 MiB, one kernel of them with its kinds alone 252).
+@functools.cache
+def gate_coefficients_for(kind: int, up_kind: int):
+    """quant_gate_coefficients for gate rows in `kind` and up rows in up_kind (its arguments less the two kinds)."""
+    @njit(cache=True, nogil=True)
+    def kernel(H, Hf, X, xa, coef, rb, up_at, up_rb, act, threshold, s_gate, s_up, bg, bu, act_threshold):
+        quant_gate_coefficients(H, Hf, X, xa, coef, rb, up_at, up_rb, kind, up_kind, act, threshold, s_gate, s_up,
+                                bg, bu, act_threshold)
+    return kernel
+
+
+@functools.cache
+def gate_down_for(kind: int):
+    """gate_down_ints for down columns in `kind` (its arguments less the kind)."""
+    @njit(cache=True, nogil=True)
+    def kernel(B, F, slots, coef, KQ, XD, KS, Y, carry, cb_in, cb_out, down_at, out_block, s_neuron, S, rows, ACC):
+        gate_down_ints(B, F, slots, coef, KQ, XD, KS, Y, carry, cb_in, cb_out, down_at, kind, out_block, s_neuron, S,
+                       rows, ACC)
+    return kernel
 
 
 # The neuron ranges of a dense decode step: a constant, not the thread count, so -t does not change the bits. Each
