@@ -11,8 +11,6 @@ of alternating rounds less still. A flash FFN's kernels (--ffn gate: ffn.flash.S
 its time is the Python around them (selection, the neuron cache's lookups). Prints one JSON document on stdout (per
 mode the median ms per token, each round's, and the ratio to the first mode) and a table on stderr.
 """
-from __future__ import annotations
-
 import argparse
 import json
 import os

@@ -4,8 +4,6 @@ through the library's loading path (load_model). The other bench modules import 
 
 Standard library and numpy at the top: llama.cpp's worker imports this module and must not load numba and LLVM.
 """
-from __future__ import annotations
-
 import argparse
 import json
 import os
@@ -133,6 +131,14 @@ def trained_flashdir(source, work: Path, dtype: str, corpus: list[Path], tokens:
     acts = collect(source, corpus, tokens, work / "acts", force=True, progress=False, **collect_kw)
     train(acts, flash, progress=False, **train_kw)
     return Path(flash), Path(acts)
+
+
+def compile_kernels(path, budget: int) -> None:
+    """A first use's work before the rows' cgroups: the conversion, and the kernels' compile in children
+    (warmup.compile_in_child) that take more than a small row's cgroup leaves. One token generated, uncapped."""
+    subprocess.run([sys.executable, "-m", "flashinfer_lite", "generate", "-m", str(path), "-p", "a", "-n", "1",
+                    "--dram-budget", f"{-(-budget // 2**20)}M", "-c", "256"],
+                   env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True)
 
 
 def probe_minimum(path, ffn: str, ctx: int, window: int = 5) -> dict:

@@ -4,16 +4,13 @@ WikiText filler) run in a DRAM budget of a -c 2048 run's minimum plus 64 MiB, un
 KV pages beyond the budget's share go to flash. Per row: peak RSS, prompt time, and per decode mode (exact: every page;
 Quest: --quest-share of the pages, at least --quest-min-pages, + the first and the latest) decode ms/token, pages read
 per token and the answers.
-Depths run deepest first, each prompt from the part of the deeper one's the cache holds (up to its own key); both modes
-decode from it (exact, then Quest from the cache cut back to the prompt: KVCache.reset). Also (--dram-row) exact with
-every KV page in DRAM, weights as planned, and (--llama) llama.cpp on the first depth's prompt in the same cgroup.
+Depths run deepest first, each prompt reusing the deeper one's cached part; the modes decode from the cache cut back
+to the prompt (KVCache.reset). --dram-row: exact with every KV page in DRAM; --llama: llama.cpp in the same cgroup.
 
     PYTHONPATH=. python bench/long_context.py -m GGUF [--contexts 2048,4096,8192] [--depths 0.1,0.5,0.9]
         [--prompt-tokens N] [--quest-share 0.25] [--quest-min-pages 40] [--budget-mib N | --budget-ctx 2048]
         [--dram-row] [--llama] [--md FILE]
 """
-from __future__ import annotations
-
 import argparse
 import json
 import time
@@ -230,10 +227,10 @@ def main(argv=None) -> int:
         ap.error("-m GGUF is required")
     work = h.work_dir(a, "long-context-")
     budget = int(a.budget_mib * MIB) if a.budget_mib else minimum_at(a.model, a.budget_ctx) + (64 << 20)
+    h.compile_kernels(a.model, budget)
     doc = {"command": h.command("long_context.py", argv), "machine": h.machine(), "budget_mib": budget / MIB,
            "budget_ctx": None if a.budget_mib else a.budget_ctx, "quest_share": a.quest_share,
-           "quest_min_pages": a.quest_min_pages, "rows": [],
-           "kcache": a.kcache}
+           "quest_min_pages": a.quest_min_pages, "rows": [], "kcache": a.kcache}
     for ctx in map(int, a.contexts.split(",")):
         job = work / f"job-{ctx}.json"
         spec = {"gguf": str(a.model), "ctx": ctx, "budget": budget, "threads": a.threads, "n_gen": a.n_gen,

@@ -16,8 +16,6 @@ with --ffn auto and --dram-budget auto (what the cgroup leaves it: the exact gat
 evicted and read again as it runs.
 Needs llama-cpp-python (the `bench` extra).
 """
-from __future__ import annotations
-
 # Only the standard library and numpy at the top: the llama.cpp worker must not load numba and LLVM into its memory.
 import argparse
 import json
