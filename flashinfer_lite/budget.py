@@ -298,7 +298,7 @@ def plan_budget(config, layout, dram_budget_bytes: int, ctx: int, window: int = 
                + sum(layout.n_neurons) * (MAP_BYTES_PER_NEURON + layout.bundle_of[0].itemsize)
                + n_layers * MATRIX_SLACK_BYTES
                + stream_transient_bytes(layout, stream_chunk_bytes, stream_depth)
-               + prefill_transient_bytes(cfg, ctx, gate)
+               + prefill_transient_bytes(cfg, ctx, gate, kv_options)
                + heap_slack_bytes
                + (staging_rows(max_active) * stride if lookahead else 0)
                + read_staging_bytes(layout, n_max, gap_bytes) * (2 if lookahead else 1))
@@ -377,7 +377,8 @@ def plan_resident_ffn(config, layout, dram_budget_bytes: int, ctx: int, resident
     FFN runs from flash)."""
     cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_dict(config)
     n_max = max(layout.n_neurons)
-    buffers = scratch_bytes + 2 * n_max * 4 + prefill_transient_bytes(cfg, ctx) + heap_slack_bytes
+    buffers = (scratch_bytes + 2 * n_max * 4 + prefill_transient_bytes(cfg, ctx, kv_options=kv_options)
+               + heap_slack_bytes)
     ffn = ffn_bytes
     kv = kv_all_bytes(cfg, ctx, contexts, kv_options)       # every weight in DRAM: every KV page too
     need = base_bytes + resident_bytes + kv + buffers + ffn
@@ -613,7 +614,7 @@ def place_head(plan, sizes: HeadSizes, budget_bytes: int) -> BudgetPlan:
     return p
 
 
-def prefill_transient_bytes(cfg: ModelConfig, ctx: int, gate: bool = False) -> int:
+def prefill_transient_bytes(cfg: ModelConfig, ctx: int, gate: bool = False, kv_options=None) -> int:
     """Peak bytes of one prompt chunk's temporaries (model.Transformer.forward runs a prompt PREFILL_CHUNK_ROWS tokens
     at a time), float32 unless said:
       rows       per token: the residual stream and its normed copies, q/k/v and their rotated copies, the attention
@@ -628,6 +629,9 @@ def prefill_transient_bytes(cfg: ModelConfig, ctx: int, gate: bool = False) -> i
                  model.attention_mask) [tile, block] per thread of the KV heads (model.attention_workers), the
                  chunk's running sums and output [rows, H, hd] x 2, the chunk's keys and values encoded for their
                  pages (q8_0's rounding: ~4 float32 copies)
+      pruning    with kv_options.prompt_pruning (pruning.pruned_prefill): every prompt token's hidden state [T, d]
+                 between stages and the kept ones' copy, the last token's attention scores over the prompt (float64
+                 [H, T], x 3), T up to ctx
     SmolLM2 at -c 1024, measured (tracemalloc, a 256-token chunk after 768 cached): the exact gate's chunk peaks at
     7.4 MiB (planned: 13.8), a predicted run's of a 4096-neuron model at 25.4 MiB (planned: 29.8)."""
     U = min(PREFILL_CHUNK_ROWS, ctx)
@@ -640,7 +644,8 @@ def prefill_transient_bytes(cfg: ModelConfig, ctx: int, gate: bool = False) -> i
     workers = min(ATTENTION_HEAD_WORKERS, cfg.n_kv_heads)
     attention = 2 * B * kv * 8 + workers * tile * B * (4 * g + 13) + 2 * U * cfg.n_heads * (cfg.head_dim + 1) * 4 \
         + 2 * U * kv * 16
-    return rows + attention
+    pruning = 2 * ctx * cfg.dim * 4 + 3 * cfg.n_heads * ctx * 8 if kv_options and kv_options.prompt_pruning else 0
+    return rows + attention + pruning
 
 
 def stream_transient_bytes(layout, chunk_bytes: int, depth: int = 1) -> int:
@@ -795,7 +800,7 @@ def plan_experts(cfg: ModelConfig, experts, dram_budget_bytes: int | None, ctx: 
     process base, the resident weights, the KV cache and a prompt chunk's temporaries; None: every expert. pin:
     calibration counts exist, so half the slots hold the most routed experts (at least MIN_EXPERT_SLOTS stay an LRU)."""
     kv = kv_minimum_bytes(cfg, ctx, contexts, kv_options)
-    buffers = prefill_transient_bytes(cfg, ctx) + HEAP_SLACK_BYTES
+    buffers = prefill_transient_bytes(cfg, ctx, kv_options=kv_options) + HEAP_SLACK_BYTES
     if experts.split:     # ffn.experts.gated, k experts at a time: their coefficients [rows, n] (up to a prompt
         # chunk's rows each) and their column reads' staging (packed rows: storage.reader)
         k = cfg.n_experts_used

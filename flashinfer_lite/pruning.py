@@ -54,14 +54,18 @@ def last_token_weights(model, layer: int, x_last: np.ndarray, kv: KVCache, slot0
     q = attn.qkv(model_math.norm(cfg, x_last, block.attn_norm) if cfg.pre_norm else x_last)[0]      # [1, H, hd]
     if rope_last is not None:
         q = model_math.apply_rope(q, *rope_last)
-    S = slot0 + n
-    keys, _ = kv.rows(attn.slot, 0, S)                                                   # [S, Hkv, hd]
-    if keys.dtype != np.float32:        # float16 bits [S, Hkv, hd], widened by the F16C loop
-        wide = np.empty(keys.shape, np.float32)
-        widen_rows(keys.reshape(S, -1), 0, wide.reshape(S, -1))
-        keys = wide
-    g = cfg.n_heads // cfg.n_kv_heads
-    scores = np.einsum("hd,shd->hs", q[0].astype(np.float64), np.repeat(keys, g, axis=1).astype(np.float64))
+    S, Hkv, g = slot0 + n, cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads
+    q64 = q[0].astype(np.float64).reshape(Hkv, g, -1)                                   # [Hkv, g, hd]
+    scores = np.empty((Hkv, g, S))
+    for lo in range(0, S, model_math.ATTENTION_KEY_BLOCK):     # a block of keys at a time, as a prompt's attention
+        hi = min(S, lo + model_math.ATTENTION_KEY_BLOCK)
+        keys, _ = kv.rows(attn.slot, lo, hi)                                             # [hi - lo, Hkv, hd]
+        if keys.dtype != np.float32:        # float16 bits, widened by the F16C loop
+            wide = np.empty(keys.shape, np.float32)
+            widen_rows(keys.reshape(hi - lo, -1), 0, wide.reshape(hi - lo, -1))
+            keys = wide
+        scores[:, :, lo:hi] = np.einsum("kgd,skd->kgs", q64, keys.astype(np.float64))
+    scores = scores.reshape(cfg.n_heads, S)
     scores *= float(attn.scale)
     p = np.exp(scores - scores.max(axis=1, keepdims=True))
     p /= p.sum(axis=1, keepdims=True)

@@ -246,3 +246,28 @@ def test_a_batched_decode_step_after_pruned_prompts_is_each_ones_own(stories):
     got = model.forward_batch([t for _, t in batched], [kv for kv, _ in batched])
     assert np.abs(got - want).max() < 1e-4
     assert all(a.length == b.length and np.array_equal(a.pruned, b.pruned) for (a, _), (b, _) in zip(alone, batched))
+
+
+def test_a_pruned_prompts_temporaries_fit_what_the_plan_counts(stories):
+    """What a pruned prompt allocates beyond the same prompt unpruned (tracemalloc: every token's hidden state between
+    stages, the kept ones' copy, the last token's scores, a block of keys at a time) is within what the plan adds for
+    pruning (budget.prefill_transient_bytes with the KV options)."""
+    import tracemalloc
+    from flashinfer_lite.budget import prefill_transient_bytes
+    model, tok = stories
+    ctx = 1024
+    ids = (tok.encode(STORY) * 20)[:ctx - 8]
+
+    def peak(options: KVOptions) -> int:
+        kv = KVCache(model.cfg, ctx, options=options)       # the cache before: the plan counts it apart
+        tracemalloc.start()
+        try:
+            model.forward(ids, kv)
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    options = KVOptions(prompt_pruning=0.5)
+    peak(options)                                           # tables made once, kernels compiled: not a prompt's
+    extra = peak(options) - peak(KVOptions())
+    planned = prefill_transient_bytes(model.cfg, ctx, kv_options=options) - prefill_transient_bytes(model.cfg, ctx)
+    assert 0 < extra <= planned, (extra, planned)
