@@ -52,6 +52,20 @@ def rss_bytes() -> int:
         return int(psutil.Process().memory_info().rss)
 
 
+def room_bytes() -> int:
+    """Bytes a new process may take: the memory cgroup's room (cgroup_room) under a limit, else the machine's
+    available memory (/proc/meminfo's MemAvailable, or psutil's where there is none)."""
+    room = cgroup_room()
+    if room is not None:
+        return room
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, ValueError, StopIteration):
+        import psutil
+        return int(psutil.virtual_memory().available)
+
+
 # The process base's parts as they came (mark_rss): (what, RSS after it). warmup.base_parts reads them.
 RSS_MARKS: list[tuple[str, int]] = []
 

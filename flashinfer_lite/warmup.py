@@ -32,7 +32,7 @@ from .ffn.dense import ExpertBatch, FeedForward, MixtureOfExperts
 from .model import Transformer, load_weights
 from .neuron_cache import NeuronCache
 from .process import (RSS_MARKS, cgroup_room, drop_file_pages, mark_rss, peak_rss_bytes, return_freed_heap,
-                      rss_bytes)
+                      room_bytes, rss_bytes)
 from storage.blocks import row_bytes
 from .kernels.blocks import BLOCK, DOT8_ROWS, QuantMatrix, quant_matmul_t
 from .threads import step_counts
@@ -431,6 +431,9 @@ def remember(layout, figures: dict) -> None:
 # exact gate's down sum 267 and coefficients 252 (SmolLM2's q4_1 FLASHDIR; Qwen2.5-0.5B's q5_0 within a few MiB of
 # them): what a memory cgroup must leave beside the process on a first use
 COMPILE_CHILD_BYTES = 315 << 20
+# One child compiling every step peaks at about 800 MiB (SmolLM2's q4_1 FLASHDIR 765 MiB, Qwen2.5-0.5B's 797, an
+# empty Numba cache); where the room holds twice that, one child does all: each further child starts the libraries again
+ONE_CHILD_ROOM_BYTES = 1600 << 20
 
 
 def compile_in_child(layout) -> None:
@@ -446,9 +449,14 @@ def compile_in_child(layout) -> None:
     if sys.stderr.isatty():     # progress, like the bars: an error stays one line in a log
         print("compiling the kernels once for this installation (Numba; a minute or more) ...", file=sys.stderr)
     n = len(compile_steps(layout))
-    for i in range(n):          # one child per step: each one's peak is the libraries and one step's compiler
-        child = subprocess.Popen([sys.executable, "-m", "flashinfer_lite.warmup", str(layout.flashdir), str(i),
-                                  "stamp" if i == n - 1 else ""], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    if room_bytes() >= ONE_CHILD_ROOM_BYTES:
+        groups = [list(range(n))]       # room for every step's compiler in one child: one start of the libraries
+    else:                               # one child per step: each one's peak is the libraries and one step's compiler
+        groups = [[i] for i in range(n)]
+    for k, steps in enumerate(groups):
+        child = subprocess.Popen([sys.executable, "-m", "flashinfer_lite.warmup", str(layout.flashdir),
+                                  ",".join(map(str, steps)), "stamp" if k == len(groups) - 1 else ""],
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         try:                    # the OOM killer's first choice in a memory cgroup, not the run that started it
             Path(f"/proc/{child.pid}/oom_score_adj").write_text("1000")
         except OSError:
@@ -605,9 +613,9 @@ def dense_warm_up(ckpt) -> None:
 drop_stale_kernels()    # before any kernel of this process loads: every kernel module is imported (above)
 
 
-if __name__ == "__main__":     # compile_in_child's child: python -m flashinfer_lite.warmup FLASHDIR STEP [stamp]
+if __name__ == "__main__":     # compile_in_child's child: python -m flashinfer_lite.warmup FLASHDIR STEP[,STEP...] [stamp]
     _layout = read_layout(sys.argv[1], check_size=False)
-    compile_kernels(_layout, steps=[int(sys.argv[2])])
+    compile_kernels(_layout, steps=[int(i) for i in sys.argv[2].split(",")])
     if sys.argv[3:] == ["stamp"]:
         try:
             compiled_stamp(_layout).touch()

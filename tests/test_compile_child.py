@@ -45,3 +45,30 @@ def test_the_gate_coefficients_step_compiles_in_a_small_child(q4_1_flashdir, tmp
     peak = int(r.stdout.split()[-1]) << 10
     assert peak <= COMPILE_CHILD_BYTES, (names[step], peak >> 20)
     assert peak < STEP_BOUND, (names[step], peak >> 20)
+
+
+@pytest.mark.parametrize("room", [1 << 40, 1 << 30])
+def test_every_step_compiles_in_one_child_only_where_the_room_holds_it(q4_1_flashdir, monkeypatch, room):
+    """compile_in_child starts one child for every step when the room (a cgroup's, else the machine's available
+    memory) holds ONE_CHILD_ROOM_BYTES, else a child per step; the last child leaves the stamp."""
+    from flashinfer_lite import warmup
+    from storage.format import read_layout
+    layout = read_layout(q4_1_flashdir)
+    n, started = len(warmup.compile_steps(layout)), []
+
+    class Child:
+        pid = 0
+
+        def __init__(self, args, **kw):
+            started.append(args[3:])
+
+        def wait(self):
+            return 0
+    monkeypatch.setattr(warmup, "room_bytes", lambda: room)
+    monkeypatch.setattr(subprocess, "Popen", Child)
+    warmup.compile_in_child(layout)
+    one = room >= warmup.ONE_CHILD_ROOM_BYTES
+    assert one == (room == 1 << 40)
+    steps = [s[1] for s in started]
+    assert steps == ([",".join(map(str, range(n)))] if one else [str(i) for i in range(n)])
+    assert [s[2] for s in started] == [""] * (len(started) - 1) + ["stamp"]
