@@ -494,9 +494,9 @@ def add_kv_arguments(p) -> None:
     p.add_argument("--cache-type-v", default="f16", choices=CACHE_TYPES,
                    help="KV cache type of the values (default f16)")
     p.add_argument("--kv-pages", default=None, metavar="N|P%",
-                   help="Quest: a decode step's attention reads the N KV pages (or P%% of them, at least 40) whose keys "
-                        "bound its query's scores highest, plus the first and the latest (approximate; default: every "
-                        "page, exact)")
+                   help="Quest: a decode step's attention reads the N KV pages (or P%% of them, at least 40) whose "
+                        "keys bound its query's scores highest, plus the first and the latest (approximate; default: "
+                        "every page, exact)")
     p.add_argument("--kcache", default=None, metavar="W",
                    help="KCache: a decode step scores every KV page's keys, then reads the values only of the pages "
                         "holding a position whose softmax weight reaches W (e.g. 0.001; approximate; default off: "

@@ -613,7 +613,7 @@ def dense_warm_up(ckpt) -> None:
 drop_stale_kernels()    # before any kernel of this process loads: every kernel module is imported (above)
 
 
-if __name__ == "__main__":     # compile_in_child's child: python -m flashinfer_lite.warmup FLASHDIR STEP[,STEP...] [stamp]
+if __name__ == "__main__":     # compile_in_child's child: python -m flashinfer_lite.warmup FLASHDIR STEPS [stamp]
     _layout = read_layout(sys.argv[1], check_size=False)
     compile_kernels(_layout, steps=[int(i) for i in sys.argv[2].split(",")])
     if sys.argv[3:] == ["stamp"]:

@@ -73,7 +73,8 @@ def f16(a: np.ndarray) -> np.ndarray:
 class Reference:
     """A float64 Llama over the checkpoint's tensors, layer by layer over the rows still computed, LazyLLM's selection
     at the documented stages: layers round(L/4), round(L/2), round(3L/4) keep T - round(T x ratio x k/3) tokens
-    (k = 1, 2, 3): the last, and those the last token's attention at the layer before weighs most, averaged over heads."""
+    (k = 1, 2, 3): the last, and those the last token's attention at the layer before weighs most, averaged over
+    heads."""
 
     def __init__(self, path):
         ckpt = open_any(path)
