@@ -47,7 +47,7 @@ from storage.sizes import parse_size
 from . import kv_pages
 from .model import ATTENTION_HEAD_WORKERS, ATTENTION_KEY_BLOCK, ATTENTION_TILE_ROWS, PREFILL_CHUNK_ROWS, ModelConfig
 from .neuron_cache import MAP_BYTES_PER_NEURON, select_hot, staging_rows
-from .process import cgroup_room, rss_bytes
+from .process import room_bytes, rss_bytes
 
 # per window row: neuron_at int32 + ring int32 x window + miss ids/slots int64 x 2 + holes int64
 ROW_OVERHEAD_BYTES = 4 + 16 + 8
@@ -691,12 +691,7 @@ AUTO_MARGIN_FLOOR = 128 << 20
 def auto_budget_bytes() -> int:
     """--dram-budget auto: what this process holds now plus what the machine (and its memory cgroup, if capped) can
     still give, less a margin (AUTO_MARGIN_SHARE, at least AUTO_MARGIN_FLOOR) for everything else."""
-    import psutil
-    room = int(psutil.virtual_memory().available)
-    capped = cgroup_room()
-    if capped is not None:
-        room = min(room, capped)
-    total = room + rss_bytes()
+    total = room_bytes() + rss_bytes()
     return max(0, total - max(AUTO_MARGIN_FLOOR, int(total * AUTO_MARGIN_SHARE)))
 
 

@@ -53,17 +53,16 @@ def rss_bytes() -> int:
 
 
 def room_bytes() -> int:
-    """Bytes a new process may take: the memory cgroup's room (cgroup_room) under a limit, else the machine's
-    available memory (/proc/meminfo's MemAvailable, or psutil's where there is none)."""
-    room = cgroup_room()
-    if room is not None:
-        return room
+    """Bytes this process and its children may still take: the machine's available memory (/proc/meminfo's
+    MemAvailable, as psutil reads it; psutil where there is none), at most the memory cgroup's room (cgroup_room)."""
     try:
         with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
+            room = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
     except (OSError, ValueError, StopIteration):
         import psutil
-        return int(psutil.virtual_memory().available)
+        room = int(psutil.virtual_memory().available)
+    capped = cgroup_room()
+    return room if capped is None else min(room, capped)
 
 
 # The process base's parts as they came (mark_rss): (what, RSS after it). warmup.base_parts reads them.
